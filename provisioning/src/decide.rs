@@ -1,0 +1,372 @@
+//! The decider: a pure function from (observed, desired, now) to the next action per node.
+//!
+//! Nothing here reads a clock, performs I/O or mutates state. Every deadline it
+//! compares against was computed and stored when an observation was folded.
+
+use crate::id::LogicalNodeId;
+use crate::shape::{DesiredState, NodeTemplate, same_template};
+use crate::state::{BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeStage};
+use crate::time::{Timestamp, earliest};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::sync::Arc;
+
+/// The rows of the per-node decision ladder, in priority order (first match wins).
+///
+/// [`LadderRow::InsertSlot`] is not a row of the ladder proper: a desired slot
+/// with no node yet is seen before row 1 and simply inserted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum LadderRow {
+    /// Scale up: a desired slot has no node.
+    InsertSlot = 0,
+    /// 1. Destroyed and undesired: reap.
+    ReapDestroyed = 1,
+    /// 2. Destroyed, still desired, restart due: restart with a fresh attempt and the latest spec.
+    RestartDestroyed = 2,
+    /// 3. Destroyed, restart backoff not due: wait for `restart_at`.
+    AwaitRestartBackoff = 3,
+    /// 4. Active and undesired, drifted or failed: begin deleting.
+    BeginDelete = 4,
+    /// 5. An operation is pending: wait for its result or its deadline.
+    AwaitPendingOperation = 5,
+    /// 6. Deleting with an ambiguous create remembered: re-issue the create so the executor adopts.
+    AdoptAmbiguousCreate = 6,
+    /// 7. Deleting with a live bootstrap session: cancel it.
+    CancelBootstrap = 7,
+    /// 8. Deleting with a live lease: destroy it.
+    DestroyLease = 8,
+    /// 9. Deleting with nothing left to clean: mark destroyed.
+    MarkDestroyed = 9,
+    /// 10. Retry backoff (or probe interval) not due: wait.
+    AwaitRetryBackoff = 10,
+    /// 11. Ready: steady state, nothing to do.
+    SteadyReady = 11,
+    /// 12. No lease: create one.
+    CreateLease = 12,
+    /// 13. A lease but no endpoint: look it up.
+    LookupEndpoint = 13,
+    /// 14. Joined and converged: record convergence.
+    ObserveConvergence = 14,
+    /// 15. Bootstrap running: await stream observations (until the stall deadline).
+    AwaitBootstrap = 15,
+    /// 16. Lease and endpoint but no session: start bootstrap.
+    StartBootstrap = 16,
+}
+
+impl LadderRow {
+    /// All rows, in priority order (InsertSlot first).
+    pub const ALL: [LadderRow; 17] = [
+        Self::InsertSlot,
+        Self::ReapDestroyed,
+        Self::RestartDestroyed,
+        Self::AwaitRestartBackoff,
+        Self::BeginDelete,
+        Self::AwaitPendingOperation,
+        Self::AdoptAmbiguousCreate,
+        Self::CancelBootstrap,
+        Self::DestroyLease,
+        Self::MarkDestroyed,
+        Self::AwaitRetryBackoff,
+        Self::SteadyReady,
+        Self::CreateLease,
+        Self::LookupEndpoint,
+        Self::ObserveConvergence,
+        Self::AwaitBootstrap,
+        Self::StartBootstrap,
+    ];
+
+    /// The row's number in the specification's table (0 for InsertSlot).
+    pub fn number(self) -> u8 {
+        self as u8
+    }
+}
+
+impl fmt::Display for LadderRow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "row {} ({:?})", self.number(), self)
+    }
+}
+
+/// Why an active attempt is being deleted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DeleteReason {
+    /// The slot is no longer desired (scale-down or group removed).
+    Undesired,
+    /// The desired template differs from the one the attempt was created from.
+    SpecDrift,
+    /// The attempt failed.
+    Failed,
+}
+
+/// What the driver should do for one node in this pass.
+#[must_use]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum NodeAction {
+    /// Create the slot with a fresh attempt of `template`.
+    Insert {
+        /// The template of the new attempt.
+        template: Arc<NodeTemplate>,
+    },
+    /// Switch the attempt's intent to Deleting.
+    BeginDelete {
+        /// Why.
+        reason: DeleteReason,
+    },
+    /// Record that cleanup finished.
+    MarkDestroyed,
+    /// Start a fresh attempt of `template` in a destroyed, still desired slot.
+    Restart {
+        /// The template of the new attempt (the latest desired spec).
+        template: Arc<NodeTemplate>,
+    },
+    /// Remove a destroyed, undesired slot.
+    Reap,
+    /// Record convergence: the node becomes ready.
+    ObserveConvergence,
+    /// Dispatch a provider effect (recorded pending first).
+    Dispatch(EffectKind),
+}
+
+impl NodeAction {
+    /// True for driver transitions (state changes with no I/O).
+    pub fn is_transition(&self) -> bool {
+        !matches!(self, Self::Dispatch(_))
+    }
+}
+
+/// The decision for one node: the row that matched, an action if any, and the
+/// instant the node next needs looking at if it is waiting.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeDecision {
+    /// The ladder row that matched.
+    pub row: LadderRow,
+    /// What to do now, if anything.
+    pub action: Option<NodeAction>,
+    /// When a waiting node's deadline falls, if it waits on one.
+    pub wake_at: Option<Timestamp>,
+}
+
+impl NodeDecision {
+    fn act(row: LadderRow, action: NodeAction) -> Self {
+        Self {
+            row,
+            action: Some(action),
+            wake_at: None,
+        }
+    }
+
+    fn wait(row: LadderRow, wake_at: Option<Timestamp>) -> Self {
+        Self {
+            row,
+            action: None,
+            wake_at,
+        }
+    }
+}
+
+/// One planned action.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlannedAction {
+    /// The slot.
+    pub node: LogicalNodeId,
+    /// The row that decided it.
+    pub row: LadderRow,
+    /// What to do.
+    pub action: NodeAction,
+}
+
+/// The output of one decider pass.
+#[must_use]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// At most one action per node, in slot order.
+    pub actions: Vec<PlannedAction>,
+    /// The earliest deadline among nodes that wait on one.
+    pub requeue_at: Option<Timestamp>,
+}
+
+/// Decides the next step for one existing node.
+///
+/// `desired` is the template its slot must run, or `None` when the slot is not
+/// desired. The rows are tried in the specification's priority order.
+///
+/// One refinement of the table: the retry-backoff gate of row 10 also holds
+/// back the cleanup *effects* of rows 6–8, because the failure table requires
+/// failed cancels and destroys to retry after backoff and the row order alone
+/// would retry them at once. [`NodeAction::BeginDelete`] clears the gate, so a
+/// fresh cleanup always starts immediately.
+pub fn reconcile_node(
+    node: &ManagedNode,
+    desired: Option<&Arc<NodeTemplate>>,
+    now: Timestamp,
+) -> NodeDecision {
+    use LadderRow as R;
+    let rec = &node.record;
+
+    if rec.stage == NodeStage::Destroyed {
+        // Row 1.
+        let Some(template) = desired else {
+            return NodeDecision::act(R::ReapDestroyed, NodeAction::Reap);
+        };
+        // Row 2 / row 3.
+        return match rec.restart_at {
+            Some(at) if at > now => NodeDecision::wait(R::AwaitRestartBackoff, Some(at)),
+            _ => NodeDecision::act(
+                R::RestartDestroyed,
+                NodeAction::Restart {
+                    template: template.clone(),
+                },
+            ),
+        };
+    }
+
+    // Row 4.
+    if node.intent == Intent::Active {
+        let reason = match desired {
+            None => Some(DeleteReason::Undesired),
+            Some(t) if !same_template(t, &node.template) => Some(DeleteReason::SpecDrift),
+            Some(_) if rec.stage == NodeStage::Failed => Some(DeleteReason::Failed),
+            Some(_) => None,
+        };
+        if let Some(reason) = reason {
+            return NodeDecision::act(R::BeginDelete, NodeAction::BeginDelete { reason });
+        }
+    }
+
+    // Row 5.
+    if let Some(p) = &node.pending {
+        return NodeDecision::wait(R::AwaitPendingOperation, Some(p.deadline));
+    }
+
+    let backoff = node.retry.next_effect_at.filter(|at| *at > now);
+
+    if node.intent == Intent::Deleting {
+        // Rows 6-8 dispatch effects; each waits out a running backoff first.
+        let effect = if let Some(kind) = rec.ambiguous {
+            Some((R::AdoptAmbiguousCreate, kind))
+        } else if rec.session.is_some() {
+            Some((R::CancelBootstrap, EffectKind::CancelBootstrap))
+        } else if rec.lease.is_some() {
+            Some((R::DestroyLease, EffectKind::DestroyLease))
+        } else {
+            None
+        };
+        return match (effect, backoff) {
+            (Some(_), Some(at)) => NodeDecision::wait(R::AwaitRetryBackoff, Some(at)),
+            (Some((row, kind)), None) => NodeDecision::act(row, NodeAction::Dispatch(kind)),
+            // Row 9.
+            (None, _) => NodeDecision::act(R::MarkDestroyed, NodeAction::MarkDestroyed),
+        };
+    }
+
+    // Row 10.
+    if let Some(at) = backoff {
+        return NodeDecision::wait(R::AwaitRetryBackoff, Some(at));
+    }
+
+    // Row 11.
+    if node.is_ready() {
+        return NodeDecision::wait(R::SteadyReady, None);
+    }
+
+    // Row 12.
+    if rec.lease.is_none() {
+        return NodeDecision::act(
+            R::CreateLease,
+            NodeAction::Dispatch(EffectKind::CreateLease),
+        );
+    }
+
+    // Row 13.
+    if rec.endpoint.is_none() {
+        return NodeDecision::act(
+            R::LookupEndpoint,
+            NodeAction::Dispatch(EffectKind::LookupEndpoint),
+        );
+    }
+
+    // Row 14. A stream that closed cleanly after convergence still counts.
+    if rec.stage == NodeStage::SwactorJoined && rec.bootstrap == Some(BootstrapStage::Converged) {
+        return NodeDecision::act(R::ObserveConvergence, NodeAction::ObserveConvergence);
+    }
+
+    // Row 15.
+    if rec.session.is_some() {
+        return NodeDecision::wait(R::AwaitBootstrap, rec.bootstrap_deadline);
+    }
+
+    // Row 16.
+    NodeDecision::act(
+        R::StartBootstrap,
+        NodeAction::Dispatch(EffectKind::StartBootstrap),
+    )
+}
+
+/// One full pass: decides every node and inserts every missing desired slot.
+///
+/// Walks the observed nodes and the desired groups together in slot order, so
+/// a pass costs one step per node and allocates only for the actions it
+/// returns; a pass over a settled cluster allocates nothing.
+pub fn reconcile(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
+    let mut plan = Plan::default();
+    let mut nodes = state.nodes.iter().peekable();
+    let decide = |plan: &mut Plan, id: &LogicalNodeId, node: &ManagedNode, t| {
+        let d = reconcile_node(node, t, now);
+        plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
+        if let Some(action) = d.action {
+            plan.actions.push(PlannedAction {
+                node: id.clone(),
+                row: d.row,
+                action,
+            });
+        }
+    };
+    let insert = |plan: &mut Plan, g: &crate::shape::DesiredGroup, index: u32| {
+        plan.actions.push(PlannedAction {
+            node: LogicalNodeId::new(g.id.clone(), index),
+            row: LadderRow::InsertSlot,
+            action: NodeAction::Insert {
+                template: g.template.clone(),
+            },
+        });
+    };
+
+    for g in &desired.groups {
+        // Nodes of groups that sort before this one are not desired at all.
+        while let Some((id, node)) = nodes.next_if(|(id, _)| id.group < g.id) {
+            decide(&mut plan, id, node, None);
+        }
+        let mut next_missing = 0u32;
+        while let Some((id, node)) = nodes.next_if(|(id, _)| id.group.same(&g.id)) {
+            for index in next_missing..id.index.min(g.count) {
+                insert(&mut plan, g, index);
+            }
+            next_missing = next_missing.max(id.index.saturating_add(1));
+            let t = (id.index < g.count).then_some(&g.template);
+            decide(&mut plan, id, node, t);
+        }
+        for index in next_missing..g.count {
+            insert(&mut plan, g, index);
+        }
+    }
+    for (id, node) in nodes {
+        decide(&mut plan, id, node, None);
+    }
+    plan
+}
+
+/// True when the cluster is converged on `desired`: every desired slot holds
+/// exactly its desired template, ready and Active with nothing pending, and
+/// no other node exists. (`observed_generation` alone says nothing about readiness.)
+pub fn is_converged(state: &ClusterState, desired: &DesiredState) -> bool {
+    if state.nodes.len() as u64 != desired.node_count() {
+        return false;
+    }
+    state.nodes.iter().all(|(id, node)| {
+        desired
+            .slot(id)
+            .is_some_and(|t| same_template(t, &node.template))
+            && node.is_ready()
+            && node.pending.is_none()
+    })
+}

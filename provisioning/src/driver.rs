@@ -1,0 +1,712 @@
+//! The driver core: the sole writer of [`ClusterState`], sans-IO.
+//!
+//! # Calling order
+//! A host (an actor, a test harness) owns one [`Driver`] and calls it like this:
+//!
+//! 1. Feed inputs as they arrive: [`Driver::update_desired`],
+//!    [`Driver::handle_result`], [`Driver::handle_bootstrap`],
+//!    [`Driver::handle_timeout`] (when the timer from step 3 fires) and
+//!    [`Driver::handle_tick`] (a periodic safety net).
+//! 2. Drain passes: `while let Some(pass) = driver.poll_pass(now)? { ... }`.
+//!    Every [`Dispatch`] in a pass is ALREADY RECORDED AS PENDING. The host
+//!    MUST submit each one to an executor (or report it with
+//!    [`Driver::handle_submit_failed`]) and then MUST call
+//!    [`Driver::finish_pass`]. DO NOT call `poll_pass` again before
+//!    `finish_pass`: that is re-entry and is refused.
+//! 3. Arm ONE timer at [`Driver::poll_timeout`] and go back to step 1.
+//!
+//! # Guarantees
+//! Trigger semantics are those of a single-key work queue: triggers while a
+//! pass is queued collapse into it; a trigger while a pass runs (between
+//! `poll_pass` and `finish_pass`) guarantees exactly one follow-up pass.
+
+use crate::config::{ConfigError, ReconcilerConfig};
+use crate::decide::{NodeAction, Plan, is_converged, reconcile};
+use crate::id::{
+    Generation, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId, ResourceKey,
+    RunId, SessionId,
+};
+use crate::observe::{
+    BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome, OperationResult,
+    fold_bootstrap, fold_bootstrap_stall, fold_deadline, fold_result,
+};
+use crate::shape::{ClusterShape, DesiredState, NodeTemplate, ShapeError};
+use crate::state::{ClusterState, EffectKind, Intent, ManagedNode, NodeStage, PendingOperation};
+use crate::time::{DeadlineOverflow, Timestamp, earliest};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// Why a shape update was refused. The driver's state is unchanged.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum UpdateError {
+    /// The shape itself is invalid.
+    #[error("invalid shape: {0}")]
+    Invalid(#[from] ShapeError),
+    /// The shape is for another run; the run id is fixed for the driver's lifetime.
+    #[error("run_id {given:?} does not match this driver's run {expected:?}")]
+    RunMismatch {
+        /// The driver's run.
+        expected: RunId,
+        /// The shape's run.
+        given: RunId,
+    },
+    /// The generation went backwards.
+    #[error("generation {given} is older than the current generation {current}")]
+    GenerationRegressed {
+        /// The current generation.
+        current: Generation,
+        /// The shape's generation.
+        given: Generation,
+    },
+    /// The content changed but the generation did not.
+    #[error("the shape changed but its generation {generation} did not; raise the generation")]
+    SameGenerationChanged {
+        /// The unchanged generation.
+        generation: Generation,
+    },
+}
+
+/// What an accepted shape update did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DesiredUpdate {
+    /// The shape was identical to the current one; nothing happened.
+    Unchanged(Generation),
+    /// The shape became the desired state.
+    Accepted(Generation),
+}
+
+/// A misuse of the driver or a limit reached while applying an action.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DriverError {
+    /// `poll_pass` was called while a pass was running.
+    #[error("a pass is already running; call finish_pass first")]
+    Reentry,
+    /// `finish_pass` was called with no pass running.
+    #[error("no pass is running")]
+    NotRunning,
+    /// The attempt-id allocator is exhausted.
+    #[error("attempt ids exhausted for {node}")]
+    AttemptIdsExhausted {
+        /// The slot that needed a new attempt.
+        node: LogicalNodeId,
+    },
+    /// The per-attempt operation sequence is exhausted.
+    #[error("operation sequence exhausted for {node}")]
+    OperationSeqExhausted {
+        /// The slot.
+        node: LogicalNodeId,
+    },
+    /// A deadline overflowed the timestamp range.
+    #[error("{node}: {source}")]
+    Deadline {
+        /// The slot.
+        node: LogicalNodeId,
+        /// The overflow.
+        source: DeadlineOverflow,
+    },
+    /// The state lacks an input an effect needs (a bug: the decider never asks for it).
+    #[error("{node}: {kind:?} needs a {missing} the node does not have")]
+    MissingEffectInput {
+        /// The slot.
+        node: LogicalNodeId,
+        /// The effect.
+        kind: EffectKind,
+        /// What is missing.
+        missing: &'static str,
+    },
+}
+
+/// The provider request of one dispatched effect.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum EffectRequest {
+    /// Lease a machine for the key, adopting one that already exists.
+    CreateLease {
+        /// What to lease.
+        template: Arc<NodeTemplate>,
+    },
+    /// Look up the lease's endpoint.
+    LookupEndpoint {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// Start the bootstrap, adopting a running session for the key.
+    StartBootstrap {
+        /// The lease.
+        lease: LeaseId,
+        /// Where to reach the machine.
+        endpoint: NodeEndpoint,
+        /// What to start.
+        template: Arc<NodeTemplate>,
+    },
+    /// Stop the session; already gone is success.
+    CancelBootstrap {
+        /// The session.
+        session: SessionId,
+    },
+    /// Release the lease; already gone is success.
+    DestroyLease {
+        /// The lease.
+        lease: LeaseId,
+    },
+}
+
+impl EffectRequest {
+    /// The effect's kind.
+    pub fn kind(&self) -> EffectKind {
+        match self {
+            Self::CreateLease { .. } => EffectKind::CreateLease,
+            Self::LookupEndpoint { .. } => EffectKind::LookupEndpoint,
+            Self::StartBootstrap { .. } => EffectKind::StartBootstrap,
+            Self::CancelBootstrap { .. } => EffectKind::CancelBootstrap,
+            Self::DestroyLease { .. } => EffectKind::DestroyLease,
+        }
+    }
+}
+
+/// One effect to submit, already recorded as the node's pending operation.
+#[must_use]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Dispatch {
+    /// The operation's identity; executors deduplicate on it.
+    pub op: OperationId,
+    /// Who owns the external resource.
+    pub key: ResourceKey,
+    /// The stored deadline after which the driver folds the operation as ambiguous.
+    pub deadline: Timestamp,
+    /// What to do.
+    pub request: EffectRequest,
+}
+
+/// Counters of one pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PassStats {
+    /// Nodes in the state when the pass began.
+    pub nodes: usize,
+    /// Driver transitions applied.
+    pub transitions: usize,
+    /// Effects dispatched.
+    pub dispatched: usize,
+    /// Actions refused with an error.
+    pub errors: usize,
+}
+
+/// The output of one pass.
+#[must_use = "every dispatch is recorded as pending and MUST be submitted"]
+#[derive(Debug)]
+pub struct Pass {
+    /// The pass's sequence number, from one.
+    pub number: u64,
+    /// Effects to submit, each already recorded as pending.
+    pub dispatches: Vec<Dispatch>,
+    /// Counters.
+    pub stats: PassStats,
+    /// Actions that could not be applied; their nodes are unchanged.
+    pub errors: Vec<DriverError>,
+}
+
+/// Lifetime counters of a driver.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriverStats {
+    /// Passes run.
+    pub passes: u64,
+    /// Effects dispatched.
+    pub dispatched: u64,
+    /// Inputs folded into state.
+    pub folded: u64,
+    /// Inputs discarded as stale, superseded or mismatched.
+    pub discarded: u64,
+    /// Pending operations expired as ambiguous.
+    pub expired: u64,
+    /// Triggers that collapsed into an already queued or dirty pass.
+    pub collapsed_triggers: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Queue {
+    Idle,
+    Queued,
+    Running { dirty: bool },
+}
+
+/// The sole writer of [`ClusterState`]; see the module docs for the calling order.
+#[derive(Debug)]
+pub struct Driver {
+    config: ReconcilerConfig,
+    desired: DesiredState,
+    state: ClusterState,
+    queue: Queue,
+    requeue_at: Option<Timestamp>,
+    stats: DriverStats,
+}
+
+impl Driver {
+    /// A driver for `run_id` with nothing desired yet (generation 0 is the empty shape).
+    ///
+    /// # Errors
+    /// `config` is invalid.
+    pub fn new(run_id: RunId, config: ReconcilerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self {
+            state: ClusterState::new(run_id.clone(), config.first_attempt_id),
+            desired: DesiredState::empty(run_id, Generation(0)),
+            config,
+            queue: Queue::Idle,
+            requeue_at: None,
+            stats: DriverStats::default(),
+        })
+    }
+
+    /// The observed state (read-only: only the driver writes it).
+    pub fn state(&self) -> &ClusterState {
+        &self.state
+    }
+
+    /// The desired state.
+    pub fn desired(&self) -> &DesiredState {
+        &self.desired
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ReconcilerConfig {
+        &self.config
+    }
+
+    /// Lifetime counters.
+    pub fn stats(&self) -> DriverStats {
+        self.stats
+    }
+
+    /// True when the state is converged on the desired shape.
+    pub fn is_converged(&self) -> bool {
+        is_converged(&self.state, &self.desired)
+    }
+
+    /// True when a pass is queued (the host should call `poll_pass`).
+    pub fn is_pass_queued(&self) -> bool {
+        self.queue == Queue::Queued
+    }
+
+    /// Checks a shape against the revision contract without applying it.
+    ///
+    /// # Errors
+    /// As [`Driver::update_desired`].
+    pub fn check_desired(&self, shape: &ClusterShape) -> Result<(DesiredState, bool), UpdateError> {
+        let next = shape.validate()?;
+        if next.run_id != self.state.run_id {
+            return Err(UpdateError::RunMismatch {
+                expected: self.state.run_id.clone(),
+                given: next.run_id,
+            });
+        }
+        let current = self.desired.generation;
+        let same = next.same_content(&self.desired);
+        if next.generation < current {
+            return Err(UpdateError::GenerationRegressed {
+                current,
+                given: next.generation,
+            });
+        }
+        if next.generation == current && !same {
+            return Err(UpdateError::SameGenerationChanged {
+                generation: current,
+            });
+        }
+        let changed = next.generation > current;
+        Ok((next, changed))
+    }
+
+    /// Offers a new desired shape under the revision contract: the run id is
+    /// fixed; a content change needs a higher generation; an identical
+    /// resubmission is a no-op; generations may be skipped.
+    ///
+    /// # Errors
+    /// The shape is invalid or breaks the contract; nothing changes.
+    pub fn update_desired(&mut self, shape: &ClusterShape) -> Result<DesiredUpdate, UpdateError> {
+        let (mut next, changed) = self.check_desired(shape)?;
+        if !changed {
+            return Ok(DesiredUpdate::Unchanged(next.generation));
+        }
+        next.share_templates_with(&self.desired);
+        let generation = next.generation;
+        self.desired = next;
+        self.trigger();
+        Ok(DesiredUpdate::Accepted(generation))
+    }
+
+    /// The actions the next pass would take on the current desired state, without applying them.
+    pub fn plan(&self, now: Timestamp) -> Plan {
+        reconcile(&self.state, &self.desired, now)
+    }
+
+    /// The actions the next pass would take if `shape` were applied, without applying anything.
+    ///
+    /// # Errors
+    /// As [`Driver::update_desired`].
+    pub fn plan_shape(&self, shape: &ClusterShape, now: Timestamp) -> Result<Plan, UpdateError> {
+        let (next, _) = self.check_desired(shape)?;
+        Ok(reconcile(&self.state, &next, now))
+    }
+
+    /// Folds an operation result. Late, duplicated, superseded and mismatched
+    /// results are discarded.
+    ///
+    /// # Errors
+    /// A deadline computed by the fold overflows; the node is unchanged.
+    pub fn handle_result(
+        &mut self,
+        result: OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        let Some(node) = self.state.nodes.get_mut(&result.node) else {
+            return Ok(self.count(Folded::Discarded(DiscardReason::UnknownNode)));
+        };
+        let folded =
+            fold_result(node, result.op, result.outcome, &self.config, now).map_err(|source| {
+                DriverError::Deadline {
+                    node: result.node.clone(),
+                    source,
+                }
+            })?;
+        Ok(self.count(folded))
+    }
+
+    /// Reports that a dispatch could not be submitted; it folds as a definite
+    /// failure of that operation (the executor never saw it).
+    ///
+    /// # Errors
+    /// As [`Driver::handle_result`].
+    pub fn handle_submit_failed(
+        &mut self,
+        dispatch: &Dispatch,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        let result = OperationResult {
+            node: dispatch.key.node.clone(),
+            op: dispatch.op,
+            outcome: OperationOutcome::Failed {
+                class: FailureClass::Definite,
+                reason: format!("submission failed: {reason}"),
+            },
+        };
+        self.handle_result(result, now)
+    }
+
+    /// Folds a bootstrap stream observation. Observations of a superseded
+    /// attempt or a session that is not the node's live one are discarded.
+    ///
+    /// # Errors
+    /// The refreshed stall deadline overflows; the node is unchanged.
+    pub fn handle_bootstrap(
+        &mut self,
+        obs: BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        let Some(node) = self.state.nodes.get_mut(&obs.node) else {
+            return Ok(self.count(Folded::Discarded(DiscardReason::UnknownNode)));
+        };
+        let folded = fold_bootstrap(
+            node,
+            obs.attempt,
+            &obs.session,
+            obs.event,
+            &self.config,
+            now,
+        )
+        .map_err(|source| DriverError::Deadline {
+            node: obs.node.clone(),
+            source,
+        })?;
+        Ok(self.count(folded))
+    }
+
+    /// The host's timer fired: expires pending operations and stalled
+    /// bootstraps whose stored deadlines have passed, and queues a pass if any
+    /// waiting deadline is due. Returns how many deadlines were folded.
+    ///
+    /// # Errors
+    /// A backoff deadline overflows; that node is unchanged, the others are folded.
+    pub fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
+        if !self.requeue_at.is_some_and(|at| at <= now) {
+            return Ok(0);
+        }
+        let mut folded = 0;
+        let mut first_error = None;
+        for (id, node) in &mut self.state.nodes {
+            match fold_deadline(node, &self.config, now) {
+                Ok(Some(Folded::Applied)) => {
+                    folded += 1;
+                    self.stats.expired += 1;
+                }
+                Ok(_) => {}
+                Err(source) => {
+                    first_error.get_or_insert(DriverError::Deadline {
+                        node: id.clone(),
+                        source,
+                    });
+                }
+            }
+            if fold_bootstrap_stall(node, now) {
+                folded += 1;
+            }
+        }
+        self.trigger();
+        first_error.map_or(Ok(folded), Err)
+    }
+
+    /// The periodic safety-net tick: queues a pass if a waiting deadline is due.
+    pub fn handle_tick(&mut self, now: Timestamp) {
+        if self.requeue_at.is_some_and(|at| at <= now) {
+            self.trigger();
+        }
+    }
+
+    /// The earliest stored deadline among waiting nodes, as of the last pass.
+    /// Arm ONE timer for it. (A queued pass should be drained first.)
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        self.requeue_at
+    }
+
+    /// Runs one pass if one is queued. Every returned dispatch is already
+    /// recorded as pending; see the module docs for what the host MUST do.
+    ///
+    /// # Errors
+    /// [`DriverError::Reentry`] when a pass is already running.
+    pub fn poll_pass(&mut self, now: Timestamp) -> Result<Option<Pass>, DriverError> {
+        match self.queue {
+            Queue::Running { .. } => return Err(DriverError::Reentry),
+            Queue::Idle => return Ok(None),
+            Queue::Queued => {}
+        }
+        self.queue = Queue::Running { dirty: false };
+        self.stats.passes += 1;
+        let plan = reconcile(&self.state, &self.desired, now);
+        self.state.observed_generation = Some(self.desired.generation);
+        let mut pass = Pass {
+            number: self.stats.passes,
+            dispatches: Vec::new(),
+            stats: PassStats {
+                nodes: self.state.nodes.len(),
+                ..PassStats::default()
+            },
+            errors: Vec::new(),
+        };
+        let mut requeue_at = plan.requeue_at;
+        for planned in plan.actions {
+            let transition = planned.action.is_transition();
+            match self.apply(planned.node, planned.action, now) {
+                Ok(Some(d)) => {
+                    requeue_at = earliest(requeue_at, Some(d.deadline));
+                    pass.dispatches.push(d);
+                    pass.stats.dispatched += 1;
+                }
+                Ok(None) => {
+                    debug_assert!(transition);
+                    pass.stats.transitions += 1;
+                }
+                Err(e) => {
+                    pass.stats.errors += 1;
+                    pass.errors.push(e);
+                }
+            }
+        }
+        self.stats.dispatched += pass.stats.dispatched as u64;
+        self.requeue_at = requeue_at;
+        if pass.stats.transitions > 0 {
+            // A transition completes a node's step; its follow-on action is
+            // decided by the next pass, which this guarantees.
+            self.queue = Queue::Running { dirty: true };
+        }
+        Ok(Some(pass))
+    }
+
+    /// Ends the running pass; queues the follow-up pass if anything triggered during it.
+    ///
+    /// # Errors
+    /// [`DriverError::NotRunning`] when no pass is running.
+    pub fn finish_pass(&mut self) -> Result<(), DriverError> {
+        match self.queue {
+            Queue::Running { dirty } => {
+                self.queue = if dirty { Queue::Queued } else { Queue::Idle };
+                Ok(())
+            }
+            _ => Err(DriverError::NotRunning),
+        }
+    }
+
+    fn trigger(&mut self) {
+        self.queue = match self.queue {
+            Queue::Idle => Queue::Queued,
+            Queue::Queued => {
+                self.stats.collapsed_triggers += 1;
+                Queue::Queued
+            }
+            Queue::Running { dirty } => {
+                if dirty {
+                    self.stats.collapsed_triggers += 1;
+                }
+                Queue::Running { dirty: true }
+            }
+        };
+    }
+
+    fn count(&mut self, folded: Folded) -> Folded {
+        match folded {
+            Folded::Applied => {
+                self.stats.folded += 1;
+                self.trigger();
+            }
+            Folded::Discarded(_) => self.stats.discarded += 1,
+        }
+        folded
+    }
+
+    fn allocate_attempt(&mut self, node: &LogicalNodeId) -> Result<NodeAttemptId, DriverError> {
+        let id = self.state.next_attempt;
+        self.state.next_attempt = id
+            .checked_add(1)
+            .ok_or_else(|| DriverError::AttemptIdsExhausted { node: node.clone() })?;
+        Ok(NodeAttemptId(id))
+    }
+
+    /// Applies one planned action. Returns the dispatch for an effect, `None`
+    /// for a transition. On error the node is unchanged.
+    fn apply(
+        &mut self,
+        id: LogicalNodeId,
+        action: NodeAction,
+        now: Timestamp,
+    ) -> Result<Option<Dispatch>, DriverError> {
+        let deadline_err = |source| DriverError::Deadline {
+            node: id.clone(),
+            source,
+        };
+        match action {
+            NodeAction::Insert { template } => {
+                let attempt = self.allocate_attempt(&id)?;
+                self.state
+                    .nodes
+                    .insert(id, ManagedNode::new(attempt, template, 0));
+            }
+            NodeAction::Restart { template } => {
+                let attempt = self.allocate_attempt(&id)?;
+                if let Some(node) = self.state.nodes.get_mut(&id) {
+                    let failures = node.retry.consecutive_failures;
+                    *node = ManagedNode::new(attempt, template, failures);
+                }
+            }
+            NodeAction::Reap => {
+                self.state.nodes.remove(&id);
+            }
+            NodeAction::BeginDelete { .. } => {
+                if let Some(node) = self.state.nodes.get_mut(&id) {
+                    node.intent = Intent::Deleting;
+                    node.record.ready = false;
+                    node.record.bootstrap_deadline = None;
+                    node.retry.next_effect_at = None;
+                }
+            }
+            NodeAction::MarkDestroyed => {
+                if let Some(node) = self.state.nodes.get_mut(&id) {
+                    let delay = self
+                        .config
+                        .backoff_ms(node.attempt, node.retry.consecutive_failures);
+                    let restart_at = now.checked_add_ms(delay).map_err(deadline_err)?;
+                    let rec = &mut node.record;
+                    rec.stage = NodeStage::Destroyed;
+                    rec.ready = false;
+                    rec.restart_at = Some(restart_at);
+                    node.retry.next_effect_at = None;
+                }
+            }
+            NodeAction::ObserveConvergence => {
+                if let Some(node) = self.state.nodes.get_mut(&id) {
+                    node.record.stage = NodeStage::Dormant;
+                    node.record.ready = true;
+                    node.record.bootstrap_deadline = None;
+                    node.record.last_error = None;
+                    node.retry.consecutive_failures = 0;
+                    node.retry.next_effect_at = None;
+                }
+            }
+            NodeAction::Dispatch(kind) => return self.dispatch(id, kind, now).map(Some),
+        }
+        Ok(None)
+    }
+
+    fn dispatch(
+        &mut self,
+        id: LogicalNodeId,
+        kind: EffectKind,
+        now: Timestamp,
+    ) -> Result<Dispatch, DriverError> {
+        let timeout = self.config.timeout_ms(kind);
+        let run_id = self.state.run_id.clone();
+        let Some(node) = self.state.nodes.get_mut(&id) else {
+            return Err(DriverError::MissingEffectInput {
+                node: id,
+                kind,
+                missing: "node",
+            });
+        };
+        let deadline = now
+            .checked_add_ms(timeout)
+            .map_err(|source| DriverError::Deadline {
+                node: id.clone(),
+                source,
+            })?;
+        let seq = node.next_op_seq;
+        let next_seq = seq
+            .checked_add(1)
+            .ok_or_else(|| DriverError::OperationSeqExhausted { node: id.clone() })?;
+        let rec = &node.record;
+        let missing = |what| DriverError::MissingEffectInput {
+            node: id.clone(),
+            kind,
+            missing: what,
+        };
+        let request = match kind {
+            EffectKind::CreateLease => EffectRequest::CreateLease {
+                template: node.template.clone(),
+            },
+            EffectKind::LookupEndpoint => EffectRequest::LookupEndpoint {
+                lease: rec.lease.clone().ok_or_else(|| missing("lease"))?,
+            },
+            EffectKind::StartBootstrap => EffectRequest::StartBootstrap {
+                lease: rec.lease.clone().ok_or_else(|| missing("lease"))?,
+                endpoint: rec.endpoint.clone().ok_or_else(|| missing("endpoint"))?,
+                template: node.template.clone(),
+            },
+            EffectKind::CancelBootstrap => EffectRequest::CancelBootstrap {
+                session: rec.session.clone().ok_or_else(|| missing("session"))?,
+            },
+            EffectKind::DestroyLease => EffectRequest::DestroyLease {
+                lease: rec.lease.clone().ok_or_else(|| missing("lease"))?,
+            },
+        };
+        let op = OperationId {
+            attempt: node.attempt,
+            seq,
+        };
+        node.next_op_seq = next_seq;
+        node.pending = Some(PendingOperation {
+            id: op,
+            effect: kind,
+            dispatched_at: now,
+            deadline,
+        });
+        if kind == EffectKind::CreateLease && node.record.stage == NodeStage::New {
+            node.record.stage = NodeStage::LeaseRequested;
+        }
+        Ok(Dispatch {
+            op,
+            key: ResourceKey {
+                run_id,
+                node: id,
+                attempt: node.attempt,
+            },
+            deadline,
+            request,
+        })
+    }
+}

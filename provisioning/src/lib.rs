@@ -1,0 +1,62 @@
+//! The pure, sans-IO heart of Swactor: it decides how to move a cluster toward
+//! its declared shape, and reads no clock, socket, file, thread or random source.
+//!
+//! Callers give it three things and get data back:
+//!
+//! - **desired state**: a [`ClusterShape`] (run, generation, groups), validated
+//!   and expanded into one slot per `{group}-{index}`;
+//! - **observed state**: a [`ClusterState`] holding one [`ManagedNode`] per slot,
+//!   written only by the [`Driver`];
+//! - **now**: a [`Timestamp`] the host supplies on every call.
+//!
+//! [`reconcile`] and [`reconcile_node`] are the decider: a pure function from
+//! (observed, desired, now) to at most one [`NodeAction`] per node, chosen by a
+//! fixed ladder of rows ([`LadderRow`]). The reason a pass runs is hidden from
+//! the decider on purpose, so missed or duplicated events heal on the next pass.
+//! The [`observe`] functions fold executor results, bootstrap facts and expired
+//! deadlines into state, computing every deadline once. The [`Driver`] ties
+//! them together: it folds inputs, coalesces triggers, runs passes, records
+//! every effect as pending before handing it out, and reports the one instant
+//! it next needs waking ([`Driver::poll_timeout`]).
+//!
+//! Identity is layered: a [`LogicalNodeId`] is a stable slot, a
+//! [`NodeAttemptId`] one incarnation of it (never reused), an [`OperationId`]
+//! one dispatched effect of an attempt. Providers key every external resource on
+//! a [`ResourceKey`] (run, slot, attempt) and adopt before creating.
+
+mod config;
+mod decide;
+mod driver;
+mod id;
+pub mod observe;
+mod shape;
+mod state;
+mod time;
+
+pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
+pub use decide::{
+    DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, is_converged,
+    reconcile, reconcile_node,
+};
+pub use driver::{
+    DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, Pass, PassStats,
+    UpdateError,
+};
+pub use id::{
+    Generation, GroupId, ID_LEN_MAX, IdError, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint,
+    OperationId, ResourceKey, RunId, SessionId, validate_id,
+};
+pub use observe::{
+    BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome,
+    OperationResult,
+};
+pub use shape::{
+    BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupShape,
+    LogicalNodeSpec, NodeTemplate, ParamValue, ProviderShape, SHAPE_NODES_MAX, ShapeError,
+    SwarmJoin, same_template,
+};
+pub use state::{
+    BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord, NodeStage,
+    PendingOperation, RetryState,
+};
+pub use time::{DeadlineOverflow, Timestamp};

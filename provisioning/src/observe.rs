@@ -1,0 +1,328 @@
+//! Observation folding: turning executor results and bootstrap facts into observed state.
+//!
+//! Folding is the only place deadlines are computed. Each fold checks that the
+//! input belongs to the node's current attempt (and current operation or
+//! session) and discards it otherwise, so nothing of a superseded attempt ever
+//! reaches a replacement. Every deadline is computed before anything is
+//! mutated, so an overflow leaves the node exactly as it was.
+
+use crate::config::ReconcilerConfig;
+use crate::id::{LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId, SessionId};
+use crate::state::{BootstrapStage, EffectKind, Intent, ManagedNode, NodeStage};
+use crate::time::{DeadlineOverflow, Timestamp};
+use serde::{Deserialize, Serialize};
+
+/// How sure the executor is that a failed operation had no effect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FailureClass {
+    /// The operation certainly had no effect.
+    Definite,
+    /// The effect may or may not have happened (lost result, timeout, crash).
+    Ambiguous,
+}
+
+/// What an executed operation reported.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OperationOutcome {
+    /// CreateLease succeeded (possibly by adopting an existing lease).
+    LeaseCreated {
+        /// The lease.
+        lease: LeaseId,
+        /// The endpoint, when the provider knows it already.
+        endpoint: Option<NodeEndpoint>,
+    },
+    /// LookupEndpoint found the endpoint.
+    EndpointFound {
+        /// The endpoint.
+        endpoint: NodeEndpoint,
+    },
+    /// LookupEndpoint: the lease exists but has no endpoint yet. A probe, not a failure.
+    EndpointNotReady,
+    /// StartBootstrap succeeded (possibly by adopting a running session).
+    BootstrapStarted {
+        /// The session.
+        session: SessionId,
+    },
+    /// CancelBootstrap succeeded (or the session was already gone).
+    BootstrapCancelled,
+    /// DestroyLease succeeded (or the lease was already gone).
+    LeaseDestroyed,
+    /// The operation failed.
+    Failed {
+        /// Whether it may have had an effect.
+        class: FailureClass,
+        /// What went wrong, for people to read.
+        reason: String,
+    },
+}
+
+/// The result of one dispatched operation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperationResult {
+    /// The slot the operation acted for.
+    pub node: LogicalNodeId,
+    /// The operation.
+    pub op: OperationId,
+    /// What happened.
+    pub outcome: OperationOutcome,
+}
+
+/// One thing a bootstrap stream reported.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BootstrapEvent {
+    /// A progress fact (a failure stage counts as a failure).
+    Stage(BootstrapStage),
+    /// The node's agent joined the swarm.
+    SwactorJoined,
+    /// The stream ended.
+    Closed,
+    /// The bootstrap failed at `stage`.
+    Failed {
+        /// The failure stage.
+        stage: BootstrapStage,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// A bootstrap stream observation, tagged with the attempt and session it came from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BootstrapObservation {
+    /// The slot.
+    pub node: LogicalNodeId,
+    /// The attempt whose session reported.
+    pub attempt: NodeAttemptId,
+    /// The session that reported.
+    pub session: SessionId,
+    /// What it reported.
+    pub event: BootstrapEvent,
+}
+
+/// Why an input was not folded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DiscardReason {
+    /// No node holds that slot.
+    UnknownNode,
+    /// The input belongs to an older attempt of the slot.
+    SupersededAttempt,
+    /// The operation is not the node's pending one (late, duplicated or expired).
+    StaleOperation,
+    /// The outcome does not fit the pending operation's effect.
+    OutcomeMismatch,
+    /// The session is not the node's live session.
+    StaleSession,
+}
+
+/// What folding an input did.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Folded {
+    /// The input changed the node.
+    Applied,
+    /// The input was dropped, for the reason given.
+    Discarded(DiscardReason),
+}
+
+/// Folds an operation result into `node`.
+///
+/// # Errors
+/// A backoff, probe or stall deadline would overflow; `node` is unchanged.
+pub fn fold_result(
+    node: &mut ManagedNode,
+    op: OperationId,
+    outcome: OperationOutcome,
+    config: &ReconcilerConfig,
+    now: Timestamp,
+) -> Result<Folded, DeadlineOverflow> {
+    if op.attempt != node.attempt {
+        return Ok(Folded::Discarded(DiscardReason::SupersededAttempt));
+    }
+    let Some(pending) = node.pending.as_ref().filter(|p| p.id == op) else {
+        return Ok(Folded::Discarded(DiscardReason::StaleOperation));
+    };
+    let kind = pending.effect;
+    let failures_after = node.retry.consecutive_failures.saturating_add(1);
+    let backoff_at = now.checked_add_ms(config.backoff_ms(node.attempt, failures_after))?;
+    let rec = &mut node.record;
+
+    match (kind, outcome) {
+        (_, OperationOutcome::Failed { class, reason }) => {
+            rec.last_error = Some(format!("{kind:?}: {reason}"));
+            let attempt_fails = kind == EffectKind::StartBootstrap
+                && class == FailureClass::Definite
+                && node.intent == Intent::Active;
+            if kind.creates() {
+                rec.ambiguous = (class == FailureClass::Ambiguous).then_some(kind);
+            }
+            node.pending = None;
+            node.retry.consecutive_failures = failures_after;
+            if attempt_fails {
+                // The attempt ends; cleanup starts at once and backoff is
+                // applied to the restart instead.
+                fail_attempt(node, format!("bootstrap could not start: {reason}"), now);
+            } else {
+                node.retry.next_effect_at = Some(backoff_at);
+            }
+            return Ok(Folded::Applied);
+        }
+        (EffectKind::CreateLease, OperationOutcome::LeaseCreated { lease, endpoint }) => {
+            rec.stage = if endpoint.is_some() {
+                NodeStage::EndpointKnown
+            } else {
+                NodeStage::LeaseCreated
+            };
+            rec.lease = Some(lease);
+            rec.endpoint = endpoint;
+            rec.ambiguous = None;
+        }
+        (EffectKind::LookupEndpoint, OperationOutcome::EndpointFound { endpoint }) => {
+            rec.endpoint = Some(endpoint);
+            if rec.stage == NodeStage::LeaseCreated {
+                rec.stage = NodeStage::EndpointKnown;
+            }
+        }
+        (EffectKind::LookupEndpoint, OperationOutcome::EndpointNotReady) => {
+            let probe_at = now.checked_add_ms(config.probe_interval_ms)?;
+            node.pending = None;
+            node.retry.next_effect_at = Some(probe_at);
+            return Ok(Folded::Applied);
+        }
+        (EffectKind::StartBootstrap, OperationOutcome::BootstrapStarted { session }) => {
+            let stall_at = now.checked_add_ms(config.bootstrap_stall_ms)?;
+            rec.session = Some(session);
+            rec.ambiguous = None;
+            if node.intent == Intent::Active {
+                rec.stage = NodeStage::BootstrapRunning;
+                rec.bootstrap_deadline = Some(stall_at);
+            }
+        }
+        (EffectKind::CancelBootstrap, OperationOutcome::BootstrapCancelled) => {
+            rec.session = None;
+            rec.bootstrap_deadline = None;
+        }
+        (EffectKind::DestroyLease, OperationOutcome::LeaseDestroyed) => {
+            rec.lease = None;
+            rec.endpoint = None;
+        }
+        (_, _) => return Ok(Folded::Discarded(DiscardReason::OutcomeMismatch)),
+    }
+    node.pending = None;
+    node.retry.next_effect_at = None;
+    Ok(Folded::Applied)
+}
+
+/// Folds a bootstrap stream observation into `node`.
+///
+/// # Errors
+/// The refreshed stall deadline would overflow; `node` is unchanged.
+pub fn fold_bootstrap(
+    node: &mut ManagedNode,
+    attempt: NodeAttemptId,
+    session: &SessionId,
+    event: BootstrapEvent,
+    config: &ReconcilerConfig,
+    now: Timestamp,
+) -> Result<Folded, DeadlineOverflow> {
+    if attempt != node.attempt {
+        return Ok(Folded::Discarded(DiscardReason::SupersededAttempt));
+    }
+    if node.record.session.as_ref() != Some(session) {
+        return Ok(Folded::Discarded(DiscardReason::StaleSession));
+    }
+    let stall_at = now.checked_add_ms(config.bootstrap_stall_ms)?;
+    let live = node.intent == Intent::Active && node.record.stage != NodeStage::Failed;
+    let rec = &mut node.record;
+    let failure = match event {
+        BootstrapEvent::Stage(stage) if stage.is_failure() => {
+            Some((stage, format!("bootstrap reported {stage:?}")))
+        }
+        BootstrapEvent::Failed { stage, reason } => Some((stage, reason)),
+        BootstrapEvent::Stage(stage) => {
+            rec.bootstrap = Some(stage);
+            if live && !rec.ready {
+                rec.bootstrap_deadline = Some(stall_at);
+            }
+            None
+        }
+        BootstrapEvent::SwactorJoined => {
+            if live && rec.stage == NodeStage::BootstrapRunning {
+                rec.stage = NodeStage::SwactorJoined;
+                rec.bootstrap_deadline = Some(stall_at);
+            }
+            None
+        }
+        BootstrapEvent::Closed => {
+            rec.session = None;
+            rec.bootstrap_deadline = None;
+            let converged = rec.stage == NodeStage::SwactorJoined
+                && rec.bootstrap == Some(BootstrapStage::Converged);
+            if live && !rec.ready && !converged {
+                Some((
+                    rec.bootstrap.unwrap_or(BootstrapStage::SshConnect),
+                    "bootstrap session closed before convergence".to_owned(),
+                ))
+            } else {
+                None
+            }
+        }
+    };
+    if let Some((stage, reason)) = failure {
+        rec.bootstrap = Some(stage);
+        rec.last_error = Some(reason.clone());
+        if live {
+            node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
+            fail_attempt(node, reason, now);
+        }
+    }
+    Ok(Folded::Applied)
+}
+
+/// Folds the expiry of the pending operation's stored deadline as an ambiguous failure.
+///
+/// # Errors
+/// The backoff deadline would overflow; `node` is unchanged.
+pub fn fold_deadline(
+    node: &mut ManagedNode,
+    config: &ReconcilerConfig,
+    now: Timestamp,
+) -> Result<Option<Folded>, DeadlineOverflow> {
+    let Some(p) = node.pending.as_ref().filter(|p| p.deadline <= now) else {
+        return Ok(None);
+    };
+    let (op, waited) = (p.id, now.saturating_since(p.dispatched_at));
+    let reason = format!("no result within {waited} ms");
+    let outcome = OperationOutcome::Failed {
+        class: FailureClass::Ambiguous,
+        reason,
+    };
+    fold_result(node, op, outcome, config, now).map(Some)
+}
+
+/// Fails an active attempt whose bootstrap made no progress before its stored stall deadline.
+pub fn fold_bootstrap_stall(node: &mut ManagedNode, now: Timestamp) -> bool {
+    let rec = &node.record;
+    let stalled = node.intent == Intent::Active
+        && node.pending.is_none()
+        && rec.session.is_some()
+        && !rec.ready
+        && rec.stage != NodeStage::Failed
+        && rec.bootstrap_deadline.is_some_and(|at| at <= now);
+    if stalled {
+        let reason = "bootstrap stream made no progress before its deadline".to_owned();
+        node.record.bootstrap = Some(BootstrapStage::AgentLost);
+        node.record.last_error = Some(reason.clone());
+        node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
+        fail_attempt(node, reason, now);
+    }
+    stalled
+}
+
+fn fail_attempt(node: &mut ManagedNode, reason: String, now: Timestamp) {
+    let rec = &mut node.record;
+    rec.stage = NodeStage::Failed;
+    rec.ready = false;
+    rec.failed_reason = Some(reason);
+    rec.failed_at = Some(now);
+    rec.bootstrap_deadline = None;
+    node.retry.next_effect_at = None;
+}

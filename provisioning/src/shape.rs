@@ -1,0 +1,549 @@
+//! Desired state: the declared cluster shape, its validation and its expansion into slots.
+
+use crate::id::{Generation, GroupId, IdError, LogicalNodeId, RunId, validate_id};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+/// Most slots one group may declare.
+pub const GROUP_COUNT_MAX: u32 = 100_000;
+/// Most slots a whole shape may declare.
+pub const SHAPE_NODES_MAX: u64 = 1_000_000;
+/// Most groups a shape may declare.
+pub const GROUPS_MAX: usize = 1_024;
+
+/// A declared cluster: what the run should look like at one generation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterShape {
+    /// The run this shape belongs to.
+    pub run_id: RunId,
+    /// The revision of this shape.
+    pub generation: Generation,
+    /// The node groups.
+    #[serde(default)]
+    pub groups: Vec<GroupShape>,
+}
+
+/// A set of identical slots.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GroupShape {
+    /// The group's id; slots are named `{id}-{index}`.
+    pub id: String,
+    /// The run the group was declared for, when the group names one; it must
+    /// match the shape's run (a group copied from another run is rejected).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// How many slots the group has.
+    pub count: u32,
+    /// Where and how machines are leased.
+    pub provider: ProviderShape,
+    /// How the agent is started on a leased machine.
+    #[serde(default)]
+    pub boot: BootParams,
+    /// The role nodes of this group play in the swarm.
+    #[serde(default = "default_role")]
+    pub role: String,
+    /// How nodes of this group join the swarm.
+    #[serde(default)]
+    pub join: SwarmJoin,
+}
+
+fn default_role() -> String {
+    "worker".to_owned()
+}
+
+/// A provider kind plus parameters the reconciler compares but never interprets.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProviderShape {
+    /// The provider kind, e.g. `process`, `docker`, `vast`, `ssh`.
+    pub kind: String,
+    /// Provider-specific parameters.
+    #[serde(default)]
+    pub params: BTreeMap<String, ParamValue>,
+}
+
+/// A provider parameter value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ParamValue {
+    /// A boolean.
+    Bool(bool),
+    /// An integer.
+    Int(i64),
+    /// A finite floating-point number.
+    Float(f64),
+    /// A string.
+    Str(String),
+    /// A list of values.
+    List(Vec<ParamValue>),
+}
+
+/// How the agent is started and checked on a leased machine.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BootParams {
+    /// A machine image, for providers that take one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// A command (argv) the agent runs to decide the machine is fit; empty for none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub boot_check: Vec<String>,
+    /// Environment passed to the agent.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+}
+
+/// Swarm-join settings for a group.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SwarmJoin {
+    /// Tags the node announces when it joins.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub tags: BTreeSet<String>,
+    /// Seconds a joined agent may be gone before its node counts as lost.
+    #[serde(default = "default_lost_grace_s")]
+    pub lost_grace_s: f64,
+}
+
+fn default_lost_grace_s() -> f64 {
+    5.0
+}
+
+impl Default for SwarmJoin {
+    fn default() -> Self {
+        Self {
+            tags: BTreeSet::new(),
+            lost_grace_s: default_lost_grace_s(),
+        }
+    }
+}
+
+/// Why a shape was rejected. Each variant names the offending field.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ShapeError {
+    /// The run id is malformed.
+    #[error("run_id {value:?} {source}")]
+    RunId {
+        /// The rejected value.
+        value: String,
+        /// What is wrong with it.
+        source: IdError,
+    },
+    /// A group id is malformed.
+    #[error("groups[{index}].id {value:?} {source}")]
+    GroupId {
+        /// Position of the group in the shape.
+        index: usize,
+        /// The rejected value.
+        value: String,
+        /// What is wrong with it.
+        source: IdError,
+    },
+    /// Two groups share an id.
+    #[error("groups[{index}].id {id:?} is already used by groups[{first}]")]
+    DuplicateGroup {
+        /// Position of the second group.
+        index: usize,
+        /// Position of the first group with this id.
+        first: usize,
+        /// The duplicated id.
+        id: String,
+    },
+    /// A group names a different run than the shape.
+    #[error("groups[{index}].run_id {group_run:?} does not match the shape's run_id {run:?}")]
+    ForeignGroup {
+        /// Position of the group.
+        index: usize,
+        /// The group's run.
+        group_run: String,
+        /// The shape's run.
+        run: String,
+    },
+    /// A group declares more slots than [`GROUP_COUNT_MAX`].
+    #[error("groups[{index}].count is {count}; the limit is {GROUP_COUNT_MAX}")]
+    CountTooLarge {
+        /// Position of the group.
+        index: usize,
+        /// The declared count.
+        count: u32,
+    },
+    /// The shape declares more slots than [`SHAPE_NODES_MAX`] in total.
+    #[error("the shape declares {total} nodes in all; the limit is {SHAPE_NODES_MAX}")]
+    TooManyNodes {
+        /// The total slot count.
+        total: u64,
+    },
+    /// The shape declares more groups than [`GROUPS_MAX`].
+    #[error("the shape declares {count} groups; the limit is {GROUPS_MAX}")]
+    TooManyGroups {
+        /// The number of groups.
+        count: usize,
+    },
+    /// A number is NaN or infinite, or out of its range.
+    #[error("{field} is {value}; it must be a finite number{range}")]
+    BadNumber {
+        /// Path of the field.
+        field: String,
+        /// The rejected value, as text.
+        value: String,
+        /// Extra range requirement, e.g. " >= 0".
+        range: &'static str,
+    },
+    /// A required string is empty.
+    #[error("{field} must not be empty")]
+    EmptyField {
+        /// Path of the field.
+        field: String,
+    },
+}
+
+/// Everything about a slot that an attempt is created from. Immutable per
+/// attempt: any change means the attempt is replaced, never patched.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeTemplate {
+    /// Where and how the machine is leased.
+    pub provider: ProviderShape,
+    /// How the agent is started.
+    pub boot: BootParams,
+    /// The node's role.
+    pub role: String,
+    /// Swarm-join settings.
+    pub join: SwarmJoin,
+}
+
+/// True when two templates describe the same attempt (pointer fast path first).
+#[inline]
+pub fn same_template(a: &Arc<NodeTemplate>, b: &Arc<NodeTemplate>) -> bool {
+    Arc::ptr_eq(a, b) || **a == **b
+}
+
+/// One validated, expanded group.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DesiredGroup {
+    /// The group id.
+    pub id: GroupId,
+    /// How many slots it has.
+    pub count: u32,
+    /// The template every slot of the group is created from.
+    pub template: Arc<NodeTemplate>,
+}
+
+/// One desired slot and the template it must run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogicalNodeSpec {
+    /// The slot.
+    pub node: LogicalNodeId,
+    /// What the slot must run.
+    pub template: Arc<NodeTemplate>,
+}
+
+/// A validated shape, groups sorted by id; the form the decider reads.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DesiredState {
+    /// The run.
+    pub run_id: RunId,
+    /// The shape's generation.
+    pub generation: Generation,
+    /// Groups sorted by id.
+    pub groups: Vec<DesiredGroup>,
+}
+
+impl DesiredState {
+    /// An empty shape (no slots) for `run_id`, e.g. before the first apply or for teardown.
+    pub fn empty(run_id: RunId, generation: Generation) -> Self {
+        Self {
+            run_id,
+            generation,
+            groups: Vec::new(),
+        }
+    }
+
+    /// The template slot `node` must run, or `None` when the slot is not desired.
+    pub fn slot(&self, node: &LogicalNodeId) -> Option<&Arc<NodeTemplate>> {
+        let g = self
+            .groups
+            .binary_search_by(|g| g.id.cmp(&node.group))
+            .ok()
+            .map(|i| &self.groups[i])?;
+        (node.index < g.count).then_some(&g.template)
+    }
+
+    /// Total number of desired slots.
+    pub fn node_count(&self) -> u64 {
+        self.groups.iter().map(|g| u64::from(g.count)).sum()
+    }
+
+    /// Every desired slot, in slot order.
+    pub fn specs(&self) -> impl Iterator<Item = LogicalNodeSpec> + '_ {
+        self.groups.iter().flat_map(|g| {
+            (0..g.count).map(move |i| LogicalNodeSpec {
+                node: LogicalNodeId::new(g.id.clone(), i),
+                template: g.template.clone(),
+            })
+        })
+    }
+
+    /// True when both describe the same slots with the same templates (generation ignored).
+    pub fn same_content(&self, other: &DesiredState) -> bool {
+        self.run_id == other.run_id
+            && self.groups.len() == other.groups.len()
+            && self.groups.iter().zip(&other.groups).all(|(a, b)| {
+                a.id == b.id && a.count == b.count && same_template(&a.template, &b.template)
+            })
+    }
+
+    /// Reuses `previous`'s template allocations for unchanged groups, so that
+    /// drift checks on a settled cluster stay pointer comparisons.
+    pub fn share_templates_with(&mut self, previous: &DesiredState) {
+        for g in &mut self.groups {
+            if let Ok(i) = previous.groups.binary_search_by(|p| p.id.cmp(&g.id)) {
+                let p = &previous.groups[i];
+                if *p.template == *g.template {
+                    g.template = p.template.clone();
+                    g.id = p.id.clone();
+                }
+            }
+        }
+    }
+}
+
+impl ClusterShape {
+    /// Validates the shape and expands it into the decider's form.
+    ///
+    /// # Errors
+    /// The first problem found, naming the field (`groups[2].count`, ...).
+    pub fn validate(&self) -> Result<DesiredState, ShapeError> {
+        validate_id(self.run_id.as_str()).map_err(|source| ShapeError::RunId {
+            value: self.run_id.0.clone(),
+            source,
+        })?;
+        if self.groups.len() > GROUPS_MAX {
+            return Err(ShapeError::TooManyGroups {
+                count: self.groups.len(),
+            });
+        }
+        let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut total = 0u64;
+        let mut groups = Vec::with_capacity(self.groups.len());
+        for (index, g) in self.groups.iter().enumerate() {
+            validate_id(&g.id).map_err(|source| ShapeError::GroupId {
+                index,
+                value: g.id.clone(),
+                source,
+            })?;
+            if let Some(&first) = seen.get(g.id.as_str()) {
+                return Err(ShapeError::DuplicateGroup {
+                    index,
+                    first,
+                    id: g.id.clone(),
+                });
+            }
+            seen.insert(&g.id, index);
+            if let Some(r) = &g.run_id {
+                if *r != self.run_id {
+                    return Err(ShapeError::ForeignGroup {
+                        index,
+                        group_run: r.0.clone(),
+                        run: self.run_id.0.clone(),
+                    });
+                }
+            }
+            if g.count > GROUP_COUNT_MAX {
+                return Err(ShapeError::CountTooLarge {
+                    index,
+                    count: g.count,
+                });
+            }
+            total += u64::from(g.count);
+            if g.provider.kind.is_empty() {
+                return Err(ShapeError::EmptyField {
+                    field: format!("groups[{index}].provider.kind"),
+                });
+            }
+            if g.role.is_empty() {
+                return Err(ShapeError::EmptyField {
+                    field: format!("groups[{index}].role"),
+                });
+            }
+            for (k, v) in &g.provider.params {
+                check_param(&format!("groups[{index}].provider.params.{k}"), v)?;
+            }
+            let grace = g.join.lost_grace_s;
+            if !grace.is_finite() || grace < 0.0 {
+                return Err(ShapeError::BadNumber {
+                    field: format!("groups[{index}].join.lost_grace_s"),
+                    value: grace.to_string(),
+                    range: " >= 0",
+                });
+            }
+            groups.push(DesiredGroup {
+                id: GroupId::new(&g.id),
+                count: g.count,
+                template: Arc::new(NodeTemplate {
+                    provider: g.provider.clone(),
+                    boot: g.boot.clone(),
+                    role: g.role.clone(),
+                    join: g.join.clone(),
+                }),
+            });
+        }
+        if total > SHAPE_NODES_MAX {
+            return Err(ShapeError::TooManyNodes { total });
+        }
+        groups.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(DesiredState {
+            run_id: self.run_id.clone(),
+            generation: self.generation,
+            groups,
+        })
+    }
+}
+
+fn check_param(field: &str, v: &ParamValue) -> Result<(), ShapeError> {
+    match v {
+        ParamValue::Float(f) if !f.is_finite() => Err(ShapeError::BadNumber {
+            field: field.to_owned(),
+            value: f.to_string(),
+            range: "",
+        }),
+        ParamValue::List(items) => items
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, item)| check_param(&format!("{field}[{i}]"), item)),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn group(id: &str, count: u32) -> GroupShape {
+        GroupShape {
+            id: id.to_owned(),
+            run_id: None,
+            count,
+            provider: ProviderShape {
+                kind: "fake".to_owned(),
+                params: BTreeMap::new(),
+            },
+            boot: BootParams::default(),
+            role: "worker".to_owned(),
+            join: SwarmJoin::default(),
+        }
+    }
+
+    pub(crate) fn shape(generation: u64, groups: Vec<GroupShape>) -> ClusterShape {
+        ClusterShape {
+            run_id: RunId::new("run"),
+            generation: Generation(generation),
+            groups,
+        }
+    }
+
+    #[test]
+    fn a_shape_expands_to_one_spec_per_slot_named_group_dash_index() {
+        let d = shape(1, vec![group("worker", 3), group("coord", 1)])
+            .validate()
+            .unwrap();
+        let names: Vec<String> = d.specs().map(|s| s.node.to_string()).collect();
+        assert_eq!(names, ["coord-0", "worker-0", "worker-1", "worker-2"]);
+        assert_eq!(d.node_count(), 4);
+        assert!(d.slot(&LogicalNodeId::parse("worker-2").unwrap()).is_some());
+        assert!(d.slot(&LogicalNodeId::parse("worker-3").unwrap()).is_none());
+        assert!(d.slot(&LogicalNodeId::parse("other-0").unwrap()).is_none());
+    }
+
+    #[test]
+    fn validation_names_the_offending_field() {
+        let mut s = shape(1, vec![group("ok", 1), group("Bad", 1)]);
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().starts_with("groups[1].id \"Bad\""), "{e}");
+
+        s.groups[1].id = "ok".into();
+        assert!(matches!(
+            s.validate(),
+            Err(ShapeError::DuplicateGroup {
+                index: 1,
+                first: 0,
+                ..
+            })
+        ));
+
+        s.groups[1].id = "two".into();
+        s.groups[1].run_id = Some(RunId::new("elsewhere"));
+        let e = s.validate().unwrap_err();
+        assert!(
+            matches!(e, ShapeError::ForeignGroup { index: 1, .. }),
+            "{e}"
+        );
+
+        s.groups[1].run_id = None;
+        s.groups[1].count = GROUP_COUNT_MAX + 1;
+        assert!(matches!(
+            s.validate(),
+            Err(ShapeError::CountTooLarge { index: 1, .. })
+        ));
+
+        s.groups[1].count = 1;
+        s.groups[1]
+            .provider
+            .params
+            .insert("gpu_ram".into(), ParamValue::Float(f64::NAN));
+        let e = s.validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "groups[1].provider.params.gpu_ram is NaN; it must be a finite number"
+        );
+
+        s.groups[1].provider.params.clear();
+        s.groups[1].join.lost_grace_s = f64::INFINITY;
+        let e = s.validate().unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("groups[1].join.lost_grace_s is inf"),
+            "{e}"
+        );
+
+        s.groups[1].join.lost_grace_s = 1.0;
+        s.groups[1].provider.kind.clear();
+        assert_eq!(
+            s.validate().unwrap_err().to_string(),
+            "groups[1].provider.kind must not be empty"
+        );
+
+        let mut s = shape(1, vec![]);
+        s.run_id = RunId::new("");
+        assert_eq!(
+            s.validate().unwrap_err().to_string(),
+            "run_id \"\" is empty"
+        );
+    }
+
+    #[test]
+    fn total_node_count_is_limited() {
+        let groups = (0..11)
+            .map(|i| group(&format!("g{i}"), GROUP_COUNT_MAX))
+            .collect();
+        assert!(matches!(
+            shape(1, groups).validate(),
+            Err(ShapeError::TooManyNodes { total: 1_100_000 })
+        ));
+    }
+
+    #[test]
+    fn nested_list_params_are_checked_for_finiteness() {
+        let mut s = shape(1, vec![group("g", 1)]);
+        s.groups[0].provider.params.insert(
+            "xs".into(),
+            ParamValue::List(vec![
+                ParamValue::Int(1),
+                ParamValue::Float(f64::NEG_INFINITY),
+            ]),
+        );
+        assert!(
+            s.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("groups[0].provider.params.xs[1]")
+        );
+    }
+}

@@ -1,0 +1,257 @@
+//! Observed state: what the driver knows about every slot.
+
+use crate::id::{
+    Generation, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId, RunId, SessionId,
+};
+use crate::shape::NodeTemplate;
+use crate::time::Timestamp;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// The observation ladder of one attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum NodeStage {
+    /// Slot inserted; nothing dispatched yet.
+    New,
+    /// CreateLease dispatched.
+    LeaseRequested,
+    /// The provider holds a lease; its endpoint is not known yet.
+    LeaseCreated,
+    /// Lease and a reachable endpoint recorded.
+    EndpointKnown,
+    /// A bootstrap session runs; observations flow.
+    BootstrapRunning,
+    /// The node's agent joined the swarm.
+    SwactorJoined,
+    /// The host recorded a handoff (reserved; counts as ready).
+    HandedOff,
+    /// Bootstrap finished; the ready steady state.
+    Dormant,
+    /// The attempt ended in failure.
+    Failed,
+    /// Cleanup finished; awaiting reap or restart.
+    Destroyed,
+}
+
+/// Facts a bootstrap stream reports. The reconciler branches only on the
+/// failure and converged classes; the rest is progress for people to see.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum BootstrapStage {
+    /// Connecting to the machine.
+    SshConnect,
+    /// Running the group's boot check.
+    BootCheck,
+    /// Starting the swactor agent.
+    SwactorStart,
+    /// The agent is joining the swarm.
+    Join,
+    /// The node reports it is converged.
+    Converged,
+    /// The machine could not be reached.
+    SshConnectFailed,
+    /// The boot check failed.
+    BootCheckFailed,
+    /// The agent did not start.
+    SwactorStartFailed,
+    /// The agent could not join the swarm.
+    JoinFailed,
+    /// A joined agent went away, or the stream made no progress in time.
+    AgentLost,
+}
+
+impl BootstrapStage {
+    /// True for the five failure stages.
+    pub fn is_failure(self) -> bool {
+        matches!(
+            self,
+            Self::SshConnectFailed
+                | Self::BootCheckFailed
+                | Self::SwactorStartFailed
+                | Self::JoinFailed
+                | Self::AgentLost
+        )
+    }
+}
+
+/// Whether a slot's attempt is meant to live or is being torn down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Intent {
+    /// The attempt should progress toward ready.
+    Active,
+    /// The attempt is being cleaned up; this runs to completion once entered.
+    Deleting,
+}
+
+/// The five provider effects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum EffectKind {
+    /// Lease a machine (adopting one already leased for this identity).
+    CreateLease,
+    /// Find the leased machine's endpoint.
+    LookupEndpoint,
+    /// Start the bootstrap session (adopting one already running).
+    StartBootstrap,
+    /// Stop the bootstrap session; already gone is success.
+    CancelBootstrap,
+    /// Release the lease; already gone is success.
+    DestroyLease,
+}
+
+impl EffectKind {
+    /// True for the effects that bring something into existence, and so must
+    /// be re-issued (adopting) when their outcome is unknown.
+    pub fn creates(self) -> bool {
+        matches!(self, Self::CreateLease | Self::StartBootstrap)
+    }
+}
+
+/// An operation recorded before dispatch; at most one per node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingOperation {
+    /// Its identity.
+    pub id: OperationId,
+    /// What it does.
+    pub effect: EffectKind,
+    /// When it was dispatched.
+    pub dispatched_at: Timestamp,
+    /// When it is folded as ambiguous if no result came; stored at dispatch.
+    pub deadline: Timestamp,
+}
+
+/// Per-node retry bookkeeping.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryState {
+    /// Failures since the slot was last ready; carried into a replacement attempt.
+    pub consecutive_failures: u32,
+    /// No effect is dispatched before this instant (backoff or probe interval).
+    pub next_effect_at: Option<Timestamp>,
+}
+
+/// Lifecycle facts of one attempt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// Where on the ladder the attempt is.
+    pub stage: NodeStage,
+    /// The convergence flag: set when convergence is observed, cleared on failure or delete.
+    pub ready: bool,
+    /// The provider's lease, while one is live.
+    pub lease: Option<LeaseId>,
+    /// The machine's endpoint, once known.
+    pub endpoint: Option<NodeEndpoint>,
+    /// The live bootstrap session, if any.
+    pub session: Option<SessionId>,
+    /// The last bootstrap fact reported.
+    pub bootstrap: Option<BootstrapStage>,
+    /// A create whose outcome is unknown; re-issued (adopting) before any destructive step.
+    pub ambiguous: Option<EffectKind>,
+    /// A bootstrap session that reports nothing until this instant is failed as stalled.
+    pub bootstrap_deadline: Option<Timestamp>,
+    /// Why the attempt failed.
+    pub failed_reason: Option<String>,
+    /// When the attempt failed.
+    pub failed_at: Option<Timestamp>,
+    /// The most recent error of any kind, for people to read.
+    pub last_error: Option<String>,
+    /// When a destroyed, still-desired slot may start its next attempt.
+    pub restart_at: Option<Timestamp>,
+}
+
+impl NodeRecord {
+    /// The record of a fresh attempt.
+    pub fn new() -> Self {
+        Self {
+            stage: NodeStage::New,
+            ready: false,
+            lease: None,
+            endpoint: None,
+            session: None,
+            bootstrap: None,
+            ambiguous: None,
+            bootstrap_deadline: None,
+            failed_reason: None,
+            failed_at: None,
+            last_error: None,
+            restart_at: None,
+        }
+    }
+}
+
+impl Default for NodeRecord {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One slot as the driver sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ManagedNode {
+    /// The current incarnation.
+    pub attempt: NodeAttemptId,
+    /// The template the attempt was created from.
+    pub template: Arc<NodeTemplate>,
+    /// Active or Deleting.
+    pub intent: Intent,
+    /// Lifecycle facts.
+    pub record: NodeRecord,
+    /// The in-flight operation, at most one.
+    pub pending: Option<PendingOperation>,
+    /// Backoff state.
+    pub retry: RetryState,
+    /// Sequence number of the next operation of this attempt.
+    pub next_op_seq: u64,
+}
+
+impl ManagedNode {
+    /// A fresh attempt for a slot.
+    pub fn new(
+        attempt: NodeAttemptId,
+        template: Arc<NodeTemplate>,
+        consecutive_failures: u32,
+    ) -> Self {
+        Self {
+            attempt,
+            template,
+            intent: Intent::Active,
+            record: NodeRecord::new(),
+            pending: None,
+            retry: RetryState {
+                consecutive_failures,
+                next_effect_at: None,
+            },
+            next_op_seq: 0,
+        }
+    }
+
+    /// True when the node is ready: converged, active, nothing in flight.
+    pub fn is_ready(&self) -> bool {
+        self.record.ready
+            && self.intent == Intent::Active
+            && matches!(self.record.stage, NodeStage::Dormant | NodeStage::HandedOff)
+    }
+}
+
+/// Everything the driver knows. Only the driver writes it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterState {
+    /// The run; fixed for the driver's lifetime.
+    pub run_id: RunId,
+    /// The generation the last pass evaluated (not a readiness claim).
+    pub observed_generation: Option<Generation>,
+    /// The next attempt id to hand out; only grows.
+    pub next_attempt: u64,
+    /// One entry per slot, in slot order.
+    pub nodes: BTreeMap<LogicalNodeId, ManagedNode>,
+}
+
+impl ClusterState {
+    /// An empty state whose attempt allocator starts at `first_attempt`.
+    pub fn new(run_id: RunId, first_attempt: u64) -> Self {
+        Self {
+            run_id,
+            observed_generation: None,
+            next_attempt: first_attempt,
+            nodes: BTreeMap::new(),
+        }
+    }
+}
