@@ -1,0 +1,25 @@
+//! The Swactor engine owns everything that touches time, threads and the
+//! network, so that the decision-making crates can stay pure. It provides the
+//! clock (virtual under tokio's paused time, so tests jump it at will), actor
+//! timers whose late firings are filtered by generation, supervision with a
+//! restart budget that escalates, a bounded and cancellable pool for blocking
+//! calls, the iroh endpoint with its persisted identity, tickets, per-protocol
+//! allowlists and size-limited frames, and the telemetry publisher that streams
+//! a snapshot and events to subscribers without ever waiting for them. Policy
+//! crates are forbidden by clippy from doing any of this themselves; they take
+//! time as an argument and ask the actors, which ask the engine.
+
+pub mod blocking;
+pub mod clock;
+pub mod net;
+pub mod supervision;
+pub mod telemetry;
+pub mod timers;
+
+pub use blocking::{BlockingCall, BlockingConfig, BlockingError, BlockingPool, BlockingTicket, CancelToken};
+pub use clock::{Clock, EngineInstant};
+pub use supervision::{ChildEvent, ChildSpec, Children, RestartPolicy, SupervisionError};
+pub use timers::{TaskGauge, TimerFired, Timers};
+
+pub use iroh;
+pub use ractor;
