@@ -1,0 +1,144 @@
+//! Builders shared by the provisioning integration tests.
+#![allow(dead_code, unreachable_pub)] // Each test binary uses a different subset.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use swactor_provisioning::*;
+
+pub fn t(ms: u64) -> Timestamp {
+    Timestamp::from_millis(ms)
+}
+
+pub fn group(id: &str, count: u32) -> GroupShape {
+    GroupShape {
+        id: id.to_owned(),
+        run_id: None,
+        count,
+        provider: ProviderShape {
+            kind: "fake".to_owned(),
+            params: BTreeMap::new(),
+        },
+        boot: BootParams::default(),
+        role: "worker".to_owned(),
+        join: SwarmJoin::default(),
+    }
+}
+
+pub fn shape(generation: u64, groups: Vec<GroupShape>) -> ClusterShape {
+    ClusterShape {
+        run_id: RunId::new("run"),
+        generation: Generation(generation),
+        groups,
+    }
+}
+
+pub fn node_id(s: &str) -> LogicalNodeId {
+    LogicalNodeId::parse(s).expect("valid node id")
+}
+
+pub fn template(desired: &DesiredState, node: &str) -> Arc<NodeTemplate> {
+    desired.slot(&node_id(node)).expect("desired slot").clone()
+}
+
+pub fn config() -> ReconcilerConfig {
+    ReconcilerConfig {
+        jitter_permille: 0,
+        ..ReconcilerConfig::default()
+    }
+}
+
+pub fn driver() -> Driver {
+    Driver::new(RunId::new("run"), config()).unwrap()
+}
+
+/// Runs passes until none is queued; returns every dispatch.
+pub fn drain(d: &mut Driver, now: Timestamp) -> Vec<Dispatch> {
+    let mut out = Vec::new();
+    while let Some(pass) = d.poll_pass(now).unwrap() {
+        assert!(pass.errors.is_empty(), "{:?}", pass.errors);
+        out.extend(pass.dispatches);
+        d.finish_pass().unwrap();
+    }
+    out
+}
+
+pub fn result(d: &Dispatch, outcome: OperationOutcome) -> OperationResult {
+    OperationResult {
+        node: d.key.node.clone(),
+        op: d.op,
+        outcome,
+    }
+}
+
+pub fn fail(d: &Dispatch, class: FailureClass) -> OperationResult {
+    result(
+        d,
+        OperationOutcome::Failed {
+            class,
+            reason: "injected".to_owned(),
+        },
+    )
+}
+
+/// The success outcome a well-behaved provider gives for `d`.
+pub fn success(d: &Dispatch) -> OperationResult {
+    let key = &d.key;
+    let outcome = match &d.request {
+        EffectRequest::CreateLease { .. } => OperationOutcome::LeaseCreated {
+            lease: LeaseId(format!("lease-{key}")),
+            endpoint: None,
+        },
+        EffectRequest::LookupEndpoint { .. } => OperationOutcome::EndpointFound {
+            endpoint: NodeEndpoint(format!("ep-{key}")),
+        },
+        EffectRequest::StartBootstrap { .. } => OperationOutcome::BootstrapStarted {
+            session: SessionId(format!("sess-{key}")),
+        },
+        EffectRequest::CancelBootstrap { .. } => OperationOutcome::BootstrapCancelled,
+        EffectRequest::DestroyLease { .. } => OperationOutcome::LeaseDestroyed,
+    };
+    result(d, outcome)
+}
+
+pub fn observe(d: &Driver, node: &str, event: BootstrapEvent) -> BootstrapObservation {
+    let n = &d.state().nodes[&node_id(node)];
+    BootstrapObservation {
+        node: node_id(node),
+        attempt: n.attempt,
+        session: n.record.session.clone().expect("live session"),
+        event,
+    }
+}
+
+/// Drives every node to ready with a perfectly behaved provider.
+pub fn converge(d: &mut Driver, now: Timestamp) {
+    for _ in 0..32 {
+        let dispatches = drain(d, now);
+        if dispatches.is_empty() && !d.is_pass_queued() {
+            let joined: Vec<String> = d
+                .state()
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.record.stage == NodeStage::BootstrapRunning)
+                .map(|(id, _)| id.to_string())
+                .collect();
+            if joined.is_empty() {
+                break;
+            }
+            for id in joined {
+                for ev in [
+                    BootstrapEvent::SwactorJoined,
+                    BootstrapEvent::Stage(BootstrapStage::Converged),
+                ] {
+                    let o = observe(d, &id, ev);
+                    assert_eq!(d.handle_bootstrap(o, now).unwrap(), Folded::Applied);
+                }
+            }
+            continue;
+        }
+        for disp in dispatches {
+            assert_eq!(d.handle_result(success(&disp), now).unwrap(), Folded::Applied);
+        }
+    }
+    assert!(d.is_converged(), "did not converge: {:#?}", d.state());
+}
