@@ -1,0 +1,252 @@
+//! Driver core: revision contract, trigger semantics, pending-before-dispatch, limits.
+
+mod common;
+
+use common::*;
+use swactor_provisioning::*;
+
+#[test]
+fn the_revision_contract_rejects_regressions_silent_changes_and_other_runs() {
+    let mut d = driver();
+    assert_eq!(d.update_desired(&shape(3, vec![group("w", 2)])), Ok(DesiredUpdate::Accepted(Generation(3))));
+    // An identical resubmission is a no-op.
+    assert_eq!(d.update_desired(&shape(3, vec![group("w", 2)])), Ok(DesiredUpdate::Unchanged(Generation(3))));
+    // Same generation, new content: rejected.
+    assert_eq!(
+        d.update_desired(&shape(3, vec![group("w", 3)])),
+        Err(UpdateError::SameGenerationChanged { generation: Generation(3) })
+    );
+    // Regression: rejected, even with identical content.
+    assert!(matches!(
+        d.update_desired(&shape(2, vec![group("w", 2)])),
+        Err(UpdateError::GenerationRegressed { .. })
+    ));
+    let mut other = shape(4, vec![group("w", 2)]);
+    other.run_id = RunId::new("other");
+    assert!(matches!(d.update_desired(&other), Err(UpdateError::RunMismatch { .. })));
+    let mut invalid = shape(4, vec![group("w", 2)]);
+    invalid.groups[0].id = "W".into();
+    assert!(matches!(d.update_desired(&invalid), Err(UpdateError::Invalid(_))));
+    assert_eq!(d.desired().generation, Generation(3), "rejections change nothing");
+    // Generations may be skipped.
+    assert_eq!(d.update_desired(&shape(10, vec![group("w", 1)])), Ok(DesiredUpdate::Accepted(Generation(10))));
+}
+
+#[test]
+fn every_dispatch_is_recorded_as_pending_before_it_is_returned() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 3)])).unwrap();
+    let dispatches = drain(&mut d, t(0));
+    assert_eq!(dispatches.len(), 3);
+    for disp in &dispatches {
+        let n = &d.state().nodes[&disp.key.node];
+        let p = n.pending.as_ref().expect("pending recorded");
+        assert_eq!((p.id, p.effect, p.deadline), (disp.op, disp.request.kind(), disp.deadline));
+        assert_eq!(n.attempt, disp.key.attempt);
+    }
+    // And while pending, nothing more is emitted for those nodes.
+    d.handle_tick(t(1));
+    assert!(drain(&mut d, t(1)).is_empty());
+}
+
+#[test]
+fn poll_pass_during_a_pass_is_reentry_and_is_refused() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    let _pass = d.poll_pass(t(0)).unwrap().expect("queued");
+    assert_eq!(d.poll_pass(t(0)).unwrap_err(), DriverError::Reentry);
+    d.finish_pass().unwrap();
+    assert_eq!(d.finish_pass(), Err(DriverError::NotRunning));
+}
+
+#[test]
+fn triggers_while_queued_collapse_and_a_trigger_during_a_pass_gets_exactly_one_follow_up() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    d.update_desired(&shape(2, vec![group("w", 2)])).unwrap();
+    d.update_desired(&shape(3, vec![group("w", 3)])).unwrap();
+    assert_eq!(d.stats().collapsed_triggers, 2);
+    // The inserts pass: transitions guarantee a follow-up.
+    let p = d.poll_pass(t(0)).unwrap().unwrap();
+    assert_eq!(p.stats.transitions, 3);
+    d.finish_pass().unwrap();
+    let p = d.poll_pass(t(0)).unwrap().unwrap();
+    assert_eq!(p.dispatches.len(), 3);
+    // Two triggers during the pass: exactly one follow-up.
+    let r0 = success(&p.dispatches[0]);
+    let r1 = success(&p.dispatches[1]);
+    assert_eq!(d.handle_result(r0, t(0)).unwrap(), Folded::Applied);
+    assert_eq!(d.handle_result(r1, t(0)).unwrap(), Folded::Applied);
+    d.finish_pass().unwrap();
+    assert!(d.is_pass_queued());
+    let follow = d.poll_pass(t(0)).unwrap().unwrap();
+    assert_eq!(follow.dispatches.len(), 2);
+    d.finish_pass().unwrap();
+    assert!(d.poll_pass(t(0)).unwrap().is_none(), "exactly one follow-up");
+}
+
+#[test]
+fn a_failed_submission_folds_as_an_operation_failure() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    let disp = drain(&mut d, t(0)).pop().unwrap();
+    assert_eq!(d.handle_submit_failed(&disp, "queue full", t(0)).unwrap(), Folded::Applied);
+    let n = &d.state().nodes[&node_id("w-0")];
+    assert!(n.pending.is_none());
+    assert_eq!(n.retry.consecutive_failures, 1);
+    assert!(n.record.last_error.as_deref().unwrap().contains("queue full"));
+}
+
+#[test]
+fn poll_timeout_is_the_earliest_deadline_among_waiting_nodes() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 2)])).unwrap();
+    let ds = drain(&mut d, t(0));
+    assert_eq!(d.poll_timeout(), Some(t(d.config().timeouts.create_lease_ms)));
+    assert_eq!(d.handle_result(fail(&ds[0], FailureClass::Definite), t(10)).unwrap(), Folded::Applied);
+    assert!(drain(&mut d, t(10)).is_empty());
+    assert_eq!(d.poll_timeout(), Some(t(1_010)), "the backoff is earlier than the other create's deadline");
+}
+
+#[test]
+fn scale_down_removes_only_the_highest_indexes() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 4)])).unwrap();
+    converge(&mut d, t(0));
+    d.update_desired(&shape(2, vec![group("w", 2)])).unwrap();
+    let p = d.plan(t(0));
+    let deleting: Vec<String> = p.actions.iter().map(|a| a.node.to_string()).collect();
+    assert_eq!(deleting, ["w-2", "w-3"]);
+    converge(&mut d, t(0));
+    let left: Vec<String> = d.state().nodes.keys().map(ToString::to_string).collect();
+    assert_eq!(left, ["w-0", "w-1"]);
+}
+
+#[test]
+fn spec_drift_replaces_the_attempt_only_after_full_cleanup() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    converge(&mut d, t(0));
+    let first = d.state().nodes[&node_id("w-0")].attempt;
+    let mut g = group("w", 1);
+    g.role = "coordinator".into();
+    d.update_desired(&shape(2, vec![g])).unwrap();
+    let cancel = drain(&mut d, t(0));
+    assert_eq!(cancel.len(), 1);
+    assert_eq!(cancel[0].key.attempt, first);
+    assert_eq!(cancel[0].request.kind(), EffectKind::CancelBootstrap);
+    assert_eq!(d.handle_result(success(&cancel[0]), t(0)).unwrap(), Folded::Applied);
+    let destroy = drain(&mut d, t(0));
+    assert_eq!(destroy[0].request.kind(), EffectKind::DestroyLease);
+    assert_eq!(d.handle_result(success(&destroy[0]), t(0)).unwrap(), Folded::Applied);
+    let create = drain(&mut d, t(0));
+    assert_eq!(create[0].request.kind(), EffectKind::CreateLease);
+    assert!(create[0].key.attempt > first);
+    assert_eq!(d.handle_result(success(&create[0]), t(0)).unwrap(), Folded::Applied);
+    converge(&mut d, t(0));
+    assert_eq!(d.state().nodes[&node_id("w-0")].template.role, "coordinator");
+}
+
+#[test]
+fn attempt_id_exhaustion_is_an_error_not_a_panic_or_a_spin() {
+    let mut d = Driver::new(
+        RunId::new("run"),
+        ReconcilerConfig {
+            first_attempt_id: u64::MAX - 1,
+            ..config()
+        },
+    )
+    .unwrap();
+    d.update_desired(&shape(1, vec![group("w", 3)])).unwrap();
+    let pass = d.poll_pass(t(0)).unwrap().unwrap();
+    assert_eq!(pass.stats.transitions, 1, "only one id was left");
+    assert_eq!(pass.errors.len(), 2);
+    assert!(matches!(pass.errors[0], DriverError::AttemptIdsExhausted { .. }));
+    d.finish_pass().unwrap();
+    // The follow-up pass fails the same way; it does not loop on its own.
+    let pass = d.poll_pass(t(0)).unwrap().unwrap();
+    d.finish_pass().unwrap();
+    assert!(pass.errors.len() == 2);
+    assert!(d.poll_pass(t(0)).unwrap().is_none());
+}
+
+#[test]
+fn deadline_overflow_is_an_error_and_leaves_the_node_unchanged() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    let near_end = t(u64::MAX - 10);
+    let pass = d.poll_pass(near_end).unwrap().unwrap();
+    d.finish_pass().unwrap();
+    assert!(pass.errors.is_empty());
+    let pass = d.poll_pass(near_end).unwrap().unwrap();
+    d.finish_pass().unwrap();
+    assert!(matches!(pass.errors[0], DriverError::Deadline { .. }), "{:?}", pass.errors);
+    let n = &d.state().nodes[&node_id("w-0")];
+    assert!(n.pending.is_none());
+    assert_eq!(n.record.stage, NodeStage::New);
+}
+
+#[test]
+fn plan_previews_a_shape_without_applying_it() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    converge(&mut d, t(0));
+    let before = d.state().clone();
+    let plan = d.plan_shape(&shape(2, vec![group("w", 3)]), t(0)).unwrap();
+    let rows: Vec<_> = plan.actions.iter().map(|a| (a.node.to_string(), a.row)).collect();
+    assert_eq!(rows, [("w-1".into(), LadderRow::InsertSlot), ("w-2".into(), LadderRow::InsertSlot)]);
+    assert_eq!(d.state(), &before);
+    assert_eq!(d.desired().generation, Generation(1));
+    assert!(d.plan_shape(&shape(0, vec![]), t(0)).is_err());
+}
+
+#[test]
+fn observed_generation_alone_is_not_convergence() {
+    let mut d = driver();
+    d.update_desired(&shape(5, vec![group("w", 1)])).unwrap();
+    drain(&mut d, t(0));
+    assert_eq!(d.state().observed_generation, Some(Generation(5)));
+    assert!(!d.is_converged());
+}
+
+#[test]
+fn results_of_a_superseded_attempt_are_discarded() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    let s = {
+        let mut found = None;
+        for _ in 0..5 {
+            for disp in drain(&mut d, t(0)) {
+                if disp.request.kind() == EffectKind::StartBootstrap {
+                    found = Some(disp);
+                } else {
+                    assert_eq!(d.handle_result(success(&disp), t(0)).unwrap(), Folded::Applied);
+                }
+            }
+        }
+        found.unwrap()
+    };
+    assert_eq!(d.handle_result(fail(&s, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    let old_session_obs = BootstrapObservation {
+        node: node_id("w-0"),
+        attempt: s.key.attempt,
+        session: SessionId("whatever".into()),
+        event: BootstrapEvent::SwactorJoined,
+    };
+    for disp in drain(&mut d, t(0)) {
+        assert_eq!(d.handle_result(success(&disp), t(0)).unwrap(), Folded::Applied);
+    }
+    drain(&mut d, t(0));
+    d.handle_timeout(t(1_000)).unwrap();
+    drain(&mut d, t(1_000));
+    let before = d.state().clone();
+    assert_eq!(
+        d.handle_result(success(&s), t(1_000)).unwrap(),
+        Folded::Discarded(DiscardReason::SupersededAttempt)
+    );
+    assert_eq!(
+        d.handle_bootstrap(old_session_obs, t(1_000)).unwrap(),
+        Folded::Discarded(DiscardReason::SupersededAttempt)
+    );
+    assert_eq!(d.state(), &before);
+}

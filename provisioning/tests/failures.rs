@@ -1,0 +1,242 @@
+//! One test per row of the failure-classification table, plus backoff bookkeeping.
+
+mod common;
+
+use common::*;
+use swactor_provisioning::*;
+
+fn one_node() -> Driver {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    d
+}
+
+fn node(d: &Driver) -> &ManagedNode {
+    &d.state().nodes[&node_id("w-0")]
+}
+
+/// Runs until the next dispatch of `kind`, succeeding everything before it.
+fn until(d: &mut Driver, now: Timestamp, kind: EffectKind) -> Dispatch {
+    for _ in 0..10 {
+        for disp in drain(d, now) {
+            if disp.request.kind() == kind {
+                return disp;
+            }
+            assert_eq!(d.handle_result(success(&disp), now).unwrap(), Folded::Applied);
+        }
+    }
+    panic!("no {kind:?} dispatched");
+}
+
+#[test]
+fn a_failed_create_lease_retries_after_exponential_backoff_keeping_nothing() {
+    let mut d = one_node();
+    let c = until(&mut d, t(0), EffectKind::CreateLease);
+    assert_eq!(d.handle_result(fail(&c, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).retry.next_effect_at, Some(t(1_000)));
+    assert_eq!(node(&d).record.lease, None);
+    assert_eq!(node(&d).record.ambiguous, None);
+    assert!(drain(&mut d, t(500)).is_empty(), "no retry before the backoff");
+    assert_eq!(d.poll_timeout(), Some(t(1_000)));
+    d.handle_timeout(t(1_000)).unwrap();
+    let retry = drain(&mut d, t(1_000));
+    assert_eq!(retry.len(), 1);
+    assert_eq!(retry[0].key.attempt, c.key.attempt, "same attempt, same identity");
+    assert_eq!(d.handle_result(fail(&retry[0], FailureClass::Definite), t(1_000)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).retry.next_effect_at, Some(t(3_000)), "doubles");
+    assert_eq!(node(&d).retry.consecutive_failures, 2);
+}
+
+#[test]
+fn endpoint_not_ready_is_a_probe_on_the_probe_interval_not_a_failure() {
+    let mut d = one_node();
+    let l = until(&mut d, t(0), EffectKind::LookupEndpoint);
+    assert_eq!(d.handle_result(result(&l, OperationOutcome::EndpointNotReady), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).retry.consecutive_failures, 0);
+    assert_eq!(node(&d).retry.next_effect_at, Some(t(d.config().probe_interval_ms)));
+    assert!(node(&d).record.lease.is_some(), "the lease is kept");
+    assert_eq!(node(&d).record.last_error, None);
+}
+
+#[test]
+fn a_failed_endpoint_lookup_keeps_the_lease_and_retries_after_backoff() {
+    let mut d = one_node();
+    let l = until(&mut d, t(0), EffectKind::LookupEndpoint);
+    assert_eq!(d.handle_result(fail(&l, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).retry.consecutive_failures, 1);
+    assert_eq!(node(&d).retry.next_effect_at, Some(t(1_000)));
+    assert!(node(&d).record.lease.is_some());
+    assert_eq!(node(&d).record.stage, NodeStage::LeaseCreated);
+}
+
+#[test]
+fn a_bootstrap_that_fails_to_start_ends_the_attempt_and_cleanup_starts_immediately() {
+    let mut d = one_node();
+    let s = until(&mut d, t(0), EffectKind::StartBootstrap);
+    let first = s.key.attempt;
+    assert_eq!(d.handle_result(fail(&s, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).record.stage, NodeStage::Failed);
+    assert_eq!(node(&d).retry.next_effect_at, None, "no backoff on cleanup");
+    let cleanup = drain(&mut d, t(0));
+    assert_eq!(cleanup.len(), 1);
+    assert_eq!(cleanup[0].request.kind(), EffectKind::DestroyLease, "same instant");
+    assert_eq!(d.handle_result(success(&cleanup[0]), t(0)).unwrap(), Folded::Applied);
+    assert!(drain(&mut d, t(0)).is_empty());
+    // Backoff applies to the restart.
+    assert_eq!(node(&d).record.stage, NodeStage::Destroyed);
+    assert_eq!(node(&d).record.restart_at, Some(t(1_000)));
+    d.handle_timeout(t(1_000)).unwrap();
+    let next = drain(&mut d, t(1_000));
+    assert_eq!(next[0].request.kind(), EffectKind::CreateLease);
+    assert!(next[0].key.attempt > first, "a fresh attempt");
+    assert_eq!(node(&d).retry.consecutive_failures, 1, "failures carry into the replacement");
+}
+
+#[test]
+fn a_bootstrap_runtime_or_join_failure_ends_the_attempt() {
+    for event in [
+        BootstrapEvent::Failed {
+            stage: BootstrapStage::BootCheckFailed,
+            reason: "check exited 1".into(),
+        },
+        BootstrapEvent::Failed {
+            stage: BootstrapStage::JoinFailed,
+            reason: "token refused".into(),
+        },
+        BootstrapEvent::Stage(BootstrapStage::SwactorStartFailed),
+        BootstrapEvent::Stage(BootstrapStage::SshConnectFailed),
+        BootstrapEvent::Closed,
+    ] {
+        let mut d = one_node();
+        let s = until(&mut d, t(0), EffectKind::StartBootstrap);
+        assert_eq!(d.handle_result(success(&s), t(0)).unwrap(), Folded::Applied);
+        let o = observe(&d, "w-0", event.clone());
+        assert_eq!(d.handle_bootstrap(o, t(5)).unwrap(), Folded::Applied);
+        let n = node(&d);
+        assert_eq!(n.record.stage, NodeStage::Failed, "{event:?}");
+        assert_eq!(n.record.failed_at, Some(t(5)));
+        assert!(n.record.failed_reason.is_some());
+        assert_eq!(n.retry.consecutive_failures, 1);
+        let cleanup = drain(&mut d, t(5));
+        let want = if event == BootstrapEvent::Closed {
+            EffectKind::DestroyLease
+        } else {
+            EffectKind::CancelBootstrap
+        };
+        assert_eq!(cleanup[0].request.kind(), want, "{event:?}");
+    }
+}
+
+#[test]
+fn a_failed_cancel_or_destroy_stays_deleting_and_retries_after_backoff() {
+    let mut d = one_node();
+    converge(&mut d, t(0));
+    d.update_desired(&shape(2, vec![])).unwrap();
+    let cancel = drain(&mut d, t(0));
+    assert_eq!(cancel[0].request.kind(), EffectKind::CancelBootstrap);
+    assert_eq!(d.handle_result(fail(&cancel[0], FailureClass::Ambiguous), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).intent, Intent::Deleting);
+    assert!(node(&d).record.session.is_some(), "failed cleanup keeps its live facts");
+    assert!(drain(&mut d, t(999)).is_empty());
+    d.handle_timeout(t(1_000)).unwrap();
+    let again = drain(&mut d, t(1_000));
+    assert_eq!(again[0].request.kind(), EffectKind::CancelBootstrap);
+    assert_eq!(d.handle_result(success(&again[0]), t(1_000)).unwrap(), Folded::Applied);
+    let destroy = drain(&mut d, t(1_000));
+    assert_eq!(destroy[0].request.kind(), EffectKind::DestroyLease);
+    assert_eq!(d.handle_result(fail(&destroy[0], FailureClass::Definite), t(1_000)).unwrap(), Folded::Applied);
+    assert!(node(&d).record.lease.is_some());
+    assert_eq!(node(&d).retry.next_effect_at, Some(t(1_000 + 2_000)), "second failure");
+}
+
+#[test]
+fn an_ambiguous_create_is_remembered_and_reissued_so_the_executor_adopts() {
+    let mut d = one_node();
+    let c = until(&mut d, t(0), EffectKind::CreateLease);
+    assert_eq!(d.handle_result(fail(&c, FailureClass::Ambiguous), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).record.ambiguous, Some(EffectKind::CreateLease));
+    // Scale to zero: the ambiguous create is re-issued before anything else.
+    d.update_desired(&shape(2, vec![])).unwrap();
+    let next = drain(&mut d, t(0));
+    assert_eq!(next[0].request.kind(), EffectKind::CreateLease);
+    assert_eq!(next[0].key, c.key, "same identity, so the provider adopts");
+    assert_eq!(d.handle_result(success(&next[0]), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).record.ambiguous, None);
+    assert_eq!(drain(&mut d, t(0))[0].request.kind(), EffectKind::DestroyLease);
+}
+
+#[test]
+fn an_operation_past_its_stored_deadline_folds_as_ambiguous_and_its_late_result_is_discarded() {
+    let mut d = one_node();
+    let c = until(&mut d, t(0), EffectKind::CreateLease);
+    let deadline = c.deadline;
+    assert_eq!(deadline, t(d.config().timeouts.create_lease_ms));
+    assert_eq!(d.poll_timeout(), Some(deadline));
+    assert_eq!(d.handle_timeout(deadline).unwrap(), 1);
+    assert_eq!(node(&d).record.ambiguous, Some(EffectKind::CreateLease));
+    assert_eq!(node(&d).pending, None);
+    assert_eq!(
+        d.handle_result(success(&c), deadline).unwrap(),
+        Folded::Discarded(DiscardReason::StaleOperation)
+    );
+    assert_eq!(node(&d).record.lease, None);
+}
+
+#[test]
+fn a_bootstrap_that_stalls_past_its_deadline_fails_the_attempt() {
+    let mut d = one_node();
+    let s = until(&mut d, t(0), EffectKind::StartBootstrap);
+    assert_eq!(d.handle_result(success(&s), t(0)).unwrap(), Folded::Applied);
+    assert!(drain(&mut d, t(0)).is_empty());
+    let stall = d.config().bootstrap_stall_ms;
+    assert_eq!(d.poll_timeout(), Some(t(stall)));
+    // Progress pushes the deadline out.
+    let o = observe(&d, "w-0", BootstrapEvent::Stage(BootstrapStage::BootCheck));
+    assert_eq!(d.handle_bootstrap(o, t(10)).unwrap(), Folded::Applied);
+    assert!(drain(&mut d, t(10)).is_empty());
+    assert_eq!(d.poll_timeout(), Some(t(10 + stall)));
+    d.handle_timeout(t(10 + stall)).unwrap();
+    assert_eq!(node(&d).record.stage, NodeStage::Failed);
+    assert_eq!(node(&d).record.bootstrap, Some(BootstrapStage::AgentLost));
+}
+
+#[test]
+fn reaching_ready_resets_the_failure_count() {
+    let mut d = one_node();
+    let c = until(&mut d, t(0), EffectKind::CreateLease);
+    assert_eq!(d.handle_result(fail(&c, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).retry.consecutive_failures, 1);
+    d.handle_timeout(t(1_000)).unwrap();
+    converge(&mut d, t(1_000));
+    assert_eq!(node(&d).retry.consecutive_failures, 0);
+    assert_eq!(node(&d).record.last_error, None);
+}
+
+#[test]
+fn a_ready_node_whose_agent_is_lost_is_failed_and_replaced() {
+    let mut d = one_node();
+    converge(&mut d, t(0));
+    let first = node(&d).attempt;
+    let o = observe(
+        &d,
+        "w-0",
+        BootstrapEvent::Failed {
+            stage: BootstrapStage::AgentLost,
+            reason: "agent disconnected".into(),
+        },
+    );
+    assert_eq!(d.handle_bootstrap(o, t(100)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).record.stage, NodeStage::Failed);
+    assert!(!d.is_converged());
+    // Cleanup runs at once; the restart waits out one backoff.
+    let cancel = drain(&mut d, t(100));
+    assert_eq!(cancel[0].request.kind(), EffectKind::CancelBootstrap);
+    assert_eq!(d.handle_result(success(&cancel[0]), t(100)).unwrap(), Folded::Applied);
+    let destroy = drain(&mut d, t(100));
+    assert_eq!(d.handle_result(success(&destroy[0]), t(100)).unwrap(), Folded::Applied);
+    assert!(drain(&mut d, t(100)).is_empty());
+    assert_eq!(node(&d).record.restart_at, Some(t(1_100)));
+    assert_eq!(d.handle_timeout(t(1_100)).unwrap(), 0);
+    converge(&mut d, t(1_100));
+    assert!(node(&d).attempt > first);
+}
