@@ -16,7 +16,9 @@ pub mod supervision;
 pub mod telemetry;
 pub mod timers;
 
-pub use blocking::{BlockingCall, BlockingConfig, BlockingError, BlockingPool, BlockingTicket, CancelToken};
+pub use blocking::{
+    BlockingCall, BlockingConfig, BlockingError, BlockingPool, BlockingTicket, CancelToken,
+};
 pub use clock::{Clock, EngineInstant};
 pub use supervision::{ChildEvent, ChildSpec, Children, RestartPolicy, SupervisionError};
 pub use timers::{TaskGauge, TimerFired, Timers};

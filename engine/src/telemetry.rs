@@ -316,7 +316,10 @@ impl<S: Serialize, E: Serialize> TelemetryPublisher<S, E> {
     pub fn set_snapshot(&self, state: &S) -> Result<(), TelemetryError> {
         let mut ring = self.shared.lock();
         let seq = ring.seq;
-        ring.snapshot = encode::<S, E>(&TelemetryFrame::Snapshot { seq, state }, self.shared.config.frame_len_max)?;
+        ring.snapshot = encode::<S, E>(
+            &TelemetryFrame::Snapshot { seq, state },
+            self.shared.config.frame_len_max,
+        )?;
         ring.snapshot_seq = seq;
         // Events the snapshot already covers will never be replayed.
         while ring.history.front().is_some_and(|(s, _)| *s <= seq) {
@@ -407,7 +410,9 @@ impl TelemetryHandler {
             .map(|(_, frame)| frame.clone())
             .collect();
         let oldest_held = ring.history.front().map_or(ring.seq + 1, |(seq, _)| *seq);
-        let missed = oldest_held.saturating_sub(first_wanted).min(ring.seq - ring.snapshot_seq);
+        let missed = oldest_held
+            .saturating_sub(first_wanted)
+            .min(ring.seq - ring.snapshot_seq);
         Some(Start {
             snapshot: ring.snapshot.clone(),
             backlog,
@@ -435,7 +440,10 @@ impl TelemetryHandler {
                 Ok(Err(error)) => Err(AcceptError::from_err(error)),
                 Err(_) => {
                     tracing::warn!(peer = %conn.remote_id().fmt_short(), "telemetry subscriber stalled; dropping it");
-                    conn.close(codes::CLOSE_SUBSCRIBER_STALLED, b"subscriber stopped reading");
+                    conn.close(
+                        codes::CLOSE_SUBSCRIBER_STALLED,
+                        b"subscriber stopped reading",
+                    );
                     Ok(false)
                 }
             }

@@ -31,7 +31,9 @@ impl Allowlist {
     /// Only the given peers may connect.
     #[must_use]
     pub fn only(peers: impl IntoIterator<Item = EndpointId>) -> Self {
-        Self(Arc::new(RwLock::new(Rule::Only(peers.into_iter().collect()))))
+        Self(Arc::new(RwLock::new(Rule::Only(
+            peers.into_iter().collect(),
+        ))))
     }
 
     /// Nobody may connect until allowed.

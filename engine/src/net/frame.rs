@@ -190,7 +190,10 @@ mod tests {
         send_frame(&mut a, &hello, 64).await.unwrap();
         send_frame(&mut a, &hello, 64).await.unwrap();
         drop(a);
-        assert_eq!(recv_frame::<Hello, _>(&mut b, 64).await.unwrap(), Some(hello));
+        assert_eq!(
+            recv_frame::<Hello, _>(&mut b, 64).await.unwrap(),
+            Some(hello)
+        );
         assert!(recv_frame::<Hello, _>(&mut b, 64).await.unwrap().is_some());
         assert!(recv_frame::<Hello, _>(&mut b, 64).await.unwrap().is_none());
     }
@@ -209,7 +212,13 @@ mod tests {
         let (mut a, _b) = tokio::io::duplex(1024);
         let big = vec![0u8; 100];
         let err = send_frame(&mut a, &big, 50).await.unwrap_err();
-        assert!(matches!(err, FrameError::TooLarge { len: 101, frame_len_max: 50 }));
+        assert!(matches!(
+            err,
+            FrameError::TooLarge {
+                len: 101,
+                frame_len_max: 50
+            }
+        ));
     }
 
     #[tokio::test]

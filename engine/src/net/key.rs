@@ -29,7 +29,9 @@ pub enum KeyFileError {
         source: io::Error,
     },
     /// The file exists but does not hold 64 hex digits.
-    #[error("secret key file {path} is malformed: expected 64 hex digits, found {found_len} characters")]
+    #[error(
+        "secret key file {path} is malformed: expected 64 hex digits, found {found_len} characters"
+    )]
     Malformed {
         /// The file.
         path: PathBuf,
@@ -37,7 +39,9 @@ pub enum KeyFileError {
         found_len: usize,
     },
     /// The file exists but other users may read it.
-    #[error("secret key file {path} has mode {mode:o}; it must not be readable by group or others (chmod 600)")]
+    #[error(
+        "secret key file {path} has mode {mode:o}; it must not be readable by group or others (chmod 600)"
+    )]
     Permissions {
         /// The file.
         path: PathBuf,
@@ -152,7 +156,11 @@ mod tests {
         assert_eq!(mode, 0o600);
         let second = load_or_create_secret_key(&path).unwrap();
         assert_eq!(first.public(), second.public());
-        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1, "no temp file left");
+        assert_eq!(
+            fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no temp file left"
+        );
     }
 
     #[test]
@@ -162,7 +170,10 @@ mod tests {
         fs::write(&path, "not hex at all\n").unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
         let err = load_or_create_secret_key(&path).unwrap_err();
-        assert!(matches!(err, KeyFileError::Malformed { found_len: 14, .. }), "{err}");
+        assert!(
+            matches!(err, KeyFileError::Malformed { found_len: 14, .. }),
+            "{err}"
+        );
     }
 
     #[test]
@@ -172,7 +183,10 @@ mod tests {
         load_or_create_secret_key(&path).unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
         let err = load_or_create_secret_key(&path).unwrap_err();
-        assert!(matches!(err, KeyFileError::Permissions { mode: 0o644, .. }), "{err}");
+        assert!(
+            matches!(err, KeyFileError::Permissions { mode: 0o644, .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains("chmod 600"));
     }
 }

@@ -15,9 +15,7 @@ use iroh::endpoint::{
 use iroh::{Endpoint, EndpointAddr, RelayMode, SecretKey};
 
 pub use allowlist::{Allowlist, GuardedRouterBuilder, NotAllowed};
-pub use frame::{
-    FRAME_HEADER_LEN, FrameError, encode_frame, recv_frame, reset_stream, send_frame,
-};
+pub use frame::{FRAME_HEADER_LEN, FrameError, encode_frame, recv_frame, reset_stream, send_frame};
 pub use key::{KeyFileError, load_or_create_secret_key};
 pub use ticket::{EndpointTicket, TICKET_LEN_MAX, TICKET_PREFIX, TicketError};
 
@@ -164,7 +162,10 @@ pub enum NetError {
 ///
 /// # Errors
 /// [`NetError`].
-pub async fn bind_endpoint(config: &NetConfig, secret_key: SecretKey) -> Result<Endpoint, NetError> {
+pub async fn bind_endpoint(
+    config: &NetConfig,
+    secret_key: SecretKey,
+) -> Result<Endpoint, NetError> {
     config
         .validate()
         .map_err(|source| NetError::Config { source })?;

@@ -57,7 +57,9 @@ impl fmt::Display for EndpointTicket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Serialising an EndpointAddr into a Vec cannot fail.
         let bytes = postcard::to_allocvec(&self.addr).map_err(|_| fmt::Error)?;
-        let body = data_encoding::BASE32_NOPAD.encode(&bytes).to_ascii_lowercase();
+        let body = data_encoding::BASE32_NOPAD
+            .encode(&bytes)
+            .to_ascii_lowercase();
         write!(f, "{TICKET_PREFIX}{body}")
     }
 }

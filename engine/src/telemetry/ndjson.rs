@@ -165,7 +165,8 @@ impl NdjsonSink {
     /// The value cannot be encoded, is too long, the queue is full (the line
     /// is dropped and counted), or the writer stopped.
     pub fn record<T: Serialize + ?Sized>(&self, value: &T) -> Result<(), NdjsonError> {
-        let mut line = serde_json::to_vec(value).map_err(|source| NdjsonError::Encode { source })?;
+        let mut line =
+            serde_json::to_vec(value).map_err(|source| NdjsonError::Encode { source })?;
         line.push(b'\n');
         if line.len() > self.line_len_max {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
