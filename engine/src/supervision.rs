@@ -5,7 +5,7 @@
 //! [`Children::handle_event`] from its `handle_supervisor_evt` (which it
 //! must override: ractor's default stops the parent on any child exit):
 //!
-//! ```ignore
+//! ```text
 //! async fn handle_supervisor_evt(&self, myself: ActorRef<Msg>, evt: SupervisionEvent,
 //!                                state: &mut State) -> Result<(), ActorProcessingErr> {
 //!     // An error here is the escalation: the parent fails and its own
@@ -250,15 +250,31 @@ impl Children {
     /// Applies a supervision event: restarts a failed child within its
     /// budget, forgets a stopped one, and ignores events about other actors.
     ///
+    /// The event is inspected before the returned future is first polled, so
+    /// the future does not borrow it (ractor's events are not `Sync`).
+    ///
     /// # Errors
     /// [`SupervisionError::RestartLimit`] when the budget is spent (the child
     /// stays down), or [`SupervisionError::Spawn`] when a restart fails.
     /// The parent escalates by returning the error from its handler.
-    pub async fn handle_event(
-        &mut self,
+    pub fn handle_event<'a>(
+        &'a mut self,
         supervisor: &ActorCell,
         event: &SupervisionEvent,
-    ) -> Result<ChildEvent, SupervisionError> {
+    ) -> impl Future<Output = Result<ChildEvent, SupervisionError>> + Send + 'a {
+        let decided = self.classify(event);
+        let supervisor = supervisor.clone();
+        async move {
+            match decided {
+                Ok(event) => Ok(event),
+                Err(label) => self.restart(&supervisor, label).await,
+            }
+        }
+    }
+
+    /// Settles an event that needs no restart (`Ok`), or names the failed
+    /// child to restart (`Err(label)`).
+    fn classify(&mut self, event: &SupervisionEvent) -> Result<ChildEvent, String> {
         match event {
             SupervisionEvent::ActorStarted(cell) => Ok(match self.label_of.get(&cell.get_id()) {
                 Some(label) => ChildEvent::Started {
@@ -279,7 +295,7 @@ impl Children {
                     return Ok(ChildEvent::Unmanaged);
                 };
                 tracing::warn!(child = %label, %error, "child failed");
-                self.restart(supervisor, label).await
+                Err(label)
             }
             _ => Ok(ChildEvent::Unmanaged),
         }

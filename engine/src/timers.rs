@@ -5,7 +5,7 @@
 //! [`Timers::accept`] drops any firing whose generation is no longer current,
 //! so a re-armed or cancelled timer can never reach the handler late.
 //!
-//! ```ignore
+//! ```text
 //! enum Msg { Timer(TimerFired<Key>), /* ... */ }
 //! impl From<TimerFired<Key>> for Msg { fn from(f: TimerFired<Key>) -> Self { Msg::Timer(f) } }
 //!
