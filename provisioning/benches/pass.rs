@@ -1,1 +1,145 @@
-fn main() {}
+//! Cost of one reconcile pass over settled and churning clusters.
+
+use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use swactor_provisioning::*;
+
+fn shape(generation: u64, n: u32) -> ClusterShape {
+    // Ten groups, as a real shape would have a handful.
+    let groups = (0..10)
+        .map(|g| GroupShape {
+            id: format!("g{g}"),
+            run_id: None,
+            count: n / 10,
+            provider: ProviderShape {
+                kind: "fake".into(),
+                params: BTreeMap::new(),
+            },
+            boot: BootParams::default(),
+            role: "worker".into(),
+            join: SwarmJoin::default(),
+        })
+        .collect();
+    ClusterShape {
+        run_id: RunId::new("bench"),
+        generation: Generation(generation),
+        groups,
+    }
+}
+
+/// A converged cluster of `n` nodes, built by folding a perfect provider's answers.
+fn settled(n: u32) -> Driver {
+    let mut d = Driver::new(RunId::new("bench"), ReconcilerConfig::default()).unwrap();
+    d.update_desired(&shape(1, n)).unwrap();
+    let now = Timestamp::from_millis(0);
+    loop {
+        let mut dispatches = Vec::new();
+        while let Some(pass) = d.poll_pass(now).unwrap() {
+            dispatches.extend(pass.dispatches);
+            d.finish_pass().unwrap();
+        }
+        if dispatches.is_empty() {
+            break;
+        }
+        for disp in dispatches {
+            let k = &disp.key;
+            let outcome = match &disp.request {
+                EffectRequest::CreateLease { .. } => OperationOutcome::LeaseCreated {
+                    lease: LeaseId(k.to_string()),
+                    endpoint: Some(NodeEndpoint(k.to_string())),
+                },
+                EffectRequest::StartBootstrap { .. } => OperationOutcome::BootstrapStarted {
+                    session: SessionId(k.to_string()),
+                },
+                _ => unreachable!("a perfect provider needs nothing else"),
+            };
+            let r = OperationResult { node: k.node.clone(), op: disp.op, outcome };
+            let _ = d.handle_result(r, now).unwrap();
+            if let EffectRequest::StartBootstrap { .. } = disp.request {
+                for event in [BootstrapEvent::SwactorJoined, BootstrapEvent::Stage(BootstrapStage::Converged)] {
+                    let o = BootstrapObservation {
+                        node: k.node.clone(),
+                        attempt: k.attempt,
+                        session: SessionId(k.to_string()),
+                        event,
+                    };
+                    let _ = d.handle_bootstrap(o, now).unwrap();
+                }
+            }
+        }
+    }
+    assert!(d.is_converged());
+    d
+}
+
+fn bench_pass(c: &mut Criterion) {
+    let mut g = c.benchmark_group("pass");
+    for n in [1_000u32, 10_000, 100_000] {
+        let d = settled(n);
+        let now = Timestamp::from_millis(1);
+        g.throughput(Throughput::Elements(u64::from(n)));
+        g.bench_with_input(BenchmarkId::new("settled", n), &n, |b, _| {
+            b.iter(|| {
+                let plan = reconcile(black_box(d.state()), black_box(d.desired()), now);
+                assert!(plan.actions.is_empty());
+                plan
+            });
+        });
+        // 10 % churn: every tenth node failed, so a pass begins its deletion.
+        let mut churn = d.state().clone();
+        for (i, node) in churn.nodes.values_mut().enumerate() {
+            if i % 10 == 0 {
+                node.record.stage = NodeStage::Failed;
+                node.record.ready = false;
+            }
+        }
+        g.bench_with_input(BenchmarkId::new("churn10", n), &n, |b, _| {
+            b.iter(|| {
+                let plan = reconcile(black_box(&churn), black_box(d.desired()), now);
+                assert_eq!(plan.actions.len(), n as usize / 10);
+                plan
+            });
+        });
+        // The same churn through the driver: fold the failures, then one
+        // pass decides, applies and records every BeginDelete.
+        g.bench_with_input(BenchmarkId::new("driver_churn10", n), &n, |b, _| {
+            b.iter_batched(
+                || {
+                    let mut d2 = d.clone();
+                    let lost: Vec<_> = d2
+                        .state()
+                        .nodes
+                        .iter()
+                        .step_by(10)
+                        .map(|(id, node)| (id.clone(), node.attempt, node.record.session.clone().unwrap()))
+                        .collect();
+                    for (node, attempt, session) in lost {
+                        let event = BootstrapEvent::Failed {
+                            stage: BootstrapStage::AgentLost,
+                            reason: "bench".into(),
+                        };
+                        let o = BootstrapObservation { node, attempt, session, event };
+                        assert_eq!(d2.handle_bootstrap(o, now).unwrap(), Folded::Applied);
+                    }
+                    d2
+                },
+                |mut d2| {
+                    let pass = d2.poll_pass(now).unwrap().unwrap();
+                    assert_eq!(pass.stats.transitions, n as usize / 10);
+                    d2.finish_pass().unwrap();
+                    d2
+                },
+                BatchSize::LargeInput,
+            );
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(3));
+    targets = bench_pass
+}
+criterion_main!(benches);

@@ -229,7 +229,7 @@ enum Queue {
 }
 
 /// The sole writer of [`ClusterState`]; see the module docs for the calling order.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Driver {
     config: ReconcilerConfig,
     desired: DesiredState,

@@ -28,6 +28,8 @@ mod config;
 mod decide;
 mod driver;
 mod id;
+#[cfg(swactor_policy_probe)]
+mod policy_probe;
 pub mod observe;
 mod shape;
 mod state;

@@ -128,7 +128,8 @@ pub struct RetryState {
     pub next_effect_at: Option<Timestamp>,
 }
 
-/// Lifecycle facts of one attempt.
+/// Lifecycle facts of one attempt. `repr(C)`: the hot stage and ready flag come first.
+#[repr(C)]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRecord {
     /// Where on the ladder the attempt is.
@@ -184,20 +185,25 @@ impl Default for NodeRecord {
 }
 
 /// One slot as the driver sees it.
+///
+/// `repr(C)` keeps the fields a settled pass reads (template, intent, retry,
+/// pending, then the record's stage and ready flag) together at the front, so
+/// a pass over a large settled cluster touches as few cache lines as possible.
+#[repr(C)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ManagedNode {
-    /// The current incarnation.
-    pub attempt: NodeAttemptId,
     /// The template the attempt was created from.
     pub template: Arc<NodeTemplate>,
     /// Active or Deleting.
     pub intent: Intent,
-    /// Lifecycle facts.
-    pub record: NodeRecord,
-    /// The in-flight operation, at most one.
-    pub pending: Option<PendingOperation>,
     /// Backoff state.
     pub retry: RetryState,
+    /// The in-flight operation, at most one.
+    pub pending: Option<PendingOperation>,
+    /// Lifecycle facts.
+    pub record: NodeRecord,
+    /// The current incarnation.
+    pub attempt: NodeAttemptId,
     /// Sequence number of the next operation of this attempt.
     pub next_op_seq: u64,
 }
