@@ -484,11 +484,14 @@ impl TelemetryHandler {
 
 impl ProtocolHandler for TelemetryHandler {
     async fn accept(&self, connection: Connection) -> Result<(), AcceptError> {
-        if self.shared.subscribers.get() >= self.shared.config.subscribers_max {
-            connection.close(codes::CLOSE_SHUTDOWN, b"too many telemetry subscribers");
+        let Some(_alive) = self
+            .shared
+            .subscribers
+            .try_enter(self.shared.config.subscribers_max)
+        else {
+            connection.close(codes::CLOSE_BUSY, b"too many telemetry subscribers");
             return Ok(());
-        }
-        let _alive = self.shared.subscribers.enter();
+        };
         let outcome = self.serve(&connection).await;
         if let Err(error) = &outcome {
             tracing::debug!(%error, "telemetry subscriber ended");

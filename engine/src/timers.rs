@@ -54,6 +54,16 @@ impl TaskGauge {
         self.0.fetch_add(1, Ordering::SeqCst);
         TaskGaugeGuard(self.0.clone())
     }
+
+    /// Enters only while fewer than `limit` tasks are live.
+    pub(crate) fn try_enter(&self, limit: usize) -> Option<TaskGaugeGuard> {
+        self.0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |live| {
+                (live < limit).then_some(live + 1)
+            })
+            .ok()
+            .map(|_| TaskGaugeGuard(self.0.clone()))
+    }
 }
 
 /// Decrements its [`TaskGauge`] when dropped.
@@ -76,7 +86,12 @@ struct Armed {
 ///
 /// Arming a key that is already armed replaces it (the old task is aborted
 /// and its generation goes stale). Dropping the `Timers` aborts every task,
-/// so timers kept in an actor's state stop when the actor does.
+/// so timers kept in an actor's state stop when the actor does: on a panic
+/// or kill the state is dropped at once; on a clean stop ractor hands the
+/// state to the supervisor in `ActorTerminated`, so it is dropped once the
+/// supervisor has handled that event (call [`Timers::cancel_all`] in
+/// `post_stop` to stop them even earlier). A firing that reaches a stopped
+/// actor is discarded, and a periodic timer ends at its next tick.
 pub struct Timers<K, M>
 where
     K: Ord + Clone + Send + Sync + 'static,
@@ -138,9 +153,11 @@ where
 
     /// Arms (or re-arms) `key` to fire once after `delay`; returns the generation.
     pub fn arm_after(&mut self, key: K, delay: Duration) -> u64 {
-        let deadline = EngineInstant::now()
+        let now = EngineInstant::now();
+        // A delay too long to represent is as good as "never"; clamp it.
+        let deadline = now
             .checked_add(delay)
-            .unwrap_or_else(|| EngineInstant::now() + Duration::from_secs(30 * 365 * 24 * 3600));
+            .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600));
         self.arm_at(key, deadline)
     }
 

@@ -38,6 +38,8 @@ pub mod codes {
     pub const REASON_NOT_ALLOWED: &[u8] = b"peer not on allowlist for this protocol";
     /// A telemetry subscriber stopped reading for too long and was dropped.
     pub const CLOSE_SUBSCRIBER_STALLED: VarInt = VarInt::from_u32(408);
+    /// The service has no room for another peer (e.g. subscriber limit).
+    pub const CLOSE_BUSY: VarInt = VarInt::from_u32(429);
     /// The service is shutting down.
     pub const CLOSE_SHUTDOWN: VarInt = VarInt::from_u32(503);
     /// Stream reset: a frame did not decode.

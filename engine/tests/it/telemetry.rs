@@ -462,3 +462,31 @@ async fn a_full_ndjson_queue_drops_and_counts_instead_of_blocking() {
     sink.flush().await.unwrap();
     assert_eq!((sink.written(), sink.dropped()), (4, 2));
 }
+
+#[tokio::test]
+async fn subscribers_beyond_the_limit_are_refused_as_busy() {
+    let (publisher, router) = serve(TelemetryConfig {
+        subscribers_max: 2,
+        ..TelemetryConfig::default()
+    })
+    .await;
+    let client = endpoint().await;
+    let _a = sub(&client, &router).await;
+    let _b = sub(&client, &router).await;
+    eventually(WAIT, "2 subscribers", || publisher.subscriber_count() == 2).await;
+    let refused = subscribe::<Snap, Ev>(
+        &client,
+        router.endpoint().addr(),
+        Duration::from_secs(5),
+        FRAME_LEN_MAX,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(refused, SubscribeError::Refused { code, .. } if code == codes::CLOSE_BUSY.into_inner()),
+        "{refused:?}"
+    );
+    assert_eq!(publisher.subscriber_count(), 2);
+    client.close().await;
+    router.shutdown().await.unwrap();
+}
