@@ -1,0 +1,49 @@
+//! The reconciler's conformance kit: a fake provider, a trace harness and an invariant oracle.
+//!
+//! ```text
+//!   trace (proptest) ──► World ──► Reconciler (Driver, or a wrapper)
+//!                          │   ◄── passes / dispatches
+//!                          ▼
+//!                     FakeExecutor ──► FakeBackend (leases, endpoints, sessions)
+//!                          │   ◄── results, bootstrap observations (delayed, lost, duplicated)
+//!                          ▼
+//!                        Oracle  (observe each step, check each step, on quiescence, at the end)
+//! ```
+//!
+//! - [`FakeBackend`] is a deterministic in-memory provider with fault
+//!   injection, independent of the harness (a `fake` provider crate can wrap it).
+//! - [`FakeExecutor`] runs dispatches against it with the executor contract
+//!   (dedup by operation id, one operation per attempt at a time) and an
+//!   unreliable way back (lost, ambiguous, late, delayed, duplicated results).
+//! - [`World`] steps a [`Reconciler`] and the executor in virtual time, feeding
+//!   every step to the [`Oracle`], whose [`Invariant`]s name the guarantees.
+//! - [`trace`] generates inputs; [`battery`] runs seeded, shrinking batteries.
+//!
+//! See `README.md` beside this crate for the fault model, the fair-tail bound,
+//! environment variables and the known gaps of the core.
+
+mod backend;
+pub mod battery;
+mod executor;
+mod oracle;
+mod rng;
+pub mod trace;
+mod world;
+
+pub use backend::{
+    BackendConfig, BackendCounters, FakeBackend, KeyStats, LeaseGrant, LeaseInfo, LiveResource,
+    Origin, ProviderError, ProviderFault, SessionGrant, SessionInfo,
+};
+pub use executor::{
+    ArmedDelivery, DeliveryFault, ExecutorConfig, ExecutorStats, FakeExecutor, Output, Submitted,
+};
+pub use oracle::{
+    Invariant, Oracle, ProviderView, Snapshot, StepEvent, Violation, backoff_window,
+    earliest_waiting_deadline, independently_converged,
+};
+pub use rng::SimRng;
+pub use trace::{Input, Mode, Trace};
+pub use world::{
+    GROUPS, RUN, Reconciler, RunReport, TailBound, TailReport, World, WorldConfig, run_trace,
+    run_trace_with, shape_of,
+};

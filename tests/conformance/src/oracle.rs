@@ -1,0 +1,1137 @@
+//! The invariant oracle: named black-box guarantees checked after every step.
+//!
+//! Split the way TigerBeetle's `state_checker` is:
+//!
+//! - [`Oracle::observe`] looks at one step (an input folded, a pass run, a
+//!   submission refused) with the driver's state before and after it;
+//! - [`Oracle::check`] looks at the state after every step, on its own;
+//! - [`Oracle::on_quiescent`] looks at the driver once it has drained every
+//!   pass at an instant (what a settled driver must look like);
+//! - [`Oracle::finish`] asserts what must hold at the end of a run.
+//!
+//! The oracle reads only public, plain data: [`Snapshot`]s of the driver's
+//! state and the provider's ground truth through [`ProviderView`]. It knows
+//! nothing about how the driver decides, so it can judge a mutated driver, or
+//! real actors over a real executor, the same way.
+
+use crate::backend::{FakeBackend, KeyStats, LiveResource};
+use crate::executor::FakeExecutor;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use swactor_provisioning::{
+    BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate, Dispatch,
+    DriverError, EffectKind, EffectRequest, Folded, Intent, LeaseId, LogicalNodeId, ManagedNode,
+    NodeAttemptId, NodeStage, OperationId, OperationOutcome, OperationResult, Pass,
+    ReconcilerConfig, ResourceKey, SessionId, Timestamp, UpdateError, reconcile,
+};
+
+/// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Invariant {
+    /// Identical traces give identical state (checked by replaying a trace).
+    DeterministicReplay,
+    /// The driver never returns an error to a host that follows the calling protocol.
+    DriverErrorFree,
+    /// An attempt id, once seen, never names another incarnation.
+    AttemptIdsNeverReused,
+    /// An operation id is dispatched once, and never reused for another request.
+    OperationIdsNeverReused,
+    /// Results of superseded, stale or duplicated operations are discarded and change nothing.
+    SupersededResultsDiscarded,
+    /// Observations of superseded attempts or dead sessions are discarded and change nothing.
+    SupersededObservationsDiscarded,
+    /// Every lease and session the driver holds belongs, at the provider, to the node's current attempt.
+    FactsBelongToCurrentAttempt,
+    /// A node is never sent a second operation while one is pending.
+    OnePendingOperationPerNode,
+    /// The provider never runs two operations of one attempt at once.
+    OneRunningOperationPerAttempt,
+    /// Every dispatch is the node's recorded pending operation, with its stored deadline.
+    EffectsRecordedPendingBeforeDispatch,
+    /// Every dispatch is keyed on (run, slot, current attempt).
+    DispatchCarriesCurrentIdentity,
+    /// A destroyed node holds no lease, session, endpoint, ambiguity or pending operation.
+    DestroyedNodeHoldsNothing,
+    /// When an attempt is marked destroyed, the provider holds nothing of it and runs nothing for it.
+    DestroyedAttemptLeaksNothing,
+    /// Cleanup runs cancel, then destroy, then mark destroyed.
+    CleanupOrderCancelDestroyMark,
+    /// An ambiguous create is re-issued and adopted before any destructive step.
+    AmbiguousCreateAdoptedBeforeDestruction,
+    /// At most one lease is ever made, and at most one session is open, per identity.
+    NoDoubleCreate,
+    /// Only undesired, drifted or failed attempts are deleted (scale-down takes the highest indexes).
+    ScaleDownRemovesOnlyHighestIndexes,
+    /// Cleanup effects target the node's own resources.
+    CleanupTargetsOwnResources,
+    /// A slot gets a fresh attempt only after its old one is fully cleaned up and its restart is due.
+    ReplacementOnlyAfterFullCleanup,
+    /// The desired generation never goes back; regressions, silent changes and foreign runs are refused.
+    GenerationMonotonicRegressionsRejected,
+    /// A driver drained at an instant plans nothing more at that instant.
+    SettledStatePlansNothing,
+    /// Draining at one instant ends after a bounded number of passes.
+    NoHotLoop,
+    /// The driver's timer is the earliest deadline a waiting node has, and lies in the future.
+    RequeueAtEarliestWaitingDeadline,
+    /// Every retry and restart delay lies in its jitter window, between the floor and the cap.
+    BackoffWithinFloorAndCap,
+    /// An endpoint that is not ready yet is probed again, and is not a failure.
+    EndpointNotReadyIsAProbe,
+    /// A failed attempt begins its cleanup in the next pass, without waiting for backoff.
+    AttemptFailureCleansUpImmediately,
+    /// A failed cancel or destroy keeps the session or lease it failed to remove.
+    FailedCleanupKeepsLiveFacts,
+    /// Reaching ready resets the failure count.
+    ReadyResetsFailures,
+    /// A replacement attempt inherits its predecessor's failure count.
+    FailuresCarryIntoReplacement,
+    /// "Converged" means exactly the desired specs, all ready, nothing undesired or deleting.
+    ConvergedMeansExactSpecs,
+    /// When converged, the provider holds nothing that no current attempt owns.
+    ConvergedLeaksNothing,
+    /// After faults stop, the cluster converges within the stated bound of passes and time.
+    FairConvergenceWithinBound,
+}
+
+impl Invariant {
+    /// Every invariant.
+    pub const ALL: [Invariant; 32] = [
+        Self::DeterministicReplay,
+        Self::DriverErrorFree,
+        Self::AttemptIdsNeverReused,
+        Self::OperationIdsNeverReused,
+        Self::SupersededResultsDiscarded,
+        Self::SupersededObservationsDiscarded,
+        Self::FactsBelongToCurrentAttempt,
+        Self::OnePendingOperationPerNode,
+        Self::OneRunningOperationPerAttempt,
+        Self::EffectsRecordedPendingBeforeDispatch,
+        Self::DispatchCarriesCurrentIdentity,
+        Self::DestroyedNodeHoldsNothing,
+        Self::DestroyedAttemptLeaksNothing,
+        Self::CleanupOrderCancelDestroyMark,
+        Self::AmbiguousCreateAdoptedBeforeDestruction,
+        Self::NoDoubleCreate,
+        Self::ScaleDownRemovesOnlyHighestIndexes,
+        Self::CleanupTargetsOwnResources,
+        Self::ReplacementOnlyAfterFullCleanup,
+        Self::GenerationMonotonicRegressionsRejected,
+        Self::SettledStatePlansNothing,
+        Self::NoHotLoop,
+        Self::RequeueAtEarliestWaitingDeadline,
+        Self::BackoffWithinFloorAndCap,
+        Self::EndpointNotReadyIsAProbe,
+        Self::AttemptFailureCleansUpImmediately,
+        Self::FailedCleanupKeepsLiveFacts,
+        Self::ReadyResetsFailures,
+        Self::FailuresCarryIntoReplacement,
+        Self::ConvergedMeansExactSpecs,
+        Self::ConvergedLeaksNothing,
+        Self::FairConvergenceWithinBound,
+    ];
+
+    /// The invariant's name, as messages print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::DeterministicReplay => "deterministic_replay",
+            Self::DriverErrorFree => "driver_error_free",
+            Self::AttemptIdsNeverReused => "attempt_ids_never_reused",
+            Self::OperationIdsNeverReused => "operation_ids_never_reused",
+            Self::SupersededResultsDiscarded => "superseded_results_discarded",
+            Self::SupersededObservationsDiscarded => "superseded_observations_discarded",
+            Self::FactsBelongToCurrentAttempt => "facts_belong_to_current_attempt",
+            Self::OnePendingOperationPerNode => "one_pending_operation_per_node",
+            Self::OneRunningOperationPerAttempt => "one_running_operation_per_attempt",
+            Self::EffectsRecordedPendingBeforeDispatch => "effects_recorded_pending_before_dispatch",
+            Self::DispatchCarriesCurrentIdentity => "dispatch_carries_current_identity",
+            Self::DestroyedNodeHoldsNothing => "destroyed_node_holds_nothing",
+            Self::DestroyedAttemptLeaksNothing => "destroyed_attempt_leaks_nothing",
+            Self::CleanupOrderCancelDestroyMark => "cleanup_order_cancel_destroy_mark",
+            Self::AmbiguousCreateAdoptedBeforeDestruction => {
+                "ambiguous_create_adopted_before_destruction"
+            }
+            Self::NoDoubleCreate => "no_double_create",
+            Self::ScaleDownRemovesOnlyHighestIndexes => "scale_down_removes_only_highest_indexes",
+            Self::CleanupTargetsOwnResources => "cleanup_targets_own_resources",
+            Self::ReplacementOnlyAfterFullCleanup => "replacement_only_after_full_cleanup",
+            Self::GenerationMonotonicRegressionsRejected => {
+                "generation_monotonic_regressions_rejected"
+            }
+            Self::SettledStatePlansNothing => "settled_state_plans_nothing",
+            Self::NoHotLoop => "no_hot_loop",
+            Self::RequeueAtEarliestWaitingDeadline => "requeue_at_earliest_waiting_deadline",
+            Self::BackoffWithinFloorAndCap => "backoff_within_floor_and_cap",
+            Self::EndpointNotReadyIsAProbe => "endpoint_not_ready_is_a_probe",
+            Self::AttemptFailureCleansUpImmediately => "attempt_failure_cleans_up_immediately",
+            Self::FailedCleanupKeepsLiveFacts => "failed_cleanup_keeps_live_facts",
+            Self::ReadyResetsFailures => "ready_resets_failures",
+            Self::FailuresCarryIntoReplacement => "failures_carry_into_replacement",
+            Self::ConvergedMeansExactSpecs => "converged_means_exact_specs",
+            Self::ConvergedLeaksNothing => "converged_leaks_nothing",
+            Self::FairConvergenceWithinBound => "fair_convergence_within_bound",
+        }
+    }
+}
+
+impl fmt::Display for Invariant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One broken guarantee: which, at which step, on which node, and how.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Violation {
+    /// The guarantee.
+    pub invariant: Invariant,
+    /// The step number (every input, result, observation and pass is a step).
+    pub step: u64,
+    /// What the step was.
+    pub context: String,
+    /// The node concerned, if one is.
+    pub node: Option<LogicalNodeId>,
+    /// What was seen.
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invariant `{}` violated at step {} ({})",
+            self.invariant, self.step, self.context
+        )?;
+        if let Some(node) = &self.node {
+            write!(f, " on node {node}")?;
+        }
+        write!(f, ": {}", self.detail)
+    }
+}
+
+/// What the oracle sees of the driver at one moment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// The instant.
+    pub now: Timestamp,
+    /// The observed state.
+    pub state: ClusterState,
+    /// The desired state.
+    pub desired: DesiredState,
+    /// The driver's timer (`poll_timeout`).
+    pub timer: Option<Timestamp>,
+    /// Whether the driver claims to be converged.
+    pub converged_claim: bool,
+}
+
+/// One step, as the oracle observes it.
+#[derive(Clone, Copy, Debug)]
+pub enum StepEvent<'a> {
+    /// A desired-shape update was offered.
+    Update {
+        /// The shape offered.
+        shape: &'a ClusterShape,
+        /// What the driver answered.
+        outcome: &'a Result<DesiredUpdate, UpdateError>,
+    },
+    /// An operation result was delivered.
+    Result {
+        /// The result.
+        result: &'a OperationResult,
+        /// What the driver answered.
+        folded: &'a Result<Folded, DriverError>,
+    },
+    /// A bootstrap observation was delivered.
+    Observation {
+        /// The observation.
+        obs: &'a BootstrapObservation,
+        /// What the driver answered.
+        folded: &'a Result<Folded, DriverError>,
+    },
+    /// A dispatch could not be submitted and was reported.
+    SubmitFailed {
+        /// The dispatch.
+        dispatch: &'a Dispatch,
+        /// What the driver answered.
+        folded: &'a Result<Folded, DriverError>,
+    },
+    /// The driver's timer fired.
+    Timeout {
+        /// What the driver answered.
+        folded: &'a Result<usize, DriverError>,
+    },
+    /// A periodic tick.
+    Tick,
+    /// A pass ran (between `poll_pass` and the first submission).
+    Pass {
+        /// The pass.
+        pass: &'a Pass,
+    },
+}
+
+impl StepEvent<'_> {
+    fn label(&self) -> String {
+        match self {
+            Self::Update { shape, .. } => format!("update to {}", shape.generation),
+            Self::Result { result, .. } => {
+                format!("result {} for {}: {:?}", result.op, result.node, result.outcome)
+            }
+            Self::Observation { obs, .. } => format!(
+                "observation {:?} from {} of {}/{}",
+                obs.event, obs.session.0, obs.node, obs.attempt
+            ),
+            Self::SubmitFailed { dispatch, .. } => {
+                format!("submission of {} failed", dispatch.op)
+            }
+            Self::Timeout { .. } => "timer".to_owned(),
+            Self::Tick => "tick".to_owned(),
+            Self::Pass { pass } => format!("pass {}", pass.number),
+        }
+    }
+}
+
+/// The provider's ground truth, as the oracle needs it.
+///
+/// Implemented by [`FakeExecutor`] (and [`FakeBackend`], which has nothing in
+/// flight). A real provider under test can implement it over its own records.
+pub trait ProviderView {
+    /// Who a lease was made for, and whether it is still live.
+    fn lease_owner(&self, lease: &LeaseId) -> Option<(&ResourceKey, bool)>;
+    /// Who a session was started for, and whether it is still open.
+    fn session_owner(&self, session: &SessionId) -> Option<(&ResourceKey, bool)>;
+    /// Identities of every live lease and open session.
+    fn live_keys(&self) -> Vec<ResourceKey>;
+    /// Per-identity counts.
+    fn key_stats(&self) -> Vec<(&ResourceKey, KeyStats)>;
+    /// Operations of an attempt submitted and not yet applied.
+    fn in_flight(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> usize;
+    /// Times the provider ran two operations of one attempt at once.
+    fn overlaps(&self) -> u64;
+}
+
+impl ProviderView for FakeBackend {
+    fn lease_owner(&self, lease: &LeaseId) -> Option<(&ResourceKey, bool)> {
+        self.leases().get(lease).map(|l| (&l.key, l.live))
+    }
+    fn session_owner(&self, session: &SessionId) -> Option<(&ResourceKey, bool)> {
+        self.sessions().get(session).map(|s| (&s.key, s.open))
+    }
+    fn live_keys(&self) -> Vec<ResourceKey> {
+        self.live_resources().map(|(k, _)| k.clone()).collect()
+    }
+    fn key_stats(&self) -> Vec<(&ResourceKey, KeyStats)> {
+        self.keys().iter().map(|(k, s)| (k, *s)).collect()
+    }
+    fn in_flight(&self, _: &LogicalNodeId, _: NodeAttemptId) -> usize {
+        0
+    }
+    fn overlaps(&self) -> u64 {
+        0
+    }
+}
+
+impl ProviderView for FakeExecutor {
+    fn lease_owner(&self, lease: &LeaseId) -> Option<(&ResourceKey, bool)> {
+        self.backend().lease_owner(lease)
+    }
+    fn session_owner(&self, session: &SessionId) -> Option<(&ResourceKey, bool)> {
+        self.backend().session_owner(session)
+    }
+    fn live_keys(&self) -> Vec<ResourceKey> {
+        self.backend().live_keys()
+    }
+    fn key_stats(&self) -> Vec<(&ResourceKey, KeyStats)> {
+        ProviderView::key_stats(self.backend())
+    }
+    fn in_flight(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> usize {
+        FakeExecutor::in_flight(self, node, attempt)
+    }
+    fn overlaps(&self) -> u64 {
+        self.stats().overlaps
+    }
+}
+
+/// The delay window a backoff after `failures` consecutive failures must fall
+/// in, derived from the spec's wording rather than from the core's code: the
+/// un-jittered delay doubles from the base up to the cap; the jitter window
+/// is `delay * jitter / 1000` wide, placed as high as the cap allows and never
+/// below the base.
+pub fn backoff_window(config: &ReconcilerConfig, failures: u32) -> (u64, u64) {
+    if failures == 0 {
+        return (0, 0);
+    }
+    let mut d = config.backoff_base_ms;
+    for _ in 1..failures.min(64) {
+        d = d.saturating_mul(2);
+        if d >= config.backoff_cap_ms {
+            break;
+        }
+    }
+    let d = d.min(config.backoff_cap_ms);
+    let w = d / 1000 * u64::from(config.jitter_permille)
+        + d % 1000 * u64::from(config.jitter_permille) / 1000;
+    let hi = d.saturating_add(w).min(config.backoff_cap_ms);
+    let lo = hi.saturating_sub(w).max(config.backoff_base_ms);
+    (lo, hi)
+}
+
+fn timeout_of(config: &ReconcilerConfig, kind: EffectKind) -> u64 {
+    let t = &config.timeouts;
+    match kind {
+        EffectKind::CreateLease => t.create_lease_ms,
+        EffectKind::LookupEndpoint => t.lookup_endpoint_ms,
+        EffectKind::StartBootstrap => t.start_bootstrap_ms,
+        EffectKind::CancelBootstrap => t.cancel_bootstrap_ms,
+        EffectKind::DestroyLease => t.destroy_lease_ms,
+    }
+}
+
+/// True when `state` is converged on `desired`, judged from the spec's
+/// definition alone: every desired slot holds exactly its desired spec, ready,
+/// Active, nothing pending; no other node exists.
+pub fn independently_converged(state: &ClusterState, desired: &DesiredState) -> bool {
+    let specs: BTreeMap<LogicalNodeId, _> = desired.specs().map(|s| (s.node, s.template)).collect();
+    specs.len() == state.nodes.len()
+        && state.nodes.iter().all(|(id, n)| {
+            specs.get(id).is_some_and(|t| **t == *n.template)
+                && n.record.ready
+                && n.intent == Intent::Active
+                && n.pending.is_none()
+                && matches!(n.record.stage, NodeStage::Dormant | NodeStage::HandedOff)
+        })
+}
+
+/// The earliest deadline any node of a drained driver waits on, derived from
+/// the spec's list: pending deadlines, retry backoff and probes, restarts,
+/// bootstrap stall deadlines.
+pub fn earliest_waiting_deadline(
+    state: &ClusterState,
+    desired: &DesiredState,
+    now: Timestamp,
+) -> Option<Timestamp> {
+    state
+        .nodes
+        .iter()
+        .filter_map(|(id, n)| {
+            let rec = &n.record;
+            if rec.stage == NodeStage::Destroyed {
+                return rec
+                    .restart_at
+                    .filter(|t| *t > now && desired.slot(id).is_some());
+            }
+            if let Some(p) = &n.pending {
+                return Some(p.deadline);
+            }
+            if let Some(t) = n.retry.next_effect_at.filter(|t| *t > now) {
+                return Some(t);
+            }
+            let awaiting_stream = n.intent == Intent::Active
+                && rec.session.is_some()
+                && !(rec.ready && matches!(rec.stage, NodeStage::Dormant | NodeStage::HandedOff));
+            if awaiting_stream {
+                return rec.bootstrap_deadline;
+            }
+            None
+        })
+        .min()
+}
+
+/// The oracle. Feed it every step; read [`Oracle::violations`].
+#[derive(Clone, Debug)]
+pub struct Oracle {
+    config: ReconcilerConfig,
+    violations: Vec<Violation>,
+    attempts_seen: BTreeMap<NodeAttemptId, LogicalNodeId>,
+    ops_seen: BTreeSet<OperationId>,
+    step: u64,
+    context: String,
+    limit: usize,
+}
+
+impl Oracle {
+    /// An oracle for a driver configured with `config`.
+    pub fn new(config: ReconcilerConfig) -> Self {
+        Self {
+            config,
+            violations: Vec::new(),
+            attempts_seen: BTreeMap::new(),
+            ops_seen: BTreeSet::new(),
+            step: 0,
+            context: String::new(),
+            limit: 16,
+        }
+    }
+
+    /// Every violation found so far (at most a handful are kept).
+    pub fn violations(&self) -> &[Violation] {
+        &self.violations
+    }
+
+    /// True when nothing was violated.
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// The number of steps seen.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Records a violation found outside the oracle's own checkers (by the
+    /// harness, e.g. the fair-convergence bound or a replay mismatch).
+    pub fn report(&mut self, invariant: Invariant, node: Option<&LogicalNodeId>, detail: String) {
+        if self.violations.len() < self.limit {
+            self.violations.push(Violation {
+                invariant,
+                step: self.step,
+                context: self.context.clone(),
+                node: node.cloned(),
+                detail,
+            });
+        }
+    }
+
+    fn fail(&mut self, invariant: Invariant, node: &LogicalNodeId, detail: impl Into<String>) {
+        self.report(invariant, Some(node), detail.into());
+    }
+
+    /// Sets the label of the input that the next steps belong to.
+    pub fn begin_input(&mut self, label: String) {
+        self.context = label;
+    }
+
+    /// Observes one step, given the driver before and after it.
+    pub fn observe(
+        &mut self,
+        event: StepEvent<'_>,
+        before: &Snapshot,
+        after: &Snapshot,
+        provider: &dyn ProviderView,
+    ) {
+        self.step += 1;
+        let input = std::mem::take(&mut self.context);
+        self.context = format!("{input}; {}", event.label());
+        self.observe_event(event, before, after, provider);
+        self.observe_transitions(event, before, after, provider);
+        self.check(after, provider);
+        self.context = input;
+    }
+
+    fn observe_event(
+        &mut self,
+        event: StepEvent<'_>,
+        before: &Snapshot,
+        after: &Snapshot,
+        provider: &dyn ProviderView,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let now = after.now;
+        match event {
+            StepEvent::Update { shape, outcome } => self.check_update(shape, outcome, before, after),
+            StepEvent::Result { result, folded } => {
+                let Ok(folded) = folded else {
+                    return self.fail(Invariant::DriverErrorFree, &result.node, format!("{folded:?}"));
+                };
+                let node_before = b.nodes.get(&result.node);
+                let current = node_before
+                    .and_then(|n| n.pending.as_ref())
+                    .is_some_and(|p| p.id == result.op);
+                if !current {
+                    if *folded == Folded::Applied || node_before != a.nodes.get(&result.node) {
+                        self.fail(
+                            Invariant::SupersededResultsDiscarded,
+                            &result.node,
+                            format!("a result for {} that is not the pending operation was folded ({folded:?})", result.op),
+                        );
+                    }
+                    return;
+                }
+                let (Some(nb), Some(na)) = (node_before, a.nodes.get(&result.node)) else {
+                    return;
+                };
+                self.check_result_fold(result, nb, na, now);
+            }
+            StepEvent::Observation { obs, folded } => {
+                let Ok(folded) = folded else {
+                    return self.fail(Invariant::DriverErrorFree, &obs.node, format!("{folded:?}"));
+                };
+                let node_before = b.nodes.get(&obs.node);
+                let live = node_before.is_some_and(|n| {
+                    n.attempt == obs.attempt && n.record.session.as_ref() == Some(&obs.session)
+                });
+                if !live && (*folded == Folded::Applied || node_before != a.nodes.get(&obs.node)) {
+                    self.fail(
+                        Invariant::SupersededObservationsDiscarded,
+                        &obs.node,
+                        format!(
+                            "an observation of {}/{} was folded though the node runs {:?}",
+                            obs.attempt,
+                            obs.session.0,
+                            node_before.map(|n| (n.attempt, n.record.session.clone()))
+                        ),
+                    );
+                }
+            }
+            StepEvent::SubmitFailed { dispatch, folded } => {
+                if let Err(e) = folded {
+                    self.fail(Invariant::DriverErrorFree, &dispatch.key.node, format!("{e:?}"));
+                }
+            }
+            StepEvent::Timeout { folded } => {
+                if let Err(e) = folded {
+                    self.report(Invariant::DriverErrorFree, None, format!("{e:?}"));
+                }
+                for (id, nb) in &b.nodes {
+                    let (Some(p), Some(na)) = (&nb.pending, a.nodes.get(id)) else {
+                        continue;
+                    };
+                    if p.deadline > now || na.pending.is_some() {
+                        continue;
+                    }
+                    // An expired operation folds as an ambiguous failure.
+                    let expected = nb.retry.consecutive_failures.saturating_add(1);
+                    if na.retry.consecutive_failures != expected {
+                        self.fail(
+                            Invariant::BackoffWithinFloorAndCap,
+                            id,
+                            "an expired operation did not count as a failure",
+                        );
+                    }
+                    if p.effect.creates() && na.record.ambiguous != Some(p.effect) {
+                        self.fail(
+                            Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                            id,
+                            format!("an expired {:?} was not remembered as ambiguous", p.effect),
+                        );
+                    }
+                    self.check_backoff(id, na, now);
+                }
+            }
+            StepEvent::Tick => {}
+            StepEvent::Pass { pass } => self.check_pass(pass, before, after, provider),
+        }
+    }
+
+    fn check_update(
+        &mut self,
+        shape: &ClusterShape,
+        outcome: &Result<DesiredUpdate, UpdateError>,
+        before: &Snapshot,
+        after: &Snapshot,
+    ) {
+        let inv = Invariant::GenerationMonotonicRegressionsRejected;
+        let current = before.desired.generation;
+        let validated = shape.validate();
+        let expected: Result<Option<bool>, &str> = match &validated {
+            Err(_) => Err("Invalid"),
+            Ok(_) if shape.run_id != before.state.run_id => Err("RunMismatch"),
+            Ok(_) if shape.generation < current => Err("GenerationRegressed"),
+            Ok(next) if shape.generation == current => {
+                if next.groups == before.desired.groups {
+                    Ok(Some(false))
+                } else {
+                    Err("SameGenerationChanged")
+                }
+            }
+            Ok(_) => Ok(Some(true)),
+        };
+        let got = match outcome {
+            Err(UpdateError::Invalid(_)) => Err("Invalid"),
+            Err(UpdateError::RunMismatch { .. }) => Err("RunMismatch"),
+            Err(UpdateError::GenerationRegressed { .. }) => Err("GenerationRegressed"),
+            Err(UpdateError::SameGenerationChanged { .. }) => Err("SameGenerationChanged"),
+            Ok(DesiredUpdate::Unchanged(_)) => Ok(Some(false)),
+            Ok(DesiredUpdate::Accepted(_)) => Ok(Some(true)),
+        };
+        let mut problems = Vec::new();
+        if expected != got {
+            problems.push(format!("{} answered {outcome:?}, expected {expected:?}", shape.generation));
+        }
+        let moved = before.desired != after.desired || before.state != after.state;
+        match got {
+            Ok(Some(true)) => {
+                if after.desired.generation != shape.generation
+                    || validated.as_ref().is_ok_and(|v| v.groups != after.desired.groups)
+                {
+                    problems.push("an accepted shape did not become the desired state".to_owned());
+                }
+            }
+            _ if moved => problems.push("a refused or unchanged update changed the driver".to_owned()),
+            _ => {}
+        }
+        if after.desired.generation < current {
+            problems.push(format!("generation went back from {current} to {}", after.desired.generation));
+        }
+        for p in problems {
+            self.report(inv, None, p);
+        }
+    }
+
+    fn check_result_fold(
+        &mut self,
+        result: &OperationResult,
+        nb: &ManagedNode,
+        na: &ManagedNode,
+        now: Timestamp,
+    ) {
+        let node = &result.node;
+        let kind = nb.pending.as_ref().map(|p| p.effect);
+        match &result.outcome {
+            OperationOutcome::EndpointNotReady if kind == Some(EffectKind::LookupEndpoint) => {
+                let probe = now.0.checked_add(self.config.probe_interval_ms).map(Timestamp);
+                if na.retry.consecutive_failures != nb.retry.consecutive_failures
+                    || na.retry.next_effect_at != probe
+                {
+                    self.fail(
+                        Invariant::EndpointNotReadyIsAProbe,
+                        node,
+                        format!(
+                            "failures {} -> {}, next probe {:?} (expected {probe:?})",
+                            nb.retry.consecutive_failures,
+                            na.retry.consecutive_failures,
+                            na.retry.next_effect_at
+                        ),
+                    );
+                }
+            }
+            OperationOutcome::Failed { .. } => {
+                if na.retry.consecutive_failures != nb.retry.consecutive_failures.saturating_add(1) {
+                    self.fail(
+                        Invariant::BackoffWithinFloorAndCap,
+                        node,
+                        "a failed operation did not count as a failure",
+                    );
+                }
+                if matches!(kind, Some(EffectKind::CancelBootstrap | EffectKind::DestroyLease))
+                    && (na.record.session != nb.record.session || na.record.lease != nb.record.lease)
+                {
+                    self.fail(
+                        Invariant::FailedCleanupKeepsLiveFacts,
+                        node,
+                        format!("a failed {kind:?} dropped the facts it failed to clean"),
+                    );
+                }
+                if na.record.stage == NodeStage::Failed && nb.record.stage != NodeStage::Failed {
+                    if na.retry.next_effect_at.is_some() {
+                        self.fail(
+                            Invariant::AttemptFailureCleansUpImmediately,
+                            node,
+                            "a failed attempt's cleanup waits for backoff",
+                        );
+                    }
+                } else {
+                    self.check_backoff(node, na, now);
+                }
+                if let (Some(k), Some(prev)) = (kind, nb.record.ambiguous) {
+                    if k == prev && na.record.ambiguous.is_none() && na.intent == Intent::Deleting {
+                        self.fail(
+                            Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                            node,
+                            format!("a failed re-issue of an ambiguous {k:?} forgot the ambiguity before it was adopted"),
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn check_backoff(&mut self, node: &LogicalNodeId, n: &ManagedNode, now: Timestamp) {
+        let Some(at) = n.retry.next_effect_at else {
+            return self.fail(
+                Invariant::BackoffWithinFloorAndCap,
+                node,
+                "a failure set no retry deadline",
+            );
+        };
+        let delay = at.saturating_since(now);
+        let (lo, hi) = backoff_window(&self.config, n.retry.consecutive_failures);
+        if !(lo..=hi).contains(&delay)
+            || delay < self.config.backoff_base_ms
+            || delay > self.config.backoff_cap_ms
+        {
+            self.fail(
+                Invariant::BackoffWithinFloorAndCap,
+                node,
+                format!(
+                    "retry in {delay} ms after {} failures; window is [{lo}, {hi}]",
+                    n.retry.consecutive_failures
+                ),
+            );
+        }
+    }
+
+    fn check_pass(
+        &mut self,
+        pass: &Pass,
+        before: &Snapshot,
+        after: &Snapshot,
+        provider: &dyn ProviderView,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let now = after.now;
+        for e in &pass.errors {
+            self.report(Invariant::DriverErrorFree, None, format!("pass error: {e}"));
+        }
+        let mut dispatched = BTreeSet::new();
+        for d in &pass.dispatches {
+            let id = &d.key.node;
+            let kind = d.request.kind();
+            if !dispatched.insert(id.clone()) {
+                self.fail(Invariant::OnePendingOperationPerNode, id, "two dispatches in one pass");
+            }
+            let Some(na) = a.nodes.get(id) else {
+                self.fail(Invariant::EffectsRecordedPendingBeforeDispatch, id, "dispatch for a node the driver does not hold");
+                continue;
+            };
+            let nb = b.nodes.get(id);
+            if let Some(p) = nb.and_then(|n| n.pending.as_ref()) {
+                self.fail(
+                    Invariant::OnePendingOperationPerNode,
+                    id,
+                    format!("{} dispatched while {} was pending", d.op, p.id),
+                );
+            }
+            let recorded = na.pending.as_ref().is_some_and(|p| {
+                p.id == d.op && p.effect == kind && p.deadline == d.deadline && p.dispatched_at == now
+            });
+            let deadline_ok = now.0.checked_add(timeout_of(&self.config, kind)) == Some(d.deadline.0);
+            if !recorded || !deadline_ok {
+                self.fail(
+                    Invariant::EffectsRecordedPendingBeforeDispatch,
+                    id,
+                    format!("{} ({kind:?}) is not the recorded pending operation {:?}", d.op, na.pending),
+                );
+            }
+            if d.key.run_id != a.run_id || d.key.attempt != na.attempt || d.op.attempt != na.attempt {
+                self.fail(
+                    Invariant::DispatchCarriesCurrentIdentity,
+                    id,
+                    format!("dispatch keyed {} / {} for attempt {}", d.key, d.op, na.attempt),
+                );
+            }
+            if !self.ops_seen.insert(d.op) {
+                self.fail(Invariant::OperationIdsNeverReused, id, format!("{} dispatched twice", d.op));
+            }
+            let Some(nb) = nb else { continue };
+            // Cleanup effects: order, adoption first, own resources only.
+            let destructive = matches!(kind, EffectKind::CancelBootstrap | EffectKind::DestroyLease);
+            if destructive && nb.intent != Intent::Deleting {
+                self.fail(Invariant::CleanupOrderCancelDestroyMark, id, format!("{kind:?} for an Active attempt"));
+            }
+            if destructive && nb.record.ambiguous.is_some() {
+                self.fail(
+                    Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                    id,
+                    format!("{kind:?} while an ambiguous {:?} is unresolved", nb.record.ambiguous),
+                );
+            }
+            if kind == EffectKind::DestroyLease && nb.record.session.is_some() {
+                self.fail(Invariant::CleanupOrderCancelDestroyMark, id, "DestroyLease while a session is live");
+            }
+            let target_owner = match &d.request {
+                EffectRequest::CancelBootstrap { session } => provider.session_owner(session).map(|(k, _)| k.clone()),
+                EffectRequest::DestroyLease { lease } | EffectRequest::LookupEndpoint { lease } => {
+                    provider.lease_owner(lease).map(|(k, _)| k.clone())
+                }
+                EffectRequest::StartBootstrap { lease, .. } => provider.lease_owner(lease).map(|(k, _)| k.clone()),
+                EffectRequest::CreateLease { .. } => None,
+            };
+            if let Some(owner) = target_owner {
+                if owner.node != *id || owner.attempt != na.attempt {
+                    self.fail(
+                        Invariant::CleanupTargetsOwnResources,
+                        id,
+                        format!("{kind:?} of attempt {} targets a resource of {owner}", na.attempt),
+                    );
+                }
+            }
+        }
+        // Deletions: only undesired, drifted or failed attempts; failed ones at once.
+        for (id, nb) in &b.nodes {
+            let Some(na) = a.nodes.get(id) else { continue };
+            if nb.intent != Intent::Active || nb.record.stage == NodeStage::Destroyed {
+                continue;
+            }
+            let desired = after.desired.slot(id);
+            let keep = desired.is_some_and(|t| **t == *nb.template) && nb.record.stage != NodeStage::Failed;
+            if keep && na.intent == Intent::Deleting {
+                self.fail(
+                    Invariant::ScaleDownRemovesOnlyHighestIndexes,
+                    id,
+                    format!("a desired, current, healthy attempt was deleted (group size {:?})",
+                        after.desired.groups.iter().find(|g| g.id == id.group).map(|g| g.count)),
+                );
+            }
+            if nb.record.stage == NodeStage::Failed
+                && na.attempt == nb.attempt
+                && (na.intent != Intent::Deleting || na.retry.next_effect_at.is_some())
+            {
+                self.fail(
+                    Invariant::AttemptFailureCleansUpImmediately,
+                    id,
+                    "a failed attempt did not begin cleanup in the next pass",
+                );
+            }
+        }
+        let _ = provider;
+    }
+
+    /// Checks that concern any state change, whatever caused it.
+    fn observe_transitions(
+        &mut self,
+        event: StepEvent<'_>,
+        before: &Snapshot,
+        after: &Snapshot,
+        provider: &dyn ProviderView,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let now = after.now;
+        if a.next_attempt < b.next_attempt {
+            self.report(Invariant::AttemptIdsNeverReused, None, "the attempt allocator went back".to_owned());
+        }
+        if a.observed_generation < b.observed_generation {
+            self.report(
+                Invariant::GenerationMonotonicRegressionsRejected,
+                None,
+                format!("observed generation went back: {:?} -> {:?}", b.observed_generation, a.observed_generation),
+            );
+        }
+        if after.desired.generation < before.desired.generation {
+            self.report(Invariant::GenerationMonotonicRegressionsRejected, None, "desired generation went back".to_owned());
+        }
+        for (id, na) in &a.nodes {
+            let nb = b.nodes.get(id);
+            let new_attempt = nb.is_none_or(|nb| nb.attempt != na.attempt);
+            if new_attempt {
+                if let Some(owner) = self.attempts_seen.insert(na.attempt, id.clone()) {
+                    self.fail(
+                        Invariant::AttemptIdsNeverReused,
+                        id,
+                        format!("attempt {} was already used by {owner}", na.attempt),
+                    );
+                }
+                if !matches!(event, StepEvent::Pass { .. }) {
+                    self.fail(Invariant::ReplacementOnlyAfterFullCleanup, id, "a new attempt appeared outside a pass");
+                }
+            }
+            if let (Some(nb), true) = (nb, new_attempt) {
+                // A replacement in place.
+                let rec = &nb.record;
+                let clean = rec.stage == NodeStage::Destroyed
+                    && rec.lease.is_none()
+                    && rec.session.is_none()
+                    && nb.pending.is_none();
+                let due = rec.restart_at.is_none_or(|t| t <= now);
+                if !clean || !due {
+                    self.fail(
+                        Invariant::ReplacementOnlyAfterFullCleanup,
+                        id,
+                        format!(
+                            "attempt {} replaced {} at {now} (stage {:?}, restart_at {:?})",
+                            na.attempt, nb.attempt, rec.stage, rec.restart_at
+                        ),
+                    );
+                }
+                if na.retry.consecutive_failures != nb.retry.consecutive_failures {
+                    self.fail(
+                        Invariant::FailuresCarryIntoReplacement,
+                        id,
+                        format!(
+                            "{} failures became {}",
+                            nb.retry.consecutive_failures, na.retry.consecutive_failures
+                        ),
+                    );
+                }
+            }
+            let Some(nb) = nb.filter(|nb| nb.attempt == na.attempt) else {
+                continue;
+            };
+            if na.is_ready() && !nb.is_ready() && na.retry.consecutive_failures != 0 {
+                self.fail(
+                    Invariant::ReadyResetsFailures,
+                    id,
+                    format!("ready with {} failures on record", na.retry.consecutive_failures),
+                );
+            }
+            if na.record.stage == NodeStage::Destroyed && nb.record.stage != NodeStage::Destroyed {
+                let rb = &nb.record;
+                if rb.lease.is_some() || rb.session.is_some() || nb.pending.is_some() {
+                    self.fail(
+                        Invariant::CleanupOrderCancelDestroyMark,
+                        id,
+                        "marked destroyed while a lease, session or operation remained",
+                    );
+                }
+                if rb.ambiguous.is_some() {
+                    self.fail(
+                        Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                        id,
+                        format!("marked destroyed with an unresolved ambiguous {:?}", rb.ambiguous),
+                    );
+                }
+                let key = ResourceKey { run_id: a.run_id.clone(), node: id.clone(), attempt: na.attempt };
+                let live = provider.live_keys().iter().filter(|k| **k == key).count();
+                let running = provider.in_flight(id, na.attempt);
+                if live > 0 || running > 0 {
+                    self.fail(
+                        Invariant::DestroyedAttemptLeaksNothing,
+                        id,
+                        format!("attempt {} marked destroyed while the provider holds {live} live resource(s) and runs {running} operation(s) for it", na.attempt),
+                    );
+                }
+                let delay = na.record.restart_at.map(|t| t.saturating_since(now));
+                let (lo, hi) = backoff_window(&self.config, na.retry.consecutive_failures);
+                if !delay.is_some_and(|d| (lo..=hi).contains(&d)) {
+                    self.fail(
+                        Invariant::BackoffWithinFloorAndCap,
+                        id,
+                        format!("restart in {delay:?} ms after {} failures; window is [{lo}, {hi}]", na.retry.consecutive_failures),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Checks the state after every step, on its own.
+    pub fn check(&mut self, after: &Snapshot, provider: &dyn ProviderView) {
+        let a = &after.state;
+        for (id, n) in &a.nodes {
+            let rec = &n.record;
+            if rec.stage == NodeStage::Destroyed
+                && (rec.lease.is_some()
+                    || rec.session.is_some()
+                    || rec.endpoint.is_some()
+                    || rec.ambiguous.is_some()
+                    || n.pending.is_some())
+            {
+                self.fail(Invariant::DestroyedNodeHoldsNothing, id, format!("{rec:?} pending {:?}", n.pending));
+            }
+            let lease_owner = rec.lease.as_ref().map(|l| provider.lease_owner(l).map(|(k, _)| k.clone()));
+            let session_owner = rec.session.as_ref().map(|s| provider.session_owner(s).map(|(k, _)| k.clone()));
+            for owner in [lease_owner, session_owner].into_iter().flatten() {
+                let ok = owner
+                    .as_ref()
+                    .is_some_and(|k| k.node == *id && k.attempt == n.attempt && k.run_id == a.run_id);
+                if !ok {
+                    self.fail(
+                        Invariant::FactsBelongToCurrentAttempt,
+                        id,
+                        format!("attempt {} holds a resource made for {owner:?}", n.attempt),
+                    );
+                }
+            }
+        }
+        for (key, stats) in provider.key_stats() {
+            if stats.leases_created > 1 || stats.live_leases > 1 || stats.open_sessions > 1 {
+                self.fail(
+                    Invariant::NoDoubleCreate,
+                    &key.node,
+                    format!("identity {key}: {stats:?}"),
+                );
+            }
+        }
+        if provider.overlaps() > 0 {
+            self.report(
+                Invariant::OneRunningOperationPerAttempt,
+                None,
+                format!("{} overlapping operations", provider.overlaps()),
+            );
+        }
+        let converged = independently_converged(a, &after.desired);
+        if converged != after.converged_claim {
+            self.report(
+                Invariant::ConvergedMeansExactSpecs,
+                None,
+                format!("the driver says converged = {}, the spec says {converged}", after.converged_claim),
+            );
+        }
+        if converged {
+            for key in provider.live_keys() {
+                let owned = key.run_id == a.run_id
+                    && a.nodes.get(&key.node).is_some_and(|n| n.attempt == key.attempt);
+                if !owned {
+                    self.fail(
+                        Invariant::ConvergedLeaksNothing,
+                        &key.node,
+                        format!("converged, but the provider still holds a resource of {key}"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Checks a driver that has drained every pass at `after.now`.
+    pub fn on_quiescent(&mut self, after: &Snapshot, passes: usize, passes_max: usize) {
+        if passes > passes_max {
+            self.report(
+                Invariant::NoHotLoop,
+                None,
+                format!("{passes} passes at {} and still going", after.now),
+            );
+        }
+        let plan = reconcile(&after.state, &after.desired, after.now);
+        if let Some(first) = plan.actions.first() {
+            self.fail(
+                Invariant::SettledStatePlansNothing,
+                &first.node,
+                format!("a drained driver still plans {:?} ({})", first.action, first.row),
+            );
+        }
+        let expected = earliest_waiting_deadline(&after.state, &after.desired, after.now);
+        if after.timer != expected || after.timer.is_some_and(|t| t <= after.now) {
+            self.report(
+                Invariant::RequeueAtEarliestWaitingDeadline,
+                None,
+                format!("timer {:?} at {}, earliest waiting deadline {expected:?}", after.timer, after.now),
+            );
+        }
+    }
+
+    /// End-of-run checks on a run that was driven to convergence: it stays
+    /// converged and the provider holds exactly what the current attempts own.
+    pub fn finish(&mut self, after: &Snapshot, provider: &dyn ProviderView) {
+        self.context = "end of run".to_owned();
+        let a = &after.state;
+        if !independently_converged(a, &after.desired) {
+            self.report(Invariant::FairConvergenceWithinBound, None, "the run ended unconverged".to_owned());
+            return;
+        }
+        for (id, n) in &a.nodes {
+            let owned_live = n
+                .record
+                .lease
+                .as_ref()
+                .and_then(|l| provider.lease_owner(l))
+                .is_some_and(|(k, live)| live && k.node == *id && k.attempt == n.attempt);
+            if !owned_live {
+                self.fail(
+                    Invariant::ConvergedLeaksNothing,
+                    id,
+                    format!("ready attempt {} holds no live lease of its own ({:?})", n.attempt, n.record.lease),
+                );
+            }
+        }
+        let mut leases_per_node: BTreeMap<ResourceKey, usize> = BTreeMap::new();
+        for key in provider.live_keys() {
+            *leases_per_node.entry(key).or_default() += 1;
+        }
+        for (key, count) in leases_per_node {
+            let owned = a.nodes.get(&key.node).is_some_and(|n| n.attempt == key.attempt);
+            if !owned || count > 2 {
+                self.fail(
+                    Invariant::ConvergedLeaksNothing,
+                    &key.node,
+                    format!("{count} live resource(s) of {key} that no current attempt owns"),
+                );
+            }
+        }
+    }
+}
+
+impl LiveResource<'_> {
+    /// True for a lease.
+    pub fn is_lease(&self) -> bool {
+        matches!(self, Self::Lease(_))
+    }
+}
