@@ -54,10 +54,17 @@ fn settled(n: u32) -> Driver {
                 },
                 _ => unreachable!("a perfect provider needs nothing else"),
             };
-            let r = OperationResult { node: k.node.clone(), op: disp.op, outcome };
+            let r = OperationResult {
+                node: k.node.clone(),
+                op: disp.op,
+                outcome,
+            };
             let _ = d.handle_result(r, now).unwrap();
             if let EffectRequest::StartBootstrap { .. } = disp.request {
-                for event in [BootstrapEvent::SwactorJoined, BootstrapEvent::Stage(BootstrapStage::Converged)] {
+                for event in [
+                    BootstrapEvent::SwactorJoined,
+                    BootstrapEvent::Stage(BootstrapStage::Converged),
+                ] {
                     let o = BootstrapObservation {
                         node: k.node.clone(),
                         attempt: k.attempt,
@@ -112,14 +119,25 @@ fn bench_pass(c: &mut Criterion) {
                         .nodes
                         .iter()
                         .step_by(10)
-                        .map(|(id, node)| (id.clone(), node.attempt, node.record.session.clone().unwrap()))
+                        .map(|(id, node)| {
+                            (
+                                id.clone(),
+                                node.attempt,
+                                node.record.session.clone().unwrap(),
+                            )
+                        })
                         .collect();
                     for (node, attempt, session) in lost {
                         let event = BootstrapEvent::Failed {
                             stage: BootstrapStage::AgentLost,
                             reason: "bench".into(),
                         };
-                        let o = BootstrapObservation { node, attempt, session, event };
+                        let o = BootstrapObservation {
+                            node,
+                            attempt,
+                            session,
+                            event,
+                        };
                         assert_eq!(d2.handle_bootstrap(o, now).unwrap(), Folded::Applied);
                     }
                     d2

@@ -4,7 +4,7 @@
 //! compares against was computed and stored when an observation was folded.
 
 use crate::id::LogicalNodeId;
-use crate::shape::{DesiredState, NodeTemplate, same_template};
+use crate::shape::{DesiredGroup, DesiredState, NodeTemplate, same_template};
 use crate::state::{BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeStage};
 use crate::time::{Timestamp, earliest};
 use serde::{Deserialize, Serialize};
@@ -309,9 +309,7 @@ pub fn reconcile_node(
 /// returns; a pass over a settled cluster allocates nothing.
 pub fn reconcile(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
     let mut plan = Plan::default();
-    let mut nodes = state.nodes.iter().peekable();
-    let decide = |plan: &mut Plan, id: &LogicalNodeId, node: &ManagedNode, t| {
-        let d = reconcile_node(node, t, now);
+    walk(state, desired, now, |id, d| {
         plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
         if let Some(action) = d.action {
             plan.actions.push(PlannedAction {
@@ -320,39 +318,48 @@ pub fn reconcile(state: &ClusterState, desired: &DesiredState, now: Timestamp) -
                 action,
             });
         }
-    };
-    let insert = |plan: &mut Plan, g: &crate::shape::DesiredGroup, index: u32| {
-        plan.actions.push(PlannedAction {
-            node: LogicalNodeId::new(g.id.clone(), index),
-            row: LadderRow::InsertSlot,
-            action: NodeAction::Insert {
-                template: g.template.clone(),
-            },
-        });
-    };
+    });
+    plan
+}
 
+/// Visits every slot in order with its decision: existing nodes through
+/// [`reconcile_node`], missing desired slots as [`LadderRow::InsertSlot`].
+pub(crate) fn walk(
+    state: &ClusterState,
+    desired: &DesiredState,
+    now: Timestamp,
+    mut visit: impl FnMut(&LogicalNodeId, NodeDecision),
+) {
+    let mut nodes = state.nodes.iter().peekable();
+    let insert =
+        |visit: &mut dyn FnMut(&LogicalNodeId, NodeDecision), g: &DesiredGroup, index: u32| {
+            let id = LogicalNodeId::new(g.id.clone(), index);
+            let action = NodeAction::Insert {
+                template: g.template.clone(),
+            };
+            visit(&id, NodeDecision::act(LadderRow::InsertSlot, action));
+        };
     for g in &desired.groups {
         // Nodes of groups that sort before this one are not desired at all.
         while let Some((id, node)) = nodes.next_if(|(id, _)| id.group < g.id) {
-            decide(&mut plan, id, node, None);
+            visit(id, reconcile_node(node, None, now));
         }
         let mut next_missing = 0u32;
         while let Some((id, node)) = nodes.next_if(|(id, _)| id.group.same(&g.id)) {
             for index in next_missing..id.index.min(g.count) {
-                insert(&mut plan, g, index);
+                insert(&mut visit, g, index);
             }
             next_missing = next_missing.max(id.index.saturating_add(1));
             let t = (id.index < g.count).then_some(&g.template);
-            decide(&mut plan, id, node, t);
+            visit(id, reconcile_node(node, t, now));
         }
         for index in next_missing..g.count {
-            insert(&mut plan, g, index);
+            insert(&mut visit, g, index);
         }
     }
     for (id, node) in nodes {
-        decide(&mut plan, id, node, None);
+        visit(id, reconcile_node(node, None, now));
     }
-    plan
 }
 
 /// True when the cluster is converged on `desired`: every desired slot holds

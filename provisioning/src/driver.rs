@@ -21,7 +21,9 @@
 //! `poll_pass` and `finish_pass`) guarantees exactly one follow-up pass.
 
 use crate::config::{ConfigError, ReconcilerConfig};
-use crate::decide::{NodeAction, Plan, is_converged, reconcile};
+use crate::decide::{
+    NodeAction, Plan, PlannedAction, is_converged, reconcile, reconcile_node, walk,
+};
 use crate::id::{
     Generation, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId, ResourceKey,
     RunId, SessionId,
@@ -34,6 +36,7 @@ use crate::shape::{ClusterShape, DesiredState, NodeTemplate, ShapeError};
 use crate::state::{ClusterState, EffectKind, Intent, ManagedNode, NodeStage, PendingOperation};
 use crate::time::{DeadlineOverflow, Timestamp, earliest};
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// Why a shape update was refused. The driver's state is unchanged.
@@ -228,6 +231,49 @@ enum Queue {
     Running { dirty: bool },
 }
 
+/// Which nodes the next pass must decide.
+///
+/// A node's decision can only change when its state changes (it is marked
+/// dirty), when the desired state changes (everything is re-decided), or when
+/// time reaches the deadline it waits on (it is in `wakes`). Every other node
+/// would decide exactly what it decided last time, which for a waiting or
+/// settled node is "nothing". So a pass decides only dirty and due nodes, and a
+/// pass over a settled cluster costs nothing per node. The property test
+/// `incremental_passes_equal_full_passes` checks this against [`reconcile`].
+#[derive(Clone, Debug, Default)]
+struct Eval {
+    /// Re-decide every slot (the desired state changed, or an insert failed).
+    full: bool,
+    /// Nodes whose state changed since they were last decided.
+    dirty: BTreeSet<LogicalNodeId>,
+    /// Waiting nodes by the deadline they wait on.
+    wakes: BTreeSet<(Timestamp, LogicalNodeId)>,
+    /// The deadline each waiting node waits on (the index into `wakes`).
+    wake_of: BTreeMap<LogicalNodeId, Timestamp>,
+}
+
+impl Eval {
+    fn set_wake(&mut self, id: &LogicalNodeId, wake: Option<Timestamp>) {
+        if let Some(old) = self.wake_of.remove(id) {
+            self.wakes.remove(&(old, id.clone()));
+        }
+        if let Some(at) = wake {
+            self.wakes.insert((at, id.clone()));
+            self.wake_of.insert(id.clone(), at);
+        }
+    }
+
+    /// Dirty nodes and nodes whose deadline is due, in slot order.
+    fn candidates(&self, now: Timestamp) -> BTreeSet<&LogicalNodeId> {
+        let due = self
+            .wakes
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .map(|(_, id)| id);
+        self.dirty.iter().chain(due).collect()
+    }
+}
+
 /// The sole writer of [`ClusterState`]; see the module docs for the calling order.
 #[derive(Clone, Debug)]
 pub struct Driver {
@@ -237,6 +283,7 @@ pub struct Driver {
     queue: Queue,
     requeue_at: Option<Timestamp>,
     stats: DriverStats,
+    eval: Eval,
 }
 
 impl Driver {
@@ -253,6 +300,7 @@ impl Driver {
             queue: Queue::Idle,
             requeue_at: None,
             stats: DriverStats::default(),
+            eval: Eval::default(),
         })
     }
 
@@ -329,6 +377,7 @@ impl Driver {
         next.share_templates_with(&self.desired);
         let generation = next.generation;
         self.desired = next;
+        self.eval.full = true;
         self.trigger();
         Ok(DesiredUpdate::Accepted(generation))
     }
@@ -358,7 +407,8 @@ impl Driver {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         let Some(node) = self.state.nodes.get_mut(&result.node) else {
-            return Ok(self.count(Folded::Discarded(DiscardReason::UnknownNode)));
+            let unknown = Folded::Discarded(DiscardReason::UnknownNode);
+            return Ok(self.count(&result.node, unknown));
         };
         let folded =
             fold_result(node, result.op, result.outcome, &self.config, now).map_err(|source| {
@@ -367,7 +417,7 @@ impl Driver {
                     source,
                 }
             })?;
-        Ok(self.count(folded))
+        Ok(self.count(&result.node, folded))
     }
 
     /// Reports that a dispatch could not be submitted; it folds as a definite
@@ -403,7 +453,8 @@ impl Driver {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         let Some(node) = self.state.nodes.get_mut(&obs.node) else {
-            return Ok(self.count(Folded::Discarded(DiscardReason::UnknownNode)));
+            let unknown = Folded::Discarded(DiscardReason::UnknownNode);
+            return Ok(self.count(&obs.node, unknown));
         };
         let folded = fold_bootstrap(
             node,
@@ -417,7 +468,7 @@ impl Driver {
             node: obs.node.clone(),
             source,
         })?;
-        Ok(self.count(folded))
+        Ok(self.count(&obs.node, folded))
     }
 
     /// The host's timer fired: expires pending operations and stalled
@@ -432,10 +483,15 @@ impl Driver {
         }
         let mut folded = 0;
         let mut first_error = None;
-        for (id, node) in &mut self.state.nodes {
+        let due: Vec<LogicalNodeId> = self.eval.candidates(now).into_iter().cloned().collect();
+        for id in due {
+            let Some(node) = self.state.nodes.get_mut(&id) else {
+                continue;
+            };
+            let mut changed = false;
             match fold_deadline(node, &self.config, now) {
                 Ok(Some(Folded::Applied)) => {
-                    folded += 1;
+                    changed = true;
                     self.stats.expired += 1;
                 }
                 Ok(_) => {}
@@ -446,8 +502,10 @@ impl Driver {
                     });
                 }
             }
-            if fold_bootstrap_stall(node, now) {
+            changed |= fold_bootstrap_stall(node, now);
+            if changed {
                 folded += 1;
+                self.eval.dirty.insert(id);
             }
         }
         self.trigger();
@@ -480,7 +538,7 @@ impl Driver {
         }
         self.queue = Queue::Running { dirty: false };
         self.stats.passes += 1;
-        let plan = reconcile(&self.state, &self.desired, now);
+        let plan = self.decide(now, true);
         self.state.observed_generation = Some(self.desired.generation);
         let mut pass = Pass {
             number: self.stats.passes,
@@ -494,17 +552,25 @@ impl Driver {
         let mut requeue_at = plan.requeue_at;
         for planned in plan.actions {
             let transition = planned.action.is_transition();
+            let id = planned.node.clone();
+            let insert = matches!(planned.action, NodeAction::Insert { .. });
             match self.apply(planned.node, planned.action, now) {
                 Ok(Some(d)) => {
+                    // The node now waits on its operation's deadline.
+                    self.eval.set_wake(&id, Some(d.deadline));
                     requeue_at = earliest(requeue_at, Some(d.deadline));
                     pass.dispatches.push(d);
                     pass.stats.dispatched += 1;
                 }
                 Ok(None) => {
                     debug_assert!(transition);
+                    self.eval.dirty.insert(id);
                     pass.stats.transitions += 1;
                 }
                 Err(e) => {
+                    // A full pass would try again next time; so will we.
+                    self.eval.full |= insert;
+                    self.eval.dirty.insert(id);
                     pass.stats.errors += 1;
                     pass.errors.push(e);
                 }
@@ -518,6 +584,74 @@ impl Driver {
             self.queue = Queue::Running { dirty: true };
         }
         Ok(Some(pass))
+    }
+
+    /// The plan the next pass would apply at `now`, computed the way the pass
+    /// computes it: only dirty and due nodes are decided. It always equals
+    /// [`Driver::plan`] (property-tested); it exists so tests can prove that.
+    pub fn next_pass_plan(&self, now: Timestamp) -> Plan {
+        self.clone().decide(now, false)
+    }
+
+    /// Decides the candidates of this pass; with `commit`, also updates the
+    /// evaluation index (clears dirt, records new wake-ups).
+    fn decide(&mut self, now: Timestamp, commit: bool) -> Plan {
+        if self.eval.full {
+            let mut plan = Plan::default();
+            let mut wakes = Vec::new();
+            walk(&self.state, &self.desired, now, |id, d| {
+                plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
+                if let Some(at) = d.wake_at {
+                    wakes.push((at, id.clone()));
+                }
+                if let Some(action) = d.action {
+                    plan.actions.push(PlannedAction {
+                        node: id.clone(),
+                        row: d.row,
+                        action,
+                    });
+                }
+            });
+            if commit {
+                self.eval = Eval::default();
+                for (at, id) in wakes {
+                    self.eval.set_wake(&id, Some(at));
+                }
+            }
+            return plan;
+        }
+        let mut plan = Plan::default();
+        let mut updates = Vec::new();
+        let candidates = self.eval.candidates(now);
+        for id in &candidates {
+            let Some(node) = self.state.nodes.get(*id) else {
+                updates.push(((*id).clone(), None));
+                continue;
+            };
+            let d = reconcile_node(node, self.desired.slot(id), now);
+            plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
+            updates.push(((*id).clone(), d.wake_at));
+            if let Some(action) = d.action {
+                plan.actions.push(PlannedAction {
+                    node: (*id).clone(),
+                    row: d.row,
+                    action,
+                });
+            }
+        }
+        let others = self
+            .eval
+            .wakes
+            .iter()
+            .find(|(_, id)| !candidates.contains(id));
+        plan.requeue_at = earliest(plan.requeue_at, others.map(|(at, _)| *at));
+        if commit {
+            self.eval.dirty.clear();
+            for (id, wake) in updates {
+                self.eval.set_wake(&id, wake);
+            }
+        }
+        plan
     }
 
     /// Ends the running pass; queues the follow-up pass if anything triggered during it.
@@ -550,10 +684,11 @@ impl Driver {
         };
     }
 
-    fn count(&mut self, folded: Folded) -> Folded {
+    fn count(&mut self, node: &LogicalNodeId, folded: Folded) -> Folded {
         match folded {
             Folded::Applied => {
                 self.stats.folded += 1;
+                self.eval.dirty.insert(node.clone());
                 self.trigger();
             }
             Folded::Discarded(_) => self.stats.discarded += 1,

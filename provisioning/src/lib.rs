@@ -28,9 +28,9 @@ mod config;
 mod decide;
 mod driver;
 mod id;
+pub mod observe;
 #[cfg(swactor_policy_probe)]
 mod policy_probe;
-pub mod observe;
 mod shape;
 mod state;
 mod time;

@@ -8,13 +8,21 @@ use swactor_provisioning::*;
 #[test]
 fn the_revision_contract_rejects_regressions_silent_changes_and_other_runs() {
     let mut d = driver();
-    assert_eq!(d.update_desired(&shape(3, vec![group("w", 2)])), Ok(DesiredUpdate::Accepted(Generation(3))));
+    assert_eq!(
+        d.update_desired(&shape(3, vec![group("w", 2)])),
+        Ok(DesiredUpdate::Accepted(Generation(3)))
+    );
     // An identical resubmission is a no-op.
-    assert_eq!(d.update_desired(&shape(3, vec![group("w", 2)])), Ok(DesiredUpdate::Unchanged(Generation(3))));
+    assert_eq!(
+        d.update_desired(&shape(3, vec![group("w", 2)])),
+        Ok(DesiredUpdate::Unchanged(Generation(3)))
+    );
     // Same generation, new content: rejected.
     assert_eq!(
         d.update_desired(&shape(3, vec![group("w", 3)])),
-        Err(UpdateError::SameGenerationChanged { generation: Generation(3) })
+        Err(UpdateError::SameGenerationChanged {
+            generation: Generation(3)
+        })
     );
     // Regression: rejected, even with identical content.
     assert!(matches!(
@@ -23,13 +31,26 @@ fn the_revision_contract_rejects_regressions_silent_changes_and_other_runs() {
     ));
     let mut other = shape(4, vec![group("w", 2)]);
     other.run_id = RunId::new("other");
-    assert!(matches!(d.update_desired(&other), Err(UpdateError::RunMismatch { .. })));
+    assert!(matches!(
+        d.update_desired(&other),
+        Err(UpdateError::RunMismatch { .. })
+    ));
     let mut invalid = shape(4, vec![group("w", 2)]);
     invalid.groups[0].id = "W".into();
-    assert!(matches!(d.update_desired(&invalid), Err(UpdateError::Invalid(_))));
-    assert_eq!(d.desired().generation, Generation(3), "rejections change nothing");
+    assert!(matches!(
+        d.update_desired(&invalid),
+        Err(UpdateError::Invalid(_))
+    ));
+    assert_eq!(
+        d.desired().generation,
+        Generation(3),
+        "rejections change nothing"
+    );
     // Generations may be skipped.
-    assert_eq!(d.update_desired(&shape(10, vec![group("w", 1)])), Ok(DesiredUpdate::Accepted(Generation(10))));
+    assert_eq!(
+        d.update_desired(&shape(10, vec![group("w", 1)])),
+        Ok(DesiredUpdate::Accepted(Generation(10)))
+    );
 }
 
 #[test]
@@ -41,7 +62,10 @@ fn every_dispatch_is_recorded_as_pending_before_it_is_returned() {
     for disp in &dispatches {
         let n = &d.state().nodes[&disp.key.node];
         let p = n.pending.as_ref().expect("pending recorded");
-        assert_eq!((p.id, p.effect, p.deadline), (disp.op, disp.request.kind(), disp.deadline));
+        assert_eq!(
+            (p.id, p.effect, p.deadline),
+            (disp.op, disp.request.kind(), disp.deadline)
+        );
         assert_eq!(n.attempt, disp.key.attempt);
     }
     // And while pending, nothing more is emitted for those nodes.
@@ -82,7 +106,10 @@ fn triggers_while_queued_collapse_and_a_trigger_during_a_pass_gets_exactly_one_f
     let follow = d.poll_pass(t(0)).unwrap().unwrap();
     assert_eq!(follow.dispatches.len(), 2);
     d.finish_pass().unwrap();
-    assert!(d.poll_pass(t(0)).unwrap().is_none(), "exactly one follow-up");
+    assert!(
+        d.poll_pass(t(0)).unwrap().is_none(),
+        "exactly one follow-up"
+    );
 }
 
 #[test]
@@ -90,11 +117,20 @@ fn a_failed_submission_folds_as_an_operation_failure() {
     let mut d = driver();
     d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
     let disp = drain(&mut d, t(0)).pop().unwrap();
-    assert_eq!(d.handle_submit_failed(&disp, "queue full", t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_submit_failed(&disp, "queue full", t(0)).unwrap(),
+        Folded::Applied
+    );
     let n = &d.state().nodes[&node_id("w-0")];
     assert!(n.pending.is_none());
     assert_eq!(n.retry.consecutive_failures, 1);
-    assert!(n.record.last_error.as_deref().unwrap().contains("queue full"));
+    assert!(
+        n.record
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("queue full")
+    );
 }
 
 #[test]
@@ -102,10 +138,21 @@ fn poll_timeout_is_the_earliest_deadline_among_waiting_nodes() {
     let mut d = driver();
     d.update_desired(&shape(1, vec![group("w", 2)])).unwrap();
     let ds = drain(&mut d, t(0));
-    assert_eq!(d.poll_timeout(), Some(t(d.config().timeouts.create_lease_ms)));
-    assert_eq!(d.handle_result(fail(&ds[0], FailureClass::Definite), t(10)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.poll_timeout(),
+        Some(t(d.config().timeouts.create_lease_ms))
+    );
+    assert_eq!(
+        d.handle_result(fail(&ds[0], FailureClass::Definite), t(10))
+            .unwrap(),
+        Folded::Applied
+    );
     assert!(drain(&mut d, t(10)).is_empty());
-    assert_eq!(d.poll_timeout(), Some(t(1_010)), "the backoff is earlier than the other create's deadline");
+    assert_eq!(
+        d.poll_timeout(),
+        Some(t(1_010)),
+        "the backoff is earlier than the other create's deadline"
+    );
 }
 
 #[test]
@@ -135,16 +182,28 @@ fn spec_drift_replaces_the_attempt_only_after_full_cleanup() {
     assert_eq!(cancel.len(), 1);
     assert_eq!(cancel[0].key.attempt, first);
     assert_eq!(cancel[0].request.kind(), EffectKind::CancelBootstrap);
-    assert_eq!(d.handle_result(success(&cancel[0]), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&cancel[0]), t(0)).unwrap(),
+        Folded::Applied
+    );
     let destroy = drain(&mut d, t(0));
     assert_eq!(destroy[0].request.kind(), EffectKind::DestroyLease);
-    assert_eq!(d.handle_result(success(&destroy[0]), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&destroy[0]), t(0)).unwrap(),
+        Folded::Applied
+    );
     let create = drain(&mut d, t(0));
     assert_eq!(create[0].request.kind(), EffectKind::CreateLease);
     assert!(create[0].key.attempt > first);
-    assert_eq!(d.handle_result(success(&create[0]), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&create[0]), t(0)).unwrap(),
+        Folded::Applied
+    );
     converge(&mut d, t(0));
-    assert_eq!(d.state().nodes[&node_id("w-0")].template.role, "coordinator");
+    assert_eq!(
+        d.state().nodes[&node_id("w-0")].template.role,
+        "coordinator"
+    );
 }
 
 #[test]
@@ -161,7 +220,10 @@ fn attempt_id_exhaustion_is_an_error_not_a_panic_or_a_spin() {
     let pass = d.poll_pass(t(0)).unwrap().unwrap();
     assert_eq!(pass.stats.transitions, 1, "only one id was left");
     assert_eq!(pass.errors.len(), 2);
-    assert!(matches!(pass.errors[0], DriverError::AttemptIdsExhausted { .. }));
+    assert!(matches!(
+        pass.errors[0],
+        DriverError::AttemptIdsExhausted { .. }
+    ));
     d.finish_pass().unwrap();
     // The follow-up pass fails the same way; it does not loop on its own.
     let pass = d.poll_pass(t(0)).unwrap().unwrap();
@@ -180,7 +242,11 @@ fn deadline_overflow_is_an_error_and_leaves_the_node_unchanged() {
     assert!(pass.errors.is_empty());
     let pass = d.poll_pass(near_end).unwrap().unwrap();
     d.finish_pass().unwrap();
-    assert!(matches!(pass.errors[0], DriverError::Deadline { .. }), "{:?}", pass.errors);
+    assert!(
+        matches!(pass.errors[0], DriverError::Deadline { .. }),
+        "{:?}",
+        pass.errors
+    );
     let n = &d.state().nodes[&node_id("w-0")];
     assert!(n.pending.is_none());
     assert_eq!(n.record.stage, NodeStage::New);
@@ -193,8 +259,18 @@ fn plan_previews_a_shape_without_applying_it() {
     converge(&mut d, t(0));
     let before = d.state().clone();
     let plan = d.plan_shape(&shape(2, vec![group("w", 3)]), t(0)).unwrap();
-    let rows: Vec<_> = plan.actions.iter().map(|a| (a.node.to_string(), a.row)).collect();
-    assert_eq!(rows, [("w-1".into(), LadderRow::InsertSlot), ("w-2".into(), LadderRow::InsertSlot)]);
+    let rows: Vec<_> = plan
+        .actions
+        .iter()
+        .map(|a| (a.node.to_string(), a.row))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("w-1".into(), LadderRow::InsertSlot),
+            ("w-2".into(), LadderRow::InsertSlot)
+        ]
+    );
     assert_eq!(d.state(), &before);
     assert_eq!(d.desired().generation, Generation(1));
     assert!(d.plan_shape(&shape(0, vec![]), t(0)).is_err());
@@ -220,13 +296,20 @@ fn results_of_a_superseded_attempt_are_discarded() {
                 if disp.request.kind() == EffectKind::StartBootstrap {
                     found = Some(disp);
                 } else {
-                    assert_eq!(d.handle_result(success(&disp), t(0)).unwrap(), Folded::Applied);
+                    assert_eq!(
+                        d.handle_result(success(&disp), t(0)).unwrap(),
+                        Folded::Applied
+                    );
                 }
             }
         }
         found.unwrap()
     };
-    assert_eq!(d.handle_result(fail(&s, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(fail(&s, FailureClass::Definite), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
     let old_session_obs = BootstrapObservation {
         node: node_id("w-0"),
         attempt: s.key.attempt,
@@ -234,7 +317,10 @@ fn results_of_a_superseded_attempt_are_discarded() {
         event: BootstrapEvent::SwactorJoined,
     };
     for disp in drain(&mut d, t(0)) {
-        assert_eq!(d.handle_result(success(&disp), t(0)).unwrap(), Folded::Applied);
+        assert_eq!(
+            d.handle_result(success(&disp), t(0)).unwrap(),
+            Folded::Applied
+        );
     }
     drain(&mut d, t(0));
     d.handle_timeout(t(1_000)).unwrap();

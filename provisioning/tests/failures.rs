@@ -22,7 +22,10 @@ fn until(d: &mut Driver, now: Timestamp, kind: EffectKind) -> Dispatch {
             if disp.request.kind() == kind {
                 return disp;
             }
-            assert_eq!(d.handle_result(success(&disp), now).unwrap(), Folded::Applied);
+            assert_eq!(
+                d.handle_result(success(&disp), now).unwrap(),
+                Folded::Applied
+            );
         }
     }
     panic!("no {kind:?} dispatched");
@@ -32,17 +35,31 @@ fn until(d: &mut Driver, now: Timestamp, kind: EffectKind) -> Dispatch {
 fn a_failed_create_lease_retries_after_exponential_backoff_keeping_nothing() {
     let mut d = one_node();
     let c = until(&mut d, t(0), EffectKind::CreateLease);
-    assert_eq!(d.handle_result(fail(&c, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(fail(&c, FailureClass::Definite), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).retry.next_effect_at, Some(t(1_000)));
     assert_eq!(node(&d).record.lease, None);
     assert_eq!(node(&d).record.ambiguous, None);
-    assert!(drain(&mut d, t(500)).is_empty(), "no retry before the backoff");
+    assert!(
+        drain(&mut d, t(500)).is_empty(),
+        "no retry before the backoff"
+    );
     assert_eq!(d.poll_timeout(), Some(t(1_000)));
     d.handle_timeout(t(1_000)).unwrap();
     let retry = drain(&mut d, t(1_000));
     assert_eq!(retry.len(), 1);
-    assert_eq!(retry[0].key.attempt, c.key.attempt, "same attempt, same identity");
-    assert_eq!(d.handle_result(fail(&retry[0], FailureClass::Definite), t(1_000)).unwrap(), Folded::Applied);
+    assert_eq!(
+        retry[0].key.attempt, c.key.attempt,
+        "same attempt, same identity"
+    );
+    assert_eq!(
+        d.handle_result(fail(&retry[0], FailureClass::Definite), t(1_000))
+            .unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).retry.next_effect_at, Some(t(3_000)), "doubles");
     assert_eq!(node(&d).retry.consecutive_failures, 2);
 }
@@ -51,9 +68,16 @@ fn a_failed_create_lease_retries_after_exponential_backoff_keeping_nothing() {
 fn endpoint_not_ready_is_a_probe_on_the_probe_interval_not_a_failure() {
     let mut d = one_node();
     let l = until(&mut d, t(0), EffectKind::LookupEndpoint);
-    assert_eq!(d.handle_result(result(&l, OperationOutcome::EndpointNotReady), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(result(&l, OperationOutcome::EndpointNotReady), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).retry.consecutive_failures, 0);
-    assert_eq!(node(&d).retry.next_effect_at, Some(t(d.config().probe_interval_ms)));
+    assert_eq!(
+        node(&d).retry.next_effect_at,
+        Some(t(d.config().probe_interval_ms))
+    );
     assert!(node(&d).record.lease.is_some(), "the lease is kept");
     assert_eq!(node(&d).record.last_error, None);
 }
@@ -62,7 +86,11 @@ fn endpoint_not_ready_is_a_probe_on_the_probe_interval_not_a_failure() {
 fn a_failed_endpoint_lookup_keeps_the_lease_and_retries_after_backoff() {
     let mut d = one_node();
     let l = until(&mut d, t(0), EffectKind::LookupEndpoint);
-    assert_eq!(d.handle_result(fail(&l, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(fail(&l, FailureClass::Definite), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).retry.consecutive_failures, 1);
     assert_eq!(node(&d).retry.next_effect_at, Some(t(1_000)));
     assert!(node(&d).record.lease.is_some());
@@ -74,13 +102,24 @@ fn a_bootstrap_that_fails_to_start_ends_the_attempt_and_cleanup_starts_immediate
     let mut d = one_node();
     let s = until(&mut d, t(0), EffectKind::StartBootstrap);
     let first = s.key.attempt;
-    assert_eq!(d.handle_result(fail(&s, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(fail(&s, FailureClass::Definite), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).record.stage, NodeStage::Failed);
     assert_eq!(node(&d).retry.next_effect_at, None, "no backoff on cleanup");
     let cleanup = drain(&mut d, t(0));
     assert_eq!(cleanup.len(), 1);
-    assert_eq!(cleanup[0].request.kind(), EffectKind::DestroyLease, "same instant");
-    assert_eq!(d.handle_result(success(&cleanup[0]), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        cleanup[0].request.kind(),
+        EffectKind::DestroyLease,
+        "same instant"
+    );
+    assert_eq!(
+        d.handle_result(success(&cleanup[0]), t(0)).unwrap(),
+        Folded::Applied
+    );
     assert!(drain(&mut d, t(0)).is_empty());
     // Backoff applies to the restart.
     assert_eq!(node(&d).record.stage, NodeStage::Destroyed);
@@ -89,7 +128,11 @@ fn a_bootstrap_that_fails_to_start_ends_the_attempt_and_cleanup_starts_immediate
     let next = drain(&mut d, t(1_000));
     assert_eq!(next[0].request.kind(), EffectKind::CreateLease);
     assert!(next[0].key.attempt > first, "a fresh attempt");
-    assert_eq!(node(&d).retry.consecutive_failures, 1, "failures carry into the replacement");
+    assert_eq!(
+        node(&d).retry.consecutive_failures,
+        1,
+        "failures carry into the replacement"
+    );
 }
 
 #[test]
@@ -134,35 +177,63 @@ fn a_failed_cancel_or_destroy_stays_deleting_and_retries_after_backoff() {
     d.update_desired(&shape(2, vec![])).unwrap();
     let cancel = drain(&mut d, t(0));
     assert_eq!(cancel[0].request.kind(), EffectKind::CancelBootstrap);
-    assert_eq!(d.handle_result(fail(&cancel[0], FailureClass::Ambiguous), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(fail(&cancel[0], FailureClass::Ambiguous), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).intent, Intent::Deleting);
-    assert!(node(&d).record.session.is_some(), "failed cleanup keeps its live facts");
+    assert!(
+        node(&d).record.session.is_some(),
+        "failed cleanup keeps its live facts"
+    );
     assert!(drain(&mut d, t(999)).is_empty());
     d.handle_timeout(t(1_000)).unwrap();
     let again = drain(&mut d, t(1_000));
     assert_eq!(again[0].request.kind(), EffectKind::CancelBootstrap);
-    assert_eq!(d.handle_result(success(&again[0]), t(1_000)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&again[0]), t(1_000)).unwrap(),
+        Folded::Applied
+    );
     let destroy = drain(&mut d, t(1_000));
     assert_eq!(destroy[0].request.kind(), EffectKind::DestroyLease);
-    assert_eq!(d.handle_result(fail(&destroy[0], FailureClass::Definite), t(1_000)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(fail(&destroy[0], FailureClass::Definite), t(1_000))
+            .unwrap(),
+        Folded::Applied
+    );
     assert!(node(&d).record.lease.is_some());
-    assert_eq!(node(&d).retry.next_effect_at, Some(t(1_000 + 2_000)), "second failure");
+    assert_eq!(
+        node(&d).retry.next_effect_at,
+        Some(t(1_000 + 2_000)),
+        "second failure"
+    );
 }
 
 #[test]
 fn an_ambiguous_create_is_remembered_and_reissued_so_the_executor_adopts() {
     let mut d = one_node();
     let c = until(&mut d, t(0), EffectKind::CreateLease);
-    assert_eq!(d.handle_result(fail(&c, FailureClass::Ambiguous), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(fail(&c, FailureClass::Ambiguous), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).record.ambiguous, Some(EffectKind::CreateLease));
     // Scale to zero: the ambiguous create is re-issued before anything else.
     d.update_desired(&shape(2, vec![])).unwrap();
     let next = drain(&mut d, t(0));
     assert_eq!(next[0].request.kind(), EffectKind::CreateLease);
     assert_eq!(next[0].key, c.key, "same identity, so the provider adopts");
-    assert_eq!(d.handle_result(success(&next[0]), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&next[0]), t(0)).unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).record.ambiguous, None);
-    assert_eq!(drain(&mut d, t(0))[0].request.kind(), EffectKind::DestroyLease);
+    assert_eq!(
+        drain(&mut d, t(0))[0].request.kind(),
+        EffectKind::DestroyLease
+    );
 }
 
 #[test]
@@ -204,7 +275,11 @@ fn a_bootstrap_that_stalls_past_its_deadline_fails_the_attempt() {
 fn reaching_ready_resets_the_failure_count() {
     let mut d = one_node();
     let c = until(&mut d, t(0), EffectKind::CreateLease);
-    assert_eq!(d.handle_result(fail(&c, FailureClass::Definite), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(fail(&c, FailureClass::Definite), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).retry.consecutive_failures, 1);
     d.handle_timeout(t(1_000)).unwrap();
     converge(&mut d, t(1_000));
@@ -231,9 +306,15 @@ fn a_ready_node_whose_agent_is_lost_is_failed_and_replaced() {
     // Cleanup runs at once; the restart waits out one backoff.
     let cancel = drain(&mut d, t(100));
     assert_eq!(cancel[0].request.kind(), EffectKind::CancelBootstrap);
-    assert_eq!(d.handle_result(success(&cancel[0]), t(100)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&cancel[0]), t(100)).unwrap(),
+        Folded::Applied
+    );
     let destroy = drain(&mut d, t(100));
-    assert_eq!(d.handle_result(success(&destroy[0]), t(100)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&destroy[0]), t(100)).unwrap(),
+        Folded::Applied
+    );
     assert!(drain(&mut d, t(100)).is_empty());
     assert_eq!(node(&d).record.restart_at, Some(t(1_100)));
     assert_eq!(d.handle_timeout(t(1_100)).unwrap(), 0);

@@ -25,7 +25,10 @@ fn node_at(stage: NodeStage) -> ManagedNode {
     ) {
         rec.lease = Some(LeaseId("l".into()));
     }
-    if matches!(stage, S::EndpointKnown | S::BootstrapRunning | S::SwactorJoined | S::Dormant) {
+    if matches!(
+        stage,
+        S::EndpointKnown | S::BootstrapRunning | S::SwactorJoined | S::Dormant
+    ) {
         rec.endpoint = Some(NodeEndpoint("e".into()));
     }
     if matches!(stage, S::BootstrapRunning | S::SwactorJoined | S::Dormant) {
@@ -61,17 +64,27 @@ fn row_0_a_desired_slot_without_a_node_is_inserted() {
     let d = desired();
     let state = ClusterState::new(RunId::new("run"), 1);
     let plan = reconcile(&state, &d, t(NOW));
-    let rows: Vec<_> = plan.actions.iter().map(|a| (a.node.to_string(), a.row)).collect();
+    let rows: Vec<_> = plan
+        .actions
+        .iter()
+        .map(|a| (a.node.to_string(), a.row))
+        .collect();
     assert_eq!(
         rows,
-        [("w-0".into(), LadderRow::InsertSlot), ("w-1".into(), LadderRow::InsertSlot)]
+        [
+            ("w-0".into(), LadderRow::InsertSlot),
+            ("w-1".into(), LadderRow::InsertSlot)
+        ]
     );
 }
 
 #[test]
 fn row_1_a_destroyed_undesired_node_is_reaped() {
     let d = decide(&node_at(NodeStage::Destroyed), false);
-    assert_eq!((d.row, d.action), (LadderRow::ReapDestroyed, Some(NodeAction::Reap)));
+    assert_eq!(
+        (d.row, d.action),
+        (LadderRow::ReapDestroyed, Some(NodeAction::Reap))
+    );
 }
 
 #[test]
@@ -91,7 +104,10 @@ fn row_3_a_destroyed_desired_node_waits_for_its_restart_backoff() {
     let mut n = node_at(NodeStage::Destroyed);
     n.record.restart_at = Some(t(NOW + 1));
     let d = decide(&n, true);
-    assert_eq!((d.row, d.action, d.wake_at), (LadderRow::AwaitRestartBackoff, None, Some(t(NOW + 1))));
+    assert_eq!(
+        (d.row, d.action, d.wake_at),
+        (LadderRow::AwaitRestartBackoff, None, Some(t(NOW + 1)))
+    );
 }
 
 #[test]
@@ -99,7 +115,12 @@ fn row_4_an_active_node_that_is_undesired_drifted_or_failed_begins_deleting() {
     let d = decide(&node_at(NodeStage::Dormant), false);
     assert_eq!(
         (d.row, d.action),
-        (LadderRow::BeginDelete, Some(NodeAction::BeginDelete { reason: DeleteReason::Undesired }))
+        (
+            LadderRow::BeginDelete,
+            Some(NodeAction::BeginDelete {
+                reason: DeleteReason::Undesired
+            })
+        )
     );
 
     let mut drifted = node_at(NodeStage::Dormant);
@@ -107,13 +128,23 @@ fn row_4_an_active_node_that_is_undesired_drifted_or_failed_begins_deleting() {
     tpl.role = "coordinator".into();
     drifted.template = Arc::new(tpl);
     let d = decide(&drifted, true);
-    assert_eq!(d.action, Some(NodeAction::BeginDelete { reason: DeleteReason::SpecDrift }));
+    assert_eq!(
+        d.action,
+        Some(NodeAction::BeginDelete {
+            reason: DeleteReason::SpecDrift
+        })
+    );
 
     // Failed wins over a pending operation: cleanup starts at once.
     let mut failed = node_at(NodeStage::Failed);
     failed.pending = Some(pending(EffectKind::LookupEndpoint, NOW + 5));
     let d = decide(&failed, true);
-    assert_eq!(d.action, Some(NodeAction::BeginDelete { reason: DeleteReason::Failed }));
+    assert_eq!(
+        d.action,
+        Some(NodeAction::BeginDelete {
+            reason: DeleteReason::Failed
+        })
+    );
 }
 
 #[test]
@@ -121,7 +152,10 @@ fn row_5_a_node_with_a_pending_operation_waits_for_its_result_or_deadline() {
     let mut n = node_at(NodeStage::LeaseRequested);
     n.pending = Some(pending(EffectKind::CreateLease, NOW + 50));
     let d = decide(&n, true);
-    assert_eq!((d.row, d.action, d.wake_at), (LadderRow::AwaitPendingOperation, None, Some(t(NOW + 50))));
+    assert_eq!(
+        (d.row, d.action, d.wake_at),
+        (LadderRow::AwaitPendingOperation, None, Some(t(NOW + 50)))
+    );
     // Also while deleting.
     n.intent = Intent::Deleting;
     assert_eq!(decide(&n, false).row, LadderRow::AwaitPendingOperation);
@@ -135,13 +169,19 @@ fn row_6_a_deleting_node_with_an_ambiguous_create_reissues_it_to_adopt_first() {
     let d = decide(&n, false);
     assert_eq!(
         (d.row, d.action),
-        (LadderRow::AdoptAmbiguousCreate, Some(NodeAction::Dispatch(EffectKind::CreateLease)))
+        (
+            LadderRow::AdoptAmbiguousCreate,
+            Some(NodeAction::Dispatch(EffectKind::CreateLease))
+        )
     );
     // An ambiguous bootstrap is adopted before the session could be cancelled.
     let mut n = node_at(NodeStage::EndpointKnown);
     n.intent = Intent::Deleting;
     n.record.ambiguous = Some(EffectKind::StartBootstrap);
-    assert_eq!(decide(&n, false).action, Some(NodeAction::Dispatch(EffectKind::StartBootstrap)));
+    assert_eq!(
+        decide(&n, false).action,
+        Some(NodeAction::Dispatch(EffectKind::StartBootstrap))
+    );
 }
 
 #[test]
@@ -151,7 +191,10 @@ fn row_7_a_deleting_node_with_a_live_session_cancels_the_bootstrap_first() {
     let d = decide(&n, false);
     assert_eq!(
         (d.row, d.action),
-        (LadderRow::CancelBootstrap, Some(NodeAction::Dispatch(EffectKind::CancelBootstrap)))
+        (
+            LadderRow::CancelBootstrap,
+            Some(NodeAction::Dispatch(EffectKind::CancelBootstrap))
+        )
     );
 }
 
@@ -162,7 +205,10 @@ fn row_8_a_deleting_node_with_a_live_lease_and_no_session_destroys_the_lease() {
     let d = decide(&n, false);
     assert_eq!(
         (d.row, d.action),
-        (LadderRow::DestroyLease, Some(NodeAction::Dispatch(EffectKind::DestroyLease)))
+        (
+            LadderRow::DestroyLease,
+            Some(NodeAction::Dispatch(EffectKind::DestroyLease))
+        )
     );
 }
 
@@ -173,7 +219,10 @@ fn row_9_a_deleting_node_with_nothing_left_is_marked_destroyed() {
     // Even under a running backoff: marking needs no I/O.
     n.retry.next_effect_at = Some(t(NOW + 100));
     let d = decide(&n, false);
-    assert_eq!((d.row, d.action), (LadderRow::MarkDestroyed, Some(NodeAction::MarkDestroyed)));
+    assert_eq!(
+        (d.row, d.action),
+        (LadderRow::MarkDestroyed, Some(NodeAction::MarkDestroyed))
+    );
 }
 
 #[test]
@@ -181,7 +230,10 @@ fn row_10_a_node_in_retry_backoff_waits_and_cleanup_retries_back_off_too() {
     let mut n = node_at(NodeStage::LeaseRequested);
     n.retry.next_effect_at = Some(t(NOW + 1_000));
     let d = decide(&n, true);
-    assert_eq!((d.row, d.action, d.wake_at), (LadderRow::AwaitRetryBackoff, None, Some(t(NOW + 1_000))));
+    assert_eq!(
+        (d.row, d.action, d.wake_at),
+        (LadderRow::AwaitRetryBackoff, None, Some(t(NOW + 1_000)))
+    );
     // A failed destroy retries after backoff, not hot.
     let mut n = node_at(NodeStage::EndpointKnown);
     n.intent = Intent::Deleting;
@@ -195,7 +247,10 @@ fn row_10_a_node_in_retry_backoff_waits_and_cleanup_retries_back_off_too() {
 #[test]
 fn row_11_a_ready_node_is_in_steady_state_and_does_nothing() {
     let d = decide(&node_at(NodeStage::Dormant), true);
-    assert_eq!((d.row, d.action, d.wake_at), (LadderRow::SteadyReady, None, None));
+    assert_eq!(
+        (d.row, d.action, d.wake_at),
+        (LadderRow::SteadyReady, None, None)
+    );
     let mut h = node_at(NodeStage::Dormant);
     h.record.stage = NodeStage::HandedOff;
     assert_eq!(decide(&h, true).row, LadderRow::SteadyReady);
@@ -207,7 +262,10 @@ fn row_12_an_active_node_without_a_lease_creates_one() {
         let d = decide(&node_at(stage), true);
         assert_eq!(
             (d.row, d.action),
-            (LadderRow::CreateLease, Some(NodeAction::Dispatch(EffectKind::CreateLease)))
+            (
+                LadderRow::CreateLease,
+                Some(NodeAction::Dispatch(EffectKind::CreateLease))
+            )
         );
     }
 }
@@ -217,7 +275,10 @@ fn row_13_a_lease_without_an_endpoint_is_looked_up() {
     let d = decide(&node_at(NodeStage::LeaseCreated), true);
     assert_eq!(
         (d.row, d.action),
-        (LadderRow::LookupEndpoint, Some(NodeAction::Dispatch(EffectKind::LookupEndpoint)))
+        (
+            LadderRow::LookupEndpoint,
+            Some(NodeAction::Dispatch(EffectKind::LookupEndpoint))
+        )
     );
 }
 
@@ -226,7 +287,13 @@ fn row_14_a_joined_and_converged_node_records_convergence() {
     let mut n = node_at(NodeStage::SwactorJoined);
     n.record.bootstrap = Some(BootstrapStage::Converged);
     let d = decide(&n, true);
-    assert_eq!((d.row, d.action), (LadderRow::ObserveConvergence, Some(NodeAction::ObserveConvergence)));
+    assert_eq!(
+        (d.row, d.action),
+        (
+            LadderRow::ObserveConvergence,
+            Some(NodeAction::ObserveConvergence)
+        )
+    );
     // The stream may already have closed cleanly.
     n.record.session = None;
     assert_eq!(decide(&n, true).row, LadderRow::ObserveConvergence);
@@ -237,7 +304,10 @@ fn row_15_a_running_bootstrap_awaits_stream_observations_until_its_stall_deadlin
     let mut n = node_at(NodeStage::BootstrapRunning);
     n.record.bootstrap_deadline = Some(t(NOW + 300));
     let d = decide(&n, true);
-    assert_eq!((d.row, d.action, d.wake_at), (LadderRow::AwaitBootstrap, None, Some(t(NOW + 300))));
+    assert_eq!(
+        (d.row, d.action, d.wake_at),
+        (LadderRow::AwaitBootstrap, None, Some(t(NOW + 300)))
+    );
     // Joined but not yet converged still waits.
     let mut j = node_at(NodeStage::SwactorJoined);
     j.record.bootstrap = Some(BootstrapStage::Join);
@@ -249,7 +319,10 @@ fn row_16_a_lease_with_an_endpoint_and_no_session_starts_bootstrap() {
     let d = decide(&node_at(NodeStage::EndpointKnown), true);
     assert_eq!(
         (d.row, d.action),
-        (LadderRow::StartBootstrap, Some(NodeAction::Dispatch(EffectKind::StartBootstrap)))
+        (
+            LadderRow::StartBootstrap,
+            Some(NodeAction::Dispatch(EffectKind::StartBootstrap))
+        )
     );
 }
 
@@ -275,19 +348,32 @@ fn rows_are_tried_in_priority_order() {
 
 #[test]
 fn scale_down_and_holes_are_found_in_one_walk() {
-    let d = shape(2, vec![group("a", 1), group("c", 3)]).validate().unwrap();
+    let d = shape(2, vec![group("a", 1), group("c", 3)])
+        .validate()
+        .unwrap();
     let mut state = ClusterState::new(RunId::new("run"), 1);
-    let old = shape(1, vec![group("a", 2), group("b", 1), group("c", 3)]).validate().unwrap();
+    let old = shape(1, vec![group("a", 2), group("b", 1), group("c", 3)])
+        .validate()
+        .unwrap();
     for (i, id) in ["a-0", "a-1", "b-0", "c-1"].iter().enumerate() {
         let mut n = ManagedNode::new(NodeAttemptId(i as u64 + 1), template(&old, id), 0);
         n.record = node_at(NodeStage::Dormant).record;
         state.nodes.insert(node_id(id), n);
     }
     let plan = reconcile(&state, &d, t(NOW));
-    let got: Vec<_> = plan.actions.iter().map(|a| format!("{} {:?}", a.node, a.row)).collect();
+    let got: Vec<_> = plan
+        .actions
+        .iter()
+        .map(|a| format!("{} {:?}", a.node, a.row))
+        .collect();
     assert_eq!(
         got,
-        ["a-1 BeginDelete", "b-0 BeginDelete", "c-0 InsertSlot", "c-2 InsertSlot"]
+        [
+            "a-1 BeginDelete",
+            "b-0 BeginDelete",
+            "c-0 InsertSlot",
+            "c-2 InsertSlot"
+        ]
     );
 }
 
@@ -305,8 +391,15 @@ fn the_golden_decision_table_matches() {
             Some(NodeAction::Insert { .. }) => "Insert".to_owned(),
             Some(a) => format!("{a:?}"),
         };
-        let wake = d.wake_at.map_or("-".to_owned(), |w| w.as_millis().to_string());
-        writeln!(out, "{name} | {desired_slot} | {} | {action} | {wake}", d.row.number()).unwrap();
+        let wake = d
+            .wake_at
+            .map_or("-".to_owned(), |w| w.as_millis().to_string());
+        writeln!(
+            out,
+            "{name} | {desired_slot} | {} | {action} | {wake}",
+            d.row.number()
+        )
+        .unwrap();
     };
     for stage in [
         S::New,
@@ -341,6 +434,10 @@ fn the_golden_decision_table_matches() {
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::write(path, &out).unwrap();
     }
-    let golden = std::fs::read_to_string(path).expect("testdata/ladder.golden (UPDATE_GOLDEN=1 creates it)");
-    assert_eq!(out, golden, "decision table changed; review and run with UPDATE_GOLDEN=1");
+    let golden =
+        std::fs::read_to_string(path).expect("testdata/ladder.golden (UPDATE_GOLDEN=1 creates it)");
+    assert_eq!(
+        out, golden,
+        "decision table changed; review and run with UPDATE_GOLDEN=1"
+    );
 }

@@ -137,7 +137,10 @@ pub fn converge(d: &mut Driver, now: Timestamp) {
             continue;
         }
         for disp in dispatches {
-            assert_eq!(d.handle_result(success(&disp), now).unwrap(), Folded::Applied);
+            assert_eq!(
+                d.handle_result(success(&disp), now).unwrap(),
+                Folded::Applied
+            );
         }
     }
     assert!(d.is_converged(), "did not converge: {:#?}", d.state());
