@@ -93,6 +93,31 @@ fn bench_pass(c: &mut Criterion) {
                 plan
             });
         });
+        // The driver's pass after one fold on a settled cluster: only the
+        // dirty node is decided, whatever the cluster's size.
+        g.bench_with_input(BenchmarkId::new("driver_one_fold", n), &n, |b, _| {
+            b.iter_batched(
+                || {
+                    let mut d2 = d.clone();
+                    let (node, n0) = d2.state().nodes.iter().next().unwrap();
+                    let o = BootstrapObservation {
+                        node: node.clone(),
+                        attempt: n0.attempt,
+                        session: n0.record.session.clone().unwrap(),
+                        event: BootstrapEvent::Stage(BootstrapStage::Converged),
+                    };
+                    assert_eq!(d2.handle_bootstrap(o, now).unwrap(), Folded::Applied);
+                    d2
+                },
+                |mut d2| {
+                    let pass = d2.poll_pass(now).unwrap().unwrap();
+                    assert!(pass.dispatches.is_empty());
+                    d2.finish_pass().unwrap();
+                    d2
+                },
+                BatchSize::LargeInput,
+            );
+        });
         // 10 % churn: every tenth node failed, so a pass begins its deletion.
         let mut churn = d.state().clone();
         for (i, node) in churn.nodes.values_mut().enumerate() {
