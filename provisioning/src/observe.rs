@@ -151,8 +151,16 @@ pub fn fold_result(
             let attempt_fails = kind == EffectKind::StartBootstrap
                 && class == FailureClass::Definite
                 && node.intent == Intent::Active;
-            if kind.creates() {
-                rec.ambiguous = (class == FailureClass::Ambiguous).then_some(kind);
+            // A definite failure says only that *this* call had no effect: an
+            // earlier ambiguous CreateLease (still running late, or done with
+            // its result lost) may hold a machine, so it stays unresolved until
+            // a re-issue succeeds. A session cannot outlive its lease, so an
+            // unresolved StartBootstrap is made safe by the DestroyLease that
+            // follows and may be dropped (its lease may be gone for good).
+            match class {
+                FailureClass::Ambiguous if kind.creates() => rec.ambiguous = Some(kind),
+                FailureClass::Definite if kind == EffectKind::StartBootstrap => rec.ambiguous = None,
+                _ => {}
             }
             node.pending = None;
             node.retry.consecutive_failures = failures_after;
