@@ -11,7 +11,8 @@
 //!
 //! Environment variables: `SWACTOR_CONFORMANCE_SEEDS` (seeds per mode, default
 //! 256), `SWACTOR_FIRST_SEED` (first seed, default 0), `SWACTOR_SEED` (run only
-//! this seed), `SWACTOR_MODE` (`in-order` or `adversarial`: only this mode).
+//! this seed), `SWACTOR_MODE` (`in-order` or `adversarial`: only this mode),
+//! `SWACTOR_REGRESSIONS_FILE` (record and replay failing seeds elsewhere).
 
 use crate::oracle::{Invariant, Violation};
 use crate::trace::{Mode, Trace, trace};
@@ -72,9 +73,12 @@ impl BatteryConfig {
     }
 }
 
-/// The committed regression file.
+/// The committed regression file, or the one `SWACTOR_REGRESSIONS_FILE` names.
 pub fn default_regressions_file() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("proptest-regressions/battery.txt")
+    std::env::var_os("SWACTOR_REGRESSIONS_FILE").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("proptest-regressions/battery.txt"),
+        PathBuf::from,
+    )
 }
 
 /// Seeds recorded for `mode` in a regression file (`<mode> <seed> # note` lines).

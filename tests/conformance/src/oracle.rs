@@ -722,8 +722,11 @@ impl Oracle {
                 } else {
                     self.check_backoff(node, na, now);
                 }
+                // An unresolved CreateLease may hold a machine; only a success
+                // resolves it. (A session dies with its lease, so a dropped
+                // StartBootstrap ambiguity is made safe by the DestroyLease.)
                 if let (Some(k), Some(prev)) = (kind, nb.record.ambiguous) {
-                    if k == prev && na.record.ambiguous.is_none() && na.intent == Intent::Deleting {
+                    if k == prev && k == EffectKind::CreateLease && na.record.ambiguous.is_none() {
                         self.fail(
                             Invariant::AmbiguousCreateAdoptedBeforeDestruction,
                             node,
