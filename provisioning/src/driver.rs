@@ -180,6 +180,30 @@ pub struct Dispatch {
     pub request: EffectRequest,
 }
 
+/// What [`Driver::adopt`] did with the keys it was given.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Adoption {
+    /// Keys that became (or already were) a slot's node.
+    pub adopted: Vec<ResourceKey>,
+    /// Keys of this run that no node will own: destroy what they hold.
+    pub orphans: Vec<ResourceKey>,
+    /// Keys of other runs, left alone.
+    pub foreign: Vec<ResourceKey>,
+}
+
+/// The template of an adopted node whose slot is not desired; it is only ever cleaned up.
+fn retired_template() -> Arc<NodeTemplate> {
+    Arc::new(NodeTemplate {
+        provider: crate::shape::ProviderShape {
+            kind: "adopted".to_owned(),
+            params: BTreeMap::new(),
+        },
+        boot: crate::shape::BootParams::default(),
+        role: "retired".to_owned(),
+        join: crate::shape::SwarmJoin::default(),
+    })
+}
+
 /// Counters of one pass.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PassStats {
@@ -380,6 +404,72 @@ impl Driver {
         self.eval.full = true;
         self.trigger();
         Ok(DesiredUpdate::Accepted(generation))
+    }
+
+    /// Takes over resources a provider already holds for this run (left by an
+    /// earlier driver, e.g. after a restart or a shutdown that kept its nodes).
+    ///
+    /// For each slot, the newest attempt found becomes the slot's node, with
+    /// its create remembered as ambiguous: the next pass re-issues that create
+    /// under the same key, so the provider hands back what it already has
+    /// instead of making a second machine, and the node carries on from there
+    /// (or is cleaned up, if its slot is no longer desired). Older attempts of
+    /// a slot, and keys of slots that already have a node, are returned as
+    /// orphans for the caller to destroy. The attempt allocator moves past
+    /// every attempt seen, so no id is ever handed out twice.
+    ///
+    /// Call it after the first shape is applied, so adopted nodes get their
+    /// slot's template rather than counting as drifted.
+    pub fn adopt(&mut self, keys: impl IntoIterator<Item = ResourceKey>) -> Adoption {
+        let mut newest: BTreeMap<LogicalNodeId, NodeAttemptId> = BTreeMap::new();
+        let mut report = Adoption::default();
+        for key in keys {
+            if key.run_id != self.state.run_id {
+                report.foreign.push(key);
+                continue;
+            }
+            self.state.next_attempt = self.state.next_attempt.max(key.attempt.0.saturating_add(1));
+            match newest.get(&key.node) {
+                Some(a) if *a >= key.attempt => report.orphans.push(key),
+                Some(a) => {
+                    let older = ResourceKey {
+                        attempt: *a,
+                        ..key.clone()
+                    };
+                    report.orphans.push(older);
+                    newest.insert(key.node, key.attempt);
+                }
+                None => {
+                    newest.insert(key.node, key.attempt);
+                }
+            }
+        }
+        for (node, attempt) in newest {
+            let key = ResourceKey {
+                run_id: self.state.run_id.clone(),
+                node: node.clone(),
+                attempt,
+            };
+            if self.state.nodes.contains_key(&node) {
+                report.orphans.push(key);
+                continue;
+            }
+            let template = self
+                .desired
+                .slot(&node)
+                .cloned()
+                .unwrap_or_else(retired_template);
+            let mut managed = ManagedNode::new(attempt, template, 0);
+            managed.record.stage = NodeStage::LeaseRequested;
+            managed.record.ambiguous = Some(EffectKind::CreateLease);
+            self.state.nodes.insert(node, managed);
+            report.adopted.push(key);
+        }
+        if !report.adopted.is_empty() {
+            self.eval.full = true;
+            self.trigger();
+        }
+        report
     }
 
     /// The actions the next pass would take on the current desired state, without applying them.

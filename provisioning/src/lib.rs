@@ -41,8 +41,8 @@ pub use decide::{
     reconcile, reconcile_node,
 };
 pub use driver::{
-    DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, Pass, PassStats,
-    UpdateError,
+    Adoption, DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, Pass,
+    PassStats, UpdateError,
 };
 pub use id::{
     Generation, GroupId, ID_LEN_MAX, IdError, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint,

@@ -159,7 +159,9 @@ pub fn fold_result(
             // follows and may be dropped (its lease may be gone for good).
             match class {
                 FailureClass::Ambiguous if kind.creates() => rec.ambiguous = Some(kind),
-                FailureClass::Definite if kind == EffectKind::StartBootstrap => rec.ambiguous = None,
+                FailureClass::Definite if kind == EffectKind::StartBootstrap => {
+                    rec.ambiguous = None
+                }
                 _ => {}
             }
             node.pending = None;

@@ -336,3 +336,47 @@ fn results_of_a_superseded_attempt_are_discarded() {
     );
     assert_eq!(d.state(), &before);
 }
+
+#[test]
+fn adopting_resources_reissues_their_creates_under_the_same_key_and_skips_used_attempt_ids() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 2)])).unwrap();
+    let key = |node: &str, attempt| ResourceKey {
+        run_id: RunId::new("run"),
+        node: node_id(node),
+        attempt: NodeAttemptId(attempt),
+    };
+    let mut foreign = key("w-0", 1);
+    foreign.run_id = RunId::new("other");
+    let report = d.adopt([key("w-0", 3), key("w-0", 7), key("w-5", 4), foreign.clone()]);
+    assert_eq!(report.adopted, [key("w-0", 7), key("w-5", 4)]);
+    assert_eq!(report.orphans, [key("w-0", 3)]);
+    assert_eq!(report.foreign, [foreign]);
+    let dispatches = drain(&mut d, t(0));
+    let mut by_node: Vec<_> = dispatches
+        .iter()
+        .map(|x| (x.key.node.to_string(), x.key.attempt.0, x.request.kind()))
+        .collect();
+    by_node.sort();
+    // w-0 re-issues its create under attempt 7 (adopt); w-1 is new and gets an
+    // id past every adopted one; w-5 is undesired, so it adopts, then cleans up.
+    assert_eq!(
+        by_node,
+        [
+            ("w-0".into(), 7, EffectKind::CreateLease),
+            ("w-1".into(), 8, EffectKind::CreateLease),
+            ("w-5".into(), 4, EffectKind::CreateLease),
+        ]
+    );
+    for x in &dispatches {
+        assert_eq!(d.handle_result(success(x), t(0)).unwrap(), Folded::Applied);
+    }
+    let next: Vec<_> = drain(&mut d, t(0))
+        .iter()
+        .map(|x| (x.key.node.to_string(), x.request.kind()))
+        .collect();
+    assert!(
+        next.contains(&("w-5".to_string(), EffectKind::DestroyLease)),
+        "{next:?}"
+    );
+}

@@ -1,0 +1,365 @@
+//! The `fake` provider: the conformance kit's reference model behind the provider contract.
+//!
+//! One [`FakeBackend`] (the same model the conformance battery checks the
+//! reconciler against) sits behind a mutex. Calls take the engine clock's
+//! `now`, optionally after a configured latency; a pump task delivers each
+//! session's scripted observations at their virtual time, so under tokio's
+//! paused time a whole cluster converges instantly and deterministically.
+//!
+//! Faults: everything [`ProviderFault`] offers (refusals, slow or never-ready
+//! endpoints, bootstrap failures at each stage, lost observations, late
+//! visibility), plus [`FakeProvider::arm_lost_result`] (the call takes effect
+//! but its reply is lost: an ambiguous outcome) and out-of-band deletion.
+
+use crate::{BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError};
+use async_trait::async_trait;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+use swactor_conformance::{BackendConfig, FakeBackend, LiveResource, Origin, ProviderFault};
+use swactor_engine::Clock;
+use swactor_provisioning::{
+    BootstrapEvent, EffectKind, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
+    Timestamp,
+};
+use tokio::sync::{Notify, mpsc};
+
+/// Settings of a [`FakeProvider`].
+#[derive(Clone, Debug)]
+pub struct FakeConfig {
+    /// The reference model's settings.
+    pub backend: BackendConfig,
+    /// Seed of the model's cosmetic choices.
+    pub seed: u64,
+    /// Delay added to every call (zero for none).
+    pub latency: Duration,
+    /// Observations buffered per session stream before the reader must catch up.
+    pub stream_buffer_len: usize,
+}
+
+impl Default for FakeConfig {
+    fn default() -> Self {
+        Self {
+            backend: BackendConfig::default(),
+            seed: 0,
+            latency: Duration::ZERO,
+            stream_buffer_len: 64,
+        }
+    }
+}
+
+struct Stream {
+    tx: Option<mpsc::Sender<BootstrapEvent>>,
+    /// Everything delivered so far, replayed to an adopting caller.
+    log: Vec<BootstrapEvent>,
+}
+
+struct State {
+    backend: FakeBackend,
+    streams: BTreeMap<SessionId, Stream>,
+    lost_results: Vec<EffectKind>,
+    observations_dropped: u64,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    clock: Clock,
+    config: FakeConfig,
+    wake: Arc<Notify>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Wakes the pump so it notices the provider is gone and ends.
+        self.wake.notify_one();
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves a consistent model behind
+        // (every mutation is a single call into the backend), so keep going.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp::from_millis(self.clock.now_ms())
+    }
+}
+
+/// The in-memory reference provider. Cheap to clone; clones share one model.
+#[derive(Clone)]
+pub struct FakeProvider {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for FakeProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeProvider").finish_non_exhaustive()
+    }
+}
+
+impl FakeProvider {
+    /// A provider whose timestamps come from `clock`. Must be called inside a
+    /// tokio runtime: it starts the task that delivers observations, which
+    /// ends when the last clone of the provider is dropped.
+    pub fn new(config: FakeConfig, clock: Clock) -> Self {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                backend: FakeBackend::new(config.backend.clone(), config.seed),
+                streams: BTreeMap::new(),
+                lost_results: Vec::new(),
+                observations_dropped: 0,
+            }),
+            clock,
+            config,
+            wake: Arc::new(Notify::new()),
+        });
+        tokio::spawn(pump(Arc::downgrade(&shared), shared.wake.clone()));
+        Self { shared }
+    }
+
+    /// Arms a fault in the model; the next matching call consumes it.
+    pub fn arm(&self, fault: ProviderFault) {
+        self.shared.lock().backend.arm(fault);
+        self.shared.wake.notify_one();
+    }
+
+    /// The next call of `kind` takes effect, but its reply is lost: the caller
+    /// gets [`ProviderError::Ambiguous`].
+    pub fn arm_lost_result(&self, kind: EffectKind) {
+        self.shared.lock().lost_results.push(kind);
+    }
+
+    /// Deletes `key`'s live lease behind the reconciler's back. Returns whether one existed.
+    pub fn delete_out_of_band(&self, key: &ResourceKey) -> bool {
+        let now = self.shared.now();
+        let mut st = self.shared.lock();
+        let lease = st
+            .backend
+            .leases()
+            .iter()
+            .find(|(_, l)| l.live && l.key == *key)
+            .map(|(id, _)| id.clone());
+        let deleted = lease.is_some_and(|l| st.backend.delete_out_of_band(&l, now));
+        drop(st);
+        self.shared.wake.notify_one();
+        deleted
+    }
+
+    /// Runs `f` on the model, e.g. to count resources in a test.
+    pub fn inspect<R>(&self, f: impl FnOnce(&FakeBackend) -> R) -> R {
+        f(&self.shared.lock().backend)
+    }
+
+    /// Observations dropped because a session's reader fell `stream_buffer_len` behind.
+    pub fn observations_dropped(&self) -> u64 {
+        self.shared.lock().observations_dropped
+    }
+
+    async fn latency(&self) {
+        if !self.shared.config.latency.is_zero() {
+            tokio::time::sleep(self.shared.config.latency).await;
+        }
+    }
+
+    /// Applies an armed lost-result fault to a call that took effect.
+    fn deliver<T>(&self, kind: EffectKind, ok: T) -> Result<T, ProviderError> {
+        let mut st = self.shared.lock();
+        if let Some(i) = st.lost_results.iter().position(|k| *k == kind) {
+            st.lost_results.remove(i);
+            return Err(ProviderError::Ambiguous(format!(
+                "reply to {kind:?} was lost"
+            )));
+        }
+        Ok(ok)
+    }
+}
+
+fn definite(e: swactor_conformance::ProviderError) -> ProviderError {
+    ProviderError::Definite(e.to_string())
+}
+
+#[async_trait]
+impl Provider for FakeProvider {
+    fn kind(&self) -> &'static str {
+        "fake"
+    }
+
+    async fn create_lease(
+        &self,
+        key: &ResourceKey,
+        _template: &NodeTemplate,
+    ) -> Result<LeaseGrant, ProviderError> {
+        self.latency().await;
+        let now = self.shared.now();
+        let grant = self
+            .shared
+            .lock()
+            .backend
+            .create_lease(key, now)
+            .map_err(definite)?;
+        self.deliver(
+            EffectKind::CreateLease,
+            LeaseGrant {
+                lease: grant.lease,
+                endpoint: grant.endpoint,
+            },
+        )
+    }
+
+    async fn lookup_endpoint(
+        &self,
+        _key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<NodeEndpoint, ProviderError> {
+        self.latency().await;
+        let now = self.shared.now();
+        let found = self
+            .shared
+            .lock()
+            .backend
+            .lookup_endpoint(lease, now)
+            .map_err(definite)?;
+        let endpoint = self.deliver(EffectKind::LookupEndpoint, found)?;
+        endpoint.ok_or(ProviderError::NotReady)
+    }
+
+    async fn start_bootstrap(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        _endpoint: &NodeEndpoint,
+        _template: &NodeTemplate,
+    ) -> Result<BootstrapSession, ProviderError> {
+        self.latency().await;
+        let now = self.shared.now();
+        let events = {
+            let mut st = self.shared.lock();
+            let grant = st
+                .backend
+                .start_bootstrap(key, lease, now)
+                .map_err(definite)?;
+            let (tx, rx) = mpsc::channel(self.shared.config.stream_buffer_len);
+            let stream = st.streams.entry(grant.session.clone()).or_insert(Stream {
+                tx: None,
+                log: Vec::new(),
+            });
+            if grant.origin != Origin::Created {
+                // Restate the progress so far on the adopter's fresh stream.
+                for ev in &stream.log {
+                    let _ = tx.try_send(ev.clone());
+                }
+            }
+            // Replacing the sender ends any older reader's stream.
+            stream.tx = Some(tx);
+            (grant.session, rx)
+        };
+        self.shared.wake.notify_one();
+        let (session, events) = events;
+        self.deliver(
+            EffectKind::StartBootstrap,
+            BootstrapSession { session, events },
+        )
+    }
+
+    async fn cancel_bootstrap(
+        &self,
+        _key: &ResourceKey,
+        session: &SessionId,
+    ) -> Result<(), ProviderError> {
+        self.latency().await;
+        let now = self.shared.now();
+        self.shared
+            .lock()
+            .backend
+            .cancel_bootstrap(session, now)
+            .map_err(definite)?;
+        self.shared.wake.notify_one();
+        self.deliver(EffectKind::CancelBootstrap, ())
+    }
+
+    async fn destroy_lease(
+        &self,
+        _key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<(), ProviderError> {
+        self.latency().await;
+        let now = self.shared.now();
+        self.shared
+            .lock()
+            .backend
+            .destroy_lease(lease, now)
+            .map_err(definite)?;
+        self.shared.wake.notify_one();
+        self.deliver(EffectKind::DestroyLease, ())
+    }
+
+    async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
+        self.latency().await;
+        let st = self.shared.lock();
+        let mut inv = Inventory::new();
+        for (key, res) in st.backend.live_resources() {
+            if key.run_id != *run_id {
+                continue;
+            }
+            let entry = inv.entry(key.clone()).or_default();
+            match res {
+                LiveResource::Lease(l) => entry.lease = Some(l.clone()),
+                LiveResource::Session(s) => entry.session = Some(s.clone()),
+            }
+        }
+        Ok(inv)
+    }
+}
+
+/// Delivers scripted observations at their virtual time until the provider is dropped.
+async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
+    loop {
+        let (next, clock) = {
+            let Some(s) = shared.upgrade() else { return };
+            let next = s.lock().backend.next_observation_at();
+            (next, s.clock.clone())
+        };
+        // Holding only the `Notify` (not the provider) while waiting lets the
+        // last clone's drop end this task.
+        let notified = wake.notified();
+        match next {
+            Some(at) => {
+                let deadline = clock.at_ms(at.as_millis()).into_tokio();
+                tokio::select! {
+                    () = tokio::time::sleep_until(deadline) => {}
+                    () = notified => {}
+                }
+            }
+            None => notified.await,
+        }
+        let Some(s) = shared.upgrade() else { return };
+        let now = s.now();
+        let mut guard = s.lock();
+        let st = &mut *guard;
+        let mut touched = Vec::new();
+        for obs in st.backend.poll_observations(now) {
+            let Some(stream) = st.streams.get_mut(&obs.session) else {
+                continue;
+            };
+            stream.log.push(obs.event.clone());
+            if let Some(tx) = &stream.tx {
+                if tx.try_send(obs.event).is_err() {
+                    st.observations_dropped += 1;
+                }
+            }
+            touched.push(obs.session);
+        }
+        // A session ends only after an observation (its last script step, or
+        // the final event of a cancel or loss); close the channel of each one
+        // that did, so its reader sees the end.
+        for id in touched {
+            if !st.backend.sessions().get(&id).is_some_and(|i| i.open) {
+                if let Some(stream) = st.streams.get_mut(&id) {
+                    stream.tx = None;
+                }
+            }
+        }
+    }
+}

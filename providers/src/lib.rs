@@ -1,0 +1,122 @@
+//! The provider contract: how Swactor leases machines and bootstraps agents on them.
+//!
+//! A [`Provider`] performs the five effects the reconciler decides on, plus a
+//! listing used to adopt what an earlier daemon left behind. Every call names
+//! the [`ResourceKey`] (run, slot, attempt) it acts for, and implementations
+//! must honour three rules, which the conformance kit checks:
+//!
+//! - **Adopt before creating.** `create_lease` and `start_bootstrap` first look
+//!   for a resource already made for the same key and return it; the key acts
+//!   as an idempotency token, so a retried create never makes a second machine.
+//! - **Already absent is success.** `cancel_bootstrap` and `destroy_lease`
+//!   succeed when there is nothing left to stop or destroy.
+//! - **Classify failures honestly.** [`ProviderError::Definite`] promises the
+//!   call had no effect; when that cannot be promised (a lost reply, a
+//!   timeout, a crash half-way) the error is [`ProviderError::Ambiguous`], and
+//!   the reconciler will re-issue the create so the provider can adopt.
+//!
+//! Providers are execution owners: unlike the policy crates they may spawn,
+//! sleep and do I/O.
+
+#[cfg(feature = "fake")]
+pub mod fake;
+
+use async_trait::async_trait;
+use std::collections::BTreeMap;
+use swactor_provisioning::{
+    BootstrapEvent, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
+};
+use tokio::sync::mpsc;
+
+/// How a provider call failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ProviderError {
+    /// The call certainly had no effect.
+    #[error("{0}")]
+    Definite(String),
+    /// The call may or may not have had its effect.
+    #[error("outcome unknown: {0}")]
+    Ambiguous(String),
+    /// Lookup only: the lease exists but its endpoint is not ready yet.
+    #[error("endpoint not ready yet")]
+    NotReady,
+}
+
+/// A lease the provider made or adopted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseGrant {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Its endpoint, when already known.
+    pub endpoint: Option<NodeEndpoint>,
+}
+
+/// The stream of facts a bootstrap session reports. It ends when the session
+/// does; an explicit [`BootstrapEvent::Closed`] before the end is optional.
+pub type BootstrapEvents = mpsc::Receiver<BootstrapEvent>;
+
+/// A bootstrap session the provider started or adopted.
+#[derive(Debug)]
+pub struct BootstrapSession {
+    /// The session.
+    pub session: SessionId,
+    /// Its observations. Adopting a session returns a fresh stream that first
+    /// restates the progress the session has already made.
+    pub events: BootstrapEvents,
+}
+
+/// What a provider holds for one key of a run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OwnedResources {
+    /// The live lease, if any.
+    pub lease: Option<LeaseId>,
+    /// The live bootstrap session, if any.
+    pub session: Option<SessionId>,
+}
+
+/// Everything a provider holds for one run, by key.
+pub type Inventory = BTreeMap<ResourceKey, OwnedResources>;
+
+/// A way to lease machines and run the agent on them. See the crate docs for
+/// the rules every implementation follows.
+#[async_trait]
+pub trait Provider: Send + Sync + 'static {
+    /// The provider kind named in shapes (`process`, `docker`, `fake`, ...).
+    fn kind(&self) -> &'static str;
+
+    /// Leases a machine for `key`, adopting one already leased for it.
+    async fn create_lease(
+        &self,
+        key: &ResourceKey,
+        template: &NodeTemplate,
+    ) -> Result<LeaseGrant, ProviderError>;
+
+    /// The lease's endpoint; [`ProviderError::NotReady`] while it has none yet.
+    async fn lookup_endpoint(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<NodeEndpoint, ProviderError>;
+
+    /// Starts the bootstrap of `key`'s machine, adopting a running session.
+    async fn start_bootstrap(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        endpoint: &NodeEndpoint,
+        template: &NodeTemplate,
+    ) -> Result<BootstrapSession, ProviderError>;
+
+    /// Stops a bootstrap session; already gone is success.
+    async fn cancel_bootstrap(
+        &self,
+        key: &ResourceKey,
+        session: &SessionId,
+    ) -> Result<(), ProviderError>;
+
+    /// Releases a lease; already gone is success.
+    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError>;
+
+    /// Everything this provider holds for `run_id`, for adoption and garbage collection.
+    async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError>;
+}
