@@ -1,11 +1,4 @@
 //! Bounded, cancellable execution of blocking calls off the actor threads.
-//!
-//! Actors must never block their runtime thread. A [`BlockingPool`] runs a
-//! closure on tokio's blocking threads, at most `concurrency_max` at a time,
-//! and hands the closure a [`CancelToken`] it should poll. Cancelling a call
-//! discards its result at once; its permit is released when the closure
-//! returns, so the bound counts closures that really run (a cooperative
-//! closure returns promptly after cancellation).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -75,6 +68,13 @@ pub enum BlockingError {
 }
 
 /// Runs blocking closures with a concurrency bound; cheap to clone.
+///
+/// Actors must never block their runtime thread. A [`BlockingPool`] runs a
+/// closure on tokio's blocking threads, at most `concurrency_max` at a time,
+/// and hands the closure a [`CancelToken`] it should poll. Cancelling a call
+/// discards its result at once; its permit is released when the closure
+/// returns, so the bound counts closures that really run (a cooperative
+/// closure returns promptly after cancellation).
 #[derive(Clone, Debug)]
 pub struct BlockingPool {
     permits: Arc<Semaphore>,

@@ -11,6 +11,7 @@
 
 pub mod blocking;
 pub mod clock;
+pub mod deadline;
 pub mod net;
 pub mod supervision;
 pub mod telemetry;
@@ -20,6 +21,7 @@ pub use blocking::{
     BlockingCall, BlockingConfig, BlockingError, BlockingPool, BlockingTicket, CancelToken,
 };
 pub use clock::{Clock, EngineInstant};
+pub use deadline::{DeadlinePassed, run_until};
 pub use supervision::{ChildEvent, ChildSpec, Children, RestartPolicy, SupervisionError};
 pub use timers::{TaskGauge, TimerFired, Timers};
 

@@ -1,19 +1,4 @@
 //! Linked children with a restart budget that escalates to the parent when spent.
-//!
-//! A parent keeps a [`Children`] in its state, starts children with
-//! [`Children::start`], and forwards every supervision event to
-//! [`Children::handle_event`] from its `handle_supervisor_evt` (which it
-//! must override: ractor's default stops the parent on any child exit):
-//!
-//! ```text
-//! async fn handle_supervisor_evt(&self, myself: ActorRef<Msg>, evt: SupervisionEvent,
-//!                                state: &mut State) -> Result<(), ActorProcessingErr> {
-//!     // An error here is the escalation: the parent fails and its own
-//!     // supervisor hears about it.
-//!     state.children.handle_event(&myself.get_cell(), &evt).await?;
-//!     Ok(())
-//! }
-//! ```
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -167,6 +152,21 @@ struct Child {
 }
 
 /// The supervised children of one parent actor.
+///
+/// A parent keeps a [`Children`] in its state, starts children with
+/// [`Children::start`], and forwards every supervision event to
+/// [`Children::handle_event`] from its `handle_supervisor_evt` (which it
+/// must override: ractor's default stops the parent on any child exit):
+///
+/// ```text
+/// async fn handle_supervisor_evt(&self, myself: ActorRef<Msg>, evt: SupervisionEvent,
+///                                state: &mut State) -> Result<(), ActorProcessingErr> {
+///     // An error here is the escalation: the parent fails and its own
+///     // supervisor hears about it.
+///     state.children.handle_event(&myself.get_cell(), &evt).await?;
+///     Ok(())
+/// }
+/// ```
 #[derive(Default)]
 pub struct Children {
     by_label: BTreeMap<String, Child>,

@@ -1,14 +1,4 @@
 //! Telemetry: a publisher streaming a snapshot then events to subscribers, and an NDJSON sink.
-//!
-//! The owner (an actor) calls [`TelemetryPublisher::publish`], which is
-//! synchronous and never waits for anyone: each event is encoded once into
-//! a frame and put on a bounded broadcast ring. Every subscriber connection
-//! (ALPN [`ALPN_TELEMETRY`]) is served by its own task that copies frames
-//! from the ring to a QUIC stream. A subscriber that falls more than
-//! `buffer_len_max` events behind gets a [`TelemetryFrame::Lagged`] frame and
-//! continues with the oldest event still held; one whose stream stays blocked
-//! for `write_stall_max` is disconnected. Memory per subscriber is therefore
-//! bounded by the shared ring plus its QUIC stream window.
 
 mod ndjson;
 
@@ -213,6 +203,16 @@ struct Start {
 }
 
 /// Publishes a snapshot of type `S` and events of type `E` to subscribers.
+///
+/// The owner (an actor) calls [`TelemetryPublisher::publish`], which is
+/// synchronous and never waits for anyone: each event is encoded once into
+/// a frame and put on a bounded broadcast ring. Every subscriber connection
+/// (ALPN [`ALPN_TELEMETRY`]) is served by its own task that copies frames
+/// from the ring to a QUIC stream. A subscriber that falls more than
+/// `buffer_len_max` events behind gets a [`TelemetryFrame::Lagged`] frame and
+/// continues with the oldest event still held; one whose stream stays blocked
+/// for `write_stall_max` is disconnected. Memory per subscriber is therefore
+/// bounded by the shared ring plus its QUIC stream window.
 ///
 /// Serve it by registering [`TelemetryPublisher::handler`] on
 /// [`ALPN_TELEMETRY`] (see [`crate::net::GuardedRouterBuilder`]). Dropping

@@ -1,19 +1,4 @@
 //! Keyed, generation-checked actor timers that die with the actor owning them.
-//!
-//! An actor keeps a [`Timers`] in its state and arms timers by key. Each
-//! arming gets a fresh generation; the firing message carries it, and
-//! [`Timers::accept`] drops any firing whose generation is no longer current,
-//! so a re-armed or cancelled timer can never reach the handler late.
-//!
-//! ```text
-//! enum Msg { Timer(TimerFired<Key>), /* ... */ }
-//! impl From<TimerFired<Key>> for Msg { fn from(f: TimerFired<Key>) -> Self { Msg::Timer(f) } }
-//!
-//! // pre_start:  let timers = Timers::new(myself.clone());
-//! // anywhere:   state.timers.arm_at(Key::Lease, clock.at_ms(deadline_ms));
-//! // handle:     Msg::Timer(fired) if state.timers.accept(&fired) => { /* act */ }
-//! //             Msg::Timer(_) => {} // stale: re-armed or cancelled meanwhile
-//! ```
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -83,6 +68,21 @@ struct Armed {
 }
 
 /// The timers of one actor, keyed by `K`, delivering `M: From<TimerFired<K>>`.
+///
+/// An actor keeps a [`Timers`] in its state and arms timers by key. Each
+/// arming gets a fresh generation; the firing message carries it, and
+/// [`Timers::accept`] drops any firing whose generation is no longer current,
+/// so a re-armed or cancelled timer can never reach the handler late.
+///
+/// ```text
+/// enum Msg { Timer(TimerFired<Key>), /* ... */ }
+/// impl From<TimerFired<Key>> for Msg { fn from(f: TimerFired<Key>) -> Self { Msg::Timer(f) } }
+///
+/// // pre_start:  let timers = Timers::new(myself.clone());
+/// // anywhere:   state.timers.arm_at(Key::Lease, clock.at_ms(deadline_ms));
+/// // handle:     Msg::Timer(fired) if state.timers.accept(&fired) => { /* act */ }
+/// //             Msg::Timer(_) => {} // stale: re-armed or cancelled meanwhile
+/// ```
 ///
 /// Arming a key that is already armed replaces it (the old task is aborted
 /// and its generation goes stale). Dropping the `Timers` aborts every task,

@@ -53,6 +53,12 @@ impl From<EndpointAddr> for EndpointTicket {
     }
 }
 
+impl From<EndpointTicket> for EndpointAddr {
+    fn from(ticket: EndpointTicket) -> Self {
+        ticket.addr
+    }
+}
+
 impl fmt::Display for EndpointTicket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Serialising an EndpointAddr into a Vec cannot fail.
