@@ -142,8 +142,7 @@ impl ReconcilerConfig {
         }
         let shift = (failures - 1).min(63);
         self.backoff_base_ms
-            .checked_mul(1u64 << shift)
-            .unwrap_or(u64::MAX)
+            .saturating_mul(1u64 << shift)
             .min(self.backoff_cap_ms)
     }
 
@@ -165,7 +164,7 @@ impl ReconcilerConfig {
             return lo;
         }
         let h = splitmix64(attempt.0 ^ (u64::from(failures) << 48) ^ 0x5eed_ba5e);
-        lo + (u128::from(h) * u128::from(span + 1) >> 64) as u64
+        lo + ((u128::from(h) * u128::from(span + 1)) >> 64) as u64
     }
 }
 

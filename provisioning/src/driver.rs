@@ -225,6 +225,9 @@ pub struct Pass {
     pub number: u64,
     /// Effects to submit, each already recorded as pending.
     pub dispatches: Vec<Dispatch>,
+    /// Nodes a driver transition changed (inserted, deleting, destroyed,
+    /// restarted, reaped or converged), in slot order.
+    pub transitioned: Vec<LogicalNodeId>,
     /// Counters.
     pub stats: PassStats,
     /// Actions that could not be applied; their nodes are unchanged.
@@ -517,13 +520,14 @@ impl Driver {
     /// As [`Driver::handle_result`].
     pub fn handle_submit_failed(
         &mut self,
-        dispatch: &Dispatch,
+        node: &LogicalNodeId,
+        op: OperationId,
         reason: &str,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         let result = OperationResult {
-            node: dispatch.key.node.clone(),
-            op: dispatch.op,
+            node: node.clone(),
+            op,
             outcome: OperationOutcome::Failed {
                 class: FailureClass::Definite,
                 reason: format!("submission failed: {reason}"),
@@ -568,7 +572,7 @@ impl Driver {
     /// # Errors
     /// A backoff deadline overflows; that node is unchanged, the others are folded.
     pub fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
-        if !self.requeue_at.is_some_and(|at| at <= now) {
+        if self.requeue_at.is_none_or(|at| at > now) {
             return Ok(0);
         }
         let mut folded = 0;
@@ -633,6 +637,7 @@ impl Driver {
         let mut pass = Pass {
             number: self.stats.passes,
             dispatches: Vec::new(),
+            transitioned: Vec::new(),
             stats: PassStats {
                 nodes: self.state.nodes.len(),
                 ..PassStats::default()
@@ -654,7 +659,8 @@ impl Driver {
                 }
                 Ok(None) => {
                     debug_assert!(transition);
-                    self.eval.dirty.insert(id);
+                    self.eval.dirty.insert(id.clone());
+                    pass.transitioned.push(id);
                     pass.stats.transitions += 1;
                 }
                 Err(e) => {

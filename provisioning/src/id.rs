@@ -82,7 +82,7 @@ impl fmt::Display for RunId {
 }
 
 /// Identifies a node group within a run. Cheap to clone (shared string).
-#[derive(Clone, Debug, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Debug, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct GroupId(Arc<str>);
 
@@ -108,6 +108,13 @@ impl GroupId {
 impl PartialEq for GroupId {
     fn eq(&self, other: &Self) -> bool {
         self.same(other)
+    }
+}
+
+impl std::hash::Hash for GroupId {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // Equality compares the strings, so hashing must too.
+        self.0.hash(state);
     }
 }
 

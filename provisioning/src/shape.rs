@@ -337,14 +337,12 @@ impl ClusterShape {
                 });
             }
             seen.insert(&g.id, index);
-            if let Some(r) = &g.run_id {
-                if *r != self.run_id {
-                    return Err(ShapeError::ForeignGroup {
-                        index,
-                        group_run: r.0.clone(),
-                        run: self.run_id.0.clone(),
-                    });
-                }
+            if let Some(r) = g.run_id.as_ref().filter(|r| **r != self.run_id) {
+                return Err(ShapeError::ForeignGroup {
+                    index,
+                    group_run: r.0.clone(),
+                    run: self.run_id.0.clone(),
+                });
             }
             if g.count > GROUP_COUNT_MAX {
                 return Err(ShapeError::CountTooLarge {

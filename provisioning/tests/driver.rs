@@ -118,7 +118,8 @@ fn a_failed_submission_folds_as_an_operation_failure() {
     d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
     let disp = drain(&mut d, t(0)).pop().unwrap();
     assert_eq!(
-        d.handle_submit_failed(&disp, "queue full", t(0)).unwrap(),
+        d.handle_submit_failed(&disp.key.node, disp.op, "queue full", t(0))
+            .unwrap(),
         Folded::Applied
     );
     let n = &d.state().nodes[&node_id("w-0")];

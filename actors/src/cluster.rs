@@ -1,0 +1,141 @@
+//! The cluster handle: start a cluster, message it, shut it down.
+
+use crate::driver::{
+    ClusterConfig, DriverActor, DriverArgs, DriverMsg, ShutdownMode, ShutdownReport, Subscription,
+};
+use crate::events::{ClusterEvent, ClusterSnapshot, PlanView};
+use std::sync::Arc;
+use swactor_engine::ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr};
+use swactor_engine::telemetry::TelemetryPublisher;
+use swactor_providers::Provider;
+use swactor_provisioning::{ClusterShape, DesiredUpdate, Generation, UpdateError};
+
+/// Why a call to a cluster failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// The cluster actor could not be started.
+    #[error("could not start the cluster actor")]
+    Spawn(#[source] SpawnErr),
+    /// The cluster actor is gone (shut down or failed).
+    #[error("the cluster is not running")]
+    NotRunning,
+    /// The shape was refused; the cluster is unchanged.
+    #[error(transparent)]
+    Update(#[from] UpdateError),
+}
+
+/// A running cluster. Cheap to clone; every clone talks to the same driver actor.
+#[derive(Clone, Debug)]
+pub struct ClusterHandle {
+    actor: ActorRef<DriverMsg>,
+}
+
+/// Starts clusters.
+pub struct Cluster;
+
+impl Cluster {
+    /// Starts a cluster as a top-level actor (no supervisor).
+    ///
+    /// # Errors
+    /// The actor could not be started (for instance an invalid reconciler config).
+    pub async fn start(
+        config: ClusterConfig,
+        provider: Arc<dyn Provider>,
+    ) -> Result<ClusterHandle, ClusterError> {
+        Self::start_with(config, provider, None, None).await
+    }
+
+    /// Starts a cluster linked to `supervisor` (another actor that will hear
+    /// if it fails), optionally publishing to remote telemetry subscribers.
+    ///
+    /// # Errors
+    /// The actor could not be started.
+    pub async fn start_with(
+        config: ClusterConfig,
+        provider: Arc<dyn Provider>,
+        supervisor: Option<ActorCell>,
+        publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
+    ) -> Result<ClusterHandle, ClusterError> {
+        let args = DriverArgs {
+            config,
+            provider,
+            publisher,
+        };
+        let spawned = match supervisor {
+            Some(sup) => DriverActor::spawn_linked(None, DriverActor, args, sup).await,
+            None => DriverActor::spawn(None, DriverActor, args).await,
+        };
+        let (actor, _join) = spawned.map_err(ClusterError::Spawn)?;
+        Ok(ClusterHandle { actor })
+    }
+}
+
+impl ClusterHandle {
+    /// The driver actor, for supervisors and for messaging it directly.
+    pub fn actor(&self) -> &ActorRef<DriverMsg> {
+        &self.actor
+    }
+
+    async fn call<T: Send + 'static>(
+        &self,
+        msg: impl FnOnce(RpcReplyPort<T>) -> DriverMsg,
+    ) -> Result<T, ClusterError> {
+        let (tx, rx) = swactor_engine::ractor::concurrency::oneshot();
+        self.actor
+            .send_message(msg(tx.into()))
+            .map_err(|_| ClusterError::NotRunning)?;
+        rx.await.map_err(|_| ClusterError::NotRunning)
+    }
+
+    /// Offers a new desired shape.
+    ///
+    /// # Errors
+    /// [`ClusterError::Update`] when the shape breaks validation or the
+    /// revision contract (nothing changes), or the cluster is gone.
+    pub async fn apply(&self, shape: ClusterShape) -> Result<DesiredUpdate, ClusterError> {
+        Ok(self.call(|r| DriverMsg::Apply(shape, r)).await??)
+    }
+
+    /// The actions the next pass would take if `shape` were applied (or, for
+    /// `None`, on the current shape). Applies nothing.
+    ///
+    /// # Errors
+    /// As [`ClusterHandle::apply`].
+    pub async fn plan(&self, shape: Option<ClusterShape>) -> Result<PlanView, ClusterError> {
+        Ok(self.call(|r| DriverMsg::Plan(shape, r)).await??)
+    }
+
+    /// The cluster as it is now.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn snapshot(&self) -> Result<ClusterSnapshot, ClusterError> {
+        self.call(DriverMsg::Snapshot).await
+    }
+
+    /// Subscribes to the event stream (a snapshot, then every event).
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn subscribe(&self) -> Result<Subscription, ClusterError> {
+        self.call(DriverMsg::Subscribe).await
+    }
+
+    /// Waits until the cluster is converged on its current desired generation.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn converged(&self) -> Result<Generation, ClusterError> {
+        self.call(DriverMsg::WaitConverged).await
+    }
+
+    /// Shuts the cluster down. [`ShutdownMode::Teardown`] returns only when
+    /// nothing is left at the provider; [`ShutdownMode::Keep`] returns at once
+    /// and leaves every node for a later cluster of the same run to adopt.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn shutdown(&self, mode: ShutdownMode) -> Result<ShutdownReport, ClusterError> {
+        self.call(|r| DriverMsg::Shutdown(mode, r)).await
+    }
+}

@@ -1,0 +1,178 @@
+//! What the driver tells the world: snapshots of the cluster and a stream of events.
+
+use serde::{Deserialize, Serialize};
+use swactor_provisioning::{
+    ClusterState, DriverStats, EffectKind, Generation, Intent, LadderRow, LogicalNodeId,
+    NodeAttemptId, NodeStage, OperationId, Plan, Timestamp,
+};
+
+/// One node as people see it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSummary {
+    /// The slot.
+    pub node: LogicalNodeId,
+    /// The current attempt.
+    pub attempt: NodeAttemptId,
+    /// Where on the ladder it is.
+    pub stage: NodeStage,
+    /// Active or Deleting.
+    pub intent: Intent,
+    /// Converged and serving.
+    pub ready: bool,
+    /// The operation in flight, if any.
+    pub pending: Option<EffectKind>,
+    /// Failures since the slot was last ready.
+    pub failures: u32,
+    /// The last error, if any.
+    pub last_error: Option<String>,
+    /// When the next retry (or restart) may happen, if the node is backing off.
+    pub next_retry_at: Option<Timestamp>,
+}
+
+impl NodeSummary {
+    /// Summarises one node of `state`.
+    pub fn of(node: &LogicalNodeId, state: &ClusterState) -> Option<Self> {
+        let n = state.nodes.get(node)?;
+        Some(Self {
+            node: node.clone(),
+            attempt: n.attempt,
+            stage: n.record.stage,
+            intent: n.intent,
+            ready: n.is_ready(),
+            pending: n.pending.as_ref().map(|p| p.effect),
+            failures: n.retry.consecutive_failures,
+            last_error: n.record.last_error.clone(),
+            next_retry_at: n.retry.next_effect_at.or(n.record.restart_at),
+        })
+    }
+}
+
+/// The whole cluster as people see it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterSnapshot {
+    /// The run.
+    pub run_id: String,
+    /// The desired generation.
+    pub generation: Generation,
+    /// The generation the last pass evaluated.
+    pub observed_generation: Option<Generation>,
+    /// Whether the cluster is converged on the desired generation.
+    pub converged: bool,
+    /// How many slots the desired shape has.
+    pub desired_nodes: u64,
+    /// Every node, in slot order.
+    pub nodes: Vec<NodeSummary>,
+    /// The driver's lifetime counters.
+    pub stats: DriverStats,
+    /// The clock reading the snapshot was taken at.
+    pub now: Timestamp,
+}
+
+/// Something the driver did or learned.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClusterEvent {
+    /// A new desired shape was accepted.
+    ShapeAccepted {
+        /// Its generation.
+        generation: Generation,
+        /// How many slots it has.
+        nodes: u64,
+    },
+    /// A node changed; the summary is its state afterwards.
+    Node(NodeSummary),
+    /// A node was removed from the cluster (reaped).
+    Removed {
+        /// The slot.
+        node: LogicalNodeId,
+    },
+    /// An operation was handed to an executor.
+    Dispatched {
+        /// The slot.
+        node: LogicalNodeId,
+        /// The operation.
+        op: OperationId,
+        /// What it does.
+        effect: EffectKind,
+    },
+    /// An operation's result came back.
+    Finished {
+        /// The slot.
+        node: LogicalNodeId,
+        /// The operation.
+        op: OperationId,
+        /// A one-line description of the outcome.
+        outcome: String,
+        /// False when the result was stale and discarded.
+        folded: bool,
+    },
+    /// A reconcile pass ran.
+    Pass {
+        /// Its number.
+        number: u64,
+        /// Nodes in the cluster.
+        nodes: usize,
+        /// Transitions applied.
+        transitions: usize,
+        /// Operations dispatched.
+        dispatched: usize,
+    },
+    /// The cluster converged on a generation.
+    Converged {
+        /// The generation.
+        generation: Generation,
+        /// How many nodes are ready.
+        nodes: usize,
+    },
+    /// Something went wrong that people should see (a refused action, an executor crash).
+    Warning {
+        /// What happened.
+        message: String,
+    },
+}
+
+/// The actions the next pass would take, in a form that prints well.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanView {
+    /// One line per planned action: slot, ladder row, action.
+    pub actions: Vec<PlanLine>,
+    /// When the cluster next needs waking, if anything waits.
+    pub requeue_at: Option<Timestamp>,
+}
+
+/// One planned action.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanLine {
+    /// The slot.
+    pub node: LogicalNodeId,
+    /// The ladder row that decided it.
+    pub row: LadderRow,
+    /// The action, in words.
+    pub action: String,
+}
+
+impl From<Plan> for PlanView {
+    fn from(plan: Plan) -> Self {
+        use swactor_provisioning::NodeAction as A;
+        let actions = plan
+            .actions
+            .into_iter()
+            .map(|a| PlanLine {
+                node: a.node,
+                row: a.row,
+                action: match a.action {
+                    A::Insert { .. } => "create slot".to_owned(),
+                    A::BeginDelete { reason } => format!("begin delete ({reason:?})"),
+                    A::MarkDestroyed => "mark destroyed".to_owned(),
+                    A::Restart { .. } => "restart with a new attempt".to_owned(),
+                    A::Reap => "remove slot".to_owned(),
+                    A::ObserveConvergence => "record convergence".to_owned(),
+                    A::Dispatch(kind) => format!("dispatch {kind:?}"),
+                },
+            })
+            .collect();
+        Self {
+            actions,
+            requeue_at: plan.requeue_at,
+        }
+    }
+}

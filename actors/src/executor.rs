@@ -1,0 +1,246 @@
+//! Executor workers: run provider I/O for the driver under the idempotent-executor contract.
+//!
+//! # Guarantees
+//! - **Deduplicated by operation id.** A completed operation submitted again
+//!   is not run again: its recorded outcome is replayed. An id reused with a
+//!   different request is refused and not run.
+//! - **At most one running operation per attempt.** The driver routes every
+//!   operation of an attempt to the same worker, and a worker runs one
+//!   operation at a time.
+//! - **Deadlines.** A provider call still running at the operation's deadline
+//!   is dropped (cancelled) and reported ambiguous, so its late completion is
+//!   never observed.
+//! - **Never blocks the driver.** Provider calls are awaited here, in the
+//!   worker, never in the driver.
+
+use crate::driver::DriverMsg;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef};
+use swactor_engine::{Clock, run_until};
+use swactor_providers::{BootstrapEvents, OwnedResources, Provider, ProviderError};
+use swactor_provisioning::{
+    Dispatch, EffectRequest, FailureClass, OperationId, OperationOutcome, OperationResult,
+    ResourceKey, RunId,
+};
+
+/// A message to an executor worker.
+pub enum WorkerMsg {
+    /// Run one recorded operation.
+    Execute(Dispatch),
+    /// List what the provider holds for a run (for adoption).
+    List(RunId),
+    /// Destroy what an orphaned key holds (cancel its session, then its lease).
+    Collect(ResourceKey, OwnedResources),
+    /// Test hook: fail this worker as if a provider call had panicked.
+    Crash,
+}
+
+/// What a worker reports back for one operation.
+#[derive(Debug)]
+pub struct Finished {
+    /// Index of the worker that ran it.
+    pub worker: usize,
+    /// The result to fold.
+    pub result: OperationResult,
+    /// The session's observation stream, for a bootstrap that started.
+    pub events: Option<BootstrapEvents>,
+}
+
+/// Start arguments of a worker.
+pub struct WorkerArgs {
+    /// The worker's index in the pool (the driver routes by it).
+    pub index: usize,
+    /// Where results go.
+    pub driver: ActorRef<DriverMsg>,
+    /// The provider to call.
+    pub provider: Arc<dyn Provider>,
+    /// The engine clock (deadlines are milliseconds on it).
+    pub clock: Clock,
+    /// Completed operations remembered for replay.
+    pub history_len_max: usize,
+}
+
+/// A worker's state.
+pub struct WorkerState {
+    args: WorkerArgs,
+    completed: BTreeMap<OperationId, (EffectRequest, OperationOutcome)>,
+    order: VecDeque<OperationId>,
+}
+
+/// The worker actor (a unit struct: all state is in [`WorkerState`]).
+pub struct ExecutorWorker;
+
+impl Actor for ExecutorWorker {
+    type Msg = WorkerMsg;
+    type State = WorkerState;
+    type Arguments = WorkerArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<WorkerMsg>,
+        args: WorkerArgs,
+    ) -> Result<WorkerState, ActorProcessingErr> {
+        Ok(WorkerState {
+            args,
+            completed: BTreeMap::new(),
+            order: VecDeque::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<WorkerMsg>,
+        msg: WorkerMsg,
+        state: &mut WorkerState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            WorkerMsg::Execute(dispatch) => state.execute(dispatch).await,
+            WorkerMsg::List(run_id) => {
+                let listed = state.args.provider.list(&run_id).await;
+                let _ = state.args.driver.send_message(DriverMsg::Listed(listed));
+            }
+            WorkerMsg::Collect(key, owned) => {
+                let p = &state.args.provider;
+                let mut outcome = Ok(());
+                if let Some(session) = &owned.session {
+                    outcome = p.cancel_bootstrap(&key, session).await;
+                }
+                if let (Ok(()), Some(lease)) = (&outcome, &owned.lease) {
+                    outcome = p.destroy_lease(&key, lease).await;
+                }
+                let _ = state
+                    .args
+                    .driver
+                    .send_message(DriverMsg::Collected(key, outcome));
+            }
+            WorkerMsg::Crash => return Err("executor worker asked to crash".into()),
+        }
+        Ok(())
+    }
+}
+
+impl WorkerState {
+    fn send(&self, result: OperationResult, events: Option<BootstrapEvents>) {
+        let finished = Finished {
+            worker: self.args.index,
+            result,
+            events,
+        };
+        // The driver being gone means the cluster is shutting down; nothing to do.
+        let _ = self.args.driver.send_message(DriverMsg::Finished(finished));
+    }
+
+    async fn execute(&mut self, d: Dispatch) {
+        if let Some((request, outcome)) = self.completed.get(&d.op) {
+            let outcome = if *request == d.request {
+                outcome.clone()
+            } else {
+                tracing::error!(op = %d.op, "operation id reused with a different request; refused");
+                OperationOutcome::Failed {
+                    class: FailureClass::Definite,
+                    reason: "operation id reused with a different request; not run".to_owned(),
+                }
+            };
+            let result = OperationResult {
+                node: d.key.node.clone(),
+                op: d.op,
+                outcome,
+            };
+            self.send(result, None);
+            return;
+        }
+        let deadline = self.args.clock.at_ms(d.deadline.as_millis());
+        let (outcome, events) = match run_until(deadline, run(&*self.args.provider, &d)).await {
+            Ok(done) => done,
+            Err(_) => (
+                OperationOutcome::Failed {
+                    class: FailureClass::Ambiguous,
+                    reason: "provider call still running at the operation's deadline".to_owned(),
+                },
+                None,
+            ),
+        };
+        self.remember(d.op, d.request, outcome.clone());
+        let result = OperationResult {
+            node: d.key.node,
+            op: d.op,
+            outcome,
+        };
+        self.send(result, events);
+    }
+
+    fn remember(&mut self, op: OperationId, request: EffectRequest, outcome: OperationOutcome) {
+        if self.args.history_len_max == 0 {
+            return;
+        }
+        while self.order.len() >= self.args.history_len_max {
+            if let Some(old) = self.order.pop_front() {
+                self.completed.remove(&old);
+            }
+        }
+        self.completed.insert(op, (request, outcome));
+        self.order.push_back(op);
+    }
+}
+
+fn failed(e: ProviderError) -> OperationOutcome {
+    match e {
+        ProviderError::Definite(reason) => OperationOutcome::Failed {
+            class: FailureClass::Definite,
+            reason,
+        },
+        ProviderError::Ambiguous(reason) => OperationOutcome::Failed {
+            class: FailureClass::Ambiguous,
+            reason,
+        },
+        // Only a lookup may say "not ready"; from anything else it means the
+        // provider is confused, and nothing can be promised about the effect.
+        ProviderError::NotReady => OperationOutcome::Failed {
+            class: FailureClass::Ambiguous,
+            reason: "provider answered 'not ready' to a call that has no such answer".to_owned(),
+        },
+    }
+}
+
+async fn run(p: &dyn Provider, d: &Dispatch) -> (OperationOutcome, Option<BootstrapEvents>) {
+    let key = &d.key;
+    match &d.request {
+        EffectRequest::CreateLease { template } => match p.create_lease(key, template).await {
+            Ok(g) => (
+                OperationOutcome::LeaseCreated {
+                    lease: g.lease,
+                    endpoint: g.endpoint,
+                },
+                None,
+            ),
+            Err(e) => (failed(e), None),
+        },
+        EffectRequest::LookupEndpoint { lease } => match p.lookup_endpoint(key, lease).await {
+            Ok(endpoint) => (OperationOutcome::EndpointFound { endpoint }, None),
+            Err(ProviderError::NotReady) => (OperationOutcome::EndpointNotReady, None),
+            Err(e) => (failed(e), None),
+        },
+        EffectRequest::StartBootstrap {
+            lease,
+            endpoint,
+            template,
+        } => match p.start_bootstrap(key, lease, endpoint, template).await {
+            Ok(s) => (
+                OperationOutcome::BootstrapStarted { session: s.session },
+                Some(s.events),
+            ),
+            Err(e) => (failed(e), None),
+        },
+        EffectRequest::CancelBootstrap { session } => {
+            match p.cancel_bootstrap(key, session).await {
+                Ok(()) => (OperationOutcome::BootstrapCancelled, None),
+                Err(e) => (failed(e), None),
+            }
+        }
+        EffectRequest::DestroyLease { lease } => match p.destroy_lease(key, lease).await {
+            Ok(()) => (OperationOutcome::LeaseDestroyed, None),
+            Err(e) => (failed(e), None),
+        },
+    }
+}

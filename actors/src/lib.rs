@@ -1,0 +1,36 @@
+//! The actor system that hosts the reconciler: one driver actor owning the
+//! cluster state, with executor workers and bootstrap observers as its children.
+//!
+//! ```text
+//!   (your actor, or none)
+//!          │ spawn_linked / Cluster::start
+//!          ▼
+//!   DriverActor ─────────── sole writer of ClusterState (swactor-provisioning's Driver)
+//!     │  one engine timer at poll_timeout(), a safety-net tick
+//!     │
+//!     ├── executor-0 … executor-N   ExecutorWorker: provider I/O, dedup by operation id,
+//!     │                              restarted within a budget (engine Children);
+//!     │                              a crash folds its operations as ambiguous
+//!     └── observer (one per session) BootstrapObserver: follows a session's stream,
+//!                                    killed when the session ends or is cancelled
+//! ```
+//!
+//! Children only send typed messages back; the driver alone decides. This
+//! crate is a policy crate: its `clippy.toml` forbids spawning tasks,
+//! sleeping and reading clocks, so all timing goes through engine timers and
+//! all I/O through the providers.
+
+mod cluster;
+mod driver;
+mod events;
+mod executor;
+mod observer;
+
+pub use cluster::{Cluster, ClusterError, ClusterHandle};
+pub use driver::{
+    ClusterConfig, DriverActor, DriverArgs, DriverMsg, ShutdownMode, ShutdownReport, Subscription,
+    TimerKey,
+};
+pub use events::{ClusterEvent, ClusterSnapshot, NodeSummary, PlanLine, PlanView};
+pub use executor::{ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
+pub use observer::{BootstrapObserver, Next, ObserverArgs};
