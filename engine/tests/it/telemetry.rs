@@ -189,8 +189,9 @@ async fn a_subscriber_that_never_reads_lags_without_slowing_the_others() {
             .unwrap();
         }
     }
+    // Generous: publish is synchronous, so only OS preemption can stretch it.
     assert!(
-        slowest_publish < Duration::from_millis(50),
+        slowest_publish < Duration::from_millis(250),
         "publish took {slowest_publish:?}"
     );
     // One ring cursor per subscriber and nothing else: the stalled one holds no backlog of its own.
