@@ -185,8 +185,9 @@ pub struct DriverState {
     armed_requeue: Option<Timestamp>,
     workers: Children,
     in_flight: BTreeMap<usize, BTreeMap<OperationId, LogicalNodeId>>,
-    observers: BTreeMap<SessionId, (ActorRef<crate::observer::Next>, LogicalNodeId)>,
-    observer_ids: BTreeMap<ActorId, SessionId>,
+    /// The observer of each node's live session (a node has at most one).
+    observers: BTreeMap<LogicalNodeId, (SessionId, ActorRef<crate::observer::Next>)>,
+    observer_ids: BTreeMap<ActorId, LogicalNodeId>,
     pass_queued: bool,
     adoption: Adoption,
     shape_seen: bool,
@@ -283,7 +284,7 @@ impl Actor for DriverActor {
     ) -> Result<(), ActorProcessingErr> {
         state.timers.cancel_all();
         state.workers.stop_all(None);
-        for (_, (o, _)) in std::mem::take(&mut state.observers) {
+        for (_, (_, o)) in std::mem::take(&mut state.observers) {
             o.kill();
         }
         Ok(())
@@ -379,11 +380,11 @@ impl Actor for DriverActor {
             | SupervisionEvent::ActorFailed(cell, _) => st.observer_ids.remove(&cell.get_id()),
             _ => None,
         };
-        if let Some(session) = observer {
+        if let Some(node) = observer {
             if let SupervisionEvent::ActorFailed(_, e) = &evt {
-                st.warn(format!("observer of session {} failed: {e}", session.0));
+                st.warn(format!("the bootstrap observer of {node} failed: {e}"));
             }
-            st.observers.remove(&session);
+            st.observers.remove(&node);
             return Ok(());
         }
         let failed = matches!(evt, SupervisionEvent::ActorFailed(..));
@@ -589,9 +590,7 @@ impl DriverState {
                 self.node_changed(&node);
             }
             for node in &pass.transitioned {
-                for session in self.stale_sessions(node) {
-                    self.stop_observer(&session);
-                }
+                self.drop_stale_observer(node);
                 self.node_changed(node);
             }
             let stats = pass.stats;
@@ -610,20 +609,22 @@ impl DriverState {
         Ok(())
     }
 
-    /// Observed sessions of `node` that its record no longer holds (the node
-    /// was reaped or restarted): their observers must go.
-    fn stale_sessions(&self, node: &LogicalNodeId) -> Vec<SessionId> {
+    /// Stops `node`'s observer if its record no longer holds the observed
+    /// session (the node was reaped or restarted, or the stream closed).
+    fn drop_stale_observer(&mut self, node: &LogicalNodeId) {
         let live = self
             .driver
             .state()
             .nodes
             .get(node)
             .and_then(|n| n.record.session.as_ref());
-        self.observers
-            .iter()
-            .filter(|(s, (_, n))| n == node && Some(*s) != live)
-            .map(|(s, _)| s.clone())
-            .collect()
+        if self
+            .observers
+            .get(node)
+            .is_some_and(|(s, _)| Some(s) != live)
+        {
+            self.stop_observer(node);
+        }
     }
 
     fn rearm(&mut self, now: Timestamp) {
@@ -726,7 +727,7 @@ impl DriverState {
         };
         self.timers.cancel_all();
         self.workers.stop_all(None);
-        for (_, (o, _)) in std::mem::take(&mut self.observers) {
+        for (_, (_, o)) in std::mem::take(&mut self.observers) {
             o.kill();
         }
         let _ = reply.send(report);
@@ -747,15 +748,7 @@ impl DriverState {
             OperationOutcome::BootstrapStarted { session } => Some(session.clone()),
             _ => None,
         };
-        let cancelled = matches!(f.result.outcome, OperationOutcome::BootstrapCancelled);
         let outcome = describe(&f.result.outcome);
-        let cancelled_session = self
-            .driver
-            .state()
-            .nodes
-            .get(&node)
-            .filter(|_| cancelled)
-            .and_then(|n| n.record.session.clone());
         let now = self.now();
         let folded = self.driver.handle_result(f.result, now)? == Folded::Applied;
         if self.config.node_events {
@@ -771,9 +764,8 @@ impl DriverState {
                 self.start_observer(myself, &node, op, session, events)
                     .await;
             }
-            if let Some(session) = cancelled_session {
-                self.stop_observer(&session);
-            }
+            // A cancelled session's observer goes with it.
+            self.drop_stale_observer(&node);
             self.node_changed(&node);
             self.queue_pass(myself);
         } else {
@@ -790,8 +782,9 @@ impl DriverState {
         session: SessionId,
         events: swactor_providers::BootstrapEvents,
     ) {
-        // An adopted session gets a fresh stream; the old reader has ended.
-        self.stop_observer(&session);
+        // A node observes one session at a time; an adopted session gets a
+        // fresh stream and the old reader is stopped.
+        self.stop_observer(node);
         let args = ObserverArgs {
             driver: myself.clone(),
             node: node.clone(),
@@ -804,15 +797,15 @@ impl DriverState {
         let cell: ActorCell = myself.get_cell();
         match BootstrapObserver::spawn_linked(None, BootstrapObserver, args, cell).await {
             Ok((actor, _)) => {
-                self.observer_ids.insert(actor.get_id(), session.clone());
-                self.observers.insert(session, (actor, node.clone()));
+                self.observer_ids.insert(actor.get_id(), node.clone());
+                self.observers.insert(node.clone(), (session, actor));
             }
             Err(e) => self.warn(format!("could not start an observer for {node}: {e}")),
         }
     }
 
-    fn stop_observer(&mut self, session: &SessionId) {
-        if let Some((o, _)) = self.observers.remove(session) {
+    fn stop_observer(&mut self, node: &LogicalNodeId) {
+        if let Some((_, o)) = self.observers.remove(node) {
             self.observer_ids.remove(&o.get_id());
             o.kill();
         }

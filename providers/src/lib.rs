@@ -21,7 +21,8 @@
 #[cfg(feature = "fake")]
 pub mod fake;
 
-use async_trait::async_trait;
+/// Implementors of [`Provider`] use this attribute on their `impl` blocks.
+pub use async_trait::async_trait;
 use std::collections::BTreeMap;
 use swactor_provisioning::{
     BootstrapEvent, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,

@@ -95,7 +95,7 @@ impl Reconciler for Driver {
         reason: &str,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        Driver::handle_submit_failed(self, dispatch, reason, now)
+        Driver::handle_submit_failed(self, &dispatch.key.node, dispatch.op, reason, now)
     }
     fn handle_bootstrap(
         &mut self,
