@@ -8,7 +8,7 @@ use std::sync::Arc;
 use swactor_engine::ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr};
 use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
-use swactor_provisioning::{ClusterShape, DesiredUpdate, Generation, UpdateError};
+use swactor_provisioning::{ClusterShape, DesiredUpdate, Generation, ResourceKey, UpdateError};
 
 /// Why a call to a cluster failed.
 #[derive(Debug, thiserror::Error)]
@@ -127,6 +127,21 @@ impl ClusterHandle {
     /// The cluster is gone.
     pub async fn converged(&self) -> Result<Generation, ClusterError> {
         self.call(DriverMsg::WaitConverged).await
+    }
+
+    /// Asks whether an agent presenting `key` may join: only the node's
+    /// current, active attempt may (a superseded attempt's agent is refused).
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn agent_join(&self, key: ResourceKey) -> Result<Result<(), String>, ClusterError> {
+        self.call(|r| DriverMsg::AgentJoin(key, r)).await
+    }
+
+    /// Reports that the agent of `key` disconnected.
+    pub fn agent_gone(&self, key: ResourceKey) {
+        // A cluster that is gone has nothing left to replace.
+        let _ = self.actor.send_message(DriverMsg::AgentGone(key));
     }
 
     /// Shuts the cluster down. [`ShutdownMode::Teardown`] returns only when

@@ -134,6 +134,12 @@ pub enum DriverMsg {
     Listed(Result<Inventory, ProviderError>),
     /// An orphan was collected (or not).
     Collected(ResourceKey, Result<(), ProviderError>),
+    /// An agent presented `key` to join the swarm: accepted only for the
+    /// node's current, active attempt.
+    AgentJoin(ResourceKey, RpcReplyPort<Result<(), String>>),
+    /// The agent of `key` disconnected; unless it rejoins within its group's
+    /// grace period, the attempt fails and is replaced.
+    AgentGone(ResourceKey),
     /// An engine timer fired.
     Timer(TimerFired<TimerKey>),
     /// Run the passes queued by the inputs folded so far.
@@ -147,8 +153,10 @@ impl From<TimerFired<TimerKey>> for DriverMsg {
 }
 
 /// The driver's timers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum TimerKey {
+    /// A disconnected agent's grace period.
+    AgentGrace(LogicalNodeId),
     /// The core's next deadline.
     Requeue,
     /// The safety-net tick.
@@ -189,6 +197,8 @@ pub struct DriverState {
     observers: BTreeMap<LogicalNodeId, (SessionId, ActorRef<crate::observer::Next>)>,
     observer_ids: BTreeMap<ActorId, LogicalNodeId>,
     pass_queued: bool,
+    /// Agents that disconnected and have not rejoined, by node.
+    gone: BTreeMap<LogicalNodeId, swactor_provisioning::NodeAttemptId>,
     adoption: Adoption,
     shape_seen: bool,
     events: broadcast::Sender<ClusterEvent>,
@@ -258,6 +268,7 @@ impl Actor for DriverActor {
             observers: BTreeMap::new(),
             observer_ids: BTreeMap::new(),
             pass_queued: false,
+            gone: BTreeMap::new(),
             adoption: Adoption::Listing,
             shape_seen: false,
             events,
@@ -340,12 +351,28 @@ impl Actor for DriverActor {
                 Ok(()) => tracing::info!(%key, "collected orphaned resources"),
                 Err(e) => st.warn(format!("could not collect orphan {key}: {e}")),
             },
+            DriverMsg::AgentJoin(key, reply) => {
+                let verdict = st.agent_join(&key);
+                let _ = reply.send(verdict);
+            }
+            DriverMsg::AgentGone(key) => st.agent_gone(&key),
             DriverMsg::Timer(fired) => {
                 if !st.timers.accept(&fired) {
                     return Ok(());
                 }
                 let now = st.now();
                 match fired.key {
+                    TimerKey::AgentGrace(node) => {
+                        if let Some(attempt) = st.gone.remove(&node) {
+                            let reason = "agent disconnected for longer than its grace period";
+                            if st.driver.handle_agent_lost(&node, attempt, reason, now)
+                                == Folded::Applied
+                            {
+                                st.warn(format!("{node}: {reason}; replacing it"));
+                                st.node_changed(&node);
+                            }
+                        }
+                    }
                     TimerKey::Requeue => {
                         st.armed_requeue = None;
                         if let Err(e) = st.driver.handle_timeout(now) {
@@ -543,6 +570,40 @@ impl DriverState {
             }
         }
         self.queue_pass(myself);
+    }
+
+    fn agent_join(&mut self, key: &ResourceKey) -> Result<(), String> {
+        if key.run_id != self.driver.state().run_id {
+            return Err(format!("run {} is not this daemon's run", key.run_id));
+        }
+        let Some(node) = self.driver.state().nodes.get(&key.node) else {
+            return Err(format!("{} is not a node of this cluster", key.node));
+        };
+        if node.attempt != key.attempt {
+            return Err(format!(
+                "attempt {} of {} is superseded (current: {})",
+                key.attempt, key.node, node.attempt
+            ));
+        }
+        if node.intent != swactor_provisioning::Intent::Active {
+            return Err(format!("{} is being deleted", key.node));
+        }
+        if self.gone.remove(&key.node).is_some() {
+            self.timers.cancel(&TimerKey::AgentGrace(key.node.clone()));
+        }
+        Ok(())
+    }
+
+    fn agent_gone(&mut self, key: &ResourceKey) {
+        let Some(node) = self.driver.state().nodes.get(&key.node) else {
+            return;
+        };
+        if node.attempt != key.attempt || node.intent != swactor_provisioning::Intent::Active {
+            return;
+        }
+        let grace = Duration::from_secs_f64(node.template.join.lost_grace_s);
+        self.gone.insert(key.node.clone(), key.attempt);
+        self.timers.arm_after(TimerKey::AgentGrace(key.node.clone()), grace);
     }
 
     fn worker_for(&self, attempt: u64) -> usize {

@@ -30,7 +30,7 @@ use crate::id::{
 };
 use crate::observe::{
     BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome, OperationResult,
-    fold_bootstrap, fold_bootstrap_stall, fold_deadline, fold_result,
+    fold_agent_lost, fold_bootstrap, fold_bootstrap_stall, fold_deadline, fold_result,
 };
 use crate::shape::{ClusterShape, DesiredState, NodeTemplate, ShapeError};
 use crate::state::{ClusterState, EffectKind, Intent, ManagedNode, NodeStage, PendingOperation};
@@ -563,6 +563,23 @@ impl Driver {
             source,
         })?;
         Ok(self.count(&obs.node, folded))
+    }
+
+    /// A joined agent is gone (its process exited, or it stayed disconnected
+    /// past its group's grace period): fails the attempt so it is replaced.
+    /// Inputs for a superseded attempt, or a node that is not active, are discarded.
+    pub fn handle_agent_lost(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Folded {
+        let folded = match self.state.nodes.get_mut(node) {
+            Some(n) => fold_agent_lost(n, attempt, reason.to_owned(), now),
+            None => Folded::Discarded(DiscardReason::UnknownNode),
+        };
+        self.count(node, folded)
     }
 
     /// The host's timer fired: expires pending operations and stalled

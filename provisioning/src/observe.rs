@@ -111,6 +111,8 @@ pub enum DiscardReason {
     OutcomeMismatch,
     /// The session is not the node's live session.
     StaleSession,
+    /// The node is not an active, live attempt (already failed or being deleted).
+    NotActive,
 }
 
 /// What folding an input did.
@@ -325,6 +327,29 @@ pub fn fold_bootstrap_stall(node: &mut ManagedNode, now: Timestamp) -> bool {
         fail_attempt(node, reason, now);
     }
     stalled
+}
+
+/// Folds the loss of a joined agent (it exited, or stayed disconnected past
+/// its grace period): the attempt fails and is replaced. An extension of the
+/// specification for node health; see `docs/node-health.md`.
+pub fn fold_agent_lost(
+    node: &mut ManagedNode,
+    attempt: NodeAttemptId,
+    reason: String,
+    now: Timestamp,
+) -> Folded {
+    if attempt != node.attempt {
+        return Folded::Discarded(DiscardReason::SupersededAttempt);
+    }
+    let stage = node.record.stage;
+    if node.intent != Intent::Active || matches!(stage, NodeStage::Failed | NodeStage::Destroyed) {
+        return Folded::Discarded(DiscardReason::NotActive);
+    }
+    node.record.bootstrap = Some(BootstrapStage::AgentLost);
+    node.record.last_error = Some(reason.clone());
+    node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
+    fail_attempt(node, reason, now);
+    Folded::Applied
 }
 
 fn fail_attempt(node: &mut ManagedNode, reason: String, now: Timestamp) {

@@ -321,3 +321,25 @@ fn a_ready_node_whose_agent_is_lost_is_failed_and_replaced() {
     converge(&mut d, t(1_100));
     assert!(node(&d).attempt > first);
 }
+
+#[test]
+fn a_lost_agent_fails_only_the_current_active_attempt() {
+    let mut d = one_node();
+    converge(&mut d, t(0));
+    let attempt = node(&d).attempt;
+    let stale = NodeAttemptId(attempt.0 - 1);
+    assert_eq!(
+        d.handle_agent_lost(&node_id("w-0"), stale, "gone", t(1)),
+        Folded::Discarded(DiscardReason::SupersededAttempt)
+    );
+    assert!(d.is_converged());
+    assert_eq!(d.handle_agent_lost(&node_id("w-0"), attempt, "disconnected for 5s", t(1)), Folded::Applied);
+    assert_eq!(node(&d).record.stage, NodeStage::Failed);
+    assert_eq!(node(&d).record.bootstrap, Some(BootstrapStage::AgentLost));
+    // A second report changes nothing.
+    assert_eq!(
+        d.handle_agent_lost(&node_id("w-0"), attempt, "again", t(2)),
+        Folded::Discarded(DiscardReason::NotActive)
+    );
+    assert_eq!(node(&d).retry.consecutive_failures, 1);
+}
