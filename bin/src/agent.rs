@@ -1,0 +1,191 @@
+//! `swactor agent`: the node agent a provider starts on each machine.
+//!
+//! It reports its bootstrap stages as `@swactor …` lines on stdout (which the
+//! provider follows), runs the group's boot check, joins the daemon's swarm
+//! over iroh with a token bound to its (run, node, attempt), reports
+//! convergence, and then stays connected, sending heartbeats, so the daemon
+//! sees it alive. If the connection drops it rejoins; a refused join (its
+//! attempt was superseded) ends it.
+
+use crate::protocol::{FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest};
+use anyhow::{Context, Result};
+use std::path::PathBuf;
+use std::time::Duration;
+use swactor_engine::iroh::Endpoint;
+use swactor_engine::net::{
+    ALPN_SWARM, EndpointTicket, NetConfig, bind_endpoint, connect, load_or_create_secret_key,
+    recv_frame, send_frame,
+};
+use swactor_providers::process::format_agent_line;
+use swactor_provisioning::{
+    BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, ResourceKey, RunId,
+};
+
+/// Options of `swactor agent`.
+#[derive(Debug, clap::Args)]
+pub struct AgentOptions {
+    /// The run.
+    #[arg(long)]
+    pub run: String,
+    /// The node (slot) this agent serves.
+    #[arg(long)]
+    pub node: String,
+    /// The attempt it was started for.
+    #[arg(long)]
+    pub attempt: u64,
+    /// The daemon's ticket.
+    #[arg(long)]
+    pub daemon: String,
+    /// The join token the daemon derived for this (run, node, attempt).
+    #[arg(long)]
+    pub token: String,
+    /// The node directory (holds the agent's key).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// One argument of the boot check command (repeat, in order).
+    #[arg(long = "boot-check")]
+    pub boot_check: Vec<String>,
+    /// Seconds between heartbeats.
+    #[arg(long, default_value_t = 1.0)]
+    pub heartbeat_s: f64,
+}
+
+fn report(event: &BootstrapEvent) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{}", format_agent_line(event));
+    let _ = out.flush();
+}
+
+fn fail(stage: BootstrapStage, reason: String) -> i32 {
+    report(&BootstrapEvent::Failed { stage, reason });
+    1
+}
+
+/// Runs the agent. Returns the exit code.
+///
+/// # Errors
+/// Only for errors that happen before the agent can report anything.
+pub async fn run(opts: AgentOptions) -> Result<i32> {
+    let node = LogicalNodeId::parse(&opts.node).context("--node is not a valid node id")?;
+    let key = ResourceKey {
+        run_id: RunId::new(opts.run.clone()),
+        node,
+        attempt: NodeAttemptId(opts.attempt),
+    };
+    report(&BootstrapEvent::Stage(BootstrapStage::SshConnect));
+
+    report(&BootstrapEvent::Stage(BootstrapStage::BootCheck));
+    if let Some((program, args)) = opts.boot_check.split_first() {
+        match tokio::process::Command::new(program).args(args).status().await {
+            Ok(s) if s.success() => {}
+            Ok(s) => {
+                let cmd = opts.boot_check.join(" ");
+                return Ok(fail(BootstrapStage::BootCheckFailed, format!("boot check `{cmd}` exited with {s}")));
+            }
+            Err(e) => {
+                return Ok(fail(BootstrapStage::BootCheckFailed, format!("boot check `{program}` could not run: {e}")));
+            }
+        }
+    }
+
+    report(&BootstrapEvent::Stage(BootstrapStage::SwactorStart));
+    let ticket: EndpointTicket = match opts.daemon.parse() {
+        Ok(t) => t,
+        Err(e) => return Ok(fail(BootstrapStage::SwactorStartFailed, format!("bad daemon ticket: {e}"))),
+    };
+    let secret = match load_or_create_secret_key(&opts.dir.join("agent.key")) {
+        Ok(k) => k,
+        Err(e) => return Ok(fail(BootstrapStage::SwactorStartFailed, format!("agent key: {e}"))),
+    };
+    let endpoint = match bind_endpoint(&NetConfig { frame_len_max: FRAME_LEN_MAX, ..NetConfig::default() }, secret).await {
+        Ok(ep) => ep,
+        Err(e) => return Ok(fail(BootstrapStage::SwactorStartFailed, format!("cannot bind: {e}"))),
+    };
+
+    report(&BootstrapEvent::Stage(BootstrapStage::Join));
+    let join = JoinRequest {
+        key,
+        token: opts.token.clone(),
+    };
+    let heartbeat = Duration::from_secs_f64(opts.heartbeat_s.max(0.05));
+    let mut joined_once = false;
+    let mut failures = 0u32;
+    let code = loop {
+        match session(&endpoint, &ticket, &join, heartbeat, &mut joined_once).await {
+            Session::Refused(reason) => {
+                let stage = if joined_once { BootstrapStage::AgentLost } else { BootstrapStage::JoinFailed };
+                break fail(stage, format!("the daemon refused the join: {reason}"));
+            }
+            Session::Lost(reason) => {
+                failures += 1;
+                // Before the first join, give up after about a minute so the
+                // daemon sees a join failure instead of a silent stall.
+                if !joined_once && failures > 30 {
+                    break fail(BootstrapStage::JoinFailed, format!("cannot reach the daemon: {reason}"));
+                }
+                tracing::info!(%reason, "connection to the daemon lost; rejoining");
+                tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.min(10)))).await;
+            }
+            Session::Stopped => break 0,
+        }
+    };
+    endpoint.close().await;
+    Ok(code)
+}
+
+enum Session {
+    Refused(String),
+    Lost(String),
+    Stopped,
+}
+
+async fn session(
+    endpoint: &Endpoint,
+    ticket: &EndpointTicket,
+    join: &JoinRequest,
+    heartbeat: Duration,
+    joined_once: &mut bool,
+) -> Session {
+    let conn = match connect(endpoint, ticket.addr().clone(), ALPN_SWARM, Duration::from_secs(5)).await {
+        Ok(c) => c,
+        Err(e) => return Session::Lost(e.to_string()),
+    };
+    let (mut send, mut recv) = match conn.open_bi().await {
+        Ok(s) => s,
+        Err(e) => return Session::Lost(e.to_string()),
+    };
+    if let Err(e) = send_frame(&mut send, join, FRAME_LEN_MAX).await {
+        return Session::Lost(e.to_string());
+    }
+    match recv_frame::<JoinReply, _>(&mut recv, FRAME_LEN_MAX).await {
+        Ok(Some(JoinReply::Welcome)) => {}
+        Ok(Some(JoinReply::Refused(reason))) => return Session::Refused(reason),
+        Ok(None) => return Session::Lost("the daemon closed the stream".to_owned()),
+        Err(e) => return Session::Lost(e.to_string()),
+    }
+    if !*joined_once {
+        *joined_once = true;
+        report(&BootstrapEvent::SwactorJoined);
+        report(&BootstrapEvent::Stage(BootstrapStage::Converged));
+    }
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(t) => t,
+        Err(e) => return Session::Lost(e.to_string()),
+    };
+    let mut n = 0u64;
+    loop {
+        tokio::select! {
+            _ = term.recv() => {
+                conn.close(0u32.into(), b"agent stopping");
+                return Session::Stopped;
+            }
+            () = tokio::time::sleep(heartbeat) => {
+                n += 1;
+                if let Err(e) = send_frame(&mut send, &Heartbeat(n), FRAME_LEN_MAX).await {
+                    return Session::Lost(e.to_string());
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! The CLI side: `apply`, `plan`, `status`, `watch` and `down` talk to the running daemon.
+
+use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX};
+use crate::shapefile::ShapeFile;
+use crate::state::StateDir;
+use anyhow::{Context, Result, bail};
+use std::path::Path;
+use std::time::Duration;
+use swactor_actors::{ClusterEvent, ClusterSnapshot};
+use swactor_engine::iroh::Endpoint;
+use swactor_engine::net::{
+    ALPN_CONTROL, EndpointTicket, NetConfig, bind_endpoint, connect, recv_frame, send_frame,
+};
+use swactor_engine::telemetry::{TelemetryFrame, subscribe};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+struct Client {
+    endpoint: Endpoint,
+    ticket: EndpointTicket,
+    root: String,
+}
+
+impl Client {
+    async fn open(state_dir: &Path) -> Result<Self> {
+        let state = StateDir::open(state_dir.to_path_buf())?;
+        let ticket = state.read_ticket()?;
+        let config = NetConfig {
+            frame_len_max: FRAME_LEN_MAX,
+            ..NetConfig::default()
+        };
+        let endpoint = bind_endpoint(&config, state.cli_key()?)
+            .await
+            .context("cannot bind the CLI's endpoint")?;
+        Ok(Self {
+            endpoint,
+            ticket,
+            root: state.root().display().to_string(),
+        })
+    }
+
+    fn not_running(&self, e: impl std::fmt::Display) -> anyhow::Error {
+        anyhow::anyhow!(
+            "cannot reach the daemon for {} ({e}); it may have stopped — start it with `swactor up`",
+            self.root
+        )
+    }
+
+    async fn request(&self, req: &ControlRequest) -> Result<ControlResponse> {
+        let conn = connect(&self.endpoint, self.ticket.addr().clone(), ALPN_CONTROL, CONNECT_TIMEOUT)
+            .await
+            .map_err(|e| self.not_running(e))?;
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| self.not_running(e))?;
+        let text = serde_json::to_string(req)?;
+        send_frame(&mut send, &text, FRAME_LEN_MAX)
+            .await
+            .map_err(|e| self.not_running(e))?;
+        let _ = send.finish();
+        let answer: Option<String> = recv_frame(&mut recv, FRAME_LEN_MAX)
+            .await
+            .map_err(|e| self.not_running(e))?;
+        conn.close(0u32.into(), b"done");
+        let answer = answer.ok_or_else(|| self.not_running("it closed the connection"))?;
+        Ok(serde_json::from_str(&answer)?)
+    }
+
+    async fn close(self) {
+        self.endpoint.close().await;
+    }
+}
+
+async fn one(state_dir: &Path, req: ControlRequest) -> Result<ControlResponse> {
+    let client = Client::open(state_dir).await?;
+    let resp = client.request(&req).await;
+    client.close().await;
+    match resp? {
+        ControlResponse::Error(e) => bail!("{e}"),
+        other => Ok(other),
+    }
+}
+
+/// `swactor apply SHAPE`.
+///
+/// # Errors
+/// Bad input or an unreachable daemon; nothing changes then.
+pub async fn apply(state_dir: &Path, shape: &Path) -> Result<()> {
+    let file = ShapeFile::load(shape)?;
+    file.to_shape(1)?;
+    match one(state_dir, ControlRequest::Apply(file)).await? {
+        ControlResponse::Applied { generation, changed: true } => {
+            println!("applied: generation {generation}");
+        }
+        ControlResponse::Applied { generation, changed: false } => {
+            println!("unchanged: the shape is already generation {generation}");
+        }
+        other => bail!("unexpected answer: {other:?}"),
+    }
+    Ok(())
+}
+
+/// `swactor plan [SHAPE]`.
+///
+/// # Errors
+/// Bad input or an unreachable daemon.
+pub async fn plan(state_dir: &Path, shape: Option<&Path>) -> Result<()> {
+    let file = shape.map(ShapeFile::load).transpose()?;
+    if let Some(f) = &file {
+        f.to_shape(1)?;
+    }
+    let ControlResponse::Plan(plan) = one(state_dir, ControlRequest::Plan(file)).await? else {
+        bail!("unexpected answer from the daemon");
+    };
+    if plan.actions.is_empty() {
+        println!("no changes: the next pass would do nothing");
+    }
+    for line in &plan.actions {
+        let sign = match line.action.as_str() {
+            "create slot" => '+',
+            a if a.starts_with("begin delete") || a == "remove slot" => '-',
+            a if a.starts_with("restart") => '~',
+            _ => ' ',
+        };
+        println!("{sign} {:<20} {:<34} ({})", line.node.to_string(), line.action, line.row);
+    }
+    Ok(())
+}
+
+/// `swactor status [--json]`.
+///
+/// # Errors
+/// An unreachable daemon.
+pub async fn status(state_dir: &Path, json: bool) -> Result<()> {
+    let ControlResponse::Status(snap) = one(state_dir, ControlRequest::Status).await? else {
+        bail!("unexpected answer from the daemon");
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&snap)?);
+    } else {
+        print_status(&snap);
+    }
+    Ok(())
+}
+
+fn print_status(s: &ClusterSnapshot) {
+    let ready = s.nodes.iter().filter(|n| n.ready).count();
+    println!(
+        "run {} · generation {} · {ready}/{} ready{}",
+        s.run_id,
+        s.generation.0,
+        s.desired_nodes,
+        if s.converged { " · converged" } else { "" }
+    );
+    for n in &s.nodes {
+        let err = n.last_error.as_deref().unwrap_or("");
+        println!(
+            "  {:<16} {:>6} {:<16} {:<8} {err}",
+            n.node.to_string(),
+            n.attempt.to_string(),
+            format!("{:?}", n.stage),
+            if n.ready { "ready" } else { "" }
+        );
+    }
+}
+
+/// `swactor down [--keep]`.
+///
+/// # Errors
+/// An unreachable daemon.
+pub async fn down(state_dir: &Path, keep: bool) -> Result<()> {
+    match one(state_dir, ControlRequest::Down { keep }).await? {
+        ControlResponse::Down { destroyed, kept } => {
+            if destroyed.is_empty() && kept.is_empty() {
+                println!("daemon stopped; there were no nodes");
+            }
+            if !destroyed.is_empty() {
+                println!("destroyed {} node(s): {}", destroyed.len(), destroyed.join(", "));
+            }
+            if !kept.is_empty() {
+                println!("kept {} node(s) running: {}", kept.len(), kept.join(", "));
+            }
+            Ok(())
+        }
+        other => bail!("unexpected answer: {other:?}"),
+    }
+}
+
+/// `swactor watch`: follows the daemon's telemetry until it stops or Ctrl-C.
+///
+/// # Errors
+/// An unreachable daemon.
+pub async fn watch(state_dir: &Path) -> Result<()> {
+    let client = Client::open(state_dir).await?;
+    let mut sub = subscribe::<ClusterSnapshot, ClusterEvent>(
+        &client.endpoint,
+        client.ticket.addr().clone(),
+        CONNECT_TIMEOUT,
+        FRAME_LEN_MAX,
+    )
+    .await
+    .map_err(|e| client.not_running(e))?;
+    loop {
+        let frame = tokio::select! {
+            f = sub.next() => f,
+            _ = tokio::signal::ctrl_c() => break,
+        };
+        match frame {
+            Ok(Some(TelemetryFrame::Snapshot { state, .. })) => print_status(&state),
+            Ok(Some(TelemetryFrame::Event { seq, event })) => println!("{seq:>6} {}", describe(&event)),
+            Ok(Some(TelemetryFrame::Lagged { missed })) => println!("       (missed {missed} events)"),
+            Ok(None) => {
+                println!("the daemon ended the stream");
+                break;
+            }
+            Err(e) => {
+                println!("the stream ended: {e}");
+                break;
+            }
+        }
+    }
+    client.close().await;
+    Ok(())
+}
+
+fn describe(e: &ClusterEvent) -> String {
+    match e {
+        ClusterEvent::ShapeAccepted { generation, nodes } => {
+            format!("shape accepted: generation {}, {nodes} node(s)", generation.0)
+        }
+        ClusterEvent::Node(n) => {
+            let err = n.last_error.as_deref().map(|e| format!(" — {e}")).unwrap_or_default();
+            format!("{} {} {:?}{}{err}", n.node, n.attempt, n.stage, if n.ready { " ready" } else { "" })
+        }
+        ClusterEvent::Removed { node } => format!("{node} removed"),
+        ClusterEvent::Dispatched { node, op, effect } => format!("{node} {op} dispatch {effect:?}"),
+        ClusterEvent::Finished { node, op, outcome, folded } => {
+            format!("{node} {op} {outcome}{}", if *folded { "" } else { " (stale, ignored)" })
+        }
+        ClusterEvent::Pass { number, nodes, transitions, dispatched } => {
+            format!("pass {number}: {nodes} node(s), {transitions} transition(s), {dispatched} dispatch(es)")
+        }
+        ClusterEvent::Converged { generation, nodes } => {
+            format!("converged: generation {}, {nodes} node(s)", generation.0)
+        }
+        ClusterEvent::Warning { message } => format!("warning: {message}"),
+    }
+}

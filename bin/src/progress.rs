@@ -1,0 +1,168 @@
+//! Live progress: a per-node table on a terminal, plain log lines otherwise.
+
+use anyhow::Result;
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::time::Duration;
+use swactor_actors::{ClusterEvent, ClusterHandle, NodeSummary};
+use swactor_provisioning::{LogicalNodeId, NodeStage, Timestamp};
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// The running progress display.
+pub struct Progress {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl Progress {
+    /// Follows `cluster`'s events on stderr until stopped.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn start(cluster: &ClusterHandle) -> Result<Self> {
+        let sub = cluster.subscribe().await?;
+        let (stop, mut stopped) = oneshot::channel();
+        let tty = std::io::stderr().is_terminal();
+        let task = tokio::spawn(async move {
+            let mut view = View::default();
+            for n in sub.snapshot.nodes {
+                view.nodes.insert(n.node.clone(), n);
+            }
+            view.now = sub.snapshot.now;
+            let mut events = sub.events;
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    ev = events.recv() => match ev {
+                        Ok(ev) => view.apply(ev, tty),
+                        Err(RecvError::Lagged(n)) => view.line(&format!("(display skipped {n} events)"), tty),
+                        Err(RecvError::Closed) => break,
+                    },
+                    _ = tick.tick(), if tty => view.redraw(),
+                }
+            }
+            if tty {
+                view.redraw();
+            }
+        });
+        Ok(Self {
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    /// Lets queued events reach the screen.
+    pub async fn flush(&self) {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    /// Stops the display.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+#[derive(Default)]
+struct View {
+    nodes: BTreeMap<LogicalNodeId, NodeSummary>,
+    now: Timestamp,
+    drawn_lines: usize,
+    generation: u64,
+    converged: bool,
+}
+
+impl View {
+    fn line(&mut self, text: &str, tty: bool) {
+        if tty {
+            // Log lines go above the table; it is redrawn below them.
+            self.erase();
+        }
+        eprintln!("{text}");
+    }
+
+    fn apply(&mut self, ev: ClusterEvent, tty: bool) {
+        match ev {
+            ClusterEvent::Node(n) => {
+                let changed = self
+                    .nodes
+                    .get(&n.node)
+                    .is_none_or(|old| old.stage != n.stage || old.attempt != n.attempt);
+                if changed && !tty {
+                    let err = n.last_error.as_deref().map(|e| format!(" ({e})")).unwrap_or_default();
+                    eprintln!("{} {} {:?}{}", n.node, n.attempt, n.stage, err);
+                }
+                self.converged = false;
+                self.nodes.insert(n.node.clone(), n);
+            }
+            ClusterEvent::Removed { node } => {
+                if !tty {
+                    eprintln!("{node} removed");
+                }
+                self.nodes.remove(&node);
+            }
+            ClusterEvent::ShapeAccepted { generation, nodes } => {
+                self.generation = generation.0;
+                self.converged = false;
+                self.line(&format!("generation {} accepted: {nodes} node(s)", generation.0), tty);
+            }
+            ClusterEvent::Converged { generation, nodes } => {
+                self.converged = true;
+                self.line(&format!("converged: generation {}, {nodes} node(s) ready", generation.0), tty);
+            }
+            ClusterEvent::Warning { message } => self.line(&format!("warning: {message}"), tty),
+            ClusterEvent::Dispatched { .. } | ClusterEvent::Finished { .. } | ClusterEvent::Pass { .. } => {}
+        }
+    }
+
+    fn erase(&mut self) {
+        let mut err = std::io::stderr().lock();
+        for _ in 0..self.drawn_lines {
+            let _ = write!(err, "\x1b[1A\x1b[2K");
+        }
+        self.drawn_lines = 0;
+    }
+
+    fn redraw(&mut self) {
+        self.erase();
+        let ready = self.nodes.values().filter(|n| n.ready).count();
+        let mut out = format!(
+            "generation {} · {ready}/{} ready{}\n",
+            self.generation,
+            self.nodes.len(),
+            if self.converged { " · converged" } else { "" }
+        );
+        out.push_str(&format!(
+            "  {:<16} {:>8} {:<17} {:<6} {}\n",
+            "NODE", "ATTEMPT", "STAGE", "FAILS", "LAST ERROR / NEXT RETRY"
+        ));
+        for n in self.nodes.values() {
+            let stage = match (n.stage, n.pending) {
+                (NodeStage::Dormant, _) if n.ready => "ready".to_owned(),
+                (s, Some(p)) => format!("{s:?}…{p:?}").chars().take(17).collect(),
+                (s, None) => format!("{s:?}"),
+            };
+            let mut note = n.last_error.clone().unwrap_or_default();
+            if let Some(at) = n.next_retry_at {
+                note.push_str(&format!(" (retry at t+{:.1}s)", at.as_millis() as f64 / 1000.0));
+            }
+            out.push_str(&format!(
+                "  {:<16} {:>8} {:<17} {:<6} {}\n",
+                n.node.to_string(),
+                n.attempt.to_string(),
+                stage,
+                n.failures,
+                note.chars().take(60).collect::<String>()
+            ));
+        }
+        self.drawn_lines = out.lines().count();
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(out.as_bytes());
+        let _ = err.flush();
+    }
+}

@@ -1,0 +1,187 @@
+//! Shape files: the TOML a user writes, turned into a cluster shape.
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use swactor_provisioning::{
+    BootParams, ClusterShape, Generation, GroupShape, ParamValue, ProviderShape, RunId, SwarmJoin,
+};
+
+/// The run id used when a shape file names none.
+pub const DEFAULT_RUN: &str = "local";
+
+/// Provider kinds this daemon can drive.
+pub const SUPPORTED_PROVIDERS: &[&str] = &["process"];
+
+/// A shape as written in a file: the generation is optional (the daemon
+/// assigns the next one on apply, as a Kubernetes API server does).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShapeFile {
+    /// The run; defaults to [`DEFAULT_RUN`].
+    #[serde(default)]
+    pub run: Option<String>,
+    /// An explicit generation, if the author wants one.
+    #[serde(default)]
+    pub generation: Option<u64>,
+    /// The node groups.
+    #[serde(default, rename = "group")]
+    pub groups: Vec<GroupFile>,
+}
+
+/// One group as written in a file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupFile {
+    /// Group id; nodes are named `{id}-{index}`.
+    pub id: String,
+    /// How many nodes.
+    pub count: u32,
+    /// The provider kind (`process`).
+    pub provider: String,
+    /// Provider parameters.
+    #[serde(default)]
+    pub params: BTreeMap<String, ParamValue>,
+    /// The role (`worker` by default).
+    #[serde(default)]
+    pub role: Option<String>,
+    /// A command the agent runs to check the node is fit, as argv.
+    #[serde(default)]
+    pub boot_check: Vec<String>,
+    /// A machine image, for providers that take one.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// Environment for the agent.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Tags announced on join.
+    #[serde(default)]
+    pub tags: BTreeSet<String>,
+    /// Seconds a joined agent may be gone before its node is replaced.
+    #[serde(default)]
+    pub lost_grace_s: Option<f64>,
+}
+
+impl ShapeFile {
+    /// Parses TOML; errors name the line and column.
+    ///
+    /// # Errors
+    /// Malformed TOML or an unknown field.
+    pub fn parse(text: &str, origin: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| {
+            let (line, col) = e
+                .span()
+                .map(|s| line_col(text, s.start))
+                .unwrap_or((0, 0));
+            anyhow::anyhow!(
+                "{origin}:{line}:{col}: {} (the shape file is not valid; nothing was changed)",
+                e.message().trim_end()
+            )
+        })
+    }
+
+    /// Reads and parses a shape file.
+    ///
+    /// # Errors
+    /// The file cannot be read or parsed.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the shape file {}", path.display()))?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// The run this file is for.
+    pub fn run_id(&self) -> RunId {
+        RunId::new(self.run.clone().unwrap_or_else(|| DEFAULT_RUN.to_owned()))
+    }
+
+    /// The cluster shape at `generation` (the file's own one wins if it has one).
+    ///
+    /// # Errors
+    /// A provider kind this daemon cannot drive.
+    pub fn to_shape(&self, generation: u64) -> Result<ClusterShape> {
+        for (i, g) in self.groups.iter().enumerate() {
+            if !SUPPORTED_PROVIDERS.contains(&g.provider.as_str()) {
+                bail!(
+                    "group[{i}] ({:?}) asks for provider {:?}, which this daemon cannot drive; \
+                     supported: {}",
+                    g.id,
+                    g.provider,
+                    SUPPORTED_PROVIDERS.join(", ")
+                );
+            }
+        }
+        let groups = self
+            .groups
+            .iter()
+            .map(|g| GroupShape {
+                id: g.id.clone(),
+                run_id: None,
+                count: g.count,
+                provider: ProviderShape {
+                    kind: g.provider.clone(),
+                    params: g.params.clone(),
+                },
+                boot: BootParams {
+                    image: g.image.clone(),
+                    boot_check: g.boot_check.clone(),
+                    env: g.env.clone(),
+                },
+                role: g.role.clone().unwrap_or_else(|| "worker".to_owned()),
+                join: SwarmJoin {
+                    tags: g.tags.clone(),
+                    lost_grace_s: g.lost_grace_s.unwrap_or(SwarmJoin::default().lost_grace_s),
+                },
+            })
+            .collect();
+        Ok(ClusterShape {
+            run_id: self.run_id(),
+            generation: Generation(self.generation.unwrap_or(generation)),
+            groups,
+        })
+    }
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shape_file_parses_with_an_optional_generation() {
+        let f = ShapeFile::parse(
+            "run = \"demo\"\n[[group]]\nid = \"worker\"\ncount = 3\nprovider = \"process\"\n",
+            "x.toml",
+        )
+        .unwrap();
+        assert_eq!(f.generation, None);
+        let shape = f.to_shape(7).unwrap();
+        assert_eq!(shape.generation, Generation(7));
+        assert_eq!(shape.run_id, RunId::new("demo"));
+        assert_eq!(shape.validate().unwrap().node_count(), 3);
+    }
+
+    #[test]
+    fn malformed_toml_names_the_line_and_column() {
+        let e = ShapeFile::parse("[[group]]\nid = \"w\"\ncount = three\n", "bad.toml").unwrap_err();
+        assert!(e.to_string().starts_with("bad.toml:3:9:"), "{e}");
+        let e = ShapeFile::parse("[[group]]\nid = \"w\"\ncuont = 3\n", "typo.toml").unwrap_err();
+        assert!(e.to_string().contains("typo.toml:3:1"), "{e}");
+        assert!(e.to_string().contains("cuont"), "{e}");
+    }
+
+    #[test]
+    fn an_unknown_provider_kind_is_refused() {
+        let f = ShapeFile::parse("[[group]]\nid = \"g\"\ncount = 1\nprovider = \"vast\"\n", "x").unwrap();
+        let e = f.to_shape(1).unwrap_err();
+        assert!(e.to_string().contains("\"vast\""), "{e}");
+        assert!(e.to_string().contains("supported: process"), "{e}");
+    }
+}
