@@ -603,7 +603,8 @@ impl DriverState {
         }
         let grace = Duration::from_secs_f64(node.template.join.lost_grace_s);
         self.gone.insert(key.node.clone(), key.attempt);
-        self.timers.arm_after(TimerKey::AgentGrace(key.node.clone()), grace);
+        self.timers
+            .arm_after(TimerKey::AgentGrace(key.node.clone()), grace);
     }
 
     fn worker_for(&self, attempt: u64) -> usize {

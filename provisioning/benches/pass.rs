@@ -1,5 +1,8 @@
 //! Cost of one reconcile pass over settled and churning clusters.
 
+// `criterion_group!` generates an undocumented public function.
+#![allow(missing_docs)]
+
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use std::collections::BTreeMap;
 use std::hint::black_box;

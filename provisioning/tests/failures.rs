@@ -333,7 +333,10 @@ fn a_lost_agent_fails_only_the_current_active_attempt() {
         Folded::Discarded(DiscardReason::SupersededAttempt)
     );
     assert!(d.is_converged());
-    assert_eq!(d.handle_agent_lost(&node_id("w-0"), attempt, "disconnected for 5s", t(1)), Folded::Applied);
+    assert_eq!(
+        d.handle_agent_lost(&node_id("w-0"), attempt, "disconnected for 5s", t(1)),
+        Folded::Applied
+    );
     assert_eq!(node(&d).record.stage, NodeStage::Failed);
     assert_eq!(node(&d).record.bootstrap, Some(BootstrapStage::AgentLost));
     // A second report changes nothing.
