@@ -48,6 +48,7 @@ type DownRequest = (bool, oneshot::Sender<ShutdownReport>);
 /// # Errors
 /// Bad input (shape, state directory) or a failure to start.
 pub async fn up(opts: UpOptions) -> Result<i32> {
+    let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
     let run_id = file.as_ref().map_or_else(|| RunId::new(crate::shapefile::DEFAULT_RUN), ShapeFile::run_id);
@@ -135,7 +136,12 @@ pub async fn up(opts: UpOptions) -> Result<i32> {
         match tokio::time::timeout(opts.timeout, cluster.converged()).await {
             Ok(Ok(generation)) => {
                 progress.flush().await;
-                eprintln!("swactor: converged on generation {}", generation.0);
+                eprintln!(
+                    "swactor: converged on generation {} in {:.1} s (daemon peak memory {})",
+                    generation.0,
+                    started.elapsed().as_secs_f64(),
+                    peak_memory()
+                );
             }
             Ok(Err(e)) => {
                 eprintln!("swactor: the cluster stopped: {e}");
@@ -177,6 +183,14 @@ pub async fn up(opts: UpOptions) -> Result<i32> {
     state.remove_ticket();
     router.shutdown().await.ok();
     Ok(code)
+}
+
+/// The daemon's peak resident memory, from `/proc/self/status`.
+fn peak_memory() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l[6..].trim().to_owned()))
+        .unwrap_or_else(|| "unknown".to_owned())
 }
 
 fn print_report(report: &ShutdownReport) {
