@@ -204,6 +204,9 @@ pub struct BackendCounters {
     pub create_lease_calls: u64,
     /// Of those, calls that made a new lease.
     pub leases_created: u64,
+    /// Of those, calls that adopted a lease the list-by-key lookup could not
+    /// see yet, through the idempotency token.
+    pub adopted_by_token: u64,
     /// Calls to start a bootstrap.
     pub start_bootstrap_calls: u64,
     /// Of those, calls that started a new session.
@@ -363,7 +366,9 @@ impl FakeBackend {
         }
         if self.config.idempotent_create {
             if let Some((id, l)) = self.leases.iter().find(|(_, l)| l.live && l.key == *key) {
-                return Ok(adopt(Origin::AdoptedByToken, id, l));
+                let grant = adopt(Origin::AdoptedByToken, id, l);
+                self.counters.adopted_by_token += 1;
+                return Ok(grant);
             }
         }
         let lag = match self.take_fault(|f| matches!(f, ProviderFault::Invisible { .. })) {

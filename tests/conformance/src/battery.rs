@@ -12,7 +12,9 @@
 //! Environment variables: `SWACTOR_CONFORMANCE_SEEDS` (seeds per mode, default
 //! 256), `SWACTOR_FIRST_SEED` (first seed, default 0), `SWACTOR_SEED` (run only
 //! this seed), `SWACTOR_MODE` (`in-order` or `adversarial`: only this mode),
-//! `SWACTOR_REGRESSIONS_FILE` (record and replay failing seeds elsewhere).
+//! `SWACTOR_REGRESSIONS_FILE` (record and replay failing seeds elsewhere),
+//! `SWACTOR_SHRINK=0` (report a failing seed without shrinking it, e.g. under
+//! `cargo mutants`, where only detection matters).
 
 use crate::oracle::{Invariant, Violation};
 use crate::trace::{Mode, Trace, trace};
@@ -58,7 +60,7 @@ impl BatteryConfig {
         };
         Self {
             seeds,
-            shrink: true,
+            shrink: env_u64("SWACTOR_SHRINK") != Some(0),
             replay_check: true,
             regressions: Some(default_regressions_file()),
         }

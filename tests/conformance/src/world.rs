@@ -523,11 +523,21 @@ impl<R: Reconciler> World<R> {
         for output in self.exec.poll(self.now) {
             self.deliver(output);
         }
-        if self.sut.poll_timeout().is_some_and(|t| t <= self.now) {
+        let fired = self.sut.poll_timeout().is_some_and(|t| t <= self.now);
+        if fired {
             let folded = self.sut.handle_timeout(self.now);
             self.record(StepEvent::Timeout { folded: &folded });
         }
         self.drain();
+        // A timer that fired and was served must move into the future;
+        // otherwise the host would spin on it.
+        if let Some(t) = self.sut.poll_timeout().filter(|t| fired && *t <= self.now) {
+            self.oracle.report(
+                Invariant::RequeueAtEarliestWaitingDeadline,
+                None,
+                format!("the timer fired at {} and still says {t}", self.now),
+            );
+        }
     }
 
     /// The earliest wake-up of any party.

@@ -1,0 +1,280 @@
+//! Proof that the battery bites: deliberately broken drivers, each caught within the default seeds.
+//!
+//! Every mutation lives in a wrapper around a real [`Driver`] (no hook inside
+//! the core): the wrapper rewrites what goes in or what comes out, the way a
+//! buggy driver would behave from the outside. Compiled only for tests.
+
+use std::collections::BTreeMap;
+use swactor_conformance::battery::{BatteryConfig, run_battery};
+use swactor_conformance::{Mode, RUN, Reconciler, WorldConfig};
+use swactor_provisioning::{
+    BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate, Dispatch, Driver,
+    DriverError, EffectRequest, FailureClass, Folded, Generation, LogicalNodeId, NodeAttemptId,
+    NodeStage, OperationId, OperationOutcome, OperationResult, Pass, RunId, Timestamp, UpdateError,
+};
+
+/// One way to break the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mutation {
+    /// No mutation: the honest driver behind the same wrapper.
+    Nothing,
+    /// Destroys the lease where it should cancel the bootstrap first.
+    SwapCleanupOrder,
+    /// Sends every effect a second time under an operation id it never recorded.
+    DispatchWithoutPending,
+    /// Folds a superseded attempt's result as if it answered the current operation.
+    FoldSupersededResult,
+    /// Keys every dispatch on the slot's first attempt id.
+    ReuseAttemptId,
+    /// Treats an ambiguous CreateLease failure as definite (forgets it may have leased).
+    ForgetAmbiguousCreate,
+    /// Runs a pass as late as the latest pending restart, so restarts skip their backoff.
+    RestartWithoutBackoff,
+    /// Destroys the lowest-index slot's lease when scaling a group down.
+    ScaleDownLowestIndex,
+    /// Never expires pending operations.
+    SkipTimeouts,
+    /// Accepts a regressed generation as if it were the next one.
+    AcceptRegression,
+    /// Queues a pass whenever any deadline exists, due or not.
+    TickIgnoresDueTime,
+    /// Never asks to be woken.
+    LoseWakeup,
+}
+
+const ALL: [Mutation; 11] = [
+    Mutation::SwapCleanupOrder,
+    Mutation::DispatchWithoutPending,
+    Mutation::FoldSupersededResult,
+    Mutation::ReuseAttemptId,
+    Mutation::ForgetAmbiguousCreate,
+    Mutation::RestartWithoutBackoff,
+    Mutation::ScaleDownLowestIndex,
+    Mutation::SkipTimeouts,
+    Mutation::AcceptRegression,
+    Mutation::TickIgnoresDueTime,
+    Mutation::LoseWakeup,
+];
+
+struct Mutant {
+    inner: Driver,
+    mutation: Mutation,
+    first_attempt: BTreeMap<LogicalNodeId, NodeAttemptId>,
+}
+
+impl Mutant {
+    fn new(mutation: Mutation, mode: Mode) -> Self {
+        let config = WorldConfig::for_mode(mode).reconciler;
+        Self {
+            inner: Driver::new(RunId::new(RUN), config).expect("valid config"),
+            mutation,
+            first_attempt: BTreeMap::new(),
+        }
+    }
+
+    fn mutate_pass(&mut self, mut pass: Pass) -> Pass {
+        let state = self.inner.state().clone();
+        let desired = self.inner.desired().clone();
+        match self.mutation {
+            Mutation::SwapCleanupOrder => {
+                for d in &mut pass.dispatches {
+                    if let EffectRequest::CancelBootstrap { .. } = d.request {
+                        if let Some(lease) = state.nodes.get(&d.key.node).and_then(|n| n.record.lease.clone()) {
+                            d.request = EffectRequest::DestroyLease { lease };
+                        }
+                    }
+                }
+            }
+            Mutation::DispatchWithoutPending => {
+                let extra: Vec<Dispatch> = pass
+                    .dispatches
+                    .iter()
+                    .map(|d| Dispatch {
+                        op: OperationId { attempt: d.op.attempt, seq: d.op.seq + 1_000 },
+                        ..d.clone()
+                    })
+                    .collect();
+                pass.dispatches.extend(extra);
+            }
+            Mutation::ReuseAttemptId => {
+                for d in &mut pass.dispatches {
+                    let first = *self.first_attempt.entry(d.key.node.clone()).or_insert(d.key.attempt);
+                    d.key.attempt = first;
+                    d.op.attempt = first;
+                }
+            }
+            Mutation::ScaleDownLowestIndex => {
+                for d in &mut pass.dispatches {
+                    let EffectRequest::DestroyLease { lease } = &mut d.request else { continue };
+                    if desired.slot(&d.key.node).is_some() {
+                        continue;
+                    }
+                    let lowest = state.nodes.iter().find(|(id, n)| {
+                        id.group == d.key.node.group && desired.slot(id).is_some() && n.record.lease.is_some()
+                    });
+                    if let Some((_, n)) = lowest {
+                        *lease = n.record.lease.clone().expect("filtered above");
+                    }
+                }
+            }
+            _ => {}
+        }
+        pass
+    }
+}
+
+impl Reconciler for Mutant {
+    fn update_desired(&mut self, shape: &ClusterShape) -> Result<DesiredUpdate, UpdateError> {
+        let current = self.inner.desired().generation;
+        if self.mutation == Mutation::AcceptRegression && shape.generation < current {
+            let mut forward = shape.clone();
+            forward.generation = Generation(current.0 + 1);
+            return self.inner.update_desired(&forward);
+        }
+        self.inner.update_desired(shape)
+    }
+
+    fn handle_result(&mut self, mut result: OperationResult, now: Timestamp) -> Result<Folded, DriverError> {
+        let node = self.inner.state().nodes.get(&result.node);
+        match self.mutation {
+            Mutation::FoldSupersededResult => {
+                if let Some(p) = node.and_then(|n| n.pending.as_ref()) {
+                    if result.op.attempt != p.id.attempt {
+                        result.op = p.id;
+                    }
+                }
+            }
+            Mutation::ForgetAmbiguousCreate => {
+                let create = node
+                    .and_then(|n| n.pending.as_ref())
+                    .is_some_and(|p| p.id == result.op && p.effect == swactor_provisioning::EffectKind::CreateLease);
+                if let (true, OperationOutcome::Failed { class, .. }) = (create, &mut result.outcome) {
+                    *class = FailureClass::Definite;
+                }
+            }
+            _ => {}
+        }
+        self.inner.handle_result(result, now)
+    }
+
+    fn handle_submit_failed(&mut self, dispatch: &Dispatch, reason: &str, now: Timestamp) -> Result<Folded, DriverError> {
+        self.inner.handle_submit_failed(&dispatch.key.node, dispatch.op, reason, now)
+    }
+
+    fn handle_bootstrap(&mut self, obs: BootstrapObservation, now: Timestamp) -> Result<Folded, DriverError> {
+        self.inner.handle_bootstrap(obs, now)
+    }
+
+    fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
+        if self.mutation == Mutation::SkipTimeouts {
+            return Ok(0);
+        }
+        self.inner.handle_timeout(now)
+    }
+
+    fn handle_tick(&mut self, now: Timestamp) {
+        self.inner.handle_tick(now);
+    }
+
+    fn poll_timeout(&self) -> Option<Timestamp> {
+        if self.mutation == Mutation::LoseWakeup {
+            return None;
+        }
+        self.inner.poll_timeout()
+    }
+
+    fn poll_pass(&mut self, now: Timestamp) -> Result<Option<Pass>, DriverError> {
+        let mut at = now;
+        match self.mutation {
+            Mutation::RestartWithoutBackoff => {
+                let desired = self.inner.desired();
+                at = self
+                    .inner
+                    .state()
+                    .nodes
+                    .iter()
+                    .filter(|(id, n)| n.record.stage == NodeStage::Destroyed && desired.slot(id).is_some())
+                    .filter_map(|(_, n)| n.record.restart_at)
+                    .fold(now, Timestamp::max);
+            }
+            Mutation::TickIgnoresDueTime => {
+                if !self.inner.is_pass_queued() {
+                    self.inner.handle_tick(Timestamp(u64::MAX / 2));
+                }
+            }
+            _ => {}
+        }
+        let pass = self.inner.poll_pass(at)?;
+        Ok(pass.map(|p| self.mutate_pass(p)))
+    }
+
+    fn finish_pass(&mut self) -> Result<(), DriverError> {
+        self.inner.finish_pass()
+    }
+
+    fn state(&self) -> &ClusterState {
+        self.inner.state()
+    }
+
+    fn desired(&self) -> &DesiredState {
+        self.inner.desired()
+    }
+
+    fn is_converged(&self) -> bool {
+        self.inner.is_converged()
+    }
+}
+
+/// Finds the first seed (either mode, default seed count) whose trace catches `mutation`.
+fn first_catch(mutation: Mutation) -> Option<(Mode, u64, String)> {
+    let seeds = BatteryConfig::from_env().seeds;
+    let battery = BatteryConfig {
+        seeds,
+        shrink: false,
+        replay_check: false,
+        regressions: None,
+    };
+    for mode in Mode::ALL {
+        let make = || Mutant::new(mutation, mode);
+        let report = run_battery(&make, mode, &battery, true);
+        if let Some(f) = report.failures.first() {
+            return Some((mode, f.seed, f.message.lines().next().unwrap_or_default().to_owned()));
+        }
+    }
+    None
+}
+
+#[test]
+fn the_battery_catches_every_deliberately_broken_driver() {
+    let mut missed = Vec::new();
+    let only = std::env::var("SWACTOR_MUTATION").ok();
+    for mutation in ALL {
+        if only.as_ref().is_some_and(|m| *m != format!("{mutation:?}")) {
+            continue;
+        }
+        let started = std::time::Instant::now();
+        let caught = first_catch(mutation);
+        eprintln!("{mutation:?}: {:?}", started.elapsed());
+        match caught {
+            Some((mode, seed, why)) => println!("{mutation:?}: caught by {} seed {seed}: {why}", mode.name()),
+            None => missed.push(mutation),
+        }
+    }
+    assert!(missed.is_empty(), "the battery missed {missed:?}");
+}
+
+#[test]
+fn the_mutation_wrapper_mutating_nothing_passes_the_battery() {
+    // Guards the wrapper itself: without a mutation it must be the honest driver.
+    let battery = BatteryConfig {
+        seeds: (0..32).collect(),
+        shrink: false,
+        replay_check: true,
+        regressions: None,
+    };
+    for mode in Mode::ALL {
+        let make = || Mutant::new(Mutation::Nothing, mode);
+        let report = run_battery(&make, mode, &battery, true);
+        assert!(report.failures.is_empty(), "{}", report.failures[0]);
+    }
+}

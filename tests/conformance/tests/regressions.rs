@@ -1,0 +1,304 @@
+//! Known bugs from the wild, each a named scenario over the fake provider, plus fault-coverage scenarios.
+
+use swactor_conformance::{
+    DeliveryFault, FakeExecutor, Input, Invariant, Mode, ProviderFault, World, WorldConfig,
+};
+use swactor_provisioning::{
+    BootstrapStage, Driver, EffectKind, FailureClass, GroupShape, LogicalNodeId, OperationOutcome,
+    OperationResult, ReconcilerConfig, RunId, Timestamp,
+};
+
+/// A world with nothing desired yet, so faults can be armed before the first dispatch.
+fn empty_world(tweak: impl FnOnce(&mut WorldConfig)) -> World {
+    let mut config = WorldConfig::for_mode(Mode::InOrder);
+    config.initial = [(0, 0), (0, 0)];
+    tweak(&mut config);
+    World::new(config, 7)
+}
+
+fn scale(world: &mut World, count: u8) {
+    world.apply(&Input::Shape { group: 0, count, variant: 0, skip: 0 });
+}
+
+fn assert_clean(world: &World) {
+    let v: Vec<String> = world.oracle().violations().iter().map(ToString::to_string).collect();
+    assert!(v.is_empty(), "{}", v.join("\n"));
+}
+
+fn converge(world: &mut World) {
+    let tail = world.run_fair_tail();
+    assert_clean(world);
+    assert!(tail.converged, "{tail:?}");
+}
+
+fn slot0() -> LogicalNodeId {
+    LogicalNodeId::parse("alpha-0").expect("valid id")
+}
+
+fn attempts_of(exec: &FakeExecutor, node: &LogicalNodeId) -> usize {
+    exec.backend().keys().keys().filter(|k| k.node == *node).count()
+}
+
+/// cluster-api-provider-aws#5794: the controller crashed or timed out after
+/// RunInstances but before it saved the instance id, and the next reconcile
+/// launched a second instance. Here the create's effect happens and its result
+/// is lost (then, in a second run, reported as an ambiguous timeout); the
+/// driver re-issues the same create under the same key and adopts.
+#[test]
+fn a_crash_or_timeout_after_a_create_leaves_no_extra_instance() {
+    for fault in [DeliveryFault::LoseResult, DeliveryFault::AmbiguousWithEffect] {
+        let mut world = empty_world(|_| {});
+        world.executor_mut().arm(Some(EffectKind::CreateLease), fault.clone());
+        scale(&mut world, 1);
+        converge(&mut world);
+        let c = world.executor().backend().counters();
+        assert_eq!(c.leases_created, 1, "{fault:?}: {c:?}");
+        assert!(c.create_lease_calls >= 2, "{fault:?}: the create was re-issued: {c:?}");
+        assert_eq!(attempts_of(world.executor(), &slot0()), 1, "{fault:?}: no replacement was needed");
+    }
+}
+
+/// kubermatic machine-controller#886: a freshly created machine was not yet
+/// visible to the provider's list call, so the controller created another.
+/// The kit's model: a new lease shows up in list-by-key lookups only after a
+/// lag (here 20 s, longer than the create timeout plus backoff), and the
+/// create call carries the resource key as an idempotency token. The lost
+/// first result forces a re-issue while the lease is still invisible; the
+/// token must make it adopt.
+#[test]
+fn a_create_not_yet_visible_to_a_lookup_is_not_created_again() {
+    let mut world = empty_world(|c| c.backend.visibility_lag_ms = 20_000);
+    world.executor_mut().arm(Some(EffectKind::CreateLease), DeliveryFault::LoseResult);
+    scale(&mut world, 1);
+    converge(&mut world);
+    assert_eq!(world.executor().stats().results_lost, 1, "the fault fired");
+    let c = world.executor().backend().counters();
+    assert_eq!(c.leases_created, 1, "{c:?}");
+    assert!(c.adopted_by_token >= 1, "the re-issue adopted through the token: {c:?}");
+}
+
+/// The negative control of the test above: a provider with no idempotency
+/// token double-creates under eventual visibility, and the oracle says so.
+/// Without this, the test above could pass for the wrong reason.
+#[test]
+fn without_an_idempotency_token_the_invisible_create_is_caught_as_a_double_create() {
+    let mut world = empty_world(|c| {
+        c.backend.visibility_lag_ms = 20_000;
+        c.backend.idempotent_create = false;
+    });
+    world.executor_mut().arm(Some(EffectKind::CreateLease), DeliveryFault::LoseResult);
+    scale(&mut world, 1);
+    world.run_fair_tail();
+    let caught = world
+        .oracle()
+        .violations()
+        .iter()
+        .any(|v| v.invariant == Invariant::NoDoubleCreate);
+    assert!(caught, "{:?}", world.oracle().violations());
+}
+
+/// cluster-api-provider-aws#1368: an instance terminated outside the
+/// controller was recreated over and over. Here the machine of a converged
+/// node is deleted out of band; its open bootstrap stream reports the agent
+/// lost; the slot is replaced exactly once and then stays quiet.
+#[test]
+fn a_machine_deleted_out_of_band_is_replaced_once_not_in_a_loop() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 1);
+    converge(&mut world);
+    world.apply(&Input::DeleteOutOfBand { pick: 0 });
+    world.apply(&Input::Advance { ms: 1_000 });
+    converge(&mut world);
+    // A long quiet stretch: nothing more is created.
+    world.apply(&Input::Advance { ms: 600_000 });
+    assert_clean(&world);
+    let c = world.executor().backend().counters();
+    assert_eq!(c.out_of_band_deletions, 1);
+    assert_eq!(c.leases_created, 2, "exactly one replacement: {c:?}");
+    assert_eq!(attempts_of(world.executor(), &slot0()), 2);
+    assert!(world.sut().is_converged());
+}
+
+/// A DestroyLease whose success was lost must not leave the node stuck in
+/// Deleting: the expired operation is retried, "already absent" is success,
+/// and the node is marked destroyed and reaped.
+#[test]
+fn a_destroy_whose_success_was_lost_does_not_leave_the_node_stuck_deleting() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 1);
+    converge(&mut world);
+    world.executor_mut().arm(Some(EffectKind::DestroyLease), DeliveryFault::LoseResult);
+    scale(&mut world, 0);
+    // Faults stop when the fair tail starts; let the destroy run (and its
+    // result get lost) before that.
+    world.apply(&Input::Advance { ms: 10_000 });
+    converge(&mut world);
+    assert!(world.sut().state().nodes.is_empty());
+    assert_eq!(world.executor().stats().results_lost, 1, "the fault fired");
+    assert_eq!(world.sut().stats().expired, 1, "the lost destroy expired");
+    let c = world.executor().backend().counters();
+    assert_eq!(c.destroys, 2, "one lost, one already-absent success: {c:?}");
+    assert_eq!(world.executor().backend().live_resources().count(), 0);
+}
+
+/// Every failure stage of a bootstrap ends the attempt and the slot is
+/// replaced once; the failure count carries into the replacement and resets
+/// when it becomes ready (the oracle checks both on every step).
+#[test]
+fn a_bootstrap_failing_at_each_failure_stage_is_replaced_once() {
+    for stage in [
+        BootstrapStage::SshConnectFailed,
+        BootstrapStage::BootCheckFailed,
+        BootstrapStage::SwactorStartFailed,
+        BootstrapStage::JoinFailed,
+        BootstrapStage::AgentLost,
+    ] {
+        let mut world = empty_world(|_| {});
+        world.executor_mut().backend_mut().arm(ProviderFault::BootstrapFailsAt { stage });
+        scale(&mut world, 1);
+        // Let the failing script run out, then converge.
+        world.apply(&Input::Advance { ms: 5_000 });
+        converge(&mut world);
+        let c = world.executor().backend().counters();
+        assert_eq!(c.sessions_started, 2, "{stage:?}: {c:?}");
+        assert_eq!(attempts_of(world.executor(), &slot0()), 2, "{stage:?}");
+    }
+}
+
+/// Lost bootstrap observations (here the Converged fact) end in the stall
+/// deadline, AgentLost, and one replacement.
+#[test]
+fn a_bootstrap_whose_converged_observation_is_lost_is_replaced_after_the_stall_deadline() {
+    let mut world = empty_world(|_| {});
+    world
+        .executor_mut()
+        .backend_mut()
+        .arm(ProviderFault::LoseObservations { mask: 1 << 5 });
+    scale(&mut world, 1);
+    world.apply(&Input::Advance { ms: 12_000 });
+    converge(&mut world);
+    assert_eq!(attempts_of(world.executor(), &slot0()), 2);
+}
+
+/// A gap of the core, pinned down: an endpoint that never becomes ready is
+/// probed forever at the probe interval. It is never counted as a failure and
+/// never spins, but the node never converges and is never replaced (there is
+/// no readiness deadline). If the core grows one, this test should change.
+#[test]
+fn an_endpoint_that_never_becomes_ready_is_probed_at_the_probe_interval_forever() {
+    let mut world = empty_world(|_| {});
+    world.executor_mut().backend_mut().arm(ProviderFault::EndpointNeverReady);
+    scale(&mut world, 1);
+    world.apply(&Input::Advance { ms: 60_000 });
+    assert_clean(&world);
+    let node = &world.sut().state().nodes[&slot0()];
+    assert_eq!(node.retry.consecutive_failures, 0);
+    assert!(!world.sut().is_converged());
+    let lookups = world.executor().backend().counters().lookups;
+    let probe = world.config().reconciler.probe_interval_ms;
+    // One probe per interval plus its round trip, give or take one.
+    let per_probe = probe + world.config().executor.round_trip_max_ms();
+    assert!(lookups >= 60_000 / per_probe - 1 && lookups <= 60_000 / probe + 1, "{lookups} lookups");
+    assert_eq!(attempts_of(world.executor(), &slot0()), 1);
+}
+
+/// Sliding-window maximum: the most retries in any `window_ms` window.
+fn busiest_window(times: &mut [u64], window_ms: u64) -> usize {
+    times.sort_unstable();
+    let mut best = 0;
+    let mut lo = 0;
+    for hi in 0..times.len() {
+        while times[hi] - times[lo] >= window_ms {
+            lo += 1;
+        }
+        best = best.max(hi - lo + 1);
+    }
+    best
+}
+
+/// Drives `n` nodes of one group through CreateLease failures: each wave, every
+/// node fails at the same instant; returns, per wave, the retry instants
+/// relative to that instant.
+fn failing_waves(config: ReconcilerConfig, n: u32, waves: usize) -> Vec<Vec<u64>> {
+    let mut driver = Driver::new(RunId::new("jitter"), config).expect("valid config");
+    let mut group = swactor_conformance::shape_of(1, &[(1, 0), (0, 0)]).groups[0].clone();
+    group = GroupShape { count: n, ..group };
+    let mut shape = swactor_conformance::shape_of(1, &[(0, 0), (0, 0)]);
+    shape.run_id = RunId::new("jitter");
+    shape.groups = vec![group];
+    driver.update_desired(&shape).expect("valid shape");
+    let mut now = Timestamp(0);
+    let mut pending = Vec::new();
+    let mut drain = |driver: &mut Driver, now: Timestamp, pending: &mut Vec<OperationResult>| {
+        while let Some(pass) = driver.poll_pass(now).expect("no re-entry") {
+            for d in pass.dispatches {
+                pending.push(OperationResult {
+                    node: d.key.node,
+                    op: d.op,
+                    outcome: OperationOutcome::Failed {
+                        class: FailureClass::Definite,
+                        reason: "capacity exhausted".to_owned(),
+                    },
+                });
+            }
+            driver.finish_pass().expect("running");
+        }
+    };
+    drain(&mut driver, now, &mut pending);
+    assert_eq!(pending.len(), n as usize);
+    let mut out = Vec::new();
+    for _ in 0..waves {
+        // Everyone fails together, at `now`.
+        let failed_at = now;
+        for r in pending.drain(..) {
+            let _ = driver.handle_result(r, now).expect("folds");
+        }
+        drain(&mut driver, now, &mut pending);
+        let mut retries = Vec::new();
+        while retries.len() < n as usize {
+            now = driver.poll_timeout().expect("every node waits on its backoff");
+            driver.handle_tick(now);
+            let before = pending.len();
+            drain(&mut driver, now, &mut pending);
+            retries.extend(std::iter::repeat_n(now.0 - failed_at.0, pending.len() - before));
+        }
+        out.push(retries);
+    }
+    out
+}
+
+/// 1,000 nodes failing together must not retry in one burst: no more than 5 %
+/// of them in any 100 ms window.
+///
+/// The core's jitter window is `d * jitter_permille / 1000` wide (placed as
+/// high as the cap allows, never below the base), where `d` is the
+/// un-jittered delay. 1,000 retries spread uniformly over a window `W` put
+/// about `100_000 / W` of them in 100 ms, so the 5 % bound needs `W` well above
+/// 2 s. With the production default (base 1 s, jitter 500 ‰) the first three
+/// waves are narrower than that (0.5 s, 1 s, 2 s) and DO burst; this test
+/// asserts that honestly, then checks the waves where the bound is reachable:
+/// the fourth failure (d = 8 s, W = 4 s) and later with the default jitter,
+/// and the third failure (d = 4 s, W = 4 s) with jitter 1000 ‰.
+#[test]
+fn a_thousand_nodes_failing_together_retry_spread_out_by_jitter() {
+    let limit = 1_000 * 5 / 100;
+    let default = ReconcilerConfig::default();
+    let waves = failing_waves(default.clone(), 1_000, 6);
+    let busiest: Vec<usize> = waves.iter().map(|w| busiest_window(&mut w.clone(), 100)).collect();
+    // Every retry of wave k lies in its jitter window.
+    for (k, w) in waves.iter().enumerate() {
+        let (lo, hi) = swactor_conformance::backoff_window(&default, k as u32 + 1);
+        assert!(w.iter().all(|d| (lo..=hi).contains(d)), "wave {}: outside [{lo}, {hi}]", k + 1);
+    }
+    assert!(busiest[0] > limit, "the first wave is a known burst: {busiest:?}");
+    for (k, b) in busiest.iter().enumerate().skip(3) {
+        assert!(*b <= limit, "wave {} (default jitter): {b} retries in 100 ms; {busiest:?}", k + 1);
+    }
+    let full = ReconcilerConfig {
+        jitter_permille: 1_000,
+        ..ReconcilerConfig::default()
+    };
+    let waves = failing_waves(full, 1_000, 3);
+    let b = busiest_window(&mut waves[2].clone(), 100);
+    assert!(b <= limit, "wave 3 (jitter 1000): {b} retries in 100 ms");
+}
