@@ -5,7 +5,10 @@ use swactor_conformance::{Mode, WorldConfig, run_trace};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let mode = args.get(1).and_then(|m| Mode::parse(m)).unwrap_or(Mode::InOrder);
+    let mode = args
+        .get(1)
+        .and_then(|m| Mode::parse(m))
+        .unwrap_or(Mode::InOrder);
     let seeds: Vec<u64> = match args.get(2) {
         Some(s) => vec![s.parse().expect("a seed")],
         None => (0..8).collect(),
@@ -18,7 +21,11 @@ fn main() {
             trace.inputs.len(),
             report.steps,
             report.tail,
-            report.violations.iter().map(ToString::to_string).collect::<Vec<_>>()
+            report
+                .violations
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
         );
         if args.len() > 2 {
             for i in &trace.inputs {

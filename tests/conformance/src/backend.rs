@@ -364,12 +364,12 @@ impl FakeBackend {
         if let Some(id) = self.list_lease(key, now) {
             return Ok(adopt(Origin::AdoptedByLookup, id, &self.leases[id]));
         }
-        if self.config.idempotent_create {
-            if let Some((id, l)) = self.leases.iter().find(|(_, l)| l.live && l.key == *key) {
-                let grant = adopt(Origin::AdoptedByToken, id, l);
-                self.counters.adopted_by_token += 1;
-                return Ok(grant);
-            }
+        if self.config.idempotent_create
+            && let Some((id, l)) = self.leases.iter().find(|(_, l)| l.live && l.key == *key)
+        {
+            let grant = adopt(Origin::AdoptedByToken, id, l);
+            self.counters.adopted_by_token += 1;
+            return Ok(grant);
         }
         let lag = match self.take_fault(|f| matches!(f, ProviderFault::Invisible { .. })) {
             Some(ProviderFault::Invisible { lag_ms }) => lag_ms,
@@ -451,11 +451,11 @@ impl FakeBackend {
             Some(ProviderFault::BootstrapFailsAt { stage }) if stage.is_failure() => Some(stage),
             _ => None,
         };
-        let lose_mask = match self.take_fault(|f| matches!(f, ProviderFault::LoseObservations { .. }))
-        {
-            Some(ProviderFault::LoseObservations { mask }) => mask,
-            _ => 0,
-        };
+        let lose_mask =
+            match self.take_fault(|f| matches!(f, ProviderFault::LoseObservations { .. })) {
+                Some(ProviderFault::LoseObservations { mask }) => mask,
+                _ => 0,
+            };
         let close_after_converge = self.config.close_after_converge
             || self
                 .take_fault(|f| matches!(f, ProviderFault::CloseAfterConverge))
@@ -501,7 +501,11 @@ impl FakeBackend {
     ///
     /// # Errors
     /// An armed fault refused the call; the session keeps running.
-    pub fn cancel_bootstrap(&mut self, id: &SessionId, now: Timestamp) -> Result<(), ProviderError> {
+    pub fn cancel_bootstrap(
+        &mut self,
+        id: &SessionId,
+        now: Timestamp,
+    ) -> Result<(), ProviderError> {
         self.counters.cancels += 1;
         if self.refused(EffectKind::CancelBootstrap) {
             return Err(ProviderError::Refused(EffectKind::CancelBootstrap));
@@ -619,7 +623,11 @@ impl FakeBackend {
             return *t;
         }
         let step = u64::from(s.next_step) + 1;
-        Timestamp(s.opened_at.0.saturating_add(step * self.config.bootstrap_step_ms))
+        Timestamp(
+            s.opened_at
+                .0
+                .saturating_add(step * self.config.bootstrap_step_ms),
+        )
     }
 
     /// The script of a session, one step at a time: `None` when the script is done.
@@ -636,18 +644,18 @@ impl FakeBackend {
             BootstrapStage::JoinFailed => 3,
             _ => SCRIPT_CLOSED,
         });
-        if let (Some(step), Some(stage)) = (failing_step, s.fail_at) {
-            if step == s.next_step {
-                // Both encodings of a failure are legal; exercise both.
-                return Some(if fail_encoding {
-                    BootstrapEvent::Failed {
-                        stage,
-                        reason: format!("scripted failure at {stage:?}"),
-                    }
-                } else {
-                    BootstrapEvent::Stage(stage)
-                });
-            }
+        if let (Some(step), Some(stage)) = (failing_step, s.fail_at)
+            && step == s.next_step
+        {
+            // Both encodings of a failure are legal; exercise both.
+            return Some(if fail_encoding {
+                BootstrapEvent::Failed {
+                    stage,
+                    reason: format!("scripted failure at {stage:?}"),
+                }
+            } else {
+                BootstrapEvent::Stage(stage)
+            });
         }
         match s.next_step {
             0 => Some(BootstrapEvent::Stage(BootstrapStage::SshConnect)),
@@ -705,7 +713,10 @@ impl FakeBackend {
             if is_failure && s.open {
                 // The agent is dead; the stream closes one step later.
                 s.next_step = u8::MAX;
-                s.final_event = Some((Timestamp(at.0.saturating_add(step_ms)), BootstrapEvent::Closed));
+                s.final_event = Some((
+                    Timestamp(at.0.saturating_add(step_ms)),
+                    BootstrapEvent::Closed,
+                ));
             }
             let ends = is_failure || event == BootstrapEvent::Closed;
             let key = s.key.clone();

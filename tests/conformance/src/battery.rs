@@ -137,7 +137,12 @@ impl std::fmt::Display for SeedFailure {
             self.seed
         )?;
         writeln!(f, "{}", self.message)?;
-        writeln!(f, "minimal trace ({} inputs, executor seed {}):", self.minimal.inputs.len(), self.minimal.seed)?;
+        writeln!(
+            f,
+            "minimal trace ({} inputs, executor seed {}):",
+            self.minimal.inputs.len(),
+            self.minimal.seed
+        )?;
         for (i, input) in self.minimal.inputs.iter().enumerate() {
             writeln!(f, "  {i:3}: {input:?}")?;
         }
@@ -148,7 +153,9 @@ impl std::fmt::Display for SeedFailure {
 fn seed_rng(seed: u64) -> TestRng {
     let mut bytes = [0u8; 32];
     for (i, chunk) in bytes.chunks_mut(8).enumerate() {
-        let v = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(i as u64);
+        let v = seed
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(i as u64);
         chunk.copy_from_slice(&v.to_le_bytes());
     }
     TestRng::from_seed(RngAlgorithm::ChaCha, &bytes)

@@ -416,7 +416,11 @@ impl FakeExecutor {
     pub fn in_flight_kinds(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> Vec<EffectKind> {
         self.queues
             .get(&(node.clone(), attempt))
-            .map(|q| q.iter().map(|op| self.ops[op].dispatch.request.kind()).collect())
+            .map(|q| {
+                q.iter()
+                    .map(|op| self.ops[op].dispatch.request.kind())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 }

@@ -143,7 +143,9 @@ impl Invariant {
             Self::FactsBelongToCurrentAttempt => "facts_belong_to_current_attempt",
             Self::OnePendingOperationPerNode => "one_pending_operation_per_node",
             Self::OneRunningOperationPerAttempt => "one_running_operation_per_attempt",
-            Self::EffectsRecordedPendingBeforeDispatch => "effects_recorded_pending_before_dispatch",
+            Self::EffectsRecordedPendingBeforeDispatch => {
+                "effects_recorded_pending_before_dispatch"
+            }
             Self::DispatchCarriesCurrentIdentity => "dispatch_carries_current_identity",
             Self::DestroyedNodeHoldsNothing => "destroyed_node_holds_nothing",
             Self::DestroyedAttemptLeaksNothing => "destroyed_attempt_leaks_nothing",
@@ -274,7 +276,10 @@ impl StepEvent<'_> {
         match self {
             Self::Update { shape, .. } => format!("update to {}", shape.generation),
             Self::Result { result, .. } => {
-                format!("result {} for {}: {:?}", result.op, result.node, result.outcome)
+                format!(
+                    "result {} for {}: {:?}",
+                    result.op, result.node, result.outcome
+                )
             }
             Self::Observation { obs, .. } => format!(
                 "observation {:?} from {} of {}/{}",
@@ -527,10 +532,16 @@ impl Oracle {
         let (b, a) = (&before.state, &after.state);
         let now = after.now;
         match event {
-            StepEvent::Update { shape, outcome } => self.check_update(shape, outcome, before, after),
+            StepEvent::Update { shape, outcome } => {
+                self.check_update(shape, outcome, before, after)
+            }
             StepEvent::Result { result, folded } => {
                 let Ok(folded) = folded else {
-                    return self.fail(Invariant::DriverErrorFree, &result.node, format!("{folded:?}"));
+                    return self.fail(
+                        Invariant::DriverErrorFree,
+                        &result.node,
+                        format!("{folded:?}"),
+                    );
                 };
                 let node_before = b.nodes.get(&result.node);
                 let current = node_before
@@ -574,7 +585,11 @@ impl Oracle {
             }
             StepEvent::SubmitFailed { dispatch, folded } => {
                 if let Err(e) = folded {
-                    self.fail(Invariant::DriverErrorFree, &dispatch.key.node, format!("{e:?}"));
+                    self.fail(
+                        Invariant::DriverErrorFree,
+                        &dispatch.key.node,
+                        format!("{e:?}"),
+                    );
                 }
             }
             StepEvent::Timeout { folded } => {
@@ -645,22 +660,32 @@ impl Oracle {
         };
         let mut problems = Vec::new();
         if expected != got {
-            problems.push(format!("{} answered {outcome:?}, expected {expected:?}", shape.generation));
+            problems.push(format!(
+                "{} answered {outcome:?}, expected {expected:?}",
+                shape.generation
+            ));
         }
         let moved = before.desired != after.desired || before.state != after.state;
         match got {
-            Ok(Some(true)) => {
+            Ok(Some(true))
                 if after.desired.generation != shape.generation
-                    || validated.as_ref().is_ok_and(|v| v.groups != after.desired.groups)
-                {
-                    problems.push("an accepted shape did not become the desired state".to_owned());
-                }
+                    || validated
+                        .as_ref()
+                        .is_ok_and(|v| v.groups != after.desired.groups) =>
+            {
+                problems.push("an accepted shape did not become the desired state".to_owned());
             }
-            _ if moved => problems.push("a refused or unchanged update changed the driver".to_owned()),
+            Ok(Some(true)) => {}
+            _ if moved => {
+                problems.push("a refused or unchanged update changed the driver".to_owned())
+            }
             _ => {}
         }
         if after.desired.generation < current {
-            problems.push(format!("generation went back from {current} to {}", after.desired.generation));
+            problems.push(format!(
+                "generation went back from {current} to {}",
+                after.desired.generation
+            ));
         }
         for p in problems {
             self.report(inv, None, p);
@@ -678,7 +703,10 @@ impl Oracle {
         let kind = nb.pending.as_ref().map(|p| p.effect);
         match &result.outcome {
             OperationOutcome::EndpointNotReady if kind == Some(EffectKind::LookupEndpoint) => {
-                let probe = now.0.checked_add(self.config.probe_interval_ms).map(Timestamp);
+                let probe = now
+                    .0
+                    .checked_add(self.config.probe_interval_ms)
+                    .map(Timestamp);
                 if na.retry.consecutive_failures != nb.retry.consecutive_failures
                     || na.retry.next_effect_at != probe
                 {
@@ -695,15 +723,19 @@ impl Oracle {
                 }
             }
             OperationOutcome::Failed { .. } => {
-                if na.retry.consecutive_failures != nb.retry.consecutive_failures.saturating_add(1) {
+                if na.retry.consecutive_failures != nb.retry.consecutive_failures.saturating_add(1)
+                {
                     self.fail(
                         Invariant::BackoffWithinFloorAndCap,
                         node,
                         "a failed operation did not count as a failure",
                     );
                 }
-                if matches!(kind, Some(EffectKind::CancelBootstrap | EffectKind::DestroyLease))
-                    && (na.record.session != nb.record.session || na.record.lease != nb.record.lease)
+                if matches!(
+                    kind,
+                    Some(EffectKind::CancelBootstrap | EffectKind::DestroyLease)
+                ) && (na.record.session != nb.record.session
+                    || na.record.lease != nb.record.lease)
                 {
                     self.fail(
                         Invariant::FailedCleanupKeepsLiveFacts,
@@ -725,14 +757,16 @@ impl Oracle {
                 // An unresolved CreateLease may hold a machine; only a success
                 // resolves it. (A session dies with its lease, so a dropped
                 // StartBootstrap ambiguity is made safe by the DestroyLease.)
-                if let (Some(k), Some(prev)) = (kind, nb.record.ambiguous) {
-                    if k == prev && k == EffectKind::CreateLease && na.record.ambiguous.is_none() {
-                        self.fail(
-                            Invariant::AmbiguousCreateAdoptedBeforeDestruction,
-                            node,
-                            format!("a failed re-issue of an ambiguous {k:?} forgot the ambiguity before it was adopted"),
-                        );
-                    }
+                if let (Some(k), Some(prev)) = (kind, nb.record.ambiguous)
+                    && k == prev
+                    && k == EffectKind::CreateLease
+                    && na.record.ambiguous.is_none()
+                {
+                    self.fail(
+                        Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                        node,
+                        format!("a failed re-issue of an ambiguous {k:?} forgot the ambiguity before it was adopted"),
+                    );
                 }
             }
             _ => {}
@@ -781,10 +815,18 @@ impl Oracle {
             let id = &d.key.node;
             let kind = d.request.kind();
             if !dispatched.insert(id.clone()) {
-                self.fail(Invariant::OnePendingOperationPerNode, id, "two dispatches in one pass");
+                self.fail(
+                    Invariant::OnePendingOperationPerNode,
+                    id,
+                    "two dispatches in one pass",
+                );
             }
             let Some(na) = a.nodes.get(id) else {
-                self.fail(Invariant::EffectsRecordedPendingBeforeDispatch, id, "dispatch for a node the driver does not hold");
+                self.fail(
+                    Invariant::EffectsRecordedPendingBeforeDispatch,
+                    id,
+                    "dispatch for a node the driver does not hold",
+                );
                 continue;
             };
             let nb = b.nodes.get(id);
@@ -796,58 +838,92 @@ impl Oracle {
                 );
             }
             let recorded = na.pending.as_ref().is_some_and(|p| {
-                p.id == d.op && p.effect == kind && p.deadline == d.deadline && p.dispatched_at == now
+                p.id == d.op
+                    && p.effect == kind
+                    && p.deadline == d.deadline
+                    && p.dispatched_at == now
             });
-            let deadline_ok = now.0.checked_add(timeout_of(&self.config, kind)) == Some(d.deadline.0);
+            let deadline_ok =
+                now.0.checked_add(timeout_of(&self.config, kind)) == Some(d.deadline.0);
             if !recorded || !deadline_ok {
                 self.fail(
                     Invariant::EffectsRecordedPendingBeforeDispatch,
                     id,
-                    format!("{} ({kind:?}) is not the recorded pending operation {:?}", d.op, na.pending),
+                    format!(
+                        "{} ({kind:?}) is not the recorded pending operation {:?}",
+                        d.op, na.pending
+                    ),
                 );
             }
-            if d.key.run_id != a.run_id || d.key.attempt != na.attempt || d.op.attempt != na.attempt {
+            if d.key.run_id != a.run_id || d.key.attempt != na.attempt || d.op.attempt != na.attempt
+            {
                 self.fail(
                     Invariant::DispatchCarriesCurrentIdentity,
                     id,
-                    format!("dispatch keyed {} / {} for attempt {}", d.key, d.op, na.attempt),
+                    format!(
+                        "dispatch keyed {} / {} for attempt {}",
+                        d.key, d.op, na.attempt
+                    ),
                 );
             }
             if !self.ops_seen.insert(d.op) {
-                self.fail(Invariant::OperationIdsNeverReused, id, format!("{} dispatched twice", d.op));
+                self.fail(
+                    Invariant::OperationIdsNeverReused,
+                    id,
+                    format!("{} dispatched twice", d.op),
+                );
             }
             let Some(nb) = nb else { continue };
             // Cleanup effects: order, adoption first, own resources only.
-            let destructive = matches!(kind, EffectKind::CancelBootstrap | EffectKind::DestroyLease);
+            let destructive =
+                matches!(kind, EffectKind::CancelBootstrap | EffectKind::DestroyLease);
             if destructive && nb.intent != Intent::Deleting {
-                self.fail(Invariant::CleanupOrderCancelDestroyMark, id, format!("{kind:?} for an Active attempt"));
+                self.fail(
+                    Invariant::CleanupOrderCancelDestroyMark,
+                    id,
+                    format!("{kind:?} for an Active attempt"),
+                );
             }
             if destructive && nb.record.ambiguous.is_some() {
                 self.fail(
                     Invariant::AmbiguousCreateAdoptedBeforeDestruction,
                     id,
-                    format!("{kind:?} while an ambiguous {:?} is unresolved", nb.record.ambiguous),
+                    format!(
+                        "{kind:?} while an ambiguous {:?} is unresolved",
+                        nb.record.ambiguous
+                    ),
                 );
             }
             if kind == EffectKind::DestroyLease && nb.record.session.is_some() {
-                self.fail(Invariant::CleanupOrderCancelDestroyMark, id, "DestroyLease while a session is live");
+                self.fail(
+                    Invariant::CleanupOrderCancelDestroyMark,
+                    id,
+                    "DestroyLease while a session is live",
+                );
             }
             let target_owner = match &d.request {
-                EffectRequest::CancelBootstrap { session } => provider.session_owner(session).map(|(k, _)| k.clone()),
+                EffectRequest::CancelBootstrap { session } => {
+                    provider.session_owner(session).map(|(k, _)| k.clone())
+                }
                 EffectRequest::DestroyLease { lease } | EffectRequest::LookupEndpoint { lease } => {
                     provider.lease_owner(lease).map(|(k, _)| k.clone())
                 }
-                EffectRequest::StartBootstrap { lease, .. } => provider.lease_owner(lease).map(|(k, _)| k.clone()),
+                EffectRequest::StartBootstrap { lease, .. } => {
+                    provider.lease_owner(lease).map(|(k, _)| k.clone())
+                }
                 EffectRequest::CreateLease { .. } => None,
             };
-            if let Some(owner) = target_owner {
-                if owner.node != *id || owner.attempt != na.attempt {
-                    self.fail(
-                        Invariant::CleanupTargetsOwnResources,
-                        id,
-                        format!("{kind:?} of attempt {} targets a resource of {owner}", na.attempt),
-                    );
-                }
+            if let Some(owner) = target_owner
+                && (owner.node != *id || owner.attempt != na.attempt)
+            {
+                self.fail(
+                    Invariant::CleanupTargetsOwnResources,
+                    id,
+                    format!(
+                        "{kind:?} of attempt {} targets a resource of {owner}",
+                        na.attempt
+                    ),
+                );
             }
         }
         // Deletions: only undesired, drifted or failed attempts; failed ones at once.
@@ -857,13 +933,21 @@ impl Oracle {
                 continue;
             }
             let desired = after.desired.slot(id);
-            let keep = desired.is_some_and(|t| **t == *nb.template) && nb.record.stage != NodeStage::Failed;
+            let keep = desired.is_some_and(|t| **t == *nb.template)
+                && nb.record.stage != NodeStage::Failed;
             if keep && na.intent == Intent::Deleting {
                 self.fail(
                     Invariant::ScaleDownRemovesOnlyHighestIndexes,
                     id,
-                    format!("a desired, current, healthy attempt was deleted (group size {:?})",
-                        after.desired.groups.iter().find(|g| g.id == id.group).map(|g| g.count)),
+                    format!(
+                        "a desired, current, healthy attempt was deleted (group size {:?})",
+                        after
+                            .desired
+                            .groups
+                            .iter()
+                            .find(|g| g.id == id.group)
+                            .map(|g| g.count)
+                    ),
                 );
             }
             if nb.record.stage == NodeStage::Failed
@@ -891,17 +975,28 @@ impl Oracle {
         let (b, a) = (&before.state, &after.state);
         let now = after.now;
         if a.next_attempt < b.next_attempt {
-            self.report(Invariant::AttemptIdsNeverReused, None, "the attempt allocator went back".to_owned());
+            self.report(
+                Invariant::AttemptIdsNeverReused,
+                None,
+                "the attempt allocator went back".to_owned(),
+            );
         }
         if a.observed_generation < b.observed_generation {
             self.report(
                 Invariant::GenerationMonotonicRegressionsRejected,
                 None,
-                format!("observed generation went back: {:?} -> {:?}", b.observed_generation, a.observed_generation),
+                format!(
+                    "observed generation went back: {:?} -> {:?}",
+                    b.observed_generation, a.observed_generation
+                ),
             );
         }
         if after.desired.generation < before.desired.generation {
-            self.report(Invariant::GenerationMonotonicRegressionsRejected, None, "desired generation went back".to_owned());
+            self.report(
+                Invariant::GenerationMonotonicRegressionsRejected,
+                None,
+                "desired generation went back".to_owned(),
+            );
         }
         for (id, na) in &a.nodes {
             let nb = b.nodes.get(id);
@@ -915,7 +1010,11 @@ impl Oracle {
                     );
                 }
                 if !matches!(event, StepEvent::Pass { .. }) {
-                    self.fail(Invariant::ReplacementOnlyAfterFullCleanup, id, "a new attempt appeared outside a pass");
+                    self.fail(
+                        Invariant::ReplacementOnlyAfterFullCleanup,
+                        id,
+                        "a new attempt appeared outside a pass",
+                    );
                 }
             }
             if let (Some(nb), true) = (nb, new_attempt) {
@@ -954,7 +1053,10 @@ impl Oracle {
                 self.fail(
                     Invariant::ReadyResetsFailures,
                     id,
-                    format!("ready with {} failures on record", na.retry.consecutive_failures),
+                    format!(
+                        "ready with {} failures on record",
+                        na.retry.consecutive_failures
+                    ),
                 );
             }
             if na.record.stage == NodeStage::Destroyed && nb.record.stage != NodeStage::Destroyed {
@@ -970,10 +1072,17 @@ impl Oracle {
                     self.fail(
                         Invariant::AmbiguousCreateAdoptedBeforeDestruction,
                         id,
-                        format!("marked destroyed with an unresolved ambiguous {:?}", rb.ambiguous),
+                        format!(
+                            "marked destroyed with an unresolved ambiguous {:?}",
+                            rb.ambiguous
+                        ),
                     );
                 }
-                let key = ResourceKey { run_id: a.run_id.clone(), node: id.clone(), attempt: na.attempt };
+                let key = ResourceKey {
+                    run_id: a.run_id.clone(),
+                    node: id.clone(),
+                    attempt: na.attempt,
+                };
                 let live = provider.live_keys().iter().filter(|k| **k == key).count();
                 let running = provider.in_flight(id, na.attempt);
                 if live > 0 || running > 0 {
@@ -989,7 +1098,10 @@ impl Oracle {
                     self.fail(
                         Invariant::BackoffWithinFloorAndCap,
                         id,
-                        format!("restart in {delay:?} ms after {} failures; window is [{lo}, {hi}]", na.retry.consecutive_failures),
+                        format!(
+                            "restart in {delay:?} ms after {} failures; window is [{lo}, {hi}]",
+                            na.retry.consecutive_failures
+                        ),
                     );
                 }
             }
@@ -1008,14 +1120,24 @@ impl Oracle {
                     || rec.ambiguous.is_some()
                     || n.pending.is_some())
             {
-                self.fail(Invariant::DestroyedNodeHoldsNothing, id, format!("{rec:?} pending {:?}", n.pending));
+                self.fail(
+                    Invariant::DestroyedNodeHoldsNothing,
+                    id,
+                    format!("{rec:?} pending {:?}", n.pending),
+                );
             }
-            let lease_owner = rec.lease.as_ref().map(|l| provider.lease_owner(l).map(|(k, _)| k.clone()));
-            let session_owner = rec.session.as_ref().map(|s| provider.session_owner(s).map(|(k, _)| k.clone()));
+            let lease_owner = rec
+                .lease
+                .as_ref()
+                .map(|l| provider.lease_owner(l).map(|(k, _)| k.clone()));
+            let session_owner = rec
+                .session
+                .as_ref()
+                .map(|s| provider.session_owner(s).map(|(k, _)| k.clone()));
             for owner in [lease_owner, session_owner].into_iter().flatten() {
-                let ok = owner
-                    .as_ref()
-                    .is_some_and(|k| k.node == *id && k.attempt == n.attempt && k.run_id == a.run_id);
+                let ok = owner.as_ref().is_some_and(|k| {
+                    k.node == *id && k.attempt == n.attempt && k.run_id == a.run_id
+                });
                 if !ok {
                     self.fail(
                         Invariant::FactsBelongToCurrentAttempt,
@@ -1046,13 +1168,18 @@ impl Oracle {
             self.report(
                 Invariant::ConvergedMeansExactSpecs,
                 None,
-                format!("the driver says converged = {}, the spec says {converged}", after.converged_claim),
+                format!(
+                    "the driver says converged = {}, the spec says {converged}",
+                    after.converged_claim
+                ),
             );
         }
         if converged {
             for key in provider.live_keys() {
                 let owned = key.run_id == a.run_id
-                    && a.nodes.get(&key.node).is_some_and(|n| n.attempt == key.attempt);
+                    && a.nodes
+                        .get(&key.node)
+                        .is_some_and(|n| n.attempt == key.attempt);
                 if !owned {
                     self.fail(
                         Invariant::ConvergedLeaksNothing,
@@ -1078,7 +1205,10 @@ impl Oracle {
             self.fail(
                 Invariant::SettledStatePlansNothing,
                 &first.node,
-                format!("a drained driver still plans {:?} ({})", first.action, first.row),
+                format!(
+                    "a drained driver still plans {:?} ({})",
+                    first.action, first.row
+                ),
             );
         }
         let expected = earliest_waiting_deadline(&after.state, &after.desired, after.now);
@@ -1086,7 +1216,10 @@ impl Oracle {
             self.report(
                 Invariant::RequeueAtEarliestWaitingDeadline,
                 None,
-                format!("timer {:?} at {}, earliest waiting deadline {expected:?}", after.timer, after.now),
+                format!(
+                    "timer {:?} at {}, earliest waiting deadline {expected:?}",
+                    after.timer, after.now
+                ),
             );
         }
     }
@@ -1097,7 +1230,11 @@ impl Oracle {
         self.context = "end of run".to_owned();
         let a = &after.state;
         if !independently_converged(a, &after.desired) {
-            self.report(Invariant::FairConvergenceWithinBound, None, "the run ended unconverged".to_owned());
+            self.report(
+                Invariant::FairConvergenceWithinBound,
+                None,
+                "the run ended unconverged".to_owned(),
+            );
             return;
         }
         for (id, n) in &a.nodes {
@@ -1111,7 +1248,10 @@ impl Oracle {
                 self.fail(
                     Invariant::ConvergedLeaksNothing,
                     id,
-                    format!("ready attempt {} holds no live lease of its own ({:?})", n.attempt, n.record.lease),
+                    format!(
+                        "ready attempt {} holds no live lease of its own ({:?})",
+                        n.attempt, n.record.lease
+                    ),
                 );
             }
         }
@@ -1120,7 +1260,10 @@ impl Oracle {
             *leases_per_node.entry(key).or_default() += 1;
         }
         for (key, count) in leases_per_node {
-            let owned = a.nodes.get(&key.node).is_some_and(|n| n.attempt == key.attempt);
+            let owned = a
+                .nodes
+                .get(&key.node)
+                .is_some_and(|n| n.attempt == key.attempt);
             if !owned || count > 2 {
                 self.fail(
                     Invariant::ConvergedLeaksNothing,

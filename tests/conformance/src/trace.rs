@@ -175,7 +175,8 @@ fn provider_fault() -> impl Strategy<Value = ProviderFaultInput> {
 }
 
 fn delivery_fault(mode: Mode) -> BoxedStrategy<DeliveryFault> {
-    let late = (1..LATE_EXTRA_MAX_MS).prop_map(|extra_ms| DeliveryFault::LateCompletion { extra_ms });
+    let late =
+        (1..LATE_EXTRA_MAX_MS).prop_map(|extra_ms| DeliveryFault::LateCompletion { extra_ms });
     let base = prop_oneof![
         2 => Just(DeliveryFault::LoseResult),
         2 => Just(DeliveryFault::AmbiguousWithEffect),
@@ -201,7 +202,9 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
     // zero weight, so the in-order alphabet names an inert stand-in instead.
     let resubmit_old = match mode {
         Mode::InOrder => Just(Input::Tick).boxed(),
-        Mode::Adversarial => any::<u8>().prop_map(|pick| Input::ResubmitOld { pick }).boxed(),
+        Mode::Adversarial => any::<u8>()
+            .prop_map(|pick| Input::ResubmitOld { pick })
+            .boxed(),
     };
     prop_oneof![
         6 => (0u8..2, 0u8..=3, 0u8..3, 0u8..2)

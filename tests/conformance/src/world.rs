@@ -18,8 +18,9 @@ use crate::trace::{Input, InvalidUpdate, LATE_EXTRA_MAX_MS, Mode, ProviderFaultI
 use std::collections::BTreeMap;
 use swactor_provisioning::{
     BootParams, BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate,
-    Dispatch, Driver, DriverError, Folded, Generation, GroupShape, OperationResult, OperationTimeouts,
-    Pass, ProviderShape, ReconcilerConfig, RunId, SwarmJoin, Timestamp, UpdateError,
+    Dispatch, Driver, DriverError, Folded, Generation, GroupShape, OperationResult,
+    OperationTimeouts, Pass, ProviderShape, ReconcilerConfig, RunId, SwarmJoin, Timestamp,
+    UpdateError,
 };
 
 /// The driver operations a host uses, so a harness can wrap or replace the driver.
@@ -35,7 +36,11 @@ pub trait Reconciler {
     ///
     /// # Errors
     /// As the driver's.
-    fn handle_result(&mut self, result: OperationResult, now: Timestamp) -> Result<Folded, DriverError>;
+    fn handle_result(
+        &mut self,
+        result: OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError>;
     /// See [`Driver::handle_submit_failed`].
     ///
     /// # Errors
@@ -86,7 +91,11 @@ impl Reconciler for Driver {
     fn update_desired(&mut self, shape: &ClusterShape) -> Result<DesiredUpdate, UpdateError> {
         Driver::update_desired(self, shape)
     }
-    fn handle_result(&mut self, result: OperationResult, now: Timestamp) -> Result<Folded, DriverError> {
+    fn handle_result(
+        &mut self,
+        result: OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
         Driver::handle_result(self, result, now)
     }
     fn handle_submit_failed(
@@ -429,7 +438,8 @@ impl<R: Reconciler> World<R> {
 
     fn record(&mut self, event: StepEvent<'_>) {
         let after = snapshot(&self.sut, self.now);
-        self.oracle.observe(event, &self.snapshot, &after, &self.exec);
+        self.oracle
+            .observe(event, &self.snapshot, &after, &self.exec);
         self.snapshot = after;
     }
 
@@ -471,7 +481,8 @@ impl<R: Reconciler> World<R> {
                 Ok(Some(pass)) => pass,
                 Ok(None) => break,
                 Err(e) => {
-                    self.oracle.report(Invariant::DriverErrorFree, None, format!("poll_pass: {e}"));
+                    self.oracle
+                        .report(Invariant::DriverErrorFree, None, format!("poll_pass: {e}"));
                     break;
                 }
             };
@@ -489,21 +500,35 @@ impl<R: Reconciler> World<R> {
                 match keep {
                     Some((keep, report)) if i >= keep => {
                         if report {
-                            let folded = self.sut.handle_submit_failed(d, "host aborted the pass", self.now);
-                            self.record(StepEvent::SubmitFailed { dispatch: d, folded: &folded });
+                            let folded =
+                                self.sut
+                                    .handle_submit_failed(d, "host aborted the pass", self.now);
+                            self.record(StepEvent::SubmitFailed {
+                                dispatch: d,
+                                folded: &folded,
+                            });
                         }
                     }
                     _ => {
                         if self.exec.submit(d, self.now) == Submitted::Conflict {
-                            let folded = self.sut.handle_submit_failed(d, "operation id conflict", self.now);
-                            self.record(StepEvent::SubmitFailed { dispatch: d, folded: &folded });
+                            let folded =
+                                self.sut
+                                    .handle_submit_failed(d, "operation id conflict", self.now);
+                            self.record(StepEvent::SubmitFailed {
+                                dispatch: d,
+                                folded: &folded,
+                            });
                         }
                         self.submitted.push(d.clone());
                     }
                 }
             }
             if let Err(e) = self.sut.finish_pass() {
-                self.oracle.report(Invariant::DriverErrorFree, None, format!("finish_pass: {e}"));
+                self.oracle.report(
+                    Invariant::DriverErrorFree,
+                    None,
+                    format!("finish_pass: {e}"),
+                );
                 break;
             }
             if passes > self.config.passes_per_instant_max {
@@ -572,9 +597,15 @@ impl<R: Reconciler> World<R> {
 
     /// Applies one trace input.
     pub fn apply(&mut self, input: &Input) {
-        self.oracle.begin_input(format!("{input:?} at {}", self.now));
+        self.oracle
+            .begin_input(format!("{input:?} at {}", self.now));
         match *input {
-            Input::Shape { group, count, variant, skip } => {
+            Input::Shape {
+                group,
+                count,
+                variant,
+                skip,
+            } => {
                 self.groups[usize::from(group % 2)] = (count, variant);
                 self.generation += 1 + u64::from(skip);
                 let shape = shape_of(self.generation, &self.groups);
@@ -623,11 +654,19 @@ impl<R: Reconciler> World<R> {
                 let fault = match f {
                     ProviderFaultInput::Refuse(kind) => ProviderFault::Refuse { kind },
                     ProviderFaultInput::EndpointNeverReady => ProviderFault::EndpointNeverReady,
-                    ProviderFaultInput::EndpointSlow(ms) => ProviderFault::EndpointSlow { delay_ms: u64::from(ms) },
-                    ProviderFaultInput::BootstrapFailsAt(stage) => ProviderFault::BootstrapFailsAt { stage },
-                    ProviderFaultInput::LoseObservations(mask) => ProviderFault::LoseObservations { mask },
+                    ProviderFaultInput::EndpointSlow(ms) => ProviderFault::EndpointSlow {
+                        delay_ms: u64::from(ms),
+                    },
+                    ProviderFaultInput::BootstrapFailsAt(stage) => {
+                        ProviderFault::BootstrapFailsAt { stage }
+                    }
+                    ProviderFaultInput::LoseObservations(mask) => {
+                        ProviderFault::LoseObservations { mask }
+                    }
                     ProviderFaultInput::CloseAfterConverge => ProviderFault::CloseAfterConverge,
-                    ProviderFaultInput::Invisible(ms) => ProviderFault::Invisible { lag_ms: u64::from(ms) },
+                    ProviderFaultInput::Invisible(ms) => ProviderFault::Invisible {
+                        lag_ms: u64::from(ms),
+                    },
                 };
                 self.exec.backend_mut().arm(fault);
             }
@@ -679,7 +718,8 @@ impl<R: Reconciler> World<R> {
     /// stragglers (duplicated results, late completions) arrive and checks the
     /// end state.
     pub fn run_fair_tail(&mut self) -> TailReport {
-        self.oracle.begin_input(format!("fair tail from {}", self.now));
+        self.oracle
+            .begin_input(format!("fair tail from {}", self.now));
         self.heal();
         let (t0, p0) = (self.now, self.passes);
         let nodes = self

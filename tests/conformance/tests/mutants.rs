@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 use swactor_conformance::battery::{BatteryConfig, run_battery};
 use swactor_conformance::{Mode, RUN, Reconciler, WorldConfig};
 use swactor_provisioning::{
-    BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate, Dispatch, Driver,
-    DriverError, EffectRequest, FailureClass, Folded, Generation, LogicalNodeId, NodeAttemptId,
-    NodeStage, OperationId, OperationOutcome, OperationResult, Pass, RunId, Timestamp, UpdateError,
+    BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate, Dispatch,
+    Driver, DriverError, EffectRequest, FailureClass, Folded, Generation, LogicalNodeId,
+    NodeAttemptId, NodeStage, OperationId, OperationOutcome, OperationResult, Pass, RunId,
+    Timestamp, UpdateError,
 };
 
 /// One way to break the driver.
@@ -78,10 +79,13 @@ impl Mutant {
         match self.mutation {
             Mutation::SwapCleanupOrder => {
                 for d in &mut pass.dispatches {
-                    if let EffectRequest::CancelBootstrap { .. } = d.request {
-                        if let Some(lease) = state.nodes.get(&d.key.node).and_then(|n| n.record.lease.clone()) {
-                            d.request = EffectRequest::DestroyLease { lease };
-                        }
+                    if let EffectRequest::CancelBootstrap { .. } = d.request
+                        && let Some(lease) = state
+                            .nodes
+                            .get(&d.key.node)
+                            .and_then(|n| n.record.lease.clone())
+                    {
+                        d.request = EffectRequest::DestroyLease { lease };
                     }
                 }
             }
@@ -90,7 +94,10 @@ impl Mutant {
                     .dispatches
                     .iter()
                     .map(|d| Dispatch {
-                        op: OperationId { attempt: d.op.attempt, seq: d.op.seq + 1_000 },
+                        op: OperationId {
+                            attempt: d.op.attempt,
+                            seq: d.op.seq + 1_000,
+                        },
                         ..d.clone()
                     })
                     .collect();
@@ -98,19 +105,26 @@ impl Mutant {
             }
             Mutation::ReuseAttemptId => {
                 for d in &mut pass.dispatches {
-                    let first = *self.first_attempt.entry(d.key.node.clone()).or_insert(d.key.attempt);
+                    let first = *self
+                        .first_attempt
+                        .entry(d.key.node.clone())
+                        .or_insert(d.key.attempt);
                     d.key.attempt = first;
                     d.op.attempt = first;
                 }
             }
             Mutation::ScaleDownLowestIndex => {
                 for d in &mut pass.dispatches {
-                    let EffectRequest::DestroyLease { lease } = &mut d.request else { continue };
+                    let EffectRequest::DestroyLease { lease } = &mut d.request else {
+                        continue;
+                    };
                     if desired.slot(&d.key.node).is_some() {
                         continue;
                     }
                     let lowest = state.nodes.iter().find(|(id, n)| {
-                        id.group == d.key.node.group && desired.slot(id).is_some() && n.record.lease.is_some()
+                        id.group == d.key.node.group
+                            && desired.slot(id).is_some()
+                            && n.record.lease.is_some()
                     });
                     if let Some((_, n)) = lowest {
                         *lease = n.record.lease.clone().expect("filtered above");
@@ -134,21 +148,27 @@ impl Reconciler for Mutant {
         self.inner.update_desired(shape)
     }
 
-    fn handle_result(&mut self, mut result: OperationResult, now: Timestamp) -> Result<Folded, DriverError> {
+    fn handle_result(
+        &mut self,
+        mut result: OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
         let node = self.inner.state().nodes.get(&result.node);
         match self.mutation {
             Mutation::FoldSupersededResult => {
-                if let Some(p) = node.and_then(|n| n.pending.as_ref()) {
-                    if result.op.attempt != p.id.attempt {
-                        result.op = p.id;
-                    }
+                if let Some(p) = node.and_then(|n| n.pending.as_ref())
+                    && result.op.attempt != p.id.attempt
+                {
+                    result.op = p.id;
                 }
             }
             Mutation::ForgetAmbiguousCreate => {
-                let create = node
-                    .and_then(|n| n.pending.as_ref())
-                    .is_some_and(|p| p.id == result.op && p.effect == swactor_provisioning::EffectKind::CreateLease);
-                if let (true, OperationOutcome::Failed { class, .. }) = (create, &mut result.outcome) {
+                let create = node.and_then(|n| n.pending.as_ref()).is_some_and(|p| {
+                    p.id == result.op && p.effect == swactor_provisioning::EffectKind::CreateLease
+                });
+                if let (true, OperationOutcome::Failed { class, .. }) =
+                    (create, &mut result.outcome)
+                {
                     *class = FailureClass::Definite;
                 }
             }
@@ -157,11 +177,21 @@ impl Reconciler for Mutant {
         self.inner.handle_result(result, now)
     }
 
-    fn handle_submit_failed(&mut self, dispatch: &Dispatch, reason: &str, now: Timestamp) -> Result<Folded, DriverError> {
-        self.inner.handle_submit_failed(&dispatch.key.node, dispatch.op, reason, now)
+    fn handle_submit_failed(
+        &mut self,
+        dispatch: &Dispatch,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        self.inner
+            .handle_submit_failed(&dispatch.key.node, dispatch.op, reason, now)
     }
 
-    fn handle_bootstrap(&mut self, obs: BootstrapObservation, now: Timestamp) -> Result<Folded, DriverError> {
+    fn handle_bootstrap(
+        &mut self,
+        obs: BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
         self.inner.handle_bootstrap(obs, now)
     }
 
@@ -193,14 +223,14 @@ impl Reconciler for Mutant {
                     .state()
                     .nodes
                     .iter()
-                    .filter(|(id, n)| n.record.stage == NodeStage::Destroyed && desired.slot(id).is_some())
+                    .filter(|(id, n)| {
+                        n.record.stage == NodeStage::Destroyed && desired.slot(id).is_some()
+                    })
                     .filter_map(|(_, n)| n.record.restart_at)
                     .fold(now, Timestamp::max);
             }
-            Mutation::TickIgnoresDueTime => {
-                if !self.inner.is_pass_queued() {
-                    self.inner.handle_tick(Timestamp(u64::MAX / 2));
-                }
+            Mutation::TickIgnoresDueTime if !self.inner.is_pass_queued() => {
+                self.inner.handle_tick(Timestamp(u64::MAX / 2));
             }
             _ => {}
         }
@@ -238,7 +268,11 @@ fn first_catch(mutation: Mutation) -> Option<(Mode, u64, String)> {
         let make = || Mutant::new(mutation, mode);
         let report = run_battery(&make, mode, &battery, true);
         if let Some(f) = report.failures.first() {
-            return Some((mode, f.seed, f.message.lines().next().unwrap_or_default().to_owned()));
+            return Some((
+                mode,
+                f.seed,
+                f.message.lines().next().unwrap_or_default().to_owned(),
+            ));
         }
     }
     None
@@ -256,7 +290,9 @@ fn the_battery_catches_every_deliberately_broken_driver() {
         let caught = first_catch(mutation);
         eprintln!("{mutation:?}: {:?}", started.elapsed());
         match caught {
-            Some((mode, seed, why)) => println!("{mutation:?}: caught by {} seed {seed}: {why}", mode.name()),
+            Some((mode, seed, why)) => {
+                println!("{mutation:?}: caught by {} seed {seed}: {why}", mode.name())
+            }
             None => missed.push(mutation),
         }
     }

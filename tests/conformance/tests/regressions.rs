@@ -17,11 +17,21 @@ fn empty_world(tweak: impl FnOnce(&mut WorldConfig)) -> World {
 }
 
 fn scale(world: &mut World, count: u8) {
-    world.apply(&Input::Shape { group: 0, count, variant: 0, skip: 0 });
+    world.apply(&Input::Shape {
+        group: 0,
+        count,
+        variant: 0,
+        skip: 0,
+    });
 }
 
 fn assert_clean(world: &World) {
-    let v: Vec<String> = world.oracle().violations().iter().map(ToString::to_string).collect();
+    let v: Vec<String> = world
+        .oracle()
+        .violations()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
     assert!(v.is_empty(), "{}", v.join("\n"));
 }
 
@@ -36,7 +46,11 @@ fn slot0() -> LogicalNodeId {
 }
 
 fn attempts_of(exec: &FakeExecutor, node: &LogicalNodeId) -> usize {
-    exec.backend().keys().keys().filter(|k| k.node == *node).count()
+    exec.backend()
+        .keys()
+        .keys()
+        .filter(|k| k.node == *node)
+        .count()
 }
 
 /// cluster-api-provider-aws#5794: the controller crashed or timed out after
@@ -46,15 +60,27 @@ fn attempts_of(exec: &FakeExecutor, node: &LogicalNodeId) -> usize {
 /// driver re-issues the same create under the same key and adopts.
 #[test]
 fn a_crash_or_timeout_after_a_create_leaves_no_extra_instance() {
-    for fault in [DeliveryFault::LoseResult, DeliveryFault::AmbiguousWithEffect] {
+    for fault in [
+        DeliveryFault::LoseResult,
+        DeliveryFault::AmbiguousWithEffect,
+    ] {
         let mut world = empty_world(|_| {});
-        world.executor_mut().arm(Some(EffectKind::CreateLease), fault.clone());
+        world
+            .executor_mut()
+            .arm(Some(EffectKind::CreateLease), fault.clone());
         scale(&mut world, 1);
         converge(&mut world);
         let c = world.executor().backend().counters();
         assert_eq!(c.leases_created, 1, "{fault:?}: {c:?}");
-        assert!(c.create_lease_calls >= 2, "{fault:?}: the create was re-issued: {c:?}");
-        assert_eq!(attempts_of(world.executor(), &slot0()), 1, "{fault:?}: no replacement was needed");
+        assert!(
+            c.create_lease_calls >= 2,
+            "{fault:?}: the create was re-issued: {c:?}"
+        );
+        assert_eq!(
+            attempts_of(world.executor(), &slot0()),
+            1,
+            "{fault:?}: no replacement was needed"
+        );
     }
 }
 
@@ -68,13 +94,18 @@ fn a_crash_or_timeout_after_a_create_leaves_no_extra_instance() {
 #[test]
 fn a_create_not_yet_visible_to_a_lookup_is_not_created_again() {
     let mut world = empty_world(|c| c.backend.visibility_lag_ms = 20_000);
-    world.executor_mut().arm(Some(EffectKind::CreateLease), DeliveryFault::LoseResult);
+    world
+        .executor_mut()
+        .arm(Some(EffectKind::CreateLease), DeliveryFault::LoseResult);
     scale(&mut world, 1);
     converge(&mut world);
     assert_eq!(world.executor().stats().results_lost, 1, "the fault fired");
     let c = world.executor().backend().counters();
     assert_eq!(c.leases_created, 1, "{c:?}");
-    assert!(c.adopted_by_token >= 1, "the re-issue adopted through the token: {c:?}");
+    assert!(
+        c.adopted_by_token >= 1,
+        "the re-issue adopted through the token: {c:?}"
+    );
 }
 
 /// The negative control of the test above: a provider with no idempotency
@@ -86,7 +117,9 @@ fn without_an_idempotency_token_the_invisible_create_is_caught_as_a_double_creat
         c.backend.visibility_lag_ms = 20_000;
         c.backend.idempotent_create = false;
     });
-    world.executor_mut().arm(Some(EffectKind::CreateLease), DeliveryFault::LoseResult);
+    world
+        .executor_mut()
+        .arm(Some(EffectKind::CreateLease), DeliveryFault::LoseResult);
     scale(&mut world, 1);
     world.run_fair_tail();
     let caught = world
@@ -127,7 +160,9 @@ fn a_destroy_whose_success_was_lost_does_not_leave_the_node_stuck_deleting() {
     let mut world = empty_world(|_| {});
     scale(&mut world, 1);
     converge(&mut world);
-    world.executor_mut().arm(Some(EffectKind::DestroyLease), DeliveryFault::LoseResult);
+    world
+        .executor_mut()
+        .arm(Some(EffectKind::DestroyLease), DeliveryFault::LoseResult);
     scale(&mut world, 0);
     // Faults stop when the fair tail starts; let the destroy run (and its
     // result get lost) before that.
@@ -154,7 +189,10 @@ fn a_bootstrap_failing_at_each_failure_stage_is_replaced_once() {
         BootstrapStage::AgentLost,
     ] {
         let mut world = empty_world(|_| {});
-        world.executor_mut().backend_mut().arm(ProviderFault::BootstrapFailsAt { stage });
+        world
+            .executor_mut()
+            .backend_mut()
+            .arm(ProviderFault::BootstrapFailsAt { stage });
         scale(&mut world, 1);
         // Let the failing script run out, then converge.
         world.apply(&Input::Advance { ms: 5_000 });
@@ -187,7 +225,10 @@ fn a_bootstrap_whose_converged_observation_is_lost_is_replaced_after_the_stall_d
 #[test]
 fn an_endpoint_that_never_becomes_ready_is_probed_at_the_probe_interval_forever() {
     let mut world = empty_world(|_| {});
-    world.executor_mut().backend_mut().arm(ProviderFault::EndpointNeverReady);
+    world
+        .executor_mut()
+        .backend_mut()
+        .arm(ProviderFault::EndpointNeverReady);
     scale(&mut world, 1);
     world.apply(&Input::Advance { ms: 60_000 });
     assert_clean(&world);
@@ -198,7 +239,10 @@ fn an_endpoint_that_never_becomes_ready_is_probed_at_the_probe_interval_forever(
     let probe = world.config().reconciler.probe_interval_ms;
     // One probe per interval plus its round trip, give or take one.
     let per_probe = probe + world.config().executor.round_trip_max_ms();
-    assert!(lookups >= 60_000 / per_probe - 1 && lookups <= 60_000 / probe + 1, "{lookups} lookups");
+    assert!(
+        lookups >= 60_000 / per_probe - 1 && lookups <= 60_000 / probe + 1,
+        "{lookups} lookups"
+    );
     assert_eq!(attempts_of(world.executor(), &slot0()), 1);
 }
 
@@ -229,7 +273,7 @@ fn failing_waves(config: ReconcilerConfig, n: u32, waves: usize) -> Vec<Vec<u64>
     driver.update_desired(&shape).expect("valid shape");
     let mut now = Timestamp(0);
     let mut pending = Vec::new();
-    let mut drain = |driver: &mut Driver, now: Timestamp, pending: &mut Vec<OperationResult>| {
+    let drain = |driver: &mut Driver, now: Timestamp, pending: &mut Vec<OperationResult>| {
         while let Some(pass) = driver.poll_pass(now).expect("no re-entry") {
             for d in pass.dispatches {
                 pending.push(OperationResult {
@@ -256,11 +300,16 @@ fn failing_waves(config: ReconcilerConfig, n: u32, waves: usize) -> Vec<Vec<u64>
         drain(&mut driver, now, &mut pending);
         let mut retries = Vec::new();
         while retries.len() < n as usize {
-            now = driver.poll_timeout().expect("every node waits on its backoff");
+            now = driver
+                .poll_timeout()
+                .expect("every node waits on its backoff");
             driver.handle_tick(now);
             let before = pending.len();
             drain(&mut driver, now, &mut pending);
-            retries.extend(std::iter::repeat_n(now.0 - failed_at.0, pending.len() - before));
+            retries.extend(std::iter::repeat_n(
+                now.0 - failed_at.0,
+                pending.len() - before,
+            ));
         }
         out.push(retries);
     }
@@ -284,15 +333,29 @@ fn a_thousand_nodes_failing_together_retry_spread_out_by_jitter() {
     let limit = 1_000 * 5 / 100;
     let default = ReconcilerConfig::default();
     let waves = failing_waves(default.clone(), 1_000, 6);
-    let busiest: Vec<usize> = waves.iter().map(|w| busiest_window(&mut w.clone(), 100)).collect();
+    let busiest: Vec<usize> = waves
+        .iter()
+        .map(|w| busiest_window(&mut w.clone(), 100))
+        .collect();
     // Every retry of wave k lies in its jitter window.
     for (k, w) in waves.iter().enumerate() {
         let (lo, hi) = swactor_conformance::backoff_window(&default, k as u32 + 1);
-        assert!(w.iter().all(|d| (lo..=hi).contains(d)), "wave {}: outside [{lo}, {hi}]", k + 1);
+        assert!(
+            w.iter().all(|d| (lo..=hi).contains(d)),
+            "wave {}: outside [{lo}, {hi}]",
+            k + 1
+        );
     }
-    assert!(busiest[0] > limit, "the first wave is a known burst: {busiest:?}");
+    assert!(
+        busiest[0] > limit,
+        "the first wave is a known burst: {busiest:?}"
+    );
     for (k, b) in busiest.iter().enumerate().skip(3) {
-        assert!(*b <= limit, "wave {} (default jitter): {b} retries in 100 ms; {busiest:?}", k + 1);
+        assert!(
+            *b <= limit,
+            "wave {} (default jitter): {b} retries in 100 ms; {busiest:?}",
+            k + 1
+        );
     }
     let full = ReconcilerConfig {
         jitter_permille: 1_000,
