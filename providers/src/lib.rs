@@ -20,6 +20,7 @@
 
 #[cfg(feature = "fake")]
 pub mod fake;
+pub mod process;
 
 /// Implementors of [`Provider`] use this attribute on their `impl` blocks.
 pub use async_trait::async_trait;

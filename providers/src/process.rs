@@ -1,0 +1,954 @@
+//! The `process` provider: each node is a directory on this machine and its agent a local process.
+//!
+//! A lease is the node directory `{state_dir}/nodes/{run}/{node}-a{attempt}/`
+//! holding `identity.json` (the [`ResourceKey`] as JSON); its [`LeaseId`] is
+//! that path relative to the state directory and its endpoint is
+//! `local:{absolute path}`. A bootstrap runs the agent in the directory, in a
+//! process group of its own, with stdout and stderr appended to `agent.log`
+//! and its pid in `agent.pid`; the session is `{lease}#pid{pid}`.
+//!
+//! Everything a later daemon needs is on disk, and the agent owns no pipe to
+//! the daemon, so a restarted daemon on the same state directory adopts the
+//! leases ([`Provider::list`], `create_lease`) and running agents
+//! (`start_bootstrap`), whose fresh stream replays the log from its start.
+//!
+//! # The agent's command line
+//!
+//! ```text
+//! {agent_program} {agent_args…} --run {run} --node {node} --attempt {n}
+//!     --daemon {daemon_ticket} --token {join_token} --dir {node dir}
+//!     [--boot-check {arg}]…
+//! ```
+//!
+//! with the template's `boot.env` added to the environment. `--attempt` is
+//! the bare number. The agent reports progress on stdout in the line protocol
+//! of [`parse_agent_line`] (write lines with [`format_agent_line`]) and
+//! proves its identity with [`join_token`]. The provider recognises its agent
+//! by `--run`, `--node`, `--attempt` and `--dir` in `/proc/{pid}/cmdline`, so
+//! an agent must keep its arguments (a wrapper script must not `exec` into a
+//! program with other arguments).
+//!
+//! # Caveats
+//!
+//! - Linux only: liveness and identity come from `/proc`.
+//! - The provider polls (the log, adopted pids, a stopping group) with tokio
+//!   timers in real time; under tokio's paused time those polls would spin.
+//! - File operations are synchronous: they touch one small local directory.
+
+#![cfg(target_os = "linux")]
+
+mod os;
+mod protocol;
+mod tail;
+
+pub use protocol::{AGENT_LINE_PREFIX, format_agent_line, join_token, parse_agent_line};
+
+use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
+use async_trait::async_trait;
+use os::{AgentIdentity, Leader};
+use rustix::process::Signal;
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::{Duration, Instant};
+use swactor_provisioning::{
+    LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, NodeTemplate, ResourceKey, RunId,
+    SessionId, validate_id,
+};
+use tail::{Exit, Tail};
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// Default of [`ProcessConfig::term_grace`].
+pub const TERM_GRACE_DEFAULT: Duration = Duration::from_secs(5);
+/// Longest accepted [`ProcessConfig::term_grace`].
+pub const TERM_GRACE_MAX: Duration = Duration::from_secs(600);
+/// Default of [`ProcessConfig::log_poll_interval`].
+pub const LOG_POLL_INTERVAL_DEFAULT: Duration = Duration::from_millis(100);
+/// Longest accepted [`ProcessConfig::log_poll_interval`].
+pub const LOG_POLL_INTERVAL_MAX: Duration = Duration::from_secs(10);
+
+/// How long a stop waits for a group to vanish after SIGKILL before calling the outcome unknown.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How often a stop checks whether the group is gone.
+const STOP_POLL: Duration = Duration::from_millis(10);
+/// Observations buffered per session stream; the log tail waits for the reader beyond that.
+const STREAM_BUFFER_LEN: usize = 64;
+
+const IDENTITY_FILE: &str = "identity.json";
+const PID_FILE: &str = "agent.pid";
+const LOG_FILE: &str = "agent.log";
+/// The previous agent's log when a lease's agent is started again; only one is kept.
+const PREVIOUS_LOG_FILE: &str = "agent.log.prev";
+
+/// Settings of a [`ProcessProvider`].
+#[derive(Clone, Debug)]
+pub struct ProcessConfig {
+    /// Directory holding all provider state; must exist. Node directories go
+    /// under `nodes/` in it.
+    pub state_dir: PathBuf,
+    /// The agent executable (e.g. the `swactor` binary).
+    pub agent_program: PathBuf,
+    /// Arguments placed before the per-node ones (e.g. `["agent"]`).
+    pub agent_args: Vec<String>,
+    /// Passed to the agent as `--daemon`: how it reaches this daemon.
+    pub daemon_ticket: String,
+    /// Key of the join tokens handed to agents (see [`join_token`]).
+    pub token_secret: [u8; 32],
+    /// How long a stopping agent's group gets between SIGTERM and SIGKILL.
+    pub term_grace: Duration,
+    /// How often agent logs, and the liveness of adopted agents, are checked.
+    pub log_poll_interval: Duration,
+}
+
+impl ProcessConfig {
+    /// A configuration with the default grace and poll interval and no extra agent arguments.
+    pub fn new(
+        state_dir: impl Into<PathBuf>,
+        agent_program: impl Into<PathBuf>,
+        daemon_ticket: impl Into<String>,
+        token_secret: [u8; 32],
+    ) -> Self {
+        Self {
+            state_dir: state_dir.into(),
+            agent_program: agent_program.into(),
+            agent_args: Vec::new(),
+            daemon_ticket: daemon_ticket.into(),
+            token_secret,
+            term_grace: TERM_GRACE_DEFAULT,
+            log_poll_interval: LOG_POLL_INTERVAL_DEFAULT,
+        }
+    }
+
+    /// Checks every field, including that `state_dir` is an existing directory.
+    ///
+    /// # Errors
+    /// The first problem found.
+    pub fn validate(&self) -> Result<(), ProcessError> {
+        if self.agent_program.as_os_str().is_empty() {
+            return Err(ProcessError::EmptyField {
+                field: "agent_program",
+            });
+        }
+        if self.daemon_ticket.is_empty() {
+            return Err(ProcessError::EmptyField {
+                field: "daemon_ticket",
+            });
+        }
+        if self.term_grace > TERM_GRACE_MAX {
+            return Err(ProcessError::BadDuration {
+                field: "term_grace",
+                value: self.term_grace,
+                max: TERM_GRACE_MAX,
+            });
+        }
+        if self.log_poll_interval.is_zero() || self.log_poll_interval > LOG_POLL_INTERVAL_MAX {
+            return Err(ProcessError::BadDuration {
+                field: "log_poll_interval",
+                value: self.log_poll_interval,
+                max: LOG_POLL_INTERVAL_MAX,
+            });
+        }
+        if !self.state_dir.is_dir() {
+            return Err(ProcessError::StateDirMissing {
+                path: self.state_dir.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why a [`ProcessProvider`] could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// The state directory does not exist (or is not a directory).
+    #[error("state directory {} does not exist", path.display())]
+    StateDirMissing {
+        /// The configured path.
+        path: PathBuf,
+    },
+    /// The state directory exists but cannot be resolved or written.
+    #[error("state directory {} is unusable", path.display())]
+    StateDirUnusable {
+        /// The path that failed.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// A required setting is empty.
+    #[error("{field} must not be empty")]
+    EmptyField {
+        /// The field.
+        field: &'static str,
+    },
+    /// A duration is out of range.
+    #[error("{field} is {value:?}; it must be above zero and at most {max:?}")]
+    BadDuration {
+        /// The field.
+        field: &'static str,
+        /// The rejected value.
+        value: Duration,
+        /// The largest accepted value.
+        max: Duration,
+    },
+}
+
+/// Publishes a spawned agent's exit status once its reaper has waited for it.
+type ExitWatch = watch::Receiver<Option<String>>;
+
+/// A bootstrap session this provider streams.
+struct SessionEntry {
+    /// Distinguishes successive streams of one session.
+    stream: u64,
+    /// Dropping it ends the current stream's tail.
+    _stop: oneshot::Sender<()>,
+    /// The agent's exit status, when this process spawned it.
+    exit: Option<ExitWatch>,
+    /// Set when the provider stops the agent on purpose.
+    cancelled: Arc<AtomicBool>,
+}
+
+struct Shared {
+    config: ProcessConfig,
+    /// The canonical (absolute) `{state_dir}/nodes`.
+    nodes_dir: PathBuf,
+    /// The canonical state directory.
+    state_dir: PathBuf,
+    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
+    next_stream: AtomicU64,
+    /// Serialises the calls for one node directory.
+    key_locks: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Shared {
+    fn sessions(&self) -> MutexGuard<'_, HashMap<SessionId, SessionEntry>> {
+        // Every critical section is a single map operation; a panic cannot
+        // leave the map half-updated.
+        self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The local process provider. Cheap to clone; clones share state.
+///
+/// # Guarantees
+/// - One node directory and at most one live agent per [`ResourceKey`]:
+///   creates and bootstraps adopt what they find, also across daemon
+///   restarts on the same state directory.
+/// - Stopping signals the agent's whole process group and returns only once
+///   no process of it runs (or says [`ProviderError::Ambiguous`]).
+/// - Session streams never lose lines: the tail waits for a slow reader.
+#[derive(Clone)]
+pub struct ProcessProvider {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ProcessProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessProvider")
+            .field("state_dir", &self.shared.state_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ProcessProvider {
+    /// A provider over `config.state_dir`, creating its `nodes/` directory.
+    ///
+    /// # Errors
+    /// An invalid config, a missing state directory, or one that cannot be written.
+    pub fn new(config: ProcessConfig) -> Result<Self, ProcessError> {
+        config.validate()?;
+        let state_dir = fs::canonicalize(&config.state_dir).map_err(|source| {
+            ProcessError::StateDirUnusable {
+                path: config.state_dir.clone(),
+                source,
+            }
+        })?;
+        let nodes_dir = state_dir.join("nodes");
+        fs::create_dir_all(&nodes_dir).map_err(|source| ProcessError::StateDirUnusable {
+            path: nodes_dir.clone(),
+            source,
+        })?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                config,
+                nodes_dir,
+                state_dir,
+                sessions: Mutex::new(HashMap::new()),
+                next_stream: AtomicU64::new(0),
+                key_locks: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The canonical state directory.
+    pub fn state_dir(&self) -> &Path {
+        &self.shared.state_dir
+    }
+
+    /// The directory that is (or would be) `key`'s lease.
+    pub fn node_dir(&self, key: &ResourceKey) -> PathBuf {
+        self.shared.state_dir.join(lease_path(key))
+    }
+
+    /// Checks the key can name a directory, and returns it with its lease id.
+    fn locate(&self, key: &ResourceKey) -> Result<(PathBuf, LeaseId), ProviderError> {
+        validate_id(key.run_id.as_str())
+            .and_then(|()| validate_id(key.node.group.as_str()))
+            .map_err(|e| ProviderError::Definite(format!("key {key} cannot name a lease: {e}")))?;
+        Ok((self.node_dir(key), LeaseId(lease_path(key))))
+    }
+
+    /// Like [`Self::locate`], also checking `lease` is the key's.
+    fn locate_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<PathBuf, ProviderError> {
+        let (dir, expected) = self.locate(key)?;
+        if *lease != expected {
+            return Err(ProviderError::Definite(format!(
+                "lease {} is not key {key}'s (that is {})",
+                lease.0, expected.0
+            )));
+        }
+        Ok(dir)
+    }
+
+    async fn lock_key(&self, dir: &Path) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = self
+            .shared
+            .key_locks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(dir.to_path_buf())
+            .or_default()
+            .clone();
+        lock.lock_owned().await
+    }
+
+    /// Forgets `dir`'s lock once no other call holds or awaits it.
+    fn release_key(&self, dir: &Path) {
+        let mut locks = self
+            .shared
+            .key_locks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // One reference is the map's, one the caller's guard.
+        if locks.get(dir).is_some_and(|l| Arc::strong_count(l) <= 2) {
+            locks.remove(dir);
+        }
+    }
+
+    fn endpoint(dir: &Path) -> NodeEndpoint {
+        NodeEndpoint(format!("local:{}", dir.display()))
+    }
+
+    /// Spawns `key`'s agent in `dir` and records its pid.
+    fn spawn_agent(
+        &self,
+        key: &ResourceKey,
+        dir: &Path,
+        template: &NodeTemplate,
+    ) -> Result<(i32, Option<ExitWatch>), ProviderError> {
+        let config = &self.shared.config;
+        let log_path = dir.join(LOG_FILE);
+        // A fresh log per agent, so the new stream does not replay the
+        // previous agent's progress.
+        match fs::rename(&log_path, dir.join(PREVIOUS_LOG_FILE)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(definite(
+                    format!("cannot set aside {}", log_path.display()),
+                    &e,
+                ));
+            }
+        }
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| definite(format!("cannot open {}", log_path.display()), &e))?;
+        let stdout = log
+            .try_clone()
+            .map_err(|e| definite(format!("cannot share {}", log_path.display()), &e))?;
+        let mut cmd = Command::new(&config.agent_program);
+        cmd.args(&config.agent_args)
+            .arg("--run")
+            .arg(key.run_id.as_str())
+            .arg("--node")
+            .arg(key.node.to_string())
+            .arg("--attempt")
+            .arg(key.attempt.0.to_string())
+            .arg("--daemon")
+            .arg(&config.daemon_ticket)
+            .arg("--token")
+            .arg(join_token(&config.token_secret, key))
+            .arg("--dir")
+            .arg(dir);
+        for check in &template.boot.boot_check {
+            cmd.arg("--boot-check").arg(check);
+        }
+        cmd.envs(&template.boot.env)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(log)
+            // Its own group, so a stop reaches everything the agent started
+            // and a signal to the daemon's group does not reach the agent.
+            .process_group(0);
+        let mut child = cmd.spawn().map_err(|e| {
+            definite(
+                format!("cannot start agent {}", config.agent_program.display()),
+                &e,
+            )
+        })?;
+        let pid = i32::try_from(child.id()).map_err(|_| {
+            // Unreachable on Linux (pids fit in 31 bits); without a usable pid
+            // the child could not be stopped, so kill it through the handle.
+            let _ = child.kill();
+            let _ = child.wait();
+            ProviderError::Definite(format!("agent pid {} is out of range", child.id()))
+        })?;
+        let exit = reap(child, pid);
+        let pid_path = dir.join(PID_FILE);
+        if let Err(e) = write_atomically(&pid_path, format!("{pid}\n").as_bytes()) {
+            // Unrecorded, the agent could never be adopted or stopped: kill it
+            // now. It may have done things already, hence ambiguous.
+            let _ = os::signal_group(pid, Signal::KILL);
+            return Err(ProviderError::Ambiguous(format!(
+                "started agent pid {pid} but cannot record it in {}: {e}; the agent was killed",
+                pid_path.display()
+            )));
+        }
+        Ok((pid, exit))
+    }
+
+    /// Opens a stream for `session`, replacing (ending) any earlier one.
+    fn open_stream(
+        &self,
+        session: &SessionId,
+        dir: &Path,
+        pid: i32,
+        who: AgentIdentity,
+        spawned: Option<ExitWatch>,
+    ) -> BootstrapSession {
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER_LEN);
+        let (stop, stop_rx) = oneshot::channel();
+        let stream = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
+        let (exit, cancelled) = {
+            let mut sessions = self.shared.sessions();
+            let (exit, cancelled) = match (spawned, sessions.remove(session)) {
+                (Some(exit), _) => (Some(exit), Arc::new(AtomicBool::new(false))),
+                // Dropping the old entry's `stop` ends the older stream.
+                (None, Some(old)) => (old.exit, old.cancelled),
+                (None, None) => (None, Arc::new(AtomicBool::new(false))),
+            };
+            sessions.insert(
+                session.clone(),
+                SessionEntry {
+                    stream,
+                    _stop: stop,
+                    exit: exit.clone(),
+                    cancelled: cancelled.clone(),
+                },
+            );
+            (exit, cancelled)
+        };
+        let tail = Tail {
+            session: session.clone(),
+            log: dir.join(LOG_FILE),
+            exit: match exit {
+                Some(rx) => Exit::Child(rx),
+                None => Exit::Adopted { pid, who },
+            },
+            cancelled,
+            poll: self.shared.config.log_poll_interval,
+            tx,
+            stop: stop_rx,
+        };
+        let weak = Arc::downgrade(&self.shared);
+        let id = session.clone();
+        tokio::spawn(async move {
+            tail.run().await;
+            forget_stream(&weak, &id, stream);
+        });
+        BootstrapSession {
+            session: session.clone(),
+            events: rx,
+        }
+    }
+
+    /// Marks `session` as stopped on purpose, so its stream closes rather than reports a loss.
+    fn mark_cancelled(&self, session: &SessionId) {
+        if let Some(entry) = self.shared.sessions().get(session) {
+            entry.cancelled.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Stops the agent `pid` of `who` and everything in its group.
+    async fn stop_agent(&self, pid: i32, who: &AgentIdentity) -> Result<(), ProviderError> {
+        if os::leader(pid, who) == Leader::Foreign || !os::group_alive(pid) {
+            return Ok(());
+        }
+        match os::signal_group(pid, Signal::TERM) {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => return Err(definite(format!("cannot signal agent group {pid}"), &e)),
+        }
+        if wait_group_gone(pid, self.shared.config.term_grace).await {
+            return Ok(());
+        }
+        tracing::info!(pid, grace = ?self.shared.config.term_grace, "agent outlived its grace; killing its group");
+        match os::signal_group(pid, Signal::KILL) {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => {
+                return Err(ProviderError::Ambiguous(format!(
+                    "agent group {pid} ignored SIGTERM and cannot be sent SIGKILL: {e}"
+                )));
+            }
+        }
+        if wait_group_gone(pid, KILL_WAIT).await {
+            return Ok(());
+        }
+        Err(ProviderError::Ambiguous(format!(
+            "agent group {pid} still runs {KILL_WAIT:?} after SIGKILL"
+        )))
+    }
+
+    /// The live agent recorded in `dir`, if any.
+    fn live_agent(dir: &Path, who: &AgentIdentity) -> Result<Option<i32>, ProviderError> {
+        Ok(read_pid(dir)?.filter(|pid| os::leader(*pid, who) == Leader::Ours))
+    }
+}
+
+/// Removes `session`'s entry if it still belongs to stream `stream`.
+fn forget_stream(shared: &Weak<Shared>, session: &SessionId, stream: u64) {
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    let mut sessions = shared.sessions();
+    if sessions.get(session).is_some_and(|e| e.stream == stream) {
+        sessions.remove(session);
+    }
+}
+
+/// Waits up to `limit` for group `pgid` to have no running process.
+async fn wait_group_gone(pgid: i32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if !os::group_alive(pgid) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(STOP_POLL).await;
+    }
+}
+
+/// Waits for `child` on a thread of its own, publishing its exit status, so
+/// no zombie is left. `None` when no thread could be started; the agent is
+/// then polled like an adopted one and stays a zombie until this process ends.
+fn reap(mut child: std::process::Child, pid: i32) -> Option<ExitWatch> {
+    let (tx, rx) = watch::channel(None);
+    let spawned = std::thread::Builder::new()
+        .name(format!("reap-agent-{pid}"))
+        .stack_size(64 * 1024)
+        .spawn(move || {
+            let status = match child.wait() {
+                Ok(status) => status.to_string(),
+                Err(e) => format!("an unknown status ({e})"),
+            };
+            let _ = tx.send(Some(status));
+        });
+    match spawned {
+        Ok(_) => Some(rx),
+        Err(e) => {
+            tracing::warn!(pid, error = %e, "cannot start a reaper thread; polling the agent instead");
+            None
+        }
+    }
+}
+
+/// `nodes/{run}/{node}-a{attempt}`.
+fn lease_path(key: &ResourceKey) -> String {
+    format!("nodes/{}/{}-{}", key.run_id, key.node, key.attempt)
+}
+
+fn session_id(lease: &LeaseId, pid: i32) -> SessionId {
+    SessionId(format!("{}#pid{pid}", lease.0))
+}
+
+/// The pid of a session of `lease`, when `session` is one.
+fn session_pid(lease: &LeaseId, session: &SessionId) -> Option<i32> {
+    let (l, pid) = session.0.rsplit_once("#pid")?;
+    if l != lease.0 || pid.starts_with(['+', '-']) {
+        return None;
+    }
+    pid.parse().ok().filter(|p| *p > 1)
+}
+
+/// The key a node directory's name spells within `run`.
+fn key_from_dir_name(run: &RunId, name: &str) -> Option<ResourceKey> {
+    let (node, attempt) = name.rsplit_once("-a")?;
+    if attempt.is_empty() || !attempt.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(ResourceKey {
+        run_id: run.clone(),
+        node: LogicalNodeId::parse(node)?,
+        attempt: NodeAttemptId(attempt.parse().ok()?),
+    })
+}
+
+fn definite(what: String, e: &io::Error) -> ProviderError {
+    ProviderError::Definite(format!("{what}: {e}"))
+}
+
+/// What a node directory holds.
+enum Identity {
+    /// No directory.
+    Absent,
+    /// A directory without `identity.json`: a create that stopped half-way.
+    Incomplete,
+    /// The directory of the expected key.
+    Ours,
+    /// A directory claiming another key, or an unreadable identity.
+    Foreign(String),
+}
+
+fn read_identity(dir: &Path, key: &ResourceKey) -> Result<Identity, ProviderError> {
+    match fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Ok(Identity::Foreign(format!(
+                "{} is not a directory",
+                dir.display()
+            )));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Identity::Absent),
+        Err(e) => return Err(definite(format!("cannot inspect {}", dir.display()), &e)),
+    }
+    let path = dir.join(IDENTITY_FILE);
+    let raw = match fs::read(&path) {
+        Ok(raw) => raw,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Identity::Incomplete),
+        Err(e) => return Err(definite(format!("cannot read {}", path.display()), &e)),
+    };
+    Ok(match serde_json::from_slice::<ResourceKey>(&raw) {
+        Ok(found) if found == *key => Identity::Ours,
+        Ok(found) => Identity::Foreign(format!("{} names {found}", path.display())),
+        Err(e) => Identity::Foreign(format!("{} is malformed: {e}", path.display())),
+    })
+}
+
+fn write_identity(dir: &Path, key: &ResourceKey) -> io::Result<()> {
+    let json = serde_json::to_vec(key).map_err(io::Error::other)?;
+    write_atomically(&dir.join(IDENTITY_FILE), &json)
+}
+
+/// Writes `path` through a temporary file and a rename, so readers see the
+/// old content or the whole new content, never a part.
+fn write_atomically(path: &Path, content: &[u8]) -> io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let mut file = File::create(&tmp)?;
+    file.write_all(content)?;
+    file.sync_all()?;
+    fs::rename(&tmp, path)
+}
+
+/// The pid recorded in `dir`, if one is.
+fn read_pid(dir: &Path) -> Result<Option<i32>, ProviderError> {
+    let path = dir.join(PID_FILE);
+    let raw = match fs::read_to_string(&path) {
+        Ok(raw) => raw,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(definite(format!("cannot read {}", path.display()), &e)),
+    };
+    match raw.trim().parse::<i32>() {
+        Ok(pid) if pid > 1 => Ok(Some(pid)),
+        _ => {
+            tracing::warn!(path = %path.display(), "ignoring a malformed agent pid file");
+            Ok(None)
+        }
+    }
+}
+
+#[async_trait]
+impl Provider for ProcessProvider {
+    fn kind(&self) -> &'static str {
+        "process"
+    }
+
+    async fn create_lease(
+        &self,
+        key: &ResourceKey,
+        _template: &NodeTemplate,
+    ) -> Result<LeaseGrant, ProviderError> {
+        let (dir, lease) = self.locate(key)?;
+        let _guard = self.lock_key(&dir).await;
+        let grant = LeaseGrant {
+            lease,
+            endpoint: Some(Self::endpoint(&dir)),
+        };
+        match read_identity(&dir, key)? {
+            Identity::Ours => return Ok(grant),
+            Identity::Foreign(why) => {
+                return Err(ProviderError::Definite(format!(
+                    "cannot lease {}: {why}",
+                    dir.display()
+                )));
+            }
+            Identity::Incomplete => {
+                // An earlier create made the directory but not its identity;
+                // finishing it is adopting it.
+                write_identity(&dir, key).map_err(|e| {
+                    definite(format!("cannot complete lease {}", dir.display()), &e)
+                })?;
+                return Ok(grant);
+            }
+            Identity::Absent => {}
+        }
+        let parent = dir.parent().unwrap_or(&self.shared.nodes_dir);
+        // Retried once: a destroy may remove an empty run directory between
+        // the two calls.
+        let mut made = Err(io::ErrorKind::NotFound.into());
+        for _ in 0..2 {
+            fs::create_dir_all(parent)
+                .map_err(|e| definite(format!("cannot create {}", parent.display()), &e))?;
+            made = fs::create_dir(&dir);
+            if !matches!(&made, Err(e) if e.kind() == io::ErrorKind::NotFound) {
+                break;
+            }
+        }
+        match made {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                // Made concurrently by another process on this state directory.
+                return match read_identity(&dir, key)? {
+                    Identity::Ours | Identity::Incomplete => Ok(grant),
+                    _ => Err(ProviderError::Definite(format!(
+                        "cannot lease {}: it appeared with another identity",
+                        dir.display()
+                    ))),
+                };
+            }
+            Err(e) => return Err(definite(format!("cannot create {}", dir.display()), &e)),
+        }
+        if let Err(e) = write_identity(&dir, key) {
+            return Err(match fs::remove_dir_all(&dir) {
+                Ok(()) => definite(
+                    format!(
+                        "cannot write the identity of {} (removed it again)",
+                        dir.display()
+                    ),
+                    &e,
+                ),
+                Err(_) => ProviderError::Ambiguous(format!(
+                    "created {} but cannot write its identity: {e}",
+                    dir.display()
+                )),
+            });
+        }
+        tracing::debug!(%key, dir = %dir.display(), "leased a node directory");
+        Ok(grant)
+    }
+
+    async fn lookup_endpoint(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<NodeEndpoint, ProviderError> {
+        let dir = self.locate_lease(key, lease)?;
+        match read_identity(&dir, key)? {
+            Identity::Ours | Identity::Incomplete => Ok(Self::endpoint(&dir)),
+            Identity::Absent => Err(ProviderError::Definite(format!(
+                "no such lease: {} does not exist",
+                dir.display()
+            ))),
+            Identity::Foreign(why) => Err(ProviderError::Definite(format!(
+                "lease {} is not key {key}'s: {why}",
+                lease.0
+            ))),
+        }
+    }
+
+    async fn start_bootstrap(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        _endpoint: &NodeEndpoint,
+        template: &NodeTemplate,
+    ) -> Result<BootstrapSession, ProviderError> {
+        let dir = self.locate_lease(key, lease)?;
+        let _guard = self.lock_key(&dir).await;
+        match read_identity(&dir, key)? {
+            Identity::Ours | Identity::Incomplete => {}
+            Identity::Absent => {
+                return Err(ProviderError::Definite(format!(
+                    "no such lease: {} does not exist",
+                    dir.display()
+                )));
+            }
+            Identity::Foreign(why) => {
+                return Err(ProviderError::Definite(format!(
+                    "lease {} is not key {key}'s: {why}",
+                    lease.0
+                )));
+            }
+        }
+        let who = AgentIdentity::new(key, &dir);
+        if let Some(pid) = Self::live_agent(&dir, &who)? {
+            let session = session_id(lease, pid);
+            tracing::debug!(session = %session.0, "adopting a running agent");
+            return Ok(self.open_stream(&session, &dir, pid, who, None));
+        }
+        let (pid, exit) = self.spawn_agent(key, &dir, template)?;
+        let session = session_id(lease, pid);
+        tracing::debug!(session = %session.0, "started an agent");
+        // A child without a reaper (`exit` is `None`) is polled like an adopted agent.
+        Ok(self.open_stream(&session, &dir, pid, who, exit))
+    }
+
+    async fn cancel_bootstrap(
+        &self,
+        key: &ResourceKey,
+        session: &SessionId,
+    ) -> Result<(), ProviderError> {
+        let (dir, lease) = self.locate(key)?;
+        let Some(pid) = session_pid(&lease, session) else {
+            return Err(ProviderError::Definite(format!(
+                "session {} is not a session of key {key}",
+                session.0
+            )));
+        };
+        let _guard = self.lock_key(&dir).await;
+        self.mark_cancelled(session);
+        self.stop_agent(pid, &AgentIdentity::new(key, &dir)).await
+    }
+
+    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+        let dir = self.locate_lease(key, lease)?;
+        let guard = self.lock_key(&dir).await;
+        if let Identity::Foreign(why) = read_identity(&dir, key)? {
+            return Err(ProviderError::Definite(format!(
+                "will not remove {}: {why}",
+                dir.display()
+            )));
+        }
+        // An agent left running would outlive its directory and could never
+        // be found again, so it goes first; on failure the directory (and
+        // with it the pid) stays for the retry.
+        if let Some(pid) = read_pid(&dir)? {
+            self.mark_cancelled(&session_id(lease, pid));
+            self.stop_agent(pid, &AgentIdentity::new(key, &dir)).await?;
+        }
+        match fs::remove_dir_all(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(ProviderError::Ambiguous(format!(
+                    "cannot remove {}: {e}",
+                    dir.display()
+                )));
+            }
+        }
+        if let Some(run_dir) = dir.parent() {
+            // Fails harmlessly while other nodes of the run remain.
+            let _ = fs::remove_dir(run_dir);
+        }
+        drop(guard);
+        self.release_key(&dir);
+        tracing::debug!(%key, dir = %dir.display(), "destroyed a node directory");
+        Ok(())
+    }
+
+    async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
+        validate_id(run_id.as_str()).map_err(|e| {
+            ProviderError::Definite(format!("run {run_id} cannot name leases: {e}"))
+        })?;
+        let run_dir = self.shared.nodes_dir.join(run_id.as_str());
+        let entries = match fs::read_dir(&run_dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Inventory::new()),
+            Err(e) => return Err(definite(format!("cannot list {}", run_dir.display()), &e)),
+        };
+        let mut inventory = Inventory::new();
+        for entry in entries {
+            let entry =
+                entry.map_err(|e| definite(format!("cannot list {}", run_dir.display()), &e))?;
+            let name = entry.file_name();
+            let Some(key) = name.to_str().and_then(|n| key_from_dir_name(run_id, n)) else {
+                tracing::warn!(path = %entry.path().display(), "ignoring an entry that is not a node directory");
+                continue;
+            };
+            let (dir, lease) = self.locate(&key)?;
+            match read_identity(&dir, &key)? {
+                // A half-made lease is reported too, so garbage collection
+                // can destroy it.
+                Identity::Ours | Identity::Incomplete => {}
+                Identity::Absent => continue,
+                Identity::Foreign(why) => {
+                    tracing::warn!(path = %dir.display(), why, "ignoring a malformed node directory");
+                    continue;
+                }
+            }
+            let who = AgentIdentity::new(&key, &dir);
+            let session = Self::live_agent(&dir, &who)?.map(|pid| session_id(&lease, pid));
+            inventory.insert(
+                key,
+                OwnedResources {
+                    lease: Some(lease),
+                    session,
+                },
+            );
+        }
+        Ok(inventory)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn directory_names_map_back_to_their_keys() {
+        let run = RunId::new("r");
+        let key = ResourceKey {
+            run_id: run.clone(),
+            node: LogicalNodeId::parse("gpu-a-12").unwrap(),
+            attempt: NodeAttemptId(7),
+        };
+        assert_eq!(lease_path(&key), "nodes/r/gpu-a-12-a7");
+        assert_eq!(key_from_dir_name(&run, "gpu-a-12-a7"), Some(key));
+        for bad in ["gpu-a-12", "gpu-a-12-a", "gpu-a-12-ax", "-a1", ".tmp-a1"] {
+            assert_eq!(key_from_dir_name(&run, bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn sessions_name_their_lease_and_pid() {
+        let lease = LeaseId("nodes/r/w-0-a1".to_owned());
+        let session = session_id(&lease, 4242);
+        assert_eq!(session.0, "nodes/r/w-0-a1#pid4242");
+        assert_eq!(session_pid(&lease, &session), Some(4242));
+        let other = LeaseId("nodes/r/w-0-a2".to_owned());
+        assert_eq!(session_pid(&other, &session), None);
+        for bad in [
+            "nodes/r/w-0-a1#pid1",
+            "nodes/r/w-0-a1#pid-5",
+            "nodes/r/w-0-a1#pid+5",
+        ] {
+            assert_eq!(
+                session_pid(&lease, &SessionId(bad.to_owned())),
+                None,
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,575 @@
+//! The process provider against real processes: shell-script agents in temporary state directories.
+#![cfg(target_os = "linux")]
+
+use rustix::process::{Pid, Signal, kill_process, kill_process_group};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use swactor_providers::process::{ProcessConfig, ProcessError, ProcessProvider, join_token};
+use swactor_providers::{BootstrapEvents, BootstrapSession, Provider, ProviderError};
+use swactor_provisioning::{
+    BootParams, BootstrapEvent, BootstrapStage, LeaseId, LogicalNodeId, NodeAttemptId,
+    NodeTemplate, ProviderShape, ResourceKey, RunId, SwarmJoin,
+};
+
+/// Longest any single wait in these tests may take before it counts as a hang.
+const WAIT: Duration = Duration::from_secs(10);
+const SECRET: [u8; 32] = [42; 32];
+const TICKET: &str = "ticket-1";
+
+/// Reports its arguments, environment and working directory, walks through
+/// every stage, then stays alive (without `exec`, which would drop the
+/// arguments the provider recognises it by).
+const CONVERGING: &str = r#"
+echo "starting"
+printf '%s\n' "$@" > args.txt
+printf '%s\n' "$SWACTOR_TEST_ENV" > env.txt
+echo "@swactor stage ssh-connect"
+sleep 0.05
+echo "@swactor stage boot-check"
+sleep 0.05
+echo "@swactor stage swactor-start"
+echo "some progress on stderr" >&2
+echo "@swactor stage join"
+echo "@swactor joined"
+echo "@swactor stage converged"
+sleep 600
+"#;
+
+/// Starts a grandchild in its own group's background before converging.
+const WITH_GRANDCHILD: &str = r#"
+echo "@swactor stage ssh-connect"
+sh -c 'while :; do sleep 1; done' "grandchild of $PWD" &
+echo $! > grandchild.pid
+echo "@swactor stage converged"
+sleep 600
+"#;
+
+const IGNORES_TERM: &str = r#"
+trap '' TERM
+echo "@swactor stage ssh-connect"
+sleep 600
+"#;
+
+const EXITS_EARLY: &str = r#"
+echo "@swactor stage ssh-connect"
+exit 3
+"#;
+
+const FAILS_BOOT_CHECK: &str = r#"
+echo "@swactor stage ssh-connect"
+echo "@swactor stage boot-check"
+echo "@swactor failed boot-check-failed no gpu found"
+exit 1
+"#;
+
+/// A temporary root holding the state directory and the agent scripts. On
+/// drop it kills every process whose command line mentions the root, so no
+/// test leaves an agent (or a grandchild) running, pass or fail.
+struct World {
+    root: tempfile::TempDir,
+}
+
+impl World {
+    fn new() -> Self {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir(root.path().join("state")).unwrap();
+        Self { root }
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.root.path().join("state")
+    }
+
+    /// A config running `script` with `/bin/sh` (running the script file
+    /// itself could race another test's fork and fail with "text file busy").
+    fn config(&self, name: &str, script: &str) -> ProcessConfig {
+        let path = self.root.path().join(format!("{name}.sh"));
+        // Written once: a running `sh` reads its script as it goes, so
+        // rewriting it under a live agent could cut the agent short.
+        if !path.exists() {
+            std::fs::write(&path, script).unwrap();
+        }
+        let mut config = ProcessConfig::new(self.state_dir(), "/bin/sh", TICKET, SECRET);
+        config.agent_args = vec![path.to_str().unwrap().to_owned()];
+        config.log_poll_interval = Duration::from_millis(20);
+        config
+    }
+
+    fn provider(&self, name: &str, script: &str) -> ProcessProvider {
+        ProcessProvider::new(self.config(name, script)).unwrap()
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let marker = self.root.path().as_os_str().as_encoded_bytes();
+        for pid in processes_mentioning(marker) {
+            let Some(p) = Pid::from_raw(pid) else {
+                continue;
+            };
+            // Leaders take their whole group along (an agent's `sleep`s).
+            if stat(pid).is_some_and(|(_, pgrp)| pgrp == pid) {
+                let _ = kill_process_group(p, Signal::KILL);
+            } else {
+                let _ = kill_process(p, Signal::KILL);
+            }
+        }
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// State and process group of `pid`, from `/proc/{pid}/stat`.
+fn stat(pid: i32) -> Option<(u8, i32)> {
+    let raw = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = raw[raw.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?.as_bytes()[0];
+    let _ppid = fields.next()?;
+    Some((state, fields.next()?.parse().ok()?))
+}
+
+/// Runs and is not a zombie (orphans may stay zombies: PID 1 need not reap).
+fn alive(pid: i32) -> bool {
+    stat(pid).is_some_and(|(state, _)| state != b'Z' && state != b'X')
+}
+
+/// Live processes whose command line contains `needle`.
+fn processes_mentioning(needle: &[u8]) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| contains(&c, needle))
+        })
+        .filter(|pid| alive(*pid))
+        .collect()
+}
+
+/// The running agents of node directory `dir`: processes given `--dir {dir}`.
+fn agents_in(dir: &Path) -> Vec<i32> {
+    let mut needle = b"\0--dir\0".to_vec();
+    needle.extend_from_slice(dir.as_os_str().as_encoded_bytes());
+    needle.push(0);
+    processes_mentioning(&needle)
+}
+
+fn key(node: &str, attempt: u64) -> ResourceKey {
+    ResourceKey {
+        run_id: RunId::new("r1"),
+        node: LogicalNodeId::parse(node).unwrap(),
+        attempt: NodeAttemptId(attempt),
+    }
+}
+
+fn template() -> NodeTemplate {
+    NodeTemplate {
+        provider: ProviderShape {
+            kind: "process".to_owned(),
+            params: BTreeMap::new(),
+        },
+        boot: BootParams {
+            image: None,
+            boot_check: vec!["nvidia-smi".to_owned(), "-L".to_owned()],
+            env: BTreeMap::from([("SWACTOR_TEST_ENV".to_owned(), "hello".to_owned())]),
+        },
+        role: "worker".to_owned(),
+        join: SwarmJoin::default(),
+    }
+}
+
+fn pid_of(session: &BootstrapSession) -> i32 {
+    session
+        .session
+        .0
+        .rsplit_once("#pid")
+        .unwrap()
+        .1
+        .parse()
+        .unwrap()
+}
+
+/// The next event, or `None` when the stream ended; panics after [`WAIT`].
+async fn next(events: &mut BootstrapEvents) -> Option<BootstrapEvent> {
+    tokio::time::timeout(WAIT, events.recv())
+        .await
+        .expect("the stream neither delivered nor ended in time")
+}
+
+async fn take(events: &mut BootstrapEvents, n: usize) -> Vec<BootstrapEvent> {
+    let mut got = Vec::new();
+    for _ in 0..n {
+        got.push(next(events).await.expect("the stream ended early"));
+    }
+    got
+}
+
+/// Everything left on the stream until it ends.
+async fn rest(events: &mut BootstrapEvents) -> Vec<BootstrapEvent> {
+    let mut got = Vec::new();
+    while let Some(event) = next(events).await {
+        got.push(event);
+    }
+    got
+}
+
+fn converging_stages() -> Vec<BootstrapEvent> {
+    use BootstrapStage::*;
+    vec![
+        BootstrapEvent::Stage(SshConnect),
+        BootstrapEvent::Stage(BootCheck),
+        BootstrapEvent::Stage(SwactorStart),
+        BootstrapEvent::Stage(Join),
+        BootstrapEvent::SwactorJoined,
+        BootstrapEvent::Stage(Converged),
+    ]
+}
+
+/// Leases `key` and starts its agent.
+async fn boot(p: &ProcessProvider, key: &ResourceKey) -> (LeaseId, BootstrapSession) {
+    let grant = p.create_lease(key, &template()).await.unwrap();
+    let endpoint = grant.endpoint.clone().unwrap();
+    let session = p
+        .start_bootstrap(key, &grant.lease, &endpoint, &template())
+        .await
+        .unwrap();
+    (grant.lease, session)
+}
+
+#[tokio::test]
+async fn a_bootstrapped_agent_streams_its_stages_in_order_and_closes_when_cancelled() {
+    let world = World::new();
+    let p = world.provider("converging", CONVERGING);
+    let k = key("w-0", 1);
+    let (_, mut session) = boot(&p, &k).await;
+    assert_eq!(take(&mut session.events, 6).await, converging_stages());
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+    assert_eq!(rest(&mut session.events).await, [BootstrapEvent::Closed]);
+    assert!(agents_in(&p.node_dir(&k)).is_empty());
+}
+
+#[tokio::test]
+async fn the_agent_runs_in_its_directory_with_its_identity_token_boot_checks_and_env() {
+    let world = World::new();
+    let p = world.provider("converging", CONVERGING);
+    let k = key("w-0", 1);
+    let (lease, mut session) = boot(&p, &k).await;
+    let dir = p.node_dir(&k);
+    assert_eq!(lease.0, "nodes/r1/w-0-a1");
+    assert_eq!(
+        dir,
+        world.state_dir().canonicalize().unwrap().join(&lease.0)
+    );
+    take(&mut session.events, 6).await;
+
+    let args = std::fs::read_to_string(dir.join("args.txt")).unwrap();
+    let token = join_token(&SECRET, &k);
+    let dir_arg = dir.to_str().unwrap();
+    let expected = [
+        "--run",
+        "r1",
+        "--node",
+        "w-0",
+        "--attempt",
+        "1",
+        "--daemon",
+        TICKET,
+        "--token",
+        &token,
+        "--dir",
+        dir_arg,
+        "--boot-check",
+        "nvidia-smi",
+        "--boot-check",
+        "-L",
+    ];
+    assert_eq!(args.lines().collect::<Vec<_>>(), expected);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("env.txt")).unwrap(),
+        "hello\n"
+    );
+    let log = std::fs::read_to_string(dir.join("agent.log")).unwrap();
+    assert!(log.contains("starting\n") && log.contains("some progress on stderr\n"));
+    let recorded = std::fs::read_to_string(dir.join("agent.pid")).unwrap();
+    assert_eq!(recorded.trim().parse::<i32>().unwrap(), pid_of(&session));
+    let identity: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("identity.json")).unwrap()).unwrap();
+    assert_eq!(
+        identity,
+        serde_json::json!({"run_id": "r1", "node": "w-0", "attempt": 1})
+    );
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+}
+
+#[tokio::test]
+async fn creating_and_bootstrapping_twice_adopts_one_directory_and_one_agent() {
+    let world = World::new();
+    let p = world.provider("converging", CONVERGING);
+    let k = key("w-0", 1);
+    let (lease, mut first) = boot(&p, &k).await;
+    take(&mut first.events, 2).await;
+
+    let again = p.create_lease(&k, &template()).await.unwrap();
+    assert_eq!(again.lease, lease);
+    let endpoint = again.endpoint.unwrap();
+    let mut second = p
+        .start_bootstrap(&k, &lease, &endpoint, &template())
+        .await
+        .unwrap();
+    assert_eq!(second.session, first.session);
+    // The adopter's stream restates everything from the start...
+    assert_eq!(take(&mut second.events, 6).await, converging_stages());
+    // ...and the stream it replaced ends.
+    rest(&mut first.events).await;
+
+    let runs = std::fs::read_dir(world.state_dir().join("nodes/r1")).unwrap();
+    assert_eq!(runs.count(), 1);
+    assert_eq!(agents_in(&p.node_dir(&k)), [pid_of(&second)]);
+    p.cancel_bootstrap(&k, &second.session).await.unwrap();
+    assert_eq!(rest(&mut second.events).await, [BootstrapEvent::Closed]);
+}
+
+#[tokio::test]
+async fn cancel_stops_the_whole_process_group_including_grandchildren() {
+    let world = World::new();
+    let p = world.provider("grandchild", WITH_GRANDCHILD);
+    let k = key("w-0", 1);
+    let (_, mut session) = boot(&p, &k).await;
+    take(&mut session.events, 2).await;
+    let grandchild: i32 = std::fs::read_to_string(p.node_dir(&k).join("grandchild.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let agent = pid_of(&session);
+    assert!(alive(agent) && alive(grandchild));
+
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+    assert!(!alive(agent), "the agent survived its cancel");
+    assert!(
+        !alive(grandchild),
+        "the agent's grandchild survived its cancel"
+    );
+    assert_eq!(rest(&mut session.events).await, [BootstrapEvent::Closed]);
+    // Already gone is success.
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+}
+
+#[tokio::test]
+async fn an_agent_that_ignores_sigterm_is_killed_once_the_grace_is_over() {
+    let world = World::new();
+    let mut config = world.config("ignores-term", IGNORES_TERM);
+    let grace = Duration::from_millis(300);
+    config.term_grace = grace;
+    let p = ProcessProvider::new(config).unwrap();
+    let k = key("w-0", 1);
+    let (_, mut session) = boot(&p, &k).await;
+    take(&mut session.events, 1).await;
+
+    let started = Instant::now();
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+    let took = started.elapsed();
+    assert!(took >= grace, "killed after {took:?}, before the grace");
+    assert!(took < grace + Duration::from_secs(3), "took {took:?}");
+    assert!(!alive(pid_of(&session)));
+    assert!(agents_in(&p.node_dir(&k)).is_empty());
+    assert_eq!(rest(&mut session.events).await, [BootstrapEvent::Closed]);
+}
+
+#[tokio::test]
+async fn destroy_stops_the_agent_removes_the_directory_and_is_idempotent() {
+    let world = World::new();
+    let p = world.provider("converging", CONVERGING);
+    let k = key("w-0", 1);
+    let (lease, mut session) = boot(&p, &k).await;
+    take(&mut session.events, 1).await;
+    let dir = p.node_dir(&k);
+
+    p.destroy_lease(&k, &lease).await.unwrap();
+    assert!(!dir.exists());
+    assert!(!alive(pid_of(&session)));
+    assert!(agents_in(&dir).is_empty());
+    // A destroy stops the agent on purpose: its stream closes, not fails.
+    assert_eq!(
+        rest(&mut session.events).await.last(),
+        Some(&BootstrapEvent::Closed)
+    );
+
+    p.destroy_lease(&k, &lease).await.unwrap();
+    assert!(matches!(
+        p.lookup_endpoint(&k, &lease).await,
+        Err(ProviderError::Definite(_))
+    ));
+    assert!(p.list(&k.run_id).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn list_reports_node_directories_and_live_agents_and_leaves_strangers_alone() {
+    let world = World::new();
+    let p = world.provider("converging", CONVERGING);
+    let (a, b) = (key("w-0", 1), key("w-1", 2));
+    let (lease_a, mut session) = boot(&p, &a).await;
+    take(&mut session.events, 1).await;
+    let lease_b = p.create_lease(&b, &template()).await.unwrap().lease;
+    let run_dir = world.state_dir().join("nodes/r1");
+    std::fs::create_dir(run_dir.join("junk")).unwrap();
+    std::fs::create_dir(run_dir.join("w-2-a3")).unwrap();
+    std::fs::write(run_dir.join("w-2-a3/identity.json"), "{}").unwrap();
+
+    let inventory = p.list(&a.run_id).await.unwrap();
+    assert_eq!(inventory.keys().collect::<Vec<_>>(), [&a, &b]);
+    assert_eq!(inventory[&a].lease.as_ref(), Some(&lease_a));
+    assert_eq!(inventory[&a].session.as_ref(), Some(&session.session));
+    assert_eq!(inventory[&b].lease.as_ref(), Some(&lease_b));
+    assert_eq!(inventory[&b].session, None);
+    assert!(run_dir.join("junk").exists() && run_dir.join("w-2-a3").exists());
+    assert!(p.list(&RunId::new("r2")).await.unwrap().is_empty());
+
+    p.cancel_bootstrap(&a, &session.session).await.unwrap();
+    let inventory = p.list(&a.run_id).await.unwrap();
+    assert_eq!(inventory[&a].session, None);
+    assert_eq!(inventory[&a].lease.as_ref(), Some(&lease_a));
+}
+
+#[tokio::test]
+async fn a_restarted_provider_adopts_the_running_agent_and_replays_its_progress() {
+    let world = World::new();
+    let k = key("w-0", 1);
+    let (lease, first_session) = {
+        let p = world.provider("converging", CONVERGING);
+        let (lease, mut session) = boot(&p, &k).await;
+        take(&mut session.events, 6).await;
+        (lease, session.session)
+    };
+
+    let p = world.provider("converging", CONVERGING);
+    let inventory = p.list(&k.run_id).await.unwrap();
+    assert_eq!(inventory[&k].session.as_ref(), Some(&first_session));
+    let grant = p.create_lease(&k, &template()).await.unwrap();
+    assert_eq!(grant.lease, lease);
+    let mut session = p
+        .start_bootstrap(&k, &lease, &grant.endpoint.unwrap(), &template())
+        .await
+        .unwrap();
+    assert_eq!(session.session, first_session);
+    assert_eq!(take(&mut session.events, 6).await, converging_stages());
+    assert_eq!(agents_in(&p.node_dir(&k)), [pid_of(&session)]);
+
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+    assert_eq!(rest(&mut session.events).await, [BootstrapEvent::Closed]);
+    assert!(agents_in(&p.node_dir(&k)).is_empty());
+}
+
+#[tokio::test]
+async fn an_agent_that_exits_on_its_own_is_reported_lost() {
+    let world = World::new();
+    let p = world.provider("exits", EXITS_EARLY);
+    let k = key("w-0", 1);
+    let (_, mut session) = boot(&p, &k).await;
+    let events = rest(&mut session.events).await;
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0], BootstrapEvent::Stage(BootstrapStage::SshConnect));
+    let BootstrapEvent::Failed { stage, reason } = &events[1] else {
+        panic!("expected a failure, got {:?}", events[1]);
+    };
+    assert_eq!(*stage, BootstrapStage::AgentLost);
+    assert!(reason.contains("exit status: 3"), "{reason}");
+    // Nothing to stop any more.
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+}
+
+#[tokio::test]
+async fn an_agent_that_reports_a_failure_and_exits_closes_its_stream() {
+    let world = World::new();
+    let p = world.provider("fails", FAILS_BOOT_CHECK);
+    let k = key("w-0", 1);
+    let (_, mut session) = boot(&p, &k).await;
+    assert_eq!(
+        rest(&mut session.events).await,
+        [
+            BootstrapEvent::Stage(BootstrapStage::SshConnect),
+            BootstrapEvent::Stage(BootstrapStage::BootCheck),
+            BootstrapEvent::Failed {
+                stage: BootstrapStage::BootCheckFailed,
+                reason: "no gpu found".to_owned(),
+            },
+            BootstrapEvent::Closed,
+        ]
+    );
+}
+
+#[tokio::test]
+async fn bootstrapping_again_after_the_agent_died_starts_a_new_agent_with_a_fresh_log() {
+    let world = World::new();
+    let p = world.provider("exits", EXITS_EARLY);
+    let k = key("w-0", 1);
+    let (lease, mut first) = boot(&p, &k).await;
+    assert_eq!(rest(&mut first.events).await.len(), 2);
+
+    let endpoint = p.lookup_endpoint(&k, &lease).await.unwrap();
+    let mut second = p
+        .start_bootstrap(&k, &lease, &endpoint, &template())
+        .await
+        .unwrap();
+    assert_ne!(second.session, first.session);
+    // Only the new agent's two events: the old log was set aside.
+    assert_eq!(rest(&mut second.events).await.len(), 2);
+    assert!(p.node_dir(&k).join("agent.log.prev").exists());
+}
+
+#[tokio::test]
+async fn calls_for_a_missing_or_mismatched_lease_fail_definitely_and_absent_is_success() {
+    let world = World::new();
+    let p = world.provider("converging", CONVERGING);
+    let k = key("w-0", 1);
+    let lease = LeaseId("nodes/r1/w-0-a1".to_owned());
+    let endpoint = swactor_provisioning::NodeEndpoint("local:/nowhere".to_owned());
+    assert!(matches!(
+        p.lookup_endpoint(&k, &lease).await,
+        Err(ProviderError::Definite(_))
+    ));
+    assert!(matches!(
+        p.start_bootstrap(&k, &lease, &endpoint, &template()).await,
+        Err(ProviderError::Definite(_))
+    ));
+    let granted = p.create_lease(&k, &template()).await.unwrap().lease;
+    assert_eq!(granted, lease);
+    let other = LeaseId("nodes/r1/w-0-a2".to_owned());
+    assert!(matches!(
+        p.lookup_endpoint(&k, &other).await,
+        Err(ProviderError::Definite(_))
+    ));
+    assert!(matches!(
+        p.destroy_lease(&k, &other).await,
+        Err(ProviderError::Definite(_))
+    ));
+    let gone = swactor_provisioning::SessionId("nodes/r1/w-0-a1#pid999999".to_owned());
+    p.cancel_bootstrap(&k, &gone).await.unwrap();
+    p.destroy_lease(&k, &lease).await.unwrap();
+    p.destroy_lease(&k, &lease).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_missing_state_dir_is_a_clear_error() {
+    let world = World::new();
+    let mut config = world.config("converging", CONVERGING);
+    config.state_dir = world.root.path().join("absent");
+    let err = ProcessProvider::new(config.clone()).unwrap_err();
+    assert!(
+        matches!(&err, ProcessError::StateDirMissing { path } if *path == config.state_dir),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("absent"), "{err}");
+}
+
+#[test]
+fn join_tokens_are_stable_and_differ_per_attempt() {
+    let token = join_token(&SECRET, &key("w-0", 1));
+    assert_eq!(token, join_token(&SECRET, &key("w-0", 1)));
+    assert_eq!(token.len(), 64);
+    assert!(token.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert_ne!(token, join_token(&SECRET, &key("w-0", 2)));
+    assert_ne!(token, join_token(&[0; 32], &key("w-0", 1)));
+}
