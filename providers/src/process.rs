@@ -35,7 +35,7 @@
 //!   timers in real time; under tokio's paused time those polls would spin.
 //! - File operations are synchronous: they touch one small local directory.
 
-#![cfg(target_os = "linux")]
+#![cfg(all(target_os = "linux", feature = "process"))]
 
 mod os;
 mod protocol;
@@ -106,19 +106,17 @@ pub struct ProcessConfig {
 }
 
 impl ProcessConfig {
-    /// A configuration with the default grace and poll interval and no extra agent arguments.
-    pub fn new(
-        state_dir: impl Into<PathBuf>,
-        agent_program: impl Into<PathBuf>,
-        daemon_ticket: impl Into<String>,
-        token_secret: [u8; 32],
-    ) -> Self {
+    /// A configuration over `state_dir` with the default grace and poll
+    /// interval. The agent program, the daemon ticket and the token secret
+    /// start empty and must be set (use struct update syntax):
+    /// [`Self::validate`] rejects them until they are.
+    pub fn new(state_dir: impl Into<PathBuf>) -> Self {
         Self {
             state_dir: state_dir.into(),
-            agent_program: agent_program.into(),
+            agent_program: PathBuf::new(),
             agent_args: Vec::new(),
-            daemon_ticket: daemon_ticket.into(),
-            token_secret,
+            daemon_ticket: String::new(),
+            token_secret: [0; 32],
             term_grace: TERM_GRACE_DEFAULT,
             log_poll_interval: LOG_POLL_INTERVAL_DEFAULT,
         }
@@ -138,6 +136,9 @@ impl ProcessConfig {
             return Err(ProcessError::EmptyField {
                 field: "daemon_ticket",
             });
+        }
+        if self.token_secret == [0; 32] {
+            return Err(ProcessError::ZeroTokenSecret);
         }
         if self.term_grace > TERM_GRACE_MAX {
             return Err(ProcessError::BadDuration {
@@ -186,6 +187,9 @@ pub enum ProcessError {
         /// The field.
         field: &'static str,
     },
+    /// The token secret is all zeros (the unset value), so anyone could forge join tokens.
+    #[error("token_secret is all zeros; it must be a random 32-byte key")]
+    ZeroTokenSecret,
     /// A duration is out of range.
     #[error("{field} is {value:?}; it must be above zero and at most {max:?}")]
     BadDuration {

@@ -1,5 +1,5 @@
 //! The process provider against real processes: shell-script agents in temporary state directories.
-#![cfg(target_os = "linux")]
+#![cfg(all(target_os = "linux", feature = "process"))]
 
 use rustix::process::{Pid, Signal, kill_process, kill_process_group};
 use std::collections::BTreeMap;
@@ -90,10 +90,14 @@ impl World {
         if !path.exists() {
             std::fs::write(&path, script).unwrap();
         }
-        let mut config = ProcessConfig::new(self.state_dir(), "/bin/sh", TICKET, SECRET);
-        config.agent_args = vec![path.to_str().unwrap().to_owned()];
-        config.log_poll_interval = Duration::from_millis(20);
-        config
+        ProcessConfig {
+            agent_program: "/bin/sh".into(),
+            agent_args: vec![path.to_str().unwrap().to_owned()],
+            daemon_ticket: TICKET.to_owned(),
+            token_secret: SECRET,
+            log_poll_interval: Duration::from_millis(20),
+            ..ProcessConfig::new(self.state_dir())
+        }
     }
 
     fn provider(&self, name: &str, script: &str) -> ProcessProvider {
@@ -562,6 +566,49 @@ async fn a_missing_state_dir_is_a_clear_error() {
         "{err:?}"
     );
     assert!(err.to_string().contains("absent"), "{err}");
+}
+
+#[test]
+fn a_config_left_at_its_unset_values_is_rejected_field_by_field() {
+    let world = World::new();
+    let complete = world.config("converging", CONVERGING);
+    assert!(complete.validate().is_ok());
+    let unset = ProcessConfig::new(world.state_dir());
+    assert!(matches!(
+        unset.validate(),
+        Err(ProcessError::EmptyField {
+            field: "agent_program"
+        })
+    ));
+    let no_ticket = ProcessConfig {
+        daemon_ticket: String::new(),
+        ..complete.clone()
+    };
+    assert!(matches!(
+        no_ticket.validate(),
+        Err(ProcessError::EmptyField {
+            field: "daemon_ticket"
+        })
+    ));
+    let zero_secret = ProcessConfig {
+        token_secret: [0; 32],
+        ..complete.clone()
+    };
+    assert!(matches!(
+        zero_secret.validate(),
+        Err(ProcessError::ZeroTokenSecret)
+    ));
+    let no_poll = ProcessConfig {
+        log_poll_interval: Duration::ZERO,
+        ..complete
+    };
+    assert!(matches!(
+        no_poll.validate(),
+        Err(ProcessError::BadDuration {
+            field: "log_poll_interval",
+            ..
+        })
+    ));
 }
 
 #[test]
