@@ -80,6 +80,11 @@ pub(super) fn group_alive(pgid: i32) -> bool {
     if test_kill_process_group(pid) == Err(Errno::SRCH) {
         return false;
     }
+    // A running leader settles it with one read; only a group whose leader
+    // is gone needs the scan, which a stop would otherwise repeat every poll.
+    if stat(pgid).is_some_and(|s| s.pgrp == pgid && !s.is_dead()) {
+        return true;
+    }
     let Ok(entries) = std::fs::read_dir("/proc") else {
         // Without /proc there is no telling; assume it runs so callers keep
         // waiting and report an unconfirmed stop instead of a false success.
