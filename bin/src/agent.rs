@@ -23,31 +23,31 @@ use swactor_provisioning::{
 
 /// Options of `swactor agent`.
 #[derive(Debug, clap::Args)]
-pub struct AgentOptions {
+pub(crate) struct AgentOptions {
     /// The run.
     #[arg(long)]
-    pub run: String,
+    pub(crate) run: String,
     /// The node (slot) this agent serves.
     #[arg(long)]
-    pub node: String,
+    pub(crate) node: String,
     /// The attempt it was started for.
     #[arg(long)]
-    pub attempt: u64,
+    pub(crate) attempt: u64,
     /// The daemon's ticket.
     #[arg(long)]
-    pub daemon: String,
+    pub(crate) daemon: String,
     /// The join token the daemon derived for this (run, node, attempt).
     #[arg(long)]
-    pub token: String,
+    pub(crate) token: String,
     /// The node directory (holds the agent's key).
     #[arg(long)]
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// One argument of the boot check command (repeat, in order).
     #[arg(long = "boot-check")]
-    pub boot_check: Vec<String>,
+    pub(crate) boot_check: Vec<String>,
     /// Seconds between heartbeats.
     #[arg(long, default_value_t = 1.0)]
-    pub heartbeat_s: f64,
+    pub(crate) heartbeat_s: f64,
 }
 
 fn report(event: &BootstrapEvent) {
@@ -66,7 +66,7 @@ fn fail(stage: BootstrapStage, reason: String) -> i32 {
 ///
 /// # Errors
 /// Only for errors that happen before the agent can report anything.
-pub async fn run(opts: AgentOptions) -> Result<i32> {
+pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
     let node = LogicalNodeId::parse(&opts.node).context("--node is not a valid node id")?;
     let key = ResourceKey {
         run_id: RunId::new(opts.run.clone()),
@@ -77,14 +77,24 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
 
     report(&BootstrapEvent::Stage(BootstrapStage::BootCheck));
     if let Some((program, args)) = opts.boot_check.split_first() {
-        match tokio::process::Command::new(program).args(args).status().await {
+        match tokio::process::Command::new(program)
+            .args(args)
+            .status()
+            .await
+        {
             Ok(s) if s.success() => {}
             Ok(s) => {
                 let cmd = opts.boot_check.join(" ");
-                return Ok(fail(BootstrapStage::BootCheckFailed, format!("boot check `{cmd}` exited with {s}")));
+                return Ok(fail(
+                    BootstrapStage::BootCheckFailed,
+                    format!("boot check `{cmd}` exited with {s}"),
+                ));
             }
             Err(e) => {
-                return Ok(fail(BootstrapStage::BootCheckFailed, format!("boot check `{program}` could not run: {e}")));
+                return Ok(fail(
+                    BootstrapStage::BootCheckFailed,
+                    format!("boot check `{program}` could not run: {e}"),
+                ));
             }
         }
     }
@@ -92,15 +102,38 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     report(&BootstrapEvent::Stage(BootstrapStage::SwactorStart));
     let ticket: EndpointTicket = match opts.daemon.parse() {
         Ok(t) => t,
-        Err(e) => return Ok(fail(BootstrapStage::SwactorStartFailed, format!("bad daemon ticket: {e}"))),
+        Err(e) => {
+            return Ok(fail(
+                BootstrapStage::SwactorStartFailed,
+                format!("bad daemon ticket: {e}"),
+            ));
+        }
     };
     let secret = match load_or_create_secret_key(&opts.dir.join("agent.key")) {
         Ok(k) => k,
-        Err(e) => return Ok(fail(BootstrapStage::SwactorStartFailed, format!("agent key: {e}"))),
+        Err(e) => {
+            return Ok(fail(
+                BootstrapStage::SwactorStartFailed,
+                format!("agent key: {e}"),
+            ));
+        }
     };
-    let endpoint = match bind_endpoint(&NetConfig { frame_len_max: FRAME_LEN_MAX, ..NetConfig::default() }, secret).await {
+    let endpoint = match bind_endpoint(
+        &NetConfig {
+            frame_len_max: FRAME_LEN_MAX,
+            ..NetConfig::default()
+        },
+        secret,
+    )
+    .await
+    {
         Ok(ep) => ep,
-        Err(e) => return Ok(fail(BootstrapStage::SwactorStartFailed, format!("cannot bind: {e}"))),
+        Err(e) => {
+            return Ok(fail(
+                BootstrapStage::SwactorStartFailed,
+                format!("cannot bind: {e}"),
+            ));
+        }
     };
 
     report(&BootstrapEvent::Stage(BootstrapStage::Join));
@@ -114,7 +147,11 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     let code = loop {
         match session(&endpoint, &ticket, &join, heartbeat, &mut joined_once).await {
             Session::Refused(reason) => {
-                let stage = if joined_once { BootstrapStage::AgentLost } else { BootstrapStage::JoinFailed };
+                let stage = if joined_once {
+                    BootstrapStage::AgentLost
+                } else {
+                    BootstrapStage::JoinFailed
+                };
                 break fail(stage, format!("the daemon refused the join: {reason}"));
             }
             Session::Lost(reason) => {
@@ -122,7 +159,10 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
                 // Before the first join, give up after about a minute so the
                 // daemon sees a join failure instead of a silent stall.
                 if !joined_once && failures > 30 {
-                    break fail(BootstrapStage::JoinFailed, format!("cannot reach the daemon: {reason}"));
+                    break fail(
+                        BootstrapStage::JoinFailed,
+                        format!("cannot reach the daemon: {reason}"),
+                    );
                 }
                 tracing::info!(%reason, "connection to the daemon lost; rejoining");
                 tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.min(10)))).await;
@@ -147,7 +187,14 @@ async fn session(
     heartbeat: Duration,
     joined_once: &mut bool,
 ) -> Session {
-    let conn = match connect(endpoint, ticket.addr().clone(), ALPN_SWARM, Duration::from_secs(5)).await {
+    let conn = match connect(
+        endpoint,
+        ticket.addr().clone(),
+        ALPN_SWARM,
+        Duration::from_secs(5),
+    )
+    .await
+    {
         Ok(c) => c,
         Err(e) => return Session::Lost(e.to_string()),
     };

@@ -47,9 +47,14 @@ impl Client {
     }
 
     async fn request(&self, req: &ControlRequest) -> Result<ControlResponse> {
-        let conn = connect(&self.endpoint, self.ticket.addr().clone(), ALPN_CONTROL, CONNECT_TIMEOUT)
-            .await
-            .map_err(|e| self.not_running(e))?;
+        let conn = connect(
+            &self.endpoint,
+            self.ticket.addr().clone(),
+            ALPN_CONTROL,
+            CONNECT_TIMEOUT,
+        )
+        .await
+        .map_err(|e| self.not_running(e))?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| self.not_running(e))?;
         let text = serde_json::to_string(req)?;
         send_frame(&mut send, &text, FRAME_LEN_MAX)
@@ -79,18 +84,32 @@ async fn one(state_dir: &Path, req: ControlRequest) -> Result<ControlResponse> {
     }
 }
 
+/// Checks a shape before bothering the daemon, so bad input is named precisely.
+fn check(file: &ShapeFile) -> Result<()> {
+    file.to_shape(1)?
+        .validate()
+        .map_err(|e| anyhow::anyhow!("the shape is invalid: {e}; nothing was changed"))?;
+    Ok(())
+}
+
 /// `swactor apply SHAPE`.
 ///
 /// # Errors
 /// Bad input or an unreachable daemon; nothing changes then.
-pub async fn apply(state_dir: &Path, shape: &Path) -> Result<()> {
+pub(crate) async fn apply(state_dir: &Path, shape: &Path) -> Result<()> {
     let file = ShapeFile::load(shape)?;
-    file.to_shape(1)?;
+    check(&file)?;
     match one(state_dir, ControlRequest::Apply(file)).await? {
-        ControlResponse::Applied { generation, changed: true } => {
+        ControlResponse::Applied {
+            generation,
+            changed: true,
+        } => {
             println!("applied: generation {generation}");
         }
-        ControlResponse::Applied { generation, changed: false } => {
+        ControlResponse::Applied {
+            generation,
+            changed: false,
+        } => {
             println!("unchanged: the shape is already generation {generation}");
         }
         other => bail!("unexpected answer: {other:?}"),
@@ -102,10 +121,10 @@ pub async fn apply(state_dir: &Path, shape: &Path) -> Result<()> {
 ///
 /// # Errors
 /// Bad input or an unreachable daemon.
-pub async fn plan(state_dir: &Path, shape: Option<&Path>) -> Result<()> {
+pub(crate) async fn plan(state_dir: &Path, shape: Option<&Path>) -> Result<()> {
     let file = shape.map(ShapeFile::load).transpose()?;
     if let Some(f) = &file {
-        f.to_shape(1)?;
+        check(f)?;
     }
     let ControlResponse::Plan(plan) = one(state_dir, ControlRequest::Plan(file)).await? else {
         bail!("unexpected answer from the daemon");
@@ -120,7 +139,12 @@ pub async fn plan(state_dir: &Path, shape: Option<&Path>) -> Result<()> {
             a if a.starts_with("restart") => '~',
             _ => ' ',
         };
-        println!("{sign} {:<20} {:<34} ({})", line.node.to_string(), line.action, line.row);
+        println!(
+            "{sign} {:<20} {:<34} ({})",
+            line.node.to_string(),
+            line.action,
+            line.row
+        );
     }
     Ok(())
 }
@@ -129,7 +153,7 @@ pub async fn plan(state_dir: &Path, shape: Option<&Path>) -> Result<()> {
 ///
 /// # Errors
 /// An unreachable daemon.
-pub async fn status(state_dir: &Path, json: bool) -> Result<()> {
+pub(crate) async fn status(state_dir: &Path, json: bool) -> Result<()> {
     let ControlResponse::Status(snap) = one(state_dir, ControlRequest::Status).await? else {
         bail!("unexpected answer from the daemon");
     };
@@ -166,14 +190,18 @@ fn print_status(s: &ClusterSnapshot) {
 ///
 /// # Errors
 /// An unreachable daemon.
-pub async fn down(state_dir: &Path, keep: bool) -> Result<()> {
+pub(crate) async fn down(state_dir: &Path, keep: bool) -> Result<()> {
     match one(state_dir, ControlRequest::Down { keep }).await? {
         ControlResponse::Down { destroyed, kept } => {
             if destroyed.is_empty() && kept.is_empty() {
                 println!("daemon stopped; there were no nodes");
             }
             if !destroyed.is_empty() {
-                println!("destroyed {} node(s): {}", destroyed.len(), destroyed.join(", "));
+                println!(
+                    "destroyed {} node(s): {}",
+                    destroyed.len(),
+                    destroyed.join(", ")
+                );
             }
             if !kept.is_empty() {
                 println!("kept {} node(s) running: {}", kept.len(), kept.join(", "));
@@ -188,7 +216,7 @@ pub async fn down(state_dir: &Path, keep: bool) -> Result<()> {
 ///
 /// # Errors
 /// An unreachable daemon.
-pub async fn watch(state_dir: &Path) -> Result<()> {
+pub(crate) async fn watch(state_dir: &Path) -> Result<()> {
     let client = Client::open(state_dir).await?;
     let mut sub = subscribe::<ClusterSnapshot, ClusterEvent>(
         &client.endpoint,
@@ -205,8 +233,12 @@ pub async fn watch(state_dir: &Path) -> Result<()> {
         };
         match frame {
             Ok(Some(TelemetryFrame::Snapshot { state, .. })) => print_status(&state),
-            Ok(Some(TelemetryFrame::Event { seq, event })) => println!("{seq:>6} {}", describe(&event)),
-            Ok(Some(TelemetryFrame::Lagged { missed })) => println!("       (missed {missed} events)"),
+            Ok(Some(TelemetryFrame::Event { seq, event })) => {
+                println!("{seq:>6} {}", describe(&event))
+            }
+            Ok(Some(TelemetryFrame::Lagged { missed })) => {
+                println!("       (missed {missed} events)")
+            }
             Ok(None) => {
                 println!("the daemon ended the stream");
                 break;
@@ -224,19 +256,47 @@ pub async fn watch(state_dir: &Path) -> Result<()> {
 fn describe(e: &ClusterEvent) -> String {
     match e {
         ClusterEvent::ShapeAccepted { generation, nodes } => {
-            format!("shape accepted: generation {}, {nodes} node(s)", generation.0)
+            format!(
+                "shape accepted: generation {}, {nodes} node(s)",
+                generation.0
+            )
         }
         ClusterEvent::Node(n) => {
-            let err = n.last_error.as_deref().map(|e| format!(" — {e}")).unwrap_or_default();
-            format!("{} {} {:?}{}{err}", n.node, n.attempt, n.stage, if n.ready { " ready" } else { "" })
+            let err = n
+                .last_error
+                .as_deref()
+                .map(|e| format!(" — {e}"))
+                .unwrap_or_default();
+            format!(
+                "{} {} {:?}{}{err}",
+                n.node,
+                n.attempt,
+                n.stage,
+                if n.ready { " ready" } else { "" }
+            )
         }
         ClusterEvent::Removed { node } => format!("{node} removed"),
         ClusterEvent::Dispatched { node, op, effect } => format!("{node} {op} dispatch {effect:?}"),
-        ClusterEvent::Finished { node, op, outcome, folded } => {
-            format!("{node} {op} {outcome}{}", if *folded { "" } else { " (stale, ignored)" })
+        ClusterEvent::Finished {
+            node,
+            op,
+            outcome,
+            folded,
+        } => {
+            format!(
+                "{node} {op} {outcome}{}",
+                if *folded { "" } else { " (stale, ignored)" }
+            )
         }
-        ClusterEvent::Pass { number, nodes, transitions, dispatched } => {
-            format!("pass {number}: {nodes} node(s), {transitions} transition(s), {dispatched} dispatch(es)")
+        ClusterEvent::Pass {
+            number,
+            nodes,
+            transitions,
+            dispatched,
+        } => {
+            format!(
+                "pass {number}: {nodes} node(s), {transitions} transition(s), {dispatched} dispatch(es)"
+            )
         }
         ClusterEvent::Converged { generation, nodes } => {
             format!("converged: generation {}, {nodes} node(s)", generation.0)

@@ -28,17 +28,17 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Options of `swactor up`.
 #[derive(Debug)]
-pub struct UpOptions {
+pub(crate) struct UpOptions {
     /// The shape to converge on, if any.
-    pub shape: Option<PathBuf>,
+    pub(crate) shape: Option<PathBuf>,
     /// The state directory.
-    pub state_dir: PathBuf,
+    pub(crate) state_dir: PathBuf,
     /// Exit once converged.
-    pub until_converged: bool,
+    pub(crate) until_converged: bool,
     /// How long to wait for convergence.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Leave nodes running on exit.
-    pub keep: bool,
+    pub(crate) keep: bool,
 }
 
 type DownRequest = (bool, oneshot::Sender<ShutdownReport>);
@@ -47,11 +47,14 @@ type DownRequest = (bool, oneshot::Sender<ShutdownReport>);
 ///
 /// # Errors
 /// Bad input (shape, state directory) or a failure to start.
-pub async fn up(opts: UpOptions) -> Result<i32> {
+pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
-    let run_id = file.as_ref().map_or_else(|| RunId::new(crate::shapefile::DEFAULT_RUN), ShapeFile::run_id);
+    let run_id = file.as_ref().map_or_else(
+        || RunId::new(crate::shapefile::DEFAULT_RUN),
+        ShapeFile::run_id,
+    );
     let initial = file.as_ref().map(|f| f.to_shape(1)).transpose()?;
     if let Some(shape) = &initial {
         shape
@@ -149,7 +152,10 @@ pub async fn up(opts: UpOptions) -> Result<i32> {
             }
             Err(_) => {
                 progress.flush().await;
-                eprintln!("swactor: not converged within {:?}; still waiting on:", opts.timeout);
+                eprintln!(
+                    "swactor: not converged within {:?}; still waiting on:",
+                    opts.timeout
+                );
                 if let Ok(snap) = cluster.snapshot().await {
                     for n in snap.nodes.iter().filter(|n| !n.ready) {
                         let err = n.last_error.as_deref().unwrap_or("no error reported");
@@ -168,7 +174,11 @@ pub async fn up(opts: UpOptions) -> Result<i32> {
             }
         }
     }
-    let mode = if keep { ShutdownMode::Keep } else { ShutdownMode::Teardown };
+    let mode = if keep {
+        ShutdownMode::Keep
+    } else {
+        ShutdownMode::Teardown
+    };
     if mode == ShutdownMode::Teardown {
         eprintln!("swactor: tearing down");
     }
@@ -189,14 +199,22 @@ pub async fn up(opts: UpOptions) -> Result<i32> {
 fn peak_memory() -> String {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l[6..].trim().to_owned()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .map(|l| l[6..].trim().to_owned())
+        })
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
 fn print_report(report: &ShutdownReport) {
     if !report.destroyed.is_empty() {
         let names: Vec<String> = report.destroyed.iter().map(ToString::to_string).collect();
-        eprintln!("swactor: destroyed {} node(s): {}", names.len(), names.join(", "));
+        eprintln!(
+            "swactor: destroyed {} node(s): {}",
+            names.len(),
+            names.join(", ")
+        );
     }
     if !report.kept.is_empty() {
         let names: Vec<String> = report.kept.iter().map(ToString::to_string).collect();
@@ -233,7 +251,9 @@ async fn bind_daemon_endpoint(state: &StateDir) -> Result<swactor_engine::iroh::
         }
         config.bind_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
     }
-    let ep = bind_endpoint(&config, key).await.context("cannot bind the daemon's endpoint")?;
+    let ep = bind_endpoint(&config, key)
+        .await
+        .context("cannot bind the daemon's endpoint")?;
     if let Some(port) = ep.bound_sockets().first().map(SocketAddr::port) {
         state.save_port(port)?;
     }
@@ -241,7 +261,7 @@ async fn bind_daemon_endpoint(state: &StateDir) -> Result<swactor_engine::iroh::
 }
 
 /// Applies a shape file, assigning the next generation when the file has none.
-pub async fn apply_file(
+pub(crate) async fn apply_file(
     cluster: &ClusterHandle,
     run_id: &RunId,
     file: &ShapeFile,
@@ -254,21 +274,28 @@ pub async fn apply_file(
             run_id.as_str()
         ));
     }
-    let current = cluster.snapshot().await.map_err(|e| e.to_string())?.generation.0;
+    let current = cluster
+        .snapshot()
+        .await
+        .map_err(|e| e.to_string())?
+        .generation
+        .0;
     let shape_at = |g| file.to_shape(g).map_err(|e| e.to_string());
     let try_apply = |shape: ClusterShape| async move { cluster.apply(shape).await };
-    let first = if file.generation.is_some() { shape_at(0)? } else { shape_at(current.max(1))? };
+    let first = if file.generation.is_some() {
+        shape_at(0)?
+    } else {
+        shape_at(current.max(1))?
+    };
     match try_apply(first).await {
         Ok(DesiredUpdate::Accepted(g)) => Ok((g.0, true)),
         Ok(DesiredUpdate::Unchanged(g)) => Ok((g.0, false)),
-        Err(swactor_actors::ClusterError::Update(UpdateError::SameGenerationChanged { .. }))
-            if file.generation.is_none() =>
-        {
-            match try_apply(shape_at(current + 1)?).await {
-                Ok(DesiredUpdate::Accepted(g) | DesiredUpdate::Unchanged(g)) => Ok((g.0, true)),
-                Err(e) => Err(e.to_string()),
-            }
-        }
+        Err(swactor_actors::ClusterError::Update(UpdateError::SameGenerationChanged {
+            ..
+        })) if file.generation.is_none() => match try_apply(shape_at(current + 1)?).await {
+            Ok(DesiredUpdate::Accepted(g) | DesiredUpdate::Unchanged(g)) => Ok((g.0, true)),
+            Err(e) => Err(e.to_string()),
+        },
         Err(e) => Err(e.to_string()),
     }
 }
@@ -283,10 +310,15 @@ struct ControlHandler {
 impl ControlHandler {
     async fn answer(&self, req: ControlRequest) -> ControlResponse {
         match req {
-            ControlRequest::Apply(file) => match apply_file(&self.cluster, &self.run_id, &file).await {
-                Ok((generation, changed)) => ControlResponse::Applied { generation, changed },
-                Err(e) => ControlResponse::Error(e),
-            },
+            ControlRequest::Apply(file) => {
+                match apply_file(&self.cluster, &self.run_id, &file).await {
+                    Ok((generation, changed)) => ControlResponse::Applied {
+                        generation,
+                        changed,
+                    },
+                    Err(e) => ControlResponse::Error(e),
+                }
+            }
             ControlRequest::Plan(file) => {
                 let shape = match file {
                     None => None,
@@ -327,7 +359,9 @@ impl ControlHandler {
                         destroyed: r.destroyed.iter().map(ToString::to_string).collect(),
                         kept: r.kept.iter().map(ToString::to_string).collect(),
                     },
-                    Err(_) => ControlResponse::Error("the daemon stopped without a report".to_owned()),
+                    Err(_) => {
+                        ControlResponse::Error("the daemon stopped without a report".to_owned())
+                    }
                 }
             }
         }
@@ -393,7 +427,9 @@ impl ProtocolHandler for SwarmHandler {
         }
         tracing::info!(key = %join.key, "agent joined");
         // The agent stays connected; its heartbeats end when it goes away.
-        while let Ok(Some(Heartbeat(_))) = recv_frame::<Heartbeat, _>(&mut recv, FRAME_LEN_MAX).await {}
+        while let Ok(Some(Heartbeat(_))) =
+            recv_frame::<Heartbeat, _>(&mut recv, FRAME_LEN_MAX).await
+        {}
         tracing::info!(key = %join.key, "agent disconnected");
         self.cluster.agent_gone(join.key);
         Ok(())

@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 /// The running progress display.
-pub struct Progress {
+pub(crate) struct Progress {
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
 }
@@ -21,7 +21,7 @@ impl Progress {
     ///
     /// # Errors
     /// The cluster is gone.
-    pub async fn start(cluster: &ClusterHandle) -> Result<Self> {
+    pub(crate) async fn start(cluster: &ClusterHandle) -> Result<Self> {
         let sub = cluster.subscribe().await?;
         let (stop, mut stopped) = oneshot::channel();
         let tty = std::io::stderr().is_terminal();
@@ -55,12 +55,12 @@ impl Progress {
     }
 
     /// Lets queued events reach the screen.
-    pub async fn flush(&self) {
+    pub(crate) async fn flush(&self) {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 
     /// Stops the display.
-    pub async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -94,7 +94,11 @@ impl View {
                     .get(&n.node)
                     .is_none_or(|old| old.stage != n.stage || old.attempt != n.attempt);
                 if changed && !tty {
-                    let err = n.last_error.as_deref().map(|e| format!(" ({e})")).unwrap_or_default();
+                    let err = n
+                        .last_error
+                        .as_deref()
+                        .map(|e| format!(" ({e})"))
+                        .unwrap_or_default();
                     eprintln!("{} {} {:?}{}", n.node, n.attempt, n.stage, err);
                 }
                 self.converged = false;
@@ -109,14 +113,25 @@ impl View {
             ClusterEvent::ShapeAccepted { generation, nodes } => {
                 self.generation = generation.0;
                 self.converged = false;
-                self.line(&format!("generation {} accepted: {nodes} node(s)", generation.0), tty);
+                self.line(
+                    &format!("generation {} accepted: {nodes} node(s)", generation.0),
+                    tty,
+                );
             }
             ClusterEvent::Converged { generation, nodes } => {
                 self.converged = true;
-                self.line(&format!("converged: generation {}, {nodes} node(s) ready", generation.0), tty);
+                self.line(
+                    &format!(
+                        "converged: generation {}, {nodes} node(s) ready",
+                        generation.0
+                    ),
+                    tty,
+                );
             }
             ClusterEvent::Warning { message } => self.line(&format!("warning: {message}"), tty),
-            ClusterEvent::Dispatched { .. } | ClusterEvent::Finished { .. } | ClusterEvent::Pass { .. } => {}
+            ClusterEvent::Dispatched { .. }
+            | ClusterEvent::Finished { .. }
+            | ClusterEvent::Pass { .. } => {}
         }
     }
 
@@ -149,7 +164,10 @@ impl View {
             };
             let mut note = n.last_error.clone().unwrap_or_default();
             if let Some(at) = n.next_retry_at {
-                note.push_str(&format!(" (retry at t+{:.1}s)", at.as_millis() as f64 / 1000.0));
+                note.push_str(&format!(
+                    " (retry at t+{:.1}s)",
+                    at.as_millis() as f64 / 1000.0
+                ));
             }
             out.push_str(&format!(
                 "  {:<16} {:>8} {:<17} {:<6} {}\n",

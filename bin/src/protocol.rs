@@ -8,11 +8,11 @@ use serde::{Deserialize, Serialize};
 use swactor_provisioning::ResourceKey;
 
 /// Largest frame either side accepts: a status of 100,000 nodes fits.
-pub const FRAME_LEN_MAX: usize = 64 * 1024 * 1024;
+pub(crate) const FRAME_LEN_MAX: usize = 64 * 1024 * 1024;
 
 /// A request from the CLI to the daemon.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub enum ControlRequest {
+pub(crate) enum ControlRequest {
     /// Apply a shape file (generation optional).
     Apply(crate::shapefile::ShapeFile),
     /// Preview a shape file, or the current shape.
@@ -28,7 +28,7 @@ pub enum ControlRequest {
 
 /// The daemon's answer.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub enum ControlResponse {
+pub(crate) enum ControlResponse {
     /// The shape was accepted (`changed` is false for an identical resubmission).
     Applied {
         /// The generation now desired.
@@ -53,16 +53,16 @@ pub enum ControlResponse {
 
 /// An agent asking to join the swarm.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct JoinRequest {
+pub(crate) struct JoinRequest {
     /// The (run, node, attempt) the agent was started for.
-    pub key: ResourceKey,
+    pub(crate) key: ResourceKey,
     /// The token the daemon derived for that key.
-    pub token: String,
+    pub(crate) token: String,
 }
 
 /// The daemon's answer to a join.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub enum JoinReply {
+pub(crate) enum JoinReply {
     /// Joined; keep the connection and send heartbeats.
     Welcome,
     /// Refused, with the reason.
@@ -71,4 +71,4 @@ pub enum JoinReply {
 
 /// A heartbeat from a joined agent.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub struct Heartbeat(pub u64);
+pub(crate) struct Heartbeat(pub u64);

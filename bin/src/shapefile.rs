@@ -9,58 +9,58 @@ use swactor_provisioning::{
 };
 
 /// The run id used when a shape file names none.
-pub const DEFAULT_RUN: &str = "local";
+pub(crate) const DEFAULT_RUN: &str = "local";
 
 /// Provider kinds this daemon can drive.
-pub const SUPPORTED_PROVIDERS: &[&str] = &["process"];
+pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process"];
 
 /// A shape as written in a file: the generation is optional (the daemon
 /// assigns the next one on apply, as a Kubernetes API server does).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ShapeFile {
+pub(crate) struct ShapeFile {
     /// The run; defaults to [`DEFAULT_RUN`].
     #[serde(default)]
-    pub run: Option<String>,
+    pub(crate) run: Option<String>,
     /// An explicit generation, if the author wants one.
     #[serde(default)]
-    pub generation: Option<u64>,
+    pub(crate) generation: Option<u64>,
     /// The node groups.
     #[serde(default, rename = "group")]
-    pub groups: Vec<GroupFile>,
+    pub(crate) groups: Vec<GroupFile>,
 }
 
 /// One group as written in a file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct GroupFile {
+pub(crate) struct GroupFile {
     /// Group id; nodes are named `{id}-{index}`.
-    pub id: String,
+    pub(crate) id: String,
     /// How many nodes.
-    pub count: u32,
+    pub(crate) count: u32,
     /// The provider kind (`process`).
-    pub provider: String,
+    pub(crate) provider: String,
     /// Provider parameters.
     #[serde(default)]
-    pub params: BTreeMap<String, ParamValue>,
+    pub(crate) params: BTreeMap<String, ParamValue>,
     /// The role (`worker` by default).
     #[serde(default)]
-    pub role: Option<String>,
+    pub(crate) role: Option<String>,
     /// A command the agent runs to check the node is fit, as argv.
     #[serde(default)]
-    pub boot_check: Vec<String>,
+    pub(crate) boot_check: Vec<String>,
     /// A machine image, for providers that take one.
     #[serde(default)]
-    pub image: Option<String>,
+    pub(crate) image: Option<String>,
     /// Environment for the agent.
     #[serde(default)]
-    pub env: BTreeMap<String, String>,
+    pub(crate) env: BTreeMap<String, String>,
     /// Tags announced on join.
     #[serde(default)]
-    pub tags: BTreeSet<String>,
+    pub(crate) tags: BTreeSet<String>,
     /// Seconds a joined agent may be gone before its node is replaced.
     #[serde(default)]
-    pub lost_grace_s: Option<f64>,
+    pub(crate) lost_grace_s: Option<f64>,
 }
 
 impl ShapeFile {
@@ -68,12 +68,9 @@ impl ShapeFile {
     ///
     /// # Errors
     /// Malformed TOML or an unknown field.
-    pub fn parse(text: &str, origin: &str) -> Result<Self> {
+    pub(crate) fn parse(text: &str, origin: &str) -> Result<Self> {
         toml::from_str(text).map_err(|e| {
-            let (line, col) = e
-                .span()
-                .map(|s| line_col(text, s.start))
-                .unwrap_or((0, 0));
+            let (line, col) = e.span().map(|s| line_col(text, s.start)).unwrap_or((0, 0));
             anyhow::anyhow!(
                 "{origin}:{line}:{col}: {} (the shape file is not valid; nothing was changed)",
                 e.message().trim_end()
@@ -85,14 +82,14 @@ impl ShapeFile {
     ///
     /// # Errors
     /// The file cannot be read or parsed.
-    pub fn load(path: &Path) -> Result<Self> {
+    pub(crate) fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read the shape file {}", path.display()))?;
         Self::parse(&text, &path.display().to_string())
     }
 
     /// The run this file is for.
-    pub fn run_id(&self) -> RunId {
+    pub(crate) fn run_id(&self) -> RunId {
         RunId::new(self.run.clone().unwrap_or_else(|| DEFAULT_RUN.to_owned()))
     }
 
@@ -100,7 +97,7 @@ impl ShapeFile {
     ///
     /// # Errors
     /// A provider kind this daemon cannot drive.
-    pub fn to_shape(&self, generation: u64) -> Result<ClusterShape> {
+    pub(crate) fn to_shape(&self, generation: u64) -> Result<ClusterShape> {
         for (i, g) in self.groups.iter().enumerate() {
             if !SUPPORTED_PROVIDERS.contains(&g.provider.as_str()) {
                 bail!(
@@ -179,7 +176,11 @@ mod tests {
 
     #[test]
     fn an_unknown_provider_kind_is_refused() {
-        let f = ShapeFile::parse("[[group]]\nid = \"g\"\ncount = 1\nprovider = \"vast\"\n", "x").unwrap();
+        let f = ShapeFile::parse(
+            "[[group]]\nid = \"g\"\ncount = 1\nprovider = \"vast\"\n",
+            "x",
+        )
+        .unwrap();
         let e = f.to_shape(1).unwrap_err();
         assert!(e.to_string().contains("\"vast\""), "{e}");
         assert!(e.to_string().contains("supported: process"), "{e}");

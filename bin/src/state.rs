@@ -7,19 +7,19 @@ use swactor_engine::iroh::SecretKey;
 use swactor_engine::net::{EndpointTicket, load_or_create_secret_key};
 
 /// Environment variable naming the state directory.
-pub const STATE_DIR_ENV: &str = "SWACTOR_STATE_DIR";
+pub(crate) const STATE_DIR_ENV: &str = "SWACTOR_STATE_DIR";
 /// The state directory used when none is given.
-pub const DEFAULT_STATE_DIR: &str = ".swactor";
+pub(crate) const DEFAULT_STATE_DIR: &str = ".swactor";
 
 /// Paths inside one state directory.
 #[derive(Clone, Debug)]
-pub struct StateDir {
+pub(crate) struct StateDir {
     root: PathBuf,
 }
 
 impl StateDir {
     /// The directory named by `--state-dir`, `$SWACTOR_STATE_DIR`, or the default.
-    pub fn path_from(arg: Option<PathBuf>) -> PathBuf {
+    pub(crate) fn path_from(arg: Option<PathBuf>) -> PathBuf {
         arg.or_else(|| std::env::var_os(STATE_DIR_ENV).map(PathBuf::from))
             .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR))
     }
@@ -28,7 +28,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The parent is missing or the directory cannot be created.
-    pub fn create(path: PathBuf) -> Result<Self> {
+    pub(crate) fn create(path: PathBuf) -> Result<Self> {
         if !path.exists() {
             let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
             if let Some(parent) = parent.filter(|p| !p.exists()) {
@@ -48,7 +48,7 @@ impl StateDir {
     ///
     /// # Errors
     /// It does not exist.
-    pub fn open(path: PathBuf) -> Result<Self> {
+    pub(crate) fn open(path: PathBuf) -> Result<Self> {
         if !path.is_dir() {
             bail!(
                 "there is no state directory at {}: start a daemon with `swactor up` first, \
@@ -61,7 +61,7 @@ impl StateDir {
     }
 
     /// The directory.
-    pub fn root(&self) -> &Path {
+    pub(crate) fn root(&self) -> &Path {
         &self.root
     }
 
@@ -69,7 +69,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The key file cannot be read or created.
-    pub fn daemon_key(&self) -> Result<SecretKey> {
+    pub(crate) fn daemon_key(&self) -> Result<SecretKey> {
         let path = self.root.join("daemon.key");
         load_or_create_secret_key(&path).with_context(|| format!("daemon key {}", path.display()))
     }
@@ -78,7 +78,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The key file cannot be read or created.
-    pub fn cli_key(&self) -> Result<SecretKey> {
+    pub(crate) fn cli_key(&self) -> Result<SecretKey> {
         let path = self.root.join("cli.key");
         load_or_create_secret_key(&path).with_context(|| format!("CLI key {}", path.display()))
     }
@@ -91,12 +91,12 @@ impl StateDir {
     ///
     /// # Errors
     /// The file cannot be written.
-    pub fn write_ticket(&self, ticket: &EndpointTicket) -> Result<()> {
+    pub(crate) fn write_ticket(&self, ticket: &EndpointTicket) -> Result<()> {
         write_atomic(&self.ticket_path(), ticket.to_string().as_bytes(), 0o600)
     }
 
     /// Removes the ticket (the daemon is stopping).
-    pub fn remove_ticket(&self) {
+    pub(crate) fn remove_ticket(&self) {
         let _ = std::fs::remove_file(self.ticket_path());
     }
 
@@ -104,7 +104,7 @@ impl StateDir {
     ///
     /// # Errors
     /// No daemon has published one, or it is malformed.
-    pub fn read_ticket(&self) -> Result<EndpointTicket> {
+    pub(crate) fn read_ticket(&self) -> Result<EndpointTicket> {
         let path = self.ticket_path();
         let text = std::fs::read_to_string(&path).map_err(|_| {
             anyhow::anyhow!(
@@ -119,7 +119,7 @@ impl StateDir {
     }
 
     /// The UDP port the daemon used last, so a restarted daemon is found by its agents.
-    pub fn saved_port(&self) -> Option<u16> {
+    pub(crate) fn saved_port(&self) -> Option<u16> {
         std::fs::read_to_string(self.root.join("daemon.port"))
             .ok()?
             .trim()
@@ -131,15 +131,19 @@ impl StateDir {
     ///
     /// # Errors
     /// The file cannot be written.
-    pub fn save_port(&self, port: u16) -> Result<()> {
-        write_atomic(&self.root.join("daemon.port"), port.to_string().as_bytes(), 0o644)
+    pub(crate) fn save_port(&self, port: u16) -> Result<()> {
+        write_atomic(
+            &self.root.join("daemon.port"),
+            port.to_string().as_bytes(),
+            0o644,
+        )
     }
 
     /// The secret join tokens are derived from; created on first use.
     ///
     /// # Errors
     /// The file cannot be read or created, or has the wrong size.
-    pub fn token_secret(&self) -> Result<[u8; 32]> {
+    pub(crate) fn token_secret(&self) -> Result<[u8; 32]> {
         let path = self.root.join("token.secret");
         if !path.exists() {
             let mut secret = [0u8; 32];
@@ -157,16 +161,20 @@ impl StateDir {
     ///
     /// # Errors
     /// Another daemon is running here.
-    pub fn claim(&self) -> Result<PidGuard> {
+    pub(crate) fn claim(&self) -> Result<PidGuard> {
         let path = self.root.join("daemon.pid");
-        if let Some(pid) = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse::<u32>().ok()) {
-            if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
-                bail!(
-                    "a daemon (pid {pid}) is already running for {}; stop it with `swactor down` \
-                     or use another --state-dir",
-                    self.root.display()
-                );
-            }
+        let holder = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok())
+            .filter(|pid| {
+                *pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists()
+            });
+        if let Some(pid) = holder {
+            bail!(
+                "a daemon (pid {pid}) is already running for {}; stop it with `swactor down` \
+                 or use another --state-dir",
+                self.root.display()
+            );
         }
         write_atomic(&path, std::process::id().to_string().as_bytes(), 0o644)?;
         Ok(PidGuard { path })
@@ -175,7 +183,7 @@ impl StateDir {
 
 /// Removes the pid file when the daemon ends.
 #[derive(Debug)]
-pub struct PidGuard {
+pub(crate) struct PidGuard {
     path: PathBuf,
 }
 
@@ -189,7 +197,7 @@ impl Drop for PidGuard {
 ///
 /// # Errors
 /// Any I/O error, naming the path.
-pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut f = std::fs::OpenOptions::new()

@@ -23,8 +23,16 @@ fn up_until_converged_converges_a_four_node_shape_and_tears_it_down() {
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert!(err.contains("converged on generation 1"), "{err}");
     assert!(err.contains("destroyed 4 node(s)"), "{err}");
-    assert!(agents(&state).is_empty(), "agents left: {:?}", agents(&state));
-    assert!(node_dirs(&state).is_empty(), "node dirs left: {:?}", node_dirs(&state));
+    assert!(
+        agents(&state).is_empty(),
+        "agents left: {:?}",
+        agents(&state)
+    );
+    assert!(
+        node_dirs(&state).is_empty(),
+        "node dirs left: {:?}",
+        node_dirs(&state)
+    );
 }
 
 #[test]
@@ -34,15 +42,27 @@ fn a_killed_agent_is_replaced_scale_down_removes_the_highest_and_down_leaves_not
     let four = shape_file(tmp.path(), "four.toml", &workers("e2e-heal", 4));
     let mut d = Daemon::start(&state, &four);
     let snap = wait_converged(&state, CONVERGE, |s| s.nodes.len() == 4);
-    let before = snap.nodes.iter().find(|n| n.node.to_string() == "worker-1").unwrap().attempt;
+    let before = snap
+        .nodes
+        .iter()
+        .find(|n| n.node.to_string() == "worker-1")
+        .unwrap()
+        .attempt;
     let live = agents(&state);
     assert_eq!(live.len(), 4, "{live:?}");
     let victim = live[&("worker-1".to_owned(), before.0)][0];
     kill9(victim);
     let healed = wait_converged(&state, CONVERGE, |s| {
-        s.nodes.iter().any(|n| n.node.to_string() == "worker-1" && n.attempt != before)
+        s.nodes
+            .iter()
+            .any(|n| n.node.to_string() == "worker-1" && n.attempt != before)
     });
-    let after = healed.nodes.iter().find(|n| n.node.to_string() == "worker-1").unwrap().attempt;
+    let after = healed
+        .nodes
+        .iter()
+        .find(|n| n.node.to_string() == "worker-1")
+        .unwrap()
+        .attempt;
     assert!(after > before, "a new attempt: {before} -> {after}");
     assert!(!agents(&state).contains_key(&("worker-1".to_owned(), before.0)));
 
@@ -52,14 +72,24 @@ fn a_killed_agent_is_replaced_scale_down_removes_the_highest_and_down_leaves_not
     let scaled = wait_converged(&state, CONVERGE, |s| s.nodes.len() == 2);
     let names: Vec<String> = scaled.nodes.iter().map(|n| n.node.to_string()).collect();
     assert_eq!(names, ["worker-0", "worker-1"]);
-    wait_for(Duration::from_secs(20), "two agents", || agents(&state).len() == 2);
+    wait_for(Duration::from_secs(20), "two agents", || {
+        agents(&state).len() == 2
+    });
 
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("destroyed 2 node(s)"), "{}", stdout(&o));
     assert_eq!(d.wait_exit(Duration::from_secs(30)), Some(0), "{}", d.log());
-    assert!(agents(&state).is_empty(), "agents left: {:?}", agents(&state));
-    assert!(node_dirs(&state).is_empty(), "node dirs left: {:?}", node_dirs(&state));
+    assert!(
+        agents(&state).is_empty(),
+        "agents left: {:?}",
+        agents(&state)
+    );
+    assert!(
+        node_dirs(&state).is_empty(),
+        "node dirs left: {:?}",
+        node_dirs(&state)
+    );
 }
 
 #[test]
@@ -80,9 +110,17 @@ fn a_daemon_killed_with_sigkill_and_restarted_adopts_its_agents_without_duplicat
     // Let any wrongly started duplicate show up before counting.
     std::thread::sleep(Duration::from_secs(2));
     let after = agents(&state);
-    assert_eq!(after, before, "the same agents, adopted; nothing new started");
+    assert_eq!(
+        after, before,
+        "the same agents, adopted; nothing new started"
+    );
     for n in &snap.nodes {
-        assert!(before.contains_key(&(n.node.to_string(), n.attempt.0)), "{} {}", n.node, n.attempt);
+        assert!(
+            before.contains_key(&(n.node.to_string(), n.attempt.0)),
+            "{} {}",
+            n.node,
+            n.attempt
+        );
     }
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -100,14 +138,26 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     let missing = tmp.path().join("nowhere");
     let o = cli(&missing, &["status"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("there is no state directory"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("there is no state directory"),
+        "{}",
+        stderr(&o)
+    );
     std::fs::create_dir(&state).unwrap();
     let o = cli(&state, &["status"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("no daemon is running"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no daemon is running"),
+        "{}",
+        stderr(&o)
+    );
 
     // Bad shapes refused by `up` before anything starts.
-    let bad_toml = shape_file(tmp.path(), "bad.toml", "[[group]]\nid = \"worker\"\ncount = three\n");
+    let bad_toml = shape_file(
+        tmp.path(),
+        "bad.toml",
+        "[[group]]\nid = \"worker\"\ncount = three\n",
+    );
     let o = cli(&state, &["up", bad_toml.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("bad.toml:3:9"), "{}", stderr(&o));
@@ -138,7 +188,11 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
         "g5.toml",
         &format!("generation = 5\n{}", workers("e2e-bad", 3)),
     );
-    assert!(cli(&state, &["apply", three_g5.to_str().unwrap()]).status.success());
+    assert!(
+        cli(&state, &["apply", three_g5.to_str().unwrap()])
+            .status
+            .success()
+    );
     wait_converged(&state, CONVERGE, |s| s.nodes.len() == 3);
     let before = status(&state).unwrap();
     let regress = shape_file(
@@ -156,9 +210,17 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     ] {
         let o = cli(&state, &["apply", file.to_str().unwrap()]);
         assert_eq!(o.status.code(), Some(2), "{}", file.display());
-        assert!(stderr(&o).contains(needle), "{}: {}", file.display(), stderr(&o));
+        assert!(
+            stderr(&o).contains(needle),
+            "{}: {}",
+            file.display(),
+            stderr(&o)
+        );
         let now = status(&state).unwrap();
-        assert_eq!((now.generation, now.nodes.len()), (before.generation, before.nodes.len()));
+        assert_eq!(
+            (now.generation, now.nodes.len()),
+            (before.generation, before.nodes.len())
+        );
     }
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -178,7 +240,11 @@ fn plan_shows_the_next_actions_as_a_diff_without_applying_them() {
     let one = shape_file(tmp.path(), "one.toml", &workers("e2e-plan", 1));
     let o = cli(&state, &["plan", one.to_str().unwrap()]);
     assert!(stdout(&o).contains("- worker-1"), "{}", stdout(&o));
-    assert_eq!(status(&state).unwrap().nodes.len(), 2, "plan applies nothing");
+    assert_eq!(
+        status(&state).unwrap().nodes.len(),
+        2,
+        "plan applies nothing"
+    );
     assert!(cli(&state, &["down"]).status.success());
 }
 
@@ -198,7 +264,11 @@ fn a_hundred_local_nodes_converge() {
     let took = start.elapsed();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     // A figure for the closing note, not an assertion: timing depends on the machine.
-    let line = stderr(&o).lines().find(|l| l.contains("converged on generation")).unwrap_or_default().to_owned();
+    let line = stderr(&o)
+        .lines()
+        .find(|l| l.contains("converged on generation"))
+        .unwrap_or_default()
+        .to_owned();
     eprintln!("100 local nodes: {line}; whole run with teardown {took:?}");
     assert!(agents(&state).is_empty());
     assert!(node_dirs(&state).is_empty());

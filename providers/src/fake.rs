@@ -319,7 +319,7 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
         let (next, clock) = {
             let Some(s) = shared.upgrade() else { return };
             let next = s.lock().backend.next_observation_at();
-            (next, s.clock.clone())
+            (next, s.clock)
         };
         // Holding only the `Notify` (not the provider) while waiting lets the
         // last clone's drop end this task.
@@ -344,10 +344,8 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
                 continue;
             };
             stream.log.push(obs.event.clone());
-            if let Some(tx) = &stream.tx {
-                if tx.try_send(obs.event).is_err() {
-                    st.observations_dropped += 1;
-                }
+            if let Some(Err(_)) = stream.tx.as_ref().map(|tx| tx.try_send(obs.event)) {
+                st.observations_dropped += 1;
             }
             touched.push(obs.session);
         }
@@ -355,10 +353,9 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
         // the final event of a cancel or loss); close the channel of each one
         // that did, so its reader sees the end.
         for id in touched {
-            if !st.backend.sessions().get(&id).is_some_and(|i| i.open) {
-                if let Some(stream) = st.streams.get_mut(&id) {
-                    stream.tx = None;
-                }
+            let open = st.backend.sessions().get(&id).is_some_and(|i| i.open);
+            if let Some(stream) = st.streams.get_mut(&id).filter(|_| !open) {
+                stream.tx = None;
             }
         }
     }

@@ -117,7 +117,10 @@ pub fn wait_for(timeout: Duration, what: &str, mut ok: impl FnMut() -> bool) {
 
 pub fn status(state: &Path) -> Option<ClusterSnapshot> {
     let o = cli(state, &["status", "--json"]);
-    o.status.success().then(|| serde_json::from_slice(&o.stdout).ok()).flatten()
+    o.status
+        .success()
+        .then(|| serde_json::from_slice(&o.stdout).ok())
+        .flatten()
 }
 
 /// Waits until `status` shows a converged cluster satisfying `pred`.
@@ -144,10 +147,16 @@ pub fn wait_converged(
 pub fn agents(state: &Path) -> BTreeMap<(String, u64), Vec<u32>> {
     let needle = state.to_string_lossy().into_owned();
     let mut out: BTreeMap<(String, u64), Vec<u32>> = BTreeMap::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in dir.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
         let args: Vec<String> = cmd
             .split(|b| *b == 0)
             .map(|a| String::from_utf8_lossy(a).into_owned())
@@ -156,9 +165,16 @@ pub fn agents(state: &Path) -> BTreeMap<(String, u64), Vec<u32>> {
             continue;
         }
         // A zombie has an empty cmdline, so anything here is alive.
-        let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+        let get = |flag: &str| {
+            args.iter()
+                .position(|a| a == flag)
+                .and_then(|i| args.get(i + 1))
+                .cloned()
+        };
         if let (Some(node), Some(attempt)) = (get("--node"), get("--attempt")) {
-            out.entry((node, attempt.parse().unwrap_or(0))).or_default().push(pid);
+            out.entry((node, attempt.parse().unwrap_or(0)))
+                .or_default()
+                .push(pid);
         }
     }
     out
@@ -167,7 +183,9 @@ pub fn agents(state: &Path) -> BTreeMap<(String, u64), Vec<u32>> {
 /// Node directories left under the state directory.
 pub fn node_dirs(state: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let Ok(runs) = std::fs::read_dir(state.join("nodes")) else { return out };
+    let Ok(runs) = std::fs::read_dir(state.join("nodes")) else {
+        return out;
+    };
     for run in runs.flatten() {
         if let Ok(nodes) = std::fs::read_dir(run.path()) {
             out.extend(nodes.flatten().map(|n| n.path()));
@@ -185,6 +203,10 @@ pub fn kill_agents(state: &Path) {
 }
 
 pub fn kill9(pid: u32) {
-    let ok = Command::new("kill").arg("-9").arg(pid.to_string()).status().unwrap();
+    let ok = Command::new("kill")
+        .arg("-9")
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
     assert!(ok.success(), "kill -9 {pid}");
 }
