@@ -268,8 +268,13 @@ pub fn run_battery<R: Reconciler>(
         .as_deref()
         .map(|p| recorded_seeds(p, mode))
         .unwrap_or_default();
+    let total = battery.seeds.len() as u64;
     for seed in recorded.into_iter().chain(battery.seeds.iter().copied()) {
         report.seeds_run += 1;
+        // Long runs say how far they got; the default battery stays quiet.
+        if total >= 10_000 && report.seeds_run % 10_000 == 0 {
+            eprintln!("{}: {} seeds, {} failed", mode.name(), report.seeds_run, report.failures.len());
+        }
         if let Err(failure) = check_seed(make, mode, seed, battery) {
             if let Some(path) = &battery.regressions {
                 let headline = failure.message.lines().next().unwrap_or_default();

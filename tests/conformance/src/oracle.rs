@@ -72,7 +72,7 @@ pub enum Invariant {
     SettledStatePlansNothing,
     /// Draining at one instant ends after a bounded number of passes.
     NoHotLoop,
-    /// The driver's timer is the earliest deadline a waiting node has, and lies in the future.
+    /// The driver's timer is the earliest deadline a waiting node has, and moves on once served.
     RequeueAtEarliestWaitingDeadline,
     /// Every retry and restart delay lies in its jitter window, between the floor and the cap.
     BackoffWithinFloorAndCap,
@@ -1212,7 +1212,9 @@ impl Oracle {
             );
         }
         let expected = earliest_waiting_deadline(&after.state, &after.desired, after.now);
-        if after.timer != expected || after.timer.is_some_and(|t| t <= after.now) {
+        // Equality only: a deadline may fall due at this very instant and be
+        // served right after (the harness checks a served timer moves on).
+        if after.timer != expected {
             self.report(
                 Invariant::RequeueAtEarliestWaitingDeadline,
                 None,
