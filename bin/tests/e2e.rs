@@ -273,3 +273,61 @@ fn a_hundred_local_nodes_converge() {
     assert!(agents(&state).is_empty());
     assert!(node_dirs(&state).is_empty());
 }
+
+#[test]
+fn ctrl_c_tears_everything_down_and_says_what_was_destroyed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let two = shape_file(tmp.path(), "two.toml", &workers("e2e-sigint", 2));
+    let mut d = Daemon::start(&state, &two);
+    wait_converged(&state, CONVERGE, |s| s.nodes.len() == 2);
+    let pid = d.child.as_ref().unwrap().id();
+    let ok = std::process::Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    assert_eq!(d.wait_exit(Duration::from_secs(30)), Some(0), "{}", d.log());
+    assert!(d.log().contains("destroyed 2 node(s)"), "{}", d.log());
+    assert!(agents(&state).is_empty());
+    assert!(node_dirs(&state).is_empty());
+    assert!(
+        !state.join("daemon.ticket").exists(),
+        "the ticket is withdrawn"
+    );
+}
+
+#[test]
+fn watch_follows_the_daemons_telemetry() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let one = shape_file(tmp.path(), "one.toml", &workers("e2e-watch", 1));
+    let _d = Daemon::start(&state, &one);
+    wait_converged(&state, CONVERGE, |s| s.nodes.len() == 1);
+    let mut watch = std::process::Command::new(BIN)
+        .arg("watch")
+        .arg("--state-dir")
+        .arg(&state)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    let two = shape_file(tmp.path(), "two.toml", &workers("e2e-watch", 2));
+    assert!(
+        cli(&state, &["apply", two.to_str().unwrap()])
+            .status
+            .success()
+    );
+    wait_converged(&state, CONVERGE, |s| s.nodes.len() == 2);
+    assert!(cli(&state, &["down"]).status.success());
+    // The daemon ends the stream when it stops, so watch exits by itself.
+    let out = watch.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("run e2e-watch"),
+        "starts with a snapshot: {text}"
+    );
+    assert!(text.contains("shape accepted: generation 2"), "{text}");
+    assert!(text.contains("worker-1"), "{text}");
+    assert!(text.contains("converged: generation 2"), "{text}");
+}

@@ -144,11 +144,15 @@ pub fn wait_converged(
 }
 
 /// Live agent processes of this state directory: (node, attempt) → pids.
+///
+/// A child an agent forks (to run its boot check) carries the agent's command
+/// line until it calls `exec`; it is not a second agent, so processes whose
+/// parent is an agent of the same identity are left out.
 pub fn agents(state: &Path) -> BTreeMap<(String, u64), Vec<u32>> {
     let needle = state.to_string_lossy().into_owned();
-    let mut out: BTreeMap<(String, u64), Vec<u32>> = BTreeMap::new();
+    let mut found: Vec<(u32, u32, (String, u64))> = Vec::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
+        return BTreeMap::new();
     };
     for e in dir.flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -164,6 +168,14 @@ pub fn agents(state: &Path) -> BTreeMap<(String, u64), Vec<u32>> {
         if !args.iter().any(|a| a == "agent") || !args.iter().any(|a| a.contains(&needle)) {
             continue;
         }
+        // `stat` is "pid (comm) state ppid ..."; comm may hold spaces, so split after ')'.
+        let ppid = std::fs::read_to_string(e.path().join("stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or(0);
         // A zombie has an empty cmdline, so anything here is alive.
         let get = |flag: &str| {
             args.iter()
@@ -172,9 +184,14 @@ pub fn agents(state: &Path) -> BTreeMap<(String, u64), Vec<u32>> {
                 .cloned()
         };
         if let (Some(node), Some(attempt)) = (get("--node"), get("--attempt")) {
-            out.entry((node, attempt.parse().unwrap_or(0)))
-                .or_default()
-                .push(pid);
+            found.push((pid, ppid, (node, attempt.parse().unwrap_or(0))));
+        }
+    }
+    let mut out: BTreeMap<(String, u64), Vec<u32>> = BTreeMap::new();
+    for (pid, ppid, id) in &found {
+        let forked = found.iter().any(|(p, _, pid_id)| p == ppid && pid_id == id);
+        if !forked {
+            out.entry(id.clone()).or_default().push(*pid);
         }
     }
     out
