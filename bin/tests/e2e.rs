@@ -304,7 +304,7 @@ fn watch_follows_the_daemons_telemetry() {
     let one = shape_file(tmp.path(), "one.toml", &workers("e2e-watch", 1));
     let _d = Daemon::start(&state, &one);
     wait_converged(&state, CONVERGE, |s| s.nodes.len() == 1);
-    let mut watch = std::process::Command::new(BIN)
+    let watch = std::process::Command::new(BIN)
         .arg("watch")
         .arg("--state-dir")
         .arg(&state)
