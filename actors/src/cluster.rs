@@ -1,7 +1,8 @@
 //! The cluster handle: start a cluster, message it, shut it down.
 
 use crate::driver::{
-    ClusterConfig, DriverActor, DriverArgs, DriverMsg, ShutdownMode, ShutdownReport, Subscription,
+    ClusterConfig, DriverActor, DriverArgs, DriverMsg, DriverView, ShutdownMode, ShutdownReport,
+    Subscription,
 };
 use crate::events::{ClusterEvent, ClusterSnapshot, PlanView};
 use std::sync::Arc;
@@ -111,6 +112,14 @@ impl ClusterHandle {
     /// The cluster is gone.
     pub async fn snapshot(&self) -> Result<ClusterSnapshot, ClusterError> {
         self.call(DriverMsg::Snapshot).await
+    }
+
+    /// A copy of the driver's full state, for tests and diagnostics.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn inspect(&self) -> Result<DriverView, ClusterError> {
+        self.call(DriverMsg::Inspect).await
     }
 
     /// Subscribes to the event stream (a snapshot, then every event).

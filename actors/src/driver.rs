@@ -65,7 +65,12 @@ impl ClusterConfig {
             run_id,
             reconciler: ReconcilerConfig::default(),
             executors: 16,
-            executor_restarts: RestartPolicy::default(),
+            // Generous: a provider call that panics is a bug worth escalating,
+            // but a handful of them should not take the whole cluster down.
+            executor_restarts: RestartPolicy {
+                restarts_max: 10,
+                window: Duration::from_secs(60),
+            },
             executor_history_len_max: 4_096,
             tick: Duration::from_secs(30),
             event_buffer_len: 4_096,
@@ -96,6 +101,21 @@ pub struct ShutdownReport {
     pub kept: Vec<LogicalNodeId>,
 }
 
+/// The driver's full state at one instant (a copy), for tests and diagnostics.
+#[derive(Clone, Debug)]
+pub struct DriverView {
+    /// The instant, on the driver's clock.
+    pub now: Timestamp,
+    /// The observed state.
+    pub state: swactor_provisioning::ClusterState,
+    /// The desired state.
+    pub desired: swactor_provisioning::DesiredState,
+    /// The core's next deadline (`poll_timeout`).
+    pub timer: Option<Timestamp>,
+    /// Whether the core reports convergence.
+    pub converged: bool,
+}
+
 /// A local subscription: the state now, then every event after it.
 #[derive(Debug)]
 pub struct Subscription {
@@ -120,6 +140,8 @@ pub enum DriverMsg {
     ),
     /// The cluster as it is now.
     Snapshot(RpcReplyPort<ClusterSnapshot>),
+    /// The driver's full state, for tests and diagnostics.
+    Inspect(RpcReplyPort<DriverView>),
     /// Subscribe to events.
     Subscribe(RpcReplyPort<Subscription>),
     /// Reply once converged on the current desired generation.
@@ -322,6 +344,15 @@ impl Actor for DriverActor {
             DriverMsg::Snapshot(reply) => {
                 let _ = reply.send(st.snapshot());
             }
+            DriverMsg::Inspect(reply) => {
+                let _ = reply.send(DriverView {
+                    now: st.now(),
+                    state: st.driver.state().clone(),
+                    desired: st.driver.desired().clone(),
+                    timer: st.driver.poll_timeout(),
+                    converged: st.driver.is_converged(),
+                });
+            }
             DriverMsg::Subscribe(reply) => {
                 let events = st.events.subscribe();
                 let _ = reply.send(Subscription {
@@ -330,7 +361,7 @@ impl Actor for DriverActor {
                 });
             }
             DriverMsg::WaitConverged(reply) => {
-                if st.shape_seen && st.driver.is_converged() {
+                if st.converged() {
                     let _ = reply.send(st.driver.desired().generation);
                 } else {
                     st.convergence_waiters.push(reply);
@@ -482,7 +513,7 @@ impl DriverState {
             run_id: state.run_id.to_string(),
             generation: self.driver.desired().generation,
             observed_generation: state.observed_generation,
-            converged: self.shape_seen && self.driver.is_converged(),
+            converged: self.converged(),
             desired_nodes: self.driver.desired().node_count(),
             nodes: state
                 .nodes
@@ -543,6 +574,9 @@ impl DriverState {
             }
         }
         self.queue_pass(myself);
+        if !self.pass_queued {
+            self.after_pass(myself);
+        }
     }
 
     /// Adopts the inventory once both it and the first shape are known.
@@ -605,6 +639,17 @@ impl DriverState {
         self.gone.insert(key.node.clone(), key.attempt);
         self.timers
             .arm_after(TimerKey::AgentGrace(key.node.clone()), grace);
+    }
+
+    /// Converged on the desired shape, with nothing left to list or adopt:
+    /// before the provider's inventory is in, "nothing held" is not known.
+    fn converged(&self) -> bool {
+        let adopted = match &self.adoption {
+            Adoption::Listing => false,
+            Adoption::Waiting(inventory) => inventory.is_empty(),
+            Adoption::Done => true,
+        };
+        adopted && self.driver.is_converged()
     }
 
     fn worker_for(&self, attempt: u64) -> usize {
@@ -715,10 +760,10 @@ impl DriverState {
     fn after_pass(&mut self, myself: &ActorRef<DriverMsg>) {
         let quiet =
             self.in_flight.values().all(BTreeMap::is_empty) && !self.driver.is_pass_queued();
-        if !quiet || !self.shape_seen {
+        if !quiet {
             return;
         }
-        let converged = self.driver.is_converged();
+        let converged = self.converged();
         let generation = self.driver.desired().generation;
         if converged && self.converged_reported != Some(generation) {
             self.converged_reported = Some(generation);

@@ -28,8 +28,8 @@ mod observer;
 
 pub use cluster::{Cluster, ClusterError, ClusterHandle};
 pub use driver::{
-    ClusterConfig, DriverActor, DriverArgs, DriverMsg, ShutdownMode, ShutdownReport, Subscription,
-    TimerKey,
+    ClusterConfig, DriverActor, DriverArgs, DriverMsg, DriverView, ShutdownMode, ShutdownReport,
+    Subscription, TimerKey,
 };
 pub use events::{ClusterEvent, ClusterSnapshot, NodeSummary, PlanLine, PlanView};
 pub use executor::{ExecutorWorker, Finished, WorkerArgs, WorkerMsg};

@@ -125,6 +125,17 @@ impl FakeProvider {
         self.shared.wake.notify_one();
     }
 
+    /// Stops every fault: disarms pending ones (lost results included), makes
+    /// never-ready endpoints ready and lets open sessions finish cleanly.
+    pub fn heal(&self) {
+        let now = self.shared.now();
+        let mut st = self.shared.lock();
+        st.backend.heal(now);
+        st.lost_results.clear();
+        drop(st);
+        self.shared.wake.notify_one();
+    }
+
     /// The next call of `kind` takes effect, but its reply is lost: the caller
     /// gets [`ProviderError::Ambiguous`].
     pub fn arm_lost_result(&self, kind: EffectKind) {

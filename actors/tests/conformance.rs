@@ -1,0 +1,264 @@
+//! The conformance battery through the real actors: the kit's seeded traces
+//! drive a cluster of driver actor, executor workers and observers over the
+//! fake provider, under tokio's paused time. The kit's oracle checks its
+//! state invariants on a snapshot after every input, and convergence plus
+//! leak-freedom at the end of a fair tail.
+//!
+//! How the kit's inputs map onto actors: shape and invalid updates go through
+//! `apply`; provider faults are armed in the fake provider; a lost or
+//! ambiguous reply is a provider call whose reply is lost; an aborted pass,
+//! a duplicate or a late delivery becomes an executor worker crash (its
+//! operations fold as ambiguous); time passes on the paused clock.
+//! `SWACTOR_ACTOR_SEEDS` raises the seed count (default 64 per mode).
+
+// The policy binds the library; this harness bounds runs on the clock.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
+use std::sync::Arc;
+use std::time::Duration;
+use swactor_actors::{Cluster, ClusterConfig, ClusterHandle, ShutdownMode, WorkerMsg};
+use swactor_conformance::battery::trace_for_seed;
+use swactor_conformance::trace::{InvalidUpdate, ProviderFaultInput};
+use swactor_conformance::{
+    BackendConfig, FakeBackend, Input, Mode, Oracle, ProviderFault, RUN, Snapshot, shape_of,
+};
+use swactor_engine::Clock;
+use swactor_engine::ractor::ActorRef;
+use swactor_providers::fake::{FakeConfig, FakeProvider};
+use swactor_provisioning::{EffectKind, ReconcilerConfig, RunId};
+
+fn seeds() -> u64 {
+    std::env::var("SWACTOR_ACTOR_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64)
+}
+
+/// Lets every runnable actor make progress without moving the paused clock.
+async fn settle() {
+    for _ in 0..256 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A consistent view: the provider's model is cloned, then the driver is
+/// asked, with no await in between, so the driver's answer reflects exactly
+/// the results produced before the clone.
+async fn snapshot(cluster: &ClusterHandle, provider: &FakeProvider) -> (Snapshot, FakeBackend) {
+    let backend = provider.inspect(FakeBackend::clone);
+    let view = cluster.inspect().await.expect("the cluster is running");
+    let snap = Snapshot {
+        now: view.now,
+        state: view.state,
+        desired: view.desired,
+        timer: view.timer,
+        converged_claim: view.converged,
+    };
+    (snap, backend)
+}
+
+fn crash_a_worker(cluster: &ClusterHandle, pick: usize) {
+    let workers: Vec<_> = cluster
+        .actor()
+        .get_children()
+        .into_iter()
+        .filter(|c| c.is_message_type_of::<WorkerMsg>() == Some(true))
+        .collect();
+    if let Some(cell) = workers.get(pick % workers.len().max(1)) {
+        let _ = ActorRef::<WorkerMsg>::from(cell.clone()).send_message(WorkerMsg::Crash);
+    }
+}
+
+fn provider_fault(f: ProviderFaultInput) -> ProviderFault {
+    match f {
+        ProviderFaultInput::Refuse(kind) => ProviderFault::Refuse { kind },
+        ProviderFaultInput::EndpointNeverReady => ProviderFault::EndpointNeverReady,
+        ProviderFaultInput::EndpointSlow(ms) => ProviderFault::EndpointSlow {
+            delay_ms: u64::from(ms),
+        },
+        ProviderFaultInput::BootstrapFailsAt(stage) => ProviderFault::BootstrapFailsAt { stage },
+        ProviderFaultInput::LoseObservations(mask) => ProviderFault::LoseObservations { mask },
+        ProviderFaultInput::CloseAfterConverge => ProviderFault::CloseAfterConverge,
+        ProviderFaultInput::Invisible(ms) => ProviderFault::Invisible {
+            lag_ms: u64::from(ms),
+        },
+    }
+}
+
+async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
+    let trace = trace_for_seed(mode, seed);
+    let provider = FakeProvider::new(
+        FakeConfig {
+            backend: BackendConfig::default(),
+            seed,
+            latency: Duration::from_millis(5 + seed % 20),
+            ..FakeConfig::default()
+        },
+        Clock::new(),
+    );
+    let reconciler = ReconcilerConfig::default();
+    let mut config = ClusterConfig::new(RunId::new(RUN));
+    config.reconciler = reconciler.clone();
+    config.executors = 3;
+    config.node_events = false;
+    // Crashes are injected on purpose; the budget is for real bugs.
+    config.executor_restarts = swactor_engine::RestartPolicy {
+        restarts_max: 10_000,
+        window: Duration::from_secs(1),
+    };
+    let cluster = Cluster::start(config, Arc::new(provider.clone()))
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut oracle = Oracle::new(reconciler);
+    let mut groups = [(0u8, 0u8); 2];
+    let mut generation = 0u64;
+    let adversarial = mode == Mode::Adversarial;
+
+    for (i, input) in trace.inputs.iter().enumerate() {
+        oracle.begin_input(format!("input {i}: {input:?}"));
+        match input {
+            Input::Shape {
+                group,
+                count,
+                variant,
+                skip,
+            } => {
+                groups[usize::from(*group % 2)] = (*count, *variant);
+                generation += 1 + u64::from(*skip);
+                cluster
+                    .apply(shape_of(generation, &groups))
+                    .await
+                    .map_err(|e| format!("input {i}: a valid shape was refused: {e}"))?;
+            }
+            Input::Resubmit => {
+                if generation > 0 {
+                    cluster
+                        .apply(shape_of(generation, &groups))
+                        .await
+                        .map_err(|e| format!("input {i}: a resubmission was refused: {e}"))?;
+                }
+            }
+            Input::Invalid(kind) => {
+                let before = cluster.inspect().await.map_err(|e| e.to_string())?.desired;
+                let mut shape = shape_of(generation.max(1), &groups);
+                match kind {
+                    InvalidUpdate::GenerationRegression if generation > 1 => {
+                        shape = shape_of(generation - 1, &groups);
+                    }
+                    InvalidUpdate::SameGenerationChange => {
+                        let mut g = groups;
+                        g[0].0 = (g[0].0 + 1) % 4;
+                        shape = shape_of(generation, &g);
+                    }
+                    InvalidUpdate::WrongRun => shape.run_id = RunId::new("elsewhere"),
+                    InvalidUpdate::Malformed => shape.groups[0].id = "Alpha".to_owned(),
+                    InvalidUpdate::GenerationRegression => continue,
+                }
+                if cluster.apply(shape).await.is_ok() {
+                    return Err(format!(
+                        "input {i}: an invalid update ({kind:?}) was accepted"
+                    ));
+                }
+                let after = cluster.inspect().await.map_err(|e| e.to_string())?.desired;
+                if after != before {
+                    return Err(format!(
+                        "input {i}: a refused update changed the desired state"
+                    ));
+                }
+            }
+            Input::Advance { ms } => {
+                tokio::time::sleep(Duration::from_millis(u64::from(*ms))).await
+            }
+            Input::Step => tokio::time::sleep(Duration::from_millis(200)).await,
+            Input::Tick => {}
+            Input::Provider(f) => provider.arm(provider_fault(*f)),
+            Input::Delivery { kind, fault } => {
+                use swactor_conformance::DeliveryFault as D;
+                match fault {
+                    D::LoseResult | D::AmbiguousWithEffect | D::AmbiguousWithoutEffect => {
+                        provider.arm_lost_result(kind.unwrap_or(EffectKind::CreateLease));
+                    }
+                    _ if adversarial => crash_a_worker(&cluster, i),
+                    _ => {}
+                }
+            }
+            Input::AbortNextPass { keep, .. } => crash_a_worker(&cluster, usize::from(*keep)),
+            Input::DeleteOutOfBand { pick } => {
+                let keys: Vec<_> = provider.inspect(|b| {
+                    b.sessions()
+                        .values()
+                        .filter(|s| s.open)
+                        .map(|s| s.key.clone())
+                        .collect()
+                });
+                if let Some(key) = keys.get(usize::from(*pick) % keys.len().max(1)) {
+                    provider.delete_out_of_band(key);
+                }
+            }
+            Input::ResubmitOld { .. } => {}
+        }
+        settle().await;
+        let (snap, backend) = snapshot(&cluster, &provider).await;
+        oracle.check(&snap, &backend);
+        if !oracle.ok() {
+            break;
+        }
+    }
+
+    // The fair tail: faults stop; the latest shape must converge.
+    provider.heal();
+    if oracle.ok() {
+        let bound = Duration::from_secs(6 * 3600);
+        if tokio::time::timeout(bound, cluster.converged())
+            .await
+            .is_err()
+        {
+            let (snap, _) = snapshot(&cluster, &provider).await;
+            return Err(format!(
+                "not converged within {bound:?} of virtual time after faults stopped: {:#?}",
+                snap.state
+            ));
+        }
+        settle().await;
+        let (snap, backend) = snapshot(&cluster, &provider).await;
+        oracle.finish(&snap, &backend);
+    }
+    if let Some(v) = oracle.violations().first() {
+        return Err(v.to_string());
+    }
+    cluster
+        .shutdown(ShutdownMode::Teardown)
+        .await
+        .map_err(|e| e.to_string())?;
+    let left: Vec<String> =
+        provider.inspect(|b| b.live_resources().map(|(k, _)| k.to_string()).collect());
+    if !left.is_empty() {
+        return Err(format!("teardown left resources at the provider: {left:?}"));
+    }
+    Ok(())
+}
+
+async fn battery(mode: Mode) {
+    let mut failures = Vec::new();
+    for seed in 0..seeds() {
+        if let Err(e) = run_seed(mode, seed).await {
+            failures.push(format!("{} seed {seed}: {e}", mode.name()));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} seed(s) failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_battery_holds_through_the_real_actors_with_in_order_delivery() {
+    battery(Mode::InOrder).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_battery_holds_through_the_real_actors_with_adversarial_faults() {
+    battery(Mode::Adversarial).await;
+}
