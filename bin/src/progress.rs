@@ -31,6 +31,8 @@ impl Progress {
                 view.nodes.insert(n.node.clone(), n);
             }
             view.now = sub.snapshot.now;
+            view.generation = sub.snapshot.generation.0;
+            view.converged = sub.snapshot.converged;
             let mut events = sub.events;
             let mut tick = tokio::time::interval(Duration::from_millis(250));
             loop {
