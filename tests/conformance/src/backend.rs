@@ -369,10 +369,11 @@ impl FakeBackend {
 
     /// The live lease of `key` that a list-by-key lookup sees at `now`.
     pub fn list_lease(&self, key: &ResourceKey, now: Timestamp) -> Option<&LeaseId> {
-        self.live_leases
-            .get(key)?
-            .iter()
-            .find(|id| self.leases.get(*id).is_some_and(|l| l.live && l.visible_at <= now))
+        self.live_leases.get(key)?.iter().find(|id| {
+            self.leases
+                .get(*id)
+                .is_some_and(|l| l.live && l.visible_at <= now)
+        })
     }
 
     fn endpoint_at(lease: &LeaseInfo, now: Timestamp) -> Option<NodeEndpoint> {
@@ -440,7 +441,10 @@ impl FakeBackend {
             deleted_out_of_band: false,
         };
         let grant = adopt(Origin::Created, &id, &info);
-        self.live_leases.entry(key.clone()).or_default().insert(id.clone());
+        self.live_leases
+            .entry(key.clone())
+            .or_default()
+            .insert(id.clone());
         self.leases.insert(id, info);
         self.counters.leases_created += 1;
         let ks = self.key_stats(key);
@@ -585,7 +589,11 @@ impl FakeBackend {
         let on_lease: Vec<SessionId> = self
             .open_session
             .get(&key)
-            .filter(|id| self.sessions.get(*id).is_some_and(|s| s.open && s.lease == *lease))
+            .filter(|id| {
+                self.sessions
+                    .get(*id)
+                    .is_some_and(|s| s.open && s.lease == *lease)
+            })
             .cloned()
             .into_iter()
             .collect();

@@ -273,7 +273,12 @@ pub fn run_battery<R: Reconciler>(
         report.seeds_run += 1;
         // Long runs say how far they got; the default battery stays quiet.
         if total >= 10_000 && report.seeds_run % 10_000 == 0 {
-            eprintln!("{}: {} seeds, {} failed", mode.name(), report.seeds_run, report.failures.len());
+            eprintln!(
+                "{}: {} seeds, {} failed",
+                mode.name(),
+                report.seeds_run,
+                report.failures.len()
+            );
         }
         if let Err(failure) = check_seed(make, mode, seed, battery) {
             if let Some(path) = &battery.regressions {
