@@ -174,16 +174,30 @@ impl FakeProvider {
         }
     }
 
-    /// Applies an armed lost-result fault to a call that took effect.
-    fn deliver<T>(&self, kind: EffectKind, ok: T) -> Result<T, ProviderError> {
+    /// One provider call: the configured latency, the model call at `now`, a
+    /// wake-up for the observation pump (the call may have scheduled some),
+    /// and an armed lost-result fault applied to a call that took effect.
+    async fn call<T>(
+        &self,
+        kind: EffectKind,
+        f: impl FnOnce(&mut State, Timestamp) -> Result<T, ProviderError>,
+    ) -> Result<T, ProviderError> {
+        self.latency().await;
+        let now = self.shared.now();
         let mut st = self.shared.lock();
-        if let Some(i) = st.lost_results.iter().position(|k| *k == kind) {
+        let out = f(&mut st, now)?;
+        let lost = st.lost_results.iter().position(|k| *k == kind);
+        if let Some(i) = lost {
             st.lost_results.remove(i);
-            return Err(ProviderError::Ambiguous(format!(
-                "reply to {kind:?} was lost"
-            )));
         }
-        Ok(ok)
+        drop(st);
+        self.shared.wake.notify_one();
+        match lost {
+            Some(_) => Err(ProviderError::Ambiguous(format!(
+                "reply to {kind:?} was lost"
+            ))),
+            None => Ok(out),
+        }
     }
 }
 
@@ -202,21 +216,14 @@ impl Provider for FakeProvider {
         key: &ResourceKey,
         _template: &NodeTemplate,
     ) -> Result<LeaseGrant, ProviderError> {
-        self.latency().await;
-        let now = self.shared.now();
-        let grant = self
-            .shared
-            .lock()
-            .backend
-            .create_lease(key, now)
-            .map_err(definite)?;
-        self.deliver(
-            EffectKind::CreateLease,
-            LeaseGrant {
+        self.call(EffectKind::CreateLease, |st, now| {
+            let grant = st.backend.create_lease(key, now).map_err(definite)?;
+            Ok(LeaseGrant {
                 lease: grant.lease,
                 endpoint: grant.endpoint,
-            },
-        )
+            })
+        })
+        .await
     }
 
     async fn lookup_endpoint(
@@ -224,16 +231,11 @@ impl Provider for FakeProvider {
         _key: &ResourceKey,
         lease: &LeaseId,
     ) -> Result<NodeEndpoint, ProviderError> {
-        self.latency().await;
-        let now = self.shared.now();
-        let found = self
-            .shared
-            .lock()
-            .backend
-            .lookup_endpoint(lease, now)
-            .map_err(definite)?;
-        let endpoint = self.deliver(EffectKind::LookupEndpoint, found)?;
-        endpoint.ok_or(ProviderError::NotReady)
+        self.call(EffectKind::LookupEndpoint, |st, now| {
+            st.backend.lookup_endpoint(lease, now).map_err(definite)
+        })
+        .await?
+        .ok_or(ProviderError::NotReady)
     }
 
     async fn start_bootstrap(
@@ -243,15 +245,13 @@ impl Provider for FakeProvider {
         _endpoint: &NodeEndpoint,
         _template: &NodeTemplate,
     ) -> Result<BootstrapSession, ProviderError> {
-        self.latency().await;
-        let now = self.shared.now();
-        let events = {
-            let mut st = self.shared.lock();
+        let buffer = self.shared.config.stream_buffer_len;
+        self.call(EffectKind::StartBootstrap, |st, now| {
             let grant = st
                 .backend
                 .start_bootstrap(key, lease, now)
                 .map_err(definite)?;
-            let (tx, rx) = mpsc::channel(self.shared.config.stream_buffer_len);
+            let (tx, events) = mpsc::channel(buffer);
             let stream = st.streams.entry(grant.session.clone()).or_insert(Stream {
                 tx: None,
                 log: Vec::new(),
@@ -264,14 +264,12 @@ impl Provider for FakeProvider {
             }
             // Replacing the sender ends any older reader's stream.
             stream.tx = Some(tx);
-            (grant.session, rx)
-        };
-        self.shared.wake.notify_one();
-        let (session, events) = events;
-        self.deliver(
-            EffectKind::StartBootstrap,
-            BootstrapSession { session, events },
-        )
+            Ok(BootstrapSession {
+                session: grant.session,
+                events,
+            })
+        })
+        .await
     }
 
     async fn cancel_bootstrap(
@@ -279,15 +277,10 @@ impl Provider for FakeProvider {
         _key: &ResourceKey,
         session: &SessionId,
     ) -> Result<(), ProviderError> {
-        self.latency().await;
-        let now = self.shared.now();
-        self.shared
-            .lock()
-            .backend
-            .cancel_bootstrap(session, now)
-            .map_err(definite)?;
-        self.shared.wake.notify_one();
-        self.deliver(EffectKind::CancelBootstrap, ())
+        self.call(EffectKind::CancelBootstrap, |st, now| {
+            st.backend.cancel_bootstrap(session, now).map_err(definite)
+        })
+        .await
     }
 
     async fn destroy_lease(
@@ -295,15 +288,10 @@ impl Provider for FakeProvider {
         _key: &ResourceKey,
         lease: &LeaseId,
     ) -> Result<(), ProviderError> {
-        self.latency().await;
-        let now = self.shared.now();
-        self.shared
-            .lock()
-            .backend
-            .destroy_lease(lease, now)
-            .map_err(definite)?;
-        self.shared.wake.notify_one();
-        self.deliver(EffectKind::DestroyLease, ())
+        self.call(EffectKind::DestroyLease, |st, now| {
+            st.backend.destroy_lease(lease, now).map_err(definite)
+        })
+        .await
     }
 
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
