@@ -19,10 +19,11 @@ use crate::executor::FakeExecutor;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use swactor_provisioning::{
-    BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate, Dispatch,
-    DriverError, EffectKind, EffectRequest, Folded, Intent, LeaseId, LogicalNodeId, ManagedNode,
-    NodeAttemptId, NodeStage, OperationId, OperationOutcome, OperationResult, Pass,
-    ReconcilerConfig, ResourceKey, SessionId, Timestamp, UpdateError, reconcile,
+    BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState, DesiredState,
+    DesiredUpdate, Dispatch, DriverError, EffectKind, EffectRequest, Folded, Intent, LeaseId,
+    LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, OperationId, OperationOutcome,
+    OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId, Timestamp, UpdateError,
+    reconcile,
 };
 
 /// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.
@@ -74,7 +75,8 @@ pub enum Invariant {
     NoHotLoop,
     /// The driver's timer is the earliest deadline a waiting node has, and moves on once served.
     RequeueAtEarliestWaitingDeadline,
-    /// Every retry and restart delay lies in its jitter window, between the floor and the cap.
+    /// Every failure counts; every retry and restart delay lies in its jitter
+    /// window, between the floor and the cap; no effect goes out before its backoff ends.
     BackoffWithinFloorAndCap,
     /// An endpoint that is not ready yet is probed again, and is not a failure.
     EndpointNotReadyIsAProbe,
@@ -84,6 +86,8 @@ pub enum Invariant {
     FailedCleanupKeepsLiveFacts,
     /// Reaching ready resets the failure count.
     ReadyResetsFailures,
+    /// A node becomes ready only after its current attempt's stream reported both the join and convergence.
+    ReadyOnlyAfterJoinAndConvergence,
     /// A replacement attempt inherits its predecessor's failure count.
     FailuresCarryIntoReplacement,
     /// "Converged" means exactly the desired specs, all ready, nothing undesired or deleting.
@@ -96,7 +100,7 @@ pub enum Invariant {
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 32] = [
+    pub const ALL: [Invariant; 33] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -125,6 +129,7 @@ impl Invariant {
         Self::AttemptFailureCleansUpImmediately,
         Self::FailedCleanupKeepsLiveFacts,
         Self::ReadyResetsFailures,
+        Self::ReadyOnlyAfterJoinAndConvergence,
         Self::FailuresCarryIntoReplacement,
         Self::ConvergedMeansExactSpecs,
         Self::ConvergedLeaksNothing,
@@ -168,6 +173,7 @@ impl Invariant {
             Self::AttemptFailureCleansUpImmediately => "attempt_failure_cleans_up_immediately",
             Self::FailedCleanupKeepsLiveFacts => "failed_cleanup_keeps_live_facts",
             Self::ReadyResetsFailures => "ready_resets_failures",
+            Self::ReadyOnlyAfterJoinAndConvergence => "ready_only_after_join_and_convergence",
             Self::FailuresCarryIntoReplacement => "failures_carry_into_replacement",
             Self::ConvergedMeansExactSpecs => "converged_means_exact_specs",
             Self::ConvergedLeaksNothing => "converged_leaks_nothing",
@@ -448,6 +454,8 @@ pub struct Oracle {
     violations: Vec<Violation>,
     attempts_seen: BTreeMap<NodeAttemptId, LogicalNodeId>,
     ops_seen: BTreeSet<OperationId>,
+    joined: BTreeSet<(LogicalNodeId, NodeAttemptId)>,
+    converged: BTreeSet<(LogicalNodeId, NodeAttemptId)>,
     step: u64,
     context: String,
     limit: usize,
@@ -461,6 +469,8 @@ impl Oracle {
             violations: Vec::new(),
             attempts_seen: BTreeMap::new(),
             ops_seen: BTreeSet::new(),
+            joined: BTreeSet::new(),
+            converged: BTreeSet::new(),
             step: 0,
             context: String::new(),
             limit: 16,
@@ -570,6 +580,18 @@ impl Oracle {
                 let live = node_before.is_some_and(|n| {
                     n.attempt == obs.attempt && n.record.session.as_ref() == Some(&obs.session)
                 });
+                if live && *folded == Folded::Applied {
+                    let who = (obs.node.clone(), obs.attempt);
+                    match obs.event {
+                        BootstrapEvent::SwactorJoined => {
+                            self.joined.insert(who);
+                        }
+                        BootstrapEvent::Stage(BootstrapStage::Converged) => {
+                            self.converged.insert(who);
+                        }
+                        _ => {}
+                    }
+                }
                 if !live && (*folded == Folded::Applied || node_before != a.nodes.get(&obs.node)) {
                     self.fail(
                         Invariant::SupersededObservationsDiscarded,
@@ -874,6 +896,13 @@ impl Oracle {
                 );
             }
             let Some(nb) = nb else { continue };
+            if let Some(at) = nb.retry.next_effect_at.filter(|at| *at > now) {
+                self.fail(
+                    Invariant::BackoffWithinFloorAndCap,
+                    id,
+                    format!("{kind:?} dispatched at {now}, before its backoff ends at {at}"),
+                );
+            }
             // Cleanup effects: order, adoption first, own resources only.
             let destructive =
                 matches!(kind, EffectKind::CancelBootstrap | EffectKind::DestroyLease);
@@ -1049,6 +1078,22 @@ impl Oracle {
             let Some(nb) = nb.filter(|nb| nb.attempt == na.attempt) else {
                 continue;
             };
+            let who = (id.clone(), na.attempt);
+            if na.is_ready()
+                && !nb.is_ready()
+                && !(self.joined.contains(&who) && self.converged.contains(&who))
+            {
+                self.fail(
+                    Invariant::ReadyOnlyAfterJoinAndConvergence,
+                    id,
+                    format!(
+                        "attempt {} became ready (joined reported: {}, converged reported: {})",
+                        na.attempt,
+                        self.joined.contains(&who),
+                        self.converged.contains(&who)
+                    ),
+                );
+            }
             if na.is_ready() && !nb.is_ready() && na.retry.consecutive_failures != 0 {
                 self.fail(
                     Invariant::ReadyResetsFailures,
