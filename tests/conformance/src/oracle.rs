@@ -20,8 +20,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState, DesiredState,
-    DesiredUpdate, Dispatch, DriverError, EffectKind, EffectRequest, Folded, Intent, LeaseId,
-    LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, OperationId, OperationOutcome,
+    DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind, EffectRequest, Folded, Intent,
+    LeaseId, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, OperationId, OperationOutcome,
     OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId, Timestamp, UpdateError,
     reconcile,
 };
@@ -96,11 +96,22 @@ pub enum Invariant {
     ConvergedLeaksNothing,
     /// After faults stop, the cluster converges within the stated bound of passes and time.
     FairConvergenceWithinBound,
+    /// A bootstrap failure, or a stream closing before convergence, fails a live attempt and
+    /// counts once; progress refreshes the stall deadline; nothing counts against a deleting or
+    /// failed attempt; a stalled stream fails the attempt when (and only when) its deadline passes.
+    BootstrapFactsClassified,
+    /// The stage ladder follows the facts: CreateLease moves New to LeaseRequested, a lease with
+    /// or without endpoint to EndpointKnown or LeaseCreated, a found endpoint to EndpointKnown, a
+    /// started bootstrap to BootstrapRunning.
+    StageLadderFollowsFacts,
+    /// The driver's counters (passes, dispatches, folds, discards, expiries, pass statistics)
+    /// match what the host saw happen.
+    DriverCountersMatchWhatHappened,
 }
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 33] = [
+    pub const ALL: [Invariant; 36] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -134,6 +145,9 @@ impl Invariant {
         Self::ConvergedMeansExactSpecs,
         Self::ConvergedLeaksNothing,
         Self::FairConvergenceWithinBound,
+        Self::BootstrapFactsClassified,
+        Self::StageLadderFollowsFacts,
+        Self::DriverCountersMatchWhatHappened,
     ];
 
     /// The invariant's name, as messages print it.
@@ -178,6 +192,9 @@ impl Invariant {
             Self::ConvergedMeansExactSpecs => "converged_means_exact_specs",
             Self::ConvergedLeaksNothing => "converged_leaks_nothing",
             Self::FairConvergenceWithinBound => "fair_convergence_within_bound",
+            Self::BootstrapFactsClassified => "bootstrap_facts_classified",
+            Self::StageLadderFollowsFacts => "stage_ladder_follows_facts",
+            Self::DriverCountersMatchWhatHappened => "driver_counters_match_what_happened",
         }
     }
 }
@@ -230,6 +247,8 @@ pub struct Snapshot {
     pub timer: Option<Timestamp>,
     /// Whether the driver claims to be converged.
     pub converged_claim: bool,
+    /// The driver's lifetime counters.
+    pub stats: DriverStats,
 }
 
 /// One step, as the oracle observes it.
@@ -456,6 +475,7 @@ pub struct Oracle {
     ops_seen: BTreeSet<OperationId>,
     joined: BTreeSet<(LogicalNodeId, NodeAttemptId)>,
     converged: BTreeSet<(LogicalNodeId, NodeAttemptId)>,
+    tally: DriverStats,
     step: u64,
     context: String,
     limit: usize,
@@ -471,6 +491,7 @@ impl Oracle {
             ops_seen: BTreeSet::new(),
             joined: BTreeSet::new(),
             converged: BTreeSet::new(),
+            tally: DriverStats::default(),
             step: 0,
             context: String::new(),
             limit: 16,
@@ -528,6 +549,7 @@ impl Oracle {
         self.context = format!("{input}; {}", event.label());
         self.observe_event(event, before, after, provider);
         self.observe_transitions(event, before, after, provider);
+        self.observe_counters(event, before, after);
         self.check(after, provider);
         self.context = input;
     }
@@ -571,6 +593,9 @@ impl Oracle {
                     return;
                 };
                 self.check_result_fold(result, nb, na, now);
+                if *folded == Folded::Applied {
+                    self.check_ladder_on_result(result, nb, na, now);
+                }
             }
             StepEvent::Observation { obs, folded } => {
                 let Ok(folded) = folded else {
@@ -591,6 +616,9 @@ impl Oracle {
                         }
                         _ => {}
                     }
+                }
+                if let (true, Some(nb), Some(na)) = (live, node_before, a.nodes.get(&obs.node)) {
+                    self.check_observation_fold(obs, nb, na, now);
                 }
                 if !live && (*folded == Folded::Applied || node_before != a.nodes.get(&obs.node)) {
                     self.fail(
@@ -619,9 +647,27 @@ impl Oracle {
                     self.report(Invariant::DriverErrorFree, None, format!("{e:?}"));
                 }
                 for (id, nb) in &b.nodes {
-                    let (Some(p), Some(na)) = (&nb.pending, a.nodes.get(id)) else {
-                        continue;
-                    };
+                    let Some(na) = a.nodes.get(id) else { continue };
+                    if nb.pending.is_none() {
+                        let rb = &nb.record;
+                        let should_stall = nb.intent == Intent::Active
+                            && rb.session.is_some()
+                            && !rb.ready
+                            && rb.stage != NodeStage::Failed
+                            && rb.bootstrap_deadline.is_some_and(|t| t <= now);
+                        let stalled =
+                            rb.stage != NodeStage::Failed && na.record.stage == NodeStage::Failed;
+                        let counted = na.retry.consecutive_failures
+                            == nb.retry.consecutive_failures.saturating_add(1);
+                        if should_stall != stalled || (stalled && !counted) {
+                            self.fail(
+                                Invariant::BootstrapFactsClassified,
+                                id,
+                                format!("stall deadline {:?} at {now}: should fail {should_stall}, failed {stalled}", rb.bootstrap_deadline),
+                            );
+                        }
+                    }
+                    let Some(p) = &nb.pending else { continue };
                     if p.deadline > now || na.pending.is_some() {
                         continue;
                     }
@@ -896,6 +942,21 @@ impl Oracle {
                 );
             }
             let Some(nb) = nb else { continue };
+            let stage = if kind == EffectKind::CreateLease && nb.record.stage == NodeStage::New {
+                NodeStage::LeaseRequested
+            } else {
+                nb.record.stage
+            };
+            if na.record.stage != stage {
+                self.fail(
+                    Invariant::StageLadderFollowsFacts,
+                    id,
+                    format!(
+                        "{kind:?} dispatched moved {:?} to {:?}",
+                        nb.record.stage, na.record.stage
+                    ),
+                );
+            }
             if let Some(at) = nb.retry.next_effect_at.filter(|at| *at > now) {
                 self.fail(
                     Invariant::BackoffWithinFloorAndCap,
@@ -1150,6 +1211,262 @@ impl Oracle {
                     );
                 }
             }
+        }
+    }
+
+    fn observe_counters(&mut self, event: StepEvent<'_>, before: &Snapshot, after: &Snapshot) {
+        let inv = Invariant::DriverCountersMatchWhatHappened;
+        let t = &mut self.tally;
+        let mut count = |f: &Result<Folded, DriverError>| match f {
+            Ok(Folded::Applied) => t.folded += 1,
+            Ok(Folded::Discarded(_)) => t.discarded += 1,
+            Err(_) => {}
+        };
+        match event {
+            StepEvent::Result { folded, .. }
+            | StepEvent::Observation { folded, .. }
+            | StepEvent::SubmitFailed { folded, .. } => count(folded),
+            StepEvent::Timeout { folded } => {
+                let (b, a) = (&before.state, &after.state);
+                let mut expired = 0u64;
+                let mut changed = 0usize;
+                for (id, nb) in &b.nodes {
+                    let Some(na) = a.nodes.get(id).filter(|na| na.attempt == nb.attempt) else {
+                        continue;
+                    };
+                    let exp = nb.pending.as_ref().is_some_and(|p| p.deadline <= after.now)
+                        && na.pending.is_none();
+                    let stalled = nb.record.stage != NodeStage::Failed
+                        && na.record.stage == NodeStage::Failed;
+                    expired += u64::from(exp);
+                    changed += usize::from(exp || stalled);
+                }
+                self.tally.expired += expired;
+                if let Ok(n) = folded
+                    && *n != changed
+                {
+                    self.report(
+                        inv,
+                        None,
+                        format!("handle_timeout said {n} folded; {changed} nodes changed"),
+                    );
+                }
+            }
+            StepEvent::Pass { pass } => {
+                self.tally.passes += 1;
+                self.tally.dispatched += pass.dispatches.len() as u64;
+                let (b, a) = (&before.state, &after.state);
+                let mut transitioned: Vec<&LogicalNodeId> = a
+                    .nodes
+                    .iter()
+                    .filter(|(id, na)| match b.nodes.get(*id) {
+                        None => true,
+                        Some(nb) => {
+                            nb.attempt != na.attempt
+                                || nb.intent != na.intent
+                                || (na.record.stage == NodeStage::Destroyed)
+                                    != (nb.record.stage == NodeStage::Destroyed)
+                                || (na.record.ready && !nb.record.ready)
+                        }
+                    })
+                    .map(|(id, _)| id)
+                    .chain(b.nodes.keys().filter(|id| !a.nodes.contains_key(*id)))
+                    .collect();
+                transitioned.sort();
+                let st = &pass.stats;
+                let ok = pass.number == self.tally.passes
+                    && st.nodes == b.nodes.len()
+                    && st.dispatched == pass.dispatches.len()
+                    && st.errors == pass.errors.len()
+                    && st.transitions == transitioned.len();
+                if !ok {
+                    self.report(
+                        inv,
+                        None,
+                        format!(
+                            "pass {} with stats {st:?} ({} dispatches, {} errors, {} nodes before, {} transitions seen)",
+                            pass.number,
+                            pass.dispatches.len(),
+                            pass.errors.len(),
+                            b.nodes.len(),
+                            transitioned.len()
+                        ),
+                    );
+                }
+            }
+            StepEvent::Update { .. } | StepEvent::Tick => {}
+        }
+        let (got, want) = (&after.stats, &self.tally);
+        let same = got.passes == want.passes
+            && got.dispatched == want.dispatched
+            && got.folded == want.folded
+            && got.discarded == want.discarded
+            && got.expired == want.expired;
+        if !same {
+            let detail = format!("driver says {got:?}, the host saw {want:?}");
+            self.report(inv, None, detail);
+            // Report a drift once, not on every later step.
+            self.tally = *got;
+        }
+    }
+
+    fn check_observation_fold(
+        &mut self,
+        obs: &BootstrapObservation,
+        nb: &ManagedNode,
+        na: &ManagedNode,
+        now: Timestamp,
+    ) {
+        let inv = Invariant::BootstrapFactsClassified;
+        let node = &obs.node;
+        let live = nb.intent == Intent::Active && nb.record.stage != NodeStage::Failed;
+        let failure_stage = |s: BootstrapStage| {
+            matches!(
+                s,
+                BootstrapStage::SshConnectFailed
+                    | BootstrapStage::BootCheckFailed
+                    | BootstrapStage::SwactorStartFailed
+                    | BootstrapStage::JoinFailed
+                    | BootstrapStage::AgentLost
+            )
+        };
+        let converged_before = nb.record.stage == NodeStage::SwactorJoined
+            && nb.record.bootstrap == Some(BootstrapStage::Converged);
+        let fails = live
+            && match &obs.event {
+                BootstrapEvent::Failed { .. } => true,
+                BootstrapEvent::Stage(s) => failure_stage(*s),
+                BootstrapEvent::Closed => !nb.record.ready && !converged_before,
+                BootstrapEvent::SwactorJoined => false,
+            };
+        let stall = now
+            .0
+            .checked_add(self.config.bootstrap_stall_ms)
+            .map(Timestamp);
+        let (rb, ra) = (&nb.record, &na.record);
+        let mut problems = Vec::new();
+        if fails {
+            if ra.stage != NodeStage::Failed
+                || ra.ready
+                || na.retry.consecutive_failures != nb.retry.consecutive_failures.saturating_add(1)
+                || na.retry.next_effect_at.is_some()
+                || ra.bootstrap_deadline.is_some()
+            {
+                problems.push(
+                    "a failure of a live attempt was not folded as one failure that ends it"
+                        .to_owned(),
+                );
+            }
+        } else {
+            if na.retry.consecutive_failures != nb.retry.consecutive_failures {
+                problems.push(
+                    "a fact that is not a failure of a live attempt changed the failure count"
+                        .to_owned(),
+                );
+            }
+            let joins = matches!(obs.event, BootstrapEvent::SwactorJoined)
+                && live
+                && rb.stage == NodeStage::BootstrapRunning;
+            let expected_stage = if joins {
+                NodeStage::SwactorJoined
+            } else {
+                rb.stage
+            };
+            if ra.stage != expected_stage {
+                problems.push(format!("stage {:?} became {:?}", rb.stage, ra.stage));
+            }
+            let expected_deadline = match &obs.event {
+                BootstrapEvent::Stage(_) if live && !rb.ready => stall,
+                BootstrapEvent::SwactorJoined if joins => stall,
+                BootstrapEvent::Closed => None,
+                _ => rb.bootstrap_deadline,
+            };
+            if ra.bootstrap_deadline != expected_deadline {
+                problems.push(format!(
+                    "stall deadline {:?} became {:?}, expected {expected_deadline:?}",
+                    rb.bootstrap_deadline, ra.bootstrap_deadline
+                ));
+            }
+        }
+        if matches!(obs.event, BootstrapEvent::Closed) && ra.session.is_some() {
+            problems.push("a closed stream's session is still held".to_owned());
+        }
+        if let BootstrapEvent::Stage(s) = obs.event
+            && ra.bootstrap != Some(s)
+        {
+            problems.push(format!(
+                "the last bootstrap fact is {:?}, not {s:?}",
+                ra.bootstrap
+            ));
+        }
+        for p in problems {
+            self.fail(inv, node, format!("{:?}: {p}", obs.event));
+        }
+    }
+
+    fn check_ladder_on_result(
+        &mut self,
+        result: &OperationResult,
+        nb: &ManagedNode,
+        na: &ManagedNode,
+        now: Timestamp,
+    ) {
+        let (rb, ra) = (&nb.record, &na.record);
+        let stall = now
+            .0
+            .checked_add(self.config.bootstrap_stall_ms)
+            .map(Timestamp);
+        let ok = match &result.outcome {
+            OperationOutcome::LeaseCreated { lease, endpoint } => {
+                let stage = if endpoint.is_some() {
+                    NodeStage::EndpointKnown
+                } else {
+                    NodeStage::LeaseCreated
+                };
+                ra.stage == stage
+                    && ra.lease.as_ref() == Some(lease)
+                    && ra.endpoint == *endpoint
+                    && ra.ambiguous.is_none()
+            }
+            OperationOutcome::EndpointFound { endpoint } => {
+                let stage = if rb.stage == NodeStage::LeaseCreated {
+                    NodeStage::EndpointKnown
+                } else {
+                    rb.stage
+                };
+                ra.stage == stage && ra.endpoint.as_ref() == Some(endpoint)
+            }
+            OperationOutcome::BootstrapStarted { session } => {
+                let active = nb.intent == Intent::Active;
+                let (stage, deadline) = if active {
+                    (NodeStage::BootstrapRunning, stall)
+                } else {
+                    (rb.stage, rb.bootstrap_deadline)
+                };
+                ra.stage == stage
+                    && ra.bootstrap_deadline == deadline
+                    && ra.session.as_ref() == Some(session)
+                    && ra.ambiguous.is_none()
+            }
+            OperationOutcome::BootstrapCancelled => {
+                ra.session.is_none() && ra.bootstrap_deadline.is_none()
+            }
+            OperationOutcome::LeaseDestroyed => ra.lease.is_none() && ra.endpoint.is_none(),
+            OperationOutcome::EndpointNotReady | OperationOutcome::Failed { .. } => true,
+        };
+        let success = !matches!(
+            result.outcome,
+            OperationOutcome::Failed { .. } | OperationOutcome::EndpointNotReady
+        );
+        if !ok || (success && (na.pending.is_some() || na.retry.next_effect_at.is_some())) {
+            self.fail(
+                Invariant::StageLadderFollowsFacts,
+                &result.node,
+                format!(
+                    "{:?} moved {:?} to {:?} (pending {:?}, next effect {:?})",
+                    result.outcome, rb, ra, na.pending, na.retry.next_effect_at
+                ),
+            );
         }
     }
 

@@ -97,6 +97,15 @@ pub enum Input {
     Step,
     /// A periodic safety-net tick.
     Tick,
+    /// The host pauses for `ms` (a stop-the-world pause, an overloaded
+    /// machine): nothing runs until then, and then everything due at once.
+    HostPause {
+        /// How long the pause lasts.
+        ms: u32,
+    },
+    /// The host loses its timer once: the next due deadline is noticed by
+    /// the periodic tick instead, which must queue a pass.
+    LoseTimerOnce,
     /// Arm a provider fault.
     Provider(ProviderFaultInput),
     /// Arm a delivery fault for the next operation of `kind` (any kind for `None`).
@@ -220,6 +229,8 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
         14 => (1u32..4_000).prop_map(|ms| Input::Advance { ms }),
         12 => Just(Input::Step),
         2 => Just(Input::Tick),
+        2 => (1u32..6_000).prop_map(|ms| Input::HostPause { ms }),
+        1 => Just(Input::LoseTimerOnce),
         6 => provider_fault().prop_map(Input::Provider),
         6 => (proptest::option::weighted(0.8, effect_kind()), delivery_fault(mode))
             .prop_map(|(kind, fault)| Input::Delivery { kind, fault }),

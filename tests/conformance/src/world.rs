@@ -18,7 +18,7 @@ use crate::trace::{Input, InvalidUpdate, LATE_EXTRA_MAX_MS, Mode, ProviderFaultI
 use std::collections::BTreeMap;
 use swactor_provisioning::{
     BootParams, BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate,
-    Dispatch, Driver, DriverError, Folded, Generation, GroupShape, OperationResult,
+    Dispatch, Driver, DriverError, DriverStats, Folded, Generation, GroupShape, OperationResult,
     OperationTimeouts, Pass, ProviderShape, ReconcilerConfig, RunId, SwarmJoin, Timestamp,
     UpdateError,
 };
@@ -85,6 +85,8 @@ pub trait Reconciler {
     fn desired(&self) -> &DesiredState;
     /// See [`Driver::is_converged`].
     fn is_converged(&self) -> bool;
+    /// See [`Driver::stats`].
+    fn stats(&self) -> DriverStats;
 }
 
 impl Reconciler for Driver {
@@ -136,6 +138,9 @@ impl Reconciler for Driver {
     }
     fn is_converged(&self) -> bool {
         Driver::is_converged(self)
+    }
+    fn stats(&self) -> DriverStats {
+        Driver::stats(self)
     }
 }
 
@@ -297,6 +302,7 @@ pub struct World<R: Reconciler = Driver> {
     groups: [(u8, u8); 2],
     generation: u64,
     abort: Option<(u8, bool)>,
+    timer_lost: bool,
     submitted: Vec<Dispatch>,
     snapshot: Snapshot,
     passes: u64,
@@ -309,6 +315,7 @@ fn snapshot<R: Reconciler>(sut: &R, now: Timestamp) -> Snapshot {
         desired: sut.desired().clone(),
         timer: sut.poll_timeout(),
         converged_claim: sut.is_converged(),
+        stats: sut.stats(),
     }
 }
 
@@ -365,6 +372,7 @@ impl<R: Reconciler> World<R> {
             now: Timestamp(0),
             generation: 0,
             abort: None,
+            timer_lost: false,
             submitted: Vec::new(),
             snapshot,
             passes: 0,
@@ -474,7 +482,7 @@ impl<R: Reconciler> World<R> {
 
     /// Runs every queued pass at `now`, submitting its dispatches (or losing
     /// them, when a pass abort is armed).
-    fn drain(&mut self) {
+    fn drain(&mut self) -> usize {
         let mut passes = 0;
         loop {
             let pass = match self.sut.poll_pass(self.now) {
@@ -541,12 +549,27 @@ impl<R: Reconciler> World<R> {
                 .on_quiescent(&after, passes, self.config.passes_per_instant_max);
         }
         self.snapshot = after;
+        passes
     }
 
     /// Runs everything due at `now`: deliveries, the driver's timer, passes.
     fn settle(&mut self) {
         for output in self.exec.poll(self.now) {
             self.deliver(output);
+        }
+        let due = self.sut.poll_timeout().is_some_and(|t| t <= self.now);
+        if due && self.timer_lost {
+            // The timer was lost; the safety-net tick must notice the due deadline.
+            self.timer_lost = false;
+            self.sut.handle_tick(self.now);
+            self.record(StepEvent::Tick);
+            if self.drain() == 0 {
+                self.oracle.report(
+                    Invariant::RequeueAtEarliestWaitingDeadline,
+                    None,
+                    format!("a tick at {} with a due deadline queued no pass", self.now),
+                );
+            }
         }
         let fired = self.sut.poll_timeout().is_some_and(|t| t <= self.now);
         if fired {
@@ -650,6 +673,12 @@ impl<R: Reconciler> World<R> {
                 self.sut.handle_tick(self.now);
                 self.record(StepEvent::Tick);
             }
+            Input::HostPause { ms } => {
+                // Nothing is woken during the pause; `settle` below then
+                // serves every late delivery and the late timer at once.
+                self.now = Timestamp(self.now.0 + u64::from(ms));
+            }
+            Input::LoseTimerOnce => self.timer_lost = true,
             Input::Provider(f) => {
                 let fault = match f {
                     ProviderFaultInput::Refuse(kind) => ProviderFault::Refuse { kind },
@@ -709,6 +738,7 @@ impl<R: Reconciler> World<R> {
     /// Stops every fault: the executor delivers fairly from now on and the provider heals.
     pub fn heal(&mut self) {
         self.abort = None;
+        self.timer_lost = false;
         let fair = self.config.fair.clone();
         self.exec.heal(fair, self.now);
     }

@@ -9,9 +9,9 @@ use swactor_conformance::battery::{BatteryConfig, run_battery};
 use swactor_conformance::{Mode, RUN, Reconciler, WorldConfig};
 use swactor_provisioning::{
     BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate, Dispatch,
-    Driver, DriverError, EffectRequest, FailureClass, Folded, Generation, LogicalNodeId,
-    NodeAttemptId, NodeStage, OperationId, OperationOutcome, OperationResult, Pass, RunId,
-    Timestamp, UpdateError,
+    Driver, DriverError, DriverStats, EffectRequest, FailureClass, Folded, Generation,
+    LogicalNodeId, NodeAttemptId, NodeStage, OperationId, OperationOutcome, OperationResult, Pass,
+    RunId, Timestamp, UpdateError,
 };
 
 /// One way to break the driver.
@@ -252,6 +252,10 @@ impl Reconciler for Mutant {
 
     fn is_converged(&self) -> bool {
         self.inner.is_converged()
+    }
+
+    fn stats(&self) -> DriverStats {
+        self.inner.stats()
     }
 }
 
