@@ -164,6 +164,10 @@ pub struct WorldConfig {
     pub passes_per_instant_max: usize,
     /// Group counts and template variants of the first shape.
     pub initial: [(u8, u8); 2],
+    /// Whether the host folds every output that arrived at one instant
+    /// (results, observations, and then its timer) before draining passes,
+    /// instead of draining after each.
+    pub batch_deliveries: bool,
 }
 
 impl WorldConfig {
@@ -201,6 +205,7 @@ impl WorldConfig {
             fair: ExecutorConfig::in_order(),
             passes_per_instant_max: 32,
             initial: [(2, 0), (1, 0)],
+            batch_deliveries: mode == Mode::Adversarial,
         }
     }
 
@@ -477,7 +482,6 @@ impl<R: Reconciler> World<R> {
                 });
             }
         }
-        self.drain();
     }
 
     /// Runs every queued pass at `now`, submitting its dispatches (or losing
@@ -556,6 +560,12 @@ impl<R: Reconciler> World<R> {
     fn settle(&mut self) {
         for output in self.exec.poll(self.now) {
             self.deliver(output);
+            // A host that reconciles after every message; the other kind
+            // folds everything that arrived at once and reconciles once,
+            // like an actor draining its mailbox.
+            if !self.config.batch_deliveries {
+                self.drain();
+            }
         }
         let due = self.sut.poll_timeout().is_some_and(|t| t <= self.now);
         if due && self.timer_lost {
