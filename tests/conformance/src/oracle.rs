@@ -282,6 +282,15 @@ pub enum StepEvent<'a> {
         /// What the driver answered.
         folded: &'a Result<Folded, DriverError>,
     },
+    /// The swarm reported an agent lost.
+    AgentLost {
+        /// The node named.
+        node: &'a LogicalNodeId,
+        /// The attempt named.
+        attempt: NodeAttemptId,
+        /// What the driver answered.
+        folded: Folded,
+    },
     /// The driver's timer fired.
     Timeout {
         /// What the driver answered.
@@ -313,6 +322,7 @@ impl StepEvent<'_> {
             Self::SubmitFailed { dispatch, .. } => {
                 format!("submission of {} failed", dispatch.op)
             }
+            Self::AgentLost { node, attempt, .. } => format!("agent of {node}/{attempt} lost"),
             Self::Timeout { .. } => "timer".to_owned(),
             Self::Tick => "tick".to_owned(),
             Self::Pass { pass } => format!("pass {}", pass.number),
@@ -691,6 +701,38 @@ impl Oracle {
                 }
             }
             StepEvent::Tick => {}
+            StepEvent::AgentLost {
+                node,
+                attempt,
+                folded,
+            } => {
+                let nb = b.nodes.get(node);
+                let live = nb.is_some_and(|n| {
+                    n.attempt == attempt
+                        && n.intent == Intent::Active
+                        && !matches!(n.record.stage, NodeStage::Failed | NodeStage::Destroyed)
+                });
+                let (Some(nb), Some(na)) = (nb, a.nodes.get(node)) else {
+                    return;
+                };
+                let ok = if live {
+                    folded == Folded::Applied
+                        && na.record.stage == NodeStage::Failed
+                        && !na.record.ready
+                        && na.retry.consecutive_failures
+                            == nb.retry.consecutive_failures.saturating_add(1)
+                        && na.retry.next_effect_at.is_none()
+                } else {
+                    folded != Folded::Applied && na == nb
+                };
+                if !ok {
+                    self.fail(
+                        Invariant::BootstrapFactsClassified,
+                        node,
+                        format!("agent lost for {attempt} (live: {live}) answered {folded:?}; stage {:?} -> {:?}", nb.record.stage, na.record.stage),
+                    );
+                }
+            }
             StepEvent::Pass { pass } => self.check_pass(pass, before, after, provider),
         }
     }
@@ -1226,6 +1268,7 @@ impl Oracle {
             StepEvent::Result { folded, .. }
             | StepEvent::Observation { folded, .. }
             | StepEvent::SubmitFailed { folded, .. } => count(folded),
+            StepEvent::AgentLost { folded, .. } => count(&Ok(folded)),
             StepEvent::Timeout { folded } => {
                 let (b, a) = (&before.state, &after.state);
                 let mut expired = 0u64;
@@ -1486,6 +1529,20 @@ impl Oracle {
                     Invariant::DestroyedNodeHoldsNothing,
                     id,
                     format!("{rec:?} pending {:?}", n.pending),
+                );
+            }
+            // A stall deadline only ever guards a live, unready, active stream.
+            if rec.bootstrap_deadline.is_some()
+                && !(n.intent == Intent::Active
+                    && rec.session.is_some()
+                    && !rec.ready
+                    && rec.stage != NodeStage::Failed
+                    && n.pending.is_none())
+            {
+                self.fail(
+                    Invariant::BootstrapFactsClassified,
+                    id,
+                    format!("a stall deadline outside a live bootstrap: {rec:?}"),
                 );
             }
             let lease_owner = rec

@@ -129,6 +129,15 @@ pub enum Input {
         /// Which one, modulo the number of candidates.
         pick: u8,
     },
+    /// The swarm reports a node's agent lost (it exited, or stayed away past
+    /// its grace period), for its current attempt or, when `stale`, for the
+    /// attempt before it.
+    AgentLost {
+        /// Which node, modulo the number of nodes.
+        pick: u8,
+        /// Whether the report names the previous attempt.
+        stale: bool,
+    },
     /// Submit an earlier dispatch to the executor again (a host retrying after a crash).
     ResubmitOld {
         /// Which one, modulo the number of earlier dispatches.
@@ -236,6 +245,7 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
             .prop_map(|(kind, fault)| Input::Delivery { kind, fault }),
         2 => (0u8..3, any::<bool>()).prop_map(|(keep, report)| Input::AbortNextPass { keep, report }),
         2 => any::<u8>().prop_map(|pick| Input::DeleteOutOfBand { pick }),
+        1 => (any::<u8>(), any::<bool>()).prop_map(|(pick, stale)| Input::AgentLost { pick, stale }),
         2 => resubmit_old,
     ]
     .boxed()

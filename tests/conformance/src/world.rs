@@ -18,9 +18,9 @@ use crate::trace::{Input, InvalidUpdate, LATE_EXTRA_MAX_MS, Mode, ProviderFaultI
 use std::collections::BTreeMap;
 use swactor_provisioning::{
     BootParams, BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate,
-    Dispatch, Driver, DriverError, DriverStats, Folded, Generation, GroupShape, OperationResult,
-    OperationTimeouts, Pass, ProviderShape, ReconcilerConfig, RunId, SwarmJoin, Timestamp,
-    UpdateError,
+    Dispatch, Driver, DriverError, DriverStats, Folded, Generation, GroupShape, LogicalNodeId,
+    NodeAttemptId, OperationResult, OperationTimeouts, Pass, ProviderShape, ReconcilerConfig,
+    RunId, SwarmJoin, Timestamp, UpdateError,
 };
 
 /// The driver operations a host uses, so a harness can wrap or replace the driver.
@@ -60,6 +60,14 @@ pub trait Reconciler {
         obs: BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError>;
+    /// See [`Driver::handle_agent_lost`].
+    fn handle_agent_lost(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Folded;
     /// See [`Driver::handle_timeout`].
     ///
     /// # Errors
@@ -114,6 +122,15 @@ impl Reconciler for Driver {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         Driver::handle_bootstrap(self, obs, now)
+    }
+    fn handle_agent_lost(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Folded {
+        Driver::handle_agent_lost(self, node, attempt, reason, now)
     }
     fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
         Driver::handle_timeout(self, now)
@@ -727,6 +744,25 @@ impl<R: Reconciler> World<R> {
                     let lease = candidates[usize::from(pick) % candidates.len()].clone();
                     let now = self.now;
                     self.exec.backend_mut().delete_out_of_band(&lease, now);
+                }
+            }
+            Input::AgentLost { pick, stale } => {
+                let nodes = &self.sut.state().nodes;
+                if !nodes.is_empty() {
+                    let (id, n) = nodes
+                        .iter()
+                        .nth(usize::from(pick) % nodes.len())
+                        .expect("index is in range");
+                    let attempt = NodeAttemptId(n.attempt.0 - u64::from(stale));
+                    let id = id.clone();
+                    let folded =
+                        self.sut
+                            .handle_agent_lost(&id, attempt, "agent left the swarm", self.now);
+                    self.record(StepEvent::AgentLost {
+                        node: &id,
+                        attempt,
+                        folded,
+                    });
                 }
             }
             Input::ResubmitOld { pick } => {

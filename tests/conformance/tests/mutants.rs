@@ -195,6 +195,16 @@ impl Reconciler for Mutant {
         self.inner.handle_bootstrap(obs, now)
     }
 
+    fn handle_agent_lost(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Folded {
+        self.inner.handle_agent_lost(node, attempt, reason, now)
+    }
+
     fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
         if self.mutation == Mutation::SkipTimeouts {
             return Ok(0);
