@@ -114,6 +114,8 @@ pub struct DriverView {
     pub timer: Option<Timestamp>,
     /// Whether the core reports convergence.
     pub converged: bool,
+    /// The core's lifetime counters.
+    pub stats: swactor_provisioning::DriverStats,
 }
 
 /// A local subscription: the state now, then every event after it.
@@ -351,6 +353,7 @@ impl Actor for DriverActor {
                     desired: st.driver.desired().clone(),
                     timer: st.driver.poll_timeout(),
                     converged: st.driver.is_converged(),
+                    stats: st.driver.stats(),
                 });
             }
             DriverMsg::Subscribe(reply) => {

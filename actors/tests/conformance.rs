@@ -8,7 +8,9 @@
 //! `apply`; provider faults are armed in the fake provider; a lost or
 //! ambiguous reply is a provider call whose reply is lost; an aborted pass,
 //! a duplicate or a late delivery becomes an executor worker crash (its
-//! operations fold as ambiguous); time passes on the paused clock.
+//! operations fold as ambiguous); a lost agent is reported to the driver,
+//! which replaces the node after its grace period; time passes on the paused
+//! clock, and a host pause jumps it.
 //! `SWACTOR_ACTOR_SEEDS` raises the seed count (default 64 per mode).
 
 // The policy binds the library; this harness bounds runs on the clock.
@@ -53,6 +55,7 @@ async fn snapshot(cluster: &ClusterHandle, provider: &FakeProvider) -> (Snapshot
         desired: view.desired,
         timer: view.timer,
         converged_claim: view.converged,
+        stats: view.stats,
     };
     (snap, backend)
 }
@@ -171,6 +174,29 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
             }
             Input::Step => tokio::time::sleep(Duration::from_millis(200)).await,
             Input::Tick => {}
+            // A stop-the-world pause: the clock jumps, then everything due runs at once.
+            Input::HostPause { ms } => {
+                tokio::time::advance(Duration::from_millis(u64::from(*ms))).await
+            }
+            // The engine's timers cannot be lost from outside the actor; the
+            // safety-net tick is covered by the driver core's own battery.
+            Input::LoseTimerOnce => {}
+            Input::AgentLost { pick, stale } => {
+                let view = cluster.inspect().await.map_err(|e| e.to_string())?;
+                let nodes: Vec<_> = view.state.nodes.iter().collect();
+                if let Some((node, n)) = nodes.get(usize::from(*pick) % nodes.len().max(1)) {
+                    let attempt = if *stale {
+                        swactor_provisioning::NodeAttemptId(n.attempt.0.saturating_sub(1))
+                    } else {
+                        n.attempt
+                    };
+                    cluster.agent_gone(swactor_provisioning::ResourceKey {
+                        run_id: RunId::new(RUN),
+                        node: (*node).clone(),
+                        attempt,
+                    });
+                }
+            }
             Input::Provider(f) => provider.arm(provider_fault(*f)),
             Input::Delivery { kind, fault } => {
                 use swactor_conformance::DeliveryFault as D;
