@@ -105,7 +105,8 @@ pub enum Invariant {
     /// started bootstrap to BootstrapRunning.
     StageLadderFollowsFacts,
     /// The driver's counters (passes, dispatches, folds, discards, expiries, pass statistics)
-    /// match what the host saw happen.
+    /// match what the host saw happen, and its work queue holds a pass exactly when an
+    /// input was folded, a timer served or a shape accepted since the last drain.
     DriverCountersMatchWhatHappened,
 }
 
@@ -249,6 +250,8 @@ pub struct Snapshot {
     pub converged_claim: bool,
     /// The driver's lifetime counters.
     pub stats: DriverStats,
+    /// Whether a pass is queued.
+    pub pass_queued: bool,
 }
 
 /// One step, as the oracle observes it.
@@ -1339,6 +1342,36 @@ impl Oracle {
             }
             StepEvent::Update { .. } | StepEvent::Tick => {}
         }
+        // Work-queue semantics: every folded input and every served timer
+        // queues a pass; a discarded input queues nothing; draining empties it.
+        let queued_ok = match event {
+            StepEvent::Result { folded, .. } | StepEvent::Observation { folded, .. } => {
+                match folded {
+                    Ok(Folded::Applied) => after.pass_queued,
+                    _ => after.pass_queued == before.pass_queued,
+                }
+            }
+            StepEvent::AgentLost { folded, .. } => match folded {
+                Folded::Applied => after.pass_queued,
+                Folded::Discarded(_) => after.pass_queued == before.pass_queued,
+            },
+            StepEvent::Timeout { .. } => after.pass_queued,
+            StepEvent::Update {
+                outcome: Ok(DesiredUpdate::Accepted(_)),
+                ..
+            } => after.pass_queued,
+            _ => true,
+        };
+        if !queued_ok {
+            self.report(
+                inv,
+                None,
+                format!(
+                    "a pass queued {} -> {}",
+                    before.pass_queued, after.pass_queued
+                ),
+            );
+        }
         let (got, want) = (&after.stats, &self.tally);
         let same = got.passes == want.passes
             && got.dispatched == want.dispatched
@@ -1617,6 +1650,13 @@ impl Oracle {
                 Invariant::NoHotLoop,
                 None,
                 format!("{passes} passes at {} and still going", after.now),
+            );
+        }
+        if after.pass_queued && passes <= passes_max {
+            self.report(
+                Invariant::DriverCountersMatchWhatHappened,
+                None,
+                "a drained driver still has a pass queued".to_owned(),
             );
         }
         let plan = reconcile(&after.state, &after.desired, after.now);

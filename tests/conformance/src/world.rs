@@ -95,6 +95,8 @@ pub trait Reconciler {
     fn is_converged(&self) -> bool;
     /// See [`Driver::stats`].
     fn stats(&self) -> DriverStats;
+    /// See [`Driver::is_pass_queued`].
+    fn is_pass_queued(&self) -> bool;
 }
 
 impl Reconciler for Driver {
@@ -158,6 +160,9 @@ impl Reconciler for Driver {
     }
     fn stats(&self) -> DriverStats {
         Driver::stats(self)
+    }
+    fn is_pass_queued(&self) -> bool {
+        Driver::is_pass_queued(self)
     }
 }
 
@@ -338,6 +343,7 @@ fn snapshot<R: Reconciler>(sut: &R, now: Timestamp) -> Snapshot {
         timer: sut.poll_timeout(),
         converged_claim: sut.is_converged(),
         stats: sut.stats(),
+        pass_queued: sut.is_pass_queued(),
     }
 }
 

@@ -267,6 +267,10 @@ impl Reconciler for Mutant {
     fn stats(&self) -> DriverStats {
         self.inner.stats()
     }
+
+    fn is_pass_queued(&self) -> bool {
+        self.inner.is_pass_queued()
+    }
 }
 
 /// Finds the first seed (either mode, default seed count) whose trace catches `mutation`.
