@@ -250,8 +250,9 @@ pub struct Snapshot {
     pub converged_claim: bool,
     /// The driver's lifetime counters.
     pub stats: DriverStats,
-    /// Whether a pass is queued.
-    pub pass_queued: bool,
+    /// Whether a pass is queued, when the host can tell (`None` skips the
+    /// work-queue checks, e.g. for a driver inside an actor).
+    pub pass_queued: Option<bool>,
 }
 
 /// One step, as the oracle observes it.
@@ -1344,22 +1345,25 @@ impl Oracle {
         }
         // Work-queue semantics: every folded input and every served timer
         // queues a pass; a discarded input queues nothing; draining empties it.
-        let queued_ok = match event {
-            StepEvent::Result { folded, .. } | StepEvent::Observation { folded, .. } => {
-                match folded {
-                    Ok(Folded::Applied) => after.pass_queued,
-                    _ => after.pass_queued == before.pass_queued,
+        let queued_ok = match (before.pass_queued, after.pass_queued) {
+            (Some(was), Some(is)) => match event {
+                StepEvent::Result { folded, .. } | StepEvent::Observation { folded, .. } => {
+                    match folded {
+                        Ok(Folded::Applied) => is,
+                        _ => is == was,
+                    }
                 }
-            }
-            StepEvent::AgentLost { folded, .. } => match folded {
-                Folded::Applied => after.pass_queued,
-                Folded::Discarded(_) => after.pass_queued == before.pass_queued,
+                StepEvent::AgentLost { folded, .. } => match folded {
+                    Folded::Applied => is,
+                    Folded::Discarded(_) => is == was,
+                },
+                StepEvent::Timeout { .. } => is,
+                StepEvent::Update {
+                    outcome: Ok(DesiredUpdate::Accepted(_)),
+                    ..
+                } => is,
+                _ => true,
             },
-            StepEvent::Timeout { .. } => after.pass_queued,
-            StepEvent::Update {
-                outcome: Ok(DesiredUpdate::Accepted(_)),
-                ..
-            } => after.pass_queued,
             _ => true,
         };
         if !queued_ok {
@@ -1367,7 +1371,7 @@ impl Oracle {
                 inv,
                 None,
                 format!(
-                    "a pass queued {} -> {}",
+                    "a pass queued {:?} -> {:?}",
                     before.pass_queued, after.pass_queued
                 ),
             );
@@ -1652,7 +1656,7 @@ impl Oracle {
                 format!("{passes} passes at {} and still going", after.now),
             );
         }
-        if after.pass_queued && passes <= passes_max {
+        if after.pass_queued == Some(true) && passes <= passes_max {
             self.report(
                 Invariant::DriverCountersMatchWhatHappened,
                 None,

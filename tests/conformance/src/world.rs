@@ -343,7 +343,7 @@ fn snapshot<R: Reconciler>(sut: &R, now: Timestamp) -> Snapshot {
         timer: sut.poll_timeout(),
         converged_claim: sut.is_converged(),
         stats: sut.stats(),
-        pass_queued: sut.is_pass_queued(),
+        pass_queued: Some(sut.is_pass_queued()),
     }
 }
 
