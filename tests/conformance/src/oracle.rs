@@ -14,7 +14,7 @@
 //! nothing about how the driver decides, so it can judge a mutated driver, or
 //! real actors over a real executor, the same way.
 
-use crate::backend::{FakeBackend, KeyStats, LiveResource};
+use crate::backend::{FakeBackend, KeyStats};
 use crate::executor::FakeExecutor;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -419,6 +419,8 @@ pub fn backoff_window(config: &ReconcilerConfig, failures: u32) -> (u64, u64) {
     (lo, hi)
 }
 
+/// The deadline of an effect, read from the config's fields rather than
+/// through `ReconcilerConfig::timeout_ms`, so a mix-up there is caught.
 fn timeout_of(config: &ReconcilerConfig, kind: EffectKind) -> u64 {
     let t = &config.timeouts;
     match kind {
@@ -1097,7 +1099,6 @@ impl Oracle {
                 );
             }
         }
-        let _ = provider;
     }
 
     /// Checks that concern any state change, whatever caused it.
@@ -1737,12 +1738,5 @@ impl Oracle {
                 );
             }
         }
-    }
-}
-
-impl LiveResource<'_> {
-    /// True for a lease.
-    pub fn is_lease(&self) -> bool {
-        matches!(self, Self::Lease(_))
     }
 }
