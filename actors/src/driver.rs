@@ -224,7 +224,6 @@ pub struct DriverState {
     /// Agents that disconnected and have not rejoined, by node.
     gone: BTreeMap<LogicalNodeId, swactor_provisioning::NodeAttemptId>,
     adoption: Adoption,
-    shape_seen: bool,
     events: broadcast::Sender<ClusterEvent>,
     publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
     snapshot_dirty: bool,
@@ -294,7 +293,6 @@ impl Actor for DriverActor {
             pass_queued: false,
             gone: BTreeMap::new(),
             adoption: Adoption::Listing,
-            shape_seen: false,
             events,
             publisher,
             snapshot_dirty: false,
@@ -550,7 +548,6 @@ impl DriverState {
         }
         let update = self.driver.update_desired(shape)?;
         if let DesiredUpdate::Accepted(generation) = update {
-            self.shape_seen = true;
             let nodes = self.driver.desired().node_count();
             self.publish(ClusterEvent::ShapeAccepted { generation, nodes });
             self.adopt_if_ready(myself);
@@ -584,7 +581,7 @@ impl DriverState {
 
     /// Adopts the inventory once both it and the first shape are known.
     fn adopt_if_ready(&mut self, myself: &ActorRef<DriverMsg>) {
-        if !self.shape_seen || !matches!(self.adoption, Adoption::Waiting(_)) {
+        if !self.shape_seen() || !matches!(self.adoption, Adoption::Waiting(_)) {
             return;
         }
         let Adoption::Waiting(inv) = std::mem::replace(&mut self.adoption, Adoption::Done) else {
@@ -642,6 +639,12 @@ impl DriverState {
         self.gone.insert(key.node.clone(), key.attempt);
         self.timers
             .arm_after(TimerKey::AgentGrace(key.node.clone()), grace);
+    }
+
+    /// Whether any shape was ever accepted (generation 0 is the implicit empty
+    /// shape, which is never accepted, only replaced).
+    fn shape_seen(&self) -> bool {
+        self.driver.desired().generation.0 > 0
     }
 
     /// Converged on the desired shape, with nothing left to list or adopt:
@@ -807,8 +810,7 @@ impl DriverState {
                     groups: Vec::new(),
                 };
                 self.driver.update_desired(&empty)?;
-                self.shape_seen = true;
-                // Resources listed but not yet adopted must be torn down too.
+                    // Resources listed but not yet adopted must be torn down too.
                 self.adopt_if_ready(myself);
                 self.queue_pass(myself);
                 if !self.driver.is_pass_queued() {
