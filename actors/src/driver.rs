@@ -810,7 +810,7 @@ impl DriverState {
                     groups: Vec::new(),
                 };
                 self.driver.update_desired(&empty)?;
-                    // Resources listed but not yet adopted must be torn down too.
+                // Resources listed but not yet adopted must be torn down too.
                 self.adopt_if_ready(myself);
                 self.queue_pass(myself);
                 if !self.driver.is_pass_queued() {
