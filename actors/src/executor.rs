@@ -194,6 +194,10 @@ fn failed(e: ProviderError) -> OperationOutcome {
             class: FailureClass::Ambiguous,
             reason,
         },
+        ProviderError::Gone(reason) => OperationOutcome::Failed {
+            class: FailureClass::LeaseGone,
+            reason,
+        },
         // Only a lookup may say "not ready"; from anything else it means the
         // provider is confused, and nothing can be promised about the effect.
         ProviderError::NotReady => OperationOutcome::Failed {

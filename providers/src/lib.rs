@@ -42,6 +42,13 @@ pub enum ProviderError {
     /// Lookup only: the lease exists but its endpoint is not ready yet.
     #[error("endpoint not ready yet")]
     NotReady,
+    /// The lease the call named certainly no longer exists (deleted out of
+    /// band, expired). Only for calls that act on an existing lease
+    /// (`lookup_endpoint`, `start_bootstrap`); a provider whose listings lag
+    /// behind its creates must not say this while a new lease may still be
+    /// invisible.
+    #[error("the lease is gone: {0}")]
+    Gone(String),
 }
 
 /// A lease the provider made or adopted.

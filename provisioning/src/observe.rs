@@ -19,6 +19,12 @@ pub enum FailureClass {
     Definite,
     /// The effect may or may not have happened (lost result, timeout, crash).
     Ambiguous,
+    /// The provider is certain the lease the operation named no longer exists
+    /// (deleted out of band, expired). The operation had no effect; the
+    /// attempt cannot progress and fails, and its cleanup still runs
+    /// (destroying an absent lease is success), so nothing is ever leaked on
+    /// the provider's word alone.
+    LeaseGone,
 }
 
 /// What an executed operation reported.
@@ -150,9 +156,15 @@ pub fn fold_result(
     match (kind, outcome) {
         (_, OperationOutcome::Failed { class, reason }) => {
             rec.last_error = Some(format!("{kind:?}: {reason}"));
-            let attempt_fails = kind == EffectKind::StartBootstrap
-                && class == FailureClass::Definite
-                && node.intent == Intent::Active;
+            let attempt_fails = node.intent == Intent::Active
+                && match class {
+                    FailureClass::Definite => kind == EffectKind::StartBootstrap,
+                    FailureClass::LeaseGone => matches!(
+                        kind,
+                        EffectKind::LookupEndpoint | EffectKind::StartBootstrap
+                    ),
+                    FailureClass::Ambiguous => false,
+                };
             // A definite failure says only that *this* call had no effect: an
             // earlier ambiguous CreateLease (still running late, or done with
             // its result lost) may hold a machine, so it stays unresolved until
@@ -161,7 +173,9 @@ pub fn fold_result(
             // follows and may be dropped (its lease may be gone for good).
             match class {
                 FailureClass::Ambiguous if kind.creates() => rec.ambiguous = Some(kind),
-                FailureClass::Definite if kind == EffectKind::StartBootstrap => {
+                FailureClass::Definite | FailureClass::LeaseGone
+                    if kind == EffectKind::StartBootstrap =>
+                {
                     rec.ambiguous = None
                 }
                 _ => {}
@@ -171,7 +185,12 @@ pub fn fold_result(
             if attempt_fails {
                 // The attempt ends; cleanup starts at once and backoff is
                 // applied to the restart instead.
-                fail_attempt(node, format!("bootstrap could not start: {reason}"), now);
+                let why = if class == FailureClass::LeaseGone {
+                    format!("the lease is gone: {reason}")
+                } else {
+                    format!("bootstrap could not start: {reason}")
+                };
+                fail_attempt(node, why, now);
             } else {
                 node.retry.next_effect_at = Some(backoff_at);
             }
