@@ -242,8 +242,8 @@ pub fn reconcile_node(
 
     if node.intent == Intent::Deleting {
         // Rows 6-8 dispatch effects; each waits out a running backoff first.
-        let effect = if let Some(kind) = rec.ambiguous {
-            Some((R::AdoptAmbiguousCreate, kind))
+        let effect = if let Some(create) = rec.ambiguous {
+            Some((R::AdoptAmbiguousCreate, create.effect()))
         } else if rec.session.is_some() {
             Some((R::CancelBootstrap, EffectKind::CancelBootstrap))
         } else if rec.lease.is_some() {

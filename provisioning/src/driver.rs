@@ -32,7 +32,7 @@ use crate::observe::{
     BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome, OperationResult,
     fold_agent_lost, fold_bootstrap, fold_bootstrap_stall, fold_deadline, fold_result,
 };
-use crate::shape::{ClusterShape, DesiredState, NodeTemplate, ShapeError};
+use crate::shape::{ClusterShape, DesiredState, NodeTemplate, ShapeError, same_template};
 use crate::state::{ClusterState, EffectKind, Intent, ManagedNode, NodeStage, PendingOperation};
 use crate::time::{DeadlineOverflow, Timestamp, earliest};
 use serde::{Deserialize, Serialize};
@@ -187,6 +187,9 @@ pub struct Adoption {
     pub adopted: Vec<ResourceKey>,
     /// Keys of this run that no node will own: destroy what they hold.
     pub orphans: Vec<ResourceKey>,
+    /// Adopted keys of desired slots whose template is not (known to be) the
+    /// desired one: they are replaced.
+    pub drifted: Vec<ResourceKey>,
     /// Keys of other runs, left alone.
     pub foreign: Vec<ResourceKey>,
 }
@@ -201,6 +204,7 @@ fn retired_template() -> Arc<NodeTemplate> {
         boot: crate::shape::BootParams::default(),
         role: "retired".to_owned(),
         join: crate::shape::SwarmJoin::default(),
+        limits: crate::shape::NodeLimits::default(),
     })
 }
 
@@ -412,42 +416,54 @@ impl Driver {
     /// Takes over resources a provider already holds for this run (left by an
     /// earlier driver, e.g. after a restart or a shutdown that kept its nodes).
     ///
+    /// Each entry is a key and the template its attempt was created from,
+    /// when that is known to be the slot's desired template (`None` when it
+    /// is not known or differs: the node is then drifted and replaced, or
+    /// retired if its slot is not desired).
+    ///
     /// For each slot, the newest attempt found becomes the slot's node, with
     /// its create remembered as ambiguous: the next pass re-issues that create
     /// under the same key, so the provider hands back what it already has
     /// instead of making a second machine, and the node carries on from there
-    /// (or is cleaned up, if its slot is no longer desired). Older attempts of
-    /// a slot, and keys of slots that already have a node, are returned as
-    /// orphans for the caller to destroy. The attempt allocator moves past
-    /// every attempt seen, so no id is ever handed out twice.
+    /// (or is cleaned up). Older attempts of a slot, and keys of slots that
+    /// already have a node, are returned as orphans for the caller to
+    /// destroy. The attempt allocator moves past every attempt seen, so no id
+    /// is ever handed out twice. Adopted attempts number their operations
+    /// from `op_seq_base`, so an operation id of an earlier driver is never
+    /// reused.
     ///
-    /// Call it after the first shape is applied, so adopted nodes get their
-    /// slot's template rather than counting as drifted.
-    pub fn adopt(&mut self, keys: impl IntoIterator<Item = ResourceKey>) -> Adoption {
-        let mut newest: BTreeMap<LogicalNodeId, NodeAttemptId> = BTreeMap::new();
+    /// Call it after the first shape is applied, so adopted nodes are judged
+    /// against their slot's desired template.
+    pub fn adopt(
+        &mut self,
+        entries: impl IntoIterator<Item = (ResourceKey, Option<Arc<NodeTemplate>>)>,
+        op_seq_base: u64,
+    ) -> Adoption {
+        type Newest = (NodeAttemptId, Option<Arc<NodeTemplate>>);
+        let mut newest: BTreeMap<LogicalNodeId, Newest> = BTreeMap::new();
         let mut report = Adoption::default();
-        for key in keys {
+        for (key, template) in entries {
             if key.run_id != self.state.run_id {
                 report.foreign.push(key);
                 continue;
             }
             self.state.next_attempt = self.state.next_attempt.max(key.attempt.0.saturating_add(1));
             match newest.get(&key.node) {
-                Some(a) if *a >= key.attempt => report.orphans.push(key),
-                Some(a) => {
+                Some((a, _)) if *a >= key.attempt => report.orphans.push(key),
+                Some((a, _)) => {
                     let older = ResourceKey {
                         attempt: *a,
                         ..key.clone()
                     };
                     report.orphans.push(older);
-                    newest.insert(key.node, key.attempt);
+                    newest.insert(key.node, (key.attempt, template));
                 }
                 None => {
-                    newest.insert(key.node, key.attempt);
+                    newest.insert(key.node, (key.attempt, template));
                 }
             }
         }
-        for (node, attempt) in newest {
+        for (node, (attempt, template)) in newest {
             let key = ResourceKey {
                 run_id: self.state.run_id.clone(),
                 node: node.clone(),
@@ -457,14 +473,20 @@ impl Driver {
                 report.orphans.push(key);
                 continue;
             }
-            let template = self
-                .desired
-                .slot(&node)
-                .cloned()
-                .unwrap_or_else(retired_template);
+            // A known template is only ever the desired one; share its Arc.
+            let template = match (template, self.desired.slot(&node)) {
+                (Some(t), Some(d)) if same_template(&t, d) => d.clone(),
+                _ => {
+                    if self.desired.slot(&node).is_some() {
+                        report.drifted.push(key.clone());
+                    }
+                    retired_template()
+                }
+            };
             let mut managed = ManagedNode::new(attempt, template, 0);
+            managed.next_op_seq = op_seq_base;
             managed.record.stage = NodeStage::LeaseRequested;
-            managed.record.ambiguous = Some(EffectKind::CreateLease);
+            managed.record.ambiguous = Some(crate::state::AmbiguousCreate::CreateLease);
             self.state.nodes.insert(node, managed);
             report.adopted.push(key);
         }
@@ -473,6 +495,12 @@ impl Driver {
             self.trigger();
         }
         report
+    }
+
+    /// Makes sure no attempt id below `floor` is handed out from now on (a
+    /// restarted host resumes above every id an earlier one may have used).
+    pub fn raise_attempt_floor(&mut self, floor: u64) {
+        self.state.next_attempt = self.state.next_attempt.max(floor);
     }
 
     /// The actions the next pass would take on the current desired state, without applying them.
@@ -942,6 +970,7 @@ impl Driver {
             effect: kind,
             dispatched_at: now,
             deadline,
+            cleanup: node.intent == Intent::Deleting,
         });
         if kind == EffectKind::CreateLease && node.record.stage == NodeStage::New {
             node.record.stage = NodeStage::LeaseRequested;

@@ -25,8 +25,10 @@
 //! a [`ResourceKey`] (run, slot, attempt) and adopt before creating.
 
 mod config;
+mod core;
 mod decide;
 mod driver;
+mod host;
 mod id;
 pub mod observe;
 #[cfg(swactor_policy_probe)]
@@ -36,6 +38,7 @@ mod state;
 mod time;
 
 pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
+pub use core::Reconciler;
 pub use decide::{
     DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, is_converged,
     reconcile, reconcile_node,
@@ -43,6 +46,11 @@ pub use decide::{
 pub use driver::{
     Adoption, DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, Pass,
     PassStats, UpdateError,
+};
+pub use host::{
+    ApplyError, CollectRequest, EARLY_OBSERVATIONS_MAX, Host, HostConfig, HostError, HostEvent,
+    HostFold, JOURNAL_FORMAT, JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed,
+    Output, Reply, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
 };
 pub use id::{
     Generation, GroupId, ID_LEN_MAX, IdError, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint,
@@ -54,11 +62,11 @@ pub use observe::{
 };
 pub use shape::{
     BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupShape,
-    LogicalNodeSpec, NodeTemplate, ParamValue, ProviderShape, SHAPE_NODES_MAX, ShapeError,
+    LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, ProviderShape, SHAPE_NODES_MAX, ShapeError,
     SwarmJoin, same_template,
 };
 pub use state::{
-    BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord, NodeStage,
+    AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord, NodeStage,
     PendingOperation, RetryState,
 };
 pub use time::{DeadlineOverflow, Timestamp};

@@ -119,6 +119,9 @@ pub enum DiscardReason {
     StaleSession,
     /// The node is not an active, live attempt (already failed or being deleted).
     NotActive,
+    /// A stream's report that the agent joined: only a live connection to
+    /// the host proves that (see `Host::handle_bootstrap`).
+    NotLive,
 }
 
 /// What folding an input did.
@@ -149,8 +152,12 @@ pub fn fold_result(
         return Ok(Folded::Discarded(DiscardReason::StaleOperation));
     };
     let kind = pending.effect;
+    // An operation the active attempt dispatched, failing after the node
+    // began deleting, says nothing about the cleanup: it must not delay it.
+    let interrupted = node.intent == Intent::Deleting && !pending.cleanup;
     let failures_after = node.retry.consecutive_failures.saturating_add(1);
     let backoff_at = now.checked_add_ms(config.backoff_ms(node.attempt, failures_after))?;
+    let endpoint_at = now.checked_add_ms(node.template.limits.endpoint_timeout_ms())?;
     let rec = &mut node.record;
 
     match (kind, outcome) {
@@ -172,7 +179,7 @@ pub fn fold_result(
             // unresolved StartBootstrap is made safe by the DestroyLease that
             // follows and may be dropped (its lease may be gone for good).
             match class {
-                FailureClass::Ambiguous if kind.creates() => rec.ambiguous = Some(kind),
+                FailureClass::Ambiguous if kind.creates() => rec.ambiguous = kind.as_create(),
                 FailureClass::Definite | FailureClass::LeaseGone
                     if kind == EffectKind::StartBootstrap =>
                 {
@@ -181,6 +188,9 @@ pub fn fold_result(
                 _ => {}
             }
             node.pending = None;
+            if interrupted {
+                return Ok(Folded::Applied);
+            }
             node.retry.consecutive_failures = failures_after;
             if attempt_fails {
                 // The attempt ends; cleanup starts at once and backoff is
@@ -197,17 +207,20 @@ pub fn fold_result(
             return Ok(Folded::Applied);
         }
         (EffectKind::CreateLease, OperationOutcome::LeaseCreated { lease, endpoint }) => {
-            rec.stage = if endpoint.is_some() {
-                NodeStage::EndpointKnown
+            if endpoint.is_some() {
+                rec.stage = NodeStage::EndpointKnown;
+                rec.endpoint_deadline = None;
             } else {
-                NodeStage::LeaseCreated
-            };
+                rec.stage = NodeStage::LeaseCreated;
+                rec.endpoint_deadline = Some(endpoint_at);
+            }
             rec.lease = Some(lease);
             rec.endpoint = endpoint;
             rec.ambiguous = None;
         }
         (EffectKind::LookupEndpoint, OperationOutcome::EndpointFound { endpoint }) => {
             rec.endpoint = Some(endpoint);
+            rec.endpoint_deadline = None;
             if rec.stage == NodeStage::LeaseCreated {
                 rec.stage = NodeStage::EndpointKnown;
             }
@@ -215,6 +228,14 @@ pub fn fold_result(
         (EffectKind::LookupEndpoint, OperationOutcome::EndpointNotReady) => {
             let probe_at = now.checked_add_ms(config.probe_interval_ms)?;
             node.pending = None;
+            if node.intent == Intent::Active && rec.endpoint_deadline.is_some_and(|at| at <= now) {
+                let waited = node.template.limits.endpoint_timeout_s;
+                let reason = format!("the endpoint was not ready within {waited} s");
+                rec.last_error = Some(reason.clone());
+                node.retry.consecutive_failures = failures_after;
+                fail_attempt(node, reason, now);
+                return Ok(Folded::Applied);
+            }
             node.retry.next_effect_at = Some(probe_at);
             return Ok(Folded::Applied);
         }
@@ -378,5 +399,6 @@ fn fail_attempt(node: &mut ManagedNode, reason: String, now: Timestamp) {
     rec.failed_reason = Some(reason);
     rec.failed_at = Some(now);
     rec.bootstrap_deadline = None;
+    rec.endpoint_deadline = None;
     node.retry.next_effect_at = None;
 }

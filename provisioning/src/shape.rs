@@ -46,6 +46,9 @@ pub struct GroupShape {
     /// How nodes of this group join the swarm.
     #[serde(default)]
     pub join: SwarmJoin,
+    /// How long each step of a node of this group may take.
+    #[serde(default)]
+    pub limits: NodeLimits,
 }
 
 fn default_role() -> String {
@@ -114,6 +117,42 @@ impl Default for SwarmJoin {
             lost_grace_s: default_lost_grace_s(),
         }
     }
+}
+
+/// Per-group time limits. Part of the template: changing one replaces the
+/// group's nodes, like any other change to how they are made.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeLimits {
+    /// Seconds a leased machine may take to report a reachable endpoint
+    /// (e.g. a rented instance still loading its image). Past it, the attempt
+    /// fails and the machine is replaced instead of probed (and paid for) forever.
+    #[serde(default = "default_endpoint_timeout_s")]
+    pub endpoint_timeout_s: f64,
+}
+
+fn default_endpoint_timeout_s() -> f64 {
+    900.0
+}
+
+impl Default for NodeLimits {
+    fn default() -> Self {
+        Self {
+            endpoint_timeout_s: default_endpoint_timeout_s(),
+        }
+    }
+}
+
+impl NodeLimits {
+    /// [`NodeLimits::endpoint_timeout_s`] in whole milliseconds (saturating).
+    pub fn endpoint_timeout_ms(&self) -> u64 {
+        seconds_to_ms(self.endpoint_timeout_s)
+    }
+}
+
+/// Seconds as whole milliseconds; negative and NaN become 0, huge values saturate.
+pub(crate) fn seconds_to_ms(s: f64) -> u64 {
+    // `as` saturates and maps NaN to 0, which is what a deadline wants.
+    (s * 1000.0) as u64
 }
 
 /// Why a shape was rejected. Each variant names the offending field.
@@ -207,6 +246,94 @@ pub struct NodeTemplate {
     pub role: String,
     /// Swarm-join settings.
     pub join: SwarmJoin,
+    /// Time limits.
+    #[serde(default)]
+    pub limits: NodeLimits,
+}
+
+impl NodeTemplate {
+    /// A stable 64-bit digest of the template's content, for recording which
+    /// template an attempt was made from (a journal compares it after a
+    /// restart). Equal templates have equal digests; the encoding is fixed
+    /// (FNV-1a over length-prefixed fields), so a change to it needs a new
+    /// journal format.
+    pub fn digest(&self) -> u64 {
+        let mut h = Fnv::new();
+        h.str(&self.provider.kind);
+        h.u64(self.provider.params.len() as u64);
+        for (k, v) in &self.provider.params {
+            h.str(k);
+            h.param(v);
+        }
+        h.u64(u64::from(self.boot.image.is_some()));
+        h.str(self.boot.image.as_deref().unwrap_or(""));
+        h.u64(self.boot.boot_check.len() as u64);
+        for a in &self.boot.boot_check {
+            h.str(a);
+        }
+        h.u64(self.boot.env.len() as u64);
+        for (k, v) in &self.boot.env {
+            h.str(k);
+            h.str(v);
+        }
+        h.str(&self.role);
+        h.u64(self.join.tags.len() as u64);
+        for t in &self.join.tags {
+            h.str(t);
+        }
+        h.u64(self.join.lost_grace_s.to_bits());
+        h.u64(self.limits.endpoint_timeout_s.to_bits());
+        h.0
+    }
+}
+
+/// FNV-1a, 64 bits.
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        for byte in b {
+            self.0 ^= u64::from(*byte);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        self.u64(s.len() as u64);
+        self.bytes(s.as_bytes());
+    }
+    fn param(&mut self, v: &ParamValue) {
+        match v {
+            ParamValue::Bool(b) => {
+                self.u64(1);
+                self.u64(u64::from(*b));
+            }
+            ParamValue::Int(i) => {
+                self.u64(2);
+                self.u64(*i as u64);
+            }
+            ParamValue::Float(f) => {
+                self.u64(3);
+                self.u64(f.to_bits());
+            }
+            ParamValue::Str(s) => {
+                self.u64(4);
+                self.str(s);
+            }
+            ParamValue::List(items) => {
+                self.u64(5);
+                self.u64(items.len() as u64);
+                for i in items {
+                    self.param(i);
+                }
+            }
+        }
+    }
 }
 
 /// True when two templates describe the same attempt (pointer fast path first).
@@ -372,6 +499,14 @@ impl ClusterShape {
                     range: " >= 0",
                 });
             }
+            let endpoint_timeout = g.limits.endpoint_timeout_s;
+            if !endpoint_timeout.is_finite() || endpoint_timeout <= 0.0 {
+                return Err(ShapeError::BadNumber {
+                    field: format!("groups[{index}].limits.endpoint_timeout_s"),
+                    value: endpoint_timeout.to_string(),
+                    range: " > 0",
+                });
+            }
             groups.push(DesiredGroup {
                 id: GroupId::new(&g.id),
                 count: g.count,
@@ -380,6 +515,7 @@ impl ClusterShape {
                     boot: g.boot.clone(),
                     role: g.role.clone(),
                     join: g.join.clone(),
+                    limits: g.limits.clone(),
                 }),
             });
         }
@@ -426,6 +562,7 @@ pub(crate) mod tests {
             boot: BootParams::default(),
             role: "worker".to_owned(),
             join: SwarmJoin::default(),
+            limits: NodeLimits::default(),
         }
     }
 

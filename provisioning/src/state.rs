@@ -102,7 +102,37 @@ impl EffectKind {
     /// True for the effects that bring something into existence, and so must
     /// be re-issued (adopting) when their outcome is unknown.
     pub fn creates(self) -> bool {
-        matches!(self, Self::CreateLease | Self::StartBootstrap)
+        self.as_create().is_some()
+    }
+
+    /// The creating effect this is, if it is one.
+    pub fn as_create(self) -> Option<AmbiguousCreate> {
+        match self {
+            Self::CreateLease => Some(AmbiguousCreate::CreateLease),
+            Self::StartBootstrap => Some(AmbiguousCreate::StartBootstrap),
+            _ => None,
+        }
+    }
+}
+
+/// A creating effect whose outcome is unknown. Only the two effects that
+/// bring something into existence can be remembered this way: an unknown
+/// cancel or destroy is simply retried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum AmbiguousCreate {
+    /// A CreateLease that may have made a lease.
+    CreateLease,
+    /// A StartBootstrap that may have started a session.
+    StartBootstrap,
+}
+
+impl AmbiguousCreate {
+    /// The effect to re-issue so the executor adopts what it may have made.
+    pub fn effect(self) -> EffectKind {
+        match self {
+            Self::CreateLease => EffectKind::CreateLease,
+            Self::StartBootstrap => EffectKind::StartBootstrap,
+        }
     }
 }
 
@@ -117,6 +147,10 @@ pub struct PendingOperation {
     pub dispatched_at: Timestamp,
     /// When it is folded as ambiguous if no result came; stored at dispatch.
     pub deadline: Timestamp,
+    /// Whether a deleting node's cleanup dispatched it (rows 6-8). A failure
+    /// of any other operation on a node that has since begun deleting must
+    /// not hold its cleanup back.
+    pub cleanup: bool,
 }
 
 /// Per-node retry bookkeeping.
@@ -145,9 +179,12 @@ pub struct NodeRecord {
     /// The last bootstrap fact reported.
     pub bootstrap: Option<BootstrapStage>,
     /// A create whose outcome is unknown; re-issued (adopting) before any destructive step.
-    pub ambiguous: Option<EffectKind>,
+    pub ambiguous: Option<AmbiguousCreate>,
     /// A bootstrap session that reports nothing until this instant is failed as stalled.
     pub bootstrap_deadline: Option<Timestamp>,
+    /// A lease whose endpoint is still not ready at this instant fails the
+    /// attempt (an instance stuck loading is replaced, not probed forever).
+    pub endpoint_deadline: Option<Timestamp>,
     /// Why the attempt failed.
     pub failed_reason: Option<String>,
     /// When the attempt failed.
@@ -170,6 +207,7 @@ impl NodeRecord {
             bootstrap: None,
             ambiguous: None,
             bootstrap_deadline: None,
+            endpoint_deadline: None,
             failed_reason: None,
             failed_at: None,
             last_error: None,

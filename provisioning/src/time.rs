@@ -47,6 +47,11 @@ impl Timestamp {
             })
     }
 
+    /// `self` plus `delay_ms`, saturating at the end of time (for deadlines the host owns).
+    pub fn saturating_add_ms(self, delay_ms: u64) -> Self {
+        Self(self.0.saturating_add(delay_ms))
+    }
+
     /// Milliseconds from `earlier` to `self`, or zero when `earlier` is later.
     pub fn saturating_since(self, earlier: Self) -> u64 {
         self.0.saturating_sub(earlier.0)

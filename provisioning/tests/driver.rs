@@ -349,10 +349,20 @@ fn adopting_resources_reissues_their_creates_under_the_same_key_and_skips_used_a
     };
     let mut foreign = key("w-0", 1);
     foreign.run_id = RunId::new("other");
-    let report = d.adopt([key("w-0", 3), key("w-0", 7), key("w-5", 4), foreign.clone()]);
+    let known = d.desired().slot(&node_id("w-0")).cloned();
+    let report = d.adopt(
+        vec![
+            (key("w-0", 3), None),
+            (key("w-0", 7), known),
+            (key("w-5", 4), None),
+            (foreign.clone(), None),
+        ],
+        1 << 32,
+    );
     assert_eq!(report.adopted, [key("w-0", 7), key("w-5", 4)]);
     assert_eq!(report.orphans, [key("w-0", 3)]);
     assert_eq!(report.foreign, [foreign]);
+    assert!(report.drifted.is_empty(), "{:?}", report.drifted);
     let dispatches = drain(&mut d, t(0));
     let mut by_node: Vec<_> = dispatches
         .iter()
@@ -380,4 +390,30 @@ fn adopting_resources_reissues_their_creates_under_the_same_key_and_skips_used_a
         next.contains(&("w-5".to_string(), EffectKind::DestroyLease)),
         "{next:?}"
     );
+}
+
+#[test]
+fn an_adopted_attempt_whose_template_is_not_known_to_be_the_desired_one_is_replaced() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    let key = ResourceKey {
+        run_id: RunId::new("run"),
+        node: node_id("w-0"),
+        attempt: NodeAttemptId(3),
+    };
+    let report = d.adopt(vec![(key.clone(), None)], 7 << 32);
+    assert_eq!(report.drifted, [key.clone()]);
+    // It begins deleting at once, and its create is re-issued before any
+    // destructive step (adopt before destroy), numbered past every operation
+    // an earlier driver could have used.
+    let first = drain(&mut d, t(0));
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].request.kind(), EffectKind::CreateLease);
+    assert_eq!(first[0].op.seq, 7 << 32);
+    assert_eq!(d.state().nodes[&key.node].intent, Intent::Deleting);
+    assert_eq!(d.handle_result(success(&first[0]), t(0)).unwrap(), Folded::Applied);
+    let next = drain(&mut d, t(0));
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].request.kind(), EffectKind::DestroyLease);
+    assert_eq!(next[0].key, key);
 }

@@ -219,7 +219,7 @@ fn an_ambiguous_create_is_remembered_and_reissued_so_the_executor_adopts() {
             .unwrap(),
         Folded::Applied
     );
-    assert_eq!(node(&d).record.ambiguous, Some(EffectKind::CreateLease));
+    assert_eq!(node(&d).record.ambiguous, Some(AmbiguousCreate::CreateLease));
     // Scale to zero: the ambiguous create is re-issued before anything else.
     d.update_desired(&shape(2, vec![])).unwrap();
     let next = drain(&mut d, t(0));
@@ -244,7 +244,7 @@ fn an_operation_past_its_stored_deadline_folds_as_ambiguous_and_its_late_result_
     assert_eq!(deadline, t(d.config().timeouts.create_lease_ms));
     assert_eq!(d.poll_timeout(), Some(deadline));
     assert_eq!(d.handle_timeout(deadline).unwrap(), 1);
-    assert_eq!(node(&d).record.ambiguous, Some(EffectKind::CreateLease));
+    assert_eq!(node(&d).record.ambiguous, Some(AmbiguousCreate::CreateLease));
     assert_eq!(node(&d).pending, None);
     assert_eq!(
         d.handle_result(success(&c), deadline).unwrap(),
@@ -345,4 +345,94 @@ fn a_lost_agent_fails_only_the_current_active_attempt() {
         Folded::Discarded(DiscardReason::NotActive)
     );
     assert_eq!(node(&d).retry.consecutive_failures, 1);
+}
+
+#[test]
+fn an_operation_interrupted_by_a_scale_down_never_holds_back_the_cleanup() {
+    // Scale the slot away while its StartBootstrap (or LookupEndpoint) is
+    // pending; the operation then fails definitely. The cleanup it would
+    // have been part of must start at once: no backoff, no failure counted.
+    for kind in [EffectKind::LookupEndpoint, EffectKind::StartBootstrap] {
+        let mut d = one_node();
+        let op = until(&mut d, t(0), kind);
+        d.update_desired(&shape(2, vec![group("w", 0)])).unwrap();
+        assert!(drain(&mut d, t(0)).is_empty(), "BeginDelete only");
+        assert_eq!(node(&d).intent, Intent::Deleting);
+        assert_eq!(
+            d.handle_result(fail(&op, FailureClass::Definite), t(0))
+                .unwrap(),
+            Folded::Applied
+        );
+        assert_eq!(node(&d).retry.next_effect_at, None, "{kind:?}");
+        assert_eq!(node(&d).retry.consecutive_failures, 0, "{kind:?}");
+        let next = drain(&mut d, t(0));
+        assert_eq!(next.len(), 1, "{kind:?}: {next:?}");
+        assert_eq!(next[0].request.kind(), EffectKind::DestroyLease, "{kind:?}");
+        // A failing cleanup step still backs off.
+        assert_eq!(
+            d.handle_result(fail(&next[0], FailureClass::Definite), t(0))
+                .unwrap(),
+            Folded::Applied
+        );
+        assert_eq!(node(&d).retry.next_effect_at, Some(t(1_000)), "{kind:?}");
+    }
+}
+
+#[test]
+fn an_endpoint_that_never_becomes_ready_fails_the_attempt_at_its_groups_deadline() {
+    let mut d = driver();
+    let mut g = group("w", 1);
+    g.limits.endpoint_timeout_s = 10.0;
+    d.update_desired(&shape(1, vec![g])).unwrap();
+    let create = until(&mut d, t(0), EffectKind::CreateLease);
+    assert_eq!(d.handle_result(success(&create), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(node(&d).record.endpoint_deadline, Some(t(10_000)));
+    let mut now = 0;
+    let cleanup = loop {
+        let lookups = drain(&mut d, t(now));
+        if node(&d).intent == Intent::Deleting || now > 20_000 {
+            break lookups;
+        }
+        for l in lookups {
+            assert_eq!(l.request.kind(), EffectKind::LookupEndpoint);
+            let not_ready = result(&l, OperationOutcome::EndpointNotReady);
+            assert_eq!(d.handle_result(not_ready, t(now)).unwrap(), Folded::Applied);
+        }
+        now += 1_000;
+        d.handle_timeout(t(now)).unwrap();
+    };
+    assert!(
+        (10_000..=11_000).contains(&now),
+        "failed at {now} ms, the deadline is 10 s and probes are 1 s apart"
+    );
+    let reason = node(&d).record.failed_reason.clone().unwrap();
+    assert!(reason.contains("not ready within 10 s"), "{reason}");
+    // Its cleanup destroys the lease (a stuck instance is not left billing).
+    assert_eq!(cleanup.len(), 1);
+    assert_eq!(cleanup[0].request.kind(), EffectKind::DestroyLease);
+}
+
+#[test]
+fn a_lease_the_provider_says_is_gone_fails_the_attempt_and_is_still_destroyed() {
+    for kind in [EffectKind::LookupEndpoint, EffectKind::StartBootstrap] {
+        let mut d = one_node();
+        let op = until(&mut d, t(0), kind);
+        assert_eq!(
+            d.handle_result(fail(&op, FailureClass::LeaseGone), t(0))
+                .unwrap(),
+            Folded::Applied
+        );
+        assert_eq!(node(&d).record.stage, NodeStage::Failed, "{kind:?}");
+        let reason = node(&d).record.failed_reason.clone().unwrap();
+        assert!(reason.contains("the lease is gone"), "{reason}");
+        // Destroying what the provider says is gone is cheap and certain;
+        // trusting the word alone could leak a machine that only looked gone.
+        let mut next = drain(&mut d, t(0));
+        assert_eq!(next.len(), 1, "{kind:?}: {next:?}");
+        assert_eq!(next[0].request.kind(), EffectKind::DestroyLease);
+        let destroyed = next.remove(0);
+        assert_eq!(d.handle_result(success(&destroyed), t(0)).unwrap(), Folded::Applied);
+        assert!(drain(&mut d, t(0)).is_empty());
+        assert_eq!(node(&d).record.stage, NodeStage::Destroyed);
+    }
 }

@@ -56,6 +56,7 @@ fn pending(kind: EffectKind, deadline: u64) -> PendingOperation {
         effect: kind,
         dispatched_at: t(0),
         deadline: t(deadline),
+        cleanup: false,
     }
 }
 
@@ -165,7 +166,7 @@ fn row_5_a_node_with_a_pending_operation_waits_for_its_result_or_deadline() {
 fn row_6_a_deleting_node_with_an_ambiguous_create_reissues_it_to_adopt_first() {
     let mut n = node_at(NodeStage::LeaseRequested);
     n.intent = Intent::Deleting;
-    n.record.ambiguous = Some(EffectKind::CreateLease);
+    n.record.ambiguous = Some(AmbiguousCreate::CreateLease);
     let d = decide(&n, false);
     assert_eq!(
         (d.row, d.action),
@@ -177,7 +178,7 @@ fn row_6_a_deleting_node_with_an_ambiguous_create_reissues_it_to_adopt_first() {
     // An ambiguous bootstrap is adopted before the session could be cancelled.
     let mut n = node_at(NodeStage::EndpointKnown);
     n.intent = Intent::Deleting;
-    n.record.ambiguous = Some(EffectKind::StartBootstrap);
+    n.record.ambiguous = Some(AmbiguousCreate::StartBootstrap);
     assert_eq!(
         decide(&n, false).action,
         Some(NodeAction::Dispatch(EffectKind::StartBootstrap))
@@ -339,7 +340,7 @@ fn rows_are_tried_in_priority_order() {
     // Adoption outranks cancel and destroy.
     let mut n = node_at(NodeStage::BootstrapRunning);
     n.intent = Intent::Deleting;
-    n.record.ambiguous = Some(EffectKind::StartBootstrap);
+    n.record.ambiguous = Some(AmbiguousCreate::StartBootstrap);
     assert_eq!(decide(&n, false).row, LadderRow::AdoptAmbiguousCreate);
     // Cancel outranks destroy.
     n.record.ambiguous = None;
@@ -429,7 +430,7 @@ fn the_golden_decision_table_matches() {
             row(&format!("backoff {stage:?}"), &back, desired_slot);
             let mut amb = node_at(stage);
             amb.intent = Intent::Deleting;
-            amb.record.ambiguous = Some(EffectKind::CreateLease);
+            amb.record.ambiguous = Some(AmbiguousCreate::CreateLease);
             row(&format!("deleting-ambiguous {stage:?}"), &amb, desired_slot);
         }
     }

@@ -21,6 +21,7 @@ pub fn group(id: &str, count: u32) -> GroupShape {
         boot: BootParams::default(),
         role: "worker".to_owned(),
         join: SwarmJoin::default(),
+        limits: NodeLimits::default(),
     }
 }
 

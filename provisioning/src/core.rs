@@ -1,0 +1,195 @@
+//! The driver operations a host uses, as a trait, so a harness can wrap or replace the driver.
+
+use crate::config::ReconcilerConfig;
+use crate::decide::Plan;
+use crate::driver::{Adoption, DesiredUpdate, Driver, DriverError, DriverStats, Pass, UpdateError};
+use crate::id::{LogicalNodeId, NodeAttemptId, OperationId, ResourceKey};
+use crate::observe::{BootstrapObservation, Folded, OperationResult};
+use crate::shape::{ClusterShape, DesiredState, NodeTemplate};
+use crate::state::ClusterState;
+use crate::time::Timestamp;
+use std::sync::Arc;
+
+/// The driver core as a [`crate::Host`] (or a test harness) drives it.
+///
+/// Every method means what the [`Driver`] method of the same name means;
+/// [`Driver`] is the implementation. A conformance harness wraps a driver in
+/// another implementation to break it on purpose and check that its oracle
+/// notices.
+pub trait Reconciler {
+    /// See [`Driver::update_desired`].
+    ///
+    /// # Errors
+    /// As the driver's.
+    fn update_desired(&mut self, shape: &ClusterShape) -> Result<DesiredUpdate, UpdateError>;
+    /// See [`Driver::handle_result`].
+    ///
+    /// # Errors
+    /// As the driver's.
+    fn handle_result(
+        &mut self,
+        result: OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError>;
+    /// See [`Driver::handle_submit_failed`].
+    ///
+    /// # Errors
+    /// As the driver's.
+    fn handle_submit_failed(
+        &mut self,
+        node: &LogicalNodeId,
+        op: OperationId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError>;
+    /// See [`Driver::handle_bootstrap`].
+    ///
+    /// # Errors
+    /// As the driver's.
+    fn handle_bootstrap(
+        &mut self,
+        obs: BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError>;
+    /// See [`Driver::handle_agent_lost`].
+    fn handle_agent_lost(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Folded;
+    /// See [`Driver::handle_timeout`].
+    ///
+    /// # Errors
+    /// As the driver's.
+    fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError>;
+    /// See [`Driver::handle_tick`].
+    fn handle_tick(&mut self, now: Timestamp);
+    /// See [`Driver::poll_timeout`].
+    fn poll_timeout(&self) -> Option<Timestamp>;
+    /// See [`Driver::poll_pass`].
+    ///
+    /// # Errors
+    /// As the driver's.
+    fn poll_pass(&mut self, now: Timestamp) -> Result<Option<Pass>, DriverError>;
+    /// See [`Driver::finish_pass`].
+    ///
+    /// # Errors
+    /// As the driver's.
+    fn finish_pass(&mut self) -> Result<(), DriverError>;
+    /// See [`Driver::adopt`].
+    fn adopt(
+        &mut self,
+        entries: Vec<(ResourceKey, Option<Arc<NodeTemplate>>)>,
+        op_seq_base: u64,
+    ) -> Adoption;
+    /// See [`Driver::raise_attempt_floor`].
+    fn raise_attempt_floor(&mut self, floor: u64);
+    /// See [`Driver::plan`].
+    fn plan(&self, now: Timestamp) -> Plan;
+    /// See [`Driver::plan_shape`].
+    ///
+    /// # Errors
+    /// As the driver's.
+    fn plan_shape(&self, shape: &ClusterShape, now: Timestamp) -> Result<Plan, UpdateError>;
+    /// See [`Driver::state`].
+    fn state(&self) -> &ClusterState;
+    /// See [`Driver::desired`].
+    fn desired(&self) -> &DesiredState;
+    /// See [`Driver::config`].
+    fn config(&self) -> &ReconcilerConfig;
+    /// See [`Driver::is_converged`].
+    fn is_converged(&self) -> bool;
+    /// See [`Driver::stats`].
+    fn stats(&self) -> DriverStats;
+    /// See [`Driver::is_pass_queued`].
+    fn is_pass_queued(&self) -> bool;
+}
+
+impl Reconciler for Driver {
+    fn update_desired(&mut self, shape: &ClusterShape) -> Result<DesiredUpdate, UpdateError> {
+        Driver::update_desired(self, shape)
+    }
+    fn handle_result(
+        &mut self,
+        result: OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        Driver::handle_result(self, result, now)
+    }
+    fn handle_submit_failed(
+        &mut self,
+        node: &LogicalNodeId,
+        op: OperationId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        Driver::handle_submit_failed(self, node, op, reason, now)
+    }
+    fn handle_bootstrap(
+        &mut self,
+        obs: BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        Driver::handle_bootstrap(self, obs, now)
+    }
+    fn handle_agent_lost(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Folded {
+        Driver::handle_agent_lost(self, node, attempt, reason, now)
+    }
+    fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
+        Driver::handle_timeout(self, now)
+    }
+    fn handle_tick(&mut self, now: Timestamp) {
+        Driver::handle_tick(self, now);
+    }
+    fn poll_timeout(&self) -> Option<Timestamp> {
+        Driver::poll_timeout(self)
+    }
+    fn poll_pass(&mut self, now: Timestamp) -> Result<Option<Pass>, DriverError> {
+        Driver::poll_pass(self, now)
+    }
+    fn finish_pass(&mut self) -> Result<(), DriverError> {
+        Driver::finish_pass(self)
+    }
+    fn adopt(
+        &mut self,
+        entries: Vec<(ResourceKey, Option<Arc<NodeTemplate>>)>,
+        op_seq_base: u64,
+    ) -> Adoption {
+        Driver::adopt(self, entries, op_seq_base)
+    }
+    fn raise_attempt_floor(&mut self, floor: u64) {
+        Driver::raise_attempt_floor(self, floor);
+    }
+    fn plan(&self, now: Timestamp) -> Plan {
+        Driver::plan(self, now)
+    }
+    fn plan_shape(&self, shape: &ClusterShape, now: Timestamp) -> Result<Plan, UpdateError> {
+        Driver::plan_shape(self, shape, now)
+    }
+    fn state(&self) -> &ClusterState {
+        Driver::state(self)
+    }
+    fn desired(&self) -> &DesiredState {
+        Driver::desired(self)
+    }
+    fn config(&self) -> &ReconcilerConfig {
+        Driver::config(self)
+    }
+    fn is_converged(&self) -> bool {
+        Driver::is_converged(self)
+    }
+    fn stats(&self) -> DriverStats {
+        Driver::stats(self)
+    }
+    fn is_pass_queued(&self) -> bool {
+        Driver::is_pass_queued(self)
+    }
+}

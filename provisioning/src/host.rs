@@ -1,0 +1,1460 @@
+//! The cluster host: every decision a daemon makes around the driver core, sans-IO.
+//!
+//! The [`Driver`](crate::Driver) decides one pass at a time for the nodes it
+//! holds. A daemon decides more than that: what to adopt from a provider's
+//! inventory and a journal after a restart (and which adopted attempts have
+//! drifted), what an orphaned resource is and when to collect it, when a
+//! disconnected agent's grace ends, which operations an executor that crashed
+//! was holding, what must be durable before an effect or an acknowledgement,
+//! how a shutdown ends, and when to tell waiters the cluster converged.
+//! [`Host`] holds all of it, like `quinn-proto`'s `Endpoint` next to its
+//! `Connection`: no clock, no I/O, time is an argument, and everything it
+//! wants done comes out as data.
+//!
+//! # Calling order
+//! 1. Feed inputs as they arrive (`handle_*`). The first input a fresh host
+//!    needs is the provider's inventory ([`Host::handle_inventory`]): no pass
+//!    runs before it, so nothing is created that should have been adopted.
+//! 2. Drain outputs: `while let Some(out) = host.poll_output(now) { ... }`.
+//!    - [`Output::Persist`]: the host MUST NOT be polled past it until the
+//!      delta is durable and [`Host::handle_persisted`] was called (polling
+//!      returns `None` meanwhile). Everything after it in the stream depends
+//!      on it: an attempt's first effect on its record, an acknowledgement on
+//!      the shape it acknowledges.
+//!    - [`Output::Pass`]: every dispatch in it is already recorded as pending
+//!      and MUST be submitted on the lane [`Host::lane_of`] names, or reported
+//!      with [`Host::handle_submit_failed`].
+//!    - [`Output::Collect`]: destroy what an orphaned key holds (cancel its
+//!      session, then destroy its lease) and report with
+//!      [`Host::handle_collected`].
+//!    - [`Output::Reply`]: answer the caller who holds that [`Ticket`].
+//!    - [`Output::Folded`]: an input the host fed to the core itself (a join,
+//!      an early observation, a lost agent, an operation of a crashed
+//!      executor); nothing to do, it is there so observers see every fold.
+//!    - [`Output::Stop`]: the host is done; drop it.
+//! 3. Publish [`Host::poll_event`]s, arm ONE timer at [`Host::poll_timeout`]
+//!    and call [`Host::handle_timeout`] when it fires.
+//!
+//! # Guarantees
+//! - **Durable before effect.** No pass runs while a persist is outstanding,
+//!   so an attempt's record and the attempt-id reservation that covers it are
+//!   durable before its first effect is dispatched. Attempt ids are never
+//!   reused, across any number of restarts.
+//! - **Adopt, never guess.** After a restart every attempt a journal or the
+//!   provider knows of is adopted and its create re-issued under its key, so
+//!   a machine that exists is found and one that does not is made once. An
+//!   adopted attempt whose recorded template is not the desired one (or is
+//!   unknown) is replaced. Everything else the provider lists for the run is
+//!   collected.
+//! - **Ready means live.** A node becomes ready only after its agent joined
+//!   *this* host (a stream replaying an old join proves nothing), and a
+//!   joined agent gone for longer than its group's grace fails the attempt.
+
+use crate::config::ReconcilerConfig;
+use crate::core::Reconciler;
+use crate::decide::Plan;
+use crate::driver::{DesiredUpdate, DriverError, Pass, PassStats, UpdateError};
+use crate::id::{
+    Generation, LeaseId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId, SessionId,
+};
+use crate::observe::{
+    BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome,
+    OperationResult,
+};
+use crate::shape::{ClusterShape, NodeTemplate, seconds_to_ms};
+use crate::state::{EffectKind, Intent, NodeStage};
+use crate::time::{Timestamp, earliest};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+
+/// The journal format this host writes and reads.
+pub const JOURNAL_FORMAT: u32 = 1;
+
+/// Early observations kept per node while its StartBootstrap result is outstanding.
+pub const EARLY_OBSERVATIONS_MAX: usize = 64;
+
+/// Settings of a [`Host`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostConfig {
+    /// Executor lanes: every operation of an attempt goes to lane
+    /// `attempt % lanes`, so one attempt's operations never overlap.
+    pub lanes: u32,
+    /// Whether a bootstrap stream's `SwactorJoined` proves the agent joined.
+    /// A daemon with a swarm endpoint sets it false: only
+    /// [`Host::handle_agent_joined`] proves a live join. Hosts without one
+    /// (a test with a fake provider) set it true.
+    pub stream_joins: bool,
+    /// Emit an event for every node change and dispatch (off for very large benchmarks).
+    pub node_events: bool,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        Self {
+            lanes: 16,
+            stream_joins: false,
+            node_events: true,
+        }
+    }
+}
+
+/// The durable part of a host, besides its slot records.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JournalMeta {
+    /// The run; a journal never changes run.
+    pub run_id: RunId,
+    /// How many hosts have started on this journal; adopted attempts number
+    /// their operations from `epoch << 32`.
+    pub epoch: u64,
+    /// No attempt id at or above this has been handed out.
+    pub attempts_reserved: u64,
+    /// The last shape accepted (and acknowledged); `None` before the first.
+    pub shape: Option<ClusterShape>,
+    /// A teardown was asked for and has not finished.
+    pub tearing_down: bool,
+}
+
+/// Which attempt a slot holds and which template it was made from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotRecord {
+    /// The attempt.
+    pub attempt: NodeAttemptId,
+    /// [`NodeTemplate::digest`] of its template.
+    pub template: u64,
+}
+
+/// Everything a journal holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JournalImage {
+    /// Scalars.
+    pub meta: JournalMeta,
+    /// One record per slot that holds an attempt.
+    pub slots: BTreeMap<LogicalNodeId, SlotRecord>,
+}
+
+impl JournalImage {
+    /// The image of a journal nothing was written to yet.
+    pub fn new(run_id: RunId) -> Self {
+        Self {
+            meta: JournalMeta {
+                run_id,
+                epoch: 0,
+                attempts_reserved: 0,
+                shape: None,
+                tearing_down: false,
+            },
+            slots: BTreeMap::new(),
+        }
+    }
+
+    /// Applies a committed delta.
+    pub fn apply(&mut self, delta: &JournalDelta) {
+        if let Some(meta) = &delta.meta {
+            self.meta = meta.clone();
+        }
+        for node in &delta.remove {
+            self.slots.remove(node);
+        }
+        for (node, record) in &delta.put {
+            self.slots.insert(node.clone(), *record);
+        }
+    }
+}
+
+/// One durable change, committed as a whole.
+#[must_use = "a persist MUST be committed and acknowledged with handle_persisted"]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JournalDelta {
+    /// Its sequence number; acknowledge it with [`Host::handle_persisted`].
+    pub seq: u64,
+    /// The new scalars, when they changed.
+    pub meta: Option<JournalMeta>,
+    /// Slot records to write (removals first, then these).
+    pub put: Vec<(LogicalNodeId, SlotRecord)>,
+    /// Slot records to remove.
+    pub remove: Vec<LogicalNodeId>,
+}
+
+/// What a provider listed for one key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Listed {
+    /// The key.
+    pub key: ResourceKey,
+    /// Its live lease, if any.
+    pub lease: Option<LeaseId>,
+    /// Its live session, if any.
+    pub session: Option<SessionId>,
+}
+
+/// Destroy what an orphaned key holds: cancel the session, then destroy the lease.
+#[must_use]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectRequest {
+    /// The orphaned key.
+    pub key: ResourceKey,
+    /// Its lease, if the provider listed one.
+    pub lease: Option<LeaseId>,
+    /// Its session, if the provider listed one.
+    pub session: Option<SessionId>,
+}
+
+/// Names a caller waiting for a [`Reply`]; chosen by the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Ticket(pub u64);
+
+/// How to shut a cluster down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShutdownMode {
+    /// Scale to zero and stop only when nothing is left at the provider.
+    Teardown,
+    /// Stop managing; leave every node running for a later host of the run to adopt.
+    Keep,
+}
+
+/// What a shutdown did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShutdownReport {
+    /// The mode.
+    pub mode: ShutdownMode,
+    /// Slots whose nodes were torn down.
+    pub destroyed: Vec<LogicalNodeId>,
+    /// Slots whose nodes were left running.
+    pub kept: Vec<LogicalNodeId>,
+}
+
+/// Why a shape was not applied.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ApplyError {
+    /// The shape breaks validation or the revision contract.
+    #[error(transparent)]
+    Update(#[from] UpdateError),
+    /// The cluster is being torn down (or has stopped); it only shrinks now.
+    #[error(
+        "the cluster is being torn down, so no shape can be applied; start it again once the teardown has finished"
+    )]
+    ShuttingDown,
+}
+
+/// The answer to a ticket.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reply {
+    /// The outcome of an apply; an accepted shape is durable by now.
+    Applied(Result<DesiredUpdate, ApplyError>),
+    /// The cluster converged on this generation.
+    Converged(Generation),
+    /// The shutdown finished.
+    Shutdown(ShutdownReport),
+    /// The host stopped before it could answer.
+    Stopped,
+}
+
+/// A fold the host made of its own accord (see [`Output::Folded`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostFold {
+    /// An observation: a live join fed to the core, or one that arrived
+    /// before its session was known, replayed.
+    Observation {
+        /// The observation.
+        obs: BootstrapObservation,
+        /// What folding it did.
+        folded: Result<Folded, DriverError>,
+    },
+    /// An operation of a crashed executor, folded as ambiguous.
+    Result {
+        /// The synthesised result.
+        result: OperationResult,
+        /// What folding it did.
+        folded: Result<Folded, DriverError>,
+    },
+    /// A joined agent stayed away past its grace.
+    AgentLost {
+        /// The slot.
+        node: LogicalNodeId,
+        /// The attempt.
+        attempt: NodeAttemptId,
+        /// Why.
+        reason: String,
+        /// What folding it did.
+        folded: Folded,
+    },
+}
+
+/// Something the host wants done. See the module docs for what each MUST cause.
+#[derive(Debug)]
+pub enum Output {
+    /// Make this delta durable, then call [`Host::handle_persisted`].
+    Persist(JournalDelta),
+    /// A pass ran; submit its dispatches.
+    Pass(Pass),
+    /// Destroy an orphan's resources.
+    Collect(CollectRequest),
+    /// A fold the host made itself; nothing to do.
+    Folded(HostFold),
+    /// Answer a ticket.
+    Reply(Ticket, Reply),
+    /// The host has stopped.
+    Stop,
+}
+
+/// Something worth telling people about.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostEvent {
+    /// A shape became the desired state.
+    ShapeAccepted {
+        /// Its generation.
+        generation: Generation,
+        /// Its node count.
+        nodes: u64,
+    },
+    /// The provider's inventory and the journal were adopted.
+    Adopted {
+        /// Keys that became a slot's node.
+        adopted: Vec<ResourceKey>,
+        /// Adopted keys whose template is not the desired one: they are replaced.
+        drifted: Vec<ResourceKey>,
+        /// Keys that no slot owns: their resources are collected.
+        orphans: Vec<ResourceKey>,
+        /// Keys of other runs, left alone.
+        foreign: Vec<ResourceKey>,
+    },
+    /// An orphan was collected (`error: None`) or a try failed (it is retried).
+    Collected {
+        /// The orphan.
+        key: ResourceKey,
+        /// Why the try failed.
+        error: Option<String>,
+    },
+    /// An agent joined.
+    AgentJoined(ResourceKey),
+    /// A joined agent disconnected; its node fails unless it rejoins before `grace_until`.
+    AgentDisconnected {
+        /// The agent.
+        key: ResourceKey,
+        /// When its grace ends.
+        grace_until: Timestamp,
+    },
+    /// A node changed.
+    NodeChanged(LogicalNodeId),
+    /// An effect was dispatched.
+    Dispatched {
+        /// The slot.
+        node: LogicalNodeId,
+        /// The operation.
+        op: OperationId,
+        /// The effect.
+        effect: EffectKind,
+    },
+    /// A pass ran.
+    Pass {
+        /// Its number.
+        number: u64,
+        /// Its counters.
+        stats: PassStats,
+    },
+    /// The cluster converged on a generation.
+    Converged {
+        /// The generation.
+        generation: Generation,
+        /// Nodes held.
+        nodes: usize,
+    },
+    /// A teardown began.
+    TeardownStarted {
+        /// The empty generation it converges on.
+        generation: Generation,
+    },
+    /// Something went wrong that people should know about.
+    Warning(String),
+}
+
+/// Why an agent's join was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum JoinRefused {
+    /// The key names another run.
+    #[error("run {0} is not this cluster's run")]
+    OtherRun(RunId),
+    /// No node holds that slot.
+    #[error("{0} is not a node of this cluster")]
+    UnknownNode(LogicalNodeId),
+    /// The attempt was replaced by a newer one.
+    #[error("attempt {given} of {node} is superseded (current: {current})")]
+    Superseded {
+        /// The slot.
+        node: LogicalNodeId,
+        /// The attempt that asked.
+        given: NodeAttemptId,
+        /// The slot's current attempt.
+        current: NodeAttemptId,
+    },
+    /// The attempt failed or is being deleted.
+    #[error("{0} is being deleted")]
+    NotActive(LogicalNodeId),
+    /// The host has stopped.
+    #[error("the cluster has stopped")]
+    Stopped,
+}
+
+/// Why a host could not be built.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum HostError {
+    /// The journal belongs to another run.
+    #[error("the journal belongs to run {journal}, not {given}")]
+    OtherRun {
+        /// The journal's run.
+        journal: RunId,
+        /// The core's run.
+        given: RunId,
+    },
+    /// The journal's shape is refused by the core (a journal written by another version?).
+    #[error("the journal's shape cannot be applied: {0}")]
+    JournalShape(UpdateError),
+    /// The core is not fresh.
+    #[error("the host needs a fresh core with no nodes and no shape")]
+    CoreNotFresh,
+    /// The lane count is zero.
+    #[error("lanes must be at least 1")]
+    NoLanes,
+}
+
+/// The agent link of a slot's current attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// The agent is connected to this host.
+    Connected(NodeAttemptId),
+    /// The agent joined once and is away; the attempt fails at `until`.
+    Away {
+        /// The attempt.
+        attempt: NodeAttemptId,
+        /// End of its grace.
+        until: Timestamp,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Collect {
+    request: CollectRequest,
+    failures: u32,
+    due: Option<Timestamp>,
+}
+
+#[derive(Clone, Debug)]
+enum Todo {
+    Observe(BootstrapObservation),
+    FeedJoin(LogicalNodeId),
+    LaneLost(OperationId, LogicalNodeId),
+    AgentLost(LogicalNodeId, NodeAttemptId, String),
+}
+
+#[derive(Clone, Debug)]
+enum Adoption {
+    /// Waiting for the provider's inventory.
+    Listing,
+    /// Inventory in hand, waiting for a shape (or a shutdown) to judge it by.
+    Waiting(Vec<Listed>),
+    /// Done.
+    Done,
+}
+
+#[derive(Clone, Debug)]
+struct Shutdown {
+    mode: ShutdownMode,
+    tickets: Vec<Ticket>,
+    nodes: BTreeSet<LogicalNodeId>,
+}
+
+/// The cluster host. See the module docs for the calling order.
+#[derive(Debug)]
+pub struct Host<C: Reconciler> {
+    core: C,
+    config: HostConfig,
+    meta: JournalMeta,
+    slots: BTreeMap<LogicalNodeId, SlotRecord>,
+    meta_dirty: bool,
+    put: BTreeMap<LogicalNodeId, SlotRecord>,
+    remove: BTreeSet<LogicalNodeId>,
+    next_seq: u64,
+    awaiting: Option<u64>,
+    adoption: Adoption,
+    links: BTreeMap<LogicalNodeId, Link>,
+    graces: BTreeSet<(Timestamp, LogicalNodeId)>,
+    early: BTreeMap<LogicalNodeId, Vec<BootstrapObservation>>,
+    in_flight: BTreeMap<OperationId, (LogicalNodeId, u32)>,
+    collects: BTreeMap<ResourceKey, Collect>,
+    todo: VecDeque<Todo>,
+    outputs: VecDeque<Output>,
+    events: VecDeque<HostEvent>,
+    waiters: Vec<Ticket>,
+    shutdown: Option<Shutdown>,
+    converged_reported: Option<Generation>,
+    stopped: bool,
+    digests: Vec<(Arc<NodeTemplate>, u64)>,
+}
+
+impl<C: Reconciler> Host<C> {
+    /// A host around `core`, which must be fresh (no nodes, no shape). With a
+    /// journal, the host resumes it: its shape becomes the desired state
+    /// again, attempt ids continue above its reservation, and its slot
+    /// records are adopted with the provider's inventory.
+    ///
+    /// # Errors
+    /// The journal is another run's or its shape is refused; the core is not fresh.
+    pub fn new(
+        mut core: C,
+        config: HostConfig,
+        journal: Option<JournalImage>,
+    ) -> Result<Self, HostError> {
+        if config.lanes == 0 {
+            return Err(HostError::NoLanes);
+        }
+        let run_id = core.state().run_id.clone();
+        if !core.state().nodes.is_empty() || core.desired().generation.0 != 0 {
+            return Err(HostError::CoreNotFresh);
+        }
+        let image = journal.unwrap_or_else(|| JournalImage::new(run_id.clone()));
+        if image.meta.run_id != run_id {
+            return Err(HostError::OtherRun {
+                journal: image.meta.run_id,
+                given: run_id,
+            });
+        }
+        let JournalImage { mut meta, slots } = image;
+        meta.epoch = meta.epoch.saturating_add(1);
+        core.raise_attempt_floor(meta.attempts_reserved);
+        if let Some(shape) = &meta.shape {
+            core.update_desired(shape).map_err(HostError::JournalShape)?;
+        }
+        Ok(Self {
+            core,
+            config,
+            meta,
+            slots,
+            meta_dirty: true,
+            put: BTreeMap::new(),
+            remove: BTreeSet::new(),
+            next_seq: 1,
+            awaiting: None,
+            adoption: Adoption::Listing,
+            links: BTreeMap::new(),
+            graces: BTreeSet::new(),
+            early: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
+            collects: BTreeMap::new(),
+            todo: VecDeque::new(),
+            outputs: VecDeque::new(),
+            events: VecDeque::new(),
+            waiters: Vec::new(),
+            shutdown: None,
+            converged_reported: None,
+            stopped: false,
+            digests: Vec::new(),
+        })
+    }
+
+    // ----- queries -----
+
+    /// The driver core (read-only: only the host writes it).
+    pub fn core(&self) -> &C {
+        &self.core
+    }
+
+    /// The core's configuration.
+    pub fn config(&self) -> &ReconcilerConfig {
+        self.core.config()
+    }
+
+    /// The host's settings.
+    pub fn host_config(&self) -> &HostConfig {
+        &self.config
+    }
+
+    /// The durable scalars as of the last persist handed out (or about to be).
+    pub fn journal_meta(&self) -> &JournalMeta {
+        &self.meta
+    }
+
+    /// The slot records as of the last persist handed out (or about to be).
+    pub fn slot_records(&self) -> &BTreeMap<LogicalNodeId, SlotRecord> {
+        &self.slots
+    }
+
+    /// The agent link of `node`'s current attempt, if its agent ever joined this host.
+    pub fn link(&self, node: &LogicalNodeId) -> Option<Link> {
+        self.links.get(node).copied()
+    }
+
+    /// Orphans still being collected.
+    pub fn collecting(&self) -> impl Iterator<Item = &ResourceKey> {
+        self.collects.keys()
+    }
+
+    /// Whether the provider's inventory has been adopted.
+    pub fn adopted(&self) -> bool {
+        matches!(self.adoption, Adoption::Done)
+    }
+
+    /// The shutdown under way, if any.
+    pub fn shutting_down(&self) -> Option<ShutdownMode> {
+        self.shutdown.as_ref().map(|s| s.mode)
+    }
+
+    /// Whether the host has stopped.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// The lane every operation of `attempt` goes to.
+    pub fn lane_of(&self, attempt: NodeAttemptId) -> u32 {
+        (attempt.0 % u64::from(self.config.lanes)) as u32
+    }
+
+    /// Converged on the desired shape with nothing left to adopt or collect:
+    /// before the inventory is in, "nothing held" is not known.
+    pub fn is_converged(&self) -> bool {
+        self.adopted() && self.collects.is_empty() && self.core.is_converged()
+    }
+
+    /// Whether a pass is queued in the core.
+    pub fn is_pass_queued(&self) -> bool {
+        self.core.is_pass_queued()
+    }
+
+    /// What the next pass would do on the current shape, or on `shape` if it were applied.
+    ///
+    /// # Errors
+    /// `shape` breaks validation or the revision contract, or the cluster is being torn down.
+    pub fn plan(&self, shape: Option<&ClusterShape>, now: Timestamp) -> Result<Plan, ApplyError> {
+        match shape {
+            None => Ok(self.core.plan(now)),
+            Some(_) if self.shutdown.is_some() || self.stopped => Err(ApplyError::ShuttingDown),
+            Some(s) => Ok(self.core.plan_shape(s, now)?),
+        }
+    }
+
+    /// The earliest instant the host needs waking: the core's deadline, a
+    /// grace end, an orphan's retry.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        if self.stopped {
+            return None;
+        }
+        let grace = self.graces.first().map(|(at, _)| *at);
+        let collect = self.collects.values().filter_map(|c| c.due).min();
+        earliest(earliest(self.core.poll_timeout(), grace), collect)
+    }
+
+    /// The next event to publish.
+    pub fn poll_event(&mut self) -> Option<HostEvent> {
+        self.events.pop_front()
+    }
+
+    // ----- inputs -----
+
+    /// The provider's inventory for this run (or why it could not be listed).
+    /// Adoption happens once a shape (or a shutdown) says what is desired.
+    pub fn handle_inventory(&mut self, listed: Result<Vec<Listed>, String>, now: Timestamp) {
+        if !matches!(self.adoption, Adoption::Listing) {
+            return;
+        }
+        let listed = listed.unwrap_or_else(|e| {
+            // The journal's records are still adopted; what the provider
+            // holds beyond them cannot be known, so it is not collected.
+            self.warn(format!("could not list the provider's resources: {e}"));
+            Vec::new()
+        });
+        self.adoption = Adoption::Waiting(listed);
+        self.adopt_if_ready(now);
+    }
+
+    /// Offers a shape. Returns the decision at once; the [`Reply`] for
+    /// `ticket` follows once an accepted shape is durable.
+    ///
+    /// # Errors
+    /// The shape is refused (the same error is replied).
+    pub fn handle_apply(
+        &mut self,
+        shape: &ClusterShape,
+        ticket: Ticket,
+        now: Timestamp,
+    ) -> Result<DesiredUpdate, ApplyError> {
+        let outcome = if self.shutdown.is_some() || self.stopped {
+            Err(ApplyError::ShuttingDown)
+        } else {
+            self.core.update_desired(shape).map_err(ApplyError::from)
+        };
+        if let Ok(DesiredUpdate::Accepted(generation)) = outcome {
+            self.meta.shape = Some(shape.clone());
+            self.meta.tearing_down = false;
+            self.meta_dirty = true;
+            self.events.push_back(HostEvent::ShapeAccepted {
+                generation,
+                nodes: self.core.desired().node_count(),
+            });
+            self.adopt_if_ready(now);
+        }
+        self.flush_delta();
+        self.outputs
+            .push_back(Output::Reply(ticket, Reply::Applied(outcome.clone())));
+        outcome
+    }
+
+    /// Asks to be told when the cluster is converged on its current shape.
+    pub fn handle_wait_converged(&mut self, ticket: Ticket) {
+        if self.stopped {
+            self.outputs.push_back(Output::Reply(ticket, Reply::Stopped));
+        } else if self.is_converged() && self.core.is_pass_queued() == false {
+            let generation = self.core.desired().generation;
+            self.outputs
+                .push_back(Output::Reply(ticket, Reply::Converged(generation)));
+        } else {
+            self.waiters.push(ticket);
+        }
+    }
+
+    /// Shuts the cluster down. [`ShutdownMode::Keep`] stops at once and
+    /// leaves every node for a later host; [`ShutdownMode::Teardown`] is made
+    /// durable first (a restarted host knows a teardown was asked for), then
+    /// scales to zero, collects every orphan and stops when nothing is left.
+    pub fn handle_shutdown(&mut self, mode: ShutdownMode, ticket: Ticket, now: Timestamp) {
+        if self.stopped {
+            self.outputs.push_back(Output::Reply(ticket, Reply::Stopped));
+            return;
+        }
+        if let Some(s) = &mut self.shutdown {
+            s.tickets.push(ticket);
+            return;
+        }
+        let nodes: BTreeSet<LogicalNodeId> = self.core.state().nodes.keys().cloned().collect();
+        match mode {
+            ShutdownMode::Keep => {
+                let report = ShutdownReport {
+                    mode,
+                    destroyed: Vec::new(),
+                    kept: nodes.into_iter().collect(),
+                };
+                self.outputs
+                    .push_back(Output::Reply(ticket, Reply::Shutdown(report)));
+                self.stop();
+            }
+            ShutdownMode::Teardown => {
+                let generation = Generation(self.core.desired().generation.0.saturating_add(1));
+                let empty = ClusterShape {
+                    run_id: self.meta.run_id.clone(),
+                    generation,
+                    groups: Vec::new(),
+                };
+                if let Err(e) = self.core.update_desired(&empty) {
+                    // Unreachable: an empty shape of this run at a higher
+                    // generation is always valid.
+                    self.warn(format!("cannot begin the teardown: {e}"));
+                }
+                self.meta.shape = Some(empty);
+                self.meta.tearing_down = true;
+                self.meta_dirty = true;
+                self.flush_delta();
+                self.events
+                    .push_back(HostEvent::TeardownStarted { generation });
+                self.shutdown = Some(Shutdown {
+                    mode,
+                    tickets: vec![ticket],
+                    nodes,
+                });
+                self.adopt_if_ready(now);
+            }
+        }
+    }
+
+    /// A delta was made durable.
+    pub fn handle_persisted(&mut self, seq: u64) {
+        if self.awaiting == Some(seq) {
+            self.awaiting = None;
+        }
+    }
+
+    /// Folds an operation result.
+    ///
+    /// # Errors
+    /// As [`Reconciler::handle_result`].
+    pub fn handle_result(
+        &mut self,
+        result: OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        self.in_flight.remove(&result.op);
+        let node = result.node.clone();
+        let started = matches!(result.outcome, OperationOutcome::BootstrapStarted { .. });
+        let folded = self.core.handle_result(result, now)?;
+        if folded == Folded::Applied {
+            self.node_changed(&node);
+            if started {
+                self.bootstrap_started(&node);
+            }
+        }
+        Ok(folded)
+    }
+
+    /// A dispatch could not be submitted: it folds as a definite failure.
+    ///
+    /// # Errors
+    /// As [`Reconciler::handle_submit_failed`].
+    pub fn handle_submit_failed(
+        &mut self,
+        node: &LogicalNodeId,
+        op: OperationId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        self.in_flight.remove(&op);
+        let folded = self.core.handle_submit_failed(node, op, reason, now)?;
+        if folded == Folded::Applied {
+            self.node_changed(node);
+        }
+        Ok(folded)
+    }
+
+    /// Folds a bootstrap stream observation.
+    ///
+    /// An observation for a session whose StartBootstrap result has not
+    /// arrived yet is kept and replayed once it does. A stream's report that
+    /// the agent joined proves a live join only with
+    /// [`HostConfig::stream_joins`]; otherwise it means the agent joined
+    /// once (perhaps an earlier host), so if it is not connected now it gets
+    /// its grace to reconnect.
+    ///
+    /// # Errors
+    /// As [`Reconciler::handle_bootstrap`].
+    pub fn handle_bootstrap(
+        &mut self,
+        obs: BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        if obs.event == BootstrapEvent::SwactorJoined {
+            if self.config.stream_joins {
+                if let Some(n) = self.core.state().nodes.get(&obs.node)
+                    && n.attempt == obs.attempt
+                {
+                    self.set_link(&obs.node, Link::Connected(obs.attempt));
+                }
+            } else {
+                self.joined_before(&obs.node, obs.attempt, now);
+                return Ok(Folded::Discarded(DiscardReason::NotLive));
+            }
+        }
+        let folded = self.core.handle_bootstrap(obs.clone(), now)?;
+        match folded {
+            Folded::Applied => self.node_changed(&obs.node),
+            Folded::Discarded(DiscardReason::StaleSession) => self.keep_early(obs),
+            Folded::Discarded(_) => {}
+        }
+        Ok(folded)
+    }
+
+    /// An agent presents `key`: accepted only for the slot's current, active
+    /// attempt. Its node can become ready from here on.
+    ///
+    /// # Errors
+    /// Why the join is refused; nothing changes.
+    pub fn handle_agent_joined(
+        &mut self,
+        key: &ResourceKey,
+        _now: Timestamp,
+    ) -> Result<(), JoinRefused> {
+        if self.stopped {
+            return Err(JoinRefused::Stopped);
+        }
+        if key.run_id != self.meta.run_id {
+            return Err(JoinRefused::OtherRun(key.run_id.clone()));
+        }
+        let Some(node) = self.core.state().nodes.get(&key.node) else {
+            return Err(JoinRefused::UnknownNode(key.node.clone()));
+        };
+        if node.attempt != key.attempt {
+            return Err(JoinRefused::Superseded {
+                node: key.node.clone(),
+                given: key.attempt,
+                current: node.attempt,
+            });
+        }
+        if node.intent != Intent::Active
+            || matches!(node.record.stage, NodeStage::Failed | NodeStage::Destroyed)
+        {
+            return Err(JoinRefused::NotActive(key.node.clone()));
+        }
+        self.set_link(&key.node, Link::Connected(key.attempt));
+        self.events.push_back(HostEvent::AgentJoined(key.clone()));
+        self.todo.push_back(Todo::FeedJoin(key.node.clone()));
+        Ok(())
+    }
+
+    /// The agent of `key` disconnected: unless it rejoins within its group's
+    /// grace, the attempt fails and is replaced.
+    pub fn handle_agent_gone(&mut self, key: &ResourceKey, now: Timestamp) {
+        if self.links.get(&key.node) == Some(&Link::Connected(key.attempt)) {
+            self.start_grace(&key.node, key.attempt, now);
+        }
+    }
+
+    /// The executor lane `lane` crashed: every operation it held folds as ambiguous.
+    pub fn handle_lane_lost(&mut self, lane: u32) {
+        let lost: Vec<(OperationId, LogicalNodeId)> = self
+            .in_flight
+            .iter()
+            .filter(|(_, (_, l))| *l == lane)
+            .map(|(op, (node, _))| (*op, node.clone()))
+            .collect();
+        if !lost.is_empty() {
+            self.warn(format!(
+                "executor lane {lane} crashed holding {} operation(s); folding them as ambiguous",
+                lost.len()
+            ));
+        }
+        for (op, node) in lost {
+            self.in_flight.remove(&op);
+            self.todo.push_back(Todo::LaneLost(op, node));
+        }
+    }
+
+    /// An orphan's collection finished (or failed, and is retried after backoff).
+    pub fn handle_collected(&mut self, key: &ResourceKey, outcome: Result<(), String>, now: Timestamp) {
+        let Some(c) = self.collects.get_mut(key) else {
+            return;
+        };
+        match outcome {
+            Ok(()) => {
+                self.collects.remove(key);
+                self.events.push_back(HostEvent::Collected {
+                    key: key.clone(),
+                    error: None,
+                });
+            }
+            Err(error) => {
+                c.failures = c.failures.saturating_add(1);
+                let delay = self.core.config().backoff_ms(key.attempt, c.failures);
+                c.due = Some(now.saturating_add_ms(delay));
+                self.events.push_back(HostEvent::Collected {
+                    key: key.clone(),
+                    error: Some(error),
+                });
+            }
+        }
+    }
+
+    /// The host's timer fired: expires the core's deadlines and agents' graces.
+    /// Returns how many core deadlines were folded.
+    ///
+    /// # Errors
+    /// As [`Reconciler::handle_timeout`].
+    pub fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
+        self.expire_graces(now);
+        let pending = &self.core.state().nodes;
+        self.in_flight.retain(|op, (node, _)| {
+            pending
+                .get(node)
+                .and_then(|n| n.pending.as_ref())
+                .is_some_and(|p| p.id == *op)
+        });
+        if self.core.poll_timeout().is_some_and(|at| at <= now) {
+            self.core.handle_timeout(now)
+        } else {
+            Ok(0)
+        }
+    }
+
+    /// The periodic safety-net tick.
+    pub fn handle_tick(&mut self, now: Timestamp) {
+        self.expire_graces(now);
+        self.core.handle_tick(now);
+    }
+
+    // ----- outputs -----
+
+    /// The next output. See the module docs for what each one MUST cause.
+    pub fn poll_output(&mut self, now: Timestamp) -> Option<Output> {
+        loop {
+            if self.awaiting.is_some() {
+                return None;
+            }
+            if let Some(out) = self.outputs.pop_front() {
+                match &out {
+                    Output::Persist(delta) => self.awaiting = Some(delta.seq),
+                    Output::Stop => self.stopped = true,
+                    _ => {}
+                }
+                return Some(out);
+            }
+            if self.stopped {
+                return None;
+            }
+            if let Some(todo) = self.todo.pop_front() {
+                if let Some(fold) = self.run_todo(todo, now) {
+                    return Some(Output::Folded(fold));
+                }
+                continue;
+            }
+            if self.flush_delta() {
+                continue;
+            }
+            if let Some(c) = self.due_collect(now) {
+                return Some(Output::Collect(c));
+            }
+            if self.passes_allowed() && self.core.is_pass_queued() {
+                if self.reserve_attempts() {
+                    continue;
+                }
+                match self.run_pass(now) {
+                    Some(pass) => return Some(Output::Pass(pass)),
+                    None => continue,
+                }
+            }
+            self.check_progress();
+            if self.outputs.is_empty() {
+                return None;
+            }
+        }
+    }
+
+    // ----- internals -----
+
+    fn passes_allowed(&self) -> bool {
+        matches!(self.adoption, Adoption::Done) || self.shutdown.is_some()
+    }
+
+    fn warn(&mut self, message: String) {
+        self.events.push_back(HostEvent::Warning(message));
+    }
+
+    fn node_changed(&mut self, node: &LogicalNodeId) {
+        if self.config.node_events {
+            self.events.push_back(HostEvent::NodeChanged(node.clone()));
+        }
+    }
+
+    fn stop(&mut self) {
+        for t in std::mem::take(&mut self.waiters) {
+            self.outputs.push_back(Output::Reply(t, Reply::Stopped));
+        }
+        self.outputs.push_back(Output::Stop);
+    }
+
+    fn digest(&mut self, template: &Arc<NodeTemplate>) -> u64 {
+        if let Some((_, d)) = self.digests.iter().find(|(t, _)| Arc::ptr_eq(t, template)) {
+            return *d;
+        }
+        let d = template.digest();
+        // A handful of live templates at a time; keep the cache small.
+        if self.digests.len() >= 64 {
+            self.digests.remove(0);
+        }
+        self.digests.push((template.clone(), d));
+        d
+    }
+
+    /// Moves the pending durable changes into the output stream. True if it did.
+    fn flush_delta(&mut self) -> bool {
+        if !self.meta_dirty && self.put.is_empty() && self.remove.is_empty() {
+            return false;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let delta = JournalDelta {
+            seq,
+            meta: self.meta_dirty.then(|| self.meta.clone()),
+            put: std::mem::take(&mut self.put).into_iter().collect(),
+            remove: std::mem::take(&mut self.remove).into_iter().collect(),
+        };
+        self.meta_dirty = false;
+        self.outputs.push_back(Output::Persist(delta));
+        true
+    }
+
+    fn record_slot(&mut self, node: &LogicalNodeId) {
+        let current = self
+            .core
+            .state()
+            .nodes
+            .get(node)
+            .map(|n| (n.attempt, n.template.clone()));
+        match current {
+            Some((attempt, template)) => {
+                if self.slots.get(node).is_some_and(|r| r.attempt == attempt) {
+                    return;
+                }
+                let record = SlotRecord {
+                    attempt,
+                    template: self.digest(&template),
+                };
+                self.slots.insert(node.clone(), record);
+                self.remove.remove(node);
+                self.put.insert(node.clone(), record);
+            }
+            None => {
+                if self.slots.remove(node).is_some() {
+                    self.put.remove(node);
+                    self.remove.insert(node.clone());
+                }
+            }
+        }
+    }
+
+    /// Before a pass, makes sure every attempt id it may hand out is covered
+    /// by a durable reservation. True if a persist had to be queued.
+    fn reserve_attempts(&mut self) -> bool {
+        // A pass gives at most one new attempt to each desired slot.
+        let bound = self.core.desired().node_count().saturating_add(1);
+        let next = self.core.state().next_attempt;
+        if next.saturating_add(bound) <= self.meta.attempts_reserved {
+            return false;
+        }
+        self.meta.attempts_reserved = next.saturating_add(bound.saturating_mul(2)).saturating_add(64);
+        self.meta_dirty = true;
+        self.flush_delta()
+    }
+
+    fn run_pass(&mut self, now: Timestamp) -> Option<Pass> {
+        let pass = match self.core.poll_pass(now) {
+            Ok(Some(pass)) => pass,
+            Ok(None) => return None,
+            Err(e) => {
+                self.warn(format!("a pass could not run: {e}"));
+                return None;
+            }
+        };
+        if let Err(e) = self.core.finish_pass() {
+            self.warn(format!("a pass could not finish: {e}"));
+        }
+        for e in &pass.errors {
+            self.warn(e.to_string());
+        }
+        for d in &pass.dispatches {
+            let lane = self.lane_of(d.op.attempt);
+            self.in_flight.insert(d.op, (d.key.node.clone(), lane));
+            if self.config.node_events {
+                self.events.push_back(HostEvent::Dispatched {
+                    node: d.key.node.clone(),
+                    op: d.op,
+                    effect: d.request.kind(),
+                });
+                self.events.push_back(HostEvent::NodeChanged(d.key.node.clone()));
+            }
+        }
+        for node in &pass.transitioned {
+            self.record_slot(node);
+            let attempt = self.core.state().nodes.get(node).map(|n| n.attempt);
+            let stale = |a: NodeAttemptId| Some(a) != attempt;
+            if let Some(link) = self.links.get(node).copied() {
+                let linked = match link {
+                    Link::Connected(a) | Link::Away { attempt: a, .. } => a,
+                };
+                if stale(linked) {
+                    self.clear_link(node);
+                }
+            }
+            if self
+                .early
+                .get(node)
+                .and_then(|v| v.first())
+                .is_some_and(|o| stale(o.attempt))
+            {
+                self.early.remove(node);
+            }
+            self.node_changed(node);
+        }
+        if self.config.node_events || pass.stats.transitions + pass.stats.dispatched > 0 {
+            self.events.push_back(HostEvent::Pass {
+                number: pass.number,
+                stats: pass.stats,
+            });
+        }
+        Some(pass)
+    }
+
+    fn due_collect(&mut self, now: Timestamp) -> Option<CollectRequest> {
+        let c = self
+            .collects
+            .values_mut()
+            .find(|c| c.due.is_some_and(|at| at <= now))?;
+        c.due = None;
+        Some(c.request.clone())
+    }
+
+    /// Convergence, waiters and the end of a teardown, once the host is quiet.
+    fn check_progress(&mut self) {
+        if self.core.is_pass_queued() || !self.todo.is_empty() || !self.is_converged() {
+            return;
+        }
+        let generation = self.core.desired().generation;
+        if self.converged_reported != Some(generation) {
+            self.converged_reported = Some(generation);
+            self.events.push_back(HostEvent::Converged {
+                generation,
+                nodes: self.core.state().nodes.len(),
+            });
+        }
+        for t in std::mem::take(&mut self.waiters) {
+            self.outputs
+                .push_back(Output::Reply(t, Reply::Converged(generation)));
+        }
+        let torn_down = self.core.state().nodes.is_empty();
+        if torn_down && let Some(s) = self.shutdown.take_if(|s| s.mode == ShutdownMode::Teardown) {
+            self.meta.tearing_down = false;
+            self.meta_dirty = true;
+            self.flush_delta();
+            let report = ShutdownReport {
+                mode: s.mode,
+                destroyed: s.nodes.into_iter().collect(),
+                kept: Vec::new(),
+            };
+            for t in s.tickets {
+                self.outputs
+                    .push_back(Output::Reply(t, Reply::Shutdown(report.clone())));
+            }
+            self.stop();
+        }
+    }
+
+    fn run_todo(&mut self, todo: Todo, now: Timestamp) -> Option<HostFold> {
+        match todo {
+            Todo::Observe(obs) => {
+                let folded = self.core.handle_bootstrap(obs.clone(), now);
+                if folded == Ok(Folded::Applied) {
+                    self.node_changed(&obs.node);
+                }
+                Some(HostFold::Observation { obs, folded })
+            }
+            Todo::FeedJoin(node) => {
+                let n = self.core.state().nodes.get(&node)?;
+                let live = self.links.get(&node) == Some(&Link::Connected(n.attempt));
+                let session = n.record.session.clone()?;
+                if !live || n.record.stage != NodeStage::BootstrapRunning {
+                    return None;
+                }
+                let obs = BootstrapObservation {
+                    node: node.clone(),
+                    attempt: n.attempt,
+                    session,
+                    event: BootstrapEvent::SwactorJoined,
+                };
+                let folded = self.core.handle_bootstrap(obs.clone(), now);
+                if folded == Ok(Folded::Applied) {
+                    self.node_changed(&node);
+                }
+                Some(HostFold::Observation { obs, folded })
+            }
+            Todo::LaneLost(op, node) => {
+                let still = self
+                    .core
+                    .state()
+                    .nodes
+                    .get(&node)
+                    .and_then(|n| n.pending.as_ref())
+                    .is_some_and(|p| p.id == op);
+                if !still {
+                    return None;
+                }
+                let result = OperationResult {
+                    node: node.clone(),
+                    op,
+                    outcome: OperationOutcome::Failed {
+                        class: FailureClass::Ambiguous,
+                        reason: "the executor crashed mid-operation".to_owned(),
+                    },
+                };
+                let folded = self.core.handle_result(result.clone(), now);
+                if folded == Ok(Folded::Applied) {
+                    self.node_changed(&node);
+                }
+                Some(HostFold::Result { result, folded })
+            }
+            Todo::AgentLost(node, attempt, reason) => {
+                let folded = self.core.handle_agent_lost(&node, attempt, &reason, now);
+                if folded == Folded::Applied {
+                    self.warn(format!("{node}: {reason}; replacing it"));
+                    self.node_changed(&node);
+                }
+                Some(HostFold::AgentLost {
+                    node,
+                    attempt,
+                    reason,
+                    folded,
+                })
+            }
+        }
+    }
+
+    fn bootstrap_started(&mut self, node: &LogicalNodeId) {
+        let Some(attempt) = self.core.state().nodes.get(node).map(|n| n.attempt) else {
+            return;
+        };
+        for obs in self.early.remove(node).unwrap_or_default() {
+            if obs.attempt == attempt {
+                self.todo.push_back(Todo::Observe(obs));
+            }
+        }
+        if self.links.get(node) == Some(&Link::Connected(attempt)) {
+            self.todo.push_back(Todo::FeedJoin(node.clone()));
+        }
+    }
+
+    /// Keeps an observation that arrived before its StartBootstrap result.
+    fn keep_early(&mut self, obs: BootstrapObservation) {
+        let waiting = self.core.state().nodes.get(&obs.node).is_some_and(|n| {
+            n.attempt == obs.attempt
+                && n.pending
+                    .as_ref()
+                    .is_some_and(|p| p.effect == EffectKind::StartBootstrap)
+        });
+        if !waiting {
+            return;
+        }
+        let kept = self.early.entry(obs.node.clone()).or_default();
+        if kept.first().is_some_and(|o| o.attempt != obs.attempt) {
+            kept.clear();
+        }
+        if kept.len() < EARLY_OBSERVATIONS_MAX {
+            kept.push(obs);
+        }
+    }
+
+    fn set_link(&mut self, node: &LogicalNodeId, link: Link) {
+        self.clear_link(node);
+        if let Link::Away { until, .. } = link {
+            self.graces.insert((until, node.clone()));
+        }
+        self.links.insert(node.clone(), link);
+    }
+
+    fn clear_link(&mut self, node: &LogicalNodeId) {
+        if let Some(Link::Away { until, .. }) = self.links.remove(node) {
+            self.graces.remove(&(until, node.clone()));
+        }
+    }
+
+    fn start_grace(&mut self, node: &LogicalNodeId, attempt: NodeAttemptId, now: Timestamp) {
+        let Some(n) = self.core.state().nodes.get(node) else {
+            return;
+        };
+        if n.attempt != attempt || n.intent != Intent::Active {
+            return;
+        }
+        let until = now.saturating_add_ms(seconds_to_ms(n.template.join.lost_grace_s));
+        self.set_link(node, Link::Away { attempt, until });
+        self.events.push_back(HostEvent::AgentDisconnected {
+            key: ResourceKey {
+                run_id: self.meta.run_id.clone(),
+                node: node.clone(),
+                attempt,
+            },
+            grace_until: until,
+        });
+    }
+
+    /// A stream says the agent joined, but not this host: give it its grace.
+    fn joined_before(&mut self, node: &LogicalNodeId, attempt: NodeAttemptId, now: Timestamp) {
+        if self.links.contains_key(node) {
+            return;
+        }
+        self.start_grace(node, attempt, now);
+    }
+
+    fn expire_graces(&mut self, now: Timestamp) {
+        while let Some((at, node)) = self.graces.first().cloned().filter(|(at, _)| *at <= now) {
+            self.graces.remove(&(at, node.clone()));
+            let Some(Link::Away { attempt, .. }) = self.links.remove(&node) else {
+                continue;
+            };
+            let grace = self
+                .core
+                .state()
+                .nodes
+                .get(&node)
+                .map_or(0.0, |n| n.template.join.lost_grace_s);
+            let reason = format!("its agent was away for longer than its {grace} s grace");
+            self.todo.push_back(Todo::AgentLost(node, attempt, reason));
+        }
+    }
+
+    /// Adopts the journal's records and the inventory once both it and a
+    /// desired state (a shape, or a teardown) are known.
+    fn adopt_if_ready(&mut self, now: Timestamp) {
+        let judged = self.core.desired().generation.0 > 0 || self.shutdown.is_some();
+        if !judged || !matches!(self.adoption, Adoption::Waiting(_)) {
+            return;
+        }
+        let Adoption::Waiting(listed) = std::mem::replace(&mut self.adoption, Adoption::Done) else {
+            return;
+        };
+        let run = self.meta.run_id.clone();
+        // What each key holds, as listed; journal records join in below.
+        let mut held: BTreeMap<ResourceKey, (Option<LeaseId>, Option<SessionId>)> = BTreeMap::new();
+        for l in listed {
+            held.insert(l.key, (l.lease, l.session));
+        }
+        let mut keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
+        for (node, r) in &self.slots {
+            keys.insert(ResourceKey {
+                run_id: run.clone(),
+                node: node.clone(),
+                attempt: r.attempt,
+            });
+        }
+        let mut entries = Vec::with_capacity(keys.len());
+        for key in keys {
+            let desired = self.core.desired().slot(&key.node).cloned();
+            let recorded = self.slots.get(&key.node).copied();
+            let template = match (desired, recorded) {
+                (Some(d), Some(r)) if r.attempt == key.attempt && r.template == self.digest(&d) => {
+                    Some(d)
+                }
+                _ => None,
+            };
+            entries.push((key, template));
+        }
+        let report = self.core.adopt(entries, self.meta.epoch << 32);
+        for key in &report.adopted {
+            self.record_slot(&key.node);
+            if let Some(s) = &mut self.shutdown {
+                s.nodes.insert(key.node.clone());
+            }
+        }
+        for key in &report.orphans {
+            let (lease, session) = held.get(key).cloned().unwrap_or_default();
+            if lease.is_none() && session.is_none() {
+                // Known only to the journal and not listed: nothing to destroy.
+                continue;
+            }
+            self.collects.insert(
+                key.clone(),
+                Collect {
+                    request: CollectRequest {
+                        key: key.clone(),
+                        lease,
+                        session,
+                    },
+                    failures: 0,
+                    due: Some(now),
+                },
+            );
+        }
+        if !report.foreign.is_empty() {
+            self.warn(format!(
+                "the provider listed {} resource(s) of other runs; they are left alone",
+                report.foreign.len()
+            ));
+        }
+        self.events.push_back(HostEvent::Adopted {
+            adopted: report.adopted,
+            drifted: report.drifted,
+            orphans: report.orphans,
+            foreign: report.foreign,
+        });
+    }
+}
+
+impl fmt::Display for Link {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Connected(a) => write!(f, "connected ({a})"),
+            Self::Away { attempt, until } => write!(f, "away ({attempt}, grace until {until})"),
+        }
+    }
+}
