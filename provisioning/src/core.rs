@@ -2,13 +2,14 @@
 
 use crate::config::ReconcilerConfig;
 use crate::decide::Plan;
-use crate::driver::{Adoption, DesiredUpdate, Driver, DriverError, DriverStats, Pass, UpdateError};
-use crate::id::{LogicalNodeId, NodeAttemptId, OperationId, ResourceKey};
+use crate::driver::{
+    AdoptEntry, Adoption, DesiredUpdate, Driver, DriverError, DriverStats, Pass, UpdateError,
+};
+use crate::id::{LogicalNodeId, NodeAttemptId, OperationId};
 use crate::observe::{BootstrapObservation, Folded, OperationResult};
-use crate::shape::{ClusterShape, DesiredState, NodeTemplate};
+use crate::shape::{ClusterShape, DesiredState};
 use crate::state::ClusterState;
 use crate::time::Timestamp;
-use std::sync::Arc;
 
 /// The driver core as a [`crate::Host`] (or a test harness) drives it.
 ///
@@ -79,11 +80,7 @@ pub trait Reconciler {
     /// As the driver's.
     fn finish_pass(&mut self) -> Result<(), DriverError>;
     /// See [`Driver::adopt`].
-    fn adopt(
-        &mut self,
-        entries: Vec<(ResourceKey, Option<Arc<NodeTemplate>>)>,
-        op_seq_base: u64,
-    ) -> Adoption;
+    fn adopt(&mut self, entries: Vec<AdoptEntry>, op_seq_base: u64) -> Adoption;
     /// See [`Driver::raise_attempt_floor`].
     fn raise_attempt_floor(&mut self, floor: u64);
     /// See [`Driver::plan`].
@@ -158,11 +155,7 @@ impl Reconciler for Driver {
     fn finish_pass(&mut self) -> Result<(), DriverError> {
         Driver::finish_pass(self)
     }
-    fn adopt(
-        &mut self,
-        entries: Vec<(ResourceKey, Option<Arc<NodeTemplate>>)>,
-        op_seq_base: u64,
-    ) -> Adoption {
+    fn adopt(&mut self, entries: Vec<AdoptEntry>, op_seq_base: u64) -> Adoption {
         Driver::adopt(self, entries, op_seq_base)
     }
     fn raise_attempt_floor(&mut self, floor: u64) {

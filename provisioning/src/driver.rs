@@ -78,6 +78,15 @@ pub enum DesiredUpdate {
     Accepted(Generation),
 }
 
+impl DesiredUpdate {
+    /// The generation desired after the update.
+    pub fn generation(self) -> Generation {
+        match self {
+            Self::Unchanged(g) | Self::Accepted(g) => g,
+        }
+    }
+}
+
 /// A misuse of the driver or a limit reached while applying an action.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DriverError {
@@ -178,6 +187,22 @@ pub struct Dispatch {
     pub deadline: Timestamp,
     /// What to do.
     pub request: EffectRequest,
+}
+
+/// One attempt to adopt: its key, and what is known of it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdoptEntry {
+    /// The attempt.
+    pub key: ResourceKey,
+    /// The template it was made from, when that is known to be its slot's
+    /// desired template; `None` when not known or different (it is replaced).
+    pub template: Option<Arc<NodeTemplate>>,
+    /// Its lease, when the provider listed one. A listed lease is taken as
+    /// it is (never created again); without one, the create is re-issued
+    /// under the key so the provider finds it or makes it once.
+    pub lease: Option<LeaseId>,
+    /// Its bootstrap session, when the provider listed one.
+    pub session: Option<SessionId>,
 }
 
 /// What [`Driver::adopt`] did with the keys it was given.
@@ -416,16 +441,15 @@ impl Driver {
     /// Takes over resources a provider already holds for this run (left by an
     /// earlier driver, e.g. after a restart or a shutdown that kept its nodes).
     ///
-    /// Each entry is a key and the template its attempt was created from,
-    /// when that is known to be the slot's desired template (`None` when it
-    /// is not known or differs: the node is then drifted and replaced, or
-    /// retired if its slot is not desired).
+    /// Each entry is a key and what is known of it (see [`AdoptEntry`]). An
+    /// attempt whose template is not known to be its slot's desired one is
+    /// drifted and replaced (or retired, if its slot is not desired).
     ///
-    /// For each slot, the newest attempt found becomes the slot's node, with
-    /// its create remembered as ambiguous: the next pass re-issues that create
-    /// under the same key, so the provider hands back what it already has
-    /// instead of making a second machine, and the node carries on from there
-    /// (or is cleaned up). Older attempts of a slot, and keys of slots that
+    /// For each slot, the newest attempt found becomes the slot's node. A
+    /// listed lease is taken as it is; without one the create is remembered
+    /// as ambiguous, so the next pass re-issues it under the same key and the
+    /// provider hands back what it already has (or makes it, once). The node
+    /// carries on from there, or is cleaned up. Older attempts of a slot, and keys of slots that
     /// already have a node, are returned as orphans for the caller to
     /// destroy. The attempt allocator moves past every attempt seen, so no id
     /// is ever handed out twice. Adopted attempts number their operations
@@ -434,59 +458,63 @@ impl Driver {
     ///
     /// Call it after the first shape is applied, so adopted nodes are judged
     /// against their slot's desired template.
-    pub fn adopt(
-        &mut self,
-        entries: impl IntoIterator<Item = (ResourceKey, Option<Arc<NodeTemplate>>)>,
-        op_seq_base: u64,
-    ) -> Adoption {
-        type Newest = (NodeAttemptId, Option<Arc<NodeTemplate>>);
-        let mut newest: BTreeMap<LogicalNodeId, Newest> = BTreeMap::new();
+    pub fn adopt(&mut self, entries: Vec<AdoptEntry>, op_seq_base: u64) -> Adoption {
+        let mut newest: BTreeMap<LogicalNodeId, AdoptEntry> = BTreeMap::new();
         let mut report = Adoption::default();
-        for (key, template) in entries {
+        for entry in entries {
+            let key = &entry.key;
             if key.run_id != self.state.run_id {
-                report.foreign.push(key);
+                report.foreign.push(entry.key);
                 continue;
             }
             self.state.next_attempt = self.state.next_attempt.max(key.attempt.0.saturating_add(1));
             match newest.get(&key.node) {
-                Some((a, _)) if *a >= key.attempt => report.orphans.push(key),
-                Some((a, _)) => {
-                    let older = ResourceKey {
-                        attempt: *a,
-                        ..key.clone()
-                    };
-                    report.orphans.push(older);
-                    newest.insert(key.node, (key.attempt, template));
+                Some(e) if e.key.attempt >= key.attempt => report.orphans.push(entry.key),
+                Some(_) => {
+                    let older = newest.insert(key.node.clone(), entry);
+                    report.orphans.extend(older.map(|e| e.key));
                 }
                 None => {
-                    newest.insert(key.node, (key.attempt, template));
+                    newest.insert(key.node.clone(), entry);
                 }
             }
         }
-        for (node, (attempt, template)) in newest {
-            let key = ResourceKey {
-                run_id: self.state.run_id.clone(),
-                node: node.clone(),
-                attempt,
-            };
+        for (node, entry) in newest {
+            let key = entry.key;
             if self.state.nodes.contains_key(&node) {
                 report.orphans.push(key);
                 continue;
             }
             // A known template is only ever the desired one; share its Arc.
-            let template = match (template, self.desired.slot(&node)) {
-                (Some(t), Some(d)) if same_template(&t, d) => d.clone(),
+            let desired = self.desired.slot(&node);
+            let (template, keep) = match (entry.template, desired) {
+                (Some(t), Some(d)) if same_template(&t, d) => (d.clone(), true),
                 _ => {
-                    if self.desired.slot(&node).is_some() {
+                    if desired.is_some() {
                         report.drifted.push(key.clone());
                     }
-                    retired_template()
+                    (retired_template(), false)
                 }
             };
-            let mut managed = ManagedNode::new(attempt, template, 0);
+            let mut managed = ManagedNode::new(key.attempt, template, 0);
             managed.next_op_seq = op_seq_base;
-            managed.record.stage = NodeStage::LeaseRequested;
-            managed.record.ambiguous = Some(crate::state::AmbiguousCreate::CreateLease);
+            let rec = &mut managed.record;
+            match entry.lease {
+                Some(lease) => {
+                    // It exists: take it as it is. Its endpoint is looked up;
+                    // a node that is kept re-attaches to its running session
+                    // through StartBootstrap, one that goes cancels it first.
+                    rec.stage = NodeStage::LeaseCreated;
+                    rec.lease = Some(lease);
+                    if !keep {
+                        rec.session = entry.session;
+                    }
+                }
+                None => {
+                    rec.stage = NodeStage::LeaseRequested;
+                    rec.ambiguous = Some(crate::state::AmbiguousCreate::CreateLease);
+                }
+            }
             self.state.nodes.insert(node, managed);
             report.adopted.push(key);
         }

@@ -24,6 +24,9 @@
 //!    - [`Output::Pass`]: every dispatch in it is already recorded as pending
 //!      and MUST be submitted on the lane [`Host::lane_of`] names, or reported
 //!      with [`Host::handle_submit_failed`].
+//!    - [`Output::List`]: list what the provider holds for the run and
+//!      report it with [`Host::handle_inventory`] (the first output of every
+//!      host, then a periodic sweep for leaks).
 //!    - [`Output::Collect`]: destroy what an orphaned key holds (cancel its
 //!      session, then destroy its lease) and report with
 //!      [`Host::handle_collected`].
@@ -40,12 +43,17 @@
 //!   so an attempt's record and the attempt-id reservation that covers it are
 //!   durable before its first effect is dispatched. Attempt ids are never
 //!   reused, across any number of restarts.
-//! - **Adopt, never guess.** After a restart every attempt a journal or the
-//!   provider knows of is adopted and its create re-issued under its key, so
-//!   a machine that exists is found and one that does not is made once. An
-//!   adopted attempt whose recorded template is not the desired one (or is
-//!   unknown) is replaced. Everything else the provider lists for the run is
-//!   collected.
+//! - **Adopt, never guess, never resurrect.** After a restart every attempt
+//!   the provider lists, and every attempt the journal records whose lease
+//!   was never seen created, is adopted and its create re-issued under its
+//!   key: a machine that exists is found, one that was never made is made
+//!   once. An attempt the journal saw created but the provider no longer
+//!   lists is presumed gone and never created again; a sweep after the
+//!   provider's visibility window collects it if it was only invisible, and
+//!   the host claims convergence only after that sweep. An adopted attempt
+//!   whose recorded template is not the desired one (or is unknown) is
+//!   replaced. Everything else the provider lists for the run is collected,
+//!   at start and by periodic sweeps.
 //! - **Ready means live.** A node becomes ready only after its agent joined
 //!   *this* host (a stream replaying an old join proves nothing), and a
 //!   joined agent gone for longer than its group's grace fails the attempt.
@@ -53,7 +61,7 @@
 use crate::config::ReconcilerConfig;
 use crate::core::Reconciler;
 use crate::decide::Plan;
-use crate::driver::{DesiredUpdate, DriverError, Pass, PassStats, UpdateError};
+use crate::driver::{AdoptEntry, DesiredUpdate, DriverError, Pass, PassStats, UpdateError};
 use crate::id::{
     Generation, LeaseId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId, SessionId,
 };
@@ -88,6 +96,13 @@ pub struct HostConfig {
     pub stream_joins: bool,
     /// Emit an event for every node change and dispatch (off for very large benchmarks).
     pub node_events: bool,
+    /// How long a new lease may stay invisible to the provider's listing.
+    /// An attempt the journal saw created but the listing misses is checked
+    /// again by a sweep this long after start.
+    pub visibility_window_ms: u64,
+    /// Interval of the leak sweeps (list the run, collect what no current
+    /// attempt owns); 0 for none beyond the first.
+    pub sweep_interval_ms: u64,
 }
 
 impl Default for HostConfig {
@@ -96,6 +111,8 @@ impl Default for HostConfig {
             lanes: 16,
             stream_joins: false,
             node_events: true,
+            visibility_window_ms: 60_000,
+            sweep_interval_ms: 300_000,
         }
     }
 }
@@ -116,13 +133,18 @@ pub struct JournalMeta {
     pub tearing_down: bool,
 }
 
-/// Which attempt a slot holds and which template it was made from.
+/// Which attempt a slot holds, which template it was made from, and whether
+/// its lease was ever seen created.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlotRecord {
     /// The attempt.
     pub attempt: NodeAttemptId,
     /// [`NodeTemplate::digest`] of its template.
     pub template: u64,
+    /// A CreateLease of this attempt succeeded: its lease existed, so if the
+    /// provider no longer lists it, it is gone and must never be made again.
+    #[serde(default)]
+    pub created: bool,
 }
 
 /// Everything a journal holds.
@@ -286,6 +308,8 @@ pub enum HostFold {
 pub enum Output {
     /// Make this delta durable, then call [`Host::handle_persisted`].
     Persist(JournalDelta),
+    /// List the provider's resources of the run; call [`Host::handle_inventory`].
+    List,
     /// A pass ran; submit its dispatches.
     Pass(Pass),
     /// Destroy an orphan's resources.
@@ -312,12 +336,20 @@ pub enum HostEvent {
     Adopted {
         /// Keys that became a slot's node.
         adopted: Vec<ResourceKey>,
+        /// Attempts the journal saw created that the provider no longer
+        /// lists: presumed gone (never made again), checked by a later sweep.
+        presumed_gone: Vec<ResourceKey>,
         /// Adopted keys whose template is not the desired one: they are replaced.
         drifted: Vec<ResourceKey>,
         /// Keys that no slot owns: their resources are collected.
         orphans: Vec<ResourceKey>,
         /// Keys of other runs, left alone.
         foreign: Vec<ResourceKey>,
+    },
+    /// A sweep found resources no current attempt owns; they are collected.
+    Swept {
+        /// The orphans found.
+        orphans: Vec<ResourceKey>,
     },
     /// An orphan was collected (`error: None`) or a try failed (it is retried).
     Collected {
@@ -482,6 +514,9 @@ pub struct Host<C: Reconciler> {
     early: BTreeMap<LogicalNodeId, Vec<BootstrapObservation>>,
     in_flight: BTreeMap<OperationId, (LogicalNodeId, u32)>,
     collects: BTreeMap<ResourceKey, Collect>,
+    sweep_at: Option<Timestamp>,
+    listing: bool,
+    verify: bool,
     todo: VecDeque<Todo>,
     outputs: VecDeque<Output>,
     events: VecDeque<HostEvent>,
@@ -523,7 +558,8 @@ impl<C: Reconciler> Host<C> {
         meta.epoch = meta.epoch.saturating_add(1);
         core.raise_attempt_floor(meta.attempts_reserved);
         if let Some(shape) = &meta.shape {
-            core.update_desired(shape).map_err(HostError::JournalShape)?;
+            core.update_desired(shape)
+                .map_err(HostError::JournalShape)?;
         }
         Ok(Self {
             core,
@@ -541,6 +577,9 @@ impl<C: Reconciler> Host<C> {
             early: BTreeMap::new(),
             in_flight: BTreeMap::new(),
             collects: BTreeMap::new(),
+            sweep_at: Some(Timestamp::from_millis(0)),
+            listing: false,
+            verify: false,
             todo: VecDeque::new(),
             outputs: VecDeque::new(),
             events: VecDeque::new(),
@@ -609,10 +648,18 @@ impl<C: Reconciler> Host<C> {
         (attempt.0 % u64::from(self.config.lanes)) as u32
     }
 
-    /// Converged on the desired shape with nothing left to adopt or collect:
-    /// before the inventory is in, "nothing held" is not known.
+    /// Converged on the desired shape with nothing left to adopt, verify or
+    /// collect: before the inventory is in (and, after a restart that
+    /// presumed an attempt gone, before the sweep that checks it), "nothing
+    /// else held" is not known.
     pub fn is_converged(&self) -> bool {
-        self.adopted() && self.collects.is_empty() && self.core.is_converged()
+        self.settled() && self.core.is_converged()
+    }
+
+    /// The inventory is adopted, no attempt presumed gone awaits its check,
+    /// and no orphan is left to collect.
+    pub fn settled(&self) -> bool {
+        self.adopted() && !self.verify && self.collects.is_empty()
     }
 
     /// Whether a pass is queued in the core.
@@ -640,7 +687,21 @@ impl<C: Reconciler> Host<C> {
         }
         let grace = self.graces.first().map(|(at, _)| *at);
         let collect = self.collects.values().filter_map(|c| c.due).min();
-        earliest(earliest(self.core.poll_timeout(), grace), collect)
+        let sweep = self.sweep_at.filter(|_| !self.listing);
+        earliest(
+            earliest(self.core.poll_timeout(), grace),
+            earliest(collect, sweep),
+        )
+    }
+
+    /// The host's own deadlines, for diagnostics: (earliest grace, earliest
+    /// orphan retry, next sweep).
+    pub fn host_deadlines(&self) -> [Option<Timestamp>; 3] {
+        [
+            self.graces.first().map(|(at, _)| *at),
+            self.collects.values().filter_map(|c| c.due).min(),
+            self.sweep_at.filter(|_| !self.listing),
+        ]
     }
 
     /// The next event to publish.
@@ -650,20 +711,34 @@ impl<C: Reconciler> Host<C> {
 
     // ----- inputs -----
 
-    /// The provider's inventory for this run (or why it could not be listed).
-    /// Adoption happens once a shape (or a shutdown) says what is desired.
+    /// The provider's inventory for this run (or why it could not be
+    /// listed), answering [`Output::List`]. The first one is adopted once a
+    /// shape (or a shutdown) says what is desired; later ones are sweeps:
+    /// whatever no slot's current attempt owns is collected.
     pub fn handle_inventory(&mut self, listed: Result<Vec<Listed>, String>, now: Timestamp) {
-        if !matches!(self.adoption, Adoption::Listing) {
-            return;
+        self.listing = false;
+        let listed = match listed {
+            Ok(listed) => listed,
+            Err(e) => {
+                self.warn(format!("could not list the provider's resources: {e}"));
+                if matches!(self.adoption, Adoption::Listing) {
+                    // The journal's records are still adopted; what the
+                    // provider holds beyond them is found by a later sweep.
+                    Vec::new()
+                } else {
+                    self.schedule_sweep(now);
+                    return;
+                }
+            }
+        };
+        match self.adoption {
+            Adoption::Listing => {
+                self.adoption = Adoption::Waiting(listed);
+                self.adopt_if_ready(now);
+            }
+            Adoption::Waiting(_) => {}
+            Adoption::Done => self.sweep(listed, now),
         }
-        let listed = listed.unwrap_or_else(|e| {
-            // The journal's records are still adopted; what the provider
-            // holds beyond them cannot be known, so it is not collected.
-            self.warn(format!("could not list the provider's resources: {e}"));
-            Vec::new()
-        });
-        self.adoption = Adoption::Waiting(listed);
-        self.adopt_if_ready(now);
     }
 
     /// Offers a shape. Returns the decision at once; the [`Reply`] for
@@ -701,7 +776,8 @@ impl<C: Reconciler> Host<C> {
     /// Asks to be told when the cluster is converged on its current shape.
     pub fn handle_wait_converged(&mut self, ticket: Ticket) {
         if self.stopped {
-            self.outputs.push_back(Output::Reply(ticket, Reply::Stopped));
+            self.outputs
+                .push_back(Output::Reply(ticket, Reply::Stopped));
         } else if self.is_converged() && self.core.is_pass_queued() == false {
             let generation = self.core.desired().generation;
             self.outputs
@@ -717,7 +793,8 @@ impl<C: Reconciler> Host<C> {
     /// scales to zero, collects every orphan and stops when nothing is left.
     pub fn handle_shutdown(&mut self, mode: ShutdownMode, ticket: Ticket, now: Timestamp) {
         if self.stopped {
-            self.outputs.push_back(Output::Reply(ticket, Reply::Stopped));
+            self.outputs
+                .push_back(Output::Reply(ticket, Reply::Stopped));
             return;
         }
         if let Some(s) = &mut self.shutdown {
@@ -783,11 +860,16 @@ impl<C: Reconciler> Host<C> {
         self.in_flight.remove(&result.op);
         let node = result.node.clone();
         let started = matches!(result.outcome, OperationOutcome::BootstrapStarted { .. });
+        let created = matches!(result.outcome, OperationOutcome::LeaseCreated { .. });
+        let attempt = result.op.attempt;
         let folded = self.core.handle_result(result, now)?;
         if folded == Folded::Applied {
             self.node_changed(&node);
             if started {
                 self.bootstrap_started(&node);
+            }
+            if created {
+                self.record_created(&node, attempt);
             }
         }
         Ok(folded)
@@ -915,7 +997,12 @@ impl<C: Reconciler> Host<C> {
     }
 
     /// An orphan's collection finished (or failed, and is retried after backoff).
-    pub fn handle_collected(&mut self, key: &ResourceKey, outcome: Result<(), String>, now: Timestamp) {
+    pub fn handle_collected(
+        &mut self,
+        key: &ResourceKey,
+        outcome: Result<(), String>,
+        now: Timestamp,
+    ) {
         let Some(c) = self.collects.get_mut(key) else {
             return;
         };
@@ -994,6 +1081,11 @@ impl<C: Reconciler> Host<C> {
             if self.flush_delta() {
                 continue;
             }
+            if !self.listing && self.sweep_at.is_some_and(|at| at <= now) {
+                self.listing = true;
+                self.sweep_at = None;
+                return Some(Output::List);
+            }
             if let Some(c) = self.due_collect(now) {
                 return Some(Output::Collect(c));
             }
@@ -1067,6 +1159,60 @@ impl<C: Reconciler> Host<C> {
         true
     }
 
+    /// A lease of `node`'s `attempt` was seen created: a later host must never make it again.
+    fn record_created(&mut self, node: &LogicalNodeId, attempt: NodeAttemptId) {
+        let Some(r) = self.slots.get_mut(node) else {
+            return;
+        };
+        if r.attempt == attempt && !r.created {
+            r.created = true;
+            let r = *r;
+            self.put.insert(node.clone(), r);
+        }
+    }
+
+    fn schedule_sweep(&mut self, now: Timestamp) {
+        let every = self.config.sweep_interval_ms;
+        self.sweep_at = (every > 0).then(|| now.saturating_add_ms(every));
+    }
+
+    /// Collects what a listing shows that no slot's current attempt owns.
+    fn sweep(&mut self, listed: Vec<Listed>, now: Timestamp) {
+        let mut orphans = Vec::new();
+        for l in listed {
+            if l.key.run_id != self.meta.run_id || self.collects.contains_key(&l.key) {
+                continue;
+            }
+            let owned = self
+                .core
+                .state()
+                .nodes
+                .get(&l.key.node)
+                .is_some_and(|n| n.attempt == l.key.attempt);
+            if owned || (l.lease.is_none() && l.session.is_none()) {
+                continue;
+            }
+            orphans.push(l.key.clone());
+            self.collects.insert(
+                l.key.clone(),
+                Collect {
+                    request: CollectRequest {
+                        key: l.key,
+                        lease: l.lease,
+                        session: l.session,
+                    },
+                    failures: 0,
+                    due: Some(now),
+                },
+            );
+        }
+        self.verify = false;
+        if !orphans.is_empty() {
+            self.events.push_back(HostEvent::Swept { orphans });
+        }
+        self.schedule_sweep(now);
+    }
+
     fn record_slot(&mut self, node: &LogicalNodeId) {
         let current = self
             .core
@@ -1082,6 +1228,7 @@ impl<C: Reconciler> Host<C> {
                 let record = SlotRecord {
                     attempt,
                     template: self.digest(&template),
+                    created: false,
                 };
                 self.slots.insert(node.clone(), record);
                 self.remove.remove(node);
@@ -1105,7 +1252,9 @@ impl<C: Reconciler> Host<C> {
         if next.saturating_add(bound) <= self.meta.attempts_reserved {
             return false;
         }
-        self.meta.attempts_reserved = next.saturating_add(bound.saturating_mul(2)).saturating_add(64);
+        self.meta.attempts_reserved = next
+            .saturating_add(bound.saturating_mul(2))
+            .saturating_add(64);
         self.meta_dirty = true;
         self.flush_delta()
     }
@@ -1134,7 +1283,8 @@ impl<C: Reconciler> Host<C> {
                     op: d.op,
                     effect: d.request.kind(),
                 });
-                self.events.push_back(HostEvent::NodeChanged(d.key.node.clone()));
+                self.events
+                    .push_back(HostEvent::NodeChanged(d.key.node.clone()));
             }
         }
         for node in &pass.transitioned {
@@ -1380,7 +1530,8 @@ impl<C: Reconciler> Host<C> {
         if !judged || !matches!(self.adoption, Adoption::Waiting(_)) {
             return;
         }
-        let Adoption::Waiting(listed) = std::mem::replace(&mut self.adoption, Adoption::Done) else {
+        let Adoption::Waiting(listed) = std::mem::replace(&mut self.adoption, Adoption::Done)
+        else {
             return;
         };
         let run = self.meta.run_id.clone();
@@ -1390,12 +1541,34 @@ impl<C: Reconciler> Host<C> {
             held.insert(l.key, (l.lease, l.session));
         }
         let mut keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
+        let mut presumed_gone = Vec::new();
         for (node, r) in &self.slots {
-            keys.insert(ResourceKey {
+            let key = ResourceKey {
                 run_id: run.clone(),
                 node: node.clone(),
                 attempt: r.attempt,
-            });
+            };
+            if held.contains_key(&key) {
+                continue;
+            }
+            if r.created {
+                // It existed and is not listed: gone (or not visible yet).
+                // Making it again would make a second machine of one
+                // identity; a sweep finds it if it is only invisible.
+                presumed_gone.push(key);
+            } else {
+                // Maybe never made, maybe not visible yet: the re-issued
+                // create makes it once or finds it by its key.
+                keys.insert(key);
+            }
+        }
+        for key in &presumed_gone {
+            self.slots.remove(&key.node);
+            self.put.remove(&key.node);
+            self.remove.insert(key.node.clone());
+        }
+        if !presumed_gone.is_empty() {
+            self.verify = true;
         }
         let mut entries = Vec::with_capacity(keys.len());
         for key in keys {
@@ -1407,11 +1580,20 @@ impl<C: Reconciler> Host<C> {
                 }
                 _ => None,
             };
-            entries.push((key, template));
+            let (lease, session) = held.get(&key).cloned().unwrap_or_default();
+            entries.push(AdoptEntry {
+                key,
+                template,
+                lease,
+                session,
+            });
         }
         let report = self.core.adopt(entries, self.meta.epoch << 32);
         for key in &report.adopted {
             self.record_slot(&key.node);
+            if held.get(key).is_some_and(|(lease, _)| lease.is_some()) {
+                self.record_created(&key.node, key.attempt);
+            }
             if let Some(s) = &mut self.shutdown {
                 s.nodes.insert(key.node.clone());
             }
@@ -1441,8 +1623,15 @@ impl<C: Reconciler> Host<C> {
                 report.foreign.len()
             ));
         }
+        let first = if self.verify {
+            self.config.visibility_window_ms
+        } else {
+            self.config.sweep_interval_ms
+        };
+        self.sweep_at = (self.verify || first > 0).then(|| now.saturating_add_ms(first));
         self.events.push_back(HostEvent::Adopted {
             adopted: report.adopted,
+            presumed_gone,
             drifted: report.drifted,
             orphans: report.orphans,
             foreign: report.foreign,

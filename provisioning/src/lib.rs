@@ -44,8 +44,8 @@ pub use decide::{
     reconcile, reconcile_node,
 };
 pub use driver::{
-    Adoption, DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, Pass,
-    PassStats, UpdateError,
+    AdoptEntry, Adoption, DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest,
+    Pass, PassStats, UpdateError,
 };
 pub use host::{
     ApplyError, CollectRequest, EARLY_OBSERVATIONS_MAX, Host, HostConfig, HostError, HostEvent,
@@ -62,11 +62,11 @@ pub use observe::{
 };
 pub use shape::{
     BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupShape,
-    LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, ProviderShape, SHAPE_NODES_MAX, ShapeError,
-    SwarmJoin, same_template,
+    LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, ProviderShape, SHAPE_NODES_MAX,
+    ShapeError, SwarmJoin, same_template,
 };
 pub use state::{
-    AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord, NodeStage,
-    PendingOperation, RetryState,
+    AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord,
+    NodeStage, PendingOperation, RetryState,
 };
 pub use time::{DeadlineOverflow, Timestamp};

@@ -350,12 +350,18 @@ fn adopting_resources_reissues_their_creates_under_the_same_key_and_skips_used_a
     let mut foreign = key("w-0", 1);
     foreign.run_id = RunId::new("other");
     let known = d.desired().slot(&node_id("w-0")).cloned();
+    let entry = |key, template| AdoptEntry {
+        key,
+        template,
+        lease: None,
+        session: None,
+    };
     let report = d.adopt(
         vec![
-            (key("w-0", 3), None),
-            (key("w-0", 7), known),
-            (key("w-5", 4), None),
-            (foreign.clone(), None),
+            entry(key("w-0", 3), None),
+            entry(key("w-0", 7), known),
+            entry(key("w-5", 4), None),
+            entry(foreign.clone(), None),
         ],
         1 << 32,
     );
@@ -401,7 +407,13 @@ fn an_adopted_attempt_whose_template_is_not_known_to_be_the_desired_one_is_repla
         node: node_id("w-0"),
         attempt: NodeAttemptId(3),
     };
-    let report = d.adopt(vec![(key.clone(), None)], 7 << 32);
+    let entry = AdoptEntry {
+        key: key.clone(),
+        template: None,
+        lease: None,
+        session: None,
+    };
+    let report = d.adopt(vec![entry], 7 << 32);
     assert_eq!(report.drifted, [key.clone()]);
     // It begins deleting at once, and its create is re-issued before any
     // destructive step (adopt before destroy), numbered past every operation
@@ -411,9 +423,49 @@ fn an_adopted_attempt_whose_template_is_not_known_to_be_the_desired_one_is_repla
     assert_eq!(first[0].request.kind(), EffectKind::CreateLease);
     assert_eq!(first[0].op.seq, 7 << 32);
     assert_eq!(d.state().nodes[&key.node].intent, Intent::Deleting);
-    assert_eq!(d.handle_result(success(&first[0]), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&first[0]), t(0)).unwrap(),
+        Folded::Applied
+    );
     let next = drain(&mut d, t(0));
     assert_eq!(next.len(), 1);
     assert_eq!(next[0].request.kind(), EffectKind::DestroyLease);
     assert_eq!(next[0].key, key);
+}
+
+#[test]
+fn an_adopted_listed_lease_is_taken_as_it_is_and_never_created_again() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    let key = ResourceKey {
+        run_id: RunId::new("run"),
+        node: node_id("w-0"),
+        attempt: NodeAttemptId(3),
+    };
+    let entry = AdoptEntry {
+        key: key.clone(),
+        template: d.desired().slot(&key.node).cloned(),
+        lease: Some(LeaseId("listed".to_owned())),
+        session: Some(SessionId("running".to_owned())),
+    };
+    let report = d.adopt(vec![entry], 1 << 32);
+    assert_eq!(report.adopted, [key.clone()]);
+    let n = &d.state().nodes[&key.node];
+    assert_eq!(n.record.lease, Some(LeaseId("listed".to_owned())));
+    assert_eq!(n.record.ambiguous, None);
+    // Kept: its session is re-attached by StartBootstrap, not assumed.
+    assert_eq!(n.record.session, None);
+    let next = drain(&mut d, t(0));
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].request.kind(), EffectKind::LookupEndpoint);
+    // If the lease turns out to be gone, the attempt fails; nothing is created for it.
+    let gone = fail(&next[0], FailureClass::LeaseGone);
+    assert_eq!(d.handle_result(gone, t(0)).unwrap(), Folded::Applied);
+    let cleanup = drain(&mut d, t(0));
+    assert!(
+        cleanup
+            .iter()
+            .all(|x| x.request.kind() != EffectKind::CreateLease || x.key.attempt != key.attempt),
+        "{cleanup:?}"
+    );
 }

@@ -219,7 +219,10 @@ fn an_ambiguous_create_is_remembered_and_reissued_so_the_executor_adopts() {
             .unwrap(),
         Folded::Applied
     );
-    assert_eq!(node(&d).record.ambiguous, Some(AmbiguousCreate::CreateLease));
+    assert_eq!(
+        node(&d).record.ambiguous,
+        Some(AmbiguousCreate::CreateLease)
+    );
     // Scale to zero: the ambiguous create is re-issued before anything else.
     d.update_desired(&shape(2, vec![])).unwrap();
     let next = drain(&mut d, t(0));
@@ -244,7 +247,10 @@ fn an_operation_past_its_stored_deadline_folds_as_ambiguous_and_its_late_result_
     assert_eq!(deadline, t(d.config().timeouts.create_lease_ms));
     assert_eq!(d.poll_timeout(), Some(deadline));
     assert_eq!(d.handle_timeout(deadline).unwrap(), 1);
-    assert_eq!(node(&d).record.ambiguous, Some(AmbiguousCreate::CreateLease));
+    assert_eq!(
+        node(&d).record.ambiguous,
+        Some(AmbiguousCreate::CreateLease)
+    );
     assert_eq!(node(&d).pending, None);
     assert_eq!(
         d.handle_result(success(&c), deadline).unwrap(),
@@ -385,7 +391,10 @@ fn an_endpoint_that_never_becomes_ready_fails_the_attempt_at_its_groups_deadline
     g.limits.endpoint_timeout_s = 10.0;
     d.update_desired(&shape(1, vec![g])).unwrap();
     let create = until(&mut d, t(0), EffectKind::CreateLease);
-    assert_eq!(d.handle_result(success(&create), t(0)).unwrap(), Folded::Applied);
+    assert_eq!(
+        d.handle_result(success(&create), t(0)).unwrap(),
+        Folded::Applied
+    );
     assert_eq!(node(&d).record.endpoint_deadline, Some(t(10_000)));
     let mut now = 0;
     let cleanup = loop {
@@ -431,7 +440,10 @@ fn a_lease_the_provider_says_is_gone_fails_the_attempt_and_is_still_destroyed() 
         assert_eq!(next.len(), 1, "{kind:?}: {next:?}");
         assert_eq!(next[0].request.kind(), EffectKind::DestroyLease);
         let destroyed = next.remove(0);
-        assert_eq!(d.handle_result(success(&destroyed), t(0)).unwrap(), Folded::Applied);
+        assert_eq!(
+            d.handle_result(success(&destroyed), t(0)).unwrap(),
+            Folded::Applied
+        );
         assert!(drain(&mut d, t(0)).is_empty());
         assert_eq!(node(&d).record.stage, NodeStage::Destroyed);
     }

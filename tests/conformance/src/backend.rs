@@ -36,9 +36,11 @@
 
 use crate::rng::SimRng;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapObservation, BootstrapStage, EffectKind, EffectRequest, FailureClass,
-    LeaseId, NodeEndpoint, OperationOutcome, ResourceKey, SessionId, Timestamp,
+    LeaseId, Listed, NodeEndpoint, NodeTemplate, OperationOutcome, ResourceKey, RunId, SessionId,
+    Timestamp,
 };
 
 /// Tunables of the fake provider. Plain data; every field has a sensible default.
@@ -156,7 +158,7 @@ pub struct SessionGrant {
 }
 
 /// One lease the backend ever made.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LeaseInfo {
     /// The identity it was created for.
     pub key: ResourceKey,
@@ -172,6 +174,8 @@ pub struct LeaseInfo {
     pub live: bool,
     /// True when it was deleted out of band.
     pub deleted_out_of_band: bool,
+    /// The template the create asked for (`None` when the caller gave none).
+    pub template: Option<Arc<NodeTemplate>>,
 }
 
 /// One bootstrap session the backend ever started.
@@ -195,6 +199,12 @@ pub struct SessionInfo {
     close_after_converge: bool,
     /// A one-off final observation (cancel, out-of-band loss), emitted before closing.
     final_event: Option<(Timestamp, BootstrapEvent)>,
+    /// Whether a host follows the stream. A session outlives the host that
+    /// started it (its agent keeps running); what it reports meanwhile goes
+    /// to its log only, and a host that adopts it gets the log replayed.
+    pub attached: bool,
+    /// Everything the session reported so far, in order (its log).
+    pub history: Vec<BootstrapEvent>,
 }
 
 /// Totals over the backend's lifetime.
@@ -260,6 +270,9 @@ pub struct FakeBackend {
     schedule: BTreeSet<(Timestamp, SessionId)>,
     /// Each scheduled session's entry in `schedule`.
     scheduled_at: BTreeMap<SessionId, Timestamp>,
+    /// Logs being replayed to a host that adopted a session, by when each line is due.
+    replays: BTreeMap<(Timestamp, u64), BootstrapObservation>,
+    replay_seq: u64,
 }
 
 const SCRIPT_CONVERGED: u8 = 5;
@@ -282,6 +295,8 @@ impl FakeBackend {
             open_session: BTreeMap::new(),
             schedule: BTreeSet::new(),
             scheduled_at: BTreeMap::new(),
+            replays: BTreeMap::new(),
+            replay_seq: 0,
         }
     }
 
@@ -392,6 +407,19 @@ impl FakeBackend {
         key: &ResourceKey,
         now: Timestamp,
     ) -> Result<LeaseGrant, ProviderError> {
+        self.create_lease_from(key, None, now)
+    }
+
+    /// [`FakeBackend::create_lease`], recording the template a new lease is made from.
+    ///
+    /// # Errors
+    /// As [`FakeBackend::create_lease`].
+    pub fn create_lease_from(
+        &mut self,
+        key: &ResourceKey,
+        template: Option<&Arc<NodeTemplate>>,
+        now: Timestamp,
+    ) -> Result<LeaseGrant, ProviderError> {
         self.counters.create_lease_calls += 1;
         self.key_stats(key).create_lease_calls += 1;
         if self.refused(EffectKind::CreateLease) {
@@ -439,6 +467,7 @@ impl FakeBackend {
             endpoint: NodeEndpoint(format!("ssh://{}", id.0)),
             live: true,
             deleted_out_of_band: false,
+            template: template.cloned(),
         };
         let grant = adopt(Origin::Created, &id, &info);
         self.live_leases
@@ -486,9 +515,10 @@ impl FakeBackend {
         if self.refused(EffectKind::StartBootstrap) {
             return Err(ProviderError::Refused(EffectKind::StartBootstrap));
         }
-        if let Some(id) = self.open_session.get(key) {
+        if let Some(id) = self.open_session.get(key).cloned() {
+            self.attach(&id, now);
             return Ok(SessionGrant {
-                session: id.clone(),
+                session: id,
                 origin: Origin::AdoptedByLookup,
             });
         }
@@ -522,6 +552,8 @@ impl FakeBackend {
                 lose_mask,
                 close_after_converge,
                 final_event: None,
+                attached: true,
+                history: Vec::new(),
             },
         );
         self.open_session.insert(key.clone(), id.clone());
@@ -649,17 +681,22 @@ impl FakeBackend {
         now: Timestamp,
     ) -> OperationOutcome {
         let failed = |e: ProviderError| OperationOutcome::Failed {
-            class: FailureClass::Definite,
+            class: match e {
+                ProviderError::NoSuchLease(_) => FailureClass::LeaseGone,
+                ProviderError::Refused(_) => FailureClass::Definite,
+            },
             reason: e.to_string(),
         };
         match request {
-            EffectRequest::CreateLease { .. } => match self.create_lease(key, now) {
-                Ok(g) => OperationOutcome::LeaseCreated {
-                    lease: g.lease,
-                    endpoint: g.endpoint,
-                },
-                Err(e) => failed(e),
-            },
+            EffectRequest::CreateLease { template } => {
+                match self.create_lease_from(key, Some(template), now) {
+                    Ok(g) => OperationOutcome::LeaseCreated {
+                        lease: g.lease,
+                        endpoint: g.endpoint,
+                    },
+                    Err(e) => failed(e),
+                }
+            }
             EffectRequest::LookupEndpoint { lease } => match self.lookup_endpoint(lease, now) {
                 Ok(Some(endpoint)) => OperationOutcome::EndpointFound { endpoint },
                 Ok(None) => OperationOutcome::EndpointNotReady,
@@ -741,12 +778,66 @@ impl FakeBackend {
 
     /// When the next bootstrap observation is due, if any session has one left.
     pub fn next_observation_at(&self) -> Option<Timestamp> {
-        self.schedule.first().map(|(at, _)| *at)
+        let scripted = self.schedule.first().map(|(at, _)| *at);
+        let replay = self.replays.keys().next().map(|(at, _)| *at);
+        match (scripted, replay) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Every host that followed a stream is gone (it crashed or stopped):
+    /// sessions keep running and logging, but nobody hears them until a new
+    /// host adopts them.
+    pub fn detach_streams(&mut self) {
+        for s in self.sessions.values_mut() {
+            s.attached = false;
+        }
+        self.replays.clear();
+    }
+
+    /// A host adopted `id`: if nobody followed it, its log is replayed from the start.
+    fn attach(&mut self, id: &SessionId, now: Timestamp) {
+        let Some(s) = self.sessions.get_mut(id).filter(|s| !s.attached) else {
+            return;
+        };
+        s.attached = true;
+        let (key, history) = (s.key.clone(), s.history.clone());
+        for event in history {
+            self.replay_seq += 1;
+            let obs = BootstrapObservation {
+                node: key.node.clone(),
+                attempt: key.attempt,
+                session: id.clone(),
+                event,
+            };
+            self.replays.insert((now, self.replay_seq), obs);
+        }
+    }
+
+    /// What the provider holds for `run` as a listing sees it at `now`: every
+    /// visible live lease, with its key's open session.
+    pub fn list(&self, run: &RunId, now: Timestamp) -> Vec<Listed> {
+        self.live_leases
+            .keys()
+            .filter(|k| k.run_id == *run)
+            .filter_map(|key| {
+                let lease = self.list_lease(key, now)?.clone();
+                Some(Listed {
+                    key: key.clone(),
+                    lease: Some(lease),
+                    session: self.open_session.get(key).cloned(),
+                })
+            })
+            .collect()
     }
 
     /// Every observation due at or before `now`, in time order (ties in session order).
     pub fn poll_observations(&mut self, now: Timestamp) -> Vec<BootstrapObservation> {
         let mut out = Vec::new();
+        while let Some(entry) = self.replays.first_entry().filter(|e| e.key().0 <= now) {
+            out.push(entry.remove());
+        }
         // The schedule yields (time, session) in the same order a scan for
         // the minimum would, so runs are identical to the unindexed model.
         while let Some((at, id)) = self.schedule.first().filter(|(at, _)| *at <= now).cloned() {
@@ -783,6 +874,11 @@ impl FakeBackend {
                 self.close_session_index(&key, &id);
             }
             self.reschedule(&id);
+            let s = self.sessions.get_mut(&id).expect("session listed above");
+            s.history.push(event.clone());
+            if !s.attached {
+                continue;
+            }
             if lost {
                 self.counters.observations_lost += 1;
                 continue;

@@ -18,7 +18,7 @@
 
 use crate::oracle::{Invariant, Violation};
 use crate::trace::{Mode, Trace, trace};
-use crate::world::{Reconciler, RunReport, WorldConfig, run_trace_with};
+use crate::world::{Factory, Reconciler, RunReport, WorldConfig, run_trace_with};
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
 use std::path::PathBuf;
 
@@ -184,17 +184,17 @@ fn verdict(report: &RunReport) -> Option<String> {
 /// Runs one trace against a fresh system under test, twice when `replay_check`
 /// is set, and returns the first violation as a message.
 pub fn judge<R: Reconciler>(
-    make: &dyn Fn() -> R,
+    make: &Factory<R>,
     config: &WorldConfig,
     trace: &Trace,
     replay_check: bool,
 ) -> Result<RunReport, String> {
-    let report = run_trace_with(make(), config, trace);
+    let report = run_trace_with(make, config, trace);
     if let Some(message) = verdict(&report) {
         return Err(message);
     }
     if replay_check {
-        let again = run_trace_with(make(), config, trace);
+        let again = run_trace_with(make, config, trace);
         if again.digest != report.digest {
             return Err(format!(
                 "invariant `{}` violated: the same trace ended in two different states",
@@ -208,7 +208,7 @@ pub fn judge<R: Reconciler>(
 /// Runs one seed of `mode` against systems made by `make`; on failure, shrinks
 /// (when configured) and returns the minimal trace.
 pub fn check_seed<R: Reconciler>(
-    make: &dyn Fn() -> R,
+    make: &Factory<R>,
     mode: Mode,
     seed: u64,
     battery: &BatteryConfig,
@@ -257,7 +257,7 @@ pub struct BatteryReport {
 /// Runs the recorded regressions of `mode`, then every configured seed; stops
 /// at the first failure when `stop_at_first` is set.
 pub fn run_battery<R: Reconciler>(
-    make: &dyn Fn() -> R,
+    make: &Factory<R>,
     mode: Mode,
     battery: &BatteryConfig,
     stop_at_first: bool,

@@ -400,6 +400,33 @@ impl FakeExecutor {
         out
     }
 
+    /// The host this executor served died (a daemon killed with `-9`).
+    /// Operations not started yet are dropped; each running one either took
+    /// its effect at the provider or not (a seeded coin); results and
+    /// observations in transit are lost; every stream is detached. The
+    /// executor then starts over with empty memory, as a new daemon's does.
+    pub fn crash(&mut self, now: Timestamp) {
+        let running: Vec<OperationId> = self
+            .ops
+            .iter()
+            .filter(|(_, e)| e.state == OpState::Running)
+            .map(|(op, _)| *op)
+            .collect();
+        for op in running {
+            let entry = &self.ops[&op];
+            let effect = !matches!(entry.fault, Some(DeliveryFault::AmbiguousWithoutEffect));
+            if effect && self.rng.chance(500) {
+                let (key, request) = (entry.dispatch.key.clone(), entry.dispatch.request.clone());
+                let _ = self.backend.execute(&key, &request, now);
+            }
+        }
+        self.ops.clear();
+        self.queues.clear();
+        self.events.clear();
+        self.session_clock.clear();
+        self.backend.detach_streams();
+    }
+
     /// Operations of `attempt` of `node` submitted and not yet applied.
     pub fn in_flight(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> usize {
         self.queues

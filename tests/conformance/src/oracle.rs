@@ -19,11 +19,12 @@ use crate::executor::FakeExecutor;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use swactor_provisioning::{
-    BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState, DesiredState,
-    DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind, EffectRequest, Folded, Intent,
-    LeaseId, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, OperationId, OperationOutcome,
-    OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId, Timestamp, UpdateError,
-    reconcile,
+    ApplyError, BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState,
+    CollectRequest, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind,
+    EffectRequest, Folded, Generation, Intent, JoinRefused, JournalImage, LeaseId, LogicalNodeId,
+    ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId, OperationOutcome,
+    OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId, ShutdownMode, Timestamp,
+    UpdateError, reconcile,
 };
 
 /// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.
@@ -108,11 +109,20 @@ pub enum Invariant {
     /// match what the host saw happen, and its work queue holds a pass exactly when an
     /// input was folded, a timer served or a shape accepted since the last drain.
     DriverCountersMatchWhatHappened,
+    /// Every effect is dispatched for an attempt whose slot record, and an attempt-id
+    /// reservation covering it, are already durable in the journal.
+    IntentDurableBeforeEffect,
+    /// A host started after a crash or a shutdown desires at least the last
+    /// acknowledged generation, and hands out attempt ids above every id ever used.
+    AcknowledgedShapesSurviveRestarts,
+    /// When converged, every node's machine was made from its slot's desired template
+    /// (an adopted machine of another template is replaced, never taken as it is).
+    ConvergedNodesRunDesiredTemplate,
 }
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 36] = [
+    pub const ALL: [Invariant; 39] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -149,6 +159,9 @@ impl Invariant {
         Self::BootstrapFactsClassified,
         Self::StageLadderFollowsFacts,
         Self::DriverCountersMatchWhatHappened,
+        Self::IntentDurableBeforeEffect,
+        Self::AcknowledgedShapesSurviveRestarts,
+        Self::ConvergedNodesRunDesiredTemplate,
     ];
 
     /// The invariant's name, as messages print it.
@@ -196,6 +209,9 @@ impl Invariant {
             Self::BootstrapFactsClassified => "bootstrap_facts_classified",
             Self::StageLadderFollowsFacts => "stage_ladder_follows_facts",
             Self::DriverCountersMatchWhatHappened => "driver_counters_match_what_happened",
+            Self::IntentDurableBeforeEffect => "intent_durable_before_effect",
+            Self::AcknowledgedShapesSurviveRestarts => "acknowledged_shapes_survive_restarts",
+            Self::ConvergedNodesRunDesiredTemplate => "converged_nodes_run_desired_template",
         }
     }
 }
@@ -253,6 +269,11 @@ pub struct Snapshot {
     /// Whether a pass is queued, when the host can tell (`None` skips the
     /// work-queue checks, e.g. for a driver inside an actor).
     pub pass_queued: Option<bool>,
+    /// Whether the host has adopted the provider's inventory and has no
+    /// orphan left to collect (until then "converged" cannot be claimed).
+    pub host_settled: bool,
+    /// Whether the host is shutting down (or stopped): shapes are refused.
+    pub shutting_down: bool,
 }
 
 /// One step, as the oracle observes it.
@@ -262,8 +283,8 @@ pub enum StepEvent<'a> {
     Update {
         /// The shape offered.
         shape: &'a ClusterShape,
-        /// What the driver answered.
-        outcome: &'a Result<DesiredUpdate, UpdateError>,
+        /// What the host answered.
+        outcome: &'a Result<DesiredUpdate, ApplyError>,
     },
     /// An operation result was delivered.
     Result {
@@ -306,6 +327,34 @@ pub enum StepEvent<'a> {
     Pass {
         /// The pass.
         pass: &'a Pass,
+        /// The journal as committed when the pass was handed out.
+        durable: &'a JournalImage,
+    },
+    /// The provider's inventory reached a new host (it may adopt).
+    Inventory,
+    /// An agent asked to join.
+    AgentJoined {
+        /// Who it says it is.
+        key: &'a ResourceKey,
+        /// What the host answered.
+        outcome: &'a Result<(), JoinRefused>,
+    },
+    /// An orphan's resources were destroyed (or not).
+    Collect {
+        /// What the host asked for.
+        request: &'a CollectRequest,
+        /// What the provider answered.
+        outcome: &'a Result<(), String>,
+    },
+    /// A new host started from the journal (after a crash or a shutdown).
+    Restart {
+        /// The journal it started from.
+        durable: &'a JournalImage,
+    },
+    /// The host was asked to shut down.
+    Shutdown {
+        /// How.
+        mode: ShutdownMode,
     },
 }
 
@@ -329,7 +378,12 @@ impl StepEvent<'_> {
             Self::AgentLost { node, attempt, .. } => format!("agent of {node}/{attempt} lost"),
             Self::Timeout { .. } => "timer".to_owned(),
             Self::Tick => "tick".to_owned(),
-            Self::Pass { pass } => format!("pass {}", pass.number),
+            Self::Pass { pass, .. } => format!("pass {}", pass.number),
+            Self::Inventory => "inventory".to_owned(),
+            Self::AgentJoined { key, .. } => format!("agent of {key} joins"),
+            Self::Collect { request, .. } => format!("collect orphan {}", request.key),
+            Self::Restart { .. } => "a new host starts from the journal".to_owned(),
+            Self::Shutdown { mode } => format!("shutdown ({mode:?})"),
         }
     }
 }
@@ -349,6 +403,8 @@ pub trait ProviderView {
     fn key_stats(&self) -> Vec<(&ResourceKey, KeyStats)>;
     /// Operations of an attempt submitted and not yet applied.
     fn in_flight(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> usize;
+    /// The template a lease was made from, when the provider recorded one.
+    fn lease_template(&self, lease: &LeaseId) -> Option<&NodeTemplate>;
     /// Times the provider ran two operations of one attempt at once.
     fn overlaps(&self) -> u64;
 }
@@ -368,6 +424,9 @@ impl ProviderView for FakeBackend {
     }
     fn in_flight(&self, _: &LogicalNodeId, _: NodeAttemptId) -> usize {
         0
+    }
+    fn lease_template(&self, lease: &LeaseId) -> Option<&NodeTemplate> {
+        self.leases().get(lease)?.template.as_deref()
     }
     fn overlaps(&self) -> u64 {
         0
@@ -389,6 +448,9 @@ impl ProviderView for FakeExecutor {
     }
     fn in_flight(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> usize {
         FakeExecutor::in_flight(self, node, attempt)
+    }
+    fn lease_template(&self, lease: &LeaseId) -> Option<&NodeTemplate> {
+        self.backend().lease_template(lease)
     }
     fn overlaps(&self) -> u64 {
         self.stats().overlaps
@@ -482,6 +544,12 @@ pub fn earliest_waiting_deadline(
         .min()
 }
 
+/// Whether `SWACTOR_TRACE_STEPS` asks for every step to be printed.
+fn verbose() -> bool {
+    static VERBOSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VERBOSE.get_or_init(|| std::env::var_os("SWACTOR_TRACE_STEPS").is_some())
+}
+
 /// The oracle. Feed it every step; read [`Oracle::violations`].
 #[derive(Clone, Debug)]
 pub struct Oracle {
@@ -491,6 +559,7 @@ pub struct Oracle {
     ops_seen: BTreeSet<OperationId>,
     joined: BTreeSet<(LogicalNodeId, NodeAttemptId)>,
     converged: BTreeSet<(LogicalNodeId, NodeAttemptId)>,
+    acked: Generation,
     tally: DriverStats,
     step: u64,
     context: String,
@@ -507,6 +576,7 @@ impl Oracle {
             ops_seen: BTreeSet::new(),
             joined: BTreeSet::new(),
             converged: BTreeSet::new(),
+            acked: Generation(0),
             tally: DriverStats::default(),
             step: 0,
             context: String::new(),
@@ -547,6 +617,11 @@ impl Oracle {
         self.report(invariant, Some(node), detail.into());
     }
 
+    /// The host acknowledged (as durable) that `generation` is desired.
+    pub fn acknowledged(&mut self, generation: Generation) {
+        self.acked = self.acked.max(generation);
+    }
+
     /// Sets the label of the input that the next steps belong to.
     pub fn begin_input(&mut self, label: String) {
         self.context = label;
@@ -563,8 +638,34 @@ impl Oracle {
         self.step += 1;
         let input = std::mem::take(&mut self.context);
         self.context = format!("{input}; {}", event.label());
+        if verbose() {
+            let nodes: Vec<String> = after
+                .state
+                .nodes
+                .iter()
+                .map(|(id, n)| {
+                    format!(
+                        "{id}/{}:{:?}{}{}",
+                        n.attempt,
+                        n.record.stage,
+                        if n.intent == Intent::Deleting {
+                            "(del)"
+                        } else {
+                            ""
+                        },
+                        n.pending
+                            .as_ref()
+                            .map(|p| format!("[{:?}]", p.effect))
+                            .unwrap_or_default()
+                    )
+                })
+                .collect();
+            eprintln!("step {} {}: {}", self.step, self.context, nodes.join(" "));
+        }
         self.observe_event(event, before, after, provider);
-        self.observe_transitions(event, before, after, provider);
+        if !matches!(event, StepEvent::Restart { .. }) {
+            self.observe_transitions(event, before, after, provider);
+        }
         self.observe_counters(event, before, after);
         self.check(after, provider);
         self.context = input;
@@ -687,8 +788,11 @@ impl Oracle {
                     if p.deadline > now || na.pending.is_some() {
                         continue;
                     }
-                    // An expired operation folds as an ambiguous failure.
-                    let expected = nb.retry.consecutive_failures.saturating_add(1);
+                    // An expired operation folds as an ambiguous failure
+                    // (one an active attempt left behind when it began
+                    // deleting counts nothing and delays nothing).
+                    let interrupted = nb.intent == Intent::Deleting && !p.cleanup;
+                    let expected = nb.retry.consecutive_failures + u32::from(!interrupted);
                     if na.retry.consecutive_failures != expected {
                         self.fail(
                             Invariant::BackoffWithinFloorAndCap,
@@ -696,14 +800,24 @@ impl Oracle {
                             "an expired operation did not count as a failure",
                         );
                     }
-                    if p.effect.creates() && na.record.ambiguous != Some(p.effect) {
+                    if p.effect.creates() && na.record.ambiguous != p.effect.as_create() {
                         self.fail(
                             Invariant::AmbiguousCreateAdoptedBeforeDestruction,
                             id,
                             format!("an expired {:?} was not remembered as ambiguous", p.effect),
                         );
                     }
-                    self.check_backoff(id, na, now);
+                    if interrupted {
+                        if na.retry.next_effect_at != nb.retry.next_effect_at {
+                            self.fail(
+                                Invariant::AttemptFailureCleansUpImmediately,
+                                id,
+                                "an operation the deleting node's cleanup did not send delayed its cleanup",
+                            );
+                        }
+                    } else {
+                        self.check_backoff(id, na, now);
+                    }
                 }
             }
             StepEvent::Tick => {}
@@ -739,14 +853,100 @@ impl Oracle {
                     );
                 }
             }
-            StepEvent::Pass { pass } => self.check_pass(pass, before, after, provider),
+            StepEvent::Pass { pass, durable } => {
+                self.check_pass(pass, before, after, provider);
+                self.check_durable(pass, durable);
+            }
+            StepEvent::Inventory | StepEvent::Shutdown { .. } => {}
+            StepEvent::AgentJoined { key, outcome } => {
+                let current = b.nodes.get(&key.node).is_some_and(|n| {
+                    n.attempt == key.attempt
+                        && n.intent == Intent::Active
+                        && !matches!(n.record.stage, NodeStage::Failed | NodeStage::Destroyed)
+                });
+                if current != outcome.is_ok() || (outcome.is_err() && b != a) {
+                    self.fail(
+                        Invariant::SupersededObservationsDiscarded,
+                        &key.node,
+                        format!("the join of {key} (current: {current}) was answered {outcome:?}"),
+                    );
+                }
+            }
+            StepEvent::Collect { request, .. } => {
+                let key = &request.key;
+                if b.nodes
+                    .get(&key.node)
+                    .is_some_and(|n| n.attempt == key.attempt)
+                {
+                    self.fail(
+                        Invariant::CleanupTargetsOwnResources,
+                        &key.node,
+                        format!("collected {key}, the slot's current attempt"),
+                    );
+                }
+            }
+            StepEvent::Restart { durable } => {
+                self.joined.clear();
+                self.converged.clear();
+                let last = self
+                    .attempts_seen
+                    .last_key_value()
+                    .map(|(a, n)| (*a, n.clone()));
+                if let Some((used, node)) = last
+                    && a.next_attempt <= used.0
+                {
+                    self.fail(
+                        Invariant::AcknowledgedShapesSurviveRestarts,
+                        &node,
+                        format!(
+                            "the new host would hand out attempt {} again (journal reserves {})",
+                            a.next_attempt, durable.meta.attempts_reserved
+                        ),
+                    );
+                }
+                if after.desired.generation < self.acked {
+                    self.report(
+                        Invariant::AcknowledgedShapesSurviveRestarts,
+                        None,
+                        format!(
+                            "generation {} was acknowledged, the new host desires {}",
+                            self.acked, after.desired.generation
+                        ),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every dispatch's attempt is durably recorded for its slot, below the
+    /// durable attempt-id reservation.
+    fn check_durable(&mut self, pass: &Pass, durable: &JournalImage) {
+        for d in &pass.dispatches {
+            let recorded = durable
+                .slots
+                .get(&d.key.node)
+                .is_some_and(|r| r.attempt == d.key.attempt);
+            let reserved = d.key.attempt.0 < durable.meta.attempts_reserved;
+            if !recorded || !reserved {
+                self.fail(
+                    Invariant::IntentDurableBeforeEffect,
+                    &d.key.node,
+                    format!(
+                        "{:?} of {} dispatched; the journal records {:?} and reserves ids below {}",
+                        d.request.kind(),
+                        d.key,
+                        durable.slots.get(&d.key.node),
+                        durable.meta.attempts_reserved
+                    ),
+                );
+            }
         }
     }
 
     fn check_update(
         &mut self,
         shape: &ClusterShape,
-        outcome: &Result<DesiredUpdate, UpdateError>,
+        outcome: &Result<DesiredUpdate, ApplyError>,
         before: &Snapshot,
         after: &Snapshot,
     ) {
@@ -754,6 +954,7 @@ impl Oracle {
         let current = before.desired.generation;
         let validated = shape.validate();
         let expected: Result<Option<bool>, &str> = match &validated {
+            _ if before.shutting_down => Err("ShuttingDown"),
             Err(_) => Err("Invalid"),
             Ok(_) if shape.run_id != before.state.run_id => Err("RunMismatch"),
             Ok(_) if shape.generation < current => Err("GenerationRegressed"),
@@ -767,13 +968,19 @@ impl Oracle {
             Ok(_) => Ok(Some(true)),
         };
         let got = match outcome {
-            Err(UpdateError::Invalid(_)) => Err("Invalid"),
-            Err(UpdateError::RunMismatch { .. }) => Err("RunMismatch"),
-            Err(UpdateError::GenerationRegressed { .. }) => Err("GenerationRegressed"),
-            Err(UpdateError::SameGenerationChanged { .. }) => Err("SameGenerationChanged"),
+            Err(ApplyError::ShuttingDown) => Err("ShuttingDown"),
+            Err(ApplyError::Update(UpdateError::Invalid(_))) => Err("Invalid"),
+            Err(ApplyError::Update(UpdateError::RunMismatch { .. })) => Err("RunMismatch"),
+            Err(ApplyError::Update(UpdateError::GenerationRegressed { .. })) => {
+                Err("GenerationRegressed")
+            }
+            Err(ApplyError::Update(UpdateError::SameGenerationChanged { .. })) => {
+                Err("SameGenerationChanged")
+            }
             Ok(DesiredUpdate::Unchanged(_)) => Ok(Some(false)),
             Ok(DesiredUpdate::Accepted(_)) => Ok(Some(true)),
         };
+        let _ = ApplyError::ShuttingDown;
         let mut problems = Vec::new();
         if expected != got {
             problems.push(format!(
@@ -818,6 +1025,26 @@ impl Oracle {
         let node = &result.node;
         let kind = nb.pending.as_ref().map(|p| p.effect);
         match &result.outcome {
+            OperationOutcome::EndpointNotReady
+                if kind == Some(EffectKind::LookupEndpoint)
+                    && nb.intent == Intent::Active
+                    && nb.record.endpoint_deadline.is_some_and(|d| d <= now) =>
+            {
+                // Past its group's readiness deadline: the attempt fails.
+                let failed = na.record.stage == NodeStage::Failed
+                    && na.retry.consecutive_failures == nb.retry.consecutive_failures + 1
+                    && na.retry.next_effect_at.is_none();
+                if !failed {
+                    self.fail(
+                        Invariant::EndpointNotReadyIsAProbe,
+                        node,
+                        format!(
+                            "an endpoint still not ready past its deadline {:?} did not fail the attempt",
+                            nb.record.endpoint_deadline
+                        ),
+                    );
+                }
+            }
             OperationOutcome::EndpointNotReady if kind == Some(EffectKind::LookupEndpoint) => {
                 let probe = now
                     .0
@@ -834,6 +1061,23 @@ impl Oracle {
                             nb.retry.consecutive_failures,
                             na.retry.consecutive_failures,
                             na.retry.next_effect_at
+                        ),
+                    );
+                }
+            }
+            OperationOutcome::Failed { .. }
+                if nb.intent == Intent::Deleting
+                    && nb.pending.as_ref().is_some_and(|p| !p.cleanup) =>
+            {
+                // The active attempt sent it before it began deleting: its
+                // failure neither counts nor holds the cleanup back.
+                if na.retry != nb.retry {
+                    self.fail(
+                        Invariant::AttemptFailureCleansUpImmediately,
+                        node,
+                        format!(
+                            "an interrupted {kind:?} changed the retry state {:?} -> {:?}",
+                            nb.retry, na.retry
                         ),
                     );
                 }
@@ -874,7 +1118,7 @@ impl Oracle {
                 // resolves it. (A session dies with its lease, so a dropped
                 // StartBootstrap ambiguity is made safe by the DestroyLease.)
                 if let (Some(k), Some(prev)) = (kind, nb.record.ambiguous)
-                    && k == prev
+                    && k == prev.effect()
                     && k == EffectKind::CreateLease
                     && na.record.ambiguous.is_none()
                 {
@@ -1138,7 +1382,21 @@ impl Oracle {
         for (id, na) in &a.nodes {
             let nb = b.nodes.get(id);
             let new_attempt = nb.is_none_or(|nb| nb.attempt != na.attempt);
-            if new_attempt {
+            let adopted = matches!(event, StepEvent::Inventory) && nb.is_none();
+            if new_attempt && adopted {
+                // Adoption takes over an attempt an earlier host handed out.
+                if self.attempts_seen.get(&na.attempt) != Some(id) {
+                    self.fail(
+                        Invariant::AttemptIdsNeverReused,
+                        id,
+                        format!(
+                            "adopted attempt {}, which was never handed out for this slot (seen for {:?})",
+                            na.attempt,
+                            self.attempts_seen.get(&na.attempt)
+                        ),
+                    );
+                }
+            } else if new_attempt {
                 if let Some(owner) = self.attempts_seen.insert(na.attempt, id.clone()) {
                     self.fail(
                         Invariant::AttemptIdsNeverReused,
@@ -1300,7 +1558,16 @@ impl Oracle {
                     );
                 }
             }
-            StepEvent::Pass { pass } => {
+            StepEvent::Restart { .. } => {
+                // A new host, a new driver: its counters start over.
+                self.tally = after.stats;
+                return;
+            }
+            StepEvent::Inventory
+            | StepEvent::AgentJoined { .. }
+            | StepEvent::Collect { .. }
+            | StepEvent::Shutdown { .. } => {}
+            StepEvent::Pass { pass, .. } => {
                 self.tally.passes += 1;
                 self.tally.dispatched += pass.dispatches.len() as u64;
                 let (b, a) = (&before.state, &after.state);
@@ -1358,7 +1625,11 @@ impl Oracle {
                     Folded::Applied => is,
                     Folded::Discarded(_) => is == was,
                 },
-                StepEvent::Timeout { .. } => is,
+                // Only a due core deadline queues a pass; the host's own
+                // (a grace, a sweep, a retry of a collection) do not.
+                StepEvent::Timeout { .. } => is || before.timer.is_none_or(|t| t > after.now),
+                // A tick queues a pass exactly when a deadline is due.
+                StepEvent::Tick => is == (was || before.timer.is_some_and(|t| t <= after.now)),
                 StepEvent::Update {
                     outcome: Ok(DesiredUpdate::Accepted(_)),
                     ..
@@ -1620,7 +1891,7 @@ impl Oracle {
                 format!("{} overlapping operations", provider.overlaps()),
             );
         }
-        let converged = independently_converged(a, &after.desired);
+        let converged = independently_converged(a, &after.desired) && after.host_settled;
         if converged != after.converged_claim {
             self.report(
                 Invariant::ConvergedMeansExactSpecs,
@@ -1632,6 +1903,26 @@ impl Oracle {
             );
         }
         if converged {
+            for (id, n) in &a.nodes {
+                let made_from = n
+                    .record
+                    .lease
+                    .as_ref()
+                    .and_then(|l| provider.lease_template(l));
+                let wanted = after.desired.slot(id);
+                if let (Some(made), Some(wanted)) = (made_from, wanted)
+                    && *made != **wanted
+                {
+                    self.fail(
+                        Invariant::ConvergedNodesRunDesiredTemplate,
+                        id,
+                        format!(
+                            "converged, but attempt {}'s machine was made from {:?}, not the desired {:?}",
+                            n.attempt, made.boot, wanted.boot
+                        ),
+                    );
+                }
+            }
             for key in provider.live_keys() {
                 let owned = key.run_id == a.run_id
                     && a.nodes

@@ -143,6 +143,23 @@ pub enum Input {
         /// Which one, modulo the number of earlier dispatches.
         pick: u8,
     },
+    /// The host is killed (`kill -9`) and a new one starts from its journal
+    /// and the provider's inventory: at once, or (with `at_persist`) at the
+    /// moment it hands out its next journal write, before that write is
+    /// durable. Nothing runs for `down_ms` in between; agents keep running.
+    HostCrash {
+        /// Crash between a journal write and its commit.
+        at_persist: bool,
+        /// How long no host runs.
+        down_ms: u16,
+    },
+    /// The host is shut down: leaving every node running for the next host
+    /// (`keep`), which starts at once, or tearing everything down, after
+    /// which a new host starts with the current shape as its next generation.
+    Shutdown {
+        /// Leave the nodes running.
+        keep: bool,
+    },
 }
 
 /// A generated trace.
@@ -247,6 +264,9 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
         2 => any::<u8>().prop_map(|pick| Input::DeleteOutOfBand { pick }),
         1 => (any::<u8>(), any::<bool>()).prop_map(|(pick, stale)| Input::AgentLost { pick, stale }),
         2 => resubmit_old,
+        2 => (any::<bool>(), 0u16..8_000)
+            .prop_map(|(at_persist, down_ms)| Input::HostCrash { at_persist, down_ms }),
+        1 => any::<bool>().prop_map(|keep| Input::Shutdown { keep }),
     ]
     .boxed()
 }

@@ -1,170 +1,33 @@
-//! The simulated world: a driver, a fake executor and provider, virtual time, and the oracle.
+//! The simulated world: a cluster host around a driver core, a fake executor
+//! and provider, a simulated journal, virtual time, and the oracle.
 //!
-//! [`World`] steps every party the way a host would (the calling order in the
-//! module docs of `swactor_provisioning::Driver`): feed inputs, drain passes,
-//! submit every dispatch, re-arm one timer. Time is virtual: the world jumps
-//! straight to the earliest wake-up of any party (the driver's
-//! [`Reconciler::poll_timeout`], the executor's next latency, delivery or
-//! bootstrap step). Every step goes through the [`Oracle`].
+//! [`World`] drives a [`Host`] exactly as a daemon does (the calling order in
+//! the module docs of `swactor_provisioning::Host`): feed inputs, drain
+//! outputs (commit each journal write before going on, submit every
+//! dispatch, collect orphans), re-arm one timer. The host can be killed at
+//! any step, including between a journal write and its commit, and a new one
+//! started from the journal and the provider's inventory, as a restarted
+//! daemon would; it can be shut down keeping its nodes or tearing them down.
+//! Time is virtual: the world jumps straight to the earliest wake-up of any
+//! party. Every step goes through the [`Oracle`].
 //!
-//! The system under test sits behind the small [`Reconciler`] trait, which
-//! [`Driver`] implements; a test can wrap a driver to break it on purpose and
-//! check that the oracle notices.
+//! The host's core sits behind the [`Reconciler`] trait, which [`Driver`]
+//! implements; a test can wrap a driver to break it on purpose and check
+//! that the oracle notices.
 
 use crate::backend::{BackendConfig, FakeBackend, ProviderFault};
 use crate::executor::{ExecutorConfig, FakeExecutor, Output, Submitted};
 use crate::oracle::{Invariant, Oracle, Snapshot, StepEvent, independently_converged};
 use crate::trace::{Input, InvalidUpdate, LATE_EXTRA_MAX_MS, Mode, ProviderFaultInput, Trace};
 use std::collections::BTreeMap;
+use std::rc::Rc;
+pub use swactor_provisioning::Reconciler;
 use swactor_provisioning::{
-    BootParams, BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate,
-    Dispatch, Driver, DriverError, DriverStats, Folded, Generation, GroupShape, LogicalNodeId,
-    NodeAttemptId, OperationResult, OperationTimeouts, Pass, ProviderShape, ReconcilerConfig,
-    RunId, SwarmJoin, Timestamp, UpdateError,
+    BootParams, BootstrapEvent, ClusterShape, CollectRequest, Driver, Generation, GroupShape, Host,
+    HostConfig, HostFold, JournalImage, NodeAttemptId, NodeLimits, OperationTimeouts,
+    Output as HostOutput, ProviderShape, ReconcilerConfig, Reply, ResourceKey, RunId, ShutdownMode,
+    SwarmJoin, Ticket, Timestamp,
 };
-
-/// The driver operations a host uses, so a harness can wrap or replace the driver.
-///
-/// Every method means what the [`Driver`] method of the same name means.
-pub trait Reconciler {
-    /// See [`Driver::update_desired`].
-    ///
-    /// # Errors
-    /// As the driver's.
-    fn update_desired(&mut self, shape: &ClusterShape) -> Result<DesiredUpdate, UpdateError>;
-    /// See [`Driver::handle_result`].
-    ///
-    /// # Errors
-    /// As the driver's.
-    fn handle_result(
-        &mut self,
-        result: OperationResult,
-        now: Timestamp,
-    ) -> Result<Folded, DriverError>;
-    /// See [`Driver::handle_submit_failed`].
-    ///
-    /// # Errors
-    /// As the driver's.
-    fn handle_submit_failed(
-        &mut self,
-        dispatch: &Dispatch,
-        reason: &str,
-        now: Timestamp,
-    ) -> Result<Folded, DriverError>;
-    /// See [`Driver::handle_bootstrap`].
-    ///
-    /// # Errors
-    /// As the driver's.
-    fn handle_bootstrap(
-        &mut self,
-        obs: BootstrapObservation,
-        now: Timestamp,
-    ) -> Result<Folded, DriverError>;
-    /// See [`Driver::handle_agent_lost`].
-    fn handle_agent_lost(
-        &mut self,
-        node: &LogicalNodeId,
-        attempt: NodeAttemptId,
-        reason: &str,
-        now: Timestamp,
-    ) -> Folded;
-    /// See [`Driver::handle_timeout`].
-    ///
-    /// # Errors
-    /// As the driver's.
-    fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError>;
-    /// See [`Driver::handle_tick`].
-    fn handle_tick(&mut self, now: Timestamp);
-    /// See [`Driver::poll_timeout`].
-    fn poll_timeout(&self) -> Option<Timestamp>;
-    /// See [`Driver::poll_pass`].
-    ///
-    /// # Errors
-    /// As the driver's.
-    fn poll_pass(&mut self, now: Timestamp) -> Result<Option<Pass>, DriverError>;
-    /// See [`Driver::finish_pass`].
-    ///
-    /// # Errors
-    /// As the driver's.
-    fn finish_pass(&mut self) -> Result<(), DriverError>;
-    /// See [`Driver::state`].
-    fn state(&self) -> &ClusterState;
-    /// See [`Driver::desired`].
-    fn desired(&self) -> &DesiredState;
-    /// See [`Driver::is_converged`].
-    fn is_converged(&self) -> bool;
-    /// See [`Driver::stats`].
-    fn stats(&self) -> DriverStats;
-    /// See [`Driver::is_pass_queued`].
-    fn is_pass_queued(&self) -> bool;
-}
-
-impl Reconciler for Driver {
-    fn update_desired(&mut self, shape: &ClusterShape) -> Result<DesiredUpdate, UpdateError> {
-        Driver::update_desired(self, shape)
-    }
-    fn handle_result(
-        &mut self,
-        result: OperationResult,
-        now: Timestamp,
-    ) -> Result<Folded, DriverError> {
-        Driver::handle_result(self, result, now)
-    }
-    fn handle_submit_failed(
-        &mut self,
-        dispatch: &Dispatch,
-        reason: &str,
-        now: Timestamp,
-    ) -> Result<Folded, DriverError> {
-        Driver::handle_submit_failed(self, &dispatch.key.node, dispatch.op, reason, now)
-    }
-    fn handle_bootstrap(
-        &mut self,
-        obs: BootstrapObservation,
-        now: Timestamp,
-    ) -> Result<Folded, DriverError> {
-        Driver::handle_bootstrap(self, obs, now)
-    }
-    fn handle_agent_lost(
-        &mut self,
-        node: &LogicalNodeId,
-        attempt: NodeAttemptId,
-        reason: &str,
-        now: Timestamp,
-    ) -> Folded {
-        Driver::handle_agent_lost(self, node, attempt, reason, now)
-    }
-    fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
-        Driver::handle_timeout(self, now)
-    }
-    fn handle_tick(&mut self, now: Timestamp) {
-        Driver::handle_tick(self, now);
-    }
-    fn poll_timeout(&self) -> Option<Timestamp> {
-        Driver::poll_timeout(self)
-    }
-    fn poll_pass(&mut self, now: Timestamp) -> Result<Option<Pass>, DriverError> {
-        Driver::poll_pass(self, now)
-    }
-    fn finish_pass(&mut self) -> Result<(), DriverError> {
-        Driver::finish_pass(self)
-    }
-    fn state(&self) -> &ClusterState {
-        Driver::state(self)
-    }
-    fn desired(&self) -> &DesiredState {
-        Driver::desired(self)
-    }
-    fn is_converged(&self) -> bool {
-        Driver::is_converged(self)
-    }
-    fn stats(&self) -> DriverStats {
-        Driver::stats(self)
-    }
-    fn is_pass_queued(&self) -> bool {
-        Driver::is_pass_queued(self)
-    }
-}
 
 /// The run every world drives.
 pub const RUN: &str = "conformance";
@@ -298,6 +161,8 @@ impl TailBound {
             + c.backend.endpoint_delay_ms
             + r.probe_interval_ms
             + script
+            + GRACE_MS
+            + SWEEP_MS
             + slack;
         Self {
             time_ms,
@@ -319,9 +184,33 @@ pub struct TailReport {
     pub bound: TailBound,
 }
 
+/// The grace of a disconnected agent in the world's shapes.
+pub const GRACE_MS: u64 = 5_000;
+
+/// The world's host settings: one executor lane, joins proven only by the
+/// swarm (the world turns a stream's join into a live join, as a real agent
+/// joins its daemon).
+pub fn host_config() -> HostConfig {
+    HostConfig {
+        lanes: 1,
+        stream_joins: false,
+        node_events: false,
+        visibility_window_ms: SWEEP_MS,
+        sweep_interval_ms: SWEEP_MS,
+    }
+}
+
+/// The world's sweep interval and visibility window: longer than the
+/// longest invisibility a trace can arm.
+pub const SWEEP_MS: u64 = 6_000;
+
+/// Makes fresh cores for the hosts a world starts.
+pub type Factory<R> = Rc<dyn Fn() -> R>;
+
 /// The simulated world. See the module docs.
 pub struct World<R: Reconciler = Driver> {
-    sut: R,
+    make: Factory<R>,
+    host: Host<R>,
     exec: FakeExecutor,
     oracle: Oracle,
     config: WorldConfig,
@@ -330,20 +219,29 @@ pub struct World<R: Reconciler = Driver> {
     generation: u64,
     abort: Option<(u8, bool)>,
     timer_lost: bool,
-    submitted: Vec<Dispatch>,
+    crash_at_persist: Option<u16>,
+    submitted: Vec<swactor_provisioning::Dispatch>,
     snapshot: Snapshot,
     passes: u64,
+    durable: JournalImage,
+    next_ticket: u64,
+    restarts: u64,
+    next_shape: Option<[(u8, u8); 2]>,
+    teardowns: Vec<usize>,
 }
 
-fn snapshot<R: Reconciler>(sut: &R, now: Timestamp) -> Snapshot {
+fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
+    let core = host.core();
     Snapshot {
         now,
-        state: sut.state().clone(),
-        desired: sut.desired().clone(),
-        timer: sut.poll_timeout(),
-        converged_claim: sut.is_converged(),
-        stats: sut.stats(),
-        pass_queued: Some(sut.is_pass_queued()),
+        state: core.state().clone(),
+        desired: core.desired().clone(),
+        timer: core.poll_timeout(),
+        converged_claim: host.is_converged(),
+        stats: core.stats(),
+        pass_queued: Some(core.is_pass_queued()),
+        host_settled: host.settled(),
+        shutting_down: host.shutting_down().is_some() || host.is_stopped(),
     }
 }
 
@@ -368,31 +266,66 @@ pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
                     ..BootParams::default()
                 },
                 role: "worker".to_owned(),
-                join: SwarmJoin::default(),
+                join: SwarmJoin {
+                    lost_grace_s: GRACE_MS as f64 / 1000.0,
+                    ..SwarmJoin::default()
+                },
+                limits: NodeLimits::default(),
             })
             .collect(),
     }
 }
 
+/// The group counts and variants a shape made by [`shape_of`] describes
+/// (an empty shape describes empty groups).
+pub fn groups_of(shape: &ClusterShape) -> [(u8, u8); 2] {
+    let mut groups = [(0, 0); 2];
+    for g in &shape.groups {
+        let Some(i) = GROUPS.iter().position(|id| *id == g.id) else {
+            continue;
+        };
+        let variant = g
+            .boot
+            .image
+            .as_deref()
+            .and_then(|image| image.strip_prefix("image-v"))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        groups[i] = (u8::try_from(g.count).unwrap_or(u8::MAX), variant);
+    }
+    groups
+}
+
 impl World<Driver> {
     /// A world around a fresh [`Driver`] configured by `config`.
     pub fn new(config: WorldConfig, seed: u64) -> Self {
-        let driver = Driver::new(RunId::new(RUN), config.reconciler.clone())
-            .expect("the world's reconciler config is valid");
-        Self::with_reconciler(driver, config, seed)
+        let reconciler = config.reconciler.clone();
+        let make = move || {
+            Driver::new(RunId::new(RUN), reconciler.clone())
+                .expect("the world's reconciler config is valid")
+        };
+        Self::with_reconciler(make, config, seed)
     }
 }
 
 impl<R: Reconciler> World<R> {
-    /// A world around `sut`, which must be a fresh driver for [`RUN`]
-    /// configured with `config.reconciler`. Applies the initial shape
-    /// (generation 1) at time zero.
-    pub fn with_reconciler(sut: R, config: WorldConfig, seed: u64) -> Self {
+    /// A world whose hosts are built around cores that `make` returns; each
+    /// must be a fresh driver for [`RUN`] configured with `config.reconciler`.
+    /// Starts the first host on an empty journal and provider and applies the
+    /// initial shape (generation 1) at time zero.
+    pub fn with_reconciler(make: impl Fn() -> R + 'static, config: WorldConfig, seed: u64) -> Self {
+        Self::with_factory(Rc::new(make), config, seed)
+    }
+
+    /// As [`World::with_reconciler`], with a shared factory.
+    pub fn with_factory(make: Factory<R>, config: WorldConfig, seed: u64) -> Self {
         let backend = FakeBackend::new(config.backend.clone(), seed ^ 0xb0b0);
         let exec = FakeExecutor::new(backend, config.executor.clone(), seed);
-        let snapshot = snapshot(&sut, Timestamp(0));
+        let host = Host::new(make(), host_config(), None).expect("a fresh core makes a host");
+        let snapshot = snapshot(&host, Timestamp(0));
         let mut world = Self {
-            sut,
+            make,
+            host,
             exec,
             oracle: Oracle::new(config.reconciler.clone()),
             groups: config.initial,
@@ -401,9 +334,15 @@ impl<R: Reconciler> World<R> {
             generation: 0,
             abort: None,
             timer_lost: false,
+            crash_at_persist: None,
             submitted: Vec::new(),
             snapshot,
             passes: 0,
+            durable: JournalImage::new(RunId::new(RUN)),
+            next_ticket: 0,
+            restarts: 0,
+            next_shape: None,
+            teardowns: Vec::new(),
         };
         world.oracle.begin_input("initial shape".to_owned());
         world.generation = 1;
@@ -413,9 +352,24 @@ impl<R: Reconciler> World<R> {
         world
     }
 
-    /// The system under test.
+    /// The host's core: the system under test.
     pub fn sut(&self) -> &R {
-        &self.sut
+        self.host.core()
+    }
+
+    /// The host around it.
+    pub fn host(&self) -> &Host<R> {
+        &self.host
+    }
+
+    /// The journal as committed so far.
+    pub fn journal(&self) -> &JournalImage {
+        &self.durable
+    }
+
+    /// Hosts started after the first (crashes and shutdowns).
+    pub fn restarts(&self) -> u64 {
+        self.restarts
     }
 
     /// The executor and, through it, the provider.
@@ -448,7 +402,7 @@ impl<R: Reconciler> World<R> {
         self.now
     }
 
-    /// Passes run so far.
+    /// Passes run so far (over every host).
     pub fn passes(&self) -> u64 {
         self.passes
     }
@@ -461,11 +415,13 @@ impl<R: Reconciler> World<R> {
     /// A digest of everything observable, for replay comparisons.
     pub fn digest(&self) -> String {
         format!(
-            "{}|{}|{:?}|{:?}|{:?}|{:?}|{:?}",
+            "{}|{}|{}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
             self.now,
             self.passes,
-            self.sut.state(),
-            self.sut.poll_timeout(),
+            self.restarts,
+            self.host.core().state(),
+            self.host.poll_timeout(),
+            self.durable,
             self.exec.backend().counters(),
             self.exec.stats(),
             self.exec.backend().leases(),
@@ -473,32 +429,59 @@ impl<R: Reconciler> World<R> {
     }
 
     fn record(&mut self, event: StepEvent<'_>) {
-        let after = snapshot(&self.sut, self.now);
+        let after = snapshot(&self.host, self.now);
         self.oracle
             .observe(event, &self.snapshot, &after, &self.exec);
         self.snapshot = after;
     }
 
-    /// Offers a shape to the driver (valid or not) and lets the oracle judge the answer.
+    fn ticket(&mut self) -> Ticket {
+        self.next_ticket += 1;
+        Ticket(self.next_ticket)
+    }
+
+    /// Offers a shape to the host (valid or not) and lets the oracle judge the answer.
     pub fn offer(&mut self, shape: &ClusterShape) {
-        let outcome = self.sut.update_desired(shape);
+        let ticket = self.ticket();
+        let outcome = self.host.handle_apply(shape, ticket, self.now);
         self.record(StepEvent::Update {
             shape,
             outcome: &outcome,
         });
     }
 
+    /// Tells the host what the provider holds for the run (as a new host's first input).
+    fn list_inventory(&mut self) {
+        let listed = self.exec.backend().list(&RunId::new(RUN), self.now);
+        self.host.handle_inventory(Ok(listed), self.now);
+        self.record(StepEvent::Inventory);
+    }
+
     fn deliver(&mut self, output: Output) {
         match output {
             Output::Result(result) => {
-                let folded = self.sut.handle_result(result.clone(), self.now);
+                let folded = self.host.handle_result(result.clone(), self.now);
                 self.record(StepEvent::Result {
                     result: &result,
                     folded: &folded,
                 });
             }
+            Output::Observation(obs) if obs.event == BootstrapEvent::SwactorJoined => {
+                // The agent joins its host over the swarm; the stream's line
+                // about it proves nothing on its own.
+                let key = ResourceKey {
+                    run_id: RunId::new(RUN),
+                    node: obs.node.clone(),
+                    attempt: obs.attempt,
+                };
+                let outcome = self.host.handle_agent_joined(&key, self.now);
+                self.record(StepEvent::AgentJoined {
+                    key: &key,
+                    outcome: &outcome,
+                });
+            }
             Output::Observation(obs) => {
-                let folded = self.sut.handle_bootstrap(obs.clone(), self.now);
+                let folded = self.host.handle_bootstrap(obs.clone(), self.now);
                 self.record(StepEvent::Observation {
                     obs: &obs,
                     folded: &folded,
@@ -507,70 +490,48 @@ impl<R: Reconciler> World<R> {
         }
     }
 
-    /// Runs every queued pass at `now`, submitting its dispatches (or losing
-    /// them, when a pass abort is armed).
+    /// Drains the host's outputs at `now`: commits journal writes (or crashes
+    /// the host at one, when armed), submits passes, collects orphans,
+    /// records the host's own folds, and restarts a host that stopped.
     fn drain(&mut self) -> usize {
         let mut passes = 0;
-        loop {
-            let pass = match self.sut.poll_pass(self.now) {
-                Ok(Some(pass)) => pass,
-                Ok(None) => break,
-                Err(e) => {
-                    self.oracle
-                        .report(Invariant::DriverErrorFree, None, format!("poll_pass: {e}"));
-                    break;
-                }
-            };
-            passes += 1;
-            self.passes += 1;
-            self.record(StepEvent::Pass { pass: &pass });
-            let keep = match self.abort {
-                Some((keep, report)) if !pass.dispatches.is_empty() => {
-                    self.abort = None;
-                    Some((usize::from(keep), report))
-                }
-                _ => None,
-            };
-            for (i, d) in pass.dispatches.iter().enumerate() {
-                match keep {
-                    Some((keep, report)) if i >= keep => {
-                        if report {
-                            let folded =
-                                self.sut
-                                    .handle_submit_failed(d, "host aborted the pass", self.now);
-                            self.record(StepEvent::SubmitFailed {
-                                dispatch: d,
-                                folded: &folded,
-                            });
-                        }
+        while let Some(out) = self.host.poll_output(self.now) {
+            match out {
+                HostOutput::Persist(delta) => {
+                    if let Some(down_ms) = self.crash_at_persist.take() {
+                        // Killed with the write handed out but not durable;
+                        // the next host carries on from the journal.
+                        self.crash(down_ms);
+                        continue;
                     }
-                    _ => {
-                        if self.exec.submit(d, self.now) == Submitted::Conflict {
-                            let folded =
-                                self.sut
-                                    .handle_submit_failed(d, "operation id conflict", self.now);
-                            self.record(StepEvent::SubmitFailed {
-                                dispatch: d,
-                                folded: &folded,
-                            });
-                        }
-                        self.submitted.push(d.clone());
+                    self.durable.apply(&delta);
+                    self.host.handle_persisted(delta.seq);
+                }
+                HostOutput::Pass(pass) => {
+                    passes += 1;
+                    self.passes += 1;
+                    let durable = self.durable.clone();
+                    self.record(StepEvent::Pass {
+                        pass: &pass,
+                        durable: &durable,
+                    });
+                    self.submit(&pass);
+                    if passes > self.config.passes_per_instant_max {
+                        break;
                     }
                 }
-            }
-            if let Err(e) = self.sut.finish_pass() {
-                self.oracle.report(
-                    Invariant::DriverErrorFree,
-                    None,
-                    format!("finish_pass: {e}"),
-                );
-                break;
-            }
-            if passes > self.config.passes_per_instant_max {
-                break;
+                HostOutput::List => self.list_inventory(),
+                HostOutput::Collect(request) => self.collect(&request),
+                HostOutput::Folded(fold) => self.record_fold(&fold),
+                HostOutput::Reply(_, reply) => {
+                    if let Reply::Applied(Ok(update)) = reply {
+                        self.oracle.acknowledged(update.generation());
+                    }
+                }
+                HostOutput::Stop => self.host_stopped(),
             }
         }
-        let after = snapshot(&self.sut, self.now);
+        let after = snapshot(&self.host, self.now);
         if passes > 0 {
             self.oracle
                 .on_quiescent(&after, passes, self.config.passes_per_instant_max);
@@ -579,7 +540,177 @@ impl<R: Reconciler> World<R> {
         passes
     }
 
-    /// Runs everything due at `now`: deliveries, the driver's timer, passes.
+    fn submit(&mut self, pass: &swactor_provisioning::Pass) {
+        let keep = match self.abort {
+            Some((keep, report)) if !pass.dispatches.is_empty() => {
+                self.abort = None;
+                Some((usize::from(keep), report))
+            }
+            _ => None,
+        };
+        for (i, d) in pass.dispatches.iter().enumerate() {
+            match keep {
+                Some((keep, report)) if i >= keep => {
+                    if report {
+                        let folded = self.host.handle_submit_failed(
+                            &d.key.node,
+                            d.op,
+                            "host aborted the pass",
+                            self.now,
+                        );
+                        self.record(StepEvent::SubmitFailed {
+                            dispatch: d,
+                            folded: &folded,
+                        });
+                    }
+                }
+                _ => {
+                    if self.exec.submit(d, self.now) == Submitted::Conflict {
+                        let folded = self.host.handle_submit_failed(
+                            &d.key.node,
+                            d.op,
+                            "operation id conflict",
+                            self.now,
+                        );
+                        self.record(StepEvent::SubmitFailed {
+                            dispatch: d,
+                            folded: &folded,
+                        });
+                    }
+                    self.submitted.push(d.clone());
+                }
+            }
+        }
+    }
+
+    /// Collects an orphan at once, the way an executor would: cancel its
+    /// session, then destroy its lease; a refused call is retried by the host.
+    fn collect(&mut self, request: &CollectRequest) {
+        let now = self.now;
+        let backend = self.exec.backend_mut();
+        let mut outcome = Ok(());
+        if let Some(session) = &request.session {
+            outcome = backend
+                .cancel_bootstrap(session, now)
+                .map_err(|e| e.to_string());
+        }
+        if let (Ok(()), Some(lease)) = (&outcome, &request.lease) {
+            outcome = backend.destroy_lease(lease, now).map_err(|e| e.to_string());
+        }
+        self.record(StepEvent::Collect {
+            request,
+            outcome: &outcome,
+        });
+        self.host.handle_collected(&request.key, outcome, now);
+    }
+
+    fn record_fold(&mut self, fold: &HostFold) {
+        match fold {
+            HostFold::Observation { obs, folded } => {
+                self.record(StepEvent::Observation { obs, folded })
+            }
+            HostFold::Result { result, folded } => {
+                self.record(StepEvent::Result { result, folded })
+            }
+            HostFold::AgentLost {
+                node,
+                attempt,
+                folded,
+                ..
+            } => self.record(StepEvent::AgentLost {
+                node,
+                attempt: *attempt,
+                folded: *folded,
+            }),
+        }
+    }
+
+    /// Kills the host (as `kill -9` would): its executor and streams die
+    /// with it; after `down_ms` a new host starts from the journal.
+    fn crash(&mut self, down_ms: u16) {
+        self.exec.crash(self.now);
+        self.now = Timestamp(self.now.0 + u64::from(down_ms));
+        self.start_host("crashed");
+    }
+
+    /// A host stopped on its own (a shutdown finished): start the next one.
+    fn host_stopped(&mut self) {
+        // A daemon that stops takes its executor with it.
+        self.exec.crash(self.now);
+        let tore_down = self
+            .durable
+            .meta
+            .shape
+            .as_ref()
+            .is_some_and(|s| s.groups.is_empty());
+        if tore_down {
+            self.teardowns
+                .push(self.exec.backend().live_resources().count());
+        }
+        self.start_host("stopped");
+        if tore_down && self.next_shape.is_none() {
+            // `swactor up SHAPE` after `down`: the shape is the next generation.
+            self.generation += 1;
+            let shape = shape_of(self.generation, &self.groups);
+            self.offer(&shape);
+        }
+    }
+
+    /// Starts a new host from the journal and the provider's inventory.
+    fn start_host(&mut self, why: &str) {
+        self.restarts += 1;
+        self.abort = None;
+        self.timer_lost = false;
+        self.submitted.clear();
+        let host = match Host::new((self.make)(), host_config(), Some(self.durable.clone())) {
+            Ok(host) => host,
+            Err(e) => {
+                self.oracle.report(
+                    Invariant::AcknowledgedShapesSurviveRestarts,
+                    None,
+                    format!("no host could start from the journal after it {why}: {e}"),
+                );
+                return;
+            }
+        };
+        self.host = host;
+        let durable = self.durable.clone();
+        self.record(StepEvent::Restart { durable: &durable });
+        if self.durable.meta.tearing_down && self.next_shape.is_none() {
+            // `swactor up` on a journal whose teardown never finished: finish it.
+            let ticket = self.ticket();
+            self.host
+                .handle_shutdown(ShutdownMode::Teardown, ticket, self.now);
+            self.record(StepEvent::Shutdown {
+                mode: ShutdownMode::Teardown,
+            });
+            return;
+        }
+        if let Some(groups) = self.next_shape.take() {
+            // `swactor up SHAPE`: offered before the inventory comes in.
+            self.groups = groups;
+            self.generation += 1;
+            let shape = shape_of(self.generation, &self.groups);
+            self.offer(&shape);
+            return;
+        }
+        // What the world offers next continues from what the journal holds.
+        match &self.durable.meta.shape {
+            Some(shape) => {
+                self.generation = self.generation.max(shape.generation.0);
+                if !shape.groups.is_empty() {
+                    self.groups = groups_of(shape);
+                }
+            }
+            None => {
+                // No shape was ever durable: `swactor up SHAPE` again.
+                let shape = shape_of(self.generation.max(1), &self.groups);
+                self.offer(&shape);
+            }
+        }
+    }
+
+    /// Runs everything due at `now`: deliveries, the host's timer, passes.
     fn settle(&mut self) {
         for output in self.exec.poll(self.now) {
             self.deliver(output);
@@ -590,13 +721,18 @@ impl<R: Reconciler> World<R> {
                 self.drain();
             }
         }
-        let due = self.sut.poll_timeout().is_some_and(|t| t <= self.now);
+        let due = self.host.poll_timeout().is_some_and(|t| t <= self.now);
         if due && self.timer_lost {
             // The timer was lost; the safety-net tick must notice the due deadline.
             self.timer_lost = false;
-            self.sut.handle_tick(self.now);
+            let core_due = self
+                .host
+                .core()
+                .poll_timeout()
+                .is_some_and(|t| t <= self.now);
+            self.host.handle_tick(self.now);
             self.record(StepEvent::Tick);
-            if self.drain() == 0 {
+            if self.drain() == 0 && core_due {
                 self.oracle.report(
                     Invariant::RequeueAtEarliestWaitingDeadline,
                     None,
@@ -604,26 +740,32 @@ impl<R: Reconciler> World<R> {
                 );
             }
         }
-        let fired = self.sut.poll_timeout().is_some_and(|t| t <= self.now);
+        let fired = self.host.poll_timeout().is_some_and(|t| t <= self.now);
         if fired {
-            let folded = self.sut.handle_timeout(self.now);
+            let folded = self.host.handle_timeout(self.now);
             self.record(StepEvent::Timeout { folded: &folded });
         }
         self.drain();
         // A timer that fired and was served must move into the future;
         // otherwise the host would spin on it.
-        if let Some(t) = self.sut.poll_timeout().filter(|t| fired && *t <= self.now) {
+        if let Some(t) = self.host.poll_timeout().filter(|t| fired && *t <= self.now) {
             self.oracle.report(
                 Invariant::RequeueAtEarliestWaitingDeadline,
                 None,
-                format!("the timer fired at {} and still says {t}", self.now),
+                format!(
+                    "the timer fired at {} and still says {t} (core {:?}, host {:?}, adopted {})",
+                    self.now,
+                    self.host.core().poll_timeout(),
+                    self.host.host_deadlines(),
+                    self.host.adopted(),
+                ),
             );
         }
     }
 
     /// The earliest wake-up of any party.
     pub fn next_wake(&self) -> Option<Timestamp> {
-        match (self.sut.poll_timeout(), self.exec.next_wake()) {
+        match (self.host.poll_timeout(), self.exec.next_wake()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -662,10 +804,15 @@ impl<R: Reconciler> World<R> {
                 variant,
                 skip,
             } => {
-                self.groups[usize::from(group % 2)] = (count, variant);
-                self.generation += 1 + u64::from(skip);
-                let shape = shape_of(self.generation, &self.groups);
+                let mut groups = self.groups;
+                groups[usize::from(group % 2)] = (count, variant);
+                let generation = self.generation + 1 + u64::from(skip);
+                let shape = shape_of(generation, &groups);
                 self.offer(&shape);
+                if self.host.shutting_down().is_none() {
+                    self.groups = groups;
+                    self.generation = generation;
+                }
             }
             Input::Resubmit => {
                 let shape = shape_of(self.generation, &self.groups);
@@ -703,7 +850,7 @@ impl<R: Reconciler> World<R> {
                 self.step();
             }
             Input::Tick => {
-                self.sut.handle_tick(self.now);
+                self.host.handle_tick(self.now);
                 self.record(StepEvent::Tick);
             }
             Input::HostPause { ms } => {
@@ -737,7 +884,7 @@ impl<R: Reconciler> World<R> {
             Input::DeleteOutOfBand { pick } => {
                 // Only machines whose bootstrap stream is open: that stream is
                 // the one channel through which the core can learn of the loss
-                // (see the crate README, "gaps").
+                // of a ready node (see the crate README, "gaps").
                 let candidates: Vec<_> = self
                     .exec
                     .backend()
@@ -753,22 +900,20 @@ impl<R: Reconciler> World<R> {
                 }
             }
             Input::AgentLost { pick, stale } => {
-                let nodes = &self.sut.state().nodes;
+                // The swarm connection of a node's agent drops and never
+                // comes back; its grace runs out and the node is replaced.
+                let nodes = &self.host.core().state().nodes;
                 if !nodes.is_empty() {
                     let (id, n) = nodes
                         .iter()
                         .nth(usize::from(pick) % nodes.len())
                         .expect("index is in range");
-                    let attempt = NodeAttemptId(n.attempt.0 - u64::from(stale));
-                    let id = id.clone();
-                    let folded =
-                        self.sut
-                            .handle_agent_lost(&id, attempt, "agent left the swarm", self.now);
-                    self.record(StepEvent::AgentLost {
-                        node: &id,
-                        attempt,
-                        folded,
-                    });
+                    let key = ResourceKey {
+                        run_id: RunId::new(RUN),
+                        node: id.clone(),
+                        attempt: NodeAttemptId(n.attempt.0 - u64::from(stale)),
+                    };
+                    self.host.handle_agent_gone(&key, self.now);
                 }
             }
             Input::ResubmitOld { pick } => {
@@ -783,36 +928,96 @@ impl<R: Reconciler> World<R> {
                     }
                 }
             }
+            Input::HostCrash {
+                at_persist,
+                down_ms,
+            } => {
+                if at_persist {
+                    self.crash_at_persist = Some(down_ms);
+                } else {
+                    self.crash(down_ms);
+                }
+            }
+            Input::Shutdown { keep } => {
+                let mode = if keep {
+                    ShutdownMode::Keep
+                } else {
+                    ShutdownMode::Teardown
+                };
+                let ticket = self.ticket();
+                self.host.handle_shutdown(mode, ticket, self.now);
+                self.record(StepEvent::Shutdown { mode });
+            }
         }
         self.settle();
+    }
+
+    /// `swactor down --keep`, then `swactor up` with `groups` as the next
+    /// generation: the new host is offered the shape before the provider's
+    /// inventory arrives, so it adopts against the new templates.
+    pub fn restart_with(&mut self, groups: [(u8, u8); 2]) {
+        self.oracle
+            .begin_input(format!("restart with {groups:?} at {}", self.now));
+        self.next_shape = Some(groups);
+        let ticket = self.ticket();
+        self.host
+            .handle_shutdown(ShutdownMode::Keep, ticket, self.now);
+        self.record(StepEvent::Shutdown {
+            mode: ShutdownMode::Keep,
+        });
+        self.settle();
+    }
+
+    /// Runs until a teardown under way finishes (the host stops); returns
+    /// how many resources the provider still held at that moment.
+    pub fn finish_teardown(&mut self) -> Option<usize> {
+        let done = self.teardowns.len();
+        let limit = Timestamp(self.now.0 + self.config.tail_bound(8).time_ms);
+        while self.teardowns.len() == done && self.now <= limit && self.oracle.ok() {
+            if !self.step() {
+                break;
+            }
+        }
+        self.teardowns.get(done).copied()
     }
 
     /// Stops every fault: the executor delivers fairly from now on and the provider heals.
     pub fn heal(&mut self) {
         self.abort = None;
         self.timer_lost = false;
+        self.crash_at_persist = None;
         let fair = self.config.fair.clone();
         self.exec.heal(fair, self.now);
     }
 
-    /// Heals the world and runs it until the driver converges, judging the
+    /// Heals the world and runs it until the host converges, judging the
     /// time and passes it takes against the derived [`TailBound`]; then lets
     /// stragglers (duplicated results, late completions) arrive and checks the
-    /// end state.
+    /// end state. A teardown under way at the start of the tail finishes
+    /// first and the next host starts; the bound runs from there.
     pub fn run_fair_tail(&mut self) -> TailReport {
         self.oracle
             .begin_input(format!("fair tail from {}", self.now));
         self.heal();
+        if self.host.shutting_down().is_some() {
+            let restarts = self.restarts;
+            let limit = Timestamp(self.now.0 + self.config.tail_bound(8).time_ms);
+            while self.restarts == restarts && self.now <= limit && self.oracle.ok() {
+                if !self.step() {
+                    break;
+                }
+            }
+        }
         let (t0, p0) = (self.now, self.passes);
         let nodes = self
-            .sut
+            .sut()
             .state()
             .nodes
             .len()
-            .max(self.sut.desired().node_count() as usize);
+            .max(self.sut().desired().node_count() as usize);
         let bound = self.config.tail_bound(nodes);
         let converged_now = |w: &Self| {
-            independently_converged(w.sut.state(), w.sut.desired()) && w.sut.is_converged()
+            independently_converged(w.sut().state(), w.sut().desired()) && w.host.is_converged()
         };
         let mut converged = converged_now(self);
         while !converged && self.oracle.ok() {
@@ -836,19 +1041,20 @@ impl<R: Reconciler> World<R> {
         }
         if !converged || report.time_ms > bound.time_ms || report.passes > bound.passes {
             let stuck = self
-                .sut
+                .sut()
                 .state()
                 .nodes
                 .iter()
                 .find(|(_, n)| !n.is_ready())
                 .map(|(id, n)| (id.clone(), format!("{:?} {:?}", n.intent, n.record.stage)));
             let detail = format!(
-                "not converged after {} ms and {} passes of fair delivery (bound {} ms, {} passes); first unready node: {:?}",
+                "not converged after {} ms and {} passes of fair delivery (bound {} ms, {} passes); first unready node: {:?}; orphans left: {}",
                 report.time_ms,
                 report.passes,
                 bound.time_ms,
                 bound.passes,
-                stuck.as_ref().map(|s| &s.1)
+                stuck.as_ref().map(|s| &s.1),
+                self.host.collecting().count(),
             );
             self.oracle.report(
                 Invariant::FairConvergenceWithinBound,
@@ -860,7 +1066,7 @@ impl<R: Reconciler> World<R> {
         // Let anything still travelling arrive; convergence must survive it.
         let settle_until = Timestamp(self.now.0 + LATE_EXTRA_MAX_MS * 2 + 5_000);
         self.run_until(settle_until);
-        let after = snapshot(&self.sut, self.now);
+        let after = snapshot(&self.host, self.now);
         self.oracle.finish(&after, &self.exec);
         report
     }
@@ -879,9 +1085,14 @@ pub struct RunReport {
     pub steps: u64,
 }
 
-/// Runs `trace` through a world around `sut`: the faulty prefix, then the fair tail.
-pub fn run_trace_with<R: Reconciler>(sut: R, config: &WorldConfig, trace: &Trace) -> RunReport {
-    let mut world = World::with_reconciler(sut, config.clone(), trace.seed);
+/// Runs `trace` through a world whose hosts wrap cores `make` returns: the
+/// faulty prefix, then the fair tail.
+pub fn run_trace_with<R: Reconciler>(
+    make: &Factory<R>,
+    config: &WorldConfig,
+    trace: &Trace,
+) -> RunReport {
+    let mut world = World::with_factory(make.clone(), config.clone(), trace.seed);
     for input in &trace.inputs {
         if !world.oracle().ok() {
             break;
@@ -897,9 +1108,12 @@ pub fn run_trace_with<R: Reconciler>(sut: R, config: &WorldConfig, trace: &Trace
     }
 }
 
-/// Runs `trace` through a world around a fresh [`Driver`].
+/// Runs `trace` through a world around fresh [`Driver`]s.
 pub fn run_trace(config: &WorldConfig, trace: &Trace) -> RunReport {
-    let driver = Driver::new(RunId::new(RUN), config.reconciler.clone())
-        .expect("the world's reconciler config is valid");
-    run_trace_with(driver, config, trace)
+    let reconciler = config.reconciler.clone();
+    let make = move || {
+        Driver::new(RunId::new(RUN), reconciler.clone())
+            .expect("the world's reconciler config is valid")
+    };
+    run_trace_with(&(Rc::new(make) as Factory<Driver>), config, trace)
 }

@@ -1,7 +1,8 @@
 //! The conformance battery: seeded traces in both delivery modes, every invariant after every step.
 
+use std::rc::Rc;
 use swactor_conformance::battery::{BatteryConfig, run_battery};
-use swactor_conformance::{Mode, RUN};
+use swactor_conformance::{Factory, Mode, RUN};
 use swactor_provisioning::{Driver, RunId};
 
 fn battery(mode: Mode) {
@@ -9,10 +10,10 @@ fn battery(mode: Mode) {
         return;
     }
     let config = BatteryConfig::from_env();
-    let make = || {
+    let make: Factory<Driver> = Rc::new(move || {
         let c = swactor_conformance::WorldConfig::for_mode(mode).reconciler;
         Driver::new(RunId::new(RUN), c).expect("valid config")
-    };
+    });
     let report = run_battery(&make, mode, &config, false);
     let failures: Vec<String> = report.failures.iter().map(ToString::to_string).collect();
     assert!(

@@ -5,13 +5,14 @@
 //! buggy driver would behave from the outside. Compiled only for tests.
 
 use std::collections::BTreeMap;
+use std::rc::Rc;
 use swactor_conformance::battery::{BatteryConfig, run_battery};
-use swactor_conformance::{Mode, RUN, Reconciler, WorldConfig};
+use swactor_conformance::{Factory, Mode, RUN, Reconciler, WorldConfig};
 use swactor_provisioning::{
-    BootstrapObservation, ClusterShape, ClusterState, DesiredState, DesiredUpdate, Dispatch,
-    Driver, DriverError, DriverStats, EffectRequest, FailureClass, Folded, Generation,
-    LogicalNodeId, NodeAttemptId, NodeStage, OperationId, OperationOutcome, OperationResult, Pass,
-    RunId, Timestamp, UpdateError,
+    AdoptEntry, Adoption, BootstrapObservation, ClusterShape, ClusterState, DesiredState,
+    DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, FailureClass, Folded,
+    Generation, LogicalNodeId, NodeAttemptId, NodeStage, OperationId, OperationOutcome,
+    OperationResult, Pass, Plan, ReconcilerConfig, RunId, Timestamp, UpdateError,
 };
 
 /// One way to break the driver.
@@ -41,9 +42,15 @@ enum Mutation {
     TickIgnoresDueTime,
     /// Never asks to be woken.
     LoseWakeup,
+    /// A restarted driver ignores the journal's attempt-id floor.
+    IgnoreAttemptFloor,
+    /// Adoption takes every adopted attempt as running the desired template.
+    AdoptDriftedAsCurrent,
 }
 
-const ALL: [Mutation; 11] = [
+const ALL: [Mutation; 13] = [
+    Mutation::IgnoreAttemptFloor,
+    Mutation::AdoptDriftedAsCurrent,
     Mutation::SwapCleanupOrder,
     Mutation::DispatchWithoutPending,
     Mutation::FoldSupersededResult,
@@ -179,12 +186,41 @@ impl Reconciler for Mutant {
 
     fn handle_submit_failed(
         &mut self,
-        dispatch: &Dispatch,
+        node: &LogicalNodeId,
+        op: OperationId,
         reason: &str,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        self.inner
-            .handle_submit_failed(&dispatch.key.node, dispatch.op, reason, now)
+        self.inner.handle_submit_failed(node, op, reason, now)
+    }
+
+    fn adopt(&mut self, mut entries: Vec<AdoptEntry>, op_seq_base: u64) -> Adoption {
+        if self.mutation == Mutation::AdoptDriftedAsCurrent {
+            for e in &mut entries {
+                if let Some(t) = self.inner.desired().slot(&e.key.node) {
+                    e.template = Some(t.clone());
+                }
+            }
+        }
+        self.inner.adopt(entries, op_seq_base)
+    }
+
+    fn raise_attempt_floor(&mut self, floor: u64) {
+        if self.mutation != Mutation::IgnoreAttemptFloor {
+            self.inner.raise_attempt_floor(floor);
+        }
+    }
+
+    fn plan(&self, now: Timestamp) -> Plan {
+        self.inner.plan(now)
+    }
+
+    fn plan_shape(&self, shape: &ClusterShape, now: Timestamp) -> Result<Plan, UpdateError> {
+        self.inner.plan_shape(shape, now)
+    }
+
+    fn config(&self) -> &ReconcilerConfig {
+        self.inner.config()
     }
 
     fn handle_bootstrap(
@@ -213,7 +249,11 @@ impl Reconciler for Mutant {
     }
 
     fn handle_tick(&mut self, now: Timestamp) {
-        self.inner.handle_tick(now);
+        if self.mutation == Mutation::TickIgnoresDueTime {
+            self.inner.handle_tick(Timestamp(u64::MAX / 2));
+        } else {
+            self.inner.handle_tick(now);
+        }
     }
 
     fn poll_timeout(&self) -> Option<Timestamp> {
@@ -238,9 +278,6 @@ impl Reconciler for Mutant {
                     })
                     .filter_map(|(_, n)| n.record.restart_at)
                     .fold(now, Timestamp::max);
-            }
-            Mutation::TickIgnoresDueTime if !self.inner.is_pass_queued() => {
-                self.inner.handle_tick(Timestamp(u64::MAX / 2));
             }
             _ => {}
         }
@@ -283,7 +320,7 @@ fn first_catch(mutation: Mutation) -> Option<(Mode, u64, String)> {
         regressions: None,
     };
     for mode in Mode::ALL {
-        let make = || Mutant::new(mutation, mode);
+        let make: Factory<Mutant> = Rc::new(move || Mutant::new(mutation, mode));
         let report = run_battery(&make, mode, &battery, true);
         if let Some(f) = report.failures.first() {
             return Some((
@@ -327,7 +364,7 @@ fn the_mutation_wrapper_mutating_nothing_passes_the_battery() {
         regressions: None,
     };
     for mode in Mode::ALL {
-        let make = || Mutant::new(Mutation::Nothing, mode);
+        let make: Factory<Mutant> = Rc::new(move || Mutant::new(Mutation::Nothing, mode));
         let report = run_battery(&make, mode, &battery, true);
         assert!(report.failures.is_empty(), "{}", report.failures[0]);
     }

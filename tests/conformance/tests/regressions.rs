@@ -218,12 +218,12 @@ fn a_bootstrap_whose_converged_observation_is_lost_is_replaced_after_the_stall_d
     assert_eq!(attempts_of(world.executor(), &slot0()), 2);
 }
 
-/// A gap of the core, pinned down: an endpoint that never becomes ready is
-/// probed forever at the probe interval. It is never counted as a failure and
-/// never spins, but the node never converges and is never replaced (there is
-/// no readiness deadline). If the core grows one, this test should change.
+/// An endpoint that never becomes ready is probed at the probe interval,
+/// never counted as a failure and never spun on, until its group's
+/// readiness deadline: then the attempt fails and the machine is replaced
+/// (a rented instance stuck loading is not paid for forever).
 #[test]
-fn an_endpoint_that_never_becomes_ready_is_probed_at_the_probe_interval_forever() {
+fn an_endpoint_that_never_becomes_ready_is_probed_until_its_deadline_then_replaced() {
     let mut world = empty_world(|_| {});
     world
         .executor_mut()
@@ -244,6 +244,202 @@ fn an_endpoint_that_never_becomes_ready_is_probed_at_the_probe_interval_forever(
         "{lookups} lookups"
     );
     assert_eq!(attempts_of(world.executor(), &slot0()), 1);
+    // Past the group's deadline (900 s by default) the attempt is replaced;
+    // the fault was one-shot, so the replacement converges.
+    world.apply(&Input::Advance { ms: 900_000 });
+    converge(&mut world);
+    assert_eq!(attempts_of(world.executor(), &slot0()), 2);
+    let c = world.executor().backend().counters();
+    assert_eq!(c.leases_created, 2, "{c:?}");
+    assert_eq!(
+        world.executor().backend().live_resources().count(),
+        2,
+        "lease and session"
+    );
+}
+
+/// Scale a slot away while its StartBootstrap (or LookupEndpoint) is in
+/// flight, and let that operation fail: the cleanup it interrupted starts at
+/// once. (The core used to fold the failure with a backoff that held the
+/// DestroyLease back.)
+#[test]
+fn a_slot_scaled_away_while_an_operation_is_in_flight_starts_its_cleanup_at_once() {
+    for kind in [EffectKind::LookupEndpoint, EffectKind::StartBootstrap] {
+        let mut world = empty_world(|c| c.backend.endpoint_delay_ms = 1_000);
+        world
+            .executor_mut()
+            .backend_mut()
+            .arm(ProviderFault::Refuse { kind });
+        scale(&mut world, 1);
+        // Run until the operation is in flight, then scale the slot away.
+        for _ in 0..200 {
+            let pending = world.sut().state().nodes[&slot0()]
+                .pending
+                .as_ref()
+                .map(|p| p.effect);
+            if pending == Some(kind) {
+                break;
+            }
+            world.apply(&Input::Step);
+        }
+        scale(&mut world, 0);
+        // Its refusal comes back one round trip later; the destroy follows in
+        // the same instant, not a backoff later.
+        world.apply(&Input::Advance { ms: 200 });
+        assert_clean(&world);
+        let n = world.sut().state().nodes.get(&slot0());
+        assert!(
+            n.is_none_or(|n| n.retry.next_effect_at.is_none()),
+            "{kind:?}: cleanup held back: {n:?}"
+        );
+        assert_eq!(
+            world.executor().backend().counters().destroys,
+            1,
+            "{kind:?}: the lease was destroyed within one round trip"
+        );
+        converge(&mut world);
+    }
+}
+
+/// Observations of a session that arrive before its StartBootstrap result
+/// are kept and folded once the result arrives: the node becomes ready one
+/// round trip later, instead of waiting out the stall deadline.
+#[test]
+fn observations_that_overtake_their_start_result_cost_no_stall() {
+    let mut world = empty_world(|_| {});
+    world.executor_mut().arm(
+        Some(EffectKind::StartBootstrap),
+        DeliveryFault::Delay { extra_ms: 2_000 },
+    );
+    scale(&mut world, 1);
+    world.apply(&Input::Advance { ms: 3_500 });
+    assert_clean(&world);
+    assert!(
+        world.sut().is_converged(),
+        "ready within the delayed result's round trip: {:?}",
+        world.sut().state().nodes[&slot0()].record
+    );
+    let stall = world.config().reconciler.bootstrap_stall_ms;
+    assert!(world.now().0 < stall, "no stall deadline was waited out");
+    assert_eq!(attempts_of(world.executor(), &slot0()), 1);
+}
+
+/// A lease that vanishes before its bootstrap starts (deleted out of band,
+/// expired) fails the attempt when the provider says it is gone, and the slot
+/// is replaced; nothing probes it forever.
+#[test]
+fn a_lease_gone_before_its_bootstrap_fails_the_attempt_and_is_replaced() {
+    let mut world = empty_world(|c| c.backend.endpoint_delay_ms = 2_000);
+    scale(&mut world, 1);
+    world.apply(&Input::Advance { ms: 200 });
+    let lease = world.sut().state().nodes[&slot0()]
+        .record
+        .lease
+        .clone()
+        .expect("the lease was made");
+    let now = world.now();
+    assert!(
+        world
+            .executor_mut()
+            .backend_mut()
+            .delete_out_of_band(&lease, now)
+    );
+    world.apply(&Input::Advance { ms: 5_000 });
+    converge(&mut world);
+    assert_eq!(attempts_of(world.executor(), &slot0()), 2);
+    let c = world.executor().backend().counters();
+    assert_eq!(c.leases_created, 2, "{c:?}");
+}
+
+/// A host killed at any moment (here: while it hands out its first journal
+/// write, then again mid-convergence) is replaced by one that resumes from
+/// the journal and the provider's inventory: nothing is made twice, nothing
+/// is leaked, and every acknowledged shape survives.
+#[test]
+fn hosts_killed_mid_convergence_resume_without_making_anything_twice() {
+    for down_ms in [0, 3_000] {
+        let mut world = empty_world(|_| {});
+        world.apply(&Input::HostCrash {
+            at_persist: true,
+            down_ms,
+        });
+        // Killed before this apply was durable: it was never acknowledged,
+        // and the next host does not know of it. The user applies it again.
+        scale(&mut world, 3);
+        assert_eq!(world.sut().desired().node_count(), 0);
+        scale(&mut world, 3);
+        world.apply(&Input::Advance { ms: 300 });
+        world.apply(&Input::HostCrash {
+            at_persist: false,
+            down_ms,
+        });
+        world.apply(&Input::Advance { ms: 700 });
+        world.apply(&Input::HostCrash {
+            at_persist: false,
+            down_ms,
+        });
+        converge(&mut world);
+        assert!(world.restarts() >= 3, "{}", world.restarts());
+        for (key, stats) in world.executor().backend().keys() {
+            assert!(stats.leases_created <= 1, "{key}: {stats:?}");
+        }
+        assert_eq!(world.sut().state().nodes.len(), 3);
+    }
+}
+
+/// `down --keep`, then `up`: the next host adopts every node as it is and
+/// makes nothing; its agents must rejoin it before their nodes are ready again.
+#[test]
+fn a_kept_cluster_is_resumed_without_creating_anything() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 2);
+    converge(&mut world);
+    let before = world.executor().backend().counters();
+    world.apply(&Input::Shutdown { keep: true });
+    converge(&mut world);
+    let after = world.executor().backend().counters();
+    assert_eq!(after.leases_created, before.leases_created);
+    assert_eq!(after.sessions_started, before.sessions_started);
+    assert_eq!(world.restarts(), 1);
+}
+
+/// `down --keep`, then `up changed.toml`: the kept nodes were made from the
+/// old template, so the new host replaces them (after adopting them, so
+/// nothing is leaked), exactly once each.
+#[test]
+fn a_kept_cluster_resumed_with_a_changed_template_replaces_every_node_once() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 2);
+    converge(&mut world);
+    world.restart_with([(2, 1), (0, 0)]);
+    converge(&mut world);
+    for node in ["alpha-0", "alpha-1"] {
+        let id = LogicalNodeId::parse(node).expect("valid id");
+        assert_eq!(attempts_of(world.executor(), &id), 2, "{node}");
+    }
+    let c = world.executor().backend().counters();
+    assert_eq!(c.leases_created, 4, "{c:?}");
+}
+
+/// A teardown asked for and then interrupted by a crash is finished by the
+/// next host; nothing is left at the provider.
+#[test]
+fn a_teardown_interrupted_by_a_crash_leaves_nothing_behind() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 3);
+    converge(&mut world);
+    world.apply(&Input::Shutdown { keep: false });
+    world.apply(&Input::HostCrash {
+        at_persist: false,
+        down_ms: 1_000,
+    });
+    assert!(
+        world.host().journal_meta().tearing_down,
+        "the new host knows a teardown was asked for"
+    );
+    let left = world.finish_teardown();
+    assert_clean(&world);
+    assert_eq!(left, Some(0), "nothing is left when the teardown ends");
 }
 
 /// Sliding-window maximum: the most retries in any `window_ms` window.
