@@ -67,6 +67,7 @@ fn converge(n: u32) -> Run {
     rt.block_on(async move {
         let provider = FakeProvider::new(FakeConfig::default(), Clock::new());
         let mut config = ClusterConfig::new(RunId::new("bench"));
+        config.stream_joins = true;
         config.node_events = false;
         config.executors = 8;
         let before = rss_bytes();

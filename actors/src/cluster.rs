@@ -1,15 +1,15 @@
 //! The cluster handle: start a cluster, message it, shut it down.
 
-use crate::driver::{
-    ClusterConfig, DriverActor, DriverArgs, DriverMsg, DriverView, ShutdownMode, ShutdownReport,
-    Subscription,
-};
+use crate::driver::{ClusterConfig, DriverActor, DriverArgs, DriverMsg, DriverView, Subscription};
 use crate::events::{ClusterEvent, ClusterSnapshot, PlanView};
 use std::sync::Arc;
 use swactor_engine::ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr};
 use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
-use swactor_provisioning::{ClusterShape, DesiredUpdate, Generation, ResourceKey, UpdateError};
+use swactor_provisioning::{
+    ApplyError, ClusterShape, DesiredUpdate, Generation, JoinRefused, ResourceKey, ShutdownMode,
+    ShutdownReport,
+};
 
 /// Why a call to a cluster failed.
 #[derive(Debug, thiserror::Error)]
@@ -22,7 +22,7 @@ pub enum ClusterError {
     NotRunning,
     /// The shape was refused; the cluster is unchanged.
     #[error(transparent)]
-    Update(#[from] UpdateError),
+    Apply(#[from] ApplyError),
 }
 
 /// A running cluster. Cheap to clone; every clone talks to the same driver actor.
@@ -61,7 +61,21 @@ impl Cluster {
             config,
             provider,
             publisher,
+            journal: None,
+            resume: None,
         };
+        Self::spawn(args, supervisor).await
+    }
+
+    /// Starts a cluster from full arguments (a journal to write, one to
+    /// resume), linked to `supervisor` if one is given.
+    ///
+    /// # Errors
+    /// The actor could not be started (an invalid config, a journal of another run).
+    pub async fn spawn(
+        args: DriverArgs,
+        supervisor: Option<ActorCell>,
+    ) -> Result<ClusterHandle, ClusterError> {
         let spawned = match supervisor {
             Some(sup) => DriverActor::spawn_linked(None, DriverActor, args, sup).await,
             None => DriverActor::spawn(None, DriverActor, args).await,
@@ -143,7 +157,10 @@ impl ClusterHandle {
     ///
     /// # Errors
     /// The cluster is gone.
-    pub async fn agent_join(&self, key: ResourceKey) -> Result<Result<(), String>, ClusterError> {
+    pub async fn agent_join(
+        &self,
+        key: ResourceKey,
+    ) -> Result<Result<(), JoinRefused>, ClusterError> {
         self.call(|r| DriverMsg::AgentJoin(key, r)).await
     }
 

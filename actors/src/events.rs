@@ -2,9 +2,23 @@
 
 use serde::{Deserialize, Serialize};
 use swactor_provisioning::{
-    ClusterState, DriverStats, EffectKind, Generation, Intent, LadderRow, LogicalNodeId,
-    NodeAttemptId, NodeStage, OperationId, Plan, Timestamp,
+    ClusterState, DriverStats, EffectKind, Generation, Intent, LadderRow, Link, LogicalNodeId,
+    NodeAttemptId, NodeStage, OperationId, Plan, ResourceKey, ShutdownMode, Timestamp,
 };
+
+/// Whether a node's agent is connected to this daemon.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentLink {
+    /// It has not joined this daemon (yet).
+    NotJoined,
+    /// It is connected.
+    Connected,
+    /// It joined, then went away; the node fails unless it is back by `grace_until`.
+    Away {
+        /// End of its grace.
+        grace_until: Timestamp,
+    },
+}
 
 /// One node as people see it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,12 +41,21 @@ pub struct NodeSummary {
     pub last_error: Option<String>,
     /// When the next retry (or restart) may happen, if the node is backing off.
     pub next_retry_at: Option<Timestamp>,
+    /// Its agent's connection to this daemon.
+    pub agent: AgentLink,
 }
 
 impl NodeSummary {
-    /// Summarises one node of `state`.
-    pub fn of(node: &LogicalNodeId, state: &ClusterState) -> Option<Self> {
+    /// Summarises one node of `state`, whose agent link (of its current attempt) is `link`.
+    pub fn of(node: &LogicalNodeId, state: &ClusterState, link: Option<Link>) -> Option<Self> {
         let n = state.nodes.get(node)?;
+        let agent = match link {
+            Some(Link::Connected(a)) if a == n.attempt => AgentLink::Connected,
+            Some(Link::Away { attempt, until }) if attempt == n.attempt => {
+                AgentLink::Away { grace_until: until }
+            }
+            _ => AgentLink::NotJoined,
+        };
         Some(Self {
             node: node.clone(),
             attempt: n.attempt,
@@ -43,6 +66,7 @@ impl NodeSummary {
             failures: n.retry.consecutive_failures,
             last_error: n.record.last_error.clone(),
             next_retry_at: n.retry.next_effect_at.or(n.record.restart_at),
+            agent,
         })
     }
 }
@@ -62,6 +86,12 @@ pub struct ClusterSnapshot {
     pub desired_nodes: u64,
     /// Every node, in slot order.
     pub nodes: Vec<NodeSummary>,
+    /// Orphaned resources still being collected.
+    #[serde(default)]
+    pub orphans: usize,
+    /// A shutdown under way, if any.
+    #[serde(default)]
+    pub shutting_down: Option<ShutdownMode>,
     /// The driver's lifetime counters.
     pub stats: DriverStats,
     /// The clock reading the snapshot was taken at.
@@ -127,6 +157,46 @@ pub enum ClusterEvent {
     Warning {
         /// What happened.
         message: String,
+    },
+    /// The provider's inventory and the journal were adopted after a start.
+    Adopted {
+        /// Attempts that became a slot's node.
+        adopted: Vec<ResourceKey>,
+        /// Adopted attempts of another template: they are replaced.
+        drifted: Vec<ResourceKey>,
+        /// Resources no slot owns: they are collected.
+        orphans: Vec<ResourceKey>,
+        /// Attempts on record that the provider no longer lists.
+        presumed_gone: Vec<ResourceKey>,
+    },
+    /// A sweep found resources no current attempt owns.
+    Swept {
+        /// What it found (collected next).
+        orphans: Vec<ResourceKey>,
+    },
+    /// An orphan was collected, or a try failed (it is retried).
+    Collected {
+        /// The orphan.
+        key: ResourceKey,
+        /// Why the try failed.
+        error: Option<String>,
+    },
+    /// An agent joined this daemon.
+    AgentJoined {
+        /// Who.
+        key: ResourceKey,
+    },
+    /// A joined agent went away; its node fails unless it is back in time.
+    AgentDisconnected {
+        /// Who.
+        key: ResourceKey,
+        /// End of its grace.
+        grace_until: Timestamp,
+    },
+    /// A teardown began.
+    TeardownStarted {
+        /// The empty generation it converges on.
+        generation: Generation,
     },
 }
 

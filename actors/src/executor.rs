@@ -12,13 +12,19 @@
 //!   never observed.
 //! - **Never blocks the driver.** Provider calls are awaited here, in the
 //!   worker, never in the driver.
+//! - **A session is always handed over.** A StartBootstrap submitted again is
+//!   run again rather than replayed: the provider adopts the running session
+//!   and hands its stream over once more (a replayed outcome would carry no
+//!   stream, and the node would wait out its stall deadline).
+//!
+//! Workers report through their own message type, [`ExecutorReport`]; they
+//! know nothing of the actor they report to.
 
-use crate::driver::DriverMsg;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef};
+use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRef};
 use swactor_engine::{Clock, run_until};
-use swactor_providers::{BootstrapEvents, OwnedResources, Provider, ProviderError};
+use swactor_providers::{BootstrapEvents, Inventory, OwnedResources, Provider, ProviderError};
 use swactor_provisioning::{
     Dispatch, EffectRequest, FailureClass, OperationId, OperationOutcome, OperationResult,
     ResourceKey, RunId,
@@ -34,6 +40,17 @@ pub enum WorkerMsg {
     Collect(ResourceKey, OwnedResources),
     /// Test hook: fail this worker as if a provider call had panicked.
     Crash,
+}
+
+/// What a worker reports.
+#[derive(Debug)]
+pub enum ExecutorReport {
+    /// An operation finished.
+    Finished(Finished),
+    /// The provider's inventory, for adoption and sweeps.
+    Listed(Result<Inventory, ProviderError>),
+    /// An orphan was collected (or not).
+    Collected(ResourceKey, Result<(), ProviderError>),
 }
 
 /// What a worker reports back for one operation.
@@ -52,7 +69,7 @@ pub struct WorkerArgs {
     /// The worker's index in the pool (the driver routes by it).
     pub index: usize,
     /// Where results go.
-    pub driver: ActorRef<DriverMsg>,
+    pub driver: DerivedActorRef<ExecutorReport>,
     /// The provider to call.
     pub provider: Arc<dyn Provider>,
     /// The engine clock (deadlines are milliseconds on it).
@@ -98,7 +115,10 @@ impl Actor for ExecutorWorker {
             WorkerMsg::Execute(dispatch) => state.execute(dispatch).await,
             WorkerMsg::List(run_id) => {
                 let listed = state.args.provider.list(&run_id).await;
-                let _ = state.args.driver.send_message(DriverMsg::Listed(listed));
+                let _ = state
+                    .args
+                    .driver
+                    .send_message(ExecutorReport::Listed(listed));
             }
             WorkerMsg::Collect(key, owned) => {
                 let p = &state.args.provider;
@@ -112,7 +132,7 @@ impl Actor for ExecutorWorker {
                 let _ = state
                     .args
                     .driver
-                    .send_message(DriverMsg::Collected(key, outcome));
+                    .send_message(ExecutorReport::Collected(key, outcome));
             }
             WorkerMsg::Crash => return Err("executor worker asked to crash".into()),
         }
@@ -128,10 +148,22 @@ impl WorkerState {
             events,
         };
         // The driver being gone means the cluster is shutting down; nothing to do.
-        let _ = self.args.driver.send_message(DriverMsg::Finished(finished));
+        let _ = self
+            .args
+            .driver
+            .send_message(ExecutorReport::Finished(finished));
     }
 
     async fn execute(&mut self, d: Dispatch) {
+        let restart = matches!(d.request, EffectRequest::StartBootstrap { .. })
+            && self
+                .completed
+                .get(&d.op)
+                .is_some_and(|(r, _)| *r == d.request);
+        if restart {
+            // Run it again: the provider adopts the session and hands its stream over.
+            self.completed.remove(&d.op);
+        }
         if let Some((request, outcome)) = self.completed.get(&d.op) {
             let outcome = if *request == d.request {
                 outcome.clone()

@@ -24,13 +24,15 @@ mod cluster;
 mod driver;
 mod events;
 mod executor;
+mod journal;
 mod observer;
 
 pub use cluster::{Cluster, ClusterError, ClusterHandle};
 pub use driver::{
-    ClusterConfig, DriverActor, DriverArgs, DriverMsg, DriverView, ShutdownMode, ShutdownReport,
-    Subscription, TimerKey,
+    ClusterConfig, DriverActor, DriverArgs, DriverMsg, DriverView, Subscription, TimerKey,
 };
-pub use events::{ClusterEvent, ClusterSnapshot, NodeSummary, PlanLine, PlanView};
-pub use executor::{ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
-pub use observer::{BootstrapObserver, Next, ObserverArgs};
+pub use events::{AgentLink, ClusterEvent, ClusterSnapshot, NodeSummary, PlanLine, PlanView};
+pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
+pub use journal::{JournalStore, MemoryJournal};
+pub use observer::{BootstrapObserver, Next, Observed, ObserverArgs};
+pub use swactor_provisioning::{ApplyError, JoinRefused, ShutdownMode, ShutdownReport};

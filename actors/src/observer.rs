@@ -7,17 +7,20 @@
 //! when the session is cancelled or its node goes away. Nothing of it
 //! outlives the session.
 
-use crate::driver::DriverMsg;
-use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef};
+use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRef};
 use swactor_providers::BootstrapEvents;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapObservation, LogicalNodeId, NodeAttemptId, SessionId,
 };
 
+/// What an observer reports: one observation of its session.
+#[derive(Debug)]
+pub struct Observed(pub BootstrapObservation);
+
 /// Start arguments of an observer.
 pub struct ObserverArgs {
     /// Where observations go.
-    pub driver: ActorRef<DriverMsg>,
+    pub driver: DerivedActorRef<Observed>,
     /// The slot.
     pub node: LogicalNodeId,
     /// The attempt the session belongs to.
@@ -62,7 +65,7 @@ impl Actor for BootstrapObserver {
             session: st.session.clone(),
             event: event.unwrap_or(BootstrapEvent::Closed),
         };
-        if st.driver.send_message(DriverMsg::Observed(obs)).is_err() || ended {
+        if st.driver.send_message(Observed(obs)).is_err() || ended {
             myself.stop(None);
             return Ok(());
         }

@@ -29,12 +29,16 @@ fn shape(generation: u64, workers: u32) -> ClusterShape {
             boot: BootParams::default(),
             role: "worker".into(),
             join: SwarmJoin::default(),
+            limits: Default::default(),
         }],
     }
 }
 
 fn config() -> ClusterConfig {
-    ClusterConfig::new(RunId::new("run"))
+    let mut c = ClusterConfig::new(RunId::new("run"));
+    // The fake provider has no swarm: its stream's join report is the join.
+    c.stream_joins = true;
+    c
 }
 
 fn fake(latency_ms: u64) -> FakeProvider {
@@ -158,7 +162,18 @@ async fn plan_previews_without_applying() {
 #[tokio::test(start_paused = true)]
 async fn keep_leaves_resources_that_a_new_cluster_of_the_run_adopts_instead_of_recreating() {
     let p = fake(10);
-    let c = Cluster::start(config(), Arc::new(p.clone())).await.unwrap();
+    let journal = MemoryJournal::new(RunId::new("run"));
+    let start = |resume| {
+        let args = DriverArgs {
+            config: config(),
+            provider: Arc::new(p.clone()),
+            publisher: None,
+            journal: Some(Arc::new(journal.clone())),
+            resume: Some(resume),
+        };
+        Cluster::spawn(args, None)
+    };
+    let c = start(journal.image()).await.unwrap();
     c.apply(shape(1, 4)).await.unwrap();
     converged(&c).await;
     let before = leases_created(&p);
@@ -166,10 +181,11 @@ async fn keep_leaves_resources_that_a_new_cluster_of_the_run_adopts_instead_of_r
     assert_eq!(report.kept.len(), 4);
     assert_eq!(live(&p).0, 4, "keep leaves the nodes running");
 
-    let mut cfg = config();
-    cfg.initial_shape = Some(shape(1, 4));
-    let c2 = Cluster::start(cfg, Arc::new(p.clone())).await.unwrap();
+    // The journal's shape is resumed; its records say which template each
+    // kept node was made from, so none is taken for drifted.
+    let c2 = start(journal.image()).await.unwrap();
     let snap = converged(&c2).await;
+    assert_eq!(snap.generation, Generation(1));
     assert_eq!(snap.nodes.len(), 4);
     assert_eq!(leases_created(&p), before, "nothing was created again");
     assert_eq!(live(&p).0, 4);
@@ -297,5 +313,30 @@ async fn a_burst_of_ten_thousand_results_costs_a_bounded_number_of_passes() {
     // results into one pass, so the count stays far below one pass per result.
     assert!(passes < 500, "{passes} passes");
     c.shutdown(ShutdownMode::Teardown).await.unwrap();
+    assert_eq!(live(&p), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn kept_nodes_of_unknown_or_other_templates_are_replaced_not_taken_as_they_are() {
+    let p = fake(10);
+    let c = Cluster::start(config(), Arc::new(p.clone())).await.unwrap();
+    c.apply(shape(1, 2)).await.unwrap();
+    converged(&c).await;
+    let before = leases_created(&p);
+    c.shutdown(ShutdownMode::Keep).await.unwrap();
+    // No journal: nothing says which template the kept nodes run, so the
+    // new cluster adopts them (nothing is leaked) and replaces them.
+    let mut cfg = config();
+    cfg.initial_shape = Some(shape(1, 2));
+    let c2 = Cluster::start(cfg, Arc::new(p.clone())).await.unwrap();
+    converged(&c2).await;
+    assert_eq!(
+        leases_created(&p),
+        before + 2,
+        "each kept node replaced once"
+    );
+    assert_eq!(live(&p).0, 2);
+    assert_no_double_create(&p);
+    c2.shutdown(ShutdownMode::Teardown).await.unwrap();
     assert_eq!(live(&p), (0, 0));
 }

@@ -10,7 +10,9 @@
 //! a duplicate or a late delivery becomes an executor worker crash (its
 //! operations fold as ambiguous); a lost agent is reported to the driver,
 //! which replaces the node after its grace period; time passes on the paused
-//! clock, and a host pause jumps it.
+//! clock, and a host pause jumps it. A host crash kills the cluster actor and
+//! starts a new one from its (in-memory) journal and the provider's
+//! inventory; a shutdown keeps or tears down, and a new cluster follows.
 //! `SWACTOR_ACTOR_SEEDS` raises the seed count (default 64 per mode).
 
 // The policy binds the library; this harness bounds runs on the clock.
@@ -18,7 +20,9 @@
 
 use std::sync::Arc;
 use std::time::Duration;
-use swactor_actors::{Cluster, ClusterConfig, ClusterHandle, ShutdownMode, WorkerMsg};
+use swactor_actors::{
+    Cluster, ClusterConfig, ClusterHandle, DriverArgs, MemoryJournal, ShutdownMode, WorkerMsg,
+};
 use swactor_conformance::battery::trace_for_seed;
 use swactor_conformance::trace::{InvalidUpdate, ProviderFaultInput};
 use swactor_conformance::{
@@ -58,6 +62,8 @@ async fn snapshot(cluster: &ClusterHandle, provider: &FakeProvider) -> (Snapshot
         stats: view.stats,
         // The driver's work queue is inside the actor; skip those checks.
         pass_queued: None,
+        host_settled: view.settled,
+        shutting_down: false,
     };
     (snap, backend)
 }
@@ -90,6 +96,22 @@ fn provider_fault(f: ProviderFaultInput) -> ProviderFault {
     }
 }
 
+/// Starts a cluster actor over `provider`, resuming `journal`.
+async fn start(
+    config: &ClusterConfig,
+    provider: &FakeProvider,
+    journal: &MemoryJournal,
+) -> Result<ClusterHandle, String> {
+    let args = DriverArgs {
+        config: config.clone(),
+        provider: Arc::new(provider.clone()),
+        publisher: None,
+        journal: Some(Arc::new(journal.clone())),
+        resume: Some(journal.image()),
+    };
+    Cluster::spawn(args, None).await.map_err(|e| e.to_string())
+}
+
 async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
     let trace = trace_for_seed(mode, seed);
     let provider = FakeProvider::new(
@@ -111,9 +133,11 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
         restarts_max: 10_000,
         window: Duration::from_secs(1),
     };
-    let cluster = Cluster::start(config, Arc::new(provider.clone()))
-        .await
-        .map_err(|e| e.to_string())?;
+    config.stream_joins = true;
+    config.sweep_interval = Duration::from_secs(10);
+    config.visibility_window = Duration::from_secs(10);
+    let journal = MemoryJournal::new(RunId::new(RUN));
+    let mut cluster = start(&config, &provider, &journal).await?;
     let mut oracle = Oracle::new(reconciler);
     let mut groups = [(0u8, 0u8); 2];
     let mut generation = 0u64;
@@ -224,6 +248,50 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
                 }
             }
             Input::ResubmitOld { .. } => {}
+            Input::HostCrash { down_ms, .. } => {
+                // `kill -9`: the actor and its children die mid-whatever.
+                cluster.actor().kill();
+                settle().await;
+                tokio::time::sleep(Duration::from_millis(u64::from(*down_ms))).await;
+                cluster = start(&config, &provider, &journal).await?;
+                match journal.image().meta.shape {
+                    // The world's next shape continues from what survived.
+                    Some(shape) => {
+                        generation = generation.max(shape.generation.0);
+                        groups = swactor_conformance::groups_of(&shape);
+                    }
+                    None if generation > 0 => {
+                        let _ = cluster.apply(shape_of(generation, &groups)).await;
+                    }
+                    None => {}
+                }
+            }
+            Input::Shutdown { keep } => {
+                let mode = if *keep {
+                    ShutdownMode::Keep
+                } else {
+                    ShutdownMode::Teardown
+                };
+                let report =
+                    tokio::time::timeout(Duration::from_secs(3600), cluster.shutdown(mode)).await;
+                if !*keep && report.is_ok() {
+                    let left: Vec<String> = provider
+                        .inspect(|b| b.live_resources().map(|(k, _)| k.to_string()).collect());
+                    if !left.is_empty() {
+                        return Err(format!("input {i}: teardown left {left:?}"));
+                    }
+                }
+                cluster = start(&config, &provider, &journal).await?;
+                let resumed = journal.image().meta.shape.map_or(0, |s| s.generation.0);
+                generation = generation.max(resumed);
+                if !*keep && generation > 0 {
+                    generation += 1;
+                    cluster
+                        .apply(shape_of(generation, &groups))
+                        .await
+                        .map_err(|e| format!("input {i}: up after down refused: {e}"))?;
+                }
+            }
         }
         settle().await;
         let (snap, backend) = snapshot(&cluster, &provider).await;

@@ -1526,7 +1526,10 @@ impl<C: Reconciler> Host<C> {
     /// Adopts the journal's records and the inventory once both it and a
     /// desired state (a shape, or a teardown) are known.
     fn adopt_if_ready(&mut self, now: Timestamp) {
-        let judged = self.core.desired().generation.0 > 0 || self.shutdown.is_some();
+        let nothing_held =
+            matches!(&self.adoption, Adoption::Waiting(l) if l.is_empty()) && self.slots.is_empty();
+        let judged =
+            self.core.desired().generation.0 > 0 || self.shutdown.is_some() || nothing_held;
         if !judged || !matches!(self.adoption, Adoption::Waiting(_)) {
             return;
         }
