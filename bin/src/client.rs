@@ -2,7 +2,7 @@
 
 use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX};
 use crate::shapefile::ShapeFile;
-use crate::state::StateDir;
+use crate::state::{DaemonHolder, StateDir};
 use anyhow::{Context, Result, bail};
 use std::path::Path;
 use std::time::Duration;
@@ -14,6 +14,10 @@ use swactor_engine::net::{
 use swactor_engine::telemetry::{TelemetryFrame, subscribe};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `down` waits for the daemon to release its state directory.
+const RELEASE_WAIT_MAX: Duration = Duration::from_secs(30);
+/// How often `down` checks whether it has.
+const RELEASE_POLL_INTERVAL: Duration = Duration::from_millis(50);
 
 struct Client {
     endpoint: Endpoint,
@@ -188,27 +192,47 @@ fn print_status(s: &ClusterSnapshot) {
 
 /// `swactor down [--keep]`.
 ///
+/// Returns once the daemon has released its state directory, so an
+/// immediate `swactor up` finds it free.
+///
 /// # Errors
-/// An unreachable daemon.
+/// An unreachable daemon, or one still holding the directory
+/// [`RELEASE_WAIT_MAX`] after it answered.
 pub(crate) async fn down(state_dir: &Path, keep: bool) -> Result<()> {
-    match one(state_dir, ControlRequest::Down { keep }).await? {
-        ControlResponse::Down { destroyed, kept } => {
-            if destroyed.is_empty() && kept.is_empty() {
-                println!("daemon stopped; there were no nodes");
-            }
-            if !destroyed.is_empty() {
-                println!(
-                    "destroyed {} node(s): {}",
-                    destroyed.len(),
-                    destroyed.join(", ")
-                );
-            }
-            if !kept.is_empty() {
-                println!("kept {} node(s) running: {}", kept.len(), kept.join(", "));
-            }
-            Ok(())
-        }
+    let state = StateDir::open(state_dir.to_path_buf())?;
+    let (destroyed, kept) = match one(state_dir, ControlRequest::Down { keep }).await? {
+        ControlResponse::Down { destroyed, kept } => (destroyed, kept),
         other => bail!("unexpected answer: {other:?}"),
+    };
+    if destroyed.is_empty() && kept.is_empty() {
+        println!("daemon stopped; there were no nodes");
+    }
+    if !destroyed.is_empty() {
+        println!(
+            "destroyed {} node(s): {}",
+            destroyed.len(),
+            destroyed.join(", ")
+        );
+    }
+    if !kept.is_empty() {
+        println!("kept {} node(s) running: {}", kept.len(), kept.join(", "));
+    }
+    let still = tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        loop {
+            match state.running_daemon() {
+                None => return None,
+                Some(holder) if started.elapsed() >= RELEASE_WAIT_MAX => return Some(holder),
+                Some(_) => std::thread::sleep(RELEASE_POLL_INTERVAL),
+            }
+        }
+    })
+    .await
+    .context("waiting for the daemon to exit")?;
+    match still {
+        None => Ok(()),
+        Some(DaemonHolder { pid: Some(pid) }) => bail!("the daemon (pid {pid}) is still stopping"),
+        Some(DaemonHolder { pid: None }) => bail!("the daemon is still stopping"),
     }
 }
 

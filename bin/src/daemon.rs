@@ -62,7 +62,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
             .map_err(|e| anyhow::anyhow!("the shape is invalid: {e}; nothing was started"))?;
     }
     let state = StateDir::create(opts.state_dir.clone())?;
-    let _pid = state.claim()?;
+    let _lock = state.lock()?;
 
     let endpoint = bind_daemon_endpoint(&state).await?;
     let ticket = EndpointTicket::new(endpoint.addr());

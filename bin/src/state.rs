@@ -1,8 +1,13 @@
-//! The state directory: the daemon's identity, its ticket, the CLI's key, the join-token secret.
+//! The state directory: the daemon's lock and identity, its ticket, the CLI's key, the join-token secret.
 
 use anyhow::{Context, Result, bail};
-use std::io::Write;
+use rustix::fs::{FlockOperation, flock};
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 use swactor_engine::iroh::SecretKey;
 use swactor_engine::net::{EndpointTicket, load_or_create_secret_key};
 
@@ -26,20 +31,37 @@ impl StateDir {
 
     /// For the daemon: creates the directory if its parent exists.
     ///
+    /// Safe to race: of two daemons creating it at once, one creates it and
+    /// the other finds it; [`StateDir::lock`] then picks one of them.
+    ///
     /// # Errors
     /// The parent is missing or the directory cannot be created.
     pub(crate) fn create(path: PathBuf) -> Result<Self> {
-        if !path.exists() {
-            let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
-            if let Some(parent) = parent.filter(|p| !p.exists()) {
+        match std::fs::create_dir(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                let parent = path
+                    .parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .unwrap_or(Path::new("."));
                 bail!(
                     "cannot create the state directory {}: its parent {} does not exist",
                     path.display(),
                     parent.display()
                 );
             }
-            std::fs::create_dir(&path)
-                .with_context(|| format!("cannot create the state directory {}", path.display()))?;
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!("cannot create the state directory {}", path.display())
+                });
+            }
+        }
+        if !path.is_dir() {
+            bail!(
+                "cannot use {} as the state directory: it is not a directory",
+                path.display()
+            );
         }
         Self::open(path)
     }
@@ -157,40 +179,165 @@ impl StateDir {
             .map_err(|_| anyhow::anyhow!("{} must hold exactly 32 bytes", path.display()))
     }
 
-    /// Claims the directory for one daemon: fails if another live daemon holds it.
+    fn lock_path(&self) -> PathBuf {
+        self.root.join("daemon.lock")
+    }
+
+    /// The daemon's journal.
+    // Unused until the daemon opens its journal (daemon.rs is being rewritten
+    // for that separately); remove this allow then.
+    #[allow(dead_code)]
+    pub(crate) fn journal_path(&self) -> PathBuf {
+        self.root.join("journal.redb")
+    }
+
+    /// Claims the directory for this daemon for as long as the returned lock lives.
+    ///
+    /// Takes an exclusive `flock` on `daemon.lock` and writes this process's
+    /// pid into it. The kernel drops the lock when the process ends however
+    /// it ends, so a killed daemon never blocks the next one. When the lock
+    /// is held this blocks for up to [`LOCK_RETRY_MAX`] plus [`PID_WAIT_MAX`]
+    /// before failing.
     ///
     /// # Errors
-    /// Another daemon is running here.
-    pub(crate) fn claim(&self) -> Result<PidGuard> {
-        let path = self.root.join("daemon.pid");
-        let holder = std::fs::read_to_string(&path)
-            .ok()
-            .and_then(|s| s.trim().parse::<u32>().ok())
-            .filter(|pid| {
-                *pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists()
-            });
-        if let Some(pid) = holder {
-            bail!(
-                "a daemon (pid {pid}) is already running for {}; stop it with `swactor down` \
-                 or use another --state-dir",
-                self.root.display()
-            );
+    /// Another daemon holds the lock (the message names its pid when it can
+    /// be read), or the lock file cannot be opened or written.
+    pub(crate) fn lock(&self) -> Result<DaemonLock> {
+        let path = self.lock_path();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .open(&path)
+            .with_context(|| format!("cannot open the lock file {}", path.display()))?;
+        // A client probing with a shared lock (`running_daemon`) holds it for
+        // microseconds; retry briefly so such a probe is never taken for a daemon.
+        let started = Instant::now();
+        loop {
+            match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => break,
+                Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+                    if started.elapsed() >= LOCK_RETRY_MAX {
+                        let holder = DaemonHolder {
+                            pid: read_holder_pid(&path),
+                        };
+                        bail!(
+                            "{holder} is already running for {}; stop it with `swactor down` \
+                             or use another --state-dir",
+                            self.root.display()
+                        );
+                    }
+                    std::thread::sleep(LOCK_RETRY_INTERVAL);
+                }
+                Err(e) => {
+                    return Err(std::io::Error::from(e))
+                        .with_context(|| format!("cannot lock {}", path.display()));
+                }
+            }
         }
-        write_atomic(&path, std::process::id().to_string().as_bytes(), 0o644)?;
-        Ok(PidGuard { path })
+        // The newline marks the pid as complete for readers.
+        let pid = format!("{}\n", std::process::id());
+        file.set_len(0)
+            .and_then(|()| file.write_all_at(pid.as_bytes(), 0))
+            .and_then(|()| file.sync_all())
+            .with_context(|| format!("cannot write the pid into {}", path.display()))?;
+        Ok(DaemonLock { file })
+    }
+
+    /// For clients: the daemon holding this directory's lock, if one does.
+    ///
+    /// Probes with a non-blocking shared lock on its own file description,
+    /// released at once when it succeeds.
+    pub(crate) fn running_daemon(&self) -> Option<DaemonHolder> {
+        let path = self.lock_path();
+        // No lock file: no daemon has ever run here.
+        let file = File::open(&path).ok()?;
+        match flock(&file, FlockOperation::NonBlockingLockShared) {
+            Ok(()) => {
+                let _ = flock(&file, FlockOperation::Unlock);
+                None
+            }
+            Err(e) if e == rustix::io::Errno::WOULDBLOCK => Some(DaemonHolder {
+                pid: read_holder_pid(&path),
+            }),
+            Err(_) => None,
+        }
     }
 }
 
-/// Removes the pid file when the daemon ends.
+/// How long [`StateDir::lock`] retries a held lock before giving up.
+const LOCK_RETRY_MAX: Duration = Duration::from_millis(100);
+/// The pause between two of those tries.
+const LOCK_RETRY_INTERVAL: Duration = Duration::from_millis(10);
+/// How long to wait for a new holder to write its pid over an old one.
+const PID_WAIT_MAX: Duration = Duration::from_millis(500);
+
+/// The daemon's hold on its state directory; dropping it (or the process
+/// ending) releases the directory.
 #[derive(Debug)]
-pub(crate) struct PidGuard {
-    path: PathBuf,
+pub(crate) struct DaemonLock {
+    /// Opened with `O_CLOEXEC` (std's default), so agents the daemon starts
+    /// do not inherit the lock and keep it after the daemon exits.
+    file: File,
 }
 
-impl Drop for PidGuard {
+impl Drop for DaemonLock {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        // Leave no pid behind for a reader to mistake for a live holder; the
+        // file itself stays, since removing it would let two daemons lock two
+        // different files.
+        let _ = self.file.set_len(0);
     }
+}
+
+/// A daemon holding a state directory's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DaemonHolder {
+    /// Its pid, when the lock file names a live process.
+    pub(crate) pid: Option<u32>,
+}
+
+impl fmt::Display for DaemonHolder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.pid {
+            Some(pid) => write!(f, "a daemon (pid {pid})"),
+            None => f.write_str("another daemon"),
+        }
+    }
+}
+
+/// The pid in a held lock file. The holder writes it just after locking, so
+/// an empty file, a half-written pid or the pid of a dead earlier holder is
+/// re-read for up to [`PID_WAIT_MAX`].
+fn read_holder_pid(path: &Path) -> Option<u32> {
+    let started = Instant::now();
+    loop {
+        let pid = std::fs::read_to_string(path)
+            .ok()
+            .filter(|text| text.ends_with('\n'))
+            .and_then(|text| text.trim().parse::<u32>().ok())
+            .filter(|pid| is_alive(*pid));
+        if pid.is_some() || started.elapsed() >= PID_WAIT_MAX {
+            return pid;
+        }
+        std::thread::sleep(LOCK_RETRY_INTERVAL);
+    }
+}
+
+/// Whether `pid` is a running process (not a zombie, which holds no locks).
+fn is_alive(pid: u32) -> bool {
+    // `stat` is "pid (comm) state ..."; comm may hold spaces, so split after ')'.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let (_, rest) = stat.rsplit_once(')')?;
+            rest.split_whitespace()
+                .next()
+                .map(|state| !matches!(state, "Z" | "X"))
+        })
+        .unwrap_or(false)
 }
 
 /// Writes a file via a temporary sibling and a rename, so readers never see half of it.
@@ -211,4 +358,80 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
         .and_then(|()| f.sync_all())
         .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_on_the_same_directory_fails_and_names_the_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::create(dir.path().join("state")).unwrap();
+        assert_eq!(state.running_daemon(), None, "no daemon has run here");
+        let first = state.lock().unwrap();
+        // Another open file description in the same process, as a second daemon would have.
+        let err = state.lock().unwrap_err().to_string();
+        let pid = std::process::id();
+        assert!(
+            err.contains(&format!("a daemon (pid {pid}) is already running for")),
+            "{err}"
+        );
+        assert!(err.contains("swactor down"), "{err}");
+        assert_eq!(
+            state.running_daemon(),
+            Some(DaemonHolder { pid: Some(pid) })
+        );
+        // The probe released its shared lock: the holder is unaffected and a
+        // second probe sees the same.
+        assert_eq!(
+            state.running_daemon(),
+            Some(DaemonHolder { pid: Some(pid) })
+        );
+
+        drop(first);
+        assert_eq!(state.running_daemon(), None);
+        let second = state.lock().unwrap();
+        assert_eq!(
+            state.running_daemon(),
+            Some(DaemonHolder { pid: Some(pid) })
+        );
+        drop(second);
+    }
+
+    #[test]
+    fn a_held_lock_whose_pid_cannot_be_read_names_another_daemon() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::create(dir.path().join("state")).unwrap();
+        let _lock = state.lock().unwrap();
+        std::fs::write(state.root().join("daemon.lock"), "not a pid\n").unwrap();
+        let err = state.lock().unwrap_err().to_string();
+        assert!(
+            err.starts_with("another daemon is already running for"),
+            "{err}"
+        );
+        assert_eq!(state.running_daemon(), Some(DaemonHolder { pid: None }));
+    }
+
+    #[test]
+    fn creating_a_state_directory_tolerates_a_race_and_needs_its_parent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        StateDir::create(path.clone()).unwrap();
+        // Found already made, as the loser of a race finds it.
+        let again = StateDir::create(path.clone()).unwrap();
+        assert_eq!(again.journal_path(), again.root().join("journal.redb"));
+
+        let orphan = dir.path().join("missing").join("state");
+        let err = StateDir::create(orphan).unwrap_err().to_string();
+        assert!(
+            err.contains("its parent") && err.contains("does not exist"),
+            "{err}"
+        );
+
+        let file = dir.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        let err = StateDir::create(file).unwrap_err().to_string();
+        assert!(err.contains("not a directory"), "{err}");
+    }
 }

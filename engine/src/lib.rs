@@ -3,7 +3,8 @@
 //! clock (virtual under tokio's paused time, so tests jump it at will), actor
 //! timers whose late firings are filtered by generation, supervision with a
 //! restart budget that escalates, a bounded and cancellable pool for blocking
-//! calls, the iroh endpoint with its persisted identity, tickets, per-protocol
+//! calls, a durable journal of intent on redb (fsynced, one writer per file),
+//! the iroh endpoint with its persisted identity, tickets, per-protocol
 //! allowlists and size-limited frames, and the telemetry publisher that streams
 //! a snapshot and events to subscribers without ever waiting for them. Policy
 //! crates are forbidden by clippy from doing any of this themselves; they take
@@ -12,6 +13,7 @@
 pub mod blocking;
 pub mod clock;
 pub mod deadline;
+pub mod journal;
 pub mod net;
 pub mod supervision;
 pub mod telemetry;
@@ -22,6 +24,7 @@ pub use blocking::{
 };
 pub use clock::{Clock, EngineInstant};
 pub use deadline::{DeadlinePassed, run_until};
+pub use journal::{Journal, JournalBatch, JournalContents, JournalError};
 pub use supervision::{ChildEvent, ChildSpec, Children, RestartPolicy, SupervisionError};
 pub use timers::{TaskGauge, TimerFired, Timers};
 

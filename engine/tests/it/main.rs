@@ -1,6 +1,7 @@
 //! Integration tests of the engine, in one binary so iroh links once.
 
 mod blocking;
+mod journal;
 mod net;
 mod supervision;
 mod telemetry;
