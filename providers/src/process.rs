@@ -771,8 +771,8 @@ impl Provider for ProcessProvider {
         let dir = self.locate_lease(key, lease)?;
         match read_identity(&dir, key)? {
             Identity::Ours | Identity::Incomplete => Ok(Self::endpoint(&dir)),
-            Identity::Absent => Err(ProviderError::Definite(format!(
-                "no such lease: {} does not exist",
+            Identity::Absent => Err(ProviderError::Gone(format!(
+                "{} does not exist",
                 dir.display()
             ))),
             Identity::Foreign(why) => Err(ProviderError::Definite(format!(
@@ -794,8 +794,8 @@ impl Provider for ProcessProvider {
         match read_identity(&dir, key)? {
             Identity::Ours | Identity::Incomplete => {}
             Identity::Absent => {
-                return Err(ProviderError::Definite(format!(
-                    "no such lease: {} does not exist",
+                return Err(ProviderError::Gone(format!(
+                    "{} does not exist",
                     dir.display()
                 )));
             }

@@ -404,7 +404,7 @@ async fn destroy_stops_the_agent_removes_the_directory_and_is_idempotent() {
     p.destroy_lease(&k, &lease).await.unwrap();
     assert!(matches!(
         p.lookup_endpoint(&k, &lease).await,
-        Err(ProviderError::Definite(_))
+        Err(ProviderError::Gone(_))
     ));
     assert!(p.list(&k.run_id).await.unwrap().is_empty());
 }
@@ -524,7 +524,8 @@ async fn bootstrapping_again_after_the_agent_died_starts_a_new_agent_with_a_fres
 }
 
 #[tokio::test]
-async fn calls_for_a_missing_or_mismatched_lease_fail_definitely_and_absent_is_success() {
+async fn calls_for_a_missing_lease_say_gone_a_mismatched_one_fails_definitely_and_absent_is_success()
+ {
     let world = World::new();
     let p = world.provider("converging", CONVERGING);
     let k = key("w-0", 1);
@@ -532,11 +533,11 @@ async fn calls_for_a_missing_or_mismatched_lease_fail_definitely_and_absent_is_s
     let endpoint = swactor_provisioning::NodeEndpoint("local:/nowhere".to_owned());
     assert!(matches!(
         p.lookup_endpoint(&k, &lease).await,
-        Err(ProviderError::Definite(_))
+        Err(ProviderError::Gone(_))
     ));
     assert!(matches!(
         p.start_bootstrap(&k, &lease, &endpoint, &template()).await,
-        Err(ProviderError::Definite(_))
+        Err(ProviderError::Gone(_))
     ));
     let granted = p.create_lease(&k, &template()).await.unwrap().lease;
     assert_eq!(granted, lease);
