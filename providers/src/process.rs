@@ -331,7 +331,8 @@ impl ProcessProvider {
         lock.lock_owned().await
     }
 
-    /// Forgets `dir`'s lock once no other call holds or awaits it.
+    /// Forgets `dir`'s lock once no other call holds or awaits it. Call it
+    /// while still holding the guard: the count below includes it.
     fn release_key(&self, dir: &Path) {
         let mut locks = self
             .shared
@@ -866,8 +867,8 @@ impl Provider for ProcessProvider {
             // Fails harmlessly while other nodes of the run remain.
             let _ = fs::remove_dir(run_dir);
         }
-        drop(guard);
         self.release_key(&dir);
+        drop(guard);
         tracing::debug!(%key, dir = %dir.display(), "destroyed a node directory");
         Ok(())
     }
@@ -933,6 +934,36 @@ mod tests {
         for bad in ["gpu-a-12", "gpu-a-12-a", "gpu-a-12-ax", "-a1", ".tmp-a1"] {
             assert_eq!(key_from_dir_name(&run, bad), None, "{bad}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_key_lock_is_kept_while_another_call_waits_for_it() {
+        let state = tempfile::tempdir().unwrap();
+        let p = ProcessProvider::new(ProcessConfig {
+            agent_program: "/bin/true".into(),
+            daemon_ticket: "t".to_owned(),
+            token_secret: [1; 32],
+            ..ProcessConfig::new(state.path())
+        })
+        .unwrap();
+        let dir = Path::new("/n/r/w-0-a1");
+        let guard = p.lock_key(dir).await;
+        let waiter = tokio::spawn({
+            let p = p.clone();
+            async move { drop(p.lock_key(Path::new("/n/r/w-0-a1")).await) }
+        });
+        tokio::task::yield_now().await;
+        // A call that ends forgets the lock only if nobody else wants it;
+        // otherwise a third call would get a fresh lock while the waiter
+        // holds the old one.
+        p.release_key(dir);
+        assert!(p.shared.key_locks.lock().unwrap().contains_key(dir));
+        drop(guard);
+        waiter.await.unwrap();
+        let guard = p.lock_key(dir).await;
+        p.release_key(dir);
+        drop(guard);
+        assert!(p.shared.key_locks.lock().unwrap().is_empty());
     }
 
     #[test]
