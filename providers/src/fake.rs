@@ -201,8 +201,15 @@ impl FakeProvider {
     }
 }
 
-fn definite(e: swactor_conformance::ProviderError) -> ProviderError {
-    ProviderError::Definite(e.to_string())
+/// The contract's class of a model error: a refusal had no effect, and a
+/// lease the model does not hold is gone (the model looks leases up by id,
+/// so a new one is never invisible to these calls).
+fn classify(e: swactor_conformance::ProviderError) -> ProviderError {
+    use swactor_conformance::ProviderError as Model;
+    match e {
+        Model::Refused(_) => ProviderError::Definite(e.to_string()),
+        Model::NoSuchLease(_) => ProviderError::Gone(e.to_string()),
+    }
 }
 
 #[async_trait]
@@ -217,7 +224,7 @@ impl Provider for FakeProvider {
         _template: &NodeTemplate,
     ) -> Result<LeaseGrant, ProviderError> {
         self.call(EffectKind::CreateLease, |st, now| {
-            let grant = st.backend.create_lease(key, now).map_err(definite)?;
+            let grant = st.backend.create_lease(key, now).map_err(classify)?;
             Ok(LeaseGrant {
                 lease: grant.lease,
                 endpoint: grant.endpoint,
@@ -232,7 +239,7 @@ impl Provider for FakeProvider {
         lease: &LeaseId,
     ) -> Result<NodeEndpoint, ProviderError> {
         self.call(EffectKind::LookupEndpoint, |st, now| {
-            st.backend.lookup_endpoint(lease, now).map_err(definite)
+            st.backend.lookup_endpoint(lease, now).map_err(classify)
         })
         .await?
         .ok_or(ProviderError::NotReady)
@@ -250,7 +257,7 @@ impl Provider for FakeProvider {
             let grant = st
                 .backend
                 .start_bootstrap(key, lease, now)
-                .map_err(definite)?;
+                .map_err(classify)?;
             let (tx, events) = mpsc::channel(buffer);
             let stream = st.streams.entry(grant.session.clone()).or_insert(Stream {
                 tx: None,
@@ -278,7 +285,7 @@ impl Provider for FakeProvider {
         session: &SessionId,
     ) -> Result<(), ProviderError> {
         self.call(EffectKind::CancelBootstrap, |st, now| {
-            st.backend.cancel_bootstrap(session, now).map_err(definite)
+            st.backend.cancel_bootstrap(session, now).map_err(classify)
         })
         .await
     }
@@ -289,7 +296,7 @@ impl Provider for FakeProvider {
         lease: &LeaseId,
     ) -> Result<(), ProviderError> {
         self.call(EffectKind::DestroyLease, |st, now| {
-            st.backend.destroy_lease(lease, now).map_err(definite)
+            st.backend.destroy_lease(lease, now).map_err(classify)
         })
         .await
     }
@@ -357,5 +364,59 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
                 stream.tx = None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_provisioning::{LogicalNodeId, NodeAttemptId, ResourceKey, RunId};
+
+    fn key() -> ResourceKey {
+        ResourceKey {
+            run_id: RunId::new("r"),
+            node: LogicalNodeId::parse("w-0").unwrap(),
+            attempt: NodeAttemptId(1),
+        }
+    }
+
+    fn template() -> NodeTemplate {
+        NodeTemplate {
+            provider: swactor_provisioning::ProviderShape {
+                kind: "fake".to_owned(),
+                params: BTreeMap::new(),
+            },
+            boot: swactor_provisioning::BootParams::default(),
+            role: "worker".to_owned(),
+            join: swactor_provisioning::SwarmJoin::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lease_the_model_does_not_hold_is_gone_and_a_refusal_is_definite() {
+        let p = FakeProvider::new(FakeConfig::default(), Clock::new());
+        let k = key();
+        let grant = p.create_lease(&k, &template()).await.unwrap();
+        assert!(p.delete_out_of_band(&k));
+        let endpoint = NodeEndpoint("fake:nowhere".to_owned());
+        assert!(matches!(
+            p.lookup_endpoint(&k, &grant.lease).await,
+            Err(ProviderError::Gone(_))
+        ));
+        assert!(matches!(
+            p.start_bootstrap(&k, &grant.lease, &endpoint, &template())
+                .await,
+            Err(ProviderError::Gone(_))
+        ));
+        // Already absent is success.
+        p.destroy_lease(&k, &grant.lease).await.unwrap();
+
+        p.arm(ProviderFault::Refuse {
+            kind: EffectKind::CreateLease,
+        });
+        assert!(matches!(
+            p.create_lease(&k, &template()).await,
+            Err(ProviderError::Definite(_))
+        ));
     }
 }

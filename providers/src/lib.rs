@@ -14,6 +14,8 @@
 //!   call had no effect; when that cannot be promised (a lost reply, a
 //!   timeout, a crash half-way) the error is [`ProviderError::Ambiguous`], and
 //!   the reconciler will re-issue the create so the provider can adopt.
+//!   [`ProviderError::Gone`] promises that the lease a call named no longer
+//!   exists, so the reconciler replaces the attempt instead of retrying.
 //!
 //! Providers are execution owners: unlike the policy crates they may spawn,
 //! sleep and do I/O.

@@ -7,10 +7,44 @@
 //! process group of its own, with stdout and stderr appended to `agent.log`
 //! and its pid in `agent.pid`; the session is `{lease}#pid{pid}`.
 //!
-//! Everything a later daemon needs is on disk, and the agent owns no pipe to
-//! the daemon, so a restarted daemon on the same state directory adopts the
-//! leases ([`Provider::list`], `create_lease`) and running agents
-//! (`start_bootstrap`), whose fresh stream replays the log from its start.
+//! Everything a later daemon needs is on disk or in `/proc`, and the agent
+//! owns no pipe to the daemon, so a restarted daemon on the same state
+//! directory adopts the leases ([`Provider::list`], `create_lease`) and
+//! running agents (`start_bootstrap`), whose fresh stream replays the log
+//! from its start.
+//!
+//! # Finding the agent
+//!
+//! A node directory's agent is the live process that leads its own process
+//! group and whose command line carries the directory's identity (`--run`,
+//! `--node`, `--attempt` and `--dir`, see below). A child the agent forks
+//! carries the same command line until it calls exec (a subshell, for ever)
+//! but stays in the agent's group, so it never counts as a second agent.
+//!
+//! `agent.pid` is a hint that saves a search, not the record adoption rests
+//! on: a daemon may be killed between spawning the agent and writing the
+//! file. When the file is missing or names something else (an agent that
+//! exited, a reused pid, a hand-edited file), the provider searches `/proc`,
+//! adopts what it finds and writes the file again. The record of intent is
+//! `agent.log`, which every spawn creates before it spawns: a directory with
+//! neither file never had an agent and needs no search. It is not fsynced;
+//! only a machine crash can lose it, and that ends the agent as well.
+//!
+//! A search is one pass over `/proc` that reads `stat` of every process and
+//! `cmdline` of every group leader:
+//!
+//! - `start_bootstrap` searches only when the hint fails and an agent may
+//!   have been started;
+//! - `list` searches at most once per call, for all directories of the run;
+//! - `destroy_lease` searches every time, because once the directory is gone
+//!   no call could find a leftover agent again;
+//! - `cancel_bootstrap` never searches: its session names the pid.
+//!
+//! Nothing is signalled before `/proc` confirms that the pid leads a group
+//! and carries the identity, so a stale or hand-edited pid is never killed.
+//! The one exception is a recorded agent that has exited while members of
+//! its group still run: those are stopped through the group id, which Linux
+//! does not reuse while the group exists.
 //!
 //! # The agent's command line
 //!
@@ -31,6 +65,8 @@
 //! # Caveats
 //!
 //! - Linux only: liveness and identity come from `/proc`.
+//! - Calls for one node directory are serialised within one provider (and its
+//!   clones); two daemons on one state directory could still race a spawn.
 //! - The provider polls (the log, adopted pids, a stopping group) with tokio
 //!   timers in real time; under tokio's paused time those polls would spin.
 //! - File operations are synchronous: they touch one small local directory.
@@ -331,7 +367,21 @@ impl ProcessProvider {
         lock.lock_owned().await
     }
 
-    /// Forgets `dir`'s lock once no other call holds or awaits it.
+    /// `dir`'s lock, if no call holds it now.
+    fn try_lock_key(&self, dir: &Path) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        let lock = self
+            .shared
+            .key_locks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(dir.to_path_buf())
+            .or_default()
+            .clone();
+        lock.try_lock_owned().ok()
+    }
+
+    /// Forgets `dir`'s lock once no other call holds or awaits it. Call it
+    /// while still holding the guard: the count below includes it.
     fn release_key(&self, dir: &Path) {
         let mut locks = self
             .shared
@@ -349,6 +399,9 @@ impl ProcessProvider {
     }
 
     /// Spawns `key`'s agent in `dir` and records its pid.
+    ///
+    /// The agent's log is created first: it is the record that an agent may
+    /// run here (see the module docs), so it MUST exist before the spawn.
     fn spawn_agent(
         &self,
         key: &ResourceKey,
@@ -416,16 +469,8 @@ impl ProcessProvider {
             ProviderError::Definite(format!("agent pid {} is out of range", child.id()))
         })?;
         let exit = reap(child, pid);
-        let pid_path = dir.join(PID_FILE);
-        if let Err(e) = write_atomically(&pid_path, format!("{pid}\n").as_bytes()) {
-            // Unrecorded, the agent could never be adopted or stopped: kill it
-            // now. It may have done things already, hence ambiguous.
-            let _ = os::signal_group(pid, Signal::KILL);
-            return Err(ProviderError::Ambiguous(format!(
-                "started agent pid {pid} but cannot record it in {}: {e}; the agent was killed",
-                pid_path.display()
-            )));
-        }
+        // Only a hint: an agent without it is found by a search.
+        record_pid(dir, pid);
         Ok((pid, exit))
     }
 
@@ -492,6 +537,9 @@ impl ProcessProvider {
     }
 
     /// Stops the agent `pid` of `who` and everything in its group.
+    ///
+    /// Signals nothing when `pid` names a process that is not the agent (a
+    /// reused pid, a child the agent forked): [`os::leader`] looks first.
     async fn stop_agent(&self, pid: i32, who: &AgentIdentity) -> Result<(), ProviderError> {
         if os::leader(pid, who) == Leader::Foreign || !os::group_alive(pid) {
             return Ok(());
@@ -522,9 +570,109 @@ impl ProcessProvider {
         )))
     }
 
-    /// The live agent recorded in `dir`, if any.
-    fn live_agent(dir: &Path, who: &AgentIdentity) -> Result<Option<i32>, ProviderError> {
-        Ok(read_pid(dir)?.filter(|pid| os::leader(*pid, who) == Leader::Ours))
+    /// The live agent of `dir`: the one `agent.pid` names, or else the
+    /// oldest a search of `/proc` finds.
+    fn live_agent(dir: &Path, who: &AgentIdentity) -> Result<Option<Agent>, ProviderError> {
+        match agent_hint(dir, who)? {
+            Hint::Live(pid) => Ok(Some(Agent {
+                pid,
+                recorded: true,
+            })),
+            Hint::NeverStarted => Ok(None),
+            Hint::Search => {
+                let agents = search(&[who])?.swap_remove(0);
+                if agents.len() > 1 {
+                    tracing::warn!(dir = %dir.display(), ?agents, "more than one agent runs for one node directory; adopting the oldest");
+                }
+                Ok(agents.first().map(|&pid| Agent {
+                    pid,
+                    recorded: false,
+                }))
+            }
+        }
+    }
+
+    /// Records a searched-out agent in `dir`, unless a call holds the
+    /// directory (that call settles the file itself).
+    fn record_found(&self, dir: &Path, who: &AgentIdentity, pid: i32) {
+        let Some(guard) = self.try_lock_key(dir) else {
+            return;
+        };
+        // Checked again under the lock: a call may have stopped the agent
+        // since the search.
+        if os::leader(pid, who) == Leader::Ours {
+            record_pid(dir, pid);
+        }
+        self.release_key(dir);
+        drop(guard);
+    }
+}
+
+/// A live agent of a node directory.
+#[derive(Clone, Copy, Debug)]
+struct Agent {
+    pid: i32,
+    /// `agent.pid` already names it.
+    recorded: bool,
+}
+
+/// A node directory `list` found, before the search for agents.
+struct Listed {
+    key: ResourceKey,
+    dir: PathBuf,
+    lease: LeaseId,
+    who: AgentIdentity,
+    hint: Hint,
+}
+
+/// What a node directory's files say about its agent, before any search.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hint {
+    /// `agent.pid` names the live agent.
+    Live(i32),
+    /// No agent was ever started in the directory.
+    NeverStarted,
+    /// Only a search of `/proc` can tell.
+    Search,
+}
+
+fn agent_hint(dir: &Path, who: &AgentIdentity) -> Result<Hint, ProviderError> {
+    if let Some(pid) = read_pid(dir)? {
+        return Ok(match os::leader(pid, who) {
+            Leader::Ours => Hint::Live(pid),
+            Leader::Foreign | Leader::Gone => Hint::Search,
+        });
+    }
+    Ok(if may_have_started(dir) {
+        Hint::Search
+    } else {
+        Hint::NeverStarted
+    })
+}
+
+/// False only when no agent was ever started in `dir`: `agent.log` is
+/// created before every spawn. A malformed `agent.pid` counts as a start.
+fn may_have_started(dir: &Path) -> bool {
+    [LOG_FILE, PID_FILE]
+        .iter()
+        .any(|name| match fs::symlink_metadata(dir.join(name)) {
+            Ok(_) => true,
+            // Unknown, so search.
+            Err(e) => e.kind() != io::ErrorKind::NotFound,
+        })
+}
+
+/// The running agents of each identity, from one pass over `/proc` (see [`os::scan_agents`]).
+fn search(who: &[&AgentIdentity]) -> Result<Vec<Vec<i32>>, ProviderError> {
+    os::scan_agents(who).map_err(|e| definite("cannot search /proc for agents".to_owned(), &e))
+}
+
+/// Writes `pid` to `dir`'s `agent.pid`. A failure is only logged: the file is
+/// a hint, and a later call finds the agent by a search.
+fn record_pid(dir: &Path, pid: i32) {
+    let path = dir.join(PID_FILE);
+    if let Err(e) = write_atomically(&path, format!("{pid}\n").as_bytes()) {
+        tracing::warn!(path = %path.display(), pid, error = %e, "cannot record the agent pid; later calls will search for it");
     }
 }
 
@@ -771,8 +919,8 @@ impl Provider for ProcessProvider {
         let dir = self.locate_lease(key, lease)?;
         match read_identity(&dir, key)? {
             Identity::Ours | Identity::Incomplete => Ok(Self::endpoint(&dir)),
-            Identity::Absent => Err(ProviderError::Definite(format!(
-                "no such lease: {} does not exist",
+            Identity::Absent => Err(ProviderError::Gone(format!(
+                "{} does not exist",
                 dir.display()
             ))),
             Identity::Foreign(why) => Err(ProviderError::Definite(format!(
@@ -794,8 +942,8 @@ impl Provider for ProcessProvider {
         match read_identity(&dir, key)? {
             Identity::Ours | Identity::Incomplete => {}
             Identity::Absent => {
-                return Err(ProviderError::Definite(format!(
-                    "no such lease: {} does not exist",
+                return Err(ProviderError::Gone(format!(
+                    "{} does not exist",
                     dir.display()
                 )));
             }
@@ -807,10 +955,20 @@ impl Provider for ProcessProvider {
             }
         }
         let who = AgentIdentity::new(key, &dir);
-        if let Some(pid) = Self::live_agent(&dir, &who)? {
-            let session = session_id(lease, pid);
-            tracing::debug!(session = %session.0, "adopting a running agent");
-            return Ok(self.open_stream(&session, &dir, pid, who, None));
+        if let Some(agent) = Self::live_agent(&dir, &who)? {
+            if !agent.recorded {
+                record_pid(&dir, agent.pid);
+            }
+            let session = session_id(lease, agent.pid);
+            tracing::debug!(session = %session.0, recorded = agent.recorded, "adopting a running agent");
+            return Ok(self.open_stream(&session, &dir, agent.pid, who, None));
+        }
+        // The recorded agent has exited, but members of its group (a boot
+        // check, a subshell) may still run. They would run beside the new
+        // agent, and no call could find them once its pid replaces theirs.
+        if let Some(old) = read_pid(&dir)?.filter(|pid| os::leader(*pid, &who) == Leader::Gone) {
+            self.mark_cancelled(&session_id(lease, old));
+            self.stop_agent(old, &who).await?;
         }
         let (pid, exit) = self.spawn_agent(key, &dir, template)?;
         let session = session_id(lease, pid);
@@ -846,11 +1004,23 @@ impl Provider for ProcessProvider {
             )));
         }
         // An agent left running would outlive its directory and could never
-        // be found again, so it goes first; on failure the directory (and
-        // with it the pid) stays for the retry.
-        if let Some(pid) = read_pid(&dir)? {
+        // be found again, so every agent of the identity goes first, found by
+        // a search rather than the pid file (a hint). On failure the
+        // directory stays for the retry. This runs for an absent directory
+        // too: one removed out of band may have left its agent running.
+        let who = AgentIdentity::new(key, &dir);
+        let recorded = read_pid(&dir)?;
+        let agents = search(&[&who])?.swap_remove(0);
+        for &pid in &agents {
             self.mark_cancelled(&session_id(lease, pid));
-            self.stop_agent(pid, &AgentIdentity::new(key, &dir)).await?;
+            self.stop_agent(pid, &who).await?;
+        }
+        // A recorded agent that exited may have left members of its group
+        // running, which no search finds; `stop_agent` signals that group
+        // only while the pid names no other process.
+        if let Some(pid) = recorded.filter(|pid| !agents.contains(pid)) {
+            self.mark_cancelled(&session_id(lease, pid));
+            self.stop_agent(pid, &who).await?;
         }
         match fs::remove_dir_all(&dir) {
             Ok(()) => {}
@@ -866,8 +1036,8 @@ impl Provider for ProcessProvider {
             // Fails harmlessly while other nodes of the run remain.
             let _ = fs::remove_dir(run_dir);
         }
-        drop(guard);
         self.release_key(&dir);
+        drop(guard);
         tracing::debug!(%key, dir = %dir.display(), "destroyed a node directory");
         Ok(())
     }
@@ -882,7 +1052,9 @@ impl Provider for ProcessProvider {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Inventory::new()),
             Err(e) => return Err(definite(format!("cannot list {}", run_dir.display()), &e)),
         };
-        let mut inventory = Inventory::new();
+        // Read every directory first, so one search of `/proc` serves all
+        // whose pid file does not name a live agent.
+        let mut nodes = Vec::new();
         for entry in entries {
             let entry =
                 entry.map_err(|e| definite(format!("cannot list {}", run_dir.display()), &e))?;
@@ -903,12 +1075,40 @@ impl Provider for ProcessProvider {
                 }
             }
             let who = AgentIdentity::new(&key, &dir);
-            let session = Self::live_agent(&dir, &who)?.map(|pid| session_id(&lease, pid));
-            inventory.insert(
+            let hint = agent_hint(&dir, &who)?;
+            nodes.push(Listed {
                 key,
+                dir,
+                lease,
+                who,
+                hint,
+            });
+        }
+        let searched: Vec<&AgentIdentity> = nodes
+            .iter()
+            .filter(|n| n.hint == Hint::Search)
+            .map(|n| &n.who)
+            .collect();
+        // One answer per searched node, in the same order.
+        let mut found = search(&searched)?.into_iter();
+        let mut inventory = Inventory::new();
+        for node in nodes {
+            let pid = match node.hint {
+                Hint::Live(pid) => Some(pid),
+                Hint::NeverStarted => None,
+                Hint::Search => {
+                    let pid = found.next().and_then(|agents| agents.first().copied());
+                    if let Some(pid) = pid {
+                        self.record_found(&node.dir, &node.who, pid);
+                    }
+                    pid
+                }
+            };
+            inventory.insert(
+                node.key,
                 OwnedResources {
-                    lease: Some(lease),
-                    session,
+                    session: pid.map(|pid| session_id(&node.lease, pid)),
+                    lease: Some(node.lease),
                 },
             );
         }
@@ -933,6 +1133,36 @@ mod tests {
         for bad in ["gpu-a-12", "gpu-a-12-a", "gpu-a-12-ax", "-a1", ".tmp-a1"] {
             assert_eq!(key_from_dir_name(&run, bad), None, "{bad}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_key_lock_is_kept_while_another_call_waits_for_it() {
+        let state = tempfile::tempdir().unwrap();
+        let p = ProcessProvider::new(ProcessConfig {
+            agent_program: "/bin/true".into(),
+            daemon_ticket: "t".to_owned(),
+            token_secret: [1; 32],
+            ..ProcessConfig::new(state.path())
+        })
+        .unwrap();
+        let dir = Path::new("/n/r/w-0-a1");
+        let guard = p.lock_key(dir).await;
+        let waiter = tokio::spawn({
+            let p = p.clone();
+            async move { drop(p.lock_key(Path::new("/n/r/w-0-a1")).await) }
+        });
+        tokio::task::yield_now().await;
+        // A call that ends forgets the lock only if nobody else wants it;
+        // otherwise a third call would get a fresh lock while the waiter
+        // holds the old one.
+        p.release_key(dir);
+        assert!(p.shared.key_locks.lock().unwrap().contains_key(dir));
+        drop(guard);
+        waiter.await.unwrap();
+        let guard = p.lock_key(dir).await;
+        p.release_key(dir);
+        drop(guard);
+        assert!(p.shared.key_locks.lock().unwrap().is_empty());
     }
 
     #[test]

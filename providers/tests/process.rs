@@ -3,13 +3,14 @@
 
 use rustix::process::{Pid, Signal, kill_process, kill_process_group};
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use swactor_providers::process::{ProcessConfig, ProcessError, ProcessProvider, join_token};
 use swactor_providers::{BootstrapEvents, BootstrapSession, Provider, ProviderError};
 use swactor_provisioning::{
     BootParams, BootstrapEvent, BootstrapStage, LeaseId, LogicalNodeId, NodeAttemptId,
-    NodeTemplate, ProviderShape, ResourceKey, RunId, SwarmJoin,
+    NodeTemplate, ProviderShape, ResourceKey, RunId, SessionId, SwarmJoin,
 };
 
 /// Longest any single wait in these tests may take before it counts as a hang.
@@ -42,6 +43,15 @@ echo "@swactor stage ssh-connect"
 sh -c 'while :; do sleep 1; done' "grandchild of $PWD" &
 echo $! > grandchild.pid
 echo "@swactor stage converged"
+sleep 600
+"#;
+
+/// Forks a subshell that keeps running shell code, so it carries the agent's
+/// command line (and its process group) for as long as the agent lives.
+const WITH_SUBSHELL: &str = r#"
+( while :; do sleep 1; done ) &
+echo $! > subshell.pid
+echo "@swactor stage ssh-connect"
 sleep 600
 "#;
 
@@ -158,6 +168,52 @@ fn agents_in(dir: &Path) -> Vec<i32> {
     needle.extend_from_slice(dir.as_os_str().as_encoded_bytes());
     needle.push(0);
     processes_mentioning(&needle)
+}
+
+/// The agents of `dir` as the provider must see them: those of
+/// [`agents_in`] that lead their own process group. Counting all of
+/// [`agents_in`] would also count a shell agent's fork for its next command
+/// in the moment before that fork calls exec.
+fn agent_leaders(dir: &Path) -> Vec<i32> {
+    agents_in(dir)
+        .into_iter()
+        .filter(|pid| stat(*pid).is_some_and(|(_, pgrp)| pgrp == *pid))
+        .collect()
+}
+
+fn read_pid_file(dir: &Path) -> Option<i32> {
+    let raw = std::fs::read_to_string(dir.join("agent.pid")).ok()?;
+    raw.trim().parse().ok()
+}
+
+fn session_of(lease: &LeaseId, pid: i32) -> SessionId {
+    SessionId(format!("{}#pid{pid}", lease.0))
+}
+
+/// A process that is none of ours, leading a group of its own (so a stray
+/// group signal would reach it); killed and reaped on drop.
+struct Stranger(std::process::Child);
+
+impl Stranger {
+    fn spawn() -> Self {
+        let child = std::process::Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        Self(child)
+    }
+
+    fn pid(&self) -> i32 {
+        i32::try_from(self.0.id()).unwrap()
+    }
+}
+
+impl Drop for Stranger {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 fn key(node: &str, attempt: u64) -> ResourceKey {
@@ -330,7 +386,7 @@ async fn creating_and_bootstrapping_twice_adopts_one_directory_and_one_agent() {
 
     let runs = std::fs::read_dir(world.state_dir().join("nodes/r1")).unwrap();
     assert_eq!(runs.count(), 1);
-    assert_eq!(agents_in(&p.node_dir(&k)), [pid_of(&second)]);
+    assert_eq!(agent_leaders(&p.node_dir(&k)), [pid_of(&second)]);
     p.cancel_bootstrap(&k, &second.session).await.unwrap();
     assert_eq!(rest(&mut second.events).await, [BootstrapEvent::Closed]);
 }
@@ -404,7 +460,7 @@ async fn destroy_stops_the_agent_removes_the_directory_and_is_idempotent() {
     p.destroy_lease(&k, &lease).await.unwrap();
     assert!(matches!(
         p.lookup_endpoint(&k, &lease).await,
-        Err(ProviderError::Definite(_))
+        Err(ProviderError::Gone(_))
     ));
     assert!(p.list(&k.run_id).await.unwrap().is_empty());
 }
@@ -459,7 +515,7 @@ async fn a_restarted_provider_adopts_the_running_agent_and_replays_its_progress(
         .unwrap();
     assert_eq!(session.session, first_session);
     assert_eq!(take(&mut session.events, 6).await, converging_stages());
-    assert_eq!(agents_in(&p.node_dir(&k)), [pid_of(&session)]);
+    assert_eq!(agent_leaders(&p.node_dir(&k)), [pid_of(&session)]);
 
     p.cancel_bootstrap(&k, &session.session).await.unwrap();
     assert_eq!(rest(&mut session.events).await, [BootstrapEvent::Closed]);
@@ -524,7 +580,8 @@ async fn bootstrapping_again_after_the_agent_died_starts_a_new_agent_with_a_fres
 }
 
 #[tokio::test]
-async fn calls_for_a_missing_or_mismatched_lease_fail_definitely_and_absent_is_success() {
+async fn calls_for_a_missing_lease_say_gone_a_mismatched_one_fails_definitely_and_absent_is_success()
+ {
     let world = World::new();
     let p = world.provider("converging", CONVERGING);
     let k = key("w-0", 1);
@@ -532,11 +589,11 @@ async fn calls_for_a_missing_or_mismatched_lease_fail_definitely_and_absent_is_s
     let endpoint = swactor_provisioning::NodeEndpoint("local:/nowhere".to_owned());
     assert!(matches!(
         p.lookup_endpoint(&k, &lease).await,
-        Err(ProviderError::Definite(_))
+        Err(ProviderError::Gone(_))
     ));
     assert!(matches!(
         p.start_bootstrap(&k, &lease, &endpoint, &template()).await,
-        Err(ProviderError::Definite(_))
+        Err(ProviderError::Gone(_))
     ));
     let granted = p.create_lease(&k, &template()).await.unwrap().lease;
     assert_eq!(granted, lease);
@@ -553,6 +610,223 @@ async fn calls_for_a_missing_or_mismatched_lease_fail_definitely_and_absent_is_s
     p.cancel_bootstrap(&k, &gone).await.unwrap();
     p.destroy_lease(&k, &lease).await.unwrap();
     p.destroy_lease(&k, &lease).await.unwrap();
+}
+
+/// The kill window: a daemon killed after spawning the agent but before
+/// writing `agent.pid`.
+#[tokio::test]
+async fn an_agent_whose_pid_was_never_recorded_is_listed_adopted_once_and_destroyed_by_a_new_provider()
+ {
+    let world = World::new();
+    let k = key("w-0", 1);
+    let (lease, agent) = {
+        let p = world.provider("converging", CONVERGING);
+        let (lease, mut session) = boot(&p, &k).await;
+        take(&mut session.events, 6).await;
+        (lease, pid_of(&session))
+    };
+    let dir = world
+        .state_dir()
+        .canonicalize()
+        .unwrap()
+        .join("nodes/r1/w-0-a1");
+    std::fs::remove_file(dir.join("agent.pid")).unwrap();
+
+    let p = world.provider("converging", CONVERGING);
+    let inventory = p.list(&k.run_id).await.unwrap();
+    assert_eq!(inventory[&k].session, Some(session_of(&lease, agent)));
+    // The listing wrote the hint back.
+    assert_eq!(read_pid_file(&dir), Some(agent));
+
+    std::fs::remove_file(dir.join("agent.pid")).unwrap();
+    let endpoint = p.lookup_endpoint(&k, &lease).await.unwrap();
+    let mut session = p
+        .start_bootstrap(&k, &lease, &endpoint, &template())
+        .await
+        .unwrap();
+    assert_eq!(pid_of(&session), agent);
+    assert_eq!(agent_leaders(&dir), [agent], "a second agent was started");
+    assert_eq!(read_pid_file(&dir), Some(agent));
+    assert_eq!(take(&mut session.events, 6).await, converging_stages());
+
+    std::fs::remove_file(dir.join("agent.pid")).unwrap();
+    p.destroy_lease(&k, &lease).await.unwrap();
+    assert!(!alive(agent), "the unrecorded agent survived its destroy");
+    assert!(agents_in(&dir).is_empty());
+    assert!(!dir.exists());
+    assert_eq!(rest(&mut session.events).await, [BootstrapEvent::Closed]);
+}
+
+#[tokio::test]
+async fn a_pid_file_naming_a_stranger_is_neither_adopted_nor_signalled_and_the_real_agent_is_found()
+{
+    let world = World::new();
+    let stranger = Stranger::spawn();
+    let k = key("w-0", 1);
+    let p = world.provider("converging", CONVERGING);
+    let grant = p.create_lease(&k, &template()).await.unwrap();
+    let dir = p.node_dir(&k);
+    std::fs::write(dir.join("agent.pid"), format!("{}\n", stranger.pid())).unwrap();
+
+    // No agent runs: the stranger is not taken for one...
+    assert_eq!(p.list(&k.run_id).await.unwrap()[&k].session, None);
+    let endpoint = grant.endpoint.unwrap();
+    let mut session = p
+        .start_bootstrap(&k, &grant.lease, &endpoint, &template())
+        .await
+        .unwrap();
+    let agent = pid_of(&session);
+    assert_ne!(agent, stranger.pid());
+    take(&mut session.events, 6).await;
+
+    // ...and once one runs, a new provider finds it behind the stale file.
+    drop(p);
+    rest(&mut session.events).await;
+    std::fs::write(dir.join("agent.pid"), format!("{}\n", stranger.pid())).unwrap();
+    let p = world.provider("converging", CONVERGING);
+    let listed = p.list(&k.run_id).await.unwrap()[&k].session.clone();
+    assert_eq!(listed, Some(session.session.clone()));
+    std::fs::write(dir.join("agent.pid"), format!("{}\n", stranger.pid())).unwrap();
+    let mut adopted = p
+        .start_bootstrap(&k, &grant.lease, &endpoint, &template())
+        .await
+        .unwrap();
+    assert_eq!(adopted.session, session.session);
+    assert_eq!(agent_leaders(&dir), [agent]);
+
+    // Neither a cancel naming the stranger nor a destroy over its pid file
+    // signals it.
+    let forged = session_of(&grant.lease, stranger.pid());
+    p.cancel_bootstrap(&k, &forged).await.unwrap();
+    assert!(alive(stranger.pid()) && alive(agent));
+    std::fs::write(dir.join("agent.pid"), format!("{}\n", stranger.pid())).unwrap();
+    p.destroy_lease(&k, &grant.lease).await.unwrap();
+    assert!(alive(stranger.pid()), "the stranger was signalled");
+    assert!(!alive(agent), "the real agent survived its destroy");
+    assert!(!dir.exists());
+    assert_eq!(
+        rest(&mut adopted.events).await.last(),
+        Some(&BootstrapEvent::Closed)
+    );
+}
+
+#[tokio::test]
+async fn a_forked_child_carrying_the_agents_command_line_is_never_a_second_agent() {
+    let world = World::new();
+    let k = key("w-0", 1);
+    let p = world.provider("subshell", WITH_SUBSHELL);
+    let (lease, mut session) = boot(&p, &k).await;
+    take(&mut session.events, 1).await;
+    let dir = p.node_dir(&k);
+    let agent = pid_of(&session);
+    let subshell = std::fs::read_to_string(dir.join("subshell.pid"))
+        .unwrap()
+        .trim()
+        .parse::<i32>()
+        .unwrap();
+    // The premise: the subshell carries the identity, in the agent's group
+    // (and so, for a moment each second, does its fork for `sleep`).
+    let carrying = agents_in(&dir);
+    assert!(carrying.contains(&agent) && carrying.contains(&subshell));
+    assert_eq!(stat(subshell).map(|(_, pgrp)| pgrp), Some(agent));
+
+    // A new provider that must search (no pid file, then one naming the
+    // subshell) finds the one agent.
+    drop(p);
+    rest(&mut session.events).await;
+    std::fs::remove_file(dir.join("agent.pid")).unwrap();
+    let p = world.provider("subshell", WITH_SUBSHELL);
+    assert_eq!(
+        p.list(&k.run_id).await.unwrap()[&k].session,
+        Some(session.session.clone())
+    );
+    std::fs::write(dir.join("agent.pid"), format!("{subshell}\n")).unwrap();
+    let endpoint = p.lookup_endpoint(&k, &lease).await.unwrap();
+    let mut adopted = p
+        .start_bootstrap(&k, &lease, &endpoint, &template())
+        .await
+        .unwrap();
+    assert_eq!(adopted.session, session.session);
+    assert_eq!(agent_leaders(&dir), [agent]);
+    assert_eq!(read_pid_file(&dir), Some(agent));
+
+    // A session naming the subshell is not the agent's: cancelling it
+    // signals nothing.
+    p.cancel_bootstrap(&k, &session_of(&lease, subshell))
+        .await
+        .unwrap();
+    assert!(alive(agent) && alive(subshell));
+    p.destroy_lease(&k, &lease).await.unwrap();
+    assert!(!alive(agent) && !alive(subshell));
+    assert_eq!(
+        rest(&mut adopted.events).await.last(),
+        Some(&BootstrapEvent::Closed)
+    );
+}
+
+#[tokio::test]
+async fn the_remnants_of_an_exited_agents_group_are_no_agent_and_are_stopped_before_a_new_one_starts()
+ {
+    let world = World::new();
+    let k = key("w-0", 1);
+    let p = world.provider("subshell", WITH_SUBSHELL);
+    let (lease, mut first) = boot(&p, &k).await;
+    take(&mut first.events, 1).await;
+    let dir = p.node_dir(&k);
+    let old = pid_of(&first);
+    let subshell: i32 = std::fs::read_to_string(dir.join("subshell.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    kill_process(Pid::from_raw(old).unwrap(), Signal::KILL).unwrap();
+    rest(&mut first.events).await;
+    assert!(!alive(old) && alive(subshell));
+
+    // The subshell carries the identity but leads no group: no session.
+    assert_eq!(p.list(&k.run_id).await.unwrap()[&k].session, None);
+    let endpoint = p.lookup_endpoint(&k, &lease).await.unwrap();
+    let mut second = p
+        .start_bootstrap(&k, &lease, &endpoint, &template())
+        .await
+        .unwrap();
+    let new = pid_of(&second);
+    assert_ne!(new, subshell);
+    assert!(!alive(subshell), "the old agent's subshell outlived it");
+    assert_eq!(agent_leaders(&dir), [new]);
+    p.cancel_bootstrap(&k, &second.session).await.unwrap();
+    assert_eq!(
+        rest(&mut second.events).await.last(),
+        Some(&BootstrapEvent::Closed)
+    );
+}
+
+#[tokio::test]
+async fn a_node_directory_removed_out_of_band_is_gone_and_its_destroy_still_stops_the_agent() {
+    let world = World::new();
+    let p = world.provider("converging", CONVERGING);
+    let k = key("w-0", 1);
+    let (lease, mut session) = boot(&p, &k).await;
+    take(&mut session.events, 6).await;
+    let dir = p.node_dir(&k);
+    let agent = pid_of(&session);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let endpoint = swactor_provisioning::NodeEndpoint(format!("local:{}", dir.display()));
+    assert!(matches!(
+        p.lookup_endpoint(&k, &lease).await,
+        Err(ProviderError::Gone(_))
+    ));
+    assert!(matches!(
+        p.start_bootstrap(&k, &lease, &endpoint, &template()).await,
+        Err(ProviderError::Gone(_))
+    ));
+    assert!(p.list(&k.run_id).await.unwrap().is_empty());
+    assert_eq!(agent_leaders(&dir), [agent]);
+
+    p.destroy_lease(&k, &lease).await.unwrap();
+    assert!(!alive(agent), "the orphaned agent survived the destroy");
+    assert_eq!(rest(&mut session.events).await, [BootstrapEvent::Closed]);
 }
 
 #[tokio::test]

@@ -1,7 +1,8 @@
-//! Linux process plumbing: whether a pid is our agent, whether its group still runs, signals.
+//! Linux process plumbing: whether a pid is our agent, finding agents in `/proc`, whether a group still runs, signals.
 
 use rustix::io::Errno;
 use rustix::process::{Pid, Signal, kill_process_group, test_kill_process_group};
+use std::collections::HashMap;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -28,9 +29,17 @@ impl AgentIdentity {
         }
     }
 
+    /// The `--dir` value: the node directory, as bytes.
+    fn dir(&self) -> &[u8] {
+        &self.pairs[3].1
+    }
+
     /// True when the NUL-separated `cmdline` carries every identifying flag and value.
     fn matches(&self, cmdline: &[u8]) -> bool {
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        self.matches_args(&split_args(cmdline))
+    }
+
+    fn matches_args(&self, args: &[&[u8]]) -> bool {
         self.pairs.iter().all(|(flag, value)| {
             args.windows(2)
                 .any(|w| w[0] == *flag && w[1] == value.as_slice())
@@ -38,14 +47,20 @@ impl AgentIdentity {
     }
 }
 
+fn split_args(cmdline: &[u8]) -> Vec<&[u8]> {
+    cmdline.split(|b| *b == 0).collect()
+}
+
 /// What a recorded agent pid currently names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Leader {
-    /// A running process with our agent's arguments.
+    /// A running process that leads its own group and has our agent's arguments.
     Ours,
-    /// A running process that is someone else: the pid was reused, so our
-    /// agent and (since Linux never reuses a pid still naming a group) its
-    /// whole process group are gone.
+    /// A running process that is not our agent. Either the pid was reused,
+    /// so our agent and (since Linux never reuses a pid still naming a group)
+    /// its whole process group are gone; or it is a child our agent forked,
+    /// which carries the agent's arguments until it calls exec (a subshell
+    /// for ever) but does not lead a group, and must not be signalled as one.
     Foreign,
     /// No running process: exited, or a zombie waiting to be reaped. Members
     /// of its group may still run.
@@ -54,19 +69,83 @@ pub(super) enum Leader {
 
 /// What `pid` names now, judged against `who`.
 pub(super) fn leader(pid: i32, who: &AgentIdentity) -> Leader {
-    match stat(pid) {
+    let leads_group = match stat(pid) {
         None => return Leader::Gone,
         Some(s) if s.is_dead() => return Leader::Gone,
-        Some(_) => {}
-    }
+        Some(s) => s.pgrp == pid,
+    };
     match std::fs::read(format!("/proc/{pid}/cmdline")) {
-        Ok(cmdline) if who.matches(&cmdline) => Leader::Ours,
+        Ok(cmdline) if leads_group && who.matches(&cmdline) => Leader::Ours,
         // A zombie's cmdline reads empty; one that died between the two reads
         // is gone, not foreign.
         Ok(cmdline) if cmdline.is_empty() => Leader::Gone,
         Ok(_) => Leader::Foreign,
         Err(_) => Leader::Gone,
     }
+}
+
+/// The running agents of each identity in `who`, found in ONE pass over
+/// `/proc`: for `who[i]`, the pids of the live processes that lead their own
+/// process group and carry `who[i]`'s arguments, oldest first.
+///
+/// Only group leaders count: the agent is spawned into a group of its own,
+/// and a child it forks carries the same command line until it calls exec
+/// (a shell's subshell, for ever) but stays in the agent's group.
+///
+/// The cost is a read of `/proc/{pid}/stat` per process and of
+/// `/proc/{pid}/cmdline` per group leader; the identities are looked up by
+/// their `--dir` value, so many of them cost no more than one.
+///
+/// # Errors
+/// `/proc` cannot be listed; a scan that may have missed processes would
+/// let a caller start a second agent, so there is no partial answer.
+pub(super) fn scan_agents(who: &[&AgentIdentity]) -> io::Result<Vec<Vec<i32>>> {
+    if who.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Per identity: (start time, pid) of each agent found.
+    let mut found: Vec<Vec<(u64, i32)>> = vec![Vec::new(); who.len()];
+    let mut by_dir: HashMap<&[u8], Vec<usize>> = HashMap::new();
+    for (i, w) in who.iter().enumerate() {
+        by_dir.entry(w.dir()).or_default().push(i);
+    }
+    let mut candidates = Vec::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // A process gone since the listing, or a zombie, is no agent.
+        let Some(s) = stat(pid).filter(|s| s.pgrp == pid && !s.is_dead()) else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args = split_args(&cmdline);
+        candidates.clear();
+        for w in args.windows(2).filter(|w| w[0] == b"--dir") {
+            candidates.extend(by_dir.get(w[1]).into_iter().flatten().copied());
+        }
+        candidates.sort_unstable();
+        candidates.dedup();
+        for &i in &candidates {
+            if who[i].matches_args(&args) {
+                found[i].push((s.start, pid));
+            }
+        }
+    }
+    Ok(found
+        .into_iter()
+        .map(|mut agents| {
+            agents.sort_unstable();
+            agents.into_iter().map(|(_, pid)| pid).collect()
+        })
+        .collect())
 }
 
 /// True when some process of group `pgid` still runs.
@@ -120,6 +199,8 @@ fn group_pid(pgid: i32) -> Option<Pid> {
 struct Stat {
     state: u8,
     pgrp: i32,
+    /// Start time in clock ticks after boot; orders agents by age.
+    start: u64,
 }
 
 impl Stat {
@@ -139,7 +220,9 @@ fn stat(pid: i32) -> Option<Stat> {
     let state = *fields.next()?.as_bytes().first()?;
     let _ppid = fields.next()?;
     let pgrp = fields.next()?.parse().ok()?;
-    Some(Stat { state, pgrp })
+    // Field 22 of the file; `pgrp` was field 5.
+    let start = fields.nth(16).and_then(|f| f.parse().ok()).unwrap_or(0);
+    Some(Stat { state, pgrp, start })
 }
 
 #[cfg(test)]
@@ -176,5 +259,17 @@ mod tests {
         );
         assert!(!signal_group(1, Signal::TERM).unwrap());
         assert!(!group_alive(0));
+    }
+
+    #[test]
+    fn a_scan_answers_per_identity_and_finds_no_agent_nobody_runs() {
+        assert!(scan_agents(&[]).unwrap().is_empty());
+        let (a, b) = (identity(), identity());
+        assert_eq!(
+            scan_agents(&[&a, &b]).unwrap(),
+            [Vec::<i32>::new(), Vec::new()]
+        );
+        let me = stat(std::process::id() as i32).unwrap();
+        assert!(me.start > 0 && !me.is_dead());
     }
 }
