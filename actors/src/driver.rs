@@ -64,6 +64,8 @@ pub struct ClusterConfig {
     pub visibility_window: Duration,
     /// Interval of the leak sweeps.
     pub sweep_interval: Duration,
+    /// How long an agent of an earlier daemon has at least to rejoin this one.
+    pub rejoin_window: Duration,
 }
 
 impl ClusterConfig {
@@ -89,6 +91,7 @@ impl ClusterConfig {
             stream_joins: host.stream_joins,
             visibility_window: Duration::from_millis(host.visibility_window_ms),
             sweep_interval: Duration::from_millis(host.sweep_interval_ms),
+            rejoin_window: Duration::from_millis(host.rejoin_window_ms),
         }
     }
 
@@ -100,6 +103,7 @@ impl ClusterConfig {
             visibility_window_ms: u64::try_from(self.visibility_window.as_millis())
                 .unwrap_or(u64::MAX),
             sweep_interval_ms: u64::try_from(self.sweep_interval.as_millis()).unwrap_or(u64::MAX),
+            rejoin_window_ms: u64::try_from(self.rejoin_window.as_millis()).unwrap_or(u64::MAX),
         }
     }
 }
@@ -792,6 +796,7 @@ impl DriverState {
             generation: core.desired().generation,
             observed_generation: state.observed_generation,
             converged: self.host.is_converged(),
+            adopted: self.host.adopted(),
             desired_nodes: core.desired().node_count(),
             nodes: state
                 .nodes

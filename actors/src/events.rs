@@ -82,6 +82,10 @@ pub struct ClusterSnapshot {
     pub observed_generation: Option<Generation>,
     /// Whether the cluster is converged on the desired generation.
     pub converged: bool,
+    /// Whether what an earlier daemon left (the journal, the provider's
+    /// inventory) has been adopted.
+    #[serde(default)]
+    pub adopted: bool,
     /// How many slots the desired shape has.
     pub desired_nodes: u64,
     /// Every node, in slot order.

@@ -21,6 +21,10 @@ use swactor_provisioning::{
     BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, ResourceKey, RunId,
 };
 
+/// How long the agent's connection to its daemon may hear nothing before it
+/// is taken for dead and the agent dials again.
+const AGENT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// Options of `swactor agent`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct AgentOptions {
@@ -121,6 +125,9 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
     let endpoint = match bind_endpoint(
         &NetConfig {
             frame_len_max: FRAME_LEN_MAX,
+            // A daemon that died is noticed within seconds, so the agent
+            // finds its successor well within the rejoin window.
+            idle_timeout: Some(AGENT_IDLE_TIMEOUT),
             ..NetConfig::default()
         },
         secret,
@@ -165,7 +172,7 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
                     );
                 }
                 tracing::info!(%reason, "connection to the daemon lost; rejoining");
-                tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.min(10)))).await;
+                tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.min(5)))).await;
             }
             Session::Stopped => break 0,
         }

@@ -278,6 +278,9 @@ pub(crate) async fn watch(state_dir: &Path) -> Result<()> {
 }
 
 fn describe(e: &ClusterEvent) -> String {
+    if let Some(note) = crate::progress::note(e) {
+        return note;
+    }
     match e {
         ClusterEvent::ShapeAccepted { generation, nodes } => {
             format!(
@@ -326,5 +329,6 @@ fn describe(e: &ClusterEvent) -> String {
             format!("converged: generation {}, {nodes} node(s)", generation.0)
         }
         ClusterEvent::Warning { message } => format!("warning: {message}"),
+        other => format!("{other:?}"),
     }
 }

@@ -1,5 +1,6 @@
 //! `swactor up`: the daemon, in the foreground.
 
+use crate::journal::DaemonJournal;
 use crate::progress::Progress;
 use crate::protocol::{
     ControlRequest, ControlResponse, FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest,
@@ -8,12 +9,12 @@ use crate::shapefile::ShapeFile;
 use crate::state::StateDir;
 use anyhow::{Context, Result};
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use swactor_actors::{
-    Cluster, ClusterConfig, ClusterEvent, ClusterHandle, ClusterSnapshot, ShutdownMode,
-    ShutdownReport,
+    ApplyError, Cluster, ClusterConfig, ClusterEvent, ClusterHandle, ClusterSnapshot, DriverArgs,
+    PlanView, ShutdownMode, ShutdownReport,
 };
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
@@ -22,8 +23,11 @@ use swactor_engine::net::{
     NetConfig, bind_endpoint, recv_frame, send_frame,
 };
 use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
+use swactor_providers::Provider;
 use swactor_providers::process::{ProcessConfig, ProcessProvider, join_token};
-use swactor_provisioning::{ClusterShape, DesiredUpdate, Generation, RunId, UpdateError};
+use swactor_provisioning::{
+    ClusterShape, DesiredUpdate, Generation, JournalImage, RunId, UpdateError,
+};
 use tokio::sync::{mpsc, oneshot};
 
 /// Options of `swactor up`.
@@ -51,18 +55,17 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
-    let run_id = file.as_ref().map_or_else(
-        || RunId::new(crate::shapefile::DEFAULT_RUN),
-        ShapeFile::run_id,
-    );
-    let initial = file.as_ref().map(|f| f.to_shape(1)).transpose()?;
-    if let Some(shape) = &initial {
-        shape
+    if let Some(f) = &file {
+        f.to_shape(1)?
             .validate()
             .map_err(|e| anyhow::anyhow!("the shape is invalid: {e}; nothing was started"))?;
     }
     let state = StateDir::create(opts.state_dir.clone())?;
+    // One daemon per state directory, taken before anything else is touched.
     let _lock = state.lock()?;
+    let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
+    let start = Start::decide(resume.as_ref(), file.as_ref(), state.root())?;
+    let run_id = start.run_id.clone();
 
     let endpoint = bind_daemon_endpoint(&state).await?;
     let ticket = EndpointTicket::new(endpoint.addr());
@@ -83,8 +86,11 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         generation: Generation(0),
         observed_generation: None,
         converged: false,
+        adopted: false,
         desired_nodes: 0,
         nodes: Vec::new(),
+        orphans: 0,
+        shutting_down: None,
         stats: Default::default(),
         now: Default::default(),
     };
@@ -98,8 +104,15 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let telemetry = publisher.handler();
 
     let mut config = ClusterConfig::new(run_id.clone());
-    config.initial_shape = initial;
-    let cluster = Cluster::start_with(config, Arc::new(provider), None, Some(publisher))
+    config.visibility_window = provider.listing_lag();
+    let args = DriverArgs {
+        config,
+        provider: Arc::new(provider),
+        publisher: Some(publisher),
+        journal: Some(Arc::new(journal)),
+        resume,
+    };
+    let cluster = Cluster::spawn(args, None)
         .await
         .context("cannot start the cluster")?;
 
@@ -131,11 +144,21 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         state.root().display()
     );
 
+    eprintln!("swactor: {}", start.note);
+    let mut finish_teardown = false;
+    match &start.what {
+        StartWhat::Apply(file) => offer_on_start(&cluster, &run_id, file).await?,
+        StartWhat::Resume => {}
+        StartWhat::FinishTeardown => finish_teardown = true,
+    }
+
     let progress = Progress::start(&cluster).await?;
     let mut code = 0;
     let mut keep = opts.keep;
     let mut down_reply = None;
-    if opts.until_converged {
+    if finish_teardown {
+        keep = false;
+    } else if opts.until_converged {
         match tokio::time::timeout(opts.timeout, cluster.converged()).await {
             Ok(Ok(generation)) => {
                 progress.flush().await;
@@ -193,6 +216,141 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     state.remove_ticket();
     router.shutdown().await.ok();
     Ok(code)
+}
+
+/// What a start does with the journal and the shape it was given.
+struct Start {
+    run_id: RunId,
+    what: StartWhat,
+    /// One line saying so.
+    note: String,
+}
+
+enum StartWhat {
+    /// Offer the shape file (as the next generation, on a journal).
+    Apply(ShapeFile),
+    /// Resume the journal's shape.
+    Resume,
+    /// The last daemon was tearing down when it stopped: finish that.
+    FinishTeardown,
+}
+
+impl Start {
+    /// Decides what `swactor up [SHAPE]` means for this state directory.
+    ///
+    /// # Errors
+    /// A shape of another run than the journal's, or nothing to resume.
+    fn decide(
+        journal: Option<&JournalImage>,
+        file: Option<&ShapeFile>,
+        dir: &Path,
+    ) -> Result<Self> {
+        let Some(image) = journal else {
+            let Some(file) = file else {
+                anyhow::bail!(
+                    "there is nothing to resume in {}: no daemon has run here yet. \
+                     Give a shape, e.g. `swactor up examples/local.toml`",
+                    dir.display()
+                );
+            };
+            return Ok(Self {
+                run_id: file.run_id(),
+                what: StartWhat::Apply(file.clone()),
+                note: format!("starting run {} from {}", file.run_id(), dir.display()),
+            });
+        };
+        let meta = &image.meta;
+        let run_id = meta.run_id.clone();
+        let generation = meta.shape.as_ref().map_or(0, |s| s.generation.0);
+        if let Some(file) = file {
+            if file.run_id() != run_id {
+                anyhow::bail!(
+                    "{} belongs to run {run_id:?}, and the shape is for run {:?}; a state \
+                     directory's run never changes. Use another --state-dir for run {:?}; \
+                     nothing was started",
+                    dir.display(),
+                    file.run_id().as_str(),
+                    file.run_id().as_str()
+                );
+            }
+            return Ok(Self {
+                run_id,
+                what: StartWhat::Apply(file.clone()),
+                note: format!(
+                    "resuming run {} at generation {generation} from its journal; \
+                     the shape is offered as the next generation",
+                    meta.run_id
+                ),
+            });
+        }
+        if meta.tearing_down {
+            return Ok(Self {
+                run_id,
+                what: StartWhat::FinishTeardown,
+                note: format!(
+                    "the last daemon of run {} was tearing its cluster down when it \
+                     stopped; finishing the teardown",
+                    meta.run_id
+                ),
+            });
+        }
+        let desired = meta.shape.as_ref().map_or(0, |s| {
+            s.groups.iter().map(|g| u64::from(g.count)).sum::<u64>()
+        });
+        if meta.shape.is_none() || (desired == 0 && image.slots.is_empty()) {
+            anyhow::bail!(
+                "there is nothing to resume in {}: run {} has no nodes (its cluster was \
+                 torn down at generation {generation}). Give a shape to start it again",
+                dir.display(),
+                meta.run_id
+            );
+        }
+        Ok(Self {
+            run_id,
+            what: StartWhat::Resume,
+            note: format!(
+                "resuming run {} at generation {generation} ({desired} node(s)) from its journal",
+                meta.run_id
+            ),
+        })
+    }
+}
+
+/// `up SHAPE`: once the earlier daemon's nodes are adopted, shows what the
+/// shape would change and applies it, with the same rules as `apply`.
+async fn offer_on_start(cluster: &ClusterHandle, run_id: &RunId, file: &ShapeFile) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !cluster.snapshot().await?.adopted && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let current = cluster.snapshot().await?.generation.0;
+    let plan = cluster.plan(Some(file.to_shape(current + 1)?)).await?;
+    eprintln!("swactor: {}", plan_summary(&plan));
+    match apply_file(cluster, run_id, file).await {
+        Ok((generation, true)) => eprintln!("swactor: applied generation {generation}"),
+        Ok((generation, false)) => {
+            eprintln!("swactor: the shape is generation {generation} already; nothing to change")
+        }
+        Err(e) => anyhow::bail!("the shape was refused: {e}"),
+    }
+    Ok(())
+}
+
+/// One line counting what a plan does.
+pub(crate) fn plan_summary(plan: &PlanView) -> String {
+    let count =
+        |pred: &dyn Fn(&str) -> bool| plan.actions.iter().filter(|l| pred(&l.action)).count();
+    let create = count(&|a| a == "create slot");
+    let replace = count(&|a| a.contains("SpecDrift") || a.contains("Failed"));
+    let delete = count(&|a| a.contains("Undesired"));
+    if plan.actions.is_empty() {
+        "plan: no changes".to_owned()
+    } else {
+        format!(
+            "plan: {create} to create, {replace} to replace, {delete} to delete ({} action(s) in the next pass)",
+            plan.actions.len()
+        )
+    }
 }
 
 /// The daemon's peak resident memory, from `/proc/self/status`.
@@ -290,9 +448,9 @@ pub(crate) async fn apply_file(
     match try_apply(first).await {
         Ok(DesiredUpdate::Accepted(g)) => Ok((g.0, true)),
         Ok(DesiredUpdate::Unchanged(g)) => Ok((g.0, false)),
-        Err(swactor_actors::ClusterError::Update(UpdateError::SameGenerationChanged {
-            ..
-        })) if file.generation.is_none() => match try_apply(shape_at(current + 1)?).await {
+        Err(swactor_actors::ClusterError::Apply(ApplyError::Update(
+            UpdateError::SameGenerationChanged { .. },
+        ))) if file.generation.is_none() => match try_apply(shape_at(current + 1)?).await {
             Ok(DesiredUpdate::Accepted(g) | DesiredUpdate::Unchanged(g)) => Ok((g.0, true)),
             Err(e) => Err(e.to_string()),
         },
@@ -409,7 +567,7 @@ impl ProtocolHandler for SwarmHandler {
             Err("the join token does not match this node's identity".to_owned())
         } else {
             match self.cluster.agent_join(join.key.clone()).await {
-                Ok(v) => v,
+                Ok(v) => v.map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             }
         };

@@ -4,6 +4,7 @@
 mod agent;
 mod client;
 mod daemon;
+mod journal;
 mod progress;
 mod protocol;
 mod shapefile;

@@ -134,6 +134,11 @@ impl View {
             ClusterEvent::Dispatched { .. }
             | ClusterEvent::Finished { .. }
             | ClusterEvent::Pass { .. } => {}
+            other => {
+                if let Some(note) = note(&other) {
+                    self.line(&note, tty);
+                }
+            }
         }
     }
 
@@ -185,4 +190,78 @@ impl View {
         let _ = err.write_all(out.as_bytes());
         let _ = err.flush();
     }
+}
+
+/// One line for the events about adoption, collection, agents and teardown;
+/// `None` for the others.
+pub(crate) fn note(e: &ClusterEvent) -> Option<String> {
+    let keys = |keys: &[swactor_provisioning::ResourceKey]| {
+        keys.iter()
+            .map(|k| format!("{} {}", k.node, k.attempt))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Some(match e {
+        ClusterEvent::Adopted {
+            adopted,
+            drifted,
+            orphans,
+            presumed_gone,
+        } => {
+            if adopted.is_empty() && orphans.is_empty() && presumed_gone.is_empty() {
+                return None;
+            }
+            let mut line = format!("adopted {} node(s) left running", adopted.len());
+            if !drifted.is_empty() {
+                line.push_str(&format!(
+                    "; {} made from another template will be replaced ({})",
+                    drifted.len(),
+                    keys(drifted)
+                ));
+            }
+            if !orphans.is_empty() {
+                line.push_str(&format!(
+                    "; collecting {} leftover(s) ({})",
+                    orphans.len(),
+                    keys(orphans)
+                ));
+            }
+            if !presumed_gone.is_empty() {
+                line.push_str(&format!(
+                    "; {} on record are gone ({})",
+                    presumed_gone.len(),
+                    keys(presumed_gone)
+                ));
+            }
+            line
+        }
+        ClusterEvent::Swept { orphans } => {
+            format!(
+                "found {} leftover(s) to collect: {}",
+                orphans.len(),
+                keys(orphans)
+            )
+        }
+        ClusterEvent::Collected { key, error: None } => {
+            format!("collected leftover {} {}", key.node, key.attempt)
+        }
+        ClusterEvent::Collected {
+            key,
+            error: Some(e),
+        } => format!(
+            "could not collect leftover {} {} yet ({e}); retrying",
+            key.node, key.attempt
+        ),
+        ClusterEvent::AgentJoined { .. } => return None,
+        ClusterEvent::AgentDisconnected { key, grace_until } => format!(
+            "{} {}: agent disconnected; replaced unless it is back by t+{:.1}s",
+            key.node,
+            key.attempt,
+            grace_until.as_millis() as f64 / 1000.0
+        ),
+        ClusterEvent::TeardownStarted { generation } => {
+            format!("tearing down (generation {})", generation.0)
+        }
+        _ => return None,
+    })
 }

@@ -5,7 +5,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use swactor_provisioning::{
-    BootParams, ClusterShape, Generation, GroupShape, ParamValue, ProviderShape, RunId, SwarmJoin,
+    BootParams, ClusterShape, Generation, GroupShape, NodeLimits, ParamValue, ProviderShape, RunId,
+    SwarmJoin,
 };
 
 /// The run id used when a shape file names none.
@@ -61,6 +62,9 @@ pub(crate) struct GroupFile {
     /// Seconds a joined agent may be gone before its node is replaced.
     #[serde(default)]
     pub(crate) lost_grace_s: Option<f64>,
+    /// Seconds a leased machine may take to report a reachable endpoint.
+    #[serde(default)]
+    pub(crate) endpoint_timeout_s: Option<f64>,
 }
 
 impl ShapeFile {
@@ -129,6 +133,11 @@ impl ShapeFile {
                 join: SwarmJoin {
                     tags: g.tags.clone(),
                     lost_grace_s: g.lost_grace_s.unwrap_or(SwarmJoin::default().lost_grace_s),
+                },
+                limits: NodeLimits {
+                    endpoint_timeout_s: g
+                        .endpoint_timeout_s
+                        .unwrap_or(NodeLimits::default().endpoint_timeout_s),
                 },
             })
             .collect();

@@ -114,7 +114,12 @@ fn of_two_daemons_started_at_once_exactly_one_runs_and_down_frees_the_directory(
 
         // At once, a new daemon gets the directory.
         let log = tmp.path().join(format!("s{round}.next.log"));
-        let mut next = guard(spawn_up(&state, None, &log), &state);
+        let none = shape_file(
+            tmp.path(),
+            &format!("none{round}.toml"),
+            &workers("lock", 0),
+        );
+        let mut next = guard(spawn_up(&state, Some(&none), &log), &state);
         wait_for(Duration::from_secs(30), "the next daemon's ticket", || {
             ticket(&state).exists() || exited(&mut next).is_some()
         });

@@ -130,4 +130,11 @@ pub trait Provider: Send + Sync + 'static {
 
     /// Everything this provider holds for `run_id`, for adoption and garbage collection.
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError>;
+
+    /// How long a new lease may take to show up in [`Provider::list`]. A
+    /// restarted daemon that misses a lease it knows was created checks
+    /// again this long after it started before it calls itself converged.
+    fn listing_lag(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
 }

@@ -103,6 +103,10 @@ pub struct HostConfig {
     /// Interval of the leak sweeps (list the run, collect what no current
     /// attempt owns); 0 for none beyond the first.
     pub sweep_interval_ms: u64,
+    /// An agent that joined an earlier host (its stream says so, but it has
+    /// not joined this one) gets at least this long to find this host before
+    /// its node fails: it first has to notice the old connection died.
+    pub rejoin_window_ms: u64,
 }
 
 impl Default for HostConfig {
@@ -113,6 +117,7 @@ impl Default for HostConfig {
             node_events: true,
             visibility_window_ms: 60_000,
             sweep_interval_ms: 300_000,
+            rejoin_window_ms: 15_000,
         }
     }
 }
@@ -972,7 +977,7 @@ impl<C: Reconciler> Host<C> {
     /// grace, the attempt fails and is replaced.
     pub fn handle_agent_gone(&mut self, key: &ResourceKey, now: Timestamp) {
         if self.links.get(&key.node) == Some(&Link::Connected(key.attempt)) {
-            self.start_grace(&key.node, key.attempt, now);
+            self.start_grace(&key.node, key.attempt, now, 0);
         }
     }
 
@@ -1479,14 +1484,21 @@ impl<C: Reconciler> Host<C> {
         }
     }
 
-    fn start_grace(&mut self, node: &LogicalNodeId, attempt: NodeAttemptId, now: Timestamp) {
+    fn start_grace(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        now: Timestamp,
+        at_least_ms: u64,
+    ) {
         let Some(n) = self.core.state().nodes.get(node) else {
             return;
         };
         if n.attempt != attempt || n.intent != Intent::Active {
             return;
         }
-        let until = now.saturating_add_ms(seconds_to_ms(n.template.join.lost_grace_s));
+        let grace = seconds_to_ms(n.template.join.lost_grace_s).max(at_least_ms);
+        let until = now.saturating_add_ms(grace);
         self.set_link(node, Link::Away { attempt, until });
         self.events.push_back(HostEvent::AgentDisconnected {
             key: ResourceKey {
@@ -1503,7 +1515,7 @@ impl<C: Reconciler> Host<C> {
         if self.links.contains_key(node) {
             return;
         }
-        self.start_grace(node, attempt, now);
+        self.start_grace(node, attempt, now, self.config.rejoin_window_ms);
     }
 
     fn expire_graces(&mut self, now: Timestamp) {
@@ -1512,13 +1524,7 @@ impl<C: Reconciler> Host<C> {
             let Some(Link::Away { attempt, .. }) = self.links.remove(&node) else {
                 continue;
             };
-            let grace = self
-                .core
-                .state()
-                .nodes
-                .get(&node)
-                .map_or(0.0, |n| n.template.join.lost_grace_s);
-            let reason = format!("its agent was away for longer than its {grace} s grace");
+            let reason = "its agent stayed away past its grace".to_owned();
             self.todo.push_back(Todo::AgentLost(node, attempt, reason));
         }
     }

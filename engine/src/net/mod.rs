@@ -9,8 +9,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use iroh::endpoint::{
-    Connection, ConnectionError, NetReportConfig, PortmapperConfig, QuicTransportConfig, VarInt,
-    presets,
+    Connection, ConnectionError, IdleTimeout, NetReportConfig, PortmapperConfig,
+    QuicTransportConfig, VarInt, presets,
 };
 use iroh::{Endpoint, EndpointAddr, RelayMode, SecretKey};
 
@@ -75,6 +75,10 @@ pub struct NetConfig {
     /// Per-stream QUIC receive window in bytes; `None` keeps iroh's default.
     /// A small window makes a slow reader push back on its sender sooner.
     pub stream_receive_window_bytes: Option<u32>,
+    /// How long a connection may hear nothing from its peer before it is
+    /// dropped (keep-alives go out at a third of it); `None` keeps iroh's
+    /// default (30 s). The shorter of the two peers' values applies.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Default for NetConfig {
@@ -85,6 +89,7 @@ impl Default for NetConfig {
             connect_timeout: Duration::from_secs(10),
             frame_len_max: 1024 * 1024,
             stream_receive_window_bytes: None,
+            idle_timeout: None,
         }
     }
 }
@@ -106,6 +111,11 @@ impl NetConfig {
         if self.stream_receive_window_bytes == Some(0) {
             return Err(NetConfigError::ZeroReceiveWindow);
         }
+        if let Some(t) = self.idle_timeout
+            && (t < Duration::from_millis(30) || IdleTimeout::try_from(t).is_err())
+        {
+            return Err(NetConfigError::IdleTimeout { idle_timeout: t });
+        }
         Ok(())
     }
 }
@@ -125,6 +135,12 @@ pub enum NetConfigError {
     /// A zero window would stall every stream.
     #[error("stream_receive_window_bytes must be longer than zero")]
     ZeroReceiveWindow,
+    /// The idle timeout is too short for keep-alives, or too long for QUIC.
+    #[error("idle_timeout must be at least 30 ms and fit QUIC's limit, got {idle_timeout:?}")]
+    IdleTimeout {
+        /// The configured value.
+        idle_timeout: Duration,
+    },
 }
 
 /// Failure to create an endpoint.
@@ -188,11 +204,18 @@ pub async fn bind_endpoint(
             .net_report_config(NetReportConfig::minimal()),
         RelayChoice::Default => builder.relay_mode(RelayMode::Default),
     };
-    if let Some(window) = config.stream_receive_window_bytes {
-        let transport = QuicTransportConfig::builder()
-            .stream_receive_window(VarInt::from_u32(window))
-            .build();
-        builder = builder.transport_config(transport);
+    if config.stream_receive_window_bytes.is_some() || config.idle_timeout.is_some() {
+        let mut transport = QuicTransportConfig::builder();
+        if let Some(window) = config.stream_receive_window_bytes {
+            transport = transport.stream_receive_window(VarInt::from_u32(window));
+        }
+        if let Some(idle) = config.idle_timeout {
+            // Validated above: it converts.
+            transport = transport
+                .max_idle_timeout(IdleTimeout::try_from(idle).ok())
+                .keep_alive_interval(idle / 3);
+        }
+        builder = builder.transport_config(transport.build());
     }
     builder
         .bind()

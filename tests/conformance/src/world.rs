@@ -197,6 +197,7 @@ pub fn host_config() -> HostConfig {
         node_events: false,
         visibility_window_ms: SWEEP_MS,
         sweep_interval_ms: SWEEP_MS,
+        rejoin_window_ms: GRACE_MS,
     }
 }
 

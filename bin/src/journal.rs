@@ -1,0 +1,80 @@
+//! The daemon's journal: the cluster host's durable records in `journal.redb`.
+
+use anyhow::{Context, Result, bail};
+use std::path::Path;
+use swactor_actors::JournalStore;
+use swactor_engine::journal::{Journal, JournalBatch, JournalContents};
+use swactor_providers::async_trait;
+use swactor_provisioning::{
+    JOURNAL_FORMAT, JournalDelta, JournalImage, JournalMeta, LogicalNodeId, SlotRecord,
+};
+
+/// What the file says it holds.
+const KIND: &str = "swactor-cluster";
+
+/// The journal file of one state directory.
+#[derive(Clone, Debug)]
+pub(crate) struct DaemonJournal {
+    journal: Journal,
+}
+
+impl DaemonJournal {
+    /// Opens (or creates) the journal at `path` and reads what it holds:
+    /// `None` when nothing was ever written.
+    ///
+    /// # Errors
+    /// The file is corrupt, of another kind, of a newer format, or held by
+    /// another process; the error names the file and nothing is changed.
+    pub(crate) fn open(path: &Path) -> Result<(Self, Option<JournalImage>)> {
+        let (journal, contents): (Journal, JournalContents<JournalMeta, SlotRecord>) =
+            Journal::open(path, KIND, JOURNAL_FORMAT).with_context(|| {
+                format!(
+                    "cannot use the journal {}; nothing was started or destroyed \
+                     (move the file away to start over, knowing that whatever it \
+                     recorded will then not be adopted)",
+                    path.display()
+                )
+            })?;
+        let JournalContents { meta, records } = contents;
+        let Some(meta) = meta else {
+            if !records.is_empty() {
+                bail!(
+                    "the journal {} holds slot records but no run; it is not one this \
+                     version wrote. Nothing was started or destroyed",
+                    path.display()
+                );
+            }
+            return Ok((Self { journal }, None));
+        };
+        let mut slots = std::collections::BTreeMap::new();
+        for (node, record) in records {
+            let id = LogicalNodeId::parse(&node).with_context(|| {
+                format!(
+                    "the journal {} names a slot {node:?} that is not a node id",
+                    path.display()
+                )
+            })?;
+            slots.insert(id, record);
+        }
+        Ok((Self { journal }, Some(JournalImage { meta, slots })))
+    }
+}
+
+#[async_trait]
+impl JournalStore for DaemonJournal {
+    async fn commit(&self, delta: &JournalDelta) -> Result<(), String> {
+        let batch = JournalBatch {
+            meta: delta.meta.clone(),
+            put: delta
+                .put
+                .iter()
+                .map(|(node, record)| (node.to_string(), *record))
+                .collect(),
+            delete: delta.remove.iter().map(ToString::to_string).collect(),
+        };
+        self.journal
+            .commit(batch)
+            .await
+            .map_err(|e| format!("{}: {e}", self.journal.path().display()))
+    }
+}
