@@ -1,7 +1,11 @@
 //! The cluster handle: start a cluster, message it, shut it down.
 
-use crate::driver::{ClusterConfig, DriverActor, DriverArgs, DriverMsg, DriverView, Subscription};
+use crate::config::ClusterConfig;
+use crate::driver::DriverActor;
 use crate::events::{ClusterEvent, ClusterSnapshot, PlanView};
+use crate::msg::{
+    ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, Subscription, SwarmMsg, SwarmRef,
+};
 use std::sync::Arc;
 use swactor_engine::ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr};
 use swactor_engine::telemetry::TelemetryPublisher;
@@ -91,6 +95,21 @@ impl ClusterHandle {
         &self.actor
     }
 
+    /// A ref to the cluster limited to its public messages, for other actors.
+    pub fn cluster_ref(&self) -> ClusterRef {
+        self.actor.get_derived()
+    }
+
+    /// A ref for the swarm endpoint of the application that embeds the cluster.
+    pub fn swarm_ref(&self) -> SwarmRef {
+        self.actor.get_derived()
+    }
+
+    /// A handle for a cluster actor known by its ref (e.g. one a supervisor restarted).
+    pub fn from_actor(actor: ActorRef<DriverMsg>) -> Self {
+        Self { actor }
+    }
+
     async fn call<T: Send + 'static>(
         &self,
         msg: impl FnOnce(RpcReplyPort<T>) -> DriverMsg,
@@ -108,7 +127,9 @@ impl ClusterHandle {
     /// [`ClusterError::Update`] when the shape breaks validation or the
     /// revision contract (nothing changes), or the cluster is gone.
     pub async fn apply(&self, shape: ClusterShape) -> Result<DesiredUpdate, ClusterError> {
-        Ok(self.call(|r| DriverMsg::Apply(shape, r)).await??)
+        Ok(self
+            .call(|r| DriverMsg::Cluster(ClusterMsg::Apply(shape, r)))
+            .await??)
     }
 
     /// The actions the next pass would take if `shape` were applied (or, for
@@ -117,7 +138,9 @@ impl ClusterHandle {
     /// # Errors
     /// As [`ClusterHandle::apply`].
     pub async fn plan(&self, shape: Option<ClusterShape>) -> Result<PlanView, ClusterError> {
-        Ok(self.call(|r| DriverMsg::Plan(shape, r)).await??)
+        Ok(self
+            .call(|r| DriverMsg::Cluster(ClusterMsg::Plan(shape, r)))
+            .await??)
     }
 
     /// The cluster as it is now.
@@ -125,7 +148,8 @@ impl ClusterHandle {
     /// # Errors
     /// The cluster is gone.
     pub async fn snapshot(&self) -> Result<ClusterSnapshot, ClusterError> {
-        self.call(DriverMsg::Snapshot).await
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Snapshot(r)))
+            .await
     }
 
     /// A copy of the driver's full state, for tests and diagnostics.
@@ -141,7 +165,8 @@ impl ClusterHandle {
     /// # Errors
     /// The cluster is gone.
     pub async fn subscribe(&self) -> Result<Subscription, ClusterError> {
-        self.call(DriverMsg::Subscribe).await
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Subscribe(r)))
+            .await
     }
 
     /// Waits until the cluster is converged on its current desired generation.
@@ -149,7 +174,8 @@ impl ClusterHandle {
     /// # Errors
     /// The cluster is gone.
     pub async fn converged(&self) -> Result<Generation, ClusterError> {
-        self.call(DriverMsg::WaitConverged).await
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::WaitConverged(r)))
+            .await
     }
 
     /// Asks whether an agent presenting `key` may join: only the node's
@@ -161,13 +187,16 @@ impl ClusterHandle {
         &self,
         key: ResourceKey,
     ) -> Result<Result<(), JoinRefused>, ClusterError> {
-        self.call(|r| DriverMsg::AgentJoin(key, r)).await
+        self.call(|r| DriverMsg::Swarm(SwarmMsg::Join(key, r)))
+            .await
     }
 
     /// Reports that the agent of `key` disconnected.
     pub fn agent_gone(&self, key: ResourceKey) {
         // A cluster that is gone has nothing left to replace.
-        let _ = self.actor.send_message(DriverMsg::AgentGone(key));
+        let _ = self
+            .actor
+            .send_message(DriverMsg::Swarm(SwarmMsg::Gone(key)));
     }
 
     /// Shuts the cluster down. [`ShutdownMode::Teardown`] returns only when
@@ -177,6 +206,7 @@ impl ClusterHandle {
     /// # Errors
     /// The cluster is gone.
     pub async fn shutdown(&self, mode: ShutdownMode) -> Result<ShutdownReport, ClusterError> {
-        self.call(|r| DriverMsg::Shutdown(mode, r)).await
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Shutdown(mode, r)))
+            .await
     }
 }

@@ -21,18 +21,24 @@
 //! all I/O through the providers.
 
 mod cluster;
+mod config;
 mod driver;
 mod events;
 mod executor;
 mod journal;
+mod msg;
 mod observer;
+mod telemetry;
 
 pub use cluster::{Cluster, ClusterError, ClusterHandle};
-pub use driver::{
-    ClusterConfig, DriverActor, DriverArgs, DriverMsg, DriverView, Subscription, TimerKey,
-};
+pub use config::ClusterConfig;
+pub use driver::{DriverActor, DriverState};
 pub use events::{AgentLink, ClusterEvent, ClusterSnapshot, NodeSummary, PlanLine, PlanView};
 pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 pub use journal::{JournalStore, MemoryJournal};
+pub use msg::{
+    ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, Subscription, SwarmMsg, SwarmRef,
+    TimerKey,
+};
 pub use observer::{BootstrapObserver, Next, Observed, ObserverArgs};
 pub use swactor_provisioning::{ApplyError, JoinRefused, ShutdownMode, ShutdownReport};

@@ -1,0 +1,177 @@
+//! The cluster actor's messages: the public surface other actors use, and
+//! the internal messages of its children, its timers and its host's endpoints.
+//!
+//! Any actor may hold a [`ClusterRef`] (a typed ref limited to
+//! [`ClusterMsg`]) and ask a cluster to apply, plan, report or shut down. The
+//! swarm endpoint of the application that embeds the cluster holds a
+//! [`SwarmRef`]. Everything else ([`DriverMsg`]'s other variants) is the
+//! cluster's own business.
+
+use crate::events::{ClusterEvent, ClusterSnapshot, PlanView};
+use crate::executor::ExecutorReport;
+use crate::journal::JournalStore;
+use crate::observer::Observed;
+use std::sync::Arc;
+use swactor_engine::TimerFired;
+use swactor_engine::ractor::{DerivedActorRef, RpcReplyPort};
+use swactor_engine::telemetry::TelemetryPublisher;
+use swactor_providers::Provider;
+use swactor_provisioning::{
+    ApplyError, BootstrapObservation, ClusterShape, DesiredUpdate, Generation, JoinRefused,
+    JournalImage, ResourceKey, ShutdownMode, ShutdownReport, Timestamp,
+};
+use tokio::sync::broadcast;
+
+use crate::config::ClusterConfig;
+
+/// What any actor may ask of a cluster.
+pub enum ClusterMsg {
+    /// Offer a new desired shape; the reply comes once an accepted shape is durable.
+    Apply(
+        ClusterShape,
+        RpcReplyPort<Result<DesiredUpdate, ApplyError>>,
+    ),
+    /// Preview the next pass, for the current shape or a proposed one.
+    Plan(
+        Option<ClusterShape>,
+        RpcReplyPort<Result<PlanView, ApplyError>>,
+    ),
+    /// The cluster as it is now.
+    Snapshot(RpcReplyPort<ClusterSnapshot>),
+    /// Subscribe to events.
+    Subscribe(RpcReplyPort<Subscription>),
+    /// Reply once converged on the current desired generation (or not at all
+    /// if the cluster stops first: the port is dropped).
+    WaitConverged(RpcReplyPort<Generation>),
+    /// Shut the cluster down.
+    Shutdown(ShutdownMode, RpcReplyPort<ShutdownReport>),
+}
+
+/// What a swarm endpoint tells a cluster about its agents.
+pub enum SwarmMsg {
+    /// An agent presented `key` to join: accepted only for the node's current, active attempt.
+    Join(ResourceKey, RpcReplyPort<Result<(), JoinRefused>>),
+    /// The agent of `key` disconnected; unless it rejoins within its grace, its node is replaced.
+    Gone(ResourceKey),
+}
+
+/// A ref to a cluster limited to its public messages.
+pub type ClusterRef = DerivedActorRef<ClusterMsg>;
+
+/// A ref to a cluster limited to what a swarm endpoint tells it.
+pub type SwarmRef = DerivedActorRef<SwarmMsg>;
+
+/// Every message of the driver actor.
+pub enum DriverMsg {
+    /// A public request.
+    Cluster(ClusterMsg),
+    /// News from the swarm endpoint.
+    Swarm(SwarmMsg),
+    /// The driver's full state, for tests and diagnostics.
+    Inspect(swactor_engine::ractor::RpcReplyPort<DriverView>),
+    /// An executor worker reported.
+    Executor(ExecutorReport),
+    /// An observer forwarded a bootstrap observation.
+    Observed(BootstrapObservation),
+    /// An engine timer fired.
+    Timer(TimerFired<TimerKey>),
+    /// Drain the host's outputs.
+    Drive,
+    /// Test-only fault: the driver panics while handling it (not in release builds).
+    #[cfg(debug_assertions)]
+    InjectPanic,
+}
+
+macro_rules! variant {
+    ($inner:ty, $variant:ident) => {
+        impl From<$inner> for DriverMsg {
+            fn from(m: $inner) -> Self {
+                Self::$variant(m)
+            }
+        }
+        impl TryFrom<DriverMsg> for $inner {
+            type Error = DriverMsg;
+            fn try_from(m: DriverMsg) -> Result<Self, DriverMsg> {
+                match m {
+                    DriverMsg::$variant(inner) => Ok(inner),
+                    other => Err(other),
+                }
+            }
+        }
+    };
+}
+
+variant!(ClusterMsg, Cluster);
+variant!(SwarmMsg, Swarm);
+variant!(ExecutorReport, Executor);
+variant!(TimerFired<TimerKey>, Timer);
+
+impl From<Observed> for DriverMsg {
+    fn from(o: Observed) -> Self {
+        Self::Observed(o.0)
+    }
+}
+
+impl TryFrom<DriverMsg> for Observed {
+    type Error = DriverMsg;
+    fn try_from(m: DriverMsg) -> Result<Self, DriverMsg> {
+        match m {
+            DriverMsg::Observed(o) => Ok(Observed(o)),
+            other => Err(other),
+        }
+    }
+}
+
+/// The driver's timers.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TimerKey {
+    /// The host's next deadline.
+    Requeue,
+    /// The safety-net tick.
+    Tick,
+    /// Refresh the remote telemetry snapshot.
+    Snapshot,
+}
+
+/// Start arguments of the driver actor.
+pub struct DriverArgs {
+    /// Settings.
+    pub config: ClusterConfig,
+    /// The provider.
+    pub provider: Arc<dyn Provider>,
+    /// Publishes to remote subscribers (e.g. a daemon's telemetry endpoint), if any.
+    pub publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
+    /// Where journal writes go; `None` keeps nothing (a cluster that is never resumed).
+    pub journal: Option<Arc<dyn JournalStore>>,
+    /// The journal to resume, if any.
+    pub resume: Option<JournalImage>,
+}
+
+/// The driver's full state at one instant (a copy), for tests and diagnostics.
+#[derive(Clone, Debug)]
+pub struct DriverView {
+    /// The instant, on the driver's clock.
+    pub now: Timestamp,
+    /// The observed state.
+    pub state: swactor_provisioning::ClusterState,
+    /// The desired state.
+    pub desired: swactor_provisioning::DesiredState,
+    /// The core's next deadline (`poll_timeout`).
+    pub timer: Option<Timestamp>,
+    /// Whether the host reports convergence.
+    pub converged: bool,
+    /// Whether the host has adopted its inventory and has nothing left to collect or verify.
+    pub settled: bool,
+    /// The core's lifetime counters.
+    pub stats: swactor_provisioning::DriverStats,
+}
+
+/// A local subscription: the state now, then every event after it.
+#[derive(Debug)]
+pub struct Subscription {
+    /// The cluster when the subscription started.
+    pub snapshot: ClusterSnapshot,
+    /// Events after the snapshot. A subscriber that falls `event_buffer_len`
+    /// behind gets `RecvError::Lagged` and continues; it never slows the driver.
+    pub events: broadcast::Receiver<ClusterEvent>,
+}

@@ -1,0 +1,156 @@
+//! What the cluster tells the world: snapshots and a stream of events, built from the host.
+
+use crate::events::{ClusterEvent, ClusterSnapshot, NodeSummary};
+use crate::msg::Subscription;
+use swactor_engine::telemetry::TelemetryPublisher;
+use swactor_provisioning::{Host, HostEvent, LogicalNodeId, Reconciler, Timestamp};
+use tokio::sync::broadcast;
+
+/// Local subscribers and, optionally, remote ones through the engine's publisher.
+pub(crate) struct Telemetry {
+    events: broadcast::Sender<ClusterEvent>,
+    publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
+    /// The remote snapshot is stale.
+    pub(crate) dirty: bool,
+}
+
+impl Telemetry {
+    pub(crate) fn new(
+        buffer_len: usize,
+        publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
+    ) -> Self {
+        let (events, _) = broadcast::channel(buffer_len.max(1));
+        Self {
+            events,
+            publisher,
+            dirty: false,
+        }
+    }
+
+    pub(crate) fn subscribe<C: Reconciler>(&self, host: &Host<C>, now: Timestamp) -> Subscription {
+        Subscription {
+            events: self.events.subscribe(),
+            snapshot: snapshot(host, now),
+        }
+    }
+
+    pub(crate) fn publish(&mut self, event: ClusterEvent) {
+        if let Some(p) = &self.publisher {
+            if let Err(e) = p.publish(&event) {
+                tracing::warn!(%e, "telemetry event could not be published");
+            }
+            self.dirty = true;
+        }
+        // No receivers is fine: nobody is watching.
+        let _ = self.events.send(event);
+    }
+
+    pub(crate) fn warn(&mut self, message: String) {
+        tracing::warn!("{message}");
+        self.publish(ClusterEvent::Warning { message });
+    }
+
+    /// Publishes everything the host has to say.
+    pub(crate) fn drain<C: Reconciler>(&mut self, host: &mut Host<C>, now: Timestamp) {
+        while let Some(event) = host.poll_event() {
+            let event = match event {
+                HostEvent::NodeChanged(node) => match summary(host, &node) {
+                    Some(summary) => ClusterEvent::Node(summary),
+                    None => ClusterEvent::Removed { node },
+                },
+                HostEvent::Warning(message) => {
+                    self.warn(message);
+                    continue;
+                }
+                HostEvent::ShapeAccepted { generation, nodes } => {
+                    ClusterEvent::ShapeAccepted { generation, nodes }
+                }
+                HostEvent::Dispatched { node, op, effect } => {
+                    ClusterEvent::Dispatched { node, op, effect }
+                }
+                HostEvent::Pass { number, stats } => ClusterEvent::Pass {
+                    number,
+                    nodes: stats.nodes,
+                    transitions: stats.transitions,
+                    dispatched: stats.dispatched,
+                },
+                HostEvent::Converged { generation, nodes } => {
+                    self.refresh(host, now);
+                    ClusterEvent::Converged { generation, nodes }
+                }
+                HostEvent::Adopted {
+                    adopted,
+                    drifted,
+                    orphans,
+                    presumed_gone,
+                    foreign: _,
+                } => {
+                    if !adopted.is_empty() || !orphans.is_empty() {
+                        tracing::info!(
+                            adopted = adopted.len(),
+                            drifted = drifted.len(),
+                            orphans = orphans.len(),
+                            presumed_gone = presumed_gone.len(),
+                            "adopted what an earlier daemon left"
+                        );
+                    }
+                    ClusterEvent::Adopted {
+                        adopted,
+                        drifted,
+                        orphans,
+                        presumed_gone,
+                    }
+                }
+                HostEvent::Swept { orphans } => ClusterEvent::Swept { orphans },
+                HostEvent::Collected { key, error } => ClusterEvent::Collected { key, error },
+                HostEvent::AgentJoined(key) => ClusterEvent::AgentJoined { key },
+                HostEvent::AgentDisconnected { key, grace_until } => {
+                    ClusterEvent::AgentDisconnected { key, grace_until }
+                }
+                HostEvent::TeardownStarted { generation } => {
+                    ClusterEvent::TeardownStarted { generation }
+                }
+            };
+            self.publish(event);
+        }
+    }
+
+    /// Sets the remote subscribers' snapshot to the cluster now.
+    pub(crate) fn refresh<C: Reconciler>(&mut self, host: &Host<C>, now: Timestamp) {
+        if let Some(Err(e)) = self
+            .publisher
+            .as_ref()
+            .map(|p| p.set_snapshot(&snapshot(host, now)))
+        {
+            tracing::warn!(%e, "telemetry snapshot could not be published");
+        }
+        self.dirty = false;
+    }
+}
+
+fn summary<C: Reconciler>(host: &Host<C>, node: &LogicalNodeId) -> Option<NodeSummary> {
+    NodeSummary::of(node, host.core().state(), host.link(node))
+}
+
+/// The cluster as people see it.
+pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> ClusterSnapshot {
+    let core = host.core();
+    let state = core.state();
+    ClusterSnapshot {
+        run_id: state.run_id.to_string(),
+        generation: core.desired().generation,
+        observed_generation: state.observed_generation,
+        converged: host.is_converged(),
+        adopted: host.adopted(),
+        desired_nodes: core.desired().node_count(),
+        nodes: state
+            .nodes
+            .keys()
+            .filter_map(|id| summary(host, id))
+            .collect(),
+        orphans: host.collecting().count(),
+        shutting_down: host.shutting_down(),
+        stats: core.stats(),
+        now,
+    }
+}
