@@ -6,6 +6,7 @@ use crate::events::{ClusterEvent, ClusterSnapshot, PlanView};
 use crate::msg::{
     ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, Subscription, SwarmMsg, SwarmRef,
 };
+use crate::supervisor::{ClusterSupervisor, SupervisorArgs};
 use std::sync::Arc;
 use swactor_engine::ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr};
 use swactor_engine::telemetry::TelemetryPublisher;
@@ -59,7 +60,7 @@ impl Cluster {
         config: ClusterConfig,
         provider: Arc<dyn Provider>,
         supervisor: Option<ActorCell>,
-        publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
+        publisher: Option<Arc<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>>,
     ) -> Result<ClusterHandle, ClusterError> {
         let args = DriverArgs {
             config,
@@ -83,6 +84,28 @@ impl Cluster {
         let spawned = match supervisor {
             Some(sup) => DriverActor::spawn_linked(None, DriverActor, args, sup).await,
             None => DriverActor::spawn(None, DriverActor, args).await,
+        };
+        let (actor, _join) = spawned.map_err(ClusterError::Spawn)?;
+        Ok(ClusterHandle { actor })
+    }
+}
+
+impl Cluster {
+    /// Starts a cluster under a [`ClusterSupervisor`] (linked to
+    /// `supervisor`, if given): a failed cluster actor is restarted from
+    /// the journal within the budget. The handle talks to the supervisor, so
+    /// it keeps working across restarts; `on_exit` in `args` says how the
+    /// cluster ended.
+    ///
+    /// # Errors
+    /// The supervisor or the first cluster actor could not be started.
+    pub async fn supervised(
+        args: SupervisorArgs,
+        supervisor: Option<ActorCell>,
+    ) -> Result<ClusterHandle, ClusterError> {
+        let spawned = match supervisor {
+            Some(sup) => ClusterSupervisor::spawn_linked(None, ClusterSupervisor, args, sup).await,
+            None => ClusterSupervisor::spawn(None, ClusterSupervisor, args).await,
         };
         let (actor, _join) = spawned.map_err(ClusterError::Spawn)?;
         Ok(ClusterHandle { actor })

@@ -14,6 +14,10 @@ pub trait JournalStore: Send + Sync + 'static {
     /// # Errors
     /// The write failed; the cluster stops rather than act on intent it could not record.
     async fn commit(&self, delta: &JournalDelta) -> Result<(), String>;
+
+    /// Everything committed so far, for a cluster to resume from (`None`
+    /// when nothing ever was).
+    fn image(&self) -> Option<JournalImage>;
 }
 
 /// A journal kept in memory: it survives the cluster actor (a supervisor can
@@ -50,5 +54,9 @@ impl JournalStore for MemoryJournal {
             .unwrap_or_else(PoisonError::into_inner)
             .apply(delta);
         Ok(())
+    }
+
+    fn image(&self) -> Option<JournalImage> {
+        Some(MemoryJournal::image(self))
     }
 }

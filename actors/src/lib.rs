@@ -28,6 +28,7 @@ mod executor;
 mod journal;
 mod msg;
 mod observer;
+mod supervisor;
 mod telemetry;
 
 pub use cluster::{Cluster, ClusterError, ClusterHandle};
@@ -41,4 +42,5 @@ pub use msg::{
     TimerKey,
 };
 pub use observer::{BootstrapObserver, Next, Observed, ObserverArgs};
+pub use supervisor::{ClusterSupervisor, SupervisorArgs, SupervisorExit, SupervisorState};
 pub use swactor_provisioning::{ApplyError, JoinRefused, ShutdownMode, ShutdownReport};

@@ -140,7 +140,7 @@ pub struct DriverArgs {
     /// The provider.
     pub provider: Arc<dyn Provider>,
     /// Publishes to remote subscribers (e.g. a daemon's telemetry endpoint), if any.
-    pub publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
+    pub publisher: Option<Arc<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>>,
     /// Where journal writes go; `None` keeps nothing (a cluster that is never resumed).
     pub journal: Option<Arc<dyn JournalStore>>,
     /// The journal to resume, if any.

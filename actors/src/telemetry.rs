@@ -2,6 +2,7 @@
 
 use crate::events::{ClusterEvent, ClusterSnapshot, NodeSummary};
 use crate::msg::Subscription;
+use std::sync::Arc;
 use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_provisioning::{Host, HostEvent, LogicalNodeId, Reconciler, Timestamp};
 use tokio::sync::broadcast;
@@ -9,7 +10,7 @@ use tokio::sync::broadcast;
 /// Local subscribers and, optionally, remote ones through the engine's publisher.
 pub(crate) struct Telemetry {
     events: broadcast::Sender<ClusterEvent>,
-    publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
+    publisher: Option<Arc<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>>,
     /// The remote snapshot is stale.
     pub(crate) dirty: bool,
 }
@@ -17,7 +18,7 @@ pub(crate) struct Telemetry {
 impl Telemetry {
     pub(crate) fn new(
         buffer_len: usize,
-        publisher: Option<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>,
+        publisher: Option<Arc<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>>,
     ) -> Self {
         let (events, _) = broadcast::channel(buffer_len.max(1));
         Self {

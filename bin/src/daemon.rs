@@ -13,9 +13,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use swactor_actors::{
-    ApplyError, Cluster, ClusterConfig, ClusterEvent, ClusterHandle, ClusterSnapshot, DriverArgs,
-    PlanView, ShutdownMode, ShutdownReport,
+    ApplyError, Cluster, ClusterConfig, ClusterEvent, ClusterHandle, ClusterSnapshot, PlanView,
+    ShutdownMode, ShutdownReport, SupervisorArgs, SupervisorExit,
 };
+use swactor_engine::RestartPolicy;
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{
@@ -105,16 +106,23 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
 
     let mut config = ClusterConfig::new(run_id.clone());
     config.visibility_window = provider.listing_lag();
-    let args = DriverArgs {
+    // The cluster actor is restarted from the journal if it fails; the
+    // journal image it resumes from is the one just read.
+    drop(resume);
+    let (exit_tx, mut exit_rx) = oneshot::channel();
+    let args = SupervisorArgs {
         config,
         provider: Arc::new(provider),
-        publisher: Some(publisher),
-        journal: Some(Arc::new(journal)),
-        resume,
+        publisher: Some(Arc::new(publisher)),
+        journal: Arc::new(journal),
+        restarts: CLUSTER_RESTARTS,
+        on_exit: Some(exit_tx),
     };
-    let cluster = Cluster::spawn(args, None)
+    let cluster = Cluster::supervised(args, None)
         .await
         .context("cannot start the cluster")?;
+    #[cfg(debug_assertions)]
+    inject_faults(&cluster);
 
     let (down_tx, mut down_rx) = mpsc::channel::<DownRequest>(4);
     let router = GuardedRouterBuilder::new(endpoint.clone())
@@ -159,7 +167,8 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     if finish_teardown {
         keep = false;
     } else if opts.until_converged {
-        match tokio::time::timeout(opts.timeout, cluster.converged()).await {
+        let converged = tokio::time::timeout(opts.timeout, wait_converged(&cluster, &mut exit_rx));
+        match converged.await {
             Ok(Ok(generation)) => {
                 progress.flush().await;
                 eprintln!(
@@ -195,6 +204,10 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
                 keep = k;
                 down_reply = Some(reply);
             }
+            exit = &mut exit_rx => {
+                progress.stop().await;
+                return Ok(gave_up(exit.ok(), &state, router).await);
+            }
         }
     }
     let mode = if keep {
@@ -216,6 +229,82 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     state.remove_ticket();
     router.shutdown().await.ok();
     Ok(code)
+}
+
+/// How often a connected agent's join is asserted again.
+const JOIN_REASSERT: Duration = Duration::from_secs(3);
+
+/// How often the cluster actor may fail, and be restarted from its journal,
+/// before the daemon gives up (and leaves every node running).
+const CLUSTER_RESTARTS: RestartPolicy = RestartPolicy {
+    restarts_max: 3,
+    window: Duration::from_secs(60),
+};
+
+/// Waits for convergence across restarts of the cluster actor (a waiter
+/// that was with a failed actor is asked again of its successor).
+async fn wait_converged(
+    cluster: &ClusterHandle,
+    exit: &mut oneshot::Receiver<SupervisorExit>,
+) -> Result<Generation, String> {
+    loop {
+        tokio::select! {
+            got = cluster.converged() => match got {
+                Ok(generation) => return Ok(generation),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            },
+            exit = &mut *exit => {
+                return Err(match exit {
+                    Ok(SupervisorExit::GaveUp { reason }) => reason,
+                    _ => "the cluster stopped".to_owned(),
+                });
+            }
+        }
+    }
+}
+
+/// The cluster actor failed past its restart budget: the daemon stops and
+/// leaves every node running, so the next `swactor up` adopts them.
+async fn gave_up(
+    exit: Option<SupervisorExit>,
+    state: &StateDir,
+    router: swactor_engine::iroh::protocol::Router,
+) -> i32 {
+    let reason = match exit {
+        Some(SupervisorExit::GaveUp { reason }) => reason,
+        Some(SupervisorExit::Stopped) | None => "the cluster stopped unexpectedly".to_owned(),
+    };
+    eprintln!(
+        "swactor: the cluster actor kept failing ({reason}); the daemon stops and leaves \
+         every node running. `swactor up` adopts them again; `swactor status` will not \
+         answer until then"
+    );
+    state.remove_ticket();
+    router.shutdown().await.ok();
+    3
+}
+
+/// Debug builds only: `SWACTOR_FAULT_DRIVER_PANICS=N@MS` makes the cluster
+/// actor panic N times, MS milliseconds apart, for tests of its supervision.
+#[cfg(debug_assertions)]
+fn inject_faults(cluster: &ClusterHandle) {
+    let Some((count, every_ms)) = std::env::var("SWACTOR_FAULT_DRIVER_PANICS")
+        .ok()
+        .and_then(|v| {
+            let (n, ms) = v.split_once('@')?;
+            Some((n.parse::<u32>().ok()?, ms.parse::<u64>().ok()?))
+        })
+    else {
+        return;
+    };
+    let actor = cluster.actor().clone();
+    tokio::spawn(async move {
+        for _ in 0..count {
+            tokio::time::sleep(Duration::from_millis(every_ms)).await;
+            tracing::warn!("injecting a panic into the cluster actor");
+            let _ = actor.send_message(swactor_actors::DriverMsg::InjectPanic);
+        }
+    });
 }
 
 /// What a start does with the journal and the shape it was given.
@@ -585,9 +674,23 @@ impl ProtocolHandler for SwarmHandler {
         }
         tracing::info!(key = %join.key, "agent joined");
         // The agent stays connected; its heartbeats end when it goes away.
+        // The join is asserted again now and then: a cluster actor restarted
+        // from its journal learns who is still connected, and an agent whose
+        // attempt was replaced meanwhile is dropped.
+        let mut asserted = std::time::Instant::now();
         while let Ok(Some(Heartbeat(_))) =
             recv_frame::<Heartbeat, _>(&mut recv, FRAME_LEN_MAX).await
-        {}
+        {
+            if asserted.elapsed() < JOIN_REASSERT {
+                continue;
+            }
+            asserted = std::time::Instant::now();
+            if let Ok(Err(refusal)) = self.cluster.agent_join(join.key.clone()).await {
+                tracing::info!(key = %join.key, %refusal, "dropping an agent no longer wanted");
+                conn.close(1u32.into(), b"no longer wanted");
+                return Ok(());
+            }
+        }
         tracing::info!(key = %join.key, "agent disconnected");
         self.cluster.agent_gone(join.key);
         Ok(())

@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
 use swactor_actors::JournalStore;
 use swactor_engine::journal::{Journal, JournalBatch, JournalContents};
 use swactor_providers::async_trait;
@@ -12,10 +13,12 @@ use swactor_provisioning::{
 /// What the file says it holds.
 const KIND: &str = "swactor-cluster";
 
-/// The journal file of one state directory.
+/// The journal file of one state directory, with a copy in memory of what
+/// it holds (a cluster restarted in this process resumes from it).
 #[derive(Clone, Debug)]
 pub(crate) struct DaemonJournal {
     journal: Journal,
+    image: Arc<Mutex<Option<JournalImage>>>,
 }
 
 impl DaemonJournal {
@@ -44,7 +47,8 @@ impl DaemonJournal {
                     path.display()
                 );
             }
-            return Ok((Self { journal }, None));
+            let image = Arc::new(Mutex::new(None));
+            return Ok((Self { journal, image }, None));
         };
         let mut slots = std::collections::BTreeMap::new();
         for (node, record) in records {
@@ -56,7 +60,15 @@ impl DaemonJournal {
             })?;
             slots.insert(id, record);
         }
-        Ok((Self { journal }, Some(JournalImage { meta, slots })))
+        let image = JournalImage { meta, slots };
+        let mirror = Arc::new(Mutex::new(Some(image.clone())));
+        Ok((
+            Self {
+                journal,
+                image: mirror,
+            },
+            Some(image),
+        ))
     }
 }
 
@@ -75,6 +87,23 @@ impl JournalStore for DaemonJournal {
         self.journal
             .commit(batch)
             .await
-            .map_err(|e| format!("{}: {e}", self.journal.path().display()))
+            .map_err(|e| format!("{}: {e}", self.journal.path().display()))?;
+        // Mirrored only once durable.
+        let mut image = self.image.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(meta) = &delta.meta {
+            image
+                .get_or_insert_with(|| JournalImage::new(meta.run_id.clone()))
+                .apply(delta);
+        } else if let Some(image) = image.as_mut() {
+            image.apply(delta);
+        }
+        Ok(())
+    }
+
+    fn image(&self) -> Option<JournalImage> {
+        self.image
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 }
