@@ -1,22 +1,65 @@
-//! The actor system that hosts the reconciler: one driver actor owning the
-//! cluster state, with executor workers and bootstrap observers as its children.
+//! The actor system that hosts the reconciler: a cluster actor that owns the
+//! cluster host (`swactor_provisioning::Host`), with executor workers and
+//! bootstrap observers as its children, optionally under a supervisor that
+//! restarts it from its journal.
 //!
 //! ```text
-//!   (your actor, or none)
-//!          │ spawn_linked / Cluster::start
-//!          ▼
-//!   DriverActor ─────────── sole writer of ClusterState (swactor-provisioning's Driver)
-//!     │  one engine timer at poll_timeout(), a safety-net tick
-//!     │
+//!   your actor (or none)
+//!     │ spawn_linked: Cluster::supervised / Cluster::spawn
+//!     ▼
+//!   ClusterSupervisor ── restarts the cluster actor from the journal within a budget;
+//!     │                  forwards every message, so handles survive restarts
+//!     ▼
+//!   DriverActor ────────── hosts the Host: the sole writer of ClusterState; routes its
+//!     │  outputs (journal writes, dispatches, replies); one engine timer
 //!     ├── executor-0 … executor-N   ExecutorWorker: provider I/O, dedup by operation id,
-//!     │                              restarted within a budget (engine Children);
-//!     │                              a crash folds its operations as ambiguous
-//!     └── observer (one per session) BootstrapObserver: follows a session's stream,
-//!                                    killed when the session ends or is cancelled
+//!     │                              restarted within a budget; a crash folds its
+//!     │                              operations as ambiguous (the host decides)
+//!     └── observer (one per session) BootstrapObserver: follows a session's stream
 //! ```
 //!
-//! Children only send typed messages back; the driver alone decides. This
-//! crate is a policy crate: its `clippy.toml` forbids spawning tasks,
+//! Other actors talk to a cluster through a [`ClusterRef`], a typed ref
+//! limited to the public [`ClusterMsg`]s (apply, plan, snapshot, subscribe,
+//! wait for convergence, shut down); a swarm endpoint reports agents through
+//! a [`SwarmRef`]. Results, observations, timers and the rest are internal.
+//!
+//! # Embedding
+//! A host actor spawns the cluster linked to itself and hands out refs:
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use swactor_actors::*;
+//! # use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef};
+//! # use swactor_providers::fake::FakeProvider;
+//! # use swactor_provisioning::RunId;
+//! struct App;
+//! impl Actor for App {
+//!     type Msg = ();
+//!     type State = ClusterHandle;
+//!     type Arguments = ();
+//!     async fn pre_start(&self, me: ActorRef<()>, _: ()) -> Result<ClusterHandle, ActorProcessingErr> {
+//!         let run = RunId::new("embedded");
+//!         let args = SupervisorArgs {
+//!             config: ClusterConfig::new(run.clone()),
+//!             provider: Arc::new(FakeProvider::new(Default::default(), Default::default())),
+//!             publisher: None,
+//!             journal: Arc::new(MemoryJournal::new(run)),
+//!             restarts: Default::default(),
+//!             on_exit: None,
+//!         };
+//!         // Linked to the app: if the cluster gives up, the app is told.
+//!         let cluster = Cluster::supervised(args, Some(me.get_cell())).await?;
+//!         let for_siblings: ClusterRef = cluster.cluster_ref(); // public messages only
+//!         # let _ = for_siblings;
+//!         Ok(cluster)
+//!     }
+//! }
+//! ```
+//!
+//! `examples/embed.rs` is the whole story: a sibling actor applies shapes
+//! through its [`ClusterRef`] and a subscriber follows the telemetry over
+//! iroh. Children only send typed messages back; the host alone decides.
+//! This crate is a policy crate: its `clippy.toml` forbids spawning tasks,
 //! sleeping and reading clocks, so all timing goes through engine timers and
 //! all I/O through the providers.
 
