@@ -38,6 +38,7 @@ fn shape(n: u32) -> ClusterShape {
             boot: BootParams::default(),
             role: "worker".into(),
             join: SwarmJoin::default(),
+            limits: Default::default(),
         }],
     }
 }

@@ -2,6 +2,9 @@
 //! cluster on the fake provider, a sibling actor applies two shapes, and an
 //! iroh telemetry subscriber on loopback sees both generations converge.
 
+// The policy binds the library; a test owns its runtime and real time (iroh).
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 #[path = "../examples/embed.rs"]
 mod embed;
 

@@ -389,6 +389,7 @@ mod tests {
             boot: swactor_provisioning::BootParams::default(),
             role: "worker".to_owned(),
             join: swactor_provisioning::SwarmJoin::default(),
+            limits: Default::default(),
         }
     }
 

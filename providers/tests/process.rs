@@ -237,6 +237,7 @@ fn template() -> NodeTemplate {
         },
         role: "worker".to_owned(),
         join: SwarmJoin::default(),
+        limits: Default::default(),
     }
 }
 

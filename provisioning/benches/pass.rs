@@ -22,6 +22,7 @@ fn shape(generation: u64, n: u32) -> ClusterShape {
             boot: BootParams::default(),
             role: "worker".into(),
             join: SwarmJoin::default(),
+            limits: Default::default(),
         })
         .collect();
     ClusterShape {

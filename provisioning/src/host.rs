@@ -783,7 +783,7 @@ impl<C: Reconciler> Host<C> {
         if self.stopped {
             self.outputs
                 .push_back(Output::Reply(ticket, Reply::Stopped));
-        } else if self.is_converged() && self.core.is_pass_queued() == false {
+        } else if self.is_converged() && !self.core.is_pass_queued() {
             let generation = self.core.desired().generation;
             self.outputs
                 .push_back(Output::Reply(ticket, Reply::Converged(generation)));

@@ -414,7 +414,7 @@ fn an_adopted_attempt_whose_template_is_not_known_to_be_the_desired_one_is_repla
         session: None,
     };
     let report = d.adopt(vec![entry], 7 << 32);
-    assert_eq!(report.drifted, [key.clone()]);
+    assert_eq!(report.drifted, std::slice::from_ref(&key));
     // It begins deleting at once, and its create is re-issued before any
     // destructive step (adopt before destroy), numbered past every operation
     // an earlier driver could have used.
@@ -449,7 +449,7 @@ fn an_adopted_listed_lease_is_taken_as_it_is_and_never_created_again() {
         session: Some(SessionId("running".to_owned())),
     };
     let report = d.adopt(vec![entry], 1 << 32);
-    assert_eq!(report.adopted, [key.clone()]);
+    assert_eq!(report.adopted, std::slice::from_ref(&key));
     let n = &d.state().nodes[&key.node];
     assert_eq!(n.record.lease, Some(LeaseId("listed".to_owned())));
     assert_eq!(n.record.ambiguous, None);

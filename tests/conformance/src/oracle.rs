@@ -1065,23 +1065,25 @@ impl Oracle {
                     );
                 }
             }
+            // The active attempt sent it before it began deleting: its
+            // failure neither counts nor holds the cleanup back.
             OperationOutcome::Failed { .. }
                 if nb.intent == Intent::Deleting
-                    && nb.pending.as_ref().is_some_and(|p| !p.cleanup) =>
+                    && nb.pending.as_ref().is_some_and(|p| !p.cleanup)
+                    && na.retry != nb.retry =>
             {
-                // The active attempt sent it before it began deleting: its
-                // failure neither counts nor holds the cleanup back.
-                if na.retry != nb.retry {
-                    self.fail(
-                        Invariant::AttemptFailureCleansUpImmediately,
-                        node,
-                        format!(
-                            "an interrupted {kind:?} changed the retry state {:?} -> {:?}",
-                            nb.retry, na.retry
-                        ),
-                    );
-                }
+                self.fail(
+                    Invariant::AttemptFailureCleansUpImmediately,
+                    node,
+                    format!(
+                        "an interrupted {kind:?} changed the retry state {:?} -> {:?}",
+                        nb.retry, na.retry
+                    ),
+                );
             }
+            OperationOutcome::Failed { .. }
+                if nb.intent == Intent::Deleting
+                    && nb.pending.as_ref().is_some_and(|p| !p.cleanup) => {}
             OperationOutcome::Failed { .. } => {
                 if na.retry.consecutive_failures != nb.retry.consecutive_failures.saturating_add(1)
                 {

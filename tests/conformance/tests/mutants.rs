@@ -265,21 +265,18 @@ impl Reconciler for Mutant {
 
     fn poll_pass(&mut self, now: Timestamp) -> Result<Option<Pass>, DriverError> {
         let mut at = now;
-        match self.mutation {
-            Mutation::RestartWithoutBackoff => {
-                let desired = self.inner.desired();
-                at = self
-                    .inner
-                    .state()
-                    .nodes
-                    .iter()
-                    .filter(|(id, n)| {
-                        n.record.stage == NodeStage::Destroyed && desired.slot(id).is_some()
-                    })
-                    .filter_map(|(_, n)| n.record.restart_at)
-                    .fold(now, Timestamp::max);
-            }
-            _ => {}
+        if self.mutation == Mutation::RestartWithoutBackoff {
+            let desired = self.inner.desired();
+            at = self
+                .inner
+                .state()
+                .nodes
+                .iter()
+                .filter(|(id, n)| {
+                    n.record.stage == NodeStage::Destroyed && desired.slot(id).is_some()
+                })
+                .filter_map(|(_, n)| n.record.restart_at)
+                .fold(now, Timestamp::max);
         }
         let pass = self.inner.poll_pass(at)?;
         Ok(pass.map(|p| self.mutate_pass(p)))
