@@ -52,12 +52,8 @@ fn a_cluster_actor_that_panics_while_nodes_converge_is_restarted_without_a_doubl
     let doubles: Arc<Mutex<Vec<String>>> = Arc::default();
     let gaps: Arc<Mutex<(Duration, u32)>> = Arc::default();
     let watchers = {
-        let (stop, doubles, gaps, state) = (
-            stop.clone(),
-            doubles.clone(),
-            gaps.clone(),
-            state.clone(),
-        );
+        let (stop, doubles, gaps, state) =
+            (stop.clone(), doubles.clone(), gaps.clone(), state.clone());
         std::thread::spawn(move || {
             let mut last_answer = Instant::now();
             while !stop.load(Ordering::Relaxed) {
@@ -98,7 +94,13 @@ fn a_cluster_actor_that_panics_while_nodes_converge_is_restarted_without_a_doubl
     assert_eq!(live.len(), 4, "{live:?}");
     for n in &snap.nodes {
         let pids = live.get(&(n.node.to_string(), n.attempt.0));
-        assert_eq!(pids.map(Vec::len), Some(1), "{} {}: {live:?}", n.node, n.attempt);
+        assert_eq!(
+            pids.map(Vec::len),
+            Some(1),
+            "{} {}: {live:?}",
+            n.node,
+            n.attempt
+        );
     }
     let (gap, answers) = *gaps.lock().unwrap();
     eprintln!("status answered {answers} times; longest gap {gap:?}");
@@ -134,7 +136,11 @@ fn past_its_restart_budget_the_daemon_exits_non_zero_and_the_next_up_adopts_ever
         "{log}"
     );
     // Every node is still running: the failure was the daemon's, not theirs.
-    assert_eq!(agents(&state), before, "the nodes outlive a daemon that gave up");
+    assert_eq!(
+        agents(&state),
+        before,
+        "the nodes outlive a daemon that gave up"
+    );
 
     // The next daemon adopts them: the same attempts, the same processes.
     let _ = std::fs::remove_file(state.join("daemon.ticket"));
