@@ -13,9 +13,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 use swactor_engine::iroh::Endpoint;
 use swactor_engine::net::{
-    ALPN_SWARM, EndpointTicket, NetConfig, bind_endpoint, connect, load_or_create_secret_key,
-    recv_frame, send_frame,
+    ALPN_SWARM, EndpointTicket, NetConfig, bind_endpoint, connect, recv_frame, send_frame,
 };
+use swactor_providers::credentials::AgentCredentials;
 use swactor_providers::process::format_agent_line;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, ResourceKey, RunId,
@@ -40,10 +40,11 @@ pub(crate) struct AgentOptions {
     /// The daemon's ticket.
     #[arg(long)]
     pub(crate) daemon: String,
-    /// The join token the daemon derived for this (run, node, attempt).
+    /// A file holding this (run, node, attempt)'s join token and key, readable
+    /// by its owner only; the agent reads it and removes it.
     #[arg(long)]
-    pub(crate) token: String,
-    /// The node directory (holds the agent's key).
+    pub(crate) credentials: PathBuf,
+    /// The node directory.
     #[arg(long)]
     pub(crate) dir: PathBuf,
     /// One argument of the boot check command (repeat, in order).
@@ -113,15 +114,18 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
             ));
         }
     };
-    let secret = match load_or_create_secret_key(&opts.dir.join("agent.key")) {
-        Ok(k) => k,
+    // The key the daemon expects this attempt's agent to connect with, and
+    // the join token; kept in memory only from here on.
+    let credentials = match AgentCredentials::take_file(&opts.credentials) {
+        Ok(c) => c,
         Err(e) => {
             return Ok(fail(
                 BootstrapStage::SwactorStartFailed,
-                format!("agent key: {e}"),
+                format!("cannot take the agent's credentials: {e}"),
             ));
         }
     };
+    let secret = credentials.iroh_key();
     let endpoint = match bind_endpoint(
         &NetConfig {
             frame_len_max: FRAME_LEN_MAX,
@@ -146,7 +150,7 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
     report(&BootstrapEvent::Stage(BootstrapStage::Join));
     let join = JoinRequest {
         key,
-        token: opts.token.clone(),
+        token: credentials.token.clone(),
     };
     let heartbeat = Duration::from_secs_f64(opts.heartbeat_s.max(0.05));
     let mut joined_once = false;

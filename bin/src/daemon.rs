@@ -25,7 +25,8 @@ use swactor_engine::net::{
 };
 use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
 use swactor_providers::Provider;
-use swactor_providers::process::{ProcessConfig, ProcessProvider, join_token};
+use swactor_providers::credentials::AgentCredentials;
+use swactor_providers::process::{ProcessConfig, ProcessProvider};
 use swactor_provisioning::{
     ClusterShape, DesiredUpdate, Generation, JournalImage, RunId, UpdateError,
 };
@@ -652,7 +653,12 @@ impl ProtocolHandler for SwarmHandler {
         let Ok(Some(join)) = recv_frame::<JoinRequest, _>(&mut recv, FRAME_LEN_MAX).await else {
             return Ok(());
         };
-        let verdict = if join.token != join_token(&self.secret, &join.key) {
+        // Only the key this attempt's agent was given may join for it, and
+        // only with its token: a token read off another process is useless.
+        let expected = AgentCredentials::derive(&self.secret, &join.key);
+        let verdict = if conn.remote_id() != expected.endpoint_id() {
+            Err("this key may not join for that node".to_owned())
+        } else if join.token != expected.token {
             Err("the join token does not match this node's identity".to_owned())
         } else {
             match self.cluster.agent_join(join.key.clone()).await {

@@ -20,6 +20,7 @@
 //! Providers are execution owners: unlike the policy crates they may spawn,
 //! sleep and do I/O.
 
+pub mod credentials;
 #[cfg(feature = "fake")]
 pub mod fake;
 pub mod process;

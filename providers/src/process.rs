@@ -50,14 +50,17 @@
 //!
 //! ```text
 //! {agent_program} {agent_args…} --run {run} --node {node} --attempt {n}
-//!     --daemon {daemon_ticket} --token {join_token} --dir {node dir}
-//!     [--boot-check {arg}]…
+//!     --daemon {daemon_ticket} --credentials {node dir}/agent.credentials
+//!     --dir {node dir} [--boot-check {arg}]…
 //! ```
 //!
 //! with the template's `boot.env` added to the environment. `--attempt` is
-//! the bare number. The agent reports progress on stdout in the line protocol
-//! of [`parse_agent_line`] (write lines with [`format_agent_line`]) and
-//! proves its identity with [`join_token`]. The provider recognises its agent
+//! the bare number. Nothing on it is secret: the agent's join token and iroh
+//! key ([`AgentCredentials`]) are in the credentials file, written mode 0600
+//! in a node directory only the daemon's user can enter (0700) before the
+//! agent starts; the agent reads and removes it. The agent reports progress
+//! on stdout in the line protocol of [`parse_agent_line`] (write lines with
+//! [`format_agent_line`]) and joins with its credentials. The provider recognises its agent
 //! by `--run`, `--node`, `--attempt` and `--dir` in `/proc/{pid}/cmdline`, so
 //! an agent must keep its arguments (a wrapper script must not `exec` into a
 //! program with other arguments).
@@ -77,7 +80,10 @@ mod os;
 mod protocol;
 mod tail;
 
-pub use protocol::{AGENT_LINE_PREFIX, format_agent_line, join_token, parse_agent_line};
+pub use protocol::{AGENT_LINE_PREFIX, format_agent_line, parse_agent_line};
+
+use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
+use std::os::unix::fs::DirBuilderExt;
 
 use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
 use async_trait::async_trait;
@@ -133,7 +139,7 @@ pub struct ProcessConfig {
     pub agent_args: Vec<String>,
     /// Passed to the agent as `--daemon`: how it reaches this daemon.
     pub daemon_ticket: String,
-    /// Key of the join tokens handed to agents (see [`join_token`]).
+    /// The secret agents' credentials derive from (see [`AgentCredentials`]).
     pub token_secret: [u8; 32],
     /// How long a stopping agent's group gets between SIGTERM and SIGKILL.
     pub term_grace: Duration,
@@ -430,6 +436,12 @@ impl ProcessProvider {
         let stdout = log
             .try_clone()
             .map_err(|e| definite(format!("cannot share {}", log_path.display()), &e))?;
+        // The secrets go in a file only this user can read, never on the
+        // command line; the agent takes it (reads and removes it).
+        let credentials = dir.join(CREDENTIALS_FILE);
+        AgentCredentials::derive(&config.token_secret, key)
+            .write_file(&credentials)
+            .map_err(|e| definite(format!("cannot write {}", credentials.display()), &e))?;
         let mut cmd = Command::new(&config.agent_program);
         cmd.args(&config.agent_args)
             .arg("--run")
@@ -440,8 +452,8 @@ impl ProcessProvider {
             .arg(key.attempt.0.to_string())
             .arg("--daemon")
             .arg(&config.daemon_ticket)
-            .arg("--token")
-            .arg(join_token(&config.token_secret, key))
+            .arg("--credentials")
+            .arg(&credentials)
             .arg("--dir")
             .arg(dir);
         for check in &template.boot.boot_check {
@@ -873,7 +885,9 @@ impl Provider for ProcessProvider {
         for _ in 0..2 {
             fs::create_dir_all(parent)
                 .map_err(|e| definite(format!("cannot create {}", parent.display()), &e))?;
-            made = fs::create_dir(&dir);
+            // Only this user may enter a node directory: it holds the
+            // agent's credentials while the agent starts.
+            made = std::fs::DirBuilder::new().mode(0o700).create(&dir);
             if !matches!(&made, Err(e) if e.kind() == io::ErrorKind::NotFound) {
                 break;
             }

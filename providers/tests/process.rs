@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use swactor_providers::process::{ProcessConfig, ProcessError, ProcessProvider, join_token};
+use swactor_providers::credentials::{AgentCredentials, CREDENTIALS_FILE};
+use swactor_providers::process::{ProcessConfig, ProcessError, ProcessProvider};
 use swactor_providers::{BootstrapEvents, BootstrapSession, Provider, ProviderError};
 use swactor_provisioning::{
     BootParams, BootstrapEvent, BootstrapStage, LeaseId, LogicalNodeId, NodeAttemptId,
@@ -312,7 +313,7 @@ async fn a_bootstrapped_agent_streams_its_stages_in_order_and_closes_when_cancel
 }
 
 #[tokio::test]
-async fn the_agent_runs_in_its_directory_with_its_identity_token_boot_checks_and_env() {
+async fn the_agent_runs_in_its_directory_with_its_identity_credentials_boot_checks_and_env() {
     let world = World::new();
     let p = world.provider("converging", CONVERGING);
     let k = key("w-0", 1);
@@ -326,7 +327,8 @@ async fn the_agent_runs_in_its_directory_with_its_identity_token_boot_checks_and
     take(&mut session.events, 6).await;
 
     let args = std::fs::read_to_string(dir.join("args.txt")).unwrap();
-    let token = join_token(&SECRET, &k);
+    let credentials = dir.join(CREDENTIALS_FILE);
+    let credentials_arg = credentials.to_str().unwrap();
     let dir_arg = dir.to_str().unwrap();
     let expected = [
         "--run",
@@ -337,8 +339,8 @@ async fn the_agent_runs_in_its_directory_with_its_identity_token_boot_checks_and
         "1",
         "--daemon",
         TICKET,
-        "--token",
-        &token,
+        "--credentials",
+        credentials_arg,
         "--dir",
         dir_arg,
         "--boot-check",
@@ -347,6 +349,18 @@ async fn the_agent_runs_in_its_directory_with_its_identity_token_boot_checks_and
         "-L",
     ];
     assert_eq!(args.lines().collect::<Vec<_>>(), expected);
+    // No secret is on the command line; it is in a file only this user can
+    // read, in a directory only this user can enter.
+    let creds = AgentCredentials::derive(&SECRET, &k);
+    assert!(!args.contains(&creds.token), "the token stays off argv");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir), 0o700, "node directory");
+    assert_eq!(mode(&credentials), 0o600, "credentials file");
+    assert_eq!(
+        AgentCredentials::parse(&std::fs::read_to_string(&credentials).unwrap()),
+        Some(creds)
+    );
     assert_eq!(
         std::fs::read_to_string(dir.join("env.txt")).unwrap(),
         "hello\n"
@@ -884,14 +898,4 @@ fn a_config_left_at_its_unset_values_is_rejected_field_by_field() {
             ..
         })
     ));
-}
-
-#[test]
-fn join_tokens_are_stable_and_differ_per_attempt() {
-    let token = join_token(&SECRET, &key("w-0", 1));
-    assert_eq!(token, join_token(&SECRET, &key("w-0", 1)));
-    assert_eq!(token.len(), 64);
-    assert!(token.bytes().all(|b| b.is_ascii_hexdigit()));
-    assert_ne!(token, join_token(&SECRET, &key("w-0", 2)));
-    assert_ne!(token, join_token(&[0; 32], &key("w-0", 1)));
 }

@@ -1,21 +1,9 @@
-//! The agent's line protocol and join token, defined once for the provider and the agent.
+//! The agent's line protocol, defined once for the provider and the agent.
 
-use swactor_provisioning::{BootstrapEvent, BootstrapStage, ResourceKey};
+use swactor_provisioning::{BootstrapEvent, BootstrapStage};
 
 /// Every protocol line starts with this marker; any other line is free-form log output.
 pub const AGENT_LINE_PREFIX: &str = "@swactor ";
-
-/// The token `key`'s agent presents when it joins: the BLAKE3 keyed hash of
-/// the key's display form (`{run}/{node}/a{attempt}`, e.g. `r1/worker-0/a3`)
-/// under `secret`, in lowercase hex.
-///
-/// The daemon verifies a join by recomputing it, so a token is only good for
-/// one attempt of one slot of one run.
-pub fn join_token(secret: &[u8; 32], key: &ResourceKey) -> String {
-    blake3::keyed_hash(secret, key.to_string().as_bytes())
-        .to_hex()
-        .to_string()
-}
 
 /// Parses one line of agent output; `None` for anything that is not exactly a
 /// protocol line (those are ordinary log output).
@@ -140,7 +128,6 @@ fn failure_stage(name: &str) -> Option<BootstrapStage> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use swactor_provisioning::{LogicalNodeId, NodeAttemptId, RunId};
 
     #[test]
     fn every_progress_and_failure_event_round_trips_through_a_line() {
@@ -226,25 +213,5 @@ mod tests {
             parse_agent_line(&format_agent_line(&BootstrapEvent::Closed)),
             None
         );
-    }
-
-    #[test]
-    fn join_tokens_bind_run_node_and_attempt() {
-        let key = |run: &str, node: &str, attempt| ResourceKey {
-            run_id: RunId::new(run),
-            node: LogicalNodeId::parse(node).unwrap(),
-            attempt: NodeAttemptId(attempt),
-        };
-        let secret = [7; 32];
-        let token = join_token(&secret, &key("r", "w-0", 1));
-        assert_eq!(token.len(), 64);
-        assert_eq!(
-            token,
-            blake3::keyed_hash(&secret, b"r/w-0/a1").to_hex().as_str()
-        );
-        assert_ne!(token, join_token(&secret, &key("r", "w-0", 2)));
-        assert_ne!(token, join_token(&secret, &key("r", "w-1", 1)));
-        assert_ne!(token, join_token(&secret, &key("s", "w-0", 1)));
-        assert_ne!(token, join_token(&[8; 32], &key("r", "w-0", 1)));
     }
 }
