@@ -4,16 +4,66 @@ use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX};
 use crate::shapefile::ShapeFile;
 use crate::state::{DaemonHolder, StateDir};
 use anyhow::{Context, Result, bail};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use swactor_actors::{ClusterEvent, ClusterSnapshot};
 use swactor_engine::iroh::Endpoint;
 use swactor_engine::net::{
-    ALPN_CONTROL, EndpointTicket, NetConfig, bind_endpoint, connect, recv_frame, send_frame,
+    ALPN_CONTROL, EndpointTicket, NetConfig, bind_endpoint, codes, connect, recv_frame, send_frame,
 };
-use swactor_engine::telemetry::{TelemetryFrame, subscribe};
+use swactor_engine::telemetry::{SubscribeError, TelemetryFrame, subscribe};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a daemon asked to reload its ticket or key is given.
+const RELOAD_WAIT: Duration = Duration::from_millis(300);
+
+/// Why a request failed.
+enum Refusal {
+    /// The daemon closed the connection: this CLI's key is not allowed.
+    NotAuthorised,
+    /// Anything else.
+    Other(anyhow::Error),
+}
+
+/// Whether `conn` was closed by the daemon's allowlist.
+fn closed_as_not_allowed(conn: &swactor_engine::iroh::endpoint::Connection) -> bool {
+    use swactor_engine::iroh::endpoint::ConnectionError;
+    matches!(
+        conn.close_reason(),
+        Some(ConnectionError::ApplicationClosed(close))
+            if close.error_code == codes::CLOSE_NOT_ALLOWED
+    )
+}
+
+fn refusal(conn: &swactor_engine::iroh::endpoint::Connection, e: anyhow::Error) -> Refusal {
+    if closed_as_not_allowed(conn) {
+        Refusal::NotAuthorised
+    } else {
+        Refusal::Other(e)
+    }
+}
+
+/// Asks the daemon holding `state`'s lock to write its ticket again and
+/// reload the CLI's key (SIGHUP). Returns its pid if it could be signalled:
+/// only its own user (or root) can.
+fn recover(state: &StateDir) -> Option<u32> {
+    let pid = state.running_daemon()?.pid?;
+    let target = rustix::process::Pid::from_raw(i32::try_from(pid).ok()?)?;
+    rustix::process::kill_process(target, rustix::process::Signal::HUP).ok()?;
+    Some(pid)
+}
+
+/// Waits (briefly) for a daemon asked to write its ticket again.
+async fn wait_for_ticket(state: &StateDir) -> Result<EndpointTicket> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        match state.read_ticket() {
+            Ok(t) => return Ok(t),
+            Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
 /// How long `down` waits for the daemon to release its state directory.
 const RELEASE_WAIT_MAX: Duration = Duration::from_secs(30);
 /// How often `down` checks whether it has.
@@ -28,7 +78,17 @@ struct Client {
 impl Client {
     async fn open(state_dir: &Path) -> Result<Self> {
         let state = StateDir::open(state_dir.to_path_buf())?;
-        let ticket = state.read_ticket()?;
+        let ticket = match state.read_ticket() {
+            Ok(ticket) => ticket,
+            // The ticket was lost while the daemon runs: ask it (the lock's
+            // holder) to write it again. Only its own user may signal it.
+            Err(e) => match recover(&state) {
+                Some(pid) => wait_for_ticket(&state).await.with_context(|| {
+                    format!("the daemon (pid {pid}) did not write its ticket again")
+                })?,
+                None => return Err(e),
+            },
+        };
         let config = NetConfig {
             frame_len_max: FRAME_LEN_MAX,
             ..NetConfig::default()
@@ -51,6 +111,34 @@ impl Client {
     }
 
     async fn request(&self, req: &ControlRequest) -> Result<ControlResponse> {
+        match self.try_request(req).await {
+            Err(Refusal::NotAuthorised) => {
+                // This CLI's key is not the one the daemon allows (cli.key was
+                // replaced or deleted). The daemon's own user may ask it to
+                // reload the key; anyone else stays refused.
+                let state = StateDir::open(PathBuf::from(&self.root))?;
+                if recover(&state).is_some() {
+                    tokio::time::sleep(RELOAD_WAIT).await;
+                    if let Ok(answer) = self.try_request(req).await {
+                        return Ok(answer);
+                    }
+                }
+                Err(self.not_authorised())
+            }
+            Err(Refusal::Other(e)) => Err(e),
+            Ok(answer) => Ok(answer),
+        }
+    }
+
+    fn not_authorised(&self) -> anyhow::Error {
+        anyhow::anyhow!(
+            "not authorised: this CLI's key is not allowed by the daemon of {}; run the \
+             CLI as the user who started the daemon (its cli.key is what the daemon allows)",
+            self.root
+        )
+    }
+
+    async fn try_request(&self, req: &ControlRequest) -> Result<ControlResponse, Refusal> {
         let conn = connect(
             &self.endpoint,
             self.ticket.addr().clone(),
@@ -58,19 +146,20 @@ impl Client {
             CONNECT_TIMEOUT,
         )
         .await
-        .map_err(|e| self.not_running(e))?;
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| self.not_running(e))?;
-        let text = serde_json::to_string(req)?;
+        .map_err(|e| Refusal::Other(self.not_running(e)))?;
+        let failed = |e: &dyn std::fmt::Display| refusal(&conn, self.not_running(e));
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| failed(&e))?;
+        let text = serde_json::to_string(req).map_err(|e| Refusal::Other(e.into()))?;
         send_frame(&mut send, &text, FRAME_LEN_MAX)
             .await
-            .map_err(|e| self.not_running(e))?;
+            .map_err(|e| failed(&e))?;
         let _ = send.finish();
         let answer: Option<String> = recv_frame(&mut recv, FRAME_LEN_MAX)
             .await
-            .map_err(|e| self.not_running(e))?;
+            .map_err(|e| failed(&e))?;
         conn.close(0u32.into(), b"done");
-        let answer = answer.ok_or_else(|| self.not_running("it closed the connection"))?;
-        Ok(serde_json::from_str(&answer)?)
+        let answer = answer.ok_or_else(|| failed(&"it closed the connection"))?;
+        serde_json::from_str(&answer).map_err(|e| Refusal::Other(e.into()))
     }
 
     async fn close(self) {
@@ -249,7 +338,12 @@ pub(crate) async fn watch(state_dir: &Path) -> Result<()> {
         FRAME_LEN_MAX,
     )
     .await
-    .map_err(|e| client.not_running(e))?;
+    .map_err(|e| match e {
+        SubscribeError::Refused { code, .. } if code == codes::CLOSE_NOT_ALLOWED.into_inner() => {
+            client.not_authorised()
+        }
+        e => client.not_running(e),
+    })?;
     loop {
         let frame = tokio::select! {
             f = sub.next() => f,

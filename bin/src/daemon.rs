@@ -72,7 +72,16 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let endpoint = bind_daemon_endpoint(&state).await?;
     let ticket = EndpointTicket::new(endpoint.addr());
     let cli_id = state.cli_key()?.public();
+    let secret_existed = state.root().join("token.secret").exists();
     let secret = state.token_secret()?;
+    if !secret_existed && resume.as_ref().is_some_and(|j| !j.slots.is_empty()) {
+        eprintln!(
+            "swactor: warning: {} was missing; a new secret was made. The agents of the \
+             nodes on record hold credentials from the old one and cannot rejoin: their \
+             nodes will be replaced once their rejoin window ends",
+            state.root().join("token.secret").display()
+        );
+    }
 
     let provider = ProcessProvider::new(ProcessConfig {
         agent_program: std::env::current_exe().context("cannot find the swactor executable")?,
@@ -126,6 +135,8 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     inject_faults(&cluster);
 
     let (down_tx, mut down_rx) = mpsc::channel::<DownRequest>(4);
+    // One allowlist for the CLI's protocols, so a reloaded key applies to both.
+    let cli_allowed = Allowlist::only([cli_id]);
     let router = GuardedRouterBuilder::new(endpoint.clone())
         .serve(
             ALPN_SWARM,
@@ -137,16 +148,17 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         )
         .serve(
             ALPN_CONTROL,
-            Allowlist::only([cli_id]),
+            cli_allowed.clone(),
             ControlHandler {
                 cluster: cluster.clone(),
                 run_id: run_id.clone(),
                 down: down_tx,
             },
         )
-        .serve(ALPN_TELEMETRY, Allowlist::only([cli_id]), telemetry)
+        .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry)
         .spawn();
     state.write_ticket(&ticket)?;
+    reload_on_hangup(state.clone(), ticket.clone(), cli_allowed, cli_id);
     eprintln!(
         "swactor: daemon for run {run_id} on {} (state {})",
         endpoint.addr().id.fmt_short(),
@@ -230,6 +242,41 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     state.remove_ticket();
     router.shutdown().await.ok();
     Ok(code)
+}
+
+/// On SIGHUP (sent by the CLI of the daemon's own user when it lost the
+/// ticket or its key), writes the ticket again and lets the CLI key now in the
+/// state directory in, in place of the old one.
+fn reload_on_hangup(
+    state: StateDir,
+    ticket: EndpointTicket,
+    allowed: Allowlist,
+    mut cli: swactor_engine::iroh::EndpointId,
+) {
+    let Ok(mut hangups) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+    else {
+        tracing::warn!("cannot watch for SIGHUP; a lost ticket or CLI key needs a restart");
+        return;
+    };
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            if let Err(e) = state.write_ticket(&ticket) {
+                tracing::warn!(%e, "cannot write the ticket again");
+            }
+            match state.cli_key() {
+                Ok(key) if key.public() != cli => {
+                    allowed.allow(key.public());
+                    allowed.revoke(&cli);
+                    cli = key.public();
+                    eprintln!(
+                        "swactor: reloaded the CLI key; the previous one is refused from now on"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(%e, "cannot read the CLI key"),
+            }
+        }
+    });
 }
 
 /// How often a connected agent's join is asserted again.

@@ -37,7 +37,12 @@ impl StateDir {
     /// # Errors
     /// The parent is missing or the directory cannot be created.
     pub(crate) fn create(path: PathBuf) -> Result<Self> {
-        match std::fs::create_dir(&path) {
+        // Only its user may enter it: it holds keys, the token secret and the journal.
+        let made = {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new().mode(0o700).create(&path)
+        };
+        match made {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {
