@@ -1,0 +1,150 @@
+//! Attacks on a running daemon, as another local user or a peer on the
+//! network would try them, and the errors a user sees when a key is wrong.
+
+mod common;
+
+use common::*;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::time::Duration;
+use swactor_engine::iroh::SecretKey;
+use swactor_engine::net::{
+    ALPN_SWARM, EndpointTicket, NetConfig, bind_endpoint, connect, recv_frame, send_frame,
+};
+use swactor_providers::credentials::AgentCredentials;
+use swactor_provisioning::{LogicalNodeId, NodeAttemptId, ResourceKey, RunId};
+
+/// The swarm protocol's join, as the agent sends it (same layout).
+#[derive(Serialize)]
+struct JoinRequest {
+    key: ResourceKey,
+    token: String,
+}
+
+/// The daemon's answer (same layout).
+#[derive(Debug, Deserialize)]
+enum JoinReply {
+    Welcome,
+    Refused(String),
+}
+
+fn secret_of(state: &Path) -> [u8; 32] {
+    std::fs::read(state.join("token.secret"))
+        .unwrap()
+        .try_into()
+        .unwrap()
+}
+
+fn ticket_of(state: &Path) -> EndpointTicket {
+    std::fs::read_to_string(state.join("daemon.ticket"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Joins the daemon at `state` for `key` with `token`, from the identity `me`.
+async fn join_as(state: &Path, me: SecretKey, key: &ResourceKey, token: &str) -> JoinReply {
+    let endpoint = bind_endpoint(&NetConfig::default(), me).await.unwrap();
+    let conn = connect(
+        &endpoint,
+        ticket_of(state).addr().clone(),
+        ALPN_SWARM,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let join = JoinRequest {
+        key: key.clone(),
+        token: token.to_owned(),
+    };
+    send_frame(&mut send, &join, 1 << 16).await.unwrap();
+    let reply: JoinReply = recv_frame(&mut recv, 1 << 16)
+        .await
+        .unwrap()
+        .expect("an answer");
+    // Hold the connection a while, as the attacker did, then go away.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    conn.close(0u32.into(), b"bye");
+    endpoint.close().await;
+    reply
+}
+
+#[test]
+fn a_stolen_token_is_useless_from_another_key_and_never_on_a_command_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(tmp.path(), "one.toml", &workers("sec-join", 1));
+    let _d = Daemon::start(&state, &shape);
+    let snap = wait_converged(&state, Duration::from_secs(60), |s| s.nodes.len() == 1);
+    let node = &snap.nodes[0];
+    let key = ResourceKey {
+        run_id: RunId::new("sec-join"),
+        node: LogicalNodeId::parse(&node.node.to_string()).unwrap(),
+        attempt: NodeAttemptId(node.attempt.0),
+    };
+    let creds = AgentCredentials::derive(&secret_of(&state), &key);
+
+    // What another user sees of the agent: its command line and environment.
+    let pids = agents(&state);
+    let pid = pids[&(node.node.to_string(), node.attempt.0)][0];
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    for (what, bytes) in [("command line", &cmdline), ("environment", &environ)] {
+        let text = String::from_utf8_lossy(bytes);
+        assert!(!text.contains(&creds.token), "the token is in the agent's {what}");
+    }
+    // The credentials file is gone once the agent has read it.
+    let dir = node_dirs(&state).pop().unwrap();
+    assert!(!dir.join("agent.credentials").exists());
+
+    // Even with the right token, another key is refused, and nothing happens
+    // to the node when that key goes away.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let reply = runtime.block_on(join_as(&state, SecretKey::generate(), &key, &creds.token));
+    assert!(
+        matches!(&reply, JoinReply::Refused(why) if why.contains("may not join")),
+        "{reply:?}"
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let after = status(&state).unwrap();
+    assert!(after.converged, "{after:?}");
+    assert_eq!(after.nodes[0].attempt, node.attempt, "the node was not replaced");
+    assert_eq!(agents(&state).len(), 1);
+
+    // The agent's own key with a wrong token is refused too.
+    let reply = runtime.block_on(join_as(&state, creds.iroh_key(), &key, &"0".repeat(64)));
+    assert!(matches!(reply, JoinReply::Refused(_)), "{reply:?}");
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn a_wrong_cli_key_is_told_it_is_not_authorised() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(tmp.path(), "one.toml", &workers("sec-cli", 1));
+    let _d = Daemon::start(&state, &shape);
+    // A CLI with a copied ticket and its own key, in a directory of its own
+    // (it cannot signal the daemon to be let in).
+    let other = tmp.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::copy(state.join("daemon.ticket"), other.join("daemon.ticket")).unwrap();
+    for args in [&["status"][..], &["watch"][..], &["down"][..]] {
+        let o = cli(&other, args);
+        assert!(!o.status.success(), "{args:?}");
+        assert!(
+            stderr(&o).contains("not authorised"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+    // The daemon's own user recovers a lost ticket and a replaced key.
+    std::fs::remove_file(state.join("daemon.ticket")).unwrap();
+    std::fs::remove_file(state.join("cli.key")).unwrap();
+    let o = cli(&state, &["status"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
