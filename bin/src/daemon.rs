@@ -1,35 +1,31 @@
 //! `swactor up`: the daemon, in the foreground.
 
+use crate::control::{ControlHandler, DownRequest, apply_file, plan_summary};
 use crate::journal::DaemonJournal;
 use crate::progress::Progress;
-use crate::protocol::{
-    ControlRequest, ControlResponse, FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest,
-};
+use crate::protocol::FRAME_LEN_MAX;
 use crate::shapefile::ShapeFile;
 use crate::state::StateDir;
+use crate::swarm::SwarmHandler;
 use anyhow::{Context, Result};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use swactor_actors::{
-    ApplyError, Cluster, ClusterConfig, ClusterEvent, ClusterHandle, ClusterSnapshot, PlanView,
-    ShutdownMode, ShutdownReport, SupervisorArgs, SupervisorExit,
+    Cluster, ClusterConfig, ClusterEvent, ClusterHandle, ClusterSnapshot, ShutdownMode,
+    ShutdownReport, SupervisorArgs, SupervisorExit,
 };
 use swactor_engine::RestartPolicy;
-use swactor_engine::iroh::endpoint::Connection;
-use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
+use swactor_engine::iroh::protocol::ProtocolHandler;
 use swactor_engine::net::{
     ALPN_CONTROL, ALPN_SWARM, ALPN_TELEMETRY, Allowlist, EndpointTicket, GuardedRouterBuilder,
-    NetConfig, bind_endpoint, recv_frame, send_frame,
+    NetConfig, bind_endpoint,
 };
 use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
 use swactor_providers::Provider;
-use swactor_providers::credentials::AgentCredentials;
 use swactor_providers::process::{ProcessConfig, ProcessProvider};
-use swactor_provisioning::{
-    ClusterShape, DesiredUpdate, Generation, JournalImage, RunId, UpdateError,
-};
+use swactor_provisioning::{Generation, JournalImage, RunId};
 use tokio::sync::{mpsc, oneshot};
 
 /// Options of `swactor up`.
@@ -46,8 +42,6 @@ pub(crate) struct UpOptions {
     /// Leave nodes running on exit.
     pub(crate) keep: bool,
 }
-
-type DownRequest = (bool, oneshot::Sender<ShutdownReport>);
 
 /// Runs the daemon until it is told to stop. Returns the process exit code.
 ///
@@ -279,9 +273,6 @@ fn reload_on_hangup(
     });
 }
 
-/// How often a connected agent's join is asserted again.
-const JOIN_REASSERT: Duration = Duration::from_secs(3);
-
 /// How often the cluster actor may fail, and be restarted from its journal,
 /// before the daemon gives up (and leaves every node running).
 const CLUSTER_RESTARTS: RestartPolicy = RestartPolicy {
@@ -473,23 +464,6 @@ async fn offer_on_start(cluster: &ClusterHandle, run_id: &RunId, file: &ShapeFil
     Ok(())
 }
 
-/// One line counting what a plan does.
-pub(crate) fn plan_summary(plan: &PlanView) -> String {
-    let count =
-        |pred: &dyn Fn(&str) -> bool| plan.actions.iter().filter(|l| pred(&l.action)).count();
-    let create = count(&|a| a == "create slot");
-    let replace = count(&|a| a.contains("SpecDrift") || a.contains("Failed"));
-    let delete = count(&|a| a.contains("Undesired"));
-    if plan.actions.is_empty() {
-        "plan: no changes".to_owned()
-    } else {
-        format!(
-            "plan: {create} to create, {replace} to replace, {delete} to delete ({} action(s) in the next pass)",
-            plan.actions.len()
-        )
-    }
-}
-
 /// The daemon's peak resident memory, from `/proc/self/status`.
 fn peak_memory() -> String {
     std::fs::read_to_string("/proc/self/status")
@@ -553,199 +527,4 @@ async fn bind_daemon_endpoint(state: &StateDir) -> Result<swactor_engine::iroh::
         state.save_port(port)?;
     }
     Ok(ep)
-}
-
-/// Applies a shape file, assigning the next generation when the file has none.
-pub(crate) async fn apply_file(
-    cluster: &ClusterHandle,
-    run_id: &RunId,
-    file: &ShapeFile,
-) -> std::result::Result<(u64, bool), String> {
-    if file.run_id() != *run_id {
-        return Err(format!(
-            "the shape is for run {:?}, but this daemon manages run {:?}; \
-             a daemon's run never changes (start another daemon with its own --state-dir)",
-            file.run_id().as_str(),
-            run_id.as_str()
-        ));
-    }
-    let current = cluster
-        .snapshot()
-        .await
-        .map_err(|e| e.to_string())?
-        .generation
-        .0;
-    let shape_at = |g| file.to_shape(g).map_err(|e| e.to_string());
-    let try_apply = |shape: ClusterShape| async move { cluster.apply(shape).await };
-    let first = if file.generation.is_some() {
-        shape_at(0)?
-    } else {
-        shape_at(current.max(1))?
-    };
-    match try_apply(first).await {
-        Ok(DesiredUpdate::Accepted(g)) => Ok((g.0, true)),
-        Ok(DesiredUpdate::Unchanged(g)) => Ok((g.0, false)),
-        Err(swactor_actors::ClusterError::Apply(ApplyError::Update(
-            UpdateError::SameGenerationChanged { .. },
-        ))) if file.generation.is_none() => match try_apply(shape_at(current + 1)?).await {
-            Ok(DesiredUpdate::Accepted(g) | DesiredUpdate::Unchanged(g)) => Ok((g.0, true)),
-            Err(e) => Err(e.to_string()),
-        },
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-#[derive(Debug, Clone)]
-struct ControlHandler {
-    cluster: ClusterHandle,
-    run_id: RunId,
-    down: mpsc::Sender<DownRequest>,
-}
-
-impl ControlHandler {
-    async fn answer(&self, req: ControlRequest) -> ControlResponse {
-        match req {
-            ControlRequest::Apply(file) => {
-                match apply_file(&self.cluster, &self.run_id, &file).await {
-                    Ok((generation, changed)) => ControlResponse::Applied {
-                        generation,
-                        changed,
-                    },
-                    Err(e) => ControlResponse::Error(e),
-                }
-            }
-            ControlRequest::Plan(file) => {
-                let shape = match file {
-                    None => None,
-                    Some(f) if f.run_id() != self.run_id => {
-                        return ControlResponse::Error(format!(
-                            "the shape is for run {:?}, but this daemon manages run {:?}",
-                            f.run_id().as_str(),
-                            self.run_id.as_str()
-                        ));
-                    }
-                    Some(f) => {
-                        let current = match self.cluster.snapshot().await {
-                            Ok(s) => s.generation.0,
-                            Err(e) => return ControlResponse::Error(e.to_string()),
-                        };
-                        match f.to_shape(current + 1) {
-                            Ok(s) => Some(s),
-                            Err(e) => return ControlResponse::Error(e.to_string()),
-                        }
-                    }
-                };
-                match self.cluster.plan(shape).await {
-                    Ok(plan) => ControlResponse::Plan(plan),
-                    Err(e) => ControlResponse::Error(e.to_string()),
-                }
-            }
-            ControlRequest::Status => match self.cluster.snapshot().await {
-                Ok(s) => ControlResponse::Status(s),
-                Err(e) => ControlResponse::Error(e.to_string()),
-            },
-            ControlRequest::Down { keep } => {
-                let (tx, rx) = oneshot::channel();
-                if self.down.send((keep, tx)).await.is_err() {
-                    return ControlResponse::Error("the daemon is already stopping".to_owned());
-                }
-                match rx.await {
-                    Ok(r) => ControlResponse::Down {
-                        destroyed: r.destroyed.iter().map(ToString::to_string).collect(),
-                        kept: r.kept.iter().map(ToString::to_string).collect(),
-                    },
-                    Err(_) => {
-                        ControlResponse::Error("the daemon stopped without a report".to_owned())
-                    }
-                }
-            }
-        }
-    }
-}
-
-impl ProtocolHandler for ControlHandler {
-    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        let Ok((mut send, mut recv)) = conn.accept_bi().await else {
-            return Ok(());
-        };
-        let req: Option<String> = recv_frame(&mut recv, FRAME_LEN_MAX).await.unwrap_or(None);
-        let resp = match req.as_deref().map(serde_json::from_str::<ControlRequest>) {
-            Some(Ok(req)) => self.answer(req).await,
-            Some(Err(e)) => ControlResponse::Error(format!("malformed request: {e}")),
-            None => return Ok(()),
-        };
-        let text = serde_json::to_string(&resp).unwrap_or_else(|e| {
-            serde_json::to_string(&ControlResponse::Error(e.to_string())).unwrap_or_default()
-        });
-        if send_frame(&mut send, &text, FRAME_LEN_MAX).await.is_ok() {
-            let _ = send.finish();
-            // Wait for the client to read the answer and close.
-            let _ = tokio::time::timeout(Duration::from_secs(10), conn.closed()).await;
-        }
-        Ok(())
-    }
-}
-
-#[derive(Debug, Clone)]
-struct SwarmHandler {
-    cluster: ClusterHandle,
-    secret: [u8; 32],
-}
-
-impl ProtocolHandler for SwarmHandler {
-    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        let Ok((mut send, mut recv)) = conn.accept_bi().await else {
-            return Ok(());
-        };
-        let Ok(Some(join)) = recv_frame::<JoinRequest, _>(&mut recv, FRAME_LEN_MAX).await else {
-            return Ok(());
-        };
-        // Only the key this attempt's agent was given may join for it, and
-        // only with its token: a token read off another process is useless.
-        let expected = AgentCredentials::derive(&self.secret, &join.key);
-        let verdict = if conn.remote_id() != expected.endpoint_id() {
-            Err("this key may not join for that node".to_owned())
-        } else if join.token != expected.token {
-            Err("the join token does not match this node's identity".to_owned())
-        } else {
-            match self.cluster.agent_join(join.key.clone()).await {
-                Ok(v) => v.map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            }
-        };
-        let reply = match &verdict {
-            Ok(()) => JoinReply::Welcome,
-            Err(reason) => JoinReply::Refused(reason.clone()),
-        };
-        if send_frame(&mut send, &reply, FRAME_LEN_MAX).await.is_err() || verdict.is_err() {
-            if let Err(reason) = verdict {
-                tracing::warn!(key = %join.key, %reason, "join refused");
-            }
-            let _ = send.finish();
-            let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
-            return Ok(());
-        }
-        tracing::info!(key = %join.key, "agent joined");
-        // The agent stays connected; its heartbeats end when it goes away.
-        // The join is asserted again now and then: a cluster actor restarted
-        // from its journal learns who is still connected, and an agent whose
-        // attempt was replaced meanwhile is dropped.
-        let mut asserted = std::time::Instant::now();
-        while let Ok(Some(Heartbeat(_))) =
-            recv_frame::<Heartbeat, _>(&mut recv, FRAME_LEN_MAX).await
-        {
-            if asserted.elapsed() < JOIN_REASSERT {
-                continue;
-            }
-            asserted = std::time::Instant::now();
-            if let Ok(Err(refusal)) = self.cluster.agent_join(join.key.clone()).await {
-                tracing::info!(key = %join.key, %refusal, "dropping an agent no longer wanted");
-                conn.close(1u32.into(), b"no longer wanted");
-                return Ok(());
-            }
-        }
-        tracing::info!(key = %join.key, "agent disconnected");
-        self.cluster.agent_gone(join.key);
-        Ok(())
-    }
 }

@@ -3,12 +3,14 @@
 
 mod agent;
 mod client;
+mod control;
 mod daemon;
 mod journal;
 mod progress;
 mod protocol;
 mod shapefile;
 mod state;
+mod swarm;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
