@@ -17,7 +17,6 @@ use swactor_actors::{
     ShutdownReport, SupervisorArgs, SupervisorExit,
 };
 use swactor_engine::RestartPolicy;
-use swactor_engine::iroh::protocol::ProtocolHandler;
 use swactor_engine::net::{
     ALPN_CONTROL, ALPN_SWARM, ALPN_TELEMETRY, Allowlist, EndpointTicket, GuardedRouterBuilder,
     NetConfig, bind_endpoint,

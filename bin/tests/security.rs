@@ -93,7 +93,10 @@ fn a_stolen_token_is_useless_from_another_key_and_never_on_a_command_line() {
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
     for (what, bytes) in [("command line", &cmdline), ("environment", &environ)] {
         let text = String::from_utf8_lossy(bytes);
-        assert!(!text.contains(&creds.token), "the token is in the agent's {what}");
+        assert!(
+            !text.contains(&creds.token),
+            "the token is in the agent's {what}"
+        );
     }
     // The credentials file is gone once the agent has read it.
     let dir = node_dirs(&state).pop().unwrap();
@@ -110,7 +113,10 @@ fn a_stolen_token_is_useless_from_another_key_and_never_on_a_command_line() {
     std::thread::sleep(Duration::from_secs(3));
     let after = status(&state).unwrap();
     assert!(after.converged, "{after:?}");
-    assert_eq!(after.nodes[0].attempt, node.attempt, "the node was not replaced");
+    assert_eq!(
+        after.nodes[0].attempt, node.attempt,
+        "the node was not replaced"
+    );
     assert_eq!(agents(&state).len(), 1);
 
     // The agent's own key with a wrong token is refused too.

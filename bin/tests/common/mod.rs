@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different subset.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -49,10 +50,36 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(state: &Path, shape: &Path) -> Self {
-        let log = std::fs::File::create(state.with_extension("daemon.log")).unwrap();
-        let child = Command::new(BIN)
-            .arg("up")
-            .arg(shape)
+        Self::spawn(state, Some(shape)).unwrap_or_else(|e| {
+            panic!(
+                "the daemon exited ({:?}) before publishing its ticket: {}",
+                e.code, e.log
+            )
+        })
+    }
+
+    /// `swactor up [SHAPE]`: returns once the daemon has published its
+    /// ticket, or how it ended if it exited first.
+    ///
+    /// Every daemon of a state directory appends to the same log (see
+    /// [`Daemon::log`]), each start under a header line, so a test that
+    /// restarts a daemon keeps the whole story.
+    pub fn spawn(state: &Path, shape: Option<&Path>) -> Result<Self, Exited> {
+        let log_path = state.with_extension("daemon.log");
+        let mut log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .unwrap();
+        let from = log.metadata().unwrap().len();
+        let shown = shape.map_or("(no shape)".to_owned(), |s| s.display().to_string());
+        writeln!(log, "=== swactor up {shown}").unwrap();
+        let mut cmd = Command::new(BIN);
+        cmd.arg("up");
+        if let Some(shape) = shape {
+            cmd.arg(shape);
+        }
+        let mut child = cmd
             .arg("--state-dir")
             .arg(state)
             .stdin(Stdio::null())
@@ -60,24 +87,77 @@ impl Daemon {
             .stderr(log)
             .spawn()
             .expect("start the daemon");
-        let d = Self {
-            child: Some(child),
-            state: state.to_path_buf(),
-        };
-        wait_for(Duration::from_secs(30), "the daemon's ticket", || {
-            state.join("daemon.ticket").exists()
-        });
-        d
+        // No guard until it is up: one that exited must not take the agents
+        // it refused to touch with it (see `Drop`).
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                let all = std::fs::read(&log_path).unwrap_or_default();
+                let log = String::from_utf8_lossy(all.get(from as usize..).unwrap_or_default())
+                    .into_owned();
+                return Err(Exited {
+                    code: status.code(),
+                    log,
+                });
+            }
+            if state.join("daemon.ticket").exists() {
+                return Ok(Self {
+                    child: Some(child),
+                    state: state.to_path_buf(),
+                });
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                // The guard kills it (and its agents) as the panic unwinds.
+                let d = Self {
+                    child: Some(child),
+                    state: state.to_path_buf(),
+                };
+                panic!("no ticket from the daemon within 30 s: {}", d.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Whether the process is still running (false once it has been reaped).
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// The log of every daemon started on this state directory.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.state.with_extension("daemon.log")).unwrap_or_default()
     }
 
+    /// What the daemon started last on this state directory has logged so far.
+    pub fn last_log(&self) -> String {
+        let all = self.log();
+        match all.rfind("=== swactor up") {
+            Some(at) => all[at..].to_owned(),
+            None => all,
+        }
+    }
+
+    /// Kills the daemon with SIGKILL and reaps it.
+    ///
+    /// A killed daemon leaves its ticket behind, which would make the next
+    /// [`Daemon::spawn`] return before the new daemon is up; so the ticket is
+    /// removed when this process was running and held the directory (its pid
+    /// is in `daemon.lock`), and only then: a daemon that lost the race for
+    /// the lock must not take the winner's ticket with it.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
+            let running = matches!(c.try_wait(), Ok(None));
             let _ = c.kill();
             let _ = c.wait();
+            if running && lock_holder(&self.state) == Some(c.id()) {
+                let _ = std::fs::remove_file(self.state.join("daemon.ticket"));
+            }
         }
     }
 
@@ -98,10 +178,41 @@ impl Daemon {
 }
 
 impl Drop for Daemon {
+    /// Kills the daemon and, unless another daemon now runs on the same state
+    /// directory, its agents too. A test that kills a daemon and starts the
+    /// next one drops the first while the second adopts those agents; killing
+    /// them then would replace adoption with re-creation unnoticed.
     fn drop(&mut self) {
         self.kill9();
-        kill_agents(&self.state);
+        if !lock_holder(&self.state).is_some_and(alive) {
+            kill_agents(&self.state);
+        }
     }
+}
+
+/// Whether a process is alive (a zombie is not).
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+    })
+}
+
+/// How a `swactor up` ended that exited before publishing its ticket.
+#[derive(Debug)]
+pub struct Exited {
+    pub code: Option<i32>,
+    /// What it wrote to stderr.
+    pub log: String,
+}
+
+/// The pid written into `daemon.lock` by the daemon that took it last.
+pub fn lock_holder(state: &Path) -> Option<u32> {
+    std::fs::read_to_string(state.join("daemon.lock"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 pub fn wait_for(timeout: Duration, what: &str, mut ok: impl FnMut() -> bool) {
@@ -226,4 +337,105 @@ pub fn kill9(pid: u32) {
         .status()
         .unwrap();
     assert!(ok.success(), "kill -9 {pid}");
+}
+
+/// The (node, attempt) of every node directory left under the state directory
+/// (each is named `{node}-a{attempt}`).
+pub fn node_dir_ids(state: &Path) -> std::collections::BTreeSet<(String, u64)> {
+    node_dirs(state)
+        .iter()
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let (node, attempt) = name.rsplit_once("-a").unwrap_or_else(|| {
+                panic!("a node directory not named {{node}}-a{{attempt}}: {p:?}")
+            });
+            let attempt = attempt
+                .parse()
+                .unwrap_or_else(|_| panic!("a node directory with a bad attempt: {p:?}"));
+            (node.to_owned(), attempt)
+        })
+        .collect()
+}
+
+/// Every (node, attempt) served by more than one live agent process right now.
+pub fn double_agents(state: &Path) -> Vec<String> {
+    agents(state)
+        .into_iter()
+        .filter(|(_, pids)| pids.len() > 1)
+        .map(|((node, attempt), pids)| format!("{node} a{attempt}: pids {pids:?}"))
+        .collect()
+}
+
+/// A background thread that looks at something every `period` and records
+/// what it reports; it stops when [`Watcher::stop`] is called or it is dropped.
+pub struct Watcher {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    found: std::sync::Arc<std::sync::Mutex<Found>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct Found {
+    first: Vec<String>,
+    count: usize,
+}
+
+impl Watcher {
+    /// How many findings are kept (all are counted).
+    pub const KEPT_MAX: usize = 50;
+
+    pub fn start(period: Duration, mut look: impl FnMut() -> Vec<String> + Send + 'static) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let found = std::sync::Arc::new(std::sync::Mutex::new(Found::default()));
+        let thread = {
+            let (stop, found) = (stop.clone(), found.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let now = look();
+                    if !now.is_empty() {
+                        let mut f = found.lock().unwrap();
+                        f.count += now.len();
+                        let room = Self::KEPT_MAX.saturating_sub(f.first.len());
+                        f.first.extend(now.into_iter().take(room));
+                    }
+                    std::thread::sleep(period);
+                }
+            })
+        };
+        Self {
+            stop,
+            found,
+            thread: Some(thread),
+        }
+    }
+
+    /// Records any moment two live agents serve one (node, attempt) of `state`.
+    pub fn doubles(state: &Path) -> Self {
+        let state = state.to_path_buf();
+        Self::start(Duration::from_millis(20), move || double_agents(&state))
+    }
+
+    /// What it found so far: the first [`Watcher::KEPT_MAX`] findings, and how many in all.
+    pub fn found(&self) -> (Vec<String>, usize) {
+        let f = self.found.lock().unwrap();
+        (f.first.clone(), f.count)
+    }
+
+    pub fn stop(mut self) -> (Vec<String>, usize) {
+        self.halt();
+        self.found()
+    }
+
+    fn halt(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.halt();
+    }
 }
