@@ -15,7 +15,10 @@ use iroh::endpoint::{
 use iroh::{Endpoint, EndpointAddr, RelayMode, SecretKey};
 
 pub use allowlist::{Allowlist, GuardedRouterBuilder, NotAllowed};
-pub use frame::{FRAME_HEADER_LEN, FrameError, encode_frame, recv_frame, reset_stream, send_frame};
+pub use frame::{
+    FRAME_HEADER_LEN, FrameError, RECV_CHUNK_LEN_MAX_BYTES, RECV_FIRST_CHUNK_LEN_BYTES,
+    encode_frame, recv_frame, reset_stream, send_frame,
+};
 pub use key::{KeyFileError, load_or_create_secret_key};
 pub use ticket::{EndpointTicket, TICKET_LEN_MAX, TICKET_PREFIX, TicketError};
 
