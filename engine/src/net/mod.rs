@@ -2,6 +2,7 @@
 
 mod allowlist;
 mod frame;
+mod handshake;
 mod key;
 mod ticket;
 
@@ -18,6 +19,10 @@ pub use allowlist::{Allowlist, GuardedRouterBuilder, NotAllowed};
 pub use frame::{
     FRAME_HEADER_LEN, FrameError, RECV_CHUNK_LEN_MAX_BYTES, RECV_FIRST_CHUNK_LEN_BYTES,
     encode_frame, recv_frame, reset_stream, send_frame,
+};
+pub use handshake::{
+    FIRST_FRAME_LEN_MAX_BYTES, FirstFrameError, HANDSHAKE_DEADLINE, accept_first_frame,
+    recv_first_frame,
 };
 pub use key::{KeyFileError, load_or_create_secret_key};
 pub use ticket::{EndpointTicket, TICKET_LEN_MAX, TICKET_PREFIX, TicketError};
@@ -43,6 +48,12 @@ pub mod codes {
     pub const CLOSE_SUBSCRIBER_STALLED: VarInt = VarInt::from_u32(408);
     /// The service has no room for another peer (e.g. subscriber limit).
     pub const CLOSE_BUSY: VarInt = VarInt::from_u32(429);
+    /// The peer did not deliver its first frame within the handshake
+    /// deadline. The same number as [`CLOSE_SUBSCRIBER_STALLED`]: both say
+    /// the peer was too slow, on different protocols.
+    pub const CLOSE_HANDSHAKE_TIMEOUT: VarInt = VarInt::from_u32(408);
+    /// Reason text sent with [`CLOSE_HANDSHAKE_TIMEOUT`].
+    pub const REASON_HANDSHAKE_TIMEOUT: &[u8] = b"no first frame within the handshake deadline";
     /// The service is shutting down.
     pub const CLOSE_SHUTDOWN: VarInt = VarInt::from_u32(503);
     /// Stream reset: a frame did not decode.
