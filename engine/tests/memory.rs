@@ -1,17 +1,29 @@
 //! Memory a hostile peer can make the engine hold: allocations while
-//! receiving frames, counted per thread by a counting global allocator.
+//! receiving frames (counted per thread by a counting global allocator) and
+//! the process's resident size under a flood of announced-but-unsent frames.
 //!
 //! A binary of its own because the counting allocator replaces the global
-//! one; the tests here take turns.
+//! one, and because the resident size is a process-wide figure that the
+//! parallel tests of `it` would disturb; the tests here take turns.
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
+use iroh::endpoint::Connection;
+use iroh::protocol::{AcceptError, ProtocolHandler};
+use iroh::{Endpoint, SecretKey};
 use proptest::prelude::*;
 use serde::{Deserialize, Serialize};
-use swactor_engine::net::{FrameError, RECV_CHUNK_LEN_MAX_BYTES, encode_frame, recv_frame};
+use swactor_engine::net::{
+    ALPN_CONTROL, ALPN_SWARM, Allowlist, FRAME_HEADER_LEN, FrameError, GuardedRouterBuilder,
+    Limits, NetConfig, RECV_CHUNK_LEN_MAX_BYTES, bind_endpoint, codes, connect, encode_frame,
+    recv_frame, send_frame,
+};
 use tokio::io::{AsyncRead, ReadBuf};
 
 /// The daemon's frame limit, which the attacks were run against.
@@ -19,6 +31,7 @@ const DAEMON_FRAME_LEN_MAX: usize = 64 * 1024 * 1024;
 /// Bookkeeping besides the payload (the list of pieces, the runtime's
 /// per-call state) that a measurement may include.
 const SLACK_BYTES: u64 = 16 * 1024;
+const DIAL: Duration = Duration::from_secs(5);
 
 static TURNS: Mutex<()> = Mutex::new(());
 
@@ -239,3 +252,185 @@ proptest! {
         }
     }
 }
+
+/// A field of `/proc/self/status` in bytes (VmRSS, VmSize).
+fn proc_status_bytes(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .unwrap_or_else(|| panic!("no {field} in /proc/self/status"));
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unreadable {line}"));
+    kib * 1024
+}
+
+/// Reads frames with the daemon's 64 MiB limit, as its swarm handler did,
+/// counting the streams it is waiting on.
+#[derive(Debug, Clone)]
+struct Swallow {
+    waiting: Arc<AtomicUsize>,
+}
+
+impl ProtocolHandler for Swallow {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let Ok((_send, mut recv)) = conn.accept_bi().await else {
+            return Ok(());
+        };
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let outcome = recv_frame::<Probe, _>(&mut recv, DAEMON_FRAME_LEN_MAX).await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        drop(outcome);
+        Ok(())
+    }
+}
+
+/// Answers one request frame with the same text.
+#[derive(Debug, Clone)]
+struct Answer;
+
+impl ProtocolHandler for Answer {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let Ok((mut send, mut recv)) = conn.accept_bi().await else {
+            return Ok(());
+        };
+        if let Ok(Some(text)) = recv_frame::<String, _>(&mut recv, 1024).await {
+            let _ = send_frame(&mut send, &text, 1024).await;
+            let _ = send.finish();
+            let _ = tokio::time::timeout(DIAL, conn.closed()).await;
+        }
+        Ok(())
+    }
+}
+
+async fn endpoint() -> Endpoint {
+    let endpoint = bind_endpoint(&NetConfig::default(), SecretKey::generate())
+        .await
+        .unwrap();
+    assert!(endpoint.addr().ip_addrs().all(|a| a.ip().is_loopback()));
+    endpoint
+}
+
+const FLOOD_CONNECTIONS: usize = 200;
+const FLOOD_KEYS: usize = 50;
+
+#[test]
+fn two_hundred_peers_announcing_64_mib_frames_leave_memory_bounded_and_control_answering() {
+    let _turn = take_turn();
+    // The turn is a blocking lock, so the runtime lives inside it.
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(flood_announcing_64_mib_frames());
+}
+
+async fn flood_announcing_64_mib_frames() {
+    let operator = endpoint().await;
+    let waiting = Arc::new(AtomicUsize::new(0));
+    let server = GuardedRouterBuilder::new(endpoint().await)
+        .serve(
+            ALPN_SWARM,
+            Allowlist::open(),
+            Swallow {
+                waiting: Arc::clone(&waiting),
+            },
+        )
+        .serve(ALPN_CONTROL, Allowlist::only([operator.id()]), Answer)
+        .spawn();
+    let addr = server.endpoint().addr();
+    // The default per-peer cap is 4, so 50 keys bring 200 connections.
+    assert_eq!(
+        Limits::OPEN.connections_per_peer_max * FLOOD_KEYS,
+        FLOOD_CONNECTIONS
+    );
+    let mut attackers = Vec::new();
+    for _ in 0..FLOOD_KEYS {
+        attackers.push(endpoint().await);
+    }
+    let rss_before = proc_status_bytes("VmRSS:");
+    let size_before = proc_status_bytes("VmSize:");
+
+    let started = Instant::now();
+    let mut held = Vec::new();
+    for attacker in &attackers {
+        for _ in 0..Limits::OPEN.connections_per_peer_max {
+            let conn = connect(attacker, addr.clone(), ALPN_SWARM, DIAL)
+                .await
+                .unwrap();
+            let (mut send, recv) = conn.open_bi().await.unwrap();
+            send.write_all(&(DAEMON_FRAME_LEN_MAX as u32).to_be_bytes())
+                .await
+                .unwrap();
+            held.push((conn, send, recv));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiting.load(Ordering::SeqCst) < FLOOD_CONNECTIONS {
+        assert!(
+            Instant::now() < deadline,
+            "only {} streams reached the handler",
+            waiting.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Let every handler see its header and settle in its read.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let flood_took = started.elapsed();
+
+    let asked = Instant::now();
+    let conn = connect(&operator, addr.clone(), ALPN_CONTROL, DIAL)
+        .await
+        .unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send_frame(&mut send, "status?", 1024).await.unwrap();
+    send.finish().unwrap();
+    let answer: Option<String> = recv_frame(&mut recv, 1024).await.unwrap();
+    let answered_in = asked.elapsed();
+    conn.close(codes::CLOSE_DONE, b"done");
+    assert_eq!(answer.as_deref(), Some("status?"));
+
+    let rss_after = proc_status_bytes("VmRSS:");
+    let size_after = proc_status_bytes("VmSize:");
+    let rss_growth = rss_after.saturating_sub(rss_before);
+    let size_growth = size_after.saturating_sub(size_before);
+    eprintln!(
+        "flood of {FLOOD_CONNECTIONS} connections from {FLOOD_KEYS} keys took {flood_took:?}; \
+         VmRSS {} -> {} MB (+{} MB), VmSize {} -> {} MB (+{} MB); control answered in {answered_in:?}",
+        rss_before >> 20,
+        rss_after >> 20,
+        rss_growth >> 20,
+        size_before >> 20,
+        size_after >> 20,
+        size_growth >> 20,
+    );
+    assert!(
+        rss_growth < 50 << 20,
+        "resident size grew by {} MB",
+        rss_growth >> 20
+    );
+    // Untouched pages of an up-front allocation would not show in VmRSS,
+    // only in the address space: 200 x 64 MiB is 12.5 GiB of it.
+    assert!(
+        size_growth < 1 << 30,
+        "address space grew by {} MB",
+        size_growth >> 20
+    );
+    assert!(
+        answered_in < Duration::from_secs(1),
+        "control took {answered_in:?}"
+    );
+
+    drop(held);
+    for attacker in attackers {
+        attacker.close().await;
+    }
+    operator.close().await;
+    server.shutdown().await.unwrap();
+}
+
+// The flood above writes a bare `u32` as a header.
+const _: () = assert!(FRAME_HEADER_LEN == 4);
