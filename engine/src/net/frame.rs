@@ -135,10 +135,12 @@ pub const RECV_CHUNK_LEN_MAX_BYTES: usize = 64 * 1024;
 /// piece is copied once into a contiguous buffer for decoding.
 ///
 /// # Caveats
-/// Decoding itself may reserve more than the frame's length: serde
-/// pre-sizes a `Vec<T>` from the length the payload announces, up to
-/// 1 MiB. Types read from untrusted peers should prefer strings and
-/// fixed-size fields, or byte buffers deserialised as bytes.
+/// Decoding may reserve more than the frame's length for a `HashMap`:
+/// serde pre-sizes it from the entry count the payload announces (up to
+/// 1 MiB of entries; a 7-byte frame made a `HashMap<u8, u8>` reserve
+/// 3 MiB), and postcard checks that count against the bytes left only for
+/// sequences, not for maps. Types read from untrusted peers should avoid
+/// hash maps (a `BTreeMap` reserves nothing up front).
 ///
 /// # Errors
 /// An oversized or undecodable frame, truncation, or I/O errors.

@@ -14,7 +14,8 @@ pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 ///
 /// A connection over a cap is closed with [`super::codes::CLOSE_BUSY`] right
 /// after the handshake, before its handler is called; its slot is freed
-/// when the handler returns.
+/// when the handler returns, so a handler that hands its connection to a
+/// task of its own and returns early lets it escape the count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// Most connections served at once on the protocol, from all peers together.
