@@ -13,8 +13,8 @@ use iroh::protocol::{AcceptError, ProtocolHandler};
 use iroh::{Endpoint, SecretKey};
 use serde::{Deserialize, Serialize};
 use swactor_engine::net::{
-    ALPN_CONTROL, ALPN_TELEMETRY, Allowlist, EndpointTicket, GuardedRouterBuilder, NetConfig,
-    bind_endpoint, connect,
+    ALPN_CONTROL, ALPN_TELEMETRY, Allowlist, EndpointTicket, GuardedRouterBuilder, Limits,
+    NetConfig, bind_endpoint, connect,
 };
 use swactor_engine::telemetry::{TelemetryConfig, TelemetryFrame, TelemetryPublisher, subscribe};
 
@@ -58,6 +58,15 @@ fn rss_bytes() -> u64 {
     pages * 4096
 }
 
+/// Caps far above what a measurement opens: each client process holds
+/// hundreds of connections under one key, which the default per-peer cap
+/// exists to refuse.
+const UNCAPPED: Limits = Limits {
+    connections_max: 10_000,
+    connections_per_peer_max: 10_000,
+    ..Limits::OPEN
+};
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[idx]
@@ -65,7 +74,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 async fn connect_latency() {
     let router = GuardedRouterBuilder::new(endpoint().await)
-        .serve(ALPN_CONTROL, Allowlist::open(), Idle)
+        .serve_with_limits(ALPN_CONTROL, Allowlist::open(), UNCAPPED, Idle)
         .spawn();
     let addr = router.endpoint().addr();
     let client = endpoint().await;
@@ -163,8 +172,13 @@ async fn memory_per_client(telemetry: bool) {
     )
     .expect("publisher");
     let router = GuardedRouterBuilder::new(endpoint().await)
-        .serve(ALPN_TELEMETRY, Allowlist::open(), publisher.handler())
-        .serve(ALPN_CONTROL, Allowlist::open(), Idle)
+        .serve_with_limits(
+            ALPN_TELEMETRY,
+            Allowlist::open(),
+            UNCAPPED,
+            publisher.handler(),
+        )
+        .serve_with_limits(ALPN_CONTROL, Allowlist::open(), UNCAPPED, Idle)
         .spawn();
     let ticket = EndpointTicket::new(router.endpoint().addr()).to_string();
     let mode = if telemetry { "telemetry" } else { "idle" };

@@ -1,13 +1,14 @@
 //! Which peers may use a protocol, and the router that enforces it per ALPN.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use iroh::endpoint::{Accepting, Connection};
 use iroh::protocol::{AcceptError, ProtocolHandler, Router};
 use iroh::{Endpoint, EndpointId};
 
 use super::codes;
+use super::limits::{Limits, Refusal, RefusalLog, Slots};
 
 #[derive(Debug)]
 enum Rule {
@@ -87,34 +88,115 @@ pub struct NotAllowed {
     pub alpn: String,
 }
 
-/// Wraps a handler so only allowlisted peers reach it.
+/// Wraps a handler so only allowlisted peers, within the caps, reach it.
 #[derive(Debug)]
 struct Guarded<H> {
     alpn: &'static [u8],
     allowlist: Allowlist,
+    slots: Slots,
+    refusals: Arc<Mutex<RefusalLog>>,
     inner: H,
+}
+
+impl<H> Guarded<H> {
+    fn alpn_text(&self) -> String {
+        String::from_utf8_lossy(self.alpn).into_owned()
+    }
+
+    /// Counts a refusal, logging it only if it is the first after a quiet
+    /// interval; the rest reach the log as summaries (see [`RefusalLog`]).
+    fn record_refusal(&self, refusal: Refusal, peer: EndpointId) {
+        let now = tokio::time::Instant::now().into_std();
+        let first = self
+            .refusals
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .handle_refusal(refusal, now);
+        if !first {
+            return;
+        }
+        let alpn = self.alpn_text();
+        match refusal {
+            Refusal::Allowlist => {
+                let error = NotAllowed {
+                    peer,
+                    alpn: alpn.clone(),
+                };
+                tracing::warn!(%error, "refusing connection; further refusals are summarised");
+            }
+            Refusal::PerPeerCap | Refusal::TotalCap => tracing::warn!(
+                %peer,
+                %alpn,
+                reason = %refusal,
+                "refusing connection; further refusals are summarised"
+            ),
+        }
+        // One flusher per busy window: it logs the summaries and ends with
+        // the window, so a burst that stops is still reported.
+        tokio::spawn(flush_refusal_summaries(Arc::clone(&self.refusals), alpn));
+    }
+}
+
+async fn flush_refusal_summaries(log: Arc<Mutex<RefusalLog>>, alpn: String) {
+    loop {
+        let Some(at) = log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .poll_timeout()
+        else {
+            return;
+        };
+        tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await;
+        let now = tokio::time::Instant::now().into_std();
+        let (summary, quiet) = {
+            let mut log = log.lock().unwrap_or_else(PoisonError::into_inner);
+            let summary = log.poll_summary(now);
+            (summary, log.poll_timeout().is_none())
+        };
+        if let Some(summary) = summary {
+            tracing::warn!(
+                %alpn,
+                refused = summary.counts.total(),
+                allowlist = summary.counts.allowlist,
+                per_peer_cap = summary.counts.per_peer_cap,
+                total_cap = summary.counts.total_cap,
+                "{}",
+                summary.line(&alpn)
+            );
+        }
+        if quiet {
+            return;
+        }
+    }
 }
 
 impl<H: ProtocolHandler> ProtocolHandler for Guarded<H> {
     async fn on_accepting(&self, accepting: Accepting) -> Result<Connection, AcceptError> {
         // Finish the handshake here rather than in the inner handler so that
         // no 0-RTT data can reach it before the peer's identity is checked.
-        let conn = accepting.await?;
-        let peer = conn.remote_id();
-        if !self.allowlist.is_allowed(&peer) {
-            let error = NotAllowed {
-                peer,
-                alpn: String::from_utf8_lossy(self.alpn).into_owned(),
-            };
-            tracing::warn!(%error, "refusing connection");
-            conn.close(codes::CLOSE_NOT_ALLOWED, codes::REASON_NOT_ALLOWED);
-            return Err(AcceptError::from_err(error));
-        }
-        Ok(conn)
+        Ok(accepting.await?)
     }
 
-    async fn accept(&self, connection: Connection) -> Result<(), AcceptError> {
-        self.inner.accept(connection).await
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let peer = conn.remote_id();
+        let admitted = if self.allowlist.is_allowed(&peer) {
+            self.slots.try_acquire(peer)
+        } else {
+            Err(Refusal::Allowlist)
+        };
+        match admitted {
+            Ok(_slot) => self.inner.accept(conn).await,
+            Err(refusal) => {
+                let code = match refusal {
+                    Refusal::Allowlist => codes::CLOSE_NOT_ALLOWED,
+                    Refusal::PerPeerCap | Refusal::TotalCap => codes::CLOSE_BUSY,
+                };
+                conn.close(code, refusal.close_reason());
+                self.record_refusal(refusal, peer);
+                // Not an error: the router would log every one of them.
+                Ok(())
+            }
+        }
     }
 
     async fn shutdown(&self) {
@@ -122,11 +204,21 @@ impl<H: ProtocolHandler> ProtocolHandler for Guarded<H> {
     }
 }
 
-/// Builds an iroh [`Router`] whose every protocol has an allowlist.
+/// Builds an iroh [`Router`] whose every protocol has an allowlist and
+/// connection caps ([`Limits`]).
 ///
 /// A peer offering an ALPN that was not registered fails the TLS handshake;
 /// a peer not on that ALPN's allowlist is closed with
-/// [`codes::CLOSE_NOT_ALLOWED`] before the handler sees it.
+/// [`codes::CLOSE_NOT_ALLOWED`], and one over a cap with
+/// [`codes::CLOSE_BUSY`], before the handler sees it. Refusals are logged
+/// at most once per [`Limits::refusal_log_interval`] and protocol, the
+/// first on its own, the rest as a summary with counts per reason.
+///
+/// # Caveats
+/// The caps count connections from the end of the TLS handshake until the
+/// handler returns; handshakes in progress are bounded by QUIC's idle
+/// timeout and iroh's limit on pending connections, and a failed handshake
+/// is still logged by iroh's router.
 #[derive(Debug)]
 pub struct GuardedRouterBuilder {
     inner: iroh::protocol::RouterBuilder,
@@ -141,7 +233,9 @@ impl GuardedRouterBuilder {
         }
     }
 
-    /// Serves `alpn` with `handler` for peers on `allowlist`.
+    /// Serves `alpn` with `handler` for peers on `allowlist`, with the
+    /// default caps for that allowlist ([`Limits::for_allowlist`], decided
+    /// now: an allowlist opened later keeps the tighter caps).
     ///
     /// The handler's own `on_accepting` is bypassed (no 0-RTT), since the
     /// identity check has to happen after the handshake.
@@ -152,9 +246,35 @@ impl GuardedRouterBuilder {
         allowlist: Allowlist,
         handler: H,
     ) -> Self {
+        let limits = Limits::for_allowlist(&allowlist);
+        self.serve_with_limits(alpn, allowlist, limits, handler)
+    }
+
+    /// Serves `alpn` with `handler` for peers on `allowlist`, at most as
+    /// many connections at once as `limits` allow.
+    ///
+    /// # Panics
+    /// If `limits` is invalid ([`Limits::validate`]): limits are chosen in
+    /// code, so that is a programming error.
+    #[must_use]
+    pub fn serve_with_limits<H: ProtocolHandler>(
+        self,
+        alpn: &'static [u8],
+        allowlist: Allowlist,
+        limits: Limits,
+        handler: H,
+    ) -> Self {
+        if let Err(error) = limits.validate() {
+            panic!(
+                "invalid limits for {}: {error}",
+                String::from_utf8_lossy(alpn)
+            );
+        }
         let guarded = Guarded {
             alpn,
             allowlist,
+            slots: Slots::new(&limits),
+            refusals: Arc::new(Mutex::new(RefusalLog::new(limits.refusal_log_interval))),
             inner: handler,
         };
         Self {

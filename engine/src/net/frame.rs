@@ -110,10 +110,37 @@ where
         .map_err(|source| FrameError::Io { source })
 }
 
+/// Bytes allocated for a frame's payload before any of it has arrived.
+///
+/// Most frames (heartbeats, joins, requests) fit, so they take one exact
+/// allocation; a peer that announces a large frame and then sends nothing
+/// pins only this much.
+pub const RECV_FIRST_CHUNK_LEN_BYTES: usize = 4 * 1024;
+
+/// Largest piece of a payload allocated at once while it arrives.
+///
+/// A frame's buffer grows in pieces of at most this size as bytes actually
+/// arrive, never to the announced length up front: a peer must send the
+/// bytes it wants us to hold.
+pub const RECV_CHUNK_LEN_MAX_BYTES: usize = 64 * 1024;
+
 /// Receives one frame; `Ok(None)` when the stream ends cleanly between frames.
 ///
-/// The length is checked against `frame_len_max` before anything is
-/// allocated, so a hostile peer cannot make us buffer more than the limit.
+/// # Guarantees
+/// The announced length is checked against `frame_len_max` first, and
+/// memory follows the bytes that actually arrive: while a frame is
+/// incomplete, its buffers hold at most the bytes received plus one piece
+/// of [`RECV_CHUNK_LEN_MAX_BYTES`] (only [`RECV_FIRST_CHUNK_LEN_BYTES`]
+/// before the first payload byte). A complete frame longer than the first
+/// piece is copied once into a contiguous buffer for decoding.
+///
+/// # Caveats
+/// Decoding may reserve more than the frame's length for a `HashMap`:
+/// serde pre-sizes it from the entry count the payload announces (up to
+/// 1 MiB of entries; a 7-byte frame made a `HashMap<u8, u8>` reserve
+/// 3 MiB), and postcard checks that count against the bytes left only for
+/// sequences, not for maps. Types read from untrusted peers should avoid
+/// hash maps (a `BTreeMap` reserves nothing up front).
 ///
 /// # Errors
 /// An oversized or undecodable frame, truncation, or I/O errors.
@@ -145,20 +172,58 @@ where
             frame_len_max,
         });
     }
-    let mut payload = vec![0u8; len];
-    reader
-        .read_exact(&mut payload)
-        .await
-        .map_err(|source| match source.kind() {
-            io::ErrorKind::UnexpectedEof => FrameError::Truncated,
-            _ => FrameError::Io { source },
-        })?;
+    let payload = recv_payload(reader, len).await?;
     let (value, rest) =
         postcard::take_from_bytes(&payload).map_err(|source| FrameError::Decode { len, source })?;
     if !rest.is_empty() {
         return Err(FrameError::Trailing { count: rest.len() });
     }
     Ok(Some(value))
+}
+
+/// Reads exactly `len` payload bytes, allocating as they arrive.
+///
+/// Pieces are kept apart until the last one is in, rather than grown in one
+/// buffer: growing would copy the whole buffer at every step in the worst
+/// case, and would briefly hold the old and the new buffer each time.
+async fn recv_payload<R>(reader: &mut R, len: usize) -> Result<Vec<u8>, FrameError>
+where
+    R: AsyncRead + Unpin + ?Sized,
+{
+    let first_len = len.min(RECV_FIRST_CHUNK_LEN_BYTES);
+    let mut first = vec![0u8; first_len];
+    read_exact_or_truncated(reader, &mut first).await?;
+    if first_len == len {
+        return Ok(first);
+    }
+    let mut pieces = vec![first];
+    let mut received = first_len;
+    while received < len {
+        let mut piece = vec![0u8; (len - received).min(RECV_CHUNK_LEN_MAX_BYTES)];
+        read_exact_or_truncated(reader, &mut piece).await?;
+        received += piece.len();
+        pieces.push(piece);
+    }
+    // Every byte has arrived, so the peer has paid for this allocation.
+    let mut payload = Vec::with_capacity(len);
+    for piece in pieces {
+        payload.extend_from_slice(&piece);
+    }
+    Ok(payload)
+}
+
+async fn read_exact_or_truncated<R>(reader: &mut R, buf: &mut [u8]) -> Result<(), FrameError>
+where
+    R: AsyncRead + Unpin + ?Sized,
+{
+    reader
+        .read_exact(buf)
+        .await
+        .map(drop)
+        .map_err(|source| match source.kind() {
+            io::ErrorKind::UnexpectedEof => FrameError::Truncated,
+            _ => FrameError::Io { source },
+        })
 }
 
 /// Abandons a bidirectional stream after a frame error: tells the peer to

@@ -2,7 +2,9 @@
 
 mod allowlist;
 mod frame;
+mod handshake;
 mod key;
+mod limits;
 mod ticket;
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -15,8 +17,16 @@ use iroh::endpoint::{
 use iroh::{Endpoint, EndpointAddr, RelayMode, SecretKey};
 
 pub use allowlist::{Allowlist, GuardedRouterBuilder, NotAllowed};
-pub use frame::{FRAME_HEADER_LEN, FrameError, encode_frame, recv_frame, reset_stream, send_frame};
+pub use frame::{
+    FRAME_HEADER_LEN, FrameError, RECV_CHUNK_LEN_MAX_BYTES, RECV_FIRST_CHUNK_LEN_BYTES,
+    encode_frame, recv_frame, reset_stream, send_frame,
+};
+pub use handshake::{
+    FIRST_FRAME_LEN_MAX_BYTES, FirstFrameError, HANDSHAKE_DEADLINE, accept_first_frame,
+    recv_first_frame,
+};
 pub use key::{KeyFileError, load_or_create_secret_key};
+pub use limits::{Limits, LimitsError, REFUSAL_LOG_INTERVAL};
 pub use ticket::{EndpointTicket, TICKET_LEN_MAX, TICKET_PREFIX, TicketError};
 
 /// ALPN of the swarm protocol (joins, membership, work).
@@ -38,8 +48,21 @@ pub mod codes {
     pub const REASON_NOT_ALLOWED: &[u8] = b"peer not on allowlist for this protocol";
     /// A telemetry subscriber stopped reading for too long and was dropped.
     pub const CLOSE_SUBSCRIBER_STALLED: VarInt = VarInt::from_u32(408);
-    /// The service has no room for another peer (e.g. subscriber limit).
+    /// The service has no room for another peer (e.g. subscriber limit,
+    /// connection caps).
     pub const CLOSE_BUSY: VarInt = VarInt::from_u32(429);
+    /// Reason text sent with [`CLOSE_BUSY`] when a protocol serves its
+    /// maximum number of connections.
+    pub const REASON_BUSY: &[u8] = b"too many connections on this protocol";
+    /// Reason text sent with [`CLOSE_BUSY`] when the peer already holds its
+    /// maximum number of connections on a protocol.
+    pub const REASON_PEER_BUSY: &[u8] = b"too many connections from this peer";
+    /// The peer did not deliver its first frame within the handshake
+    /// deadline. The same number as [`CLOSE_SUBSCRIBER_STALLED`]: both say
+    /// the peer was too slow, on different protocols.
+    pub const CLOSE_HANDSHAKE_TIMEOUT: VarInt = VarInt::from_u32(408);
+    /// Reason text sent with [`CLOSE_HANDSHAKE_TIMEOUT`].
+    pub const REASON_HANDSHAKE_TIMEOUT: &[u8] = b"no first frame within the handshake deadline";
     /// The service is shutting down.
     pub const CLOSE_SHUTDOWN: VarInt = VarInt::from_u32(503);
     /// Stream reset: a frame did not decode.
@@ -79,6 +102,16 @@ pub struct NetConfig {
     /// dropped (keep-alives go out at a third of it); `None` keeps iroh's
     /// default (30 s). The shorter of the two peers' values applies.
     pub idle_timeout: Option<Duration>,
+    /// Most bidirectional streams a peer may have open at once on one
+    /// connection to this endpoint; `None` keeps iroh's default (100). The
+    /// engine's request protocols use one per connection, and each open
+    /// stream may buffer up to its receive window.
+    pub incoming_bidi_streams_max: Option<u32>,
+    /// Most unidirectional streams a peer may have open at once on one
+    /// connection to this endpoint; `None` keeps iroh's default (100). A
+    /// daemon may forbid them (`Some(0)`); a telemetry subscriber must allow
+    /// at least one, since the publisher sends on one.
+    pub incoming_uni_streams_max: Option<u32>,
 }
 
 impl Default for NetConfig {
@@ -90,6 +123,8 @@ impl Default for NetConfig {
             frame_len_max: 1024 * 1024,
             stream_receive_window_bytes: None,
             idle_timeout: None,
+            incoming_bidi_streams_max: None,
+            incoming_uni_streams_max: None,
         }
     }
 }
@@ -174,9 +209,11 @@ pub enum NetError {
 /// Binds an endpoint with identity `secret_key` as `config` says.
 ///
 /// Address lookup stays cleared and port mapping disabled whatever the
-/// config; relays only with [`RelayChoice::Default`]. ALPNs are set by the
-/// router, so a dial-only endpoint needs no router. Never await
-/// `Endpoint::online()` on a relay-less endpoint: it waits for a relay.
+/// config; relays only with [`RelayChoice::Default`]. Peers may not send
+/// QUIC datagrams: the engine's protocols use none, and each connection
+/// would otherwise buffer up to about a megabyte of them for nobody. ALPNs
+/// are set by the router, so a dial-only endpoint needs no router. Never
+/// await `Endpoint::online()` on a relay-less endpoint: it waits for a relay.
 ///
 /// # Errors
 /// [`NetError`].
@@ -204,19 +241,23 @@ pub async fn bind_endpoint(
             .net_report_config(NetReportConfig::minimal()),
         RelayChoice::Default => builder.relay_mode(RelayMode::Default),
     };
-    if config.stream_receive_window_bytes.is_some() || config.idle_timeout.is_some() {
-        let mut transport = QuicTransportConfig::builder();
-        if let Some(window) = config.stream_receive_window_bytes {
-            transport = transport.stream_receive_window(VarInt::from_u32(window));
-        }
-        if let Some(idle) = config.idle_timeout {
-            // Validated above: it converts.
-            transport = transport
-                .max_idle_timeout(IdleTimeout::try_from(idle).ok())
-                .keep_alive_interval(idle / 3);
-        }
-        builder = builder.transport_config(transport.build());
+    let mut transport = QuicTransportConfig::builder().datagram_receive_buffer_size(None);
+    if let Some(window) = config.stream_receive_window_bytes {
+        transport = transport.stream_receive_window(VarInt::from_u32(window));
     }
+    if let Some(idle) = config.idle_timeout {
+        // Validated above: it converts.
+        transport = transport
+            .max_idle_timeout(IdleTimeout::try_from(idle).ok())
+            .keep_alive_interval(idle / 3);
+    }
+    if let Some(streams) = config.incoming_bidi_streams_max {
+        transport = transport.max_concurrent_bidi_streams(VarInt::from_u32(streams));
+    }
+    if let Some(streams) = config.incoming_uni_streams_max {
+        transport = transport.max_concurrent_uni_streams(VarInt::from_u32(streams));
+    }
+    builder = builder.transport_config(transport.build());
     builder
         .bind()
         .await

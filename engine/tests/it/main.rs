@@ -3,6 +3,7 @@
 mod blocking;
 mod journal;
 mod net;
+mod net_limits;
 mod supervision;
 mod telemetry;
 mod timers;

@@ -6,7 +6,9 @@ use futures_util::StreamExt;
 use iroh::Endpoint;
 use iroh::protocol::Router;
 use serde::{Deserialize, Serialize};
-use swactor_engine::net::{ALPN_TELEMETRY, Allowlist, GuardedRouterBuilder, NetConfig, codes};
+use swactor_engine::net::{
+    ALPN_TELEMETRY, Allowlist, GuardedRouterBuilder, Limits, NetConfig, codes,
+};
 use swactor_engine::telemetry::{
     NDJSON_FILE_NAME, NdjsonConfig, NdjsonSink, SubscribeError, TelemetryConfig, TelemetryFrame,
     TelemetryPublisher, TelemetrySubscription, subscribe,
@@ -40,7 +42,17 @@ const WAIT: Duration = Duration::from_secs(20);
 async fn serve(config: TelemetryConfig) -> (TelemetryPublisher<Snap, Ev>, Router) {
     let publisher = TelemetryPublisher::new(config, &Snap { count: 0 }).unwrap();
     let router = GuardedRouterBuilder::new(endpoint().await)
-        .serve(ALPN_TELEMETRY, Allowlist::open(), publisher.handler())
+        .serve_with_limits(
+            ALPN_TELEMETRY,
+            Allowlist::open(),
+            // One test client holds a hundred subscriptions under one key,
+            // which the default per-peer cap of an open protocol refuses.
+            Limits {
+                connections_per_peer_max: Limits::OPEN.connections_max,
+                ..Limits::OPEN
+            },
+            publisher.handler(),
+        )
         .spawn();
     (publisher, router)
 }

@@ -1,0 +1,373 @@
+//! Hostile peers on loopback: connection caps, the first-frame deadline and
+//! limit, stream caps, and refusals that do not flood the log.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use iroh::endpoint::{Connection, VarInt};
+use iroh::protocol::{AcceptError, ProtocolHandler, Router};
+use iroh::{Endpoint, EndpointAddr};
+use swactor_engine::net::{
+    ALPN_CONTROL, ALPN_SWARM, Allowlist, FIRST_FRAME_LEN_MAX_BYTES, GuardedRouterBuilder,
+    HANDSHAKE_DEADLINE, Limits, NetConfig, accept_first_frame, codes, connect, peer_close_code,
+    recv_frame, send_frame,
+};
+
+use crate::net::{endpoint, endpoint_with};
+use crate::within;
+
+const DIAL: Duration = Duration::from_secs(5);
+const FRAME_LEN_MAX: usize = 1024;
+
+/// Reads a greeting as a stranger's first frame (small limit, deadline),
+/// answers it, and stays connected until the peer leaves, holding its slot.
+#[derive(Debug, Clone)]
+struct Greeter {
+    deadline: Duration,
+}
+
+impl ProtocolHandler for Greeter {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let Ok((mut send, _recv, hello)) =
+            accept_first_frame::<String>(&conn, FIRST_FRAME_LEN_MAX_BYTES, self.deadline).await
+        else {
+            // The connection is closed already; strangers cause this, so no log.
+            return Ok(());
+        };
+        if send_frame(&mut send, &hello, FRAME_LEN_MAX).await.is_ok() {
+            let _ = send.finish();
+            conn.closed().await;
+        }
+        Ok(())
+    }
+}
+
+fn greeter() -> Greeter {
+    Greeter {
+        deadline: HANDSHAKE_DEADLINE,
+    }
+}
+
+/// Greets on a fresh stream: the answer, or the code the server closed the
+/// connection with.
+async fn greet(conn: &Connection, text: &str) -> Result<String, Option<VarInt>> {
+    let exchange = async {
+        let (mut send, mut recv) = conn.open_bi().await.ok()?;
+        send_frame(&mut send, text, FRAME_LEN_MAX).await.ok()?;
+        recv_frame::<String, _>(&mut recv, FRAME_LEN_MAX)
+            .await
+            .ok()
+            .flatten()
+    };
+    match tokio::time::timeout(DIAL, exchange).await {
+        Ok(Some(answer)) => Ok(answer),
+        _ => {
+            let closed = within(DIAL, "close", conn.closed()).await;
+            Err(peer_close_code(&closed))
+        }
+    }
+}
+
+async fn dial_and_greet(
+    client: &Endpoint,
+    addr: &EndpointAddr,
+    alpn: &[u8],
+) -> (Connection, Result<String, Option<VarInt>>) {
+    let conn = connect(client, addr.clone(), alpn, DIAL).await.unwrap();
+    let outcome = greet(&conn, "hi").await;
+    (conn, outcome)
+}
+
+async fn capped_server(limits: Limits) -> Router {
+    GuardedRouterBuilder::new(endpoint().await)
+        .serve_with_limits(ALPN_SWARM, Allowlist::open(), limits, greeter())
+        .serve(ALPN_CONTROL, Allowlist::open(), greeter())
+        .spawn()
+}
+
+#[tokio::test]
+async fn connections_over_the_per_peer_cap_are_refused_and_a_freed_slot_is_reused() {
+    let limits = Limits {
+        connections_max: 16,
+        connections_per_peer_max: 4,
+        ..Limits::OPEN
+    };
+    let server = capped_server(limits).await;
+    let addr = server.endpoint().addr();
+    let client = endpoint().await;
+
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let (conn, outcome) = dial_and_greet(&client, &addr, ALPN_SWARM).await;
+        assert_eq!(outcome.as_deref(), Ok("hi"));
+        held.push(conn);
+    }
+    for _ in 0..2 {
+        let (conn, outcome) = dial_and_greet(&client, &addr, ALPN_SWARM).await;
+        assert_eq!(outcome, Err(Some(codes::CLOSE_BUSY)));
+        let reason = conn.close_reason().unwrap().to_string();
+        assert!(reason.contains("from this peer"), "{reason}");
+    }
+    // Another peer is within both caps.
+    let other = endpoint().await;
+    let (_kept, outcome) = dial_and_greet(&other, &addr, ALPN_SWARM).await;
+    assert_eq!(outcome.as_deref(), Ok("hi"));
+
+    // A connection that leaves frees its slot once the server sees it go.
+    held.pop().unwrap().close(codes::CLOSE_DONE, b"bye");
+    let started = Instant::now();
+    loop {
+        let (conn, outcome) = dial_and_greet(&client, &addr, ALPN_SWARM).await;
+        if outcome.is_ok() {
+            held.push(conn);
+            break;
+        }
+        assert!(started.elapsed() < DIAL, "the slot was never freed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    client.close().await;
+    other.close().await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn connections_over_the_total_cap_from_many_keys_are_refused() {
+    let limits = Limits {
+        connections_max: 6,
+        connections_per_peer_max: 4,
+        ..Limits::OPEN
+    };
+    let server = capped_server(limits).await;
+    let addr = server.endpoint().addr();
+
+    let mut clients = Vec::new();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let client = endpoint().await;
+        for _ in 0..2 {
+            let (conn, outcome) = dial_and_greet(&client, &addr, ALPN_SWARM).await;
+            assert_eq!(outcome.as_deref(), Ok("hi"));
+            held.push(conn);
+        }
+        clients.push(client);
+    }
+    let late = endpoint().await;
+    let (conn, outcome) = dial_and_greet(&late, &addr, ALPN_SWARM).await;
+    assert_eq!(outcome, Err(Some(codes::CLOSE_BUSY)));
+    let reason = conn.close_reason().unwrap().to_string();
+    assert!(reason.contains("on this protocol"), "{reason}");
+
+    // The caps are per protocol: the same peer is served on another one.
+    let (_control, outcome) = dial_and_greet(&late, &addr, ALPN_CONTROL).await;
+    assert_eq!(outcome.as_deref(), Ok("hi"));
+
+    for client in clients {
+        client.close().await;
+    }
+    late.close().await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_silent_peer_is_dropped_at_the_handshake_deadline() {
+    let deadline = Duration::from_millis(300);
+    let server = GuardedRouterBuilder::new(endpoint().await)
+        .serve(ALPN_SWARM, Allowlist::open(), Greeter { deadline })
+        .spawn();
+    let addr = server.endpoint().addr();
+    let client = endpoint().await;
+
+    // Connects and opens nothing.
+    let silent = connect(&client, addr.clone(), ALPN_SWARM, DIAL)
+        .await
+        .unwrap();
+    // Opens a stream and sends half a header.
+    let mumbling = connect(&client, addr.clone(), ALPN_SWARM, DIAL)
+        .await
+        .unwrap();
+    let (mut send, _recv) = mumbling.open_bi().await.unwrap();
+    send.write_all(&[0, 0]).await.unwrap();
+    let started = Instant::now();
+
+    for conn in [&silent, &mumbling] {
+        let closed = within(deadline + DIAL, "the deadline", conn.closed()).await;
+        assert_eq!(
+            peer_close_code(&closed),
+            Some(codes::CLOSE_HANDSHAKE_TIMEOUT),
+            "{closed}"
+        );
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < deadline + Duration::from_secs(1),
+        "dropped after {elapsed:?}"
+    );
+
+    // A prompt peer is served meanwhile.
+    let (_conn, outcome) = dial_and_greet(&client, &addr, ALPN_SWARM).await;
+    assert_eq!(outcome.as_deref(), Ok("hi"));
+    client.close().await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_first_frame_over_the_small_limit_is_refused_at_once() {
+    let server = GuardedRouterBuilder::new(endpoint().await)
+        .serve(ALPN_SWARM, Allowlist::open(), greeter())
+        .spawn();
+    let client = endpoint().await;
+    let conn = connect(&client, server.endpoint().addr(), ALPN_SWARM, DIAL)
+        .await
+        .unwrap();
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    let announced = u32::try_from(FIRST_FRAME_LEN_MAX_BYTES + 1).unwrap();
+    send.write_all(&announced.to_be_bytes()).await.unwrap();
+    let closed = within(Duration::from_secs(1), "refusal", conn.closed()).await;
+    assert_eq!(
+        peer_close_code(&closed),
+        Some(codes::STREAM_FRAME_TOO_LARGE),
+        "{closed}"
+    );
+    client.close().await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_peer_cannot_open_more_streams_than_the_endpoint_allows_nor_send_datagrams() {
+    let config = NetConfig {
+        incoming_bidi_streams_max: Some(1),
+        incoming_uni_streams_max: Some(0),
+        ..NetConfig::default()
+    };
+    let server = GuardedRouterBuilder::new(endpoint_with(&config).await)
+        .serve(ALPN_SWARM, Allowlist::open(), greeter())
+        .spawn();
+    let client = endpoint().await;
+    let conn = connect(&client, server.endpoint().addr(), ALPN_SWARM, DIAL)
+        .await
+        .unwrap();
+    let (mut first, _first_recv) = conn.open_bi().await.unwrap();
+    first.write_all(&[0]).await.unwrap();
+    let second = tokio::time::timeout(Duration::from_millis(300), conn.open_bi()).await;
+    assert!(second.is_err(), "a second bidirectional stream was allowed");
+    let uni = tokio::time::timeout(Duration::from_millis(300), conn.open_uni()).await;
+    assert!(uni.is_err(), "a unidirectional stream was allowed");
+    // Datagrams are off on every engine endpoint: nothing would read them.
+    assert_eq!(conn.max_datagram_size(), None);
+    client.close().await;
+    server.shutdown().await.unwrap();
+}
+
+/// Log output shared with the test: a `MakeWriter` appending to a buffer.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Self;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+impl Captured {
+    fn lines(&self) -> Vec<String> {
+        let bytes = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        String::from_utf8_lossy(&bytes)
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// The refusals a log line accounts for: one for a line about a single
+/// refusal, the count of a summary.
+fn refusals_in(line: &str) -> u64 {
+    if line.contains("refusing connection") {
+        return 1;
+    }
+    let Some(rest) = line.split("refused ").nth(1) else {
+        return 0;
+    };
+    rest.split_whitespace()
+        .next()
+        .and_then(|n| n.replace(',', "").parse().ok())
+        .unwrap_or(0)
+}
+
+const REFUSALS: usize = 1_000;
+
+#[tokio::test]
+async fn a_thousand_refusals_log_fewer_than_twenty_lines() {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    // This runtime has one thread, so every task of the server logs here.
+    let _logging = tracing::subscriber::set_default(subscriber);
+
+    // Long enough that a slow machine (a refusal is a full handshake, about
+    // 10 ms here in a debug build) stays far below 20 summaries.
+    let interval = Duration::from_secs(3);
+    let server = GuardedRouterBuilder::new(endpoint().await)
+        .serve_with_limits(
+            ALPN_CONTROL,
+            Allowlist::closed(),
+            Limits {
+                refusal_log_interval: interval,
+                ..Limits::ALLOWLISTED
+            },
+            greeter(),
+        )
+        .spawn();
+    let addr = server.endpoint().addr();
+    let client = endpoint().await;
+
+    let started = Instant::now();
+    let refused = futures_util::stream::iter(0..REFUSALS)
+        .map(|_| async {
+            let conn = connect(&client, addr.clone(), ALPN_CONTROL, DIAL)
+                .await
+                .unwrap();
+            let closed = within(DIAL, "refusal", conn.closed()).await;
+            peer_close_code(&closed) == Some(codes::CLOSE_NOT_ALLOWED)
+        })
+        .buffer_unordered(16)
+        .filter(|refused| std::future::ready(*refused))
+        .count()
+        .await;
+    let took = started.elapsed();
+    assert_eq!(refused, REFUSALS);
+    // The last summary comes at most one interval after the last refusal.
+    tokio::time::sleep(interval + Duration::from_millis(500)).await;
+
+    let lines = captured.lines();
+    eprintln!(
+        "{REFUSALS} refusals in {took:?} logged {} lines:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+    assert!(lines.len() < 20, "{} lines", lines.len());
+    let accounted: u64 = lines.iter().map(|l| refusals_in(l)).sum();
+    assert_eq!(accounted, REFUSALS as u64, "every refusal is counted once");
+    client.close().await;
+    server.shutdown().await.unwrap();
+}
