@@ -214,12 +214,12 @@ impl ClusterHandle {
             .await
     }
 
-    /// Reports that the agent of `key` disconnected.
-    pub fn agent_gone(&self, key: ResourceKey) {
+    /// Reports that the agent of `key` disconnected, last heard `silent` ago.
+    pub fn agent_gone(&self, key: ResourceKey, silent: std::time::Duration) {
         // A cluster that is gone has nothing left to replace.
         let _ = self
             .actor
-            .send_message(DriverMsg::Swarm(SwarmMsg::Gone(key)));
+            .send_message(DriverMsg::Swarm(SwarmMsg::Gone(key, silent)));
     }
 
     /// Shuts the cluster down. [`ShutdownMode::Teardown`] returns only when

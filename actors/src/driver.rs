@@ -149,7 +149,10 @@ impl Actor for DriverActor {
             DriverMsg::Swarm(SwarmMsg::Join(key, reply)) => {
                 let _ = reply.send(st.host.handle_agent_joined(&key, now));
             }
-            DriverMsg::Swarm(SwarmMsg::Gone(key)) => st.host.handle_agent_gone(&key, now),
+            DriverMsg::Swarm(SwarmMsg::Gone(key, silent)) => {
+                let silent_ms = u64::try_from(silent.as_millis()).unwrap_or(u64::MAX);
+                st.host.handle_agent_gone(&key, silent_ms, now);
+            }
             DriverMsg::Inspect(reply) => {
                 let core = st.host.core();
                 let _ = reply.send(DriverView {

@@ -51,8 +51,10 @@ pub enum ClusterMsg {
 pub enum SwarmMsg {
     /// An agent presented `key` to join: accepted only for the node's current, active attempt.
     Join(ResourceKey, RpcReplyPort<Result<(), JoinRefused>>),
-    /// The agent of `key` disconnected; unless it rejoins within its grace, its node is replaced.
-    Gone(ResourceKey),
+    /// The agent of `key` disconnected, silent for the given time; unless it
+    /// rejoins within its grace (counted from when it was last heard), its
+    /// node is replaced.
+    Gone(ResourceKey, std::time::Duration),
 }
 
 /// A ref to a cluster limited to its public messages.

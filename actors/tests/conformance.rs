@@ -216,11 +216,12 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
                     } else {
                         n.attempt
                     };
-                    cluster.agent_gone(swactor_provisioning::ResourceKey {
+                    let key = swactor_provisioning::ResourceKey {
                         run_id: RunId::new(RUN),
                         node: (*node).clone(),
                         attempt,
-                    });
+                    };
+                    cluster.agent_gone(key, Duration::ZERO);
                 }
             }
             Input::Provider(f) => provider.arm(provider_fault(*f)),

@@ -50,8 +50,8 @@ pub(crate) struct AgentOptions {
     /// One argument of the boot check command (repeat, in order).
     #[arg(long = "boot-check")]
     pub(crate) boot_check: Vec<String>,
-    /// Seconds between heartbeats.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds between heartbeats (the daemon takes an agent silent for 2 s for gone).
+    #[arg(long, default_value_t = 0.5)]
     pub(crate) heartbeat_s: f64,
 }
 

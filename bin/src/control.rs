@@ -6,9 +6,12 @@ use std::time::Duration;
 use swactor_actors::{ApplyError, ClusterHandle, PlanView, ShutdownReport};
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
-use swactor_engine::net::{recv_frame, send_frame};
+use swactor_engine::net::{HANDSHAKE_DEADLINE, accept_first_frame, send_frame};
 use swactor_provisioning::{ClusterShape, DesiredUpdate, RunId, UpdateError};
 use tokio::sync::{mpsc, oneshot};
+
+/// Largest control request (a shape file, as JSON).
+const REQUEST_LEN_MAX_BYTES: usize = 1 << 20;
 
 /// A `down` request on its way to the daemon's main task: keep the nodes?
 /// and where the report goes.
@@ -141,14 +144,15 @@ impl ControlHandler {
 
 impl ProtocolHandler for ControlHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        let Ok((mut send, mut recv)) = conn.accept_bi().await else {
+        // Closes the connection itself when the request is late or too big.
+        let Ok((mut send, _recv, req)) =
+            accept_first_frame::<String>(&conn, REQUEST_LEN_MAX_BYTES, HANDSHAKE_DEADLINE).await
+        else {
             return Ok(());
         };
-        let req: Option<String> = recv_frame(&mut recv, FRAME_LEN_MAX).await.unwrap_or(None);
-        let resp = match req.as_deref().map(serde_json::from_str::<ControlRequest>) {
-            Some(Ok(req)) => self.answer(req).await,
-            Some(Err(e)) => ControlResponse::Error(format!("malformed request: {e}")),
-            None => return Ok(()),
+        let resp = match serde_json::from_str::<ControlRequest>(&req) {
+            Ok(req) => self.answer(req).await,
+            Err(e) => ControlResponse::Error(format!("malformed request: {e}")),
         };
         let text = serde_json::to_string(&resp).unwrap_or_else(|e| {
             serde_json::to_string(&ControlResponse::Error(e.to_string())).unwrap_or_default()

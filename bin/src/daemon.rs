@@ -6,7 +6,7 @@ use crate::progress::Progress;
 use crate::protocol::FRAME_LEN_MAX;
 use crate::shapefile::ShapeFile;
 use crate::state::StateDir;
-use crate::swarm::SwarmHandler;
+use crate::swarm::{RefusalLog, SwarmHandler};
 use anyhow::{Context, Result};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -137,6 +137,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
             SwarmHandler {
                 cluster: cluster.clone(),
                 secret,
+                refusals: RefusalLog::default(),
             },
         )
         .serve(
@@ -509,6 +510,10 @@ async fn bind_daemon_endpoint(state: &StateDir) -> Result<swactor_engine::iroh::
     let key = state.daemon_key()?;
     let mut config = NetConfig {
         frame_len_max: FRAME_LEN_MAX,
+        // Every protocol here is one request stream a peer opens (swarm,
+        // control) or one stream the daemon opens (telemetry).
+        incoming_bidi_streams_max: Some(1),
+        incoming_uni_streams_max: Some(0),
         ..NetConfig::default()
     };
     if let Some(port) = state.saved_port() {

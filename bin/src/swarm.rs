@@ -1,28 +1,48 @@
 //! The swarm protocol (`swactor/swarm/0`): agents join the daemon and stay connected.
+//!
+//! Anyone who knows the daemon's address may open this protocol, so nothing
+//! is trusted before a join is checked: the first frame must arrive within
+//! the engine's handshake deadline and fit its small first-frame limit, and
+//! it is accepted only from the key derived for that very (run, node,
+//! attempt), with its token. Refusals are logged once, then summarised.
 
-use crate::protocol::{FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest};
-use std::time::Duration;
+use crate::protocol::{Heartbeat, JoinReply, JoinRequest};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 use swactor_actors::ClusterHandle;
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
-use swactor_engine::net::{recv_frame, send_frame};
+use swactor_engine::net::{
+    FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, REFUSAL_LOG_INTERVAL, accept_first_frame,
+    recv_frame, send_frame,
+};
 use swactor_providers::credentials::AgentCredentials;
 
 /// How often a connected agent's join is asserted again.
 const JOIN_REASSERT: Duration = Duration::from_secs(3);
 
+/// A joined agent that sends nothing for this long is taken for gone; its
+/// grace is counted from its last heartbeat. Agents send one every second
+/// or faster.
+pub(crate) const HEARTBEAT_SILENCE_MAX: Duration = Duration::from_secs(2);
+
+/// Largest heartbeat or reply frame (a heartbeat is a counter).
+const SMALL_FRAME_LEN_MAX_BYTES: usize = 64;
+
 #[derive(Debug, Clone)]
 pub(crate) struct SwarmHandler {
     pub(crate) cluster: ClusterHandle,
     pub(crate) secret: [u8; 32],
+    pub(crate) refusals: RefusalLog,
 }
 
 impl ProtocolHandler for SwarmHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        let Ok((mut send, mut recv)) = conn.accept_bi().await else {
-            return Ok(());
-        };
-        let Ok(Some(join)) = recv_frame::<JoinRequest, _>(&mut recv, FRAME_LEN_MAX).await else {
+        // Closes the connection itself when the peer is slow, silent or too big.
+        let Ok((mut send, mut recv, join)) =
+            accept_first_frame::<JoinRequest>(&conn, FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE)
+                .await
+        else {
             return Ok(());
         };
         // Only the key this attempt's agent was given may join for it, and
@@ -42,35 +62,74 @@ impl ProtocolHandler for SwarmHandler {
             Ok(()) => JoinReply::Welcome,
             Err(reason) => JoinReply::Refused(reason.clone()),
         };
-        if send_frame(&mut send, &reply, FRAME_LEN_MAX).await.is_err() || verdict.is_err() {
-            if let Err(reason) = verdict {
-                tracing::warn!(key = %join.key, %reason, "join refused");
-            }
+        let sent = send_frame(&mut send, &reply, SMALL_FRAME_LEN_MAX_BYTES).await;
+        if let Err(reason) = &verdict {
+            self.refusals.refused(&join.key.to_string(), reason);
+        }
+        if sent.is_err() || verdict.is_err() {
             let _ = send.finish();
             let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
             return Ok(());
         }
         tracing::info!(key = %join.key, "agent joined");
-        // The agent stays connected; its heartbeats end when it goes away.
-        // The join is asserted again now and then: a cluster actor restarted
-        // from its journal learns who is still connected, and an agent whose
-        // attempt was replaced meanwhile is dropped.
-        let mut asserted = std::time::Instant::now();
-        while let Ok(Some(Heartbeat(_))) =
-            recv_frame::<Heartbeat, _>(&mut recv, FRAME_LEN_MAX).await
-        {
+        // The agent stays connected and sends heartbeats. The join is asserted
+        // again now and then: a cluster actor restarted from its journal
+        // learns who is still connected, and an agent whose attempt was
+        // replaced meanwhile is dropped.
+        let mut asserted = Instant::now();
+        let mut heard = Instant::now();
+        loop {
+            let next = recv_frame::<Heartbeat, _>(&mut recv, SMALL_FRAME_LEN_MAX_BYTES);
+            match tokio::time::timeout(HEARTBEAT_SILENCE_MAX, next).await {
+                Ok(Ok(Some(Heartbeat(_)))) => heard = Instant::now(),
+                // Silent (stopped, hung, cut off), gone, or talking nonsense.
+                _ => break,
+            }
             if asserted.elapsed() < JOIN_REASSERT {
                 continue;
             }
-            asserted = std::time::Instant::now();
+            asserted = Instant::now();
             if let Ok(Err(refusal)) = self.cluster.agent_join(join.key.clone()).await {
                 tracing::info!(key = %join.key, %refusal, "dropping an agent no longer wanted");
                 conn.close(1u32.into(), b"no longer wanted");
                 return Ok(());
             }
         }
-        tracing::info!(key = %join.key, "agent disconnected");
-        self.cluster.agent_gone(join.key);
+        tracing::info!(key = %join.key, silent_for = ?heard.elapsed(), "agent disconnected");
+        conn.close(0u32.into(), b"silent");
+        self.cluster.agent_gone(join.key, heard.elapsed());
         Ok(())
+    }
+}
+
+/// Refused joins, logged once and then summarised at most every
+/// [`REFUSAL_LOG_INTERVAL`], so a peer cannot fill the log.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RefusalLog(Arc<Mutex<RefusalCounts>>);
+
+#[derive(Debug, Default)]
+struct RefusalCounts {
+    since_summary: u64,
+    last_logged: Option<Instant>,
+}
+
+impl RefusalLog {
+    fn refused(&self, who: &str, reason: &str) {
+        let mut c = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match c.last_logged {
+            Some(at) if at.elapsed() < REFUSAL_LOG_INTERVAL => c.since_summary += 1,
+            _ => {
+                if c.since_summary > 0 {
+                    tracing::warn!(
+                        refused = c.since_summary,
+                        "refused {} more join(s) since the last report",
+                        c.since_summary
+                    );
+                }
+                tracing::warn!(%who, %reason, "join refused");
+                c.since_summary = 0;
+                c.last_logged = Some(Instant::now());
+            }
+        }
     }
 }

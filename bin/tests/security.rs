@@ -154,3 +154,98 @@ fn a_wrong_cli_key_is_told_it_is_not_authorised() {
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// A field of `/proc/{pid}/status`, in kB.
+fn status_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn unauthenticated_peers_cannot_exhaust_the_daemon_or_flood_its_log() {
+    use swactor_engine::net::ALPN_CONTROL;
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(tmp.path(), "one.toml", &workers("sec-flood", 1));
+    let d = Daemon::start(&state, &shape);
+    wait_converged(&state, Duration::from_secs(60), |s| s.nodes.len() == 1);
+    let pid = d.child.as_ref().unwrap().id();
+    // Resident memory, and the address space (an allocation of the declared
+    // length shows there even before its pages are touched).
+    let before = (status_kib(pid, "VmRSS:"), status_kib(pid, "VmSize:"));
+    let addr = ticket_of(&state).addr().clone();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        // 200 connections from 50 keys, each announcing a 64 MiB frame and
+        // sending only its 4-byte length.
+        let mut held = Vec::new();
+        let mut endpoints = Vec::new();
+        for _ in 0..50 {
+            let ep = bind_endpoint(&NetConfig::default(), SecretKey::generate())
+                .await
+                .unwrap();
+            for _ in 0..4 {
+                let Ok(conn) = connect(&ep, addr.clone(), ALPN_SWARM, Duration::from_secs(5)).await
+                else {
+                    continue;
+                };
+                if let Ok((mut send, _recv)) = conn.open_bi().await {
+                    let _ = send.write_all(&(64u32 << 20).to_be_bytes()).await;
+                    held.push((conn, send));
+                }
+            }
+            endpoints.push(ep);
+        }
+        // Meanwhile the daemon answers its CLI promptly.
+        let started = std::time::Instant::now();
+        let o = cli(&state, &["status"]);
+        let took = started.elapsed();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let after = (status_kib(pid, "VmRSS:"), status_kib(pid, "VmSize:"));
+        eprintln!(
+            "daemon (RSS, VmSize) {before:?} kB -> {after:?} kB with 200 half-open frames; status in {took:?}"
+        );
+        assert!(
+            after.0 < before.0 + 50 * 1024,
+            "RSS grew from {} kB to {} kB",
+            before.0,
+            after.0
+        );
+        assert!(
+            after.1 < before.1 + 200 * 1024,
+            "the address space grew from {} kB to {} kB",
+            before.1,
+            after.1
+        );
+        assert!(took < Duration::from_secs(1), "status took {took:?}");
+        drop(held);
+        for ep in endpoints {
+            ep.close().await;
+        }
+
+        // 1,000 refused connections (a key the control protocol does not
+        // allow) leave at most a handful of log lines.
+        let log_before = d.log().lines().count();
+        let ep = bind_endpoint(&NetConfig::default(), SecretKey::generate())
+            .await
+            .unwrap();
+        let mut refused = 0;
+        for _ in 0..1_000 {
+            if let Ok(conn) = connect(&ep, addr.clone(), ALPN_CONTROL, Duration::from_secs(5)).await
+            {
+                let _ = conn.closed().await;
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 1_000);
+        let lines = d.log().lines().count() - log_before;
+        eprintln!("1,000 refusals added {lines} log line(s)");
+        assert!(lines < 20, "{lines} lines:\n{}", d.log());
+    });
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -973,11 +973,13 @@ impl<C: Reconciler> Host<C> {
         Ok(())
     }
 
-    /// The agent of `key` disconnected: unless it rejoins within its group's
-    /// grace, the attempt fails and is replaced.
-    pub fn handle_agent_gone(&mut self, key: &ResourceKey, now: Timestamp) {
+    /// The agent of `key` disconnected, having last been heard `silent_ms`
+    /// ago: unless it rejoins within its group's grace (counted from when it
+    /// was last heard), the attempt fails and is replaced.
+    pub fn handle_agent_gone(&mut self, key: &ResourceKey, silent_ms: u64, now: Timestamp) {
         if self.links.get(&key.node) == Some(&Link::Connected(key.attempt)) {
-            self.start_grace(&key.node, key.attempt, now, 0);
+            let since = Timestamp::from_millis(now.as_millis().saturating_sub(silent_ms));
+            self.start_grace(&key.node, key.attempt, since, 0);
         }
     }
 

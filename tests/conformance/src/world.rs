@@ -914,7 +914,7 @@ impl<R: Reconciler> World<R> {
                         node: id.clone(),
                         attempt: NodeAttemptId(n.attempt.0 - u64::from(stale)),
                     };
-                    self.host.handle_agent_gone(&key, self.now);
+                    self.host.handle_agent_gone(&key, 0, self.now);
                 }
             }
             Input::ResubmitOld { pick } => {
