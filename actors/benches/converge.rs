@@ -40,6 +40,7 @@ fn shape(n: u32) -> ClusterShape {
             join: SwarmJoin::default(),
             limits: Default::default(),
         }],
+        capacity: None,
     }
 }
 

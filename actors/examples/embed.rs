@@ -129,6 +129,7 @@ fn shape(generation: u64, count: u32) -> ClusterShape {
             join: SwarmJoin::default(),
             limits: Default::default(),
         }],
+        capacity: None,
     }
 }
 

@@ -2,7 +2,7 @@
 
 use crate::config::ClusterConfig;
 use crate::driver::DriverActor;
-use crate::events::{ClusterEvent, ClusterSnapshot, PlanView};
+use crate::events::{ClusterEvent, ClusterSnapshot, NodeDescription, PlanView};
 use crate::msg::{
     ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, Subscription, SwarmMsg, SwarmRef,
 };
@@ -12,8 +12,8 @@ use swactor_engine::ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr}
 use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
-    ApplyError, ClusterShape, DesiredUpdate, Generation, JoinRefused, ResourceKey, ShutdownMode,
-    ShutdownReport,
+    ApplyError, ClusterShape, DesiredUpdate, Generation, JoinRefused, LogicalNodeId, ResourceKey,
+    ShutdownMode, ShutdownReport,
 };
 
 /// Why a call to a cluster failed.
@@ -172,6 +172,19 @@ impl ClusterHandle {
     /// The cluster is gone.
     pub async fn snapshot(&self) -> Result<ClusterSnapshot, ClusterError> {
         self.call(|r| DriverMsg::Cluster(ClusterMsg::Snapshot(r)))
+            .await
+    }
+
+    /// One node in depth: its current state and last attempts, or `None`
+    /// if the cluster never had it (or has forgotten it).
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn describe(
+        &self,
+        node: LogicalNodeId,
+    ) -> Result<Option<NodeDescription>, ClusterError> {
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Describe(node, r)))
             .await
     }
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 use swactor_engine::RestartPolicy;
-use swactor_provisioning::{ClusterShape, HostConfig, ReconcilerConfig, RunId};
+use swactor_provisioning::{Capacity, ClusterShape, HostConfig, ReconcilerConfig, RunId};
 
 /// Settings of a cluster.
 #[derive(Clone, Debug)]
@@ -36,6 +36,11 @@ pub struct ClusterConfig {
     pub sweep_interval: Duration,
     /// How long an agent of an earlier daemon has at least to rejoin this one.
     pub rejoin_window: Duration,
+    /// Attempts remembered per slot for `describe` (0 for none).
+    pub history_len: usize,
+    /// How many nodes the provider can hold; a shape asking for more is
+    /// refused unless it names its own capacity.
+    pub capacity: Option<Capacity>,
 }
 
 impl ClusterConfig {
@@ -62,6 +67,8 @@ impl ClusterConfig {
             visibility_window: Duration::from_millis(host.visibility_window_ms),
             sweep_interval: Duration::from_millis(host.sweep_interval_ms),
             rejoin_window: Duration::from_millis(host.rejoin_window_ms),
+            history_len: host.history_len,
+            capacity: host.capacity,
         }
     }
 
@@ -74,6 +81,8 @@ impl ClusterConfig {
                 .unwrap_or(u64::MAX),
             sweep_interval_ms: u64::try_from(self.sweep_interval.as_millis()).unwrap_or(u64::MAX),
             rejoin_window_ms: u64::try_from(self.rejoin_window.as_millis()).unwrap_or(u64::MAX),
+            history_len: self.history_len,
+            capacity: self.capacity.clone(),
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, Work
 use crate::journal::JournalStore;
 use crate::msg::{ClusterMsg, DriverArgs, DriverMsg, DriverView, SwarmMsg, TimerKey};
 use crate::observer::{BootstrapObserver, Observed, ObserverArgs};
-use crate::telemetry::{Telemetry, snapshot};
+use crate::telemetry::{self, Telemetry, snapshot};
 use crate::{ClusterConfig, ClusterEvent, PlanView};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -262,6 +262,9 @@ impl DriverState {
             }
             ClusterMsg::Snapshot(reply) => {
                 let _ = reply.send(snapshot(&self.host, now));
+            }
+            ClusterMsg::Describe(node, reply) => {
+                let _ = reply.send(telemetry::describe(&self.host, &node, now));
             }
             ClusterMsg::Subscribe(reply) => {
                 let _ = reply.send(self.telemetry.subscribe(&self.host, now));

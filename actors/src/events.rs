@@ -2,8 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 use swactor_provisioning::{
-    ClusterState, DriverStats, EffectKind, Generation, Intent, LadderRow, Link, LogicalNodeId,
-    NodeAttemptId, NodeStage, OperationId, Plan, ResourceKey, ShutdownMode, Timestamp,
+    AttemptRecord, BootstrapStage, ClusterState, DriverStats, EffectKind, Generation, Intent,
+    LadderRow, Link, LogicalNodeId, NodeAttemptId, NodeStage, OperationId, Plan, ResourceKey,
+    ShapeDiff, ShutdownMode, Timestamp,
 };
 
 /// Whether a node's agent is connected to this daemon.
@@ -211,6 +212,29 @@ pub struct PlanView {
     pub actions: Vec<PlanLine>,
     /// When the cluster next needs waking, if anything waits.
     pub requeue_at: Option<Timestamp>,
+    /// What the shape changes overall, counted per slot.
+    pub diff: ShapeDiff,
+}
+
+/// One node in depth: where it is now and its last attempts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeDescription {
+    /// The slot.
+    pub node: LogicalNodeId,
+    /// Where it is now, if the slot has a node.
+    pub summary: Option<NodeSummary>,
+    /// Whether the current shape wants the slot.
+    pub desired: bool,
+    /// The provider's name for its current lease, if it has one.
+    pub lease: Option<String>,
+    /// The last bootstrap fact of its current attempt.
+    pub bootstrap: Option<BootstrapStage>,
+    /// Why its current attempt failed, if it did.
+    pub failed_reason: Option<String>,
+    /// Its last attempts, oldest first.
+    pub attempts: Vec<AttemptRecord>,
+    /// The cluster's clock when this was taken.
+    pub now: Timestamp,
 }
 
 /// One planned action.
@@ -224,8 +248,8 @@ pub struct PlanLine {
     pub action: String,
 }
 
-impl From<Plan> for PlanView {
-    fn from(plan: Plan) -> Self {
+impl From<(Plan, ShapeDiff)> for PlanView {
+    fn from((plan, diff): (Plan, ShapeDiff)) -> Self {
         use swactor_provisioning::NodeAction as A;
         let actions = plan
             .actions
@@ -247,6 +271,7 @@ impl From<Plan> for PlanView {
         Self {
             actions,
             requeue_at: plan.requeue_at,
+            diff,
         }
     }
 }

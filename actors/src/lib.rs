@@ -77,7 +77,9 @@ mod telemetry;
 pub use cluster::{Cluster, ClusterError, ClusterHandle};
 pub use config::ClusterConfig;
 pub use driver::{DriverActor, DriverState};
-pub use events::{AgentLink, ClusterEvent, ClusterSnapshot, NodeSummary, PlanLine, PlanView};
+pub use events::{
+    AgentLink, ClusterEvent, ClusterSnapshot, NodeDescription, NodeSummary, PlanLine, PlanView,
+};
 pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 pub use journal::{JournalStore, MemoryJournal};
 pub use msg::{

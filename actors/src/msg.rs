@@ -7,7 +7,7 @@
 //! [`SwarmRef`]. Everything else ([`DriverMsg`]'s other variants) is the
 //! cluster's own business.
 
-use crate::events::{ClusterEvent, ClusterSnapshot, PlanView};
+use crate::events::{ClusterEvent, ClusterSnapshot, NodeDescription, PlanView};
 use crate::executor::ExecutorReport;
 use crate::journal::JournalStore;
 use crate::observer::Observed;
@@ -18,7 +18,7 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
     ApplyError, BootstrapObservation, ClusterShape, DesiredUpdate, Generation, JoinRefused,
-    JournalImage, ResourceKey, ShutdownMode, ShutdownReport, Timestamp,
+    JournalImage, LogicalNodeId, ResourceKey, ShutdownMode, ShutdownReport, Timestamp,
 };
 use tokio::sync::broadcast;
 
@@ -38,6 +38,8 @@ pub enum ClusterMsg {
     ),
     /// The cluster as it is now.
     Snapshot(RpcReplyPort<ClusterSnapshot>),
+    /// One node in depth (`None` if the cluster never had it, or forgot it).
+    Describe(LogicalNodeId, RpcReplyPort<Option<NodeDescription>>),
     /// Subscribe to events.
     Subscribe(RpcReplyPort<Subscription>),
     /// Reply once converged on the current desired generation (or not at all

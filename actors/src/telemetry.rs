@@ -1,6 +1,6 @@
 //! What the cluster tells the world: snapshots and a stream of events, built from the host.
 
-use crate::events::{ClusterEvent, ClusterSnapshot, NodeSummary};
+use crate::events::{ClusterEvent, ClusterSnapshot, NodeDescription, NodeSummary};
 use crate::msg::Subscription;
 use std::sync::Arc;
 use swactor_engine::telemetry::TelemetryPublisher;
@@ -131,6 +131,31 @@ impl Telemetry {
 
 fn summary<C: Reconciler>(host: &Host<C>, node: &LogicalNodeId) -> Option<NodeSummary> {
     NodeSummary::of(node, host.core().state(), host.link(node))
+}
+
+/// One node in depth, or `None` if the host knows nothing of it.
+pub(crate) fn describe<C: Reconciler>(
+    host: &Host<C>,
+    node: &LogicalNodeId,
+    now: Timestamp,
+) -> Option<NodeDescription> {
+    let current = host.core().state().nodes.get(node);
+    let history = host.history(node);
+    if current.is_none() && history.is_none() {
+        return None;
+    }
+    Some(NodeDescription {
+        node: node.clone(),
+        summary: summary(host, node),
+        desired: host.core().desired().slot(node).is_some(),
+        lease: current.and_then(|n| n.record.lease.as_ref().map(|l| l.0.clone())),
+        bootstrap: current.and_then(|n| n.record.bootstrap),
+        failed_reason: current.and_then(|n| n.record.failed_reason.clone()),
+        attempts: history
+            .map(|h| h.iter().cloned().collect())
+            .unwrap_or_default(),
+        now,
+    })
 }
 
 /// The cluster as people see it.

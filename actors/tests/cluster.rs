@@ -31,6 +31,7 @@ fn shape(generation: u64, workers: u32) -> ClusterShape {
             join: SwarmJoin::default(),
             limits: Default::default(),
         }],
+        capacity: None,
     }
 }
 
@@ -155,6 +156,14 @@ async fn plan_previews_without_applying() {
         .map(|l| format!("{} {}", l.node, l.action))
         .collect();
     assert_eq!(lines, ["w-2 create slot", "w-3 create slot"]);
+    assert_eq!(
+        (plan.diff.create, plan.diff.unchanged, plan.diff.destroy),
+        (2, 2, 0)
+    );
+    let mut image = shape(2, 1);
+    image.groups[0].boot.image = Some("other".into());
+    let diff = c.plan(Some(image)).await.unwrap().diff;
+    assert_eq!((diff.create, diff.replace, diff.destroy), (0, 1, 1));
     assert_eq!(c.snapshot().await.unwrap().nodes.len(), 2);
     c.shutdown(ShutdownMode::Teardown).await.unwrap();
 }
@@ -339,4 +348,67 @@ async fn kept_nodes_of_unknown_or_other_templates_are_replaced_not_taken_as_they
     assert_no_double_create(&p);
     c2.shutdown(ShutdownMode::Teardown).await.unwrap();
     assert_eq!(live(&p), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shape_past_the_capacity_is_refused_unless_it_names_its_own() {
+    let p = fake(0);
+    let mut cfg = config();
+    cfg.capacity = Some(Capacity {
+        nodes: 3,
+        basis: "the test's limit".into(),
+    });
+    let c = Cluster::start(cfg, Arc::new(p.clone())).await.unwrap();
+    let err = c.apply(shape(1, 4)).await.unwrap_err().to_string();
+    assert!(
+        err.contains("asks for 4 nodes") && err.contains("the test's limit allows at most 3"),
+        "{err}"
+    );
+    assert!(c.plan(Some(shape(1, 4))).await.is_err(), "plan refuses it too");
+    assert_eq!(c.snapshot().await.unwrap().desired_nodes, 0);
+
+    let mut own = shape(1, 4);
+    own.capacity = Some(4);
+    c.apply(own).await.unwrap();
+    converged(&c).await;
+    // Its own lower capacity refuses growth, but shrinking is always allowed.
+    let mut grow = shape(2, 5);
+    grow.capacity = Some(2);
+    assert!(c.apply(grow).await.is_err());
+    let mut shrink = shape(2, 3);
+    shrink.capacity = Some(2);
+    c.apply(shrink).await.unwrap();
+    assert_eq!(converged(&c).await.nodes.len(), 3);
+    c.shutdown(ShutdownMode::Teardown).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn describe_shows_a_node_and_its_last_attempts() {
+    let p = fake(10);
+    let c = Cluster::start(config(), Arc::new(p.clone())).await.unwrap();
+    c.apply(shape(1, 1)).await.unwrap();
+    converged(&c).await;
+    let w0 = LogicalNodeId::parse("w-0").unwrap();
+    let d = c.describe(w0.clone()).await.unwrap().expect("w-0 is known");
+    assert!(d.desired && d.summary.as_ref().is_some_and(|s| s.ready));
+    assert_eq!(d.attempts.len(), 1);
+    let first = &d.attempts[0];
+    assert!(first.ready_at.is_some() && first.ended_at.is_none(), "{first:?}");
+    assert!(first.started_at <= first.ready_at.unwrap());
+    assert!(d.lease.is_some());
+
+    // A new template replaces the node: the first attempt ends, a second starts.
+    let mut next = shape(2, 1);
+    next.groups[0].boot.image = Some("v2".into());
+    c.apply(next).await.unwrap();
+    converged(&c).await;
+    let d = c.describe(w0).await.unwrap().unwrap();
+    assert_eq!(d.attempts.len(), 2, "{:?}", d.attempts);
+    assert!(d.attempts[0].ended_at.is_some());
+    assert!(d.attempts[0].attempt < d.attempts[1].attempt);
+    assert!(d.attempts[1].ready_at.is_some());
+
+    let nobody = LogicalNodeId::parse("w-7").unwrap();
+    assert_eq!(c.describe(nobody).await.unwrap(), None);
+    c.shutdown(ShutdownMode::Teardown).await.unwrap();
 }

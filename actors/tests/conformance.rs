@@ -181,6 +181,12 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
                     }
                     InvalidUpdate::WrongRun => shape.run_id = RunId::new("elsewhere"),
                     InvalidUpdate::Malformed => shape.groups[0].id = "Alpha".to_owned(),
+                    InvalidUpdate::OverCapacity => {
+                        let mut g = groups;
+                        g[0].0 += 1;
+                        shape = shape_of(generation + 1, &g);
+                        shape.capacity = Some(shape.node_count() - 1);
+                    }
                     InvalidUpdate::GenerationRegression => continue,
                 }
                 if cluster.apply(shape).await.is_ok() {

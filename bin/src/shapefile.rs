@@ -26,6 +26,10 @@ pub(crate) struct ShapeFile {
     /// An explicit generation, if the author wants one.
     #[serde(default)]
     pub(crate) generation: Option<u64>,
+    /// The most nodes this shape may hold, overriding the provider's own
+    /// estimate (e.g. this machine's memory for local processes).
+    #[serde(default)]
+    pub(crate) capacity: Option<u64>,
     /// The node groups.
     #[serde(default, rename = "group")]
     pub(crate) groups: Vec<GroupFile>,
@@ -145,6 +149,7 @@ impl ShapeFile {
             run_id: self.run_id(),
             generation: Generation(self.generation.unwrap_or(generation)),
             groups,
+            capacity: self.capacity,
         })
     }
 }

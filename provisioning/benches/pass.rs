@@ -29,6 +29,7 @@ fn shape(generation: u64, n: u32) -> ClusterShape {
         run_id: RunId::new("bench"),
         generation: Generation(generation),
         groups,
+        capacity: None,
     }
 }
 

@@ -377,3 +377,71 @@ pub fn is_converged(state: &ClusterState, desired: &DesiredState) -> bool {
             && node.pending.is_none()
     })
 }
+
+/// What applying a desired state would change, counted per slot.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShapeDiff {
+    /// Desired slots with no node yet.
+    pub create: u64,
+    /// Active nodes made from another template than their slot's: replaced.
+    pub replace: u64,
+    /// Active nodes of slots that are not desired: destroyed.
+    pub destroy: u64,
+    /// Active nodes that stay as they are.
+    pub unchanged: u64,
+    /// Up to [`ShapeDiff::EXAMPLES_MAX`] changed slots, in slot order.
+    pub examples: Vec<(LogicalNodeId, Change)>,
+}
+
+/// How one slot changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Change {
+    /// A new slot.
+    Create,
+    /// A node replaced by one of the new template.
+    Replace,
+    /// A node destroyed.
+    Destroy,
+}
+
+impl ShapeDiff {
+    /// How many changed slots are listed by name.
+    pub const EXAMPLES_MAX: usize = 200;
+
+    /// True when nothing would change.
+    pub fn is_empty(&self) -> bool {
+        self.create == 0 && self.replace == 0 && self.destroy == 0
+    }
+
+    fn note(&mut self, node: &LogicalNodeId, change: Change) {
+        match change {
+            Change::Create => self.create += 1,
+            Change::Replace => self.replace += 1,
+            Change::Destroy => self.destroy += 1,
+        }
+        if self.examples.len() < Self::EXAMPLES_MAX {
+            self.examples.push((node.clone(), change));
+        }
+    }
+}
+
+/// What `desired` changes about `state`, slot by slot. Nodes already being
+/// deleted are not counted: this change does not cause their end.
+pub fn diff(state: &ClusterState, desired: &DesiredState) -> ShapeDiff {
+    let mut d = ShapeDiff::default();
+    walk(state, desired, Timestamp::from_millis(0), |id, _decision| {
+        let node = state.nodes.get(id);
+        let active = node
+            .is_some_and(|n| n.intent == Intent::Active && n.record.stage != NodeStage::Destroyed);
+        match (node, desired.slot(id)) {
+            (None, Some(_)) => d.note(id, Change::Create),
+            (Some(n), Some(t)) if active && !same_template(t, &n.template) => {
+                d.note(id, Change::Replace)
+            }
+            (Some(_), None) if active => d.note(id, Change::Destroy),
+            (Some(_), Some(_)) if active => d.unchanged += 1,
+            _ => {}
+        }
+    });
+    d
+}

@@ -60,7 +60,7 @@
 
 use crate::config::ReconcilerConfig;
 use crate::core::Reconciler;
-use crate::decide::Plan;
+use crate::decide::{Plan, ShapeDiff, diff};
 use crate::driver::{AdoptEntry, DesiredUpdate, DriverError, Pass, PassStats, UpdateError};
 use crate::id::{
     Generation, LeaseId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId, SessionId,
@@ -96,6 +96,11 @@ pub struct HostConfig {
     pub stream_joins: bool,
     /// Emit an event for every node change and dispatch (off for very large benchmarks).
     pub node_events: bool,
+    /// Attempts remembered per slot for people to look back at (0 for none).
+    pub history_len: usize,
+    /// The most nodes the provider can hold, and why; a shape asking for
+    /// more is refused unless it names its own `capacity`.
+    pub capacity: Option<Capacity>,
     /// How long a new lease may stay invisible to the provider's listing.
     /// An attempt the journal saw created but the listing misses is checked
     /// again by a sweep this long after start.
@@ -115,9 +120,60 @@ impl Default for HostConfig {
             lanes: 16,
             stream_joins: false,
             node_events: true,
+            history_len: 4,
+            capacity: None,
             visibility_window_ms: 60_000,
             sweep_interval_ms: 300_000,
             rejoin_window_ms: 15_000,
+        }
+    }
+}
+
+/// Slots without a node whose attempt history is still kept for people.
+pub const DEPARTED_HISTORY_MAX: usize = 256;
+
+/// How many nodes a provider can hold, and on what the estimate rests.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    /// The most nodes.
+    pub nodes: u64,
+    /// Where the number comes from, for people (e.g. "this machine's
+    /// 7.5 GiB of free memory at 64 MiB per agent").
+    pub basis: String,
+}
+
+/// One attempt of a slot, as people look back at it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// The attempt.
+    pub attempt: NodeAttemptId,
+    /// When it started.
+    pub started_at: Timestamp,
+    /// When it first became ready, if it did.
+    pub ready_at: Option<Timestamp>,
+    /// When it ended (destroyed or reaped), if it did.
+    pub ended_at: Option<Timestamp>,
+    /// The furthest stage it is at (or reached before it ended).
+    pub stage: NodeStage,
+    /// The last bootstrap fact it reported.
+    pub bootstrap: Option<crate::state::BootstrapStage>,
+    /// Why it failed, if it did.
+    pub failed_reason: Option<String>,
+    /// The last error of any kind.
+    pub last_error: Option<String>,
+}
+
+impl AttemptRecord {
+    fn new(attempt: NodeAttemptId, now: Timestamp) -> Self {
+        Self {
+            attempt,
+            started_at: now,
+            ready_at: None,
+            ended_at: None,
+            stage: NodeStage::New,
+            bootstrap: None,
+            failed_reason: None,
+            last_error: None,
         }
     }
 }
@@ -262,6 +318,18 @@ pub enum ApplyError {
         "the cluster is being torn down, so no shape can be applied; start it again once the teardown has finished"
     )]
     ShuttingDown,
+    /// The shape asks for more nodes than the provider can hold.
+    #[error(
+        "the shape asks for {nodes} nodes, but {basis} allows at most {capacity}; nothing was changed (set `capacity` in the shape to override)"
+    )]
+    OverCapacity {
+        /// Nodes the shape asks for.
+        nodes: u64,
+        /// The most allowed.
+        capacity: u64,
+        /// On what that rests.
+        basis: String,
+    },
 }
 
 /// The answer to a ticket.
@@ -530,6 +598,7 @@ pub struct Host<C: Reconciler> {
     converged_reported: Option<Generation>,
     stopped: bool,
     digests: Vec<(Arc<NodeTemplate>, u64)>,
+    history: BTreeMap<LogicalNodeId, VecDeque<AttemptRecord>>,
 }
 
 impl<C: Reconciler> Host<C> {
@@ -593,6 +662,7 @@ impl<C: Reconciler> Host<C> {
             converged_reported: None,
             stopped: false,
             digests: Vec::new(),
+            history: BTreeMap::new(),
         })
     }
 
@@ -672,15 +742,63 @@ impl<C: Reconciler> Host<C> {
         self.core.is_pass_queued()
     }
 
-    /// What the next pass would do on the current shape, or on `shape` if it were applied.
+    /// What the next pass would do on the current shape, or on `shape` if
+    /// it were applied, and what the shape changes overall.
     ///
     /// # Errors
-    /// `shape` breaks validation or the revision contract, or the cluster is being torn down.
-    pub fn plan(&self, shape: Option<&ClusterShape>, now: Timestamp) -> Result<Plan, ApplyError> {
+    /// `shape` breaks validation, the revision contract or the capacity, or
+    /// the cluster is being torn down.
+    pub fn plan(
+        &self,
+        shape: Option<&ClusterShape>,
+        now: Timestamp,
+    ) -> Result<(Plan, ShapeDiff), ApplyError> {
         match shape {
-            None => Ok(self.core.plan(now)),
+            None => Ok((
+                self.core.plan(now),
+                diff(self.core.state(), self.core.desired()),
+            )),
             Some(_) if self.shutdown.is_some() || self.stopped => Err(ApplyError::ShuttingDown),
-            Some(s) => Ok(self.core.plan_shape(s, now)?),
+            Some(s) => {
+                self.check_capacity(s)?;
+                let plan = self.core.plan_shape(s, now)?;
+                let next = s.validate().map_err(UpdateError::from)?;
+                Ok((plan, diff(self.core.state(), &next)))
+            }
+        }
+    }
+
+    /// The attempts of `node` remembered for people, oldest first.
+    pub fn history(&self, node: &LogicalNodeId) -> Option<&VecDeque<AttemptRecord>> {
+        self.history.get(node)
+    }
+
+    /// Refuses a shape that grows past the capacity (the shape's own, or the provider's).
+    ///
+    /// A malformed shape or one of another run is left for the revision
+    /// contract to refuse, with its own clearer reason.
+    fn check_capacity(&self, shape: &ClusterShape) -> Result<(), ApplyError> {
+        if shape.run_id != self.meta.run_id || shape.validate().is_err() {
+            return Ok(());
+        }
+        let nodes = shape.node_count();
+        let limit = match (shape.capacity, &self.config.capacity) {
+            (Some(c), _) => Some((c, "the shape's `capacity`".to_owned())),
+            (None, Some(c)) => Some((c.nodes, c.basis.clone())),
+            (None, None) => None,
+        };
+        match limit {
+            // A shape may always shrink, even one already over the limit.
+            Some((capacity, basis))
+                if nodes > capacity && nodes > self.core.desired().node_count() =>
+            {
+                Err(ApplyError::OverCapacity {
+                    nodes,
+                    capacity,
+                    basis,
+                })
+            }
+            _ => Ok(()),
         }
     }
 
@@ -760,7 +878,8 @@ impl<C: Reconciler> Host<C> {
         let outcome = if self.shutdown.is_some() || self.stopped {
             Err(ApplyError::ShuttingDown)
         } else {
-            self.core.update_desired(shape).map_err(ApplyError::from)
+            self.check_capacity(shape)
+                .and_then(|()| self.core.update_desired(shape).map_err(ApplyError::from))
         };
         if let Ok(DesiredUpdate::Accepted(generation)) = outcome {
             self.meta.shape = Some(shape.clone());
@@ -824,6 +943,7 @@ impl<C: Reconciler> Host<C> {
                     run_id: self.meta.run_id.clone(),
                     generation,
                     groups: Vec::new(),
+                    capacity: None,
                 };
                 if let Err(e) = self.core.update_desired(&empty) {
                     // Unreachable: an empty shape of this run at a higher
@@ -869,7 +989,7 @@ impl<C: Reconciler> Host<C> {
         let attempt = result.op.attempt;
         let folded = self.core.handle_result(result, now)?;
         if folded == Folded::Applied {
-            self.node_changed(&node);
+            self.node_changed(&node, now);
             if started {
                 self.bootstrap_started(&node);
             }
@@ -894,7 +1014,7 @@ impl<C: Reconciler> Host<C> {
         self.in_flight.remove(&op);
         let folded = self.core.handle_submit_failed(node, op, reason, now)?;
         if folded == Folded::Applied {
-            self.node_changed(node);
+            self.node_changed(node, now);
         }
         Ok(folded)
     }
@@ -929,7 +1049,7 @@ impl<C: Reconciler> Host<C> {
         }
         let folded = self.core.handle_bootstrap(obs.clone(), now)?;
         match folded {
-            Folded::Applied => self.node_changed(&obs.node),
+            Folded::Applied => self.node_changed(&obs.node, now),
             Folded::Discarded(DiscardReason::StaleSession) => self.keep_early(obs),
             Folded::Discarded(_) => {}
         }
@@ -1122,9 +1242,76 @@ impl<C: Reconciler> Host<C> {
         self.events.push_back(HostEvent::Warning(message));
     }
 
-    fn node_changed(&mut self, node: &LogicalNodeId) {
+    fn node_changed(&mut self, node: &LogicalNodeId, now: Timestamp) {
+        if self.config.history_len > 0 {
+            self.touch_history(node, now);
+        }
         if self.config.node_events {
             self.events.push_back(HostEvent::NodeChanged(node.clone()));
+        }
+    }
+
+    /// Brings `node`'s attempt history up to date with its state.
+    fn touch_history(&mut self, node: &LogicalNodeId, now: Timestamp) {
+        let current = self.core.state().nodes.get(node);
+        let history = self.history.entry(node.clone()).or_default();
+        let Some(n) = current else {
+            if let Some(last) = history.back_mut() {
+                last.ended_at.get_or_insert(now);
+            }
+            self.forget_departed();
+            return;
+        };
+        if history.back().map(|r| r.attempt) != Some(n.attempt) {
+            if let Some(last) = history.back_mut() {
+                last.ended_at.get_or_insert(now);
+            }
+            history.push_back(AttemptRecord::new(n.attempt, now));
+            while history.len() > self.config.history_len {
+                history.pop_front();
+            }
+        }
+        let Some(r) = history.back_mut() else {
+            return;
+        };
+        r.stage = n.record.stage;
+        r.bootstrap = n.record.bootstrap.or(r.bootstrap);
+        if n.is_ready() {
+            r.ready_at.get_or_insert(now);
+        }
+        if r.failed_reason.is_none() {
+            r.failed_reason.clone_from(&n.record.failed_reason);
+        }
+        if n.record.last_error.is_some() {
+            r.last_error.clone_from(&n.record.last_error);
+        }
+        if n.record.stage == NodeStage::Destroyed {
+            r.ended_at.get_or_insert(now);
+        }
+    }
+
+    /// Once twice [`DEPARTED_HISTORY_MAX`] slots that no longer have a node
+    /// are remembered, forgets the ones that left first down to the limit
+    /// (in bulk, so that a large scale-down does not sort once per node).
+    fn forget_departed(&mut self) {
+        let nodes = &self.core.state().nodes;
+        let departed = self.history.len().saturating_sub(nodes.len());
+        if departed <= 2 * DEPARTED_HISTORY_MAX {
+            return;
+        }
+        let mut gone: Vec<(Timestamp, LogicalNodeId)> = self
+            .history
+            .iter()
+            .filter(|(id, _)| !nodes.contains_key(*id))
+            .map(|(id, h)| {
+                let ended = h.back().and_then(|r| r.ended_at).unwrap_or(Timestamp(0));
+                (ended, id.clone())
+            })
+            .collect();
+        gone.sort();
+        let excess = gone.len().saturating_sub(DEPARTED_HISTORY_MAX);
+        for (_, id) in gone.into_iter().take(excess) {
+            self.history.remove(&id);
         }
     }
 
@@ -1314,7 +1501,7 @@ impl<C: Reconciler> Host<C> {
             {
                 self.early.remove(node);
             }
-            self.node_changed(node);
+            self.node_changed(node, now);
         }
         if self.config.node_events || pass.stats.transitions + pass.stats.dispatched > 0 {
             self.events.push_back(HostEvent::Pass {
@@ -1374,7 +1561,7 @@ impl<C: Reconciler> Host<C> {
             Todo::Observe(obs) => {
                 let folded = self.core.handle_bootstrap(obs.clone(), now);
                 if folded == Ok(Folded::Applied) {
-                    self.node_changed(&obs.node);
+                    self.node_changed(&obs.node, now);
                 }
                 Some(HostFold::Observation { obs, folded })
             }
@@ -1393,7 +1580,7 @@ impl<C: Reconciler> Host<C> {
                 };
                 let folded = self.core.handle_bootstrap(obs.clone(), now);
                 if folded == Ok(Folded::Applied) {
-                    self.node_changed(&node);
+                    self.node_changed(&node, now);
                 }
                 Some(HostFold::Observation { obs, folded })
             }
@@ -1418,7 +1605,7 @@ impl<C: Reconciler> Host<C> {
                 };
                 let folded = self.core.handle_result(result.clone(), now);
                 if folded == Ok(Folded::Applied) {
-                    self.node_changed(&node);
+                    self.node_changed(&node, now);
                 }
                 Some(HostFold::Result { result, folded })
             }
@@ -1426,7 +1613,7 @@ impl<C: Reconciler> Host<C> {
                 let folded = self.core.handle_agent_lost(&node, attempt, &reason, now);
                 if folded == Folded::Applied {
                     self.warn(format!("{node}: {reason}; replacing it"));
-                    self.node_changed(&node);
+                    self.node_changed(&node, now);
                 }
                 Some(HostFold::AgentLost {
                     node,

@@ -40,17 +40,18 @@ mod time;
 pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
 pub use core::Reconciler;
 pub use decide::{
-    DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, is_converged,
-    reconcile, reconcile_node,
+    Change, DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, ShapeDiff,
+    diff, is_converged, reconcile, reconcile_node,
 };
 pub use driver::{
     AdoptEntry, Adoption, DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest,
     Pass, PassStats, UpdateError,
 };
 pub use host::{
-    ApplyError, CollectRequest, EARLY_OBSERVATIONS_MAX, Host, HostConfig, HostError, HostEvent,
-    HostFold, JOURNAL_FORMAT, JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed,
-    Output, Reply, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
+    ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
+    EARLY_OBSERVATIONS_MAX, Host, HostConfig, HostError, HostEvent, HostFold, JOURNAL_FORMAT,
+    JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Output, Reply,
+    ShutdownMode, ShutdownReport, SlotRecord, Ticket,
 };
 pub use id::{
     Generation, GroupId, ID_LEN_MAX, IdError, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint,

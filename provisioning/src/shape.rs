@@ -22,6 +22,10 @@ pub struct ClusterShape {
     /// The node groups.
     #[serde(default)]
     pub groups: Vec<GroupShape>,
+    /// The most nodes the operator lets this shape hold, overriding the
+    /// provider's own estimate of what it can hold; `None` keeps the estimate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<u64>,
 }
 
 /// A set of identical slots.
@@ -433,6 +437,11 @@ impl DesiredState {
 }
 
 impl ClusterShape {
+    /// Nodes the shape asks for, over all groups.
+    pub fn node_count(&self) -> u64 {
+        self.groups.iter().map(|g| u64::from(g.count)).sum()
+    }
+
     /// Validates the shape and expands it into the decider's form.
     ///
     /// # Errors
@@ -571,6 +580,7 @@ pub(crate) mod tests {
             run_id: RunId::new("run"),
             generation: Generation(generation),
             groups,
+            capacity: None,
         }
     }
 

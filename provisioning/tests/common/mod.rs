@@ -30,6 +30,7 @@ pub fn shape(generation: u64, groups: Vec<GroupShape>) -> ClusterShape {
         run_id: RunId::new("run"),
         generation: Generation(generation),
         groups,
+        capacity: None,
     }
 }
 

@@ -957,6 +957,13 @@ impl Oracle {
             _ if before.shutting_down => Err("ShuttingDown"),
             Err(_) => Err("Invalid"),
             Ok(_) if shape.run_id != before.state.run_id => Err("RunMismatch"),
+            Ok(_)
+                if shape.capacity.is_some_and(|c| {
+                    shape.node_count() > c && shape.node_count() > before.desired.node_count()
+                }) =>
+            {
+                Err("OverCapacity")
+            }
             Ok(_) if shape.generation < current => Err("GenerationRegressed"),
             Ok(next) if shape.generation == current => {
                 if next.groups == before.desired.groups {
@@ -969,6 +976,7 @@ impl Oracle {
         };
         let got = match outcome {
             Err(ApplyError::ShuttingDown) => Err("ShuttingDown"),
+            Err(ApplyError::OverCapacity { .. }) => Err("OverCapacity"),
             Err(ApplyError::Update(UpdateError::Invalid(_))) => Err("Invalid"),
             Err(ApplyError::Update(UpdateError::RunMismatch { .. })) => Err("RunMismatch"),
             Err(ApplyError::Update(UpdateError::GenerationRegressed { .. })) => {

@@ -48,6 +48,8 @@ pub enum InvalidUpdate {
     WrongRun,
     /// A malformed shape (a group id with an upper-case letter).
     Malformed,
+    /// A shape that grows past the capacity it names.
+    OverCapacity,
 }
 
 /// A provider fault to arm (see [`crate::ProviderFault`]).
@@ -250,6 +252,7 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
             Just(InvalidUpdate::SameGenerationChange),
             Just(InvalidUpdate::WrongRun),
             Just(InvalidUpdate::Malformed),
+            Just(InvalidUpdate::OverCapacity),
         ]
         .prop_map(Input::Invalid),
         14 => (1u32..4_000).prop_map(|ms| Input::Advance { ms }),

@@ -198,6 +198,8 @@ pub fn host_config() -> HostConfig {
         visibility_window_ms: SWEEP_MS,
         sweep_interval_ms: SWEEP_MS,
         rejoin_window_ms: GRACE_MS,
+        history_len: 2,
+        capacity: None,
     }
 }
 
@@ -274,6 +276,7 @@ pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
                 limits: NodeLimits::default(),
             })
             .collect(),
+        capacity: None,
     }
 }
 
@@ -838,6 +841,13 @@ impl<R: Reconciler> World<R> {
                     InvalidUpdate::Malformed => {
                         let mut s = shape_of(self.generation + 1, &groups);
                         s.groups[0].id = "Alpha".to_owned();
+                        s
+                    }
+                    InvalidUpdate::OverCapacity => {
+                        // One more node than the shape's own capacity allows.
+                        groups[0].0 += 1;
+                        let mut s = shape_of(self.generation + 1, &groups);
+                        s.capacity = Some(s.node_count().saturating_sub(1));
                         s
                     }
                 };
