@@ -208,9 +208,13 @@ pub fn reconcile_node(
         let Some(template) = desired else {
             return NodeDecision::act(R::ReapDestroyed, NodeAction::Reap);
         };
-        // Row 2 / row 3.
+        // Row 2 / row 3. The backoff was earned by the node's own template:
+        // once the slot wants another one (say, the broken one was fixed),
+        // the restart is due at once.
         return match rec.restart_at {
-            Some(at) if at > now => NodeDecision::wait(R::AwaitRestartBackoff, Some(at)),
+            Some(at) if at > now && same_template(template, &node.template) => {
+                NodeDecision::wait(R::AwaitRestartBackoff, Some(at))
+            }
             _ => NodeDecision::act(
                 R::RestartDestroyed,
                 NodeAction::Restart {
@@ -429,19 +433,27 @@ impl ShapeDiff {
 /// deleted are not counted: this change does not cause their end.
 pub fn diff(state: &ClusterState, desired: &DesiredState) -> ShapeDiff {
     let mut d = ShapeDiff::default();
-    walk(state, desired, Timestamp::from_millis(0), |id, _decision| {
-        let node = state.nodes.get(id);
-        let active = node
-            .is_some_and(|n| n.intent == Intent::Active && n.record.stage != NodeStage::Destroyed);
-        match (node, desired.slot(id)) {
-            (None, Some(_)) => d.note(id, Change::Create),
-            (Some(n), Some(t)) if active && !same_template(t, &n.template) => {
-                d.note(id, Change::Replace)
+    walk(
+        state,
+        desired,
+        Timestamp::from_millis(0),
+        |id, _decision| {
+            let node = state.nodes.get(id);
+            let active = node.is_some_and(|n| {
+                n.intent == Intent::Active && n.record.stage != NodeStage::Destroyed
+            });
+            match (node, desired.slot(id)) {
+                (None, Some(_)) => d.note(id, Change::Create),
+                // A node of another template, even one already down, comes back
+                // with the new one.
+                (Some(n), Some(t)) if !same_template(t, &n.template) => d.note(id, Change::Replace),
+                (Some(n), None) if n.record.stage != NodeStage::Destroyed => {
+                    d.note(id, Change::Destroy)
+                }
+                (Some(_), Some(_)) if active => d.unchanged += 1,
+                _ => {}
             }
-            (Some(_), None) if active => d.note(id, Change::Destroy),
-            (Some(_), Some(_)) if active => d.unchanged += 1,
-            _ => {}
-        }
-    });
+        },
+    );
     d
 }

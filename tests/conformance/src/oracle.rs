@@ -24,7 +24,7 @@ use swactor_provisioning::{
     EffectRequest, Folded, Generation, Intent, JoinRefused, JournalImage, LeaseId, LogicalNodeId,
     ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId, OperationOutcome,
     OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId, ShutdownMode, Timestamp,
-    UpdateError, reconcile,
+    UpdateError, reconcile, same_template,
 };
 
 /// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.
@@ -523,9 +523,13 @@ pub fn earliest_waiting_deadline(
         .filter_map(|(id, n)| {
             let rec = &n.record;
             if rec.stage == NodeStage::Destroyed {
-                return rec
-                    .restart_at
-                    .filter(|t| *t > now && desired.slot(id).is_some());
+                // A slot that wants another template restarts at once.
+                return rec.restart_at.filter(|t| {
+                    *t > now
+                        && desired
+                            .slot(id)
+                            .is_some_and(|d| same_template(d, &n.template))
+                });
             }
             if let Some(p) = &n.pending {
                 return Some(p.deadline);
@@ -1429,7 +1433,12 @@ impl Oracle {
                     && rec.lease.is_none()
                     && rec.session.is_none()
                     && nb.pending.is_none();
-                let due = rec.restart_at.is_none_or(|t| t <= now);
+                // The backoff holds only while the slot wants the same template.
+                let changed = before
+                    .desired
+                    .slot(id)
+                    .is_some_and(|d| !same_template(d, &nb.template));
+                let due = changed || rec.restart_at.is_none_or(|t| t <= now);
                 if !clean || !due {
                     self.fail(
                         Invariant::ReplacementOnlyAfterFullCleanup,

@@ -561,3 +561,49 @@ fn a_thousand_nodes_failing_together_retry_spread_out_by_jitter() {
     let b = busiest_window(&mut waves[2].clone(), 100);
     assert!(b <= limit, "wave 3 (jitter 1000): {b} retries in 100 ms");
 }
+
+/// Issue 11: fixing a broken template left its nodes waiting out the backoff
+/// the broken one had earned (up to a minute). A slot that wants another
+/// template restarts at once.
+#[test]
+fn a_fixed_template_restarts_at_once_instead_of_waiting_out_the_old_backoff() {
+    let mut world = empty_world(|_| {});
+    for _ in 0..5 {
+        world
+            .executor_mut()
+            .backend_mut()
+            .arm(ProviderFault::BootstrapFailsAt {
+                stage: BootstrapStage::BootCheckFailed,
+            });
+    }
+    scale(&mut world, 1);
+    // Let it fail until its restart waits out a long backoff.
+    let mut waiting = None;
+    for _ in 0..400 {
+        world.apply(&Input::Advance { ms: 500 });
+        let node = world.host().core().state().nodes.get(&slot0()).cloned();
+        if let Some(at) = node.and_then(|n| n.record.restart_at.filter(|at| *at > world.now())) {
+            if at.saturating_since(world.now()) >= 4_000 {
+                waiting = Some(at);
+                break;
+            }
+        }
+    }
+    let restart_at = waiting.expect("a restart waits out a backoff of at least 4 s");
+    let before = attempts_of(world.executor(), &slot0());
+    world.heal();
+    world.apply(&Input::Shape {
+        group: 0,
+        count: 1,
+        variant: 1,
+        skip: 0,
+    });
+    world.apply(&Input::Advance { ms: 1_000 });
+    assert!(world.now() < restart_at);
+    assert_eq!(
+        attempts_of(world.executor(), &slot0()),
+        before + 1,
+        "the new template's attempt started before the old backoff ran out"
+    );
+    converge(&mut world);
+}
