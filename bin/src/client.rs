@@ -1,19 +1,35 @@
-//! The CLI side: `apply`, `plan`, `status`, `watch` and `down` talk to the running daemon.
+//! The CLI side: `apply`, `plan`, `status`, `describe`, `watch` and `down`
+//! talk to the running daemon; `validate` checks a shape offline.
 
-use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX};
-use crate::shapefile::ShapeFile;
+use crate::guard;
+use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
+use crate::shapefile::{ShapeFile, over_own_capacity};
 use crate::state::{DaemonHolder, StateDir};
+use crate::term::{Table, stdout_width};
+use crate::words::{
+    ago, bootstrap_words, clock, cut_long_words, effect_words, nodes, retry_cell, stage_word,
+    state_cell, state_text, state_word, until,
+};
 use anyhow::{Context, Result, bail};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-use swactor_actors::{ClusterEvent, ClusterSnapshot};
+use std::time::{Duration, Instant};
+use swactor_actors::{AgentLink, ClusterEvent, ClusterSnapshot, NodeDescription, NodeSummary};
 use swactor_engine::iroh::Endpoint;
 use swactor_engine::net::{
     ALPN_CONTROL, EndpointTicket, NetConfig, bind_endpoint, codes, connect, recv_frame, send_frame,
 };
 use swactor_engine::telemetry::{SubscribeError, TelemetryFrame, subscribe};
+use swactor_provisioning::{LogicalNodeId, Timestamp};
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a daemon that holds its state directory may take to answer a
+/// dial. One that holds none is reported at once, without a dial.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(1_500);
+/// How long the CLI's connection may hear nothing from the daemon before it
+/// is taken for lost (keep-alives go out at a third of it), so a daemon
+/// killed under a `watch` is noticed even on another machine.
+const CLI_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a daemon asked to reload its ticket or key is given.
 const RELOAD_WAIT: Duration = Duration::from_millis(300);
 
@@ -73,11 +89,29 @@ struct Client {
     endpoint: Endpoint,
     ticket: EndpointTicket,
     root: String,
+    state: StateDir,
+    /// The pid of the daemon that held the directory when the client opened.
+    pid: Option<u32>,
 }
 
 impl Client {
     async fn open(state_dir: &Path) -> Result<Self> {
         let state = StateDir::open(state_dir.to_path_buf())?;
+        // A running daemon holds the directory's lock; with no holder, a
+        // ticket left behind is stale and dialing it would only time out.
+        let holder = {
+            let state = state.clone();
+            tokio::task::spawn_blocking(move || state.running_daemon())
+                .await
+                .context("checking for a running daemon")?
+        };
+        let Some(holder) = holder else {
+            bail!(
+                "no daemon is running for {} (none holds its daemon.lock); start one with \
+                 `swactor up`",
+                state.root().display()
+            );
+        };
         let ticket = match state.read_ticket() {
             Ok(ticket) => ticket,
             // The ticket was lost while the daemon runs: ask it (the lock's
@@ -91,6 +125,7 @@ impl Client {
         };
         let config = NetConfig {
             frame_len_max: FRAME_LEN_MAX,
+            idle_timeout: Some(CLI_IDLE_TIMEOUT),
             ..NetConfig::default()
         };
         let endpoint = bind_endpoint(&config, state.cli_key()?)
@@ -100,12 +135,29 @@ impl Client {
             endpoint,
             ticket,
             root: state.root().display().to_string(),
+            state,
+            pid: holder.pid,
         })
     }
 
+    /// Whether the daemon this client found still holds its directory.
+    async fn daemon_alive(&self) -> bool {
+        let state = self.state.clone();
+        let holder = tokio::task::spawn_blocking(move || state.running_daemon())
+            .await
+            .ok()
+            .flatten();
+        holder.is_some_and(|h| self.pid.is_none() || h.pid.is_none() || h.pid == self.pid)
+    }
+
     fn not_running(&self, e: impl std::fmt::Display) -> anyhow::Error {
+        let who = self.pid.map_or_else(
+            || "the daemon".to_owned(),
+            |pid| format!("the daemon (pid {pid})"),
+        );
         anyhow::anyhow!(
-            "cannot reach the daemon for {} ({e}); it may have stopped — start it with `swactor up`",
+            "cannot reach {who} for {} ({e}); it holds the state directory but does not \
+             answer: it may be stopping, or stopped (SIGSTOP)",
             self.root
         )
     }
@@ -167,79 +219,229 @@ impl Client {
     }
 }
 
-async fn one(state_dir: &Path, req: ControlRequest) -> Result<ControlResponse> {
-    let client = Client::open(state_dir).await?;
-    let resp = client.request(&req).await;
-    client.close().await;
-    match resp? {
-        ControlResponse::Error(e) => bail!("{e}"),
-        other => Ok(other),
+impl Client {
+    /// Asks, and turns the daemon's refusal into an error.
+    async fn ask(&self, req: ControlRequest) -> Result<ControlResponse> {
+        match self.request(&req).await? {
+            ControlResponse::Error(e) => bail!("{}", cut_long_words(&e)),
+            other => Ok(other),
+        }
     }
 }
 
-/// Checks a shape before bothering the daemon, so bad input is named precisely.
-fn check(file: &ShapeFile) -> Result<()> {
-    file.to_shape(1)?
-        .validate()
-        .map_err(|e| anyhow::anyhow!("the shape is invalid: {e}; nothing was changed"))?;
-    Ok(())
+/// Opens a client, runs `body` with it and closes it, whatever `body` returned.
+async fn with_client<T>(
+    state_dir: &Path,
+    body: impl AsyncFnOnce(&Client) -> Result<T>,
+) -> Result<T> {
+    let client = Client::open(state_dir).await?;
+    let result = body(&client).await;
+    client.close().await;
+    result
 }
 
-/// `swactor apply SHAPE`.
+async fn one(state_dir: &Path, req: ControlRequest) -> Result<ControlResponse> {
+    with_client(state_dir, async |c| c.ask(req).await).await
+}
+
+fn unexpected(answer: &ControlResponse) -> anyhow::Error {
+    anyhow::anyhow!(
+        "the daemon answered something this CLI did not ask for ({}); are the CLI and the \
+         daemon the same version?",
+        match answer {
+            ControlResponse::Applied { .. } => "an apply",
+            ControlResponse::Plan(_) => "a plan",
+            ControlResponse::Status(_) => "a status",
+            ControlResponse::Described(_) => "a node",
+            ControlResponse::Down { .. } => "a stop",
+            ControlResponse::Error(_) => "an error",
+        }
+    )
+}
+
+/// Buffered lines on stdout. A closed pipe surfaces as an I/O error of kind
+/// `BrokenPipe`, which `main` turns into a quiet exit.
+struct Out(std::io::BufWriter<std::io::Stdout>);
+
+impl Out {
+    fn new() -> Self {
+        Self(std::io::BufWriter::new(std::io::stdout()))
+    }
+
+    fn line(&mut self, text: impl std::fmt::Display) -> std::io::Result<()> {
+        writeln!(self.0, "{text}")
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+/// `swactor validate SHAPE`: every check that needs no daemon.
 ///
 /// # Errors
-/// Bad input or an unreachable daemon; nothing changes then.
-pub(crate) async fn apply(state_dir: &Path, shape: &Path) -> Result<()> {
+/// The shape is not one a daemon would take; the error says why.
+pub(crate) fn validate(shape: &Path) -> Result<()> {
     let file = ShapeFile::load(shape)?;
-    check(&file)?;
-    match one(state_dir, ControlRequest::Apply(file)).await? {
-        ControlResponse::Applied {
-            generation,
-            changed: true,
-        } => {
-            println!("applied: generation {generation}");
+    let checked = file.check(1)?;
+    if let Some(refused) = over_own_capacity(&checked, 0) {
+        bail!("{refused}");
+    }
+    let total = checked.node_count();
+    let mut out = Out::new();
+    out.line(format_args!(
+        "{}: valid — run {}, {} in {} group(s)",
+        shape.display(),
+        checked.run_id,
+        nodes(total),
+        checked.groups.len()
+    ))?;
+    let width = checked.groups.iter().map(|g| g.id.len()).max().unwrap_or(0);
+    for g in &checked.groups {
+        out.line(format_args!(
+            "  {:<width$}  {} × {} (role {})",
+            g.id, g.count, g.provider.kind, g.role
+        ))?;
+    }
+    if let Some(capacity) = checked.capacity {
+        out.line(format_args!(
+            "  capacity: at most {} (the shape's own)",
+            nodes(capacity)
+        ))?;
+    }
+    out.line(format_args!(
+        "`swactor up {}` on a fresh state directory creates {}; next to a running daemon, \
+         `swactor plan {}` shows what it would change.",
+        shape.display(),
+        nodes(total),
+        shape.display()
+    ))?;
+    out.flush()?;
+    Ok(())
+}
+
+/// Prints a plan's summary and its bounded listing.
+fn print_plan(out: &mut Out, report: &PlanReport) -> std::io::Result<()> {
+    let total = guard::changed(&report.diff);
+    let generation = report
+        .generation
+        .map(|g| format!(" (as generation {g})"))
+        .unwrap_or_default();
+    if total > 0 {
+        out.line(format_args!("{}{generation}", guard::summary(&report.diff)))?;
+    } else if report.has_work() {
+        // Terraform's "no changes" would be untrue here: the daemon still
+        // has work, whatever the shape says.
+        out.line(format_args!(
+            "plan: the shape changes no node ({} unchanged), but the cluster is not converged yet",
+            report.diff.unchanged
+        ))?;
+    } else {
+        out.line(format_args!(
+            "plan: no changes; {} unchanged, converged on generation {}",
+            nodes(report.diff.unchanged),
+            report.current
+        ))?;
+    }
+    for line in guard::listing(&report.changes, total) {
+        out.line(line)?;
+    }
+    if report.under_way_total > 0 {
+        out.line(format_args!(
+            "under way now, whatever the shape: {} not ready",
+            nodes(report.under_way_total)
+        ))?;
+        for n in &report.under_way {
+            let error = n
+                .last_error
+                .as_deref()
+                .map(|e| format!(" — {e}"))
+                .unwrap_or_default();
+            out.line(format_args!(
+                "  {:<16} {:<5} {}{error}",
+                n.node.to_string(),
+                n.attempt.to_string(),
+                state_text(n, report.now)
+            ))?;
         }
-        ControlResponse::Applied {
-            generation,
-            changed: false,
-        } => {
-            println!("unchanged: the shape is already generation {generation}");
+        let more = report
+            .under_way_total
+            .saturating_sub(report.under_way.len() as u64);
+        if more > 0 {
+            out.line(format_args!(
+                "  … and {more} more (`swactor status` lists them)"
+            ))?;
         }
-        other => bail!("unexpected answer: {other:?}"),
+    } else if !report.converged {
+        let why = if report.orphans > 0 {
+            format!("collecting {} leftover resource(s)", report.orphans)
+        } else {
+            "checking what an earlier daemon left".to_owned()
+        };
+        out.line(format_args!("under way now: {why}"))?;
     }
     Ok(())
 }
 
-/// `swactor plan [SHAPE]`.
+/// `swactor plan [SHAPE] [--all]`. Returns whether the daemon has work to
+/// do: the shape changes something, or the cluster is not converged yet.
 ///
 /// # Errors
 /// Bad input or an unreachable daemon.
-pub(crate) async fn plan(state_dir: &Path, shape: Option<&Path>) -> Result<()> {
+pub(crate) async fn plan(state_dir: &Path, shape: Option<&Path>, all: bool) -> Result<bool> {
     let file = shape.map(ShapeFile::load).transpose()?;
     if let Some(f) = &file {
-        check(f)?;
+        f.check(1)?;
     }
-    let ControlResponse::Plan(plan) = one(state_dir, ControlRequest::Plan(file)).await? else {
-        bail!("unexpected answer from the daemon");
+    let answer = one(state_dir, ControlRequest::Plan { shape: file, all }).await?;
+    let ControlResponse::Plan(report) = answer else {
+        return Err(unexpected(&answer));
     };
-    if plan.actions.is_empty() {
-        println!("no changes: the next pass would do nothing");
-    }
-    for line in &plan.actions {
-        let sign = match line.action.as_str() {
-            "create slot" => '+',
-            a if a.starts_with("begin delete") || a == "remove slot" => '-',
-            a if a.starts_with("restart") => '~',
-            _ => ' ',
+    let mut out = Out::new();
+    print_plan(&mut out, &report)?;
+    out.flush()?;
+    Ok(report.has_work())
+}
+
+/// `swactor apply SHAPE [--yes]`: shows the plan, asks when it destroys,
+/// replaces or creates many nodes, then applies.
+///
+/// # Errors
+/// Bad input, a refusal (of the daemon, or of the question), or an
+/// unreachable daemon; nothing changes then.
+pub(crate) async fn apply(state_dir: &Path, shape: &Path, yes: bool) -> Result<()> {
+    let file = ShapeFile::load(shape)?;
+    file.check(1)?;
+    with_client(state_dir, async |client| {
+        let plan = ControlRequest::Plan {
+            shape: Some(file.clone()),
+            all: false,
         };
-        println!(
-            "{sign} {:<20} {:<34} ({})",
-            line.node.to_string(),
-            line.action,
-            line.row
-        );
-    }
-    Ok(())
+        let answer = client.ask(plan).await?;
+        let ControlResponse::Plan(report) = answer else {
+            return Err(unexpected(&answer));
+        };
+        let mut out = Out::new();
+        print_plan(&mut out, &report)?;
+        out.flush()?;
+        guard::ask(&report.diff, yes).await?;
+        match client.ask(ControlRequest::Apply(file)).await? {
+            ControlResponse::Applied {
+                generation,
+                changed: true,
+            } => out.line(format_args!("applied: generation {generation}"))?,
+            ControlResponse::Applied {
+                generation,
+                changed: false,
+            } => out.line(format_args!(
+                "unchanged: the shape is already generation {generation}"
+            ))?,
+            other => return Err(unexpected(&other)),
+        }
+        out.flush()?;
+        Ok(())
+    })
+    .await
 }
 
 /// `swactor status [--json]`.
@@ -247,36 +449,220 @@ pub(crate) async fn plan(state_dir: &Path, shape: Option<&Path>) -> Result<()> {
 /// # Errors
 /// An unreachable daemon.
 pub(crate) async fn status(state_dir: &Path, json: bool) -> Result<()> {
-    let ControlResponse::Status(snap) = one(state_dir, ControlRequest::Status).await? else {
-        bail!("unexpected answer from the daemon");
+    let answer = one(state_dir, ControlRequest::Status).await?;
+    let ControlResponse::Status(snap) = answer else {
+        return Err(unexpected(&answer));
     };
+    let mut out = Out::new();
     if json {
-        println!("{}", serde_json::to_string_pretty(&snap)?);
+        serde_json::to_writer_pretty(&mut out.0, &snap)?;
+        out.line("")?;
     } else {
-        print_status(&snap);
+        print_status(&mut out, &snap, stdout_width(), "")?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// The first line of a status: the run, the generation, how many nodes are
+/// ready, and how many are in each other state.
+fn status_headline(s: &ClusterSnapshot) -> String {
+    let ready = s.nodes.iter().filter(|n| state_word(n) == "ready").count();
+    let mut line = format!(
+        "run {} · generation {} · {ready}/{} ready",
+        s.run_id, s.generation.0, s.desired_nodes
+    );
+    let mut others: BTreeMap<&str, usize> = BTreeMap::new();
+    for n in &s.nodes {
+        let word = state_word(n);
+        if word != "ready" {
+            *others.entry(word).or_default() += 1;
+        }
+    }
+    for (word, count) in others {
+        line.push_str(&format!(" · {count} {word}"));
+    }
+    if s.orphans > 0 {
+        line.push_str(&format!(" · collecting {} leftover(s)", s.orphans));
+    }
+    if s.shutting_down.is_some() {
+        line.push_str(" · shutting down");
+    } else if s.converged {
+        line.push_str(" · converged");
+    }
+    line
+}
+
+/// The status table: one row per node, its state in the common vocabulary.
+fn status_table(s: &ClusterSnapshot) -> Table {
+    let mut table = Table::new(&["NODE", "ATTEMPT", "STATE", "FAILS", "RETRY", "LAST ERROR"]);
+    for n in &s.nodes {
+        table.row(
+            vec![
+                n.node.to_string(),
+                n.attempt.to_string(),
+                state_cell(n, s.now),
+                n.failures.to_string(),
+                retry_cell(n, s.now),
+            ],
+            n.last_error.clone().unwrap_or_default(),
+        );
+    }
+    table
+}
+
+/// Prints a status, each line after `prefix`, fitted to `width` columns if given.
+fn print_status(
+    out: &mut Out,
+    s: &ClusterSnapshot,
+    width: Option<usize>,
+    prefix: &str,
+) -> std::io::Result<()> {
+    out.line(format_args!("{prefix}{}", status_headline(s)))?;
+    let width = width.map(|w| w.saturating_sub(prefix.chars().count() + 1));
+    for line in status_table(s).render(width).into_iter().flatten() {
+        out.line(format_args!("{prefix}{line}"))?;
     }
     Ok(())
 }
 
-fn print_status(s: &ClusterSnapshot) {
-    let ready = s.nodes.iter().filter(|n| n.ready).count();
-    println!(
-        "run {} · generation {} · {ready}/{} ready{}",
-        s.run_id,
-        s.generation.0,
-        s.desired_nodes,
-        if s.converged { " · converged" } else { "" }
-    );
-    for n in &s.nodes {
-        let err = n.last_error.as_deref().unwrap_or("");
-        println!(
-            "  {:<16} {:>6} {:<16} {:<8} {err}",
-            n.node.to_string(),
-            n.attempt.to_string(),
-            format!("{:?}", n.stage),
-            if n.ready { "ready" } else { "" }
+/// `swactor describe NODE`: one node in depth.
+///
+/// # Errors
+/// Not a node id, a node the daemon does not know, or an unreachable daemon.
+pub(crate) async fn describe(state_dir: &Path, node: &str) -> Result<()> {
+    if LogicalNodeId::parse(node).is_none() {
+        bail!("{}", crate::control::not_a_node_id(node));
+    }
+    let answer = one(state_dir, ControlRequest::Describe(node.to_owned())).await?;
+    let ControlResponse::Described(d) = answer else {
+        return Err(unexpected(&answer));
+    };
+    let mut out = Out::new();
+    print_description(&mut out, &d, stdout_width())?;
+    out.flush()?;
+    Ok(())
+}
+
+fn print_description(
+    out: &mut Out,
+    d: &NodeDescription,
+    width: Option<usize>,
+) -> std::io::Result<()> {
+    let now = d.now;
+    let mut facts: Vec<(&str, String)> = Vec::new();
+    match &d.summary {
+        Some(n) => {
+            facts.push(("state", state_text(n, now)));
+            let failures = match n.failures {
+                0 => String::new(),
+                1 => " (1 failure since it was last ready)".to_owned(),
+                f => format!(" ({f} failures since it was last ready)"),
+            };
+            facts.push(("attempt", format!("{}{failures}", n.attempt)));
+            if let Some(at) = n.next_retry_at {
+                facts.push(("next retry", until(at, now)));
+            }
+            facts.push((
+                "agent",
+                match n.agent {
+                    AgentLink::Connected => "connected".to_owned(),
+                    AgentLink::NotJoined => "not joined to this daemon".to_owned(),
+                    AgentLink::Away { grace_until } if grace_until > now => format!(
+                        "disconnected; replaced unless it is back {}",
+                        until(grace_until, now)
+                    ),
+                    AgentLink::Away { .. } => "disconnected; its grace is over".to_owned(),
+                },
+            ));
+            if let Some(p) = n.pending {
+                facts.push(("doing", effect_words(p).to_owned()));
+            }
+        }
+        None => facts.push(("state", "no node (the slot is empty)".to_owned())),
+    }
+    facts.push((
+        "desired",
+        if d.desired {
+            "yes: the current shape wants this slot".to_owned()
+        } else {
+            "no: the current shape does not want this slot".to_owned()
+        },
+    ));
+    facts.push((
+        "lease",
+        d.lease.clone().unwrap_or_else(|| "none".to_owned()),
+    ));
+    if let Some(b) = d.bootstrap {
+        facts.push(("bootstrap", bootstrap_words(b).to_owned()));
+    }
+    if let Some(r) = &d.failed_reason {
+        facts.push(("failed", r.clone()));
+    }
+    if let Some(e) = d.summary.as_ref().and_then(|n| n.last_error.clone()) {
+        facts.push(("last error", e));
+    }
+    out.line(&d.node)?;
+    let mut table = Table::new(&["", ""]);
+    for (k, v) in facts {
+        table.row(vec![k.to_owned()], v);
+    }
+    for line in table.render(width).into_iter().skip(1).flatten() {
+        out.line(line)?;
+    }
+    if d.attempts.is_empty() {
+        return Ok(());
+    }
+    out.line("attempts, oldest first:")?;
+    let mut table = Table::new(&[
+        "ATTEMPT",
+        "STARTED",
+        "READY",
+        "ENDED",
+        "OUTCOME",
+        "REASON / LAST ERROR",
+    ]);
+    let current = d.summary.as_ref().map(|n| n.attempt);
+    for a in &d.attempts {
+        let outcome = if a.failed_reason.is_some() {
+            "failed"
+        } else if a.ended_at.is_some() {
+            "ended"
+        } else if Some(a.attempt) == current {
+            d.summary.as_ref().map_or("", state_word)
+        } else {
+            stage_word(a.stage)
+        };
+        let mut why: Vec<String> = Vec::new();
+        if let Some(r) = &a.failed_reason {
+            why.push(r.clone());
+        }
+        if let Some(e) = &a.last_error
+            && a.failed_reason.as_ref() != Some(e)
+        {
+            why.push(e.clone());
+        }
+        if why.is_empty()
+            && let Some(b) = a.bootstrap
+        {
+            why.push(bootstrap_words(b).to_owned());
+        }
+        let when = |t: Option<Timestamp>| t.map_or_else(|| "-".to_owned(), |t| ago(t, now));
+        table.row(
+            vec![
+                a.attempt.to_string(),
+                ago(a.started_at, now),
+                when(a.ready_at),
+                when(a.ended_at),
+                outcome.to_owned(),
+            ],
+            why.join("; "),
         );
     }
+    for line in table.render(width).into_iter().flatten() {
+        out.line(line)?;
+    }
+    Ok(())
 }
 
 /// `swactor down [--keep]`.
@@ -291,21 +677,27 @@ pub(crate) async fn down(state_dir: &Path, keep: bool) -> Result<()> {
     let state = StateDir::open(state_dir.to_path_buf())?;
     let (destroyed, kept) = match one(state_dir, ControlRequest::Down { keep }).await? {
         ControlResponse::Down { destroyed, kept } => (destroyed, kept),
-        other => bail!("unexpected answer: {other:?}"),
+        other => return Err(unexpected(&other)),
     };
+    let mut out = Out::new();
     if destroyed.is_empty() && kept.is_empty() {
-        println!("daemon stopped; there were no nodes");
+        out.line("daemon stopped; there were no nodes")?;
     }
     if !destroyed.is_empty() {
-        println!(
+        out.line(format_args!(
             "destroyed {} node(s): {}",
             destroyed.len(),
             destroyed.join(", ")
-        );
+        ))?;
     }
     if !kept.is_empty() {
-        println!("kept {} node(s) running: {}", kept.len(), kept.join(", "));
+        out.line(format_args!(
+            "kept {} node(s) running: {}",
+            kept.len(),
+            kept.join(", ")
+        ))?;
     }
+    out.flush()?;
     let still = tokio::task::spawn_blocking(move || {
         let started = std::time::Instant::now();
         loop {
@@ -325,13 +717,29 @@ pub(crate) async fn down(state_dir: &Path, keep: bool) -> Result<()> {
     }
 }
 
-/// `swactor watch`: follows the daemon's telemetry until it stops or Ctrl-C.
+/// How often `watch` checks that the daemon still holds its state directory.
+const WATCH_ALIVE_INTERVAL: Duration = Duration::from_millis(500);
+/// How long `watch` waits for the end of the stream of a daemon that has
+/// released its state directory, before it takes the stream as broken.
+const WATCH_END_GRACE: Duration = Duration::from_secs(1);
+
+/// How a watch ends.
+enum Ended {
+    /// The daemon ended the stream (it stopped), or the user pressed Ctrl-C.
+    Cleanly(&'static str),
+    /// The stream broke off: the daemon died, the connection was lost, a
+    /// frame did not decode.
+    Broken(String),
+}
+
+/// `swactor watch`: follows the daemon's telemetry until it stops (exit 0),
+/// Ctrl-C (exit 0), or the stream breaks (an error, so exit 1).
 ///
 /// # Errors
-/// An unreachable daemon.
+/// An unreachable daemon, or a stream that broke off.
 pub(crate) async fn watch(state_dir: &Path) -> Result<()> {
     let client = Client::open(state_dir).await?;
-    let mut sub = subscribe::<ClusterSnapshot, ClusterEvent>(
+    let subscribed = subscribe::<ClusterSnapshot, ClusterEvent>(
         &client.endpoint,
         client.ticket.addr().clone(),
         CONNECT_TIMEOUT,
@@ -342,87 +750,243 @@ pub(crate) async fn watch(state_dir: &Path) -> Result<()> {
         SubscribeError::Refused { code, .. } if code == codes::CLOSE_NOT_ALLOWED.into_inner() => {
             client.not_authorised()
         }
-        e => client.not_running(e),
-    })?;
-    loop {
+        e => client.not_running(error_chain(&e)),
+    });
+    let mut sub = match subscribed {
+        Ok(sub) => sub,
+        Err(e) => {
+            client.close().await;
+            return Err(e);
+        }
+    };
+    let mut view = WatchView::new();
+    let mut alive = tokio::time::interval(WATCH_ALIVE_INTERVAL);
+    let ended = loop {
         let frame = tokio::select! {
             f = sub.next() => f,
-            _ = tokio::signal::ctrl_c() => break,
+            _ = tokio::signal::ctrl_c() => break Ended::Cleanly("stopped"),
+            _ = alive.tick() => {
+                if client.daemon_alive().await {
+                    continue;
+                }
+                // The daemon let go of its directory: it stopped, or died.
+                // A daemon that stopped has ended the stream by now.
+                match tokio::time::timeout(WATCH_END_GRACE, drain(&mut sub, &mut view)).await {
+                    Ok(Ok(ended)) => break ended,
+                    Ok(Err(e)) => break Ended::Broken(e.to_string()),
+                    Err(_) => break Ended::Broken(
+                        "the daemon is gone without ending the stream (was it killed?)".to_owned(),
+                    ),
+                }
+            }
         };
-        match frame {
-            Ok(Some(TelemetryFrame::Snapshot { state, .. })) => print_status(&state),
-            Ok(Some(TelemetryFrame::Event { seq, event })) => {
-                println!("{seq:>6} {}", describe(&event))
-            }
-            Ok(Some(TelemetryFrame::Lagged { missed })) => {
-                println!("       (missed {missed} events)")
-            }
-            Ok(None) => {
-                println!("the daemon ended the stream");
-                break;
-            }
+        match view.frame(frame) {
+            Ok(None) => {}
+            Ok(Some(ended)) => break ended,
             Err(e) => {
-                println!("the stream ended: {e}");
-                break;
+                client.close().await;
+                return Err(e.into());
             }
         }
-    }
+    };
     client.close().await;
-    Ok(())
+    match ended {
+        Ended::Cleanly(how) => {
+            view.say(how)?;
+            Ok(())
+        }
+        Ended::Broken(why) => bail!("the stream from the daemon broke off: {why}"),
+    }
 }
 
-fn describe(e: &ClusterEvent) -> String {
-    if let Some(note) = crate::progress::note(e) {
-        return note;
+/// Reads what is left of the stream until it ends or breaks.
+async fn drain(
+    sub: &mut swactor_engine::telemetry::TelemetrySubscription<ClusterSnapshot, ClusterEvent>,
+    view: &mut WatchView,
+) -> std::io::Result<Ended> {
+    loop {
+        if let Some(ended) = view.frame(sub.next().await)? {
+            return Ok(ended);
+        }
     }
-    match e {
-        ClusterEvent::ShapeAccepted { generation, nodes } => {
-            format!(
-                "shape accepted: generation {}, {nodes} node(s)",
-                generation.0
-            )
-        }
-        ClusterEvent::Node(n) => {
-            let err = n
-                .last_error
-                .as_deref()
-                .map(|e| format!(" — {e}"))
-                .unwrap_or_default();
-            format!(
-                "{} {} {:?}{}{err}",
-                n.node,
-                n.attempt,
-                n.stage,
-                if n.ready { " ready" } else { "" }
-            )
-        }
-        ClusterEvent::Removed { node } => format!("{node} removed"),
-        ClusterEvent::Dispatched { node, op, effect } => format!("{node} {op} dispatch {effect:?}"),
-        ClusterEvent::Finished {
-            node,
-            op,
-            outcome,
-            folded,
-        } => {
-            format!(
-                "{node} {op} {outcome}{}",
-                if *folded { "" } else { " (stale, ignored)" }
-            )
-        }
-        ClusterEvent::Pass {
-            number,
-            nodes,
-            transitions,
-            dispatched,
-        } => {
-            format!(
-                "pass {number}: {nodes} node(s), {transitions} transition(s), {dispatched} dispatch(es)"
-            )
-        }
-        ClusterEvent::Converged { generation, nodes } => {
-            format!("converged: generation {}, {nodes} node(s)", generation.0)
-        }
-        ClusterEvent::Warning { message } => format!("warning: {message}"),
-        other => format!("{other:?}"),
+}
+
+/// Whether a subscription ended because the daemon closed it on purpose
+/// (it is stopping), not because something broke.
+fn closed_on_purpose(e: &SubscribeError) -> bool {
+    matches!(e, SubscribeError::Refused { code, .. }
+        if *code == codes::CLOSE_DONE.into_inner() || *code == codes::CLOSE_SHUTDOWN.into_inner())
+}
+
+/// An error and its causes on one line.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
     }
+    text
+}
+
+/// What `watch` has printed: every line starts with the wall-clock time, and
+/// a line that would repeat the previous one for the same node (or the
+/// previous line at all) is not printed again.
+struct WatchView {
+    out: Out,
+    /// The cluster's clock at the last snapshot, and when it arrived here.
+    clock: Option<(Timestamp, Instant)>,
+    last_per_node: HashMap<LogicalNodeId, String>,
+    last_line: String,
+}
+
+impl WatchView {
+    fn new() -> Self {
+        Self {
+            out: Out::new(),
+            clock: None,
+            last_per_node: HashMap::new(),
+            last_line: String::new(),
+        }
+    }
+
+    /// The cluster's clock now, as best known here.
+    fn now(&self) -> Timestamp {
+        self.clock.map_or(Timestamp::from_millis(0), |(at, seen)| {
+            at.saturating_add_ms(u64::try_from(seen.elapsed().as_millis()).unwrap_or(u64::MAX))
+        })
+    }
+
+    fn say(&mut self, text: &str) -> std::io::Result<()> {
+        if text == self.last_line {
+            return Ok(());
+        }
+        self.out.line(format_args!("{} {text}", clock()))?;
+        text.clone_into(&mut self.last_line);
+        Ok(())
+    }
+
+    fn node_line(&mut self, node: &LogicalNodeId, text: String) -> std::io::Result<()> {
+        if self.last_per_node.get(node) == Some(&text) {
+            return Ok(());
+        }
+        self.say(&text)?;
+        self.last_per_node.insert(node.clone(), text);
+        Ok(())
+    }
+
+    /// Prints one frame; `Some` when the stream ended.
+    fn frame(
+        &mut self,
+        frame: Result<Option<TelemetryFrame<ClusterSnapshot, ClusterEvent>>, SubscribeError>,
+    ) -> std::io::Result<Option<Ended>> {
+        let ended = match frame {
+            Ok(Some(TelemetryFrame::Snapshot { state, .. })) => {
+                self.snapshot(&state)?;
+                None
+            }
+            Ok(Some(TelemetryFrame::Event { event, .. })) => {
+                self.event(event)?;
+                None
+            }
+            Ok(Some(TelemetryFrame::Lagged { missed })) => {
+                self.say(&format!(
+                    "(missed {missed} events: this watch fell behind the daemon)"
+                ))?;
+                None
+            }
+            Ok(None) => Some(Ended::Cleanly("the daemon ended the stream (it stopped)")),
+            Err(e) if closed_on_purpose(&e) => {
+                Some(Ended::Cleanly("the daemon closed the stream (it stopped)"))
+            }
+            Err(e) => Some(Ended::Broken(error_chain(&e))),
+        };
+        self.out.flush()?;
+        Ok(ended)
+    }
+
+    fn snapshot(&mut self, s: &ClusterSnapshot) -> std::io::Result<()> {
+        self.clock = Some((s.now, Instant::now()));
+        self.say(&status_headline(s))?;
+        // The nodes that are not ready; the ready ones are counted above.
+        let busy: Vec<&NodeSummary> = s.nodes.iter().filter(|n| !n.ready).collect();
+        for n in busy.iter().take(guard::CHANGES_SHOWN) {
+            let text = node_text(n, s.now);
+            self.node_line(&n.node, text)?;
+        }
+        if busy.len() > guard::CHANGES_SHOWN {
+            self.say(&format!(
+                "… and {} more not ready (`swactor status` lists them)",
+                busy.len() - guard::CHANGES_SHOWN
+            ))?;
+        }
+        for n in &s.nodes {
+            self.last_per_node
+                .insert(n.node.clone(), node_text(n, s.now));
+        }
+        Ok(())
+    }
+
+    fn event(&mut self, e: ClusterEvent) -> std::io::Result<()> {
+        let now = self.now();
+        match e {
+            ClusterEvent::Node(n) => self.node_line(&n.node.clone(), node_text(&n, now)),
+            ClusterEvent::Removed { node } => {
+                // Said once, however often the daemon repeats it.
+                if self.last_per_node.remove(&node).is_some() {
+                    self.say(&format!("{node} removed"))?;
+                }
+                Ok(())
+            }
+            ClusterEvent::ShapeAccepted {
+                generation,
+                nodes: n,
+            } => self.say(&format!(
+                "shape accepted: generation {}, {}",
+                generation.0,
+                nodes(n)
+            )),
+            ClusterEvent::Converged {
+                generation,
+                nodes: n,
+            } => self.say(&format!(
+                "converged: generation {}, {} ready",
+                generation.0,
+                nodes(n as u64)
+            )),
+            ClusterEvent::Dispatched { node, op, effect } => {
+                self.say(&format!("{node} {}: {}", op.attempt, effect_words(effect)))
+            }
+            ClusterEvent::Finished {
+                node,
+                op,
+                outcome,
+                folded,
+            } => {
+                let late = if folded {
+                    ""
+                } else {
+                    " (a late result, ignored)"
+                };
+                self.say(&format!("{node} {}: {outcome}{late}", op.attempt))
+            }
+            // Passes are the daemon's own bookkeeping.
+            ClusterEvent::Pass { .. } | ClusterEvent::AgentJoined { .. } => Ok(()),
+            ClusterEvent::Warning { message } => self.say(&format!("warning: {message}")),
+            other => match crate::progress::note(&other, now) {
+                Some(note) => self.say(&note),
+                None => Ok(()),
+            },
+        }
+    }
+}
+
+/// One node on one line: `worker-1 a3 failed, retrying in 12 s — reason`.
+fn node_text(n: &NodeSummary, now: Timestamp) -> String {
+    let error = match (&n.last_error, n.ready) {
+        (Some(e), false) => format!(" — {e}"),
+        _ => String::new(),
+    };
+    format!("{} {} {}{error}", n.node, n.attempt, state_text(n, now))
 }

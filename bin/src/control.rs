@@ -1,13 +1,20 @@
 //! The control protocol (`swactor/control/0`): what the CLI asks of a running daemon.
 
-use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX};
-use crate::shapefile::ShapeFile;
+use crate::guard::CHANGES_SHOWN;
+use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
+use crate::shapefile::{ShapeFile, shape_error};
+use crate::words::{cut, cut_long_words};
 use std::time::Duration;
-use swactor_actors::{ApplyError, ClusterHandle, PlanView, ShutdownReport};
+use swactor_actors::{
+    AgentLink, ApplyError, ClusterError, ClusterHandle, DriverView, NodeSummary, ShutdownReport,
+};
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{HANDSHAKE_DEADLINE, accept_first_frame, send_frame};
-use swactor_provisioning::{ClusterShape, DesiredUpdate, RunId, UpdateError};
+use swactor_provisioning::{
+    Change, ClusterShape, DesiredState, DesiredUpdate, Intent, LogicalNodeId, NodeStage, RunId,
+    UpdateError, same_template,
+};
 use tokio::sync::{mpsc, oneshot};
 
 /// Largest control request (a shape file, as JSON).
@@ -17,21 +24,46 @@ const REQUEST_LEN_MAX_BYTES: usize = 1 << 20;
 /// and where the report goes.
 pub(crate) type DownRequest = (bool, oneshot::Sender<ShutdownReport>);
 
-/// One line counting what a plan does.
-pub(crate) fn plan_summary(plan: &PlanView) -> String {
-    let count =
-        |pred: &dyn Fn(&str) -> bool| plan.actions.iter().filter(|l| pred(&l.action)).count();
-    let create = count(&|a| a == "create slot");
-    let replace = count(&|a| a.contains("SpecDrift") || a.contains("Failed"));
-    let delete = count(&|a| a.contains("Undesired"));
-    if plan.actions.is_empty() {
-        "plan: no changes".to_owned()
-    } else {
-        format!(
-            "plan: {create} to create, {replace} to replace, {delete} to delete ({} action(s) in the next pass)",
-            plan.actions.len()
-        )
+/// A refusal from the cluster in words: an over-capacity shape names its
+/// numbers, ids echoed back are cut.
+pub(crate) fn refusal(e: &ClusterError) -> String {
+    match e {
+        ClusterError::Apply(ApplyError::OverCapacity {
+            nodes,
+            capacity,
+            basis,
+        }) if basis.contains("`capacity`") => format!(
+            "the shape asks for {nodes} nodes, more than its own `capacity` of {capacity}; \
+             nothing was changed"
+        ),
+        ClusterError::Apply(ApplyError::OverCapacity {
+            nodes,
+            capacity,
+            basis,
+        }) => format!(
+            "the shape asks for {nodes} nodes, but {basis} allows at most {capacity}; nothing \
+             was changed (a top-level `capacity = N` in the shape allows more)"
+        ),
+        ClusterError::Apply(ApplyError::Update(UpdateError::Invalid(e))) => {
+            format!(
+                "the shape is invalid: {}; nothing was changed",
+                shape_error(e)
+            )
+        }
+        other => cut_long_words(&other.to_string()),
     }
+}
+
+/// The refusal of a shape for another run than the daemon's.
+fn other_run(file: &ShapeFile, run_id: &RunId) -> Option<String> {
+    (file.run_id() != *run_id).then(|| {
+        format!(
+            "the shape is for run {:?}, but this daemon manages run {:?}; a daemon's run \
+             never changes (start another daemon with its own --state-dir); nothing was changed",
+            cut(file.run_id().as_str()),
+            cut(run_id.as_str())
+        )
+    })
 }
 
 /// Applies a shape file, assigning the next generation when the file has none.
@@ -40,13 +72,8 @@ pub(crate) async fn apply_file(
     run_id: &RunId,
     file: &ShapeFile,
 ) -> std::result::Result<(u64, bool), String> {
-    if file.run_id() != *run_id {
-        return Err(format!(
-            "the shape is for run {:?}, but this daemon manages run {:?}; \
-             a daemon's run never changes (start another daemon with its own --state-dir)",
-            file.run_id().as_str(),
-            run_id.as_str()
-        ));
+    if let Some(refused) = other_run(file, run_id) {
+        return Err(refused);
     }
     let current = cluster
         .snapshot()
@@ -54,7 +81,7 @@ pub(crate) async fn apply_file(
         .map_err(|e| e.to_string())?
         .generation
         .0;
-    let shape_at = |g| file.to_shape(g).map_err(|e| e.to_string());
+    let shape_at = |g| file.check(g).map_err(|e| format!("{e:#}"));
     let try_apply = |shape: ClusterShape| async move { cluster.apply(shape).await };
     let first = if file.generation.is_some() {
         shape_at(0)?
@@ -64,14 +91,45 @@ pub(crate) async fn apply_file(
     match try_apply(first).await {
         Ok(DesiredUpdate::Accepted(g)) => Ok((g.0, true)),
         Ok(DesiredUpdate::Unchanged(g)) => Ok((g.0, false)),
-        Err(swactor_actors::ClusterError::Apply(ApplyError::Update(
-            UpdateError::SameGenerationChanged { .. },
-        ))) if file.generation.is_none() => match try_apply(shape_at(current + 1)?).await {
+        Err(ClusterError::Apply(ApplyError::Update(UpdateError::SameGenerationChanged {
+            ..
+        }))) if file.generation.is_none() => match try_apply(shape_at(current + 1)?).await {
             Ok(DesiredUpdate::Accepted(g) | DesiredUpdate::Unchanged(g)) => Ok((g.0, true)),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(refusal(&e)),
         },
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(refusal(&e)),
     }
+}
+
+/// Whether a node still has something to do: it is not ready, its agent is
+/// away, or it is leaving.
+fn under_way(n: &NodeSummary) -> bool {
+    !n.ready || n.intent == Intent::Deleting || matches!(n.agent, AgentLink::Away { .. })
+}
+
+/// Every slot `next` changes on `view`, in slot order, by the rule of
+/// [`swactor_provisioning::diff`] (which counts them all but names only the
+/// first [`ShapeDiff::EXAMPLES_MAX`]): a desired slot without a node is
+/// created, a node of another template than its slot's is replaced, and a
+/// node of a slot no longer desired is destroyed unless it is down already.
+fn every_change(view: &DriverView, next: &DesiredState) -> Vec<(LogicalNodeId, Change)> {
+    let mut out = Vec::new();
+    for (id, node) in &view.state.nodes {
+        match next.slot(id) {
+            Some(t) if !same_template(t, &node.template) => out.push((id.clone(), Change::Replace)),
+            None if node.record.stage != NodeStage::Destroyed => {
+                out.push((id.clone(), Change::Destroy));
+            }
+            _ => {}
+        }
+    }
+    for spec in next.specs() {
+        if !view.state.nodes.contains_key(&spec.node) {
+            out.push((spec.node, Change::Create));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
 }
 
 #[derive(Debug, Clone)]
@@ -83,64 +141,116 @@ pub(crate) struct ControlHandler {
 
 impl ControlHandler {
     async fn answer(&self, req: ControlRequest) -> ControlResponse {
-        match req {
-            ControlRequest::Apply(file) => {
-                match apply_file(&self.cluster, &self.run_id, &file).await {
-                    Ok((generation, changed)) => ControlResponse::Applied {
-                        generation,
-                        changed,
-                    },
-                    Err(e) => ControlResponse::Error(e),
+        let result = match req {
+            ControlRequest::Apply(file) => apply_file(&self.cluster, &self.run_id, &file)
+                .await
+                .map(|(generation, changed)| ControlResponse::Applied {
+                    generation,
+                    changed,
+                }),
+            ControlRequest::Plan { shape, all } => self.plan(shape, all).await,
+            ControlRequest::Status => self
+                .cluster
+                .snapshot()
+                .await
+                .map(ControlResponse::Status)
+                .map_err(|e| refusal(&e)),
+            ControlRequest::Describe(node) => self.describe(&node).await,
+            ControlRequest::Down { keep } => self.down(keep).await,
+        };
+        result.unwrap_or_else(ControlResponse::Error)
+    }
+
+    async fn plan(&self, file: Option<ShapeFile>, all: bool) -> Result<ControlResponse, String> {
+        let snapshot = self.cluster.snapshot().await.map_err(|e| refusal(&e))?;
+        let (shape, generation) = match &file {
+            None => (None, None),
+            Some(f) => {
+                if let Some(refused) = other_run(f, &self.run_id) {
+                    return Err(refused);
                 }
+                let shape = f
+                    .check(snapshot.generation.0 + 1)
+                    .map_err(|e| format!("{e:#}"))?;
+                let generation = shape.generation.0;
+                (Some(shape), Some(generation))
             }
-            ControlRequest::Plan(file) => {
-                let shape = match file {
-                    None => None,
-                    Some(f) if f.run_id() != self.run_id => {
-                        return ControlResponse::Error(format!(
-                            "the shape is for run {:?}, but this daemon manages run {:?}",
-                            f.run_id().as_str(),
-                            self.run_id.as_str()
-                        ));
-                    }
-                    Some(f) => {
-                        let current = match self.cluster.snapshot().await {
-                            Ok(s) => s.generation.0,
-                            Err(e) => return ControlResponse::Error(e.to_string()),
-                        };
-                        match f.to_shape(current + 1) {
-                            Ok(s) => Some(s),
-                            Err(e) => return ControlResponse::Error(e.to_string()),
-                        }
-                    }
-                };
-                match self.cluster.plan(shape).await {
-                    Ok(plan) => ControlResponse::Plan(plan),
-                    Err(e) => ControlResponse::Error(e.to_string()),
-                }
+        };
+        let next = shape.as_ref().map(ClusterShape::validate);
+        let view = self.cluster.plan(shape).await.map_err(|e| refusal(&e))?;
+        let mut diff = view.diff;
+        let total = crate::guard::changed(&diff);
+        let shown = if all { usize::MAX } else { CHANGES_SHOWN };
+        let mut changes = crate::guard::examples(&diff, shown);
+        if all && total > changes.len() as u64 {
+            let inspected = self.cluster.inspect().await.map_err(|e| refusal(&e))?;
+            let every = match next {
+                Some(Ok(next)) => every_change(&inspected, &next),
+                _ => every_change(&inspected, &inspected.desired),
+            };
+            // The core's counts are the truth; the full listing is used
+            // only when it agrees with them.
+            if every.len() as u64 == total {
+                changes = every;
             }
-            ControlRequest::Status => match self.cluster.snapshot().await {
-                Ok(s) => ControlResponse::Status(s),
-                Err(e) => ControlResponse::Error(e.to_string()),
-            },
-            ControlRequest::Down { keep } => {
-                let (tx, rx) = oneshot::channel();
-                if self.down.send((keep, tx)).await.is_err() {
-                    return ControlResponse::Error("the daemon is already stopping".to_owned());
-                }
-                match rx.await {
-                    Ok(r) => ControlResponse::Down {
-                        destroyed: r.destroyed.iter().map(ToString::to_string).collect(),
-                        kept: r.kept.iter().map(ToString::to_string).collect(),
-                    },
-                    Err(_) => {
-                        ControlResponse::Error("the daemon stopped without a report".to_owned())
-                    }
-                }
-            }
+        }
+        diff.examples.clear();
+        let busy: Vec<&NodeSummary> = snapshot.nodes.iter().filter(|n| under_way(n)).collect();
+        Ok(ControlResponse::Plan(PlanReport {
+            generation,
+            current: snapshot.generation.0,
+            diff,
+            changes,
+            under_way_total: busy.len() as u64,
+            under_way: busy.into_iter().take(shown).cloned().collect(),
+            orphans: snapshot.orphans,
+            converged: snapshot.converged,
+            now: snapshot.now,
+        }))
+    }
+
+    async fn describe(&self, node: &str) -> Result<ControlResponse, String> {
+        let id = LogicalNodeId::parse(node).ok_or_else(|| not_a_node_id(node))?;
+        match self.cluster.describe(id).await.map_err(|e| refusal(&e))? {
+            Some(d) => Ok(ControlResponse::Described(d)),
+            None => Err(format!(
+                "run {} has no node {}: it never had one, or it was removed long ago \
+                 (`swactor status` lists the nodes)",
+                self.run_id,
+                cut(node)
+            )),
+        }
+    }
+
+    async fn down(&self, keep: bool) -> Result<ControlResponse, String> {
+        let (tx, rx) = oneshot::channel();
+        if self.down.send((keep, tx)).await.is_err() {
+            return Err("the daemon is already stopping".to_owned());
+        }
+        match rx.await {
+            Ok(r) => Ok(ControlResponse::Down {
+                destroyed: r.destroyed.iter().map(ToString::to_string).collect(),
+                kept: r.kept.iter().map(ToString::to_string).collect(),
+            }),
+            Err(_) => Err("the daemon stopped without a report".to_owned()),
         }
     }
 }
+
+/// The refusal of a node id that is not one.
+pub(crate) fn not_a_node_id(node: &str) -> String {
+    format!(
+        "{:?} is not a node id; nodes are named GROUP-INDEX, e.g. worker-0",
+        cut(node)
+    )
+}
+
+/// How long the daemon waits for the CLI to read an answer and close, at
+/// least; a large answer gets [`CLOSE_WAIT_PER_MIB`] more per MiB.
+const CLOSE_WAIT_MIN: Duration = Duration::from_secs(10);
+/// The extra wait per MiB of an answer (a status of 100,000 nodes is some
+/// 20 MiB, and a debug build of the CLI reads it at a few MiB/s).
+const CLOSE_WAIT_PER_MIB: Duration = Duration::from_secs(1);
 
 impl ProtocolHandler for ControlHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
@@ -152,15 +262,27 @@ impl ProtocolHandler for ControlHandler {
         };
         let resp = match serde_json::from_str::<ControlRequest>(&req) {
             Ok(req) => self.answer(req).await,
-            Err(e) => ControlResponse::Error(format!("malformed request: {e}")),
+            Err(e) => ControlResponse::Error(cut_long_words(&format!("malformed request: {e}"))),
         };
-        let text = serde_json::to_string(&resp).unwrap_or_else(|e| {
-            serde_json::to_string(&ControlResponse::Error(e.to_string())).unwrap_or_default()
-        });
+        let error =
+            |e: String| serde_json::to_string(&ControlResponse::Error(e)).unwrap_or_default();
+        let mut text = serde_json::to_string(&resp).unwrap_or_else(|e| error(e.to_string()));
+        if text.len() > FRAME_LEN_MAX {
+            text = error(format!(
+                "the answer is {} MiB, more than the control protocol carries ({} MiB); \
+                 `swactor watch` and `telemetry.ndjson` in the state directory show the \
+                 same cluster",
+                text.len() >> 20,
+                FRAME_LEN_MAX >> 20
+            ));
+        }
         if send_frame(&mut send, &text, FRAME_LEN_MAX).await.is_ok() {
             let _ = send.finish();
-            // Wait for the client to read the answer and close.
-            let _ = tokio::time::timeout(Duration::from_secs(10), conn.closed()).await;
+            // Wait for the client to read the answer and close: closing first
+            // would cut off what it has not read yet.
+            let mib = u32::try_from(text.len() >> 20).unwrap_or(u32::MAX);
+            let wait = CLOSE_WAIT_MIN.saturating_add(CLOSE_WAIT_PER_MIB.saturating_mul(mib));
+            let _ = tokio::time::timeout(wait, conn.closed()).await;
         }
         Ok(())
     }

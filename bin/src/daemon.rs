@@ -1,6 +1,6 @@
 //! `swactor up`: the daemon, in the foreground.
 
-use crate::control::{ControlHandler, DownRequest, apply_file, plan_summary};
+use crate::control::{ControlHandler, DownRequest, apply_file};
 use crate::journal::DaemonJournal;
 use crate::progress::Progress;
 use crate::protocol::FRAME_LEN_MAX;
@@ -40,6 +40,8 @@ pub(crate) struct UpOptions {
     pub(crate) timeout: Duration,
     /// Leave nodes running on exit.
     pub(crate) keep: bool,
+    /// Apply the shape without asking, whatever it changes.
+    pub(crate) yes: bool,
 }
 
 /// Runs the daemon until it is told to stop. Returns the process exit code.
@@ -50,16 +52,21 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
-    if let Some(f) = &file {
-        f.to_shape(1)?
-            .validate()
-            .map_err(|e| anyhow::anyhow!("the shape is invalid: {e}; nothing was started"))?;
+    let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
+    // A fresh state directory: the whole shape is new, and whether to go
+    // ahead is settled before the directory is even made.
+    let fresh = !opts.state_dir.join("journal.redb").exists();
+    if let Some(shape) = checked.as_ref().filter(|_| fresh) {
+        confirm_start(None, shape, opts.yes).await?;
     }
     let state = StateDir::create(opts.state_dir.clone())?;
     // One daemon per state directory, taken before anything else is touched.
     let _lock = state.lock()?;
     let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
     let start = Start::decide(resume.as_ref(), file.as_ref(), state.root())?;
+    if let Some(shape) = checked.as_ref().filter(|_| !fresh) {
+        confirm_start(resume.as_ref(), shape, opts.yes).await?;
+    }
     let run_id = start.run_id.clone();
 
     let endpoint = bind_daemon_endpoint(&state).await?;
@@ -101,8 +108,14 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())
         .await
         .context("cannot open telemetry.ndjson")?;
+    // A snapshot of 100,000 nodes is several MiB; the engine's default
+    // frame (1 MiB) would leave `watch` with a stale one.
+    let telemetry_config = TelemetryConfig {
+        frame_len_max: FRAME_LEN_MAX,
+        ..TelemetryConfig::default()
+    };
     let publisher: TelemetryPublisher<ClusterSnapshot, ClusterEvent> =
-        TelemetryPublisher::new(TelemetryConfig::default(), &empty)
+        TelemetryPublisher::new(telemetry_config, &empty)
             .context("cannot start telemetry")?
             .with_ndjson(sink);
     let telemetry = publisher.handler();
@@ -162,7 +175,16 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     eprintln!("swactor: {}", start.note);
     let mut finish_teardown = false;
     match &start.what {
-        StartWhat::Apply(file) => offer_on_start(&cluster, &run_id, file).await?,
+        StartWhat::Apply(file) => {
+            if let Err(e) = offer_on_start(&cluster, &run_id, file).await {
+                // The shape was refused (e.g. over capacity): stop as if this
+                // `up` had never run, leaving what an earlier daemon left.
+                let _ = cluster.shutdown(ShutdownMode::Keep).await;
+                state.remove_ticket();
+                router.shutdown().await.ok();
+                return Err(e);
+            }
+        }
         StartWhat::Resume => {}
         StartWhat::FinishTeardown => finish_teardown = true,
     }
@@ -392,13 +414,12 @@ impl Start {
         let generation = meta.shape.as_ref().map_or(0, |s| s.generation.0);
         if let Some(file) = file {
             if file.run_id() != run_id {
+                let theirs = crate::words::cut(file.run_id().as_str());
                 anyhow::bail!(
-                    "{} belongs to run {run_id:?}, and the shape is for run {:?}; a state \
-                     directory's run never changes. Use another --state-dir for run {:?}; \
-                     nothing was started",
+                    "{} belongs to run {run_id:?}, and the shape is for run {theirs:?}; a \
+                     state directory's run never changes. Use another --state-dir for run \
+                     {theirs:?}; nothing was started",
                     dir.display(),
-                    file.run_id().as_str(),
-                    file.run_id().as_str()
                 );
             }
             return Ok(Self {
@@ -444,16 +465,14 @@ impl Start {
     }
 }
 
-/// `up SHAPE`: once the earlier daemon's nodes are adopted, shows what the
-/// shape would change and applies it, with the same rules as `apply`.
+/// `up SHAPE`: once the earlier daemon's nodes are adopted, applies the
+/// shape (its plan was shown before the daemon started), with the same rules
+/// as `apply`.
 async fn offer_on_start(cluster: &ClusterHandle, run_id: &RunId, file: &ShapeFile) -> Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !cluster.snapshot().await?.adopted && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let current = cluster.snapshot().await?.generation.0;
-    let plan = cluster.plan(Some(file.to_shape(current + 1)?)).await?;
-    eprintln!("swactor: {}", plan_summary(&plan));
     match apply_file(cluster, run_id, file).await {
         Ok((generation, true)) => eprintln!("swactor: applied generation {generation}"),
         Ok((generation, false)) => {
@@ -462,6 +481,34 @@ async fn offer_on_start(cluster: &ClusterHandle, run_id: &RunId, file: &ShapeFil
         Err(e) => anyhow::bail!("the shape was refused: {e}"),
     }
     Ok(())
+}
+
+/// Shows what `shape` changes on the cluster the journal `image` records
+/// (none: a fresh state directory) and asks when it destroys, replaces or
+/// creates many nodes, unless `yes`. Runs before the daemon starts anything.
+///
+/// # Errors
+/// The shape grows past its own `capacity`, or the change was not confirmed.
+async fn confirm_start(
+    image: Option<&JournalImage>,
+    shape: &swactor_provisioning::ClusterShape,
+    yes: bool,
+) -> Result<()> {
+    let current = image
+        .and_then(|i| i.meta.shape.as_ref())
+        .map_or(0, swactor_provisioning::ClusterShape::node_count);
+    if let Some(refused) = crate::shapefile::over_own_capacity(shape, current) {
+        anyhow::bail!("{refused}");
+    }
+    let diff = crate::guard::diff_from_journal(image, shape);
+    eprintln!("swactor: {}", crate::guard::summary(&diff));
+    if crate::guard::reason_to_ask(&diff).is_some() {
+        let shown = crate::guard::examples(&diff, crate::guard::CHANGES_SHOWN);
+        for line in crate::guard::listing(&shown, crate::guard::changed(&diff)) {
+            eprintln!("{line}");
+        }
+    }
+    crate::guard::ask(&diff, yes).await
 }
 
 /// The daemon's peak resident memory, from `/proc/self/status`.

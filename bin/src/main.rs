@@ -1,24 +1,47 @@
-//! `swactor`: the daemon (`up`), the CLI (`apply`, `plan`, `status`, `watch`,
-//! `down`) and the node agent (`agent`), in one binary.
+//! `swactor`: the daemon (`up`), the CLI (`apply`, `plan`, `status`,
+//! `describe`, `watch`, `down`, `validate`) and the node agent (`agent`), in
+//! one binary.
+//!
+//! Exit codes: 0 on success, 1 on any error (bad input, a refusal, an
+//! unreachable daemon, a broken stream), 2 from `plan --detailed-exitcode`
+//! when there is work to do, 3 from a daemon whose cluster kept failing
+//! (see `docs/architecture.md`), and 141 when stdout was closed early (as
+//! by `| head`).
 
 mod agent;
 mod client;
 mod control;
 mod daemon;
+mod guard;
 mod journal;
 mod progress;
 mod protocol;
 mod shapefile;
 mod state;
 mod swarm;
+mod term;
+mod words;
 
 use clap::{Parser, Subcommand};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// Swactor keeps a fleet of machines shaped the way you declared it.
 #[derive(Debug, Parser)]
-#[command(name = "swactor", version, about)]
+#[command(
+    name = "swactor",
+    version,
+    after_help = "Examples:
+  swactor up examples/local.toml        run the daemon and converge on a shape
+  swactor status                        every node, from a second terminal
+  swactor plan changed.toml             what a changed shape would do
+  swactor apply changed.toml            do it (asks before destroying or replacing)
+  swactor down                          tear everything down and stop the daemon
+
+Exit codes: 0 success, 1 error, 2 `plan --detailed-exitcode` found work,
+3 the daemon's cluster kept failing, 141 stdout closed early."
+)]
 struct Cli {
     /// The state directory (default: $SWACTOR_STATE_DIR, or ./.swactor).
     #[arg(long, global = true)]
@@ -27,57 +50,129 @@ struct Cli {
     command: Command,
 }
 
+/// Seconds `up --until-converged` waits when `--timeout` is not given.
+const UP_TIMEOUT_DEFAULT_S: f64 = 300.0;
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the daemon in the foreground and converge on SHAPE.
+    #[command(after_help = "Examples:
+  swactor up examples/local.toml                          start (or resume) and stay
+  swactor up examples/local.toml --until-converged        exit 0 once converged, tearing down
+  swactor up                                              resume the journal's shape
+  swactor up bigger.toml --yes                            no question, even for a big change
+
+On a state directory whose journal holds a shape, SHAPE is offered as the next
+generation: its plan is shown first, and a change that destroys or replaces
+nodes, or creates more than 20 at once, is confirmed on a terminal (or needs
+--yes).")]
     Up {
         /// The shape file (TOML).
         shape: Option<PathBuf>,
         /// Exit once converged (tearing down unless --keep).
         #[arg(long)]
         until_converged: bool,
-        /// With --until-converged: give up after this many seconds.
-        #[arg(long, default_value_t = 300.0)]
-        timeout: f64,
+        /// With --until-converged: give up after this many seconds (default 300).
+        #[arg(long, requires = "until_converged")]
+        timeout: Option<f64>,
         /// On exit, leave the nodes running for the next `swactor up` to adopt.
         #[arg(long)]
         keep: bool,
+        /// Go ahead without asking, even when SHAPE destroys or replaces nodes.
+        #[arg(long, short = 'y')]
+        yes: bool,
     },
-    /// Offer a new shape to the running daemon.
+    /// Offer a new shape to the running daemon (its plan is shown first).
+    #[command(after_help = "Examples:
+  swactor apply changed.toml         show the plan, ask if it destroys or replaces, apply
+  swactor apply changed.toml --yes   the same without the question (for scripts)
+
+A change that destroys or replaces nodes, or creates more than 20 at once, is
+confirmed on a terminal; without one it is refused unless --yes is given.
+A refused change changes nothing.")]
     Apply {
         /// The shape file (TOML).
         shape: PathBuf,
+        /// Go ahead without asking, even when the shape destroys or replaces nodes.
+        #[arg(long, short = 'y')]
+        yes: bool,
     },
-    /// Show what the next pass would do (for SHAPE, or the current shape).
+    /// Show what SHAPE would change, or what the current shape still has to do.
+    #[command(after_help = "Examples:
+  swactor plan changed.toml                       summary and the first 20 changes
+  swactor plan changed.toml --all                 every change
+  swactor plan --detailed-exitcode                for scripts: 0 nothing to do, 2 work, 1 error")]
     Plan {
         /// The shape file (TOML).
         shape: Option<PathBuf>,
+        /// List every changed node (by default the first 20).
+        #[arg(long)]
+        all: bool,
+        /// Exit 0 when there is nothing to do, 2 when there is, 1 on an error.
+        #[arg(long)]
+        detailed_exitcode: bool,
+    },
+    /// Check a shape file without a daemon, and say what it would create.
+    #[command(after_help = "Example:
+  swactor validate examples/local.toml")]
+    Validate {
+        /// The shape file (TOML).
+        shape: PathBuf,
     },
     /// Show every node.
+    #[command(after_help = "Examples:
+  swactor status
+  swactor status --json | jq '.nodes[] | select(.ready | not)'")]
     Status {
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Follow the daemon's telemetry.
+    /// Show one node in depth: its state, lease and last attempts.
+    #[command(after_help = "Example:
+  swactor describe worker-1")]
+    Describe {
+        /// The node, e.g. worker-1.
+        node: String,
+    },
+    /// Follow the daemon's events live, one timestamped line each.
+    #[command(after_help = "Example:
+  swactor watch
+
+Exits 0 when the daemon ends the stream (it stopped) or on Ctrl-C, and 1 when
+the stream breaks off (the daemon died, the connection was lost).")]
     Watch,
     /// Stop the daemon, tearing everything down (or keeping it with --keep).
+    #[command(after_help = "Examples:
+  swactor down          destroy every node, then stop the daemon
+  swactor down --keep   stop the daemon, leave the nodes for the next `swactor up`")]
     Down {
         /// Leave the nodes running for the next `swactor up` to adopt.
         #[arg(long)]
         keep: bool,
     },
     /// The node agent (started by providers, not by hand).
+    #[command(hide = true)]
     Agent(agent::AgentOptions),
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            // Help and version are answers, not errors; every usage error
+            // exits 1 like any other error, so 2 keeps its one meaning.
+            std::process::exit(if e.use_stderr() { 1 } else { 0 });
+        }
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_env("SWACTOR_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours for people; none in a log file or a pipe.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -97,7 +192,9 @@ fn main() {
                 until_converged,
                 timeout,
                 keep,
+                yes,
             } => {
+                let timeout = timeout.unwrap_or(UP_TIMEOUT_DEFAULT_S);
                 if !timeout.is_finite() || timeout <= 0.0 {
                     anyhow::bail!("--timeout must be a positive number of seconds, not {timeout}");
                 }
@@ -107,12 +204,24 @@ fn main() {
                     until_converged,
                     timeout: Duration::from_secs_f64(timeout),
                     keep,
+                    yes,
                 })
                 .await
             }
-            Command::Apply { shape } => client::apply(&state_dir, &shape).await.map(|()| 0),
-            Command::Plan { shape } => client::plan(&state_dir, shape.as_deref()).await.map(|()| 0),
+            Command::Apply { shape, yes } => {
+                client::apply(&state_dir, &shape, yes).await.map(|()| 0)
+            }
+            Command::Plan {
+                shape,
+                all,
+                detailed_exitcode,
+            } => {
+                let work = client::plan(&state_dir, shape.as_deref(), all).await?;
+                Ok(if detailed_exitcode && work { 2 } else { 0 })
+            }
+            Command::Validate { shape } => client::validate(&shape).map(|()| 0),
             Command::Status { json } => client::status(&state_dir, json).await.map(|()| 0),
+            Command::Describe { node } => client::describe(&state_dir, &node).await.map(|()| 0),
             Command::Watch => client::watch(&state_dir).await.map(|()| 0),
             Command::Down { keep } => client::down(&state_dir, keep).await.map(|()| 0),
             Command::Agent(opts) => agent::run(opts).await,
@@ -122,9 +231,27 @@ fn main() {
     drop(runtime);
     match outcome {
         Ok(code) => std::process::exit(code),
+        Err(e) if closed_pipe(&e) => {
+            // The reader went away (`| head`): nothing to say, and nobody to
+            // say it to. 141 is what a shell reports for a SIGPIPE death.
+            std::process::exit(141);
+        }
         Err(e) => {
-            eprintln!("swactor: {e:#}");
-            std::process::exit(2);
+            eprintln!("swactor: {}", words::cut_long_words(&format!("{e:#}")));
+            std::process::exit(1);
         }
     }
+}
+
+/// Whether `e` comes from writing to a pipe whose reader is gone.
+fn closed_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            || cause
+                .downcast_ref::<serde_json::Error>()
+                .and_then(serde_json::Error::io_error_kind)
+                == Some(std::io::ErrorKind::BrokenPipe)
+    })
 }

@@ -1,11 +1,14 @@
-//! Live progress: a per-node table on a terminal, plain log lines otherwise.
+//! Live progress of `up`: a per-node table that fits the terminal, or plain
+//! lines (one per change, nothing cut) when stderr is not a terminal.
 
+use crate::term::{Table, stderr_size};
+use crate::words::{retry_cell, state_cell, state_text, state_word};
 use anyhow::Result;
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
-use std::time::Duration;
-use swactor_actors::{ClusterEvent, ClusterHandle, NodeSummary};
-use swactor_provisioning::{LogicalNodeId, NodeStage, Timestamp};
+use std::time::{Duration, Instant};
+use swactor_actors::{ClusterEvent, ClusterHandle, ClusterSnapshot, NodeSummary};
+use swactor_provisioning::{LogicalNodeId, Timestamp};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -26,13 +29,7 @@ impl Progress {
         let (stop, mut stopped) = oneshot::channel();
         let tty = std::io::stderr().is_terminal();
         let task = tokio::spawn(async move {
-            let mut view = View::default();
-            for n in sub.snapshot.nodes {
-                view.nodes.insert(n.node.clone(), n);
-            }
-            view.now = sub.snapshot.now;
-            view.generation = sub.snapshot.generation.0;
-            view.converged = sub.snapshot.converged;
+            let mut view = View::new(sub.snapshot);
             let mut events = sub.events;
             let mut tick = tokio::time::interval(Duration::from_millis(250));
             loop {
@@ -70,16 +67,40 @@ impl Progress {
     }
 }
 
-#[derive(Default)]
 struct View {
     nodes: BTreeMap<LogicalNodeId, NodeSummary>,
-    now: Timestamp,
+    /// The cluster's clock at the snapshot, and when it was taken here.
+    clock: (Timestamp, Instant),
     drawn_lines: usize,
     generation: u64,
     converged: bool,
+    /// Without a terminal: the last line printed per node, so a node is
+    /// printed again only when what is said of it changes.
+    said: BTreeMap<LogicalNodeId, String>,
 }
 
 impl View {
+    fn new(snapshot: ClusterSnapshot) -> Self {
+        let mut view = Self {
+            nodes: BTreeMap::new(),
+            clock: (snapshot.now, Instant::now()),
+            drawn_lines: 0,
+            generation: snapshot.generation.0,
+            converged: snapshot.converged,
+            said: BTreeMap::new(),
+        };
+        for n in snapshot.nodes {
+            view.nodes.insert(n.node.clone(), n);
+        }
+        view
+    }
+
+    /// The cluster's clock now (the daemon's own, read in this process).
+    fn now(&self) -> Timestamp {
+        let (at, seen) = self.clock;
+        at.saturating_add_ms(u64::try_from(seen.elapsed().as_millis()).unwrap_or(u64::MAX))
+    }
+
     fn line(&mut self, text: &str, tty: bool) {
         if tty {
             // Log lines go above the table; it is redrawn below them.
@@ -91,26 +112,34 @@ impl View {
     fn apply(&mut self, ev: ClusterEvent, tty: bool) {
         match ev {
             ClusterEvent::Node(n) => {
-                let changed = self
-                    .nodes
-                    .get(&n.node)
-                    .is_none_or(|old| old.stage != n.stage || old.attempt != n.attempt);
-                if changed && !tty {
-                    let err = n
-                        .last_error
-                        .as_deref()
-                        .map(|e| format!(" ({e})"))
-                        .unwrap_or_default();
-                    eprintln!("{} {} {:?}{}", n.node, n.attempt, n.stage, err);
+                if !tty {
+                    let error = match (&n.last_error, n.ready) {
+                        (Some(e), false) => format!(" ({e})"),
+                        _ => String::new(),
+                    };
+                    let text = format!(
+                        "{} {} {}{error}",
+                        n.node,
+                        n.attempt,
+                        state_text(&n, self.now())
+                    );
+                    // Only the state word and the error decide whether to
+                    // say it again: a wait counting down is not news.
+                    let key = format!("{} {} {error}", n.attempt, state_word(&n));
+                    if self.said.get(&n.node) != Some(&key) {
+                        eprintln!("{text}");
+                        self.said.insert(n.node.clone(), key);
+                    }
                 }
                 self.converged = false;
                 self.nodes.insert(n.node.clone(), n);
             }
             ClusterEvent::Removed { node } => {
-                if !tty {
+                // Said once, however often the daemon repeats it.
+                if self.nodes.remove(&node).is_some() && !tty {
                     eprintln!("{node} removed");
                 }
-                self.nodes.remove(&node);
+                self.said.remove(&node);
             }
             ClusterEvent::ShapeAccepted { generation, nodes } => {
                 self.generation = generation.0;
@@ -135,7 +164,7 @@ impl View {
             | ClusterEvent::Finished { .. }
             | ClusterEvent::Pass { .. } => {}
             other => {
-                if let Some(note) = note(&other) {
+                if let Some(note) = note(&other, self.now()) {
                     self.line(&note, tty);
                 }
             }
@@ -150,42 +179,74 @@ impl View {
         self.drawn_lines = 0;
     }
 
+    /// Draws the table below the log lines. Every line it draws is shorter
+    /// than the terminal is wide, and it draws fewer lines than the terminal
+    /// is high, so erasing it again takes exactly as many lines as it drew:
+    /// a line that wrapped on its own, or scrolled off the top, would leave
+    /// a copy of the table behind at each redraw.
     fn redraw(&mut self) {
         self.erase();
-        let ready = self.nodes.values().filter(|n| n.ready).count();
-        let mut out = format!(
-            "generation {} · {ready}/{} ready{}\n",
+        let (cols, rows) = stderr_size().unwrap_or((80, 24));
+        let width = cols.saturating_sub(1).max(20);
+        let now = self.now();
+        let ready = self
+            .nodes
+            .values()
+            .filter(|n| state_word(n) == "ready")
+            .count();
+        let mut lines = vec![format!(
+            "generation {} · {ready}/{} ready{}",
             self.generation,
             self.nodes.len(),
             if self.converged { " · converged" } else { "" }
-        );
-        out.push_str(&format!(
-            "  {:<16} {:>8} {:<17} {:<6} {}\n",
-            "NODE", "ATTEMPT", "STAGE", "FAILS", "LAST ERROR / NEXT RETRY"
-        ));
-        for n in self.nodes.values() {
-            let stage = match (n.stage, n.pending) {
-                (NodeStage::Dormant, _) if n.ready => "ready".to_owned(),
-                (s, Some(p)) => format!("{s:?}…{p:?}").chars().take(17).collect(),
-                (s, None) => format!("{s:?}"),
-            };
-            let mut note = n.last_error.clone().unwrap_or_default();
-            if let Some(at) = n.next_retry_at {
-                note.push_str(&format!(
-                    " (retry at t+{:.1}s)",
-                    at.as_millis() as f64 / 1000.0
-                ));
-            }
-            out.push_str(&format!(
-                "  {:<16} {:>8} {:<17} {:<6} {}\n",
-                n.node.to_string(),
-                n.attempt.to_string(),
-                stage,
-                n.failures,
-                note.chars().take(60).collect::<String>()
-            ));
+        )];
+        // Nodes that are not ready first: when not all fit, they are the
+        // ones worth the room.
+        let (busy, done): (Vec<&NodeSummary>, Vec<&NodeSummary>) =
+            self.nodes.values().partition(|n| state_word(n) != "ready");
+        let mut table = Table::new(&["NODE", "ATTEMPT", "STATE", "FAILS", "RETRY", "LAST ERROR"]);
+        for n in busy.iter().chain(&done) {
+            table.row(
+                vec![
+                    n.node.to_string(),
+                    n.attempt.to_string(),
+                    state_cell(n, now),
+                    n.failures.to_string(),
+                    retry_cell(n, now),
+                ],
+                n.last_error.clone().unwrap_or_default(),
+            );
         }
-        self.drawn_lines = out.lines().count();
+        let mut rendered = table.render(Some(width)).into_iter();
+        // Room left by the headline, the column titles, a last line saying
+        // what did not fit, and the line the cursor rests on.
+        let room = rows.saturating_sub(4).max(1);
+        lines.extend(rendered.next().unwrap_or_default());
+        let mut shown = 0;
+        let mut used = 0;
+        for row in rendered.by_ref() {
+            if used + row.len() > room {
+                break;
+            }
+            used += row.len();
+            shown += 1;
+            lines.extend(row);
+        }
+        let hidden = self.nodes.len() - shown;
+        if hidden > 0 {
+            let hidden_ready = done.len().min(hidden);
+            lines.push(
+                format!(
+                    "  … {hidden} more node(s) ({hidden_ready} of them ready); `swactor status` lists all"
+                )
+                .chars()
+                .take(width)
+                .collect(),
+            );
+        }
+        let mut out = lines.join("\n");
+        out.push('\n');
+        self.drawn_lines = lines.len();
         let mut err = std::io::stderr().lock();
         let _ = err.write_all(out.as_bytes());
         let _ = err.flush();
@@ -194,7 +255,7 @@ impl View {
 
 /// One line for the events about adoption, collection, agents and teardown;
 /// `None` for the others.
-pub(crate) fn note(e: &ClusterEvent) -> Option<String> {
+pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
     let keys = |keys: &[swactor_provisioning::ResourceKey]| {
         keys.iter()
             .map(|k| format!("{} {}", k.node, k.attempt))
@@ -254,10 +315,10 @@ pub(crate) fn note(e: &ClusterEvent) -> Option<String> {
         ),
         ClusterEvent::AgentJoined { .. } => return None,
         ClusterEvent::AgentDisconnected { key, grace_until } => format!(
-            "{} {}: agent disconnected; replaced unless it is back by t+{:.1}s",
+            "{} {}: agent disconnected; replaced unless it is back {}",
             key.node,
             key.attempt,
-            grace_until.as_millis() as f64 / 1000.0
+            crate::words::until(*grace_until, now)
         ),
         ClusterEvent::TeardownStarted { generation } => {
             format!("tearing down (generation {})", generation.0)

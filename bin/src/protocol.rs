@@ -5,9 +5,14 @@
 //! encoding); swarm messages are plain postcard frames.
 
 use serde::{Deserialize, Serialize};
-use swactor_provisioning::ResourceKey;
+use swactor_actors::{ClusterSnapshot, NodeSummary};
+use swactor_provisioning::{Change, LogicalNodeId, ResourceKey, ShapeDiff, Timestamp};
 
-/// Largest frame either side accepts: a status of 100,000 nodes fits.
+/// Largest frame either side accepts, and the daemon's largest telemetry
+/// frame: the status of 100,000 nodes, each with a 200-character error, is
+/// some 40 MiB as JSON and fits (see the test
+/// `a_status_of_a_hundred_thousand_nodes_fits_a_frame`). A larger answer is
+/// refused by the daemon with a message saying so.
 pub(crate) const FRAME_LEN_MAX: usize = 64 * 1024 * 1024;
 
 /// A request from the CLI to the daemon.
@@ -15,10 +20,17 @@ pub(crate) const FRAME_LEN_MAX: usize = 64 * 1024 * 1024;
 pub(crate) enum ControlRequest {
     /// Apply a shape file (generation optional).
     Apply(crate::shapefile::ShapeFile),
-    /// Preview a shape file, or the current shape.
-    Plan(Option<crate::shapefile::ShapeFile>),
+    /// What a shape file would change, or what the current shape still has to do.
+    Plan {
+        /// The shape; `None` for the current one.
+        shape: Option<crate::shapefile::ShapeFile>,
+        /// List every changed node, not only the first ones.
+        all: bool,
+    },
     /// The cluster's state.
     Status,
+    /// One node in depth, by its id (e.g. `worker-1`).
+    Describe(String),
     /// Stop the daemon: tear down (or keep) every node.
     Down {
         /// Leave the nodes running for the next daemon to adopt.
@@ -36,10 +48,12 @@ pub(crate) enum ControlResponse {
         /// Whether anything changed.
         changed: bool,
     },
-    /// The next pass's actions.
-    Plan(swactor_actors::PlanView),
+    /// What a shape would change.
+    Plan(PlanReport),
     /// The cluster now.
-    Status(swactor_actors::ClusterSnapshot),
+    Status(ClusterSnapshot),
+    /// One node in depth.
+    Described(swactor_actors::NodeDescription),
     /// The daemon stopped.
     Down {
         /// Nodes torn down.
@@ -49,6 +63,42 @@ pub(crate) enum ControlResponse {
     },
     /// The request was refused; nothing changed.
     Error(String),
+}
+
+/// What a shape would change, per node, and what the cluster still has to
+/// do whatever the shape.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct PlanReport {
+    /// The generation the shape would be applied as; `None` for the current shape.
+    pub(crate) generation: Option<u64>,
+    /// The generation desired now.
+    pub(crate) current: u64,
+    /// How many nodes it creates, replaces, destroys and leaves (its
+    /// `examples` are empty: see `changes`).
+    pub(crate) diff: ShapeDiff,
+    /// Changed nodes in slot order: the first [`crate::guard::CHANGES_SHOWN`],
+    /// or every one when all were asked for.
+    pub(crate) changes: Vec<(LogicalNodeId, Change)>,
+    /// Nodes not ready now (starting, failing, disconnected, leaving), listed
+    /// as many as `changes` are.
+    pub(crate) under_way: Vec<NodeSummary>,
+    /// How many nodes are not ready now.
+    pub(crate) under_way_total: u64,
+    /// Leftover resources still being collected.
+    pub(crate) orphans: usize,
+    /// Whether the cluster is converged on its current shape.
+    pub(crate) converged: bool,
+    /// The cluster's clock, to read the nodes' times against.
+    pub(crate) now: Timestamp,
+}
+
+impl PlanReport {
+    /// Whether the daemon has anything to do: the shape changes a node, or
+    /// the cluster is not converged yet (a node waits to restart, a leftover
+    /// is being collected).
+    pub(crate) fn has_work(&self) -> bool {
+        crate::guard::changed(&self.diff) > 0 || self.under_way_total > 0 || !self.converged
+    }
 }
 
 /// An agent asking to join the swarm.
@@ -81,9 +131,9 @@ mod tests {
 
     use super::*;
     use proptest::prelude::*;
-    use swactor_actors::{ClusterEvent, ClusterSnapshot};
+    use swactor_actors::{AgentLink, ClusterEvent};
     use swactor_engine::net::{FIRST_FRAME_LEN_MAX_BYTES, encode_frame, recv_frame};
-    use swactor_engine::telemetry::TelemetryFrame;
+    use swactor_engine::telemetry::{TelemetryConfig, TelemetryFrame};
 
     /// Decodes `bytes` as one frame of `T` under `limit`; Ok(None) for a clean end.
     fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], limit: usize) -> bool {
@@ -139,5 +189,63 @@ mod tests {
                 prop_assert!(!decode::<JoinRequest>(&bytes[..cut], FIRST_FRAME_LEN_MAX_BYTES));
             }
         }
+    }
+
+    /// A status of 100,000 nodes, each with a 200-character error, as the
+    /// daemon sends it: as a control answer (JSON) and as a telemetry
+    /// snapshot (postcard). Both must fit the frames each side accepts.
+    #[test]
+    fn a_status_of_a_hundred_thousand_nodes_fits_a_frame() {
+        let error = "e".repeat(200);
+        let nodes = (0..100_000u32)
+            .map(|i| NodeSummary {
+                node: swactor_provisioning::LogicalNodeId::parse(&format!("worker-{i}")).unwrap(),
+                attempt: swactor_provisioning::NodeAttemptId(u64::from(i) + 1_000_000),
+                stage: swactor_provisioning::NodeStage::Failed,
+                intent: swactor_provisioning::Intent::Active,
+                ready: false,
+                pending: Some(swactor_provisioning::EffectKind::DestroyLease),
+                failures: 7,
+                last_error: Some(error.clone()),
+                next_retry_at: Some(Timestamp::from_millis(123_456_789)),
+                agent: AgentLink::Away {
+                    grace_until: Timestamp::from_millis(123_456_789),
+                },
+            })
+            .collect();
+        let snap = ClusterSnapshot {
+            run_id: "big".to_owned(),
+            generation: swactor_provisioning::Generation(3),
+            observed_generation: None,
+            converged: false,
+            adopted: true,
+            desired_nodes: 100_000,
+            nodes,
+            orphans: 0,
+            shutting_down: None,
+            stats: Default::default(),
+            now: Timestamp::from_millis(1),
+        };
+        let json = serde_json::to_string(&ControlResponse::Status(snap.clone())).unwrap();
+        assert!(
+            json.len() < FRAME_LEN_MAX,
+            "status answer: {} bytes",
+            json.len()
+        );
+        let frame = encode_frame(
+            &TelemetryFrame::<ClusterSnapshot, ClusterEvent>::Snapshot {
+                seq: 1,
+                state: snap,
+            },
+            FRAME_LEN_MAX,
+        )
+        .unwrap();
+        assert!(
+            frame.len() < FRAME_LEN_MAX / 2,
+            "snapshot frame: {} bytes",
+            frame.len()
+        );
+        // The engine's default telemetry frame would not carry it.
+        assert!(frame.len() > TelemetryConfig::default().frame_len_max);
     }
 }

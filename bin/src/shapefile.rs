@@ -6,11 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use swactor_provisioning::{
     BootParams, ClusterShape, Generation, GroupShape, NodeLimits, ParamValue, ProviderShape, RunId,
-    SwarmJoin,
+    ShapeError, SwarmJoin,
 };
 
-/// The run id used when a shape file names none.
-pub(crate) const DEFAULT_RUN: &str = "local";
+use crate::words::cut;
 
 /// Provider kinds this daemon can drive.
 pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process"];
@@ -20,7 +19,8 @@ pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process"];
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ShapeFile {
-    /// The run; defaults to [`DEFAULT_RUN`].
+    /// The run; required ([`ShapeFile::check`] refuses a file without one),
+    /// optional here so that its absence gets a message of its own.
     #[serde(default)]
     pub(crate) run: Option<String>,
     /// An explicit generation, if the author wants one.
@@ -96,9 +96,10 @@ impl ShapeFile {
         Self::parse(&text, &path.display().to_string())
     }
 
-    /// The run this file is for.
+    /// The run this file is for (empty when it names none, which
+    /// [`ShapeFile::check`] refuses).
     pub(crate) fn run_id(&self) -> RunId {
-        RunId::new(self.run.clone().unwrap_or_else(|| DEFAULT_RUN.to_owned()))
+        RunId::new(self.run.clone().unwrap_or_default())
     }
 
     /// The cluster shape at `generation` (the file's own one wins if it has one).
@@ -111,8 +112,8 @@ impl ShapeFile {
                 bail!(
                     "group[{i}] ({:?}) asks for provider {:?}, which this daemon cannot drive; \
                      supported: {}",
-                    g.id,
-                    g.provider,
+                    cut(&g.id),
+                    cut(&g.provider),
                     SUPPORTED_PROVIDERS.join(", ")
                 );
             }
@@ -154,6 +155,82 @@ impl ShapeFile {
     }
 }
 
+impl ShapeFile {
+    /// Everything about the file that needs no daemon: it names its run, every
+    /// provider kind is one this daemon drives, the shape is valid, and it
+    /// asks for at least one node. Returns the shape at `generation` (the
+    /// file's own generation wins).
+    ///
+    /// An empty shape is refused rather than taken to mean "remove
+    /// everything": a truncated or half-written file must never tear a
+    /// cluster down. `swactor down` is how to do that.
+    ///
+    /// # Errors
+    /// The first of those that fails, in words that name the field; nothing
+    /// was changed.
+    pub(crate) fn check(&self, generation: u64) -> Result<ClusterShape> {
+        if self.run.is_none() {
+            bail!(
+                "the shape names no run: add a top-level `run = \"NAME\"` (a daemon serves \
+                 one run, and the name must match it); nothing was changed"
+            );
+        }
+        let shape = self.to_shape(generation)?;
+        let desired = shape.validate().map_err(|e| {
+            anyhow::anyhow!(
+                "the shape is invalid: {}; nothing was changed",
+                shape_error(&e)
+            )
+        })?;
+        if desired.node_count() == 0 {
+            let why = if self.groups.is_empty() {
+                "it declares no group"
+            } else {
+                "every group's count is 0"
+            };
+            bail!(
+                "the shape asks for no nodes ({why}); it is refused so that an empty or \
+                 truncated file never tears a cluster down. To remove every node, use \
+                 `swactor down`. Nothing was changed"
+            );
+        }
+        Ok(shape)
+    }
+}
+
+/// The refusal, if `shape` (of `nodes` nodes) grows a cluster of `current`
+/// nodes past the shape's own `capacity`; as the daemon decides, a shape may
+/// always shrink.
+pub(crate) fn over_own_capacity(shape: &ClusterShape, current: u64) -> Option<String> {
+    let nodes = shape.node_count();
+    let capacity = shape.capacity?;
+    (nodes > capacity && nodes > current).then(|| {
+        format!(
+            "the shape asks for {nodes} nodes, more than its own `capacity` of {capacity}; \
+             nothing was changed"
+        )
+    })
+}
+
+/// A shape error in words, with any value it echoes cut to a readable length.
+pub(crate) fn shape_error(e: &ShapeError) -> String {
+    match e {
+        ShapeError::RunId { value, source } => format!("run {:?} {source}", cut(value)),
+        ShapeError::GroupId {
+            index,
+            value,
+            source,
+        } => format!("groups[{index}].id {:?} {source}", cut(value)),
+        ShapeError::DuplicateGroup { index, first, id } => {
+            format!(
+                "groups[{index}].id {:?} is already used by groups[{first}]",
+                cut(id)
+            )
+        }
+        other => crate::words::cut_long_words(&other.to_string()),
+    }
+}
+
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
@@ -186,6 +263,67 @@ mod tests {
         let e = ShapeFile::parse("[[group]]\nid = \"w\"\ncuont = 3\n", "typo.toml").unwrap_err();
         assert!(e.to_string().contains("typo.toml:3:1"), "{e}");
         assert!(e.to_string().contains("cuont"), "{e}");
+    }
+
+    #[test]
+    fn a_shape_without_a_run_or_without_nodes_is_refused_and_names_down() {
+        let no_run = ShapeFile::parse(
+            "[[group]]\nid = \"w\"\ncount = 1\nprovider = \"process\"\n",
+            "x",
+        )
+        .unwrap();
+        let e = no_run.check(1).unwrap_err().to_string();
+        assert!(e.contains("names no run"), "{e}");
+        for body in [
+            "run = \"r\"\n",
+            "run = \"r\"\n[[group]]\nid = \"w\"\ncount = 0\nprovider = \"process\"\n",
+        ] {
+            let e = ShapeFile::parse(body, "x")
+                .unwrap()
+                .check(1)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("no nodes") && e.contains("`swactor down`"),
+                "{e}"
+            );
+        }
+        let ok = ShapeFile::parse(
+            "run = \"r\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\n",
+            "x",
+        )
+        .unwrap();
+        assert_eq!(ok.check(1).unwrap().node_count(), 2);
+    }
+
+    #[test]
+    fn a_long_id_in_a_shape_is_cut_in_the_error() {
+        let long = "a".repeat(5_000);
+        let f = ShapeFile::parse(
+            &format!(
+                "run = \"{long}\"\n[[group]]\nid = \"w\"\ncount = 1\nprovider = \"process\"\n"
+            ),
+            "x",
+        )
+        .unwrap();
+        let e = f.check(1).unwrap_err().to_string();
+        assert!(e.contains("(5000 characters)") && e.len() < 300, "{e}");
+    }
+
+    #[test]
+    fn own_capacity_refuses_growth_only() {
+        let f = ShapeFile::parse(
+            "run = \"r\"\ncapacity = 5\n[[group]]\nid = \"w\"\ncount = 8\nprovider = \"process\"\n",
+            "x",
+        )
+        .unwrap();
+        let shape = f.check(1).unwrap();
+        let e = over_own_capacity(&shape, 0).unwrap();
+        assert!(
+            e.contains("8 nodes") && e.contains("`capacity` of 5"),
+            "{e}"
+        );
+        assert_eq!(over_own_capacity(&shape, 10), None, "shrinking from 10");
     }
 
     #[test]

@@ -23,9 +23,16 @@ pub(crate) struct StateDir {
 }
 
 impl StateDir {
-    /// The directory named by `--state-dir`, `$SWACTOR_STATE_DIR`, or the default.
+    /// The directory named by `--state-dir`, `$SWACTOR_STATE_DIR`, or the
+    /// default. An empty variable counts as unset, as an empty `--state-dir`
+    /// does: an empty path names no directory.
     pub(crate) fn path_from(arg: Option<PathBuf>) -> PathBuf {
-        arg.or_else(|| std::env::var_os(STATE_DIR_ENV).map(PathBuf::from))
+        arg.filter(|p| !p.as_os_str().is_empty())
+            .or_else(|| {
+                std::env::var_os(STATE_DIR_ENV)
+                    .filter(|v| !v.is_empty())
+                    .map(PathBuf::from)
+            })
             .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR))
     }
 

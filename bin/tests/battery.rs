@@ -117,12 +117,12 @@ fn run_seed(seed: u64) -> Result<String, String> {
                 final_count = 1 + rng.below(4) as u32;
                 log.push(format!("scale to {final_count}"));
                 let f = write(shape(&run, final_count, true));
-                let _ = cli(&state, &["apply", f.to_str().unwrap()]);
+                let _ = cli(&state, &["apply", f.to_str().unwrap(), "--yes"]);
             }
             4 => {
                 log.push("apply a failing boot check".to_owned());
                 let f = write(shape(&run, final_count, false));
-                let _ = cli(&state, &["apply", f.to_str().unwrap()]);
+                let _ = cli(&state, &["apply", f.to_str().unwrap(), "--yes"]);
             }
             5 => {
                 log.push("kill -9 the daemon and start it again".to_owned());
@@ -142,7 +142,7 @@ fn run_seed(seed: u64) -> Result<String, String> {
 
     // Faults stop: the final shape must converge, one agent per node.
     let last = write(shape(&run, final_count, true));
-    let applied = cli(&state, &["apply", last.to_str().unwrap()]);
+    let applied = cli(&state, &["apply", last.to_str().unwrap(), "--yes"]);
     if !applied.status.success() {
         return Err(format!(
             "final apply failed: {}; log {log:?}",

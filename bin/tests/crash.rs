@@ -321,7 +321,7 @@ fn run_cycle(w: &mut World, rng: &mut Rng) -> Result<Cycle, String> {
         }
         Kill::Scaling | Kill::TearingDown => {
             let call = if kind == Kill::Scaling {
-                Call::spawn(&w.state, &["apply", target.to_str().unwrap()])
+                Call::spawn(&w.state, &["apply", target.to_str().unwrap(), "--yes"])
             } else {
                 Call::spawn(&w.state, &["down"])
             };

@@ -112,14 +112,11 @@ fn of_two_daemons_started_at_once_exactly_one_runs_and_down_frees_the_directory(
             "round {round}: the ticket is gone"
         );
 
-        // At once, a new daemon gets the directory.
+        // At once, a new daemon gets the directory (an empty shape is
+        // refused, so it gets one node).
         let log = tmp.path().join(format!("s{round}.next.log"));
-        let none = shape_file(
-            tmp.path(),
-            &format!("none{round}.toml"),
-            &workers("lock", 0),
-        );
-        let mut next = guard(spawn_up(&state, Some(&none), &log), &state);
+        let one = shape_file(tmp.path(), &format!("one{round}.toml"), &workers("lock", 1));
+        let mut next = guard(spawn_up(&state, Some(&one), &log), &state);
         wait_for(Duration::from_secs(30), "the next daemon's ticket", || {
             ticket(&state).exists() || exited(&mut next).is_some()
         });
@@ -128,7 +125,7 @@ fn of_two_daemons_started_at_once_exactly_one_runs_and_down_frees_the_directory(
             "round {round}: the next daemon did not start: {}",
             std::fs::read_to_string(&log).unwrap_or_default()
         );
-        // Dropping the guards kills it (it runs no nodes) and reaps everything.
+        // Dropping the guards kills it and its agent, and reaps everything.
     }
     eprintln!(
         "{ROUNDS} rounds in {:.1} s",

@@ -67,7 +67,7 @@ fn a_killed_agent_is_replaced_scale_down_removes_the_highest_and_down_leaves_not
     assert!(!agents(&state).contains_key(&("worker-1".to_owned(), before.0)));
 
     let two = shape_file(tmp.path(), "two.toml", &workers("e2e-heal", 2));
-    let o = cli(&state, &["apply", two.to_str().unwrap()]);
+    let o = cli(&state, &["apply", two.to_str().unwrap(), "--yes"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let scaled = wait_converged(&state, CONVERGE, |s| s.nodes.len() == 2);
     let names: Vec<String> = scaled.nodes.iter().map(|n| n.node.to_string()).collect();
@@ -137,7 +137,7 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     // A daemon that is not running, then a state directory that does not exist.
     let missing = tmp.path().join("nowhere");
     let o = cli(&missing, &["status"]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(o.status.code(), Some(1));
     assert!(
         stderr(&o).contains("there is no state directory"),
         "{}",
@@ -145,7 +145,7 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     );
     std::fs::create_dir(&state).unwrap();
     let o = cli(&state, &["status"]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(o.status.code(), Some(1));
     assert!(
         stderr(&o).contains("no daemon is running"),
         "{}",
@@ -159,23 +159,23 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
         "[[group]]\nid = \"worker\"\ncount = three\n",
     );
     let o = cli(&state, &["up", bad_toml.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("bad.toml:3:9"), "{}", stderr(&o));
     let unknown = shape_file(
         tmp.path(),
         "vast.toml",
-        "[[group]]\nid = \"gpu\"\ncount = 1\nprovider = \"vast\"\n",
+        "run = \"e2e-bad\"\n[[group]]\nid = \"gpu\"\ncount = 1\nprovider = \"vast\"\n",
     );
     let o = cli(&state, &["up", unknown.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("provider \"vast\""), "{}", stderr(&o));
     let invalid = shape_file(
         tmp.path(),
         "invalid.toml",
-        "[[group]]\nid = \"Bad_Id\"\ncount = 1\nprovider = \"process\"\n",
+        "run = \"e2e-bad\"\n[[group]]\nid = \"Bad_Id\"\ncount = 1\nprovider = \"process\"\n",
     );
     let o = cli(&state, &["up", invalid.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("groups[0].id"), "{}", stderr(&o));
     assert!(!state.join("daemon.ticket").exists(), "nothing was started");
 
@@ -189,7 +189,7 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
         &format!("generation = 5\n{}", workers("e2e-bad", 3)),
     );
     assert!(
-        cli(&state, &["apply", three_g5.to_str().unwrap()])
+        cli(&state, &["apply", three_g5.to_str().unwrap(), "--yes"])
             .status
             .success()
     );
@@ -208,8 +208,8 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
         (&unknown, "provider \"vast\""),
         (&invalid, "groups[0].id"),
     ] {
-        let o = cli(&state, &["apply", file.to_str().unwrap()]);
-        assert_eq!(o.status.code(), Some(2), "{}", file.display());
+        let o = cli(&state, &["apply", file.to_str().unwrap(), "--yes"]);
+        assert_eq!(o.status.code(), Some(1), "{}", file.display());
         assert!(
             stderr(&o).contains(needle),
             "{}: {}",
@@ -236,10 +236,10 @@ fn plan_shows_the_next_actions_as_a_diff_without_applying_them() {
     let three = shape_file(tmp.path(), "three.toml", &workers("e2e-plan", 3));
     let o = cli(&state, &["plan", three.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("+ worker-2"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("create   worker-2"), "{}", stdout(&o));
     let one = shape_file(tmp.path(), "one.toml", &workers("e2e-plan", 1));
     let o = cli(&state, &["plan", one.to_str().unwrap()]);
-    assert!(stdout(&o).contains("- worker-1"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("destroy  worker-1"), "{}", stdout(&o));
     assert_eq!(
         status(&state).unwrap().nodes.len(),
         2,
@@ -255,7 +255,7 @@ fn a_hundred_local_nodes_converge() {
     let hundred = shape_file(tmp.path(), "hundred.toml", &workers("e2e-100", 100));
     let start = Instant::now();
     let o = std::process::Command::new(BIN)
-        .args(["up", "--until-converged", "--timeout", "120"])
+        .args(["up", "--until-converged", "--timeout", "120", "--yes"])
         .arg(&hundred)
         .arg("--state-dir")
         .arg(&state)

@@ -192,7 +192,7 @@ fn generations_keep_rising_across_a_kill_9() {
     let three = shape_file(tmp.path(), "three.toml", &workers("restart-gen", 3));
     let mut d = Daemon::start(&state, &two);
     assert_eq!(converged_on(&state, 2).generation.0, 1);
-    let o = cli(&state, &["apply", three.to_str().unwrap()]);
+    let o = cli(&state, &["apply", three.to_str().unwrap(), "--yes"]);
     assert!(stdout(&o).contains("generation 2"), "{}", stderr(&o));
     assert_eq!(converged_on(&state, 3).generation.0, 2);
     d.kill9();
@@ -206,7 +206,7 @@ fn generations_keep_rising_across_a_kill_9() {
         "{}",
         d2.last_log()
     );
-    let o = cli(&state, &["apply", two.to_str().unwrap()]);
+    let o = cli(&state, &["apply", two.to_str().unwrap(), "--yes"]);
     assert!(stdout(&o).contains("generation 3"), "{}", stderr(&o));
     assert_eq!(converged_on(&state, 2).generation.0, 3);
     down(&state, &mut d2, false);

@@ -77,7 +77,9 @@ impl Daemon {
         let mut cmd = Command::new(BIN);
         cmd.arg("up");
         if let Some(shape) = shape {
-            cmd.arg(shape);
+            // These tests are about what a daemon does, not about the
+            // question `up SHAPE` asks first (see cli.rs for that).
+            cmd.arg(shape).arg("--yes");
         }
         let mut child = cmd
             .arg("--state-dir")

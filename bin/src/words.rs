@@ -1,0 +1,338 @@
+//! The words people read: one vocabulary for a node's state, relative times and cut ids.
+//!
+//! `up`'s live table, `status`, `watch`, `describe` and `plan` all describe a
+//! node through [`state_word`] and [`state_text`], so the same node is never
+//! `Dormant` in one place and `ready` in another.
+
+use swactor_actors::{AgentLink, NodeSummary};
+use swactor_provisioning::{BootstrapStage, Change, EffectKind, Intent, NodeStage, Timestamp};
+
+/// Where a node is, in one word.
+///
+/// `creating` (a machine is being leased), `booting` (the agent starts and
+/// runs its boot check), `joining` (waiting for the agent to join this
+/// daemon), `ready`, `disconnected` (a joined agent went silent; it has a
+/// grace period to come back), `failed` (the attempt failed; it is cleaned
+/// up, then retried), `restarting` (waiting to start the next attempt),
+/// `deleting` and `deleted` (the node is being removed or replaced).
+pub(crate) fn state_word(n: &NodeSummary) -> &'static str {
+    if n.intent == Intent::Deleting {
+        // A failed attempt is cleaned up like any deleted one; its failure,
+        // counted until the slot is next ready, is what people need to see.
+        return match n.stage {
+            NodeStage::Failed => "failed",
+            NodeStage::Destroyed if n.failures > 0 => "failed",
+            NodeStage::Destroyed => "deleted",
+            _ => "deleting",
+        };
+    }
+    if matches!(n.agent, AgentLink::Away { .. }) {
+        return "disconnected";
+    }
+    if n.ready {
+        return "ready";
+    }
+    stage_word(n.stage)
+}
+
+/// The word for a stage of an attempt that is not (or no longer) ready.
+pub(crate) fn stage_word(stage: NodeStage) -> &'static str {
+    match stage {
+        NodeStage::New | NodeStage::LeaseRequested | NodeStage::LeaseCreated => "creating",
+        NodeStage::EndpointKnown | NodeStage::BootstrapRunning => "booting",
+        // Joined once, but not (yet) joined to this daemon: an adopted node
+        // waits for its agent to connect again.
+        NodeStage::SwactorJoined | NodeStage::HandedOff | NodeStage::Dormant => "joining",
+        NodeStage::Failed => "failed",
+        NodeStage::Destroyed => "restarting",
+    }
+}
+
+/// [`state_word`] with what it waits for: `failed, retrying in 12 s`,
+/// `restarting in 3 s`, `disconnected (grace for 4 s more)`.
+pub(crate) fn state_text(n: &NodeSummary, now: Timestamp) -> String {
+    let word = state_word(n);
+    if let AgentLink::Away { grace_until } = n.agent
+        && word == "disconnected"
+    {
+        return if grace_until > now {
+            format!(
+                "disconnected (grace for {} more)",
+                span_up(grace_until.saturating_since(now))
+            )
+        } else {
+            "disconnected (grace over)".to_owned()
+        };
+    }
+    match n.next_retry_at {
+        Some(at) if word == "restarting" => format!("restarting {}", until(at, now)),
+        Some(at) if waits_to_retry(word) => format!("{word}, retrying {}", until(at, now)),
+        _ => word.to_owned(),
+    }
+}
+
+/// Whether a node in this state will be tried again at its `next_retry_at`
+/// (a ready node has nothing to retry, and a deleted one is not retried).
+fn waits_to_retry(word: &str) -> bool {
+    !matches!(word, "ready" | "deleting" | "deleted" | "disconnected")
+}
+
+/// The STATE column, next to a RETRY column: the word, and for a
+/// disconnected agent the grace it has left.
+pub(crate) fn state_cell(n: &NodeSummary, now: Timestamp) -> String {
+    match state_word(n) {
+        "disconnected" => state_text(n, now),
+        word => word.to_owned(),
+    }
+}
+
+/// The RETRY column: `in 12 s`, `now`, or `-`.
+pub(crate) fn retry_cell(n: &NodeSummary, now: Timestamp) -> String {
+    match n.next_retry_at {
+        Some(at) if waits_to_retry(state_word(n)) => until(at, now),
+        _ => "-".to_owned(),
+    }
+}
+
+/// `in 12 s` for a moment ahead of `now`, `now` for one already due.
+pub(crate) fn until(at: Timestamp, now: Timestamp) -> String {
+    if at <= now {
+        "now".to_owned()
+    } else {
+        format!("in {}", span_up(at.saturating_since(now)))
+    }
+}
+
+/// `3 min ago` for a moment before `now`.
+pub(crate) fn ago(at: Timestamp, now: Timestamp) -> String {
+    let ms = now.saturating_since(at);
+    if ms < 1_000 {
+        "just now".to_owned()
+    } else {
+        format!("{} ago", span_down(ms))
+    }
+}
+
+/// A span rounded up to whole units (a wait of 0.2 s is "1 s", never "0 s").
+pub(crate) fn span_up(ms: u64) -> String {
+    span(ms.div_ceil(1_000))
+}
+
+/// A span rounded down to whole units.
+fn span_down(ms: u64) -> String {
+    span(ms / 1_000)
+}
+
+fn span(secs: u64) -> String {
+    match secs {
+        0..120 => format!("{secs} s"),
+        120..7_200 => format!("{} min", secs / 60),
+        7_200..172_800 => format!("{} h", secs / 3_600),
+        _ => format!("{} d", secs / 86_400),
+    }
+}
+
+/// What a provider effect does, for people.
+pub(crate) fn effect_words(effect: EffectKind) -> &'static str {
+    match effect {
+        EffectKind::CreateLease => "leasing a machine",
+        EffectKind::LookupEndpoint => "looking up its address",
+        EffectKind::StartBootstrap => "starting its agent",
+        EffectKind::CancelBootstrap => "stopping its agent",
+        EffectKind::DestroyLease => "releasing its machine",
+    }
+}
+
+/// The last thing an attempt's bootstrap reported, for people.
+pub(crate) fn bootstrap_words(stage: BootstrapStage) -> &'static str {
+    match stage {
+        BootstrapStage::SshConnect => "connecting to the machine",
+        BootstrapStage::BootCheck => "running the boot check",
+        BootstrapStage::SwactorStart => "starting the agent",
+        BootstrapStage::Join => "joining",
+        BootstrapStage::Converged => "converged",
+        BootstrapStage::SshConnectFailed => "the machine could not be reached",
+        BootstrapStage::BootCheckFailed => "the boot check failed",
+        BootstrapStage::SwactorStartFailed => "the agent did not start",
+        BootstrapStage::JoinFailed => "the agent could not join",
+        BootstrapStage::AgentLost => "the agent was lost",
+    }
+}
+
+/// How a slot changes under a new shape.
+pub(crate) fn change_word(change: Change) -> &'static str {
+    match change {
+        Change::Create => "create",
+        Change::Replace => "replace",
+        Change::Destroy => "destroy",
+    }
+}
+
+/// Ids longer than this are cut in messages.
+const ID_SHOWN_MAX_CHARS: usize = 80;
+/// How much of a cut id is shown.
+const ID_CUT_TO_CHARS: usize = 40;
+
+/// `id` itself, or for a very long one its first 40 characters and its length:
+/// `aaaa… (5000 characters)`. Node ids are at most 74 characters, so no valid
+/// id is ever cut.
+pub(crate) fn cut(id: &str) -> String {
+    let count = id.chars().count();
+    if count <= ID_SHOWN_MAX_CHARS {
+        id.to_owned()
+    } else {
+        let head: String = id.chars().take(ID_CUT_TO_CHARS).collect();
+        format!("{head}… ({count} characters)")
+    }
+}
+
+/// Any run of more than [`LONG_WORD_MAX_CHARS`] non-blank characters in
+/// `text`, cut as [`cut`] does: the last guard before an error reaches the
+/// terminal, for values echoed by code this crate does not format.
+pub(crate) fn cut_long_words(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(4_096));
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if word.chars().count() > LONG_WORD_MAX_CHARS {
+            out.push_str(&cut(word));
+        } else {
+            out.push_str(word);
+        }
+        word.clear();
+    };
+    for ch in text.chars() {
+        if ch.is_whitespace() {
+            flush(&mut word, &mut out);
+            out.push(ch);
+        } else {
+            word.push(ch);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
+/// Longer words than this are cut by [`cut_long_words`]: well above any path
+/// or ticket a message names, well below what floods a terminal.
+const LONG_WORD_MAX_CHARS: usize = 400;
+
+/// The wall-clock time now, as `HH:MM:SS` in local time.
+pub(crate) fn clock() -> String {
+    chrono::Local::now().format("%H:%M:%S").to_string()
+}
+
+/// `1 node` or `3 nodes`.
+pub(crate) fn nodes(n: u64) -> String {
+    if n == 1 {
+        "1 node".to_owned()
+    } else {
+        format!("{n} nodes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_provisioning::{LogicalNodeId, NodeAttemptId};
+
+    fn node(stage: NodeStage) -> NodeSummary {
+        NodeSummary {
+            node: LogicalNodeId::parse("worker-1").unwrap(),
+            attempt: NodeAttemptId(3),
+            stage,
+            intent: Intent::Active,
+            ready: false,
+            pending: None,
+            failures: 0,
+            last_error: None,
+            next_retry_at: None,
+            agent: AgentLink::NotJoined,
+        }
+    }
+
+    fn at(ms: u64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    #[test]
+    fn a_ready_node_is_ready_whatever_its_ladder_stage_is_called() {
+        let mut n = node(NodeStage::Dormant);
+        n.ready = true;
+        n.agent = AgentLink::Connected;
+        assert_eq!(state_word(&n), "ready");
+        assert_eq!(state_text(&n, at(0)), "ready");
+        assert_eq!(retry_cell(&n, at(0)), "-");
+    }
+
+    #[test]
+    fn every_stage_has_a_word_of_the_vocabulary() {
+        for (stage, word) in [
+            (NodeStage::New, "creating"),
+            (NodeStage::LeaseRequested, "creating"),
+            (NodeStage::EndpointKnown, "booting"),
+            (NodeStage::BootstrapRunning, "booting"),
+            (NodeStage::SwactorJoined, "joining"),
+            (NodeStage::Dormant, "joining"),
+            (NodeStage::Failed, "failed"),
+            (NodeStage::Destroyed, "restarting"),
+        ] {
+            assert_eq!(state_word(&node(stage)), word, "{stage:?}");
+        }
+        let mut leaving = node(NodeStage::Dormant);
+        leaving.intent = Intent::Deleting;
+        assert_eq!(state_word(&leaving), "deleting");
+        leaving.stage = NodeStage::Destroyed;
+        leaving.next_retry_at = Some(at(5_000));
+        assert_eq!(state_word(&leaving), "deleted");
+        assert_eq!(
+            retry_cell(&leaving, at(0)),
+            "-",
+            "a deleted node is not retried"
+        );
+        // A failed attempt being cleaned up, then waiting for the next one.
+        let mut failed = node(NodeStage::Failed);
+        failed.intent = Intent::Deleting;
+        failed.failures = 1;
+        assert_eq!(state_text(&failed, at(0)), "failed");
+        failed.stage = NodeStage::Destroyed;
+        failed.next_retry_at = Some(at(2_000));
+        assert_eq!(state_text(&failed, at(0)), "failed, retrying in 2 s");
+    }
+
+    #[test]
+    fn waits_are_relative_to_the_clusters_clock() {
+        let mut n = node(NodeStage::Failed);
+        n.next_retry_at = Some(at(112_000));
+        assert_eq!(state_text(&n, at(100_000)), "failed, retrying in 12 s");
+        assert_eq!(retry_cell(&n, at(100_000)), "in 12 s");
+        assert_eq!(retry_cell(&n, at(113_000)), "now");
+        let mut down = node(NodeStage::Destroyed);
+        down.next_retry_at = Some(at(100_200));
+        assert_eq!(state_text(&down, at(100_000)), "restarting in 1 s");
+        let mut away = node(NodeStage::Dormant);
+        away.ready = true;
+        away.agent = AgentLink::Away {
+            grace_until: at(104_000),
+        };
+        assert_eq!(
+            state_text(&away, at(100_000)),
+            "disconnected (grace for 4 s more)"
+        );
+        assert_eq!(ago(at(0), at(180_000)), "3 min ago");
+        assert_eq!(ago(at(0), at(500)), "just now");
+        assert!(!state_text(&n, at(100_000)).contains("t+"));
+    }
+
+    #[test]
+    fn a_long_id_is_cut_and_a_valid_one_never_is() {
+        let long = "a".repeat(5_000);
+        assert_eq!(cut(&long), format!("{}… (5000 characters)", "a".repeat(40)));
+        let longest_valid = format!("{}-4294967295", "a".repeat(63));
+        assert_eq!(cut(&longest_valid), longest_valid);
+        let text = format!("node {long} is unknown");
+        let shown = cut_long_words(&text);
+        assert!(shown.len() < 100, "{shown}");
+        assert!(shown.ends_with("(5000 characters) is unknown"), "{shown}");
+        assert_eq!(cut_long_words("a b  c\nd"), "a b  c\nd");
+    }
+}
