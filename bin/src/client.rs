@@ -26,6 +26,8 @@ use swactor_provisioning::{LogicalNodeId, Timestamp};
 /// How long a daemon that holds its state directory may take to answer a
 /// dial. One that holds none is reported at once, without a dial.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(1_500);
+/// How long the CLI waits for its endpoint to close once it is done.
+const CLOSE_WAIT_MAX: Duration = Duration::from_millis(300);
 /// How long the CLI's connection may hear nothing from the daemon before it
 /// is taken for lost (keep-alives go out at a third of it), so a daemon
 /// killed under a `watch` is noticed even on another machine.
@@ -214,8 +216,11 @@ impl Client {
         serde_json::from_str(&answer).map_err(|e| Refusal::Other(e.into()))
     }
 
+    /// Closes the endpoint, waiting at most [`CLOSE_WAIT_MAX`]: a dial that
+    /// timed out leaves a connection attempt the endpoint would otherwise
+    /// wait seconds for, after the error was already known.
     async fn close(self) {
-        self.endpoint.close().await;
+        let _ = tokio::time::timeout(CLOSE_WAIT_MAX, self.endpoint.close()).await;
     }
 }
 

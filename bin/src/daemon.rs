@@ -200,27 +200,28 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         match converged.await {
             Ok(Ok(generation)) => {
                 progress.flush().await;
-                eprintln!(
+                progress.say(format!(
                     "swactor: converged on generation {} in {:.1} s (daemon peak memory {})",
                     generation.0,
                     started.elapsed().as_secs_f64(),
                     peak_memory()
-                );
+                ));
             }
             Ok(Err(e)) => {
-                eprintln!("swactor: the cluster stopped: {e}");
+                progress.say(format!("swactor: the cluster stopped: {e}"));
                 code = 1;
             }
             Err(_) => {
                 progress.flush().await;
-                eprintln!(
+                progress.say(format!(
                     "swactor: not converged within {:?}; still waiting on:",
                     opts.timeout
-                );
+                ));
                 if let Ok(snap) = cluster.snapshot().await {
                     for n in snap.nodes.iter().filter(|n| !n.ready) {
                         let err = n.last_error.as_deref().unwrap_or("no error reported");
-                        eprintln!("  {} ({}, {:?}): {err}", n.node, n.attempt, n.stage);
+                        let state = crate::words::state_text(n, snap.now);
+                        progress.say(format!("  {} ({}, {state}): {err}", n.node, n.attempt));
                     }
                 }
                 code = 1;
@@ -228,7 +229,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         }
     } else {
         tokio::select! {
-            _ = shutdown_signal() => eprintln!("\nswactor: stopping"),
+            _ = shutdown_signal() => progress.say("\nswactor: stopping"),
             Some((k, reply)) = down_rx.recv() => {
                 keep = k;
                 down_reply = Some(reply);
@@ -245,7 +246,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         ShutdownMode::Teardown
     };
     if mode == ShutdownMode::Teardown {
-        eprintln!("swactor: tearing down");
+        progress.say("swactor: tearing down");
     }
     let report = cluster.shutdown(mode).await.context("shutdown failed")?;
     progress.stop().await;

@@ -166,8 +166,16 @@ fn main() {
             std::process::exit(if e.use_stderr() { 1 } else { 0 });
         }
     };
+    // The CLI's own messages say what went wrong with a request; what iroh
+    // logs about the same connection (e.g. an endpoint dropped while a dial
+    // to a stopped daemon was still pending) would only repeat it in its
+    // own terms. The daemon and the agent keep iroh's warnings.
+    let default_filter = match cli.command {
+        Command::Up { .. } | Command::Agent(_) => "warn",
+        _ => "warn,iroh=off",
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_env("SWACTOR_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -10,13 +10,14 @@ use std::time::{Duration, Instant};
 use swactor_actors::{ClusterEvent, ClusterHandle, ClusterSnapshot, NodeSummary};
 use swactor_provisioning::{LogicalNodeId, Timestamp};
 use tokio::sync::broadcast::error::RecvError;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 /// The running progress display.
 pub(crate) struct Progress {
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
+    lines: mpsc::UnboundedSender<String>,
 }
 
 impl Progress {
@@ -27,6 +28,7 @@ impl Progress {
     pub(crate) async fn start(cluster: &ClusterHandle) -> Result<Self> {
         let sub = cluster.subscribe().await?;
         let (stop, mut stopped) = oneshot::channel();
+        let (lines, mut said) = mpsc::unbounded_channel::<String>();
         let tty = std::io::stderr().is_terminal();
         let task = tokio::spawn(async move {
             let mut view = View::new(sub.snapshot);
@@ -35,6 +37,7 @@ impl Progress {
             loop {
                 tokio::select! {
                     _ = &mut stopped => break,
+                    Some(text) = said.recv() => view.line(&text, tty),
                     ev = events.recv() => match ev {
                         Ok(ev) => view.apply(ev, tty),
                         Err(RecvError::Lagged(n)) => view.line(&format!("(display skipped {n} events)"), tty),
@@ -43,6 +46,10 @@ impl Progress {
                     _ = tick.tick(), if tty => view.redraw(),
                 }
             }
+            said.close();
+            while let Some(text) = said.recv().await {
+                view.line(&text, tty);
+            }
             if tty {
                 view.redraw();
             }
@@ -50,7 +57,18 @@ impl Progress {
         Ok(Self {
             stop: Some(stop),
             task,
+            lines,
         })
+    }
+
+    /// Prints a line of the daemon's own above the table (printing it
+    /// directly would let the next redraw erase it, and leave part of the
+    /// table behind).
+    pub(crate) fn say(&self, text: impl Into<String>) {
+        if let Err(unsent) = self.lines.send(text.into()) {
+            // The display has ended: nothing is drawn to get in the way.
+            eprintln!("{}", unsent.0);
+        }
     }
 
     /// Lets queued events reach the screen.
