@@ -692,14 +692,14 @@ pub(crate) async fn down(state_dir: &Path, keep: bool) -> Result<()> {
         out.line(format_args!(
             "destroyed {} node(s): {}",
             destroyed.len(),
-            destroyed.join(", ")
+            crate::words::names(&destroyed)
         ))?;
     }
     if !kept.is_empty() {
         out.line(format_args!(
             "kept {} node(s) running: {}",
             kept.len(),
-            kept.join(", ")
+            crate::words::names(&kept)
         ))?;
     }
     out.flush()?;
@@ -724,6 +724,8 @@ pub(crate) async fn down(state_dir: &Path, keep: bool) -> Result<()> {
 
 /// How often `watch` checks that the daemon still holds its state directory.
 const WATCH_ALIVE_INTERVAL: Duration = Duration::from_millis(500);
+/// Frames read ahead of what `watch` has printed.
+const WATCH_FRAMES_BUFFERED: usize = 256;
 /// How long `watch` waits for the end of the stream of a daemon that has
 /// released its state directory, before it takes the stream as broken.
 const WATCH_END_GRACE: Duration = Duration::from_secs(1);
@@ -764,55 +766,69 @@ pub(crate) async fn watch(state_dir: &Path) -> Result<()> {
             return Err(e);
         }
     };
+    // Frames are read by a task of their own: reading one is not
+    // cancel-safe, so it must never be a branch of the `select!` below (a
+    // tick that won the race would drop half a frame and garble the stream).
+    let (frames_tx, mut frames) = tokio::sync::mpsc::channel(WATCH_FRAMES_BUFFERED);
+    let reader = tokio::spawn(async move {
+        loop {
+            let frame = sub.next().await;
+            let last = !matches!(frame, Ok(Some(_)));
+            if frames_tx.send(frame).await.is_err() || last {
+                break;
+            }
+        }
+    });
     let mut view = WatchView::new();
     let mut alive = tokio::time::interval(WATCH_ALIVE_INTERVAL);
+    // One listener for the whole watch: a fresh `ctrl_c()` per frame would
+    // miss a Ctrl-C that came while a frame was being printed.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("cannot watch for Ctrl-C")?;
     let ended = loop {
         let frame = tokio::select! {
-            f = sub.next() => f,
-            _ = tokio::signal::ctrl_c() => break Ended::Cleanly("stopped"),
+            f = frames.recv() => f,
+            _ = interrupt.recv() => break Ok(Ended::Cleanly("stopped")),
             _ = alive.tick() => {
                 if client.daemon_alive().await {
                     continue;
                 }
                 // The daemon let go of its directory: it stopped, or died.
                 // A daemon that stopped has ended the stream by now.
-                match tokio::time::timeout(WATCH_END_GRACE, drain(&mut sub, &mut view)).await {
-                    Ok(Ok(ended)) => break ended,
-                    Ok(Err(e)) => break Ended::Broken(e.to_string()),
-                    Err(_) => break Ended::Broken(
+                let rest = async {
+                    while let Some(frame) = frames.recv().await {
+                        if let Some(ended) = view.frame(frame)? {
+                            return Ok(ended);
+                        }
+                    }
+                    Ok(Ended::Broken("the stream stopped".to_owned()))
+                };
+                match tokio::time::timeout(WATCH_END_GRACE, rest).await {
+                    Ok(ended) => break ended,
+                    Err(_) => break Ok(Ended::Broken(
                         "the daemon is gone without ending the stream (was it killed?)".to_owned(),
-                    ),
+                    )),
                 }
             }
         };
+        let Some(frame) = frame else {
+            break Ok(Ended::Broken("the stream stopped".to_owned()));
+        };
         match view.frame(frame) {
             Ok(None) => {}
-            Ok(Some(ended)) => break ended,
-            Err(e) => {
-                client.close().await;
-                return Err(e.into());
-            }
+            Ok(Some(ended)) => break Ok(ended),
+            Err(e) => break Err(e),
         }
     };
+    reader.abort();
     client.close().await;
-    match ended {
+    match ended? {
         Ended::Cleanly(how) => {
             view.say(how)?;
+            view.out.flush()?;
             Ok(())
         }
         Ended::Broken(why) => bail!("the stream from the daemon broke off: {why}"),
-    }
-}
-
-/// Reads what is left of the stream until it ends or breaks.
-async fn drain(
-    sub: &mut swactor_engine::telemetry::TelemetrySubscription<ClusterSnapshot, ClusterEvent>,
-    view: &mut WatchView,
-) -> std::io::Result<Ended> {
-    loop {
-        if let Some(ended) = view.frame(sub.next().await)? {
-            return Ok(ended);
-        }
     }
 }
 

@@ -525,20 +525,19 @@ fn peak_memory() -> String {
 }
 
 fn print_report(report: &ShutdownReport) {
+    use crate::words::names;
     if !report.destroyed.is_empty() {
-        let names: Vec<String> = report.destroyed.iter().map(ToString::to_string).collect();
         eprintln!(
             "swactor: destroyed {} node(s): {}",
-            names.len(),
-            names.join(", ")
+            report.destroyed.len(),
+            names(&report.destroyed)
         );
     }
     if !report.kept.is_empty() {
-        let names: Vec<String> = report.kept.iter().map(ToString::to_string).collect();
         eprintln!(
             "swactor: kept {} node(s) running for the next `swactor up`: {}",
-            names.len(),
-            names.join(", ")
+            report.kept.len(),
+            names(&report.kept)
         );
     }
 }

@@ -275,10 +275,11 @@ impl View {
 /// `None` for the others.
 pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
     let keys = |keys: &[swactor_provisioning::ResourceKey]| {
-        keys.iter()
+        let keys: Vec<String> = keys
+            .iter()
             .map(|k| format!("{} {}", k.node, k.attempt))
-            .collect::<Vec<_>>()
-            .join(", ")
+            .collect();
+        crate::words::names(&keys)
     };
     Some(match e {
         ClusterEvent::Adopted {

@@ -221,6 +221,23 @@ pub(crate) fn clock() -> String {
     chrono::Local::now().format("%H:%M:%S").to_string()
 }
 
+/// How many names a list in a message shows before it says how many more.
+const NAMES_SHOWN: usize = 20;
+
+/// `a, b, c` — or for a long list its first names and `… and 99980 more`.
+pub(crate) fn names<T: std::fmt::Display>(list: &[T]) -> String {
+    let mut text = list
+        .iter()
+        .take(NAMES_SHOWN)
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if list.len() > NAMES_SHOWN {
+        text.push_str(&format!(", … and {} more", list.len() - NAMES_SHOWN));
+    }
+    text
+}
+
 /// `1 node` or `3 nodes`.
 pub(crate) fn nodes(n: u64) -> String {
     if n == 1 {
@@ -321,6 +338,14 @@ mod tests {
         assert_eq!(ago(at(0), at(180_000)), "3 min ago");
         assert_eq!(ago(at(0), at(500)), "just now");
         assert!(!state_text(&n, at(100_000)).contains("t+"));
+    }
+
+    #[test]
+    fn a_long_list_of_names_is_bounded() {
+        let many: Vec<u32> = (0..100_000).collect();
+        let text = names(&many);
+        assert!(text.starts_with("0, 1, 2,") && text.ends_with(", 19, … and 99980 more"));
+        assert_eq!(names(&["a", "b"]), "a, b");
     }
 
     #[test]
