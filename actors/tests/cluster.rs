@@ -364,7 +364,10 @@ async fn a_shape_past_the_capacity_is_refused_unless_it_names_its_own() {
         err.contains("asks for 4 nodes") && err.contains("the test's limit allows at most 3"),
         "{err}"
     );
-    assert!(c.plan(Some(shape(1, 4))).await.is_err(), "plan refuses it too");
+    assert!(
+        c.plan(Some(shape(1, 4))).await.is_err(),
+        "plan refuses it too"
+    );
     assert_eq!(c.snapshot().await.unwrap().desired_nodes, 0);
 
     let mut own = shape(1, 4);
@@ -393,7 +396,10 @@ async fn describe_shows_a_node_and_its_last_attempts() {
     assert!(d.desired && d.summary.as_ref().is_some_and(|s| s.ready));
     assert_eq!(d.attempts.len(), 1);
     let first = &d.attempts[0];
-    assert!(first.ready_at.is_some() && first.ended_at.is_none(), "{first:?}");
+    assert!(
+        first.ready_at.is_some() && first.ended_at.is_none(),
+        "{first:?}"
+    );
     assert!(first.started_at <= first.ready_at.unwrap());
     assert!(d.lease.is_some());
 

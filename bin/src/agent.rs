@@ -47,9 +47,13 @@ pub(crate) struct AgentOptions {
     /// The node directory.
     #[arg(long)]
     pub(crate) dir: PathBuf,
-    /// One argument of the boot check command (repeat, in order).
-    #[arg(long = "boot-check")]
+    /// One argument of the boot check command (repeat, in order; any value,
+    /// including one starting with `-`: write `--boot-check=-c`).
+    #[arg(long = "boot-check", allow_hyphen_values = true)]
     pub(crate) boot_check: Vec<String>,
+    /// Seconds the boot check may run before it is stopped and the attempt fails.
+    #[arg(long, default_value_t = 300.0)]
+    pub(crate) boot_timeout_s: f64,
     /// Seconds between heartbeats (the daemon takes an agent silent for 2 s for gone).
     #[arg(long, default_value_t = 0.5)]
     pub(crate) heartbeat_s: f64,
@@ -81,27 +85,10 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
     report(&BootstrapEvent::Stage(BootstrapStage::SshConnect));
 
     report(&BootstrapEvent::Stage(BootstrapStage::BootCheck));
-    if let Some((program, args)) = opts.boot_check.split_first() {
-        match tokio::process::Command::new(program)
-            .args(args)
-            .status()
-            .await
-        {
-            Ok(s) if s.success() => {}
-            Ok(s) => {
-                let cmd = opts.boot_check.join(" ");
-                return Ok(fail(
-                    BootstrapStage::BootCheckFailed,
-                    format!("boot check `{cmd}` exited with {s}"),
-                ));
-            }
-            Err(e) => {
-                return Ok(fail(
-                    BootstrapStage::BootCheckFailed,
-                    format!("boot check `{program}` could not run: {e}"),
-                ));
-            }
-        }
+    if !opts.boot_check.is_empty()
+        && let Err(reason) = boot_check(&opts.boot_check, opts.boot_timeout_s).await
+    {
+        return Ok(fail(BootstrapStage::BootCheckFailed, reason));
     }
 
     report(&BootstrapEvent::Stage(BootstrapStage::SwactorStart));
@@ -155,8 +142,17 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
     let heartbeat = Duration::from_secs_f64(opts.heartbeat_s.max(0.05));
     let mut joined_once = false;
     let mut failures = 0u32;
+    // From here on SIGTERM is caught (tokio keeps the handler for the life
+    // of the process), so it must be listened for in every wait below: in a
+    // session, and between sessions while the daemon is away.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot listen for SIGTERM")?;
     let code = loop {
-        match session(&endpoint, &ticket, &join, heartbeat, &mut joined_once).await {
+        let outcome = tokio::select! {
+            outcome = session(&endpoint, &ticket, &join, heartbeat, &mut joined_once) => outcome,
+            _ = term.recv() => Session::Stopped,
+        };
+        match outcome {
             Session::Refused(reason) => {
                 let stage = if joined_once {
                     BootstrapStage::AgentLost
@@ -176,7 +172,11 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
                     );
                 }
                 tracing::info!(%reason, "connection to the daemon lost; rejoining");
-                tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.min(5)))).await;
+                let pause = Duration::from_millis(200 * u64::from(failures.min(5)));
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    _ = term.recv() => break 0,
+                }
             }
             Session::Stopped => break 0,
         }
@@ -227,23 +227,65 @@ async fn session(
         report(&BootstrapEvent::SwactorJoined);
         report(&BootstrapEvent::Stage(BootstrapStage::Converged));
     }
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(t) => t,
-        Err(e) => return Session::Lost(e.to_string()),
-    };
     let mut n = 0u64;
     loop {
-        tokio::select! {
-            _ = term.recv() => {
-                conn.close(0u32.into(), b"agent stopping");
-                return Session::Stopped;
-            }
-            () = tokio::time::sleep(heartbeat) => {
-                n += 1;
-                if let Err(e) = send_frame(&mut send, &Heartbeat(n), FRAME_LEN_MAX).await {
-                    return Session::Lost(e.to_string());
-                }
-            }
+        tokio::time::sleep(heartbeat).await;
+        n += 1;
+        if let Err(e) = send_frame(&mut send, &Heartbeat(n), FRAME_LEN_MAX).await {
+            return Session::Lost(e.to_string());
         }
+    }
+}
+
+/// Runs the boot check `argv` for at most `timeout_s`; a check still running
+/// then is killed. It stays in the agent's process group, so whatever it
+/// started goes when the provider stops the group.
+async fn boot_check(argv: &[String], timeout_s: f64) -> Result<(), String> {
+    let cmd = shown_command(argv);
+    let Some((program, args)) = argv.split_first() else {
+        return Ok(());
+    };
+    let mut child = tokio::process::Command::new(program)
+        .args(args)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("boot check `{cmd}` could not start: {e}"))?;
+    let limit = Duration::from_secs_f64(timeout_s.clamp(0.001, 1e9));
+    match tokio::time::timeout(limit, child.wait()).await {
+        Ok(Ok(status)) if status.success() => Ok(()),
+        Ok(Ok(status)) => Err(format!("boot check `{cmd}` exited with {status}")),
+        Ok(Err(e)) => Err(format!("boot check `{cmd}` could not be waited for: {e}")),
+        Err(_) => {
+            let _ = child.kill().await;
+            Err(format!(
+                "boot check `{cmd}` did not finish within its boot_timeout_s of {timeout_s} s and was stopped"
+            ))
+        }
+    }
+}
+
+/// `argv` as one line for messages, each argument quoted when it needs to be
+/// and the whole cut to a readable length.
+fn shown_command(argv: &[String]) -> String {
+    const SHOWN_LEN_MAX: usize = 200;
+    let line = argv
+        .iter()
+        .map(|a| {
+            if !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+            {
+                a.clone()
+            } else {
+                format!("{a:?}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    if line.chars().count() <= SHOWN_LEN_MAX {
+        line
+    } else {
+        let cut: String = line.chars().take(SHOWN_LEN_MAX).collect();
+        format!("{cut}…")
     }
 }

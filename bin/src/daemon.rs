@@ -60,6 +60,11 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         confirm_start(None, shape, opts.yes).await?;
     }
     let state = StateDir::create(opts.state_dir.clone())?;
+    // The CLI may send SIGHUP to the pid in the lock as soon as it is there
+    // (a CLI that finds no ticket yet asks for it): catch it from before
+    // then, or its default action would end the daemon.
+    let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("cannot catch SIGHUP")?;
     // One daemon per state directory, taken before anything else is touched.
     let _lock = state.lock()?;
     let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
@@ -122,6 +127,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
 
     let mut config = ClusterConfig::new(run_id.clone());
     config.visibility_window = provider.listing_lag();
+    config.capacity = provider.capacity();
     // The cluster actor is restarted from the journal if it fails; the
     // journal image it resumes from is the one just read.
     drop(resume);
@@ -165,7 +171,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry)
         .spawn();
     state.write_ticket(&ticket)?;
-    reload_on_hangup(state.clone(), ticket.clone(), cli_allowed, cli_id);
+    reload_on_hangup(hangups, state.clone(), ticket.clone(), cli_allowed, cli_id);
     eprintln!(
         "swactor: daemon for run {run_id} on {} (state {})",
         endpoint.addr().id.fmt_short(),
@@ -264,17 +270,14 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
 /// On SIGHUP (sent by the CLI of the daemon's own user when it lost the
 /// ticket or its key), writes the ticket again and lets the CLI key now in the
 /// state directory in, in place of the old one.
+/// A SIGHUP received while the daemon was starting is served once it runs.
 fn reload_on_hangup(
+    mut hangups: tokio::signal::unix::Signal,
     state: StateDir,
     ticket: EndpointTicket,
     allowed: Allowlist,
     mut cli: swactor_engine::iroh::EndpointId,
 ) {
-    let Ok(mut hangups) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-    else {
-        tracing::warn!("cannot watch for SIGHUP; a lost ticket or CLI key needs a restart");
-        return;
-    };
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             if let Err(e) = state.write_ticket(&ticket) {

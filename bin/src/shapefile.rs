@@ -69,6 +69,9 @@ pub(crate) struct GroupFile {
     /// Seconds a leased machine may take to report a reachable endpoint.
     #[serde(default)]
     pub(crate) endpoint_timeout_s: Option<f64>,
+    /// Seconds the boot check may run before the agent stops it.
+    #[serde(default)]
+    pub(crate) boot_timeout_s: Option<f64>,
 }
 
 impl ShapeFile {
@@ -143,6 +146,9 @@ impl ShapeFile {
                     endpoint_timeout_s: g
                         .endpoint_timeout_s
                         .unwrap_or(NodeLimits::default().endpoint_timeout_s),
+                    boot_timeout_s: g
+                        .boot_timeout_s
+                        .unwrap_or(NodeLimits::default().boot_timeout_s),
                 },
             })
             .collect();

@@ -74,8 +74,7 @@ fn nothing_left(state: &Path) {
 
 /// `up` without a shape, which must come up.
 fn resume(state: &Path) -> Daemon {
-    Daemon::spawn(state, None)
-        .unwrap_or_else(|e| panic!("`up` without a shape exited {:?}: {}", e.code, e.log))
+    Daemon::spawn(state, None).unwrap_or_else(|e| panic!("`up` without a shape exited {e:?}"))
 }
 
 fn attempts(snap: &ClusterSnapshot) -> Vec<u64> {
@@ -300,6 +299,10 @@ fn with_daemon_key_deleted_kept_agents_are_replaced_and_never_counted_as_converg
     std::fs::remove_file(state.join("daemon.key")).unwrap();
 
     let doubles = Watcher::doubles(&state);
+    let started = Instant::now();
+    let mut d2 = resume(&state);
+    // Started once the daemon is up: a CLI call before its ticket exists
+    // kills it (see `a_cli_call_while_the_daemon_starts_does_not_kill_it`).
     let lies = {
         let state = state.clone();
         Watcher::start(Duration::from_millis(100), move || match status(&state) {
@@ -307,8 +310,6 @@ fn with_daemon_key_deleted_kept_agents_are_replaced_and_never_counted_as_converg
             _ => Vec::new(),
         })
     };
-    let started = Instant::now();
-    let mut d2 = resume(&state);
     let old: BTreeSet<Id> = before.keys().cloned().collect();
     let after = wait_converged(&state, Duration::from_secs(30), |s| {
         s.nodes.len() == 2 && all_connected(s) && ids(s).is_disjoint(&old)
@@ -404,4 +405,44 @@ fn an_agent_whose_daemon_is_gone_still_stops_on_sigterm() {
          5 s for it, then sends SIGKILL)",
         start.elapsed()
     );
+}
+
+/// Found by the test above: `status` run while a daemon starts (its lock
+/// taken, its ticket not yet written) must not stop it.
+#[test]
+fn a_cli_call_while_the_daemon_starts_does_not_kill_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let two = shape_file(tmp.path(), "two.toml", &workers("restart-early", 2));
+    let mut d = Daemon::start(&state, &two);
+    let before = one_agent_per_node(&state, &converged_on(&state, 2));
+    down(&state, &mut d, true);
+    for round in 0..3 {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let asker = {
+            let (state, stop) = (state.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut asked = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = cli(&state, &["status"]);
+                    asked += 1;
+                }
+                asked
+            })
+        };
+        let started = Daemon::spawn(&state, None);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let asked = asker.join().unwrap();
+        let next = started.unwrap_or_else(|e| {
+            panic!("round {round}: `up` died while `status` was asked {asked} time(s): {e:?}")
+        });
+        // Dropped while the new daemon holds the lock, the old handle leaves
+        // the kept agents alone.
+        drop(std::mem::replace(&mut d, next));
+        let snap = converged_on(&state, 2);
+        assert_eq!(one_agent_per_node(&state, &snap), before, "round {round}");
+        down(&state, &mut d, round < 2);
+    }
+    nothing_left(&state);
+    drop(d);
 }

@@ -138,4 +138,11 @@ pub trait Provider: Send + Sync + 'static {
     fn listing_lag(&self) -> std::time::Duration {
         std::time::Duration::ZERO
     }
+
+    /// How many nodes this provider can hold, and on what the estimate
+    /// rests; `None` when it sets no limit of its own. A shape asking for
+    /// more is refused unless it names its own `capacity`.
+    fn capacity(&self) -> Option<swactor_provisioning::Capacity> {
+        None
+    }
 }

@@ -51,7 +51,7 @@
 //! ```text
 //! {agent_program} {agent_args…} --run {run} --node {node} --attempt {n}
 //!     --daemon {daemon_ticket} --credentials {node dir}/agent.credentials
-//!     --dir {node dir} [--boot-check {arg}]…
+//!     --dir {node dir} [--boot-check={arg}]… --boot-timeout-s={seconds}
 //! ```
 //!
 //! with the template's `boot.env` added to the environment. `--attempt` is
@@ -76,10 +76,14 @@
 
 #![cfg(all(target_os = "linux", feature = "process"))]
 
+mod logs;
 mod os;
 mod protocol;
 mod tail;
 
+pub use logs::{
+    AgentLog, LOG_ATTEMPTS_KEPT, LOG_KEEP_BYTES, LOG_RUN_BYTES_MAX, agent_logs, kept_log_path,
+};
 pub use protocol::{AGENT_LINE_PREFIX, format_agent_line, parse_agent_line};
 
 use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
@@ -113,6 +117,11 @@ pub const TERM_GRACE_MAX: Duration = Duration::from_secs(600);
 pub const LOG_POLL_INTERVAL_DEFAULT: Duration = Duration::from_millis(100);
 /// Longest accepted [`ProcessConfig::log_poll_interval`].
 pub const LOG_POLL_INTERVAL_MAX: Duration = Duration::from_secs(10);
+
+/// Memory set aside per agent when estimating how many fit on this
+/// machine (an idle agent holds about 35 MB; its boot check and the
+/// workload need room too).
+pub const AGENT_MEMORY_BYTES: u64 = 64 << 20;
 
 /// How long a stop waits for a group to vanish after SIGKILL before calling the outcome unknown.
 const KILL_WAIT: Duration = Duration::from_secs(5);
@@ -269,6 +278,8 @@ struct Shared {
     next_stream: AtomicU64,
     /// Serialises the calls for one node directory.
     key_locks: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    /// Keeps destroyed leases' logs.
+    logs: logs::LogKeeper,
 }
 
 impl Shared {
@@ -327,6 +338,7 @@ impl ProcessProvider {
                 sessions: Mutex::new(HashMap::new()),
                 next_stream: AtomicU64::new(0),
                 key_locks: Mutex::new(HashMap::new()),
+                logs: logs::LogKeeper::default(),
             }),
         })
     }
@@ -456,9 +468,17 @@ impl ProcessProvider {
             .arg(&credentials)
             .arg("--dir")
             .arg(dir);
+        // `--boot-check=ARG` keeps an argument that starts with `-` (say
+        // `sh -c …`) a value rather than an option of the agent.
         for check in &template.boot.boot_check {
-            cmd.arg("--boot-check").arg(check);
+            let mut arg = std::ffi::OsString::from("--boot-check=");
+            arg.push(check);
+            cmd.arg(arg);
         }
+        cmd.arg(format!(
+            "--boot-timeout-s={}",
+            template.limits.boot_timeout_s
+        ));
         cmd.envs(&template.boot.env)
             .current_dir(dir)
             .stdin(Stdio::null())
@@ -528,6 +548,7 @@ impl ProcessProvider {
             poll: self.shared.config.log_poll_interval,
             tx,
             stop: stop_rx,
+            recent: std::collections::VecDeque::new(),
         };
         let weak = Arc::downgrade(&self.shared);
         let id = session.clone();
@@ -738,6 +759,14 @@ fn reap(mut child: std::process::Child, pid: i32) -> Option<ExitWatch> {
 }
 
 /// `nodes/{run}/{node}-a{attempt}`.
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn available_memory_bytes() -> Option<u64> {
+    let info = fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 fn lease_path(key: &ResourceKey) -> String {
     format!("nodes/{}/{}-{}", key.run_id, key.node, key.attempt)
 }
@@ -1036,6 +1065,11 @@ impl Provider for ProcessProvider {
             self.mark_cancelled(&session_id(lease, pid));
             self.stop_agent(pid, &who).await?;
         }
+        // The log outlives its directory, so a failed attempt's error can
+        // still be read (`swactor logs`).
+        if let Err(e) = self.shared.logs.keep(&self.shared.state_dir, key, &dir) {
+            tracing::warn!(%key, error = %e, "cannot keep the agent's log");
+        }
         match fs::remove_dir_all(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -1054,6 +1088,18 @@ impl Provider for ProcessProvider {
         drop(guard);
         tracing::debug!(%key, dir = %dir.display(), "destroyed a node directory");
         Ok(())
+    }
+
+    fn capacity(&self) -> Option<swactor_provisioning::Capacity> {
+        let available = available_memory_bytes()?;
+        Some(swactor_provisioning::Capacity {
+            nodes: available / AGENT_MEMORY_BYTES,
+            basis: format!(
+                "this machine's {:.1} GiB of available memory at {} MiB per agent",
+                available as f64 / f64::from(1u32 << 30),
+                AGENT_MEMORY_BYTES >> 20
+            ),
+        })
     }
 
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {

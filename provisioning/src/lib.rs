@@ -58,8 +58,8 @@ pub use id::{
     OperationId, ResourceKey, RunId, SessionId, validate_id,
 };
 pub use observe::{
-    BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome,
-    OperationResult,
+    BOOT_CHECK_REPORT_MARGIN_MS, BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass,
+    Folded, OperationOutcome, OperationResult, stall_during_boot_check_ms,
 };
 pub use shape::{
     BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupShape,

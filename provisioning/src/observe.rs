@@ -263,6 +263,21 @@ pub fn fold_result(
     Ok(Folded::Applied)
 }
 
+/// How long past the agent's own boot-check timeout the stall deadline
+/// waits for it to report the failure.
+pub const BOOT_CHECK_REPORT_MARGIN_MS: u64 = 10_000;
+
+/// The stall deadline while `node`'s boot check runs: never before the
+/// agent's own timeout (plus [`BOOT_CHECK_REPORT_MARGIN_MS`]) has had its say.
+pub fn stall_during_boot_check_ms(config: &ReconcilerConfig, node: &ManagedNode) -> u64 {
+    let check = node
+        .template
+        .limits
+        .boot_timeout_ms()
+        .saturating_add(BOOT_CHECK_REPORT_MARGIN_MS);
+    config.bootstrap_stall_ms.max(check)
+}
+
 /// Folds a bootstrap stream observation into `node`.
 ///
 /// # Errors
@@ -282,6 +297,7 @@ pub fn fold_bootstrap(
         return Ok(Folded::Discarded(DiscardReason::StaleSession));
     }
     let stall_at = now.checked_add_ms(config.bootstrap_stall_ms)?;
+    let boot_check_at = now.checked_add_ms(stall_during_boot_check_ms(config, node))?;
     let live = node.intent == Intent::Active && node.record.stage != NodeStage::Failed;
     let rec = &mut node.record;
     let failure = match event {
@@ -292,7 +308,13 @@ pub fn fold_bootstrap(
         BootstrapEvent::Stage(stage) => {
             rec.bootstrap = Some(stage);
             if live && !rec.ready {
-                rec.bootstrap_deadline = Some(stall_at);
+                // The agent times its own boot check and reports the
+                // failure; the stall deadline only backs it up.
+                rec.bootstrap_deadline = Some(if stage == BootstrapStage::BootCheck {
+                    boot_check_at
+                } else {
+                    stall_at
+                });
             }
             None
         }
@@ -360,7 +382,16 @@ pub fn fold_bootstrap_stall(node: &mut ManagedNode, now: Timestamp) -> bool {
         && rec.stage != NodeStage::Failed
         && rec.bootstrap_deadline.is_some_and(|at| at <= now);
     if stalled {
-        let reason = "bootstrap stream made no progress before its deadline".to_owned();
+        let reason = match rec.bootstrap {
+            Some(BootstrapStage::BootCheck) => format!(
+                "the boot check did not finish within its boot_timeout_s of {} s, and the agent did not report it",
+                node.template.limits.boot_timeout_s
+            ),
+            Some(stage) => format!(
+                "the bootstrap made no progress before its deadline (last reported: {stage:?})"
+            ),
+            None => "the bootstrap made no progress before its deadline".to_owned(),
+        };
         node.record.bootstrap = Some(BootstrapStage::AgentLost);
         node.record.last_error = Some(reason.clone());
         node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);

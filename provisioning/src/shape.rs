@@ -132,16 +132,25 @@ pub struct NodeLimits {
     /// fails and the machine is replaced instead of probed (and paid for) forever.
     #[serde(default = "default_endpoint_timeout_s")]
     pub endpoint_timeout_s: f64,
+    /// Seconds the boot check may run. The agent stops a check that runs
+    /// longer and fails the attempt, saying so.
+    #[serde(default = "default_boot_timeout_s")]
+    pub boot_timeout_s: f64,
 }
 
 fn default_endpoint_timeout_s() -> f64 {
     900.0
 }
 
+fn default_boot_timeout_s() -> f64 {
+    300.0
+}
+
 impl Default for NodeLimits {
     fn default() -> Self {
         Self {
             endpoint_timeout_s: default_endpoint_timeout_s(),
+            boot_timeout_s: default_boot_timeout_s(),
         }
     }
 }
@@ -150,6 +159,11 @@ impl NodeLimits {
     /// [`NodeLimits::endpoint_timeout_s`] in whole milliseconds (saturating).
     pub fn endpoint_timeout_ms(&self) -> u64 {
         seconds_to_ms(self.endpoint_timeout_s)
+    }
+
+    /// [`NodeLimits::boot_timeout_s`] in whole milliseconds (saturating).
+    pub fn boot_timeout_ms(&self) -> u64 {
+        seconds_to_ms(self.boot_timeout_s)
     }
 }
 
@@ -287,6 +301,11 @@ impl NodeTemplate {
         }
         h.u64(self.join.lost_grace_s.to_bits());
         h.u64(self.limits.endpoint_timeout_s.to_bits());
+        // Hashed only when set, so templates recorded before the field
+        // existed keep their digest (and their nodes).
+        if self.limits.boot_timeout_s != default_boot_timeout_s() {
+            h.u64(self.limits.boot_timeout_s.to_bits());
+        }
         h.0
     }
 }
@@ -516,6 +535,14 @@ impl ClusterShape {
                     range: " > 0",
                 });
             }
+            let boot_timeout = g.limits.boot_timeout_s;
+            if !boot_timeout.is_finite() || boot_timeout <= 0.0 {
+                return Err(ShapeError::BadNumber {
+                    field: format!("groups[{index}].limits.boot_timeout_s"),
+                    value: boot_timeout.to_string(),
+                    range: " > 0",
+                });
+            }
             groups.push(DesiredGroup {
                 id: GroupId::new(&g.id),
                 count: g.count,
@@ -649,6 +676,14 @@ pub(crate) mod tests {
         );
 
         s.groups[1].join.lost_grace_s = 1.0;
+        s.groups[1].limits.boot_timeout_s = 0.0;
+        assert!(
+            s.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("groups[1].limits.boot_timeout_s is 0"),
+        );
+        s.groups[1].limits.boot_timeout_s = 30.0;
         s.groups[1].provider.kind.clear();
         assert_eq!(
             s.validate().unwrap_err().to_string(),
@@ -661,6 +696,16 @@ pub(crate) mod tests {
             s.validate().unwrap_err().to_string(),
             "run_id \"\" is empty"
         );
+    }
+
+    #[test]
+    fn a_default_boot_timeout_leaves_the_digest_as_it_was_before_the_field() {
+        let mut s = shape(1, vec![group("w", 1)]);
+        let before = s.validate().unwrap().groups[0].template.digest();
+        s.groups[0].limits.boot_timeout_s = 300.0;
+        assert_eq!(s.validate().unwrap().groups[0].template.digest(), before);
+        s.groups[0].limits.boot_timeout_s = 30.0;
+        assert_ne!(s.validate().unwrap().groups[0].template.digest(), before);
     }
 
     #[test]

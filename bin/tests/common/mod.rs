@@ -99,6 +99,7 @@ impl Daemon {
                     .into_owned();
                 return Err(Exited {
                     code: status.code(),
+                    signal: std::os::unix::process::ExitStatusExt::signal(&status),
                     log,
                 });
             }
@@ -204,6 +205,8 @@ pub fn alive(pid: u32) -> bool {
 #[derive(Debug)]
 pub struct Exited {
     pub code: Option<i32>,
+    /// The signal that ended it, if one did.
+    pub signal: Option<i32>,
     /// What it wrote to stderr.
     pub log: String,
 }

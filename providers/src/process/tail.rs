@@ -2,6 +2,7 @@
 
 use super::os::{self, AgentIdentity};
 use super::protocol::parse_agent_line;
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Read};
 use std::path::PathBuf;
@@ -15,6 +16,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 const LINE_LEN_MAX: usize = 64 * 1024;
 /// Bytes read from the log per read call.
 const READ_CHUNK_LEN: usize = 64 * 1024;
+/// Lines of the agent's own output (not protocol lines) quoted when it exits unannounced.
+const RECENT_LINES_MAX: usize = 5;
+/// Characters kept of each quoted line.
+const RECENT_LINE_CHARS_MAX: usize = 300;
 
 /// How a tail learns that the agent exited.
 pub(super) enum Exit {
@@ -79,6 +84,9 @@ pub(super) struct Tail {
     /// Resolves (with an error) when a newer stream replaces this one or the
     /// provider is dropped.
     pub(super) stop: oneshot::Receiver<()>,
+    /// The last lines of the agent's own output, for the reason of an exit
+    /// it did not announce (a crash, an argument it refused).
+    pub(super) recent: VecDeque<String>,
 }
 
 /// Why a tail ended without finishing its stream.
@@ -104,7 +112,7 @@ impl Tail {
                 } else {
                     BootstrapEvent::Failed {
                         stage: BootstrapStage::AgentLost,
-                        reason: format!("agent exited with {status}"),
+                        reason: self.exit_reason(&status),
                     }
                 };
                 tracing::debug!(session = %self.session.0, ?last, "agent exited");
@@ -145,10 +153,43 @@ impl Tail {
                         *failed |= matches!(event, BootstrapEvent::Failed { .. });
                         self.send(event).await?;
                     }
-                    None => tracing::debug!(session = %self.session.0, line, "agent output"),
+                    None => {
+                        tracing::debug!(session = %self.session.0, line, "agent output");
+                        self.remember(&line);
+                    }
                 }
             }
         }
+    }
+
+    /// Keeps `line` among the recent output, without terminal escapes and cut.
+    fn remember(&mut self, line: &str) {
+        let plain = strip_escapes(line);
+        let plain = plain.trim();
+        if plain.is_empty() {
+            return;
+        }
+        let mut kept: String = plain.chars().take(RECENT_LINE_CHARS_MAX).collect();
+        if kept.len() < plain.len() {
+            kept.push('…');
+        }
+        if self.recent.len() == RECENT_LINES_MAX {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(kept);
+    }
+
+    /// Why the agent's stream ends in a failure: its exit status and what it
+    /// last wrote.
+    fn exit_reason(&self, status: &str) -> String {
+        if self.recent.is_empty() {
+            return format!("agent exited with {status} (it wrote nothing else)");
+        }
+        let last: Vec<&str> = self.recent.iter().map(String::as_str).collect();
+        format!(
+            "agent exited with {status}; its last output: {}",
+            last.join(" | ")
+        )
     }
 
     async fn send(&mut self, event: BootstrapEvent) -> Result<(), Stopped> {
@@ -157,6 +198,31 @@ impl Tail {
             _ = &mut self.stop => Err(Stopped),
         }
     }
+}
+
+/// `line` without ANSI escape sequences (colours, cursor moves).
+fn strip_escapes(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\u{1b}' {
+            if !c.is_control() || c == '\t' {
+                out.push(c);
+            }
+            continue;
+        }
+        // CSI: ESC [ parameters… final byte in @..~; other escapes: one more char.
+        if chars.next_if_eq(&'[').is_some() {
+            for c in chars.by_ref() {
+                if ('@'..='~').contains(&c) {
+                    break;
+                }
+            }
+        } else {
+            chars.next();
+        }
+    }
+    out
 }
 
 /// Reads a growing file line by line, keeping at most one partial line.
@@ -250,5 +316,14 @@ mod tests {
         assert_eq!(reader.read_lines(false).unwrap(), ["two"]);
         assert!(reader.read_lines(false).unwrap().is_empty());
         assert_eq!(reader.read_lines(true).unwrap(), ["three"]);
+    }
+
+    #[test]
+    fn escapes_and_control_characters_are_stripped_from_quoted_output() {
+        assert_eq!(
+            strip_escapes("\u{1b}[2m2026\u{1b}[0m \u{1b}[31mERROR\u{1b}[0m boom\r"),
+            "2026 ERROR boom"
+        );
+        assert_eq!(strip_escapes("plain\tline"), "plain\tline");
     }
 }

@@ -44,6 +44,6 @@ pub use oracle::{
 pub use rng::SimRng;
 pub use trace::{Input, Mode, Trace};
 pub use world::{
-    Factory, GRACE_MS, GROUPS, RUN, Reconciler, RunReport, SWEEP_MS, TailBound, TailReport, World,
-    WorldConfig, groups_of, host_config, run_trace, run_trace_with, shape_of,
+    BOOT_TIMEOUT_MS, Factory, GRACE_MS, GROUPS, RUN, Reconciler, RunReport, SWEEP_MS, TailBound,
+    TailReport, World, WorldConfig, groups_of, host_config, run_trace, run_trace_with, shape_of,
 };

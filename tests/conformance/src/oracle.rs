@@ -24,7 +24,7 @@ use swactor_provisioning::{
     EffectRequest, Folded, Generation, Intent, JoinRefused, JournalImage, LeaseId, LogicalNodeId,
     ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId, OperationOutcome,
     OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId, ShutdownMode, Timestamp,
-    UpdateError, reconcile, same_template,
+    UpdateError, reconcile, same_template, stall_during_boot_check_ms,
 };
 
 /// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.
@@ -1746,7 +1746,12 @@ impl Oracle {
             if ra.stage != expected_stage {
                 problems.push(format!("stage {:?} became {:?}", rb.stage, ra.stage));
             }
+            let boot_check = now
+                .0
+                .checked_add(stall_during_boot_check_ms(&self.config, nb))
+                .map(Timestamp);
             let expected_deadline = match &obs.event {
+                BootstrapEvent::Stage(BootstrapStage::BootCheck) if live && !rb.ready => boot_check,
                 BootstrapEvent::Stage(_) if live && !rb.ready => stall,
                 BootstrapEvent::SwactorJoined if joins => stall,
                 BootstrapEvent::Closed => None,

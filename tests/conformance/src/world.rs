@@ -23,10 +23,10 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 pub use swactor_provisioning::Reconciler;
 use swactor_provisioning::{
-    BootParams, BootstrapEvent, ClusterShape, CollectRequest, Driver, Generation, GroupShape, Host,
-    HostConfig, HostFold, JournalImage, NodeAttemptId, NodeLimits, OperationTimeouts,
-    Output as HostOutput, ProviderShape, ReconcilerConfig, Reply, ResourceKey, RunId, ShutdownMode,
-    SwarmJoin, Ticket, Timestamp,
+    BOOT_CHECK_REPORT_MARGIN_MS, BootParams, BootstrapEvent, ClusterShape, CollectRequest, Driver,
+    Generation, GroupShape, Host, HostConfig, HostFold, JournalImage, NodeAttemptId, NodeLimits,
+    OperationTimeouts, Output as HostOutput, ProviderShape, ReconcilerConfig, Reply, ResourceKey,
+    RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp,
 };
 
 /// The run every world drives.
@@ -157,6 +157,7 @@ impl TailBound {
             + LATE_EXTRA_MAX_MS
             + 2 * r.backoff_cap_ms
             + r.bootstrap_stall_ms
+                .max(BOOT_TIMEOUT_MS + BOOT_CHECK_REPORT_MARGIN_MS)
             + 6 * round_trip
             + c.backend.endpoint_delay_ms
             + r.probe_interval_ms
@@ -202,6 +203,11 @@ pub fn host_config() -> HostConfig {
         capacity: None,
     }
 }
+
+/// The boot-check timeout of the world's shapes: the stall deadline while a
+/// boot check runs is this plus the report margin when that is longer than
+/// the plain stall deadline.
+pub const BOOT_TIMEOUT_MS: u64 = 4_000;
 
 /// The world's sweep interval and visibility window: longer than the
 /// longest invisibility a trace can arm.
@@ -273,7 +279,10 @@ pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
                     lost_grace_s: GRACE_MS as f64 / 1000.0,
                     ..SwarmJoin::default()
                 },
-                limits: NodeLimits::default(),
+                limits: NodeLimits {
+                    boot_timeout_s: BOOT_TIMEOUT_MS as f64 / 1000.0,
+                    ..NodeLimits::default()
+                },
             })
             .collect(),
         capacity: None,

@@ -582,11 +582,12 @@ fn a_fixed_template_restarts_at_once_instead_of_waiting_out_the_old_backoff() {
     for _ in 0..400 {
         world.apply(&Input::Advance { ms: 500 });
         let node = world.host().core().state().nodes.get(&slot0()).cloned();
-        if let Some(at) = node.and_then(|n| n.record.restart_at.filter(|at| *at > world.now())) {
-            if at.saturating_since(world.now()) >= 4_000 {
-                waiting = Some(at);
-                break;
-            }
+        let now = world.now();
+        if let Some(at) = node.and_then(|n| n.record.restart_at)
+            && at.saturating_since(now) >= 4_000
+        {
+            waiting = Some(at);
+            break;
         }
     }
     let restart_at = waiting.expect("a restart waits out a backoff of at least 4 s");
