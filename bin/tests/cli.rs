@@ -88,20 +88,47 @@ fn a_shape_past_its_capacity_is_refused_with_its_numbers_and_changes_nothing() {
     );
     assert!(!state.exists(), "nothing was made: {:?}", node_dirs(&state));
 
+    // Past what the provider can hold (this machine's memory, for local
+    // processes): the daemon refuses it once it knows, and stops.
+    let huge = shape_file(
+        tmp.path(),
+        "huge.toml",
+        &workers("cli-cap", 100_000).replace("lost_grace_s = 1.0\n", ""),
+    );
+    let elsewhere = tmp.path().join("elsewhere");
+    let o = cli(&elsewhere, &["up", huge.to_str().unwrap(), "--yes"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        stderr(&o).contains("asks for 100000 nodes, but this machine's")
+            && stderr(&o).contains("allows at most"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        node_dirs(&elsewhere).is_empty(),
+        "{:?}",
+        node_dirs(&elsewhere)
+    );
+    assert!(!elsewhere.join("daemon.ticket").exists(), "it stopped");
+
     // `apply` to a running daemon: refused by the daemon, with the numbers.
     let one = shape_file(tmp.path(), "one.toml", &body(1, 50));
     let _d = Daemon::start(&state, &one);
     wait_converged(&state, CONVERGE, |s| s.nodes.len() == 1);
     let before = generation_and_nodes(&state);
     let dirs = node_dirs(&state);
-    for extra in [&[][..], &["--yes"][..]] {
-        let mut args = vec!["apply", big.to_str().unwrap()];
+    for (file, extra, needle) in [
+        (&big, &[][..], "`capacity` of 50"),
+        (&big, &["--yes"][..], "`capacity` of 50"),
+        (&huge, &["--yes"][..], "available memory"),
+    ] {
+        let mut args = vec!["apply", file.to_str().unwrap()];
         args.extend(extra);
         let o = cli(&state, &args);
         assert_eq!(o.status.code(), Some(1), "{}", text(&o));
         let err = stderr(&o);
         assert!(
-            err.contains("asks for 100000 nodes") && err.contains("`capacity` of 50"),
+            err.contains("asks for 100000 nodes") && err.contains(needle),
             "{err}"
         );
         assert!(err.contains("nothing was changed"), "{err}");
