@@ -48,7 +48,7 @@ pub(crate) struct GroupFile {
     /// Provider parameters.
     #[serde(default)]
     pub(crate) params: BTreeMap<String, ParamValue>,
-    /// The role (`worker` by default).
+    /// The role (`worker` by default); recorded with the template.
     #[serde(default)]
     pub(crate) role: Option<String>,
     /// A command the agent runs to check the node is fit, as argv.
@@ -60,7 +60,7 @@ pub(crate) struct GroupFile {
     /// Environment for the agent.
     #[serde(default)]
     pub(crate) env: BTreeMap<String, String>,
-    /// Tags announced on join.
+    /// Tags recorded with the template (nothing acts on them yet).
     #[serde(default)]
     pub(crate) tags: BTreeSet<String>,
     /// Seconds a joined agent may be gone before its node is replaced.
