@@ -92,6 +92,9 @@ struct Client {
     ticket: EndpointTicket,
     root: String,
     state: StateDir,
+    /// Whether the daemon runs on this directory (it has a lock file), so
+    /// whether its lock tells if it still runs.
+    local: bool,
     /// The pid of the daemon that held the directory when the client opened.
     pid: Option<u32>,
 }
@@ -99,21 +102,24 @@ struct Client {
 impl Client {
     async fn open(state_dir: &Path) -> Result<Self> {
         let state = StateDir::open(state_dir.to_path_buf())?;
-        // A running daemon holds the directory's lock; with no holder, a
-        // ticket left behind is stale and dialing it would only time out.
+        // A daemon running on this directory holds its lock; with no holder,
+        // a ticket left behind is stale and dialing it would only time out.
+        // A directory no daemon ever ran on may hold a ticket copied from
+        // one that runs elsewhere: that one is dialed.
+        let local = state.has_lock_file();
         let holder = {
             let state = state.clone();
             tokio::task::spawn_blocking(move || state.running_daemon())
                 .await
                 .context("checking for a running daemon")?
         };
-        let Some(holder) = holder else {
+        if local && holder.is_none() {
             bail!(
                 "no daemon is running for {} (none holds its daemon.lock); start one with \
                  `swactor up`",
                 state.root().display()
             );
-        };
+        }
         let ticket = match state.read_ticket() {
             Ok(ticket) => ticket,
             // The ticket was lost while the daemon runs: ask it (the lock's
@@ -138,12 +144,17 @@ impl Client {
             ticket,
             root: state.root().display().to_string(),
             state,
-            pid: holder.pid,
+            local,
+            pid: holder.and_then(|h| h.pid),
         })
     }
 
-    /// Whether the daemon this client found still holds its directory.
+    /// Whether the daemon this client found still holds its directory
+    /// (always true of a daemon elsewhere: its connection tells instead).
     async fn daemon_alive(&self) -> bool {
+        if !self.local {
+            return true;
+        }
         let state = self.state.clone();
         let holder = tokio::task::spawn_blocking(move || state.running_daemon())
             .await
@@ -157,11 +168,18 @@ impl Client {
             || "the daemon".to_owned(),
             |pid| format!("the daemon (pid {pid})"),
         );
-        anyhow::anyhow!(
-            "cannot reach {who} for {} ({e}); it holds the state directory but does not \
-             answer: it may be stopping, or stopped (SIGSTOP)",
-            self.root
-        )
+        if self.local {
+            anyhow::anyhow!(
+                "cannot reach {who} for {} ({e}); it holds the state directory but does not \
+                 answer: it may be stopping, or stopped (SIGSTOP)",
+                self.root
+            )
+        } else {
+            anyhow::anyhow!(
+                "cannot reach the daemon that {}/daemon.ticket names ({e}); it may have stopped",
+                self.root
+            )
+        }
     }
 
     async fn request(&self, req: &ControlRequest) -> Result<ControlResponse> {

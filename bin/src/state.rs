@@ -258,6 +258,13 @@ impl StateDir {
         Ok(DaemonLock { file })
     }
 
+    /// Whether a daemon ever ran on this directory (its lock file exists).
+    /// A directory without one may still hold a ticket copied from a daemon
+    /// that runs elsewhere.
+    pub(crate) fn has_lock_file(&self) -> bool {
+        self.lock_path().exists()
+    }
+
     /// For clients: the daemon holding this directory's lock, if one does.
     ///
     /// Probes with a non-blocking shared lock on its own file description,
