@@ -1008,7 +1008,11 @@ impl WatchView {
                 } else {
                     " (a late result, ignored)"
                 };
-                self.say(&format!("{node} {}: {outcome}{late}", op.attempt))
+                self.say(&format!(
+                    "{node} {}: {}{late}",
+                    op.attempt,
+                    crate::words::outcome_words(&outcome)
+                ))
             }
             // Passes are the daemon's own bookkeeping.
             ClusterEvent::Pass { .. } | ClusterEvent::AgentJoined { .. } => Ok(()),

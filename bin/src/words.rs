@@ -143,6 +143,32 @@ pub(crate) fn effect_words(effect: EffectKind) -> &'static str {
     }
 }
 
+/// An operation's outcome as the daemon reports it (`lease X`, `Definite
+/// failure: …`), in the words of this vocabulary; text it does not know is
+/// kept as it is.
+pub(crate) fn outcome_words(outcome: &str) -> String {
+    const KNOWN: &[(&str, &str)] = &[
+        ("Definite failure: ", "failed: "),
+        (
+            "Ambiguous failure: ",
+            "no clear outcome, to be checked again: ",
+        ),
+        ("LeaseGone failure: ", "its machine is gone: "),
+        ("lease destroyed", "machine released"),
+        ("bootstrap cancelled", "agent stopped"),
+        ("endpoint not ready", "not reachable yet"),
+        ("lease ", "leased "),
+        ("endpoint ", "reachable at "),
+        ("session ", "agent started: "),
+    ];
+    for (from, to) in KNOWN {
+        if let Some(rest) = outcome.strip_prefix(from) {
+            return format!("{to}{rest}");
+        }
+    }
+    outcome.to_owned()
+}
+
 /// The last thing an attempt's bootstrap reported, for people.
 pub(crate) fn bootstrap_words(stage: BootstrapStage) -> &'static str {
     match stage {
@@ -338,6 +364,20 @@ mod tests {
         assert_eq!(ago(at(0), at(180_000)), "3 min ago");
         assert_eq!(ago(at(0), at(500)), "just now");
         assert!(!state_text(&n, at(100_000)).contains("t+"));
+    }
+
+    #[test]
+    fn outcomes_are_told_in_plain_words() {
+        assert_eq!(
+            outcome_words("Definite failure: no room"),
+            "failed: no room"
+        );
+        assert_eq!(outcome_words("lease destroyed"), "machine released");
+        assert_eq!(
+            outcome_words("lease nodes/r/w-0-a1"),
+            "leased nodes/r/w-0-a1"
+        );
+        assert_eq!(outcome_words("something new"), "something new");
     }
 
     #[test]
