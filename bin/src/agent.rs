@@ -54,9 +54,6 @@ pub(crate) struct AgentOptions {
     /// Seconds the boot check may run before it is stopped and the attempt fails.
     #[arg(long, default_value_t = 300.0)]
     pub(crate) boot_timeout_s: f64,
-    /// Seconds between heartbeats (the daemon takes an agent silent for 2 s for gone).
-    #[arg(long, default_value_t = 0.5)]
-    pub(crate) heartbeat_s: f64,
 }
 
 fn report(event: &BootstrapEvent) {
@@ -139,7 +136,6 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
         key,
         token: credentials.token.clone(),
     };
-    let heartbeat = Duration::from_secs_f64(opts.heartbeat_s.max(0.05));
     let mut joined_once = false;
     let mut failures = 0u32;
     // From here on SIGTERM is caught (tokio keeps the handler for the life
@@ -149,7 +145,7 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
         .context("cannot listen for SIGTERM")?;
     let code = loop {
         let outcome = tokio::select! {
-            outcome = session(&endpoint, &ticket, &join, heartbeat, &mut joined_once) => outcome,
+            outcome = session(&endpoint, &ticket, &join, &mut joined_once) => outcome,
             _ = term.recv() => Session::Stopped,
         };
         match outcome {
@@ -195,7 +191,6 @@ async fn session(
     endpoint: &Endpoint,
     ticket: &EndpointTicket,
     join: &JoinRequest,
-    heartbeat: Duration,
     joined_once: &mut bool,
 ) -> Session {
     let conn = match connect(
@@ -216,12 +211,16 @@ async fn session(
     if let Err(e) = send_frame(&mut send, join, FRAME_LEN_MAX).await {
         return Session::Lost(e.to_string());
     }
-    match recv_frame::<JoinReply, _>(&mut recv, FRAME_LEN_MAX).await {
-        Ok(Some(JoinReply::Welcome)) => {}
+    // The daemon says how often it wants to hear from this agent (a
+    // fraction of the group's grace); never busier than every 50 ms.
+    let heartbeat = match recv_frame::<JoinReply, _>(&mut recv, FRAME_LEN_MAX).await {
+        Ok(Some(JoinReply::Welcome { heartbeat_ms })) => {
+            Duration::from_millis(heartbeat_ms.max(50))
+        }
         Ok(Some(JoinReply::Refused(reason))) => return Session::Refused(reason),
         Ok(None) => return Session::Lost("the daemon closed the stream".to_owned()),
         Err(e) => return Session::Lost(e.to_string()),
-    }
+    };
     if !*joined_once {
         *joined_once = true;
         report(&BootstrapEvent::SwactorJoined);
