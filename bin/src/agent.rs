@@ -20,6 +20,7 @@ use swactor_providers::process::format_agent_line;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, ResourceKey, RunId,
 };
+use tokio::io::{AsyncBufReadExt, AsyncRead};
 
 /// How long the agent's connection to its daemon may hear nothing before it
 /// is taken for dead and the agent dials again.
@@ -246,22 +247,87 @@ async fn boot_check(argv: &[String], timeout_s: f64) -> Result<(), String> {
     };
     let mut child = tokio::process::Command::new(program)
         .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("boot check `{cmd}` could not start: {e}"))?;
-    let limit = Duration::from_secs_f64(timeout_s.clamp(0.001, 1e9));
-    match tokio::time::timeout(limit, child.wait()).await {
-        Ok(Ok(status)) if status.success() => Ok(()),
-        Ok(Ok(status)) => Err(format!("boot check `{cmd}` exited with {status}")),
-        Ok(Err(e)) => Err(format!("boot check `{cmd}` could not be waited for: {e}")),
-        Err(_) => {
-            let _ = child.kill().await;
-            Err(format!(
-                "boot check `{cmd}` did not finish within its boot_timeout_s of {timeout_s} s and was stopped"
-            ))
+    // Its output goes to the agent's log, and its last lines into the
+    // reason of a failure.
+    let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<String>(64);
+    for pipe in [
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let tx = lines_tx.clone();
+        tokio::spawn(async move {
+            let mut reader = tokio::io::BufReader::new(pipe).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                if tx.send(line).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(lines_tx);
+    let mut last = std::collections::VecDeque::new();
+    let mut note = |line: String| {
+        eprintln!("boot check: {line}");
+        if last.len() == BOOT_CHECK_LINES_QUOTED {
+            last.pop_front();
         }
+        last.push_back(line.chars().take(300).collect::<String>());
+    };
+    let limit = tokio::time::sleep(Duration::from_secs_f64(timeout_s.clamp(0.001, 1e9)));
+    tokio::pin!(limit);
+    let mut open = true;
+    let status = loop {
+        tokio::select! {
+            line = lines.recv(), if open => match line {
+                Some(line) => note(line),
+                None => open = false,
+            },
+            status = child.wait() => break status,
+            () = &mut limit => {
+                let _ = child.kill().await;
+                return Err(format!(
+                    "boot check `{cmd}` did not finish within its boot_timeout_s of {timeout_s} s and was stopped"
+                ));
+            }
+        }
+    };
+    // What it wrote just before it exited; briefly, since a child it left
+    // behind may hold the pipes open.
+    let rest = async {
+        while let Some(line) = lines.recv().await {
+            note(line);
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(200), rest).await;
+    let said = if last.is_empty() {
+        String::new()
+    } else {
+        format!("; its last output: {}", Vec::from(last).join(" | "))
+    };
+    match status {
+        Ok(status) if status.success() => Ok(()),
+        Ok(status) => Err(format!("boot check `{cmd}` exited with {status}{said}")),
+        Err(e) => Err(format!("boot check `{cmd}` could not be waited for: {e}")),
     }
 }
+
+/// Lines of a failed boot check's output quoted in the failure.
+const BOOT_CHECK_LINES_QUOTED: usize = 5;
 
 /// `argv` as one line for messages, each argument quoted when it needs to be
 /// and the whole cut to a readable length.

@@ -216,3 +216,61 @@ fn a_frozen_agent_is_shown_disconnected_and_replaced_when_its_grace_ends() {
         worker0(s).is_some_and(|n| n.ready && n.attempt != before)
     });
 }
+
+/// Issue 11, case 3: the real error of a failed attempt was lost with its
+/// node directory. Now its reason quotes the boot check's output, and
+/// `swactor logs` shows the attempt's log after the attempt, and the daemon,
+/// are gone.
+#[test]
+fn a_failed_attempts_real_error_is_in_its_reason_and_its_log_outlives_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(
+        tmp.path(),
+        "broken.toml",
+        &one_group(
+            "health-logs",
+            r#"boot_check = ["sh", "-c", "echo checking disks; echo 'disk /data is missing' >&2; exit 7"]"#,
+        ),
+    );
+    let mut d = Daemon::start(&state, &shape);
+    let (n, _) = wait_node(&state, Duration::from_secs(30), "a failure", |n| {
+        n.failures >= 1 && n.last_error.is_some()
+    });
+    let err = n.last_error.unwrap();
+    assert!(
+        err.contains("exited with exit status: 7; its last output: ")
+            && err.contains("disk /data is missing"),
+        "{err}"
+    );
+    // The first attempt's lease is destroyed before the second starts.
+    wait_node(&state, Duration::from_secs(30), "a second attempt", |n| {
+        n.attempt.0 > 1
+    });
+    let o = cli(&state, &["logs", "worker-0", "--attempt", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("boot check: disk /data is missing"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(stderr(&o).contains("kept end of its log"), "{}", stderr(&o));
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    d.wait_exit(Duration::from_secs(30));
+    // With everything torn down and no daemon, the latest attempt's log is kept.
+    let o = cli(&state, &["logs", "worker-0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("disk /data is missing"),
+        "{}",
+        stdout(&o)
+    );
+    let o = cli(&state, &["logs", "worker-9"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no log of worker-9"), "{}", stderr(&o));
+    let long = "w".repeat(5000);
+    let o = cli(&state, &["logs", &long]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).len() < 400, "a long id is cut: {}", stderr(&o));
+}
