@@ -274,3 +274,49 @@ fn a_failed_attempts_real_error_is_in_its_reason_and_its_log_outlives_it() {
     assert!(!o.status.success());
     assert!(stderr(&o).len() < 400, "a long id is cut: {}", stderr(&o));
 }
+
+/// `logs --follow` prints what a running agent writes and ends, quietly and
+/// successfully, once the attempt is destroyed.
+#[test]
+fn logs_follow_ends_when_the_attempt_is_destroyed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(
+        tmp.path(),
+        "follow.toml",
+        &one_group(
+            "health-follow",
+            r#"boot_check = ["sh", "-c", "echo hello from the boot check"]"#,
+        ),
+    );
+    let mut d = Daemon::start(&state, &shape);
+    wait_converged(&state, CONVERGE, |s| s.nodes.len() == 1);
+    let follower = std::process::Command::new(BIN)
+        .args(["logs", "worker-0", "--follow", "--state-dir"])
+        .arg(&state)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    d.wait_exit(Duration::from_secs(30));
+    let started = Instant::now();
+    let out = follower.wait_with_output().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "follow did not end"
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("boot check: hello from the boot check"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        stderr(&out).contains("ended; its log is kept"),
+        "{}",
+        stderr(&out)
+    );
+}
