@@ -12,8 +12,8 @@ use swactor_engine::ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr}
 use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
-    ApplyError, ClusterShape, DesiredUpdate, Generation, JoinRefused, LogicalNodeId, ResourceKey,
-    ShutdownMode, ShutdownReport,
+    ApplyError, ClusterShape, DesiredUpdate, Generation, JoinRefused, Liveness, LogicalNodeId,
+    ResourceKey, ShutdownMode, ShutdownReport,
 };
 
 /// Why a call to a cluster failed.
@@ -222,7 +222,7 @@ impl ClusterHandle {
     pub async fn agent_join(
         &self,
         key: ResourceKey,
-    ) -> Result<Result<(), JoinRefused>, ClusterError> {
+    ) -> Result<Result<Liveness, JoinRefused>, ClusterError> {
         self.call(|r| DriverMsg::Swarm(SwarmMsg::Join(key, r)))
             .await
     }

@@ -162,6 +162,7 @@ impl Actor for DriverActor {
                     timer: core.poll_timeout(),
                     converged: st.host.is_converged(),
                     settled: st.host.settled(),
+                    agents_away: st.host.agents_away(),
                     stats: core.stats(),
                 });
             }

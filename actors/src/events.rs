@@ -32,7 +32,7 @@ pub struct NodeSummary {
     pub stage: NodeStage,
     /// Active or Deleting.
     pub intent: Intent,
-    /// Converged and serving.
+    /// Converged and serving, with its agent not away.
     pub ready: bool,
     /// The operation in flight, if any.
     pub pending: Option<EffectKind>,
@@ -62,7 +62,8 @@ impl NodeSummary {
             attempt: n.attempt,
             stage: n.record.stage,
             intent: n.intent,
-            ready: n.is_ready(),
+            // A node whose agent is away may be gone: not ready until it is back.
+            ready: n.is_ready() && !matches!(agent, AgentLink::Away { .. }),
             pending: n.pending.as_ref().map(|p| p.effect),
             failures: n.retry.consecutive_failures,
             last_error: n.record.last_error.clone(),

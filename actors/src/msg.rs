@@ -18,7 +18,7 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
     ApplyError, BootstrapObservation, ClusterShape, DesiredUpdate, Generation, JoinRefused,
-    JournalImage, LogicalNodeId, ResourceKey, ShutdownMode, ShutdownReport, Timestamp,
+    JournalImage, Liveness, LogicalNodeId, ResourceKey, ShutdownMode, ShutdownReport, Timestamp,
 };
 use tokio::sync::broadcast;
 
@@ -51,8 +51,9 @@ pub enum ClusterMsg {
 
 /// What a swarm endpoint tells a cluster about its agents.
 pub enum SwarmMsg {
-    /// An agent presented `key` to join: accepted only for the node's current, active attempt.
-    Join(ResourceKey, RpcReplyPort<Result<(), JoinRefused>>),
+    /// An agent presented `key` to join: accepted only for the node's
+    /// current, active attempt, with how it must prove it is alive.
+    Join(ResourceKey, RpcReplyPort<Result<Liveness, JoinRefused>>),
     /// The agent of `key` disconnected, silent for the given time; unless it
     /// rejoins within its grace (counted from when it was last heard), its
     /// node is replaced.
@@ -166,6 +167,8 @@ pub struct DriverView {
     pub converged: bool,
     /// Whether the host has adopted its inventory and has nothing left to collect or verify.
     pub settled: bool,
+    /// Agents whose grace is running.
+    pub agents_away: usize,
     /// The core's lifetime counters.
     pub stats: swactor_provisioning::DriverStats,
 }

@@ -63,6 +63,7 @@ async fn snapshot(cluster: &ClusterHandle, provider: &FakeProvider) -> (Snapshot
         // The driver's work queue is inside the actor; skip those checks.
         pass_queued: None,
         host_settled: view.settled,
+        agents_away: view.agents_away,
         shutting_down: false,
     };
     (snap, backend)

@@ -20,6 +20,7 @@ use swactor_providers::process::format_agent_line;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, ResourceKey, RunId,
 };
+use tokio::io::{AsyncBufReadExt, AsyncRead};
 
 /// How long the agent's connection to its daemon may hear nothing before it
 /// is taken for dead and the agent dials again.
@@ -54,9 +55,6 @@ pub(crate) struct AgentOptions {
     /// Seconds the boot check may run before it is stopped and the attempt fails.
     #[arg(long, default_value_t = 300.0)]
     pub(crate) boot_timeout_s: f64,
-    /// Seconds between heartbeats (the daemon takes an agent silent for 2 s for gone).
-    #[arg(long, default_value_t = 0.5)]
-    pub(crate) heartbeat_s: f64,
 }
 
 fn report(event: &BootstrapEvent) {
@@ -139,7 +137,6 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
         key,
         token: credentials.token.clone(),
     };
-    let heartbeat = Duration::from_secs_f64(opts.heartbeat_s.max(0.05));
     let mut joined_once = false;
     let mut failures = 0u32;
     // From here on SIGTERM is caught (tokio keeps the handler for the life
@@ -149,7 +146,7 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
         .context("cannot listen for SIGTERM")?;
     let code = loop {
         let outcome = tokio::select! {
-            outcome = session(&endpoint, &ticket, &join, heartbeat, &mut joined_once) => outcome,
+            outcome = session(&endpoint, &ticket, &join, &mut joined_once) => outcome,
             _ = term.recv() => Session::Stopped,
         };
         match outcome {
@@ -195,7 +192,6 @@ async fn session(
     endpoint: &Endpoint,
     ticket: &EndpointTicket,
     join: &JoinRequest,
-    heartbeat: Duration,
     joined_once: &mut bool,
 ) -> Session {
     let conn = match connect(
@@ -216,12 +212,16 @@ async fn session(
     if let Err(e) = send_frame(&mut send, join, FRAME_LEN_MAX).await {
         return Session::Lost(e.to_string());
     }
-    match recv_frame::<JoinReply, _>(&mut recv, FRAME_LEN_MAX).await {
-        Ok(Some(JoinReply::Welcome)) => {}
+    // The daemon says how often it wants to hear from this agent (a
+    // fraction of the group's grace); never busier than every 50 ms.
+    let heartbeat = match recv_frame::<JoinReply, _>(&mut recv, FRAME_LEN_MAX).await {
+        Ok(Some(JoinReply::Welcome { heartbeat_ms })) => {
+            Duration::from_millis(heartbeat_ms.max(50))
+        }
         Ok(Some(JoinReply::Refused(reason))) => return Session::Refused(reason),
         Ok(None) => return Session::Lost("the daemon closed the stream".to_owned()),
         Err(e) => return Session::Lost(e.to_string()),
-    }
+    };
     if !*joined_once {
         *joined_once = true;
         report(&BootstrapEvent::SwactorJoined);
@@ -247,22 +247,87 @@ async fn boot_check(argv: &[String], timeout_s: f64) -> Result<(), String> {
     };
     let mut child = tokio::process::Command::new(program)
         .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("boot check `{cmd}` could not start: {e}"))?;
-    let limit = Duration::from_secs_f64(timeout_s.clamp(0.001, 1e9));
-    match tokio::time::timeout(limit, child.wait()).await {
-        Ok(Ok(status)) if status.success() => Ok(()),
-        Ok(Ok(status)) => Err(format!("boot check `{cmd}` exited with {status}")),
-        Ok(Err(e)) => Err(format!("boot check `{cmd}` could not be waited for: {e}")),
-        Err(_) => {
-            let _ = child.kill().await;
-            Err(format!(
-                "boot check `{cmd}` did not finish within its boot_timeout_s of {timeout_s} s and was stopped"
-            ))
+    // Its output goes to the agent's log, and its last lines into the
+    // reason of a failure.
+    let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<String>(64);
+    for pipe in [
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let tx = lines_tx.clone();
+        tokio::spawn(async move {
+            let mut reader = tokio::io::BufReader::new(pipe).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                if tx.send(line).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(lines_tx);
+    let mut last = std::collections::VecDeque::new();
+    let mut note = |line: String| {
+        eprintln!("boot check: {line}");
+        if last.len() == BOOT_CHECK_LINES_QUOTED {
+            last.pop_front();
         }
+        last.push_back(line.chars().take(300).collect::<String>());
+    };
+    let limit = tokio::time::sleep(Duration::from_secs_f64(timeout_s.clamp(0.001, 1e9)));
+    tokio::pin!(limit);
+    let mut open = true;
+    let status = loop {
+        tokio::select! {
+            line = lines.recv(), if open => match line {
+                Some(line) => note(line),
+                None => open = false,
+            },
+            status = child.wait() => break status,
+            () = &mut limit => {
+                let _ = child.kill().await;
+                return Err(format!(
+                    "boot check `{cmd}` did not finish within its boot_timeout_s of {timeout_s} s and was stopped"
+                ));
+            }
+        }
+    };
+    // What it wrote just before it exited; briefly, since a child it left
+    // behind may hold the pipes open.
+    let rest = async {
+        while let Some(line) = lines.recv().await {
+            note(line);
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(200), rest).await;
+    let said = if last.is_empty() {
+        String::new()
+    } else {
+        format!("; its last output: {}", Vec::from(last).join(" | "))
+    };
+    match status {
+        Ok(status) if status.success() => Ok(()),
+        Ok(status) => Err(format!("boot check `{cmd}` exited with {status}{said}")),
+        Err(e) => Err(format!("boot check `{cmd}` could not be waited for: {e}")),
     }
 }
+
+/// Lines of a failed boot check's output quoted in the failure.
+const BOOT_CHECK_LINES_QUOTED: usize = 5;
 
 /// `argv` as one line for messages, each argument quoted when it needs to be
 /// and the whole cut to a readable length.

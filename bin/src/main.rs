@@ -14,6 +14,7 @@ mod control;
 mod daemon;
 mod guard;
 mod journal;
+mod logs;
 mod progress;
 mod protocol;
 mod shapefile;
@@ -151,6 +152,23 @@ the stream breaks off (the daemon died, the connection was lost).")]
         #[arg(long)]
         keep: bool,
     },
+    /// Show a node's agent log: its latest attempt's, or `--attempt N`'s.
+    /// The ends of the last three attempts' logs are kept after their
+    /// machines are gone.
+    #[command(after_help = "Example:\n  swactor logs worker-0 --follow")]
+    Logs {
+        /// The node, e.g. `worker-0`.
+        node: String,
+        /// An earlier attempt, by number (`swactor describe NODE` lists them).
+        #[arg(long)]
+        attempt: Option<u64>,
+        /// The run, when the state directory holds more than one.
+        #[arg(long)]
+        run: Option<String>,
+        /// Keep printing what the agent writes until its attempt ends.
+        #[arg(long, short = 'f')]
+        follow: bool,
+    },
     /// The node agent (started by providers, not by hand).
     #[command(hide = true)]
     Agent(agent::AgentOptions),
@@ -232,6 +250,20 @@ fn main() {
             Command::Describe { node } => client::describe(&state_dir, &node).await.map(|()| 0),
             Command::Watch => client::watch(&state_dir).await.map(|()| 0),
             Command::Down { keep } => client::down(&state_dir, keep).await.map(|()| 0),
+            Command::Logs {
+                node,
+                attempt,
+                run,
+                follow,
+            } => {
+                let opts = logs::LogsOptions {
+                    node,
+                    attempt,
+                    run,
+                    follow,
+                };
+                logs::logs(&state_dir, &opts).await
+            }
             Command::Agent(opts) => agent::run(opts).await,
         }
     });

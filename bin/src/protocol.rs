@@ -113,8 +113,11 @@ pub(crate) struct JoinRequest {
 /// The daemon's answer to a join.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) enum JoinReply {
-    /// Joined; keep the connection and send heartbeats.
-    Welcome,
+    /// Joined; keep the connection and send a heartbeat every `heartbeat_ms`.
+    Welcome {
+        /// The interval the daemon expects heartbeats at.
+        heartbeat_ms: u64,
+    },
     /// Refused, with the reason.
     Refused(String),
 }

@@ -21,11 +21,6 @@ use swactor_providers::credentials::AgentCredentials;
 /// How often a connected agent's join is asserted again.
 const JOIN_REASSERT: Duration = Duration::from_secs(3);
 
-/// A joined agent that sends nothing for this long is taken for gone; its
-/// grace is counted from its last heartbeat. Agents send one every second
-/// or faster.
-pub(crate) const HEARTBEAT_SILENCE_MAX: Duration = Duration::from_secs(2);
-
 /// Largest heartbeat or reply frame (a heartbeat is a counter).
 const SMALL_FRAME_LEN_MAX_BYTES: usize = 64;
 
@@ -59,18 +54,26 @@ impl ProtocolHandler for SwarmHandler {
             }
         };
         let reply = match &verdict {
-            Ok(()) => JoinReply::Welcome,
+            Ok(liveness) => JoinReply::Welcome {
+                heartbeat_ms: liveness.heartbeat_ms,
+            },
             Err(reason) => JoinReply::Refused(reason.clone()),
         };
         let sent = send_frame(&mut send, &reply, SMALL_FRAME_LEN_MAX_BYTES).await;
         if let Err(reason) = &verdict {
             self.refusals.refused(&join.key.to_string(), reason);
         }
-        if sent.is_err() || verdict.is_err() {
-            let _ = send.finish();
-            let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
-            return Ok(());
-        }
+        let liveness = match (sent, verdict) {
+            (Ok(()), Ok(liveness)) => liveness,
+            _ => {
+                let _ = send.finish();
+                let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
+                return Ok(());
+            }
+        };
+        // Silent this long, the agent is taken for gone; its grace is
+        // counted from its last heartbeat.
+        let silence = Duration::from_millis(liveness.silence_ms);
         tracing::info!(key = %join.key, "agent joined");
         // The agent stays connected and sends heartbeats. The join is asserted
         // again now and then: a cluster actor restarted from its journal
@@ -80,7 +83,7 @@ impl ProtocolHandler for SwarmHandler {
         let mut heard = Instant::now();
         loop {
             let next = recv_frame::<Heartbeat, _>(&mut recv, SMALL_FRAME_LEN_MAX_BYTES);
-            match tokio::time::timeout(HEARTBEAT_SILENCE_MAX, next).await {
+            match tokio::time::timeout(silence, next).await {
                 Ok(Ok(Some(Heartbeat(_)))) => heard = Instant::now(),
                 // Silent (stopped, hung, cut off), gone, or talking nonsense.
                 _ => break,

@@ -24,7 +24,10 @@ struct JoinRequest {
 /// The daemon's answer (same layout).
 #[derive(Debug, Deserialize)]
 enum JoinReply {
-    Welcome,
+    #[allow(dead_code)] // Only its variant is looked at.
+    Welcome {
+        heartbeat_ms: u64,
+    },
     Refused(String),
 }
 

@@ -65,6 +65,15 @@
 //! an agent must keep its arguments (a wrapper script must not `exec` into a
 //! program with other arguments).
 //!
+//! # Logs
+//!
+//! An agent that exits without reporting a failure (it crashed, or refused
+//! its arguments) fails its stream with its exit status and the last lines
+//! it wrote. When a lease is destroyed, the end of its agent log is kept
+//! under `{state_dir}/logs/` (bounded per attempt, slot and run; see
+//! [`agent_logs`]), so a failed attempt's error can be read after its
+//! directory is gone.
+//!
 //! # Caveats
 //!
 //! - Linux only: liveness and identity come from `/proc`.
@@ -582,6 +591,9 @@ impl ProcessProvider {
             Ok(false) => return Ok(()),
             Err(e) => return Err(definite(format!("cannot signal agent group {pid}"), &e)),
         }
+        // A stopped (SIGSTOP, frozen) agent would hold SIGTERM pending until
+        // SIGKILL: let it run to act on it.
+        let _ = os::signal_group(pid, Signal::CONT);
         if wait_group_gone(pid, self.shared.config.term_grace).await {
             return Ok(());
         }

@@ -7,7 +7,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use swactor_providers::credentials::{AgentCredentials, CREDENTIALS_FILE};
-use swactor_providers::process::{ProcessConfig, ProcessError, ProcessProvider};
+use swactor_providers::process::{ProcessConfig, ProcessError, ProcessProvider, agent_logs};
 use swactor_providers::{BootstrapEvents, BootstrapSession, Provider, ProviderError};
 use swactor_provisioning::{
     BootParams, BootstrapEvent, BootstrapStage, LeaseId, LogicalNodeId, NodeAttemptId,
@@ -64,6 +64,8 @@ sleep 600
 
 const EXITS_EARLY: &str = r#"
 echo "@swactor stage ssh-connect"
+printf '\033[31merror:\033[0m unexpected argument found\n' >&2
+echo "usage: agent [OPTIONS]" >&2
 exit 3
 "#;
 
@@ -343,10 +345,9 @@ async fn the_agent_runs_in_its_directory_with_its_identity_credentials_boot_chec
         credentials_arg,
         "--dir",
         dir_arg,
-        "--boot-check",
-        "nvidia-smi",
-        "--boot-check",
-        "-L",
+        "--boot-check=nvidia-smi",
+        "--boot-check=-L",
+        "--boot-timeout-s=300",
     ];
     assert_eq!(args.lines().collect::<Vec<_>>(), expected);
     // No secret is on the command line; it is in a file only this user can
@@ -550,9 +551,23 @@ async fn an_agent_that_exits_on_its_own_is_reported_lost() {
         panic!("expected a failure, got {:?}", events[1]);
     };
     assert_eq!(*stage, BootstrapStage::AgentLost);
-    assert!(reason.contains("exit status: 3"), "{reason}");
+    // The reason quotes what the agent last wrote, without terminal escapes.
+    assert_eq!(
+        reason,
+        "agent exited with exit status: 3; its last output: error: unexpected argument found | usage: agent [OPTIONS]"
+    );
     // Nothing to stop any more.
     p.cancel_bootstrap(&k, &session.session).await.unwrap();
+
+    // Its log outlives the lease, for `swactor logs`.
+    let lease = LeaseId("nodes/r1/w-0-a1".to_owned());
+    p.destroy_lease(&k, &lease).await.unwrap();
+    assert!(!p.node_dir(&k).exists());
+    let logs = agent_logs(p.state_dir(), &k.run_id, &k.node).unwrap();
+    assert_eq!(logs.len(), 1, "{logs:?}");
+    assert!(!logs[0].live);
+    let kept = std::fs::read_to_string(&logs[0].path).unwrap();
+    assert!(kept.contains("unexpected argument found"), "{kept}");
 }
 
 #[tokio::test]

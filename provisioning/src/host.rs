@@ -69,7 +69,7 @@ use crate::observe::{
     BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome,
     OperationResult,
 };
-use crate::shape::{ClusterShape, NodeTemplate, seconds_to_ms};
+use crate::shape::{ClusterShape, NodeTemplate};
 use crate::state::{EffectKind, Intent, NodeStage};
 use crate::time::{Timestamp, earliest};
 use serde::{Deserialize, Serialize};
@@ -125,6 +125,41 @@ impl Default for HostConfig {
             visibility_window_ms: 60_000,
             sweep_interval_ms: 300_000,
             rejoin_window_ms: 15_000,
+        }
+    }
+}
+
+/// How a joined agent proves it is alive: it sends a heartbeat every
+/// `heartbeat_ms`, and one silent for `silence_ms` is taken for gone (its
+/// grace then runs from when it was last heard, see
+/// [`Host::handle_agent_gone`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Liveness {
+    /// Interval between an agent's heartbeats.
+    pub heartbeat_ms: u64,
+    /// Silence after which the agent counts as disconnected.
+    pub silence_ms: u64,
+}
+
+impl Liveness {
+    /// The shortest silence taken for a disconnection: shorter ones are
+    /// scheduling noise on a loaded machine (a busy 2-core CI runner
+    /// starves a process for half a second now and then).
+    pub const SILENCE_MIN_MS: u64 = 1_000;
+    /// The longest: a stopped agent shows as disconnected within it.
+    pub const SILENCE_MAX_MS: u64 = 2_000;
+    /// Heartbeats per silence window, so that a few lost or late ones are
+    /// not a disconnection.
+    pub const BEATS_PER_SILENCE: u64 = 4;
+
+    /// The liveness of an agent whose group grants `lost_grace_ms`: silence
+    /// is noticed within half the grace (bounded by the limits above), so a
+    /// stopped agent is seen disconnected well before its grace ends.
+    pub fn for_grace(lost_grace_ms: u64) -> Self {
+        let silence_ms = (lost_grace_ms / 2).clamp(Self::SILENCE_MIN_MS, Self::SILENCE_MAX_MS);
+        Self {
+            heartbeat_ms: silence_ms / Self::BEATS_PER_SILENCE,
+            silence_ms,
         }
     }
 }
@@ -724,11 +759,19 @@ impl<C: Reconciler> Host<C> {
     }
 
     /// Converged on the desired shape with nothing left to adopt, verify or
-    /// collect: before the inventory is in (and, after a restart that
+    /// collect, and no agent away: before the inventory is in (and, after a restart that
     /// presumed an attempt gone, before the sweep that checks it), "nothing
     /// else held" is not known.
     pub fn is_converged(&self) -> bool {
-        self.settled() && self.core.is_converged()
+        // An agent that is away may be gone: its node is not counted on
+        // until it is back or replaced.
+        self.settled() && self.agents_away() == 0 && self.core.is_converged()
+    }
+
+    /// Agents that disconnected (or were heard of only from an earlier
+    /// daemon) and whose grace is running.
+    pub fn agents_away(&self) -> usize {
+        self.graces.len()
     }
 
     /// The inventory is adopted, no attempt presumed gone awaits its check,
@@ -1065,7 +1108,7 @@ impl<C: Reconciler> Host<C> {
         &mut self,
         key: &ResourceKey,
         _now: Timestamp,
-    ) -> Result<(), JoinRefused> {
+    ) -> Result<Liveness, JoinRefused> {
         if self.stopped {
             return Err(JoinRefused::Stopped);
         }
@@ -1087,10 +1130,11 @@ impl<C: Reconciler> Host<C> {
         {
             return Err(JoinRefused::NotActive(key.node.clone()));
         }
+        let liveness = Liveness::for_grace(node.template.join.lost_grace_ms());
         self.set_link(&key.node, Link::Connected(key.attempt));
         self.events.push_back(HostEvent::AgentJoined(key.clone()));
         self.todo.push_back(Todo::FeedJoin(key.node.clone()));
-        Ok(())
+        Ok(liveness)
     }
 
     /// The agent of `key` disconnected, having last been heard `silent_ms`
@@ -1686,7 +1730,7 @@ impl<C: Reconciler> Host<C> {
         if n.attempt != attempt || n.intent != Intent::Active {
             return;
         }
-        let grace = seconds_to_ms(n.template.join.lost_grace_s).max(at_least_ms);
+        let grace = n.template.join.lost_grace_ms().max(at_least_ms);
         let until = now.saturating_add_ms(grace);
         self.set_link(node, Link::Away { attempt, until });
         self.events.push_back(HostEvent::AgentDisconnected {
@@ -1843,5 +1887,22 @@ impl fmt::Display for Link {
             Self::Connected(a) => write!(f, "connected ({a})"),
             Self::Away { attempt, until } => write!(f, "away ({attempt}, grace until {until})"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Liveness;
+
+    #[test]
+    fn silence_is_half_the_grace_within_its_bounds_and_beats_come_four_times_per_window() {
+        let l = Liveness::for_grace(5_000);
+        assert_eq!((l.silence_ms, l.heartbeat_ms), (2_000, 500));
+        let l = Liveness::for_grace(3_000);
+        assert_eq!((l.silence_ms, l.heartbeat_ms), (1_500, 375));
+        let l = Liveness::for_grace(0);
+        assert_eq!((l.silence_ms, l.heartbeat_ms), (1_000, 250));
+        let l = Liveness::for_grace(u64::MAX);
+        assert_eq!(l.silence_ms, Liveness::SILENCE_MAX_MS);
     }
 }

@@ -50,7 +50,7 @@ pub use driver::{
 pub use host::{
     ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
     EARLY_OBSERVATIONS_MAX, Host, HostConfig, HostError, HostEvent, HostFold, JOURNAL_FORMAT,
-    JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Output, Reply,
+    JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness, Output, Reply,
     ShutdownMode, ShutdownReport, SlotRecord, Ticket,
 };
 pub use id::{

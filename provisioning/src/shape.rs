@@ -114,6 +114,13 @@ fn default_lost_grace_s() -> f64 {
     5.0
 }
 
+impl SwarmJoin {
+    /// [`SwarmJoin::lost_grace_s`] in whole milliseconds (saturating).
+    pub fn lost_grace_ms(&self) -> u64 {
+        seconds_to_ms(self.lost_grace_s)
+    }
+}
+
 impl Default for SwarmJoin {
     fn default() -> Self {
         Self {

@@ -21,10 +21,10 @@ use std::fmt;
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState,
     CollectRequest, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind,
-    EffectRequest, Folded, Generation, Intent, JoinRefused, JournalImage, LeaseId, LogicalNodeId,
-    ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId, OperationOutcome,
-    OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId, ShutdownMode, Timestamp,
-    UpdateError, reconcile, same_template, stall_during_boot_check_ms,
+    EffectRequest, Folded, Generation, Intent, JoinRefused, JournalImage, LeaseId, Liveness,
+    LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId,
+    OperationOutcome, OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId,
+    ShutdownMode, Timestamp, UpdateError, reconcile, same_template, stall_during_boot_check_ms,
 };
 
 /// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.
@@ -274,6 +274,9 @@ pub struct Snapshot {
     pub host_settled: bool,
     /// Whether the host is shutting down (or stopped): shapes are refused.
     pub shutting_down: bool,
+    /// Agents whose grace is running (away from the host); none may be for
+    /// the host to claim convergence.
+    pub agents_away: usize,
 }
 
 /// One step, as the oracle observes it.
@@ -337,7 +340,7 @@ pub enum StepEvent<'a> {
         /// Who it says it is.
         key: &'a ResourceKey,
         /// What the host answered.
-        outcome: &'a Result<(), JoinRefused>,
+        outcome: &'a Result<Liveness, JoinRefused>,
     },
     /// An orphan's resources were destroyed (or not).
     Collect {
@@ -1915,7 +1918,9 @@ impl Oracle {
                 format!("{} overlapping operations", provider.overlaps()),
             );
         }
-        let converged = independently_converged(a, &after.desired) && after.host_settled;
+        let converged = independently_converged(a, &after.desired)
+            && after.host_settled
+            && after.agents_away == 0;
         if converged != after.converged_claim {
             self.report(
                 Invariant::ConvergedMeansExactSpecs,

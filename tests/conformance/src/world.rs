@@ -250,6 +250,7 @@ fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
         stats: core.stats(),
         pass_queued: Some(core.is_pass_queued()),
         host_settled: host.settled(),
+        agents_away: host.agents_away(),
         shutting_down: host.shutting_down().is_some() || host.is_stopped(),
     }
 }
