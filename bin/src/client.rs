@@ -685,6 +685,10 @@ fn print_description(
     for line in table.render(width).into_iter().flatten() {
         out.line(line)?;
     }
+    out.line(format_args!(
+        "agent logs: `swactor logs {}` (`--attempt N` for an earlier attempt aN)",
+        d.node
+    ))?;
     Ok(())
 }
 

@@ -492,6 +492,7 @@ fn describe_shows_each_attempt_and_why_it_failed() {
         out.lines()
             .skip_while(|l| !l.starts_with("attempts, oldest first:"))
             .skip(2)
+            .take_while(|l| l.starts_with("  "))
             .map(str::to_owned)
             .collect()
     };
@@ -567,9 +568,15 @@ fn the_cli_checks_its_input_offline() {
     let top = run(&["--help"]);
     assert!(top.status.success());
     assert!(stdout(&top).contains("Examples:"), "{}", stdout(&top));
-    assert!(!stdout(&top).contains("agent"), "{}", stdout(&top));
+    assert!(
+        !stdout(&top)
+            .lines()
+            .any(|l| l.trim_start().starts_with("agent ")),
+        "the agent subcommand is hidden: {}",
+        stdout(&top)
+    );
     for cmd in [
-        "up", "apply", "plan", "validate", "status", "describe", "watch", "down",
+        "up", "apply", "plan", "validate", "status", "describe", "watch", "logs", "down",
     ] {
         let o = run(&[cmd, "--help"]);
         assert!(o.status.success(), "{cmd}");
