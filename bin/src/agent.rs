@@ -178,7 +178,10 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
             Session::Stopped => break 0,
         }
     };
-    endpoint.close().await;
+    // A close waits for connections to finish closing, and a dial still
+    // pending to a daemon that is gone would hold it for seconds: a
+    // stopping agent does not wait that long.
+    let _ = tokio::time::timeout(Duration::from_millis(300), endpoint.close()).await;
     Ok(code)
 }
 

@@ -320,3 +320,54 @@ fn logs_follow_ends_when_the_attempt_is_destroyed() {
         stderr(&out)
     );
 }
+
+/// Issue 11, case 6: fixing a broken template left its node waiting out the
+/// backoff the broken one had earned (up to a minute) while `plan` said there
+/// was nothing to do. Now `plan` shows the replacement and the fixed node
+/// starts at once.
+#[test]
+fn a_fixed_template_is_planned_as_a_replacement_and_starts_without_waiting_out_the_backoff() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let broken = shape_file(
+        tmp.path(),
+        "broken.toml",
+        &one_group("health-fix", "boot_check = [\"false\"]"),
+    );
+    let fixed = shape_file(
+        tmp.path(),
+        "fixed.toml",
+        &one_group("health-fix", "boot_check = [\"true\"]"),
+    );
+    let _d = Daemon::start(&state, &broken);
+    // Fail until the next restart is at least 4 s away.
+    let start = Instant::now();
+    let waits_until = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no long backoff within a minute"
+        );
+        if let Some(s) = status(&state)
+            && let Some(at) = worker0(&s).and_then(|n| n.next_retry_at)
+            && at.saturating_since(s.now) >= 4_000
+        {
+            break Instant::now() + Duration::from_millis(at.saturating_since(s.now));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let o = cli(
+        &state,
+        &["plan", fixed.to_str().unwrap(), "--detailed-exitcode"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stdout(&o).contains("1 to replace"), "{}", stdout(&o));
+    let o = cli(&state, &["apply", fixed.to_str().unwrap(), "--yes"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (n, ready_at) = wait_node(&state, Duration::from_secs(30), "ready", |n| n.ready);
+    assert!(
+        ready_at < waits_until,
+        "ready {:?} after the old backoff would have let it restart",
+        ready_at - waits_until
+    );
+    assert_eq!(n.failures, 0, "{n:?}");
+}
