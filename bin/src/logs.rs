@@ -12,6 +12,8 @@ use std::time::Duration;
 use swactor_providers::process::{AgentLog, LOG_ATTEMPTS_KEPT, agent_logs};
 use swactor_provisioning::{LogicalNodeId, RunId};
 
+use crate::words::cut;
+
 /// How often `--follow` looks for more output.
 const FOLLOW_POLL: Duration = Duration::from_millis(200);
 
@@ -149,18 +151,6 @@ fn only_run(state_dir: &Path) -> Result<RunId> {
             "{} holds logs of more than one run ({a}, {b}, …); say which with --run",
             state_dir.display()
         ),
-    }
-}
-
-/// `s` cut for a message: a long id is not echoed whole.
-fn cut(s: &str) -> String {
-    const SHOWN: usize = 40;
-    let n = s.chars().count();
-    if n <= SHOWN {
-        format!("{s:?}")
-    } else {
-        let head: String = s.chars().take(SHOWN).collect();
-        format!("{head:?}… ({n} characters)")
     }
 }
 

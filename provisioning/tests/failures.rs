@@ -267,14 +267,45 @@ fn a_bootstrap_that_stalls_past_its_deadline_fails_the_attempt() {
     assert!(drain(&mut d, t(0)).is_empty());
     let stall = d.config().bootstrap_stall_ms;
     assert_eq!(d.poll_timeout(), Some(t(stall)));
-    // Progress pushes the deadline out.
+    // While the boot check runs, the deadline leaves the agent its own
+    // boot timeout (300 s by default) plus the margin to report it.
     let o = observe(&d, "w-0", BootstrapEvent::Stage(BootstrapStage::BootCheck));
     assert_eq!(d.handle_bootstrap(o, t(10)).unwrap(), Folded::Applied);
     assert!(drain(&mut d, t(10)).is_empty());
-    assert_eq!(d.poll_timeout(), Some(t(10 + stall)));
-    d.handle_timeout(t(10 + stall)).unwrap();
+    let check = stall.max(300_000 + BOOT_CHECK_REPORT_MARGIN_MS);
+    assert_eq!(d.poll_timeout(), Some(t(10 + check)));
+    // Other progress pushes the deadline out by the stall time.
+    let o = observe(
+        &d,
+        "w-0",
+        BootstrapEvent::Stage(BootstrapStage::SwactorStart),
+    );
+    assert_eq!(d.handle_bootstrap(o, t(20)).unwrap(), Folded::Applied);
+    assert!(drain(&mut d, t(20)).is_empty());
+    assert_eq!(d.poll_timeout(), Some(t(20 + stall)));
+    d.handle_timeout(t(20 + stall)).unwrap();
     assert_eq!(node(&d).record.stage, NodeStage::Failed);
     assert_eq!(node(&d).record.bootstrap, Some(BootstrapStage::AgentLost));
+    let reason = node(&d).record.failed_reason.clone().unwrap();
+    assert!(reason.contains("last reported: SwactorStart"), "{reason}");
+}
+
+#[test]
+fn a_boot_check_that_outlives_its_timeout_and_its_report_fails_naming_the_boot_check() {
+    let mut d = one_node();
+    let s = until(&mut d, t(0), EffectKind::StartBootstrap);
+    assert_eq!(d.handle_result(success(&s), t(0)).unwrap(), Folded::Applied);
+    let o = observe(&d, "w-0", BootstrapEvent::Stage(BootstrapStage::BootCheck));
+    assert_eq!(d.handle_bootstrap(o, t(0)).unwrap(), Folded::Applied);
+    assert!(drain(&mut d, t(0)).is_empty());
+    let at = d.poll_timeout().unwrap();
+    d.handle_timeout(at).unwrap();
+    assert_eq!(node(&d).record.stage, NodeStage::Failed);
+    let reason = node(&d).record.failed_reason.clone().unwrap();
+    assert!(
+        reason.starts_with("the boot check did not finish within its boot_timeout_s of 300 s"),
+        "{reason}"
+    );
 }
 
 #[test]
