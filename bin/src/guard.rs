@@ -81,61 +81,17 @@ pub(crate) async fn ask(diff: &ShapeDiff, yes: bool) -> Result<()> {
 }
 
 /// What `shape` would change on a cluster whose journal is `image` (none: a
-/// fresh state directory), worked out before any daemon starts.
-///
-/// A slot's record names the template digest its attempt was made from; a
-/// slot the new shape wants with another template is replaced, one it does
-/// not want is destroyed (unless the journal's own shape no longer wanted it
-/// either, so it was being removed already), and a wanted slot with no
-/// record is created. It can differ from what the daemon then finds (an
-/// agent that died since is replaced anyway), never by what the shape causes.
+/// fresh state directory), worked out before any daemon starts; the core
+/// decides it (`JournalImage::diff`).
 pub(crate) fn diff_from_journal(image: Option<&JournalImage>, shape: &ClusterShape) -> ShapeDiff {
-    let mut diff = ShapeDiff::default();
     let Ok(next) = shape.validate() else {
         // Checked before this is called; an invalid shape changes nothing.
-        return diff;
+        return ShapeDiff::default();
     };
-    let note = |diff: &mut ShapeDiff, node: LogicalNodeId, change: Change| {
-        match change {
-            Change::Create => diff.create += 1,
-            Change::Replace => diff.replace += 1,
-            Change::Destroy => diff.destroy += 1,
-        }
-        if diff.examples.len() < ShapeDiff::EXAMPLES_MAX {
-            diff.examples.push((node, change));
-        }
-    };
-    let Some(image) = image else {
-        for spec in next.specs() {
-            note(&mut diff, spec.node, Change::Create);
-        }
-        return diff;
-    };
-    let previous = image.meta.shape.as_ref().and_then(|s| s.validate().ok());
-    let mut changes: Vec<(LogicalNodeId, Change)> = Vec::new();
-    for (id, record) in &image.slots {
-        match next.slot(id) {
-            Some(t) if t.digest() != record.template => changes.push((id.clone(), Change::Replace)),
-            Some(_) => diff.unchanged += 1,
-            None if previous.as_ref().is_some_and(|p| p.slot(id).is_some())
-                && !image.meta.tearing_down =>
-            {
-                changes.push((id.clone(), Change::Destroy));
-            }
-            None => {}
-        }
+    match image {
+        Some(image) => image.diff(&next),
+        None => ShapeDiff::all_created(&next),
     }
-    for spec in next.specs() {
-        if !image.slots.contains_key(&spec.node) {
-            changes.push((spec.node, Change::Create));
-        }
-    }
-    // Slot order, as the daemon lists them.
-    changes.sort_by(|a, b| a.0.cmp(&b.0));
-    for (node, change) in changes {
-        note(&mut diff, node, change);
-    }
-    diff
 }
 
 /// The listed changes of `diff`, as names and changes, at most `limit`.

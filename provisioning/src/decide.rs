@@ -412,12 +412,22 @@ impl ShapeDiff {
     /// How many changed slots are listed by name.
     pub const EXAMPLES_MAX: usize = 200;
 
+    /// Every slot of `next` created: what a shape changes on a cluster
+    /// that holds nothing yet.
+    pub fn all_created(next: &DesiredState) -> Self {
+        let mut d = Self::default();
+        for spec in next.specs() {
+            d.note(&spec.node, Change::Create);
+        }
+        d
+    }
+
     /// True when nothing would change.
     pub fn is_empty(&self) -> bool {
         self.create == 0 && self.replace == 0 && self.destroy == 0
     }
 
-    fn note(&mut self, node: &LogicalNodeId, change: Change) {
+    pub(crate) fn note(&mut self, node: &LogicalNodeId, change: Change) {
         match change {
             Change::Create => self.create += 1,
             Change::Replace => self.replace += 1,

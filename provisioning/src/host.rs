@@ -60,7 +60,7 @@
 
 use crate::config::ReconcilerConfig;
 use crate::core::Reconciler;
-use crate::decide::{Plan, ShapeDiff, diff};
+use crate::decide::{Change, Plan, ShapeDiff, diff};
 use crate::driver::{AdoptEntry, DesiredUpdate, DriverError, Pass, PassStats, UpdateError};
 use crate::id::{
     Generation, LeaseId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId, SessionId,
@@ -69,7 +69,7 @@ use crate::observe::{
     BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome,
     OperationResult,
 };
-use crate::shape::{ClusterShape, NodeTemplate};
+use crate::shape::{ClusterShape, DesiredState, NodeTemplate};
 use crate::state::{EffectKind, Intent, NodeStage};
 use crate::time::{Timestamp, earliest};
 use serde::{Deserialize, Serialize};
@@ -253,6 +253,46 @@ pub struct JournalImage {
 }
 
 impl JournalImage {
+    /// What `next` would change on the cluster this journal records, worked
+    /// out before any host starts (so before anything is adopted).
+    ///
+    /// A slot's record names the template digest its attempt was made
+    /// from: a slot `next` wants with another template is replaced; one it
+    /// does not want is destroyed, unless the journal's own shape no longer
+    /// wanted it either (it was being removed already) or a teardown was
+    /// under way; a wanted slot with no record is created. What the host
+    /// then finds may add work (an agent that died meanwhile is replaced),
+    /// never work caused by `next`.
+    pub fn diff(&self, next: &DesiredState) -> ShapeDiff {
+        let previous = self.meta.shape.as_ref().and_then(|s| s.validate().ok());
+        let mut changes: Vec<(&LogicalNodeId, Change)> = Vec::new();
+        let mut diff = ShapeDiff::default();
+        for (id, record) in &self.slots {
+            match next.slot(id) {
+                Some(t) if t.digest() != record.template => changes.push((id, Change::Replace)),
+                Some(_) => diff.unchanged += 1,
+                None if previous.as_ref().is_some_and(|p| p.slot(id).is_some())
+                    && !self.meta.tearing_down =>
+                {
+                    changes.push((id, Change::Destroy));
+                }
+                None => {}
+            }
+        }
+        let created: Vec<LogicalNodeId> = next
+            .specs()
+            .map(|s| s.node)
+            .filter(|n| !self.slots.contains_key(n))
+            .collect();
+        changes.extend(created.iter().map(|n| (n, Change::Create)));
+        // Slot order, as the daemon lists them.
+        changes.sort_by(|a, b| a.0.cmp(b.0));
+        for (node, change) in changes {
+            diff.note(node, change);
+        }
+        diff
+    }
+
     /// The image of a journal nothing was written to yet.
     pub fn new(run_id: RunId) -> Self {
         Self {
