@@ -193,6 +193,9 @@ fn a_frozen_agent_is_shown_disconnected_and_replaced_when_its_grace_ends() {
         n.attempt != before || n.failures >= 1
     });
     let replaced = failed - frozen;
+    eprintln!(
+        "frozen agent: seen disconnected after {noticed:?}, its attempt failed after {replaced:?}"
+    );
     // The grace (5 s) runs from the last heartbeat (at most 0.5 s before the
     // freeze); allow for the polling of `status` on a busy 2-core machine.
     assert!(
