@@ -38,9 +38,9 @@ pub struct ClusterConfig {
     pub rejoin_window: Duration,
     /// Attempts remembered per slot for `describe` (0 for none).
     pub history_len: usize,
-    /// How many nodes the provider can hold; a shape asking for more is
-    /// refused unless it names its own capacity.
-    pub capacity: Option<Capacity>,
+    /// How many nodes each provider kind can hold; a shape asking one for
+    /// more is refused unless it names its own capacity.
+    pub capacities: Vec<Capacity>,
 }
 
 impl ClusterConfig {
@@ -68,7 +68,7 @@ impl ClusterConfig {
             sweep_interval: Duration::from_millis(host.sweep_interval_ms),
             rejoin_window: Duration::from_millis(host.rejoin_window_ms),
             history_len: host.history_len,
-            capacity: host.capacity,
+            capacities: host.capacities,
         }
     }
 
@@ -82,7 +82,7 @@ impl ClusterConfig {
             sweep_interval_ms: u64::try_from(self.sweep_interval.as_millis()).unwrap_or(u64::MAX),
             rejoin_window_ms: u64::try_from(self.rejoin_window.as_millis()).unwrap_or(u64::MAX),
             history_len: self.history_len,
-            capacity: self.capacity.clone(),
+            capacities: self.capacities.clone(),
         }
     }
 }

@@ -354,10 +354,19 @@ async fn kept_nodes_of_unknown_or_other_templates_are_replaced_not_taken_as_they
 async fn a_shape_past_the_capacity_is_refused_unless_it_names_its_own() {
     let p = fake(0);
     let mut cfg = config();
-    cfg.capacity = Some(Capacity {
-        nodes: 3,
-        basis: "the test's limit".into(),
-    });
+    cfg.capacities = vec![
+        Capacity {
+            kind: "fake".into(),
+            nodes: 3,
+            basis: "the test's limit".into(),
+        },
+        // Another kind's limit does not count against groups of this one.
+        Capacity {
+            kind: "elsewhere".into(),
+            nodes: 0,
+            basis: "another provider's limit".into(),
+        },
+    ];
     let c = Cluster::start(cfg, Arc::new(p.clone())).await.unwrap();
     let err = c.apply(shape(1, 4)).await.unwrap_err().to_string();
     assert!(

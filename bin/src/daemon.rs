@@ -23,6 +23,7 @@ use swactor_engine::net::{
 };
 use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
 use swactor_providers::Provider;
+use swactor_providers::Providers;
 use swactor_providers::process::{ProcessConfig, ProcessProvider};
 use swactor_provisioning::{Generation, JournalImage, RunId};
 use tokio::sync::{mpsc, oneshot};
@@ -88,7 +89,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         );
     }
 
-    let provider = ProcessProvider::new(ProcessConfig {
+    let process = ProcessProvider::new(ProcessConfig {
         agent_program: std::env::current_exe().context("cannot find the swactor executable")?,
         agent_args: vec!["agent".to_owned()],
         daemon_ticket: ticket.to_string(),
@@ -96,6 +97,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         ..ProcessConfig::new(state.root().to_path_buf())
     })
     .context("cannot start the process provider")?;
+    let provider = Providers::new(vec![Arc::new(process)]);
 
     let empty = ClusterSnapshot {
         run_id: run_id.to_string(),
@@ -127,7 +129,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
 
     let mut config = ClusterConfig::new(run_id.clone());
     config.visibility_window = provider.listing_lag();
-    config.capacity = provider.capacity();
+    config.capacities = provider.capacities();
     // The cluster actor is restarted from the journal if it fails; the
     // journal image it resumes from is the one just read.
     drop(resume);

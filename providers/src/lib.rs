@@ -23,7 +23,10 @@
 pub mod credentials;
 #[cfg(feature = "fake")]
 pub mod fake;
+mod multi;
 pub mod process;
+
+pub use multi::Providers;
 
 /// Implementors of [`Provider`] use this attribute on their `impl` blocks.
 pub use async_trait::async_trait;
@@ -144,5 +147,19 @@ pub trait Provider: Send + Sync + 'static {
     /// more is refused unless it names its own `capacity`.
     fn capacity(&self) -> Option<swactor_provisioning::Capacity> {
         None
+    }
+
+    /// Whether `lease` is one of this provider's (for [`Providers`] to route
+    /// calls that name a lease but no template). Each provider's lease ids
+    /// have a form of their own.
+    fn owns_lease(&self, lease: &LeaseId) -> bool {
+        let _ = lease;
+        true
+    }
+
+    /// Whether `session` is one of this provider's.
+    fn owns_session(&self, session: &SessionId) -> bool {
+        let _ = session;
+        true
     }
 }

@@ -1102,9 +1102,18 @@ impl Provider for ProcessProvider {
         Ok(())
     }
 
+    fn owns_lease(&self, lease: &LeaseId) -> bool {
+        lease.0.starts_with("nodes/")
+    }
+
+    fn owns_session(&self, session: &SessionId) -> bool {
+        session.0.starts_with("nodes/")
+    }
+
     fn capacity(&self) -> Option<swactor_provisioning::Capacity> {
         let available = available_memory_bytes()?;
         Some(swactor_provisioning::Capacity {
+            kind: self.kind().to_owned(),
             nodes: available / AGENT_MEMORY_BYTES,
             basis: format!(
                 "this machine's {:.1} GiB of available memory at {} MiB per agent",

@@ -98,9 +98,9 @@ pub struct HostConfig {
     pub node_events: bool,
     /// Attempts remembered per slot for people to look back at (0 for none).
     pub history_len: usize,
-    /// The most nodes the provider can hold, and why; a shape asking for
-    /// more is refused unless it names its own `capacity`.
-    pub capacity: Option<Capacity>,
+    /// The most nodes each provider kind can hold, and why; a shape asking
+    /// one for more is refused unless it names its own `capacity`.
+    pub capacities: Vec<Capacity>,
     /// How long a new lease may stay invisible to the provider's listing.
     /// An attempt the journal saw created but the listing misses is checked
     /// again by a sweep this long after start.
@@ -121,7 +121,7 @@ impl Default for HostConfig {
             stream_joins: false,
             node_events: true,
             history_len: 4,
-            capacity: None,
+            capacities: Vec::new(),
             visibility_window_ms: 60_000,
             sweep_interval_ms: 300_000,
             rejoin_window_ms: 15_000,
@@ -170,6 +170,8 @@ pub const DEPARTED_HISTORY_MAX: usize = 256;
 /// How many nodes a provider can hold, and on what the estimate rests.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capacity {
+    /// The provider kind (`process`, ...) whose groups it limits.
+    pub kind: String,
     /// The most nodes.
     pub nodes: u64,
     /// Where the number comes from, for people (e.g. "this machine's
@@ -864,25 +866,45 @@ impl<C: Reconciler> Host<C> {
         if shape.run_id != self.meta.run_id || shape.validate().is_err() {
             return Ok(());
         }
-        let nodes = shape.node_count();
-        let limit = match (shape.capacity, &self.config.capacity) {
-            (Some(c), _) => Some((c, "the shape's `capacity`".to_owned())),
-            (None, Some(c)) => Some((c.nodes, c.basis.clone())),
-            (None, None) => None,
+        // A shape may always shrink, even one already over a limit.
+        let refuse = |nodes: u64, now: u64, capacity: u64, basis: &str| {
+            (nodes > capacity && nodes > now).then(|| ApplyError::OverCapacity {
+                nodes,
+                capacity,
+                basis: basis.to_owned(),
+            })
         };
-        match limit {
-            // A shape may always shrink, even one already over the limit.
-            Some((capacity, basis))
-                if nodes > capacity && nodes > self.core.desired().node_count() =>
-            {
-                Err(ApplyError::OverCapacity {
-                    nodes,
-                    capacity,
-                    basis,
-                })
-            }
-            _ => Ok(()),
+        let desired = self.core.desired();
+        if let Some(capacity) = shape.capacity {
+            // The shape's own limit overrides the providers' estimates.
+            return match refuse(
+                shape.node_count(),
+                desired.node_count(),
+                capacity,
+                "the shape's `capacity`",
+            ) {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
         }
+        for c in &self.config.capacities {
+            let nodes: u64 = shape
+                .groups
+                .iter()
+                .filter(|g| g.provider.kind == c.kind)
+                .map(|g| u64::from(g.count))
+                .sum();
+            let now: u64 = desired
+                .groups
+                .iter()
+                .filter(|g| g.template.provider.kind == c.kind)
+                .map(|g| u64::from(g.count))
+                .sum();
+            if let Some(e) = refuse(nodes, now, c.nodes, &c.basis) {
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// The earliest instant the host needs waking: the core's deadline, a

@@ -200,7 +200,7 @@ pub fn host_config() -> HostConfig {
         sweep_interval_ms: SWEEP_MS,
         rejoin_window_ms: GRACE_MS,
         history_len: 2,
-        capacity: None,
+        capacities: Vec::new(),
     }
 }
 
