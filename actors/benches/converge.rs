@@ -34,6 +34,7 @@ fn shape(n: u32) -> ClusterShape {
             provider: ProviderShape {
                 kind: "fake".into(),
                 params: BTreeMap::new(),
+                placement: Default::default(),
             },
             boot: BootParams::default(),
             role: "worker".into(),

@@ -123,6 +123,7 @@ fn shape(generation: u64, count: u32) -> ClusterShape {
             provider: ProviderShape {
                 kind: "fake".to_owned(),
                 params: Default::default(),
+                placement: Default::default(),
             },
             boot: Default::default(),
             role: "worker".to_owned(),

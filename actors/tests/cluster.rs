@@ -25,6 +25,7 @@ fn shape(generation: u64, workers: u32) -> ClusterShape {
             provider: ProviderShape {
                 kind: "fake".into(),
                 params: BTreeMap::new(),
+                placement: Default::default(),
             },
             boot: BootParams::default(),
             role: "worker".into(),

@@ -385,6 +385,7 @@ mod tests {
             provider: swactor_provisioning::ProviderShape {
                 kind: "fake".to_owned(),
                 params: BTreeMap::new(),
+                placement: Default::default(),
             },
             boot: swactor_provisioning::BootParams::default(),
             role: "worker".to_owned(),

@@ -273,6 +273,7 @@ mod tests {
                 provider: swactor_provisioning::ProviderShape {
                     kind: kind.into(),
                     params: Default::default(),
+                    placement: Default::default(),
                 },
                 boot: Default::default(),
                 role: "worker".into(),

@@ -232,6 +232,7 @@ fn template() -> NodeTemplate {
         provider: ProviderShape {
             kind: "process".to_owned(),
             params: BTreeMap::new(),
+            placement: Default::default(),
         },
         boot: BootParams {
             image: None,

@@ -18,6 +18,7 @@ fn shape(generation: u64, n: u32) -> ClusterShape {
             provider: ProviderShape {
                 kind: "fake".into(),
                 params: BTreeMap::new(),
+                placement: Default::default(),
             },
             boot: BootParams::default(),
             role: "worker".into(),

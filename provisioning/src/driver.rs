@@ -225,6 +225,7 @@ fn retired_template() -> Arc<NodeTemplate> {
         provider: crate::shape::ProviderShape {
             kind: "adopted".to_owned(),
             params: BTreeMap::new(),
+            placement: Default::default(),
         },
         boot: crate::shape::BootParams::default(),
         role: "retired".to_owned(),

@@ -64,9 +64,17 @@ fn default_role() -> String {
 pub struct ProviderShape {
     /// The provider kind, e.g. `process`, `docker`, `vast`, `ssh`.
     pub kind: String,
-    /// Provider-specific parameters.
+    /// Provider-specific parameters: how a node is made. Changing one
+    /// replaces the group's nodes.
     #[serde(default)]
     pub params: BTreeMap<String, ParamValue>,
+    /// Provider-specific placement: where new nodes may go (say, the hosts
+    /// of an SSH pool). Changing it reaches the provider with the next
+    /// shape but replaces no node already placed: it is not part of what
+    /// makes two templates the same ([`same_template`],
+    /// [`NodeTemplate::digest`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub placement: BTreeMap<String, ParamValue>,
 }
 
 /// A provider parameter value.
@@ -277,6 +285,16 @@ pub struct NodeTemplate {
 }
 
 impl NodeTemplate {
+    /// Equal in everything but [`ProviderShape::placement`].
+    pub fn makes_same_node_as(&self, other: &NodeTemplate) -> bool {
+        self.provider.kind == other.provider.kind
+            && self.provider.params == other.provider.params
+            && self.boot == other.boot
+            && self.role == other.role
+            && self.join == other.join
+            && self.limits == other.limits
+    }
+
     /// A stable 64-bit digest of the template's content, for recording which
     /// template an attempt was made from (a journal compares it after a
     /// restart). Equal templates have equal digests; the encoding is fixed
@@ -366,10 +384,12 @@ impl Fnv {
     }
 }
 
-/// True when two templates describe the same attempt (pointer fast path first).
+/// True when two templates make the same node (pointer fast path first):
+/// equal in everything but the provider's placement, so a node placed under
+/// one is not replaced for the other.
 #[inline]
 pub fn same_template(a: &Arc<NodeTemplate>, b: &Arc<NodeTemplate>) -> bool {
-    Arc::ptr_eq(a, b) || **a == **b
+    Arc::ptr_eq(a, b) || a.makes_same_node_as(b)
 }
 
 /// One validated, expanded group.
@@ -438,12 +458,16 @@ impl DesiredState {
         })
     }
 
-    /// True when both describe the same slots with the same templates (generation ignored).
+    /// True when both describe the same slots with equal templates, placement
+    /// included (generation ignored): a shape that only moves the placement
+    /// is still a change, and needs its own generation.
     pub fn same_content(&self, other: &DesiredState) -> bool {
         self.run_id == other.run_id
             && self.groups.len() == other.groups.len()
             && self.groups.iter().zip(&other.groups).all(|(a, b)| {
-                a.id == b.id && a.count == b.count && same_template(&a.template, &b.template)
+                a.id == b.id
+                    && a.count == b.count
+                    && (Arc::ptr_eq(&a.template, &b.template) || a.template == b.template)
             })
     }
 
@@ -526,6 +550,9 @@ impl ClusterShape {
             for (k, v) in &g.provider.params {
                 check_param(&format!("groups[{index}].provider.params.{k}"), v)?;
             }
+            for (k, v) in &g.provider.placement {
+                check_param(&format!("groups[{index}].provider.placement.{k}"), v)?;
+            }
             let grace = g.join.lost_grace_s;
             if !grace.is_finite() || grace < 0.0 {
                 return Err(ShapeError::BadNumber {
@@ -601,6 +628,7 @@ pub(crate) mod tests {
             provider: ProviderShape {
                 kind: "fake".to_owned(),
                 params: BTreeMap::new(),
+                placement: Default::default(),
             },
             boot: BootParams::default(),
             role: "worker".to_owned(),

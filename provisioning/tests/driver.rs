@@ -208,6 +208,59 @@ fn spec_drift_replaces_the_attempt_only_after_full_cleanup() {
 }
 
 #[test]
+fn a_new_placement_reaches_new_nodes_and_replaces_none_already_placed() {
+    let hosts = |names: &[&str]| {
+        let mut g = group("w", 1);
+        g.provider.placement.insert(
+            "hosts".into(),
+            ParamValue::List(names.iter().map(|h| ParamValue::Str((*h).into())).collect()),
+        );
+        g
+    };
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![hosts(&["a"])])).unwrap();
+    converge(&mut d, t(0));
+    let first = d.state().nodes[&node_id("w-0")].attempt;
+    let placed = d.desired().slot(&node_id("w-0")).unwrap().clone();
+
+    // The same generation with another placement is a change, not a resubmission.
+    assert!(matches!(
+        d.update_desired(&shape(1, vec![hosts(&["a", "b"])])),
+        Err(UpdateError::SameGenerationChanged { .. })
+    ));
+    let mut two = hosts(&["a", "b"]);
+    two.count = 2;
+    d.update_desired(&shape(2, vec![two])).unwrap();
+    let wider = d.desired().slot(&node_id("w-1")).unwrap().clone();
+    assert!(same_template(&placed, &wider));
+    assert_eq!(placed.digest(), wider.digest());
+    assert_ne!(
+        *placed, *wider,
+        "the new placement is what the provider sees"
+    );
+    // Only the new slot is created; w-0 keeps its attempt.
+    let created = drain(&mut d, t(0));
+    assert_eq!(created.len(), 1, "{created:?}");
+    assert_eq!(created[0].key.node, node_id("w-1"));
+    match &created[0].request {
+        EffectRequest::CreateLease { template } => assert_eq!(
+            template.provider.placement["hosts"],
+            ParamValue::List(vec![
+                ParamValue::Str("a".into()),
+                ParamValue::Str("b".into())
+            ])
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        d.handle_result(success(&created[0]), t(0)).unwrap(),
+        Folded::Applied
+    );
+    converge(&mut d, t(0));
+    assert_eq!(d.state().nodes[&node_id("w-0")].attempt, first);
+}
+
+#[test]
 fn attempt_id_exhaustion_is_an_error_not_a_panic_or_a_spin() {
     let mut d = Driver::new(
         RunId::new("run"),

@@ -17,6 +17,7 @@ pub fn group(id: &str, count: u32) -> GroupShape {
         provider: ProviderShape {
             kind: "fake".to_owned(),
             params: BTreeMap::new(),
+            placement: Default::default(),
         },
         boot: BootParams::default(),
         role: "worker".to_owned(),

@@ -270,6 +270,7 @@ pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
                 provider: ProviderShape {
                     kind: "fake".to_owned(),
                     params: BTreeMap::new(),
+                    placement: Default::default(),
                 },
                 boot: BootParams {
                     image: Some(format!("image-v{variant}")),
