@@ -24,6 +24,8 @@ pub mod credentials;
 #[cfg(feature = "fake")]
 pub mod fake;
 pub mod process;
+#[cfg(feature = "ssh")]
+pub mod ssh;
 
 /// Implementors of [`Provider`] use this attribute on their `impl` blocks.
 pub use async_trait::async_trait;
