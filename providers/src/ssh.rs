@@ -29,6 +29,8 @@ mod known_hosts;
 mod quote;
 mod session;
 mod target;
+#[cfg(feature = "ssh-testing")]
+pub mod testing;
 
 pub use identity::{KEY_COMMENT, KEY_FILE, PUBLIC_KEY_FILE, SshIdentity};
 pub use known_hosts::KnownHosts;
