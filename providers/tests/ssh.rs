@@ -131,7 +131,9 @@ async fn exec_lines_delivers_each_line_as_it_is_written_then_the_exit() {
 
     let start = Instant::now();
     let mut lines = session
-        .exec_lines("echo first; sleep 0.5; echo second >&2; printf 'third\\r\\nno end'; exit 7")
+        .exec_lines(
+            "echo first; sleep 0.5; echo second >&2; sleep 0.2; printf 'third\\r\\nno end'; exit 7",
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -169,6 +171,38 @@ async fn exec_lines_delivers_each_line_as_it_is_written_then_the_exit() {
     );
     assert_eq!(lines.lines.recv().await, Some(RemoteLine::Exit(None)));
     assert_eq!(lines.lines.recv().await, None);
+}
+
+#[tokio::test]
+async fn dropping_a_stream_closes_its_channel_and_a_chatty_command_ends() {
+    let w = world();
+    let session = w.session().await;
+    let marker = format!("swactor-drop-{}", w.sshd.port());
+    let mut lines = session
+        .exec_lines(&format!("while :; do echo {marker}; sleep 0.05; done"))
+        .await
+        .unwrap();
+    assert_eq!(
+        lines.lines.recv().await,
+        Some(RemoteLine::Stdout(marker.clone()))
+    );
+    // `[s]` keeps the pattern from matching pgrep's own command line.
+    let running = || {
+        std::process::Command::new("pgrep")
+            .args(["-f", &format!("[s]{}", &marker[1..])])
+            .status()
+            .unwrap()
+            .success()
+    };
+    assert!(running());
+    drop(lines);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while running() {
+        assert!(Instant::now() < deadline, "the remote loop still runs");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The session itself is unharmed.
+    assert!(session.exec("true", None).await.unwrap().success());
 }
 
 #[tokio::test]
@@ -224,14 +258,14 @@ async fn upload_replaces_the_file_whole_with_its_mode_and_makes_its_directories(
 async fn quoted_arguments_reach_a_remote_shell_unchanged() {
     let w = world();
     let session = w.session().await;
-    let hostile: Vec<String> = [
+    let pwned = w.path("pwned");
+    let mut hostile: Vec<String> = [
         "plain",
         "",
         " spaced  out ",
         "it's",
         "''",
         "\"double\"",
-        "$(touch /tmp/swactor-quote-pwned)",
         "`id`",
         "$HOME ${HOME} $0",
         "line\nbreak",
@@ -248,6 +282,8 @@ async fn quoted_arguments_reach_a_remote_shell_unchanged() {
     ]
     .map(String::from)
     .into();
+    hostile.push(format!("$(touch {pwned})"));
+    hostile.push(format!("`touch {pwned}`; touch {pwned}"));
     let mut argv = vec!["printf".to_owned(), "%s\\0".to_owned()];
     argv.extend(hostile.iter().cloned());
     let line = command_line(&argv);
@@ -264,7 +300,10 @@ async fn quoted_arguments_reach_a_remote_shell_unchanged() {
         );
         assert_eq!(got, hostile, "through {command}");
     }
-    assert!(!std::path::Path::new("/tmp/swactor-quote-pwned").exists());
+    assert!(
+        !std::path::Path::new(&pwned).exists(),
+        "an argument ran as a command"
+    );
 }
 
 #[tokio::test]

@@ -60,6 +60,10 @@ impl ExecOutput {
 
 /// The output of a running command, line by line, as it is written.
 ///
+/// Lines of one stream keep their order; a stdout line and a stderr line
+/// written close together may arrive in either order (the command writes
+/// them to two pipes, which the server reads separately).
+///
 /// The stream ends with [`RemoteLine::Exit`] or [`RemoteLine::Closed`] and
 /// then closes. Dropping it closes the SSH channel: the remote command then
 /// sees its output pipes closed.
@@ -177,6 +181,10 @@ impl SshSession {
     /// any amount of output whatever it does with its input; each stream
     /// keeps its last [`OUTPUT_KEEP_BYTES`].
     ///
+    /// There is no time limit: wrap the call in one. A cancelled call
+    /// closes the command's channel; the server does not kill the command,
+    /// which sees its input end and its output pipes closed.
+    ///
     /// # Errors
     /// - [`SshError::Remote`]: the server refused to open a channel or run
     ///   the command (it never ran).
@@ -186,9 +194,9 @@ impl SshSession {
         let (mut read, write) = self.start(command).await?;
         let send_input = async {
             if let Some(bytes) = stdin {
-                write.data(bytes).await?;
+                write.half().data(bytes).await?;
             }
-            write.eof().await
+            write.half().eof().await
         };
         tokio::pin!(send_input);
         let mut input_sent = false;
@@ -245,7 +253,7 @@ impl SshSession {
     /// Once started, a broken connection shows as [`RemoteLine::Closed`].
     pub async fn exec_lines(&self, command: &str) -> Result<RemoteLines, SshError> {
         let (read, write) = self.start(command).await?;
-        write.eof().await.map_err(|e| {
+        write.half().eof().await.map_err(|e| {
             self.broken(format!(
                 "cannot close the input of `{}`: {e}",
                 shorten(command)
@@ -334,10 +342,7 @@ impl SshSession {
 
     /// Opens a channel and starts `command` in it, waiting for the server to
     /// accept it.
-    async fn start(
-        &self,
-        command: &str,
-    ) -> Result<(Incoming, ChannelWriteHalf<client::Msg>), SshError> {
+    async fn start(&self, command: &str) -> Result<(Incoming, Writer), SshError> {
         let channel = self
             .inner
             .handle
@@ -355,6 +360,7 @@ impl SshSession {
             .await
             .map_err(|e| self.broken(format!("cannot send the command: {e}")))?;
         let (read, write) = channel.split();
+        let write = Writer(Some(write));
         let mut incoming = Incoming {
             pending: None,
             read,
@@ -572,6 +578,30 @@ impl client::Handler for Client {
     }
 }
 
+/// A channel's sending half, which closes the channel when dropped: a
+/// command whose caller gave up (a cancelled [`SshSession::exec`], a dropped
+/// [`RemoteLines`]) does not hold one of the server's sessions until it ends.
+/// Closing an already closed channel does nothing.
+struct Writer(Option<ChannelWriteHalf<client::Msg>>);
+
+impl Writer {
+    fn half(&self) -> &ChannelWriteHalf<client::Msg> {
+        self.0.as_ref().expect("the half is taken only on drop")
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        if let Some(half) = self.0.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(async move {
+                let _ = half.close().await;
+            });
+        }
+    }
+}
+
 /// A channel's messages, after one read ahead while waiting for the command to start.
 struct Incoming {
     pending: Option<ChannelMsg>,
@@ -590,7 +620,8 @@ impl Incoming {
 /// The task behind [`SshSession::exec_lines`].
 async fn stream_lines(
     mut read: Incoming,
-    write: ChannelWriteHalf<client::Msg>,
+    // Dropped at the end, which closes the channel.
+    _write: Writer,
     tx: mpsc::Sender<RemoteLine>,
     inner: Arc<Inner>,
 ) {
@@ -601,11 +632,8 @@ async fn stream_lines(
     let end = loop {
         let msg = tokio::select! {
             msg = read.wait() => msg,
-            () = tx.closed() => {
-                // Nobody reads any more: stop the command's channel.
-                let _ = write.close().await;
-                return;
-            }
+            // Nobody reads any more: dropping the writer closes the channel.
+            () = tx.closed() => return,
         };
         let lines = match msg {
             Some(ChannelMsg::Data { data }) => stdout.push(&data, RemoteLine::Stdout),
@@ -626,7 +654,6 @@ async fn stream_lines(
         };
         for line in lines {
             if tx.send(line).await.is_err() {
-                let _ = write.close().await;
                 return;
             }
         }
