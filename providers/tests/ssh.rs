@@ -244,6 +244,11 @@ async fn upload_replaces_the_file_whole_with_its_mode_and_makes_its_directories(
         .unwrap();
     assert_eq!(text(&out.stdout), "file.bin\n", "no temporary file left");
 
+    // An empty file is a file too.
+    let empty = w.path("empty");
+    session.upload(&empty, b"", 0o600).await.unwrap();
+    assert_eq!(std::fs::read(&empty).unwrap(), b"");
+
     // A failed step is a definite error with the remote message.
     let err = session
         .upload(&format!("{path}/under-a-file"), b"x", 0o600)

@@ -298,13 +298,17 @@ impl SshSession {
         let tmp = format!("{dir}/.{name}.swactor-upload");
         // `$$` makes the temporary name unique among concurrent uploads; the
         // trap removes it whatever step fails. The directories are made under
-        // the usual umask, the temporary file under 077 until its chmod.
+        // the usual umask, the temporary file under 077 until its chmod. The
+        // size check refuses a file cut short, whatever cut it.
         let script = format!(
             "set -e; p={path}; t={tmp}.$$; mkdir -p -- {dir}; trap 'rm -f -- \"$t\"' EXIT; \
-             umask 077; cat > \"$t\"; chmod {mode:o} -- \"$t\"; mv -f -- \"$t\" \"$p\"; trap - EXIT",
+             umask 077; cat > \"$t\"; n=$(wc -c < \"$t\"); \
+             if [ $((n)) -ne {len} ]; then echo \"received $((n)) of {len} bytes\" >&2; exit 1; fi; \
+             chmod {mode:o} -- \"$t\"; mv -f -- \"$t\" \"$p\"; trap - EXIT",
             path = quote(remote_path),
             tmp = quote(&tmp),
             dir = quote(dir),
+            len = bytes.len(),
         );
         let out = self.exec(&script, Some(bytes)).await?;
         if out.success() {
