@@ -25,6 +25,8 @@ pub mod credentials;
 pub mod fake;
 mod multi;
 pub mod process;
+#[cfg(feature = "ssh")]
+pub mod ssh;
 
 pub use multi::Providers;
 
