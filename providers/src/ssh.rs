@@ -24,14 +24,17 @@
 //! - A dead peer is noticed by keepalives within about
 //!   [`KEEPALIVE_INTERVAL`] × ([`KEEPALIVE_MAX`] + 1).
 
+mod hosts;
 mod identity;
 mod known_hosts;
 mod quote;
+mod remote;
 mod session;
 mod target;
 #[cfg(feature = "ssh-testing")]
 pub mod testing;
 
+pub use hosts::{SshHostsConfig, SshHostsProvider, UNREACHABLE_GIVE_UP_DEFAULT};
 pub use identity::{KEY_COMMENT, KEY_FILE, PUBLIC_KEY_FILE, SshIdentity};
 pub use known_hosts::KnownHosts;
 pub use quote::{command_line, quote};

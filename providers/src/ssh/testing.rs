@@ -6,6 +6,11 @@
 //! drops privileges to its `sshd` user, which the package creates) and
 //! accepts public key logins only, for `root` too.
 //!
+//! Each server is a host of its own: commands run in a home directory of its
+//! own (`{dir}/home`, also `$HOME`), through a `ForceCommand`, so several
+//! servers on this machine do not share what remote providers keep in a
+//! host's home.
+//!
 //! Everything here panics with a message saying what to do: it is for tests.
 
 use super::SshTarget;
@@ -32,6 +37,7 @@ const HOST_KEY_FILE: &str = "ssh_host_ed25519_key";
 const AUTHORIZED_KEYS_FILE: &str = "authorized_keys";
 const PID_FILE: &str = "sshd.pid";
 const LOG_FILE: &str = "sshd.log";
+const HOME_DIR: &str = "home";
 
 /// A running OpenSSH server on `127.0.0.1:{port}`; killed when dropped.
 #[derive(Debug)]
@@ -206,6 +212,11 @@ impl Sshd {
         ]);
     }
 
+    /// The host's home directory: where its commands run, and `$HOME`.
+    pub fn home(&self) -> PathBuf {
+        self.dir.join(HOME_DIR)
+    }
+
     fn write_config(&self) -> PathBuf {
         let file = |name: &str| self.dir.join(name).display().to_string();
         let config = format!(
@@ -228,12 +239,15 @@ impl Sshd {
              LogLevel VERBOSE\n\
              MaxStartups 100:30:200\n\
              MaxSessions 100\n\
-             MaxAuthTries 6\n",
+             MaxAuthTries 6\n\
+             ForceCommand cd \"{home}\" && HOME=\"{home}\" exec /bin/sh -c \"$SSH_ORIGINAL_COMMAND\"\n",
             port = self.port,
             host_key = file(HOST_KEY_FILE),
             pid = file(PID_FILE),
             authorized = file(AUTHORIZED_KEYS_FILE),
+            home = self.home().display(),
         );
+        fs::create_dir_all(self.home()).expect("cannot make the host's home directory");
         let path = self.dir.join(CONFIG_FILE);
         fs::write(&path, config).expect("cannot write the sshd configuration");
         path

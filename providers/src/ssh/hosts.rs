@@ -1,0 +1,1078 @@
+//! The `ssh` provider: a pool of hosts the user already has, one node per host.
+//!
+//! A group names its pool in its placement (`hosts = ["user@host:port", …]`)
+//! and may set, in its parameters, `key` (a private key file; by default the
+//! daemon's own, made on first use in `{state}/ssh/id_ed25519`),
+//! `trust_on_first_use` (record a host's key on first contact; off by
+//! default: every host must be in `{state}/ssh/known_hosts`) and
+//! `unreachable_give_up_s` (see below).
+//!
+//! - **Lease**: a claim on a free host ([`super::remote`]). Before it tries a
+//!   host, the provider records which host it is claiming for the key, in
+//!   `{state}/ssh/leases/{run}/{node}-a{attempt}.json`; a retried create goes
+//!   back to that host (and adopts its claim) rather than claim a second one,
+//!   unless that host says it does not hold the claim. No free host is a
+//!   failure that says how many hosts are claimed and by whom ("waiting for a
+//!   free host"), retried after the usual backoff. The lease id is
+//!   `ssh:{user@host:port}`.
+//! - **Endpoint**: the host, once it answers SSH; until then it is not ready.
+//! - **Bootstrap**: the agent binary is uploaded once per content (sha256) to
+//!   `~/.swactor/bin/`, the attempt's credentials go to a 0600 file, and a
+//!   wrapper starts the agent in a session of its own, so it outlives the
+//!   SSH connection. The session follows the agent's log over SSH, so its
+//!   progress streams back as a local agent's does; a restarted daemon
+//!   adopts a running agent and follows its log from the start.
+//! - **Cancel and destroy** stop the attempt's agent (only the process named
+//!   in its `agent.pid` whose working directory is the attempt's), remove its
+//!   directory and release the claim if the attempt holds it.
+//! - **A host that does not answer.** Cancel and destroy are retried while
+//!   the host is away; once it has not answered for `unreachable_give_up_s`
+//!   (60 s by default) they succeed, and the provider records the attempt as
+//!   abandoned on that host. Its node can then be replaced on another host.
+//!   When the host answers again the provider stops what is left of the
+//!   attempt there and releases its claim (a background sweep tries every
+//!   few seconds); until then the host counts as claimed.
+//! - **List**: every host the provider knows (from the shapes it was given
+//!   and from its records) is asked for its claim; a claim of the run is a
+//!   lease, and its running agent a session. A host that does not answer is
+//!   left out of the listing.
+
+use super::remote::{self, ALIVE_MARKER, EXIT_MARKER};
+use super::{ConnectOptions, KnownHosts, RemoteLine, SshError, SshIdentity, SshSession, SshTarget};
+use crate::credentials::AgentCredentials;
+use crate::process::parse_agent_line;
+use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+use swactor_provisioning::{
+    BootstrapEvent, BootstrapStage, LeaseId, NodeEndpoint, NodeTemplate, ParamValue, ResourceKey,
+    RunId, SessionId,
+};
+use tokio::sync::{mpsc, oneshot};
+
+/// Default of [`SshHostsConfig::unreachable_give_up`].
+pub const UNREACHABLE_GIVE_UP_DEFAULT: Duration = Duration::from_secs(60);
+/// How often abandoned attempts are looked after.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+/// Lines of the agent's own output quoted when it exits unannounced.
+const RECENT_LINES_MAX: usize = 5;
+/// Events buffered per session stream.
+const STREAM_BUFFER_LEN: usize = 64;
+
+/// Settings of an [`SshHostsProvider`].
+#[derive(Clone, Debug)]
+pub struct SshHostsConfig {
+    /// The daemon's state directory; the provider keeps its files in `ssh/`.
+    pub state_dir: PathBuf,
+    /// The swactor binary hosts run as their agent.
+    pub agent_binary: PathBuf,
+    /// Passed to agents as `--daemon`: how they reach the daemon.
+    pub daemon_ticket: String,
+    /// The secret agents' credentials derive from.
+    pub token_secret: [u8; 32],
+    /// How long connecting to a host may take.
+    pub connect_timeout: Duration,
+    /// How long a stopping agent gets between SIGTERM and SIGKILL.
+    pub term_grace: Duration,
+    /// How long a host may not answer before cleanups on it are given up
+    /// (per group: `unreachable_give_up_s`).
+    pub unreachable_give_up: Duration,
+}
+
+impl SshHostsConfig {
+    /// Defaults for everything but the paths, the ticket and the secret.
+    pub fn new(state_dir: impl Into<PathBuf>, agent_binary: impl Into<PathBuf>) -> Self {
+        Self {
+            state_dir: state_dir.into(),
+            agent_binary: agent_binary.into(),
+            daemon_ticket: String::new(),
+            token_secret: [0; 32],
+            connect_timeout: Duration::from_secs(10),
+            term_grace: Duration::from_secs(5),
+            unreachable_give_up: UNREACHABLE_GIVE_UP_DEFAULT,
+        }
+    }
+}
+
+/// How one host is reached: its target and the group settings that name it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct HostAccess {
+    /// `user@host:port`.
+    target: String,
+    /// The private key, if not the daemon's own.
+    key: Option<PathBuf>,
+    /// Whether an unknown host key is recorded on first contact.
+    trust_on_first_use: bool,
+    /// Seconds a host may not answer before cleanups on it are given up.
+    give_up_s: Option<f64>,
+}
+
+/// The provider's record of one attempt's lease: the host claimed (or being
+/// claimed) for it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct LeaseRecord {
+    host: HostAccess,
+}
+
+/// An attempt given up on a host that did not answer for long enough; what
+/// it left there is removed when the host answers again.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Abandoned {
+    key: ResourceKey,
+    host: HostAccess,
+}
+
+/// A group's SSH settings, read from its template.
+struct Group {
+    hosts: Vec<HostAccess>,
+}
+
+impl Group {
+    fn of(template: &NodeTemplate) -> Result<Self, ProviderError> {
+        let bad = |what: String| ProviderError::Definite(format!("ssh provider: {what}"));
+        let params = &template.provider.params;
+        let key = match params.get("key") {
+            None => None,
+            Some(ParamValue::Str(path)) => Some(expand_home(path)),
+            Some(other) => return Err(bad(format!("`key` must be a file path, not {other:?}"))),
+        };
+        let trust_on_first_use = match params.get("trust_on_first_use") {
+            None => false,
+            Some(ParamValue::Bool(b)) => *b,
+            Some(other) => {
+                return Err(bad(format!(
+                    "`trust_on_first_use` must be true or false, not {other:?}"
+                )));
+            }
+        };
+        let give_up_s = match params.get("unreachable_give_up_s") {
+            None => None,
+            Some(ParamValue::Int(n)) if *n > 0 => Some(*n as f64),
+            Some(ParamValue::Float(f)) if *f > 0.0 => Some(*f),
+            Some(other) => {
+                return Err(bad(format!(
+                    "`unreachable_give_up_s` must be a positive number of seconds, not {other:?}"
+                )));
+            }
+        };
+        for name in params.keys() {
+            if !["key", "trust_on_first_use", "unreachable_give_up_s"].contains(&name.as_str()) {
+                return Err(bad(format!(
+                    "unknown parameter `{name}` (known: key, trust_on_first_use, unreachable_give_up_s)"
+                )));
+            }
+        }
+        let listed = match template.provider.placement.get("hosts") {
+            Some(ParamValue::List(list)) => list.as_slice(),
+            None => &[],
+            Some(other) => return Err(bad(format!("`hosts` must be a list, not {other:?}"))),
+        };
+        let mut hosts = Vec::with_capacity(listed.len());
+        for h in listed {
+            let ParamValue::Str(text) = h else {
+                return Err(bad(format!("every host must be a string, not {h:?}")));
+            };
+            let target: SshTarget = text
+                .parse()
+                .map_err(|e| bad(format!("host {text:?}: {e}")))?;
+            hosts.push(HostAccess {
+                target: target.to_string(),
+                key: key.clone(),
+                trust_on_first_use,
+                give_up_s,
+            });
+        }
+        if hosts.is_empty() {
+            return Err(bad(
+                "the group lists no `hosts` (hosts = [\"user@host:port\", …])".to_owned(),
+            ));
+        }
+        if template
+            .boot
+            .boot_check
+            .iter()
+            .chain(template.boot.env.keys())
+            .chain(template.boot.env.values())
+            .any(|a| a.contains('\0'))
+        {
+            return Err(bad(
+                "a boot check argument or environment value holds a NUL character".to_owned(),
+            ));
+        }
+        Ok(Self { hosts })
+    }
+}
+
+/// `~/…` made absolute with this user's home.
+fn expand_home(path: &str) -> PathBuf {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => PathBuf::from(path),
+    }
+}
+
+struct SessionEntry {
+    /// Set before the provider stops the agent on purpose.
+    cancelled: Arc<AtomicBool>,
+    /// Dropping it ends the stream's follower.
+    _stop: oneshot::Sender<()>,
+}
+
+struct Shared {
+    config: SshHostsConfig,
+    /// `{state}/ssh`.
+    dir: PathBuf,
+    known: KnownHosts,
+    /// Keys by file (`None`: the daemon's own).
+    identities: Mutex<HashMap<Option<PathBuf>, Arc<SshIdentity>>>,
+    /// Every host the provider has been told of, by target.
+    hosts: Mutex<BTreeMap<String, HostAccess>>,
+    /// Open connections by target.
+    connections: Mutex<HashMap<String, SshSession>>,
+    /// Since when each host has not answered.
+    unreachable_since: Mutex<HashMap<String, Instant>>,
+    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
+    /// Serialises the calls for one key.
+    key_locks: Mutex<HashMap<ResourceKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// The agent binary and its sha256, read on first use.
+    binary: tokio::sync::OnceCell<(Arc<Vec<u8>>, String)>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section is a map operation; a panic cannot leave one half done.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The `ssh` provider. Cheap to clone; clones share state.
+#[derive(Clone)]
+pub struct SshHostsProvider {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for SshHostsProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SshHostsProvider")
+            .field("dir", &self.shared.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SshHostsProvider {
+    /// A provider keeping its files in `{state_dir}/ssh`. Must be called
+    /// within a tokio runtime: it starts the sweep of abandoned attempts.
+    ///
+    /// # Errors
+    /// The directory cannot be made.
+    pub fn new(config: SshHostsConfig) -> std::io::Result<Self> {
+        let dir = config.state_dir.join("ssh");
+        std::fs::create_dir_all(dir.join("leases"))?;
+        let known = KnownHosts::open(&dir.join("known_hosts"));
+        let shared = Arc::new(Shared {
+            config,
+            dir,
+            known,
+            identities: Mutex::new(HashMap::new()),
+            hosts: Mutex::new(BTreeMap::new()),
+            connections: Mutex::new(HashMap::new()),
+            unreachable_since: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            key_locks: Mutex::new(HashMap::new()),
+            binary: tokio::sync::OnceCell::new(),
+        });
+        let provider = Self { shared };
+        for (_, record) in provider.records(None) {
+            provider.learn(&record.host);
+        }
+        for a in provider.abandoned() {
+            provider.learn(&a.host);
+        }
+        tokio::spawn(sweep(Arc::downgrade(&provider.shared)));
+        Ok(provider)
+    }
+
+    /// Tells the provider of the hosts a template's group lists, so that a
+    /// listing (before any create) asks them too. A daemon calls it for the
+    /// shapes it knows at start.
+    pub fn learn_template(&self, template: &NodeTemplate) {
+        if let Ok(group) = Group::of(template) {
+            for h in &group.hosts {
+                self.learn(h);
+            }
+        }
+    }
+
+    /// The daemon's own public key (made on first use), for `authorized_keys`.
+    ///
+    /// # Errors
+    /// The key cannot be read or made.
+    pub fn public_key(&self) -> Result<String, SshError> {
+        Ok(self.identity(None)?.public_openssh())
+    }
+
+    fn learn(&self, host: &HostAccess) {
+        lock(&self.shared.hosts).insert(host.target.clone(), host.clone());
+    }
+
+    fn identity(&self, key: Option<&Path>) -> Result<Arc<SshIdentity>, SshError> {
+        let k = key.map(Path::to_path_buf);
+        if let Some(id) = lock(&self.shared.identities).get(&k) {
+            return Ok(id.clone());
+        }
+        let id = Arc::new(match key {
+            Some(path) => SshIdentity::load(path)?,
+            None => SshIdentity::load_or_generate(&self.shared.dir)?,
+        });
+        lock(&self.shared.identities).insert(k, id.clone());
+        Ok(id)
+    }
+
+    /// An open connection to `host`, made if needed; remembers since when a
+    /// host has not answered.
+    async fn connect(&self, host: &HostAccess) -> Result<SshSession, SshError> {
+        let cached = lock(&self.shared.connections).get(&host.target).cloned();
+        if let Some(s) = cached.filter(|s| !s.is_closed()) {
+            return Ok(s);
+        }
+        let target: SshTarget = host.target.parse().map_err(|e| SshError::Remote {
+            target: host.target.clone(),
+            reason: format!("{e}"),
+        })?;
+        let identity = self.identity(host.key.as_deref())?;
+        let opts = ConnectOptions {
+            connect_timeout: self.shared.config.connect_timeout,
+            trust_on_first_use: host.trust_on_first_use,
+        };
+        match SshSession::connect(&target, &identity, &self.shared.known, &opts).await {
+            Ok(s) => {
+                lock(&self.shared.unreachable_since).remove(&host.target);
+                lock(&self.shared.connections).insert(host.target.clone(), s.clone());
+                Ok(s)
+            }
+            Err(e) => {
+                if matches!(e, SshError::NotReady { .. }) {
+                    lock(&self.shared.unreachable_since)
+                        .entry(host.target.clone())
+                        .or_insert_with(Instant::now);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs `command` on `host`, reconnecting once if a cached connection
+    /// turns out to be dead.
+    async fn run(&self, host: &HostAccess, command: &str) -> Result<super::ExecOutput, SshError> {
+        self.run_with(host, command, None).await
+    }
+
+    async fn run_with(
+        &self,
+        host: &HostAccess,
+        command: &str,
+        stdin: Option<&[u8]>,
+    ) -> Result<super::ExecOutput, SshError> {
+        let session = self.connect(host).await?;
+        match session.exec(command, stdin).await {
+            Err(SshError::Broken { .. }) if session.is_closed() => {
+                lock(&self.shared.connections).remove(&host.target);
+                self.connect(host).await?.exec(command, stdin).await
+            }
+            other => other,
+        }
+    }
+
+    /// Whether cleanups on `host` are to be given up: it has not answered
+    /// for its give-up time.
+    fn given_up(&self, host: &HostAccess) -> bool {
+        let limit = host.give_up_s.map_or(
+            self.shared.config.unreachable_give_up,
+            Duration::from_secs_f64,
+        );
+        lock(&self.shared.unreachable_since)
+            .get(&host.target)
+            .is_some_and(|since| since.elapsed() >= limit)
+    }
+
+    async fn lock_key(&self, key: &ResourceKey) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = lock(&self.shared.key_locks)
+            .entry(key.clone())
+            .or_default()
+            .clone();
+        m.lock_owned().await
+    }
+
+    fn record_path(&self, key: &ResourceKey) -> PathBuf {
+        self.shared
+            .dir
+            .join("leases")
+            .join(key.run_id.as_str())
+            .join(format!("{}-{}.json", key.node, key.attempt))
+    }
+
+    fn record(&self, key: &ResourceKey) -> Option<LeaseRecord> {
+        let text = std::fs::read_to_string(self.record_path(key)).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// Writes `key`'s record durably (before the effect it announces).
+    fn write_record(&self, key: &ResourceKey, record: &LeaseRecord) -> Result<(), ProviderError> {
+        write_durably(&self.record_path(key), record)
+    }
+
+    fn forget_record(&self, key: &ResourceKey) {
+        let _ = std::fs::remove_file(self.record_path(key));
+    }
+
+    fn abandoned_path(&self, key: &ResourceKey, target: &str) -> PathBuf {
+        let target: String = target
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "@.:-_".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        self.shared
+            .dir
+            .join("abandoned")
+            .join(key.run_id.as_str())
+            .join(format!("{}-{}@{target}.json", key.node, key.attempt))
+    }
+
+    /// Records, durably, that `key`'s lease on `host` is given up, and drops
+    /// its lease record.
+    fn abandon(&self, key: &ResourceKey, host: &HostAccess) -> Result<(), ProviderError> {
+        let path = self.abandoned_path(key, &host.target);
+        let a = Abandoned {
+            key: key.clone(),
+            host: host.clone(),
+        };
+        write_durably(&path, &a)?;
+        self.forget_record(key);
+        Ok(())
+    }
+
+    /// Every abandoned attempt, of every run.
+    fn abandoned(&self) -> Vec<Abandoned> {
+        let root = self.shared.dir.join("abandoned");
+        let mut out = Vec::new();
+        for run in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            for e in std::fs::read_dir(run.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if let Some(a) = std::fs::read_to_string(e.path())
+                    .ok()
+                    .and_then(|t| serde_json::from_str::<Abandoned>(&t).ok())
+                {
+                    out.push(a);
+                }
+            }
+        }
+        out
+    }
+
+    /// Every record (of `run`, or of every run): key and record.
+    fn records(&self, run: Option<&RunId>) -> Vec<(ResourceKey, LeaseRecord)> {
+        let root = self.shared.dir.join("leases");
+        let runs: Vec<PathBuf> = match run {
+            Some(r) => vec![root.join(r.as_str())],
+            None => std::fs::read_dir(&root)
+                .map(|d| d.flatten().map(|e| e.path()).collect())
+                .unwrap_or_default(),
+        };
+        let mut out = Vec::new();
+        for dir in runs {
+            let Some(run) = dir.file_name().and_then(|n| n.to_str()).map(RunId::new) else {
+                continue;
+            };
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let name = e.file_name();
+                let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(".json")) else {
+                    continue;
+                };
+                let Some((node, attempt)) = stem.rsplit_once("-a") else {
+                    continue;
+                };
+                let (Some(node), Ok(attempt)) = (
+                    swactor_provisioning::LogicalNodeId::parse(node),
+                    attempt.parse::<u64>(),
+                ) else {
+                    continue;
+                };
+                let key = ResourceKey {
+                    run_id: run.clone(),
+                    node,
+                    attempt: swactor_provisioning::NodeAttemptId(attempt),
+                };
+                if let Some(record) = self.record(&key) {
+                    out.push((key, record));
+                }
+            }
+        }
+        out
+    }
+
+    fn host_of_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<HostAccess, ProviderError> {
+        let target = lease
+            .0
+            .strip_prefix("ssh:")
+            .ok_or_else(|| ProviderError::Definite(format!("{} is not an ssh lease", lease.0)))?;
+        if let Some(r) = self.record(key).filter(|r| r.host.target == target) {
+            return Ok(r.host);
+        }
+        lock(&self.shared.hosts).get(target).cloned().ok_or_else(|| {
+            ProviderError::Definite(format!(
+                "no shape this daemon knows lists the host {target} (its key and trust settings are unknown)"
+            ))
+        })
+    }
+
+    /// Tries to claim `host` for `key`: `Ok(true)` when the key holds it,
+    /// `Ok(false)` when another does.
+    async fn try_claim(
+        &self,
+        host: &HostAccess,
+        key: &ResourceKey,
+    ) -> Result<Option<String>, SshError> {
+        let out = self.run(host, &remote::claim(key)).await?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let first = text.lines().next().unwrap_or("").trim().to_owned();
+        if out.status.is_none() {
+            return Err(SshError::Broken {
+                target: host.target.clone(),
+                reason: "the claim command ended without an exit status".to_owned(),
+            });
+        }
+        Ok(if first == remote::claim_line(key) {
+            None
+        } else {
+            Some(first)
+        })
+    }
+
+    async fn agent_binary(&self) -> Result<(Arc<Vec<u8>>, String), ProviderError> {
+        let path = self.shared.config.agent_binary.clone();
+        self.shared
+            .binary
+            .get_or_try_init(|| async move {
+                let bytes = tokio::fs::read(&path).await.map_err(|e| {
+                    ProviderError::Definite(format!(
+                        "cannot read the agent binary {} to upload it: {e}",
+                        path.display()
+                    ))
+                })?;
+                use sha2::Digest;
+                let sha: String = sha2::Sha256::digest(&bytes)
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                Ok((Arc::new(bytes), sha))
+            })
+            .await
+            .cloned()
+    }
+
+    /// Stops `key`'s agent on `host`, removes its directory and releases
+    /// its claim.
+    async fn clean(&self, host: &HostAccess, key: &ResourceKey) -> Result<(), SshError> {
+        let dir = remote::node_dir(key);
+        let grace = self.shared.config.term_grace.as_secs().max(1);
+        let out = self.run(host, &remote::stop_agent(&dir, grace)).await?;
+        if String::from_utf8_lossy(&out.stdout).trim() == "stuck" {
+            return Err(SshError::Remote {
+                target: host.target.clone(),
+                reason: format!("the agent of {key} outlived SIGKILL"),
+            });
+        }
+        let out = self
+            .run(
+                host,
+                &format!("{} && {}", remote::remove_dir(&dir), remote::release(key)),
+            )
+            .await?;
+        if !out.success() {
+            return Err(SshError::Remote {
+                target: host.target.clone(),
+                reason: format!(
+                    "cannot remove {dir} or release the claim: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn mark_cancelled(&self, session: &SessionId) {
+        if let Some(e) = lock(&self.shared.sessions).get(session) {
+            e.cancelled.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// A session stream that follows `key`'s agent on `host`.
+    async fn follow(
+        &self,
+        host: &HostAccess,
+        key: &ResourceKey,
+        session: SessionId,
+    ) -> Result<BootstrapSession, ProviderError> {
+        let ssh = self.connect(host).await.map_err(ProviderError::from)?;
+        let lines = ssh
+            .exec_lines(&remote::follow(&remote::node_dir(key)))
+            .await
+            .map_err(ProviderError::from)?;
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER_LEN);
+        let (stop, stop_rx) = oneshot::channel();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        if let Some(old) = lock(&self.shared.sessions).insert(
+            session.clone(),
+            SessionEntry {
+                cancelled: cancelled.clone(),
+                _stop: stop,
+            },
+        ) {
+            // A newer stream replaces the older one; keep what it knew.
+            if old.cancelled.load(Ordering::SeqCst) {
+                cancelled.store(true, Ordering::SeqCst);
+            }
+        }
+        tokio::spawn(relay(lines, tx, stop_rx, cancelled, host.target.clone()));
+        Ok(BootstrapSession {
+            session,
+            events: rx,
+        })
+    }
+}
+
+/// Writes `value` as JSON to `path`, durably (synced, renamed into place).
+fn write_durably(path: &Path, value: &impl Serialize) -> Result<(), ProviderError> {
+    let write = || -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = path.with_extension("json.tmp");
+        let text = serde_json::to_vec(value).map_err(std::io::Error::other)?;
+        let mut f = std::fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut f, &text)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        if let Some(dir) = path.parent() {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    };
+    write().map_err(|e| ProviderError::Definite(format!("cannot record {}: {e}", path.display())))
+}
+
+/// Forwards a remote follow's lines as bootstrap events.
+async fn relay(
+    mut lines: super::RemoteLines,
+    tx: mpsc::Sender<BootstrapEvent>,
+    mut stop: oneshot::Receiver<()>,
+    cancelled: Arc<AtomicBool>,
+    target: String,
+) {
+    let mut recent: VecDeque<String> = VecDeque::new();
+    let mut failed = false;
+    loop {
+        let line = tokio::select! {
+            line = lines.lines.recv() => line,
+            _ = &mut stop => return,
+        };
+        let event = match line {
+            Some(RemoteLine::Stdout(text)) => {
+                if let Some(status) = text.strip_prefix(EXIT_MARKER) {
+                    let status = status.trim();
+                    let last = if failed || cancelled.load(Ordering::SeqCst) || status == "gone" {
+                        BootstrapEvent::Closed
+                    } else {
+                        let said = if recent.is_empty() {
+                            " (it wrote nothing else)".to_owned()
+                        } else {
+                            format!(
+                                "; its last output: {}",
+                                recent.iter().cloned().collect::<Vec<_>>().join(" | ")
+                            )
+                        };
+                        let how = if status == "killed" {
+                            "was killed (it left no exit status)".to_owned()
+                        } else {
+                            format!("exited with status {status}")
+                        };
+                        BootstrapEvent::Failed {
+                            stage: BootstrapStage::AgentLost,
+                            reason: format!("the agent on {target} {how}{said}"),
+                        }
+                    };
+                    let _ = tx.send(last).await;
+                    return;
+                }
+                if text == ALIVE_MARKER {
+                    continue;
+                }
+                match parse_agent_line(&text) {
+                    Some(event) => {
+                        failed |= matches!(event, BootstrapEvent::Failed { .. });
+                        event
+                    }
+                    None => {
+                        remember(&mut recent, &text);
+                        continue;
+                    }
+                }
+            }
+            Some(RemoteLine::Stderr(text)) => {
+                remember(&mut recent, &text);
+                continue;
+            }
+            // The connection ended before the agent did: the stream ends;
+            // the agent's own link to the daemon says whether it lives.
+            Some(RemoteLine::Exit(_) | RemoteLine::Closed) | None => {
+                tracing::debug!(%target, "lost the SSH connection following an agent");
+                return;
+            }
+        };
+        if tx.send(event).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn remember(recent: &mut VecDeque<String>, line: &str) {
+    let line = line.trim();
+    if line.is_empty() {
+        return;
+    }
+    if recent.len() == RECENT_LINES_MAX {
+        recent.pop_front();
+    }
+    recent.push_back(line.chars().take(300).collect());
+}
+
+/// Every few seconds, cleans what abandoned attempts left on hosts that
+/// answer again.
+async fn sweep(shared: Weak<Shared>) {
+    loop {
+        tokio::time::sleep(SWEEP_INTERVAL).await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let provider = SshHostsProvider { shared };
+        for a in provider.abandoned() {
+            match provider.clean(&a.host, &a.key).await {
+                Ok(()) => {
+                    tracing::info!(key = %a.key, host = %a.host.target, "cleaned up an abandoned attempt");
+                    let _ = std::fs::remove_file(provider.abandoned_path(&a.key, &a.host.target));
+                }
+                Err(e) => {
+                    tracing::debug!(key = %a.key, error = %e, "an abandoned attempt's host is still away")
+                }
+            }
+        }
+    }
+}
+
+fn session_of(host: &HostAccess, key: &ResourceKey, pid: &str) -> SessionId {
+    SessionId(format!(
+        "ssh:{}#{}-{}#pid{pid}",
+        host.target, key.node, key.attempt
+    ))
+}
+
+#[async_trait]
+impl Provider for SshHostsProvider {
+    fn kind(&self) -> &'static str {
+        "ssh"
+    }
+
+    async fn create_lease(
+        &self,
+        key: &ResourceKey,
+        template: &NodeTemplate,
+    ) -> Result<LeaseGrant, ProviderError> {
+        let group = Group::of(template)?;
+        for h in &group.hosts {
+            self.learn(h);
+        }
+        let _guard = self.lock_key(key).await;
+        let grant = |host: &HostAccess| LeaseGrant {
+            lease: LeaseId(format!("ssh:{}", host.target)),
+            endpoint: Some(NodeEndpoint(format!("ssh:{}", host.target))),
+        };
+        // A create that was tried before goes back to its host.
+        if let Some(record) = self.record(key) {
+            match self.try_claim(&record.host, key).await {
+                Ok(None) => return Ok(grant(&record.host)),
+                // Someone else holds it: the earlier try never claimed it.
+                Ok(Some(_)) => self.forget_record(key),
+                Err(e) if self.given_up(&record.host) => {
+                    tracing::warn!(%key, host = %record.host.target, error = %e, "giving up on the host of an earlier create");
+                    self.abandon(key, &record.host)?;
+                }
+                Err(e) => {
+                    return Err(ProviderError::Ambiguous(format!(
+                        "{e}; it may hold this node's claim from an earlier try, so no other host is claimed until it answers"
+                    )));
+                }
+            }
+        }
+        let mut taken = Vec::new();
+        let mut away = Vec::new();
+        // Spread slots over the pool: each starts looking at its own index.
+        let start = key.node.index as usize % group.hosts.len();
+        for i in 0..group.hosts.len() {
+            let host = &group.hosts[(start + i) % group.hosts.len()];
+            // Intent first: a crash after the claim still finds it.
+            self.write_record(key, &LeaseRecord { host: host.clone() })?;
+            match self.try_claim(host, key).await {
+                Ok(None) => {
+                    tracing::debug!(%key, host = %host.target, "claimed a host");
+                    return Ok(grant(host));
+                }
+                Ok(Some(holder)) => {
+                    self.forget_record(key);
+                    let by = remote::parse_claim(&holder)
+                        .map_or_else(|| "something else".to_owned(), |k| k.to_string());
+                    taken.push(format!("{} by {by}", host.target));
+                }
+                Err(e @ SshError::NotReady { .. }) => {
+                    // Nothing ran there: the host holds no claim of ours.
+                    self.forget_record(key);
+                    away.push(format!("{} ({e})", host.target));
+                }
+                Err(e) if e.is_definite() => {
+                    self.forget_record(key);
+                    away.push(format!("{}: {e}", host.target));
+                }
+                Err(e) => {
+                    return Err(ProviderError::Ambiguous(format!(
+                        "claiming {} for {key}: {e}",
+                        host.target
+                    )));
+                }
+            }
+        }
+        Err(ProviderError::Definite(format!(
+            "waiting for a free host: {} of the pool's {} hosts are claimed{}{}",
+            taken.len(),
+            group.hosts.len(),
+            if taken.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", taken.join(", "))
+            },
+            if away.is_empty() {
+                String::new()
+            } else {
+                format!("; not answering: {}", away.join("; "))
+            }
+        )))
+    }
+
+    async fn lookup_endpoint(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<NodeEndpoint, ProviderError> {
+        let host = self.host_of_lease(key, lease)?;
+        let out = match self.run(&host, &remote::read_claim()).await {
+            Ok(out) => out,
+            Err(SshError::NotReady { .. }) => return Err(ProviderError::NotReady),
+            Err(e) => return Err(e.into()),
+        };
+        let claim = String::from_utf8_lossy(&out.stdout);
+        if claim.lines().next().map(str::trim) != Some(remote::claim_line(key).as_str()) {
+            return Err(ProviderError::Gone(format!(
+                "{} no longer holds the claim of {key}",
+                host.target
+            )));
+        }
+        Ok(NodeEndpoint(format!("ssh:{}", host.target)))
+    }
+
+    async fn start_bootstrap(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        _endpoint: &NodeEndpoint,
+        template: &NodeTemplate,
+    ) -> Result<BootstrapSession, ProviderError> {
+        let host = self.host_of_lease(key, lease)?;
+        let _guard = self.lock_key(key).await;
+        let dir = remote::node_dir(key);
+        // Adopt a running agent: follow its log from the start.
+        let out = self.run(&host, &remote::agent_pid(&dir)).await?;
+        let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        if !pid.is_empty() {
+            return self.follow(&host, key, session_of(&host, key, &pid)).await;
+        }
+        let claim = self.run(&host, &remote::read_claim()).await?;
+        if String::from_utf8_lossy(&claim.stdout)
+            .lines()
+            .next()
+            .map(str::trim)
+            != Some(remote::claim_line(key).as_str())
+        {
+            return Err(ProviderError::Gone(format!(
+                "{} no longer holds the claim of {key}",
+                host.target
+            )));
+        }
+        let (bytes, sha) = self.agent_binary().await?;
+        let binary = remote::binary_path(&sha);
+        let ok = self
+            .run(&host, &remote::binary_matches(&binary, &sha))
+            .await?;
+        if String::from_utf8_lossy(&ok.stdout).trim() != "ok" {
+            let session = self.connect(&host).await?;
+            session.upload(&binary, &bytes, 0o755).await?;
+            tracing::info!(host = %host.target, %binary, "uploaded the agent binary");
+        }
+        let credentials = AgentCredentials::derive(&self.shared.config.token_secret, key);
+        let out = self
+            .run_with(
+                &host,
+                &remote::write_credentials(&dir),
+                Some(credentials.to_text().as_bytes()),
+            )
+            .await?;
+        if !out.success() {
+            return Err(ProviderError::Definite(format!(
+                "cannot write the agent's credentials on {}: {}",
+                host.target,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        let wrapper = remote::wrapper(key, &binary, &self.shared.config.daemon_ticket, template);
+        self.connect(&host)
+            .await?
+            .upload(&format!("{dir}/run.sh"), wrapper.as_bytes(), 0o700)
+            .await?;
+        let out = self.run(&host, &remote::launch(&dir)).await?;
+        let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        if pid.is_empty() || !pid.chars().all(|c| c.is_ascii_digit()) {
+            return Err(ProviderError::Ambiguous(format!(
+                "started the agent on {} but it did not record its pid: {}",
+                host.target,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        tracing::debug!(%key, host = %host.target, pid, "started an agent");
+        self.follow(&host, key, session_of(&host, key, &pid)).await
+    }
+
+    async fn cancel_bootstrap(
+        &self,
+        key: &ResourceKey,
+        session: &SessionId,
+    ) -> Result<(), ProviderError> {
+        let target = session
+            .0
+            .strip_prefix("ssh:")
+            .and_then(|s| s.split('#').next())
+            .ok_or_else(|| {
+                ProviderError::Definite(format!("{} is not an ssh session", session.0))
+            })?;
+        let host = self.host_of_lease(key, &LeaseId(format!("ssh:{target}")))?;
+        let _guard = self.lock_key(key).await;
+        self.mark_cancelled(session);
+        let grace = self.shared.config.term_grace.as_secs().max(1);
+        match self
+            .run(&host, &remote::stop_agent(&remote::node_dir(key), grace))
+            .await
+        {
+            Ok(out) if String::from_utf8_lossy(&out.stdout).trim() == "stuck" => {
+                Err(ProviderError::Ambiguous(format!(
+                    "the agent of {key} on {target} outlived SIGKILL"
+                )))
+            }
+            Ok(_) => Ok(()),
+            Err(e) if !e.is_definite() && self.given_up(&host) => {
+                tracing::warn!(%key, host = %target, "the host has not answered for too long; its agent is left for when it is back");
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+        let host = self.host_of_lease(key, lease)?;
+        let _guard = self.lock_key(key).await;
+        match self.clean(&host, key).await {
+            Ok(()) => {
+                self.forget_record(key);
+                Ok(())
+            }
+            Err(e) if !e.is_definite() && self.given_up(&host) => {
+                tracing::warn!(%key, host = %host.target, error = %e, "the host has not answered for too long; giving its lease up (cleaned when it is back)");
+                self.abandon(key, &host)?;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
+        let abandoned: Vec<(ResourceKey, String)> = self
+            .abandoned()
+            .into_iter()
+            .map(|a| (a.key, a.host.target))
+            .collect();
+        let hosts: Vec<HostAccess> = lock(&self.shared.hosts).values().cloned().collect();
+        // Hosts are asked at once: one that does not answer costs one
+        // connect timeout, not one per host.
+        let mut asked = tokio::task::JoinSet::new();
+        for host in hosts {
+            let provider = self.clone();
+            asked.spawn(async move {
+                let out = provider.run(&host, &remote::read_claim()).await.ok()?;
+                let text = String::from_utf8_lossy(&out.stdout);
+                let key = text.lines().next().and_then(remote::parse_claim)?;
+                let dir = remote::node_dir(&key);
+                let out = provider.run(&host, &remote::agent_pid(&dir)).await.ok()?;
+                let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+                Some((host, key, pid))
+            });
+        }
+        let mut inventory = Inventory::new();
+        while let Some(found) = asked.join_next().await {
+            let Ok(Some((host, key, pid))) = found else {
+                continue;
+            };
+            if key.run_id != *run_id || abandoned.contains(&(key.clone(), host.target.clone())) {
+                continue;
+            }
+            inventory.insert(
+                key.clone(),
+                OwnedResources {
+                    lease: Some(LeaseId(format!("ssh:{}", host.target))),
+                    session: (!pid.is_empty()).then(|| session_of(&host, &key, &pid)),
+                },
+            );
+        }
+        Ok(inventory)
+    }
+
+    fn owns_lease(&self, lease: &LeaseId) -> bool {
+        lease.0.starts_with("ssh:")
+    }
+
+    fn owns_session(&self, session: &SessionId) -> bool {
+        session.0.starts_with("ssh:")
+    }
+}

@@ -1,0 +1,402 @@
+//! The `ssh` provider against real OpenSSH servers on 127.0.0.1, each a host
+//! with a home of its own; the agent is a shell script uploaded as the agent
+//! binary.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use swactor_providers::ssh::testing::Sshd;
+use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
+use swactor_providers::{BootstrapEvents, Provider, ProviderError};
+use swactor_provisioning::{
+    BootParams, BootstrapEvent, BootstrapStage, LeaseId, LogicalNodeId, NodeAttemptId,
+    NodeTemplate, ParamValue, ProviderShape, ResourceKey, RunId, SwarmJoin,
+};
+
+const WAIT: Duration = Duration::from_secs(15);
+const SECRET: [u8; 32] = [7; 32];
+
+/// Walks through the stages, then stays up (a shell, so it keeps its
+/// arguments) until stopped.
+const CONVERGING: &str = r#"#!/bin/sh
+printf '%s\n' "$@" > args.txt
+echo "@swactor stage ssh-connect"
+echo "@swactor stage boot-check"
+echo "@swactor stage swactor-start"
+echo "@swactor stage join"
+echo "@swactor joined"
+echo "@swactor stage converged"
+while :; do sleep 1; done
+"#;
+
+const EXITS: &str = r#"#!/bin/sh
+echo "@swactor stage ssh-connect"
+echo "cannot find the daemon's ticket" >&2
+exit 4
+"#;
+
+struct World {
+    root: tempfile::TempDir,
+    hosts: Vec<Sshd>,
+}
+
+impl World {
+    /// `n` hosts accepting the key the provider makes in `{root}/state/ssh`.
+    fn new(n: usize, agent: &str) -> Self {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("state")).unwrap();
+        std::fs::write(root.path().join("agent"), agent).unwrap();
+        let key =
+            swactor_providers::ssh::SshIdentity::load_or_generate(&root.path().join("state/ssh"))
+                .unwrap()
+                .public_openssh();
+        let hosts = (0..n)
+            .map(|i| {
+                let dir = root.path().join(format!("host{i}"));
+                std::fs::create_dir_all(&dir).unwrap();
+                Sshd::start(&dir, &[key.clone()])
+            })
+            .collect();
+        Self { root, hosts }
+    }
+
+    fn provider(&self) -> SshHostsProvider {
+        let mut config = SshHostsConfig::new(
+            self.root.path().join("state"),
+            self.root.path().join("agent"),
+        );
+        config.daemon_ticket = "ticket-1".into();
+        config.token_secret = SECRET;
+        config.connect_timeout = Duration::from_secs(3);
+        config.term_grace = Duration::from_secs(1);
+        SshHostsProvider::new(config).unwrap()
+    }
+
+    fn template(&self) -> NodeTemplate {
+        let hosts = self
+            .hosts
+            .iter()
+            .map(|h| ParamValue::Str(h.target().to_string()))
+            .collect();
+        NodeTemplate {
+            provider: ProviderShape {
+                kind: "ssh".into(),
+                params: BTreeMap::from([
+                    ("trust_on_first_use".into(), ParamValue::Bool(true)),
+                    ("unreachable_give_up_s".into(), ParamValue::Float(2.0)),
+                ]),
+                placement: BTreeMap::from([("hosts".into(), ParamValue::List(hosts))]),
+            },
+            boot: BootParams {
+                image: None,
+                boot_check: vec!["sh".into(), "-c".into(), "exit 0".into()],
+                env: BTreeMap::new(),
+            },
+            role: "worker".into(),
+            join: SwarmJoin::default(),
+            limits: Default::default(),
+        }
+    }
+
+    /// The attempt directory of `key` on host `i`.
+    fn node_dir(&self, i: usize, key: &ResourceKey) -> PathBuf {
+        self.hosts[i].home().join(format!(
+            ".swactor/nodes/{}/{}-{}",
+            key.run_id, key.node, key.attempt
+        ))
+    }
+
+    fn claim(&self, i: usize) -> Option<String> {
+        std::fs::read_to_string(self.hosts[i].home().join(".swactor/claim")).ok()
+    }
+
+    /// Which host holds `key`'s claim.
+    fn holder(&self, key: &ResourceKey) -> Option<usize> {
+        let line = format!(
+            "swactor-claim run={} node={} attempt={}\n",
+            key.run_id, key.node, key.attempt.0
+        );
+        (0..self.hosts.len()).find(|i| self.claim(*i).as_deref() == Some(line.as_str()))
+    }
+}
+
+/// Live agent processes (their command line has `--attempt`) whose working
+/// directory is `dir`.
+fn agents_in(dir: &Path) -> Vec<u32> {
+    let mut pids: Vec<u32> = processes_in(dir)
+        .into_iter()
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"--attempt"))
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// Live processes whose working directory is `dir`.
+fn processes_in(dir: &Path) -> Vec<u32> {
+    let Ok(want) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<u32>().ok()?;
+            let cwd = std::fs::read_link(e.path().join("cwd")).ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let zombie = stat.rsplit_once(')')?.1.trim_start().starts_with('Z');
+            (cwd == want && !zombie).then_some(pid)
+        })
+        .collect()
+}
+
+fn key(node: &str, attempt: u64) -> ResourceKey {
+    ResourceKey {
+        run_id: RunId::new("r1"),
+        node: LogicalNodeId::parse(node).unwrap(),
+        attempt: NodeAttemptId(attempt),
+    }
+}
+
+async fn next(events: &mut BootstrapEvents) -> Option<BootstrapEvent> {
+    tokio::time::timeout(WAIT, events.recv())
+        .await
+        .expect("the stream neither delivered nor ended in time")
+}
+
+async fn take(events: &mut BootstrapEvents, n: usize) -> Vec<BootstrapEvent> {
+    let mut got = Vec::new();
+    for _ in 0..n {
+        got.push(next(events).await.expect("the stream ended early"));
+    }
+    got
+}
+
+fn converging_stages() -> Vec<BootstrapEvent> {
+    use BootstrapStage::*;
+    vec![
+        BootstrapEvent::Stage(SshConnect),
+        BootstrapEvent::Stage(BootCheck),
+        BootstrapEvent::Stage(SwactorStart),
+        BootstrapEvent::Stage(Join),
+        BootstrapEvent::SwactorJoined,
+        BootstrapEvent::Stage(Converged),
+    ]
+}
+
+async fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_holds_one_claim_a_retried_create_adopts_it_and_a_full_pool_says_so() {
+    let world = World::new(1, CONVERGING);
+    let p = world.provider();
+    let t = world.template();
+    let a = p.create_lease(&key("w-0", 1), &t).await.unwrap();
+    assert_eq!(a.lease.0, format!("ssh:{}", world.hosts[0].target()));
+    assert_eq!(world.holder(&key("w-0", 1)), Some(0));
+    // The same key again: the same host, no second claim.
+    let again = p.create_lease(&key("w-0", 1), &t).await.unwrap();
+    assert_eq!(again.lease, a.lease);
+    // Another key finds no free host, and says who holds it.
+    let e = p.create_lease(&key("w-1", 2), &t).await.unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, ProviderError::Definite(_)), "{e:?}");
+    assert!(
+        text.contains("waiting for a free host: 1 of the pool's 1 hosts are claimed")
+            && text.contains("r1/w-0/a1"),
+        "{text}"
+    );
+    p.destroy_lease(&key("w-0", 1), &a.lease).await.unwrap();
+    assert_eq!(world.claim(0), None);
+    p.destroy_lease(&key("w-0", 1), &a.lease).await.unwrap();
+    let b = p.create_lease(&key("w-1", 2), &t).await.unwrap();
+    assert_eq!(
+        b.lease, a.lease,
+        "the freed host is claimed by the next key"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_runs_detached_streams_its_stages_and_cancel_and_destroy_leave_nothing() {
+    let world = World::new(1, CONVERGING);
+    let p = world.provider();
+    let t = world.template();
+    let k = key("w-0", 3);
+    let grant = p.create_lease(&k, &t).await.unwrap();
+    let endpoint = p.lookup_endpoint(&k, &grant.lease).await.unwrap();
+    let mut session = p
+        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
+        .await
+        .unwrap();
+    assert_eq!(take(&mut session.events, 6).await, converging_stages());
+    let dir = world.node_dir(0, &k);
+    let args = std::fs::read_to_string(dir.join("args.txt")).unwrap();
+    let args: Vec<&str> = args.lines().collect();
+    assert_eq!(
+        &args[..9],
+        [
+            "agent",
+            "--run",
+            "r1",
+            "--node",
+            "w-0",
+            "--attempt",
+            "3",
+            "--daemon",
+            "ticket-1"
+        ]
+    );
+    assert!(args.contains(&"--boot-check=-c"), "{args:?}");
+    // The credentials went to a file only the owner can read.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir.join("agent.credentials"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    assert_eq!(agents_in(&dir).len(), 1, "the agent runs");
+
+    // Listing finds the lease and the running agent's session.
+    let listed = p.list(&RunId::new("r1")).await.unwrap();
+    assert_eq!(listed[&k].lease.as_ref(), Some(&grant.lease));
+    assert_eq!(listed[&k].session.as_ref(), Some(&session.session));
+
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+    assert_eq!(
+        next(&mut session.events).await,
+        Some(BootstrapEvent::Closed)
+    );
+    wait_until("the agent, its group and its follower to be gone", || {
+        processes_in(&dir).is_empty()
+    })
+    .await;
+    p.cancel_bootstrap(&k, &session.session).await.unwrap();
+    p.destroy_lease(&k, &grant.lease).await.unwrap();
+    assert!(!dir.exists());
+    assert_eq!(world.claim(0), None);
+    assert!(p.list(&RunId::new("r1")).await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_exits_unannounced_fails_with_its_status_and_last_words() {
+    let world = World::new(1, EXITS);
+    let p = world.provider();
+    let t = world.template();
+    let k = key("w-0", 1);
+    let grant = p.create_lease(&k, &t).await.unwrap();
+    let endpoint = p.lookup_endpoint(&k, &grant.lease).await.unwrap();
+    let mut session = p
+        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
+        .await
+        .unwrap();
+    assert_eq!(
+        next(&mut session.events).await,
+        Some(BootstrapEvent::Stage(BootstrapStage::SshConnect))
+    );
+    let Some(BootstrapEvent::Failed { stage, reason }) = next(&mut session.events).await else {
+        panic!("expected a failure");
+    };
+    assert_eq!(stage, BootstrapStage::AgentLost);
+    assert!(
+        reason.contains("exited with status 4")
+            && reason.contains("cannot find the daemon's ticket"),
+        "{reason}"
+    );
+    p.destroy_lease(&k, &grant.lease).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_provider_lists_and_adopts_the_running_agent_without_a_second_start() {
+    let world = World::new(2, CONVERGING);
+    let t = world.template();
+    let k = key("w-1", 5);
+    let first = world.provider();
+    let grant = first.create_lease(&k, &t).await.unwrap();
+    let endpoint = first.lookup_endpoint(&k, &grant.lease).await.unwrap();
+    let mut s1 = first
+        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
+        .await
+        .unwrap();
+    take(&mut s1.events, 6).await;
+    let host = world.holder(&k).unwrap();
+    let dir = world.node_dir(host, &k);
+    let before = agents_in(&dir);
+    assert_eq!(before.len(), 1);
+    drop(first);
+
+    // A new provider learns the hosts from the shape, then adopts.
+    let second = world.provider();
+    second.learn_template(&t);
+    let listed = second.list(&RunId::new("r1")).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[&k].session.as_ref(), Some(&s1.session));
+    let mut s2 = second
+        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
+        .await
+        .unwrap();
+    assert_eq!(s2.session, s1.session);
+    // The log is replayed from its start.
+    assert_eq!(take(&mut s2.events, 6).await, converging_stages());
+    assert_eq!(agents_in(&dir), before, "no second agent");
+    second.destroy_lease(&k, &grant.lease).await.unwrap();
+    wait_until("everything of the attempt to be gone", || {
+        processes_in(&dir).is_empty()
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_stops_answering_is_given_up_and_cleaned_once_it_is_back() {
+    let mut world = World::new(2, CONVERGING);
+    let p = world.provider();
+    let t = world.template();
+    let k = key("w-0", 1);
+    let grant = p.create_lease(&k, &t).await.unwrap();
+    let host = world.holder(&k).unwrap();
+    let endpoint = p.lookup_endpoint(&k, &grant.lease).await.unwrap();
+    let mut session = p
+        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
+        .await
+        .unwrap();
+    take(&mut session.events, 6).await;
+    let dir = world.node_dir(host, &k);
+
+    world.hosts[host].stop();
+    // While the host is away, a retried create does not claim the other host.
+    let e = p.create_lease(&k, &t).await.unwrap_err();
+    assert!(matches!(e, ProviderError::Ambiguous(_)), "{e:?}");
+    assert_eq!(world.claim(1 - host), None);
+    // Cleanup fails until the host has been away for its give-up time (2 s).
+    assert!(p.destroy_lease(&k, &grant.lease).await.is_err());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    p.destroy_lease(&k, &grant.lease).await.unwrap();
+    // The next attempt goes to the other host.
+    let k2 = key("w-0", 2);
+    let other = p.create_lease(&k2, &t).await.unwrap();
+    assert_ne!(other.lease, grant.lease);
+    assert_eq!(world.holder(&k2), Some(1 - host));
+    // The stale claim is not listed as a lease while it waits to be cleaned.
+    world.hosts[host].start_again();
+    let listed = p.list(&RunId::new("r1")).await.unwrap();
+    assert!(!listed.contains_key(&k), "{listed:?}");
+    // Once the host answers, the provider stops what was left and frees it.
+    wait_until("the abandoned claim to be released", || {
+        world.claim(host).is_none()
+    })
+    .await;
+    wait_until("the abandoned agent to be stopped", || {
+        processes_in(&dir).is_empty()
+    })
+    .await;
+    assert!(!dir.exists());
+    p.destroy_lease(&k2, &other.lease).await.unwrap();
+    let _ = LeaseId::clone(&other.lease);
+}
