@@ -8,7 +8,7 @@ use crate::shapefile::ShapeFile;
 use crate::state::StateDir;
 use crate::swarm::{RefusalLog, SwarmHandler};
 use anyhow::{Context, Result};
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,6 +43,12 @@ pub(crate) struct UpOptions {
     pub(crate) keep: bool,
     /// Apply the shape without asking, whatever it changes.
     pub(crate) yes: bool,
+    /// The address to listen on (default loopback).
+    pub(crate) listen: Option<IpAddr>,
+    /// The address remote agents dial (default: `listen`).
+    pub(crate) advertise: Option<IpAddr>,
+    /// The binary remote hosts run as their agent.
+    pub(crate) agent_binary: Option<PathBuf>,
 }
 
 /// Runs the daemon until it is told to stop. Returns the process exit code.
@@ -52,6 +58,13 @@ pub(crate) struct UpOptions {
 pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
+    let listen = opts.listen.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    if listen.is_unspecified() && opts.advertise.is_none() {
+        anyhow::bail!(
+            "listening on {listen} (every interface), the daemon cannot tell remote agents \
+             which address to dial: name it with --advertise IP; nothing was started"
+        );
+    }
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
     let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
     // A fresh state directory: the whole shape is new, and whether to go
@@ -75,8 +88,16 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     }
     let run_id = start.run_id.clone();
 
-    let endpoint = bind_daemon_endpoint(&state).await?;
+    let endpoint = bind_daemon_endpoint(&state, listen).await?;
     let ticket = EndpointTicket::new(endpoint.addr());
+    // What agents are given: the advertised address, on the bound port.
+    let agent_ticket = match (opts.advertise, endpoint.bound_sockets().first()) {
+        (Some(ip), Some(bound)) => EndpointTicket::new(
+            swactor_engine::iroh::EndpointAddr::new(endpoint.id())
+                .with_ip_addr(SocketAddr::new(ip, bound.port())),
+        ),
+        _ => ticket.clone(),
+    };
     let cli_id = state.cli_key()?.public();
     let secret_existed = state.root().join("token.secret").exists();
     let secret = state.token_secret()?;
@@ -92,7 +113,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let process = ProcessProvider::new(ProcessConfig {
         agent_program: std::env::current_exe().context("cannot find the swactor executable")?,
         agent_args: vec!["agent".to_owned()],
-        daemon_ticket: ticket.to_string(),
+        daemon_ticket: agent_ticket.to_string(),
         token_secret: secret,
         ..ProcessConfig::new(state.root().to_path_buf())
     })
@@ -558,7 +579,10 @@ async fn shutdown_signal() {
 
 /// Binds loopback on the port used last time, so agents of a previous daemon
 /// (which kept running) find this one again.
-async fn bind_daemon_endpoint(state: &StateDir) -> Result<swactor_engine::iroh::Endpoint> {
+async fn bind_daemon_endpoint(
+    state: &StateDir,
+    listen: IpAddr,
+) -> Result<swactor_engine::iroh::Endpoint> {
     let key = state.daemon_key()?;
     let mut config = NetConfig {
         frame_len_max: FRAME_LEN_MAX,
@@ -569,12 +593,14 @@ async fn bind_daemon_endpoint(state: &StateDir) -> Result<swactor_engine::iroh::
         ..NetConfig::default()
     };
     if let Some(port) = state.saved_port() {
-        config.bind_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        config.bind_addr = SocketAddr::new(listen, port);
         match bind_endpoint(&config, key.clone()).await {
             Ok(ep) => return Ok(ep),
             Err(e) => tracing::warn!(%e, port, "the previous port is taken; binding a new one"),
         }
-        config.bind_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        config.bind_addr = SocketAddr::new(listen, 0);
+    } else {
+        config.bind_addr = SocketAddr::new(listen, 0);
     }
     let ep = bind_endpoint(&config, key)
         .await

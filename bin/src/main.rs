@@ -82,6 +82,19 @@ nodes, or creates more than 20 at once, is confirmed on a terminal (or needs
         /// Go ahead without asking, even when SHAPE destroys or replaces nodes.
         #[arg(long, short = 'y')]
         yes: bool,
+        /// The address the daemon listens on (default 127.0.0.1: only agents
+        /// and CLIs on this machine reach it). Remote agents need one they
+        /// can reach, e.g. 0.0.0.0 with --advertise.
+        #[arg(long, value_name = "IP")]
+        listen: Option<std::net::IpAddr>,
+        /// The address remote agents dial (default: the --listen address).
+        /// Needed when listening on all interfaces (0.0.0.0 or ::).
+        #[arg(long, value_name = "IP")]
+        advertise: Option<std::net::IpAddr>,
+        /// The swactor binary remote hosts run as their agent (default:
+        /// `swactor-agent` next to this executable, else this executable).
+        #[arg(long, value_name = "PATH", env = "SWACTOR_AGENT_BINARY")]
+        agent_binary: Option<PathBuf>,
     },
     /// Offer a new shape to the running daemon (its plan is shown first).
     #[command(after_help = "Examples:
@@ -219,6 +232,9 @@ fn main() {
                 timeout,
                 keep,
                 yes,
+                listen,
+                advertise,
+                agent_binary,
             } => {
                 let timeout = timeout.unwrap_or(UP_TIMEOUT_DEFAULT_S);
                 if !timeout.is_finite() || timeout <= 0.0 {
@@ -227,6 +243,9 @@ fn main() {
                 daemon::up(daemon::UpOptions {
                     shape,
                     state_dir,
+                    listen,
+                    advertise,
+                    agent_binary,
                     until_converged,
                     timeout: Duration::from_secs_f64(timeout),
                     keep,

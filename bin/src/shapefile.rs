@@ -11,6 +11,9 @@ use swactor_provisioning::{
 
 use crate::words::cut;
 
+/// Provider kinds whose groups list the hosts their nodes go to.
+pub(crate) const PLACED_ON_HOSTS: &[&str] = &["ssh"];
+
 /// Provider kinds this daemon can drive.
 pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process"];
 
@@ -72,6 +75,10 @@ pub(crate) struct GroupFile {
     /// Seconds the boot check may run before the agent stops it.
     #[serde(default)]
     pub(crate) boot_timeout_s: Option<f64>,
+    /// Where nodes may be placed (`ssh`: the pool's hosts, `user@host:port`).
+    /// Changing it moves no node already placed.
+    #[serde(default)]
+    pub(crate) hosts: Vec<String>,
 }
 
 impl ShapeFile {
@@ -120,6 +127,14 @@ impl ShapeFile {
                     SUPPORTED_PROVIDERS.join(", ")
                 );
             }
+            if !g.hosts.is_empty() && !PLACED_ON_HOSTS.contains(&g.provider.as_str()) {
+                bail!(
+                    "group[{i}] ({:?}) lists `hosts`, which provider {:?} does not use (only {} does)",
+                    cut(&g.id),
+                    cut(&g.provider),
+                    PLACED_ON_HOSTS.join(", ")
+                );
+            }
         }
         let groups = self
             .groups
@@ -131,6 +146,12 @@ impl ShapeFile {
                 provider: ProviderShape {
                     kind: g.provider.clone(),
                     params: g.params.clone(),
+                    placement: if g.hosts.is_empty() {
+                        BTreeMap::new()
+                    } else {
+                        let hosts = g.hosts.iter().cloned().map(ParamValue::Str).collect();
+                        BTreeMap::from([("hosts".to_owned(), ParamValue::List(hosts))])
+                    },
                 },
                 boot: BootParams {
                     image: g.image.clone(),

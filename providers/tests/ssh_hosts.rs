@@ -54,7 +54,7 @@ impl World {
             .map(|i| {
                 let dir = root.path().join(format!("host{i}"));
                 std::fs::create_dir_all(&dir).unwrap();
-                Sshd::start(&dir, &[key.clone()])
+                Sshd::start(&dir, std::slice::from_ref(&key))
             })
             .collect();
         Self { root, hosts }
