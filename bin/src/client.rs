@@ -700,10 +700,15 @@ fn print_description(
 /// # Errors
 /// An unreachable daemon, or one still holding the directory
 /// [`RELEASE_WAIT_MAX`] after it answered.
-pub(crate) async fn down(state_dir: &Path, keep: bool) -> Result<()> {
+pub(crate) async fn down(state_dir: &Path, keep: bool, purge: bool) -> Result<()> {
     let state = StateDir::open(state_dir.to_path_buf())?;
-    let (destroyed, kept) = match one(state_dir, ControlRequest::Down { keep }).await? {
-        ControlResponse::Down { destroyed, kept } => (destroyed, kept),
+    let request = ControlRequest::Down { keep, purge };
+    let (destroyed, kept, purged) = match one(state_dir, request).await? {
+        ControlResponse::Down {
+            destroyed,
+            kept,
+            purged,
+        } => (destroyed, kept, purged),
         other => return Err(unexpected(&other)),
     };
     let mut out = Out::new();
@@ -723,6 +728,12 @@ pub(crate) async fn down(state_dir: &Path, keep: bool) -> Result<()> {
             kept.len(),
             crate::words::names(&kept)
         ))?;
+    }
+    for (host, failed) in &purged {
+        match failed {
+            None => out.line(format_args!("purged {host}"))?,
+            Some(why) => out.line(format_args!("could not purge {host}: {why}"))?,
+        }
     }
     out.flush()?;
     let still = tokio::task::spawn_blocking(move || {

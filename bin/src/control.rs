@@ -22,7 +22,11 @@ const REQUEST_LEN_MAX_BYTES: usize = 1 << 20;
 
 /// A `down` request on its way to the daemon's main task: keep the nodes?
 /// and where the report goes.
-pub(crate) type DownRequest = (bool, oneshot::Sender<ShutdownReport>);
+pub(crate) type DownRequest = (bool, bool, oneshot::Sender<DownReport>);
+
+/// What a `down` did: the cluster's shutdown report, and with `purge`, each
+/// remote host and why it could not be purged if it could not.
+pub(crate) type DownReport = (ShutdownReport, Vec<(String, Option<String>)>);
 
 /// A refusal from the cluster in words: an over-capacity shape names its
 /// numbers, ids echoed back are cut.
@@ -156,7 +160,7 @@ impl ControlHandler {
                 .map(ControlResponse::Status)
                 .map_err(|e| refusal(&e)),
             ControlRequest::Describe(node) => self.describe(&node).await,
-            ControlRequest::Down { keep } => self.down(keep).await,
+            ControlRequest::Down { keep, purge } => self.down(keep, purge).await,
         };
         result.unwrap_or_else(ControlResponse::Error)
     }
@@ -222,15 +226,16 @@ impl ControlHandler {
         }
     }
 
-    async fn down(&self, keep: bool) -> Result<ControlResponse, String> {
+    async fn down(&self, keep: bool, purge: bool) -> Result<ControlResponse, String> {
         let (tx, rx) = oneshot::channel();
-        if self.down.send((keep, tx)).await.is_err() {
+        if self.down.send((keep, purge, tx)).await.is_err() {
             return Err("the daemon is already stopping".to_owned());
         }
         match rx.await {
-            Ok(r) => Ok(ControlResponse::Down {
+            Ok((r, purged)) => Ok(ControlResponse::Down {
                 destroyed: r.destroyed.iter().map(ToString::to_string).collect(),
                 kept: r.kept.iter().map(ToString::to_string).collect(),
+                purged,
             }),
             Err(_) => Err("the daemon stopped without a report".to_owned()),
         }

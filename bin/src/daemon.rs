@@ -1,5 +1,6 @@
 //! `swactor up`: the daemon, in the foreground.
 
+use crate::agentbin::AgentBinary;
 use crate::control::{ControlHandler, DownRequest, apply_file};
 use crate::journal::DaemonJournal;
 use crate::progress::Progress;
@@ -25,6 +26,7 @@ use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, Telem
 use swactor_providers::Provider;
 use swactor_providers::Providers;
 use swactor_providers::process::{ProcessConfig, ProcessProvider};
+use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
 use swactor_provisioning::{Generation, JournalImage, RunId};
 use tokio::sync::{mpsc, oneshot};
 
@@ -118,7 +120,15 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         ..ProcessConfig::new(state.root().to_path_buf())
     })
     .context("cannot start the process provider")?;
-    let provider = Providers::new(vec![Arc::new(process)]);
+    let ssh = ssh_provider(
+        &state,
+        &opts,
+        &agent_ticket,
+        secret,
+        resume.as_ref(),
+        file.as_ref(),
+    )?;
+    let provider = Providers::new(vec![Arc::new(process), Arc::new(ssh.clone())]);
 
     let empty = ClusterSnapshot {
         run_id: run_id.to_string(),
@@ -222,6 +232,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let mut code = 0;
     let mut keep = opts.keep;
     let mut down_reply = None;
+    let mut purge = false;
     if finish_teardown {
         keep = false;
     } else if opts.until_converged {
@@ -259,8 +270,9 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     } else {
         tokio::select! {
             _ = shutdown_signal() => progress.say("\nswactor: stopping"),
-            Some((k, reply)) = down_rx.recv() => {
+            Some((k, p, reply)) = down_rx.recv() => {
                 keep = k;
+                purge = p;
                 down_reply = Some(reply);
             }
             exit = &mut exit_rx => {
@@ -280,8 +292,18 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let report = cluster.shutdown(mode).await.context("shutdown failed")?;
     progress.stop().await;
     print_report(&report);
+    let mut purged = Vec::new();
+    if purge && mode == ShutdownMode::Teardown {
+        for (host, done) in ssh.purge().await {
+            match &done {
+                Ok(()) => eprintln!("swactor: purged {host}"),
+                Err(e) => eprintln!("swactor: could not purge {host}: {e}"),
+            }
+            purged.push((host, done.err()));
+        }
+    }
     if let Some(reply) = down_reply {
-        let _ = reply.send(report);
+        let _ = reply.send((report, purged));
         // Let the control handler deliver the answer before the endpoint closes.
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
@@ -536,6 +558,45 @@ async fn confirm_start(
         }
     }
     crate::guard::ask(&diff, yes).await
+}
+
+/// The `ssh` provider, told of every host the journal's and the file's
+/// shapes list (so a listing at start asks them before any create).
+fn ssh_provider(
+    state: &StateDir,
+    opts: &UpOptions,
+    agent_ticket: &EndpointTicket,
+    secret: [u8; 32],
+    resume: Option<&JournalImage>,
+    file: Option<&ShapeFile>,
+) -> Result<SshHostsProvider> {
+    let binary = AgentBinary::find(opts.agent_binary.as_deref())?;
+    let mut config = SshHostsConfig::new(state.root(), binary.path.clone());
+    config.daemon_ticket = agent_ticket.to_string();
+    config.token_secret = secret;
+    let ssh = SshHostsProvider::new(config).context("cannot start the ssh provider")?;
+    let shapes = resume
+        .and_then(|j| j.meta.shape.clone())
+        .into_iter()
+        .chain(file.map(|f| f.to_shape(1)).transpose()?);
+    let mut remote = false;
+    for shape in shapes {
+        let Ok(desired) = shape.validate() else {
+            continue;
+        };
+        for g in desired
+            .groups
+            .iter()
+            .filter(|g| g.template.provider.kind == "ssh")
+        {
+            remote = true;
+            ssh.learn_template(&g.template);
+        }
+    }
+    if remote && let Some(warning) = binary.warning() {
+        eprintln!("swactor: warning: {warning}");
+    }
+    Ok(ssh)
 }
 
 /// The daemon's peak resident memory, from `/proc/self/status`.

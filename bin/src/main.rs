@@ -9,6 +9,7 @@
 //! by `| head`).
 
 mod agent;
+mod agentbin;
 mod client;
 mod control;
 mod daemon;
@@ -162,9 +163,19 @@ the stream breaks off (the daemon died, the connection was lost).")]
   swactor down --keep   stop the daemon, leave the nodes for the next `swactor up`")]
     Down {
         /// Leave the nodes running for the next `swactor up` to adopt.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "purge")]
         keep: bool,
+        /// After the teardown, also remove what remote hosts cache for
+        /// Swactor (the uploaded agent binary, ~/.swactor when empty).
+        #[arg(long)]
+        purge: bool,
     },
+    /// Print the public key the daemon logs into SSH hosts with (made on
+    /// first use), for their `authorized_keys`.
+    #[command(
+        after_help = "Example:\n  swactor ssh-key | ssh root@10.0.0.5 'cat >> ~/.ssh/authorized_keys'"
+    )]
+    SshKey,
     /// Show a node's agent log: its latest attempt's, or `--attempt N`'s.
     /// The ends of the last three attempts' logs are kept after their
     /// machines are gone.
@@ -268,7 +279,17 @@ fn main() {
             Command::Status { json } => client::status(&state_dir, json).await.map(|()| 0),
             Command::Describe { node } => client::describe(&state_dir, &node).await.map(|()| 0),
             Command::Watch => client::watch(&state_dir).await.map(|()| 0),
-            Command::Down { keep } => client::down(&state_dir, keep).await.map(|()| 0),
+            Command::SshKey => {
+                let state = state::StateDir::create(state_dir)?;
+                let identity = swactor_providers::ssh::SshIdentity::load_or_generate(
+                    &state.root().join("ssh"),
+                )?;
+                println!("{}", identity.public_openssh());
+                Ok(0)
+            }
+            Command::Down { keep, purge } => {
+                client::down(&state_dir, keep, purge).await.map(|()| 0)
+            }
             Command::Logs {
                 node,
                 attempt,

@@ -35,6 +35,9 @@ pub(crate) enum ControlRequest {
     Down {
         /// Leave the nodes running for the next daemon to adopt.
         keep: bool,
+        /// After the teardown, remove what remote hosts cache (the agent binary).
+        #[serde(default)]
+        purge: bool,
     },
 }
 
@@ -60,6 +63,9 @@ pub(crate) enum ControlResponse {
         destroyed: Vec<String>,
         /// Nodes left running.
         kept: Vec<String>,
+        /// With `purge`: each remote host, and why it could not be purged if it could not.
+        #[serde(default)]
+        purged: Vec<(String, Option<String>)>,
     },
     /// The request was refused; nothing changed.
     Error(String),

@@ -34,7 +34,7 @@ mod target;
 #[cfg(feature = "ssh-testing")]
 pub mod testing;
 
-pub use hosts::{SshHostsConfig, SshHostsProvider, UNREACHABLE_GIVE_UP_DEFAULT};
+pub use hosts::{SshHostsConfig, SshHostsProvider, UNREACHABLE_GIVE_UP_DEFAULT, check_template};
 pub use identity::{KEY_COMMENT, KEY_FILE, PUBLIC_KEY_FILE, SshIdentity};
 pub use known_hosts::KnownHosts;
 pub use quote::{command_line, quote};

@@ -9,8 +9,8 @@ use swactor_providers::ssh::testing::Sshd;
 use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
 use swactor_providers::{BootstrapEvents, Provider, ProviderError};
 use swactor_provisioning::{
-    BootParams, BootstrapEvent, BootstrapStage, LeaseId, LogicalNodeId, NodeAttemptId,
-    NodeTemplate, ParamValue, ProviderShape, ResourceKey, RunId, SwarmJoin,
+    BootParams, BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, NodeTemplate,
+    ParamValue, ProviderShape, ResourceKey, RunId, SwarmJoin,
 };
 
 const WAIT: Duration = Duration::from_secs(15);
@@ -398,5 +398,4 @@ async fn a_host_that_stops_answering_is_given_up_and_cleaned_once_it_is_back() {
     .await;
     assert!(!dir.exists());
     p.destroy_lease(&k2, &other.lease).await.unwrap();
-    let _ = LeaseId::clone(&other.lease);
 }

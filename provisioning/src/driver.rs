@@ -432,6 +432,24 @@ impl Driver {
             return Ok(DesiredUpdate::Unchanged(next.generation));
         }
         next.share_templates_with(&self.desired);
+        // A node whose slot only moved its placement keeps its attempt, but
+        // its next effects see the new placement; one waiting out the
+        // backoff of an effect that failed (say, no free host) tries again
+        // at once, since the new placement may be what it waited for.
+        for (id, node) in &mut self.state.nodes {
+            if let Some(t) = next.slot(id)
+                && !Arc::ptr_eq(t, &node.template)
+                && same_template(t, &node.template)
+            {
+                if node.template.provider.placement != t.provider.placement
+                    && node.pending.is_none()
+                    && !node.is_ready()
+                {
+                    node.retry.next_effect_at = None;
+                }
+                node.template = t.clone();
+            }
+        }
         let generation = next.generation;
         self.desired = next;
         self.eval.full = true;

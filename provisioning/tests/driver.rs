@@ -261,6 +261,45 @@ fn a_new_placement_reaches_new_nodes_and_replaces_none_already_placed() {
 }
 
 #[test]
+fn a_node_backing_off_a_failed_create_retries_at_once_with_a_new_placement() {
+    let placed = |host: &str| {
+        let mut g = group("w", 1);
+        g.provider.placement.insert(
+            "hosts".into(),
+            ParamValue::List(vec![ParamValue::Str(host.into())]),
+        );
+        g
+    };
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![placed("a")])).unwrap();
+    let create = drain(&mut d, t(0));
+    assert_eq!(create[0].request.kind(), EffectKind::CreateLease);
+    assert_eq!(
+        d.handle_result(fail(&create[0], FailureClass::Definite), t(0))
+            .unwrap(),
+        Folded::Applied
+    );
+    assert!(drain(&mut d, t(0)).is_empty(), "backing off");
+    let gate = d.state().nodes[&node_id("w-0")].retry.next_effect_at;
+    assert!(gate.is_some_and(|at| at > t(0)));
+    // Another placement: the create is retried now, with it.
+    d.update_desired(&shape(2, vec![placed("b")])).unwrap();
+    let retry = drain(&mut d, t(0));
+    assert_eq!(retry.len(), 1);
+    match &retry[0].request {
+        EffectRequest::CreateLease { template } => assert_eq!(
+            template.provider.placement["hosts"],
+            ParamValue::List(vec![ParamValue::Str("b".into())])
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        retry[0].key.attempt, create[0].key.attempt,
+        "the same attempt"
+    );
+}
+
+#[test]
 fn attempt_id_exhaustion_is_an_error_not_a_panic_or_a_spin() {
     let mut d = Driver::new(
         RunId::new("run"),

@@ -65,6 +65,11 @@ impl Daemon {
     /// [`Daemon::log`]), each start under a header line, so a test that
     /// restarts a daemon keeps the whole story.
     pub fn spawn(state: &Path, shape: Option<&Path>) -> Result<Self, Exited> {
+        Self::spawn_with(state, shape, &[])
+    }
+
+    /// [`Daemon::spawn`] with more arguments for `up`.
+    pub fn spawn_with(state: &Path, shape: Option<&Path>, extra: &[&str]) -> Result<Self, Exited> {
         let log_path = state.with_extension("daemon.log");
         let mut log = std::fs::OpenOptions::new()
             .create(true)
@@ -82,6 +87,7 @@ impl Daemon {
             cmd.arg(shape).arg("--yes");
         }
         let mut child = cmd
+            .args(extra)
             .arg("--state-dir")
             .arg(state)
             .stdin(Stdio::null())

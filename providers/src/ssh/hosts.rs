@@ -208,6 +208,15 @@ impl Group {
     }
 }
 
+/// Checks what the provider reads from a template (the hosts, the key, the
+/// trust setting), as it would at the first create.
+///
+/// # Errors
+/// The first problem, worded for the shape's author.
+pub fn check_template(template: &NodeTemplate) -> Result<(), String> {
+    Group::of(template).map(|_| ()).map_err(|e| e.to_string())
+}
+
 /// `~/…` made absolute with this user's home.
 fn expand_home(path: &str) -> PathBuf {
     match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
@@ -312,6 +321,23 @@ impl SshHostsProvider {
     /// The key cannot be read or made.
     pub fn public_key(&self) -> Result<String, SshError> {
         Ok(self.identity(None)?.public_openssh())
+    }
+
+    /// Removes the cached agent binaries from every host the provider knows
+    /// (and `~/.swactor` itself when nothing else is left in it): what a
+    /// teardown leaves behind. Returns each host with what happened.
+    pub async fn purge(&self) -> Vec<(String, Result<(), String>)> {
+        let hosts: Vec<HostAccess> = lock(&self.shared.hosts).values().cloned().collect();
+        let mut out = Vec::new();
+        for host in hosts {
+            let done = match self.run(&host, &remote::purge()).await {
+                Ok(o) if o.success() => Ok(()),
+                Ok(o) => Err(String::from_utf8_lossy(&o.stderr).trim().to_owned()),
+                Err(e) => Err(e.to_string()),
+            };
+            out.push((host.target, done));
+        }
+        out
     }
 
     fn learn(&self, host: &HostAccess) {

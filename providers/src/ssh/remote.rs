@@ -148,6 +148,15 @@ pub(super) fn stop_agent(dir: &str, grace_s: u64) -> String {
     )
 }
 
+/// Removes the cached agent binaries, then whatever directories are left
+/// empty (a claim or another run's nodes keep `~/.swactor`).
+pub(super) fn purge() -> String {
+    format!(
+        "rm -rf {ROOT}/bin && for d in {ROOT}/nodes/*; do rmdir \"$d\" 2>/dev/null; done; \
+         rmdir {ROOT}/nodes {ROOT} 2>/dev/null; true"
+    )
+}
+
 /// Removes the attempt's directory.
 pub(super) fn remove_dir(dir: &str) -> String {
     format!("rm -rf {}", quote(dir))

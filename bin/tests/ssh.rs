@@ -1,0 +1,486 @@
+//! The `ssh` provider end to end: real daemons, real OpenSSH servers on
+//! 127.0.0.1 (each a host with a home of its own), real agents started over
+//! SSH that join the daemon over iroh.
+//!
+//! Hosts accept the daemon's own key (`swactor ssh-key`). The agent binary
+//! the daemon uploads is a small script that runs this build's `swactor`
+//! (the hosts are this machine), except in the test that uploads the real
+//! binary.
+
+mod common;
+
+use common::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use swactor_actors::ClusterSnapshot;
+use swactor_providers::ssh::testing::Sshd;
+
+const CONVERGE: Duration = Duration::from_secs(60);
+
+struct Pool {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+    state: PathBuf,
+    hosts: Vec<Sshd>,
+    agent: PathBuf,
+}
+
+impl Pool {
+    /// `n` hosts that accept the daemon's key.
+    fn new(n: usize) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().to_path_buf();
+        let state = root.join("state");
+        let o = cli(&state, &["ssh-key"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let key = stdout(&o).trim().to_owned();
+        assert!(key.starts_with("ssh-ed25519 "), "{key}");
+        let hosts = (0..n)
+            .map(|i| {
+                let dir = root.join(format!("host{i}"));
+                std::fs::create_dir_all(&dir).unwrap();
+                Sshd::start(&dir, std::slice::from_ref(&key))
+            })
+            .collect();
+        // The hosts are this machine: the uploaded agent runs this build.
+        let agent = root.join("agent.sh");
+        std::fs::write(&agent, format!("#!/bin/sh\nexec {BIN} \"$@\"\n")).unwrap();
+        Self {
+            _tmp: tmp,
+            root,
+            state,
+            hosts,
+            agent,
+        }
+    }
+
+    fn targets(&self, which: &[usize]) -> String {
+        which
+            .iter()
+            .map(|i| format!("\"{}\"", self.hosts[*i].target()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// A shape of `count` nodes over the hosts `which`, with `params` added.
+    fn shape(&self, name: &str, count: u32, which: &[usize], params: &str) -> PathBuf {
+        shape_file(
+            &self.root,
+            name,
+            &format!(
+                "run = \"ssh\"\n[[group]]\nid = \"w\"\ncount = {count}\nprovider = \"ssh\"\n\
+                 hosts = [{}]\nboot_check = [\"true\"]\nlost_grace_s = 2\n\
+                 [group.params]\ntrust_on_first_use = true\nunreachable_give_up_s = 3\n{params}",
+                self.targets(which)
+            ),
+        )
+    }
+
+    fn up(&self, shape: &Path) -> Daemon {
+        self.up_with(Some(shape), &self.agent)
+    }
+
+    fn up_with(&self, shape: Option<&Path>, agent: &Path) -> Daemon {
+        let agent = agent.to_str().unwrap();
+        Daemon::spawn_with(&self.state, shape, &["--agent-binary", agent])
+            .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log))
+    }
+
+    /// The host's home.
+    fn home(&self, i: usize) -> PathBuf {
+        self.hosts[i].home()
+    }
+
+    fn claim(&self, i: usize) -> Option<String> {
+        std::fs::read_to_string(self.home(i).join(".swactor/claim")).ok()
+    }
+
+    /// Live agents on host `i`: attempt directory name → pids.
+    fn agents_on(&self, i: usize) -> BTreeMap<String, Vec<u32>> {
+        let nodes = self.home(i).join(".swactor/nodes/ssh");
+        let Ok(want) = self.home(i).canonicalize() else {
+            return BTreeMap::new();
+        };
+        let mut out: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+                continue;
+            };
+            if !cmd.split(|b| *b == 0).any(|a| a == b"--attempt") || !alive(pid) {
+                continue;
+            }
+            let Ok(cwd) = std::fs::read_link(e.path().join("cwd")) else {
+                continue;
+            };
+            if let Ok(rest) = cwd.strip_prefix(want.join(".swactor/nodes/ssh")) {
+                out.entry(rest.display().to_string()).or_default().push(pid);
+            }
+        }
+        let _ = nodes;
+        out
+    }
+
+    /// Live agents on every host.
+    fn all_agents(&self) -> Vec<(usize, String, Vec<u32>)> {
+        (0..self.hosts.len())
+            .flat_map(|i| {
+                self.agents_on(i)
+                    .into_iter()
+                    .map(move |(dir, pids)| (i, dir, pids))
+            })
+            .collect()
+    }
+
+    /// The host holding `node`'s current attempt, from its claim.
+    fn host_of(&self, node: &str, attempt: u64) -> Option<usize> {
+        let line = format!("swactor-claim run=ssh node={node} attempt={attempt}\n");
+        (0..self.hosts.len()).find(|i| self.claim(*i).as_deref() == Some(line.as_str()))
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // The agents are processes of this machine: stop what a test left.
+        for (_, _, pids) in self.all_agents() {
+            for pid in pids {
+                kill9(pid);
+            }
+        }
+    }
+}
+
+fn node<'a>(s: &'a ClusterSnapshot, name: &str) -> &'a swactor_actors::NodeSummary {
+    s.nodes
+        .iter()
+        .find(|n| n.node.to_string() == name)
+        .unwrap_or_else(|| panic!("no {name} in {s:#?}"))
+}
+
+/// Polls `status` until `pred` holds; returns the last snapshot.
+fn wait_status(
+    state: &Path,
+    timeout: Duration,
+    what: &str,
+    mut pred: impl FnMut(&ClusterSnapshot) -> bool,
+) -> ClusterSnapshot {
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < timeout {
+        if let Some(s) = status(state) {
+            if pred(&s) {
+                return s;
+            }
+            last = Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("timed out after {timeout:?} waiting for {what}; last status: {last:#?}");
+}
+
+/// One live agent per node, each its slot's current attempt, on the host
+/// that holds its claim; no other agent anywhere.
+fn one_agent_per_node(pool: &Pool, snap: &ClusterSnapshot) {
+    let agents = pool.all_agents();
+    assert_eq!(agents.len(), snap.nodes.len(), "{agents:?}");
+    for n in &snap.nodes {
+        let dir = format!("{}-{}", n.node, n.attempt);
+        let host = pool
+            .host_of(&n.node.to_string(), n.attempt.0)
+            .unwrap_or_else(|| panic!("no claim for {dir}"));
+        let here: Vec<_> = agents
+            .iter()
+            .filter(|(i, d, _)| *i == host && *d == dir)
+            .collect();
+        assert_eq!(here.len(), 1, "{dir} on host {host}: {agents:?}");
+        assert_eq!(here[0].2.len(), 1, "{dir}: {agents:?}");
+    }
+}
+
+fn down_leaves_nothing(pool: &Pool, d: &mut Daemon, purge: bool) {
+    let args: &[&str] = if purge {
+        &["down", "--purge"]
+    } else {
+        &["down"]
+    };
+    let o = cli(&pool.state, args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    d.wait_exit(Duration::from_secs(30));
+    for i in 0..pool.hosts.len() {
+        assert_eq!(pool.claim(i), None, "host {i} still claimed");
+        assert!(pool.agents_on(i).is_empty(), "agents left on host {i}");
+        let nodes = pool.home(i).join(".swactor/nodes/ssh");
+        let left: Vec<_> = std::fs::read_dir(&nodes)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect();
+        assert!(
+            left.is_empty(),
+            "attempt directories left on host {i}: {left:?}"
+        );
+        if purge {
+            assert!(
+                !pool.home(i).join(".swactor").exists(),
+                "host {i} not purged"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_pool_of_three_hosts_converges_with_the_real_agent_and_down_purge_leaves_nothing() {
+    let pool = Pool::new(3);
+    let shape = pool.shape("three.toml", 3, &[0, 1, 2], "");
+    // The real binary this time: uploaded once per host, checked by content.
+    let started = Instant::now();
+    let mut d = pool.up_with(Some(&shape), Path::new(BIN));
+    let snap = wait_converged(&pool.state, CONVERGE, |s| s.nodes.len() == 3);
+    eprintln!(
+        "3 hosts converged in {:?} (a {} MB agent uploaded to each)",
+        started.elapsed(),
+        std::fs::metadata(BIN).unwrap().len() >> 20
+    );
+    one_agent_per_node(&pool, &snap);
+    for i in 0..3 {
+        assert!(pool.claim(i).is_some(), "host {i} holds a node");
+        let bins: Vec<_> = std::fs::read_dir(pool.home(i).join(".swactor/bin"))
+            .unwrap()
+            .flatten()
+            .collect();
+        assert_eq!(bins.len(), 1, "one cached agent binary on host {i}");
+    }
+    down_leaves_nothing(&pool, &mut d, true);
+}
+
+#[test]
+fn a_killed_remote_agent_is_replaced_and_a_restarted_daemon_adopts_without_a_second_start() {
+    let pool = Pool::new(3);
+    let shape = pool.shape("two.toml", 2, &[0, 1, 2], "");
+    let mut d = pool.up(&shape);
+    let snap = wait_converged(&pool.state, CONVERGE, |s| s.nodes.len() == 2);
+    one_agent_per_node(&pool, &snap);
+    let before = node(&snap, "w-0").attempt;
+    let host = pool.host_of("w-0", before.0).unwrap();
+    let victim = pool.agents_on(host)[&format!("w-0-{before}")][0];
+    kill9(victim);
+    let snap = wait_converged(&pool.state, CONVERGE, |s| {
+        s.nodes.len() == 2 && node(s, "w-0").attempt != before
+    });
+    one_agent_per_node(&pool, &snap);
+    assert!(
+        !pool
+            .home(host)
+            .join(format!(".swactor/nodes/ssh/w-0-{before}"))
+            .exists(),
+        "the replaced attempt's directory is gone"
+    );
+
+    // kill -9 the daemon; a new one adopts the remote agents as they are.
+    let agents_before = pool.all_agents();
+    d.kill9();
+    let mut d = pool.up_with(None, &pool.agent);
+    let snap = wait_converged(&pool.state, CONVERGE, |s| {
+        s.nodes.len() == 2 && s.nodes.iter().all(|n| n.ready)
+    });
+    assert_eq!(
+        pool.all_agents(),
+        agents_before,
+        "no agent was started again"
+    );
+    one_agent_per_node(&pool, &snap);
+    down_leaves_nothing(&pool, &mut d, false);
+}
+
+#[test]
+fn a_host_that_goes_down_is_given_up_its_node_placed_elsewhere_and_nothing_is_left_when_it_is_back()
+{
+    let mut pool = Pool::new(2);
+    let shape = pool.shape("one.toml", 1, &[0, 1], "");
+    let mut d = pool.up(&shape);
+    let snap = wait_converged(&pool.state, CONVERGE, |s| s.nodes.len() == 1);
+    let first = node(&snap, "w-0").attempt;
+    let host = pool.host_of("w-0", first.0).unwrap();
+    // The machine goes down: its SSH server and its agent.
+    pool.hosts[host].stop();
+    for pid in pool.agents_on(host).into_values().flatten() {
+        kill9(pid);
+    }
+    let down = Instant::now();
+    let snap = wait_converged(&pool.state, CONVERGE, |s| {
+        s.nodes.len() == 1 && node(s, "w-0").attempt != first
+    });
+    eprintln!("replaced on the other host after {:?}", down.elapsed());
+    let now = node(&snap, "w-0").attempt;
+    assert_eq!(pool.host_of("w-0", now.0), Some(1 - host));
+    // The host comes back holding the old claim: it is cleaned, not listed.
+    pool.hosts[host].start_again();
+    wait_for(
+        Duration::from_secs(30),
+        "the old claim to be released",
+        || pool.claim(host).is_none(),
+    );
+    assert!(
+        !pool
+            .home(host)
+            .join(format!(".swactor/nodes/ssh/w-0-{first}"))
+            .exists()
+    );
+    let snap = wait_converged(&pool.state, CONVERGE, |s| s.nodes.len() == 1);
+    assert_eq!(
+        node(&snap, "w-0").attempt,
+        now,
+        "the live node was left alone"
+    );
+    down_leaves_nothing(&pool, &mut d, false);
+}
+
+#[test]
+fn a_changed_host_key_is_refused_naming_the_host_and_both_fingerprints() {
+    let mut pool = Pool::new(1);
+    let shape = pool.shape("one.toml", 1, &[0], "");
+    let _d = pool.up(&shape);
+    let snap = wait_converged(&pool.state, CONVERGE, |s| s.nodes.len() == 1);
+    let first = node(&snap, "w-0").attempt;
+    let old = pool.hosts[0].host_key_fingerprint();
+    pool.hosts[0].rotate_host_key();
+    let new = pool.hosts[0].host_key_fingerprint();
+    for pid in pool.agents_on(0).into_values().flatten() {
+        kill9(pid);
+    }
+    let snap = wait_status(&pool.state, CONVERGE, "a host key error", |s| {
+        node(s, "w-0")
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains(&new))
+    });
+    let err = node(&snap, "w-0").last_error.clone().unwrap();
+    assert!(
+        err.contains(&pool.hosts[0].target().to_string())
+            && err.contains(&old)
+            && err.contains(&new),
+        "{err}"
+    );
+    assert!(!node(&snap, "w-0").ready);
+    // Nothing was started on the host that offered the other key.
+    assert!(pool.agents_on(0).is_empty());
+    assert_eq!(
+        pool.claim(0).as_deref(),
+        Some(format!("swactor-claim run=ssh node=w-0 attempt={}\n", first.0).as_str()),
+        "the claim stays until the host is trusted again"
+    );
+}
+
+#[test]
+fn a_key_the_hosts_refuse_gets_a_clear_error_and_is_not_retried_in_a_hot_loop() {
+    let pool = Pool::new(1);
+    // A key nobody authorised.
+    let stranger = pool.root.join("stranger");
+    let o = cli(&stranger, &["ssh-key"]);
+    assert!(o.status.success());
+    let key = stranger.join("ssh/id_ed25519");
+    let shape = pool.shape(
+        "stranger.toml",
+        1,
+        &[0],
+        &format!("key = \"{}\"\n", key.display()),
+    );
+    let _d = pool.up(&shape);
+    let snap = wait_status(&pool.state, CONVERGE, "an auth error", |s| {
+        s.nodes
+            .first()
+            .and_then(|n| n.last_error.as_deref())
+            .is_some_and(|e| e.contains("refused"))
+    });
+    let err = node(&snap, "w-0").last_error.clone().unwrap();
+    assert!(err.contains("root@127.0.0.1"), "{err}");
+    std::thread::sleep(Duration::from_secs(8));
+    // Backoff: a handful of tries in those seconds, not hundreds.
+    let tries = pool.hosts[0]
+        .log()
+        .matches("Connection closed by authenticating user")
+        .count()
+        .max(pool.hosts[0].log().matches("Failed publickey").count());
+    assert!(
+        (1..=8).contains(&tries),
+        "{tries} tries: {}",
+        pool.hosts[0].log()
+    );
+    assert_eq!(pool.claim(0), None);
+}
+
+#[test]
+fn more_nodes_than_hosts_wait_for_a_free_host_and_converge_when_apply_adds_one() {
+    let pool = Pool::new(3);
+    let two_hosts = pool.shape("two-hosts.toml", 3, &[0, 1], "");
+    let mut d = pool.up(&two_hosts);
+    let snap = wait_status(&pool.state, CONVERGE, "a node waiting for a host", |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+            && s.nodes.iter().any(|n| {
+                n.last_error.as_deref().is_some_and(|e| {
+                    e.contains("waiting for a free host: 2 of the pool's 2 hosts are claimed")
+                })
+            })
+    });
+    assert!(!snap.converged);
+    let placed = pool.all_agents();
+    // Adding a host moves no node: only the waiting one goes there.
+    let three_hosts = pool.shape("three-hosts.toml", 3, &[0, 1, 2], "");
+    let o = cli(&pool.state, &["plan", three_hosts.to_str().unwrap()]);
+    assert!(stdout(&o).contains("changes no node"), "{}", stdout(&o));
+    let o = cli(&pool.state, &["apply", three_hosts.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let snap = wait_converged(&pool.state, Duration::from_secs(90), |s| s.nodes.len() == 3);
+    one_agent_per_node(&pool, &snap);
+    let after = pool.all_agents();
+    for agent in &placed {
+        assert!(after.contains(agent), "{agent:?} was moved: {after:?}");
+    }
+    down_leaves_nothing(&pool, &mut d, false);
+}
+
+#[test]
+fn bad_host_entries_are_refused_offline_and_a_host_that_never_answers_is_named() {
+    let pool = Pool::new(1);
+    let bad = shape_file(
+        &pool.root,
+        "bad.toml",
+        "run = \"ssh\"\n[[group]]\nid = \"w\"\ncount = 1\nprovider = \"ssh\"\nhosts = [\"no-user-here:22\"]\n",
+    );
+    let o = cli(&pool.state, &["validate", bad.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no-user-here:22"), "{}", stderr(&o));
+    let none = shape_file(
+        &pool.root,
+        "none.toml",
+        "run = \"ssh\"\n[[group]]\nid = \"w\"\ncount = 1\nprovider = \"ssh\"\n",
+    );
+    let o = cli(&pool.state, &["validate", none.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("lists no `hosts`"), "{}", stderr(&o));
+
+    // A port nothing listens on: the node says so, and nothing is claimed.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = free.local_addr().unwrap().port();
+    drop(free);
+    let dead = shape_file(
+        &pool.root,
+        "dead.toml",
+        &format!(
+            "run = \"ssh\"\n[[group]]\nid = \"w\"\ncount = 1\nprovider = \"ssh\"\n\
+             hosts = [\"root@127.0.0.1:{port}\"]\n[group.params]\ntrust_on_first_use = true\n"
+        ),
+    );
+    let _d = pool.up(&dead);
+    let snap = wait_status(&pool.state, CONVERGE, "a not-answering error", |s| {
+        s.nodes
+            .first()
+            .and_then(|n| n.last_error.as_deref())
+            .is_some_and(|e| e.contains("not answering"))
+    });
+    let err = node(&snap, "w-0").last_error.clone().unwrap();
+    assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+}

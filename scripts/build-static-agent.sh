@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds the swactor binary statically linked, for remote machines: the SSH
+# provider (and every provider that bootstraps over SSH) uploads it to each
+# host and runs its `agent` subcommand there. A static binary runs whatever
+# C library the host has.
+#
+# Usage: scripts/build-static-agent.sh [--debug]
+# Leaves the binary at target/release/swactor-agent (target/debug/... with
+# --debug), next to the swactor binary the same profile builds: the daemon
+# looks for it there first. `swactor up --agent-binary PATH` (or
+# $SWACTOR_AGENT_BINARY) names another.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+profile=release
+flags=(--release)
+if [ "${1:-}" = "--debug" ]; then
+    profile=debug
+    flags=()
+fi
+host=$(rustc -vV | sed -n 's/^host: //p')
+case "$host" in
+    *-linux-gnu) ;;
+    *) echo "build-static-agent: needs a *-linux-gnu host toolchain, not $host" >&2; exit 1 ;;
+esac
+
+# glibc links statically with crt-static; the result is a static-pie binary.
+RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build "${flags[@]}" -p swactor --target "$host"
+
+built="target/$host/$profile/swactor"
+out="target/$profile/swactor-agent"
+mkdir -p "target/$profile"
+cp "$built" "$out.tmp"
+mv "$out.tmp" "$out"
+if file "$out" 2>/dev/null | grep -q "dynamically linked"; then
+    echo "build-static-agent: $out is still dynamically linked" >&2
+    exit 1
+fi
+echo "$out ($(du -h "$out" | cut -f1)), sha256 $(sha256sum "$out" | cut -d' ' -f1)"
