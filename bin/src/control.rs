@@ -15,7 +15,7 @@ use swactor_provisioning::{
     Change, ClusterShape, DesiredState, DesiredUpdate, Intent, LogicalNodeId, NodeStage, RunId,
     UpdateError, same_template,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// Largest control request (a shape file, as JSON).
 const REQUEST_LEN_MAX_BYTES: usize = 1 << 20;
@@ -141,10 +141,21 @@ pub(crate) struct ControlHandler {
     pub(crate) cluster: ClusterHandle,
     pub(crate) run_id: RunId,
     pub(crate) down: mpsc::Sender<DownRequest>,
+    /// Becomes true once the shape `up` was given has been offered (or
+    /// refused): until then a CLI `apply` or `plan` waits, so it is judged
+    /// against that shape and can never be overtaken by it.
+    pub(crate) started: watch::Receiver<bool>,
 }
 
 impl ControlHandler {
     async fn answer(&self, req: ControlRequest) -> ControlResponse {
+        if matches!(req, ControlRequest::Apply(_) | ControlRequest::Plan { .. })
+            && self.started.clone().wait_for(|s| *s).await.is_err()
+        {
+            return ControlResponse::Error(
+                "the daemon stopped before it finished starting".to_owned(),
+            );
+        }
         let result = match req {
             ControlRequest::Apply(file) => apply_file(&self.cluster, &self.run_id, &file)
                 .await

@@ -180,6 +180,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     inject_faults(&cluster);
 
     let (down_tx, mut down_rx) = mpsc::channel::<DownRequest>(4);
+    let (started_tx, started_rx) = tokio::sync::watch::channel(false);
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.
     let cli_allowed = Allowlist::only([cli_id]);
     let router = GuardedRouterBuilder::new(endpoint.clone())
@@ -199,6 +200,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
                 cluster: cluster.clone(),
                 run_id: run_id.clone(),
                 down: down_tx,
+                started: started_rx,
             },
         )
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry)
@@ -227,6 +229,8 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         StartWhat::Resume => {}
         StartWhat::FinishTeardown => finish_teardown = true,
     }
+    // CLI applies and plans held back while the start shape was offered go now.
+    started_tx.send_replace(true);
 
     let progress = Progress::start(&cluster).await?;
     let mut code = 0;

@@ -484,3 +484,49 @@ fn bad_host_entries_are_refused_offline_and_a_host_that_never_answers_is_named()
     let err = node(&snap, "w-0").last_error.clone().unwrap();
     assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
 }
+
+#[test]
+fn an_apply_sent_while_up_is_still_adopting_waits_and_is_not_overtaken_by_the_up_shape() {
+    let pool = Pool::new(2);
+    // A host that accepts TCP and never says a word: listing it takes the
+    // whole connect timeout, so the daemon adopts late.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in silent.incoming().flatten() {
+            held.push(c);
+        }
+    });
+    let shape = |name: &str, count: u32| {
+        shape_file(
+            &pool.root,
+            name,
+            &format!(
+                "run = \"ssh\"\n[[group]]\nid = \"w\"\ncount = {count}\nprovider = \"ssh\"\n\
+                 hosts = [{}, \"root@127.0.0.1:{silent_port}\"]\nboot_check = [\"true\"]\n\
+                 [group.params]\ntrust_on_first_use = true\n",
+                pool.targets(&[0, 1])
+            ),
+        )
+    };
+    let mut d = pool.up(&shape("one.toml", 1));
+    let two = shape("two.toml", 2);
+    let early = status(&pool.state).expect("status answers while the daemon adopts");
+    assert!(!early.adopted, "the silent host did not hold adoption back");
+    let o = cli(&pool.state, &["apply", two.to_str().unwrap(), "--yes"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let said = stdout(&o) + &stderr(&o);
+    // The apply went after the shape `up` was given, never before it.
+    assert!(said.contains("generation 2"), "{said}");
+    wait_status(&pool.state, CONVERGE, "adoption", |s| s.adopted);
+    std::thread::sleep(Duration::from_millis(500));
+    let s = status(&pool.state).unwrap();
+    assert_eq!(
+        (s.generation.0, s.desired_nodes),
+        (2, 2),
+        "the later apply was overtaken: {s:#?}"
+    );
+    let _ = cli(&pool.state, &["down"]);
+    d.wait_exit(Duration::from_secs(30));
+}

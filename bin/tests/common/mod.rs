@@ -249,20 +249,31 @@ pub fn status(state: &Path) -> Option<ClusterSnapshot> {
 pub fn wait_converged(
     state: &Path,
     timeout: Duration,
-    mut pred: impl FnMut(&ClusterSnapshot) -> bool,
+    pred: impl FnMut(&ClusterSnapshot) -> bool,
 ) -> ClusterSnapshot {
+    try_wait_converged(state, timeout, pred)
+        .unwrap_or_else(|last| panic!("not converged within {timeout:?}; last status: {last:#?}"))
+}
+
+/// [`wait_converged`] that hands back the last status seen on a timeout.
+#[allow(dead_code)]
+pub fn try_wait_converged(
+    state: &Path,
+    timeout: Duration,
+    mut pred: impl FnMut(&ClusterSnapshot) -> bool,
+) -> Result<ClusterSnapshot, Option<ClusterSnapshot>> {
     let start = Instant::now();
     let mut last = None;
     while start.elapsed() < timeout {
         if let Some(s) = status(state) {
             if s.converged && pred(&s) {
-                return s;
+                return Ok(s);
             }
             last = Some(s);
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    panic!("not converged within {timeout:?}; last status: {last:#?}");
+    Err(last)
 }
 
 /// Live agent processes of this state directory: (node, attempt) → pids.
