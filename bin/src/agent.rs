@@ -9,9 +9,10 @@
 
 use crate::protocol::{FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest};
 use anyhow::{Context, Result};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
-use swactor_engine::iroh::Endpoint;
+use swactor_engine::iroh::{Endpoint, EndpointAddr};
 use swactor_engine::net::{
     ALPN_SWARM, EndpointTicket, NetConfig, bind_endpoint, connect, recv_frame, send_frame,
 };
@@ -69,6 +70,22 @@ fn fail(stage: BootstrapStage, reason: String) -> i32 {
     1
 }
 
+/// Where the agent's endpoint binds, given the daemon's address: loopback
+/// when the daemon is on this machine's loopback, otherwise every interface
+/// of the daemon's address family (a socket bound to 127.0.0.1 cannot send
+/// to another machine).
+fn bind_addr_for(daemon: &EndpointAddr) -> SocketAddr {
+    let ips: Vec<IpAddr> = daemon.ip_addrs().map(SocketAddr::ip).collect();
+    let v4 = ips.iter().any(IpAddr::is_ipv4) || ips.is_empty();
+    let ip = match (ips.iter().all(IpAddr::is_loopback) && !ips.is_empty(), v4) {
+        (true, true) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        (true, false) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        (false, true) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        (false, false) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    SocketAddr::new(ip, 0)
+}
+
 /// Runs the agent. Returns the exit code.
 ///
 /// # Errors
@@ -113,6 +130,7 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
     let secret = credentials.iroh_key();
     let endpoint = match bind_endpoint(
         &NetConfig {
+            bind_addr: bind_addr_for(ticket.addr()),
             frame_len_max: FRAME_LEN_MAX,
             // A daemon that died is noticed within seconds, so the agent
             // finds its successor well within the rejoin window.
@@ -355,5 +373,29 @@ fn shown_command(argv: &[String]) -> String {
     } else {
         let cut: String = line.chars().take(SHOWN_LEN_MAX).collect();
         format!("{cut}…")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_engine::iroh::SecretKey;
+
+    fn daemon_at(addrs: &[&str]) -> EndpointAddr {
+        let id = SecretKey::from_bytes(&[7; 32]).public();
+        addrs.iter().fold(EndpointAddr::new(id), |a, s| {
+            a.with_ip_addr(s.parse().expect("a socket address"))
+        })
+    }
+
+    #[test]
+    fn an_agent_binds_loopback_only_for_a_daemon_on_loopback() {
+        let ip = |addrs: &[&str]| bind_addr_for(&daemon_at(addrs)).ip().to_string();
+        assert_eq!(ip(&["127.0.0.1:4000"]), "127.0.0.1");
+        assert_eq!(ip(&["[::1]:4000"]), "::1");
+        // A daemon on another machine: a loopback-bound socket could not reach it.
+        assert_eq!(ip(&["10.0.0.1:4000"]), "0.0.0.0");
+        assert_eq!(ip(&["[2001:db8::1]:4000"]), "::");
+        assert_eq!(ip(&["127.0.0.1:4000", "10.0.0.1:4000"]), "0.0.0.0");
     }
 }

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use swactor_actors::ClusterSnapshot;
-use swactor_providers::ssh::testing::Sshd;
+use swactor_providers::ssh::testing::{NetNs, Sshd};
 
 const CONVERGE: Duration = Duration::from_secs(60);
 
@@ -529,4 +529,40 @@ fn an_apply_sent_while_up_is_still_adopting_waits_and_is_not_overtaken_by_the_up
     );
     let _ = cli(&pool.state, &["down"]);
     d.wait_exit(Duration::from_secs(30));
+}
+
+#[test]
+fn an_agent_on_a_host_across_a_network_joins_the_daemon_at_its_advertised_address() {
+    // The host is a network namespace of its own, joined to this one by a
+    // veth pair: its agent reaches the daemon through the pair's address,
+    // not through loopback, as on a real remote machine.
+    let ns = NetNs::create();
+    let mut pool = Pool::new(0);
+    let key = stdout(&cli(&pool.state, &["ssh-key"])).trim().to_owned();
+    let dir = pool.root.join("remote");
+    std::fs::create_dir_all(&dir).unwrap();
+    pool.hosts.push(Sshd::start_in(&dir, &[key], &ns));
+    let shape = pool.shape("remote.toml", 1, &[0], "");
+    let outside = ns.outside.to_string();
+    let agent = pool.agent.to_str().unwrap().to_owned();
+    let mut d = Daemon::spawn_with(
+        &pool.state,
+        Some(&shape),
+        &["--agent-binary", &agent, "--listen", &outside],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log));
+    let snap = wait_status(&pool.state, CONVERGE, "the remote node to join", |s| {
+        s.converged && s.nodes.len() == 1
+    });
+    one_agent_per_node(&pool, &snap);
+    // The agent runs in the namespace: its connection to the daemon is on
+    // the veth pair, from the namespace's address.
+    let (_, _, pids) = pool.all_agents().into_iter().next().unwrap();
+    let netns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+    assert_ne!(
+        netns_of(pids[0]),
+        netns_of(std::process::id()),
+        "the agent is not in the host's namespace"
+    );
+    down_leaves_nothing(&pool, &mut d, false);
 }

@@ -261,7 +261,7 @@ pub fn try_wait_converged(
     state: &Path,
     timeout: Duration,
     mut pred: impl FnMut(&ClusterSnapshot) -> bool,
-) -> Result<ClusterSnapshot, Option<ClusterSnapshot>> {
+) -> Result<ClusterSnapshot, Box<Option<ClusterSnapshot>>> {
     let start = Instant::now();
     let mut last = None;
     while start.elapsed() < timeout {
@@ -273,7 +273,7 @@ pub fn try_wait_converged(
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    Err(last)
+    Err(Box::new(last))
 }
 
 /// Live agent processes of this state directory: (node, attempt) → pids.

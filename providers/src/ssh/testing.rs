@@ -11,16 +11,22 @@
 //! servers on this machine do not share what remote providers keep in a
 //! host's home.
 //!
+//! [`NetNs`] makes a network namespace joined to this one by a veth pair,
+//! so an [`Sshd`] started in it ([`Sshd::start_in`]) is a host on another
+//! network: its agents reach the daemon through a non-loopback address, as
+//! on a real remote machine, and no traffic leaves this machine.
+//!
 //! Everything here panics with a message saying what to do: it is for tests.
 
 use super::SshTarget;
 use rustix::process::{Pid, Signal, kill_process};
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, OpenOptions};
-use std::net::TcpListener;
+use std::net::{IpAddr, Ipv4Addr, TcpListener};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// The server binary the harness runs.
@@ -45,6 +51,10 @@ pub struct Sshd {
     dir: PathBuf,
     port: u16,
     child: Option<Child>,
+    /// The address it listens on.
+    listen: IpAddr,
+    /// The network namespace it runs in (`None`: this one).
+    netns: Option<String>,
 }
 
 impl Sshd {
@@ -56,6 +66,24 @@ impl Sshd {
     /// When `/usr/sbin/sshd` or `ssh-keygen` is missing, or the server does
     /// not start (its log is in the message).
     pub fn start(dir: &Path, authorized: &[String]) -> Self {
+        Self::start_on(dir, authorized, IpAddr::V4(Ipv4Addr::LOCALHOST), None)
+    }
+
+    /// [`Self::start`], but inside the network namespace `netns`, listening
+    /// on its address there: a host reached over a network.
+    ///
+    /// # Panics
+    /// As [`Self::start`].
+    pub fn start_in(dir: &Path, authorized: &[String], netns: &NetNs) -> Self {
+        Self::start_on(
+            dir,
+            authorized,
+            IpAddr::V4(netns.inside),
+            Some(netns.name.clone()),
+        )
+    }
+
+    fn start_on(dir: &Path, authorized: &[String], listen: IpAddr, netns: Option<String>) -> Self {
         assert!(
             Path::new(SSHD).exists(),
             "{SSHD} is missing: install openssh-server (`apt-get install -y openssh-server`; \
@@ -72,6 +100,8 @@ impl Sshd {
             dir: dir.to_owned(),
             port: 0,
             child: None,
+            listen,
+            netns,
         };
         sshd.set_authorized(authorized);
         sshd.make_host_key();
@@ -87,11 +117,11 @@ impl Sshd {
         );
     }
 
-    /// `root@127.0.0.1:{port}`.
+    /// `root@{address}:{port}` (`127.0.0.1` unless started in a namespace).
     pub fn target(&self) -> SshTarget {
         SshTarget {
             user: "root".to_owned(),
-            host: "127.0.0.1".to_owned(),
+            host: self.listen.to_string(),
             port: self.port,
         }
     }
@@ -221,7 +251,7 @@ impl Sshd {
         let file = |name: &str| self.dir.join(name).display().to_string();
         let config = format!(
             "Port {port}\n\
-             ListenAddress 127.0.0.1\n\
+             ListenAddress {listen}\n\
              HostKey \"{host_key}\"\n\
              PidFile \"{pid}\"\n\
              AuthorizedKeysFile \"{authorized}\"\n\
@@ -242,6 +272,7 @@ impl Sshd {
              MaxAuthTries 6\n\
              ForceCommand cd \"{home}\" && HOME=\"{home}\" exec /bin/sh -c \"$SSH_ORIGINAL_COMMAND\"\n",
             port = self.port,
+            listen = self.listen,
             host_key = file(HOST_KEY_FILE),
             pid = file(PID_FILE),
             authorized = file(AUTHORIZED_KEYS_FILE),
@@ -263,7 +294,16 @@ impl Sshd {
             .open(self.log_path())
             .expect("cannot open the sshd log");
         let log_start = log.metadata().map(|m| m.len()).unwrap_or(0) as usize;
-        let mut child = Command::new(SSHD)
+        let mut command = match &self.netns {
+            None => Command::new(SSHD),
+            Some(ns) => {
+                // `ip netns exec` execs the server: the child is sshd itself.
+                let mut c = Command::new(IP);
+                c.args(["netns", "exec", ns, SSHD]);
+                c
+            }
+        };
+        let mut child = command
             .args(["-D", "-e", "-f"])
             .arg(&config)
             .stdin(Stdio::null())
@@ -302,6 +342,114 @@ impl Drop for Sshd {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// iproute2's `ip`, which [`NetNs`] uses.
+pub const IP: &str = "/usr/sbin/ip";
+
+/// A network namespace of its own, joined to this one by a veth pair with
+/// an address at each end (a /30 in 10.0.0.0/8 chosen from the pid); deleted,
+/// with its veth pair, when dropped.
+#[derive(Debug)]
+pub struct NetNs {
+    name: String,
+    /// The veth end on this side (gone with the namespace, unless making it failed half-way).
+    outside_if: String,
+    /// This side's address (where a daemon listens for the namespace's agents).
+    pub outside: Ipv4Addr,
+    /// The namespace's address.
+    pub inside: Ipv4Addr,
+}
+
+impl NetNs {
+    /// Makes the namespace and its link.
+    ///
+    /// # Panics
+    /// When `ip` (package `iproute2`) is missing or a step fails (not root).
+    pub fn create() -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        assert!(
+            Path::new(IP).exists(),
+            "{IP} is missing: install iproute2 (`apt-get install -y iproute2`; .ci/run does)"
+        );
+        let pid = std::process::id();
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let name = format!("swactor-test-{pid}-{n}");
+        // Interface names hold at most 15 bytes.
+        let (outside_if, inside_if) = (format!("swo{:x}{n}", pid), format!("swi{:x}{n}", pid));
+        // 10.{200+..}.{..}.{4k+1, 4k+2}: one /30 per (pid, n).
+        let k = (pid.wrapping_mul(64).wrapping_add(n)) % (50 * 256 * 64);
+        let (a, b, c) = (200 + k / (256 * 64), (k / 64) % 256, (k % 64) * 4);
+        let outside = Ipv4Addr::new(10, a as u8, b as u8, (c + 1) as u8);
+        let inside = Ipv4Addr::new(10, a as u8, b as u8, (c + 2) as u8);
+        let ns = Self {
+            name: name.clone(),
+            outside_if: outside_if.clone(),
+            outside,
+            inside,
+        };
+        ip(&["netns", "add", &name]);
+        ip(&[
+            "link",
+            "add",
+            &outside_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &inside_if,
+        ]);
+        ip(&["link", "set", &inside_if, "netns", &name]);
+        ip(&["addr", "add", &format!("{outside}/30"), "dev", &outside_if]);
+        ip(&["link", "set", &outside_if, "up"]);
+        ip(&[
+            "-n",
+            &name,
+            "addr",
+            "add",
+            &format!("{inside}/30"),
+            "dev",
+            &inside_if,
+        ]);
+        ip(&["-n", &name, "link", "set", &inside_if, "up"]);
+        ip(&["-n", &name, "link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// Its name (`ip netns exec NAME …`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes the veth pair with it; the link is
+        // deleted on its own in case it never moved into the namespace.
+        for args in [
+            ["netns", "del", self.name.as_str()],
+            ["link", "del", self.outside_if.as_str()],
+        ] {
+            let _ = Command::new(IP)
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new(IP)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {IP}: {e}"));
+    assert!(
+        out.status.success(),
+        "`ip {}` failed (the namespace tests must run as root): {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A port nothing listens on right now (another process may still take it
