@@ -33,8 +33,18 @@ out="target/$profile/swactor-agent"
 mkdir -p "target/$profile"
 cp "$built" "$out.tmp"
 mv "$out.tmp" "$out"
-if file "$out" 2>/dev/null | grep -q "dynamically linked"; then
-    echo "build-static-agent: $out is still dynamically linked" >&2
-    exit 1
+# A dynamically linked ELF names its loader in a PT_INTERP header.
+if command -v readelf >/dev/null; then
+    if readelf -l "$out" | grep -q "program interpreter"; then
+        echo "build-static-agent: $out is still dynamically linked" >&2
+        exit 1
+    fi
+elif command -v file >/dev/null; then
+    if file "$out" | grep -q "dynamically linked"; then
+        echo "build-static-agent: $out is still dynamically linked" >&2
+        exit 1
+    fi
+else
+    echo "build-static-agent: warning: neither readelf nor file is installed; static linking not checked" >&2
 fi
 echo "$out ($(du -h "$out" | cut -f1)), sha256 $(sha256sum "$out" | cut -d' ' -f1)"

@@ -564,5 +564,19 @@ fn an_agent_on_a_host_across_a_network_joins_the_daemon_at_its_advertised_addres
         netns_of(std::process::id()),
         "the agent is not in the host's namespace"
     );
+    // The records naming the hosts and how to reach them are the daemon
+    // user's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let leases = pool.state.join("ssh/leases");
+    assert_eq!(mode(&leases), 0o700);
+    assert_eq!(mode(&leases.join("ssh")), 0o700);
+    let records: Vec<_> = std::fs::read_dir(leases.join("ssh"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(mode(&records[0]), 0o600, "{}", records[0].display());
     down_leaves_nothing(&pool, &mut d, false);
 }

@@ -45,6 +45,7 @@ use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, P
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -279,7 +280,7 @@ impl SshHostsProvider {
     /// The directory cannot be made.
     pub fn new(config: SshHostsConfig) -> std::io::Result<Self> {
         let dir = config.state_dir.join("ssh");
-        std::fs::create_dir_all(dir.join("leases"))?;
+        private_dirs(&dir.join("leases"))?;
         let known = KnownHosts::open(&dir.join("known_hosts"));
         let shared = Arc::new(Shared {
             config,
@@ -685,15 +686,29 @@ impl SshHostsProvider {
     }
 }
 
+/// Makes `dir` and its missing parents, readable by this user only (they
+/// name the hosts and how they are reached).
+fn private_dirs(dir: &Path) -> std::io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
 /// Writes `value` as JSON to `path`, durably (synced, renamed into place).
 fn write_durably(path: &Path, value: &impl Serialize) -> Result<(), ProviderError> {
     let write = || -> std::io::Result<()> {
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
+            private_dirs(dir)?;
         }
         let tmp = path.with_extension("json.tmp");
         let text = serde_json::to_vec(value).map_err(std::io::Error::other)?;
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
         std::io::Write::write_all(&mut f, &text)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
