@@ -18,10 +18,10 @@ mod common;
 use common::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use swactor_providers::ssh::testing::Sshd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use swactor_providers::ssh::testing::Sshd;
 
 struct Rng(u64);
 
@@ -136,7 +136,12 @@ impl Backend {
                         .into_iter()
                         .flatten()
                         .flatten()
-                        .flat_map(|run| std::fs::read_dir(run.path()).into_iter().flatten().flatten())
+                        .flat_map(|run| {
+                            std::fs::read_dir(run.path())
+                                .into_iter()
+                                .flatten()
+                                .flatten()
+                        })
                         .map(|d| d.path().display().to_string());
                     claim.into_iter().chain(dirs).collect::<Vec<_>>()
                 })
@@ -196,7 +201,11 @@ fn remote_agents(homes: &[PathBuf]) -> BTreeMap<(String, u64), Vec<u32>> {
 /// What an `apply` said, in a few words: its exit code and its last line.
 fn outcome(o: &std::process::Output) -> String {
     let out = format!("{}{}", stdout(o), stderr(o));
-    let last = out.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let last = out
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
     format!("exit {:?}: {}", o.status.code(), last.trim())
 }
 
