@@ -580,3 +580,98 @@ fn an_agent_on_a_host_across_a_network_joins_the_daemon_at_its_advertised_addres
     assert_eq!(mode(&records[0]), 0o600, "{}", records[0].display());
     down_leaves_nothing(&pool, &mut d, false);
 }
+
+#[test]
+fn a_missing_key_an_unknown_user_and_a_failing_or_hanging_remote_boot_check_each_say_why() {
+    let pool = Pool::new(4);
+    let group = |id: &str, host: String, extra: &str, params: &str| {
+        format!(
+            "[[group]]\nid = \"{id}\"\ncount = 1\nprovider = \"ssh\"\nhosts = [\"{host}\"]\n\
+             {extra}[group.params]\ntrust_on_first_use = true\n{params}"
+        )
+    };
+    let target = |i: usize| pool.hosts[i].target().to_string();
+    let port = |i: usize| pool.hosts[i].port();
+    let body = [
+        "run = \"ssh\"\n".to_owned(),
+        group(
+            "nokey",
+            target(0),
+            "",
+            "key = \"/nonexistent/swactor-key\"\n",
+        ),
+        group(
+            "nouser",
+            format!("no-such-user@127.0.0.1:{}", port(1)),
+            "",
+            "",
+        ),
+        group(
+            "bad",
+            target(2),
+            "boot_check = [\"sh\", \"-c\", \"echo the disk is too small >&2; exit 3\"]\n",
+            "",
+        ),
+        group(
+            "hang",
+            target(3),
+            "boot_check = [\"sleep\", \"60\"]\nboot_timeout_s = 1\n",
+            "",
+        ),
+    ]
+    .concat();
+    let shape = shape_file(&pool.root, "broken.toml", &body);
+    let o = cli(&pool.state, &["validate", shape.to_str().unwrap()]);
+    assert!(o.status.success(), "offline checks pass: {}", stderr(&o));
+    let mut d = pool.up(&shape);
+    let want = [
+        (
+            "nokey-0",
+            "cannot be used: root@127.0.0.1:{p0}: cannot use /nonexistent/swactor-key",
+        ),
+        (
+            "nouser-0",
+            "cannot be used: no-such-user@127.0.0.1:{p1} refused",
+        ),
+        ("bad-0", "the disk is too small"),
+        ("hang-0", "did not finish within its boot_timeout_s of 1 s"),
+    ];
+    let want = want.map(|(n, why)| {
+        let why = why
+            .replace("{p0}", &port(0).to_string())
+            .replace("{p1}", &port(1).to_string());
+        (n, why)
+    });
+    let snap = wait_status(&pool.state, CONVERGE, "every node's reason", |s| {
+        want.iter().all(|(n, why)| {
+            s.nodes.iter().any(|x| {
+                x.node.to_string() == *n
+                    && x.last_error
+                        .as_deref()
+                        .is_some_and(|e| e.contains(why.as_str()))
+            })
+        })
+    });
+    for (n, _) in &want {
+        let node = node(&snap, n);
+        assert!(!node.ready, "{n}: {node:?}");
+        eprintln!("{n}: {}", node.last_error.as_deref().unwrap_or(""));
+    }
+    // Neither a host the daemon cannot log in to nor one it never reached
+    // with a usable key holds a claim.
+    assert_eq!(pool.claim(0), None);
+    assert_eq!(pool.claim(1), None);
+    // The hanging check was stopped: no `sleep 60` of the attempt is left.
+    std::thread::sleep(Duration::from_millis(500));
+    let sleeping = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == b"sleep\x0060\x00")
+                && std::fs::read_link(e.path().join("cwd"))
+                    .is_ok_and(|cwd| cwd.starts_with(pool.home(3).canonicalize().unwrap()))
+        })
+        .count();
+    assert!(sleeping <= 1, "{sleeping} hanging boot checks left running");
+    down_leaves_nothing(&pool, &mut d, false);
+}

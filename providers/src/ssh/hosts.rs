@@ -874,6 +874,8 @@ impl Provider for SshHostsProvider {
         }
         let mut taken = Vec::new();
         let mut away = Vec::new();
+        // Hosts that answer but cannot be used until something is fixed.
+        let mut unusable = Vec::new();
         // Spread slots over the pool: each starts looking at its own index.
         let start = key.node.index as usize % group.hosts.len();
         for i in 0..group.hosts.len() {
@@ -898,7 +900,12 @@ impl Provider for SshHostsProvider {
                 }
                 Err(e) if e.is_definite() => {
                     self.forget_record(key);
-                    away.push(format!("{}: {e}", host.target));
+                    let (target, why) = (host.target.to_string(), e.to_string());
+                    unusable.push(if why.contains(&target) {
+                        why
+                    } else {
+                        format!("{target}: {why}")
+                    });
                 }
                 Err(e) => {
                     return Err(ProviderError::Ambiguous(format!(
@@ -909,7 +916,7 @@ impl Provider for SshHostsProvider {
             }
         }
         Err(ProviderError::Definite(format!(
-            "waiting for a free host: {} of the pool's {} hosts are claimed{}{}",
+            "waiting for a free host: {} of the pool's {} hosts are claimed{}{}{}",
             taken.len(),
             group.hosts.len(),
             if taken.is_empty() {
@@ -921,6 +928,11 @@ impl Provider for SshHostsProvider {
                 String::new()
             } else {
                 format!("; not answering: {}", away.join("; "))
+            },
+            if unusable.is_empty() {
+                String::new()
+            } else {
+                format!("; cannot be used: {}", unusable.join("; "))
             }
         )))
     }
