@@ -582,8 +582,11 @@ fn an_agent_on_a_host_across_a_network_joins_the_daemon_at_its_advertised_addres
 }
 
 #[test]
-fn a_missing_key_an_unknown_user_and_a_failing_or_hanging_remote_boot_check_each_say_why() {
-    let pool = Pool::new(4);
+fn a_missing_key_an_unknown_user_a_read_only_disk_and_a_failing_or_hanging_boot_check_each_say_why()
+{
+    let pool = Pool::new(5);
+    // Host 4's disk is read-only: its home is a read-only bind mount.
+    let _read_only = ReadOnly::mount(&pool.home(4));
     let group = |id: &str, host: String, extra: &str, params: &str| {
         format!(
             "[[group]]\nid = \"{id}\"\ncount = 1\nprovider = \"ssh\"\nhosts = [\"{host}\"]\n\
@@ -618,6 +621,7 @@ fn a_missing_key_an_unknown_user_and_a_failing_or_hanging_remote_boot_check_each
             "boot_check = [\"sleep\", \"60\"]\nboot_timeout_s = 1\n",
             "",
         ),
+        group("rodisk", target(4), "", ""),
     ]
     .concat();
     let shape = shape_file(&pool.root, "broken.toml", &body);
@@ -635,6 +639,7 @@ fn a_missing_key_an_unknown_user_and_a_failing_or_hanging_remote_boot_check_each
         ),
         ("bad-0", "the disk is too small"),
         ("hang-0", "did not finish within its boot_timeout_s of 1 s"),
+        ("rodisk-0", "Read-only file system"),
     ];
     let want = want.map(|(n, why)| {
         let why = why
@@ -661,6 +666,7 @@ fn a_missing_key_an_unknown_user_and_a_failing_or_hanging_remote_boot_check_each
     // with a usable key holds a claim.
     assert_eq!(pool.claim(0), None);
     assert_eq!(pool.claim(1), None);
+    assert_eq!(pool.claim(4), None);
     // The hanging check was stopped: no `sleep 60` of the attempt is left.
     std::thread::sleep(Duration::from_millis(500));
     let sleeping = std::fs::read_dir("/proc")
@@ -674,4 +680,35 @@ fn a_missing_key_an_unknown_user_and_a_failing_or_hanging_remote_boot_check_each
         .count();
     assert!(sleeping <= 1, "{sleeping} hanging boot checks left running");
     down_leaves_nothing(&pool, &mut d, false);
+}
+
+/// A directory made read-only by a read-only bind mount over itself (root
+/// ignores permission bits); unmounted when dropped.
+struct ReadOnly(PathBuf);
+
+impl ReadOnly {
+    fn mount(dir: &Path) -> Self {
+        let run = |args: &[&str]| {
+            let o = std::process::Command::new("mount")
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                o.status.success(),
+                "mount {args:?} failed (the SSH tests run as root): {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        };
+        let d = dir.to_str().unwrap();
+        run(&["--bind", d, d]);
+        let guard = Self(dir.to_owned());
+        run(&["-o", "remount,ro,bind", d]);
+        guard
+    }
+}
+
+impl Drop for ReadOnly {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
 }

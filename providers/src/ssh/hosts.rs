@@ -586,6 +586,16 @@ impl SshHostsProvider {
                 reason: "the claim command ended without an exit status".to_owned(),
             });
         }
+        if !out.success() {
+            // Nothing was claimed: the host cannot hold a claim file.
+            return Err(SshError::Remote {
+                target: host.target.clone(),
+                reason: format!(
+                    "cannot claim the host: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
         Ok(if first == remote::claim_line(key) {
             None
         } else {

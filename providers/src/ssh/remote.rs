@@ -75,10 +75,19 @@ pub(super) fn binary_path(sha256_hex: &str) -> String {
 
 /// Claims the host for `key` unless it is claimed already, then prints the
 /// claim file (ours, or whoever holds it).
+///
+/// Exits non-zero, with the reason on stderr, when no claim file exists
+/// afterwards (a read-only disk): the host cannot be claimed, which is not
+/// the same as being taken. An existing file is never removed here: it may
+/// be another daemon's claim between its creation and its write (an empty
+/// claim reads as taken).
 pub(super) fn claim(key: &ResourceKey) -> String {
     let line = quote(&claim_line(key));
     format!(
-        "mkdir -p {ROOT} && (set -C; printf '%s\\n' {line} > {ROOT}/claim) 2>/dev/null; cat {ROOT}/claim"
+        "mkdir -p {ROOT} || exit 3; \
+         err=$( (set -C; printf '%s\\n' {line} > {ROOT}/claim) 2>&1 ); \
+         if [ -e {ROOT}/claim ]; then cat {ROOT}/claim; \
+         else echo \"cannot write ~/{ROOT}/claim: $err\" >&2; exit 3; fi"
     )
 }
 
