@@ -236,13 +236,16 @@ fn a_pool_of_three_hosts_converges_with_the_real_agent_and_down_purge_leaves_not
     let pool = Pool::new(3);
     let shape = pool.shape("three.toml", 3, &[0, 1, 2], "");
     // The real binary this time: uploaded once per host, checked by content.
+    // `SWACTOR_TEST_AGENT_BINARY` names another (e.g. the static build of
+    // scripts/build-static-agent.sh) to try it end to end.
+    let agent = std::env::var("SWACTOR_TEST_AGENT_BINARY").unwrap_or_else(|_| BIN.to_owned());
     let started = Instant::now();
-    let mut d = pool.up_with(Some(&shape), Path::new(BIN));
+    let mut d = pool.up_with(Some(&shape), Path::new(&agent));
     let snap = wait_converged(&pool.state, CONVERGE, |s| s.nodes.len() == 3);
     eprintln!(
-        "3 hosts converged in {:?} (a {} MB agent uploaded to each)",
+        "3 hosts converged in {:?} (the {} MB agent {agent} uploaded to each)",
         started.elapsed(),
-        std::fs::metadata(BIN).unwrap().len() >> 20
+        std::fs::metadata(&agent).unwrap().len() >> 20
     );
     one_agent_per_node(&pool, &snap);
     for i in 0..3 {
