@@ -352,6 +352,12 @@ fn print_plan(out: &mut Out, report: &PlanReport) -> std::io::Result<()> {
         .unwrap_or_default();
     if total > 0 {
         out.line(format_args!("{}{generation}", guard::summary(&report.diff)))?;
+    } else if report.placement_only {
+        out.line(format_args!(
+            "plan: the shape changes no node ({} unchanged), only where new nodes may go \
+             (a group's hosts or their labels){generation}",
+            report.diff.unchanged
+        ))?;
     } else if report.has_work() {
         // Terraform's "no changes" would be untrue here: the daemon still
         // has work, whatever the shape says.

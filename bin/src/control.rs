@@ -195,6 +195,13 @@ impl ControlHandler {
         let view = self.cluster.plan(shape).await.map_err(|e| refusal(&e))?;
         let mut diff = view.diff;
         let total = crate::guard::changed(&diff);
+        let placement_only = match (&next, total) {
+            (Some(Ok(next)), 0) => {
+                let inspected = self.cluster.inspect().await.map_err(|e| refusal(&e))?;
+                !inspected.desired.same_content(next)
+            }
+            _ => false,
+        };
         let shown = if all { usize::MAX } else { CHANGES_SHOWN };
         let mut changes = crate::guard::examples(&diff, shown);
         if all && total > changes.len() as u64 {
@@ -221,6 +228,7 @@ impl ControlHandler {
             orphans: snapshot.orphans,
             converged: snapshot.converged,
             now: snapshot.now,
+            placement_only,
         }))
     }
 

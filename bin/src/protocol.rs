@@ -96,6 +96,11 @@ pub(crate) struct PlanReport {
     pub(crate) converged: bool,
     /// The cluster's clock, to read the nodes' times against.
     pub(crate) now: Timestamp,
+    /// The shape changes no node but does change where new nodes may go
+    /// (an `ssh` group's hosts or their labels): applying it makes a new
+    /// generation.
+    #[serde(default)]
+    pub(crate) placement_only: bool,
 }
 
 impl PlanReport {
@@ -103,7 +108,10 @@ impl PlanReport {
     /// the cluster is not converged yet (a node waits to restart, a leftover
     /// is being collected).
     pub(crate) fn has_work(&self) -> bool {
-        crate::guard::changed(&self.diff) > 0 || self.under_way_total > 0 || !self.converged
+        crate::guard::changed(&self.diff) > 0
+            || self.placement_only
+            || self.under_way_total > 0
+            || !self.converged
     }
 }
 

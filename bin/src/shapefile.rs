@@ -75,10 +75,72 @@ pub(crate) struct GroupFile {
     /// Seconds the boot check may run before the agent stops it.
     #[serde(default)]
     pub(crate) boot_timeout_s: Option<f64>,
-    /// Where nodes may be placed (`ssh`: the pool's hosts, `user@host:port`).
-    /// Changing it moves no node already placed.
+    /// Where nodes may be placed (`ssh`: the pool's hosts, `user@host:port`,
+    /// each maybe with labels). Changing it moves no node already placed.
     #[serde(default)]
-    pub(crate) hosts: Vec<String>,
+    pub(crate) hosts: Vec<HostEntry>,
+}
+
+/// One host of a pool: `"user@host:port"`, or
+/// `{ host = "user@host:port", labels = ["gpu", …] }`.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub(crate) enum HostEntry {
+    /// A host without labels.
+    Plain(String),
+    /// A host with labels, handed to its agents in `SWACTOR_HOST_LABELS`.
+    Labelled(LabelledHost),
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LabelledHost {
+    host: String,
+    #[serde(default)]
+    labels: Vec<String>,
+}
+
+impl HostEntry {
+    fn host(&self) -> &str {
+        match self {
+            Self::Plain(h) => h,
+            Self::Labelled(l) => &l.host,
+        }
+    }
+
+    fn labels(&self) -> &[String] {
+        match self {
+            Self::Plain(_) => &[],
+            Self::Labelled(l) => &l.labels,
+        }
+    }
+}
+
+/// A group's placement: `hosts`, and `labels` (a list per host) when any
+/// host has labels.
+fn placement(hosts: &[HostEntry]) -> BTreeMap<String, ParamValue> {
+    let mut placement = BTreeMap::new();
+    if hosts.is_empty() {
+        return placement;
+    }
+    let list = |items: Vec<ParamValue>| ParamValue::List(items);
+    placement.insert(
+        "hosts".to_owned(),
+        list(
+            hosts
+                .iter()
+                .map(|h| ParamValue::Str(h.host().to_owned()))
+                .collect(),
+        ),
+    );
+    if hosts.iter().any(|h| !h.labels().is_empty()) {
+        let labels = hosts
+            .iter()
+            .map(|h| list(h.labels().iter().cloned().map(ParamValue::Str).collect()))
+            .collect();
+        placement.insert("labels".to_owned(), list(labels));
+    }
+    placement
 }
 
 impl ShapeFile {
@@ -89,9 +151,15 @@ impl ShapeFile {
     pub(crate) fn parse(text: &str, origin: &str) -> Result<Self> {
         toml::from_str(text).map_err(|e| {
             let (line, col) = e.span().map(|s| line_col(text, s.start)).unwrap_or((0, 0));
+            let message = match e.message().trim_end() {
+                m if m.contains("untagged enum HostEntry") => {
+                    "a host is \"user@host:port\" or { host = \"user@host:port\", labels = [\"…\"] }, \
+                     with no other keys"
+                }
+                m => m,
+            };
             anyhow::anyhow!(
-                "{origin}:{line}:{col}: {} (the shape file is not valid; nothing was changed)",
-                e.message().trim_end()
+                "{origin}:{line}:{col}: {message} (the shape file is not valid; nothing was changed)"
             )
         })
     }
@@ -146,12 +214,7 @@ impl ShapeFile {
                 provider: ProviderShape {
                     kind: g.provider.clone(),
                     params: g.params.clone(),
-                    placement: if g.hosts.is_empty() {
-                        BTreeMap::new()
-                    } else {
-                        let hosts = g.hosts.iter().cloned().map(ParamValue::Str).collect();
-                        BTreeMap::from([("hosts".to_owned(), ParamValue::List(hosts))])
-                    },
+                    placement: placement(&g.hosts),
                 },
                 boot: BootParams {
                     image: g.image.clone(),

@@ -715,3 +715,59 @@ impl Drop for ReadOnly {
         let _ = std::process::Command::new("umount").arg(&self.0).status();
     }
 }
+
+#[test]
+fn a_hosts_labels_reach_its_agent_and_its_boot_check_and_changing_them_replaces_nothing() {
+    let pool = Pool::new(2);
+    let shape = |name: &str, labels: &str| {
+        shape_file(
+            &pool.root,
+            name,
+            &format!(
+                "run = \"ssh\"\n\
+                 [[group]]\nid = \"lab\"\ncount = 1\nprovider = \"ssh\"\n\
+                 hosts = [{{ host = {}, labels = [{labels}] }}]\n\
+                 boot_check = [\"sh\", \"-c\", \"[ \\\"$SWACTOR_HOST_LABELS\\\" = 'gpu zone=b' ]\"]\n\
+                 [group.params]\ntrust_on_first_use = true\n\
+                 [[group]]\nid = \"plain\"\ncount = 1\nprovider = \"ssh\"\nhosts = [{}]\n\
+                 boot_check = [\"sh\", \"-c\", \"[ -z \\\"$SWACTOR_HOST_LABELS\\\" ]\"]\n\
+                 [group.params]\ntrust_on_first_use = true\n",
+                pool.targets(&[0]),
+                pool.targets(&[1]),
+            ),
+        )
+    };
+    let first = shape("labels.toml", "\"gpu\", \"zone=b\"");
+    let mut d = pool.up(&first);
+    // Each boot check passes only with its host's labels in its environment.
+    let snap = wait_converged(&pool.state, CONVERGE, |s| s.nodes.len() == 2);
+    one_agent_per_node(&pool, &snap);
+    // Labels are where a node goes, not what it is made of.
+    let relabelled = shape("relabelled.toml", "\"gpu\", \"zone=c\"");
+    let o = cli(&pool.state, &["plan", relabelled.to_str().unwrap()]);
+    assert!(
+        stdout(&o).contains("changes no node (2 unchanged), only where new nodes may go"),
+        "{}",
+        stdout(&o)
+    );
+    let o = cli(
+        &pool.state,
+        &["plan", relabelled.to_str().unwrap(), "--detailed-exitcode"],
+    );
+    assert_eq!(o.status.code(), Some(2), "a new generation is work");
+    let o = cli(&pool.state, &["apply", relabelled.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let after = wait_converged(&pool.state, CONVERGE, |s| s.generation.0 == 2);
+    let attempts = |s: &ClusterSnapshot| s.nodes.iter().map(|n| n.attempt).collect::<Vec<_>>();
+    assert_eq!(
+        attempts(&after),
+        attempts(&snap),
+        "a relabel replaced a node"
+    );
+    // A label the agent's environment could not carry is refused offline.
+    let bad = shape("bad.toml", "\"gpu\", \"zone b\"");
+    let o = cli(&pool.state, &["validate", bad.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("label \"zone b\""), "{}", stderr(&o));
+    down_leaves_nothing(&pool, &mut d, false);
+}

@@ -131,6 +131,32 @@ struct Abandoned {
 /// A group's SSH settings, read from its template.
 struct Group {
     hosts: Vec<HostAccess>,
+    /// Each host's labels (placement key `labels`, a list per host in the
+    /// order of `hosts`), by target; hosts without labels are absent.
+    labels: BTreeMap<String, Vec<String>>,
+}
+
+/// Most labels one host may carry, and the longest label.
+const LABELS_MAX: usize = 32;
+const LABEL_LEN_MAX: usize = 128;
+
+/// A label is printable ASCII without spaces, quotes or backslashes (it is
+/// handed to the agent space-separated in `SWACTOR_HOST_LABELS`).
+fn check_label(label: &str) -> Result<(), String> {
+    if label.is_empty() || label.len() > LABEL_LEN_MAX {
+        return Err(format!(
+            "label {label:?} must hold 1 to {LABEL_LEN_MAX} characters"
+        ));
+    }
+    if let Some(c) = label
+        .chars()
+        .find(|c| !c.is_ascii_graphic() || matches!(c, '"' | '\'' | '\\' | '`' | '$'))
+    {
+        return Err(format!(
+            "label {label:?} holds {c:?}; labels are printable ASCII without spaces, quotes, `$` or backslashes"
+        ));
+    }
+    Ok(())
 }
 
 impl Group {
@@ -193,6 +219,47 @@ impl Group {
                 "the group lists no `hosts` (hosts = [\"user@host:port\", …])".to_owned(),
             ));
         }
+        let mut labels = BTreeMap::new();
+        match template.provider.placement.get("labels") {
+            None => {}
+            Some(ParamValue::List(per_host)) if per_host.len() == hosts.len() => {
+                for (host, list) in hosts.iter().zip(per_host) {
+                    let ParamValue::List(list) = list else {
+                        return Err(bad(format!(
+                            "the labels of {} must be a list, not {list:?}",
+                            host.target
+                        )));
+                    };
+                    let mut these = Vec::with_capacity(list.len());
+                    for l in list {
+                        let ParamValue::Str(l) = l else {
+                            return Err(bad(format!(
+                                "every label of {} must be a string, not {l:?}",
+                                host.target
+                            )));
+                        };
+                        check_label(l).map_err(|e| bad(format!("host {}: {e}", host.target)))?;
+                        these.push(l.clone());
+                    }
+                    if these.len() > LABELS_MAX {
+                        return Err(bad(format!(
+                            "host {} has {} labels, more than {LABELS_MAX}",
+                            host.target,
+                            these.len()
+                        )));
+                    }
+                    if !these.is_empty() {
+                        labels.insert(host.target.clone(), these);
+                    }
+                }
+            }
+            Some(other) => {
+                return Err(bad(format!(
+                    "`labels` must be a list of {} lists, one per host, not {other:?}",
+                    hosts.len()
+                )));
+            }
+        }
         if template
             .boot
             .boot_check
@@ -205,7 +272,13 @@ impl Group {
                 "a boot check argument or environment value holds a NUL character".to_owned(),
             ));
         }
-        Ok(Self { hosts })
+        Ok(Self { hosts, labels })
+    }
+
+    /// The labels of the host `target` (none when it has none, or when the
+    /// group no longer lists it).
+    fn labels_of(&self, target: &str) -> &[String] {
+        self.labels.get(target).map_or(&[], Vec::as_slice)
     }
 }
 
@@ -1021,7 +1094,14 @@ impl Provider for SshHostsProvider {
                 String::from_utf8_lossy(&out.stderr).trim()
             )));
         }
-        let wrapper = remote::wrapper(key, &binary, &self.shared.config.daemon_ticket, template);
+        let group = Group::of(template)?;
+        let wrapper = remote::wrapper(
+            key,
+            &binary,
+            &self.shared.config.daemon_ticket,
+            template,
+            group.labels_of(&host.target),
+        );
         self.connect(&host)
             .await?
             .upload(&format!("{dir}/run.sh"), wrapper.as_bytes(), 0o700)

@@ -181,12 +181,14 @@ pub(super) fn write_credentials(dir: &str) -> String {
 }
 
 /// The wrapper script that runs the agent of `key` from `binary` (a path
-/// relative to the login directory).
+/// relative to the login directory), with the group's `env` and the host's
+/// `labels`, space-separated, in `SWACTOR_HOST_LABELS`.
 pub(super) fn wrapper(
     key: &ResourceKey,
     binary: &str,
     daemon_ticket: &str,
     template: &NodeTemplate,
+    labels: &[String],
 ) -> String {
     let mut argv: Vec<String> = vec![
         "agent".into(),
@@ -208,12 +210,15 @@ pub(super) fn wrapper(
         template.limits.boot_timeout_s
     ));
     let args: Vec<String> = argv.iter().map(|a| quote(a)).collect();
-    let env: Vec<String> = template
+    let mut env: Vec<String> = template
         .boot
         .env
         .iter()
         .map(|(k, v)| quote(&format!("{k}={v}")))
         .collect();
+    if !labels.is_empty() {
+        env.push(quote(&format!("SWACTOR_HOST_LABELS={}", labels.join(" "))));
+    }
     let env = if env.is_empty() {
         String::new()
     } else {
