@@ -69,6 +69,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     }
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
     let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
+    let agent_binary = AgentBinary::find(opts.agent_binary.as_deref())?;
     // A fresh state directory: the whole shape is new, and whether to go
     // ahead is settled before the directory is even made.
     let fresh = !opts.state_dir.join("journal.redb").exists();
@@ -122,7 +123,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     .context("cannot start the process provider")?;
     let ssh = ssh_provider(
         &state,
-        &opts,
+        &agent_binary,
         &agent_ticket,
         secret,
         resume.as_ref(),
@@ -568,13 +569,12 @@ async fn confirm_start(
 /// shapes list (so a listing at start asks them before any create).
 fn ssh_provider(
     state: &StateDir,
-    opts: &UpOptions,
+    binary: &AgentBinary,
     agent_ticket: &EndpointTicket,
     secret: [u8; 32],
     resume: Option<&JournalImage>,
     file: Option<&ShapeFile>,
 ) -> Result<SshHostsProvider> {
-    let binary = AgentBinary::find(opts.agent_binary.as_deref())?;
     let mut config = SshHostsConfig::new(state.root(), binary.path.clone());
     config.daemon_ticket = agent_ticket.to_string();
     config.token_secret = secret;

@@ -424,7 +424,10 @@ fn battery(ssh: bool) {
                 let failures = &failures;
                 s.spawn(move || match run_seed(seed, ssh) {
                     Ok(summary) => eprintln!("{summary}"),
-                    Err(e) => failures.lock().unwrap().push(format!("seed {seed}: {e}")),
+                    Err(e) => {
+                        eprintln!("seed {seed} FAILED (details at the end)");
+                        failures.lock().unwrap().push(format!("seed {seed}: {e}"));
+                    }
                 });
             }
         });

@@ -771,3 +771,34 @@ fn a_hosts_labels_reach_its_agent_and_its_boot_check_and_changing_them_replaces_
     assert!(stderr(&o).contains("label \"zone b\""), "{}", stderr(&o));
     down_leaves_nothing(&pool, &mut d, false);
 }
+
+#[test]
+fn a_missing_agent_binary_is_named_before_anything_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(
+        tmp.path(),
+        "s.toml",
+        "run = \"ssh\"\n[[group]]\nid = \"w\"\ncount = 1\nprovider = \"ssh\"\n\
+         hosts = [\"root@127.0.0.1:1\"]\n",
+    );
+    let o = std::process::Command::new(BIN)
+        .args(["up", shape.to_str().unwrap(), "--yes"])
+        .args([
+            "--agent-binary",
+            "/nonexistent/swactor-agent",
+            "--state-dir",
+        ])
+        .arg(&state)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("the agent binary /nonexistent/swactor-agent") && err.contains("No such file"),
+        "{err}"
+    );
+    assert!(!err.contains("plan:"), "it got as far as the plan: {err}");
+    assert!(!state.exists(), "a state directory was made");
+}

@@ -9,7 +9,11 @@
 //! Each server is a host of its own: commands run in a home directory of its
 //! own (`{dir}/home`, also `$HOME`), through a `ForceCommand`, so several
 //! servers on this machine do not share what remote providers keep in a
-//! host's home.
+//! host's home. `$HOME` is that directory from the start of the session
+//! (`SetEnv`), so the login shell does not read this machine's own
+//! `~/.bashrc`: bash does so for SSH commands, and a slow or locking one
+//! (pyenv's rehash takes a lock that a killed session leaves behind) would
+//! stall every command.
 //!
 //! [`NetNs`] makes a network namespace joined to this one by a veth pair,
 //! so an [`Sshd`] started in it ([`Sshd::start_in`]) is a host on another
@@ -270,6 +274,7 @@ impl Sshd {
              MaxStartups 100:30:200\n\
              MaxSessions 100\n\
              MaxAuthTries 6\n\
+             SetEnv HOME=\"{home}\"\n\
              ForceCommand cd \"{home}\" && HOME=\"{home}\" exec /bin/sh -c \"$SSH_ORIGINAL_COMMAND\"\n",
             port = self.port,
             listen = self.listen,
