@@ -3,7 +3,7 @@
 //! - **Image.** By default nodes run the agent image, which the provider
 //!   builds on first use from the static agent binary alone (`FROM scratch`,
 //!   the binary at `/swactor/swactor-agent`) and tags by the binary's content,
-//!   `{image_repository}:{first 16 hex digits of its sha256}`; an image of
+//!   `{image_repository}:{first 16 hex digits of its BLAKE3 hash}`; an image of
 //!   that tag already on the engine is reused. No registry is ever contacted.
 //!   A group may name its own image (`image`, which must already be on the
 //!   engine); the agent binary is then copied into each container before it
@@ -83,7 +83,6 @@ use bollard::query_parameters::{
 };
 use futures_util::StreamExt;
 use options::NodeOptions;
-use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -119,6 +118,10 @@ const AGENT_DIR: &str = "/swactor";
 const DEFAULT_SOCKET: &str = "unix:///var/run/docker.sock";
 /// Observations buffered per session stream; the follower waits for the reader beyond that.
 const STREAM_BUFFER_LEN: usize = 64;
+/// How often, and how many times, a create that found its name taken looks
+/// for the container that took it.
+const ADOPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+const ADOPT_POLLS: u32 = 100;
 /// How long an engine request may wait for its answer's headers, beyond a stop's grace.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -360,8 +363,9 @@ impl DockerProvider {
 
     async fn build_agent_image(&self) -> Result<String, ProviderError> {
         let binary = self.read_agent().await?;
-        let sha = hex(&Sha256::digest(&binary));
-        let tag = format!("{}:{}", self.shared.config.image_repository, &sha[..16]);
+        // BLAKE3 rather than SHA-256: its SIMD code is fast even in unoptimised builds.
+        let hash = blake3::hash(&binary).to_hex();
+        let tag = format!("{}:{}", self.shared.config.image_repository, &hash[..16]);
         let docker = &self.shared.docker;
         match docker.inspect_image(&tag).await {
             Ok(_) => return Ok(tag),
@@ -369,7 +373,7 @@ impl DockerProvider {
             Err(e) => return Err(self.definite(format!("cannot look up image {tag}"), &e)),
         }
         let dockerfile = format!(
-            "FROM scratch\nCOPY swactor-agent {AGENT_PATH}\nLABEL swactor.agent-sha256={sha}\n"
+            "FROM scratch\nCOPY swactor-agent {AGENT_PATH}\nLABEL swactor.agent-blake3={hash}\n"
         );
         let mut context = tar::TarWriter::with_capacity(binary.len());
         context.file("Dockerfile", 0o644, dockerfile.as_bytes());
@@ -718,10 +722,6 @@ fn status(e: &EngineError) -> Option<u16> {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Whether `binary` is a 64-bit little-endian ELF file that names a program
 /// interpreter (a dynamic loader). Anything else is not judged.
 fn elf_interpreter(binary: &[u8]) -> bool {
@@ -842,13 +842,20 @@ impl Provider for DockerProvider {
                 }
                 // Made meanwhile (by another daemon on this engine): adopt
                 // it if it is this key's.
-                Err(e) if status(&e) == Some(409) => match self.inspect(key, &name).await? {
-                    Some(_) => Ok(grant.clone()),
-                    None => Err(ProviderError::Ambiguous(format!(
-                        "container {name} was in use, then gone: {}",
+                // The engine reserves the name before the other create
+                // finishes, so the container may not be visible at once.
+                Err(e) if status(&e) == Some(409) => {
+                    for _ in 0..ADOPT_POLLS {
+                        if self.inspect(key, &name).await?.is_some() {
+                            return Ok(grant.clone());
+                        }
+                        tokio::time::sleep(ADOPT_POLL_INTERVAL).await;
+                    }
+                    Err(ProviderError::Ambiguous(format!(
+                        "container {name} is being made by another call and did not appear: {}",
                         self.describe(&e)
-                    ))),
-                },
+                    )))
+                }
                 Err(e) => Err(self.refused_or_unknown(format!("cannot create container {name}"), &e)),
             }
         }
