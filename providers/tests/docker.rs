@@ -79,7 +79,10 @@ async fn engine_up() -> bool {
             "SWACTOR_REQUIRE_DOCKER=1 but no Docker engine answers (DOCKER_HOST or /var/run/docker.sock)"
         );
         SKIPPED.call_once(|| {
-            eprintln!(
+            // Straight to stderr: the harness would hide a passing test's `eprintln!`.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
                 "docker tests skipped: no Docker engine answers (set DOCKER_HOST, or SWACTOR_REQUIRE_DOCKER=1 to fail instead)"
             );
         });
@@ -674,4 +677,64 @@ async fn an_unreachable_engine_is_a_clear_error() {
     assert!(text.contains("is dockerd running"), "{text}");
     let source = std::error::Error::source(&err).unwrap().to_string();
     assert!(source.contains("nonexistent"), "{source}");
+}
+
+#[tokio::test]
+async fn a_groups_own_image_gets_the_agent_copied_in() {
+    let Some(w) = World::new("ownimage").await else {
+        return;
+    };
+    // An image with an empty file system (an empty tar), made here: no
+    // registry, and no agent in it until the provider copies one in.
+    let image = "swactor-test-empty:1";
+    let options = bollard::query_parameters::CreateImageOptions {
+        from_src: Some("-".to_owned()),
+        repo: Some("swactor-test-empty".to_owned()),
+        tag: Some("1".to_owned()),
+        ..Default::default()
+    };
+    let empty = bollard::body_full(vec![0u8; 1024].into());
+    let mut import = w.docker.create_image(Some(options), Some(empty), None);
+    while let Some(step) = import.next().await {
+        step.unwrap();
+    }
+    let key = w.key("own-0", 1);
+    let t = template(&[("image", ParamValue::Str(image.to_owned()))], &[]);
+    let grant = w.provider.create_lease(&key, &t).await.unwrap();
+    let mut session = w
+        .provider
+        .start_bootstrap(&key, &grant.lease, &grant.endpoint.clone().unwrap(), &t)
+        .await
+        .unwrap();
+    let seen = events_until(&mut session.events, |e| {
+        matches!(e, BootstrapEvent::Failed { .. })
+    })
+    .await;
+    assert_eq!(stages(&seen).len(), 3, "{seen:?}");
+    match seen.last().unwrap() {
+        BootstrapEvent::Failed { stage, reason } => {
+            assert_eq!(*stage, BootstrapStage::SwactorStartFailed);
+            assert!(reason.contains("bad daemon ticket"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let c = w
+        .docker
+        .inspect_container(&DockerProvider::container_name(&key), None)
+        .await
+        .unwrap();
+    assert_eq!(c.config.unwrap().image.as_deref(), Some(image));
+    w.provider.destroy_lease(&key, &grant.lease).await.unwrap();
+    // Another run of this test may be using it still; then it stays.
+    let _ = w
+        .docker
+        .remove_image(
+            image,
+            Some(bollard::query_parameters::RemoveImageOptions {
+                force: true,
+                ..Default::default()
+            }),
+            None,
+        )
+        .await;
 }
