@@ -21,6 +21,8 @@
 //! sleep and do I/O.
 
 pub mod credentials;
+#[cfg(feature = "docker")]
+pub mod docker;
 #[cfg(feature = "fake")]
 pub mod fake;
 mod multi;

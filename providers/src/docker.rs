@@ -1,0 +1,1128 @@
+//! The `docker` provider: each node is a container on the local Docker engine, its agent the container's process.
+//!
+//! - **Image.** By default nodes run the agent image, which the provider
+//!   builds on first use from the static agent binary alone (`FROM scratch`,
+//!   the binary at `/swactor/swactor-agent`) and tags by the binary's content,
+//!   `{image_repository}:{first 16 hex digits of its BLAKE3 hash}`; an image of
+//!   that tag already on the engine is reused. No registry is ever contacted.
+//!   A group may name its own image (`image`, which must already be on the
+//!   engine); the agent binary is then copied into each container before it
+//!   starts, to the same path.
+//! - **Lease.** A container named `swactor_{run}_{node}_a{attempt}` (ids
+//!   cannot hold `_`, so distinct keys never share a name), labelled
+//!   `swactor.run`, `swactor.node`, `swactor.attempt` and `swactor.group`,
+//!   created but not started, on the host's network (its traffic to a local
+//!   daemon stays on loopback), with no restart policy and a small init
+//!   process (`docker-init`) that passes signals on and reaps what the agent
+//!   leaves. The name is the idempotency token: a create that finds it taken
+//!   (409) adopts the container if its labels name the same key, and fails
+//!   definitely otherwise. The lease id and endpoint are `docker:{name}`.
+//! - **Bootstrap.** The attempt's [`AgentCredentials`] are copied into the
+//!   container (`/swactor/agent.credentials`, mode 0600, through the archive
+//!   upload API) and the container is started; the agent reads and removes
+//!   the file, so the secrets are never in the container's environment, its
+//!   command line or a host file. The session is `docker:{name}#{StartedAt}`
+//!   and streams the agent's protocol lines from the container's log, from
+//!   that start on. When the container stops, an agent that did not report
+//!   its failure fails the stream with the exit code, `OOMKilled` when the
+//!   engine says so, and its last output lines. A running container is
+//!   adopted: its fresh stream replays the log of its current start.
+//! - **Cancel** stops the container (SIGTERM, then SIGKILL after
+//!   [`DockerConfig::stop_grace`]); **destroy** removes it by force with its
+//!   anonymous volumes. A container already gone is success for both.
+//! - **List** finds the run's containers by the `swactor.run` label; a
+//!   running one is a session.
+//!
+//! # Group parameters
+//!
+//! `image` (a local image name), `memory_mb` (at least [`MEMORY_MB_MIN`]; no
+//! swap on top), `cpus` (a number, fractions allowed), and `mounts`: a list
+//! of `"host:container[:rw]"`, read-only unless `:rw`, whose host paths must
+//! exist. The template's `boot.env` becomes the container's environment.
+//! [`check_template`] checks them all.
+//!
+//! # The agent's command line
+//!
+//! ```text
+//! /swactor/swactor-agent {agent_args…} --run {run} --node {node} --attempt {n}
+//!     --daemon {daemon_ticket} --credentials /swactor/agent.credentials
+//!     --dir /swactor [--boot-check={arg}]… --boot-timeout-s={seconds}
+//! ```
+//!
+//! as the [`crate::process`] provider starts it, with `/swactor` for the node directory.
+//!
+//! # Caveats
+//!
+//! - The agent binary must be statically linked (`scripts/build-static-agent.sh`):
+//!   the agent image holds nothing else, and a group's own image may lack the
+//!   C library the binary was built against. A dynamically linked binary is refused.
+//! - A group's own image whose `USER` is not root must still let that user
+//!   read the uploaded files: they are copied with the container user's ids.
+//! - Calls for one container are serialised within one provider (and its
+//!   clones); two daemons on one engine could still race a start.
+
+#![cfg(all(target_os = "linux", feature = "docker"))]
+
+mod follow;
+mod options;
+mod tar;
+
+pub use options::{CPUS_MAX, MEMORY_MB_MAX, MEMORY_MB_MIN, MOUNTS_MAX, check_template};
+
+use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
+use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
+use async_trait::async_trait;
+use bollard::Docker;
+use bollard::errors::Error as EngineError;
+use bollard::models::{
+    ContainerCreateBody, ContainerInspectResponse, HostConfig, RestartPolicy, RestartPolicyNameEnum,
+};
+use bollard::query_parameters::{
+    BuildImageOptions, CreateContainerOptions, ListContainersOptions, RemoveContainerOptions,
+    StopContainerOptions, UploadToContainerOptions,
+};
+use futures_util::StreamExt;
+use options::NodeOptions;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+use swactor_provisioning::{
+    LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, NodeTemplate, ResourceKey, RunId,
+    SessionId, validate_id,
+};
+use tokio::sync::{mpsc, oneshot};
+
+/// Default of [`DockerConfig::stop_grace`].
+pub const STOP_GRACE_DEFAULT: Duration = Duration::from_secs(5);
+/// Longest accepted [`DockerConfig::stop_grace`].
+pub const STOP_GRACE_MAX: Duration = Duration::from_secs(600);
+/// Default of [`DockerConfig::image_repository`].
+pub const IMAGE_REPOSITORY_DEFAULT: &str = "swactor-agent";
+
+/// Label naming the run a container belongs to.
+pub const LABEL_RUN: &str = "swactor.run";
+/// Label naming the node (slot) a container serves.
+pub const LABEL_NODE: &str = "swactor.node";
+/// Label naming the attempt a container was made for.
+pub const LABEL_ATTEMPT: &str = "swactor.attempt";
+/// Label naming the node's group.
+pub const LABEL_GROUP: &str = "swactor.group";
+
+/// Where the agent binary is in a node's container.
+pub const AGENT_PATH: &str = "/swactor/swactor-agent";
+/// The agent's directory in a node's container (its `--dir`).
+const AGENT_DIR: &str = "/swactor";
+/// The engine's default Unix socket, used when `DOCKER_HOST` is not set.
+const DEFAULT_SOCKET: &str = "unix:///var/run/docker.sock";
+/// Observations buffered per session stream; the follower waits for the reader beyond that.
+const STREAM_BUFFER_LEN: usize = 64;
+/// How often, and how many times, a create that found its name taken looks
+/// for the container that took it.
+const ADOPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+const ADOPT_POLLS: u32 = 100;
+/// How long an engine request may wait for its answer's headers, beyond a stop's grace.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Settings of a [`DockerProvider`].
+#[derive(Clone, Debug)]
+pub struct DockerConfig {
+    /// The statically linked agent executable (the `swactor` binary).
+    pub agent_binary: PathBuf,
+    /// Arguments placed before the per-node ones (e.g. `["agent"]`).
+    pub agent_args: Vec<String>,
+    /// Passed to the agent as `--daemon`: how it reaches this daemon.
+    pub daemon_ticket: String,
+    /// The secret agents' credentials derive from (see [`AgentCredentials`]).
+    pub token_secret: [u8; 32],
+    /// How long a stopping container gets between SIGTERM and SIGKILL.
+    pub stop_grace: Duration,
+    /// The repository the agent image is tagged in.
+    pub image_repository: String,
+    /// The engine's address (`unix:///…`, `tcp://…`); `None` reads
+    /// `DOCKER_HOST`, falling back to the default socket.
+    pub docker_host: Option<String>,
+}
+
+impl DockerConfig {
+    /// A configuration running `agent_binary` with `["agent"]`, the default
+    /// grace and repository, and the engine `DOCKER_HOST` names. The daemon
+    /// ticket and the token secret start empty and must be set (use struct
+    /// update syntax): [`Self::validate`] rejects them until they are.
+    pub fn new(agent_binary: impl Into<PathBuf>) -> Self {
+        Self {
+            agent_binary: agent_binary.into(),
+            agent_args: vec!["agent".to_owned()],
+            daemon_ticket: String::new(),
+            token_secret: [0; 32],
+            stop_grace: STOP_GRACE_DEFAULT,
+            image_repository: IMAGE_REPOSITORY_DEFAULT.to_owned(),
+            docker_host: None,
+        }
+    }
+
+    /// Checks every field, including that the agent binary is a file.
+    ///
+    /// # Errors
+    /// The first problem found.
+    pub fn validate(&self) -> Result<(), DockerError> {
+        if self.daemon_ticket.is_empty() {
+            return Err(DockerError::EmptyField {
+                field: "daemon_ticket",
+            });
+        }
+        if self.token_secret == [0; 32] {
+            return Err(DockerError::ZeroTokenSecret);
+        }
+        if self.stop_grace > STOP_GRACE_MAX {
+            return Err(DockerError::BadGrace {
+                value: self.stop_grace,
+            });
+        }
+        let repo = &self.image_repository;
+        if repo.is_empty()
+            || !repo
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "._-/".contains(c))
+        {
+            return Err(DockerError::BadRepository {
+                value: repo.clone(),
+            });
+        }
+        if !self.agent_binary.is_file() {
+            return Err(DockerError::AgentBinaryMissing {
+                path: self.agent_binary.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why a [`DockerProvider`] could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum DockerError {
+    /// A required setting is empty.
+    #[error("{field} must not be empty")]
+    EmptyField {
+        /// The field.
+        field: &'static str,
+    },
+    /// The token secret is all zeros (the unset value), so anyone could forge join tokens.
+    #[error("token_secret is all zeros; it must be a random 32-byte key")]
+    ZeroTokenSecret,
+    /// The stop grace is too long.
+    #[error("stop_grace is {value:?}; the most accepted is {STOP_GRACE_MAX:?}")]
+    BadGrace {
+        /// The rejected value.
+        value: Duration,
+    },
+    /// The image repository is not one the engine accepts.
+    #[error("image_repository {value:?} must be lowercase letters, digits and `._-/`")]
+    BadRepository {
+        /// The rejected value.
+        value: String,
+    },
+    /// The agent binary is not a file.
+    #[error("agent binary {} does not exist (build it with scripts/build-static-agent.sh)", path.display())]
+    AgentBinaryMissing {
+        /// The configured path.
+        path: PathBuf,
+    },
+    /// The engine does not answer at its address.
+    #[error(
+        "cannot reach the Docker engine at {host} ({origin}); is dockerd running, and may this user use its socket?"
+    )]
+    EngineUnreachable {
+        /// The address tried.
+        host: String,
+        /// Where the address came from.
+        origin: &'static str,
+        /// What the client said.
+        #[source]
+        source: EngineError,
+    },
+}
+
+/// A bootstrap session this provider streams.
+struct SessionEntry {
+    /// Distinguishes successive streams of one session.
+    stream: u64,
+    /// Dropping it ends the current stream's follower.
+    _stop: oneshot::Sender<()>,
+    /// Set when the provider stops the container on purpose.
+    cancelled: Arc<AtomicBool>,
+}
+
+struct Shared {
+    config: DockerConfig,
+    docker: Docker,
+    /// The engine's address, for messages.
+    host: String,
+    /// The agent image's tag, once built or found.
+    image: tokio::sync::OnceCell<String>,
+    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
+    next_stream: AtomicU64,
+    /// Serialises the calls for one container.
+    key_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section is a single map operation; a panic cannot leave one half done.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The Docker provider. Cheap to clone; clones share state.
+///
+/// # Guarantees
+/// - One container per [`ResourceKey`]: creates adopt the container of the
+///   key's name, also across daemon restarts.
+/// - Never touches a container whose labels name another key.
+/// - Session streams never lose lines: the follower waits for a slow reader.
+#[derive(Clone)]
+pub struct DockerProvider {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for DockerProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DockerProvider")
+            .field("host", &self.shared.host)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DockerProvider {
+    /// Connects to the engine and agrees on an API version with it.
+    ///
+    /// # Errors
+    /// An invalid config, or an engine that does not answer.
+    pub async fn connect(config: DockerConfig) -> Result<Self, DockerError> {
+        config.validate()?;
+        let (host, origin) = match &config.docker_host {
+            Some(h) => (h.clone(), "from the provider's configuration"),
+            None => match std::env::var("DOCKER_HOST") {
+                Ok(h) if !h.is_empty() => (h, "from DOCKER_HOST"),
+                _ => (
+                    DEFAULT_SOCKET.to_owned(),
+                    "the default socket; set DOCKER_HOST to use another",
+                ),
+            },
+        };
+        let unreachable = |source| DockerError::EngineUnreachable {
+            host: host.clone(),
+            origin,
+            source,
+        };
+        let timeout = REQUEST_TIMEOUT + config.stop_grace;
+        let docker = Docker::connect_with_host(&host)
+            .map_err(unreachable)?
+            .with_timeout(timeout)
+            .negotiate_version()
+            .await
+            .map_err(unreachable)?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                config,
+                docker,
+                host,
+                image: tokio::sync::OnceCell::new(),
+                sessions: Mutex::new(HashMap::new()),
+                next_stream: AtomicU64::new(0),
+                key_locks: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The engine's address.
+    pub fn host(&self) -> &str {
+        &self.shared.host
+    }
+
+    /// The engine client, for tests and tools that look at what the provider made.
+    pub fn engine(&self) -> &Docker {
+        &self.shared.docker
+    }
+
+    /// The container that is (or would be) `key`'s lease.
+    pub fn container_name(key: &ResourceKey) -> String {
+        format!("swactor_{}_{}_{}", key.run_id, key.node, key.attempt)
+    }
+
+    /// The agent image's tag, building the image if the engine lacks it.
+    ///
+    /// # Errors
+    /// The binary cannot be read or is not static, or the build fails.
+    pub async fn agent_image(&self) -> Result<String, ProviderError> {
+        self.shared
+            .image
+            .get_or_try_init(|| self.build_agent_image())
+            .await
+            .cloned()
+    }
+
+    async fn build_agent_image(&self) -> Result<String, ProviderError> {
+        let binary = self.read_agent().await?;
+        // BLAKE3 rather than SHA-256: its SIMD code is fast even in unoptimised builds.
+        let hash = blake3::hash(&binary).to_hex();
+        let tag = format!("{}:{}", self.shared.config.image_repository, &hash[..16]);
+        let docker = &self.shared.docker;
+        match docker.inspect_image(&tag).await {
+            Ok(_) => return Ok(tag),
+            Err(e) if status(&e) == Some(404) => {}
+            Err(e) => return Err(self.definite(format!("cannot look up image {tag}"), &e)),
+        }
+        let dockerfile = format!(
+            "FROM scratch\nCOPY swactor-agent {AGENT_PATH}\nLABEL swactor.agent-blake3={hash}\n"
+        );
+        let mut context = tar::TarWriter::with_capacity(binary.len());
+        context.file("Dockerfile", 0o644, dockerfile.as_bytes());
+        context.file("swactor-agent", 0o755, &binary);
+        drop(binary);
+        let options = BuildImageOptions {
+            t: Some(tag.clone()),
+            rm: true,
+            forcerm: true,
+            ..Default::default()
+        };
+        let body = bollard::body_full(context.finish().into());
+        let mut build = docker.build_image(options, None, Some(body));
+        while let Some(step) = build.next().await {
+            match step {
+                Ok(info) => {
+                    if let Some(detail) = info.error_detail {
+                        return Err(ProviderError::Definite(format!(
+                            "building the agent image {tag} failed: {}",
+                            detail.message.unwrap_or_default()
+                        )));
+                    }
+                    if let Some(line) = info
+                        .stream
+                        .as_deref()
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty())
+                    {
+                        tracing::debug!(%tag, line, "building the agent image");
+                    }
+                }
+                Err(e) => {
+                    return Err(self.definite(format!("building the agent image {tag} failed"), &e));
+                }
+            }
+        }
+        docker
+            .inspect_image(&tag)
+            .await
+            .map_err(|e| self.definite(format!("the build did not leave image {tag}"), &e))?;
+        tracing::info!(%tag, "built the agent image");
+        Ok(tag)
+    }
+
+    /// The agent binary's bytes, refused when it is dynamically linked.
+    async fn read_agent(&self) -> Result<Vec<u8>, ProviderError> {
+        let path = self.shared.config.agent_binary.clone();
+        let read = tokio::task::spawn_blocking({
+            let path = path.clone();
+            move || std::fs::read(path)
+        })
+        .await
+        .map_err(|e| ProviderError::Definite(format!("cannot read the agent binary: {e}")))?;
+        let binary = read.map_err(|e| {
+            ProviderError::Definite(format!("cannot read agent binary {}: {e}", path.display()))
+        })?;
+        if elf_interpreter(&binary) {
+            return Err(ProviderError::Definite(format!(
+                "agent binary {} is dynamically linked; a container needs a static one (scripts/build-static-agent.sh)",
+                path.display()
+            )));
+        }
+        Ok(binary)
+    }
+
+    /// Checks the key can name a container; returns the name and its lease.
+    fn locate(key: &ResourceKey) -> Result<(String, LeaseId), ProviderError> {
+        validate_id(key.run_id.as_str())
+            .and_then(|()| validate_id(key.node.group.as_str()))
+            .map_err(|e| {
+                ProviderError::Definite(format!("key {key} cannot name a container: {e}"))
+            })?;
+        let name = Self::container_name(key);
+        let lease = LeaseId(format!("docker:{name}"));
+        Ok((name, lease))
+    }
+
+    /// Like [`Self::locate`], also checking `lease` is the key's.
+    fn locate_lease(key: &ResourceKey, lease: &LeaseId) -> Result<String, ProviderError> {
+        let (name, expected) = Self::locate(key)?;
+        if *lease != expected {
+            return Err(ProviderError::Definite(format!(
+                "lease {} is not key {key}'s (that is {})",
+                lease.0, expected.0
+            )));
+        }
+        Ok(name)
+    }
+
+    async fn lock_key(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = lock(&self.shared.key_locks)
+            .entry(name.to_owned())
+            .or_default()
+            .clone();
+        lock.lock_owned().await
+    }
+
+    /// Forgets `name`'s lock once no other call holds or awaits it. Call it
+    /// while still holding the guard: the count below includes it.
+    fn release_key(&self, name: &str) {
+        let mut locks = lock(&self.shared.key_locks);
+        // One reference is the map's, one the caller's guard.
+        if locks.get(name).is_some_and(|l| Arc::strong_count(l) <= 2) {
+            locks.remove(name);
+        }
+    }
+
+    fn definite(&self, what: String, e: &EngineError) -> ProviderError {
+        ProviderError::Definite(format!("{what}: {}", self.describe(e)))
+    }
+
+    /// A failed change: definite when the engine refused it (a 4xx answer),
+    /// of unknown outcome otherwise.
+    fn refused_or_unknown(&self, what: String, e: &EngineError) -> ProviderError {
+        match status(e) {
+            Some(400..=499) => self.definite(what, e),
+            _ => ProviderError::Ambiguous(format!("{what}: {}", self.describe(e))),
+        }
+    }
+
+    /// The engine's error, naming the engine when it could not be reached.
+    fn describe(&self, e: &EngineError) -> String {
+        match e {
+            EngineError::DockerResponseServerError { message, .. } => message.clone(),
+            other => format!(
+                "the Docker engine at {} did not answer: {other}",
+                self.shared.host
+            ),
+        }
+    }
+
+    /// `name`'s state, `None` when there is no such container; a container
+    /// labelled for another key is an error.
+    async fn inspect(
+        &self,
+        key: &ResourceKey,
+        name: &str,
+    ) -> Result<Option<ContainerInspectResponse>, ProviderError> {
+        match self.shared.docker.inspect_container(name, None).await {
+            Ok(c) => {
+                let labels = c.config.as_ref().and_then(|c| c.labels.as_ref());
+                match labels.map(key_of_labels) {
+                    Some(Some(found)) if found == *key => Ok(Some(c)),
+                    Some(Some(found)) => Err(ProviderError::Definite(format!(
+                        "container {name} belongs to {found}, not {key}"
+                    ))),
+                    _ => Err(ProviderError::Definite(format!(
+                        "container {name} exists but was not made by swactor for {key} (its labels do not say so)"
+                    ))),
+                }
+            }
+            Err(e) if status(&e) == Some(404) => Ok(None),
+            Err(e) => Err(self.definite(format!("cannot inspect container {name}"), &e)),
+        }
+    }
+
+    fn container_body(
+        &self,
+        key: &ResourceKey,
+        image: String,
+        options: &NodeOptions,
+        template: &NodeTemplate,
+    ) -> ContainerCreateBody {
+        let config = &self.shared.config;
+        let mut cmd = config.agent_args.clone();
+        cmd.extend([
+            "--run".to_owned(),
+            key.run_id.to_string(),
+            "--node".to_owned(),
+            key.node.to_string(),
+            "--attempt".to_owned(),
+            key.attempt.0.to_string(),
+            "--daemon".to_owned(),
+            config.daemon_ticket.clone(),
+            "--credentials".to_owned(),
+            format!("{AGENT_DIR}/{CREDENTIALS_FILE}"),
+            "--dir".to_owned(),
+            AGENT_DIR.to_owned(),
+        ]);
+        // `--boot-check=ARG` keeps an argument that starts with `-` a value.
+        cmd.extend(
+            template
+                .boot
+                .boot_check
+                .iter()
+                .map(|a| format!("--boot-check={a}")),
+        );
+        cmd.push(format!(
+            "--boot-timeout-s={}",
+            template.limits.boot_timeout_s
+        ));
+        let labels = HashMap::from([
+            (LABEL_RUN.to_owned(), key.run_id.to_string()),
+            (LABEL_NODE.to_owned(), key.node.to_string()),
+            (LABEL_ATTEMPT.to_owned(), key.attempt.0.to_string()),
+            (LABEL_GROUP.to_owned(), key.node.group.to_string()),
+        ]);
+        let binds: Vec<String> = options
+            .mounts
+            .iter()
+            .map(options::BindMount::bind)
+            .collect();
+        ContainerCreateBody {
+            image: Some(image),
+            entrypoint: Some(vec![AGENT_PATH.to_owned()]),
+            cmd: Some(cmd),
+            env: Some(options.env.clone()),
+            labels: Some(labels),
+            working_dir: Some(AGENT_DIR.to_owned()),
+            host_config: Some(HostConfig {
+                network_mode: Some("host".to_owned()),
+                restart_policy: Some(RestartPolicy {
+                    name: Some(RestartPolicyNameEnum::NO),
+                    maximum_retry_count: None,
+                }),
+                init: Some(true),
+                memory: options.memory_bytes,
+                // The same as the memory: no swap beyond it.
+                memory_swap: options.memory_bytes,
+                nano_cpus: options.nano_cpus,
+                binds: (!binds.is_empty()).then_some(binds),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Copies the attempt's credentials (and, for a group's own image, the
+    /// agent binary) into the stopped container `name`.
+    async fn upload(
+        &self,
+        key: &ResourceKey,
+        name: &str,
+        own_image: bool,
+    ) -> Result<(), ProviderError> {
+        let credentials = AgentCredentials::derive(&self.shared.config.token_secret, key);
+        let binary = if own_image {
+            Some(self.read_agent().await?)
+        } else {
+            None
+        };
+        let mut archive = tar::TarWriter::with_capacity(binary.as_ref().map_or(0, Vec::len));
+        let dir = AGENT_DIR.trim_start_matches('/');
+        archive.dir(dir, 0o755);
+        if let Some(binary) = &binary {
+            archive.file(&format!("{dir}/swactor-agent"), 0o755, binary);
+        }
+        archive.file(
+            &format!("{dir}/{CREDENTIALS_FILE}"),
+            0o600,
+            credentials.to_text().as_bytes(),
+        );
+        drop(binary);
+        let options = UploadToContainerOptions {
+            path: "/".to_owned(),
+            // A group's image may run the agent as another user, who must be able to read them.
+            copy_uidgid: own_image.then(|| "1".to_owned()),
+            ..Default::default()
+        };
+        self.shared
+            .docker
+            .upload_to_container(
+                name,
+                Some(options),
+                bollard::body_full(archive.finish().into()),
+            )
+            .await
+            .map_err(|e| {
+                self.refused_or_unknown(
+                    format!("cannot copy the agent's files into container {name}"),
+                    &e,
+                )
+            })
+    }
+
+    /// Opens a stream for `session` of container `name`, replacing (ending) any earlier one.
+    fn open_stream(&self, session: &SessionId, name: &str, started_at: &str) -> BootstrapSession {
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER_LEN);
+        let (stop, stop_rx) = oneshot::channel();
+        let stream = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
+        let cancelled = {
+            let mut sessions = lock(&self.shared.sessions);
+            // Dropping the old entry's `stop` ends the older stream.
+            let cancelled = sessions
+                .remove(session)
+                .map_or_else(|| Arc::new(AtomicBool::new(false)), |old| old.cancelled);
+            sessions.insert(
+                session.clone(),
+                SessionEntry {
+                    stream,
+                    _stop: stop,
+                    cancelled: cancelled.clone(),
+                },
+            );
+            cancelled
+        };
+        let follower = follow::Follow {
+            docker: self.shared.docker.clone(),
+            name: name.to_owned(),
+            session: session.clone(),
+            started_at: started_at.to_owned(),
+            cancelled,
+            tx,
+            stop: stop_rx,
+        };
+        let weak = Arc::downgrade(&self.shared);
+        let id = session.clone();
+        tokio::spawn(async move {
+            follower.run().await;
+            forget_stream(&weak, &id, stream);
+        });
+        BootstrapSession {
+            session: session.clone(),
+            events: rx,
+        }
+    }
+
+    /// Marks every session of container `name` as stopped on purpose, so
+    /// their streams close rather than report a loss.
+    fn mark_cancelled(&self, name: &str) {
+        let prefix = format!("docker:{name}#");
+        for (id, entry) in lock(&self.shared.sessions).iter() {
+            if id.0.starts_with(&prefix) {
+                entry.cancelled.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// Removes `session`'s entry if it still belongs to stream `stream`.
+fn forget_stream(shared: &Weak<Shared>, session: &SessionId, stream: u64) {
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    let mut sessions = lock(&shared.sessions);
+    if sessions.get(session).is_some_and(|e| e.stream == stream) {
+        sessions.remove(session);
+    }
+}
+
+/// The engine's HTTP status for an error it answered with.
+fn status(e: &EngineError) -> Option<u16> {
+    match e {
+        EngineError::DockerResponseServerError { status_code, .. } => Some(*status_code),
+        _ => None,
+    }
+}
+
+/// Whether `binary` is a 64-bit little-endian ELF file that names a program
+/// interpreter (a dynamic loader). Anything else is not judged.
+fn elf_interpreter(binary: &[u8]) -> bool {
+    const PT_INTERP: u32 = 3;
+    let u16_at = |at: usize| {
+        binary
+            .get(at..at + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
+    let u32_at = |at: usize| {
+        binary
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let u64_at = |at: usize| {
+        binary
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    // Magic, 64-bit class, little-endian.
+    if binary.get(..6) != Some(b"\x7fELF\x02\x01") {
+        return false;
+    }
+    let (Some(phoff), Some(entsize), Some(count)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38))
+    else {
+        return false;
+    };
+    let Ok(phoff) = usize::try_from(phoff) else {
+        return false;
+    };
+    (0..usize::from(count)).any(|i| u32_at(phoff + i * usize::from(entsize)) == Some(PT_INTERP))
+}
+
+/// The key a container's labels name.
+fn key_of_labels(labels: &HashMap<String, String>) -> Option<ResourceKey> {
+    let run = labels.get(LABEL_RUN)?;
+    let node = LogicalNodeId::parse(labels.get(LABEL_NODE)?)?;
+    let attempt = labels.get(LABEL_ATTEMPT)?;
+    if attempt.starts_with('+') {
+        return None;
+    }
+    Some(ResourceKey {
+        run_id: RunId::new(run.clone()),
+        node,
+        attempt: NodeAttemptId(attempt.parse().ok()?),
+    })
+}
+
+fn session_id(lease: &LeaseId, started_at: &str) -> SessionId {
+    SessionId(format!("{}#{started_at}", lease.0))
+}
+
+/// Whether a container state is one whose process runs.
+fn is_running(c: &ContainerInspectResponse) -> bool {
+    c.state
+        .as_ref()
+        .is_some_and(|s| s.running == Some(true) || s.paused == Some(true))
+}
+
+fn started_at(c: &ContainerInspectResponse) -> String {
+    c.state
+        .as_ref()
+        .and_then(|s| s.started_at.clone())
+        .unwrap_or_default()
+}
+
+#[async_trait]
+impl Provider for DockerProvider {
+    fn kind(&self) -> &'static str {
+        "docker"
+    }
+
+    async fn create_lease(
+        &self,
+        key: &ResourceKey,
+        template: &NodeTemplate,
+    ) -> Result<LeaseGrant, ProviderError> {
+        let bad = |why: String| ProviderError::Definite(format!("docker provider: {why}"));
+        let options = NodeOptions::parse(template).map_err(bad)?;
+        options.check_host().map_err(bad)?;
+        let (name, lease) = Self::locate(key)?;
+        let grant = LeaseGrant {
+            lease,
+            endpoint: Some(NodeEndpoint(format!("docker:{name}"))),
+        };
+        let guard = self.lock_key(&name).await;
+        let result = async {
+            if self.inspect(key, &name).await?.is_some() {
+                return Ok(grant.clone());
+            }
+            let docker = &self.shared.docker;
+            let image = match &options.image {
+                None => self.agent_image().await?,
+                Some(image) => {
+                    match docker.inspect_image(image).await {
+                        Ok(_) => {}
+                        Err(e) if status(&e) == Some(404) => {
+                            return Err(bad(format!(
+                                "image {image} is not on the Docker engine at {}; no registry is used, so build or load it there first",
+                                self.shared.host
+                            )));
+                        }
+                        Err(e) => return Err(self.definite(format!("cannot look up image {image}"), &e)),
+                    }
+                    image.clone()
+                }
+            };
+            let body = self.container_body(key, image, &options, template);
+            let create = CreateContainerOptions {
+                name: Some(name.clone()),
+                ..Default::default()
+            };
+            match docker.create_container(Some(create), body).await {
+                Ok(_) => {
+                    tracing::debug!(%key, container = %name, "created a container");
+                    Ok(grant.clone())
+                }
+                // Made meanwhile (by another daemon on this engine): adopt
+                // it if it is this key's.
+                // The engine reserves the name before the other create
+                // finishes, so the container may not be visible at once.
+                Err(e) if status(&e) == Some(409) => {
+                    for _ in 0..ADOPT_POLLS {
+                        if self.inspect(key, &name).await?.is_some() {
+                            return Ok(grant.clone());
+                        }
+                        tokio::time::sleep(ADOPT_POLL_INTERVAL).await;
+                    }
+                    Err(ProviderError::Ambiguous(format!(
+                        "container {name} is being made by another call and did not appear: {}",
+                        self.describe(&e)
+                    )))
+                }
+                Err(e) => Err(self.refused_or_unknown(format!("cannot create container {name}"), &e)),
+            }
+        }
+        .await;
+        self.release_key(&name);
+        drop(guard);
+        result
+    }
+
+    async fn lookup_endpoint(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<NodeEndpoint, ProviderError> {
+        let name = Self::locate_lease(key, lease)?;
+        match self.inspect(key, &name).await? {
+            Some(_) => Ok(NodeEndpoint(format!("docker:{name}"))),
+            None => Err(ProviderError::Gone(format!(
+                "container {name} does not exist"
+            ))),
+        }
+    }
+
+    async fn start_bootstrap(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        _endpoint: &NodeEndpoint,
+        template: &NodeTemplate,
+    ) -> Result<BootstrapSession, ProviderError> {
+        let name = Self::locate_lease(key, lease)?;
+        let options = NodeOptions::parse(template)
+            .map_err(|why| ProviderError::Definite(format!("docker provider: {why}")))?;
+        let _guard = self.lock_key(&name).await;
+        let Some(container) = self.inspect(key, &name).await? else {
+            return Err(ProviderError::Gone(format!(
+                "container {name} does not exist"
+            )));
+        };
+        if is_running(&container) {
+            let started = started_at(&container);
+            let session = session_id(lease, &started);
+            tracing::debug!(session = %session.0, "adopting a running container");
+            return Ok(self.open_stream(&session, &name, &started));
+        }
+        self.upload(key, &name, options.image.is_some()).await?;
+        let docker = &self.shared.docker;
+        if let Err(e) = docker.start_container(&name, None).await {
+            // The engine answers 500 for a start that failed in the runtime
+            // (say, a missing executable); whether the container runs is
+            // what counts.
+            return match self.inspect(key, &name).await {
+                Ok(Some(c)) if is_running(&c) => {
+                    let started = started_at(&c);
+                    Ok(self.open_stream(&session_id(lease, &started), &name, &started))
+                }
+                Ok(_) => Err(self.definite(format!("cannot start container {name}"), &e)),
+                Err(_) => Err(ProviderError::Ambiguous(format!(
+                    "cannot start container {name}: {}",
+                    self.describe(&e)
+                ))),
+            };
+        }
+        let container = match self.inspect(key, &name).await? {
+            Some(c) => c,
+            None => {
+                return Err(ProviderError::Gone(format!(
+                    "container {name} was removed as it started"
+                )));
+            }
+        };
+        let started = started_at(&container);
+        let session = session_id(lease, &started);
+        tracing::debug!(session = %session.0, "started a container");
+        Ok(self.open_stream(&session, &name, &started))
+    }
+
+    async fn cancel_bootstrap(
+        &self,
+        key: &ResourceKey,
+        session: &SessionId,
+    ) -> Result<(), ProviderError> {
+        let (name, lease) = Self::locate(key)?;
+        let Some(started) = session
+            .0
+            .strip_prefix(&lease.0)
+            .and_then(|rest| rest.strip_prefix('#'))
+        else {
+            return Err(ProviderError::Definite(format!(
+                "session {} is not a session of key {key}",
+                session.0
+            )));
+        };
+        let _guard = self.lock_key(&name).await;
+        self.mark_cancelled(&name);
+        let Some(container) = self.inspect(key, &name).await? else {
+            return Ok(());
+        };
+        // A later start is another session, which this cancel must not end.
+        if !is_running(&container) || started_at(&container) != started {
+            return Ok(());
+        }
+        let grace = i32::try_from(self.shared.config.stop_grace.as_secs()).unwrap_or(i32::MAX);
+        let options = StopContainerOptions {
+            t: Some(grace),
+            ..Default::default()
+        };
+        match self
+            .shared
+            .docker
+            .stop_container(&name, Some(options))
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) if status(&e) == Some(404) => Ok(()),
+            Err(e) => Err(self.refused_or_unknown(format!("cannot stop container {name}"), &e)),
+        }
+    }
+
+    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+        let name = Self::locate_lease(key, lease)?;
+        let guard = self.lock_key(&name).await;
+        let result = async {
+            // Refuses a container of another key; absent is success.
+            if self.inspect(key, &name).await?.is_none() {
+                return Ok(());
+            }
+            self.mark_cancelled(&name);
+            let options = RemoveContainerOptions {
+                force: true,
+                v: true,
+                ..Default::default()
+            };
+            match self
+                .shared
+                .docker
+                .remove_container(&name, Some(options))
+                .await
+            {
+                Ok(()) => {
+                    tracing::debug!(%key, container = %name, "removed a container");
+                    Ok(())
+                }
+                Err(e) if status(&e) == Some(404) => Ok(()),
+                // 409: a removal is already under way; the retry sees it done.
+                Err(e) => Err(ProviderError::Ambiguous(format!(
+                    "cannot remove container {name}: {}",
+                    self.describe(&e)
+                ))),
+            }
+        }
+        .await;
+        self.release_key(&name);
+        drop(guard);
+        result
+    }
+
+    async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
+        validate_id(run_id.as_str()).map_err(|e| {
+            ProviderError::Definite(format!("run {run_id} cannot name containers: {e}"))
+        })?;
+        let options = ListContainersOptions {
+            all: true,
+            filters: Some(HashMap::from([(
+                "label".to_owned(),
+                vec![format!("{LABEL_RUN}={run_id}")],
+            )])),
+            ..Default::default()
+        };
+        let docker = &self.shared.docker;
+        let found = docker.list_containers(Some(options)).await.map_err(|e| {
+            self.definite(format!("cannot list the containers of run {run_id}"), &e)
+        })?;
+        let mut inventory = Inventory::new();
+        for summary in found {
+            let Some(key) = summary.labels.as_ref().and_then(key_of_labels) else {
+                tracing::warn!(id = ?summary.id, "ignoring a container of the run whose labels name no key");
+                continue;
+            };
+            let (name, lease) = Self::locate(&key)?;
+            let named = summary
+                .names
+                .iter()
+                .flatten()
+                .any(|n| n.trim_start_matches('/') == name);
+            if key.run_id != *run_id || !named {
+                tracing::warn!(id = ?summary.id, names = ?summary.names, "ignoring a container whose name does not match its labels");
+                continue;
+            }
+            // The listing does not say when a container started: ask.
+            let session = match self.inspect(&key, &name).await {
+                Ok(Some(c)) => is_running(&c).then(|| session_id(&lease, &started_at(&c))),
+                Ok(None) => continue,
+                Err(e) => return Err(e),
+            };
+            inventory.insert(
+                key,
+                OwnedResources {
+                    lease: Some(lease),
+                    session,
+                },
+            );
+        }
+        Ok(inventory)
+    }
+
+    fn owns_lease(&self, lease: &LeaseId) -> bool {
+        lease.0.starts_with("docker:")
+    }
+
+    fn owns_session(&self, session: &SessionId) -> bool {
+        session.0.starts_with("docker:")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn container_names_cannot_collide_across_keys() {
+        let key = |run: &str, node: &str| ResourceKey {
+            run_id: RunId::new(run),
+            node: LogicalNodeId::parse(node).unwrap(),
+            attempt: NodeAttemptId(3),
+        };
+        let a = DockerProvider::container_name(&key("a-b", "c-0"));
+        let b = DockerProvider::container_name(&key("a", "b-c-0"));
+        assert_eq!(a, "swactor_a-b_c-0_a3");
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn labels_map_back_to_their_key() {
+        let labels = HashMap::from([
+            (LABEL_RUN.to_owned(), "r".to_owned()),
+            (LABEL_NODE.to_owned(), "w-0".to_owned()),
+            (LABEL_ATTEMPT.to_owned(), "7".to_owned()),
+        ]);
+        let key = key_of_labels(&labels).unwrap();
+        assert_eq!(key.to_string(), "r/w-0/a7");
+        let mut bad = labels.clone();
+        bad.insert(LABEL_ATTEMPT.to_owned(), "+7".to_owned());
+        assert_eq!(key_of_labels(&bad), None);
+        bad.remove(LABEL_ATTEMPT);
+        assert_eq!(key_of_labels(&bad), None);
+    }
+
+    #[test]
+    fn a_dynamic_elf_is_told_from_a_static_one() {
+        // A minimal ELF64 header with one program header of the given type.
+        let elf = |kind: u32| {
+            let mut b = vec![0u8; 0x40 + 0x38];
+            b[..6].copy_from_slice(b"\x7fELF\x02\x01");
+            b[0x20..0x28].copy_from_slice(&0x40u64.to_le_bytes());
+            b[0x36..0x38].copy_from_slice(&0x38u16.to_le_bytes());
+            b[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+            b[0x40..0x44].copy_from_slice(&kind.to_le_bytes());
+            b
+        };
+        assert!(elf_interpreter(&elf(3)));
+        assert!(!elf_interpreter(&elf(1)));
+        assert!(!elf_interpreter(b"#!/bin/sh\n"));
+        let current = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        // Test binaries are linked dynamically unless built with crt-static.
+        if !cfg!(target_feature = "crt-static") {
+            assert!(elf_interpreter(&current));
+        }
+    }
+}
