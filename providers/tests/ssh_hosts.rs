@@ -399,3 +399,33 @@ async fn a_host_that_stops_answering_is_given_up_and_cleaned_once_it_is_back() {
     assert!(!dir.exists());
     p.destroy_lease(&k2, &other.lease).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_on_a_host_that_is_silent_at_a_restart_is_listed_from_its_record_and_collected() {
+    // A create that claimed a host, then the daemon died before its journal
+    // heard of the lease; at the restart the host does not answer.
+    let mut world = World::new(1, CONVERGING);
+    let t = world.template();
+    let k = key("w-2", 3);
+    let first = world.provider();
+    let grant = first.create_lease(&k, &t).await.unwrap();
+    assert_eq!(world.holder(&k), Some(0));
+    drop(first);
+    world.hosts[0].stop();
+
+    let second = world.provider();
+    second.learn_template(&t);
+    let listed = second.list(&RunId::new("r1")).await.unwrap();
+    // Listed from the local record, so the core collects it (or adopts it)
+    // instead of forgetting a claim it cannot see.
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[&k].lease.as_ref(), Some(&grant.lease));
+    assert_eq!(listed[&k].session, None);
+    // Another run's listing does not see it.
+    assert!(second.list(&RunId::new("r2")).await.unwrap().is_empty());
+
+    world.hosts[0].start_again();
+    second.destroy_lease(&k, &grant.lease).await.unwrap();
+    assert_eq!(world.claim(0), None, "the claim was released");
+    assert!(second.list(&RunId::new("r1")).await.unwrap().is_empty());
+}

@@ -1183,18 +1183,34 @@ impl Provider for SshHostsProvider {
         for host in hosts {
             let provider = self.clone();
             asked.spawn(async move {
-                let out = provider.run(&host, &remote::read_claim()).await.ok()?;
+                // `None`: the host did not answer; `Some(None)`: it holds no claim.
+                let Ok(out) = provider.run(&host, &remote::read_claim()).await else {
+                    return (host, None);
+                };
                 let text = String::from_utf8_lossy(&out.stdout);
-                let key = text.lines().next().and_then(remote::parse_claim)?;
+                let Some(key) = text.lines().next().and_then(remote::parse_claim) else {
+                    return (host, Some(None));
+                };
                 let dir = remote::node_dir(&key);
-                let out = provider.run(&host, &remote::agent_pid(&dir)).await.ok()?;
-                let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-                Some((host, key, pid))
+                let pid = match provider.run(&host, &remote::agent_pid(&dir)).await {
+                    Ok(out) => String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+                    // The claim is known; whether its agent runs is not.
+                    Err(_) => String::new(),
+                };
+                (host, Some(Some((key, pid))))
             });
         }
         let mut inventory = Inventory::new();
+        let mut silent = Vec::new();
         while let Some(found) = asked.join_next().await {
-            let Ok(Some((host, key, pid))) = found else {
+            let Ok((host, answer)) = found else {
+                continue;
+            };
+            let Some(claim) = answer else {
+                silent.push(host.target);
+                continue;
+            };
+            let Some((key, pid)) = claim else {
                 continue;
             };
             if key.run_id != *run_id || abandoned.contains(&(key.clone(), host.target.clone())) {
@@ -1207,6 +1223,25 @@ impl Provider for SshHostsProvider {
                     session: (!pid.is_empty()).then(|| session_of(&host, &key, &pid)),
                 },
             );
+        }
+        // A host that did not answer may hold the claims its lease records
+        // name (a create cut off by a crash leaves a claim the journal never
+        // heard of): listed as leases, they are adopted or collected once the
+        // host answers, instead of being forgotten on it.
+        for (key, record) in self.records(Some(run_id)) {
+            let target = record.host.target;
+            if silent.contains(&target)
+                && !abandoned.contains(&(key.clone(), target.clone()))
+                && !inventory.contains_key(&key)
+            {
+                inventory.insert(
+                    key,
+                    OwnedResources {
+                        lease: Some(LeaseId(format!("ssh:{target}"))),
+                        session: None,
+                    },
+                );
+            }
         }
         Ok(inventory)
     }
