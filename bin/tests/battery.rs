@@ -166,22 +166,7 @@ impl Backend {
 /// an attempt directory under one of `homes`).
 fn remote_agents(homes: &[PathBuf]) -> BTreeMap<(String, u64), Vec<u32>> {
     let mut out: BTreeMap<(String, u64), Vec<u32>> = BTreeMap::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
-            continue;
-        };
-        if !cmd.split(|b| *b == 0).any(|a| a == b"--attempt") || !alive(pid) {
-            continue;
-        }
-        let Ok(cwd) = std::fs::read_link(e.path().join("cwd")) else {
-            continue;
-        };
+    for (pid, cwd) in agent_cwds() {
         for home in homes {
             let Ok(rest) = cwd.strip_prefix(home.join(".swactor/nodes")) else {
                 continue;

@@ -98,29 +98,15 @@ impl Pool {
 
     /// Live agents on host `i`: attempt directory name → pids.
     fn agents_on(&self, i: usize) -> BTreeMap<String, Vec<u32>> {
-        let nodes = self.home(i).join(".swactor/nodes/ssh");
         let Ok(want) = self.home(i).canonicalize() else {
             return BTreeMap::new();
         };
         let mut out: BTreeMap<String, Vec<u32>> = BTreeMap::new();
-        for e in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else {
-                continue;
-            };
-            let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
-                continue;
-            };
-            if !cmd.split(|b| *b == 0).any(|a| a == b"--attempt") || !alive(pid) {
-                continue;
-            }
-            let Ok(cwd) = std::fs::read_link(e.path().join("cwd")) else {
-                continue;
-            };
+        for (pid, cwd) in agent_cwds() {
             if let Ok(rest) = cwd.strip_prefix(want.join(".swactor/nodes/ssh")) {
                 out.entry(rest.display().to_string()).or_default().push(pid);
             }
         }
-        let _ = nodes;
         out
     }
 

@@ -70,6 +70,7 @@ mod tar;
 pub use options::{CPUS_MAX, MEMORY_MB_MAX, MEMORY_MB_MIN, MOUNTS_MAX, check_template};
 
 use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
+use crate::lock;
 use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
 use async_trait::async_trait;
 use bollard::Docker;
@@ -86,7 +87,7 @@ use options::NodeOptions;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use swactor_provisioning::{
     LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, NodeTemplate, ResourceKey, RunId,
@@ -265,11 +266,6 @@ struct Shared {
     next_stream: AtomicU64,
     /// Serialises the calls for one container.
     key_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section is a single map operation; a panic cannot leave one half done.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The Docker provider. Cheap to clone; clones share state.

@@ -77,9 +77,8 @@ impl Drop for Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock leaves a consistent model behind
-        // (every mutation is a single call into the backend), so keep going.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        // Every mutation is a single call into the backend.
+        crate::lock(&self.state)
     }
 
     fn now(&self) -> Timestamp {

@@ -40,6 +40,13 @@ use swactor_provisioning::{
 };
 use tokio::sync::mpsc;
 
+/// Locks `m`, also after a panic in another holder: every provider keeps
+/// its critical sections to single map or model operations, so a poisoned
+/// lock guards nothing half-done.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// How a provider call failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {

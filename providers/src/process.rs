@@ -293,9 +293,7 @@ struct Shared {
 
 impl Shared {
     fn sessions(&self) -> MutexGuard<'_, HashMap<SessionId, SessionEntry>> {
-        // Every critical section is a single map operation; a panic cannot
-        // leave the map half-updated.
-        self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::lock(&self.sessions)
     }
 }
 

@@ -276,6 +276,30 @@ pub fn try_wait_converged(
     Err(Box::new(last))
 }
 
+/// Live agent processes (their command line has `--attempt`) and their
+/// working directories: where a provider started them.
+pub fn agent_cwds() -> Vec<(u32, PathBuf)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        if !cmd.split(|b| *b == 0).any(|a| a == b"--attempt") || !alive(pid) {
+            continue;
+        }
+        if let Ok(cwd) = std::fs::read_link(e.path().join("cwd")) {
+            out.push((pid, cwd));
+        }
+    }
+    out
+}
+
 /// Live agent processes of this state directory: (node, attempt) → pids.
 ///
 /// A child an agent forks (to run its boot check) carries the agent's command

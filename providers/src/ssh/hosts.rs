@@ -40,6 +40,7 @@
 use super::remote::{self, ALIVE_MARKER, EXIT_MARKER};
 use super::{ConnectOptions, KnownHosts, RemoteLine, SshError, SshIdentity, SshSession, SshTarget};
 use crate::credentials::AgentCredentials;
+use crate::lock;
 use crate::process::parse_agent_line;
 use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
 use async_trait::async_trait;
@@ -48,7 +49,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use swactor_provisioning::{
     BootstrapEvent, BootstrapStage, LeaseId, NodeEndpoint, NodeTemplate, ParamValue, ResourceKey,
@@ -324,11 +325,6 @@ struct Shared {
     key_locks: Mutex<HashMap<ResourceKey, Arc<tokio::sync::Mutex<()>>>>,
     /// The agent binary and its sha256, read on first use.
     binary: tokio::sync::OnceCell<(Arc<Vec<u8>>, String)>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every critical section is a map operation; a panic cannot leave one half done.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The `ssh` provider. Cheap to clone; clones share state.
