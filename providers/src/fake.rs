@@ -14,7 +14,7 @@
 use crate::{BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError};
 use async_trait::async_trait;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 use swactor_conformance::{BackendConfig, FakeBackend, LiveResource, Origin, ProviderFault};
 use swactor_engine::Clock;
