@@ -278,11 +278,16 @@ pub fn try_wait_converged(
 
 /// Live agent processes (their command line has `--attempt`) and their
 /// working directories: where a provider started them.
+///
+/// A child an agent forks (to run its boot check) carries the agent's command
+/// line and working directory until it calls `exec`; it is not a second
+/// agent, so a process whose parent is an agent in the same directory is left
+/// out (as `agents` does for local processes).
 pub fn agent_cwds() -> Vec<(u32, PathBuf)> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let mut out = Vec::new();
+    let mut found: Vec<(u32, u32, PathBuf)> = Vec::new();
     for e in dir.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else {
             continue;
@@ -293,11 +298,22 @@ pub fn agent_cwds() -> Vec<(u32, PathBuf)> {
         if !cmd.split(|b| *b == 0).any(|a| a == b"--attempt") || !alive(pid) {
             continue;
         }
+        let ppid = std::fs::read_to_string(e.path().join("stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or(0);
         if let Ok(cwd) = std::fs::read_link(e.path().join("cwd")) {
-            out.push((pid, cwd));
+            found.push((pid, ppid, cwd));
         }
     }
-    out
+    found
+        .iter()
+        .filter(|(_, ppid, cwd)| !found.iter().any(|(p, _, c)| p == ppid && c == cwd))
+        .map(|(pid, _, cwd)| (*pid, cwd.clone()))
+        .collect()
 }
 
 /// Live agent processes of this state directory: (node, attempt) → pids.
