@@ -15,7 +15,7 @@ use crate::words::cut;
 pub(crate) const PLACED_ON_HOSTS: &[&str] = &["ssh"];
 
 /// Provider kinds this daemon can drive.
-pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process", "ssh"];
+pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process", "ssh", "docker"];
 
 /// A shape as written in a file: the generation is optional (the daemon
 /// assigns the next one on apply, as a Kubernetes API server does).
@@ -273,11 +273,14 @@ impl ShapeFile {
             )
         })?;
         for g in &desired.groups {
-            if g.template.provider.kind == "ssh" {
-                swactor_providers::ssh::check_template(&g.template).map_err(|e| {
-                    anyhow::anyhow!("group {}: {e}; nothing was changed", cut(g.id.as_str()))
-                })?;
-            }
+            let checked = match g.template.provider.kind.as_str() {
+                "ssh" => swactor_providers::ssh::check_template(&g.template),
+                "docker" => swactor_providers::docker::check_template(&g.template),
+                _ => Ok(()),
+            };
+            checked.map_err(|e| {
+                anyhow::anyhow!("group {}: {e}; nothing was changed", cut(g.id.as_str()))
+            })?;
         }
         if desired.node_count() == 0 {
             let why = if self.groups.is_empty() {
