@@ -616,7 +616,9 @@ impl World {
             Some(s) => match serde_json::from_str::<Value>(s) {
                 Ok(Value::Object(m)) => m,
                 _ => {
-                    return Reply::invalid_args(format!("select_filters is not a JSON object: {s}"));
+                    return Reply::invalid_args(format!(
+                        "select_filters is not a JSON object: {s}"
+                    ));
                 }
             },
         };
