@@ -42,6 +42,19 @@
 //! from the create until the destroy. Dropping the [`VastMock`] stops every
 //! sshd.
 //!
+//! `ssh_port` is null until the first boot completes, then stays the same
+//! across stops and starts. Account keys added after a create do not reach
+//! that instance (the real service says it adds them to current instances;
+//! the mock keeps the create-time set so a provider cannot come to rely on
+//! that); attach a key to one instance instead.
+//!
+//! # Search
+//! Filters on fields an offer does not have are ignored; a bare value means
+//! `eq`; numbers may come as strings and `_` equals a space, as the official
+//! CLI sends them. `type` `bid`/`interruptible` prices offers at `min_bid`;
+//! `allocated_storage` is accepted and ignored. Without `order`, offers come
+//! by `score` descending; without `limit`, at most 64.
+//!
 //! # Rate limits
 //! A minimum interval per endpoint group ([`Endpoint`]) and key
 //! ([`RateLimits`], scaled by `RateLimits::scale`); a call inside the interval
@@ -74,6 +87,7 @@
 //! | `/admin/offers` | an [`Offer`] | [`VastMock::add_offer`] |
 //! | `/admin/ssh_keys` | `{"ssh_key":"ssh-ed25519 …"}` | [`VastMock::add_ssh_key`] |
 //! | `/admin/rate_scale` | `{"scale":0.01}` | [`VastMock::set_rate_scale`] |
+//! | `/admin/timings` | `{"provisioning_ms":N,"loading_ms":N,"restart_ms":N,"destroyed_visible_ms":N}` | [`VastMock::set_timings`] |
 //!
 //! A target `T` is a [`Selector`]: `{"id":N}` (an existing instance),
 //! `{"label":"x"}` (existing and future instances with the label),

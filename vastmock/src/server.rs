@@ -269,6 +269,15 @@ struct TargetBody {
 }
 
 #[derive(Deserialize)]
+struct TimingsBody {
+    provisioning_ms: u64,
+    loading_ms: u64,
+    restart_ms: u64,
+    #[serde(default)]
+    destroyed_visible_ms: u64,
+}
+
+#[derive(Deserialize)]
 struct OfferGoneBody {
     offer_id: u64,
     /// `None` clears the knob for the offer.
@@ -358,6 +367,21 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
                     .and_then(Value::as_f64)
                     .ok_or("scale missing")?;
                 w.set_rate_scale(scale)?;
+                ok()
+            })
+        }),
+    )
+    .route(
+        "/admin/timings",
+        post(|State(s): S, b: Bytes| {
+            admin(s, move |w, _| {
+                let t: TimingsBody = parse(&b)?;
+                w.set_timings(crate::Timings {
+                    provisioning: Duration::from_millis(t.provisioning_ms),
+                    loading: Duration::from_millis(t.loading_ms),
+                    restart: Duration::from_millis(t.restart_ms),
+                    destroyed_visible: Duration::from_millis(t.destroyed_visible_ms),
+                });
                 ok()
             })
         }),

@@ -394,9 +394,19 @@ impl World {
             "select_cols",
             "q",
         ];
+        // Interruptible searches price offers at their minimum bid.
+        let bid = match q.get("type").and_then(Value::as_str) {
+            None | Some("on-demand") | Some("ask") | Some("reserved") => false,
+            Some("bid") | Some("interruptible") => true,
+            Some(other) => return Reply::invalid_args(format!("unknown search type {other:?}")),
+        };
         let mut rows = Vec::new();
         for offer in self.offers.values() {
-            let row = offer.to_json(self.rented.contains_key(&offer.id));
+            let mut row = offer.to_json(self.rented.contains_key(&offer.id));
+            if bid {
+                row["dph_total"] = json!(offer.min_bid);
+                row["is_bid"] = json!(true);
+            }
             match filter::matches(&row, q, &SPECIAL) {
                 Ok(true) => rows.push(row),
                 Ok(false) => {}

@@ -303,6 +303,14 @@ fn search_filters_orders_and_limits_offers() {
         .collect();
     assert_eq!(names, ["RTX 3090", "RTX 3060"]);
     assert_eq!(search(json!({"limit": 3})).len(), 3);
+    // Interruptible searches show the minimum bid as the price.
+    let bids = search(json!({"type": "bid", "id": {"eq": 3_100_001}}));
+    assert_eq!(bids[0]["dph_total"], 0.175);
+    assert_eq!(
+        api.post("/api/v0/bundles/", json!({"type": "lease"}))
+            .status,
+        400
+    );
 
     // A rented offer leaves `rentable` searches.
     api.create(3_100_001, "x");
