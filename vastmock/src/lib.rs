@@ -149,6 +149,22 @@ pub enum StartError {
 
 /// A running mock; stops its server and every instance's sshd when dropped.
 ///
+/// ```
+/// use std::time::Duration;
+/// use swactor_vastmock::{Ambiguity, MockConfig, Selector, VastMock};
+///
+/// let mock = VastMock::start(MockConfig::fast())?;
+/// // Point the client at it: `VAST_URL`/`--url` = mock.url(), key = mock.api_key().
+/// assert!(mock.url().starts_with("http://127.0.0.1:"));
+/// mock.ambiguous_create(Ambiguity::Drop, 1);
+/// mock.stuck_loading(Selector::Label("run-7/slot-0".into()));
+/// mock.listing_lag(Duration::from_millis(500));
+/// // … run the code under test, then look:
+/// assert_eq!(mock.creates_per_label().get("run-7/slot-0"), None);
+/// assert_eq!(mock.live_instances(), 0);
+/// # Ok::<(), swactor_vastmock::StartError>(())
+/// ```
+///
 /// Every method is synchronous and may be called from any thread, inside a
 /// tokio runtime or not. Methods that look at instances first apply what
 /// time has decided (see the crate doc), which can start an sshd: they may
