@@ -118,12 +118,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use world::World;
 
+/// A knob or configuration value the mock cannot honour; the message says which.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidArgument(pub String);
+
 /// Why the mock did not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// The configuration is not valid.
-    #[error("invalid mock configuration: {0}")]
-    Config(String),
+    #[error("invalid mock configuration")]
+    Config(#[source] InvalidArgument),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}")]
     Bind {
@@ -282,8 +287,11 @@ impl VastMock {
     ///
     /// # Errors
     /// When an offer with its id exists.
-    pub fn add_offer(&self, offer: Offer) -> Result<(), String> {
-        self.shared.world().add_offer(offer)
+    pub fn add_offer(&self, offer: Offer) -> Result<(), InvalidArgument> {
+        self.shared
+            .world()
+            .add_offer(offer)
+            .map_err(InvalidArgument)
     }
 
     /// Every offer as the search lists it (rented ones included).
@@ -301,16 +309,22 @@ impl VastMock {
     ///
     /// # Errors
     /// When it is not an OpenSSH public key.
-    pub fn add_ssh_key(&self, key: &str) -> Result<u64, String> {
-        self.shared.world().add_account_key(key)
+    pub fn add_ssh_key(&self, key: &str) -> Result<u64, InvalidArgument> {
+        self.shared
+            .world()
+            .add_account_key(key)
+            .map_err(InvalidArgument)
     }
 
     /// Sets the factor on every rate-limit interval (0 turns limits off).
     ///
     /// # Errors
     /// A negative or non-finite factor.
-    pub fn set_rate_scale(&self, scale: f64) -> Result<(), String> {
-        self.shared.world().set_rate_scale(scale)
+    pub fn set_rate_scale(&self, scale: f64) -> Result<(), InvalidArgument> {
+        self.shared
+            .world()
+            .set_rate_scale(scale)
+            .map_err(InvalidArgument)
     }
 
     /// Replaces the rate limits (intervals and scale).
@@ -400,8 +414,8 @@ impl VastMock {
     ///
     /// # Errors
     /// A status outside 500..=599.
-    pub fn flaky_destroy(&self, count: u32, status: u16) -> Result<(), String> {
-        set_flaky_destroy(&mut self.shared.world(), count, status)
+    pub fn flaky_destroy(&self, count: u32, status: u16) -> Result<(), InvalidArgument> {
+        set_flaky_destroy(&mut self.shared.world(), count, status).map_err(InvalidArgument)
     }
 
     /// Each rate-limited call fails with 500, 502 or 503 (changing nothing)
@@ -409,8 +423,8 @@ impl VastMock {
     ///
     /// # Errors
     /// A probability outside [0, 1].
-    pub fn random_5xx(&self, probability: f64, seed: u64) -> Result<(), String> {
-        set_random_5xx(&mut self.shared.world(), probability, seed)
+    pub fn random_5xx(&self, probability: f64, seed: u64) -> Result<(), InvalidArgument> {
+        set_random_5xx(&mut self.shared.world(), probability, seed).map_err(InvalidArgument)
     }
 
     /// Clears every knob (instances keep the faults already stamped on them).

@@ -216,6 +216,18 @@ pub struct InstanceView {
     pub row: Value,
 }
 
+impl InstanceView {
+    /// `root@127.0.0.1:{ssh_port}`, once it has a port (whether or not an
+    /// sshd answers there now: see [`InstanceView::ssh_up`]).
+    pub fn ssh_target(&self) -> Option<swactor_providers::ssh::SshTarget> {
+        Some(swactor_providers::ssh::SshTarget {
+            user: "root".to_owned(),
+            host: "127.0.0.1".to_owned(),
+            port: self.ssh_port?,
+        })
+    }
+}
+
 /// The creation counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Counters {
