@@ -59,7 +59,8 @@
 //! A minimum interval per endpoint group ([`Endpoint`]) and key
 //! ([`RateLimits`], scaled by `RateLimits::scale`); a call inside the interval
 //! after the last *accepted* call gets 429
-//! `{"detail":"API requests too frequent endpoint threshold=…"}`, no
+//! `{"detail":"API requests too frequent endpoint threshold=…"}` (or the
+//! same as plain text, see [`VastMock::rate_limit_text`]), no
 //! `Retry-After`. Refused calls do not move the window.
 //!
 //! # Order of checks
@@ -74,6 +75,7 @@
 //! |---|---|---|
 //! | `/admin/faults/offer_gone` | `{"offer_id":N,"kind":"not_found"\|"unavailable"\|null}` | [`VastMock::offer_gone`] |
 //! | `/admin/faults/rate_burst` | `{"endpoint":"create","count":K}` | [`VastMock::rate_burst`] |
+//! | `/admin/faults/rate_limit_text` | `{"text":true}` | [`VastMock::rate_limit_text`] |
 //! | `/admin/faults/slow_loading` | `{"target":T,"loading_ms":N}` | [`VastMock::slow_loading`] |
 //! | `/admin/faults/stuck_loading` | `{"target":T}` | [`VastMock::stuck_loading`] |
 //! | `/admin/faults/boot_failure` | `{"target":T}` | [`VastMock::boot_failure`] |
@@ -425,6 +427,12 @@ impl VastMock {
     /// A probability outside [0, 1].
     pub fn random_5xx(&self, probability: f64, seed: u64) -> Result<(), InvalidArgument> {
         set_random_5xx(&mut self.shared.world(), probability, seed).map_err(InvalidArgument)
+    }
+
+    /// 429 answers carry plain text (`API requests too frequent …`) instead
+    /// of JSON `{"detail": …}` when `text`; Vast.ai answers both ways.
+    pub fn rate_limit_text(&self, text: bool) {
+        self.shared.world().faults.text_429 = text;
     }
 
     /// Clears every knob (instances keep the faults already stamped on them).

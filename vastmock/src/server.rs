@@ -410,6 +410,19 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
         }),
     )
     .route(
+        "/admin/faults/rate_limit_text",
+        post(|State(s): S, b: Bytes| {
+            admin(s, move |w, _| {
+                let v: Value = parse(&b)?;
+                w.faults.text_429 = v
+                    .get("text")
+                    .and_then(Value::as_bool)
+                    .ok_or("text missing")?;
+                ok()
+            })
+        }),
+    )
+    .route(
         "/admin/faults/slow_loading",
         post(|State(s): S, b: Bytes| {
             admin(s, move |w, now| {

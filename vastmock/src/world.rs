@@ -77,14 +77,21 @@ impl Reply {
         )
     }
 
-    fn too_frequent(interval: Duration) -> Self {
-        Self::json(
-            429,
-            json!({"detail": format!(
-                "API requests too frequent endpoint threshold={:.2}s",
-                interval.as_secs_f64()
-            )}),
-        )
+    /// A 429: JSON `{"detail": …}`, or the same words as plain text.
+    fn too_frequent(interval: Duration, text: bool) -> Self {
+        let detail = format!(
+            "API requests too frequent endpoint threshold={:.2}s",
+            interval.as_secs_f64()
+        );
+        if text {
+            Self {
+                status: 429,
+                body: Body::Text(detail, "text/plain; charset=utf-8"),
+                after: After::Respond,
+            }
+        } else {
+            Self::json(429, json!({ "detail": detail }))
+        }
     }
 
     fn server_error(status: u16) -> Self {
@@ -334,13 +341,16 @@ impl World {
         if let Some(endpoint) = call.endpoint() {
             let interval = self.rate_limits.interval(endpoint);
             if self.faults.take_burst(endpoint) {
-                return Reply::too_frequent(interval.max(Duration::from_millis(100)));
+                return Reply::too_frequent(
+                    interval.max(Duration::from_millis(100)),
+                    self.faults.text_429,
+                );
             }
             let slot = (key.to_owned(), endpoint);
             if let Some(last) = self.last_call.get(&slot)
                 && now < *last + interval
             {
-                return Reply::too_frequent(interval);
+                return Reply::too_frequent(interval, self.faults.text_429);
             }
             self.last_call.insert(slot, now);
             if let Some(status) = self.faults.roll_5xx() {

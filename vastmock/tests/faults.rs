@@ -100,6 +100,20 @@ fn a_rate_burst_refuses_the_next_calls_of_one_endpoint() {
     );
     assert_eq!(r.status, 429);
     api.create(OFFER, "after-burst");
+
+    // Plain-text 429s.
+    let r = api.post("/admin/faults/rate_limit_text", json!({"text": true}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    mock.rate_burst(Endpoint::Show, 1);
+    let r = api.get("/api/v0/instances/1/");
+    assert_eq!(r.status, 429);
+    assert!(
+        r.body.starts_with("API requests too frequent"),
+        "{}",
+        r.body
+    );
+    assert!(r.head.contains("content-type: text/plain"), "{}", r.head);
+    mock.rate_limit_text(false);
 }
 
 #[test]
