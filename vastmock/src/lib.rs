@@ -48,6 +48,17 @@
 //! the mock keeps the create-time set so a provider cannot come to rely on
 //! that); attach a key to one instance instead.
 //!
+//! # Caveats
+//! - A machine is not a container: SSH commands run on this machine, as
+//!   root, in the machine's home directory (`$HOME`), like any
+//!   [`swactor_providers::ssh::testing::Sshd`] host. `image` is only recorded.
+//! - `onstart` is never run (only read for keys), and `env` is only
+//!   listed in `extra_env`: neither reaches SSH sessions.
+//! - One account and one key. Bulk routes (`PUT`/`DELETE /instances/`,
+//!   `POST /asks/bulk/`), templates, volumes and billing are not served.
+//! - Nothing is persisted: a restarted binary starts empty (leftover
+//!   machine directories in a given `--state-dir` are not adopted).
+//!
 //! # Search
 //! Filters on fields an offer does not have are ignored; a bare value means
 //! `eq`; numbers may come as strings and `_` equals a space, as the official
