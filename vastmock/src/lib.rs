@@ -38,8 +38,9 @@
 //! `onstart` or in an `env` value, plus keys attached later. Stopping stops
 //! the sshd (`ports` null); starting again goes through `loading` for
 //! `Timings::restart` and restarts it on the same port; destroying stops it
-//! and removes the directory. The offer is `rented` (and not `rentable`)
-//! from the create until the destroy. Dropping the [`VastMock`] stops every
+//! and removes the directory; the instance then vanishes, or shows
+//! `destroyed` for `Timings::destroyed_visible`. The offer is `rented` (and
+//! not `rentable`) from the create until the destroy. Dropping the [`VastMock`] stops every
 //! sshd.
 //!
 //! `ssh_port` is null until the first boot completes, then stays the same
@@ -72,7 +73,7 @@
 //! after the last *accepted* call gets 429
 //! `{"detail":"API requests too frequent endpoint threshold=…"}` (or the
 //! same as plain text, see [`VastMock::rate_limit_text`]), no
-//! `Retry-After`. Refused calls do not move the window.
+//! `Retry-After`. A refused (429) call does not move the window.
 //!
 //! # Order of checks
 //! Authentication, then a pending 429 burst, then the rate limit, then a
