@@ -1,0 +1,486 @@
+//! A stateful Vast.ai API mock for tests: real HTTP on loopback, a real sshd per running instance, fault knobs.
+//!
+//! [`VastMock::start`] serves, on its own thread and tokio runtime, the
+//! parts of the Vast.ai REST API that the official `vastai` client (1.9.1)
+//! and Swactor's provider use:
+//!
+//! | Route | Does |
+//! |---|---|
+//! | `POST /api/v0/bundles/` | search offers: filters (`eq` `neq` `lt` `lte` `gt` `gte` `in` `notin`), `order`, `limit`, `type` |
+//! | `PUT /api/v0/asks/{offer}/` | create (rent): `image`, `disk`, `label`, `onstart`, `runtype`, `env`, `cancel_unavail`, `price` |
+//! | `GET /api/v0/instances/` | v0 listing `{"instances":[…]}` |
+//! | `GET /api/v1/instances/` | v1 listing: `select_filters`, `order_by`, `limit` (≤ 25), `after_token`, `select_cols`; `next_token`, `total_instances`, `label_counts` |
+//! | `GET /api/v0/instances/filters/` | distinct status/verification/GPU combinations (the CLI asks) |
+//! | `GET /api/v0/instances/{id}/` | show; `{"instances": null}` when absent |
+//! | `PUT /api/v0/instances/{id}/` | `{"label": …}` and/or `{"state": "stopped" \| "running"}` |
+//! | `DELETE /api/v0/instances/{id}/` | destroy |
+//! | `POST/GET /api/v0/ssh/`, `DELETE /api/v0/ssh/{id}/` | account SSH keys |
+//! | `POST /api/v0/instances/{id}/ssh/` | attach a key to one instance (its sshd accepts it at once) |
+//! | `GET /api/v0/users/current/` | a fixed user (the CLI asks to learn its role) |
+//!
+//! Every route works with and without its trailing slash. Authentication
+//! is `Authorization: Bearer KEY` or `?api_key=KEY`; a missing or wrong key
+//! gets 401 `{"success":false,"error":"auth_error","msg":"Invalid user key"}`.
+//! The base URL ([`VastMock::url`], no trailing slash) works as `VAST_URL`
+//! for the official client and for a client appending `/api/v0/...`.
+//!
+//! # Instances
+//! An instance is `null` (provisioning), then `loading`, then `running`,
+//! with the [`Timings`] of the configuration (computed from the creation
+//! instant whenever the mock is asked; nothing runs in the background).
+//! Each instance has a machine directory `{state_dir}/machines/{id}`; when
+//! it becomes `running`, an OpenSSH server
+//! ([`swactor_providers::ssh::testing::Sshd`]) starts there on a loopback
+//! port and `ssh_host`/`ssh_port`/`public_ipaddr`/`ports["22/tcp"]` name it.
+//! Its `authorized_keys` holds the account's keys as of the create, plus
+//! every OpenSSH public key (`ssh-ed25519 AAAA…`, `ssh-rsa …`, `ecdsa-sha2-…`,
+//! `sk-…`; type and blob, comment dropped) written anywhere in the create's
+//! `onstart` or in an `env` value, plus keys attached later. Stopping stops
+//! the sshd (`ports` null); starting again goes through `loading` for
+//! `Timings::restart` and restarts it on the same port; destroying stops it
+//! and removes the directory. The offer is `rented` (and not `rentable`)
+//! from the create until the destroy. Dropping the [`VastMock`] stops every
+//! sshd.
+//!
+//! # Rate limits
+//! A minimum interval per endpoint group ([`Endpoint`]) and key
+//! ([`RateLimits`], scaled by `RateLimits::scale`); a call inside the interval
+//! after the last *accepted* call gets 429
+//! `{"detail":"API requests too frequent endpoint threshold=…"}`, no
+//! `Retry-After`. Refused calls do not move the window.
+//!
+//! # Order of checks
+//! Authentication, then a pending 429 burst, then the rate limit, then a
+//! random 5xx (which changes nothing), then the call itself.
+//!
+//! # Fault knobs
+//! Each knob is a method of [`VastMock`] and an admin route (`POST`, JSON
+//! body, no authentication; answers `{"success":true,…}` or 400):
+//!
+//! | Admin route | Body | Rust |
+//! |---|---|---|
+//! | `/admin/faults/offer_gone` | `{"offer_id":N,"kind":"not_found"\|"unavailable"\|null}` | [`VastMock::offer_gone`] |
+//! | `/admin/faults/rate_burst` | `{"endpoint":"create","count":K}` | [`VastMock::rate_burst`] |
+//! | `/admin/faults/slow_loading` | `{"target":T,"loading_ms":N}` | [`VastMock::slow_loading`] |
+//! | `/admin/faults/stuck_loading` | `{"target":T}` | [`VastMock::stuck_loading`] |
+//! | `/admin/faults/boot_failure` | `{"target":T}` | [`VastMock::boot_failure`] |
+//! | `/admin/faults/ssh_never_ready` | `{"target":T}` | [`VastMock::ssh_never_ready`] |
+//! | `/admin/faults/kill` | `{"target":{"id":N}\|{"label":"x"},"death":"exited"\|"offline"\|"vanished"}` | [`VastMock::kill`] |
+//! | `/admin/faults/ambiguous_create` | `{"kind":{"timeout":{"hold_ms":N}}\|"drop"\|"bad_gateway","count":K}` | [`VastMock::ambiguous_create`] |
+//! | `/admin/faults/listing_lag` | `{"lag_ms":N}` | [`VastMock::listing_lag`] |
+//! | `/admin/faults/flaky_destroy` | `{"count":K,"status":500}` | [`VastMock::flaky_destroy`] |
+//! | `/admin/faults/random_5xx` | `{"probability":P,"seed":S}` | [`VastMock::random_5xx`] |
+//! | `/admin/faults/clear` | none | [`VastMock::clear_faults`] |
+//! | `/admin/offers` | an [`Offer`] | [`VastMock::add_offer`] |
+//! | `/admin/ssh_keys` | `{"ssh_key":"ssh-ed25519 …"}` | [`VastMock::add_ssh_key`] |
+//! | `/admin/rate_scale` | `{"scale":0.01}` | [`VastMock::set_rate_scale`] |
+//!
+//! A target `T` is a [`Selector`]: `{"id":N}` (an existing instance),
+//! `{"label":"x"}` (existing and future instances with the label),
+//! `{"next":K}` (the next K creates) or `"all_new"`. `GET /admin/counters`
+//! answers `{"creates_total","creates_per_label","live_instances"}` and
+//! `GET /admin/state` adds `"instances"` (rows, destroyed ones included)
+//! and `"offers"`.
+
+#![recursion_limit = "256"] // `json!` rows of ~50 fields (offers, instances).
+
+mod config;
+mod faults;
+mod filter;
+mod machine;
+mod server;
+mod world;
+
+pub use config::{Endpoint, MockConfig, Offer, RateLimits, Timings, default_offers};
+pub use faults::{Ambiguity, Death, Gone, Selector};
+pub use world::InstanceView;
+
+use faults::{InstanceFault, SplitMix64};
+use serde_json::{Value, json};
+use server::Shared;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use world::World;
+
+/// Why the mock did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The configuration is not valid.
+    #[error("invalid mock configuration: {0}")]
+    Config(String),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The state directory could not be made.
+    #[error("cannot make the state directory {path}")]
+    StateDir {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server thread or runtime could not start.
+    #[error("cannot start the server thread")]
+    Runtime(#[source] std::io::Error),
+}
+
+/// A running mock; stops its server and every instance's sshd when dropped.
+///
+/// Every method is synchronous and may be called from any thread, inside a
+/// tokio runtime or not. Methods that look at instances first apply what
+/// time has decided (see the crate doc), which can start an sshd: they may
+/// block for about 100 ms per instance that has just become `running`.
+#[derive(Debug)]
+pub struct VastMock {
+    shared: Arc<Shared>,
+    url: String,
+    api_key: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Holds the state directory when the mock made it.
+    _temp: Option<tempfile::TempDir>,
+    state_dir: PathBuf,
+}
+
+impl VastMock {
+    /// Starts the mock: binds the listen address, then serves on a thread of
+    /// its own. Returns once it accepts connections.
+    ///
+    /// # Errors
+    /// An invalid configuration, an address that cannot be bound, a state
+    /// directory that cannot be made.
+    pub fn start(config: MockConfig) -> Result<Self, StartError> {
+        config.validate().map_err(StartError::Config)?;
+        let (temp, state_dir) = match &config.state_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir).map_err(|source| StartError::StateDir {
+                    path: dir.clone(),
+                    source,
+                })?;
+                (None, dir.clone())
+            }
+            None => {
+                let temp = tempfile::Builder::new()
+                    .prefix("swactor-vastmock-")
+                    .tempdir()
+                    .map_err(|source| StartError::StateDir {
+                        path: std::env::temp_dir(),
+                        source,
+                    })?;
+                let dir = temp.path().to_owned();
+                (Some(temp), dir)
+            }
+        };
+        let machines = state_dir.join("machines");
+        std::fs::create_dir_all(&machines).map_err(|source| StartError::StateDir {
+            path: machines.clone(),
+            source,
+        })?;
+        let listener =
+            std::net::TcpListener::bind(config.listen).map_err(|source| StartError::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(StartError::Runtime)?;
+        let api_key = config.api_key.clone().unwrap_or_else(made_up_key);
+        let shared = Arc::new(Shared::new(World::new(&config, api_key.clone(), machines)));
+        let app = server::router(shared.clone());
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(StartError::Runtime)?;
+        let thread = std::thread::Builder::new()
+            .name(format!("vastmock-{}", addr.port()))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    match tokio::net::TcpListener::from_std(listener) {
+                        Ok(listener) => server::serve(listener, app, stopped).await,
+                        Err(e) => eprintln!("swactor-vastmock: cannot serve: {e}"),
+                    }
+                });
+                // Connections still open are dropped; a call still starting
+                // an sshd gets a moment to finish.
+                runtime.shutdown_timeout(Duration::from_secs(2));
+            })
+            .map_err(StartError::Runtime)?;
+        Ok(Self {
+            shared,
+            url: format!("http://{addr}"),
+            api_key,
+            stop: Some(stop),
+            thread: Some(thread),
+            _temp: temp,
+            state_dir,
+        })
+    }
+
+    /// The base URL, `http://127.0.0.1:PORT` (no trailing slash): what
+    /// `VAST_URL` or `--url` takes; the API is under `{url}/api/v0/`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The account's API key.
+    pub fn api_key(&self) -> &str {
+        &self.api_key
+    }
+
+    /// The state directory (machine directories are under `machines/`).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    // ---- catalogue, keys, limits --------------------------------------------
+
+    /// Adds an offer to the catalogue.
+    ///
+    /// # Errors
+    /// When an offer with its id exists.
+    pub fn add_offer(&self, offer: Offer) -> Result<(), String> {
+        self.shared.world().add_offer(offer)
+    }
+
+    /// Every offer as the search lists it (rented ones included).
+    pub fn offers(&self) -> Vec<Value> {
+        self.shared.world().offers_json()
+    }
+
+    /// Whether the offer is rented now (`None`: no such offer).
+    pub fn offer_rented(&self, offer_id: u64) -> Option<bool> {
+        self.shared.world().offer_rented(offer_id)
+    }
+
+    /// Adds an account SSH key (`authorized_keys` line); returns its id.
+    /// Instances created from now on accept it.
+    ///
+    /// # Errors
+    /// When it is not an OpenSSH public key.
+    pub fn add_ssh_key(&self, key: &str) -> Result<u64, String> {
+        self.shared.world().add_account_key(key)
+    }
+
+    /// Sets the factor on every rate-limit interval (0 turns limits off).
+    ///
+    /// # Errors
+    /// A negative or non-finite factor.
+    pub fn set_rate_scale(&self, scale: f64) -> Result<(), String> {
+        self.shared.world().set_rate_scale(scale)
+    }
+
+    /// Replaces the rate limits (intervals and scale).
+    pub fn set_rate_limits(&self, limits: RateLimits) {
+        self.shared.world().set_rate_limits(limits);
+    }
+
+    /// Replaces the boot timings for instances created (or started) from now on.
+    pub fn set_timings(&self, timings: Timings) {
+        self.shared.world().set_timings(timings);
+    }
+
+    // ---- fault knobs --------------------------------------------------------
+
+    /// Makes renting `offer_id` fail as `kind` says (see [`Gone`]); `None` clears it.
+    pub fn offer_gone(&self, offer_id: u64, kind: Option<Gone>) {
+        let mut w = self.shared.world();
+        match kind {
+            Some(kind) => w.faults.offers_gone.insert(offer_id, kind),
+            None => w.faults.offers_gone.remove(&offer_id),
+        };
+    }
+
+    /// The next `count` calls of `endpoint` (any key) get 429.
+    pub fn rate_burst(&self, endpoint: Endpoint, count: u32) {
+        self.shared
+            .world()
+            .faults
+            .rate_bursts
+            .insert(endpoint, count);
+    }
+
+    /// Loading takes `loading` for the targeted instances (a booting one
+    /// counts it from its creation).
+    pub fn slow_loading(&self, target: Selector, loading: Duration) {
+        self.shared.world().instance_fault(
+            &target,
+            InstanceFault::SlowLoading(loading),
+            Instant::now(),
+        );
+    }
+
+    /// The targeted instances never leave `loading`.
+    pub fn stuck_loading(&self, target: Selector) {
+        self.shared
+            .world()
+            .instance_fault(&target, InstanceFault::StuckLoading, Instant::now());
+    }
+
+    /// The targeted instances end their loading as `created` with an
+    /// "OCI runtime create failed" `status_msg`, and never run.
+    pub fn boot_failure(&self, target: Selector) {
+        self.shared
+            .world()
+            .instance_fault(&target, InstanceFault::BootFailure, Instant::now());
+    }
+
+    /// The targeted instances run, with ports, but no sshd answers (a running
+    /// one loses its sshd now).
+    pub fn ssh_never_ready(&self, target: Selector) {
+        self.shared
+            .world()
+            .instance_fault(&target, InstanceFault::SshNeverReady, Instant::now());
+    }
+
+    /// Kills the instances `target` names now ([`Selector::Id`] or
+    /// [`Selector::Label`]; others name nothing); returns how many died.
+    pub fn kill(&self, target: Selector, death: Death) -> usize {
+        self.shared.world().kill(&target, death, Instant::now())
+    }
+
+    /// The next `count` creates commit, then answer as `kind` says.
+    pub fn ambiguous_create(&self, kind: Ambiguity, count: u32) {
+        let mut w = self.shared.world();
+        for _ in 0..count {
+            w.faults.ambiguous.push(kind);
+        }
+    }
+
+    /// Instances created from now on stay out of listings (v0, v1, label
+    /// filters) for `lag`; `GET /instances/{id}/` shows them at once.
+    pub fn listing_lag(&self, lag: Duration) {
+        self.shared.world().faults.listing_lag = lag;
+    }
+
+    /// The next `count` destroys answer `status` (5xx) and destroy nothing.
+    ///
+    /// # Errors
+    /// A status outside 500..=599.
+    pub fn flaky_destroy(&self, count: u32, status: u16) -> Result<(), String> {
+        set_flaky_destroy(&mut self.shared.world(), count, status)
+    }
+
+    /// Each rate-limited call fails with 500, 502 or 503 (changing nothing)
+    /// with probability `probability`, from a generator seeded with `seed`.
+    ///
+    /// # Errors
+    /// A probability outside [0, 1].
+    pub fn random_5xx(&self, probability: f64, seed: u64) -> Result<(), String> {
+        set_random_5xx(&mut self.shared.world(), probability, seed)
+    }
+
+    /// Clears every knob (instances keep the faults already stamped on them).
+    pub fn clear_faults(&self) {
+        clear_faults(&mut self.shared.world());
+    }
+
+    // ---- counters and state -------------------------------------------------
+
+    /// Committed creates per label, ambiguous ones included; unlabeled
+    /// creates count under `""`.
+    pub fn creates_per_label(&self) -> BTreeMap<String, u64> {
+        self.shared.world().counters().creates_per_label
+    }
+
+    /// Committed creates in all.
+    pub fn creates_total(&self) -> u64 {
+        self.shared.world().counters().creates_total
+    }
+
+    /// Instances that exist and are not destroyed.
+    pub fn live_instances(&self) -> usize {
+        let mut w = self.shared.world();
+        w.settle(Instant::now());
+        w.live_instances()
+    }
+
+    /// Every instance now (destroyed ones still in their grace period included).
+    pub fn instances(&self) -> Vec<InstanceView> {
+        let mut w = self.shared.world();
+        let now = Instant::now();
+        w.settle(now);
+        w.views(now)
+    }
+
+    /// One instance now.
+    pub fn instance(&self, id: u64) -> Option<InstanceView> {
+        self.instances().into_iter().find(|i| i.id == id)
+    }
+}
+
+impl Drop for VastMock {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let mut w = self.shared.world();
+        w.shutdown();
+        let _ = std::fs::remove_dir(w.machines_dir());
+    }
+}
+
+fn made_up_key() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut rng = SplitMix64::new(nanos ^ u64::from(std::process::id()).rotate_left(32));
+    format!("mock{:016x}{:016x}", rng.next_u64(), rng.next_u64())
+}
+
+pub(crate) fn set_flaky_destroy(w: &mut World, count: u32, status: u16) -> Result<(), String> {
+    if !(500..=599).contains(&status) {
+        return Err(format!("flaky destroy status must be 5xx, got {status}"));
+    }
+    w.faults.flaky_destroys = count;
+    w.faults.flaky_destroy_status = status;
+    Ok(())
+}
+
+pub(crate) fn set_random_5xx(w: &mut World, probability: f64, seed: u64) -> Result<(), String> {
+    if !(0.0..=1.0).contains(&probability) {
+        return Err(format!("probability must be in [0, 1], got {probability}"));
+    }
+    w.faults.random_5xx = (probability > 0.0).then(|| (probability, SplitMix64::new(seed)));
+    Ok(())
+}
+
+pub(crate) fn clear_faults(w: &mut World) {
+    w.faults = faults::Faults {
+        flaky_destroy_status: 500,
+        ..faults::Faults::default()
+    };
+}
+
+pub(crate) fn admin_counters(w: &mut World) -> Value {
+    let c = w.counters();
+    json!({
+        "creates_total": c.creates_total,
+        "creates_per_label": c.creates_per_label,
+        "live_instances": w.live_instances(),
+    })
+}
+
+pub(crate) fn admin_state(w: &mut World, now: Instant) -> Value {
+    w.settle(now);
+    let mut state = admin_counters(w);
+    state["instances"] = w.views(now).into_iter().map(|v| v.row).collect();
+    state["offers"] = Value::Array(w.offers_json());
+    state
+}

@@ -1,0 +1,125 @@
+//! One instance's "machine": a directory of its own and, while running, a real sshd.
+
+use std::net::TcpListener;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use swactor_providers::ssh::testing::Sshd;
+
+/// An instance's machine directory and its SSH server.
+#[derive(Debug)]
+pub(crate) struct Machine {
+    dir: PathBuf,
+    sshd: Option<Sshd>,
+    /// The port reported in `ssh_port`/`ports`; kept across stops.
+    port: Option<u16>,
+    /// Whether the sshd runs now.
+    up: bool,
+}
+
+impl Machine {
+    pub(crate) fn new(dir: PathBuf) -> Self {
+        Self {
+            dir,
+            sshd: None,
+            port: None,
+            up: false,
+        }
+    }
+
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The sshd's home directory (`$HOME` of commands run over SSH).
+    pub(crate) fn home(&self) -> Option<PathBuf> {
+        self.sshd.as_ref().map(Sshd::home)
+    }
+
+    pub(crate) fn port(&self) -> Option<u16> {
+        self.port
+    }
+
+    pub(crate) fn is_up(&self) -> bool {
+        self.up
+    }
+
+    /// Brings the machine to "running": an sshd accepting `authorized` when
+    /// `serve_ssh`, else only a reported port on which nothing listens.
+    /// Blocks while sshd starts (about 100 ms).
+    pub(crate) fn run(&mut self, authorized: &[String], serve_ssh: bool) {
+        if !serve_ssh {
+            self.halt();
+            if self.port.is_none() {
+                self.port = Some(unused_port());
+            }
+            return;
+        }
+        if self.up {
+            if let Some(sshd) = &self.sshd {
+                sshd.set_authorized(authorized);
+            }
+            return;
+        }
+        if let Err(e) = std::fs::create_dir_all(&self.dir) {
+            eprintln!(
+                "swactor-vastmock: cannot make machine directory {}: {e}",
+                self.dir.display()
+            );
+            self.port.get_or_insert_with(unused_port);
+            return;
+        }
+        // `Sshd` panics when it cannot start (it is test support); an
+        // instance whose sshd does not start is one whose SSH never answers.
+        let started = catch_unwind(AssertUnwindSafe(|| match self.sshd.take() {
+            Some(mut sshd) => {
+                sshd.set_authorized(authorized);
+                sshd.start_again();
+                sshd
+            }
+            None => Sshd::start(&self.dir, authorized),
+        }));
+        match started {
+            Ok(sshd) => {
+                self.port = Some(sshd.port());
+                self.sshd = Some(sshd);
+                self.up = true;
+            }
+            Err(_) => {
+                eprintln!(
+                    "swactor-vastmock: sshd for {} did not start; the instance runs without SSH",
+                    self.dir.display()
+                );
+                self.port.get_or_insert_with(unused_port);
+            }
+        }
+    }
+
+    /// Stops the sshd (the port stays reserved in name only).
+    pub(crate) fn halt(&mut self) {
+        if let Some(sshd) = &mut self.sshd {
+            sshd.stop();
+        }
+        self.up = false;
+    }
+
+    /// Stops the sshd and removes the directory.
+    pub(crate) fn remove(&mut self) {
+        self.halt();
+        self.sshd = None;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+/// A loopback port nothing listens on right now.
+fn unused_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(1)
+}

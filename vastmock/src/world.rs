@@ -1,0 +1,1349 @@
+//! The mock's state and the API's semantics: offers, instances, keys, counters, faults.
+//!
+//! Every call takes `now`. Instance status is a function of the creation
+//! instant and `now`; [`World::settle`] (run first by every call) applies
+//! what time has decided since the last call: it starts the sshd of an
+//! instance that has become `running` and forgets destroyed instances whose
+//! grace period is over. No timer runs in the background.
+
+use crate::config::{Endpoint, MockConfig, Offer, RateLimits, Timings};
+use crate::faults::{Ambiguity, Death, Faults, Gone, InstanceFault, Selector, Traits};
+use crate::filter;
+use crate::machine::Machine;
+use serde_json::{Map, Value, json};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The first instance id; ids grow by one.
+const FIRST_INSTANCE_ID: u64 = 24_000_001;
+/// The account's user id in rows that carry one.
+const USER_ID: u64 = 321_123;
+/// Labels longer than this are refused, as by Vast.ai.
+const LABEL_LEN_MAX: usize = 256;
+/// The smallest disk a create may ask for, GB.
+const DISK_MIN_GB: f64 = 8.0;
+/// The v1 listing's page size limit.
+const PAGE_LEN_MAX: usize = 25;
+/// `POST /bundles/` returns at most this many offers without a `limit`.
+const SEARCH_LEN_DEFAULT: usize = 64;
+/// Keys found in `onstart`/`env` and account keys are capped, like everything.
+const KEYS_MAX: usize = 256;
+
+/// An HTTP answer the server writes, and what it does around it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Reply {
+    pub(crate) status: u16,
+    pub(crate) body: Body,
+    pub(crate) after: After,
+}
+
+/// A response body.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Body {
+    Json(Value),
+    /// Text with its content type.
+    Text(String, &'static str),
+}
+
+/// How the server delivers a reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum After {
+    /// Write it.
+    Respond,
+    /// Write nothing for this long, then close the connection.
+    HoldThenCut(Duration),
+    /// Close the connection without writing anything.
+    Cut,
+}
+
+impl Reply {
+    pub(crate) fn json(status: u16, body: Value) -> Self {
+        Self {
+            status,
+            body: Body::Json(body),
+            after: After::Respond,
+        }
+    }
+
+    fn ok(body: Value) -> Self {
+        Self::json(200, body)
+    }
+
+    pub(crate) fn invalid_args(msg: impl Into<String>) -> Self {
+        Self::json(
+            400,
+            json!({"success": false, "error": "invalid_args", "msg": msg.into()}),
+        )
+    }
+
+    fn too_frequent(interval: Duration) -> Self {
+        Self::json(
+            429,
+            json!({"detail": format!(
+                "API requests too frequent endpoint threshold={:.2}s",
+                interval.as_secs_f64()
+            )}),
+        )
+    }
+
+    fn server_error(status: u16) -> Self {
+        match status {
+            502..=504 => {
+                let title = match status {
+                    502 => "502 Bad Gateway",
+                    503 => "503 Service Temporarily Unavailable",
+                    _ => "504 Gateway Time-out",
+                };
+                Self {
+                    status,
+                    body: Body::Text(
+                        format!(
+                            "<html>\r\n<head><title>{title}</title></head>\r\n<body>\r\n<center><h1>{title}</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+                        ),
+                        "text/html",
+                    ),
+                    after: After::Respond,
+                }
+            }
+            _ => Self::json(
+                status,
+                json!({"success": false, "error": "server_error", "msg": "Internal server error."}),
+            ),
+        }
+    }
+}
+
+/// One API call, decoded from HTTP by the server.
+#[derive(Debug, Clone)]
+pub(crate) enum Call {
+    Search { body: Value },
+    Create { offer_id: u64, body: Value },
+    ListV0,
+    ListV1 { query: HashMap<String, String> },
+    Show { id: u64 },
+    Update { id: u64, body: Value },
+    Destroy { id: u64 },
+    SshCreate { body: Value },
+    SshList,
+    SshDelete { id: u64 },
+    SshAttach { id: u64, body: Value },
+    Filters,
+    CurrentUser,
+}
+
+impl Call {
+    /// The rate-limited endpoint group of the call, if any.
+    fn endpoint(&self) -> Option<Endpoint> {
+        match self {
+            Call::Search { .. } => Some(Endpoint::Search),
+            Call::Create { .. } => Some(Endpoint::Create),
+            Call::ListV0 | Call::ListV1 { .. } => Some(Endpoint::List),
+            Call::Show { .. } => Some(Endpoint::Show),
+            Call::Update { .. } => Some(Endpoint::Label),
+            Call::Destroy { .. } => Some(Endpoint::Destroy),
+            _ => None,
+        }
+    }
+}
+
+/// Where an instance is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Created or started: null for `provisioning`, then `loading` for `loading`.
+    Booting {
+        since: Instant,
+        provisioning: Duration,
+        loading: Duration,
+    },
+    Running,
+    /// Loading ended in an OCI runtime error.
+    BootFailed,
+    Stopped,
+    /// Created on an offer that could not be scheduled.
+    Unschedulable,
+    Dead(Death),
+    Destroyed {
+        at: Instant,
+    },
+}
+
+#[derive(Debug)]
+struct Instance {
+    id: u64,
+    offer: Offer,
+    label: Option<String>,
+    image: String,
+    disk: f64,
+    onstart: Option<String>,
+    env: Vec<(String, String)>,
+    runtype: Option<String>,
+    bid: Option<f64>,
+    start_date: f64,
+    listed_from: Instant,
+    traits: Traits,
+    phase: Phase,
+    authorized: Vec<String>,
+    machine: Machine,
+}
+
+/// What the Rust API shows of an instance.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceView {
+    /// The instance (contract) id.
+    pub id: u64,
+    /// The offer it was created from.
+    pub offer_id: u64,
+    /// Its label.
+    pub label: Option<String>,
+    /// `actual_status` now (`None`: still provisioning).
+    pub actual_status: Option<String>,
+    /// `intended_status` now.
+    pub intended_status: String,
+    /// The SSH port it reports (on 127.0.0.1), once it has one.
+    pub ssh_port: Option<u16>,
+    /// Whether a real sshd answers on that port now.
+    pub ssh_up: bool,
+    /// The machine directory (removed at destroy).
+    pub dir: PathBuf,
+    /// The sshd's home directory (`$HOME` of SSH commands), once started.
+    pub home: Option<PathBuf>,
+    /// The public keys its sshd accepts.
+    pub authorized_keys: Vec<String>,
+    /// Whether it is destroyed (shown as `destroyed` during the grace period).
+    pub destroyed: bool,
+    /// Its row as `GET /instances/{id}/` shows it.
+    pub row: Value,
+}
+
+/// The creation counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub(crate) creates_total: u64,
+    /// Per label; unlabeled creates count under `""`.
+    pub(crate) creates_per_label: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone)]
+struct SshKey {
+    id: u64,
+    public_key: String,
+    created_at: f64,
+}
+
+/// Everything the mock knows.
+#[derive(Debug)]
+pub(crate) struct World {
+    api_key: String,
+    timings: Timings,
+    rate_limits: RateLimits,
+    real_ssh: bool,
+    machines_dir: PathBuf,
+    offers: BTreeMap<u64, Offer>,
+    /// offer id → instance id renting it.
+    rented: HashMap<u64, u64>,
+    instances: BTreeMap<u64, Instance>,
+    ssh_keys: Vec<SshKey>,
+    next_instance_id: u64,
+    next_key_id: u64,
+    pub(crate) faults: Faults,
+    counters: Counters,
+    /// (key, endpoint) → last accepted call.
+    last_call: HashMap<(String, Endpoint), Instant>,
+}
+
+impl World {
+    pub(crate) fn new(config: &MockConfig, api_key: String, machines_dir: PathBuf) -> Self {
+        let now = unix_now();
+        let mut world = Self {
+            api_key,
+            timings: config.timings,
+            rate_limits: config.rate_limits,
+            real_ssh: config.real_ssh,
+            machines_dir,
+            offers: config.offers.iter().map(|o| (o.id, o.clone())).collect(),
+            rented: HashMap::new(),
+            instances: BTreeMap::new(),
+            ssh_keys: Vec::new(),
+            next_instance_id: FIRST_INSTANCE_ID,
+            next_key_id: 1,
+            faults: Faults {
+                flaky_destroy_status: 500,
+                ..Faults::default()
+            },
+            counters: Counters::default(),
+            last_call: HashMap::new(),
+        };
+        for key in &config.ssh_keys {
+            world.add_ssh_key(key.clone(), now);
+        }
+        world
+    }
+
+    /// Applies what time decided since the last call (see the module doc).
+    /// Blocks while sshds start.
+    pub(crate) fn settle(&mut self, now: Instant) {
+        let real_ssh = self.real_ssh;
+        let visible = self.timings.destroyed_visible;
+        let mut purge = Vec::new();
+        for inst in self.instances.values_mut() {
+            match inst.phase {
+                Phase::Booting {
+                    since,
+                    provisioning,
+                    loading,
+                } if !inst.traits.stuck && now >= since + provisioning + loading => {
+                    if inst.traits.boot_failure {
+                        inst.phase = Phase::BootFailed;
+                    } else {
+                        inst.phase = Phase::Running;
+                        inst.machine
+                            .run(&inst.authorized, real_ssh && !inst.traits.ssh_never_ready);
+                    }
+                }
+                Phase::Destroyed { at } if now >= at + visible => purge.push(inst.id),
+                _ => {}
+            }
+        }
+        for id in purge {
+            self.instances.remove(&id);
+        }
+    }
+
+    /// Answers an API call presenting `key` (`None`: no key given).
+    pub(crate) fn handle(&mut self, key: Option<&str>, call: Call, now: Instant) -> Reply {
+        let Some(key) = key.filter(|k| *k == self.api_key) else {
+            return Reply::json(
+                401,
+                json!({"success": false, "error": "auth_error", "msg": "Invalid user key"}),
+            );
+        };
+        self.settle(now);
+        if let Some(endpoint) = call.endpoint() {
+            let interval = self.rate_limits.interval(endpoint);
+            if self.faults.take_burst(endpoint) {
+                return Reply::too_frequent(interval.max(Duration::from_millis(100)));
+            }
+            let slot = (key.to_owned(), endpoint);
+            if let Some(last) = self.last_call.get(&slot)
+                && now < *last + interval
+            {
+                return Reply::too_frequent(interval);
+            }
+            self.last_call.insert(slot, now);
+            if let Some(status) = self.faults.roll_5xx() {
+                return Reply::server_error(status);
+            }
+        }
+        match call {
+            Call::Search { body } => self.search(&body),
+            Call::Create { offer_id, body } => self.create(offer_id, &body, now),
+            Call::ListV0 => Reply::ok(json!({"instances": self.listed(now)})),
+            Call::ListV1 { query } => self.list_v1(&query, now),
+            Call::Show { id } => {
+                let row = self
+                    .instances
+                    .get(&id)
+                    .map_or(Value::Null, |inst| row(inst, now));
+                Reply::ok(json!({ "instances": row }))
+            }
+            Call::Update { id, body } => self.update(id, &body, now),
+            Call::Destroy { id } => self.destroy(id, now),
+            Call::SshCreate { body } => match body.get("ssh_key").and_then(Value::as_str) {
+                Some(k) if looks_like_key(k) => {
+                    let key = self.add_ssh_key(k.trim().to_owned(), unix_now());
+                    Reply::ok(json!({"success": true, "key": key_row(&key)}))
+                }
+                _ => Reply::invalid_args("ssh_key must be an OpenSSH public key"),
+            },
+            Call::SshList => Reply::ok(Value::Array(self.ssh_keys.iter().map(key_row).collect())),
+            Call::SshDelete { id } => {
+                let before = self.ssh_keys.len();
+                self.ssh_keys.retain(|k| k.id != id);
+                if self.ssh_keys.len() == before {
+                    Reply::json(
+                        404,
+                        json!({"success": false, "error": "not_found", "msg": "SSH key not found"}),
+                    )
+                } else {
+                    Reply::ok(json!({"success": true}))
+                }
+            }
+            Call::SshAttach { id, body } => self.attach(id, &body),
+            Call::Filters => self.filters(now),
+            Call::CurrentUser => Reply::ok(json!({
+                "id": USER_ID, "username": "vastmock", "email": "mock@localhost",
+                "credit": 100.0, "balance": 0.0, "host_agreement_accepted": false,
+            })),
+        }
+    }
+
+    fn search(&self, body: &Value) -> Reply {
+        let empty = Map::new();
+        let q = match body {
+            Value::Object(q) => q,
+            Value::Null => &empty,
+            _ => return Reply::invalid_args("the search body must be a JSON object"),
+        };
+        const SPECIAL: [&str; 7] = [
+            "order",
+            "limit",
+            "type",
+            "allocated_storage",
+            "disable_bundling",
+            "select_cols",
+            "q",
+        ];
+        let mut rows = Vec::new();
+        for offer in self.offers.values() {
+            let row = offer.to_json(self.rented.contains_key(&offer.id));
+            match filter::matches(&row, q, &SPECIAL) {
+                Ok(true) => rows.push(row),
+                Ok(false) => {}
+                Err(e) => return Reply::invalid_args(e.to_string()),
+            }
+        }
+        let order = match q.get("order") {
+            None | Some(Value::Null) => vec![("score".to_owned(), true)],
+            Some(Value::Array(keys)) => {
+                let mut order = Vec::new();
+                for key in keys {
+                    match key.as_array().map(Vec::as_slice) {
+                        Some([Value::String(col)]) => order.push((col.clone(), false)),
+                        Some([Value::String(col), Value::String(dir)]) => {
+                            order.push((col.clone(), dir.eq_ignore_ascii_case("desc")))
+                        }
+                        _ => return Reply::invalid_args(format!("bad order key {key}")),
+                    }
+                }
+                order
+            }
+            Some(other) => return Reply::invalid_args(format!("bad order {other}")),
+        };
+        filter::sort_rows(&mut rows, &order);
+        let limit = q
+            .get("limit")
+            .and_then(as_u64_lenient)
+            .map_or(SEARCH_LEN_DEFAULT, |l| l as usize);
+        rows.truncate(limit);
+        Reply::ok(json!({ "offers": rows }))
+    }
+
+    fn create(&mut self, offer_id: u64, body: &Value, now: Instant) -> Reply {
+        let Value::Object(b) = body else {
+            return Reply::invalid_args("the request body must be a JSON object");
+        };
+        let image = b.get("image").and_then(Value::as_str).unwrap_or("").trim();
+        let template = b.get("template_hash_id").and_then(Value::as_str);
+        if image.is_empty() && template.is_none() {
+            return Reply::invalid_args("image or template_hash_id is required");
+        }
+        let disk = match b.get("disk") {
+            None | Some(Value::Null) => 10.0,
+            Some(v) => match as_f64_lenient(v) {
+                Some(d) => d,
+                None => return Reply::invalid_args(format!("disk must be a number, got {v}")),
+            },
+        };
+        if disk < DISK_MIN_GB {
+            return Reply::invalid_args(format!(
+                "disk must be at least {DISK_MIN_GB} GB, got {disk}"
+            ));
+        }
+        let label = match b.get("label") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(l)) if l.chars().count() <= LABEL_LEN_MAX => Some(l.clone()),
+            Some(Value::String(_)) => {
+                return Reply::invalid_args(format!(
+                    "label must be at most {LABEL_LEN_MAX} characters"
+                ));
+            }
+            Some(v) => return Reply::invalid_args(format!("label must be a string, got {v}")),
+        };
+        let env = match parse_env(b.get("env")) {
+            Ok(env) => env,
+            Err(msg) => return Reply::invalid_args(msg),
+        };
+        let onstart = b.get("onstart").and_then(Value::as_str).map(str::to_owned);
+        let runtype = b.get("runtype").and_then(Value::as_str).map(str::to_owned);
+        let cancel_unavail = b
+            .get("cancel_unavail")
+            .is_some_and(|v| v.as_bool() == Some(true));
+        let bid = match b.get("price") {
+            None | Some(Value::Null) => None,
+            Some(v) => match as_f64_lenient(v) {
+                Some(p) if p > 0.0 => Some(p),
+                _ => {
+                    return Reply::json(
+                        400,
+                        json!({"success": false, "error": "invalid_price",
+                               "msg": format!("invalid bid price {v}")}),
+                    );
+                }
+            },
+        };
+        let gone = self.faults.offers_gone.get(&offer_id).copied();
+        let Some(offer) = self
+            .offers
+            .get(&offer_id)
+            .filter(|_| gone != Some(Gone::NotFound))
+            .filter(|o| !self.rented.contains_key(&o.id))
+            .cloned()
+        else {
+            return Reply::json(
+                404,
+                json!({
+                    "success": false,
+                    "error": "invalid_args",
+                    "msg": format!("error 404/3603: no_such_ask Instance type by id {offer_id} is not available."),
+                    "ask_id": offer_id,
+                }),
+            );
+        };
+        if gone == Some(Gone::Unavailable) && cancel_unavail {
+            return Reply::json(
+                410,
+                json!({
+                    "success": false,
+                    "error": "no_such_ask",
+                    "msg": format!("error 410/3907: no_such_ask Instance type by id {offer_id} is no longer available."),
+                    "ask_id": offer_id,
+                }),
+            );
+        }
+        if let Some(price) = bid
+            && price < offer.min_bid
+        {
+            return Reply::json(
+                400,
+                json!({"success": false, "error": "invalid_price",
+                       "msg": format!("bid price {price} is below the minimum bid {} for ask {offer_id}", offer.min_bid)}),
+            );
+        }
+        if disk > offer.disk_space {
+            return Reply::invalid_args(format!(
+                "disk {disk} GB exceeds the {} GB available on ask {offer_id}",
+                offer.disk_space
+            ));
+        }
+
+        // Commit.
+        let id = self.next_instance_id;
+        self.next_instance_id += 1;
+        let mut authorized: Vec<String> =
+            self.ssh_keys.iter().map(|k| k.public_key.clone()).collect();
+        for text in onstart
+            .iter()
+            .map(String::as_str)
+            .chain(env.iter().map(|(_, v)| v.as_str()))
+        {
+            for key in keys_in(text) {
+                if !authorized.contains(&key) && authorized.len() < KEYS_MAX {
+                    authorized.push(key);
+                }
+            }
+        }
+        let traits = self.faults.traits_for_new(label.as_deref());
+        let phase = if gone == Some(Gone::Unavailable) {
+            Phase::Unschedulable
+        } else {
+            Phase::Booting {
+                since: now,
+                provisioning: self.timings.provisioning,
+                loading: traits.loading.unwrap_or(self.timings.loading),
+            }
+        };
+        self.rented.insert(offer_id, id);
+        self.counters.creates_total += 1;
+        *self
+            .counters
+            .creates_per_label
+            .entry(label.clone().unwrap_or_default())
+            .or_default() += 1;
+        self.instances.insert(
+            id,
+            Instance {
+                id,
+                offer,
+                label,
+                image: if image.is_empty() {
+                    template.unwrap_or_default().to_owned()
+                } else {
+                    image.to_owned()
+                },
+                disk,
+                onstart,
+                env,
+                runtype,
+                bid,
+                start_date: unix_now(),
+                listed_from: now + self.faults.listing_lag,
+                traits,
+                phase,
+                authorized,
+                machine: Machine::new(self.machines_dir.join(id.to_string())),
+            },
+        );
+        let mut reply = Reply::ok(json!({"success": true, "new_contract": id}));
+        if !self.faults.ambiguous.is_empty() {
+            reply = match self.faults.ambiguous.remove(0) {
+                Ambiguity::Timeout { hold } => Reply {
+                    after: After::HoldThenCut(hold),
+                    ..reply
+                },
+                Ambiguity::Drop => Reply {
+                    after: After::Cut,
+                    ..reply
+                },
+                Ambiguity::BadGateway => Reply::server_error(502),
+            };
+        }
+        reply
+    }
+
+    /// Instances a listing shows now, as rows, by id.
+    fn listed(&self, now: Instant) -> Vec<Value> {
+        self.instances
+            .values()
+            .filter(|i| now >= i.listed_from)
+            .map(|i| row(i, now))
+            .collect()
+    }
+
+    fn list_v1(&self, query: &HashMap<String, String>, now: Instant) -> Reply {
+        let filters = match query.get("select_filters").map(|s| s.trim()) {
+            None | Some("") => Map::new(),
+            Some(s) => match serde_json::from_str::<Value>(s) {
+                Ok(Value::Object(m)) => m,
+                _ => {
+                    return Reply::invalid_args(format!(
+                        "select_filters is not a JSON object: {s}"
+                    ));
+                }
+            },
+        };
+        let order = match query.get("order_by").map(|s| s.trim()) {
+            None | Some("") => vec![("id".to_owned(), false)],
+            Some(s) => match parse_order_by(s) {
+                Some(o) => o,
+                None => return Reply::invalid_args(format!("bad order_by: {s}")),
+            },
+        };
+        let limit = match query.get("limit") {
+            None => PAGE_LEN_MAX,
+            Some(s) => match s.trim().trim_matches('"').parse::<usize>() {
+                Ok(l) => l.clamp(1, PAGE_LEN_MAX),
+                Err(_) => return Reply::invalid_args(format!("bad limit: {s}")),
+            },
+        };
+        let cols: Option<Vec<String>> = query
+            .get("select_cols")
+            .and_then(|s| serde_json::from_str::<Vec<String>>(s).ok())
+            .filter(|c| !c.iter().any(|c| c == "*"));
+        let mut rows = Vec::new();
+        for r in self.listed(now) {
+            match filter::matches(&r, &filters, &[]) {
+                Ok(true) => rows.push(r),
+                Ok(false) => {}
+                Err(e) => return Reply::invalid_args(e.to_string()),
+            }
+        }
+        filter::sort_rows(&mut rows, &order);
+        let mut label_counts: BTreeMap<String, u64> = BTreeMap::new();
+        for r in &rows {
+            let label = r.get("label").and_then(Value::as_str).unwrap_or("");
+            *label_counts.entry(label.to_owned()).or_default() += 1;
+        }
+        let total = rows.len();
+        // Tokens: `id:N` resumes after instance N when ordered by id alone
+        // (robust to destroys between pages); `at:N` is an offset otherwise.
+        let by_id = order.len() == 1 && order[0].0 == "id";
+        let start = match query.get("after_token").map(|s| s.trim().trim_matches('"')) {
+            None | Some("") | Some("null") => 0,
+            Some(t) => {
+                if let Some(last) = t.strip_prefix("id:").and_then(|n| n.parse::<u64>().ok()) {
+                    let desc = order.first().is_some_and(|o| o.1);
+                    rows.iter()
+                        .position(|r| {
+                            let id = r.get("id").and_then(Value::as_u64).unwrap_or(0);
+                            if desc { id < last } else { id > last }
+                        })
+                        .unwrap_or(rows.len())
+                } else if let Some(at) = t.strip_prefix("at:").and_then(|n| n.parse::<usize>().ok())
+                {
+                    at.min(rows.len())
+                } else {
+                    return Reply::invalid_args(format!("bad after_token: {t}"));
+                }
+            }
+        };
+        let page: Vec<Value> = rows[start..].iter().take(limit).cloned().collect();
+        let end = start + page.len();
+        let next_token = if end < rows.len() {
+            if by_id {
+                let last = page
+                    .last()
+                    .and_then(|r| r.get("id"))
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0);
+                Value::String(format!("id:{last}"))
+            } else {
+                Value::String(format!("at:{end}"))
+            }
+        } else {
+            Value::Null
+        };
+        let page: Vec<Value> = match &cols {
+            None => page,
+            Some(cols) => page
+                .into_iter()
+                .map(|r| {
+                    let mut out = Map::new();
+                    for c in cols.iter().map(String::as_str).chain(["id"]) {
+                        if let Some(v) = r.get(c) {
+                            out.insert(c.to_owned(), v.clone());
+                        }
+                    }
+                    Value::Object(out)
+                })
+                .collect(),
+        };
+        Reply::ok(json!({
+            "instances": page,
+            "next_token": next_token,
+            "total_instances": total,
+            "label_counts": label_counts,
+        }))
+    }
+
+    fn filters(&self, now: Instant) -> Reply {
+        let mut combos: Vec<Value> = Vec::new();
+        for r in self.listed(now) {
+            let combo = json!({
+                "actual_status": r.get("actual_status"),
+                "verification": r.get("verification"),
+                "gpu_name": r.get("gpu_name"),
+            });
+            if !combos.contains(&combo) {
+                combos.push(combo);
+            }
+        }
+        Reply::ok(json!({ "filters": combos }))
+    }
+
+    fn no_such_instance(id: u64) -> Reply {
+        Reply::json(
+            404,
+            json!({"success": false, "error": "no_such_instance", "msg": format!("Instance {id} not found.")}),
+        )
+    }
+
+    fn update(&mut self, id: u64, body: &Value, now: Instant) -> Reply {
+        let restart = self.timings.restart;
+        let real_ssh = self.real_ssh;
+        let Some(inst) = self
+            .instances
+            .get_mut(&id)
+            .filter(|i| !matches!(i.phase, Phase::Destroyed { .. }))
+        else {
+            return Self::no_such_instance(id);
+        };
+        let Value::Object(b) = body else {
+            return Reply::invalid_args("the request body must be a JSON object");
+        };
+        let state = match b.get("state") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s == "stopped" || s == "running" => Some(s.as_str()),
+            Some(v) => {
+                return Reply::invalid_args(format!("state must be stopped or running, got {v}"));
+            }
+        };
+        let label = match b.get("label") {
+            None => None,
+            Some(Value::Null) => Some(None),
+            Some(Value::String(l)) if l.chars().count() <= LABEL_LEN_MAX => Some(Some(l.clone())),
+            Some(_) => {
+                return Reply::invalid_args(format!(
+                    "label must be a string of at most {LABEL_LEN_MAX} characters"
+                ));
+            }
+        };
+        if state.is_none() && label.is_none() {
+            return Reply::invalid_args("nothing to change: give label or state");
+        }
+        if let Some(label) = label {
+            inst.label = label;
+        }
+        match state {
+            Some("stopped") => {
+                if !matches!(inst.phase, Phase::Unschedulable) {
+                    inst.phase = Phase::Stopped;
+                }
+                inst.machine.halt();
+            }
+            Some(_) => match inst.phase {
+                Phase::Stopped | Phase::Dead(Death::Exited) | Phase::BootFailed => {
+                    inst.phase = Phase::Booting {
+                        since: now,
+                        provisioning: Duration::ZERO,
+                        loading: restart,
+                    };
+                    // Starting again clears a boot failure; other traits stay.
+                    inst.traits.boot_failure = false;
+                }
+                Phase::Running => inst
+                    .machine
+                    .run(&inst.authorized, real_ssh && !inst.traits.ssh_never_ready),
+                _ => {}
+            },
+            None => {}
+        }
+        self.settle(now);
+        Reply::ok(json!({"success": true}))
+    }
+
+    fn destroy(&mut self, id: u64, now: Instant) -> Reply {
+        if self.faults.flaky_destroys > 0 {
+            self.faults.flaky_destroys -= 1;
+            return Reply::server_error(self.faults.flaky_destroy_status);
+        }
+        let exists = self
+            .instances
+            .get(&id)
+            .is_some_and(|i| !matches!(i.phase, Phase::Destroyed { .. }));
+        if !exists {
+            return Reply::json(
+                404,
+                json!({"success": false, "error": "not_found", "msg": "Instance not found"}),
+            );
+        }
+        self.end_instance(id, now, true);
+        Reply::ok(json!({"success": true}))
+    }
+
+    /// Destroys an instance: frees its offer, stops its sshd, removes its
+    /// directory; keeps it listed as `destroyed` when `grace` and the
+    /// configuration says so.
+    fn end_instance(&mut self, id: u64, now: Instant, grace: bool) {
+        let Some(inst) = self.instances.get_mut(&id) else {
+            return;
+        };
+        inst.machine.remove();
+        if self.rented.get(&inst.offer.id) == Some(&id) {
+            self.rented.remove(&inst.offer.id);
+        }
+        if grace && !self.timings.destroyed_visible.is_zero() {
+            inst.phase = Phase::Destroyed { at: now };
+        } else {
+            self.instances.remove(&id);
+        }
+    }
+
+    fn attach(&mut self, id: u64, body: &Value) -> Reply {
+        let real_ssh = self.real_ssh;
+        let Some(inst) = self
+            .instances
+            .get_mut(&id)
+            .filter(|i| !matches!(i.phase, Phase::Destroyed { .. }))
+        else {
+            return Self::no_such_instance(id);
+        };
+        let Some(key) = body
+            .get("ssh_key")
+            .and_then(Value::as_str)
+            .filter(|k| looks_like_key(k))
+        else {
+            return Reply::invalid_args("ssh_key must be an OpenSSH public key");
+        };
+        let key = key.trim().to_owned();
+        if !inst.authorized.contains(&key) && inst.authorized.len() < KEYS_MAX {
+            inst.authorized.push(key);
+        }
+        if inst.machine.is_up() {
+            inst.machine
+                .run(&inst.authorized, real_ssh && !inst.traits.ssh_never_ready);
+        }
+        Reply::ok(json!({"success": true, "msg": "SSH key attached to instance"}))
+    }
+
+    // ---- the Rust/admin API -------------------------------------------------
+
+    fn add_ssh_key(&mut self, public_key: String, created_at: f64) -> SshKey {
+        let key = SshKey {
+            id: self.next_key_id,
+            public_key,
+            created_at,
+        };
+        self.next_key_id += 1;
+        if self.ssh_keys.len() < KEYS_MAX {
+            self.ssh_keys.push(key.clone());
+        }
+        key
+    }
+
+    /// Adds an account key; `Err` when it does not look like a public key.
+    pub(crate) fn add_account_key(&mut self, key: &str) -> Result<u64, String> {
+        if !looks_like_key(key) {
+            return Err(format!("not an OpenSSH public key: {key:?}"));
+        }
+        Ok(self.add_ssh_key(key.trim().to_owned(), unix_now()).id)
+    }
+
+    pub(crate) fn add_offer(&mut self, offer: Offer) -> Result<(), String> {
+        if self.offers.contains_key(&offer.id) {
+            return Err(format!("offer {} exists already", offer.id));
+        }
+        self.offers.insert(offer.id, offer);
+        Ok(())
+    }
+
+    pub(crate) fn set_rate_scale(&mut self, scale: f64) -> Result<(), String> {
+        if !(scale.is_finite() && scale >= 0.0) {
+            return Err(format!("rate scale must be finite and >= 0, got {scale}"));
+        }
+        self.rate_limits.scale = scale;
+        Ok(())
+    }
+
+    pub(crate) fn set_rate_limits(&mut self, limits: RateLimits) {
+        self.rate_limits = limits;
+    }
+
+    pub(crate) fn set_timings(&mut self, timings: Timings) {
+        self.timings = timings;
+    }
+
+    /// Applies a per-instance fault to the instances `selector` names now,
+    /// and registers it for instances created later.
+    pub(crate) fn instance_fault(
+        &mut self,
+        selector: &Selector,
+        fault: InstanceFault,
+        now: Instant,
+    ) {
+        match selector {
+            Selector::Id(_) | Selector::Label(_) => {
+                for inst in self.instances.values_mut() {
+                    if selects(selector, inst) {
+                        fault.apply(&mut inst.traits);
+                        match (fault, &mut inst.phase) {
+                            (InstanceFault::SlowLoading(d), Phase::Booting { loading, .. }) => {
+                                *loading = d;
+                            }
+                            (InstanceFault::SshNeverReady, Phase::Running) => {
+                                inst.machine.run(&inst.authorized, false);
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                if let Selector::Label(l) = selector {
+                    self.faults.by_label.push((l.clone(), fault));
+                }
+            }
+            Selector::Next(n) => self.faults.next.push((*n, fault)),
+            Selector::AllNew => self.faults.all_new.push(fault),
+        }
+        self.settle(now);
+    }
+
+    /// Kills the instances `selector` names (`Id` or `Label`); returns how many.
+    pub(crate) fn kill(&mut self, selector: &Selector, death: Death, now: Instant) -> usize {
+        self.settle(now);
+        let ids: Vec<u64> = self
+            .instances
+            .values()
+            .filter(|i| !matches!(i.phase, Phase::Destroyed { .. }) && selects(selector, i))
+            .map(|i| i.id)
+            .collect();
+        for &id in &ids {
+            match death {
+                Death::Vanished => self.end_instance(id, now, false),
+                Death::Exited | Death::Offline => {
+                    if let Some(inst) = self.instances.get_mut(&id) {
+                        inst.machine.halt();
+                        inst.phase = Phase::Dead(death);
+                    }
+                }
+            }
+        }
+        ids.len()
+    }
+
+    pub(crate) fn counters(&self) -> Counters {
+        self.counters.clone()
+    }
+
+    pub(crate) fn live_instances(&self) -> usize {
+        self.instances
+            .values()
+            .filter(|i| !matches!(i.phase, Phase::Destroyed { .. }))
+            .count()
+    }
+
+    pub(crate) fn offer_rented(&self, offer_id: u64) -> Option<bool> {
+        self.offers
+            .get(&offer_id)
+            .map(|_| self.rented.contains_key(&offer_id))
+    }
+
+    pub(crate) fn offers_json(&self) -> Vec<Value> {
+        self.offers
+            .values()
+            .map(|o| o.to_json(self.rented.contains_key(&o.id)))
+            .collect()
+    }
+
+    pub(crate) fn views(&self, now: Instant) -> Vec<InstanceView> {
+        self.instances
+            .values()
+            .map(|i| InstanceView {
+                id: i.id,
+                offer_id: i.offer.id,
+                label: i.label.clone(),
+                actual_status: status(i, now).actual.map(str::to_owned),
+                intended_status: status(i, now).intended.to_owned(),
+                ssh_port: i.machine.port(),
+                ssh_up: i.machine.is_up(),
+                dir: i.machine.dir().to_owned(),
+                home: i.machine.home(),
+                authorized_keys: i.authorized.clone(),
+                destroyed: matches!(i.phase, Phase::Destroyed { .. }),
+                row: row(i, now),
+            })
+            .collect()
+    }
+
+    /// Stops every sshd (the mock is going away).
+    pub(crate) fn shutdown(&mut self) {
+        for inst in self.instances.values_mut() {
+            inst.machine.remove();
+        }
+        self.instances.clear();
+    }
+
+    pub(crate) fn machines_dir(&self) -> &Path {
+        &self.machines_dir
+    }
+}
+
+fn selects(selector: &Selector, inst: &Instance) -> bool {
+    match selector {
+        Selector::Id(id) => inst.id == *id,
+        Selector::Label(l) => inst.label.as_deref() == Some(l.as_str()),
+        Selector::Next(_) | Selector::AllNew => false,
+    }
+}
+
+/// The status fields of an instance now.
+struct Status {
+    actual: Option<&'static str>,
+    intended: &'static str,
+    cur: &'static str,
+    next: &'static str,
+    msg: String,
+}
+
+fn status(inst: &Instance, now: Instant) -> Status {
+    let st = |actual, intended, cur, next, msg: String| Status {
+        actual,
+        intended,
+        cur,
+        next,
+        msg,
+    };
+    match inst.phase {
+        Phase::Booting {
+            since,
+            provisioning,
+            ..
+        } => {
+            if now < since + provisioning {
+                st(None, "running", "stopped", "running", String::new())
+            } else {
+                st(
+                    Some("loading"),
+                    "running",
+                    "running",
+                    "running",
+                    format!("Pulling image {}: downloading layers", inst.image),
+                )
+            }
+        }
+        Phase::Running => st(
+            Some("running"),
+            "running",
+            "running",
+            "running",
+            format!("success, running {}", inst.image),
+        ),
+        Phase::BootFailed => st(
+            Some("created"),
+            "running",
+            "stopped",
+            "running",
+            "Error response from daemon: failed to create task for container: failed to create shim task: OCI runtime create failed: runc create failed: unable to start container process: error during container init".to_owned(),
+        ),
+        Phase::Stopped => st(
+            Some("exited"),
+            "stopped",
+            "stopped",
+            "stopped",
+            "Instance stopped by user".to_owned(),
+        ),
+        Phase::Unschedulable => st(
+            Some("exited"),
+            "running",
+            "stopped",
+            "running",
+            "Unable to schedule the instance: the machine's resources are no longer available".to_owned(),
+        ),
+        Phase::Dead(Death::Exited) => st(
+            Some("exited"),
+            "running",
+            "stopped",
+            "running",
+            "Container exited unexpectedly".to_owned(),
+        ),
+        Phase::Dead(_) => st(
+            Some("offline"),
+            "running",
+            "unknown",
+            "running",
+            "Machine is offline: no heartbeat".to_owned(),
+        ),
+        Phase::Destroyed { .. } => st(
+            Some("destroyed"),
+            "destroyed",
+            "destroyed",
+            "destroyed",
+            "Instance destroyed".to_owned(),
+        ),
+    }
+}
+
+/// An instance's row, as shows and listings return it.
+fn row(inst: &Instance, now: Instant) -> Value {
+    let s = status(inst, now);
+    let running = matches!(inst.phase, Phase::Running);
+    let port = inst.machine.port();
+    let ports = match (running, port) {
+        (true, Some(p)) => json!({"22/tcp": [{"HostIp": "0.0.0.0", "HostPort": p.to_string()}]}),
+        _ => Value::Null,
+    };
+    let o = &inst.offer;
+    let dph = inst.bid.unwrap_or(o.dph_total);
+    json!({
+        "id": inst.id,
+        "machine_id": o.machine_id,
+        "host_id": o.host_id,
+        "bundle_id": o.id,
+        "actual_status": s.actual,
+        "intended_status": s.intended,
+        "cur_state": s.cur,
+        "next_state": s.next,
+        "status_msg": s.msg,
+        "label": inst.label,
+        "image_uuid": inst.image,
+        "image_runtype": inst.runtype,
+        "image_args": [],
+        "onstart": inst.onstart,
+        "extra_env": inst.env.iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>(),
+        "start_date": inst.start_date,
+        "end_date": Value::Null,
+        "ssh_host": "127.0.0.1",
+        "ssh_port": port,
+        "ssh_idx": "",
+        "public_ipaddr": "127.0.0.1",
+        "local_ipaddrs": "127.0.0.1",
+        "ports": ports,
+        "direct_port_count": 64,
+        "gpu_name": o.gpu_name,
+        "num_gpus": o.num_gpus,
+        "gpu_ram": o.gpu_ram,
+        "gpu_totalram": o.gpu_ram * u64::from(o.num_gpus),
+        "gpu_util": Value::Null,
+        "cpu_ram": 64000,
+        "cpu_cores_effective": 8.0 * f64::from(o.num_gpus),
+        "disk_space": inst.disk,
+        "dph_total": dph,
+        "dph_base": dph * 0.9,
+        "is_bid": inst.bid.is_some(),
+        "min_bid": o.min_bid,
+        "reliability2": o.reliability2,
+        "geolocation": o.geolocation,
+        "verification": if o.verified { "verified" } else { "unverified" },
+        "inet_up": 800.0,
+        "inet_down": 900.0,
+        "template_id": Value::Null,
+    })
+}
+
+fn key_row(key: &SshKey) -> Value {
+    json!({
+        "id": key.id,
+        "user_id": USER_ID,
+        "public_key": key.public_key,
+        "created_at": key.created_at,
+        "deleted_at": Value::Null,
+    })
+}
+
+/// `env` as the API takes it: an object, or the client's docker-flag string
+/// (`-e K=V -p 8080:8080`), in which `-e` pairs are kept and other flags
+/// become keys with value `"1"`, as the official client does.
+fn parse_env(env: Option<&Value>) -> Result<Vec<(String, String)>, String> {
+    match env {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Object(m)) => Ok(m
+            .iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                (k.clone(), v)
+            })
+            .collect()),
+        Some(Value::String(s)) => {
+            let mut out = Vec::new();
+            let mut words = s.split_whitespace();
+            while let Some(flag) = words.next() {
+                let Some(arg) = (match flag {
+                    "-e" | "-p" | "-h" | "-v" | "-n" => words.next(),
+                    _ => None,
+                }) else {
+                    continue;
+                };
+                if flag == "-e" {
+                    if let Some((k, v)) = arg.split_once('=') {
+                        out.push((k.to_owned(), v.trim_matches(['\'', '"']).to_owned()));
+                    }
+                } else {
+                    out.push((format!("{flag} {arg}"), "1".to_owned()));
+                }
+            }
+            Ok(out)
+        }
+        Some(v) => Err(format!("env must be an object, got {v}")),
+    }
+}
+
+const KEY_TYPES: [&str; 7] = [
+    "ssh-ed25519",
+    "ssh-rsa",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+    "sk-ssh-ed25519@openssh.com",
+    "sk-ecdsa-sha2-nistp256@openssh.com",
+];
+
+fn is_blob(s: &str) -> bool {
+    s.len() >= 16
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/' || b == b'=')
+}
+
+fn looks_like_key(s: &str) -> bool {
+    let mut words = s.split_whitespace();
+    matches!((words.next(), words.next()), (Some(t), Some(b)) if KEY_TYPES.contains(&t) && is_blob(b))
+}
+
+/// OpenSSH public keys (`type blob`, comments dropped) written anywhere in `text`.
+pub(crate) fn keys_in(text: &str) -> Vec<String> {
+    let words: Vec<&str> = text
+        .split(|c: char| c.is_whitespace() || matches!(c, '\'' | '"' | '`' | ';' | '>' | '|'))
+        .filter(|w| !w.is_empty())
+        .collect();
+    let mut keys = Vec::new();
+    for pair in words.windows(2) {
+        if KEY_TYPES.contains(&pair[0]) && is_blob(pair[1]) {
+            let key = format!("{} {}", pair[0], pair[1]);
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+    }
+    keys
+}
+
+/// `order_by` as the v1 listing takes it: `[{"col":"id","dir":"asc"}]`, or `[["id","asc"]]`.
+fn parse_order_by(s: &str) -> Option<Vec<(String, bool)>> {
+    let Value::Array(keys) = serde_json::from_str::<Value>(s).ok()? else {
+        return None;
+    };
+    keys.iter()
+        .map(|k| {
+            let (col, dir) = match k {
+                Value::Object(m) => (
+                    m.get("col")?.as_str()?,
+                    m.get("dir").and_then(Value::as_str).unwrap_or("asc"),
+                ),
+                Value::Array(a) => (
+                    a.first()?.as_str()?,
+                    a.get(1).and_then(Value::as_str).unwrap_or("asc"),
+                ),
+                _ => return None,
+            };
+            Some((col.to_owned(), dir.eq_ignore_ascii_case("desc")))
+        })
+        .collect()
+}
+
+fn as_f64_lenient(v: &Value) -> Option<f64> {
+    match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+fn as_u64_lenient(v: &Value) -> Option<u64> {
+    as_f64_lenient(v).filter(|f| *f >= 0.0).map(|f| f as u64)
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_found_in_onstart_scripts_and_env_values() {
+        let onstart = "mkdir -p ~/.ssh; echo 'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl me@x' >> ~/.ssh/authorized_keys";
+        assert_eq!(
+            keys_in(onstart),
+            vec![
+                "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
+            ]
+        );
+        assert!(keys_in("ssh-ed25519 short").is_empty());
+        assert!(looks_like_key(
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl c"
+        ));
+    }
+
+    #[test]
+    fn env_accepts_objects_and_the_clients_flag_string() {
+        let obj = json!({"A": "1", "B": 2});
+        assert_eq!(
+            parse_env(Some(&obj)).unwrap(),
+            vec![("A".into(), "1".into()), ("B".into(), "2".into())]
+        );
+        let s = json!("-e TZ=UTC -e X='a=b' -p 8080:8080");
+        assert_eq!(
+            parse_env(Some(&s)).unwrap(),
+            vec![
+                ("TZ".into(), "UTC".into()),
+                ("X".into(), "a=b".into()),
+                ("-p 8080:8080".into(), "1".into())
+            ]
+        );
+        assert!(parse_env(Some(&json!(3))).is_err());
+    }
+}

@@ -1,0 +1,174 @@
+//! An instance's life over real HTTP, with a real sshd: create, boot, SSH login, stop, start, destroy.
+
+mod common;
+
+use common::{Api, host_port, keypair, ssh, sshds_under};
+use serde_json::json;
+use std::time::Duration;
+use swactor_vastmock::{MockConfig, Timings, VastMock};
+
+const OFFER: u64 = 3_100_001;
+
+fn config() -> MockConfig {
+    MockConfig {
+        timings: Timings {
+            provisioning: Duration::from_millis(300),
+            loading: Duration::from_millis(400),
+            restart: Duration::from_millis(300),
+            destroyed_visible: Duration::ZERO,
+        },
+        ..MockConfig::fast()
+    }
+}
+
+#[test]
+fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed() {
+    let keys = tempfile::tempdir().unwrap();
+    let (account_key, account_pub) = keypair(keys.path(), "account");
+    let (onstart_key, onstart_pub) = keypair(keys.path(), "onstart");
+    let (stranger_key, _) = keypair(keys.path(), "stranger");
+    let mock = VastMock::start(config()).unwrap();
+    let api = Api::new(mock.url(), mock.api_key());
+
+    let r = api.post("/api/v0/ssh/", json!({"ssh_key": account_pub}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["key"]["public_key"], account_pub.as_str());
+    let listed = api.get("/api/v0/ssh/").json();
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+
+    let offer_row = |id: u64| {
+        let offers = api
+            .post("/api/v0/bundles/", json!({"id": {"eq": id}}))
+            .json();
+        offers["offers"][0].clone()
+    };
+    assert_eq!(offer_row(OFFER)["rented"], false);
+    assert_eq!(offer_row(OFFER)["rentable"], true);
+
+    let r = api.put(
+        &format!("/api/v0/asks/{OFFER}/"),
+        json!({"client_id": "me", "image": "ubuntu:22.04", "disk": 16.0, "label": "life",
+               "onstart": format!("mkdir -p ~/.ssh && echo '{onstart_pub}' >> ~/.ssh/authorized_keys"),
+               "runtype": "ssh_direct", "env": {"FOO": "bar"}, "cancel_unavail": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let id = r.json()["new_contract"].as_u64().unwrap();
+    assert_eq!(r.json()["success"], true);
+
+    // null → loading → running, with the offer rented meanwhile.
+    let row = api.show(id);
+    assert!(row["actual_status"].is_null(), "{row}");
+    assert!(row["ports"].is_null());
+    assert_eq!(row["label"], "life");
+    assert_eq!(row["extra_env"], json!([["FOO", "bar"]]));
+    assert_eq!(row["intended_status"], "running");
+    assert_eq!(offer_row(OFFER)["rented"], true);
+    assert_eq!(offer_row(OFFER)["rentable"], false);
+    api.wait_status(id, Some("loading"), Duration::from_secs(5));
+    let row = api.wait_status(id, Some("running"), Duration::from_secs(5));
+    assert_eq!(row["ssh_host"], "127.0.0.1");
+    assert_eq!(row["public_ipaddr"], "127.0.0.1");
+    let port = host_port(&row).expect("ports while running");
+    assert_eq!(row["ssh_port"].as_u64(), Some(u64::from(port)));
+    assert_eq!(row["ports"]["22/tcp"][0]["HostIp"], "0.0.0.0");
+
+    // The account key and the onstart key log in; a stranger's does not.
+    let (ok, out) = ssh(&account_key, port, "echo hello; pwd");
+    assert!(ok, "account key login failed");
+    let view = mock.instance(id).unwrap();
+    assert!(out.starts_with("hello\n"), "{out}");
+    assert_eq!(out.lines().nth(1).map(std::path::PathBuf::from), view.home);
+    assert!(view.dir.starts_with(mock.state_dir()));
+    assert!(
+        ssh(&onstart_key, port, "true").0,
+        "onstart key login failed"
+    );
+    assert!(!ssh(&stranger_key, port, "true").0, "a stranger logged in");
+    assert_eq!(sshds_under(&view.dir), 1);
+
+    // Stop: the sshd goes, ports are null.
+    let r = api.put(
+        &format!("/api/v0/instances/{id}/"),
+        json!({"state": "stopped"}),
+    );
+    assert_eq!(r.json(), json!({"success": true}));
+    let row = api.show(id);
+    assert_eq!(row["actual_status"], "exited");
+    assert_eq!(row["intended_status"], "stopped");
+    assert!(row["ports"].is_null());
+    assert!(
+        !ssh(&account_key, port, "true").0,
+        "stopped instance answered SSH"
+    );
+    assert_eq!(sshds_under(&view.dir), 0);
+
+    // Start: loading again, then running on the same port.
+    let r = api.put(
+        &format!("/api/v0/instances/{id}/"),
+        json!({"state": "running"}),
+    );
+    assert_eq!(r.json(), json!({"success": true}));
+    assert_eq!(api.show(id)["actual_status"], "loading");
+    let row = api.wait_status(id, Some("running"), Duration::from_secs(5));
+    assert_eq!(host_port(&row), Some(port));
+    assert!(
+        ssh(&account_key, port, "true").0,
+        "restarted instance refused SSH"
+    );
+
+    // Label.
+    let r = api.put(
+        &format!("/api/v0/instances/{id}/"),
+        json!({"label": "renamed"}),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(api.show(id)["label"], "renamed");
+
+    // Destroy: gone, its sshd and directory too; the offer is rentable again.
+    let r = api.delete(&format!("/api/v0/instances/{id}/"));
+    assert_eq!(r.json(), json!({"success": true}));
+    assert!(api.show(id).is_null());
+    assert!(!view.dir.exists());
+    assert_eq!(sshds_under(&view.dir), 0);
+    assert_eq!(offer_row(OFFER)["rented"], false);
+    assert_eq!(offer_row(OFFER)["rentable"], true);
+    assert_eq!(mock.live_instances(), 0);
+    assert_eq!(mock.creates_total(), 1);
+}
+
+#[test]
+fn dropping_the_mock_stops_every_sshd_and_a_key_attached_later_logs_in() {
+    let keys = tempfile::tempdir().unwrap();
+    let (late_key, late_pub) = keypair(keys.path(), "late");
+    let mock = VastMock::start(MockConfig {
+        timings: Timings {
+            provisioning: Duration::ZERO,
+            loading: Duration::from_millis(100),
+            ..config().timings
+        },
+        ..config()
+    })
+    .unwrap();
+    let api = Api::new(mock.url(), mock.api_key());
+    let a = api.create(OFFER, "a");
+    let b = api.create(OFFER + 1, "b");
+    let row = api.wait_status(a, Some("running"), Duration::from_secs(5));
+    api.wait_status(b, Some("running"), Duration::from_secs(5));
+    let port = host_port(&row).unwrap();
+    assert!(!ssh(&late_key, port, "true").0);
+    let r = api.post(
+        &format!("/api/v0/instances/{a}/ssh/"),
+        json!({"ssh_key": late_pub}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(ssh(&late_key, port, "true").0, "attached key refused");
+
+    let machines = mock.state_dir().join("machines");
+    assert_eq!(sshds_under(&machines), 2);
+    drop(mock);
+    assert_eq!(sshds_under(&machines), 0);
+    assert!(
+        !machines.exists(),
+        "the temporary state directory outlived the mock"
+    );
+}
