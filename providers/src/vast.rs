@@ -701,7 +701,7 @@ impl VastProvider {
             .map_err(|e| read_failed("searching offers", &e))?;
         let mut offers = model::parse_offers(&body).map_err(definite)?;
         // The service filters too; a price or size it ignored must not slip through.
-        offers.retain(|o| o.dph_total <= params.max_dph + 1e-9);
+        offers.retain(|o| o.dph_total <= params.max_dph + 1e-9 && params.in_region(&o.geolocation));
         Ok(offers)
     }
 

@@ -70,6 +70,16 @@ impl Daemon {
 
     /// [`Daemon::spawn`] with more arguments for `up`.
     pub fn spawn_with(state: &Path, shape: Option<&Path>, extra: &[&str]) -> Result<Self, Exited> {
+        Self::spawn_env(state, shape, extra, &[])
+    }
+
+    /// [`Daemon::spawn_with`] with more environment variables.
+    pub fn spawn_env(
+        state: &Path,
+        shape: Option<&Path>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self, Exited> {
         let log_path = state.with_extension("daemon.log");
         let mut log = std::fs::OpenOptions::new()
             .create(true)
@@ -87,6 +97,7 @@ impl Daemon {
             cmd.arg(shape).arg("--yes");
         }
         let mut child = cmd
+            .envs(env.iter().copied())
             .args(extra)
             .arg("--state-dir")
             .arg(state)

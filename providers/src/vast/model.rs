@@ -240,10 +240,23 @@ impl GroupParams {
         if let Some(r) = self.min_reliability {
             q["reliability2"] = json!({"gte": r});
         }
-        if !self.region.is_empty() {
-            q["geolocation"] = json!({"in": self.region});
-        }
+        // The region is matched here ([`GroupParams::in_region`]), not by the
+        // service: its `geolocation` reads "Sweden, SE", and how it matches a
+        // bare country code is not documented.
         q
+    }
+
+    /// Whether an offer at `geolocation` ("Sweden, SE") is in one of the
+    /// group's regions: a region matches the whole text or one of its
+    /// comma-separated parts, ignoring case.
+    pub(crate) fn in_region(&self, geolocation: &str) -> bool {
+        self.region.is_empty()
+            || self.region.iter().any(|r| {
+                geolocation.trim().eq_ignore_ascii_case(r)
+                    || geolocation
+                        .split(',')
+                        .any(|part| part.trim().eq_ignore_ascii_case(r))
+            })
     }
 
     /// The query in words, for messages.
@@ -768,7 +781,11 @@ mod tests {
         assert_eq!(q["gpu_name"], json!({"eq": "RTX_4090"}));
         assert_eq!(q["dph_total"], json!({"lte": 0.5}));
         assert_eq!(q["rented"], json!({"eq": false}));
-        assert_eq!(q["geolocation"], json!({"in": ["US"]}));
+        assert!(q.get("geolocation").is_none());
+        assert!(p.in_region("United States, US"));
+        assert!(p.in_region("us"));
+        assert!(!p.in_region("Sweden, SE"));
+        assert!(!p.in_region("USA-ish"));
         assert_eq!(q["order"], json!([["dph_total", "asc"]]));
 
         let err = |params: &[(&str, ParamValue)], image: Option<&str>| {
