@@ -145,6 +145,8 @@ pub(crate) struct ControlHandler {
     /// refused): until then a CLI `apply` or `plan` waits, so it is judged
     /// against that shape and can never be overtaken by it.
     pub(crate) started: watch::Receiver<bool>,
+    /// The vast provider, whose rentals a status lists.
+    pub(crate) vast: Option<swactor_providers::vast::VastProvider>,
 }
 
 impl ControlHandler {
@@ -168,12 +170,44 @@ impl ControlHandler {
                 .cluster
                 .snapshot()
                 .await
-                .map(ControlResponse::Status)
+                .map(|mut snap| {
+                    snap.rentals = self.rentals(&snap);
+                    ControlResponse::Status(snap)
+                })
                 .map_err(|e| refusal(&e)),
             ControlRequest::Describe(node) => self.describe(&node).await,
             ControlRequest::Down { keep, purge } => self.down(keep, purge).await,
         };
         result.unwrap_or_else(ControlResponse::Error)
+    }
+
+    /// The rented machines of the snapshot's current attempts.
+    fn rentals(&self, snap: &swactor_actors::ClusterSnapshot) -> Vec<swactor_actors::Rental> {
+        let Some(vast) = &self.vast else {
+            return Vec::new();
+        };
+        vast.instances(&self.run_id)
+            .into_iter()
+            .filter(|(key, _)| {
+                snap.nodes
+                    .iter()
+                    .any(|n| n.node == key.node && n.attempt == key.attempt)
+            })
+            .map(|(key, i)| swactor_actors::Rental {
+                node: key.node,
+                attempt: key.attempt,
+                provider: "vast".to_owned(),
+                instance: i.instance.to_string(),
+                offer: if i.offer == 0 {
+                    String::new()
+                } else {
+                    i.offer.to_string()
+                },
+                machine: i.machine.to_string(),
+                usd_per_hour_micros: (i.dph.max(0.0) * 1e6).round() as u64,
+                status: i.status,
+            })
+            .collect()
     }
 
     async fn plan(&self, file: Option<ShapeFile>, all: bool) -> Result<ControlResponse, String> {

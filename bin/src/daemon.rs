@@ -133,7 +133,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         file.as_ref(),
     )?;
     let mut providers: Vec<Arc<dyn Provider>> = vec![Arc::new(process), Arc::new(ssh.clone())];
-    if let Some(vast) = vast_provider(
+    let vast = vast_provider(
         vast_key,
         &state,
         &agent_binary,
@@ -142,9 +142,9 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         resume.as_ref(),
         file.as_ref(),
     )
-    .await?
-    {
-        providers.push(Arc::new(vast));
+    .await?;
+    if let Some(vast) = &vast {
+        providers.push(Arc::new(vast.clone()));
     }
     let provider = Providers::new(providers);
 
@@ -160,6 +160,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         shutting_down: None,
         stats: Default::default(),
         now: Default::default(),
+        rentals: Vec::new(),
     };
     let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())
         .await
@@ -219,6 +220,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
                 run_id: run_id.clone(),
                 down: down_tx,
                 started: started_rx,
+                vast,
             },
         )
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry)

@@ -444,14 +444,46 @@ mod tests {
     }
 
     #[test]
+    fn vast_groups_are_checked_and_must_agree_on_the_spend_cap() {
+        let group = |id: &str, params: &str| {
+            format!(
+                "[[group]]\nid = \"{id}\"\ncount = 1\nprovider = \"vast\"\nimage = \"img\"\n\
+                 [group.params]\n{params}\n"
+            )
+        };
+        let check = |body: String| {
+            ShapeFile::parse(&format!("run = \"r\"\n{body}"), "x")
+                .unwrap()
+                .check(1)
+        };
+        check(group("a", "max_dph = 0.5\nspend_cap_dph = 2.0")).unwrap();
+        let e = check(group("a", "max_dph = 0")).unwrap_err().to_string();
+        assert!(
+            e.contains("group a") && e.contains("`max_dph` must be more than 0"),
+            "{e}"
+        );
+        let e = check(group("a", "max_dph = 1.0\nnum_gpu = 2"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown parameter `num_gpu`"), "{e}");
+        let two = format!(
+            "{}{}",
+            group("a", "max_dph = 0.5\nspend_cap_dph = 2.0"),
+            group("b", "max_dph = 0.5\nspend_cap_dph = 3.0")
+        );
+        let e = check(two).unwrap_err().to_string();
+        assert!(e.contains("spend_cap_dph = 3 but group a sets 2"), "{e}");
+    }
+
+    #[test]
     fn an_unknown_provider_kind_is_refused() {
         let f = ShapeFile::parse(
-            "[[group]]\nid = \"g\"\ncount = 1\nprovider = \"vast\"\n",
+            "[[group]]\nid = \"g\"\ncount = 1\nprovider = \"aws\"\n",
             "x",
         )
         .unwrap();
         let e = f.to_shape(1).unwrap_err();
-        assert!(e.to_string().contains("\"vast\""), "{e}");
+        assert!(e.to_string().contains("\"aws\""), "{e}");
         assert!(e.to_string().contains("supported: process"), "{e}");
     }
 }

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use swactor_providers::vast::{ApiKey, Pacing, VastConfig, VastProvider};
 use swactor_providers::{Provider, ProviderError};
 use swactor_provisioning::{
-    BootParams, LeaseId, LogicalNodeId, NodeAttemptId, NodeLimits, NodeTemplate,
-    ParamValue, ProviderShape, ResourceKey, RunId, SwarmJoin,
+    BootParams, LeaseId, LogicalNodeId, NodeAttemptId, NodeLimits, NodeTemplate, ParamValue,
+    ProviderShape, ResourceKey, RunId, SwarmJoin,
 };
 use swactor_vastmock::{Ambiguity, Death, Gone, MockConfig, Offer, Selector, VastMock};
 
@@ -56,11 +56,8 @@ impl World {
         .unwrap();
         let agent = tmp.path().join("agent.sh");
         std::fs::write(&agent, format!("#!/bin/sh\nexec {BIN} \"$@\"\n")).unwrap();
-        std::fs::set_permissions(
-            &agent,
-            std::os::unix::fs::PermissionsExt::from_mode(0o755),
-        )
-        .unwrap();
+        std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
         Self { tmp, mock, agent }
     }
 
@@ -232,7 +229,10 @@ fn a_create_is_adopted_by_label_and_its_endpoint_is_the_instances_sshd() {
         // The daemon's key went in through `onstart`.
         assert_eq!(view.authorized_keys.len(), 1, "{view:?}");
         let inv = p.list(&RunId::new("r")).await.unwrap();
-        assert_eq!(inv.get(&k).and_then(|o| o.lease.clone()), Some(first.lease.clone()));
+        assert_eq!(
+            inv.get(&k).and_then(|o| o.lease.clone()),
+            Some(first.lease.clone())
+        );
         assert!(p.list(&RunId::new("other")).await.unwrap().is_empty());
         p.destroy_lease(&k, &first.lease).await.unwrap();
         p.destroy_lease(&k, &first.lease).await.unwrap();
@@ -258,7 +258,10 @@ fn an_ambiguous_create_is_never_sent_again_and_its_instance_is_adopted() {
             let k = key("w-0", i as u64 + 1);
             w.mock.ambiguous_create(kind, 1);
             let err = p.create_lease(&k, &t).await.unwrap_err();
-            assert!(matches!(err, ProviderError::Ambiguous(_)), "{kind:?}: {err}");
+            assert!(
+                matches!(err, ProviderError::Ambiguous(_)),
+                "{kind:?}: {err}"
+            );
             assert!(!err.to_string().contains(w.mock.api_key()));
             // Re-issued at once, and again and again: adopted, never re-sent.
             let mut grant = None;
@@ -276,7 +279,9 @@ fn an_ambiguous_create_is_never_sent_again_and_its_instance_is_adopted() {
             }
             let grant = grant.expect("the committed instance is adopted");
             assert_eq!(
-                w.mock.creates_per_label().get(&format!("swactor:r:w-0:{}", i + 1)),
+                w.mock
+                    .creates_per_label()
+                    .get(&format!("swactor:r:w-0:{}", i + 1)),
                 Some(&1),
                 "{kind:?}"
             );
@@ -370,8 +375,13 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
         w.mock.boot_failure(Selector::Next(1));
         let k = key("w-0", 1);
         let g = p.create_lease(&k, &t).await.unwrap();
-        let e = settle(&p, &k, &g.lease, Duration::from_secs(10)).await.unwrap_err();
-        assert!(matches!(&e, ProviderError::Gone(m) if m.contains("failed boot")), "{e}");
+        let e = settle(&p, &k, &g.lease, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("failed boot")),
+            "{e}"
+        );
         let failed_offer = w.mock.instance(instance_id(&g.lease)).unwrap().offer_id;
         p.destroy_lease(&k, &g.lease).await.unwrap();
         // The failed machine is skipped by the next create, though its
@@ -382,25 +392,39 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
             w.mock.instance(instance_id(&g2.lease)).unwrap().offer_id,
             failed_offer
         );
-        settle(&p, &k2, &g2.lease, Duration::from_secs(10)).await.unwrap();
+        settle(&p, &k2, &g2.lease, Duration::from_secs(10))
+            .await
+            .unwrap();
         // Death after running.
-        w.mock.kill(Selector::Id(instance_id(&g2.lease)), Death::Exited);
+        w.mock
+            .kill(Selector::Id(instance_id(&g2.lease)), Death::Exited);
         let e = p.lookup_endpoint(&k2, &g2.lease).await.unwrap_err();
-        assert!(matches!(&e, ProviderError::Gone(m) if m.contains("exited")), "{e}");
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("exited")),
+            "{e}"
+        );
         p.destroy_lease(&k2, &g2.lease).await.unwrap();
         // Loading forever: bounded by load_timeout_s.
         w.mock.stuck_loading(Selector::Next(1));
         let k3 = key("w-0", 3);
         let g3 = p.create_lease(&k3, &t).await.unwrap();
-        let e = settle(&p, &k3, &g3.lease, Duration::from_secs(10)).await.unwrap_err();
-        assert!(matches!(&e, ProviderError::Gone(m) if m.contains("load_timeout_s")), "{e}");
+        let e = settle(&p, &k3, &g3.lease, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("load_timeout_s")),
+            "{e}"
+        );
         p.destroy_lease(&k3, &g3.lease).await.unwrap();
         // Vanished: gone once the listing lag has passed.
         let k4 = key("w-0", 4);
         let g4 = p.create_lease(&k4, &t).await.unwrap();
-        settle(&p, &k4, &g4.lease, Duration::from_secs(10)).await.unwrap();
+        settle(&p, &k4, &g4.lease, Duration::from_secs(10))
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_secs(2)).await;
-        w.mock.kill(Selector::Id(instance_id(&g4.lease)), Death::Vanished);
+        w.mock
+            .kill(Selector::Id(instance_id(&g4.lease)), Death::Vanished);
         let e = p.lookup_endpoint(&k4, &g4.lease).await.unwrap_err();
         assert!(matches!(&e, ProviderError::Gone(_)), "{e}");
         p.destroy_lease(&k4, &g4.lease).await.unwrap();
@@ -421,7 +445,11 @@ fn rate_limits_and_flaky_destroys_are_waited_out_without_a_second_rental() {
         let start = Instant::now();
         let g = p.create_lease(&k, &t).await.unwrap();
         // Backed off: 1 s after the first 429, 2 s after the second.
-        assert!(start.elapsed() >= Duration::from_secs(2), "{:?}", start.elapsed());
+        assert!(
+            start.elapsed() >= Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
         w.mock.flaky_destroy(2, 500).unwrap();
         let mut tries = 0;
         loop {
@@ -452,7 +480,10 @@ fn a_wrong_key_is_refused_in_words_that_never_hold_a_key() {
         let e = p.check_access().await.unwrap_err();
         assert!(e.contains("refused the API key"), "{e}");
         assert!(!e.contains("wrong-key-0123456789") && !e.contains(w.mock.api_key()));
-        let e = p.create_lease(&key("w-0", 1), &template(&[])).await.unwrap_err();
+        let e = p
+            .create_lease(&key("w-0", 1), &template(&[]))
+            .await
+            .unwrap_err();
         assert!(!e.to_string().contains("wrong-key-0123456789"), "{e}");
     });
     assert_eq!(w.mock.creates_total(), 0);
@@ -460,7 +491,10 @@ fn a_wrong_key_is_refused_in_words_that_never_hold_a_key() {
 
 /// Every line of the daemon's log, checked for the key.
 fn assert_no_key(log: &str, key: &str) {
-    assert!(!log.contains(key), "the API key appears in the daemon's output");
+    assert!(
+        !log.contains(key),
+        "the API key appears in the daemon's output"
+    );
 }
 
 #[test]
@@ -468,16 +502,36 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
     let w = World::new(offers(6, 0.3));
     let shape = w.shape("four.toml", 4, "");
     let started = Instant::now();
-    let d = w.up(&shape, &w.env()).unwrap_or_else(|e| panic!("{:?}: {}", e.code, e.log));
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{:?}: {}", e.code, e.log));
     let snap = try_wait_converged(&w.state(), CONVERGE, |s| {
         s.nodes.iter().filter(|n| n.ready).count() == 4
     })
     .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
-    eprintln!("4 vast nodes converged in {:.1} s", started.elapsed().as_secs_f64());
+    eprintln!(
+        "4 vast nodes converged in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     assert_eq!(snap.nodes.len(), 4);
     assert_eq!(w.mock.live_instances(), 4);
     assert_eq!(w.agents().len(), 4, "one agent per instance");
     w.assert_one_create_per_label();
+    // Status shows each node's offer, machine and price, and the total.
+    assert_eq!(snap.rentals.len(), 4, "{:#?}", snap.rentals);
+    let total: u64 = snap.rentals.iter().map(|r| r.usd_per_hour_micros).sum();
+    assert_eq!(total, 1_206_000, "0.300 + 0.301 + 0.302 + 0.303 $/h");
+    assert!(
+        snap.rentals
+            .iter()
+            .all(|r| !r.offer.is_empty() && r.machine.starts_with("70"))
+    );
+    let o = cli(&w.state(), &["status"]);
+    let text = stdout(&o);
+    assert!(
+        text.contains("rented machines: 4 · 1.206 $/h in all"),
+        "{text}"
+    );
     let o = cli(&w.state(), &["down"]);
     assert!(o.status.success(), "{}\n{}", stderr(&o), d.log());
     wait_for(Duration::from_secs(30), "no live instance", || {
@@ -510,7 +564,9 @@ fn a_daemon_killed_mid_create_adopts_the_instance_when_it_starts_again() {
     d.kill9();
     let first_log = d.log();
     drop(d);
-    let d = w.up(&shape, &w.env()).unwrap_or_else(|e| panic!("{}", e.log));
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
     try_wait_converged(&w.state(), CONVERGE, |s| {
         s.nodes.iter().filter(|n| n.ready).count() == 1
     })
@@ -534,7 +590,11 @@ fn a_shape_renting_vast_machines_without_a_key_is_refused_before_anything_is_ren
     env.retain(|(k, _)| *k != "VAST_API_KEY");
     env.push(("VAST_API_KEY", String::new()));
     let e = w.up(&shape, &env).err().expect("refused");
-    assert!(e.log.contains("no Vast.ai API key") && e.log.contains("VAST_API_KEY"), "{}", e.log);
+    assert!(
+        e.log.contains("no Vast.ai API key") && e.log.contains("VAST_API_KEY"),
+        "{}",
+        e.log
+    );
     let mut env = w.env();
     env.retain(|(k, _)| *k != "VAST_API_KEY");
     env.push(("VAST_API_KEY", "not-the-key-987654321".to_owned()));
