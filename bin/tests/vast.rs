@@ -367,7 +367,7 @@ fn the_spend_cap_refuses_a_create_over_it_with_the_numbers() {
 
 #[test]
 fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
-    let w = World::new(offers(6, 0.3));
+    let w = World::new(offers(8, 0.3));
     let p = w.provider(Duration::from_secs(2), Duration::from_secs(5));
     let t = template(&[("load_timeout_s", ParamValue::Float(2.0))]);
     rt().block_on(async {
@@ -416,6 +416,13 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
             "{e}"
         );
         p.destroy_lease(&k3, &g3.lease).await.unwrap();
+        // Running, but SSH never answers: bounded by load_timeout_s too.
+        w.mock.ssh_never_ready(Selector::Next(1));
+        let k5 = key("w-0", 5);
+        let g5 = p.create_lease(&k5, &t).await.unwrap();
+        let e = settle(&p, &k5, &g5.lease, Duration::from_secs(15)).await.unwrap_err();
+        assert!(matches!(&e, ProviderError::Gone(m) if m.contains("SSH is not ready")), "{e}");
+        p.destroy_lease(&k5, &g5.lease).await.unwrap();
         // Vanished: gone once the listing lag has passed.
         let k4 = key("w-0", 4);
         let g4 = p.create_lease(&k4, &t).await.unwrap();

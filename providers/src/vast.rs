@@ -975,6 +975,34 @@ impl VastProvider {
     }
 }
 
+impl VastProvider {
+    /// Not ready yet, unless `id` has been short of ready for longer than
+    /// its group's `load_timeout_s`: then the attempt ends and the machine
+    /// is skipped by later creates.
+    fn not_ready_within_load_timeout(
+        &self,
+        id: u64,
+        i: &Instance,
+        record: Option<&CreateRecord>,
+        status: &str,
+    ) -> Result<NodeEndpoint, ProviderError> {
+        let limit = record.map_or(model::LOAD_TIMEOUT_DEFAULT, |r| {
+            Duration::from_secs_f64(r.load_timeout_s)
+        });
+        let waited = self.loading_for(id, record);
+        if waited > limit {
+            let why = format!(
+                "instance {id} is still {status} after {}s (load_timeout_s is {}s); it is destroyed and the node goes to another offer",
+                waited.as_secs(),
+                limit.as_secs()
+            );
+            self.mark_bad(i.machine_id, &why);
+            return Err(ProviderError::Gone(why));
+        }
+        Err(ProviderError::NotReady)
+    }
+}
+
 /// An IPv6 address in brackets, for `user@[addr]:port`.
 fn bracket(host: &str) -> String {
     if host.contains(':') && !host.starts_with('[') {
@@ -1044,23 +1072,25 @@ impl Provider for VastProvider {
             Health::Running(host, port) => {
                 let target = format!("{SSH_USER}@{}:{port}", bracket(&host));
                 lock(&self.shared.endpoints).insert(id, target.clone());
-                Ok(NodeEndpoint(format!("ssh:{target}")))
+                // Running is not enough: the endpoint is ready once SSH
+                // answers and takes our key (`onstart` may not have run yet).
+                match self.connect(id, &target).await {
+                    Ok(_) => Ok(NodeEndpoint(format!("ssh:{target}"))),
+                    Err(
+                        e @ (SshError::NotReady { .. }
+                        | SshError::Auth { .. }
+                        | SshError::Broken { .. }),
+                    ) => self.not_ready_within_load_timeout(
+                        id,
+                        &i,
+                        record.as_ref(),
+                        &format!("running, but SSH is not ready ({e})"),
+                    ),
+                    Err(e) => Err(definite(format!("instance {id}: {e}"))),
+                }
             }
             Health::Pending(status) => {
-                let limit = record.as_ref().map_or(model::LOAD_TIMEOUT_DEFAULT, |r| {
-                    Duration::from_secs_f64(r.load_timeout_s)
-                });
-                let waited = self.loading_for(id, record.as_ref());
-                if waited > limit {
-                    let why = format!(
-                        "instance {id} is still {status} after {}s (load_timeout_s is {}s); it is destroyed and the node goes to another offer",
-                        waited.as_secs(),
-                        limit.as_secs()
-                    );
-                    self.mark_bad(i.machine_id, &why);
-                    return Err(ProviderError::Gone(why));
-                }
-                Err(ProviderError::NotReady)
+                self.not_ready_within_load_timeout(id, &i, record.as_ref(), &status)
             }
             Health::Failed(why) => {
                 self.mark_bad(i.machine_id, &why);
