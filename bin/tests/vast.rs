@@ -95,6 +95,18 @@ impl World {
             .collect()
     }
 
+    /// Kills the agents running in one machine's directory.
+    fn kill_agents_in(&self, dir: &Path) {
+        let Ok(dir) = dir.canonicalize() else {
+            return;
+        };
+        for (pid, cwd) in agent_cwds() {
+            if cwd.starts_with(&dir) {
+                kill9(pid);
+            }
+        }
+    }
+
     fn env(&self) -> Vec<(&'static str, String)> {
         vec![
             ("VAST_URL", self.mock.url().to_owned()),
@@ -420,8 +432,13 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
         w.mock.ssh_never_ready(Selector::Next(1));
         let k5 = key("w-0", 5);
         let g5 = p.create_lease(&k5, &t).await.unwrap();
-        let e = settle(&p, &k5, &g5.lease, Duration::from_secs(15)).await.unwrap_err();
-        assert!(matches!(&e, ProviderError::Gone(m) if m.contains("SSH is not ready")), "{e}");
+        let e = settle(&p, &k5, &g5.lease, Duration::from_secs(15))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("SSH is not ready")),
+            "{e}"
+        );
         p.destroy_lease(&k5, &g5.lease).await.unwrap();
         // Vanished: gone once the listing lag has passed.
         let k4 = key("w-0", 4);
@@ -613,4 +630,170 @@ fn a_shape_renting_vast_machines_without_a_key_is_refused_before_anything_is_ren
     let e = w.up(&bad, &w.env()).err().expect("refused");
     assert!(e.log.contains("below `max_dph`"), "{}", e.log);
     assert_eq!(w.mock.creates_total(), 0);
+}
+
+/// A small seeded generator (splitmix64), so a failing seed replays.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Applies one fault chosen by `rng`; returns its description.
+fn inject(w: &World, rng: &mut Rng, seed: u64) -> String {
+    use swactor_vastmock::Endpoint as E;
+    match rng.below(10) {
+        0 => {
+            let offer = 5000 + rng.below(10);
+            let kind = if rng.below(2) == 0 {
+                Gone::NotFound
+            } else {
+                Gone::Unavailable
+            };
+            w.mock.offer_gone(offer, Some(kind));
+            format!("offer {offer} gone ({kind:?})")
+        }
+        1 => {
+            let e = [E::Create, E::Search, E::List, E::Show, E::Destroy][rng.below(5) as usize];
+            let n = 1 + rng.below(4) as u32;
+            w.mock.rate_burst(e, n);
+            format!("{n} × 429 on {e:?}")
+        }
+        2 => {
+            w.mock.boot_failure(Selector::Next(1));
+            "a failed boot".to_owned()
+        }
+        3 => {
+            w.mock.stuck_loading(Selector::Next(1));
+            "a stuck load".to_owned()
+        }
+        4 => {
+            let kind = match rng.below(3) {
+                0 => Ambiguity::BadGateway,
+                1 => Ambiguity::Drop,
+                _ => Ambiguity::Timeout {
+                    hold: Duration::from_secs(3),
+                },
+            };
+            w.mock.ambiguous_create(kind, 1);
+            format!("an ambiguous create ({kind:?})")
+        }
+        5 => {
+            let ms = 300 + rng.below(1200);
+            w.mock.listing_lag(Duration::from_millis(ms));
+            format!("a listing lag of {ms} ms")
+        }
+        6 => {
+            let n = 1 + rng.below(3) as u32;
+            w.mock.flaky_destroy(n, 500).unwrap();
+            format!("{n} flaky destroys")
+        }
+        7 => {
+            w.mock.random_5xx(0.1, seed).unwrap();
+            "random 5xx (10 %)".to_owned()
+        }
+        8 => {
+            w.mock.ssh_never_ready(Selector::Next(1));
+            "an sshd that never answers".to_owned()
+        }
+        _ => {
+            w.mock
+                .slow_loading(Selector::Next(1), Duration::from_secs(2));
+            "a slow load".to_owned()
+        }
+    }
+}
+
+/// Seeds to run: `SWACTOR_VAST_SEEDS` (default 16), from `SWACTOR_VAST_SEED0`.
+fn seeds() -> std::ops::Range<u64> {
+    let n = std::env::var("SWACTOR_VAST_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
+    let first = std::env::var("SWACTOR_VAST_SEED0")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    first..first + n
+}
+
+#[test]
+fn a_seeded_battery_of_faults_ends_converged_with_one_create_per_label_and_nothing_left() {
+    for seed in seeds() {
+        let started = Instant::now();
+        let mut rng = Rng(seed);
+        let w = World::new(offers(10, 0.3));
+        let shape = w.shape("battery.toml", 3, "load_timeout_s = 4\n");
+        let faults: Vec<String> = (0..2 + rng.below(3))
+            .map(|_| inject(&w, &mut rng, seed))
+            .collect();
+        let mut env = w.env();
+        env.retain(|(k, _)| *k != "SWACTOR_VAST_LISTING_LAG_S");
+        env.push(("SWACTOR_VAST_LISTING_LAG_S", "3".to_owned()));
+        let d = w
+            .up(&shape, &env)
+            .unwrap_or_else(|e| panic!("seed {seed}: {:?}: {}", e.code, e.log));
+        std::thread::sleep(Duration::from_millis(1500 + rng.below(1500)));
+        let mut killed = String::new();
+        if rng.below(2) == 0 {
+            let death = [Death::Exited, Death::Offline, Death::Vanished][rng.below(3) as usize];
+            let live: Vec<_> = w
+                .mock
+                .instances()
+                .into_iter()
+                .filter(|i| !i.destroyed)
+                .collect();
+            if !live.is_empty() {
+                let victim = &live[rng.below(live.len() as u64) as usize];
+                // The machine dies, and what ran on it with it.
+                w.kill_agents_in(&victim.dir);
+                w.mock.kill(Selector::Id(victim.id), death);
+                killed = format!(", then instance {} {death:?}", victim.id);
+            }
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        w.mock.clear_faults();
+        for o in 5000..5010 {
+            w.mock.offer_gone(o, None);
+        }
+        let what = format!("seed {seed}: {}{killed}", faults.join(", "));
+        try_wait_converged(&w.state(), CONVERGE, |s| {
+            s.nodes.iter().filter(|n| n.ready).count() == 3 && w.mock.live_instances() == 3
+        })
+        .unwrap_or_else(|last| {
+            panic!(
+                "{what}: not converged: {last:#?}\ninstances: {:#?}\n{}",
+                w.mock
+                    .instances()
+                    .iter()
+                    .map(|i| (i.id, i.label.clone(), i.actual_status.clone(), i.destroyed))
+                    .collect::<Vec<_>>(),
+                d.log()
+            )
+        });
+        w.assert_one_create_per_label();
+        assert_eq!(w.mock.live_instances(), 3, "{what}\n{}", d.log());
+        let o = cli(&w.state(), &["down"]);
+        assert!(o.status.success(), "{what}: {}\n{}", stderr(&o), d.log());
+        wait_for(Duration::from_secs(30), "no live instance", || {
+            w.mock.live_instances() == 0
+        });
+        assert_no_key(&format!("{}{}", stderr(&o), d.log()), w.mock.api_key());
+        w.assert_one_create_per_label();
+        eprintln!(
+            "{what}: converged and torn down in {:.1} s ({} creates)",
+            started.elapsed().as_secs_f64(),
+            w.mock.creates_total()
+        );
+    }
 }
