@@ -85,6 +85,8 @@ pub const LISTING_LAG_DEFAULT: Duration = Duration::from_secs(60);
 const LIST_PAGES_MAX: usize = 400;
 /// Events buffered per session stream.
 const STREAM_BUFFER_LEN: usize = 64;
+/// How long a search's offers are reused by later creates.
+const OFFERS_FRESH: Duration = Duration::from_secs(10);
 /// The user the daemon logs in as.
 const SSH_USER: &str = "root";
 
@@ -225,6 +227,8 @@ struct Shared {
     /// What status shows, by key.
     shown: Mutex<BTreeMap<ResourceKey, InstanceInfo>>,
     key_locks: Mutex<HashMap<ResourceKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// Recent searches, by query: when, and the offers still untried.
+    offers: Mutex<HashMap<String, (Instant, Vec<Offer>)>>,
     /// Held from the spend check to the create's answer.
     create_lock: tokio::sync::Mutex<()>,
     binary: tokio::sync::OnceCell<(Arc<Vec<u8>>, String)>,
@@ -333,6 +337,7 @@ impl VastProvider {
                 sessions: Mutex::new(HashMap::new()),
                 shown: Mutex::new(BTreeMap::new()),
                 key_locks: Mutex::new(HashMap::new()),
+                offers: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
                 binary: tokio::sync::OnceCell::new(),
             }),
@@ -686,7 +691,18 @@ impl VastProvider {
         Ok(costs)
     }
 
+    /// The offers that fit `params`, cheapest first. A search answered
+    /// less than [`OFFERS_FRESH`] ago is reused (the service allows a search
+    /// every few seconds, and a shape of many nodes rents them one after the
+    /// other), less the offers rented or failed since.
     async fn search(&self, params: &GroupParams) -> Result<Vec<Offer>, ProviderError> {
+        let query = params.offer_query().to_string();
+        if let Some((at, offers)) = lock(&self.shared.offers).get(&query)
+            && at.elapsed() < OFFERS_FRESH
+            && !offers.is_empty()
+        {
+            return Ok(offers.clone());
+        }
         let body = self
             .shared
             .api
@@ -702,7 +718,15 @@ impl VastProvider {
         let mut offers = model::parse_offers(&body).map_err(definite)?;
         // The service filters too; a price or size it ignored must not slip through.
         offers.retain(|o| o.dph_total <= params.max_dph + 1e-9 && params.in_region(&o.geolocation));
+        lock(&self.shared.offers).insert(query, (Instant::now(), offers.clone()));
         Ok(offers)
+    }
+
+    /// Drops `offer` from every cached search: it was just rented, or cannot be.
+    fn offer_taken(&self, offer: u64) {
+        for (_, offers) in lock(&self.shared.offers).values_mut() {
+            offers.retain(|o| o.id != offer);
+        }
     }
 
     /// Rents an instance for `key` (the create lock is held).
@@ -772,6 +796,8 @@ impl VastProvider {
         };
         write_durably(&self.record_path(key), &record)?;
         tracing::info!(%key, offer = offer.id, machine = offer.machine_id, dph = offer.dph_total, gpu = %offer.gpu_name, "renting an instance");
+        // Whatever the answer, this offer is not for the next create.
+        self.offer_taken(offer.id);
         let answer = self
             .shared
             .api
@@ -976,6 +1002,33 @@ impl VastProvider {
 }
 
 impl VastProvider {
+    /// What an instance whose SSH does not answer means for its attempt:
+    /// the lease is gone when the instance vanished, was destroyed or
+    /// failed (the attempt ends instead of retrying forever); otherwise the
+    /// SSH error, to be retried.
+    async fn unreachable(&self, key: &ResourceKey, id: u64, err: SshError) -> ProviderError {
+        let record = self.record(key).filter(|r| r.instance == Some(id));
+        let recent = record
+            .as_ref()
+            .is_some_and(|r| r.age() < self.shared.config.listing_lag);
+        match self.show(id).await {
+            Ok(None) if !recent => {
+                ProviderError::Gone(format!("instance {id} no longer exists ({err})"))
+            }
+            Ok(Some(i)) => match model::health(&i) {
+                Health::Failed(why) => {
+                    self.mark_bad(i.machine_id, &why);
+                    ProviderError::Gone(format!(
+                        "{why}; it is destroyed and the node goes to another offer"
+                    ))
+                }
+                Health::Destroyed => ProviderError::Gone(format!("instance {id} was destroyed")),
+                _ => err.into(),
+            },
+            _ => err.into(),
+        }
+    }
+
     /// Not ready yet, unless `id` has been short of ready for longer than
     /// its group's `load_timeout_s`: then the attempt ends and the machine
     /// is skipped by later creates.
@@ -1034,8 +1087,28 @@ impl Provider for VastProvider {
         }
         if let Some(i) = self.adopt(key, &label).await? {
             tracing::debug!(%key, instance = i.id, "adopted an instance by its label");
-            let record = self.record(key);
-            self.remember_shown(key, &i, record.as_ref());
+            // The record names the instance from now on (its load timeout
+            // runs from the create, or from now for one found without a record).
+            let record = match self.record(key) {
+                Some(r) if r.instance == Some(i.id) => r,
+                old => {
+                    let r = CreateRecord {
+                        label: label.clone(),
+                        offer: old.as_ref().map_or(0, |r| r.offer),
+                        machine: i
+                            .machine_id
+                            .or(old.as_ref().map(|r| r.machine))
+                            .unwrap_or(0),
+                        dph: i.dph_total.or(old.as_ref().map(|r| r.dph)).unwrap_or(0.0),
+                        sent_ms: old.as_ref().map_or_else(now_ms, |r| r.sent_ms),
+                        instance: Some(i.id),
+                        load_timeout_s: params.load_timeout.as_secs_f64(),
+                    };
+                    write_durably(&self.record_path(key), &r)?;
+                    r
+                }
+            };
+            self.remember_shown(key, &i, Some(&record));
             return Ok(LeaseGrant {
                 lease: lease_of(i.id),
                 endpoint: None,
@@ -1116,9 +1189,11 @@ impl Provider for VastProvider {
         };
         let _guard = self.lock_key(key).await;
         let dir = remote::node_dir(key);
-        let out = self
-            .run(id, &target, &remote::agent_pid(&dir), None)
-            .await?;
+        let out = match self.run(id, &target, &remote::agent_pid(&dir), None).await {
+            Ok(out) => out,
+            Err(e) if !e.is_definite() => return Err(self.unreachable(key, id, e).await),
+            Err(e) => return Err(e.into()),
+        };
         let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         if !pid.is_empty() {
             return self
