@@ -70,7 +70,11 @@ impl MockConfig {
     ///
     /// # Errors
     /// A message naming the first bad field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::InvalidArgument> {
+        self.check().map_err(crate::InvalidArgument)
+    }
+
+    fn check(&self) -> Result<(), String> {
         if !self.listen.ip().is_loopback() {
             return Err(format!(
                 "listen address {} is not loopback: the mock serves tests on this machine only",

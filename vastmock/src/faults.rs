@@ -111,6 +111,8 @@ pub(crate) struct Faults {
     /// The next n destroys fail with this status, destroying nothing.
     pub(crate) flaky_destroys: u32,
     pub(crate) flaky_destroy_status: u16,
+    /// 429 bodies are plain text instead of JSON.
+    pub(crate) text_429: bool,
     /// Random 5xx: probability and generator.
     pub(crate) random_5xx: Option<(f64, SplitMix64)>,
 }

@@ -38,16 +38,42 @@
 //! `onstart` or in an `env` value, plus keys attached later. Stopping stops
 //! the sshd (`ports` null); starting again goes through `loading` for
 //! `Timings::restart` and restarts it on the same port; destroying stops it
-//! and removes the directory. The offer is `rented` (and not `rentable`)
-//! from the create until the destroy. Dropping the [`VastMock`] stops every
+//! and removes the directory; the instance then vanishes, or shows
+//! `destroyed` for `Timings::destroyed_visible`. The offer is `rented` (and
+//! not `rentable`) from the create until the destroy. Dropping the [`VastMock`] stops every
 //! sshd.
+//!
+//! `ssh_port` is null until the first boot completes, then stays the same
+//! across stops and starts. Account keys added after a create do not reach
+//! that instance (the real service says it adds them to current instances;
+//! the mock keeps the create-time set so a provider cannot come to rely on
+//! that); attach a key to one instance instead.
+//!
+//! # Caveats
+//! - A machine is not a container: SSH commands run on this machine, as
+//!   root, in the machine's home directory (`$HOME`), like any
+//!   [`swactor_providers::ssh::testing::Sshd`] host. `image` is only recorded.
+//! - `onstart` is never run (only read for keys), and `env` is only
+//!   listed in `extra_env`: neither reaches SSH sessions.
+//! - One account and one key. Bulk routes (`PUT`/`DELETE /instances/`,
+//!   `POST /asks/bulk/`), templates, volumes and billing are not served.
+//! - Nothing is persisted: a restarted binary starts empty (leftover
+//!   machine directories in a given `--state-dir` are not adopted).
+//!
+//! # Search
+//! Filters on fields an offer does not have are ignored; a bare value means
+//! `eq`; numbers may come as strings and `_` equals a space, as the official
+//! CLI sends them. `type` `bid`/`interruptible` prices offers at `min_bid`;
+//! `allocated_storage` is accepted and ignored. Without `order`, offers come
+//! by `score` descending; without `limit`, at most 64.
 //!
 //! # Rate limits
 //! A minimum interval per endpoint group ([`Endpoint`]) and key
 //! ([`RateLimits`], scaled by `RateLimits::scale`); a call inside the interval
 //! after the last *accepted* call gets 429
-//! `{"detail":"API requests too frequent endpoint threshold=…"}`, no
-//! `Retry-After`. Refused calls do not move the window.
+//! `{"detail":"API requests too frequent endpoint threshold=…"}` (or the
+//! same as plain text, see [`VastMock::rate_limit_text`]), no
+//! `Retry-After`. A refused (429) call does not move the window.
 //!
 //! # Order of checks
 //! Authentication, then a pending 429 burst, then the rate limit, then a
@@ -61,6 +87,7 @@
 //! |---|---|---|
 //! | `/admin/faults/offer_gone` | `{"offer_id":N,"kind":"not_found"\|"unavailable"\|null}` | [`VastMock::offer_gone`] |
 //! | `/admin/faults/rate_burst` | `{"endpoint":"create","count":K}` | [`VastMock::rate_burst`] |
+//! | `/admin/faults/rate_limit_text` | `{"text":true}` | [`VastMock::rate_limit_text`] |
 //! | `/admin/faults/slow_loading` | `{"target":T,"loading_ms":N}` | [`VastMock::slow_loading`] |
 //! | `/admin/faults/stuck_loading` | `{"target":T}` | [`VastMock::stuck_loading`] |
 //! | `/admin/faults/boot_failure` | `{"target":T}` | [`VastMock::boot_failure`] |
@@ -74,6 +101,7 @@
 //! | `/admin/offers` | an [`Offer`] | [`VastMock::add_offer`] |
 //! | `/admin/ssh_keys` | `{"ssh_key":"ssh-ed25519 …"}` | [`VastMock::add_ssh_key`] |
 //! | `/admin/rate_scale` | `{"scale":0.01}` | [`VastMock::set_rate_scale`] |
+//! | `/admin/timings` | `{"provisioning_ms":N,"loading_ms":N,"restart_ms":N,"destroyed_visible_ms":N}` | [`VastMock::set_timings`] |
 //!
 //! A target `T` is a [`Selector`]: `{"id":N}` (an existing instance),
 //! `{"label":"x"}` (existing and future instances with the label),
@@ -104,12 +132,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use world::World;
 
+/// A knob or configuration value the mock cannot honour; the message says which.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidArgument(pub String);
+
 /// Why the mock did not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// The configuration is not valid.
-    #[error("invalid mock configuration: {0}")]
-    Config(String),
+    #[error("invalid mock configuration")]
+    Config(#[source] InvalidArgument),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}")]
     Bind {
@@ -134,6 +167,22 @@ pub enum StartError {
 }
 
 /// A running mock; stops its server and every instance's sshd when dropped.
+///
+/// ```
+/// use std::time::Duration;
+/// use swactor_vastmock::{Ambiguity, MockConfig, Selector, VastMock};
+///
+/// let mock = VastMock::start(MockConfig::fast())?;
+/// // Point the client at it: `VAST_URL`/`--url` = mock.url(), key = mock.api_key().
+/// assert!(mock.url().starts_with("http://127.0.0.1:"));
+/// mock.ambiguous_create(Ambiguity::Drop, 1);
+/// mock.stuck_loading(Selector::Label("run-7/slot-0".into()));
+/// mock.listing_lag(Duration::from_millis(500));
+/// // … run the code under test, then look:
+/// assert_eq!(mock.creates_per_label().get("run-7/slot-0"), None);
+/// assert_eq!(mock.live_instances(), 0);
+/// # Ok::<(), swactor_vastmock::StartError>(())
+/// ```
 ///
 /// Every method is synchronous and may be called from any thread, inside a
 /// tokio runtime or not. Methods that look at instances first apply what
@@ -252,8 +301,11 @@ impl VastMock {
     ///
     /// # Errors
     /// When an offer with its id exists.
-    pub fn add_offer(&self, offer: Offer) -> Result<(), String> {
-        self.shared.world().add_offer(offer)
+    pub fn add_offer(&self, offer: Offer) -> Result<(), InvalidArgument> {
+        self.shared
+            .world()
+            .add_offer(offer)
+            .map_err(InvalidArgument)
     }
 
     /// Every offer as the search lists it (rented ones included).
@@ -271,16 +323,22 @@ impl VastMock {
     ///
     /// # Errors
     /// When it is not an OpenSSH public key.
-    pub fn add_ssh_key(&self, key: &str) -> Result<u64, String> {
-        self.shared.world().add_account_key(key)
+    pub fn add_ssh_key(&self, key: &str) -> Result<u64, InvalidArgument> {
+        self.shared
+            .world()
+            .add_account_key(key)
+            .map_err(InvalidArgument)
     }
 
     /// Sets the factor on every rate-limit interval (0 turns limits off).
     ///
     /// # Errors
     /// A negative or non-finite factor.
-    pub fn set_rate_scale(&self, scale: f64) -> Result<(), String> {
-        self.shared.world().set_rate_scale(scale)
+    pub fn set_rate_scale(&self, scale: f64) -> Result<(), InvalidArgument> {
+        self.shared
+            .world()
+            .set_rate_scale(scale)
+            .map_err(InvalidArgument)
     }
 
     /// Replaces the rate limits (intervals and scale).
@@ -370,8 +428,8 @@ impl VastMock {
     ///
     /// # Errors
     /// A status outside 500..=599.
-    pub fn flaky_destroy(&self, count: u32, status: u16) -> Result<(), String> {
-        set_flaky_destroy(&mut self.shared.world(), count, status)
+    pub fn flaky_destroy(&self, count: u32, status: u16) -> Result<(), InvalidArgument> {
+        set_flaky_destroy(&mut self.shared.world(), count, status).map_err(InvalidArgument)
     }
 
     /// Each rate-limited call fails with 500, 502 or 503 (changing nothing)
@@ -379,8 +437,14 @@ impl VastMock {
     ///
     /// # Errors
     /// A probability outside [0, 1].
-    pub fn random_5xx(&self, probability: f64, seed: u64) -> Result<(), String> {
-        set_random_5xx(&mut self.shared.world(), probability, seed)
+    pub fn random_5xx(&self, probability: f64, seed: u64) -> Result<(), InvalidArgument> {
+        set_random_5xx(&mut self.shared.world(), probability, seed).map_err(InvalidArgument)
+    }
+
+    /// 429 answers carry plain text (`API requests too frequent …`) instead
+    /// of JSON `{"detail": …}` when `text`; Vast.ai answers both ways.
+    pub fn rate_limit_text(&self, text: bool) {
+        self.shared.world().faults.text_429 = text;
     }
 
     /// Clears every knob (instances keep the faults already stamped on them).

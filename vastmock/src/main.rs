@@ -40,7 +40,15 @@ fn main() {
     }
     let mock = match VastMock::start(config) {
         Ok(mock) => mock,
-        Err(e) => fail(&format!("{e}")),
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                msg.push_str(&format!(": {s}"));
+                source = s.source();
+            }
+            fail(&msg)
+        }
     };
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}", mock.url());

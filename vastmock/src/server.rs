@@ -269,6 +269,15 @@ struct TargetBody {
 }
 
 #[derive(Deserialize)]
+struct TimingsBody {
+    provisioning_ms: u64,
+    loading_ms: u64,
+    restart_ms: u64,
+    #[serde(default)]
+    destroyed_visible_ms: u64,
+}
+
+#[derive(Deserialize)]
 struct OfferGoneBody {
     offer_id: u64,
     /// `None` clears the knob for the offer.
@@ -363,6 +372,21 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
         }),
     )
     .route(
+        "/admin/timings",
+        post(|State(s): S, b: Bytes| {
+            admin(s, move |w, _| {
+                let t: TimingsBody = parse(&b)?;
+                w.set_timings(crate::Timings {
+                    provisioning: Duration::from_millis(t.provisioning_ms),
+                    loading: Duration::from_millis(t.loading_ms),
+                    restart: Duration::from_millis(t.restart_ms),
+                    destroyed_visible: Duration::from_millis(t.destroyed_visible_ms),
+                });
+                ok()
+            })
+        }),
+    )
+    .route(
         "/admin/faults/offer_gone",
         post(|State(s): S, b: Bytes| {
             admin(s, move |w, _| {
@@ -381,6 +405,19 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
             admin(s, move |w, _| {
                 let body: BurstBody = parse(&b)?;
                 w.faults.rate_bursts.insert(body.endpoint, body.count);
+                ok()
+            })
+        }),
+    )
+    .route(
+        "/admin/faults/rate_limit_text",
+        post(|State(s): S, b: Bytes| {
+            admin(s, move |w, _| {
+                let v: Value = parse(&b)?;
+                w.faults.text_429 = v
+                    .get("text")
+                    .and_then(Value::as_bool)
+                    .ok_or("text missing")?;
                 ok()
             })
         }),

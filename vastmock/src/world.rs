@@ -77,14 +77,21 @@ impl Reply {
         )
     }
 
-    fn too_frequent(interval: Duration) -> Self {
-        Self::json(
-            429,
-            json!({"detail": format!(
-                "API requests too frequent endpoint threshold={:.2}s",
-                interval.as_secs_f64()
-            )}),
-        )
+    /// A 429: JSON `{"detail": …}`, or the same words as plain text.
+    fn too_frequent(interval: Duration, text: bool) -> Self {
+        let detail = format!(
+            "API requests too frequent endpoint threshold={:.2}s",
+            interval.as_secs_f64()
+        );
+        if text {
+            Self {
+                status: 429,
+                body: Body::Text(detail, "text/plain; charset=utf-8"),
+                after: After::Respond,
+            }
+        } else {
+            Self::json(429, json!({ "detail": detail }))
+        }
     }
 
     fn server_error(status: u16) -> Self {
@@ -216,6 +223,18 @@ pub struct InstanceView {
     pub row: Value,
 }
 
+impl InstanceView {
+    /// `root@127.0.0.1:{ssh_port}`, once it has a port (whether or not an
+    /// sshd answers there now: see [`InstanceView::ssh_up`]).
+    pub fn ssh_target(&self) -> Option<swactor_providers::ssh::SshTarget> {
+        Some(swactor_providers::ssh::SshTarget {
+            user: "root".to_owned(),
+            host: "127.0.0.1".to_owned(),
+            port: self.ssh_port?,
+        })
+    }
+}
+
 /// The creation counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Counters {
@@ -322,13 +341,16 @@ impl World {
         if let Some(endpoint) = call.endpoint() {
             let interval = self.rate_limits.interval(endpoint);
             if self.faults.take_burst(endpoint) {
-                return Reply::too_frequent(interval.max(Duration::from_millis(100)));
+                return Reply::too_frequent(
+                    interval.max(Duration::from_millis(100)),
+                    self.faults.text_429,
+                );
             }
             let slot = (key.to_owned(), endpoint);
             if let Some(last) = self.last_call.get(&slot)
                 && now < *last + interval
             {
-                return Reply::too_frequent(interval);
+                return Reply::too_frequent(interval, self.faults.text_429);
             }
             self.last_call.insert(slot, now);
             if let Some(status) = self.faults.roll_5xx() {
@@ -394,9 +416,19 @@ impl World {
             "select_cols",
             "q",
         ];
+        // Interruptible searches price offers at their minimum bid.
+        let bid = match q.get("type").and_then(Value::as_str) {
+            None | Some("on-demand") | Some("ask") | Some("reserved") => false,
+            Some("bid") | Some("interruptible") => true,
+            Some(other) => return Reply::invalid_args(format!("unknown search type {other:?}")),
+        };
         let mut rows = Vec::new();
         for offer in self.offers.values() {
-            let row = offer.to_json(self.rented.contains_key(&offer.id));
+            let mut row = offer.to_json(self.rented.contains_key(&offer.id));
+            if bid {
+                row["dph_total"] = json!(offer.min_bid);
+                row["is_bid"] = json!(true);
+            }
             match filter::matches(&row, q, &SPECIAL) {
                 Ok(true) => rows.push(row),
                 Ok(false) => {}

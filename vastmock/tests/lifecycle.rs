@@ -79,6 +79,11 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
     assert!(out.starts_with("hello\n"), "{out}");
     assert_eq!(out.lines().nth(1).map(std::path::PathBuf::from), view.home);
     assert!(view.dir.starts_with(mock.state_dir()));
+    let target = view.ssh_target().unwrap();
+    assert_eq!(
+        (target.user.as_str(), target.host.as_str(), target.port),
+        ("root", "127.0.0.1", port)
+    );
     assert!(
         ssh(&onstart_key, port, "true").0,
         "onstart key login failed"

@@ -303,6 +303,14 @@ fn search_filters_orders_and_limits_offers() {
         .collect();
     assert_eq!(names, ["RTX 3090", "RTX 3060"]);
     assert_eq!(search(json!({"limit": 3})).len(), 3);
+    // Interruptible searches show the minimum bid as the price.
+    let bids = search(json!({"type": "bid", "id": {"eq": 3_100_001}}));
+    assert_eq!(bids[0]["dph_total"], 0.175);
+    assert_eq!(
+        api.post("/api/v0/bundles/", json!({"type": "lease"}))
+            .status,
+        400
+    );
 
     // A rented offer leaves `rentable` searches.
     api.create(3_100_001, "x");
@@ -310,4 +318,45 @@ fn search_filters_orders_and_limits_offers() {
 
     let r = api.post("/api/v0/bundles/", json!({"num_gpus": {"like": 1}}));
     assert_eq!(r.status, 400);
+}
+
+#[test]
+fn racing_creates_rent_an_offer_once_and_it_is_rentable_again_after_the_destroy() {
+    let mock = VastMock::start(config()).unwrap();
+    let api = Api::new(mock.url(), mock.api_key());
+    let offer = 3_100_005;
+    let statuses: Vec<u16> = std::thread::scope(|s| {
+        let racers: Vec<_> = (0..12)
+            .map(|i| {
+                let api = api.clone();
+                s.spawn(move || {
+                    api.put(
+                        &format!("/api/v0/asks/{offer}/"),
+                        json!({"image": "x", "disk": 10, "label": format!("racer-{i}")}),
+                    )
+                    .status
+                })
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        1,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 404).count(),
+        11,
+        "{statuses:?}"
+    );
+    assert_eq!(mock.creates_total(), 1);
+    let winner = mock.instances()[0].id;
+    assert_eq!(
+        api.delete(&format!("/api/v0/instances/{winner}/")).status,
+        200
+    );
+    api.create(offer, "second-tenant");
+    assert_eq!(mock.creates_total(), 2);
+    assert_eq!(mock.live_instances(), 1);
 }
