@@ -636,16 +636,19 @@ fn a_shape_renting_vast_machines_without_a_key_is_refused_before_anything_is_ren
 fn a_query_no_offer_matches_shows_no_capacity_per_node_and_backs_off() {
     let w = World::new(offers(2, 0.3));
     let shape = w.shape("none.toml", 2, "min_gpu_ram_gb = 200\n");
-    let d = w.up(&shape, &w.env()).unwrap_or_else(|e| panic!("{}", e.log));
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
     let mut last = None;
     wait_for(Duration::from_secs(30), "no capacity on every node", || {
         last = status(&w.state());
         last.as_ref().is_some_and(|s| {
             s.nodes.len() == 2
                 && s.nodes.iter().all(|n| {
-                    n.last_error
-                        .as_deref()
-                        .is_some_and(|e| e.contains("no capacity: no offer matches") && e.contains("≥ 200 GB GPU RAM"))
+                    n.last_error.as_deref().is_some_and(|e| {
+                        e.contains("no capacity: no offer matches")
+                            && e.contains("≥ 200 GB GPU RAM")
+                    })
                 })
         })
     });
@@ -653,7 +656,12 @@ fn a_query_no_offer_matches_shows_no_capacity_per_node_and_backs_off() {
     std::thread::sleep(Duration::from_secs(8));
     let s = status(&w.state()).unwrap();
     for n in &s.nodes {
-        assert!((1..=8).contains(&n.failures), "{} failed {} times in ~10 s", n.node, n.failures);
+        assert!(
+            (1..=8).contains(&n.failures),
+            "{} failed {} times in ~10 s",
+            n.node,
+            n.failures
+        );
         assert!(n.next_retry_at.is_some(), "{n:?}");
     }
     assert_eq!(w.mock.creates_total(), 0);
