@@ -143,9 +143,17 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         file.as_ref(),
     )
     .await?;
-    if let Some(vast) = &vast {
+    // A restarted daemon waits out the listing lag of the providers its
+    // shapes use: a Vast.ai key in the environment must not slow down the
+    // restart of a shape that rents nothing.
+    let mut visibility_window = Providers::new(providers.clone()).listing_lag();
+    if let Some((vast, used)) = &vast {
         providers.push(Arc::new(vast.clone()));
+        if *used {
+            visibility_window = visibility_window.max(vast.listing_lag());
+        }
     }
+    let vast = vast.map(|(v, _)| v);
     let provider = Providers::new(providers);
 
     let empty = ClusterSnapshot {
@@ -178,7 +186,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let telemetry = publisher.handler();
 
     let mut config = ClusterConfig::new(run_id.clone());
-    config.visibility_window = provider.listing_lag();
+    config.visibility_window = visibility_window;
     config.capacities = provider.capacities();
     // The cluster actor is restarted from the journal if it fails; the
     // journal image it resumes from is the one just read.
@@ -667,9 +675,9 @@ fn env_seconds(name: &str) -> Result<Option<Duration>> {
     }
 }
 
-/// The `vast` provider, when an API key was found; its access is checked
-/// (one listing) when a shape uses it, so that a refused key is reported
-/// before anything is rented.
+/// The `vast` provider, when an API key was found, and whether a shape (on
+/// record or in the file) uses it; its access is checked (one listing) when
+/// one does, so that a refused key is reported before anything is rented.
 ///
 /// Besides `VAST_URL`, three variables tune it (tests point them at a mock):
 /// `SWACTOR_VAST_PACING=none` drops the client-side pacing of requests,
@@ -682,7 +690,7 @@ async fn vast_provider(
     secret: [u8; 32],
     resume: Option<&JournalImage>,
     file: Option<&ShapeFile>,
-) -> Result<Option<VastProvider>> {
+) -> Result<Option<(VastProvider, bool)>> {
     let used = resume
         .and_then(|j| j.meta.shape.clone())
         .into_iter()
@@ -730,7 +738,7 @@ async fn vast_provider(
             eprintln!("swactor: warning: {warning}");
         }
     }
-    Ok(Some(vast))
+    Ok(Some((vast, used.is_some())))
 }
 
 /// The daemon's peak resident memory, from `/proc/self/status`.
