@@ -47,11 +47,17 @@ struct World {
 
 impl World {
     fn new(offers: Vec<Offer>) -> Self {
+        Self::with(MockConfig {
+            offers,
+            ..MockConfig::fast()
+        })
+    }
+
+    fn with(config: MockConfig) -> Self {
         let tmp = tempfile::tempdir().unwrap();
         let mock = VastMock::start(MockConfig {
-            offers,
             state_dir: Some(tmp.path().join("mock")),
-            ..MockConfig::fast()
+            ..config
         })
         .unwrap();
         let agent = tmp.path().join("agent.sh");
@@ -667,6 +673,59 @@ fn a_query_no_offer_matches_shows_no_capacity_per_node_and_backs_off() {
     assert_eq!(w.mock.creates_total(), 0);
     let o = cli(&w.state(), &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    assert_no_key(&d.log(), w.mock.api_key());
+}
+
+#[test]
+fn under_the_services_own_rate_limits_the_paced_daemon_converges() {
+    // The mock with the real service's intervals (search 6 s, create 4.5 s,
+    // show 2 s, list 1 s, destroy 3 s), and the daemon's own pacing.
+    let w = World::with(MockConfig {
+        offers: offers(3, 0.3),
+        rate_limits: swactor_vastmock::RateLimits::default(),
+        ..MockConfig::fast()
+    });
+    let shape = w.shape("paced.toml", 2, "");
+    let mut env = w.env();
+    env.retain(|(k, _)| *k != "SWACTOR_VAST_PACING");
+    let started = Instant::now();
+    let d = w.up(&shape, &env).unwrap_or_else(|e| panic!("{}", e.log));
+    try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    eprintln!(
+        "2 nodes converged under the service's rate limits in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+    assert_eq!(w.mock.creates_total(), 2);
+}
+
+#[test]
+fn random_5xx_on_every_route_end_converged_without_a_second_rental() {
+    let w = World::new(offers(6, 0.3));
+    w.mock.random_5xx(0.3, 7).unwrap();
+    let shape = w.shape("flaky.toml", 3, "");
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 3 && w.mock.live_instances() == 3
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+    w.assert_one_create_per_label();
     assert_no_key(&d.log(), w.mock.api_key());
 }
 
