@@ -554,31 +554,30 @@ impl VastProvider {
                 Some(&json!({})),
             )
             .await;
-        let done = match result {
-            Ok(body) => {
+        match result {
+            Ok(body)
                 if body.get("success").and_then(serde_json::Value::as_bool) == Some(false)
-                    && !model::destroy_absent(200, &body.to_string())
-                {
-                    return Err(ProviderError::Ambiguous(format!(
-                        "vast: destroying instance {id}: {}",
-                        model::message_of(&body)
-                    )));
-                }
-                true
+                    && !model::destroy_absent(200, &body.to_string()) =>
+            {
+                return Err(ProviderError::Ambiguous(format!(
+                    "vast: destroying instance {id}: {}",
+                    model::message_of(&body)
+                )));
             }
-            Err(ApiError::Status { status, body }) if model::destroy_absent(status, &body) => true,
-            Err(e @ (ApiError::Status { .. } | ApiError::Unsent(_))) => {
+            Ok(_) => {}
+            Err(ApiError::Status { status, body }) if model::destroy_absent(status, &body) => {}
+            // Refused before anything was done.
+            Err(e @ (ApiError::Status { status: ..500, .. } | ApiError::Unsent(_))) => {
                 return Err(definite(format!("destroying instance {id}: {e}")));
             }
+            // A 5xx or a lost answer: it may be destroyed; the core retries.
             Err(e) => {
                 return Err(ProviderError::Ambiguous(format!(
                     "vast: destroying instance {id}: {e}"
                 )));
             }
-        };
-        if done {
-            self.forget_instance(id);
         }
+        self.forget_instance(id);
         Ok(())
     }
 
