@@ -152,6 +152,7 @@ pub(crate) async fn run() -> Result<Vec<(u64, usize)>, Box<dyn std::error::Error
         shutting_down: None,
         stats: Default::default(),
         now: Default::default(),
+        rentals: Vec::new(),
     };
     let publisher: TelemetryPublisher<ClusterSnapshot, ClusterEvent> =
         TelemetryPublisher::new(TelemetryConfig::default(), &empty)?;

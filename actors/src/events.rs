@@ -112,6 +112,33 @@ pub struct ClusterSnapshot {
     pub stats: DriverStats,
     /// The clock reading the snapshot was taken at.
     pub now: Timestamp,
+    /// The machines rented for the nodes, where a provider rents them by
+    /// the hour (Vast.ai): filled in by the daemon when it answers a status
+    /// request, empty in the cluster's own snapshots.
+    #[serde(default)]
+    pub rentals: Vec<Rental>,
+}
+
+/// One node's rented machine, as its provider last saw it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rental {
+    /// The slot.
+    pub node: LogicalNodeId,
+    /// The attempt the machine serves.
+    pub attempt: NodeAttemptId,
+    /// The provider kind (`vast`).
+    pub provider: String,
+    /// The provider's id of the rented machine (the Vast.ai instance).
+    pub instance: String,
+    /// The offer it was rented from (empty when unknown, e.g. adopted).
+    pub offer: String,
+    /// The physical machine.
+    pub machine: String,
+    /// Its price in millionths of a dollar per hour (integral, so the
+    /// snapshot stays comparable).
+    pub usd_per_hour_micros: u64,
+    /// Its status, as the provider last saw it.
+    pub status: String,
 }
 
 /// Something the driver did or learned.

@@ -79,6 +79,7 @@ pub use config::ClusterConfig;
 pub use driver::{DriverActor, DriverState};
 pub use events::{
     AgentLink, ClusterEvent, ClusterSnapshot, NodeDescription, NodeSummary, PlanLine, PlanView,
+    Rental,
 };
 pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 pub use journal::{JournalStore, MemoryJournal};

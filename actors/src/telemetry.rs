@@ -178,5 +178,6 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         shutting_down: host.shutting_down(),
         stats: core.stats(),
         now,
+        rentals: Vec::new(),
     }
 }

@@ -563,7 +563,61 @@ fn print_status(
     for line in status_table(s).render(width).into_iter().flatten() {
         out.line(format_args!("{prefix}{line}"))?;
     }
+    if !s.rentals.is_empty() {
+        out.line(format_args!("{prefix}{}", rentals_headline(s)))?;
+        for line in rentals_table(s).render(width).into_iter().flatten() {
+            out.line(format_args!("{prefix}{line}"))?;
+        }
+    }
     Ok(())
+}
+
+/// Dollars per hour from millionths.
+fn usd_per_hour(micros: u64) -> String {
+    format!("{:.3}", micros as f64 / 1e6)
+}
+
+/// The rented machines' line: how many and what they cost together.
+fn rentals_headline(s: &ClusterSnapshot) -> String {
+    let total: u64 = s.rentals.iter().map(|r| r.usd_per_hour_micros).sum();
+    format!(
+        "rented machines: {} · {} $/h in all",
+        s.rentals.len(),
+        usd_per_hour(total)
+    )
+}
+
+/// One row per rented machine: where it was rented and what it costs.
+fn rentals_table(s: &ClusterSnapshot) -> Table {
+    let mut table = Table::new(&[
+        "NODE",
+        "ATTEMPT",
+        "PROVIDER",
+        "INSTANCE",
+        "OFFER",
+        "MACHINE",
+        "$/H",
+        "LAST SEEN",
+    ]);
+    for r in &s.rentals {
+        table.row(
+            vec![
+                r.node.to_string(),
+                r.attempt.to_string(),
+                r.provider.clone(),
+                r.instance.clone(),
+                if r.offer.is_empty() {
+                    "?".to_owned()
+                } else {
+                    r.offer.clone()
+                },
+                r.machine.clone(),
+                usd_per_hour(r.usd_per_hour_micros),
+            ],
+            r.status.clone(),
+        );
+    }
+    table
 }
 
 /// `swactor describe NODE`: one node in depth.

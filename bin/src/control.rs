@@ -149,6 +149,8 @@ pub(crate) struct ControlHandler {
     pub(crate) started: watch::Receiver<bool>,
     /// Asked what each node's resource is, for statuses.
     pub(crate) provider: Arc<Providers>,
+    /// The vast provider, whose rentals a status lists.
+    pub(crate) vast: Option<swactor_providers::vast::VastProvider>,
 }
 
 impl ControlHandler {
@@ -179,6 +181,7 @@ impl ControlHandler {
                             .as_ref()
                             .and_then(|l| self.provider.describe_lease(l));
                     }
+                    snap.rentals = self.rentals(&snap);
                     ControlResponse::Status(snap)
                 })
                 .map_err(|e| refusal(&e)),
@@ -186,6 +189,35 @@ impl ControlHandler {
             ControlRequest::Down { keep, purge } => self.down(keep, purge).await,
         };
         result.unwrap_or_else(ControlResponse::Error)
+    }
+
+    /// The rented machines of the snapshot's current attempts.
+    fn rentals(&self, snap: &swactor_actors::ClusterSnapshot) -> Vec<swactor_actors::Rental> {
+        let Some(vast) = &self.vast else {
+            return Vec::new();
+        };
+        vast.instances(&self.run_id)
+            .into_iter()
+            .filter(|(key, _)| {
+                snap.nodes
+                    .iter()
+                    .any(|n| n.node == key.node && n.attempt == key.attempt)
+            })
+            .map(|(key, i)| swactor_actors::Rental {
+                node: key.node,
+                attempt: key.attempt,
+                provider: "vast".to_owned(),
+                instance: i.instance.to_string(),
+                offer: if i.offer == 0 {
+                    String::new()
+                } else {
+                    i.offer.to_string()
+                },
+                machine: i.machine.to_string(),
+                usd_per_hour_micros: (i.dph.max(0.0) * 1e6).round() as u64,
+                status: i.status,
+            })
+            .collect()
     }
 
     async fn plan(&self, file: Option<ShapeFile>, all: bool) -> Result<ControlResponse, String> {

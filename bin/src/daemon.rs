@@ -28,6 +28,7 @@ use swactor_providers::Providers;
 use swactor_providers::docker::{DockerConfig, DockerOnDemand};
 use swactor_providers::process::{ProcessConfig, ProcessProvider};
 use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
+use swactor_providers::vast::{ApiKey, Pacing, VastConfig, VastProvider};
 use swactor_provisioning::{Generation, JournalImage, RunId};
 use tokio::sync::{mpsc, oneshot};
 
@@ -71,6 +72,8 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
     let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
     let agent_binary = AgentBinary::find(opts.agent_binary.as_deref())?;
+    // A shape that rents Vast.ai machines needs the key before anything else.
+    let vast_key = vast_key(file.as_ref())?;
     // A fresh state directory: the whole shape is new, and whether to go
     // ahead is settled before the directory is even made.
     let fresh = !opts.state_dir.join("journal.redb").exists();
@@ -137,11 +140,33 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         resume.as_ref(),
         file.as_ref(),
     )?;
-    let provider = Arc::new(Providers::new(vec![
+    let mut providers: Vec<Arc<dyn Provider>> = vec![
         Arc::new(process),
         Arc::new(ssh.clone()),
         Arc::new(docker),
-    ]));
+    ];
+    let vast = vast_provider(
+        vast_key,
+        &state,
+        &agent_binary,
+        &agent_ticket,
+        secret,
+        resume.as_ref(),
+        file.as_ref(),
+    )
+    .await?;
+    // A restarted daemon waits out the listing lag of the providers its
+    // shapes use: a Vast.ai key in the environment must not slow down the
+    // restart of a shape that rents nothing.
+    let mut visibility_window = Providers::new(providers.clone()).listing_lag();
+    if let Some((vast, used)) = &vast {
+        providers.push(Arc::new(vast.clone()));
+        if *used {
+            visibility_window = visibility_window.max(vast.listing_lag());
+        }
+    }
+    let vast = vast.map(|(v, _)| v);
+    let provider = Arc::new(Providers::new(providers));
 
     let empty = ClusterSnapshot {
         run_id: run_id.to_string(),
@@ -155,6 +180,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         shutting_down: None,
         stats: Default::default(),
         now: Default::default(),
+        rentals: Vec::new(),
     };
     let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())
         .await
@@ -172,7 +198,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let telemetry = publisher.handler();
 
     let mut config = ClusterConfig::new(run_id.clone());
-    config.visibility_window = provider.listing_lag();
+    config.visibility_window = visibility_window;
     config.capacities = provider.capacities();
     // The cluster actor is restarted from the journal if it fails; the
     // journal image it resumes from is the one just read.
@@ -215,6 +241,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
                 down: down_tx,
                 started: started_rx,
                 provider: provider.clone(),
+                vast,
             },
         )
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry)
@@ -655,6 +682,117 @@ fn docker_provider(
         }
     }
     Ok(docker)
+}
+
+/// Whether a shape rents Vast.ai machines: the group that does, if any.
+fn vast_group(shape: &swactor_provisioning::ClusterShape) -> Option<String> {
+    shape
+        .groups
+        .iter()
+        .find(|g| g.provider.kind == "vast")
+        .map(|g| g.id.clone())
+}
+
+/// The Vast.ai API key (`VAST_API_KEY`, else the official client's key
+/// file), when there is one. A shape file that rents Vast.ai machines
+/// without one is refused here, before anything is started or rented (a
+/// resumed shape is checked by [`vast_provider`], also before anything runs).
+fn vast_key(file: Option<&ShapeFile>) -> Result<Option<ApiKey>> {
+    match ApiKey::from_env() {
+        Ok(key) => Ok(Some(key)),
+        Err(e) => match file
+            .map(|f| f.to_shape(1))
+            .transpose()?
+            .and_then(|s| vast_group(&s))
+        {
+            Some(group) => anyhow::bail!(
+                "group {group:?} rents Vast.ai machines, but {e}; nothing was started or rented"
+            ),
+            None => Ok(None),
+        },
+    }
+}
+
+/// Seconds from an environment variable, if set.
+fn env_seconds(name: &str) -> Result<Option<Duration>> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(v) => {
+            let s: f64 = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s >= 0.0)
+                .with_context(|| format!("{name}={v:?} is not a number of seconds"))?;
+            Ok(Some(Duration::from_secs_f64(s)))
+        }
+    }
+}
+
+/// The `vast` provider, when an API key was found, and whether a shape (on
+/// record or in the file) uses it; its access is checked (one listing) when
+/// one does, so that a refused key is reported before anything is rented.
+///
+/// Besides `VAST_URL`, three variables tune it (tests point them at a mock):
+/// `SWACTOR_VAST_PACING=none` drops the client-side pacing of requests,
+/// `SWACTOR_VAST_LISTING_LAG_S` and `SWACTOR_VAST_REQUEST_TIMEOUT_S`.
+async fn vast_provider(
+    key: Option<ApiKey>,
+    state: &StateDir,
+    binary: &AgentBinary,
+    agent_ticket: &EndpointTicket,
+    secret: [u8; 32],
+    resume: Option<&JournalImage>,
+    file: Option<&ShapeFile>,
+) -> Result<Option<(VastProvider, bool)>> {
+    let used = resume
+        .and_then(|j| j.meta.shape.clone())
+        .into_iter()
+        .chain(file.map(|f| f.to_shape(1)).transpose()?)
+        .find_map(|s| vast_group(&s));
+    let Some(key) = key else {
+        if let Some(group) = used {
+            anyhow::bail!(
+                "group {group:?} of the run on record rents Vast.ai machines, but there is no \
+                 Vast.ai API key (set VAST_API_KEY or write ~/.vast_api_key); nothing was started"
+            );
+        }
+        return Ok(None);
+    };
+    let url = std::env::var("VAST_URL")
+        .ok()
+        .filter(|u| !u.trim().is_empty())
+        .unwrap_or_else(|| swactor_providers::vast::DEFAULT_URL.to_owned());
+    let mut config = VastConfig::new(state.root(), binary.path.clone(), url, key);
+    config.daemon_ticket = agent_ticket.to_string();
+    config.token_secret = secret;
+    if std::env::var("SWACTOR_VAST_PACING").is_ok_and(|v| v.trim() == "none") {
+        config.pacing = Pacing::none();
+    }
+    if let Some(lag) = env_seconds("SWACTOR_VAST_LISTING_LAG_S")? {
+        config.listing_lag = lag;
+    }
+    if let Some(t) = env_seconds("SWACTOR_VAST_REQUEST_TIMEOUT_S")? {
+        config.request_timeout = t.max(Duration::from_millis(100));
+    }
+    let vast = match VastProvider::new(config) {
+        Ok(v) => v,
+        Err(e) if used.is_none() => {
+            // Not needed by any shape yet: the daemon runs without it.
+            eprintln!("swactor: warning: the vast provider is off: {e}");
+            return Ok(None);
+        }
+        Err(e) => anyhow::bail!("cannot start the vast provider: {e}; nothing was started"),
+    };
+    if used.is_some() {
+        vast.check_access()
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}; nothing was rented"))?;
+        if let Some(warning) = binary.warning() {
+            eprintln!("swactor: warning: {warning}");
+        }
+    }
+    Ok(Some((vast, used.is_some())))
 }
 
 /// The daemon's peak resident memory, from `/proc/self/status`.

@@ -247,6 +247,7 @@ mod tests {
             shutting_down: None,
             stats: Default::default(),
             now: Timestamp::from_millis(1),
+            rentals: Vec::new(),
         };
         let json = serde_json::to_string(&ControlResponse::Status(snap.clone())).unwrap();
         assert!(

@@ -15,7 +15,7 @@ use crate::words::cut;
 pub(crate) const PLACED_ON_HOSTS: &[&str] = &["ssh"];
 
 /// Provider kinds this daemon can drive.
-pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process", "ssh", "docker"];
+pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process", "ssh", "docker", "vast"];
 
 /// A shape as written in a file: the generation is optional (the daemon
 /// assigns the next one on apply, as a Kubernetes API server does).
@@ -272,15 +272,33 @@ impl ShapeFile {
                 shape_error(&e)
             )
         })?;
+        // The spend cap is the run's: every vast group that names one must
+        // name the same.
+        let mut spend_cap: Option<(f64, String)> = None;
         for g in &desired.groups {
             let checked = match g.template.provider.kind.as_str() {
                 "ssh" => swactor_providers::ssh::check_template(&g.template),
                 "docker" => swactor_providers::docker::check_template(&g.template),
+                "vast" => swactor_providers::vast::check_template(&g.template),
                 _ => Ok(()),
             };
             checked.map_err(|e| {
                 anyhow::anyhow!("group {}: {e}; nothing was changed", cut(g.id.as_str()))
             })?;
+            if g.template.provider.kind == "vast" {
+                if let Some(cap) = swactor_providers::vast::spend_cap_of(&g.template) {
+                    match &spend_cap {
+                        Some((first, by)) if (first - cap).abs() > 1e-9 => bail!(
+                            "group {} sets spend_cap_dph = {cap} but group {by} sets {first}: the cap \
+                             covers the whole run, so every vast group that sets it must set the \
+                             same value; nothing was changed",
+                            cut(g.id.as_str())
+                        ),
+                        Some(_) => {}
+                        None => spend_cap = Some((cap, cut(g.id.as_str()).to_string())),
+                    }
+                }
+            }
         }
         if desired.node_count() == 0 {
             let why = if self.groups.is_empty() {
@@ -427,14 +445,46 @@ mod tests {
     }
 
     #[test]
+    fn vast_groups_are_checked_and_must_agree_on_the_spend_cap() {
+        let group = |id: &str, params: &str| {
+            format!(
+                "[[group]]\nid = \"{id}\"\ncount = 1\nprovider = \"vast\"\nimage = \"img\"\n\
+                 [group.params]\n{params}\n"
+            )
+        };
+        let check = |body: String| {
+            ShapeFile::parse(&format!("run = \"r\"\n{body}"), "x")
+                .unwrap()
+                .check(1)
+        };
+        check(group("a", "max_dph = 0.5\nspend_cap_dph = 2.0")).unwrap();
+        let e = check(group("a", "max_dph = 0")).unwrap_err().to_string();
+        assert!(
+            e.contains("group a") && e.contains("`max_dph` must be more than 0"),
+            "{e}"
+        );
+        let e = check(group("a", "max_dph = 1.0\nnum_gpu = 2"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown parameter `num_gpu`"), "{e}");
+        let two = format!(
+            "{}{}",
+            group("a", "max_dph = 0.5\nspend_cap_dph = 2.0"),
+            group("b", "max_dph = 0.5\nspend_cap_dph = 3.0")
+        );
+        let e = check(two).unwrap_err().to_string();
+        assert!(e.contains("spend_cap_dph = 3 but group a sets 2"), "{e}");
+    }
+
+    #[test]
     fn an_unknown_provider_kind_is_refused() {
         let f = ShapeFile::parse(
-            "[[group]]\nid = \"g\"\ncount = 1\nprovider = \"vast\"\n",
+            "[[group]]\nid = \"g\"\ncount = 1\nprovider = \"aws\"\n",
             "x",
         )
         .unwrap();
         let e = f.to_shape(1).unwrap_err();
-        assert!(e.to_string().contains("\"vast\""), "{e}");
+        assert!(e.to_string().contains("\"aws\""), "{e}");
         assert!(e.to_string().contains("supported: process"), "{e}");
     }
 }

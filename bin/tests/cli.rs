@@ -615,8 +615,12 @@ fn the_cli_checks_its_input_offline() {
     assert!(stdout(&o).contains("creates 4 nodes"), "{}", stdout(&o));
     for (body, needle) in [
         (
+            "run = \"x\"\n[[group]]\nid = \"gpu\"\ncount = 1\nprovider = \"aws\"\n",
+            "provider \"aws\"",
+        ),
+        (
             "run = \"x\"\n[[group]]\nid = \"gpu\"\ncount = 1\nprovider = \"vast\"\n",
-            "provider \"vast\"",
+            "`max_dph` (the most a machine may cost per hour, in dollars) is required",
         ),
         (
             "run = \"x\"\n[[group]]\nid = \"Bad\"\ncount = 1\nprovider = \"process\"\n",

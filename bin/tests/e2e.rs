@@ -163,12 +163,12 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     assert!(stderr(&o).contains("bad.toml:3:9"), "{}", stderr(&o));
     let unknown = shape_file(
         tmp.path(),
-        "vast.toml",
-        "run = \"e2e-bad\"\n[[group]]\nid = \"gpu\"\ncount = 1\nprovider = \"vast\"\n",
+        "aws.toml",
+        "run = \"e2e-bad\"\n[[group]]\nid = \"gpu\"\ncount = 1\nprovider = \"aws\"\n",
     );
     let o = cli(&state, &["up", unknown.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("provider \"vast\""), "{}", stderr(&o));
+    assert!(stderr(&o).contains("provider \"aws\""), "{}", stderr(&o));
     let invalid = shape_file(
         tmp.path(),
         "invalid.toml",
@@ -205,7 +205,7 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
         (&regress, "older than the current generation"),
         (&other_run, "this daemon manages run"),
         (&bad_toml, "bad.toml:3:9"),
-        (&unknown, "provider \"vast\""),
+        (&unknown, "provider \"aws\""),
         (&invalid, "groups[0].id"),
     ] {
         let o = cli(&state, &["apply", file.to_str().unwrap(), "--yes"]);

@@ -29,6 +29,8 @@ mod multi;
 pub mod process;
 #[cfg(feature = "ssh")]
 pub mod ssh;
+#[cfg(feature = "vast")]
+pub mod vast;
 
 pub use multi::Providers;
 

@@ -28,13 +28,15 @@ mod hosts;
 mod identity;
 mod known_hosts;
 mod quote;
-mod remote;
+pub(crate) mod remote;
 mod session;
 mod target;
 #[cfg(feature = "ssh-testing")]
 pub mod testing;
 
 pub use hosts::{SshHostsConfig, SshHostsProvider, UNREACHABLE_GIVE_UP_DEFAULT, check_template};
+#[cfg(feature = "vast")]
+pub(crate) use hosts::{private_dirs, relay, write_durably};
 pub use identity::{KEY_COMMENT, KEY_FILE, PUBLIC_KEY_FILE, SshIdentity};
 pub use known_hosts::KnownHosts;
 pub use quote::{command_line, quote};

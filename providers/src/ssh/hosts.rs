@@ -767,7 +767,7 @@ impl SshHostsProvider {
 
 /// Makes `dir` and its missing parents, readable by this user only (they
 /// name the hosts and how they are reached).
-fn private_dirs(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn private_dirs(dir: &Path) -> std::io::Result<()> {
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -775,7 +775,7 @@ fn private_dirs(dir: &Path) -> std::io::Result<()> {
 }
 
 /// Writes `value` as JSON to `path`, durably (synced, renamed into place).
-fn write_durably(path: &Path, value: &impl Serialize) -> Result<(), ProviderError> {
+pub(crate) fn write_durably(path: &Path, value: &impl Serialize) -> Result<(), ProviderError> {
     let write = || -> std::io::Result<()> {
         if let Some(dir) = path.parent() {
             private_dirs(dir)?;
@@ -800,7 +800,7 @@ fn write_durably(path: &Path, value: &impl Serialize) -> Result<(), ProviderErro
 }
 
 /// Forwards a remote follow's lines as bootstrap events.
-async fn relay(
+pub(crate) async fn relay(
     mut lines: super::RemoteLines,
     tx: mpsc::Sender<BootstrapEvent>,
     mut stop: oneshot::Receiver<()>,

@@ -24,15 +24,15 @@ use super::quote;
 use swactor_provisioning::{NodeTemplate, ResourceKey};
 
 /// The remote root, relative to the login directory.
-pub(super) const ROOT: &str = ".swactor";
+pub(crate) const ROOT: &str = ".swactor";
 
 /// What the follow command prints last: the agent's exit status, `killed`
 /// when the wrapper vanished without writing one, or `gone` when the
 /// attempt's directory does not exist.
-pub(super) const EXIT_MARKER: &str = "##swactor-exit ";
+pub(crate) const EXIT_MARKER: &str = "##swactor-exit ";
 
 /// The first line of a claim file.
-pub(super) fn claim_line(key: &ResourceKey) -> String {
+pub(crate) fn claim_line(key: &ResourceKey) -> String {
     format!(
         "swactor-claim run={} node={} attempt={}",
         key.run_id, key.node, key.attempt.0
@@ -40,7 +40,7 @@ pub(super) fn claim_line(key: &ResourceKey) -> String {
 }
 
 /// The key a claim line names, if it is one.
-pub(super) fn parse_claim(line: &str) -> Option<ResourceKey> {
+pub(crate) fn parse_claim(line: &str) -> Option<ResourceKey> {
     let rest = line.trim().strip_prefix("swactor-claim ")?;
     let mut run = None;
     let mut node = None;
@@ -61,12 +61,12 @@ pub(super) fn parse_claim(line: &str) -> Option<ResourceKey> {
 }
 
 /// `key`'s directory, relative to the login directory.
-pub(super) fn node_dir(key: &ResourceKey) -> String {
+pub(crate) fn node_dir(key: &ResourceKey) -> String {
     format!("{ROOT}/nodes/{}/{}-{}", key.run_id, key.node, key.attempt)
 }
 
 /// Where the agent binary with this content lives, relative to the login directory.
-pub(super) fn binary_path(sha256_hex: &str) -> String {
+pub(crate) fn binary_path(sha256_hex: &str) -> String {
     format!(
         "{ROOT}/bin/swactor-{}",
         &sha256_hex[..16.min(sha256_hex.len())]
@@ -81,7 +81,7 @@ pub(super) fn binary_path(sha256_hex: &str) -> String {
 /// the same as being taken. An existing file is never removed here: it may
 /// be another daemon's claim between its creation and its write (an empty
 /// claim reads as taken).
-pub(super) fn claim(key: &ResourceKey) -> String {
+pub(crate) fn claim(key: &ResourceKey) -> String {
     let line = quote(&claim_line(key));
     format!(
         "mkdir -p {ROOT} || exit 3; \
@@ -92,12 +92,12 @@ pub(super) fn claim(key: &ResourceKey) -> String {
 }
 
 /// Prints the claim file, or nothing when the host is free.
-pub(super) fn read_claim() -> String {
+pub(crate) fn read_claim() -> String {
     format!("cat {ROOT}/claim 2>/dev/null; true")
 }
 
 /// Frees the host if `key` holds it (and only then).
-pub(super) fn release(key: &ResourceKey) -> String {
+pub(crate) fn release(key: &ResourceKey) -> String {
     let line = quote(&claim_line(key));
     format!(
         "if [ \"$(head -n 1 {ROOT}/claim 2>/dev/null)\" = {line} ]; then rm -f {ROOT}/claim; fi"
@@ -105,7 +105,7 @@ pub(super) fn release(key: &ResourceKey) -> String {
 }
 
 /// Prints `ok` when the file at `path` has this sha256, after making its directory.
-pub(super) fn binary_matches(path: &str, sha256_hex: &str) -> String {
+pub(crate) fn binary_matches(path: &str, sha256_hex: &str) -> String {
     let path = quote(path);
     format!(
         "mkdir -p {ROOT}/bin && [ \"$(sha256sum {path} 2>/dev/null | cut -d' ' -f1)\" = {sha} ] && echo ok; true",
@@ -136,7 +136,7 @@ fn live_agent_pid(dir: &str) -> String {
 }
 
 /// Prints the pid of the attempt's live agent, or nothing.
-pub(super) fn agent_pid(dir: &str) -> String {
+pub(crate) fn agent_pid(dir: &str) -> String {
     format!("{}; echo $pid", live_agent_pid(&quote(dir)))
 }
 
@@ -144,7 +144,7 @@ pub(super) fn agent_pid(dir: &str) -> String {
 /// group): SIGTERM (and SIGCONT, for a stopped one), then SIGKILL after
 /// `grace_s`. Prints `stopped` once the group is gone, `none` when no agent
 /// of the attempt runs, `stuck` when the group outlived SIGKILL.
-pub(super) fn stop_agent(dir: &str, grace_s: u64) -> String {
+pub(crate) fn stop_agent(dir: &str, grace_s: u64) -> String {
     let polls = grace_s * 10;
     // `kill -SIG -PGID` (no `--`: dash's kill takes none) signals the group.
     format!(
@@ -159,7 +159,7 @@ pub(super) fn stop_agent(dir: &str, grace_s: u64) -> String {
 
 /// Removes the cached agent binaries, then whatever directories are left
 /// empty (a claim or another run's nodes keep `~/.swactor`).
-pub(super) fn purge() -> String {
+pub(crate) fn purge() -> String {
     format!(
         "rm -rf {ROOT}/bin && for d in {ROOT}/nodes/*; do rmdir \"$d\" 2>/dev/null; done; \
          rmdir {ROOT}/nodes {ROOT} 2>/dev/null; true"
@@ -167,13 +167,13 @@ pub(super) fn purge() -> String {
 }
 
 /// Removes the attempt's directory.
-pub(super) fn remove_dir(dir: &str) -> String {
+pub(crate) fn remove_dir(dir: &str) -> String {
     format!("rm -rf {}", quote(dir))
 }
 
 /// Writes the attempt's credentials (from stdin) with only the owner able
 /// to read them, making the directory (0700) first.
-pub(super) fn write_credentials(dir: &str) -> String {
+pub(crate) fn write_credentials(dir: &str) -> String {
     let dir = quote(dir);
     format!(
         "umask 077 && mkdir -p {dir} && cat > {dir}/agent.credentials.tmp && mv {dir}/agent.credentials.tmp {dir}/agent.credentials"
@@ -183,7 +183,7 @@ pub(super) fn write_credentials(dir: &str) -> String {
 /// The wrapper script that runs the agent of `key` from `binary` (a path
 /// relative to the login directory), with the group's `env` and the host's
 /// `labels`, space-separated, in `SWACTOR_HOST_LABELS`.
-pub(super) fn wrapper(
+pub(crate) fn wrapper(
     key: &ResourceKey,
     binary: &str,
     daemon_ticket: &str,
@@ -238,7 +238,7 @@ pub(super) fn wrapper(
 
 /// Starts the wrapper in `dir` in a session of its own (it outlives the SSH
 /// connection) and prints its pid once it has recorded it.
-pub(super) fn launch(dir: &str) -> String {
+pub(crate) fn launch(dir: &str) -> String {
     let dir = quote(dir);
     format!(
         "cd {dir} && rm -f agent.pid exit_status && chmod 700 run.sh && \
@@ -252,7 +252,7 @@ pub(super) fn launch(dir: &str) -> String {
 /// directory was removed). Every few seconds it prints [`ALIVE_MARKER`], so
 /// that once nobody reads any more (the connection dropped) the write fails
 /// and the follower ends instead of outliving its reader.
-pub(super) fn follow(dir: &str) -> String {
+pub(crate) fn follow(dir: &str) -> String {
     let dir = quote(dir);
     format!(
         "{LIVENESS}; cd {dir} 2>/dev/null || {{ echo '{EXIT_MARKER}gone'; exit 0; }}; \
@@ -269,7 +269,7 @@ pub(super) fn follow(dir: &str) -> String {
 }
 
 /// A line [`follow`] prints now and then to notice a reader that is gone.
-pub(super) const ALIVE_MARKER: &str = "##swactor-alive";
+pub(crate) const ALIVE_MARKER: &str = "##swactor-alive";
 
 #[cfg(test)]
 mod tests {

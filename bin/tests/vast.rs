@@ -1,0 +1,896 @@
+//! The `vast` provider against the Vast.ai mock (`swactor-vastmock`): real
+//! HTTP on loopback, a real OpenSSH server per running instance, real agents
+//! that join real daemons over iroh.
+//!
+//! The first tests drive the provider directly (creates, lookups, destroys,
+//! under the mock's fault knobs); the later ones run `swactor up` against the
+//! mock. Every test checks the mock's counters: at most one create per label,
+//! and what is live at the end. The agent binary uploaded to instances is a
+//! small script running this build's `swactor` (the instances are this
+//! machine).
+
+mod common;
+
+use common::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use swactor_providers::vast::{ApiKey, Pacing, VastConfig, VastProvider};
+use swactor_providers::{Provider, ProviderError};
+use swactor_provisioning::{
+    BootParams, LeaseId, LogicalNodeId, NodeAttemptId, NodeLimits, NodeTemplate, ParamValue,
+    ProviderShape, ResourceKey, RunId, SwarmJoin,
+};
+use swactor_vastmock::{Ambiguity, Death, Gone, MockConfig, Offer, Selector, VastMock};
+
+const CONVERGE: Duration = Duration::from_secs(90);
+
+/// `n` offers of one RTX 4090 each, on machines of their own, at `dph` each
+/// (the first ones a little cheaper, so the order is known).
+fn offers(n: u64, dph: f64) -> Vec<Offer> {
+    (0..n)
+        .map(|i| Offer {
+            id: 5000 + i,
+            machine_id: 700 + i,
+            host_id: 70 + i,
+            dph_total: dph + i as f64 * 0.001,
+            ..Offer::default()
+        })
+        .collect()
+}
+
+struct World {
+    tmp: tempfile::TempDir,
+    mock: VastMock,
+    agent: PathBuf,
+}
+
+impl World {
+    fn new(offers: Vec<Offer>) -> Self {
+        Self::with(MockConfig {
+            offers,
+            ..MockConfig::fast()
+        })
+    }
+
+    fn with(config: MockConfig) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let mock = VastMock::start(MockConfig {
+            state_dir: Some(tmp.path().join("mock")),
+            ..config
+        })
+        .unwrap();
+        let agent = tmp.path().join("agent.sh");
+        std::fs::write(&agent, format!("#!/bin/sh\nexec {BIN} \"$@\"\n")).unwrap();
+        std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        Self { tmp, mock, agent }
+    }
+
+    fn root(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    fn state(&self) -> PathBuf {
+        self.root().join("state")
+    }
+
+    /// A provider on the mock (no pacing: the mock's limits are off).
+    fn provider(&self, listing_lag: Duration, request_timeout: Duration) -> VastProvider {
+        let mut config = VastConfig::new(
+            self.root().join("pstate"),
+            &self.agent,
+            self.mock.url(),
+            ApiKey::new(self.mock.api_key()).unwrap(),
+        );
+        config.pacing = Pacing::none();
+        config.listing_lag = listing_lag;
+        config.request_timeout = request_timeout;
+        VastProvider::new(config).unwrap()
+    }
+
+    /// Live agents on the mock's machines: pids.
+    fn agents(&self) -> Vec<u32> {
+        let Ok(root) = self.mock.state_dir().join("machines").canonicalize() else {
+            return Vec::new();
+        };
+        agent_cwds()
+            .into_iter()
+            .filter(|(_, cwd)| cwd.starts_with(&root))
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
+    /// Kills the agents running in one machine's directory.
+    fn kill_agents_in(&self, dir: &Path) {
+        let Ok(dir) = dir.canonicalize() else {
+            return;
+        };
+        for (pid, cwd) in agent_cwds() {
+            if cwd.starts_with(&dir) {
+                kill9(pid);
+            }
+        }
+    }
+
+    fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("VAST_URL", self.mock.url().to_owned()),
+            ("VAST_API_KEY", self.mock.api_key().to_owned()),
+            ("HOME", self.root().display().to_string()),
+            ("SWACTOR_VAST_PACING", "none".to_owned()),
+            ("SWACTOR_VAST_LISTING_LAG_S", "5".to_owned()),
+            ("SWACTOR_VAST_REQUEST_TIMEOUT_S", "3".to_owned()),
+        ]
+    }
+
+    fn up(&self, shape: &Path, env: &[(&'static str, String)]) -> Result<Daemon, Exited> {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        Daemon::spawn_env(
+            &self.state(),
+            Some(shape),
+            &["--agent-binary", self.agent.to_str().unwrap()],
+            &env,
+        )
+    }
+
+    fn shape(&self, name: &str, count: u32, params: &str) -> PathBuf {
+        shape_file(
+            self.root(),
+            name,
+            &format!(
+                "run = \"gpu\"\n[[group]]\nid = \"w\"\ncount = {count}\nprovider = \"vast\"\n\
+                 image = \"pytorch/pytorch:latest\"\nboot_check = [\"true\"]\nlost_grace_s = 2\n\
+                 endpoint_timeout_s = 60\n\
+                 [group.params]\ngpu_name = \"RTX_4090\"\nmax_dph = 1.0\n{params}"
+            ),
+        )
+    }
+
+    /// At most one create per label, ever.
+    fn assert_one_create_per_label(&self) {
+        let twice: BTreeMap<String, u64> = self
+            .mock
+            .creates_per_label()
+            .into_iter()
+            .filter(|(_, n)| *n > 1)
+            .collect();
+        assert!(twice.is_empty(), "labels created more than once: {twice:?}");
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        for pid in self.agents() {
+            kill9(pid);
+        }
+    }
+}
+
+fn key(node: &str, attempt: u64) -> ResourceKey {
+    ResourceKey {
+        run_id: RunId::new("r"),
+        node: LogicalNodeId::parse(node).unwrap(),
+        attempt: NodeAttemptId(attempt),
+    }
+}
+
+fn template(params: &[(&str, ParamValue)]) -> NodeTemplate {
+    let mut all: BTreeMap<String, ParamValue> = BTreeMap::from([
+        ("gpu_name".to_owned(), ParamValue::Str("RTX_4090".into())),
+        ("max_dph".to_owned(), ParamValue::Float(1.0)),
+    ]);
+    for (k, v) in params {
+        all.insert((*k).to_owned(), v.clone());
+    }
+    NodeTemplate {
+        provider: ProviderShape {
+            kind: "vast".into(),
+            params: all,
+            placement: BTreeMap::new(),
+        },
+        boot: BootParams {
+            image: Some("pytorch/pytorch:latest".into()),
+            ..BootParams::default()
+        },
+        role: "worker".into(),
+        join: SwarmJoin::default(),
+        limits: NodeLimits::default(),
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Looks `lease` up until it is not "not ready", for at most `within`.
+async fn settle(
+    p: &VastProvider,
+    key: &ResourceKey,
+    lease: &LeaseId,
+    within: Duration,
+) -> Result<String, ProviderError> {
+    let start = Instant::now();
+    loop {
+        match p.lookup_endpoint(key, lease).await {
+            Err(ProviderError::NotReady) if start.elapsed() < within => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other.map(|e| e.0),
+        }
+    }
+}
+
+fn instance_id(lease: &LeaseId) -> u64 {
+    lease.0.strip_prefix("vast:").unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_create_is_adopted_by_label_and_its_endpoint_is_the_instances_sshd() {
+    let w = World::new(offers(3, 0.3));
+    let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
+    let t = template(&[]);
+    let k = key("w-0", 1);
+    rt().block_on(async {
+        let first = p.create_lease(&k, &t).await.unwrap();
+        let again = p.create_lease(&k, &t).await.unwrap();
+        assert_eq!(first.lease, again.lease);
+        let ep = settle(&p, &k, &first.lease, Duration::from_secs(20))
+            .await
+            .unwrap();
+        let view = w.mock.instance(instance_id(&first.lease)).unwrap();
+        assert!(ep.starts_with("ssh:root@127.0.0.1:"), "{ep}");
+        assert_eq!(view.label.as_deref(), Some("swactor:r:w-0:1"));
+        // The daemon's key went in through `onstart`.
+        assert_eq!(view.authorized_keys.len(), 1, "{view:?}");
+        let inv = p.list(&RunId::new("r")).await.unwrap();
+        assert_eq!(
+            inv.get(&k).and_then(|o| o.lease.clone()),
+            Some(first.lease.clone())
+        );
+        assert!(p.list(&RunId::new("other")).await.unwrap().is_empty());
+        p.destroy_lease(&k, &first.lease).await.unwrap();
+        p.destroy_lease(&k, &first.lease).await.unwrap();
+    });
+    assert_eq!(w.mock.live_instances(), 0);
+    assert_eq!(w.mock.creates_total(), 1);
+}
+
+#[test]
+fn an_ambiguous_create_is_never_sent_again_and_its_instance_is_adopted() {
+    let w = World::new(offers(4, 0.3));
+    let p = w.provider(Duration::from_secs(4), Duration::from_millis(800));
+    let t = template(&[]);
+    let kinds = [
+        Ambiguity::BadGateway,
+        Ambiguity::Drop,
+        Ambiguity::Timeout {
+            hold: Duration::from_secs(3),
+        },
+    ];
+    rt().block_on(async {
+        for (i, kind) in kinds.into_iter().enumerate() {
+            let k = key("w-0", i as u64 + 1);
+            w.mock.ambiguous_create(kind, 1);
+            let err = p.create_lease(&k, &t).await.unwrap_err();
+            assert!(
+                matches!(err, ProviderError::Ambiguous(_)),
+                "{kind:?}: {err}"
+            );
+            assert!(!err.to_string().contains(w.mock.api_key()));
+            // Re-issued at once, and again and again: adopted, never re-sent.
+            let mut grant = None;
+            for _ in 0..20 {
+                match p.create_lease(&k, &t).await {
+                    Ok(g) => {
+                        grant = Some(g);
+                        break;
+                    }
+                    Err(e) => {
+                        assert!(matches!(e, ProviderError::Ambiguous(_)), "{e}");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+            let grant = grant.expect("the committed instance is adopted");
+            assert_eq!(
+                w.mock
+                    .creates_per_label()
+                    .get(&format!("swactor:r:w-0:{}", i + 1)),
+                Some(&1),
+                "{kind:?}"
+            );
+            p.destroy_lease(&k, &grant.lease).await.unwrap();
+        }
+    });
+    w.assert_one_create_per_label();
+    assert_eq!(w.mock.creates_total(), 3);
+    assert_eq!(w.mock.live_instances(), 0);
+}
+
+#[test]
+fn a_lagging_listing_holds_the_next_create_until_the_label_shows() {
+    let w = World::new(offers(2, 0.3));
+    let p = w.provider(Duration::from_secs(6), Duration::from_millis(800));
+    let t = template(&[]);
+    let k = key("w-0", 1);
+    w.mock.listing_lag(Duration::from_secs(2));
+    w.mock.ambiguous_create(Ambiguity::BadGateway, 1);
+    rt().block_on(async {
+        assert!(matches!(
+            p.create_lease(&k, &t).await,
+            Err(ProviderError::Ambiguous(_))
+        ));
+        // Not listed yet: the provider waits rather than renting again.
+        let held = p.create_lease(&k, &t).await.unwrap_err();
+        assert!(held.to_string().contains("unknown outcome"), "{held}");
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let g = p.create_lease(&k, &t).await.unwrap();
+        p.destroy_lease(&k, &g.lease).await.unwrap();
+    });
+    assert_eq!(w.mock.creates_total(), 1);
+    assert_eq!(w.mock.live_instances(), 0);
+}
+
+#[test]
+fn a_gone_offer_is_a_capacity_failure_and_the_next_create_goes_elsewhere() {
+    let w = World::new(offers(3, 0.3));
+    let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
+    let t = template(&[]);
+    w.mock.offer_gone(5000, Some(Gone::NotFound));
+    w.mock.offer_gone(5001, Some(Gone::Unavailable));
+    rt().block_on(async {
+        let k = key("w-0", 1);
+        let e1 = p.create_lease(&k, &t).await.unwrap_err();
+        assert!(matches!(&e1, ProviderError::Definite(m) if m.contains("no capacity") && m.contains("machine 700")), "{e1}");
+        let e2 = p.create_lease(&k, &t).await.unwrap_err();
+        assert!(matches!(&e2, ProviderError::Definite(m) if m.contains("no capacity") && m.contains("machine 701")), "{e2}");
+        let g = p.create_lease(&k, &t).await.unwrap();
+        let view = w.mock.instance(instance_id(&g.lease)).unwrap();
+        assert_eq!(view.offer_id, 5002, "{view:?}");
+        // No offer at all: a capacity failure that says what was asked.
+        let e3 = p.create_lease(&key("w-1", 2), &t).await.unwrap_err();
+        assert!(matches!(&e3, ProviderError::Definite(m) if m.contains("no capacity")), "{e3}");
+        p.destroy_lease(&k, &g.lease).await.unwrap();
+    });
+    w.assert_one_create_per_label();
+    assert_eq!(w.mock.live_instances(), 0);
+}
+
+#[test]
+fn the_spend_cap_refuses_a_create_over_it_with_the_numbers() {
+    let w = World::new(offers(4, 0.3));
+    let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
+    let t = template(&[("spend_cap_dph", ParamValue::Float(1.0))]);
+    rt().block_on(async {
+        let a = p.create_lease(&key("w-0", 1), &t).await.unwrap();
+        let b = p.create_lease(&key("w-1", 2), &t).await.unwrap();
+        let c = p.create_lease(&key("w-2", 3), &t).await.unwrap();
+        let refused = p.create_lease(&key("w-3", 4), &t).await.unwrap_err();
+        let text = refused.to_string();
+        assert!(text.contains("spend cap is 1.000 $/h"), "{text}");
+        assert!(text.contains("3 live instance(s) cost 0.903 $/h"), "{text}");
+        assert!(text.contains("1.206 $/h in all"), "{text}");
+        assert_eq!(w.mock.live_instances(), 3);
+        for (n, g) in [("w-0", &a), ("w-1", &b), ("w-2", &c)] {
+            let attempt = n[2..].parse::<u64>().unwrap() + 1;
+            p.destroy_lease(&key(n, attempt), &g.lease).await.unwrap();
+        }
+    });
+    assert_eq!(w.mock.live_instances(), 0);
+}
+
+#[test]
+fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
+    let w = World::new(offers(8, 0.3));
+    let p = w.provider(Duration::from_secs(2), Duration::from_secs(5));
+    let t = template(&[("load_timeout_s", ParamValue::Float(2.0))]);
+    rt().block_on(async {
+        // A boot that fails (OCI error).
+        w.mock.boot_failure(Selector::Next(1));
+        let k = key("w-0", 1);
+        let g = p.create_lease(&k, &t).await.unwrap();
+        let e = settle(&p, &k, &g.lease, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("failed boot")),
+            "{e}"
+        );
+        let failed_offer = w.mock.instance(instance_id(&g.lease)).unwrap().offer_id;
+        p.destroy_lease(&k, &g.lease).await.unwrap();
+        // The failed machine is skipped by the next create, though its
+        // offer is rentable again (and the cheapest).
+        let k2 = key("w-0", 2);
+        let g2 = p.create_lease(&k2, &t).await.unwrap();
+        assert_ne!(
+            w.mock.instance(instance_id(&g2.lease)).unwrap().offer_id,
+            failed_offer
+        );
+        settle(&p, &k2, &g2.lease, Duration::from_secs(10))
+            .await
+            .unwrap();
+        // Death after running.
+        w.mock
+            .kill(Selector::Id(instance_id(&g2.lease)), Death::Exited);
+        let e = p.lookup_endpoint(&k2, &g2.lease).await.unwrap_err();
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("exited")),
+            "{e}"
+        );
+        p.destroy_lease(&k2, &g2.lease).await.unwrap();
+        // Loading forever: bounded by load_timeout_s.
+        w.mock.stuck_loading(Selector::Next(1));
+        let k3 = key("w-0", 3);
+        let g3 = p.create_lease(&k3, &t).await.unwrap();
+        let e = settle(&p, &k3, &g3.lease, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("load_timeout_s")),
+            "{e}"
+        );
+        p.destroy_lease(&k3, &g3.lease).await.unwrap();
+        // Running, but SSH never answers: bounded by load_timeout_s too.
+        w.mock.ssh_never_ready(Selector::Next(1));
+        let k5 = key("w-0", 5);
+        let g5 = p.create_lease(&k5, &t).await.unwrap();
+        let e = settle(&p, &k5, &g5.lease, Duration::from_secs(15))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("SSH is not ready")),
+            "{e}"
+        );
+        p.destroy_lease(&k5, &g5.lease).await.unwrap();
+        // Vanished: gone once the listing lag has passed.
+        let k4 = key("w-0", 4);
+        let g4 = p.create_lease(&k4, &t).await.unwrap();
+        settle(&p, &k4, &g4.lease, Duration::from_secs(10))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        w.mock
+            .kill(Selector::Id(instance_id(&g4.lease)), Death::Vanished);
+        let e = p.lookup_endpoint(&k4, &g4.lease).await.unwrap_err();
+        assert!(matches!(&e, ProviderError::Gone(_)), "{e}");
+        p.destroy_lease(&k4, &g4.lease).await.unwrap();
+    });
+    w.assert_one_create_per_label();
+    assert_eq!(w.mock.live_instances(), 0);
+}
+
+#[test]
+fn rate_limits_and_flaky_destroys_are_waited_out_without_a_second_rental() {
+    let w = World::new(offers(2, 0.3));
+    let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
+    let t = template(&[]);
+    let k = key("w-0", 1);
+    rt().block_on(async {
+        w.mock.rate_burst(swactor_vastmock::Endpoint::Create, 2);
+        w.mock.rate_burst(swactor_vastmock::Endpoint::Search, 1);
+        let start = Instant::now();
+        let g = p.create_lease(&k, &t).await.unwrap();
+        // Backed off: 1 s after the first 429, 2 s after the second.
+        assert!(
+            start.elapsed() >= Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        w.mock.flaky_destroy(2, 500).unwrap();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match p.destroy_lease(&k, &g.lease).await {
+                Ok(()) => break,
+                Err(e) => assert!(tries < 5, "{e}"),
+            }
+        }
+        assert_eq!(tries, 3);
+    });
+    assert_eq!(w.mock.creates_total(), 1);
+    assert_eq!(w.mock.live_instances(), 0);
+}
+
+#[test]
+fn a_wrong_key_is_refused_in_words_that_never_hold_a_key() {
+    let w = World::new(offers(1, 0.3));
+    let mut config = VastConfig::new(
+        w.root().join("pstate"),
+        &w.agent,
+        w.mock.url(),
+        ApiKey::new("wrong-key-0123456789").unwrap(),
+    );
+    config.pacing = Pacing::none();
+    let p = VastProvider::new(config).unwrap();
+    rt().block_on(async {
+        let e = p.check_access().await.unwrap_err();
+        assert!(e.contains("refused the API key"), "{e}");
+        assert!(!e.contains("wrong-key-0123456789") && !e.contains(w.mock.api_key()));
+        let e = p
+            .create_lease(&key("w-0", 1), &template(&[]))
+            .await
+            .unwrap_err();
+        assert!(!e.to_string().contains("wrong-key-0123456789"), "{e}");
+    });
+    assert_eq!(w.mock.creates_total(), 0);
+}
+
+/// Every line of the daemon's log, checked for the key.
+fn assert_no_key(log: &str, key: &str) {
+    assert!(
+        !log.contains(key),
+        "the API key appears in the daemon's output"
+    );
+}
+
+#[test]
+fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
+    let w = World::new(offers(6, 0.3));
+    let shape = w.shape("four.toml", 4, "");
+    let started = Instant::now();
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{:?}: {}", e.code, e.log));
+    let snap = try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 4
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    eprintln!(
+        "4 vast nodes converged in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(snap.nodes.len(), 4);
+    assert_eq!(w.mock.live_instances(), 4);
+    assert_eq!(w.agents().len(), 4, "one agent per instance");
+    w.assert_one_create_per_label();
+    // Status shows each node's offer, machine and price, and the total.
+    assert_eq!(snap.rentals.len(), 4, "{:#?}", snap.rentals);
+    let total: u64 = snap.rentals.iter().map(|r| r.usd_per_hour_micros).sum();
+    assert_eq!(total, 1_206_000, "0.300 + 0.301 + 0.302 + 0.303 $/h");
+    assert!(
+        snap.rentals
+            .iter()
+            .all(|r| !r.offer.is_empty() && r.machine.starts_with("70"))
+    );
+    let o = cli(&w.state(), &["status"]);
+    let text = stdout(&o);
+    assert!(
+        text.contains("rented machines: 4 · 1.206 $/h in all"),
+        "{text}"
+    );
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}\n{}", stderr(&o), d.log());
+    wait_for(Duration::from_secs(30), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+    let out = format!("{}{}{}", stdout(&o), stderr(&o), d.log());
+    assert_no_key(&out, w.mock.api_key());
+    w.assert_one_create_per_label();
+    assert_eq!(w.mock.creates_total(), 4);
+}
+
+#[test]
+fn a_daemon_killed_mid_create_adopts_the_instance_when_it_starts_again() {
+    let w = World::new(offers(3, 0.3));
+    let shape = w.shape("one.toml", 1, "");
+    // The create commits, then its answer is held past the kill.
+    w.mock.ambiguous_create(
+        Ambiguity::Timeout {
+            hold: Duration::from_secs(20),
+        },
+        1,
+    );
+    let mut env = w.env();
+    env.retain(|(k, _)| *k != "SWACTOR_VAST_REQUEST_TIMEOUT_S");
+    env.push(("SWACTOR_VAST_REQUEST_TIMEOUT_S", "30".to_owned()));
+    let mut d = w.up(&shape, &env).unwrap_or_else(|e| panic!("{}", e.log));
+    wait_for(Duration::from_secs(30), "the create to commit", || {
+        w.mock.creates_total() == 1
+    });
+    d.kill9();
+    let first_log = d.log();
+    drop(d);
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 1
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    assert_eq!(w.mock.creates_total(), 1, "{}", d.log());
+    assert_eq!(w.mock.live_instances(), 1);
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(30), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+    assert_no_key(&format!("{first_log}{}", d.log()), w.mock.api_key());
+}
+
+#[test]
+fn a_shape_renting_vast_machines_without_a_key_is_refused_before_anything_is_rented() {
+    let w = World::new(offers(2, 0.3));
+    let shape = w.shape("one.toml", 1, "");
+    let mut env = w.env();
+    env.retain(|(k, _)| *k != "VAST_API_KEY");
+    env.push(("VAST_API_KEY", String::new()));
+    let e = w.up(&shape, &env).err().expect("refused");
+    assert!(
+        e.log.contains("no Vast.ai API key") && e.log.contains("VAST_API_KEY"),
+        "{}",
+        e.log
+    );
+    let mut env = w.env();
+    env.retain(|(k, _)| *k != "VAST_API_KEY");
+    env.push(("VAST_API_KEY", "not-the-key-987654321".to_owned()));
+    let e = w.up(&shape, &env).err().expect("refused");
+    assert!(e.log.contains("refused the API key"), "{}", e.log);
+    assert!(!e.log.contains("not-the-key-987654321"), "{}", e.log);
+    // A cap of 0 and a spend cap below the price are shape errors.
+    let bad = w.shape("bad.toml", 1, "spend_cap_dph = 0.5\n");
+    let e = w.up(&bad, &w.env()).err().expect("refused");
+    assert!(e.log.contains("below `max_dph`"), "{}", e.log);
+    assert_eq!(w.mock.creates_total(), 0);
+}
+
+#[test]
+fn a_query_no_offer_matches_shows_no_capacity_per_node_and_backs_off() {
+    let w = World::new(offers(2, 0.3));
+    let shape = w.shape("none.toml", 2, "min_gpu_ram_gb = 200\n");
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let mut last = None;
+    wait_for(Duration::from_secs(30), "no capacity on every node", || {
+        last = status(&w.state());
+        last.as_ref().is_some_and(|s| {
+            s.nodes.len() == 2
+                && s.nodes.iter().all(|n| {
+                    n.last_error.as_deref().is_some_and(|e| {
+                        e.contains("no capacity: no offer matches")
+                            && e.contains("≥ 200 GB GPU RAM")
+                    })
+                })
+        })
+    });
+    // Retried with backoff: a handful of tries in 8 s, not a hot loop.
+    std::thread::sleep(Duration::from_secs(8));
+    let s = status(&w.state()).unwrap();
+    for n in &s.nodes {
+        assert!(
+            (1..=8).contains(&n.failures),
+            "{} failed {} times in ~10 s",
+            n.node,
+            n.failures
+        );
+        assert!(n.next_retry_at.is_some(), "{n:?}");
+    }
+    assert_eq!(w.mock.creates_total(), 0);
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_no_key(&d.log(), w.mock.api_key());
+}
+
+#[test]
+fn under_the_services_own_rate_limits_the_paced_daemon_converges() {
+    // The mock with the real service's intervals (search 6 s, create 4.5 s,
+    // show 2 s, list 1 s, destroy 3 s), and the daemon's own pacing.
+    let w = World::with(MockConfig {
+        offers: offers(3, 0.3),
+        rate_limits: swactor_vastmock::RateLimits::default(),
+        ..MockConfig::fast()
+    });
+    let shape = w.shape("paced.toml", 2, "");
+    let mut env = w.env();
+    env.retain(|(k, _)| *k != "SWACTOR_VAST_PACING");
+    let started = Instant::now();
+    let d = w.up(&shape, &env).unwrap_or_else(|e| panic!("{}", e.log));
+    try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    eprintln!(
+        "2 nodes converged under the service's rate limits in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+    assert_eq!(w.mock.creates_total(), 2);
+}
+
+#[test]
+fn random_5xx_on_every_route_end_converged_without_a_second_rental() {
+    let w = World::new(offers(6, 0.3));
+    w.mock.random_5xx(0.3, 7).unwrap();
+    let shape = w.shape("flaky.toml", 3, "");
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 3 && w.mock.live_instances() == 3
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+    w.assert_one_create_per_label();
+    assert_no_key(&d.log(), w.mock.api_key());
+}
+
+/// A small seeded generator (splitmix64), so a failing seed replays.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Applies one fault chosen by `rng`; returns its description.
+fn inject(w: &World, rng: &mut Rng, seed: u64) -> String {
+    use swactor_vastmock::Endpoint as E;
+    match rng.below(10) {
+        0 => {
+            let offer = 5000 + rng.below(10);
+            let kind = if rng.below(2) == 0 {
+                Gone::NotFound
+            } else {
+                Gone::Unavailable
+            };
+            w.mock.offer_gone(offer, Some(kind));
+            format!("offer {offer} gone ({kind:?})")
+        }
+        1 => {
+            let e = [E::Create, E::Search, E::List, E::Show, E::Destroy][rng.below(5) as usize];
+            let n = 1 + rng.below(4) as u32;
+            w.mock.rate_burst(e, n);
+            format!("{n} × 429 on {e:?}")
+        }
+        2 => {
+            w.mock.boot_failure(Selector::Next(1));
+            "a failed boot".to_owned()
+        }
+        3 => {
+            w.mock.stuck_loading(Selector::Next(1));
+            "a stuck load".to_owned()
+        }
+        4 => {
+            let kind = match rng.below(3) {
+                0 => Ambiguity::BadGateway,
+                1 => Ambiguity::Drop,
+                _ => Ambiguity::Timeout {
+                    hold: Duration::from_secs(3),
+                },
+            };
+            w.mock.ambiguous_create(kind, 1);
+            format!("an ambiguous create ({kind:?})")
+        }
+        5 => {
+            let ms = 300 + rng.below(1200);
+            w.mock.listing_lag(Duration::from_millis(ms));
+            format!("a listing lag of {ms} ms")
+        }
+        6 => {
+            let n = 1 + rng.below(3) as u32;
+            w.mock.flaky_destroy(n, 500).unwrap();
+            format!("{n} flaky destroys")
+        }
+        7 => {
+            w.mock.random_5xx(0.1, seed).unwrap();
+            "random 5xx (10 %)".to_owned()
+        }
+        8 => {
+            w.mock.ssh_never_ready(Selector::Next(1));
+            "an sshd that never answers".to_owned()
+        }
+        _ => {
+            w.mock
+                .slow_loading(Selector::Next(1), Duration::from_secs(2));
+            "a slow load".to_owned()
+        }
+    }
+}
+
+/// Seeds to run: `SWACTOR_VAST_SEEDS` (default 16), from `SWACTOR_VAST_SEED0`.
+fn seeds() -> std::ops::Range<u64> {
+    let n = std::env::var("SWACTOR_VAST_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
+    let first = std::env::var("SWACTOR_VAST_SEED0")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    first..first + n
+}
+
+#[test]
+fn a_seeded_battery_of_faults_ends_converged_with_one_create_per_label_and_nothing_left() {
+    for seed in seeds() {
+        let started = Instant::now();
+        let mut rng = Rng(seed);
+        let w = World::new(offers(10, 0.3));
+        let shape = w.shape("battery.toml", 3, "load_timeout_s = 4\n");
+        let faults: Vec<String> = (0..2 + rng.below(3))
+            .map(|_| inject(&w, &mut rng, seed))
+            .collect();
+        let mut env = w.env();
+        env.retain(|(k, _)| *k != "SWACTOR_VAST_LISTING_LAG_S");
+        env.push(("SWACTOR_VAST_LISTING_LAG_S", "3".to_owned()));
+        let d = w
+            .up(&shape, &env)
+            .unwrap_or_else(|e| panic!("seed {seed}: {:?}: {}", e.code, e.log));
+        std::thread::sleep(Duration::from_millis(1500 + rng.below(1500)));
+        let mut killed = String::new();
+        if rng.below(2) == 0 {
+            let death = [Death::Exited, Death::Offline, Death::Vanished][rng.below(3) as usize];
+            let live: Vec<_> = w
+                .mock
+                .instances()
+                .into_iter()
+                .filter(|i| !i.destroyed)
+                .collect();
+            if !live.is_empty() {
+                let victim = &live[rng.below(live.len() as u64) as usize];
+                // The machine dies, and what ran on it with it.
+                w.kill_agents_in(&victim.dir);
+                w.mock.kill(Selector::Id(victim.id), death);
+                killed = format!(", then instance {} {death:?}", victim.id);
+            }
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        w.mock.clear_faults();
+        for o in 5000..5010 {
+            w.mock.offer_gone(o, None);
+        }
+        let what = format!("seed {seed}: {}{killed}", faults.join(", "));
+        try_wait_converged(&w.state(), CONVERGE, |s| {
+            s.nodes.iter().filter(|n| n.ready).count() == 3 && w.mock.live_instances() == 3
+        })
+        .unwrap_or_else(|last| {
+            panic!(
+                "{what}: not converged: {last:#?}\ninstances: {:#?}\n{}",
+                w.mock
+                    .instances()
+                    .iter()
+                    .map(|i| (i.id, i.label.clone(), i.actual_status.clone(), i.destroyed))
+                    .collect::<Vec<_>>(),
+                d.log()
+            )
+        });
+        w.assert_one_create_per_label();
+        assert_eq!(w.mock.live_instances(), 3, "{what}\n{}", d.log());
+        let o = cli(&w.state(), &["down"]);
+        assert!(o.status.success(), "{what}: {}\n{}", stderr(&o), d.log());
+        wait_for(Duration::from_secs(30), "no live instance", || {
+            w.mock.live_instances() == 0
+        });
+        assert_no_key(&format!("{}{}", stderr(&o), d.log()), w.mock.api_key());
+        w.assert_one_create_per_label();
+        eprintln!(
+            "{what}: converged and torn down in {:.1} s ({} creates)",
+            started.elapsed().as_secs_f64(),
+            w.mock.creates_total()
+        );
+    }
+}

@@ -1,0 +1,1061 @@
+//! What the vast provider decides without any I/O: a group's parameters,
+//! instance labels, the offer query, how answers and errors are read, and
+//! the spend cap.
+//!
+//! Everything here is a function of its arguments (time included), so the
+//! unit tests below feed it bodies shaped like the real service's.
+
+use serde_json::{Value, json};
+use std::time::Duration;
+use swactor_provisioning::{
+    LogicalNodeId, NodeAttemptId, NodeTemplate, ParamValue, ResourceKey, RunId,
+};
+
+/// What every label the provider writes starts with.
+pub(crate) const LABEL_PREFIX: &str = "swactor:";
+/// The longest label the service accepts.
+pub(crate) const LABEL_LEN_MAX: usize = 256;
+/// The smallest disk the service rents, in GB.
+pub(crate) const DISK_GB_MIN: f64 = 8.0;
+/// Default of [`GroupParams::disk_gb`].
+pub(crate) const DISK_GB_DEFAULT: f64 = 16.0;
+/// Default of [`GroupParams::load_timeout`]: image pulls on slow hosts take
+/// minutes, and an instance stuck in `loading` bills all the while.
+pub(crate) const LOAD_TIMEOUT_DEFAULT: Duration = Duration::from_secs(20 * 60);
+/// How many offers one search asks for.
+pub(crate) const OFFERS_LIMIT: u64 = 64;
+/// The longest error text quoted from the service.
+const MESSAGE_LEN_MAX: usize = 300;
+
+/// The parameters a group may set (`[group.params]`).
+pub const KNOWN_PARAMS: &[&str] = &[
+    "gpu_name",
+    "num_gpus",
+    "min_gpu_ram_gb",
+    "max_dph",
+    "min_reliability",
+    "disk_gb",
+    "image",
+    "region",
+    "load_timeout_s",
+    "spend_cap_dph",
+    "verified",
+];
+
+/// A group's offer query and limits, read from its template.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct GroupParams {
+    /// The GPU model, as the service names it (`RTX_4090`); any when absent.
+    pub(crate) gpu_name: Option<String>,
+    /// GPUs per machine.
+    pub(crate) num_gpus: u32,
+    /// Least GPU memory per GPU, in GB.
+    pub(crate) min_gpu_ram_gb: Option<f64>,
+    /// Most the group pays per machine and hour, in dollars (`dph_total`).
+    pub(crate) max_dph: f64,
+    /// Least host reliability (0 to 1).
+    pub(crate) min_reliability: Option<f64>,
+    /// Disk per machine, in GB.
+    pub(crate) disk_gb: f64,
+    /// The container image the machine runs.
+    pub(crate) image: String,
+    /// Countries or regions offers must be in (the service's `geolocation`).
+    pub(crate) region: Vec<String>,
+    /// How long an instance may stay short of `running` before it counts as failed.
+    pub(crate) load_timeout: Duration,
+    /// Most the whole run may cost per hour, in dollars.
+    pub(crate) spend_cap_dph: Option<f64>,
+    /// Only hosts the service has verified.
+    pub(crate) verified: bool,
+}
+
+fn number(name: &str, v: &ParamValue) -> Result<f64, String> {
+    match v {
+        ParamValue::Int(n) => Ok(*n as f64),
+        ParamValue::Float(f) if f.is_finite() => Ok(*f),
+        other => Err(format!("`{name}` must be a number, not {other:?}")),
+    }
+}
+
+impl GroupParams {
+    /// The group's parameters, checked.
+    ///
+    /// # Errors
+    /// The first problem, worded for the shape's author.
+    pub(crate) fn of(template: &NodeTemplate) -> Result<Self, String> {
+        let params = &template.provider.params;
+        for name in params.keys() {
+            if !KNOWN_PARAMS.contains(&name.as_str()) {
+                return Err(format!(
+                    "unknown parameter `{name}` (known: {})",
+                    KNOWN_PARAMS.join(", ")
+                ));
+            }
+        }
+        let gpu_name = match params.get("gpu_name") {
+            None => None,
+            Some(ParamValue::Str(s)) if !s.trim().is_empty() => Some(s.trim().to_owned()),
+            Some(other) => {
+                return Err(format!(
+                    "`gpu_name` must be a GPU model such as \"RTX_4090\", not {other:?}"
+                ));
+            }
+        };
+        let num_gpus = match params.get("num_gpus") {
+            None => 1,
+            Some(ParamValue::Int(n)) if (1..=64).contains(n) => *n as u32,
+            Some(other) => return Err(format!("`num_gpus` must be 1 to 64, not {other:?}")),
+        };
+        let positive = |name: &str| -> Result<Option<f64>, String> {
+            match params.get(name) {
+                None => Ok(None),
+                Some(v) => {
+                    let n = number(name, v)?;
+                    if n > 0.0 {
+                        Ok(Some(n))
+                    } else {
+                        Err(format!("`{name}` must be more than 0, not {n}"))
+                    }
+                }
+            }
+        };
+        let max_dph = positive("max_dph")?.ok_or_else(|| {
+            "`max_dph` (the most a machine may cost per hour, in dollars) is required".to_owned()
+        })?;
+        let min_gpu_ram_gb = positive("min_gpu_ram_gb")?;
+        let min_reliability = match params.get("min_reliability") {
+            None => None,
+            Some(v) => {
+                let r = number("min_reliability", v)?;
+                if !(0.0..=1.0).contains(&r) {
+                    return Err(format!("`min_reliability` must be 0 to 1, not {r}"));
+                }
+                Some(r)
+            }
+        };
+        let disk_gb = positive("disk_gb")?.unwrap_or(DISK_GB_DEFAULT);
+        if disk_gb < DISK_GB_MIN {
+            return Err(format!(
+                "`disk_gb` must be at least {DISK_GB_MIN} (the service's minimum), not {disk_gb}"
+            ));
+        }
+        let image = match (params.get("image"), template.boot.image.as_deref()) {
+            (Some(ParamValue::Str(s)), None) => s.clone(),
+            (None, Some(s)) => s.to_owned(),
+            (Some(ParamValue::Str(a)), Some(b)) if a == b => a.clone(),
+            (Some(ParamValue::Str(_)), Some(_)) => {
+                return Err(
+                    "the group names two different images (`image` and `params.image`); keep one"
+                        .to_owned(),
+                );
+            }
+            (Some(other), _) => return Err(format!("`image` must be a string, not {other:?}")),
+            (None, None) => {
+                return Err(
+                    "the group names no `image` (the container the machines run, e.g. \"pytorch/pytorch:latest\")"
+                        .to_owned(),
+                );
+            }
+        };
+        if image.is_empty()
+            || image.len() > 512
+            || image.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(format!(
+                "`image` {image:?} is not an image name (no spaces, at most 512 characters)"
+            ));
+        }
+        let region = match params.get("region") {
+            None => Vec::new(),
+            Some(ParamValue::Str(s)) if !s.trim().is_empty() => vec![s.trim().to_owned()],
+            Some(ParamValue::List(l)) if !l.is_empty() => l
+                .iter()
+                .map(|v| match v {
+                    ParamValue::Str(s) if !s.trim().is_empty() => Ok(s.trim().to_owned()),
+                    other => Err(format!("every `region` must be a string, not {other:?}")),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(other) => {
+                return Err(format!(
+                    "`region` must be a string or a list of strings, not {other:?}"
+                ));
+            }
+        };
+        let load_timeout = match positive("load_timeout_s")? {
+            None => LOAD_TIMEOUT_DEFAULT,
+            Some(s) if s <= 7.0 * 24.0 * 3600.0 => Duration::from_secs_f64(s),
+            Some(s) => return Err(format!("`load_timeout_s` must be at most a week, not {s}")),
+        };
+        let spend_cap_dph = positive("spend_cap_dph")?;
+        let verified = match params.get("verified") {
+            None => true,
+            Some(ParamValue::Bool(b)) => *b,
+            Some(other) => return Err(format!("`verified` must be true or false, not {other:?}")),
+        };
+        if let Some(cap) = spend_cap_dph
+            && cap < max_dph
+        {
+            return Err(format!(
+                "`spend_cap_dph` ({cap}) is below `max_dph` ({max_dph}): no machine could ever be rented"
+            ));
+        }
+        Ok(Self {
+            gpu_name,
+            num_gpus,
+            min_gpu_ram_gb,
+            max_dph,
+            min_reliability,
+            disk_gb,
+            image,
+            region,
+            load_timeout,
+            spend_cap_dph,
+            verified,
+        })
+    }
+
+    /// The body of `POST /bundles/`: rentable on-demand offers that fit,
+    /// cheapest first.
+    pub(crate) fn offer_query(&self) -> Value {
+        let mut q = json!({
+            "rentable": {"eq": true},
+            "rented": {"eq": false},
+            "num_gpus": {"eq": self.num_gpus},
+            "dph_total": {"lte": self.max_dph},
+            "disk_space": {"gte": self.disk_gb},
+            "order": [["dph_total", "asc"]],
+            "type": "on-demand",
+            "limit": OFFERS_LIMIT,
+        });
+        if self.verified {
+            q["verified"] = json!({"eq": true});
+        }
+        if let Some(name) = &self.gpu_name {
+            q["gpu_name"] = json!({"eq": name});
+        }
+        if let Some(gb) = self.min_gpu_ram_gb {
+            // The service counts GPU memory in MB.
+            q["gpu_ram"] = json!({"gte": gb * 1000.0});
+        }
+        if let Some(r) = self.min_reliability {
+            q["reliability2"] = json!({"gte": r});
+        }
+        // The region is matched here ([`GroupParams::in_region`]), not by the
+        // service: its `geolocation` reads "Sweden, SE", and how it matches a
+        // bare country code is not documented.
+        q
+    }
+
+    /// Whether an offer at `geolocation` ("Sweden, SE") is in one of the
+    /// group's regions: a region matches the whole text or one of its
+    /// comma-separated parts, ignoring case.
+    pub(crate) fn in_region(&self, geolocation: &str) -> bool {
+        self.region.is_empty()
+            || self.region.iter().any(|r| {
+                geolocation.trim().eq_ignore_ascii_case(r)
+                    || geolocation
+                        .split(',')
+                        .any(|part| part.trim().eq_ignore_ascii_case(r))
+            })
+    }
+
+    /// The query in words, for messages.
+    pub(crate) fn describe(&self) -> String {
+        let mut parts = vec![format!("{} GPU(s)", self.num_gpus)];
+        if let Some(n) = &self.gpu_name {
+            parts.push(n.clone());
+        }
+        if let Some(gb) = self.min_gpu_ram_gb {
+            parts.push(format!("≥ {gb} GB GPU RAM"));
+        }
+        parts.push(format!("≤ {:.3} $/h", self.max_dph));
+        if let Some(r) = self.min_reliability {
+            parts.push(format!("reliability ≥ {r}"));
+        }
+        parts.push(format!("disk ≥ {} GB", self.disk_gb));
+        if !self.region.is_empty() {
+            parts.push(format!("in {}", self.region.join("/")));
+        }
+        if self.verified {
+            parts.push("verified hosts".to_owned());
+        }
+        parts.join(", ")
+    }
+}
+
+/// The label of `key`'s instance: `swactor:{run}:{node}:{attempt}`.
+pub(crate) fn label_of(key: &ResourceKey) -> String {
+    format!(
+        "{LABEL_PREFIX}{}:{}:{}",
+        key.run_id, key.node, key.attempt.0
+    )
+}
+
+/// What every label of `run` starts with.
+pub(crate) fn run_label_prefix(run: &RunId) -> String {
+    format!("{LABEL_PREFIX}{run}:")
+}
+
+/// The key a label names, if it is one of ours.
+pub(crate) fn parse_label(label: &str) -> Option<ResourceKey> {
+    let rest = label.strip_prefix(LABEL_PREFIX)?;
+    // From the right: the run id may hold anything a shape allows.
+    let (rest, attempt) = rest.rsplit_once(':')?;
+    let (run, node) = rest.rsplit_once(':')?;
+    if run.is_empty() || attempt.is_empty() || !attempt.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(ResourceKey {
+        run_id: RunId::new(run),
+        node: LogicalNodeId::parse(node)?,
+        attempt: NodeAttemptId(attempt.parse().ok()?),
+    })
+}
+
+/// One offer from a search.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Offer {
+    /// The ask id a create names.
+    pub(crate) id: u64,
+    /// The machine it is on.
+    pub(crate) machine_id: u64,
+    /// Dollars per hour, all included.
+    pub(crate) dph_total: f64,
+    /// The GPU model.
+    pub(crate) gpu_name: String,
+    /// GPUs.
+    pub(crate) num_gpus: u64,
+    /// Where the machine is.
+    pub(crate) geolocation: String,
+}
+
+fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| *f >= 0.0 && f.fract() == 0.0)
+                .map(|f| f as u64)
+        }),
+        Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+fn as_f64(v: &Value) -> Option<f64> {
+    match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+    .filter(|f: &f64| f.is_finite())
+}
+
+fn as_str(v: &Value) -> Option<&str> {
+    v.as_str()
+}
+
+/// The offers of a search answer, cheapest first; offers missing an id or
+/// a price are skipped.
+///
+/// # Errors
+/// The answer has no `offers` list.
+pub(crate) fn parse_offers(body: &Value) -> Result<Vec<Offer>, String> {
+    let list = body
+        .get("offers")
+        .and_then(Value::as_array)
+        .ok_or_else(|| {
+            format!(
+                "the offer search answered without an `offers` list: {}",
+                quote_body(body)
+            )
+        })?;
+    let mut offers: Vec<Offer> = list
+        .iter()
+        .filter_map(|o| {
+            Some(Offer {
+                id: as_u64(o.get("id")?)?,
+                machine_id: o.get("machine_id").and_then(as_u64).unwrap_or(0),
+                dph_total: as_f64(o.get("dph_total")?)?,
+                gpu_name: o.get("gpu_name").and_then(as_str).unwrap_or("?").to_owned(),
+                num_gpus: o.get("num_gpus").and_then(as_u64).unwrap_or(0),
+                geolocation: o
+                    .get("geolocation")
+                    .and_then(as_str)
+                    .unwrap_or("")
+                    .to_owned(),
+            })
+        })
+        .collect();
+    offers.sort_by(|a, b| a.dph_total.total_cmp(&b.dph_total).then(a.id.cmp(&b.id)));
+    Ok(offers)
+}
+
+/// The instance id a successful create answered.
+///
+/// # Errors
+/// The answer does not say `success` with a `new_contract`.
+pub(crate) fn parse_created(body: &Value) -> Result<u64, String> {
+    if body.get("success").and_then(Value::as_bool) == Some(false) {
+        return Err(format!(
+            "the create answered success=false: {}",
+            message_of(body)
+        ));
+    }
+    body.get("new_contract").and_then(as_u64).ok_or_else(|| {
+        format!(
+            "the create answered no `new_contract`: {}",
+            quote_body(body)
+        )
+    })
+}
+
+/// One instance, as listed or shown.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Instance {
+    /// The instance (contract) id.
+    pub(crate) id: u64,
+    /// `null` (being set up), `loading`, `running`, `exited`, ...
+    pub(crate) actual_status: Option<String>,
+    /// What the owner asked for (`running`, `stopped`).
+    pub(crate) intended_status: Option<String>,
+    /// Its label.
+    pub(crate) label: Option<String>,
+    /// The service's last word on it.
+    pub(crate) status_msg: Option<String>,
+    /// The SSH endpoint, once it has one.
+    pub(crate) ssh: Option<(String, u16)>,
+    /// The machine it runs on.
+    pub(crate) machine_id: Option<u64>,
+    /// Dollars per hour.
+    pub(crate) dph_total: Option<f64>,
+}
+
+/// The SSH endpoint of an instance: the machine's public address with the
+/// port mapped to the container's 22, else the service's SSH proxy.
+pub(crate) fn ssh_endpoint(v: &Value) -> Option<(String, u16)> {
+    let direct = (|| {
+        let ip = v.get("public_ipaddr").and_then(as_str)?.trim();
+        let port = v
+            .get("ports")?
+            .get("22/tcp")?
+            .as_array()?
+            .first()?
+            .get("HostPort")?;
+        let port = u16::try_from(as_u64(port)?).ok()?;
+        (!ip.is_empty() && port != 0).then(|| (ip.to_owned(), port))
+    })();
+    direct.or_else(|| {
+        let host = v.get("ssh_host").and_then(as_str)?.trim();
+        let port = u16::try_from(as_u64(v.get("ssh_port")?)?).ok()?;
+        (!host.is_empty() && port != 0).then(|| (host.to_owned(), port))
+    })
+}
+
+/// One instance from its JSON object; `None` without an id.
+pub(crate) fn parse_instance(v: &Value) -> Option<Instance> {
+    let s = |name: &str| v.get(name).and_then(as_str).map(str::to_owned);
+    Some(Instance {
+        id: as_u64(v.get("id")?)?,
+        actual_status: s("actual_status"),
+        intended_status: s("intended_status"),
+        label: s("label"),
+        status_msg: s("status_msg"),
+        ssh: ssh_endpoint(v),
+        machine_id: v.get("machine_id").and_then(as_u64),
+        dph_total: v.get("dph_total").and_then(as_f64),
+    })
+}
+
+/// A page of an instance listing (v0 or v1): the instances and the token
+/// of the next page (`None` on the last).
+///
+/// # Errors
+/// The answer has no `instances` list.
+pub(crate) fn parse_instance_page(body: &Value) -> Result<(Vec<Instance>, Option<String>), String> {
+    let list = match body.get("instances") {
+        Some(Value::Array(list)) => list,
+        Some(Value::Null) => return Ok((Vec::new(), None)),
+        _ => {
+            return Err(format!(
+                "the instance listing answered without an `instances` list: {}",
+                quote_body(body)
+            ));
+        }
+    };
+    let next = match body.get("next_token") {
+        Some(Value::String(t)) if !t.is_empty() => Some(t.clone()),
+        Some(Value::Number(n)) => Some(n.to_string()),
+        _ => None,
+    };
+    Ok((list.iter().filter_map(parse_instance).collect(), next))
+}
+
+/// The instance of a `show` answer: `None` for `"instances": null` (no such
+/// instance).
+///
+/// # Errors
+/// Neither an instance object nor null.
+pub(crate) fn parse_shown(body: &Value) -> Result<Option<Instance>, String> {
+    match body.get("instances") {
+        Some(Value::Null) => Ok(None),
+        Some(v @ Value::Object(_)) => parse_instance(v)
+            .map(Some)
+            .ok_or_else(|| format!("the instance shown has no id: {}", quote_body(body))),
+        // Some versions answer a one-element list.
+        Some(Value::Array(l)) if l.len() <= 1 => Ok(l.first().and_then(parse_instance)),
+        _ => Err(format!(
+            "the instance show answered without an `instances` object: {}",
+            quote_body(body)
+        )),
+    }
+}
+
+/// Where an instance is on its way to serving.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Health {
+    /// Still being set up (`null`, `loading`, `created`, a running one
+    /// without an SSH port yet): the status, for messages.
+    Pending(String),
+    /// Running, with this SSH endpoint.
+    Running(String, u16),
+    /// It will never serve (`exited`, `offline`, `unknown`, a failed boot,
+    /// stopped): why, in words.
+    Failed(String),
+    /// Destroyed.
+    Destroyed,
+}
+
+/// What the service's view of `i` means for its node.
+pub(crate) fn health(i: &Instance) -> Health {
+    let msg = i
+        .status_msg
+        .as_deref()
+        .map(str::trim)
+        .filter(|m| !m.is_empty());
+    let failed = |what: &str| {
+        let mut text = format!("instance {} is {what}", i.id);
+        if let Some(m) = i.machine_id {
+            text.push_str(&format!(" on machine {m}"));
+        }
+        if let Some(msg) = msg {
+            text.push_str(&format!(": {}", cut(msg)));
+        }
+        Health::Failed(text)
+    };
+    let status = i.actual_status.as_deref().map(str::trim).unwrap_or("");
+    if matches!(i.intended_status.as_deref(), Some("stopped")) && status != "destroyed" {
+        return failed("stopped (its intended status is `stopped`)");
+    }
+    match status {
+        "" | "loading" | "scheduling" | "creating" | "provisioning" => {
+            Health::Pending(if status.is_empty() {
+                "being set up".to_owned()
+            } else {
+                status.to_owned()
+            })
+        }
+        "created" if msg.is_some_and(|m| m.contains("OCI runtime create failed")) => {
+            failed("a failed boot (the container never started)")
+        }
+        "created" => Health::Pending("created".to_owned()),
+        "running" => match &i.ssh {
+            Some((host, port)) => Health::Running(host.clone(), *port),
+            None => Health::Pending("running, without an SSH port yet".to_owned()),
+        },
+        "exited" | "offline" | "unknown" | "stopped" | "inactive" => failed(status),
+        "destroyed" | "deleted" => Health::Destroyed,
+        other => Health::Pending(format!("in the state {:?}", cut(other))),
+    }
+}
+
+/// How a create failed, for the provider's next move.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum CreateFailure {
+    /// The offer cannot be rented (gone, already rented): nothing was
+    /// rented; the next create uses another offer, not on this machine.
+    Capacity(String),
+    /// The request was refused as it stands (a bad image, a bad argument):
+    /// nothing was rented, and the same create will fail again.
+    Refused(String),
+    /// The API key was refused.
+    Auth(String),
+    /// Too many requests: nothing was rented; try later.
+    RateLimited(String),
+    /// The service failed while handling it: it may have rented.
+    Unknown(String),
+}
+
+/// The words of an error body: its `msg`, `error` or `detail`, else its text.
+pub(crate) fn message_of(body: &Value) -> String {
+    for field in ["msg", "detail", "error", "message"] {
+        if let Some(s) = body
+            .get(field)
+            .and_then(as_str)
+            .filter(|s| !s.trim().is_empty())
+        {
+            return cut(s.trim());
+        }
+    }
+    quote_body(body)
+}
+
+/// The words of an answer body, JSON or not.
+pub(crate) fn message_of_text(text: &str) -> String {
+    match serde_json::from_str::<Value>(text) {
+        Ok(v @ Value::Object(_)) => message_of(&v),
+        _ => cut(text.trim()),
+    }
+}
+
+fn quote_body(body: &Value) -> String {
+    cut(&body.to_string())
+}
+
+/// `s`, cut to a readable length on a character boundary.
+pub(crate) fn cut(s: &str) -> String {
+    if s.chars().count() <= MESSAGE_LEN_MAX {
+        s.to_owned()
+    } else {
+        let mut out: String = s.chars().take(MESSAGE_LEN_MAX).collect();
+        out.push('…');
+        out
+    }
+}
+
+/// Whether an error text says the offer cannot be rented any more.
+fn says_unavailable(text: &str) -> bool {
+    let t = text.to_ascii_lowercase();
+    [
+        "no_such_ask",
+        "3603",
+        "not available",
+        "no longer available",
+        "unavailable",
+        "already rented",
+        "not rentable",
+        "no longer rentable",
+    ]
+    .iter()
+    .any(|w| t.contains(w))
+}
+
+/// How a create that the service answered with `status` and `body` failed.
+pub(crate) fn classify_create(status: u16, body: &str) -> CreateFailure {
+    let msg = message_of_text(body);
+    let with_code = |m: &str| format!("{m} (HTTP {status})");
+    match status {
+        429 => CreateFailure::RateLimited(with_code(&msg)),
+        401 | 403 => CreateFailure::Auth(with_code(&msg)),
+        404 | 410 => CreateFailure::Capacity(with_code(&msg)),
+        400..=499 if says_unavailable(body) => CreateFailure::Capacity(with_code(&msg)),
+        400..=499 => CreateFailure::Refused(with_code(&msg)),
+        _ => CreateFailure::Unknown(with_code(&msg)),
+    }
+}
+
+/// Whether a destroy answered with `status` and `body` means the instance
+/// is absent (which a destroy counts as done).
+pub(crate) fn destroy_absent(status: u16, body: &str) -> bool {
+    if status == 404 {
+        return true;
+    }
+    let t = body.to_ascii_lowercase();
+    (200..300).contains(&status) && (t.contains("not_found") || t.contains("no_such_instance"))
+}
+
+/// What the run costs per hour and whether another `offer_dph` fits under
+/// `cap`. `live` is the cost of every live instance of the run.
+///
+/// # Errors
+/// The refusal, with the numbers.
+pub(crate) fn check_spend(cap: f64, live: &[f64], offer_dph: f64) -> Result<f64, String> {
+    let now: f64 = live.iter().sum();
+    let after = now + offer_dph;
+    // A cent's hundredth of slack: prices are decimal, sums are binary.
+    if after > cap + 1e-6 {
+        Err(format!(
+            "the spend cap is {cap:.3} $/h: the run's {} live instance(s) cost {now:.3} $/h and the cheapest fitting offer {offer_dph:.3} $/h, {after:.3} $/h in all; nothing was rented",
+            live.len()
+        ))
+    } else {
+        Ok(after)
+    }
+}
+
+/// The wait before the `failures`-th retry (1-based) of a rate-limited or
+/// failed request: doubling from `base`, at most `cap`.
+pub(crate) fn backoff(failures: u32, base: Duration, cap: Duration) -> Duration {
+    let shift = failures.saturating_sub(1).min(20);
+    base.saturating_mul(1u32 << shift).min(cap)
+}
+
+/// The secret is replaced wherever it shows in `text`.
+pub(crate) fn redact(text: &str, secret: &str) -> String {
+    if secret.len() < 4 {
+        return text.to_owned();
+    }
+    text.replace(secret, "[redacted]")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use swactor_provisioning::{BootParams, GroupId, NodeLimits, ProviderShape, SwarmJoin};
+
+    fn template(params: &[(&str, ParamValue)], image: Option<&str>) -> NodeTemplate {
+        NodeTemplate {
+            provider: ProviderShape {
+                kind: "vast".into(),
+                params: params
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                    .collect::<BTreeMap<_, _>>(),
+                placement: BTreeMap::new(),
+            },
+            boot: BootParams {
+                image: image.map(str::to_owned),
+                ..BootParams::default()
+            },
+            role: "worker".into(),
+            join: SwarmJoin::default(),
+            limits: NodeLimits::default(),
+        }
+    }
+
+    fn key() -> ResourceKey {
+        ResourceKey {
+            run_id: RunId::new("train:1"),
+            node: LogicalNodeId::new(GroupId::new("gpu"), 3),
+            attempt: NodeAttemptId(17),
+        }
+    }
+
+    #[test]
+    fn a_label_names_its_key_and_parses_back_even_with_colons_in_the_run() {
+        let label = label_of(&key());
+        assert_eq!(label, "swactor:train:1:gpu-3:17");
+        assert_eq!(parse_label(&label), Some(key()));
+        assert!(label.starts_with(&run_label_prefix(&key().run_id)));
+        for bad in [
+            "",
+            "swactor:",
+            "swactor:r:gpu-3",
+            "swactor:r:gpu-3:x",
+            "swactor::gpu-3:1",
+            "swactor:r:gpu:1",
+            "someone else's label",
+        ] {
+            assert_eq!(parse_label(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_run_prefix_never_matches_another_run_that_extends_its_name() {
+        let other = ResourceKey {
+            run_id: RunId::new("train2"),
+            ..key()
+        };
+        assert!(!label_of(&other).starts_with(&run_label_prefix(&RunId::new("train"))));
+    }
+
+    #[test]
+    fn group_params_are_read_with_defaults_and_bad_values_are_refused_in_words() {
+        let p = GroupParams::of(&template(
+            &[
+                ("gpu_name", ParamValue::Str("RTX_4090".into())),
+                ("max_dph", ParamValue::Float(0.5)),
+                (
+                    "region",
+                    ParamValue::List(vec![ParamValue::Str("US".into())]),
+                ),
+            ],
+            Some("pytorch/pytorch:latest"),
+        ))
+        .unwrap();
+        assert_eq!(p.num_gpus, 1);
+        assert_eq!(p.disk_gb, DISK_GB_DEFAULT);
+        assert_eq!(p.load_timeout, LOAD_TIMEOUT_DEFAULT);
+        assert!(p.verified);
+        let q = p.offer_query();
+        assert_eq!(q["gpu_name"], json!({"eq": "RTX_4090"}));
+        assert_eq!(q["dph_total"], json!({"lte": 0.5}));
+        assert_eq!(q["rented"], json!({"eq": false}));
+        assert!(q.get("geolocation").is_none());
+        assert!(p.in_region("United States, US"));
+        assert!(p.in_region("us"));
+        assert!(!p.in_region("Sweden, SE"));
+        assert!(!p.in_region("USA-ish"));
+        assert_eq!(q["order"], json!([["dph_total", "asc"]]));
+
+        let err = |params: &[(&str, ParamValue)], image: Option<&str>| {
+            GroupParams::of(&template(params, image)).unwrap_err()
+        };
+        let img = Some("img");
+        assert!(err(&[], img).contains("`max_dph`"));
+        assert!(err(&[("max_dph", ParamValue::Int(0))], img).contains("more than 0"));
+        assert!(err(&[("max_dph", ParamValue::Float(-1.0))], img).contains("more than 0"));
+        assert!(err(&[("max_dph", ParamValue::Int(1))], None).contains("no `image`"));
+        assert!(err(&[("max_dph", ParamValue::Int(1))], Some("a b")).contains("not an image"));
+        assert!(
+            err(
+                &[
+                    ("max_dph", ParamValue::Int(1)),
+                    ("disk_gb", ParamValue::Int(4))
+                ],
+                img
+            )
+            .contains("at least 8")
+        );
+        assert!(
+            err(
+                &[
+                    ("max_dph", ParamValue::Int(1)),
+                    ("gpus", ParamValue::Int(4))
+                ],
+                img
+            )
+            .contains("unknown parameter `gpus`")
+        );
+        assert!(
+            err(
+                &[
+                    ("max_dph", ParamValue::Int(1)),
+                    ("spend_cap_dph", ParamValue::Float(0.5))
+                ],
+                img
+            )
+            .contains("below `max_dph`")
+        );
+        assert!(
+            err(
+                &[
+                    ("max_dph", ParamValue::Int(1)),
+                    ("min_reliability", ParamValue::Float(1.5))
+                ],
+                img
+            )
+            .contains("0 to 1")
+        );
+    }
+
+    #[test]
+    fn offers_are_read_cheapest_first_and_broken_ones_skipped() {
+        let body = json!({"offers": [
+            {"id": 2, "machine_id": 20, "dph_total": 0.40, "gpu_name": "RTX_4090", "num_gpus": 1, "geolocation": "US"},
+            {"id": 1, "machine_id": 10, "dph_total": 0.25, "gpu_name": "RTX_4090", "num_gpus": 1},
+            {"id": 3, "machine_id": 30},
+            {"machine_id": 40, "dph_total": 0.1},
+        ]});
+        let offers = parse_offers(&body).unwrap();
+        assert_eq!(offers.iter().map(|o| o.id).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(offers[0].machine_id, 10);
+        assert!(parse_offers(&json!({"error": "x"})).is_err());
+        assert_eq!(parse_offers(&json!({"offers": []})).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn a_create_answer_gives_the_new_instance_or_says_what_is_wrong() {
+        assert_eq!(
+            parse_created(&json!({"success": true, "new_contract": 12345678})),
+            Ok(12345678)
+        );
+        assert!(
+            parse_created(&json!({"success": false, "msg": "nope"}))
+                .unwrap_err()
+                .contains("nope")
+        );
+        assert!(parse_created(&json!({"success": true})).is_err());
+    }
+
+    #[test]
+    fn create_errors_are_classified_as_the_service_words_them() {
+        let gone404 = r#"{"success":false,"error":"invalid_args","msg":"error 404/3603: no_such_ask Instance type by id 7 is not available.","ask_id":7}"#;
+        assert!(
+            matches!(classify_create(404, gone404), CreateFailure::Capacity(m) if m.contains("3603") && m.contains("HTTP 404"))
+        );
+        let gone410 = r#"{"success":false,"error":"no_such_ask","msg":"Instance type by id 7 is no longer available."}"#;
+        assert!(matches!(
+            classify_create(410, gone410),
+            CreateFailure::Capacity(_)
+        ));
+        let rented = r#"{"success":false,"error":"invalid_args","msg":"Offer already rented"}"#;
+        assert!(matches!(
+            classify_create(400, rented),
+            CreateFailure::Capacity(_)
+        ));
+        let image = r#"{"success":false,"error":"invalid_args","msg":"invalid image name"}"#;
+        assert!(
+            matches!(classify_create(400, image), CreateFailure::Refused(m) if m.contains("invalid image"))
+        );
+        assert!(matches!(
+            classify_create(401, "{\"detail\":\"bad key\"}"),
+            CreateFailure::Auth(_)
+        ));
+        assert!(matches!(classify_create(403, ""), CreateFailure::Auth(_)));
+        assert!(matches!(
+            classify_create(429, "API requests too frequent, slow down"),
+            CreateFailure::RateLimited(m) if m.contains("too frequent")
+        ));
+        assert!(matches!(
+            classify_create(502, "<html>bad gateway</html>"),
+            CreateFailure::Unknown(_)
+        ));
+        assert!(matches!(
+            classify_create(500, ""),
+            CreateFailure::Unknown(_)
+        ));
+    }
+
+    #[test]
+    fn destroy_counts_an_absent_instance_as_done() {
+        assert!(destroy_absent(
+            404,
+            r#"{"success":false,"error":"not_found","msg":"Instance not found"}"#
+        ));
+        assert!(destroy_absent(
+            200,
+            r#"{"success":false,"error":"no_such_instance"}"#
+        ));
+        assert!(!destroy_absent(500, "not_found"));
+        assert!(!destroy_absent(200, r#"{"success":true}"#));
+    }
+
+    fn instance(v: Value) -> Instance {
+        parse_instance(&v).unwrap()
+    }
+
+    #[test]
+    fn the_ssh_endpoint_is_the_direct_port_else_the_proxy() {
+        let direct = json!({"id": 1, "public_ipaddr": "203.0.113.5", "ports": {"22/tcp": [{"HostIp": "0.0.0.0", "HostPort": "20000"}]}, "ssh_host": "ssh4.vast.ai", "ssh_port": 31000});
+        assert_eq!(ssh_endpoint(&direct), Some(("203.0.113.5".into(), 20000)));
+        let proxy = json!({"id": 1, "public_ipaddr": "203.0.113.5", "ports": null, "ssh_host": "ssh4.vast.ai", "ssh_port": 31000});
+        assert_eq!(ssh_endpoint(&proxy), Some(("ssh4.vast.ai".into(), 31000)));
+        let numeric =
+            json!({"public_ipaddr": "127.0.0.1", "ports": {"22/tcp": [{"HostPort": 2222}]}});
+        assert_eq!(ssh_endpoint(&numeric), Some(("127.0.0.1".into(), 2222)));
+        assert_eq!(ssh_endpoint(&json!({"ports": {}, "ssh_port": "x"})), None);
+        assert_eq!(ssh_endpoint(&json!({"ssh_host": "h", "ssh_port": 0})), None);
+    }
+
+    #[test]
+    fn statuses_map_to_pending_running_failed_or_destroyed() {
+        let running = instance(
+            json!({"id": 5, "actual_status": "running", "public_ipaddr": "127.0.0.1", "ports": {"22/tcp": [{"HostPort": "2201"}]}}),
+        );
+        assert_eq!(health(&running), Health::Running("127.0.0.1".into(), 2201));
+        let no_port = instance(json!({"id": 5, "actual_status": "running", "ports": null}));
+        assert!(matches!(health(&no_port), Health::Pending(_)));
+        assert!(matches!(
+            health(&instance(json!({"id": 5, "actual_status": null}))),
+            Health::Pending(_)
+        ));
+        assert!(matches!(
+            health(&instance(json!({"id": 5}))),
+            Health::Pending(_)
+        ));
+        assert!(matches!(
+            health(&instance(json!({"id": 5, "actual_status": "loading"}))),
+            Health::Pending(_)
+        ));
+        assert!(matches!(
+            health(&instance(json!({"id": 5, "actual_status": "created"}))),
+            Health::Pending(_)
+        ));
+        let oci = instance(
+            json!({"id": 5, "machine_id": 9, "actual_status": "created", "status_msg": "Error response from daemon: OCI runtime create failed: runc create failed"}),
+        );
+        assert!(
+            matches!(health(&oci), Health::Failed(m) if m.contains("failed boot") && m.contains("machine 9") && m.contains("OCI"))
+        );
+        for dead in ["exited", "offline", "unknown"] {
+            let i = instance(json!({"id": 5, "actual_status": dead}));
+            assert!(
+                matches!(health(&i), Health::Failed(m) if m.contains(dead)),
+                "{dead}"
+            );
+        }
+        let stopped =
+            instance(json!({"id": 5, "actual_status": "running", "intended_status": "stopped"}));
+        assert!(matches!(health(&stopped), Health::Failed(_)));
+        assert_eq!(
+            health(&instance(json!({"id": 5, "actual_status": "destroyed"}))),
+            Health::Destroyed
+        );
+    }
+
+    #[test]
+    fn listings_and_shows_are_read_from_v0_and_v1_shapes() {
+        let v1 = json!({"instances": [{"id": 1, "label": "swactor:r:g-0:1", "dph_total": 0.3}, {"no": "id"}], "next_token": "abc", "total_instances": 30});
+        let (list, next) = parse_instance_page(&v1).unwrap();
+        assert_eq!(list.len(), 1);
+        assert_eq!(list[0].label.as_deref(), Some("swactor:r:g-0:1"));
+        assert_eq!(list[0].dph_total, Some(0.3));
+        assert_eq!(next.as_deref(), Some("abc"));
+        let last = json!({"instances": [], "next_token": null});
+        assert_eq!(parse_instance_page(&last).unwrap(), (vec![], None));
+        assert_eq!(
+            parse_instance_page(&json!({"instances": null})).unwrap(),
+            (vec![], None)
+        );
+        assert!(parse_instance_page(&json!({"detail": "x"})).is_err());
+
+        assert_eq!(parse_shown(&json!({"instances": null})), Ok(None));
+        assert_eq!(
+            parse_shown(&json!({"instances": {"id": 4}}))
+                .unwrap()
+                .unwrap()
+                .id,
+            4
+        );
+        assert!(parse_shown(&json!({"oops": 1})).is_err());
+        assert!(parse_shown(&json!({"instances": {"no": "id"}})).is_err());
+    }
+
+    #[test]
+    fn the_spend_cap_counts_every_live_instance_and_the_offer() {
+        assert!((check_spend(1.0, &[0.3, 0.3], 0.4).unwrap() - 1.0).abs() < 1e-9);
+        let refusal = check_spend(1.0, &[0.3, 0.3, 0.3], 0.4).unwrap_err();
+        assert!(refusal.contains("1.000 $/h"), "{refusal}");
+        assert!(
+            refusal.contains("3 live instance(s) cost 0.900 $/h"),
+            "{refusal}"
+        );
+        assert!(refusal.contains("0.400 $/h"), "{refusal}");
+        assert!(refusal.contains("1.300 $/h in all"), "{refusal}");
+        assert!(check_spend(0.2, &[], 0.4).is_err());
+        assert!(check_spend(0.4, &[], 0.4).is_ok());
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_cap_and_never_overflows() {
+        let b = |n| backoff(n, Duration::from_millis(500), Duration::from_secs(30));
+        assert_eq!(b(0), Duration::from_millis(500));
+        assert_eq!(b(1), Duration::from_millis(500));
+        assert_eq!(b(2), Duration::from_secs(1));
+        assert_eq!(b(3), Duration::from_secs(2));
+        assert_eq!(b(7), Duration::from_secs(30));
+        assert_eq!(b(u32::MAX), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn the_secret_is_redacted_everywhere_it_appears() {
+        let key = "0123456789abcdef";
+        let text = format!("GET https://h/api?api_key={key} failed; key {key}");
+        let out = redact(&text, key);
+        assert!(!out.contains(key));
+        assert_eq!(out.matches("[redacted]").count(), 2);
+        assert_eq!(redact("x", ""), "x");
+    }
+
+    #[test]
+    fn error_messages_come_from_msg_detail_or_the_text_cut_short() {
+        assert_eq!(
+            message_of_text(r#"{"detail":"API requests too frequent"}"#),
+            "API requests too frequent"
+        );
+        assert_eq!(message_of_text("plain words"), "plain words");
+        let long = "x".repeat(1000);
+        assert!(message_of_text(&long).chars().count() <= MESSAGE_LEN_MAX + 1);
+    }
+}
