@@ -556,6 +556,16 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
             .iter()
             .all(|r| !r.offer.is_empty() && r.machine.starts_with("70"))
     );
+    // Each node names its instance and price.
+    for n in &snap.nodes {
+        let r = snap.rentals.iter().find(|r| r.node == n.node).unwrap();
+        let shown = format!(
+            "instance {} · ${:.3}/h",
+            r.instance,
+            r.usd_per_hour_micros as f64 / 1e6
+        );
+        assert_eq!(n.resource.as_deref(), Some(shown.as_str()), "{n:?}");
+    }
     let o = cli(&w.state(), &["status"]);
     let text = stdout(&o);
     assert!(

@@ -1380,6 +1380,13 @@ impl Provider for VastProvider {
         self.shared.config.listing_lag
     }
 
+    fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
+        let id: u64 = lease.0.strip_prefix("vast:")?.parse().ok()?;
+        let shown = lock(&self.shared.shown);
+        let info = shown.values().find(|i| i.instance == id)?;
+        Some(format!("instance {id} · ${:.3}/h", info.dph))
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         lease.0.starts_with("vast:")
     }
