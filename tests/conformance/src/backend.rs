@@ -696,9 +696,7 @@ impl FakeBackend {
         let failed = |e: ProviderError| OperationOutcome::Failed {
             class: match e {
                 ProviderError::NoSuchLease(_) => FailureClass::LeaseGone,
-                ProviderError::Refused(_) | ProviderError::UnknownKind(_) => {
-                    FailureClass::Definite
-                }
+                ProviderError::Refused(_) | ProviderError::UnknownKind(_) => FailureClass::Definite,
             },
             reason: e.to_string(),
         };

@@ -431,7 +431,11 @@ fn a_kept_cluster_resumed_with_a_changed_template_replaces_every_node_once() {
 /// an orphan for the sweep.
 #[test]
 fn creates_cut_short_by_a_crash_and_no_longer_wanted_are_not_made_to_be_destroyed() {
-    for (groups, nodes) in [([(2, 1), (0, 0)], 2), ([(1, 0), (0, 0)], 1), ([(0, 0), (1, 0)], 1)] {
+    for (groups, nodes) in [
+        ([(2, 1), (0, 0)], 2),
+        ([(1, 0), (0, 0)], 1),
+        ([(0, 0), (1, 0)], 1),
+    ] {
         let mut world = empty_world(|_| {});
         scale(&mut world, 3);
         // The creates are recorded and dispatched, none is done yet.
