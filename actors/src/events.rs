@@ -3,8 +3,8 @@
 use serde::{Deserialize, Serialize};
 use swactor_provisioning::{
     AttemptRecord, BootstrapStage, ClusterState, DriverStats, EffectKind, Generation, Intent,
-    LadderRow, Link, LogicalNodeId, NodeAttemptId, NodeStage, OperationId, Plan, ResourceKey,
-    ShapeDiff, ShutdownMode, Timestamp,
+    LadderRow, LeaseId, Link, LogicalNodeId, NodeAttemptId, NodeStage, OperationId, Plan,
+    ResourceKey, ShapeDiff, ShutdownMode, Timestamp,
 };
 
 /// Whether a node's agent is connected to this daemon.
@@ -44,6 +44,14 @@ pub struct NodeSummary {
     pub next_retry_at: Option<Timestamp>,
     /// Its agent's connection to this daemon.
     pub agent: AgentLink,
+    /// The provider's resource the current attempt holds, if any.
+    #[serde(default)]
+    pub lease: Option<LeaseId>,
+    /// What the provider says of that resource (a container id, a host, an
+    /// offer and its price). The cluster leaves it empty; a host that asks
+    /// the provider fills it in for people.
+    #[serde(default)]
+    pub resource: Option<String>,
 }
 
 impl NodeSummary {
@@ -69,6 +77,8 @@ impl NodeSummary {
             last_error: n.record.last_error.clone(),
             next_retry_at: n.retry.next_effect_at.or(n.record.restart_at),
             agent,
+            lease: n.record.lease.clone(),
+            resource: None,
         })
     }
 }

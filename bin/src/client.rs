@@ -525,19 +525,28 @@ fn status_headline(s: &ClusterSnapshot) -> String {
 }
 
 /// The status table: one row per node, its state in the common vocabulary.
+///
+/// A `RESOURCE` column (what the provider says of each node's lease: a
+/// container id, say) is shown when any node has something there.
 fn status_table(s: &ClusterSnapshot) -> Table {
-    let mut table = Table::new(&["NODE", "ATTEMPT", "STATE", "FAILS", "RETRY", "LAST ERROR"]);
+    let resources = s.nodes.iter().any(|n| n.resource.is_some());
+    let mut headers = vec!["NODE", "ATTEMPT", "STATE"];
+    if resources {
+        headers.push("RESOURCE");
+    }
+    headers.extend(["FAILS", "RETRY", "LAST ERROR"]);
+    let mut table = Table::new(&headers);
     for n in &s.nodes {
-        table.row(
-            vec![
-                n.node.to_string(),
-                n.attempt.to_string(),
-                state_cell(n, s.now),
-                n.failures.to_string(),
-                retry_cell(n, s.now),
-            ],
-            n.last_error.clone().unwrap_or_default(),
-        );
+        let mut cells = vec![
+            n.node.to_string(),
+            n.attempt.to_string(),
+            state_cell(n, s.now),
+        ];
+        if resources {
+            cells.push(n.resource.clone().unwrap_or_else(|| "-".to_owned()));
+        }
+        cells.extend([n.failures.to_string(), retry_cell(n, s.now)]);
+        table.row(cells, n.last_error.clone().unwrap_or_default());
     }
     table
 }

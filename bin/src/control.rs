@@ -4,6 +4,7 @@ use crate::guard::CHANGES_SHOWN;
 use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
 use crate::shapefile::{ShapeFile, shape_error};
 use crate::words::{cut, cut_long_words};
+use std::sync::Arc;
 use std::time::Duration;
 use swactor_actors::{
     AgentLink, ApplyError, ClusterError, ClusterHandle, DriverView, NodeSummary, ShutdownReport,
@@ -11,6 +12,7 @@ use swactor_actors::{
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{HANDSHAKE_DEADLINE, accept_first_frame, send_frame};
+use swactor_providers::{Provider, Providers};
 use swactor_provisioning::{
     Change, ClusterShape, DesiredState, DesiredUpdate, Intent, LogicalNodeId, NodeStage, RunId,
     UpdateError, same_template,
@@ -145,6 +147,8 @@ pub(crate) struct ControlHandler {
     /// refused): until then a CLI `apply` or `plan` waits, so it is judged
     /// against that shape and can never be overtaken by it.
     pub(crate) started: watch::Receiver<bool>,
+    /// Asked what each node's resource is, for statuses.
+    pub(crate) provider: Arc<Providers>,
     /// The vast provider, whose rentals a status lists.
     pub(crate) vast: Option<swactor_providers::vast::VastProvider>,
 }
@@ -171,6 +175,12 @@ impl ControlHandler {
                 .snapshot()
                 .await
                 .map(|mut snap| {
+                    for n in &mut snap.nodes {
+                        n.resource = n
+                            .lease
+                            .as_ref()
+                            .and_then(|l| self.provider.describe_lease(l));
+                    }
                     snap.rentals = self.rentals(&snap);
                     ControlResponse::Status(snap)
                 })
@@ -269,7 +279,17 @@ impl ControlHandler {
     async fn describe(&self, node: &str) -> Result<ControlResponse, String> {
         let id = LogicalNodeId::parse(node).ok_or_else(|| not_a_node_id(node))?;
         match self.cluster.describe(id).await.map_err(|e| refusal(&e))? {
-            Some(d) => Ok(ControlResponse::Described(d)),
+            Some(mut d) => {
+                // The lease, with what the provider says of it.
+                if let Some(l) = d.lease.take() {
+                    let lease = swactor_provisioning::LeaseId(l);
+                    d.lease = Some(match self.provider.describe_lease(&lease) {
+                        Some(what) => format!("{} ({what})", lease.0),
+                        None => lease.0,
+                    });
+                }
+                Ok(ControlResponse::Described(d))
+            }
             None => Err(format!(
                 "run {} has no node {}: it never had one, or it was removed long ago \
                  (`swactor status` lists the nodes)",

@@ -25,6 +25,7 @@ use swactor_engine::net::{
 use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
 use swactor_providers::Provider;
 use swactor_providers::Providers;
+use swactor_providers::docker::{DockerConfig, DockerOnDemand};
 use swactor_providers::process::{ProcessConfig, ProcessProvider};
 use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
 use swactor_providers::vast::{ApiKey, Pacing, VastConfig, VastProvider};
@@ -132,7 +133,15 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         resume.as_ref(),
         file.as_ref(),
     )?;
-    let mut providers: Vec<Arc<dyn Provider>> = vec![Arc::new(process), Arc::new(ssh.clone())];
+    let docker = docker_provider(
+        &agent_binary,
+        &agent_ticket,
+        secret,
+        resume.as_ref(),
+        file.as_ref(),
+    )?;
+    let mut providers: Vec<Arc<dyn Provider>> =
+        vec![Arc::new(process), Arc::new(ssh.clone()), Arc::new(docker)];
     let vast = vast_provider(
         vast_key,
         &state,
@@ -154,7 +163,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         }
     }
     let vast = vast.map(|(v, _)| v);
-    let provider = Providers::new(providers);
+    let provider = Arc::new(Providers::new(providers));
 
     let empty = ClusterSnapshot {
         run_id: run_id.to_string(),
@@ -194,7 +203,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let (exit_tx, mut exit_rx) = oneshot::channel();
     let args = SupervisorArgs {
         config,
-        provider: Arc::new(provider),
+        provider: provider.clone(),
         publisher: Some(Arc::new(publisher)),
         journal: Arc::new(journal),
         restarts: CLUSTER_RESTARTS,
@@ -228,6 +237,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
                 run_id: run_id.clone(),
                 down: down_tx,
                 started: started_rx,
+                provider: provider.clone(),
                 vast,
             },
         )
@@ -628,6 +638,47 @@ fn ssh_provider(
         eprintln!("swactor: warning: {warning}");
     }
     Ok(ssh)
+}
+
+/// The kinds of the groups of the journal's and the file's shapes.
+fn kinds_in_use(resume: Option<&JournalImage>, file: Option<&ShapeFile>) -> Result<Vec<String>> {
+    let shapes = resume
+        .and_then(|j| j.meta.shape.clone())
+        .into_iter()
+        .chain(file.map(|f| f.to_shape(1)).transpose()?);
+    Ok(shapes
+        .flat_map(|s| s.groups.into_iter().map(|g| g.provider.kind))
+        .collect())
+}
+
+/// The `docker` provider. It reaches the engine only once a `docker` group
+/// needs it, so a daemon on a machine without Docker runs other groups.
+fn docker_provider(
+    binary: &AgentBinary,
+    agent_ticket: &EndpointTicket,
+    secret: [u8; 32],
+    resume: Option<&JournalImage>,
+    file: Option<&ShapeFile>,
+) -> Result<DockerOnDemand> {
+    let config = DockerConfig {
+        daemon_ticket: agent_ticket.to_string(),
+        token_secret: secret,
+        ..DockerConfig::new(binary.path.clone())
+    };
+    let docker = DockerOnDemand::new(config).context("cannot set up the docker provider")?;
+    if kinds_in_use(resume, file)?.iter().any(|k| k == "docker") {
+        docker.mark_in_use();
+        if !binary.static_linked {
+            eprintln!(
+                "swactor: warning: the agent binary {} ({}) is dynamically linked, and a \
+                 container runs only a static one: docker nodes will fail until one is given. \
+                 Build it with scripts/build-static-agent.sh, or name one with --agent-binary",
+                binary.path.display(),
+                binary.found
+            );
+        }
+    }
+    Ok(docker)
 }
 
 /// Whether a shape rents Vast.ai machines: the group that does, if any.

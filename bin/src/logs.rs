@@ -14,6 +14,11 @@ use swactor_provisioning::{LogicalNodeId, RunId};
 
 use crate::words::cut;
 
+/// Where the logs of nodes on other machines are.
+const ELSEWHERE: &str = "Logs are kept here only for `process` nodes; a `docker` node's agent \
+     logs to its container (`docker logs swactor_RUN_NODE_aN`, its name in `swactor describe`), \
+     an `ssh` node's to `~/.swactor/nodes/RUN/NODE-aN/agent.log` on its host";
+
 /// How often `--follow` looks for more output.
 const FOLLOW_POLL: Duration = Duration::from_millis(200);
 
@@ -56,7 +61,9 @@ pub(crate) async fn logs(state_dir: &Path, opts: &LogsOptions) -> Result<i32> {
                 "no log of {node} attempt a{a} in run {run}; there are: {} (the last {LOG_ATTEMPTS_KEPT} attempts of a slot are kept)",
                 kept.join(", ")
             ),
-            _ => bail!("no log of {node} in run {run}: it never had an agent here"),
+            _ => {
+                bail!("no log of {node} in run {run}: it never had a local agent here. {ELSEWHERE}")
+            }
         }
     };
     let what = if log.live {
@@ -144,7 +151,7 @@ fn only_run(state_dir: &Path) -> Result<RunId> {
     match (runs.next(), runs.next()) {
         (Some(run), None) => Ok(RunId::new(run)),
         (None, _) => bail!(
-            "{} holds no agent logs yet (no node was ever started there)",
+            "{} holds no agent logs: no `process` node was ever started there. {ELSEWHERE}",
             state_dir.display()
         ),
         (Some(a), Some(b)) => bail!(

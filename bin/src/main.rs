@@ -176,9 +176,10 @@ the stream breaks off (the daemon died, the connection was lost).")]
         after_help = "Example:\n  swactor ssh-key | ssh root@10.0.0.5 'cat >> ~/.ssh/authorized_keys'"
     )]
     SshKey,
-    /// Show a node's agent log: its latest attempt's, or `--attempt N`'s.
-    /// The ends of the last three attempts' logs are kept after their
-    /// machines are gone.
+    /// Show a `process` node's agent log: its latest attempt's, or
+    /// `--attempt N`'s. The ends of the last three attempts' logs are kept
+    /// after their machines are gone. (Nodes on other providers log where
+    /// they run: `docker logs`, or a file on the SSH host.)
     #[command(after_help = "Example:\n  swactor logs worker-0 --follow")]
     Logs {
         /// The node, e.g. `worker-0`.

@@ -228,6 +228,11 @@ mod tests {
                 agent: AgentLink::Away {
                     grace_until: Timestamp::from_millis(123_456_789),
                 },
+                lease: Some(swactor_provisioning::LeaseId(format!(
+                    "docker:swactor_big_worker-{i}_a{}",
+                    u64::from(i) + 1_000_000
+                ))),
+                resource: Some("container 0123456789ab".to_owned()),
             })
             .collect();
         let snap = ClusterSnapshot {

@@ -15,7 +15,7 @@ use crate::words::cut;
 pub(crate) const PLACED_ON_HOSTS: &[&str] = &["ssh"];
 
 /// Provider kinds this daemon can drive.
-pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process", "ssh", "vast"];
+pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process", "ssh", "docker", "vast"];
 
 /// A shape as written in a file: the generation is optional (the daemon
 /// assigns the next one on apply, as a Kubernetes API server does).
@@ -276,26 +276,27 @@ impl ShapeFile {
         // name the same.
         let mut spend_cap: Option<(f64, String)> = None;
         for g in &desired.groups {
-            if g.template.provider.kind == "ssh" {
-                swactor_providers::ssh::check_template(&g.template).map_err(|e| {
-                    anyhow::anyhow!("group {}: {e}; nothing was changed", cut(g.id.as_str()))
-                })?;
-            }
-            if g.template.provider.kind == "vast" {
-                swactor_providers::vast::check_template(&g.template).map_err(|e| {
-                    anyhow::anyhow!("group {}: {e}; nothing was changed", cut(g.id.as_str()))
-                })?;
-                if let Some(cap) = swactor_providers::vast::spend_cap_of(&g.template) {
-                    match &spend_cap {
-                        Some((first, by)) if (first - cap).abs() > 1e-9 => bail!(
-                            "group {} sets spend_cap_dph = {cap} but group {by} sets {first}: the cap \
-                             covers the whole run, so every vast group that sets it must set the \
-                             same value; nothing was changed",
-                            cut(g.id.as_str())
-                        ),
-                        Some(_) => {}
-                        None => spend_cap = Some((cap, cut(g.id.as_str()).to_string())),
-                    }
+            let checked = match g.template.provider.kind.as_str() {
+                "ssh" => swactor_providers::ssh::check_template(&g.template),
+                "docker" => swactor_providers::docker::check_template(&g.template),
+                "vast" => swactor_providers::vast::check_template(&g.template),
+                _ => Ok(()),
+            };
+            checked.map_err(|e| {
+                anyhow::anyhow!("group {}: {e}; nothing was changed", cut(g.id.as_str()))
+            })?;
+            if g.template.provider.kind == "vast"
+                && let Some(cap) = swactor_providers::vast::spend_cap_of(&g.template)
+            {
+                match &spend_cap {
+                    Some((first, by)) if (first - cap).abs() > 1e-9 => bail!(
+                        "group {} sets spend_cap_dph = {cap} but group {by} sets {first}: the cap \
+                         covers the whole run, so every vast group that sets it must set the \
+                         same value; nothing was changed",
+                        cut(g.id.as_str())
+                    ),
+                    Some(_) => {}
+                    None => spend_cap = Some((cap, cut(g.id.as_str()).to_string())),
                 }
             }
         }

@@ -290,6 +290,8 @@ mod tests {
             last_error: None,
             next_retry_at: None,
             agent: AgentLink::NotJoined,
+            lease: None,
+            resource: None,
         }
     }
 

@@ -1,14 +1,16 @@
 //! The conformance battery at the process level: seeded fault scripts made of
 //! real signals and real errors, against the real daemon and real agents,
-//! over two providers: local processes, and SSH hosts (real OpenSSH servers
-//! on 127.0.0.1, each with a home of its own).
+//! over three providers: local processes, SSH hosts (real OpenSSH servers
+//! on 127.0.0.1, each with a home of its own), and containers on the real
+//! Docker engine (faults made with the docker CLI: kill, rm -f, pause).
 //!
-//! While a script runs, a watcher scans `/proc` every 20 ms and records any
-//! moment at which two live agent processes serve the same (node, attempt):
-//! that would be a double create. After the script the faults stop, the
-//! final shape must converge with exactly one live agent per node (its
-//! current attempt), and `down` must leave no agent process, no node
-//! directory and (over SSH) no claim on any host.
+//! While a script runs, a watcher records any moment at which two live
+//! agents serve the same (node, attempt) (it scans `/proc` every 20 ms), or,
+//! for containers, a slot has two containers at all (it lists them by label
+//! every 20 ms): that would be a double create. After the script the faults
+//! stop, the final shape must converge with exactly one live agent per node
+//! (its current attempt), and `down` must leave no agent process, no node
+//! directory, (over SSH) no claim on any host, and no container of the run.
 //!
 //! `SWACTOR_PROCESS_SEEDS` sets how many seeds run per provider (default
 //! 16); `SWACTOR_PROCESS_SEED` replays one seed alone.
@@ -44,6 +46,16 @@ enum Backend {
     Process,
     /// A pool of SSH hosts (one more than the most nodes a script asks for).
     Ssh { hosts: Vec<Sshd>, agent: PathBuf },
+    /// Containers of the run on the Docker engine.
+    Docker { run: String },
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        if let Self::Docker { run } = self {
+            docker::remove_run(run);
+        }
+    }
 }
 
 impl Backend {
@@ -68,6 +80,7 @@ impl Backend {
         match self {
             Self::Process => "process",
             Self::Ssh { .. } => "ssh",
+            Self::Docker { .. } => "docker",
         }
     }
 
@@ -90,6 +103,16 @@ impl Backend {
                     hosts.join(", ")
                 )
             }
+            // The agent image holds nothing but the agent: `false` cannot start.
+            Self::Docker { .. } => {
+                let body = docker::docker_shape(run, count, "")
+                    .replace("lost_grace_s = 1.0", "lost_grace_s = 0.5");
+                if boot_ok {
+                    body
+                } else {
+                    body.replace("boot_check = []", "boot_check = [\"false\"]")
+                }
+            }
         }
     }
 
@@ -101,26 +124,125 @@ impl Backend {
                 Daemon::spawn_with(state, Some(shape), &["--agent-binary", agent])
                     .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log))
             }
+            Self::Docker { .. } => {
+                let agent = docker::agent_binary();
+                Daemon::spawn_with(
+                    state,
+                    Some(shape),
+                    &["--agent-binary", agent.to_str().unwrap()],
+                )
+                .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log))
+            }
         }
     }
 
-    /// Live agents: (node, attempt) → pids.
-    fn agents(&self, state: &Path) -> BTreeMap<(String, u64), Vec<u32>> {
+    /// Live agents: (node, attempt) → pids (container names for docker).
+    fn agents(&self, state: &Path) -> BTreeMap<(String, u64), Vec<String>> {
+        let pids = |m: BTreeMap<(String, u64), Vec<u32>>| {
+            m.into_iter()
+                .map(|(k, v)| (k, v.iter().map(u32::to_string).collect()))
+                .collect()
+        };
         match self {
-            Self::Process => agents(state),
+            Self::Process => pids(agents(state)),
             Self::Ssh { hosts, .. } => {
                 let homes: Vec<PathBuf> = hosts
                     .iter()
                     .filter_map(|h| h.home().canonicalize().ok())
                     .collect();
-                remote_agents(&homes)
+                pids(remote_agents(&homes))
+            }
+            Self::Docker { run } => live_containers(run),
+        }
+    }
+
+    /// What the watcher looks at: any moment two agents serve one (node,
+    /// attempt), or (docker) a slot has two containers.
+    fn doubles(&self, state: &Path) -> Box<dyn FnMut() -> Vec<String> + Send> {
+        match self {
+            Self::Process => {
+                let state = state.to_path_buf();
+                Box::new(move || doubled(agents(&state)))
+            }
+            Self::Ssh { hosts, .. } => {
+                let homes: Vec<PathBuf> = hosts
+                    .iter()
+                    .filter_map(|h| h.home().canonicalize().ok())
+                    .collect();
+                Box::new(move || doubled(remote_agents(&homes)))
+            }
+            Self::Docker { run } => {
+                let run = run.clone();
+                Box::new(move || {
+                    docker::by_slot(&run)
+                        .into_iter()
+                        .filter(|(_, cs)| cs.len() > 1)
+                        .map(|(slot, cs)| {
+                            let what: Vec<String> = cs
+                                .iter()
+                                .map(|c| format!("{} ({})", c.name, c.state))
+                                .collect();
+                            format!("slot {slot}: {}", what.join(", "))
+                        })
+                        .collect()
+                })
             }
         }
+    }
+
+    /// Kills, stops or removes one random agent: `how` 0 is the hardest
+    /// (kill -9; docker kill), 1 the polite one (SIGTERM; docker rm -f of
+    /// a running container), 2 a freeze past the grace (SIGSTOP; docker pause).
+    fn hit(&self, state: &Path, rng: &mut Rng, how: u64) -> Option<String> {
+        let all: Vec<String> = self.agents(state).into_values().flatten().collect();
+        if all.is_empty() {
+            return None;
+        }
+        let who = all[rng.below(all.len() as u64) as usize].clone();
+        let quiet = |args: &[&str]| {
+            let _ = docker::docker(args);
+        };
+        Some(match (self, how) {
+            (Self::Docker { .. }, 0) => {
+                quiet(&["kill", &who]);
+                format!("docker kill {who}")
+            }
+            (Self::Docker { .. }, 1) => {
+                quiet(&["rm", "-f", &who]);
+                format!("docker rm -f {who}")
+            }
+            (Self::Docker { .. }, _) => {
+                quiet(&["pause", &who]);
+                std::thread::sleep(Duration::from_millis(1_500));
+                quiet(&["unpause", &who]);
+                format!("docker pause {who} for 1.5 s")
+            }
+            (_, 0) => {
+                signal("-9", &who);
+                format!("kill -9 agent {who}")
+            }
+            (_, 1) => {
+                signal("-TERM", &who);
+                format!("SIGTERM agent {who}")
+            }
+            // Stopped past its grace period: the daemon replaces it while
+            // the old process still exists; it must be killed, not doubled.
+            (_, _) => {
+                signal("-STOP", &who);
+                std::thread::sleep(Duration::from_millis(1_500));
+                signal("-CONT", &who);
+                format!("SIGSTOP agent {who} for 1.5 s")
+            }
+        })
     }
 
     /// What is left after `down`: node directories, and claims on hosts.
     fn leftovers(&self, state: &Path) -> Vec<String> {
         match self {
+            Self::Docker { run } => docker::containers(run)
+                .into_iter()
+                .map(|c| format!("container {} ({})", c.name, c.state))
+                .collect(),
             Self::Process => node_dirs(state)
                 .into_iter()
                 .map(|d| d.display().to_string())
@@ -194,27 +316,46 @@ fn outcome(o: &std::process::Output) -> String {
     format!("exit {:?}: {}", o.status.code(), last.trim())
 }
 
-fn signal(sig: &str, pid: u32) {
-    let _ = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status();
+fn signal(sig: &str, pid: &str) {
+    let _ = std::process::Command::new("kill").args([sig, pid]).status();
 }
 
-fn random_agent(backend: &Backend, state: &Path, rng: &mut Rng) -> Option<u32> {
-    let all: Vec<u32> = backend.agents(state).into_values().flatten().collect();
-    (!all.is_empty()).then(|| all[rng.below(all.len() as u64) as usize])
+/// The (node, attempt)s served by more than one agent.
+fn doubled(live: BTreeMap<(String, u64), Vec<u32>>) -> Vec<String> {
+    live.into_iter()
+        .filter(|(_, pids)| pids.len() > 1)
+        .map(|((node, attempt), pids)| format!("{node} a{attempt}: pids {pids:?}"))
+        .collect()
 }
 
-fn run_seed(seed: u64, ssh: bool) -> Result<String, String> {
+/// Running (or paused) containers of `run`: (node, attempt) → names.
+fn live_containers(run: &str) -> BTreeMap<(String, u64), Vec<String>> {
+    let mut out: BTreeMap<(String, u64), Vec<String>> = BTreeMap::new();
+    for c in docker::containers(run) {
+        if c.state == "running" || c.state == "paused" {
+            out.entry((c.node, c.attempt)).or_default().push(c.name);
+        }
+    }
+    out
+}
+
+fn run_seed(seed: u64, kind: &str) -> Result<String, String> {
     let mut rng = Rng(seed);
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
-    let mut backend = if ssh {
-        Backend::ssh(tmp.path(), &state)
-    } else {
-        Backend::Process
+    // Containers outlive a test process: a run of its own per process.
+    let run = match kind {
+        "docker" => format!("battery-{seed}-{}", std::process::id()),
+        _ => format!("battery-{seed}"),
     };
-    let run = format!("battery-{seed}");
+    let mut backend = match kind {
+        "ssh" => Backend::ssh(tmp.path(), &state),
+        "docker" => {
+            docker::remove_run(&run);
+            Backend::Docker { run: run.clone() }
+        }
+        _ => Backend::Process,
+    };
     let mut generation_files = 0;
     let mut write = |body: String| {
         generation_files += 1;
@@ -225,30 +366,14 @@ fn run_seed(seed: u64, ssh: bool) -> Result<String, String> {
 
     let stop = Arc::new(AtomicBool::new(false));
     let doubles: Arc<Mutex<Vec<String>>> = Arc::default();
-    let homes: Option<Vec<PathBuf>> = match &backend {
-        Backend::Process => None,
-        Backend::Ssh { hosts, .. } => Some(
-            hosts
-                .iter()
-                .filter_map(|h| h.home().canonicalize().ok())
-                .collect(),
-        ),
-    };
     let watcher = {
-        let (stop, doubles, state) = (stop.clone(), doubles.clone(), state.clone());
+        let (stop, doubles) = (stop.clone(), doubles.clone());
+        let mut look = backend.doubles(&state);
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let live = match &homes {
-                    None => agents(&state),
-                    Some(homes) => remote_agents(homes),
-                };
-                for ((node, attempt), pids) in live {
-                    if pids.len() > 1 {
-                        doubles
-                            .lock()
-                            .unwrap()
-                            .push(format!("{node} a{attempt}: pids {pids:?}"));
-                    }
+                let found = look();
+                if !found.is_empty() {
+                    doubles.lock().unwrap().extend(found);
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -260,26 +385,9 @@ fn run_seed(seed: u64, ssh: bool) -> Result<String, String> {
     let mut final_count = 2;
     for _ in 0..steps {
         match rng.below(8) {
-            0 => {
-                if let Some(pid) = random_agent(&backend, &state, &mut rng) {
-                    log.push(format!("kill -9 agent {pid}"));
-                    signal("-9", pid);
-                }
-            }
-            1 => {
-                if let Some(pid) = random_agent(&backend, &state, &mut rng) {
-                    log.push(format!("SIGTERM agent {pid}"));
-                    signal("-TERM", pid);
-                }
-            }
-            2 => {
-                // Stopped past its grace period: the daemon replaces it while
-                // the old process still exists; it must be killed, not doubled.
-                if let Some(pid) = random_agent(&backend, &state, &mut rng) {
-                    log.push(format!("SIGSTOP agent {pid} for 1.5 s"));
-                    signal("-STOP", pid);
-                    std::thread::sleep(Duration::from_millis(1_500));
-                    signal("-CONT", pid);
+            how @ 0..=2 => {
+                if let Some(what) = backend.hit(&state, &mut rng, how) {
+                    log.push(what);
                 }
             }
             3 => {
@@ -299,6 +407,16 @@ fn run_seed(seed: u64, ssh: bool) -> Result<String, String> {
                 std::thread::sleep(Duration::from_millis(200));
                 let f = write(backend.shape(&run, final_count, true));
                 daemon = backend.start(&state, &f);
+            }
+            6 if matches!(backend, Backend::Docker { .. }) => {
+                // Drift: every container's environment changes.
+                let body = backend.shape(&run, final_count, true).replace(
+                    "boot_check = []",
+                    &format!("boot_check = []\nenv = {{ STEP = \"{}\" }}", log.len()),
+                );
+                let f = write(body);
+                let o = cli(&state, &["apply", f.to_str().unwrap(), "--yes"]);
+                log.push(format!("drift the environment ({})", outcome(&o)));
             }
             6 => {
                 if let Some(what) = backend.blip(&mut rng) {
@@ -382,15 +500,22 @@ fn run_seed(seed: u64, ssh: bool) -> Result<String, String> {
 
 #[test]
 fn seeded_real_faults_never_double_an_agent_and_down_leaves_nothing() {
-    battery(false);
+    battery("process");
 }
 
 #[test]
 fn seeded_real_faults_over_ssh_hosts_never_double_an_agent_and_down_leaves_nothing() {
-    battery(true);
+    battery("ssh");
 }
 
-fn battery(ssh: bool) {
+#[test]
+fn seeded_real_faults_on_docker_never_double_a_container_and_down_leaves_nothing() {
+    if docker::engine_up() {
+        battery("docker");
+    }
+}
+
+fn battery(kind: &'static str) {
     let seeds: Vec<u64> = match std::env::var("SWACTOR_PROCESS_SEED") {
         Ok(s) => vec![s.parse().expect("SWACTOR_PROCESS_SEED is a number")],
         Err(_) => {
@@ -407,7 +532,7 @@ fn battery(ssh: bool) {
         std::thread::scope(|s| {
             for &seed in chunk {
                 let failures = &failures;
-                s.spawn(move || match run_seed(seed, ssh) {
+                s.spawn(move || match run_seed(seed, kind) {
                     Ok(summary) => eprintln!("{summary}"),
                     Err(e) => {
                         eprintln!("seed {seed} FAILED (details at the end)");

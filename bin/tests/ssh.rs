@@ -234,6 +234,12 @@ fn a_pool_of_three_hosts_converges_with_the_real_agent_and_down_purge_leaves_not
         std::fs::metadata(&agent).unwrap().len() >> 20
     );
     one_agent_per_node(&pool, &snap);
+    // `status` names each node's host.
+    for n in &snap.nodes {
+        let host = pool.host_of(&n.node.to_string(), n.attempt.0).unwrap();
+        let shown = format!("host {}", pool.hosts[host].target());
+        assert_eq!(n.resource.as_deref(), Some(shown.as_str()), "{n:?}");
+    }
     for i in 0..3 {
         assert!(pool.claim(i).is_some(), "host {i} holds a node");
         let bins: Vec<_> = std::fs::read_dir(pool.home(i).join(".swactor/bin"))

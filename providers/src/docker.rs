@@ -64,8 +64,11 @@
 #![cfg(all(target_os = "linux", feature = "docker"))]
 
 mod follow;
+mod on_demand;
 mod options;
 mod tar;
+
+pub use on_demand::DockerOnDemand;
 
 pub use options::{CPUS_MAX, MEMORY_MB_MAX, MEMORY_MB_MIN, MOUNTS_MAX, check_template};
 
@@ -266,6 +269,8 @@ struct Shared {
     next_stream: AtomicU64,
     /// Serialises the calls for one container.
     key_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The engine's id of each container seen, by name, for statuses.
+    ids: Mutex<HashMap<String, String>>,
 }
 
 /// The Docker provider. Cheap to clone; clones share state.
@@ -326,6 +331,7 @@ impl DockerProvider {
                 sessions: Mutex::new(HashMap::new()),
                 next_stream: AtomicU64::new(0),
                 key_locks: Mutex::new(HashMap::new()),
+                ids: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -512,7 +518,12 @@ impl DockerProvider {
             Ok(c) => {
                 let labels = c.config.as_ref().and_then(|c| c.labels.as_ref());
                 match labels.map(key_of_labels) {
-                    Some(Some(found)) if found == *key => Ok(Some(c)),
+                    Some(Some(found)) if found == *key => {
+                        if let Some(id) = &c.id {
+                            lock(&self.shared.ids).insert(name.to_owned(), id.clone());
+                        }
+                        Ok(Some(c))
+                    }
                     Some(Some(found)) => Err(ProviderError::Definite(format!(
                         "container {name} belongs to {found}, not {key}"
                     ))),
@@ -521,7 +532,10 @@ impl DockerProvider {
                     ))),
                 }
             }
-            Err(e) if status(&e) == Some(404) => Ok(None),
+            Err(e) if status(&e) == Some(404) => {
+                lock(&self.shared.ids).remove(name);
+                Ok(None)
+            }
             Err(e) => Err(self.definite(format!("cannot inspect container {name}"), &e)),
         }
     }
@@ -993,9 +1007,13 @@ impl Provider for DockerProvider {
             {
                 Ok(()) => {
                     tracing::debug!(%key, container = %name, "removed a container");
+                    lock(&self.shared.ids).remove(&name);
                     Ok(())
                 }
-                Err(e) if status(&e) == Some(404) => Ok(()),
+                Err(e) if status(&e) == Some(404) => {
+                    lock(&self.shared.ids).remove(&name);
+                    Ok(())
+                }
                 // 409: a removal is already under way; the retry sees it done.
                 Err(e) => Err(ProviderError::Ambiguous(format!(
                     "cannot remove container {name}: {}",
@@ -1056,6 +1074,13 @@ impl Provider for DockerProvider {
             );
         }
         Ok(inventory)
+    }
+
+    fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
+        let name = lease.0.strip_prefix("docker:")?;
+        let ids = lock(&self.shared.ids);
+        let id = ids.get(name)?;
+        Some(format!("container {}", &id[..id.len().min(12)]))
     }
 
     fn owns_lease(&self, lease: &LeaseId) -> bool {

@@ -206,7 +206,7 @@ impl FakeProvider {
 fn classify(e: swactor_conformance::ProviderError) -> ProviderError {
     use swactor_conformance::ProviderError as Model;
     match e {
-        Model::Refused(_) => ProviderError::Definite(e.to_string()),
+        Model::Refused(_) | Model::UnknownKind(_) => ProviderError::Definite(e.to_string()),
         Model::NoSuchLease(_) => ProviderError::Gone(e.to_string()),
     }
 }

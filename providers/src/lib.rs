@@ -162,6 +162,15 @@ pub trait Provider: Send + Sync + 'static {
         None
     }
 
+    /// What people should see of `lease` in a status, in a few words (a
+    /// container id, a host, an offer and its price), from what the provider
+    /// already knows: it must not block or call out. `None` when it has
+    /// nothing to add to the lease id.
+    fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
+        let _ = lease;
+        None
+    }
+
     /// Whether `lease` is one of this provider's (for [`Providers`] to route
     /// calls that name a lease but no template). Each provider's lease ids
     /// have a form of their own.

@@ -151,6 +151,10 @@ impl Provider for Providers {
             .unwrap_or(Duration::ZERO)
     }
 
+    fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
+        self.of_lease(lease).ok()?.describe_lease(lease)
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         self.all.iter().any(|p| p.owns_lease(lease))
     }

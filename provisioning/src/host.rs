@@ -1846,6 +1846,15 @@ impl<C: Reconciler> Host<C> {
         }
         let mut keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
         let mut presumed_gone = Vec::new();
+        // The digest of each slot's desired template, where it has one.
+        let desired: Vec<(LogicalNodeId, u64)> = self
+            .slots
+            .keys()
+            .filter_map(|node| Some((node.clone(), self.core.desired().slot(node)?.clone())))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|(node, t)| (node, self.digest(&t)))
+            .collect();
         for (node, r) in &self.slots {
             let key = ResourceKey {
                 run_id: run.clone(),
@@ -1855,15 +1864,25 @@ impl<C: Reconciler> Host<C> {
             if held.contains_key(&key) {
                 continue;
             }
+            let wanted = desired
+                .iter()
+                .any(|(n, digest)| n == node && *digest == r.template);
             if r.created {
                 // It existed and is not listed: gone (or not visible yet).
                 // Making it again would make a second machine of one
                 // identity; a sweep finds it if it is only invisible.
                 presumed_gone.push(key);
-            } else {
+            } else if wanted {
                 // Maybe never made, maybe not visible yet: the re-issued
                 // create makes it once or finds it by its key.
                 keys.insert(key);
+            } else {
+                // Maybe never made, and not wanted as it would be: its slot
+                // is gone or wants another template. Creating it to find
+                // out would make a machine only to destroy it (and the
+                // template it was made from is not kept), so it is taken
+                // as never made; a sweep collects it if it was.
+                presumed_gone.push(key);
             }
         }
         for key in &presumed_gone {

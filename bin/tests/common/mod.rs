@@ -8,6 +8,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use swactor_actors::ClusterSnapshot;
 
+pub mod docker;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_swactor");
 
 /// A shape file with `workers` workers (and optionally a coordinator).

@@ -1242,6 +1242,13 @@ impl Provider for SshHostsProvider {
         Ok(inventory)
     }
 
+    fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
+        lease
+            .0
+            .strip_prefix("ssh:")
+            .map(|host| format!("host {host}"))
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         lease.0.starts_with("ssh:")
     }

@@ -115,13 +115,21 @@ pub enum ProviderError {
     Refused(EffectKind),
     /// The lease does not exist (never did, or is gone).
     NoSuchLease(LeaseId),
+    /// A create named a provider kind this provider is not, as a daemon
+    /// that routes calls by kind would answer (see [`PROVIDER_KIND`]).
+    UnknownKind(String),
 }
+
+/// The provider kind the world's shapes name; a create for any other kind
+/// is refused, as a daemon with no provider of that kind would.
+pub const PROVIDER_KIND: &str = "fake";
 
 impl std::fmt::Display for ProviderError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Refused(kind) => write!(f, "provider refused {kind:?}"),
             Self::NoSuchLease(l) => write!(f, "no such lease {}", l.0),
+            Self::UnknownKind(kind) => write!(f, "no provider drives kind {kind:?}"),
         }
     }
 }
@@ -422,6 +430,11 @@ impl FakeBackend {
     ) -> Result<LeaseGrant, ProviderError> {
         self.counters.create_lease_calls += 1;
         self.key_stats(key).create_lease_calls += 1;
+        if let Some(t) = template
+            && t.provider.kind != PROVIDER_KIND
+        {
+            return Err(ProviderError::UnknownKind(t.provider.kind.clone()));
+        }
         if self.refused(EffectKind::CreateLease) {
             return Err(ProviderError::Refused(EffectKind::CreateLease));
         }
@@ -683,7 +696,9 @@ impl FakeBackend {
         let failed = |e: ProviderError| OperationOutcome::Failed {
             class: match e {
                 ProviderError::NoSuchLease(_) => FailureClass::LeaseGone,
-                ProviderError::Refused(_) => FailureClass::Definite,
+                ProviderError::Refused(_) | ProviderError::UnknownKind(_) => {
+                    FailureClass::Definite
+                }
             },
             reason: e.to_string(),
         };

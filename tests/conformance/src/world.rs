@@ -268,7 +268,7 @@ pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
                 run_id: None,
                 count: u32::from(*count),
                 provider: ProviderShape {
-                    kind: "fake".to_owned(),
+                    kind: crate::backend::PROVIDER_KIND.to_owned(),
                     params: BTreeMap::new(),
                     placement: Default::default(),
                 },
@@ -987,6 +987,20 @@ impl<R: Reconciler> World<R> {
         self.record(StepEvent::Shutdown {
             mode: ShutdownMode::Keep,
         });
+        self.settle();
+    }
+
+    /// Kills the host (as `kill -9` would) and starts the next one with
+    /// `groups` instead of the journal's shape (`swactor up CHANGED.toml`
+    /// after a crash): whatever the dead host had in flight is judged
+    /// against a shape it never saw.
+    pub fn crash_and_restart_with(&mut self, groups: [(u8, u8); 2], down_ms: u16) {
+        self.oracle.begin_input(format!(
+            "crash, then restart with {groups:?} at {}",
+            self.now
+        ));
+        self.next_shape = Some(groups);
+        self.crash(down_ms);
         self.settle();
     }
 

@@ -421,6 +421,30 @@ fn a_kept_cluster_resumed_with_a_changed_template_replaces_every_node_once() {
     assert_eq!(c.leases_created, 4, "{c:?}");
 }
 
+/// A host killed after it recorded its creates but before they were made,
+/// restarted with a shape that no longer wants those attempts (their
+/// template changed, or their slots were scaled away): the attempts are
+/// neither listed nor known to be made, and there is no template left to
+/// make them from. They must not be created again to find out (found by the
+/// docker battery: the re-issued create named no provider and failed
+/// forever, so the cluster never converged); an attempt made after all is
+/// an orphan for the sweep.
+#[test]
+fn creates_cut_short_by_a_crash_and_no_longer_wanted_are_not_made_to_be_destroyed() {
+    for (groups, nodes) in [([(2, 1), (0, 0)], 2), ([(1, 0), (0, 0)], 1), ([(0, 0), (1, 0)], 1)] {
+        let mut world = empty_world(|_| {});
+        scale(&mut world, 3);
+        // The creates are recorded and dispatched, none is done yet.
+        world.apply(&Input::Advance { ms: 10 });
+        world.crash_and_restart_with(groups, 500);
+        converge(&mut world);
+        assert_eq!(world.sut().state().nodes.len(), nodes, "{groups:?}");
+        for (key, stats) in world.executor().backend().keys() {
+            assert!(stats.leases_created <= 1, "{groups:?} {key}: {stats:?}");
+        }
+    }
+}
+
 /// A teardown asked for and then interrupted by a crash is finished by the
 /// next host; nothing is left at the provider.
 #[test]

@@ -1,0 +1,436 @@
+//! The daemon driving the `docker` provider on the real Docker engine: real
+//! containers of the static agent, faults made with the docker CLI.
+//!
+//! Each test uses a run of its own and removes that run's containers when it
+//! ends, pass or fail. See `common/docker.rs` for what happens without an engine.
+
+mod common;
+
+use common::docker::{
+    Container, agent_binary, by_slot, containers, docker, docker_shape, engine_up, remove_run,
+    slot_watcher,
+};
+use common::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use swactor_actors::ClusterSnapshot;
+
+/// One test's daemon and run; removes the run's containers when dropped.
+struct World {
+    _tmp: tempfile::TempDir,
+    dir: PathBuf,
+    state: PathBuf,
+    run: String,
+    daemon: Option<Daemon>,
+    files: u32,
+}
+
+impl World {
+    fn new(name: &str) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        // Unique per test process, so two runs of the suite never share containers.
+        let run = format!("dk-{name}-{}", std::process::id());
+        remove_run(&run);
+        Self {
+            state: dir.join("state"),
+            dir,
+            _tmp: tmp,
+            run,
+            daemon: None,
+            files: 0,
+        }
+    }
+
+    fn file(&mut self, body: &str) -> PathBuf {
+        self.files += 1;
+        shape_file(&self.dir, &format!("s{}.toml", self.files), body)
+    }
+
+    fn up(&mut self, body: &str) {
+        let f = self.file(body);
+        let agent = agent_binary();
+        let d = Daemon::spawn_with(
+            &self.state,
+            Some(&f),
+            &["--agent-binary", agent.to_str().unwrap()],
+        )
+        .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log));
+        self.daemon = Some(d);
+    }
+
+    fn apply(&mut self, body: &str) -> std::process::Output {
+        let f = self.file(body);
+        cli(&self.state, &["apply", f.to_str().unwrap(), "--yes"])
+    }
+
+    fn converged(&self, nodes: usize) -> ClusterSnapshot {
+        match try_wait_converged(&self.state, Duration::from_secs(120), |s| {
+            s.nodes.len() == nodes && s.nodes.iter().all(|n| n.ready)
+        }) {
+            Ok(s) => s,
+            Err(last) => panic!(
+                "not converged to {nodes} node(s): {last:#?}\ncontainers {:#?}\ndaemon log:\n{}",
+                containers(&self.run),
+                self.log()
+            ),
+        }
+    }
+
+    fn log(&self) -> String {
+        self.daemon.as_ref().map(Daemon::log).unwrap_or_default()
+    }
+
+    /// `swactor down`, then: the daemon exited 0 and no container of the run is left.
+    fn down(&mut self) {
+        let o = cli(&self.state, &["down"]);
+        assert!(o.status.success(), "down failed: {}", stderr(&o));
+        if let Some(d) = self.daemon.as_mut() {
+            assert_eq!(d.wait_exit(Duration::from_secs(60)), Some(0), "{}", d.log());
+        }
+        let left = containers(&self.run);
+        assert!(left.is_empty(), "left after down: {left:#?}");
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        drop(self.daemon.take());
+        remove_run(&self.run);
+    }
+}
+
+/// Each node's current (attempt, container) from the engine, by slot; panics
+/// if a slot has more than one.
+fn one_per_slot(run: &str) -> BTreeMap<String, Container> {
+    by_slot(run)
+        .into_iter()
+        .map(|(slot, mut cs)| {
+            assert_eq!(
+                cs.len(),
+                1,
+                "slot {slot} has {} containers: {cs:#?}",
+                cs.len()
+            );
+            (slot, cs.remove(0))
+        })
+        .collect()
+}
+
+fn attempts(s: &ClusterSnapshot) -> BTreeMap<String, u64> {
+    s.nodes
+        .iter()
+        .map(|n| (n.node.to_string(), n.attempt.0))
+        .collect()
+}
+
+fn describe(state: &Path, node: &str) -> String {
+    let o = cli(state, &["describe", node]);
+    format!("{}{}", stdout(&o), stderr(&o))
+}
+
+#[test]
+fn four_nodes_converge_as_containers_that_status_names_and_down_removes() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("four");
+    w.up(&docker_shape(
+        &w.run,
+        4,
+        "[group.params]\nmemory_mb = 256\n",
+    ));
+    let snap = w.converged(4);
+    let live = one_per_slot(&w.run);
+    assert_eq!(live.len(), 4);
+    for n in &snap.nodes {
+        let c = &live[&n.node.to_string()];
+        assert_eq!(c.state, "running", "{c:?}");
+        assert_eq!(c.attempt, n.attempt.0, "{c:?} vs {n:?}");
+        // `status` names each node's container by the engine's id.
+        assert_eq!(
+            n.resource.as_deref(),
+            Some(format!("container {}", &c.id[..12]).as_str()),
+            "{n:?}"
+        );
+    }
+    let shown = cli(&w.state, &["status"]);
+    let text = stdout(&shown);
+    assert!(text.contains("RESOURCE"), "{text}");
+    for c in live.values() {
+        assert!(text.contains(&c.id[..12]), "{text}");
+    }
+    // Each container runs with the group's limit and the node's labels, on the host network.
+    let c = &live["w-0"];
+    let inspect = docker(&[
+        "inspect",
+        "--format",
+        "{{.HostConfig.Memory}} {{.HostConfig.NetworkMode}} {{.HostConfig.RestartPolicy.Name}} {{index .Config.Labels \"swactor.group\"}}",
+        &c.id,
+    ]);
+    assert_eq!(
+        stdout(&inspect).trim(),
+        format!("{} host no w", 256 * 1024 * 1024)
+    );
+    w.down();
+}
+
+#[test]
+fn killed_paused_and_removed_containers_are_replaced_never_two_per_slot() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("faults");
+    w.up(&docker_shape(&w.run, 4, ""));
+    let before = attempts(&w.converged(4));
+    let watcher = slot_watcher(&w.run);
+    let live = one_per_slot(&w.run);
+    // Out of band: killed, paused past the 1 s grace, removed.
+    assert!(docker(&["kill", &live["w-0"].name]).status.success());
+    assert!(docker(&["pause", &live["w-1"].name]).status.success());
+    assert!(docker(&["rm", "-f", &live["w-2"].name]).status.success());
+    let after = w.converged(4);
+    let now = attempts(&after);
+    let (doubles, count) = watcher.stop();
+    assert_eq!(count, 0, "two containers for one slot: {doubles:#?}");
+    for slot in ["w-0", "w-1", "w-2"] {
+        assert!(now[slot] > before[slot], "{slot} was not replaced: {now:?}");
+    }
+    assert_eq!(now["w-3"], before["w-3"], "w-3 was touched: {now:?}");
+    let live = one_per_slot(&w.run);
+    // The paused container is gone, not left beside its replacement.
+    assert!(live.values().all(|c| c.state == "running"), "{live:#?}");
+    // Why each was replaced is on record.
+    let killed = describe(&w.state, "w-0");
+    assert!(killed.contains("exited with code 137"), "{killed}");
+    let paused = describe(&w.state, "w-1");
+    assert!(paused.contains("stayed away past its grace"), "{paused}");
+    w.down();
+}
+
+#[test]
+fn scaling_four_to_one_removes_the_highest_slots_containers() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("scale");
+    w.up(&docker_shape(&w.run, 4, ""));
+    let before = one_per_slot(&w.run);
+    w.converged(4);
+    let before = if before.len() == 4 {
+        before
+    } else {
+        one_per_slot(&w.run)
+    };
+    let o = w.apply(&docker_shape(&w.run, 1, ""));
+    assert!(o.status.success(), "{}", stderr(&o));
+    w.converged(1);
+    wait_for(
+        Duration::from_secs(30),
+        "the removed slots' containers to go",
+        || containers(&w.run).len() == 1,
+    );
+    let live = one_per_slot(&w.run);
+    assert_eq!(live.keys().collect::<Vec<_>>(), ["w-0"]);
+    assert_eq!(live["w-0"].id, before["w-0"].id, "w-0 was replaced");
+    w.down();
+}
+
+#[test]
+fn a_daemon_killed_at_any_point_adopts_its_containers_instead_of_making_more() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("adopt");
+    let body = docker_shape(&w.run, 3, "");
+    w.up(&body);
+    let watcher = slot_watcher(&w.run);
+    // Mid-creation: the kill lands while containers are being made and started.
+    std::thread::sleep(Duration::from_millis(300));
+    w.daemon.as_mut().unwrap().kill9();
+    w.up(&body);
+    let first = w.converged(3);
+    let live = one_per_slot(&w.run);
+    // Converged: a kill now must be followed by adoption, not replacement.
+    w.daemon.as_mut().unwrap().kill9();
+    w.up(&body);
+    let second = w.converged(3);
+    assert_eq!(attempts(&first), attempts(&second), "nodes were replaced");
+    let again = one_per_slot(&w.run);
+    let ids =
+        |m: &BTreeMap<String, Container>| m.values().map(|c| c.id.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&live), ids(&again), "containers were made anew");
+    let (doubles, count) = watcher.stop();
+    assert_eq!(count, 0, "two containers for one slot: {doubles:#?}");
+    w.down();
+}
+
+#[test]
+fn changed_environment_replaces_each_container_after_its_cleanup() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("drift");
+    w.up(&docker_shape(&w.run, 2, "env = { COLOUR = \"red\" }\n"));
+    let before = attempts(&w.converged(2));
+    let watcher = slot_watcher(&w.run);
+    let o = w.apply(&docker_shape(&w.run, 2, "env = { COLOUR = \"blue\" }\n"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let snap = match try_wait_converged(&w.state, Duration::from_secs(120), |s| {
+        s.nodes.len() == 2
+            && s.nodes
+                .iter()
+                .all(|n| n.ready && n.attempt.0 > before[&n.node.to_string()])
+    }) {
+        Ok(s) => s,
+        Err(last) => panic!("not replaced: {last:#?}\n{}", w.log()),
+    };
+    let (doubles, count) = watcher.stop();
+    assert_eq!(count, 0, "two containers for one slot: {doubles:#?}");
+    for (slot, c) in one_per_slot(&w.run) {
+        let env = docker(&["inspect", "--format", "{{json .Config.Env}}", &c.id]);
+        assert!(
+            stdout(&env).contains("COLOUR=blue"),
+            "{slot}: {}",
+            stdout(&env)
+        );
+        assert_eq!(c.attempt, attempts(&snap)[&slot]);
+    }
+    w.down();
+}
+
+#[test]
+fn twenty_nodes_converge_on_one_engine() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("twenty");
+    // The agent image is built before the clock starts: this measures nodes, not the build.
+    w.up(&docker_shape(&w.run, 1, ""));
+    w.converged(1);
+    let started = Instant::now();
+    let o = w.apply(&docker_shape(&w.run, 20, ""));
+    assert!(o.status.success(), "{}", stderr(&o));
+    w.converged(20);
+    let took = started.elapsed();
+    eprintln!("docker: 19 more nodes (20 in all) converged in {took:.1?}");
+    assert_eq!(one_per_slot(&w.run).len(), 20);
+    w.down();
+}
+
+#[test]
+fn a_missing_image_is_a_per_node_reason_with_backoff_and_nothing_is_left() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("noimage");
+    w.up(&docker_shape(
+        &w.run,
+        2,
+        "[group.params]\nimage = \"swactor-test-no-such-image:0\"\n",
+    ));
+    let reason = "is not on the Docker engine";
+    wait_for(Duration::from_secs(30), "the reason in status", || {
+        status(&w.state).is_some_and(|s| {
+            s.nodes.len() == 2
+                && s.nodes
+                    .iter()
+                    .all(|n| n.last_error.as_deref().is_some_and(|e| e.contains(reason)))
+        })
+    });
+    let first = status(&w.state).unwrap();
+    std::thread::sleep(Duration::from_secs(8));
+    let later = status(&w.state).unwrap();
+    // Backing off: a handful of tries in 8 s, not a hot loop.
+    let tries = |s: &ClusterSnapshot| s.nodes.iter().map(|n| n.failures).sum::<u32>();
+    assert!(
+        tries(&later) - tries(&first) <= 8,
+        "{} tries in 8 s: {later:#?}",
+        tries(&later) - tries(&first)
+    );
+    assert!(containers(&w.run).is_empty(), "{:#?}", containers(&w.run));
+    w.down();
+}
+
+#[test]
+fn an_engine_that_does_not_answer_is_a_per_node_reason_and_down_still_ends() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("noengine");
+    let socket = w.dir.join("no-engine.sock");
+    let host = format!("unix://{}", socket.display());
+    let f = w.file(&docker_shape(&w.run, 2, ""));
+    let agent = agent_binary();
+    w.daemon = Some(
+        Daemon::spawn_env(
+            &w.state,
+            Some(&f),
+            &["--agent-binary", agent.to_str().unwrap()],
+            &[("DOCKER_HOST", host.as_str())],
+        )
+        .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log)),
+    );
+    wait_for(Duration::from_secs(30), "the reason in status", || {
+        status(&w.state).is_some_and(|s| {
+            s.nodes.len() == 2
+                && s.nodes.iter().all(|n| {
+                    n.last_error.as_deref().is_some_and(|e| {
+                        e.contains("cannot reach the Docker engine") && e.contains("no-engine.sock")
+                    })
+                })
+        })
+    });
+    let o = cli(&w.state, &["down"]);
+    assert!(o.status.success(), "down failed: {}", stderr(&o));
+    let d = w.daemon.as_mut().unwrap();
+    assert_eq!(d.wait_exit(Duration::from_secs(60)), Some(0), "{}", d.log());
+}
+
+#[test]
+fn bad_container_settings_are_refused_before_anything_starts() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("bad");
+    let cases = [
+        ("[group.params]\nmemory_mb = 8\n", "`memory_mb` is 8"),
+        (
+            "[group.params]\nmounts = [\"/no/such/swactor/path:/data\"]\n",
+            "/no/such/swactor/path",
+        ),
+        (
+            "env = { \"1BAD\" = \"x\" }\n",
+            "environment variable name \"1BAD\" is invalid",
+        ),
+        (
+            "[group.params]\nmemroy_mb = 64\n",
+            "unknown parameter `memroy_mb`",
+        ),
+    ];
+    let agent = agent_binary();
+    for (extra, expected) in cases {
+        let f = w.file(&docker_shape(&w.run, 1, extra));
+        let Err(exited) = Daemon::spawn_with(
+            &w.state,
+            Some(&f),
+            &["--agent-binary", agent.to_str().unwrap()],
+        ) else {
+            panic!("a daemon started with {extra:?}");
+        };
+        assert_ne!(exited.code, Some(0));
+        assert!(exited.log.contains(expected), "{extra:?}: {}", exited.log);
+        assert!(exited.log.contains("nothing was changed"), "{}", exited.log);
+    }
+    // The same shapes are refused by `apply` to a running daemon.
+    w.up(&docker_shape(&w.run, 1, ""));
+    w.converged(1);
+    for (extra, expected) in cases {
+        let o = w.apply(&docker_shape(&w.run, 1, extra));
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains(expected), "{extra:?}: {}", stderr(&o));
+    }
+    assert_eq!(containers(&w.run).len(), 1);
+    w.down();
+}
