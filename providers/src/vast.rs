@@ -1380,6 +1380,21 @@ impl Provider for VastProvider {
         self.shared.config.listing_lag
     }
 
+    fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
+        let id = instance_of(lease).ok()?;
+        let shown = lock(&self.shared.shown);
+        let i = shown.values().find(|i| i.instance == id)?;
+        let offer = if i.offer == 0 {
+            String::new()
+        } else {
+            format!(" · offer {}", i.offer)
+        };
+        Some(format!(
+            "instance {id}{offer} · machine {} · {:.3} $/h · {}",
+            i.machine, i.dph, i.status
+        ))
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         lease.0.starts_with("vast:")
     }
