@@ -562,6 +562,15 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
         text.contains("rented machines: 4 · 1.206 $/h in all"),
         "{text}"
     );
+    // And each node's RESOURCE names its instance.
+    assert!(
+        snap.nodes.iter().all(|n| n
+            .resource
+            .as_deref()
+            .is_some_and(|r| r.starts_with("instance ") && r.contains("$/h"))),
+        "{:#?}",
+        snap.nodes
+    );
     let o = cli(&w.state(), &["down"]);
     assert!(o.status.success(), "{}\n{}", stderr(&o), d.log());
     wait_for(Duration::from_secs(30), "no live instance", || {
