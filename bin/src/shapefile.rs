@@ -285,18 +285,18 @@ impl ShapeFile {
             checked.map_err(|e| {
                 anyhow::anyhow!("group {}: {e}; nothing was changed", cut(g.id.as_str()))
             })?;
-            if g.template.provider.kind == "vast" {
-                if let Some(cap) = swactor_providers::vast::spend_cap_of(&g.template) {
-                    match &spend_cap {
-                        Some((first, by)) if (first - cap).abs() > 1e-9 => bail!(
-                            "group {} sets spend_cap_dph = {cap} but group {by} sets {first}: the cap \
-                             covers the whole run, so every vast group that sets it must set the \
-                             same value; nothing was changed",
-                            cut(g.id.as_str())
-                        ),
-                        Some(_) => {}
-                        None => spend_cap = Some((cap, cut(g.id.as_str()).to_string())),
-                    }
+            if g.template.provider.kind == "vast"
+                && let Some(cap) = swactor_providers::vast::spend_cap_of(&g.template)
+            {
+                match &spend_cap {
+                    Some((first, by)) if (first - cap).abs() > 1e-9 => bail!(
+                        "group {} sets spend_cap_dph = {cap} but group {by} sets {first}: the cap \
+                         covers the whole run, so every vast group that sets it must set the \
+                         same value; nothing was changed",
+                        cut(g.id.as_str())
+                    ),
+                    Some(_) => {}
+                    None => spend_cap = Some((cap, cut(g.id.as_str()).to_string())),
                 }
             }
         }

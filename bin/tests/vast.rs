@@ -556,15 +556,18 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
             .iter()
             .all(|r| !r.offer.is_empty() && r.machine.starts_with("70"))
     );
-    // Each node names its instance and price.
+    // Each node names its instance, offer, machine and price.
     for n in &snap.nodes {
         let r = snap.rentals.iter().find(|r| r.node == n.node).unwrap();
         let shown = format!(
-            "instance {} · ${:.3}/h",
+            "instance {} · offer {} · machine {} · {:.3} $/h · ",
             r.instance,
+            r.offer,
+            r.machine,
             r.usd_per_hour_micros as f64 / 1e6
         );
-        assert_eq!(n.resource.as_deref(), Some(shown.as_str()), "{n:?}");
+        let resource = n.resource.as_deref().unwrap_or_default();
+        assert!(resource.starts_with(&shown), "{resource:?} vs {shown:?}");
     }
     let o = cli(&w.state(), &["status"]);
     let text = stdout(&o);

@@ -1381,10 +1381,18 @@ impl Provider for VastProvider {
     }
 
     fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
-        let id: u64 = lease.0.strip_prefix("vast:")?.parse().ok()?;
+        let id = instance_of(lease).ok()?;
         let shown = lock(&self.shared.shown);
-        let info = shown.values().find(|i| i.instance == id)?;
-        Some(format!("instance {id} · ${:.3}/h", info.dph))
+        let i = shown.values().find(|i| i.instance == id)?;
+        let offer = if i.offer == 0 {
+            String::new()
+        } else {
+            format!(" · offer {}", i.offer)
+        };
+        Some(format!(
+            "instance {id}{offer} · machine {} · {:.3} $/h · {}",
+            i.machine, i.dph, i.status
+        ))
     }
 
     fn owns_lease(&self, lease: &LeaseId) -> bool {
