@@ -94,12 +94,15 @@ impl Machine {
         }
     }
 
-    /// Stops the sshd (the port stays reserved in name only).
+    /// Stops the sshd (the port stays reserved in name only) and every
+    /// process the machine runs: what was started over SSH ends with the
+    /// machine, as it would on a stopped or destroyed instance.
     pub(crate) fn halt(&mut self) {
         if let Some(sshd) = &mut self.sshd {
             sshd.stop();
         }
         self.up = false;
+        kill_processes_in(&self.dir);
     }
 
     /// Stops the sshd and removes the directory.
@@ -113,6 +116,33 @@ impl Machine {
 impl Drop for Machine {
     fn drop(&mut self) {
         self.halt();
+    }
+}
+
+/// Kills (SIGKILL) every process whose working directory is `dir` or under
+/// it: this host's processes that a machine started. Best effort.
+fn kill_processes_in(dir: &Path) {
+    let Ok(dir) = dir.canonicalize() else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    let own = std::process::id();
+    let pids: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cwd = std::fs::read_link(e.path().join("cwd")).ok()?;
+            (pid != own && cwd.starts_with(&dir)).then(|| pid.to_string())
+        })
+        .collect();
+    if !pids.is_empty() {
+        let _ = std::process::Command::new("kill")
+            .arg("-9")
+            .args(&pids)
+            .stderr(std::process::Stdio::null())
+            .status();
     }
 }
 

@@ -120,6 +120,15 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
         ssh(&account_key, port, "true").0,
         "restarted instance refused SSH"
     );
+    // A process left running by an SSH session ends with the machine.
+    let (ok, out) = ssh(
+        &account_key,
+        port,
+        "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo $!",
+    );
+    assert!(ok, "{out}");
+    let sleeper: u32 = out.trim().parse().expect("a pid");
+    assert!(std::path::Path::new(&format!("/proc/{sleeper}")).exists());
 
     // Label.
     let r = api.put(
@@ -135,6 +144,11 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
     assert!(api.show(id).is_null());
     assert!(!view.dir.exists());
     assert_eq!(sshds_under(&view.dir), 0);
+    let stat = std::fs::read_to_string(format!("/proc/{sleeper}/stat")).unwrap_or_default();
+    assert!(
+        stat.is_empty() || stat.contains(") Z "),
+        "a process the destroyed machine started still runs: {stat}"
+    );
     assert_eq!(offer_row(OFFER)["rented"], false);
     assert_eq!(offer_row(OFFER)["rentable"], true);
     assert_eq!(mock.live_instances(), 0);
