@@ -140,11 +140,8 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         resume.as_ref(),
         file.as_ref(),
     )?;
-    let mut providers: Vec<Arc<dyn Provider>> = vec![
-        Arc::new(process),
-        Arc::new(ssh.clone()),
-        Arc::new(docker),
-    ];
+    let mut providers: Vec<Arc<dyn Provider>> =
+        vec![Arc::new(process), Arc::new(ssh.clone()), Arc::new(docker)];
     let vast = vast_provider(
         vast_key,
         &state,
@@ -181,6 +178,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         stats: Default::default(),
         now: Default::default(),
         rentals: Vec::new(),
+        paused: false,
     };
     let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())
         .await

@@ -248,6 +248,7 @@ mod tests {
             stats: Default::default(),
             now: Timestamp::from_millis(1),
             rentals: Vec::new(),
+            paused: false,
         };
         let json = serde_json::to_string(&ControlResponse::Status(snap.clone())).unwrap();
         assert!(
