@@ -587,10 +587,22 @@ fn status_table(s: &ClusterSnapshot) -> Table {
         if resources {
             cells.push(n.resource.clone().unwrap_or_else(|| "-".to_owned()));
         }
-        cells.extend([n.failures.to_string(), retry_cell(n, s.now)]);
+        cells.extend([
+            n.failures.to_string(),
+            held_retry(retry_cell(n, s.now), s.paused),
+        ]);
         table.row(cells, n.last_error.clone().unwrap_or_default());
     }
     table
+}
+
+/// A retry that a pause holds back says so, rather than a time.
+pub(crate) fn held_retry(cell: String, paused: bool) -> String {
+    if paused && cell != "-" {
+        "paused".to_owned()
+    } else {
+        cell
+    }
 }
 
 /// Prints a status, each line after `prefix`, fitted to `width` columns if given.

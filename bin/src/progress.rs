@@ -239,7 +239,7 @@ impl View {
                     n.attempt.to_string(),
                     state_cell(n, now),
                     n.failures.to_string(),
-                    retry_cell(n, now),
+                    crate::client::held_retry(retry_cell(n, now), self.paused),
                 ],
                 n.last_error.clone().unwrap_or_default(),
             );
