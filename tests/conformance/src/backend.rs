@@ -122,7 +122,7 @@ pub enum ProviderError {
 
 /// The provider kind the world's shapes name; a create for any other kind
 /// is refused, as a daemon with no provider of that kind would.
-pub const PROVIDER_KIND: &str = "fake";
+pub(crate) const PROVIDER_KIND: &str = "fake";
 
 impl std::fmt::Display for ProviderError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -696,9 +696,7 @@ impl FakeBackend {
         let failed = |e: ProviderError| OperationOutcome::Failed {
             class: match e {
                 ProviderError::NoSuchLease(_) => FailureClass::LeaseGone,
-                ProviderError::Refused(_) | ProviderError::UnknownKind(_) => {
-                    FailureClass::Definite
-                }
+                ProviderError::Refused(_) | ProviderError::UnknownKind(_) => FailureClass::Definite,
             },
             reason: e.to_string(),
         };
