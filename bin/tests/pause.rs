@@ -110,6 +110,11 @@ fn pausing_during_convergence_freezes_dispatches() {
         status(&state).is_some()
     });
     paused_status(&state);
+    assert!(
+        d.last_log().contains("it is paused"),
+        "the restarted daemon says it is paused: {}",
+        d.last_log()
+    );
     no_new_agents_for(&state, &allowed, Duration::from_secs(4), "after restart");
     assert!(
         paused_status(&state).nodes.len() <= 3,

@@ -6,7 +6,8 @@
 //! drifted), what an orphaned resource is and when to collect it, when a
 //! disconnected agent's grace ends, which operations an executor that crashed
 //! was holding, what must be durable before an effect or an acknowledgement,
-//! how a shutdown ends, and when to tell waiters the cluster converged.
+//! how a shutdown ends, whether reconciling is paused (durably; see
+//! [`Host::handle_pause`]), and when to tell waiters the cluster converged.
 //! [`Host`] holds all of it, like `quinn-proto`'s `Endpoint` next to its
 //! `Connection`: no clock, no I/O, time is an argument, and everything it
 //! wants done comes out as data.
