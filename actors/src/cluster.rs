@@ -13,7 +13,7 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
     ApplyError, ClusterShape, DesiredUpdate, Generation, JoinRefused, Liveness, LogicalNodeId,
-    ResourceKey, ShutdownMode, ShutdownReport,
+    PauseError, ResourceKey, ShutdownMode, ShutdownReport,
 };
 
 /// Why a call to a cluster failed.
@@ -28,6 +28,9 @@ pub enum ClusterError {
     /// The shape was refused; the cluster is unchanged.
     #[error(transparent)]
     Apply(#[from] ApplyError),
+    /// The pause was refused (the cluster is being torn down).
+    #[error(transparent)]
+    Pause(#[from] PauseError),
 }
 
 /// A running cluster. Cheap to clone; every clone talks to the same driver actor.
@@ -233,6 +236,33 @@ impl ClusterHandle {
         let _ = self
             .actor
             .send_message(DriverMsg::Swarm(SwarmMsg::Gone(key, silent)));
+    }
+
+    /// Pauses reconciling: the cluster goes on folding and showing state,
+    /// but dispatches nothing new (no node is created, replaced, scaled away
+    /// or advanced) until [`ClusterHandle::resume`]; pending operations
+    /// finish, and failed or deleting attempts are still cleaned up. Returns
+    /// once the pause is durable (a restarted daemon comes back paused);
+    /// `Ok(false)` if it was already paused.
+    ///
+    /// # Errors
+    /// [`ClusterError::Pause`] during a teardown, which overrides a pause;
+    /// the cluster is gone.
+    pub async fn pause(&self) -> Result<bool, ClusterError> {
+        Ok(self
+            .call(|r| DriverMsg::Cluster(ClusterMsg::Pause(true, r)))
+            .await??)
+    }
+
+    /// Resumes reconciling after [`ClusterHandle::pause`]; `Ok(false)` if it
+    /// was not paused. Returns once the resume is durable.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn resume(&self) -> Result<bool, ClusterError> {
+        Ok(self
+            .call(|r| DriverMsg::Cluster(ClusterMsg::Pause(false, r)))
+            .await??)
     }
 
     /// Shuts the cluster down. [`ShutdownMode::Teardown`] returns only when

@@ -28,7 +28,8 @@ use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Timers};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
     ApplyError, DesiredUpdate, Driver, Folded, Generation, Host, Listed, LogicalNodeId,
-    NodeAttemptId, OperationOutcome, Output, Reply, SessionId, ShutdownReport, Ticket, Timestamp,
+    NodeAttemptId, OperationOutcome, Output, PauseError, Reply, SessionId, ShutdownReport, Ticket,
+    Timestamp,
 };
 
 /// A caller waiting for the host's [`Reply`] to its ticket.
@@ -36,6 +37,7 @@ enum Waiting {
     Apply(RpcReplyPort<Result<DesiredUpdate, ApplyError>>),
     Converged(RpcReplyPort<Generation>),
     Shutdown(RpcReplyPort<ShutdownReport>),
+    Pause(RpcReplyPort<Result<bool, PauseError>>),
 }
 
 /// The driver actor's state.
@@ -280,6 +282,11 @@ impl DriverState {
                 self.waiting.insert(ticket, Waiting::Shutdown(reply));
                 self.host.handle_shutdown(mode, ticket, now);
             }
+            ClusterMsg::Pause(paused, reply) => {
+                let ticket = self.ticket();
+                self.waiting.insert(ticket, Waiting::Pause(reply));
+                let _ = self.host.handle_pause(paused, ticket, now);
+            }
         }
     }
 
@@ -357,6 +364,9 @@ impl DriverState {
             }
             (Some(Waiting::Shutdown(port)), Reply::Shutdown(report)) => {
                 let _ = port.send(report);
+            }
+            (Some(Waiting::Pause(port)), Reply::Paused(outcome)) => {
+                let _ = port.send(outcome);
             }
             // `Stopped`, or a ticket nobody waits on: dropping the port tells
             // the caller the cluster is gone.

@@ -117,6 +117,10 @@ pub struct ClusterSnapshot {
     /// request, empty in the cluster's own snapshots.
     #[serde(default)]
     pub rentals: Vec<Rental>,
+    /// Reconciling is paused (`swactor pause`): state is folded and shown,
+    /// nothing new is dispatched.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 /// One node's rented machine, as its provider last saw it.
@@ -240,6 +244,13 @@ pub enum ClusterEvent {
     TeardownStarted {
         /// The empty generation it converges on.
         generation: Generation,
+    },
+    /// Reconciling was paused: nothing new is dispatched until it resumes.
+    Paused,
+    /// Reconciling resumed.
+    Resumed {
+        /// A teardown overrode the pause (rather than `resume`).
+        by_teardown: bool,
     },
 }
 

@@ -18,7 +18,8 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
     ApplyError, BootstrapObservation, ClusterShape, DesiredUpdate, Generation, JoinRefused,
-    JournalImage, Liveness, LogicalNodeId, ResourceKey, ShutdownMode, ShutdownReport, Timestamp,
+    JournalImage, Liveness, LogicalNodeId, PauseError, ResourceKey, ShutdownMode, ShutdownReport,
+    Timestamp,
 };
 use tokio::sync::broadcast;
 
@@ -47,6 +48,9 @@ pub enum ClusterMsg {
     WaitConverged(RpcReplyPort<Generation>),
     /// Shut the cluster down.
     Shutdown(ShutdownMode, RpcReplyPort<ShutdownReport>),
+    /// Pause (`true`) or resume (`false`) reconciling; the reply (whether
+    /// anything changed) comes once the flag is durable.
+    Pause(bool, RpcReplyPort<Result<bool, PauseError>>),
 }
 
 /// What a swarm endpoint tells a cluster about its agents.

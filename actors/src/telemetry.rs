@@ -108,6 +108,8 @@ impl Telemetry {
                 HostEvent::AgentDisconnected { key, grace_until } => {
                     ClusterEvent::AgentDisconnected { key, grace_until }
                 }
+                HostEvent::Paused => ClusterEvent::Paused,
+                HostEvent::Resumed { by_teardown } => ClusterEvent::Resumed { by_teardown },
                 HostEvent::TeardownStarted { generation } => {
                     ClusterEvent::TeardownStarted { generation }
                 }
@@ -179,5 +181,6 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         stats: core.stats(),
         now,
         rentals: Vec::new(),
+        paused: host.is_paused(),
     }
 }

@@ -65,6 +65,7 @@ async fn snapshot(cluster: &ClusterHandle, provider: &FakeProvider) -> (Snapshot
         host_settled: view.settled,
         agents_away: view.agents_away,
         shutting_down: false,
+        paused: false,
     };
     (snap, backend)
 }
@@ -256,6 +257,20 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
                 }
             }
             Input::ResubmitOld { .. } => {}
+            // Pausing through the actor; the oracle here checks states (its
+            // pass-by-pass pause checks run in the host's own battery).
+            Input::Pause => {
+                cluster
+                    .pause()
+                    .await
+                    .map_err(|e| format!("input {i}: pause refused: {e}"))?;
+            }
+            Input::Resume => {
+                cluster
+                    .resume()
+                    .await
+                    .map_err(|e| format!("input {i}: resume refused: {e}"))?;
+            }
             Input::HostCrash { down_ms, .. } => {
                 // `kill -9`: the actor and its children die mid-whatever.
                 cluster.actor().kill();
@@ -309,8 +324,12 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
         }
     }
 
-    // The fair tail: faults stop; the latest shape must converge.
+    // The fair tail: faults stop, the operator resumes; the latest shape must converge.
     provider.heal();
+    cluster
+        .resume()
+        .await
+        .map_err(|e| format!("resume refused: {e}"))?;
     if oracle.ok() {
         let bound = Duration::from_secs(6 * 3600);
         if tokio::time::timeout(bound, cluster.converged())

@@ -279,6 +279,7 @@ fn unexpected(answer: &ControlResponse) -> anyhow::Error {
             ControlResponse::Status(_) => "a status",
             ControlResponse::Described(_) => "a node",
             ControlResponse::Down { .. } => "a stop",
+            ControlResponse::Paused { .. } => "a pause",
             ControlResponse::Error(_) => "an error",
         }
     )
@@ -460,10 +461,20 @@ pub(crate) async fn apply(state_dir: &Path, shape: &Path, yes: bool) -> Result<(
             ControlResponse::Applied {
                 generation,
                 changed: true,
-            } => out.line(format_args!("applied: generation {generation}"))?,
+                paused,
+            } => {
+                out.line(format_args!("applied: generation {generation}"))?;
+                if paused {
+                    out.line(
+                        "the cluster is paused: the shape is recorded, but nothing changes \
+                         until `swactor resume`",
+                    )?;
+                }
+            }
             ControlResponse::Applied {
                 generation,
                 changed: false,
+                ..
             } => out.line(format_args!(
                 "unchanged: the shape is already generation {generation}"
             ))?,
@@ -473,6 +484,34 @@ pub(crate) async fn apply(state_dir: &Path, shape: &Path, yes: bool) -> Result<(
         Ok(())
     })
     .await
+}
+
+/// `swactor pause` (`paused`) or `swactor resume`.
+///
+/// # Errors
+/// A refusal (a teardown cannot be paused), or an unreachable daemon.
+pub(crate) async fn pause(state_dir: &Path, paused: bool) -> Result<()> {
+    let request = if paused {
+        ControlRequest::Pause
+    } else {
+        ControlRequest::Resume
+    };
+    let answer = one(state_dir, request).await?;
+    let ControlResponse::Paused { changed, .. } = answer else {
+        return Err(unexpected(&answer));
+    };
+    let mut out = Out::new();
+    out.line(match (paused, changed) {
+        (true, true) => {
+            "paused: nothing new is dispatched (no node is created, replaced or removed) \
+             until `swactor resume`; operations under way finish, failed nodes are cleaned up"
+        }
+        (true, false) => "already paused",
+        (false, true) => "resumed",
+        (false, false) => "not paused: nothing to resume",
+    })?;
+    out.flush()?;
+    Ok(())
 }
 
 /// `swactor status [--json]`.
@@ -521,6 +560,9 @@ fn status_headline(s: &ClusterSnapshot) -> String {
     } else if s.converged {
         line.push_str(" · converged");
     }
+    if s.paused {
+        line.push_str(" · paused (`swactor resume` to go on)");
+    }
     line
 }
 
@@ -545,10 +587,22 @@ fn status_table(s: &ClusterSnapshot) -> Table {
         if resources {
             cells.push(n.resource.clone().unwrap_or_else(|| "-".to_owned()));
         }
-        cells.extend([n.failures.to_string(), retry_cell(n, s.now)]);
+        cells.extend([
+            n.failures.to_string(),
+            held_retry(retry_cell(n, s.now), s.paused),
+        ]);
         table.row(cells, n.last_error.clone().unwrap_or_default());
     }
     table
+}
+
+/// A retry that a pause holds back says so, rather than a time.
+pub(crate) fn held_retry(cell: String, paused: bool) -> String {
+    if paused && cell != "-" {
+        "paused".to_owned()
+    } else {
+        cell
+    }
 }
 
 /// Prints a status, each line after `prefix`, fitted to `width` columns if given.

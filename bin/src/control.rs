@@ -163,12 +163,38 @@ impl ControlHandler {
             );
         }
         let result = match req {
-            ControlRequest::Apply(file) => apply_file(&self.cluster, &self.run_id, &file)
+            ControlRequest::Apply(file) => {
+                match apply_file(&self.cluster, &self.run_id, &file).await {
+                    Ok((generation, changed)) => {
+                        // Said so the caller knows nothing will happen yet.
+                        let paused = self.cluster.snapshot().await.is_ok_and(|s| s.paused);
+                        Ok(ControlResponse::Applied {
+                            generation,
+                            changed,
+                            paused,
+                        })
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            ControlRequest::Pause => self
+                .cluster
+                .pause()
                 .await
-                .map(|(generation, changed)| ControlResponse::Applied {
-                    generation,
+                .map(|changed| ControlResponse::Paused {
+                    paused: true,
                     changed,
-                }),
+                })
+                .map_err(|e| refusal(&e)),
+            ControlRequest::Resume => self
+                .cluster
+                .resume()
+                .await
+                .map(|changed| ControlResponse::Paused {
+                    paused: false,
+                    changed,
+                })
+                .map_err(|e| refusal(&e)),
             ControlRequest::Plan { shape, all } => self.plan(shape, all).await,
             ControlRequest::Status => self
                 .cluster

@@ -178,6 +178,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         stats: Default::default(),
         now: Default::default(),
         rentals: Vec::new(),
+        paused: false,
     };
     let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())
         .await
@@ -503,6 +504,11 @@ impl Start {
         let meta = &image.meta;
         let run_id = meta.run_id.clone();
         let generation = meta.shape.as_ref().map_or(0, |s| s.generation.0);
+        let paused = if meta.paused {
+            "; it is paused: nothing new is dispatched until `swactor resume`"
+        } else {
+            ""
+        };
         if let Some(file) = file {
             if file.run_id() != run_id {
                 let theirs = crate::words::cut(file.run_id().as_str());
@@ -518,7 +524,7 @@ impl Start {
                 what: StartWhat::Apply(file.clone()),
                 note: format!(
                     "resuming run {} at generation {generation} from its journal; \
-                     the shape is offered as the next generation",
+                     the shape is offered as the next generation{paused}",
                     meta.run_id
                 ),
             });
@@ -549,7 +555,8 @@ impl Start {
             run_id,
             what: StartWhat::Resume,
             note: format!(
-                "resuming run {} at generation {generation} ({desired} node(s)) from its journal",
+                "resuming run {} at generation {generation} ({desired} node(s)) from its \
+                 journal{paused}",
                 meta.run_id
             ),
         })

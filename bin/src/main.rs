@@ -157,6 +157,21 @@ A refused change changes nothing.")]
 Exits 0 when the daemon ends the stream (it stopped) or on Ctrl-C, and 1 when
 the stream breaks off (the daemon died, the connection was lost).")]
     Watch,
+    /// Pause reconciling: show state, but create, replace and remove nothing.
+    #[command(
+        long_about = "Pause reconciling: the daemon goes on folding what it hears and \
+`status` shows it, but it dispatches nothing new: no node is created, replaced, scaled away \
+or advanced. Operations already under way finish; a node that fails is cleaned up (nothing \
+leaks) but not replaced. `apply` is accepted and recorded, and acted on only after \
+`swactor resume`. The pause is durable: a daemon restarted (even after kill -9) comes back \
+paused. `swactor down` overrides it and removes every node.",
+        after_help = "Example:
+  swactor pause && swactor status      # headline says `paused`"
+    )]
+    Pause,
+    /// Resume reconciling after `swactor pause`.
+    #[command(after_help = "Example:\n  swactor resume")]
+    Resume,
     /// Stop the daemon, tearing everything down (or keeping it with --keep).
     #[command(after_help = "Examples:
   swactor down          destroy every node, then stop the daemon
@@ -288,6 +303,8 @@ fn main() {
                 println!("{}", identity.public_openssh());
                 Ok(0)
             }
+            Command::Pause => client::pause(&state_dir, true).await.map(|()| 0),
+            Command::Resume => client::pause(&state_dir, false).await.map(|()| 0),
             Command::Down { keep, purge } => {
                 client::down(&state_dir, keep, purge).await.map(|()| 0)
             }

@@ -92,6 +92,8 @@ struct View {
     drawn_lines: usize,
     generation: u64,
     converged: bool,
+    /// Reconciling is paused.
+    paused: bool,
     /// Without a terminal: the last line printed per node, so a node is
     /// printed again only when what is said of it changes.
     said: BTreeMap<LogicalNodeId, String>,
@@ -105,6 +107,7 @@ impl View {
             drawn_lines: 0,
             generation: snapshot.generation.0,
             converged: snapshot.converged,
+            paused: snapshot.paused,
             said: BTreeMap::new(),
         };
         for n in snapshot.nodes {
@@ -182,6 +185,11 @@ impl View {
             | ClusterEvent::Finished { .. }
             | ClusterEvent::Pass { .. } => {}
             other => {
+                match other {
+                    ClusterEvent::Paused => self.paused = true,
+                    ClusterEvent::Resumed { .. } => self.paused = false,
+                    _ => {}
+                }
                 if let Some(note) = note(&other, self.now()) {
                     self.line(&note, tty);
                 }
@@ -213,10 +221,11 @@ impl View {
             .filter(|n| state_word(n) == "ready")
             .count();
         let mut lines = vec![format!(
-            "generation {} · {ready}/{} ready{}",
+            "generation {} · {ready}/{} ready{}{}",
             self.generation,
             self.nodes.len(),
-            if self.converged { " · converged" } else { "" }
+            if self.converged { " · converged" } else { "" },
+            if self.paused { " · paused" } else { "" }
         )];
         // Nodes that are not ready first: when not all fit, they are the
         // ones worth the room.
@@ -230,7 +239,7 @@ impl View {
                     n.attempt.to_string(),
                     state_cell(n, now),
                     n.failures.to_string(),
-                    retry_cell(n, now),
+                    crate::client::held_retry(retry_cell(n, now), self.paused),
                 ],
                 n.last_error.clone().unwrap_or_default(),
             );
@@ -341,6 +350,13 @@ pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
         ),
         ClusterEvent::TeardownStarted { generation } => {
             format!("tearing down (generation {})", generation.0)
+        }
+        ClusterEvent::Paused => {
+            "paused: nothing new is dispatched until `swactor resume`".to_owned()
+        }
+        ClusterEvent::Resumed { by_teardown: false } => "resumed".to_owned(),
+        ClusterEvent::Resumed { by_teardown: true } => {
+            "the teardown overrides the pause: resumed to remove every node".to_owned()
         }
         _ => return None,
     })

@@ -31,6 +31,10 @@ pub(crate) enum ControlRequest {
     Status,
     /// One node in depth, by its id (e.g. `worker-1`).
     Describe(String),
+    /// Pause reconciling: fold and show state, dispatch nothing new.
+    Pause,
+    /// Resume reconciling.
+    Resume,
     /// Stop the daemon: tear down (or keep) every node.
     Down {
         /// Leave the nodes running for the next daemon to adopt.
@@ -49,6 +53,16 @@ pub(crate) enum ControlResponse {
         /// The generation now desired.
         generation: u64,
         /// Whether anything changed.
+        changed: bool,
+        /// The cluster is paused: the shape is recorded, not acted on until resumed.
+        #[serde(default)]
+        paused: bool,
+    },
+    /// Reconciling is now paused (or resumed), durably.
+    Paused {
+        /// Paused (`true`) or resumed.
+        paused: bool,
+        /// Whether that changed anything.
         changed: bool,
     },
     /// What a shape would change.
@@ -248,6 +262,7 @@ mod tests {
             stats: Default::default(),
             now: Timestamp::from_millis(1),
             rentals: Vec::new(),
+            paused: false,
         };
         let json = serde_json::to_string(&ControlResponse::Status(snap.clone())).unwrap();
         assert!(

@@ -576,7 +576,8 @@ fn the_cli_checks_its_input_offline() {
         stdout(&top)
     );
     for cmd in [
-        "up", "apply", "plan", "validate", "status", "describe", "watch", "logs", "down",
+        "up", "apply", "plan", "validate", "status", "describe", "watch", "logs", "pause",
+        "resume", "down",
     ] {
         let o = run(&[cmd, "--help"]);
         assert!(o.status.success(), "{cmd}");

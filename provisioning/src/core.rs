@@ -102,6 +102,10 @@ pub trait Reconciler {
     fn stats(&self) -> DriverStats;
     /// See [`Driver::is_pass_queued`].
     fn is_pass_queued(&self) -> bool;
+    /// See [`Driver::set_paused`].
+    fn set_paused(&mut self, paused: bool);
+    /// See [`Driver::is_paused`].
+    fn is_paused(&self) -> bool;
 }
 
 impl Reconciler for Driver {
@@ -184,5 +188,11 @@ impl Reconciler for Driver {
     }
     fn is_pass_queued(&self) -> bool {
         Driver::is_pass_queued(self)
+    }
+    fn set_paused(&mut self, paused: bool) {
+        Driver::set_paused(self, paused);
+    }
+    fn is_paused(&self) -> bool {
+        Driver::is_paused(self)
     }
 }

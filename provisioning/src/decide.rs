@@ -306,14 +306,80 @@ pub fn reconcile_node(
     )
 }
 
+/// Whether a paused cluster may still take `action` on `node` (`None` for a
+/// slot that has no node yet).
+///
+/// A paused cluster makes nothing new and changes nothing that lives: no
+/// slot is inserted (scale-up) or restarted (replacement), no live attempt
+/// begins deleting for a scale-down or a template change, and no effect
+/// advances a live attempt (CreateLease, LookupEndpoint, StartBootstrap of
+/// an Active node). What finishes work already under way still runs, so
+/// that nothing leaks and state stays true:
+///
+/// - the cleanup of a Deleting attempt, all of it (rows 6 to 9): the
+///   re-issued create of row 6 only adopts what an ambiguous create may
+///   have made, so that it can be destroyed;
+/// - the beginning of the cleanup of a *failed* attempt (row 4 for a node
+///   whose stage is Failed, whatever else holds), which is never replaced
+///   while paused;
+/// - reaping a destroyed slot that is not desired (row 1): bookkeeping of
+///   a cleanup that finished;
+/// - recording the convergence a stream already reported (row 14).
+pub fn allowed_while_paused(node: Option<&ManagedNode>, action: &NodeAction) -> bool {
+    match action {
+        NodeAction::Insert { .. } | NodeAction::Restart { .. } => false,
+        NodeAction::Reap | NodeAction::MarkDestroyed | NodeAction::ObserveConvergence => true,
+        NodeAction::BeginDelete { .. } => node.is_some_and(|n| n.record.stage == NodeStage::Failed),
+        NodeAction::Dispatch(_) => node.is_some_and(|n| n.intent == Intent::Deleting),
+    }
+}
+
+/// [`reconcile_node`] for a paused cluster: the same ladder, with every
+/// action [`allowed_while_paused`] refuses held back.
+///
+/// A held action leaves the node waiting on no deadline of its own (resuming
+/// re-decides every node), except that a live attempt whose deletion is held
+/// (its slot is undesired or wants another template) goes on down the
+/// ladder as if its slot wanted it as it is: it still waits on its pending
+/// operation, its backoff and its stall deadline, and its cleanup still
+/// begins if it fails.
+pub fn reconcile_node_paused(
+    node: &ManagedNode,
+    desired: Option<&Arc<NodeTemplate>>,
+    now: Timestamp,
+) -> NodeDecision {
+    let mut d = reconcile_node(node, desired, now);
+    if d.row == LadderRow::BeginDelete
+        && d.action
+            .as_ref()
+            .is_some_and(|a| !allowed_while_paused(Some(node), a))
+    {
+        d = reconcile_node(node, Some(&node.template), now);
+    }
+    match &d.action {
+        Some(a) if !allowed_while_paused(Some(node), a) => NodeDecision::wait(d.row, None),
+        _ => d,
+    }
+}
+
 /// One full pass: decides every node and inserts every missing desired slot.
 ///
 /// Walks the observed nodes and the desired groups together in slot order, so
 /// a pass costs one step per node and allocates only for the actions it
 /// returns; a pass over a settled cluster allocates nothing.
 pub fn reconcile(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
+    plan_with(state, desired, now, false)
+}
+
+/// [`reconcile`] for a paused cluster: every node decided by
+/// [`reconcile_node_paused`], no slot inserted.
+pub fn reconcile_paused(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
+    plan_with(state, desired, now, true)
+}
+
+fn plan_with(state: &ClusterState, desired: &DesiredState, now: Timestamp, paused: bool) -> Plan {
     let mut plan = Plan::default();
-    walk(state, desired, now, |id, d| {
+    walk(state, desired, now, paused, |id, d| {
         plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
         if let Some(action) = d.action {
             plan.actions.push(PlannedAction {
@@ -328,21 +394,35 @@ pub fn reconcile(state: &ClusterState, desired: &DesiredState, now: Timestamp) -
 
 /// Visits every slot in order with its decision: existing nodes through
 /// [`reconcile_node`], missing desired slots as [`LadderRow::InsertSlot`].
+/// With `paused`, nodes are decided by [`reconcile_node_paused`] and
+/// missing slots wait.
 pub(crate) fn walk(
     state: &ClusterState,
     desired: &DesiredState,
     now: Timestamp,
+    paused: bool,
     mut visit: impl FnMut(&LogicalNodeId, NodeDecision),
 ) {
     let mut nodes = state.nodes.iter().peekable();
     let insert =
         |visit: &mut dyn FnMut(&LogicalNodeId, NodeDecision), g: &DesiredGroup, index: u32| {
             let id = LogicalNodeId::new(g.id.clone(), index);
+            if paused {
+                visit(&id, NodeDecision::wait(LadderRow::InsertSlot, None));
+                return;
+            }
             let action = NodeAction::Insert {
                 template: g.template.clone(),
             };
             visit(&id, NodeDecision::act(LadderRow::InsertSlot, action));
         };
+    let reconcile_node = |node: &ManagedNode, t: Option<&Arc<NodeTemplate>>, now: Timestamp| {
+        if paused {
+            reconcile_node_paused(node, t, now)
+        } else {
+            reconcile_node(node, t, now)
+        }
+    };
     for g in &desired.groups {
         // Nodes of groups that sort before this one are not desired at all.
         while let Some((id, node)) = nodes.next_if(|(id, _)| id.group < g.id) {
@@ -447,6 +527,7 @@ pub fn diff(state: &ClusterState, desired: &DesiredState) -> ShapeDiff {
         state,
         desired,
         Timestamp::from_millis(0),
+        false,
         |id, _decision| {
             let node = state.nodes.get(id);
             let active = node.is_some_and(|n| {

@@ -22,7 +22,8 @@
 
 use crate::config::{ConfigError, ReconcilerConfig};
 use crate::decide::{
-    NodeAction, Plan, PlannedAction, is_converged, reconcile, reconcile_node, walk,
+    NodeAction, Plan, PlannedAction, is_converged, reconcile, reconcile_node,
+    reconcile_node_paused, reconcile_paused, walk,
 };
 use crate::id::{
     Generation, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId, ResourceKey,
@@ -341,6 +342,7 @@ pub struct Driver {
     requeue_at: Option<Timestamp>,
     stats: DriverStats,
     eval: Eval,
+    paused: bool,
 }
 
 impl Driver {
@@ -358,7 +360,29 @@ impl Driver {
             requeue_at: None,
             stats: DriverStats::default(),
             eval: Eval::default(),
+            paused: false,
         })
+    }
+
+    /// Pauses or resumes reconciling. A paused driver folds every input as
+    /// before but its passes take only the actions
+    /// [`allowed_while_paused`](crate::allowed_while_paused) lets through:
+    /// cleanup of deleting and failed attempts, reaping, recorded
+    /// convergence; nothing is inserted, restarted, replaced, scaled down or
+    /// advanced. A change re-decides every node in the next pass, which it
+    /// queues.
+    pub fn set_paused(&mut self, paused: bool) {
+        if self.paused == paused {
+            return;
+        }
+        self.paused = paused;
+        self.eval.full = true;
+        self.trigger();
+    }
+
+    /// Whether reconciling is paused (see [`Driver::set_paused`]).
+    pub fn is_paused(&self) -> bool {
+        self.paused
     }
 
     /// The observed state (read-only: only the driver writes it).
@@ -552,7 +576,15 @@ impl Driver {
 
     /// The actions the next pass would take on the current desired state, without applying them.
     pub fn plan(&self, now: Timestamp) -> Plan {
-        reconcile(&self.state, &self.desired, now)
+        self.plan_on(&self.desired, now)
+    }
+
+    fn plan_on(&self, desired: &DesiredState, now: Timestamp) -> Plan {
+        if self.paused {
+            reconcile_paused(&self.state, desired, now)
+        } else {
+            reconcile(&self.state, desired, now)
+        }
     }
 
     /// The actions the next pass would take if `shape` were applied, without applying anything.
@@ -561,7 +593,7 @@ impl Driver {
     /// As [`Driver::update_desired`].
     pub fn plan_shape(&self, shape: &ClusterShape, now: Timestamp) -> Result<Plan, UpdateError> {
         let (next, _) = self.check_desired(shape)?;
-        Ok(reconcile(&self.state, &next, now))
+        Ok(self.plan_on(&next, now))
     }
 
     /// Folds an operation result. Late, duplicated, superseded and mismatched
@@ -787,7 +819,7 @@ impl Driver {
         if self.eval.full {
             let mut plan = Plan::default();
             let mut wakes = Vec::new();
-            walk(&self.state, &self.desired, now, |id, d| {
+            walk(&self.state, &self.desired, now, self.paused, |id, d| {
                 plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
                 if let Some(at) = d.wake_at {
                     wakes.push((at, id.clone()));
@@ -816,7 +848,11 @@ impl Driver {
                 updates.push(((*id).clone(), None));
                 continue;
             };
-            let d = reconcile_node(node, self.desired.slot(id), now);
+            let d = if self.paused {
+                reconcile_node_paused(node, self.desired.slot(id), now)
+            } else {
+                reconcile_node(node, self.desired.slot(id), now)
+            };
             plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
             updates.push(((*id).clone(), d.wake_at));
             if let Some(action) = d.action {

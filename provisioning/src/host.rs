@@ -6,7 +6,8 @@
 //! drifted), what an orphaned resource is and when to collect it, when a
 //! disconnected agent's grace ends, which operations an executor that crashed
 //! was holding, what must be durable before an effect or an acknowledgement,
-//! how a shutdown ends, and when to tell waiters the cluster converged.
+//! how a shutdown ends, whether reconciling is paused (durably; see
+//! [`Host::handle_pause`]), and when to tell waiters the cluster converged.
 //! [`Host`] holds all of it, like `quinn-proto`'s `Endpoint` next to its
 //! `Connection`: no clock, no I/O, time is an argument, and everything it
 //! wants done comes out as data.
@@ -229,6 +230,10 @@ pub struct JournalMeta {
     pub shape: Option<ClusterShape>,
     /// A teardown was asked for and has not finished.
     pub tearing_down: bool,
+    /// Reconciling is paused (`swactor pause`): see [`Host::handle_pause`].
+    /// Absent in journals written before pausing existed.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 /// Which attempt a slot holds, which template it was made from, and whether
@@ -304,6 +309,7 @@ impl JournalImage {
                 attempts_reserved: 0,
                 shape: None,
                 tearing_down: false,
+                paused: false,
             },
             slots: BTreeMap::new(),
         }
@@ -409,6 +415,17 @@ pub enum ApplyError {
     },
 }
 
+/// Why a pause was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PauseError {
+    /// The cluster is being torn down (or has stopped): a teardown overrides
+    /// a pause and cannot itself be paused.
+    #[error(
+        "the cluster is being torn down, and a teardown cannot be paused; it removes every node whatever the pause says"
+    )]
+    ShuttingDown,
+}
+
 /// The answer to a ticket.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Reply {
@@ -416,6 +433,9 @@ pub enum Reply {
     Applied(Result<DesiredUpdate, ApplyError>),
     /// The cluster converged on this generation.
     Converged(Generation),
+    /// The pause (`true`) or resume (`false`) asked for is durable, or why
+    /// it was refused.
+    Paused(Result<bool, PauseError>),
     /// The shutdown finished.
     Shutdown(ShutdownReport),
     /// The host stopped before it could answer.
@@ -541,6 +561,13 @@ pub enum HostEvent {
         generation: Generation,
         /// Nodes held.
         nodes: usize,
+    },
+    /// Reconciling was paused: nothing new is dispatched until it resumes.
+    Paused,
+    /// Reconciling resumed (asked for, or overridden by a teardown).
+    Resumed {
+        /// A teardown overrode the pause.
+        by_teardown: bool,
     },
     /// A teardown began.
     TeardownStarted {
@@ -708,6 +735,8 @@ impl<C: Reconciler> Host<C> {
         let JournalImage { mut meta, slots } = image;
         meta.epoch = meta.epoch.saturating_add(1);
         core.raise_attempt_floor(meta.attempts_reserved);
+        // A paused cluster comes back paused, before anything is decided.
+        core.set_paused(meta.paused);
         if let Some(shape) = &meta.shape {
             core.update_desired(shape)
                 .map_err(HostError::JournalShape)?;
@@ -788,6 +817,11 @@ impl<C: Reconciler> Host<C> {
     /// The shutdown under way, if any.
     pub fn shutting_down(&self) -> Option<ShutdownMode> {
         self.shutdown.as_ref().map(|s| s.mode)
+    }
+
+    /// Whether reconciling is paused (see [`Host::handle_pause`]).
+    pub fn is_paused(&self) -> bool {
+        self.meta.paused
     }
 
     /// Whether the host has stopped.
@@ -1002,6 +1036,50 @@ impl<C: Reconciler> Host<C> {
         outcome
     }
 
+    /// Pauses (`paused`) or resumes reconciling. Returns whether that changed
+    /// anything; the [`Reply::Paused`] for `ticket` follows once the flag is
+    /// durable, so a daemon killed after the reply comes back as it was left.
+    ///
+    /// A paused cluster goes on folding every result, observation and agent
+    /// report, and shows them, but its passes dispatch nothing new (the
+    /// rule is [`allowed_while_paused`](crate::allowed_while_paused)):
+    /// operations already pending finish and are folded, a deleting or
+    /// failed attempt is still cleaned up, orphans are still collected, and
+    /// shapes are still accepted (and made durable) but not acted on until
+    /// resumed. The core is paused at once, before the flag is durable: a
+    /// pause that a crash loses was never acknowledged, and in the meantime
+    /// it only held work back.
+    ///
+    /// # Errors
+    /// [`PauseError::ShuttingDown`]: pausing a teardown (resuming one is a
+    /// no-op, since a teardown already overrode the pause).
+    pub fn handle_pause(
+        &mut self,
+        paused: bool,
+        ticket: Ticket,
+        _now: Timestamp,
+    ) -> Result<bool, PauseError> {
+        let outcome = if paused && (self.shutdown.is_some() || self.stopped) {
+            Err(PauseError::ShuttingDown)
+        } else if self.meta.paused == paused || self.stopped {
+            Ok(false)
+        } else {
+            self.meta.paused = paused;
+            self.meta_dirty = true;
+            self.core.set_paused(paused);
+            self.events.push_back(if paused {
+                HostEvent::Paused
+            } else {
+                HostEvent::Resumed { by_teardown: false }
+            });
+            Ok(true)
+        };
+        self.flush_delta();
+        self.outputs
+            .push_back(Output::Reply(ticket, Reply::Paused(outcome)));
+        outcome
+    }
+
     /// Asks to be told when the cluster is converged on its current shape.
     pub fn handle_wait_converged(&mut self, ticket: Ticket) {
         if self.stopped {
@@ -1057,6 +1135,15 @@ impl<C: Reconciler> Host<C> {
                 }
                 self.meta.shape = Some(empty);
                 self.meta.tearing_down = true;
+                if self.meta.paused {
+                    // The user asked for everything to go: that overrides
+                    // the pause, durably with the teardown itself, so a
+                    // later `up` is not paused either.
+                    self.meta.paused = false;
+                    self.core.set_paused(false);
+                    self.events
+                        .push_back(HostEvent::Resumed { by_teardown: true });
+                }
                 self.meta_dirty = true;
                 self.flush_delta();
                 self.events

@@ -41,7 +41,8 @@ pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
 pub use core::Reconciler;
 pub use decide::{
     Change, DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, ShapeDiff,
-    diff, is_converged, reconcile, reconcile_node,
+    allowed_while_paused, diff, is_converged, reconcile, reconcile_node, reconcile_node_paused,
+    reconcile_paused,
 };
 pub use driver::{
     AdoptEntry, Adoption, DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest,
@@ -50,8 +51,8 @@ pub use driver::{
 pub use host::{
     ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
     EARLY_OBSERVATIONS_MAX, Host, HostConfig, HostError, HostEvent, HostFold, JOURNAL_FORMAT,
-    JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness, Output, Reply,
-    ShutdownMode, ShutdownReport, SlotRecord, Ticket,
+    JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness, Output,
+    PauseError, Reply, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
 };
 pub use id::{
     Generation, GroupId, ID_LEN_MAX, IdError, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint,

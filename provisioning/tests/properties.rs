@@ -23,6 +23,8 @@ enum Step {
     Advance { ms: u64 },
     /// The periodic tick.
     Tick,
+    /// Pause (`true`) or resume reconciling.
+    Pause(bool),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -34,6 +36,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (0usize..64).prop_map(|i| Step::Replay { i }),
         2 => (1u64..120_000).prop_map(|ms| Step::Advance { ms }),
         1 => Just(Step::Tick),
+        1 => any::<bool>().prop_map(Step::Pause),
     ]
 }
 
@@ -67,7 +70,11 @@ impl World {
         while self.d.is_pass_queued() {
             // The driver decides only dirty and due nodes; that must be exactly
             // what a full pass over every slot would decide.
-            let full = reconcile(self.d.state(), self.d.desired(), now);
+            let full = if self.d.is_paused() {
+                reconcile_paused(self.d.state(), self.d.desired(), now)
+            } else {
+                reconcile(self.d.state(), self.d.desired(), now)
+            };
             let incremental = self.d.next_pass_plan(now);
             assert_eq!(
                 incremental, full,
@@ -154,6 +161,7 @@ impl World {
                 let _ = self.d.handle_timeout(t(self.now)).unwrap();
             }
             Step::Tick => self.d.handle_tick(now),
+            Step::Pause(on) => self.d.set_paused(*on),
             _ => {}
         }
         self.pump();
@@ -161,6 +169,8 @@ impl World {
 
     /// Faults stop: answer everything successfully, complete bootstraps, let time pass.
     fn settle(&mut self) {
+        self.d.set_paused(false);
+        self.pump();
         for _ in 0..400 {
             if self.d.is_converged() && self.outstanding.is_empty() {
                 return;

@@ -23,8 +23,9 @@ use swactor_provisioning::{
     CollectRequest, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind,
     EffectRequest, Folded, Generation, Intent, JoinRefused, JournalImage, LeaseId, Liveness,
     LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId,
-    OperationOutcome, OperationResult, Pass, ReconcilerConfig, ResourceKey, SessionId,
-    ShutdownMode, Timestamp, UpdateError, reconcile, same_template, stall_during_boot_check_ms,
+    OperationOutcome, OperationResult, Pass, PauseError, ReconcilerConfig, ResourceKey, SessionId,
+    ShutdownMode, Timestamp, UpdateError, reconcile, reconcile_paused, same_template,
+    stall_during_boot_check_ms,
 };
 
 /// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.
@@ -118,11 +119,18 @@ pub enum Invariant {
     /// When converged, every node's machine was made from its slot's desired template
     /// (an adopted machine of another template is replaced, never taken as it is).
     ConvergedNodesRunDesiredTemplate,
+    /// While paused, a pass inserts, restarts and advances nothing, and
+    /// deletes no live attempt: it dispatches only cleanup effects of
+    /// deleting attempts and begins the cleanup only of failed ones. The
+    /// host says it is paused exactly when the operator's last accepted
+    /// pause says so (a teardown overrides it), and an acknowledged pause or
+    /// resume survives a crash.
+    PausedDispatchesNothingNew,
 }
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 39] = [
+    pub const ALL: [Invariant; 40] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -162,6 +170,7 @@ impl Invariant {
         Self::IntentDurableBeforeEffect,
         Self::AcknowledgedShapesSurviveRestarts,
         Self::ConvergedNodesRunDesiredTemplate,
+        Self::PausedDispatchesNothingNew,
     ];
 
     /// The invariant's name, as messages print it.
@@ -212,6 +221,7 @@ impl Invariant {
             Self::IntentDurableBeforeEffect => "intent_durable_before_effect",
             Self::AcknowledgedShapesSurviveRestarts => "acknowledged_shapes_survive_restarts",
             Self::ConvergedNodesRunDesiredTemplate => "converged_nodes_run_desired_template",
+            Self::PausedDispatchesNothingNew => "paused_dispatches_nothing_new",
         }
     }
 }
@@ -277,6 +287,8 @@ pub struct Snapshot {
     /// Agents whose grace is running (away from the host); none may be for
     /// the host to claim convergence.
     pub agents_away: usize,
+    /// Whether the host says reconciling is paused.
+    pub paused: bool,
 }
 
 /// One step, as the oracle observes it.
@@ -359,6 +371,13 @@ pub enum StepEvent<'a> {
         /// How.
         mode: ShutdownMode,
     },
+    /// The operator paused (`paused`) or resumed reconciling.
+    Pause {
+        /// Paused or resumed.
+        paused: bool,
+        /// What the host answered (whether anything changed).
+        outcome: &'a Result<bool, PauseError>,
+    },
 }
 
 impl StepEvent<'_> {
@@ -387,6 +406,8 @@ impl StepEvent<'_> {
             Self::Collect { request, .. } => format!("collect orphan {}", request.key),
             Self::Restart { .. } => "a new host starts from the journal".to_owned(),
             Self::Shutdown { mode } => format!("shutdown ({mode:?})"),
+            Self::Pause { paused: true, .. } => "pause".to_owned(),
+            Self::Pause { paused: false, .. } => "resume".to_owned(),
         }
     }
 }
@@ -571,6 +592,11 @@ pub struct Oracle {
     step: u64,
     context: String,
     limit: usize,
+    /// Paused, as the operator's accepted requests (and teardowns, and the
+    /// journal a new host starts from) say.
+    paused: bool,
+    /// The host acknowledged the last pause or resume as durable.
+    pause_acked: bool,
 }
 
 impl Oracle {
@@ -588,6 +614,8 @@ impl Oracle {
             step: 0,
             context: String::new(),
             limit: 16,
+            paused: false,
+            pause_acked: false,
         }
     }
 
@@ -629,6 +657,11 @@ impl Oracle {
         self.acked = self.acked.max(generation);
     }
 
+    /// The host acknowledged the last pause or resume as durable.
+    pub fn pause_acknowledged(&mut self) {
+        self.pause_acked = true;
+    }
+
     /// Sets the label of the input that the next steps belong to.
     pub fn begin_input(&mut self, label: String) {
         self.context = label;
@@ -668,6 +701,11 @@ impl Oracle {
                 })
                 .collect();
             eprintln!("step {} {}: {}", self.step, self.context, nodes.join(" "));
+        }
+        let paused = self.paused;
+        self.observe_pause(event, before, after);
+        if paused && let StepEvent::Pass { pass, .. } = event {
+            self.check_paused_pass(pass, before, after);
         }
         self.observe_event(event, before, after, provider);
         if !matches!(event, StepEvent::Restart { .. }) {
@@ -864,7 +902,7 @@ impl Oracle {
                 self.check_pass(pass, before, after, provider);
                 self.check_durable(pass, durable);
             }
-            StepEvent::Inventory | StepEvent::Shutdown { .. } => {}
+            StepEvent::Inventory | StepEvent::Shutdown { .. } | StepEvent::Pause { .. } => {}
             StepEvent::AgentJoined { key, outcome } => {
                 let current = b.nodes.get(&key.node).is_some_and(|n| {
                     n.attempt == key.attempt
@@ -1588,7 +1626,8 @@ impl Oracle {
             StepEvent::Inventory
             | StepEvent::AgentJoined { .. }
             | StepEvent::Collect { .. }
-            | StepEvent::Shutdown { .. } => {}
+            | StepEvent::Shutdown { .. }
+            | StepEvent::Pause { .. } => {}
             StepEvent::Pass { pass, .. } => {
                 self.tally.passes += 1;
                 self.tally.dispatched += pass.dispatches.len() as u64;
@@ -1849,6 +1888,123 @@ impl Oracle {
         }
     }
 
+    /// Follows the operator's pauses, teardowns and restarts (the oracle's
+    /// own idea of whether the host is paused).
+    fn observe_pause(&mut self, event: StepEvent<'_>, before: &Snapshot, after: &Snapshot) {
+        let inv = Invariant::PausedDispatchesNothingNew;
+        match event {
+            StepEvent::Pause { paused, outcome } => match outcome {
+                Ok(changed) => {
+                    if *changed != (self.paused != paused) {
+                        self.report(
+                            inv,
+                            None,
+                            format!("the host said changed = {changed} going from paused = {} to {paused}", self.paused),
+                        );
+                    }
+                    self.paused = paused;
+                    self.pause_acked = false;
+                }
+                Err(PauseError::ShuttingDown) => {
+                    if !(paused && before.shutting_down) {
+                        self.report(
+                            inv,
+                            None,
+                            format!("a pause = {paused} refused outside a teardown"),
+                        );
+                    }
+                }
+            },
+            StepEvent::Shutdown {
+                mode: ShutdownMode::Teardown,
+            } if !before.shutting_down => {
+                // A teardown overrides the pause.
+                self.paused = false;
+                self.pause_acked = false;
+            }
+            StepEvent::Restart { durable } => {
+                if self.pause_acked && durable.meta.paused != self.paused {
+                    self.report(
+                        inv,
+                        None,
+                        format!(
+                            "paused = {} was acknowledged, but the journal says {}",
+                            self.paused, durable.meta.paused
+                        ),
+                    );
+                }
+                self.paused = durable.meta.paused;
+            }
+            _ => {}
+        }
+        if after.paused != self.paused {
+            self.report(
+                inv,
+                None,
+                format!(
+                    "the host says paused = {}, the operator's requests say {}",
+                    after.paused, self.paused
+                ),
+            );
+        }
+    }
+
+    /// A pass of a paused host: only cleanup of deleting and failed attempts.
+    fn check_paused_pass(&mut self, pass: &Pass, before: &Snapshot, after: &Snapshot) {
+        let inv = Invariant::PausedDispatchesNothingNew;
+        let (b, a) = (&before.state, &after.state);
+        for (id, na) in &a.nodes {
+            let Some(nb) = b.nodes.get(id) else {
+                self.fail(
+                    inv,
+                    id,
+                    format!("slot inserted while paused ({})", na.attempt),
+                );
+                continue;
+            };
+            if nb.attempt != na.attempt {
+                self.fail(
+                    inv,
+                    id,
+                    format!(
+                        "attempt {} replaced by {} while paused",
+                        nb.attempt, na.attempt
+                    ),
+                );
+            }
+            if nb.intent == Intent::Active
+                && na.intent == Intent::Deleting
+                && nb.record.stage != NodeStage::Failed
+            {
+                self.fail(
+                    inv,
+                    id,
+                    format!(
+                        "live attempt {} ({:?}) began deleting while paused",
+                        nb.attempt, nb.record.stage
+                    ),
+                );
+            }
+        }
+        for d in &pass.dispatches {
+            let id = &d.key.node;
+            if b.nodes
+                .get(id)
+                .is_none_or(|nb| nb.intent != Intent::Deleting)
+            {
+                self.fail(
+                    inv,
+                    id,
+                    format!(
+                        "{:?} dispatched for a live attempt ({}) while paused",
+                        d.request.kind(),
+                        d.key.attempt
+                    ),
+                );
+            }
+        }
+    }
+
     /// Checks the state after every step, on its own.
     pub fn check(&mut self, after: &Snapshot, provider: &dyn ProviderView) {
         let a = &after.state;
@@ -1984,7 +2140,11 @@ impl Oracle {
                 "a drained driver still has a pass queued".to_owned(),
             );
         }
-        let plan = reconcile(&after.state, &after.desired, after.now);
+        let plan = if self.paused {
+            reconcile_paused(&after.state, &after.desired, after.now)
+        } else {
+            reconcile(&after.state, &after.desired, after.now)
+        };
         if let Some(first) = plan.actions.first() {
             self.fail(
                 Invariant::SettledStatePlansNothing,

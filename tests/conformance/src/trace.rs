@@ -155,6 +155,11 @@ pub enum Input {
         /// How long no host runs.
         down_ms: u16,
     },
+    /// The operator pauses reconciling (`swactor pause`): nothing new is
+    /// dispatched until [`Input::Resume`] (or the fair tail, which resumes).
+    Pause,
+    /// The operator resumes reconciling (`swactor resume`).
+    Resume,
     /// The host is shut down: leaving every node running for the next host
     /// (`keep`), which starts at once, or tearing everything down, after
     /// which a new host starts with the current shape as its next generation.
@@ -270,6 +275,9 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
         2 => (any::<bool>(), 0u16..8_000)
             .prop_map(|(at_persist, down_ms)| Input::HostCrash { at_persist, down_ms }),
         1 => any::<bool>().prop_map(|keep| Input::Shutdown { keep }),
+        // Pauses outnumber resumes so that paused stretches span many steps.
+        2 => Just(Input::Pause),
+        1 => Just(Input::Resume),
     ]
     .boxed()
 }

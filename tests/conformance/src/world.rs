@@ -252,6 +252,7 @@ fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
         host_settled: host.settled(),
         agents_away: host.agents_away(),
         shutting_down: host.shutting_down().is_some() || host.is_stopped(),
+        paused: host.is_paused(),
     }
 }
 
@@ -538,11 +539,11 @@ impl<R: Reconciler> World<R> {
                 HostOutput::List => self.list_inventory(),
                 HostOutput::Collect(request) => self.collect(&request),
                 HostOutput::Folded(fold) => self.record_fold(&fold),
-                HostOutput::Reply(_, reply) => {
-                    if let Reply::Applied(Ok(update)) = reply {
-                        self.oracle.acknowledged(update.generation());
-                    }
-                }
+                HostOutput::Reply(_, reply) => match reply {
+                    Reply::Applied(Ok(update)) => self.oracle.acknowledged(update.generation()),
+                    Reply::Paused(Ok(_)) => self.oracle.pause_acknowledged(),
+                    _ => {}
+                },
                 HostOutput::Stop => self.host_stopped(),
             }
         }
@@ -960,6 +961,8 @@ impl<R: Reconciler> World<R> {
                     self.crash(down_ms);
                 }
             }
+            Input::Pause => self.pause(true),
+            Input::Resume => self.pause(false),
             Input::Shutdown { keep } => {
                 let mode = if keep {
                     ShutdownMode::Keep
@@ -972,6 +975,16 @@ impl<R: Reconciler> World<R> {
             }
         }
         self.settle();
+    }
+
+    /// `swactor pause` (`paused`) or `swactor resume`, judged by the oracle.
+    pub fn pause(&mut self, paused: bool) {
+        let ticket = self.ticket();
+        let outcome = self.host.handle_pause(paused, ticket, self.now);
+        self.record(StepEvent::Pause {
+            paused,
+            outcome: &outcome,
+        });
     }
 
     /// `swactor down --keep`, then `swactor up` with `groups` as the next
@@ -1024,6 +1037,11 @@ impl<R: Reconciler> World<R> {
         self.crash_at_persist = None;
         let fair = self.config.fair.clone();
         self.exec.heal(fair, self.now);
+        if self.host.is_paused() {
+            // A paused cluster converges on nothing; the operator resumes.
+            self.pause(false);
+            self.settle();
+        }
     }
 
     /// Heals the world and runs it until the host converges, judging the

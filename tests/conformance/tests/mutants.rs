@@ -46,9 +46,12 @@ enum Mutation {
     IgnoreAttemptFloor,
     /// Adoption takes every adopted attempt as running the desired template.
     AdoptDriftedAsCurrent,
+    /// Says it is paused but goes on reconciling as if it were not.
+    IgnorePause,
 }
 
-const ALL: [Mutation; 13] = [
+const ALL: [Mutation; 14] = [
+    Mutation::IgnorePause,
     Mutation::IgnoreAttemptFloor,
     Mutation::AdoptDriftedAsCurrent,
     Mutation::SwapCleanupOrder,
@@ -68,6 +71,7 @@ struct Mutant {
     inner: Driver,
     mutation: Mutation,
     first_attempt: BTreeMap<LogicalNodeId, NodeAttemptId>,
+    paused: bool,
 }
 
 impl Mutant {
@@ -77,6 +81,7 @@ impl Mutant {
             inner: Driver::new(RunId::new(RUN), config).expect("valid config"),
             mutation,
             first_attempt: BTreeMap::new(),
+            paused: false,
         }
     }
 
@@ -304,6 +309,17 @@ impl Reconciler for Mutant {
 
     fn is_pass_queued(&self) -> bool {
         self.inner.is_pass_queued()
+    }
+
+    fn set_paused(&mut self, paused: bool) {
+        self.paused = paused;
+        if self.mutation != Mutation::IgnorePause {
+            self.inner.set_paused(paused);
+        }
+    }
+
+    fn is_paused(&self) -> bool {
+        self.paused
     }
 }
 

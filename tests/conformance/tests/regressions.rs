@@ -636,3 +636,53 @@ fn a_fixed_template_restarts_at_once_instead_of_waiting_out_the_old_backoff() {
     );
     converge(&mut world);
 }
+
+/// `swactor pause` mid-convergence, then a scale-up, a lost agent and a
+/// daemon killed with -9, all while paused: nothing is inserted, advanced or
+/// replaced (the lost node's failed attempt is cleaned up, so nothing
+/// leaks), the restarted host comes back paused, and `swactor resume`
+/// converges on the latest shape.
+#[test]
+fn a_paused_cluster_makes_nothing_new_across_a_crash_and_converges_once_resumed() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 2);
+    converge(&mut world);
+    let made = world.executor().backend().counters().leases_created;
+    world.pause(true);
+    scale(&mut world, 4);
+    world.apply(&Input::AgentLost {
+        pick: 1,
+        stale: false,
+    });
+    world.apply(&Input::Advance { ms: 20_000 });
+    world.apply(&Input::HostCrash {
+        at_persist: false,
+        down_ms: 1_000,
+    });
+    assert!(world.host().is_paused(), "the new host is still paused");
+    world.apply(&Input::Advance { ms: 30_000 });
+    assert_clean(&world);
+    let c = world.executor().backend().counters();
+    assert_eq!(c.leases_created, made, "nothing was created while paused");
+    // The lost node's attempt was cleaned up (the restarted host, finding
+    // nothing of it, holds its slot empty), not replaced.
+    let lost = world
+        .sut()
+        .state()
+        .nodes
+        .get(&LogicalNodeId::parse("alpha-1").expect("id"));
+    assert!(
+        lost.is_none_or(|n| n.record.stage == swactor_provisioning::NodeStage::Destroyed),
+        "{lost:?}"
+    );
+    let live: Vec<String> = world
+        .executor()
+        .backend()
+        .live_resources()
+        .map(|(k, _)| k.node.to_string())
+        .collect();
+    assert!(live.iter().all(|n| n == "alpha-0"), "{live:?}");
+    world.pause(false);
+    converge(&mut world);
+    assert_eq!(world.sut().state().nodes.len(), 4);
+}
