@@ -270,6 +270,8 @@ fn an_ambiguous_create_is_never_sent_again_and_its_instance_is_adopted() {
         Ambiguity::Timeout {
             hold: Duration::from_secs(3),
         },
+        // A 200 whose body is cut off: the create may well have committed.
+        Ambiguity::Malformed,
     ];
     rt().block_on(async {
         for (i, kind) in kinds.into_iter().enumerate() {
@@ -307,7 +309,7 @@ fn an_ambiguous_create_is_never_sent_again_and_its_instance_is_adopted() {
         }
     });
     w.assert_one_create_per_label();
-    assert_eq!(w.mock.creates_total(), 3);
+    assert_eq!(w.mock.creates_total(), 4);
     assert_eq!(w.mock.live_instances(), 0);
 }
 
@@ -686,6 +688,41 @@ fn a_query_no_offer_matches_shows_no_capacity_per_node_and_backs_off() {
     assert_eq!(w.mock.creates_total(), 0);
     let o = cli(&w.state(), &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    assert_no_key(&d.log(), w.mock.api_key());
+}
+
+#[test]
+fn an_image_the_service_rejects_is_a_per_node_reason_without_a_rental_or_a_hot_loop() {
+    let w = World::new(offers(2, 0.3));
+    let shape = w.shape("bad-image.toml", 1, "");
+    let body = std::fs::read_to_string(&shape)
+        .unwrap()
+        .replace("pytorch/pytorch:latest", "PyTorch/Latest");
+    std::fs::write(&shape, body).unwrap();
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    wait_for(
+        Duration::from_secs(30),
+        "the service's reason on the node",
+        || {
+            status(&w.state()).is_some_and(|s| {
+                s.nodes.iter().any(|n| {
+                    n.last_error.as_deref().is_some_and(|e| {
+                        e.contains("invalid image") && e.contains("PyTorch/Latest")
+                    })
+                })
+            })
+        },
+    );
+    std::thread::sleep(Duration::from_secs(8));
+    let s = status(&w.state()).unwrap();
+    let n = &s.nodes[0];
+    assert!((1..=8).contains(&n.failures), "{n:?}");
+    assert_eq!(w.mock.creates_total(), 0, "nothing was rented");
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(w.mock.live_instances(), 0);
     assert_no_key(&d.log(), w.mock.api_key());
 }
 

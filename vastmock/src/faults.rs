@@ -58,6 +58,9 @@ pub enum Ambiguity {
     Drop,
     /// A 502 Bad Gateway with an HTML body.
     BadGateway,
+    /// A 200 whose body is cut off mid-JSON, as a broken proxy or a
+    /// half-written answer would leave it.
+    Malformed,
 }
 
 /// Per-instance faults, stamped on an instance (at create, or when set for

@@ -25,6 +25,9 @@
 //! for the official client and for a client appending `/api/v0/...`.
 //!
 //! # Instances
+//! A create whose `image` is not an image reference (lowercase name,
+//! `._-/:@`, a tag of letters and digits) is refused with 400
+//! `invalid_args`, before anything is rented.
 //! An instance is `null` (provisioning), then `loading`, then `running`,
 //! with the [`Timings`] of the configuration (computed from the creation
 //! instant whenever the mock is asked; nothing runs in the background).
@@ -93,7 +96,7 @@
 //! | `/admin/faults/boot_failure` | `{"target":T}` | [`VastMock::boot_failure`] |
 //! | `/admin/faults/ssh_never_ready` | `{"target":T}` | [`VastMock::ssh_never_ready`] |
 //! | `/admin/faults/kill` | `{"target":{"id":N}\|{"label":"x"},"death":"exited"\|"offline"\|"vanished"}` | [`VastMock::kill`] |
-//! | `/admin/faults/ambiguous_create` | `{"kind":{"timeout":{"hold_ms":N}}\|"drop"\|"bad_gateway","count":K}` | [`VastMock::ambiguous_create`] |
+//! | `/admin/faults/ambiguous_create` | `{"kind":{"timeout":{"hold_ms":N}}\|"drop"\|"bad_gateway"\|"malformed","count":K}` | [`VastMock::ambiguous_create`] |
 //! | `/admin/faults/listing_lag` | `{"lag_ms":N}` | [`VastMock::listing_lag`] |
 //! | `/admin/faults/flaky_destroy` | `{"count":K,"status":500}` | [`VastMock::flaky_destroy`] |
 //! | `/admin/faults/random_5xx` | `{"probability":P,"seed":S}` | [`VastMock::random_5xx`] |

@@ -470,6 +470,11 @@ impl World {
         if image.is_empty() && template.is_none() {
             return Reply::invalid_args("image or template_hash_id is required");
         }
+        if !image.is_empty() && !is_image_reference(image) {
+            return Reply::invalid_args(format!(
+                "invalid image {image:?}: an image reference is lowercase letters, digits and ._-/:@"
+            ));
+        }
         let disk = match b.get("disk") {
             None | Some(Value::Null) => 10.0,
             Some(v) => match as_f64_lenient(v) {
@@ -628,6 +633,14 @@ impl World {
                     ..reply
                 },
                 Ambiguity::BadGateway => Reply::server_error(502),
+                Ambiguity::Malformed => Reply {
+                    status: 200,
+                    body: Body::Text(
+                        format!("{{\"success\": true, \"new_contr{}", id % 10),
+                        "application/json",
+                    ),
+                    after: After::Respond,
+                },
             };
         }
         reply
@@ -1339,6 +1352,25 @@ fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Whether `image` looks like an image reference the service would take:
+/// `[registry/]name[:tag][@digest]` in lowercase letters, digits and
+/// `._-/:@` (a tag may hold uppercase letters), at most 255 characters.
+fn is_image_reference(image: &str) -> bool {
+    let (name, tag) = match image.rsplit_once(':') {
+        Some((n, t)) if !t.contains('/') => (n, t),
+        _ => (image, ""),
+    };
+    image.len() <= 255
+        && !name.is_empty()
+        && !name.starts_with(['-', '.', '/'])
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "._-/:@".contains(c))
+        && tag
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-@:".contains(c))
 }
 
 #[cfg(test)]
