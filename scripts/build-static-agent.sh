@@ -4,20 +4,29 @@
 # host and runs its `agent` subcommand there. A static binary runs whatever
 # C library the host has.
 #
-# Usage: scripts/build-static-agent.sh [--debug]
+# Usage: scripts/build-static-agent.sh [--debug] [--drop-build]
 # Leaves the binary at target/release/swactor-agent (target/debug/... with
 # --debug), next to the swactor binary the same profile builds: the daemon
 # looks for it there first. `swactor up --agent-binary PATH` (or
 # $SWACTOR_AGENT_BINARY) names another.
+#
+# The static build has its own tree under target/<host triple>/ (crt-static
+# changes every crate's flags, so nothing is shared with the normal build).
+# --drop-build removes that tree once the binary is copied out: CI does, to
+# keep its disk use down; keep it locally for fast rebuilds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 profile=release
 flags=(--release)
-if [ "${1:-}" = "--debug" ]; then
-    profile=debug
-    flags=()
-fi
+drop_build=0
+for arg in "$@"; do
+    case "$arg" in
+        --debug) profile=debug; flags=() ;;
+        --drop-build) drop_build=1 ;;
+        *) echo "build-static-agent: unknown argument $arg (usage: [--debug] [--drop-build])" >&2; exit 2 ;;
+    esac
+done
 host=$(rustc -vV | sed -n 's/^host: //p')
 case "$host" in
     *-linux-gnu) ;;
@@ -25,7 +34,11 @@ case "$host" in
 esac
 
 # glibc links statically with crt-static; the result is a static-pie binary.
+# Without debug info either way: the binary is uploaded to every host and
+# copied into every image, and line tables would triple its size.
 RUSTFLAGS="-C target-feature=+crt-static" \
+CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_DEV_STRIP=debuginfo \
+CARGO_PROFILE_RELEASE_STRIP=debuginfo \
     cargo build "${flags[@]}" -p swactor --target "$host"
 
 built="target/$host/$profile/swactor"
@@ -46,5 +59,8 @@ elif command -v file >/dev/null; then
     fi
 else
     echo "build-static-agent: warning: neither readelf nor file is installed; static linking not checked" >&2
+fi
+if [ "$drop_build" = 1 ]; then
+    rm -rf "target/$host"
 fi
 echo "$out ($(du -h "$out" | cut -f1)), sha256 $(sha256sum "$out" | cut -d' ' -f1)"
