@@ -789,9 +789,12 @@ async fn vast_provider(
         Err(e) => anyhow::bail!("cannot start the vast provider: {e}; nothing was started"),
     };
     if used.is_some() {
-        vast.check_access()
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}; nothing was rented"))?;
+        vast.check_access().await.map_err(|e| {
+            anyhow::anyhow!(
+                "{e}; nothing new was rented (instances rented before are left running, \
+                     and the next `swactor up` adopts them)"
+            )
+        })?;
         if let Some(warning) = binary.warning() {
             eprintln!("swactor: warning: {warning}");
         }

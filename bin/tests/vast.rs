@@ -628,6 +628,91 @@ fn a_daemon_killed_mid_create_adopts_the_instance_when_it_starts_again() {
 }
 
 #[test]
+fn a_listing_cut_off_mid_json_is_an_error_never_an_empty_account() {
+    let w = World::new(offers(3, 0.3));
+    let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
+    let t = template(&[]);
+    let k = key("w-0", 1);
+    rt().block_on(async {
+        let made = p.create_lease(&k, &t).await.unwrap();
+        // One cut-off answer is read again.
+        w.mock.malformed(swactor_vastmock::Endpoint::List, 1);
+        let inv = p.list(&RunId::new("r")).await.unwrap();
+        assert_eq!(inv.len(), 1);
+        // Past the read's retries it is an error, never an empty account.
+        w.mock.malformed(swactor_vastmock::Endpoint::List, 10);
+        let err = p
+            .list(&RunId::new("r"))
+            .await
+            .expect_err("a cut-off listing was read as an account");
+        assert!(format!("{err}").contains("not JSON"), "{err}");
+        // The create is not sent while the listing that would adopt its
+        // label cannot be read.
+        let other = key("w-1", 1);
+        assert!(p.create_lease(&other, &t).await.is_err());
+        assert_eq!(w.mock.creates_total(), 1);
+        w.mock.malformed(swactor_vastmock::Endpoint::List, 0);
+        let inv = p.list(&RunId::new("r")).await.unwrap();
+        assert_eq!(inv.get(&k).and_then(|o| o.lease.clone()), Some(made.lease));
+    });
+}
+
+#[test]
+fn a_restarted_daemon_reading_cut_off_answers_rents_nothing_twice() {
+    let w = World::new(offers(4, 0.3));
+    let shape = w.shape("two.toml", 2, "");
+    let mut d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    d.kill9();
+    drop(d);
+    // The restarted daemon's first listings and shows are cut off mid-JSON
+    // (as many as a read retries): it reads them again, and never takes
+    // them for "nothing rented".
+    w.mock.malformed(swactor_vastmock::Endpoint::List, 3);
+    w.mock.malformed(swactor_vastmock::Endpoint::Show, 3);
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    assert_eq!(w.mock.creates_total(), 2, "{}", d.log());
+    assert_eq!(w.mock.live_instances(), 2);
+
+    // Now more cut-off listings than any read retries, while an instance
+    // vanishes: its replacement waits for a listing it can read (the label
+    // may be there), and is rented once.
+    w.mock.malformed(swactor_vastmock::Endpoint::List, 8);
+    let victim = w
+        .mock
+        .instances()
+        .into_iter()
+        .find(|i| !i.destroyed)
+        .expect("a live instance");
+    assert_eq!(w.mock.kill(Selector::Id(victim.id), Death::Vanished), 1);
+    wait_for(CONVERGE, "the replacement", || w.mock.creates_total() == 3);
+    try_wait_converged(&w.state(), CONVERGE, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+    })
+    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    assert_eq!(w.mock.creates_total(), 3, "{}", d.log());
+    assert_eq!(w.mock.live_instances(), 2);
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(30), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+    assert_no_key(&d.log(), w.mock.api_key());
+}
+
+#[test]
 fn a_shape_renting_vast_machines_without_a_key_is_refused_before_anything_is_rented() {
     let w = World::new(offers(2, 0.3));
     let shape = w.shape("one.toml", 1, "");

@@ -360,6 +360,10 @@ impl VastProvider {
                     "the Vast.ai service at {} refused the API key ({e}); check VAST_API_KEY or ~/.vast_api_key",
                     self.shared.api.base()
                 ),
+                e @ ApiError::Malformed(_) => format!(
+                    "the Vast.ai service at {} answered in a way Swactor cannot read ({e})",
+                    self.shared.api.base()
+                ),
                 e => format!("cannot reach the Vast.ai service at {}: {e}", self.shared.api.base()),
             })
     }

@@ -103,6 +103,8 @@ pub(crate) struct Faults {
     pub(crate) offers_gone: HashMap<u64, Gone>,
     /// The next n calls of an endpoint get 429.
     pub(crate) rate_bursts: BTreeMap<Endpoint, u32>,
+    /// The next n successful answers of an endpoint are cut off mid-JSON.
+    pub(crate) malformed: BTreeMap<Endpoint, u32>,
     /// Faults waiting for instances to be created: (label, fault), (next n, fault), all new.
     pub(crate) by_label: Vec<(String, InstanceFault)>,
     pub(crate) next: Vec<(u32, InstanceFault)>,
@@ -145,6 +147,18 @@ impl Faults {
     /// Whether this call is one of the next rate-limit burst calls (consumes one).
     pub(crate) fn take_burst(&mut self, endpoint: Endpoint) -> bool {
         match self.rate_bursts.get_mut(&endpoint) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether this call's answer is one of the next cut-off answers of
+    /// `endpoint` (consumes one).
+    pub(crate) fn take_malformed(&mut self, endpoint: Endpoint) -> bool {
+        match self.malformed.get_mut(&endpoint) {
             Some(n) if *n > 0 => {
                 *n -= 1;
                 true

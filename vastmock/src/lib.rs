@@ -90,6 +90,7 @@
 //! |---|---|---|
 //! | `/admin/faults/offer_gone` | `{"offer_id":N,"kind":"not_found"\|"unavailable"\|null}` | [`VastMock::offer_gone`] |
 //! | `/admin/faults/rate_burst` | `{"endpoint":"create","count":K}` | [`VastMock::rate_burst`] |
+//! | `/admin/faults/malformed` | `{"endpoint":"list","count":K}` | [`VastMock::malformed`] |
 //! | `/admin/faults/rate_limit_text` | `{"text":true}` | [`VastMock::rate_limit_text`] |
 //! | `/admin/faults/slow_loading` | `{"target":T,"loading_ms":N}` | [`VastMock::slow_loading`] |
 //! | `/admin/faults/stuck_loading` | `{"target":T}` | [`VastMock::stuck_loading`] |
@@ -372,6 +373,13 @@ impl VastMock {
             .faults
             .rate_bursts
             .insert(endpoint, count);
+    }
+
+    /// The next `count` answers of `endpoint` that would have been a 200
+    /// (any key) are a 200 whose JSON is cut off halfway. For a create the
+    /// instance is still made, as with [`Ambiguity::Malformed`].
+    pub fn malformed(&self, endpoint: Endpoint, count: u32) {
+        self.shared.world().faults.malformed.insert(endpoint, count);
     }
 
     /// Loading takes `loading` for the targeted instances (a booting one

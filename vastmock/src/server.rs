@@ -410,6 +410,16 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
         }),
     )
     .route(
+        "/admin/faults/malformed",
+        post(|State(s): S, b: Bytes| {
+            admin(s, move |w, _| {
+                let body: BurstBody = parse(&b)?;
+                w.faults.malformed.insert(body.endpoint, body.count);
+                ok()
+            })
+        }),
+    )
+    .route(
         "/admin/faults/rate_limit_text",
         post(|State(s): S, b: Bytes| {
             admin(s, move |w, _| {

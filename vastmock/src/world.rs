@@ -78,6 +78,24 @@ impl Reply {
     }
 
     /// A 429: JSON `{"detail": …}`, or the same words as plain text.
+    /// The same answer cut off halfway through its JSON, as a broken proxy
+    /// or a half-written response leaves it (still a 200).
+    fn cut_off(self) -> Self {
+        let text = match self.body {
+            Body::Json(v) => v.to_string(),
+            Body::Text(t, _) => t,
+        };
+        let mut end = text.len() / 2;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        Self {
+            status: self.status,
+            body: Body::Text(text[..end].to_owned(), "application/json"),
+            after: After::Respond,
+        }
+    }
+
     fn too_frequent(interval: Duration, text: bool) -> Self {
         let detail = format!(
             "API requests too frequent endpoint threshold={:.2}s",
@@ -357,6 +375,21 @@ impl World {
                 return Reply::server_error(status);
             }
         }
+        let endpoint = call.endpoint();
+        let reply = self.answer(call, now);
+        match endpoint {
+            Some(e) if reply.status == 200 && reply.after == After::Respond => {
+                if self.faults.take_malformed(e) {
+                    reply.cut_off()
+                } else {
+                    reply
+                }
+            }
+            _ => reply,
+        }
+    }
+
+    fn answer(&mut self, call: Call, now: Instant) -> Reply {
         match call {
             Call::Search { body } => self.search(&body),
             Call::Create { offer_id, body } => self.create(offer_id, &body, now),

@@ -117,6 +117,43 @@ fn a_rate_burst_refuses_the_next_calls_of_one_endpoint() {
 }
 
 #[test]
+fn a_malformed_answer_is_a_200_cut_off_mid_json_for_the_next_calls_of_one_endpoint() {
+    let (mock, api) = start(quick(false));
+    let id = api.create(OFFER, "cut-1");
+    let show = format!("/api/v0/instances/{id}/");
+    mock.malformed(Endpoint::List, 2);
+    for path in ["/api/v0/instances/", "/api/v1/instances/"] {
+        let r = api.get(path);
+        assert_eq!(r.status, 200);
+        assert!(
+            serde_json::from_str::<serde_json::Value>(&r.body).is_err(),
+            "{path} answered whole JSON: {}",
+            r.body
+        );
+        assert!(r.body.starts_with('{'), "{}", r.body);
+    }
+    let whole = api.get("/api/v0/instances/");
+    assert_eq!(whole.json()["instances"].as_array().unwrap().len(), 1);
+
+    // Through the admin route, for shows; an error answer is never cut.
+    let r = api.post(
+        "/admin/faults/malformed",
+        json!({"endpoint": "show", "count": 1}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    mock.rate_burst(Endpoint::Show, 1);
+    assert_eq!(api.get(&show).status, 429);
+    let r = api.get(&show);
+    assert_eq!(r.status, 200);
+    assert!(serde_json::from_str::<serde_json::Value>(&r.body).is_err());
+    assert_eq!(api.get(&show).status, 200);
+    assert!(
+        api.get(&show).json()["instances"].is_object(),
+        "the knob was used up"
+    );
+}
+
+#[test]
 fn a_gone_offer_answers_404_or_410_or_makes_an_instance_that_never_runs() {
     let (mock, api) = start(quick(false));
     let body =

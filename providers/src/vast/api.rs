@@ -7,6 +7,8 @@
 //!   a URL or a header).
 //! - A create ([`Endpoint::Create`]) is sent at most once per call: only a
 //!   429, which the service answers before doing anything, is retried.
+//! - A read is retried (up to [`READ_RETRIES_MAX`] times, backing off) on
+//!   a 5xx, a lost connection or an answer that is not JSON; a create never.
 //! - A 429 delays every later request to the same endpoint (doubling, up to
 //!   [`RATE_BACKOFF_CAP`]); nothing retries in a tight loop.
 
@@ -24,7 +26,8 @@ pub(crate) const RATE_BACKOFF_BASE: Duration = Duration::from_secs(1);
 pub(crate) const RATE_BACKOFF_CAP: Duration = Duration::from_secs(30);
 /// How many times one call retries a 429 before it gives up.
 const RATE_RETRIES_MAX: u32 = 4;
-/// How many times a read retries a 5xx or a transport failure.
+/// How many times a read retries a 5xx, a transport failure or an answer
+/// that is not JSON.
 const READ_RETRIES_MAX: u32 = 3;
 /// First wait before a read's retry.
 const READ_BACKOFF_BASE: Duration = Duration::from_millis(500);
@@ -345,8 +348,11 @@ impl Api {
                         && read_retries < READ_RETRIES_MAX
                         && match &err {
                             ApiError::Status { status, .. } => *status >= 500,
-                            ApiError::Unsent(_) | ApiError::Lost(_) => true,
-                            ApiError::Malformed(_) => false,
+                            // A body cut off mid-JSON is an answer lost on
+                            // the way; a read is safe to ask again.
+                            ApiError::Unsent(_) | ApiError::Lost(_) | ApiError::Malformed(_) => {
+                                true
+                            }
                         } =>
                 {
                     read_retries += 1;
