@@ -429,3 +429,51 @@ async fn a_claim_on_a_host_that_is_silent_at_a_restart_is_listed_from_its_record
     assert_eq!(world.claim(0), None, "the claim was released");
     assert!(second.list(&RunId::new("r1")).await.unwrap().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_whose_shell_greets_on_stdout_is_claimed_listed_and_adopted_all_the_same() {
+    let world = World::new(1, CONVERGING);
+    // bash reads ~/.bashrc for commands sshd runs; many print a greeting.
+    std::fs::write(
+        world.hosts[0].home().join(".bashrc"),
+        "echo 'Welcome to host0: be nice'\necho 'claimed by nobody'\n",
+    )
+    .unwrap();
+    let t = world.template();
+    let k = key("w-0", 1);
+    let first = world.provider();
+    let grant = first.create_lease(&k, &t).await.unwrap();
+    // A retried create sticks to the same claim.
+    assert_eq!(first.create_lease(&k, &t).await.unwrap().lease, grant.lease);
+    let endpoint = first.lookup_endpoint(&k, &grant.lease).await.unwrap();
+    let mut s1 = first
+        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
+        .await
+        .unwrap();
+    assert_eq!(take(&mut s1.events, 6).await, converging_stages());
+    let dir = world.node_dir(0, &k);
+    let before = agents_in(&dir);
+    assert_eq!(before.len(), 1);
+    drop(first);
+
+    let second = world.provider();
+    second.learn_template(&t);
+    let listed = second.list(&RunId::new("r1")).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[&k].session.as_ref(), Some(&s1.session));
+    let s2 = second
+        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
+        .await
+        .unwrap();
+    assert_eq!(s2.session, s1.session);
+    assert_eq!(agents_in(&dir), before, "no second agent");
+    second.destroy_lease(&k, &grant.lease).await.unwrap();
+    wait_until("everything of the attempt to be gone", || {
+        processes_in(&dir).is_empty()
+    })
+    .await;
+    assert!(
+        second.list(&RunId::new("r1")).await.unwrap().is_empty(),
+        "the claim was released"
+    );
+}

@@ -191,7 +191,11 @@ impl SshSession {
     /// - [`SshError::Broken`]: the connection ended before the command
     ///   reported how it ended; whether it ran, and how far, is unknown.
     pub async fn exec(&self, command: &str, stdin: Option<&[u8]>) -> Result<ExecOutput, SshError> {
-        let (mut read, write) = self.start(command).await?;
+        // The login shell may print before the command runs (a greeting in
+        // ~/.bashrc, say): a marker line first, and only what follows it is
+        // the command's output.
+        let marked = format!("printf '%s\\n' {OUTPUT_MARK}; {command}");
+        let (mut read, write) = self.start(&marked).await?;
         let send_input = async {
             if let Some(bytes) = stdin {
                 write.half().data(bytes).await?;
@@ -237,7 +241,7 @@ impl SshSession {
             }
         }
         Ok(ExecOutput {
-            stdout: stdout.into_vec(),
+            stdout: after_mark(stdout.into_vec()),
             stderr: stderr.into_vec(),
             status,
             signal,
@@ -715,6 +719,21 @@ fn take_line(partial: &mut Vec<u8>) -> String {
     let line = String::from_utf8_lossy(partial).into_owned();
     partial.clear();
     line
+}
+
+/// The line [`Session::exec`] prints before running a command.
+const OUTPUT_MARK: &str = "swactor-output-follows-9c4e";
+
+/// What follows the first [`OUTPUT_MARK`] line of `stdout`: drops whatever
+/// the login shell printed before the command ran. Output without the
+/// mark (its start cut off by [`OUTPUT_KEEP_BYTES`]) is kept whole.
+fn after_mark(stdout: Vec<u8>) -> Vec<u8> {
+    let mark = format!("{OUTPUT_MARK}\n");
+    let mark = mark.as_bytes();
+    match stdout.windows(mark.len()).position(|w| w == mark) {
+        Some(at) => stdout[at + mark.len()..].to_vec(),
+        None => stdout,
+    }
 }
 
 /// The last [`OUTPUT_KEEP_BYTES`] of a stream.
