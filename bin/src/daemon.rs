@@ -62,8 +62,37 @@ pub(crate) struct UpOptions {
 pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
-    let listen = opts.listen.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-    if listen.is_unspecified() && opts.advertise.is_none() {
+    // Addresses given now win; without any, those of the last daemon of
+    // this state directory, so agents on other machines can still reach it.
+    let (listen, advertise) = match (opts.listen, opts.advertise) {
+        (None, None) => match StateDir::saved_network(&opts.state_dir) {
+            Some((listen, advertise)) => {
+                if !listen.is_loopback() || advertise.is_some() {
+                    eprintln!(
+                        "swactor: listening on {listen}{}, as the last daemon of this state \
+                         directory did (--listen and --advertise change it)",
+                        advertise
+                            .map(|ip| format!(" for agents dialing {ip}"))
+                            .unwrap_or_default()
+                    );
+                }
+                (listen, advertise)
+            }
+            None => {
+                let saved = opts.state_dir.join(crate::state::NETWORK_FILE);
+                if saved.exists() {
+                    eprintln!(
+                        "swactor: warning: cannot read the saved addresses in {}; listening \
+                         on 127.0.0.1 (--listen and --advertise name others)",
+                        saved.display()
+                    );
+                }
+                (IpAddr::V4(Ipv4Addr::LOCALHOST), None)
+            }
+        },
+        (listen, advertise) => (listen.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)), advertise),
+    };
+    if listen.is_unspecified() && advertise.is_none() {
         anyhow::bail!(
             "listening on {listen} (every interface), the daemon cannot tell remote agents \
              which address to dial: name it with --advertise IP; nothing was started"
@@ -98,7 +127,8 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let endpoint = bind_daemon_endpoint(&state, listen).await?;
     let ticket = EndpointTicket::new(endpoint.addr());
     // What agents are given: the advertised address, on the bound port.
-    let agent_ticket = match (opts.advertise, endpoint.bound_sockets().first()) {
+    state.save_network(listen, advertise)?;
+    let agent_ticket = match (advertise, endpoint.bound_sockets().first()) {
         (Some(ip), Some(bound)) => EndpointTicket::new(
             swactor_engine::iroh::EndpointAddr::new(endpoint.id())
                 .with_ip_addr(SocketAddr::new(ip, bound.port())),

@@ -83,9 +83,10 @@ nodes, or creates more than 20 at once, is confirmed on a terminal (or needs
         /// Go ahead without asking, even when SHAPE destroys or replaces nodes.
         #[arg(long, short = 'y')]
         yes: bool,
-        /// The address the daemon listens on (default 127.0.0.1: only agents
-        /// and CLIs on this machine reach it). Remote agents need one they
-        /// can reach, e.g. 0.0.0.0 with --advertise.
+        /// The address the daemon listens on (default: the last daemon's of
+        /// this state directory, else 127.0.0.1: only agents and CLIs on
+        /// this machine reach it). Remote agents need one they can reach,
+        /// e.g. 0.0.0.0 with --advertise.
         #[arg(long, value_name = "IP")]
         listen: Option<std::net::IpAddr>,
         /// The address remote agents dial (default: the --listen address).

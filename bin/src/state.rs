@@ -5,6 +5,7 @@ use rustix::fs::{FlockOperation, flock};
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Write};
+use std::net::IpAddr;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -13,6 +14,8 @@ use swactor_engine::net::{EndpointTicket, load_or_create_secret_key};
 
 /// Environment variable naming the state directory.
 pub(crate) const STATE_DIR_ENV: &str = "SWACTOR_STATE_DIR";
+/// Where the daemon's listen and advertised addresses are kept.
+pub(crate) const NETWORK_FILE: &str = "daemon.network";
 /// The state directory used when none is given.
 pub(crate) const DEFAULT_STATE_DIR: &str = ".swactor";
 
@@ -171,6 +174,38 @@ impl StateDir {
             port.to_string().as_bytes(),
             0o644,
         )
+    }
+
+    /// The addresses the last daemon listened on and gave its agents
+    /// (`--listen`, `--advertise`), if they were saved and can be read.
+    /// Read from a path, since `up` settles its addresses before it makes
+    /// the directory.
+    pub(crate) fn saved_network(root: &Path) -> Option<(IpAddr, Option<IpAddr>)> {
+        let text = std::fs::read_to_string(root.join(NETWORK_FILE)).ok()?;
+        let mut listen = None;
+        let mut advertise = None;
+        for line in text.lines() {
+            match line.split_once('=') {
+                Some(("listen", v)) => listen = Some(v.trim().parse().ok()?),
+                Some(("advertise", v)) => advertise = Some(v.trim().parse().ok()?),
+                _ => {}
+            }
+        }
+        Some((listen?, advertise))
+    }
+
+    /// Remembers the addresses the daemon listens on and gives its agents,
+    /// so a daemon started again without `--listen`/`--advertise` is still
+    /// reachable by the agents on other machines.
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub(crate) fn save_network(&self, listen: IpAddr, advertise: Option<IpAddr>) -> Result<()> {
+        let mut text = format!("listen={listen}\n");
+        if let Some(ip) = advertise {
+            text.push_str(&format!("advertise={ip}\n"));
+        }
+        write_atomic(&self.root.join(NETWORK_FILE), text.as_bytes(), 0o644)
     }
 
     /// The secret join tokens are derived from; created on first use.
@@ -382,6 +417,27 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn saved_addresses_round_trip_and_a_damaged_file_is_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::create(dir.path().join("state")).unwrap();
+        assert_eq!(StateDir::saved_network(state.root()), None);
+        let any: IpAddr = "0.0.0.0".parse().unwrap();
+        let public: IpAddr = "192.0.2.7".parse().unwrap();
+        state.save_network(any, Some(public)).unwrap();
+        assert_eq!(
+            StateDir::saved_network(state.root()),
+            Some((any, Some(public)))
+        );
+        let v6: IpAddr = "::1".parse().unwrap();
+        state.save_network(v6, None).unwrap();
+        assert_eq!(StateDir::saved_network(state.root()), Some((v6, None)));
+        for damaged in ["listen=not-an-ip\n", "advertise=192.0.2.7\n", ""] {
+            std::fs::write(state.root().join(NETWORK_FILE), damaged).unwrap();
+            assert_eq!(StateDir::saved_network(state.root()), None, "{damaged:?}");
+        }
+    }
 
     #[test]
     fn a_second_lock_on_the_same_directory_fails_and_names_the_holder() {

@@ -573,6 +573,32 @@ fn an_agent_on_a_host_across_a_network_joins_the_daemon_at_its_advertised_addres
         .collect();
     assert_eq!(records.len(), 1, "{records:?}");
     assert_eq!(mode(&records[0]), 0o600, "{}", records[0].display());
+
+    // kill -9 the daemon and start it again naming no address: it listens
+    // where the last one did, so the agent across the network rejoins it
+    // (on 127.0.0.1 it could not, and the node would be replaced).
+    let attempt = snap.nodes[0].attempt;
+    let agents_before = pool.all_agents();
+    d.kill9();
+    let mut d = Daemon::spawn_with(&pool.state, None, &["--agent-binary", &agent])
+        .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log));
+    let snap = wait_status(&pool.state, CONVERGE, "the agent to rejoin", |s| {
+        s.converged
+            && s.nodes.len() == 1
+            && s.nodes[0].agent == swactor_actors::AgentLink::Connected
+    });
+    assert_eq!(snap.nodes[0].attempt, attempt, "the node was replaced");
+    assert_eq!(
+        pool.all_agents(),
+        agents_before,
+        "no agent was started again"
+    );
+    assert!(
+        d.log()
+            .contains(&format!("listening on {outside}, as the last daemon")),
+        "{}",
+        d.log()
+    );
     down_leaves_nothing(&pool, &mut d, false);
 }
 
