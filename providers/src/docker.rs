@@ -82,8 +82,8 @@ use bollard::models::{
     ContainerCreateBody, ContainerInspectResponse, HostConfig, RestartPolicy, RestartPolicyNameEnum,
 };
 use bollard::query_parameters::{
-    BuildImageOptions, CreateContainerOptions, ListContainersOptions, RemoveContainerOptions,
-    StopContainerOptions, UploadToContainerOptions,
+    BuildImageOptions, CreateContainerOptions, ListContainersOptions, ListImagesOptions,
+    RemoveContainerOptions, RemoveImageOptions, StopContainerOptions, UploadToContainerOptions,
 };
 use futures_util::StreamExt;
 use options::NodeOptions;
@@ -417,7 +417,36 @@ impl DockerProvider {
             .await
             .map_err(|e| self.definite(format!("the build did not leave image {tag}"), &e))?;
         tracing::info!(%tag, "built the agent image");
+        self.remove_untagged_builds(&hash).await;
         Ok(tag)
+    }
+
+    /// Removes images of this agent left without a tag: two processes that
+    /// build the same tag at once each make an image, and the tag ends on
+    /// one of them. Only unused ones go (no force); failures are ignored.
+    async fn remove_untagged_builds(&self, hash: &str) {
+        let docker = &self.shared.docker;
+        let options = ListImagesOptions {
+            filters: Some(HashMap::from([
+                ("dangling".to_owned(), vec!["true".to_owned()]),
+                (
+                    "label".to_owned(),
+                    vec![format!("swactor.agent-blake3={hash}")],
+                ),
+            ])),
+            ..Default::default()
+        };
+        let Ok(untagged) = docker.list_images(Some(options)).await else {
+            return;
+        };
+        for image in untagged {
+            if let Err(e) = docker
+                .remove_image(&image.id, None::<RemoveImageOptions>, None)
+                .await
+            {
+                tracing::debug!(id = %image.id, error = %e, "an untagged agent image stays");
+            }
+        }
     }
 
     /// The agent binary's bytes, refused when it is dynamically linked.

@@ -738,3 +738,58 @@ async fn a_groups_own_image_gets_the_agent_copied_in() {
         )
         .await;
 }
+
+#[tokio::test]
+async fn two_providers_building_one_agent_image_at_once_leave_no_untagged_copy() {
+    if !engine_up().await {
+        return;
+    }
+    let agent = tokio::task::spawn_blocking(agent_binary).await.unwrap();
+    // A repository of this test's own, so both builds really run.
+    let repository = format!("swactor-agent-race-{}", std::process::id());
+    let provider = || {
+        DockerProvider::connect(DockerConfig {
+            daemon_ticket: "not-a-ticket".to_owned(),
+            token_secret: SECRET,
+            image_repository: repository.clone(),
+            ..DockerConfig::new(agent.clone())
+        })
+    };
+    let (a, b) = (provider().await.unwrap(), provider().await.unwrap());
+    let (ta, tb) = tokio::join!(a.agent_image(), b.agent_image());
+    let (ta, tb) = (ta.unwrap(), tb.unwrap());
+    assert_eq!(ta, tb);
+    let docker = a.engine().clone();
+    let hash_label = docker
+        .inspect_image(&ta)
+        .await
+        .unwrap()
+        .config
+        .and_then(|c| c.labels)
+        .and_then(|l| l.get("swactor.agent-blake3").cloned())
+        .expect("the image carries the agent's hash");
+    let untagged = docker
+        .list_images(Some(bollard::query_parameters::ListImagesOptions {
+            filters: Some(HashMap::from([
+                ("dangling".to_owned(), vec!["true".to_owned()]),
+                (
+                    "label".to_owned(),
+                    vec![format!("swactor.agent-blake3={hash_label}")],
+                ),
+            ])),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    let _ = docker
+        .remove_image(
+            &ta,
+            None::<bollard::query_parameters::RemoveImageOptions>,
+            None,
+        )
+        .await;
+    assert!(
+        untagged.is_empty(),
+        "untagged agent images left: {untagged:#?}"
+    );
+}
