@@ -613,6 +613,9 @@ fn print_status(
     prefix: &str,
 ) -> std::io::Result<()> {
     out.line(format_args!("{prefix}{}", status_headline(s)))?;
+    for h in &s.holds {
+        out.line(format_args!("{prefix}group {}: {}", h.group, h.reason))?;
+    }
     let width = width.map(|w| w.saturating_sub(prefix.chars().count() + 1));
     for line in status_table(s).render(width).into_iter().flatten() {
         out.line(format_args!("{prefix}{line}"))?;

@@ -263,6 +263,7 @@ mod tests {
             now: Timestamp::from_millis(1),
             rentals: Vec::new(),
             paused: false,
+            holds: Vec::new(),
         };
         let json = serde_json::to_string(&ControlResponse::Status(snap.clone())).unwrap();
         assert!(

@@ -5,8 +5,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use swactor_provisioning::{
-    BootParams, ClusterShape, Generation, GroupShape, NodeLimits, ParamValue, ProviderShape, RunId,
-    ShapeError, SwarmJoin,
+    BootParams, ClusterShape, Generation, GroupShape, NodeLimits, ParamValue, PolicyShape,
+    ProviderShape, Quantity, RunId, ShapeError, SwarmJoin,
 };
 
 use crate::words::cut;
@@ -79,6 +79,17 @@ pub(crate) struct GroupFile {
     /// each maybe with labels). Changing it moves no node already placed.
     #[serde(default)]
     pub(crate) hosts: Vec<HostEntry>,
+    /// Most nodes a template change may have unavailable at once: a count
+    /// or `"25%"` (default 1). Changing it replaces no node.
+    #[serde(default)]
+    pub(crate) max_unavailable: Option<Quantity>,
+    /// Extra nodes a rollout may make; only 0 is supported.
+    #[serde(default)]
+    pub(crate) max_surge: Option<Quantity>,
+    /// Most unhealthy nodes before lost ones stop being replaced: a count
+    /// or `"40%"` (default: no limit). Changing it replaces no node.
+    #[serde(default)]
+    pub(crate) max_unhealthy: Option<Quantity>,
 }
 
 /// One host of a pool: `"user@host:port"`, or
@@ -233,6 +244,11 @@ impl ShapeFile {
                     boot_timeout_s: g
                         .boot_timeout_s
                         .unwrap_or(NodeLimits::default().boot_timeout_s),
+                },
+                policy: PolicyShape {
+                    max_unavailable: g.max_unavailable,
+                    max_surge: g.max_surge,
+                    max_unhealthy: g.max_unhealthy,
                 },
             })
             .collect();

@@ -1,12 +1,13 @@
 //! The driver operations a host uses, as a trait, so a harness can wrap or replace the driver.
 
 use crate::config::ReconcilerConfig;
-use crate::decide::Plan;
+use crate::decide::{Plan, RolloutStatus};
 use crate::driver::{
     AdoptEntry, Adoption, DesiredUpdate, Driver, DriverError, DriverStats, Pass, UpdateError,
 };
-use crate::id::{LogicalNodeId, NodeAttemptId, OperationId};
+use crate::id::{GroupId, LogicalNodeId, NodeAttemptId, OperationId};
 use crate::observe::{BootstrapObservation, Folded, OperationResult};
+use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState};
 use crate::state::ClusterState;
 use crate::time::Timestamp;
@@ -106,6 +107,14 @@ pub trait Reconciler {
     fn set_paused(&mut self, paused: bool);
     /// See [`Driver::is_paused`].
     fn is_paused(&self) -> bool;
+    /// See [`Driver::rollout_holds`].
+    fn rollout_holds(&self) -> Vec<RolloutStatus>;
+    /// See [`Driver::breaker`].
+    fn breaker(
+        &self,
+        group: &GroupId,
+        away: &dyn Fn(&LogicalNodeId, NodeAttemptId) -> bool,
+    ) -> Option<Breaker>;
 }
 
 impl Reconciler for Driver {
@@ -194,5 +203,15 @@ impl Reconciler for Driver {
     }
     fn is_paused(&self) -> bool {
         Driver::is_paused(self)
+    }
+    fn rollout_holds(&self) -> Vec<RolloutStatus> {
+        Driver::rollout_holds(self)
+    }
+    fn breaker(
+        &self,
+        group: &GroupId,
+        away: &dyn Fn(&LogicalNodeId, NodeAttemptId) -> bool,
+    ) -> Option<Breaker> {
+        Driver::breaker(self, group, away)
     }
 }
