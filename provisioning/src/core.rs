@@ -11,6 +11,7 @@ use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState};
 use crate::state::ClusterState;
 use crate::time::Timestamp;
+use std::collections::BTreeSet;
 
 /// The driver core as a [`crate::Host`] (or a test harness) drives it.
 ///
@@ -109,6 +110,8 @@ pub trait Reconciler {
     fn is_paused(&self) -> bool;
     /// See [`Driver::rollout_holds`].
     fn rollout_holds(&self) -> Vec<RolloutStatus>;
+    /// See [`Driver::set_tripped`].
+    fn set_tripped(&mut self, tripped: BTreeSet<GroupId>);
     /// See [`Driver::breaker`].
     fn breaker(
         &self,
@@ -206,6 +209,9 @@ impl Reconciler for Driver {
     }
     fn rollout_holds(&self) -> Vec<RolloutStatus> {
         Driver::rollout_holds(self)
+    }
+    fn set_tripped(&mut self, tripped: BTreeSet<GroupId>) {
+        Driver::set_tripped(self, tripped);
     }
     fn breaker(
         &self,

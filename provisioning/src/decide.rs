@@ -9,6 +9,7 @@ use crate::shape::{DesiredGroup, DesiredState, NodeTemplate, same_template};
 use crate::state::{BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeStage};
 use crate::time::{Timestamp, earliest};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 
@@ -57,15 +58,23 @@ pub enum LadderRow {
     /// A refinement of row 4, tried right after it: the group's
     /// `max_unavailable` is spent or its rollout stopped (see [`RolloutGates`]).
     AwaitRolloutBudget = 17,
+    /// 18. Destroyed after a failure, restart due, but the group's breaker is tripped: wait.
+    ///
+    /// A refinement of row 2, tried right after it: while more of the
+    /// group is unhealthy than its `max_unhealthy` allows, a failed slot
+    /// gets no new attempt of the same template (a new template still
+    /// restarts it).
+    AwaitBreaker = 18,
 }
 
 impl LadderRow {
-    /// All rows, in priority order (InsertSlot first). Row 17 refines row
-    /// 4, so it comes right after it.
-    pub const ALL: [LadderRow; 18] = [
+    /// All rows, in priority order (InsertSlot first). Rows 17 and 18
+    /// refine rows 4 and 2, so each comes right after the row it refines.
+    pub const ALL: [LadderRow; 19] = [
         Self::InsertSlot,
         Self::ReapDestroyed,
         Self::RestartDestroyed,
+        Self::AwaitBreaker,
         Self::AwaitRestartBackoff,
         Self::BeginDelete,
         Self::AwaitRolloutBudget,
@@ -388,10 +397,14 @@ pub fn reconcile_node_paused(
 /// Nodes MUST be offered in slot order within a pass, and every ready,
 /// outdated node of a group must be offered in the same pass (the driver
 /// keeps the ones row 17 held as candidates of every pass for that).
+///
+/// It also holds the restarts of row 18: the groups whose remediation
+/// breaker is tripped are given with [`RolloutGates::with_tripped`].
 pub struct RolloutGates<'a> {
     state: &'a ClusterState,
     desired: &'a DesiredState,
     current: Option<(GroupId, GroupBudget)>,
+    tripped: Option<&'a BTreeSet<GroupId>>,
 }
 
 /// One group's rollout budget, as a pass spends it.
@@ -408,7 +421,19 @@ impl<'a> RolloutGates<'a> {
             state,
             desired,
             current: None,
+            tripped: None,
         }
+    }
+
+    /// The same gates, with the groups whose breaker is tripped.
+    pub fn with_tripped(mut self, tripped: &'a BTreeSet<GroupId>) -> Self {
+        self.tripped = Some(tripped);
+        self
+    }
+
+    /// Whether `group`'s remediation breaker is tripped.
+    pub fn is_tripped(&self, group: &GroupId) -> bool {
+        self.tripped.is_some_and(|t| t.contains(group))
     }
 
     /// Whether the ready, outdated node of `id` may begin deleting now;
@@ -580,8 +605,10 @@ pub fn breaker(
     Breaker::check(&g.policy, g.count, unhealthy)
 }
 
-/// [`reconcile_node`] with row 17: a ready node that row 4 would take down
-/// for drift waits unless `gates` admits it.
+/// [`reconcile_node`] with rows 17 and 18: a ready node that row 4 would
+/// take down for drift waits unless `gates` admits it, and a failed slot
+/// that row 2 would restart with the same template waits while its group's
+/// breaker is tripped.
 pub fn reconcile_node_gated(
     id: &LogicalNodeId,
     node: &ManagedNode,
@@ -590,6 +617,13 @@ pub fn reconcile_node_gated(
     gates: &mut RolloutGates<'_>,
 ) -> NodeDecision {
     let d = reconcile_node(node, desired, now);
+    if let Some(NodeAction::Restart { template }) = &d.action
+        && node.record.failed_reason.is_some()
+        && same_template(template, &node.template)
+        && gates.is_tripped(&id.group)
+    {
+        return NodeDecision::wait(LadderRow::AwaitBreaker, None);
+    }
     let drift = matches!(
         d.action,
         Some(NodeAction::BeginDelete {
@@ -608,18 +642,36 @@ pub fn reconcile_node_gated(
 /// a pass costs one step per node and allocates only for the actions it
 /// returns; a pass over a settled cluster allocates nothing.
 pub fn reconcile(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
-    plan_with(state, desired, now, false)
+    plan_with(state, desired, now, false, &BTreeSet::new())
+}
+
+/// [`reconcile`] (or, with `paused`, [`reconcile_paused`]) with the
+/// groups whose remediation breaker is tripped (row 18).
+pub fn reconcile_with(
+    state: &ClusterState,
+    desired: &DesiredState,
+    now: Timestamp,
+    paused: bool,
+    tripped: &BTreeSet<GroupId>,
+) -> Plan {
+    plan_with(state, desired, now, paused, tripped)
 }
 
 /// [`reconcile`] for a paused cluster: every node decided by
 /// [`reconcile_node_paused`], no slot inserted.
 pub fn reconcile_paused(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
-    plan_with(state, desired, now, true)
+    plan_with(state, desired, now, true, &BTreeSet::new())
 }
 
-fn plan_with(state: &ClusterState, desired: &DesiredState, now: Timestamp, paused: bool) -> Plan {
+fn plan_with(
+    state: &ClusterState,
+    desired: &DesiredState,
+    now: Timestamp,
+    paused: bool,
+    tripped: &BTreeSet<GroupId>,
+) -> Plan {
     let mut plan = Plan::default();
-    walk(state, desired, now, paused, |id, d| {
+    walk(state, desired, now, paused, tripped, |id, d| {
         plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
         if let Some(action) = d.action {
             plan.actions.push(PlannedAction {
@@ -641,6 +693,7 @@ pub(crate) fn walk(
     desired: &DesiredState,
     now: Timestamp,
     paused: bool,
+    tripped: &BTreeSet<GroupId>,
     mut visit: impl FnMut(&LogicalNodeId, NodeDecision),
 ) {
     let mut nodes = state.nodes.iter().peekable();
@@ -656,7 +709,7 @@ pub(crate) fn walk(
             };
             visit(&id, NodeDecision::act(LadderRow::InsertSlot, action));
         };
-    let mut gates = RolloutGates::new(state, desired);
+    let mut gates = RolloutGates::new(state, desired).with_tripped(tripped);
     let mut reconcile_node =
         |id: &LogicalNodeId, node: &ManagedNode, t: Option<&Arc<NodeTemplate>>, now: Timestamp| {
             if paused {
@@ -770,6 +823,7 @@ pub fn diff(state: &ClusterState, desired: &DesiredState) -> ShapeDiff {
         desired,
         Timestamp::from_millis(0),
         false,
+        &BTreeSet::new(),
         |id, _decision| {
             let node = state.nodes.get(id);
             let active = node.is_some_and(|n| {

@@ -23,7 +23,7 @@
 use crate::config::{ConfigError, ReconcilerConfig};
 use crate::decide::{
     LadderRow, NodeAction, Plan, PlannedAction, RolloutGates, RolloutStatus, is_converged,
-    reconcile, reconcile_node_gated, reconcile_node_paused, reconcile_paused, rollout_holds, walk,
+    reconcile_node_gated, reconcile_node_paused, reconcile_with, rollout_holds, walk,
 };
 use crate::id::{
     Generation, GroupId, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId,
@@ -349,6 +349,7 @@ pub struct Driver {
     stats: DriverStats,
     eval: Eval,
     paused: bool,
+    tripped: BTreeSet<GroupId>,
 }
 
 impl Driver {
@@ -367,6 +368,7 @@ impl Driver {
             stats: DriverStats::default(),
             eval: Eval::default(),
             paused: false,
+            tripped: BTreeSet::new(),
         })
     }
 
@@ -384,6 +386,25 @@ impl Driver {
         self.paused = paused;
         self.eval.full = true;
         self.trigger();
+    }
+
+    /// The groups whose remediation breaker is tripped, as the host works
+    /// it out (it knows which agents are away; see
+    /// [`breaker`](crate::breaker)): their failed slots get no new attempt
+    /// of the same template (ladder row 18). A change re-decides every node
+    /// in the next pass, which it queues.
+    pub fn set_tripped(&mut self, tripped: BTreeSet<GroupId>) {
+        if self.tripped == tripped {
+            return;
+        }
+        self.tripped = tripped;
+        self.eval.full = true;
+        self.trigger();
+    }
+
+    /// The groups whose breaker is tripped (see [`Driver::set_tripped`]).
+    pub fn tripped(&self) -> &BTreeSet<GroupId> {
+        &self.tripped
     }
 
     /// Whether reconciling is paused (see [`Driver::set_paused`]).
@@ -586,11 +607,7 @@ impl Driver {
     }
 
     fn plan_on(&self, desired: &DesiredState, now: Timestamp) -> Plan {
-        if self.paused {
-            reconcile_paused(&self.state, desired, now)
-        } else {
-            reconcile(&self.state, desired, now)
-        }
+        reconcile_with(&self.state, desired, now, self.paused, &self.tripped)
     }
 
     /// The actions the next pass would take if `shape` were applied, without applying anything.
@@ -826,22 +843,30 @@ impl Driver {
             let mut plan = Plan::default();
             let mut wakes = Vec::new();
             let mut held = BTreeSet::new();
-            walk(&self.state, &self.desired, now, self.paused, |id, d| {
-                plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
-                if let Some(at) = d.wake_at {
-                    wakes.push((at, id.clone()));
-                }
-                if d.row == LadderRow::AwaitRolloutBudget {
-                    held.insert(id.clone());
-                }
-                if let Some(action) = d.action {
-                    plan.actions.push(PlannedAction {
-                        node: id.clone(),
-                        row: d.row,
-                        action,
-                    });
-                }
-            });
+            let tripped = &self.tripped;
+            walk(
+                &self.state,
+                &self.desired,
+                now,
+                self.paused,
+                tripped,
+                |id, d| {
+                    plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
+                    if let Some(at) = d.wake_at {
+                        wakes.push((at, id.clone()));
+                    }
+                    if d.row == LadderRow::AwaitRolloutBudget {
+                        held.insert(id.clone());
+                    }
+                    if let Some(action) = d.action {
+                        plan.actions.push(PlannedAction {
+                            node: id.clone(),
+                            row: d.row,
+                            action,
+                        });
+                    }
+                },
+            );
             if commit {
                 self.eval = Eval::default();
                 for (at, id) in wakes {
@@ -854,7 +879,7 @@ impl Driver {
         let mut plan = Plan::default();
         let mut updates = Vec::new();
         let candidates = self.eval.candidates(now);
-        let mut gates = RolloutGates::new(&self.state, &self.desired);
+        let mut gates = RolloutGates::new(&self.state, &self.desired).with_tripped(&self.tripped);
         for id in &candidates {
             let Some(node) = self.state.nodes.get(*id) else {
                 updates.push(((*id).clone(), None, false));

@@ -428,8 +428,10 @@ pub enum HoldKind {
     /// `max_unavailable` is spent, or its rollout stopped on a failing node
     /// (ladder row 17).
     Rollout,
-    /// Lost nodes are not replaced: more of the group is unhealthy than its
-    /// `max_unhealthy` allows (the breaker is tripped).
+    /// Lost and failed nodes are not replaced: more of the group is
+    /// unhealthy than its `max_unhealthy` allows (the breaker is tripped).
+    /// Agents away past their grace are held as they are, and failed slots
+    /// get no new attempt of the same template (ladder row 18).
     Remediation,
 }
 
@@ -746,6 +748,8 @@ pub struct Host<C: Reconciler> {
     held_lost: BTreeSet<LogicalNodeId>,
     /// What each group holds back, as last announced.
     holds: BTreeMap<(GroupId, HoldKind), String>,
+    /// No group's breaker was tripped when last told to the core.
+    tripped_none: bool,
 }
 
 impl<C: Reconciler> Host<C> {
@@ -814,6 +818,7 @@ impl<C: Reconciler> Host<C> {
             history: BTreeMap::new(),
             held_lost: BTreeSet::new(),
             holds: BTreeMap::new(),
+            tripped_none: true,
         })
     }
 
@@ -1488,6 +1493,7 @@ impl<C: Reconciler> Host<C> {
             if let Some(c) = self.due_collect(now) {
                 return Some(Output::Collect(c));
             }
+            self.sync_tripped();
             if self.passes_allowed() && self.core.is_pass_queued() {
                 if self.reserve_attempts() {
                     continue;
@@ -1997,6 +2003,30 @@ impl<C: Reconciler> Host<C> {
             let reason = "its agent stayed away past its grace".to_owned();
             self.todo.push_back(Todo::AgentLost(node, attempt, reason));
         }
+    }
+
+    /// Tells the core which groups' breakers are tripped (it holds their
+    /// failed slots' restarts); a change queues a pass.
+    fn sync_tripped(&mut self) {
+        let limited = self
+            .core
+            .desired()
+            .groups
+            .iter()
+            .any(|g| g.policy.max_unhealthy.is_some());
+        if !limited && self.tripped_none {
+            return;
+        }
+        let tripped: BTreeSet<GroupId> = self
+            .core
+            .desired()
+            .groups
+            .iter()
+            .filter(|g| g.policy.max_unhealthy.is_some() && self.breaker(&g.id).is_some())
+            .map(|g| g.id.clone())
+            .collect();
+        self.tripped_none = tripped.is_empty();
+        self.core.set_tripped(tripped);
     }
 
     /// Fails the held agents of groups whose breaker is no longer tripped.

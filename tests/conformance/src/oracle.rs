@@ -21,11 +21,11 @@ use std::fmt;
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState,
     CollectRequest, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind,
-    EffectRequest, Folded, Generation, Intent, JoinRefused, JournalImage, LeaseId, Liveness,
-    LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId,
+    EffectRequest, Folded, Generation, GroupId, Intent, JoinRefused, JournalImage, LeaseId,
+    Liveness, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId,
     OperationOutcome, OperationResult, Pass, PauseError, PolicyShape, ReconcilerConfig,
-    ResourceKey, SessionId, ShutdownMode, Timestamp, UpdateError, reconcile, reconcile_paused,
-    same_template, stall_during_boot_check_ms,
+    ResourceKey, SessionId, ShutdownMode, Timestamp, UpdateError, reconcile_with, same_template,
+    stall_during_boot_check_ms,
 };
 
 /// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.
@@ -133,8 +133,9 @@ pub enum Invariant {
     RolloutWithinBudget,
     /// While more of a group's desired slots are unhealthy (failed, or
     /// their agent away) than its `max_unhealthy` allows, no away agent's
-    /// node is failed for it: it is held until the group is back within
-    /// the limit; an agent is held only when its group is over the limit.
+    /// node is failed for it (it is held until the group is back within
+    /// the limit; an agent is held only when its group is over the limit),
+    /// and no failed slot gets a new attempt of the same template.
     BreakerHoldsWhenOverLimit,
 }
 
@@ -1996,7 +1997,10 @@ impl Oracle {
                     .collect();
                 self.policies.entry(update.generation()).or_insert(policies);
             }
-            StepEvent::Pass { .. } => self.check_rollout(before, after),
+            StepEvent::Pass { .. } => {
+                self.check_rollout(before, after);
+                self.check_breaker_restarts(before, after);
+            }
             StepEvent::AgentLost {
                 node,
                 folded: Folded::Applied,
@@ -2054,6 +2058,49 @@ impl Oracle {
             })
             .count() as u32;
         Some((unhealthy, max))
+    }
+
+    /// The groups of `snap` over their `max_unhealthy`.
+    fn tripped(&self, snap: &Snapshot) -> BTreeSet<GroupId> {
+        snap.desired
+            .groups
+            .iter()
+            .filter(|g| {
+                self.unhealthy_and_limit(&g.id.to_string(), snap, None)
+                    .is_some_and(|(unhealthy, max)| unhealthy > max)
+            })
+            .map(|g| g.id.clone())
+            .collect()
+    }
+
+    /// No failed slot of a group over its limit got a new attempt of the
+    /// same template in this pass.
+    fn check_breaker_restarts(&mut self, before: &Snapshot, after: &Snapshot) {
+        let tripped = self.tripped(before);
+        if tripped.is_empty() {
+            return;
+        }
+        for (id, nb) in &before.state.nodes {
+            if !tripped.contains(&id.group) || nb.record.failed_reason.is_none() {
+                continue;
+            }
+            let Some(na) = after.state.nodes.get(id) else {
+                continue;
+            };
+            if na.attempt != nb.attempt && same_template(&na.template, &nb.template) {
+                let (unhealthy, max) = self
+                    .unhealthy_and_limit(&id.group.to_string(), before, None)
+                    .unwrap_or_default();
+                self.fail(
+                    Invariant::BreakerHoldsWhenOverLimit,
+                    id,
+                    format!(
+                        "failed attempt {} restarted as {} while {unhealthy} of group {} were unhealthy, more than its max_unhealthy of {max}",
+                        nb.attempt, na.attempt, id.group
+                    ),
+                );
+            }
+        }
     }
 
     /// An away agent's node was failed: its group must have been within its limit.
@@ -2339,11 +2386,14 @@ impl Oracle {
                 "a drained driver still has a pass queued".to_owned(),
             );
         }
-        let plan = if self.paused {
-            reconcile_paused(&after.state, &after.desired, after.now)
-        } else {
-            reconcile(&after.state, &after.desired, after.now)
-        };
+        let tripped = self.tripped(after);
+        let plan = reconcile_with(
+            &after.state,
+            &after.desired,
+            after.now,
+            self.paused,
+            &tripped,
+        );
         if let Some(first) = plan.actions.first() {
             self.fail(
                 Invariant::SettledStatePlansNothing,

@@ -348,6 +348,10 @@ impl Reconciler for Mutant {
         self.inner.rollout_holds()
     }
 
+    fn set_tripped(&mut self, tripped: std::collections::BTreeSet<GroupId>) {
+        self.inner.set_tripped(tripped);
+    }
+
     fn breaker(
         &self,
         group: &GroupId,

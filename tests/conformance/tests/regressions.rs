@@ -823,3 +823,49 @@ fn a_loss_within_max_unhealthy_is_replaced_as_usual() {
     let after = alpha_attempts(&world);
     assert!(after[0] > before[0], "{after:?}");
 }
+
+/// A node whose machine vanishes fails at once (its stream says so); with
+/// the group over its `max_unhealthy` it is cleaned up but not restarted
+/// (ladder row 18) until the operator lifts the limit.
+#[test]
+fn a_failed_slot_of_a_group_over_its_limit_is_cleaned_up_but_not_restarted() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 3);
+    converge(&mut world);
+    world.apply(&Input::Budget {
+        group: 0,
+        max_unavailable: 0,
+        max_unhealthy: Some(0),
+    });
+    let before = alpha_attempts(&world);
+    world.apply(&Input::DeleteOutOfBand { pick: 0 });
+    world.apply(&Input::Advance { ms: 60_000 });
+    assert_clean(&world);
+    let lost = world
+        .sut()
+        .state()
+        .nodes
+        .iter()
+        .find(|(_, n)| n.record.failed_reason.is_some())
+        .map(|(id, n)| (id.clone(), n.clone()))
+        .expect("one node failed");
+    assert_eq!(
+        lost.1.record.stage,
+        swactor_provisioning::NodeStage::Destroyed
+    );
+    assert_eq!(alpha_attempts(&world), before, "no slot got a new attempt");
+    let holds = world.host().holds();
+    assert_eq!(
+        holds.iter().map(|h| h.reason.as_str()).collect::<Vec<_>>(),
+        ["remediation paused: 1 of 3 unhealthy > max 0"]
+    );
+    let live: Vec<String> = world
+        .executor()
+        .backend()
+        .live_resources()
+        .map(|(k, _)| k.node.to_string())
+        .collect();
+    assert!(!live.contains(&lost.0.to_string()), "cleaned up: {live:?}");
+    converge(&mut world);
+    assert_eq!(world.sut().state().nodes.len(), 3);
+}
