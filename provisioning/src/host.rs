@@ -61,7 +61,8 @@
 //!   *this* host (a stream replaying an old join proves nothing), and a
 //!   joined agent gone for longer than its group's grace fails the attempt,
 //!   unless its group's breaker is tripped: then it is held (kept, shown
-//!   away) until the group is back within its `max_unhealthy`.
+//!   away) until the group is back within its `max_unhealthy`, and then
+//!   given its grace again.
 
 use crate::config::ReconcilerConfig;
 use crate::core::Reconciler;
@@ -903,8 +904,8 @@ impl<C: Reconciler> Host<C> {
 
     /// Slots whose agent stayed away past its grace while their group's
     /// breaker was tripped: kept as they are (not failed, not replaced)
-    /// until the group is back within its `max_unhealthy` or the agent
-    /// returns.
+    /// until the agent returns, or the group is back within its
+    /// `max_unhealthy` (then the agent gets its grace again, from then).
     pub fn held_lost(&self) -> impl Iterator<Item = &LogicalNodeId> {
         self.held_lost.iter()
     }
@@ -1475,7 +1476,7 @@ impl<C: Reconciler> Host<C> {
             if self.stopped {
                 return None;
             }
-            self.release_held();
+            self.release_held(now);
             if let Some(todo) = self.todo.pop_front() {
                 if let Some(fold) = self.run_todo(todo, now) {
                     return Some(Output::Folded(fold));
@@ -2029,8 +2030,10 @@ impl<C: Reconciler> Host<C> {
         self.core.set_tripped(tripped);
     }
 
-    /// Fails the held agents of groups whose breaker is no longer tripped.
-    fn release_held(&mut self) {
+    /// Gives the held agents of groups whose breaker is no longer tripped
+    /// their grace again, counted from `now`: one that is back by then
+    /// keeps its node; one that is not is lost, and replaced, as usual.
+    fn release_held(&mut self, now: Timestamp) {
         if self.held_lost.is_empty() {
             return;
         }
@@ -2049,11 +2052,17 @@ impl<C: Reconciler> Host<C> {
                 continue;
             }
             self.held_lost.remove(&node);
-            let Some(Link::Away { attempt, .. }) = self.links.remove(&node) else {
+            let Some(Link::Away { attempt, .. }) = self.links.get(&node).copied() else {
                 continue;
             };
-            let reason = "its agent stayed away past its grace (held while its group's remediation was paused)".to_owned();
-            self.todo.push_back(Todo::AgentLost(node, attempt, reason));
+            let grace = self
+                .core
+                .state()
+                .nodes
+                .get(&node)
+                .map_or(0, |n| n.template.join.lost_grace_ms());
+            let until = now.saturating_add_ms(grace);
+            self.set_link(&node, Link::Away { attempt, until });
         }
     }
 
