@@ -275,3 +275,62 @@ fn undesired_and_not_ready_nodes_are_replaced_without_waiting_for_the_budget() {
         .collect();
     assert_eq!(down, ["w-0", "w-1", "w-2"]);
 }
+
+#[test]
+fn a_tripped_breaker_holds_a_failed_slots_restart_but_never_a_new_template() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 2)])).unwrap();
+    converge(&mut d, t(0));
+    let attempt = d.state().nodes[&node_id("w-0")].attempt;
+    let _ = d.handle_agent_lost(&node_id("w-0"), attempt, "gone", t(1));
+    d.set_tripped([GroupId::new("w")].into_iter().collect());
+    settle(&mut d, t(1));
+    assert_eq!(
+        d.state().nodes[&node_id("w-0")].record.stage,
+        NodeStage::Destroyed,
+        "the failed attempt is cleaned up"
+    );
+    // Long after its restart is due, it waits on row 18.
+    let later = t(600_000);
+    d.handle_tick(later);
+    assert!(settle(&mut d, later).is_empty());
+    let n = &d.state().nodes[&node_id("w-0")];
+    assert_eq!(n.attempt, attempt);
+    let mut gates = RolloutGates::new(d.state(), d.desired()).with_tripped(d.tripped());
+    let row = reconcile_node_gated(
+        &node_id("w-0"),
+        n,
+        d.desired().slot(&node_id("w-0")),
+        later,
+        &mut gates,
+    )
+    .row;
+    assert_eq!(row, LadderRow::AwaitBreaker);
+    assert_eq!(
+        d.poll_timeout(),
+        None,
+        "a held restart waits on no deadline"
+    );
+
+    // The breaker resets: the restart goes.
+    let mut reset = d.clone();
+    reset.set_tripped(Default::default());
+    let creates = settle(&mut reset, later);
+    assert!(
+        creates
+            .iter()
+            .any(|c| c.key.node == node_id("w-0") && c.request.kind() == EffectKind::CreateLease),
+        "{creates:?}"
+    );
+
+    // Or a new template is applied: a fix is never held back.
+    d.update_desired(&shape(2, vec![with_role(group("w", 2), "v2")]))
+        .unwrap();
+    let creates = settle(&mut d, later);
+    assert!(
+        creates
+            .iter()
+            .any(|c| c.key.node == node_id("w-0") && c.request.kind() == EffectKind::CreateLease),
+        "{creates:?}"
+    );
+}
