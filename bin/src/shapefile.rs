@@ -400,6 +400,31 @@ mod tests {
     }
 
     #[test]
+    fn budgets_reach_the_shape_and_survive_the_journals_json() {
+        let file = ShapeFile::parse(
+            "run = \"r\"\n[[group]]\nid = \"w\"\ncount = 6\nprovider = \"process\"\nmax_unavailable = \"50%\"\nmax_unhealthy = 2\n",
+            "x",
+        )
+        .unwrap();
+        let shape = file.check(1).unwrap();
+        let policy = shape.groups[0].policy;
+        assert_eq!(policy.max_unavailable, Some(Quantity::Percent(50)));
+        assert_eq!(policy.max_unhealthy, Some(Quantity::Count(2)));
+        assert_eq!(policy.max_surge, None);
+        // The journal keeps the shape as JSON; a shape without budgets
+        // (as journals written before them hold) reads back with none.
+        let json = serde_json::to_string(&shape).unwrap();
+        assert!(json.contains("\"max_unavailable\":\"50%\""), "{json}");
+        let back: ClusterShape = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, shape);
+        let mut plain = shape.clone();
+        plain.groups[0].policy = PolicyShape::default();
+        let json = serde_json::to_string(&plain).unwrap();
+        assert!(!json.contains("max_"), "{json}");
+        assert_eq!(serde_json::from_str::<ClusterShape>(&json).unwrap(), plain);
+    }
+
+    #[test]
     fn a_shape_without_a_run_or_without_nodes_is_refused_and_names_down() {
         let no_run = ShapeFile::parse(
             "[[group]]\nid = \"w\"\ncount = 1\nprovider = \"process\"\n",
