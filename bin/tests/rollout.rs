@@ -32,9 +32,10 @@ fn holds(s: &ClusterSnapshot) -> Vec<String> {
     s.holds.iter().map(|h| h.reason.clone()).collect()
 }
 
-fn apply(state: &Path, shape: &Path) {
+fn apply(state: &Path, shape: &Path) -> String {
     let o = cli(state, &["apply", shape.to_str().unwrap(), "--yes"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o)
 }
 
 fn signal(pid: u32, sig: &str) {
@@ -87,7 +88,11 @@ fn a_six_node_group_rolled_to_a_new_template_never_has_fewer_than_five_ready() {
     );
     let _d = Daemon::start(&state, &v1);
     let before = attempts(&wait_converged(&state, CONVERGE, |s| ready(s) == 6));
-    apply(&state, &v2);
+    let said = apply(&state, &v2);
+    assert!(
+        said.contains("group worker: ready nodes are replaced 1 at a time (max_unavailable)"),
+        "{said}"
+    );
     let (fewest, busy, last) = sample_until(&state, Duration::from_secs(60), |s| {
         s.converged && attempts(s).iter().all(|(n, a)| before[n] != *a)
     });
@@ -125,7 +130,7 @@ fn a_template_whose_boot_check_fails_stops_after_the_first_replacement() {
     );
     let _d = Daemon::start(&state, &v1);
     let before = attempts(&wait_converged(&state, CONVERGE, |s| ready(s) == 6));
-    apply(&state, &broken);
+    let _ = apply(&state, &broken);
     let stopped = "rollout stopped: node worker-0 failed with the new template";
     let (fewest, _, s) = sample_until(&state, Duration::from_secs(30), |s| {
         holds(s).iter().any(|h| h.starts_with(stopped))
@@ -151,7 +156,7 @@ fn a_template_whose_boot_check_fails_stops_after_the_first_replacement() {
         "status says why: {text}"
     );
     // A fixed template resumes the rollout.
-    apply(&state, &fixed);
+    let _ = apply(&state, &fixed);
     let (fewest, _, last) = sample_until(&state, Duration::from_secs(60), |s| {
         s.converged && attempts(s).iter().all(|(n, a)| before[n] != *a)
     });
@@ -215,7 +220,7 @@ fn freezing_four_of_six_agents_trips_the_breaker_until_they_recover_or_the_limit
     });
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(attempts(&status(&state).unwrap()), before, "still held");
-    apply(&state, &raised);
+    let _ = apply(&state, &raised);
     let s = wait_converged(&state, CONVERGE, |s| {
         s.holds.is_empty()
             && ready(s) == 6
