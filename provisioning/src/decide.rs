@@ -640,7 +640,9 @@ pub fn reconcile_node_gated(
 ///
 /// Walks the observed nodes and the desired groups together in slot order, so
 /// a pass costs one step per node and allocates only for the actions it
-/// returns; a pass over a settled cluster allocates nothing.
+/// returns; a pass over a settled cluster allocates nothing. Group budgets
+/// apply (row 17, [`RolloutGates`]); no breaker is taken as tripped (see
+/// [`reconcile_with`] for row 18).
 pub fn reconcile(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
     plan_with(state, desired, now, false, &BTreeSet::new())
 }
@@ -685,9 +687,10 @@ fn plan_with(
 }
 
 /// Visits every slot in order with its decision: existing nodes through
-/// [`reconcile_node`], missing desired slots as [`LadderRow::InsertSlot`].
-/// With `paused`, nodes are decided by [`reconcile_node_paused`] and
-/// missing slots wait.
+/// [`reconcile_node_gated`] (the budgets of rows 17 and 18, `tripped`
+/// naming the groups whose breaker is tripped), missing desired slots as
+/// [`LadderRow::InsertSlot`]. With `paused`, nodes are decided by
+/// [`reconcile_node_paused`] and missing slots wait.
 pub(crate) fn walk(
     state: &ClusterState,
     desired: &DesiredState,
