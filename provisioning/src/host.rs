@@ -2069,7 +2069,7 @@ impl<C: Reconciler> Host<C> {
     /// Works out what each group holds back now and announces the changes.
     fn update_holds(&mut self) {
         let mut holds = BTreeMap::new();
-        if !self.meta.paused && self.shutdown.is_none() {
+        if self.shutdown.is_none() {
             for r in self.core.rollout_holds() {
                 holds.insert((r.group.clone(), HoldKind::Rollout), r.to_string());
             }

@@ -1995,7 +1995,9 @@ impl Oracle {
                     .iter()
                     .map(|g| (g.id.clone(), g.policy))
                     .collect();
-                self.policies.entry(update.generation()).or_insert(policies);
+                // A generation a crash lost before it was durable can be
+                // accepted again with other content: the latest one counts.
+                self.policies.insert(update.generation(), policies);
             }
             StepEvent::Pass { .. } => {
                 self.check_rollout(before, after);
