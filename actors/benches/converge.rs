@@ -40,6 +40,7 @@ fn shape(n: u32) -> ClusterShape {
             role: "worker".into(),
             join: SwarmJoin::default(),
             limits: Default::default(),
+            policy: Default::default(),
         }],
         capacity: None,
     }

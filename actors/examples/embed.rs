@@ -129,6 +129,7 @@ fn shape(generation: u64, count: u32) -> ClusterShape {
             role: "worker".to_owned(),
             join: SwarmJoin::default(),
             limits: Default::default(),
+            policy: Default::default(),
         }],
         capacity: None,
     }
@@ -154,6 +155,7 @@ pub(crate) async fn run() -> Result<Vec<(u64, usize)>, Box<dyn std::error::Error
         now: Default::default(),
         rentals: Vec::new(),
         paused: false,
+        holds: Vec::new(),
     };
     let publisher: TelemetryPublisher<ClusterSnapshot, ClusterEvent> =
         TelemetryPublisher::new(TelemetryConfig::default(), &empty)?;

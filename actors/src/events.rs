@@ -2,9 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 use swactor_provisioning::{
-    AttemptRecord, BootstrapStage, ClusterState, DriverStats, EffectKind, Generation, Intent,
-    LadderRow, LeaseId, Link, LogicalNodeId, NodeAttemptId, NodeStage, OperationId, Plan,
-    ResourceKey, ShapeDiff, ShutdownMode, Timestamp,
+    AttemptRecord, BootstrapStage, ClusterState, DriverStats, EffectKind, Generation, GroupHold,
+    HoldKind, Intent, LadderRow, LeaseId, Link, LogicalNodeId, NodeAttemptId, NodeStage,
+    OperationId, Plan, ResourceKey, ShapeDiff, ShutdownMode, Timestamp,
 };
 
 /// Whether a node's agent is connected to this daemon.
@@ -121,6 +121,10 @@ pub struct ClusterSnapshot {
     /// nothing new is dispatched.
     #[serde(default)]
     pub paused: bool,
+    /// What groups hold back and why: a rollout waiting on its budget or
+    /// stopped on a failing node, remediation paused by a breaker.
+    #[serde(default)]
+    pub holds: Vec<GroupHold>,
 }
 
 /// One node's rented machine, as its provider last saw it.
@@ -251,6 +255,16 @@ pub enum ClusterEvent {
     Resumed {
         /// A teardown overrode the pause (rather than `resume`).
         by_teardown: bool,
+    },
+    /// A group began holding something back or its reason changed
+    /// (`reason: Some`), or it stopped holding it (`reason: None`).
+    Hold {
+        /// The group.
+        group: String,
+        /// What it holds: a rollout, or remediation of lost nodes.
+        kind: HoldKind,
+        /// Why, while it holds.
+        reason: Option<String>,
     },
 }
 

@@ -113,6 +113,21 @@ impl Telemetry {
                 HostEvent::TeardownStarted { generation } => {
                     ClusterEvent::TeardownStarted { generation }
                 }
+                HostEvent::Hold {
+                    group,
+                    kind,
+                    reason,
+                } => {
+                    match &reason {
+                        Some(r) => tracing::warn!(group = %group, "{r}"),
+                        None => tracing::info!(group = %group, ?kind, "no longer held"),
+                    }
+                    ClusterEvent::Hold {
+                        group: group.to_string(),
+                        kind,
+                        reason,
+                    }
+                }
             };
             self.publish(event);
         }
@@ -182,5 +197,6 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         now,
         rentals: Vec::new(),
         paused: host.is_paused(),
+        holds: host.holds(),
     }
 }

@@ -31,6 +31,7 @@ fn shape(generation: u64, workers: u32) -> ClusterShape {
             role: "worker".into(),
             join: SwarmJoin::default(),
             limits: Default::default(),
+            policy: Default::default(),
         }],
         capacity: None,
     }

@@ -457,7 +457,7 @@ pub(crate) async fn apply(state_dir: &Path, shape: &Path, yes: bool) -> Result<(
         print_plan(&mut out, &report)?;
         out.flush()?;
         guard::ask(&report.diff, yes).await?;
-        match client.ask(ControlRequest::Apply(file)).await? {
+        match client.ask(ControlRequest::Apply(file.clone())).await? {
             ControlResponse::Applied {
                 generation,
                 changed: true,
@@ -469,6 +469,8 @@ pub(crate) async fn apply(state_dir: &Path, shape: &Path, yes: bool) -> Result<(
                         "the cluster is paused: the shape is recorded, but nothing changes \
                          until `swactor resume`",
                     )?;
+                } else {
+                    rollout_lines(&mut out, &file, &report)?;
                 }
             }
             ControlResponse::Applied {
@@ -484,6 +486,36 @@ pub(crate) async fn apply(state_dir: &Path, shape: &Path, yes: bool) -> Result<(
         Ok(())
     })
     .await
+}
+
+/// One line per group whose nodes a plan replaces: how many of its ready
+/// nodes go at a time.
+fn rollout_lines(out: &mut Out, file: &ShapeFile, report: &PlanReport) -> std::io::Result<()> {
+    if report.diff.replace == 0 {
+        return Ok(());
+    }
+    let Some(desired) = file.check(1).ok().and_then(|s| s.validate().ok()) else {
+        return Ok(());
+    };
+    let replaced: std::collections::BTreeSet<&str> = report
+        .changes
+        .iter()
+        .filter(|(_, c)| *c == swactor_provisioning::Change::Replace)
+        .map(|(n, _)| n.group.as_str())
+        .collect();
+    for g in desired
+        .groups
+        .iter()
+        .filter(|g| replaced.contains(g.id.as_str()))
+    {
+        out.line(format_args!(
+            "group {}: ready nodes are replaced {} at a time (max_unavailable), in slot order; \
+             a replacement that fails stops the rollout, and `swactor status` says why",
+            g.id,
+            g.policy.max_unavailable_of(g.count)
+        ))?;
+    }
+    Ok(())
 }
 
 /// `swactor pause` (`paused`) or `swactor resume`.
@@ -613,6 +645,9 @@ fn print_status(
     prefix: &str,
 ) -> std::io::Result<()> {
     out.line(format_args!("{prefix}{}", status_headline(s)))?;
+    for h in &s.holds {
+        out.line(format_args!("{prefix}group {}: {}", h.group, h.reason))?;
+    }
     let width = width.map(|w| w.saturating_sub(prefix.chars().count() + 1));
     for line in status_table(s).render(width).into_iter().flatten() {
         out.line(format_args!("{prefix}{line}"))?;

@@ -209,6 +209,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         now: Default::default(),
         rentals: Vec::new(),
         paused: false,
+        holds: Vec::new(),
     };
     let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())
         .await

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 use swactor_actors::{ClusterEvent, ClusterHandle, ClusterSnapshot, NodeSummary};
-use swactor_provisioning::{LogicalNodeId, Timestamp};
+use swactor_provisioning::{HoldKind, LogicalNodeId, Timestamp};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -358,6 +358,21 @@ pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
         ClusterEvent::Resumed { by_teardown: true } => {
             "the teardown overrides the pause: resumed to remove every node".to_owned()
         }
+        ClusterEvent::Hold {
+            group,
+            reason: Some(reason),
+            ..
+        } => format!("group {group}: {reason}"),
+        ClusterEvent::Hold {
+            group,
+            kind: HoldKind::Rollout,
+            reason: None,
+        } => format!("group {group}: the rollout is no longer held"),
+        ClusterEvent::Hold {
+            group,
+            kind: HoldKind::Remediation,
+            reason: None,
+        } => format!("group {group}: remediation resumed (back within max_unhealthy)"),
         _ => return None,
     })
 }

@@ -263,6 +263,7 @@ mod tests {
             now: Timestamp::from_millis(1),
             rentals: Vec::new(),
             paused: false,
+            holds: Vec::new(),
         };
         let json = serde_json::to_string(&ControlResponse::Status(snap.clone())).unwrap();
         assert!(
@@ -285,5 +286,60 @@ mod tests {
         );
         // The engine's default telemetry frame would not carry it.
         assert!(frame.len() > TelemetryConfig::default().frame_len_max);
+    }
+
+    #[test]
+    fn holds_and_hold_events_survive_the_telemetry_encoding() {
+        use swactor_provisioning::{GroupHold, GroupId, HoldKind};
+        let snap = ClusterSnapshot {
+            run_id: "r".to_owned(),
+            generation: swactor_provisioning::Generation(1),
+            observed_generation: None,
+            converged: false,
+            adopted: true,
+            desired_nodes: 6,
+            nodes: Vec::new(),
+            orphans: 0,
+            shutting_down: None,
+            stats: Default::default(),
+            now: Timestamp::from_millis(1),
+            rentals: Vec::new(),
+            paused: false,
+            holds: vec![GroupHold {
+                group: GroupId::new("worker"),
+                kind: HoldKind::Remediation,
+                reason: "remediation paused: 4 of 6 unhealthy > max 2".to_owned(),
+            }],
+        };
+        let frames: [TelemetryFrame<ClusterSnapshot, ClusterEvent>; 2] = [
+            TelemetryFrame::Snapshot {
+                seq: 1,
+                state: snap,
+            },
+            TelemetryFrame::Event {
+                seq: 2,
+                event: ClusterEvent::Hold {
+                    group: "worker".to_owned(),
+                    kind: HoldKind::Rollout,
+                    reason: None,
+                },
+            },
+        ];
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        for frame in frames {
+            let bytes = encode_frame(&frame, FRAME_LEN_MAX).unwrap();
+            let mut reader = &bytes[..];
+            let back = runtime
+                .block_on(
+                    recv_frame::<TelemetryFrame<ClusterSnapshot, ClusterEvent>, _>(
+                        &mut reader,
+                        FRAME_LEN_MAX,
+                    ),
+                )
+                .unwrap();
+            assert_eq!(back, Some(frame));
+        }
     }
 }

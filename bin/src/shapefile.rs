@@ -5,8 +5,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use swactor_provisioning::{
-    BootParams, ClusterShape, Generation, GroupShape, NodeLimits, ParamValue, ProviderShape, RunId,
-    ShapeError, SwarmJoin,
+    BootParams, ClusterShape, Generation, GroupShape, NodeLimits, ParamValue, PolicyShape,
+    ProviderShape, Quantity, RunId, ShapeError, SwarmJoin,
 };
 
 use crate::words::cut;
@@ -79,6 +79,17 @@ pub(crate) struct GroupFile {
     /// each maybe with labels). Changing it moves no node already placed.
     #[serde(default)]
     pub(crate) hosts: Vec<HostEntry>,
+    /// Most nodes a template change may have unavailable at once: a count
+    /// or `"25%"` (default 1). Changing it replaces no node.
+    #[serde(default)]
+    pub(crate) max_unavailable: Option<Quantity>,
+    /// Extra nodes a rollout may make; only 0 is supported.
+    #[serde(default)]
+    pub(crate) max_surge: Option<Quantity>,
+    /// Most unhealthy nodes before lost ones stop being replaced: a count
+    /// or `"40%"` (default: no limit). Changing it replaces no node.
+    #[serde(default)]
+    pub(crate) max_unhealthy: Option<Quantity>,
 }
 
 /// One host of a pool: `"user@host:port"`, or
@@ -234,6 +245,11 @@ impl ShapeFile {
                         .boot_timeout_s
                         .unwrap_or(NodeLimits::default().boot_timeout_s),
                 },
+                policy: PolicyShape {
+                    max_unavailable: g.max_unavailable,
+                    max_surge: g.max_surge,
+                    max_unhealthy: g.max_unhealthy,
+                },
             })
             .collect();
         Ok(ClusterShape {
@@ -381,6 +397,31 @@ mod tests {
         let e = ShapeFile::parse("[[group]]\nid = \"w\"\ncuont = 3\n", "typo.toml").unwrap_err();
         assert!(e.to_string().contains("typo.toml:3:1"), "{e}");
         assert!(e.to_string().contains("cuont"), "{e}");
+    }
+
+    #[test]
+    fn budgets_reach_the_shape_and_survive_the_journals_json() {
+        let file = ShapeFile::parse(
+            "run = \"r\"\n[[group]]\nid = \"w\"\ncount = 6\nprovider = \"process\"\nmax_unavailable = \"50%\"\nmax_unhealthy = 2\n",
+            "x",
+        )
+        .unwrap();
+        let shape = file.check(1).unwrap();
+        let policy = shape.groups[0].policy;
+        assert_eq!(policy.max_unavailable, Some(Quantity::Percent(50)));
+        assert_eq!(policy.max_unhealthy, Some(Quantity::Count(2)));
+        assert_eq!(policy.max_surge, None);
+        // The journal keeps the shape as JSON; a shape without budgets
+        // (as journals written before them hold) reads back with none.
+        let json = serde_json::to_string(&shape).unwrap();
+        assert!(json.contains("\"max_unavailable\":\"50%\""), "{json}");
+        let back: ClusterShape = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, shape);
+        let mut plain = shape.clone();
+        plain.groups[0].policy = PolicyShape::default();
+        let json = serde_json::to_string(&plain).unwrap();
+        assert!(!json.contains("max_"), "{json}");
+        assert_eq!(serde_json::from_str::<ClusterShape>(&json).unwrap(), plain);
     }
 
     #[test]

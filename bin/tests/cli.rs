@@ -635,6 +635,18 @@ fn the_cli_checks_its_input_offline() {
             "run = \"x\"\n[[group]]\nid = \"w\"\ncount = three\n",
             "bad.toml:4:9",
         ),
+        (
+            "run = \"x\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\nmax_surge = 1\n",
+            "groups[0].max_surge is 1, but surge is not supported yet",
+        ),
+        (
+            "run = \"x\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\nmax_unavailable = \"150%\"\n",
+            "groups[0].max_unavailable is 150%; a percentage must be between 0% and 100%",
+        ),
+        (
+            "run = \"x\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\nmax_unhealthy = \"two\"\n",
+            "neither a count nor a percentage",
+        ),
     ] {
         let bad = shape_file(tmp.path(), "bad.toml", body);
         let o = run(&["validate", bad.to_str().unwrap()]);

@@ -283,6 +283,7 @@ mod tests {
                 role: "worker".into(),
                 join: Default::default(),
                 limits: Default::default(),
+                policy: Default::default(),
             }],
             capacity: None,
         };

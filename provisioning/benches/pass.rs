@@ -24,6 +24,7 @@ fn shape(generation: u64, n: u32) -> ClusterShape {
             role: "worker".into(),
             join: SwarmJoin::default(),
             limits: Default::default(),
+            policy: Default::default(),
         })
         .collect();
     ClusterShape {

@@ -1,15 +1,17 @@
 //! The driver operations a host uses, as a trait, so a harness can wrap or replace the driver.
 
 use crate::config::ReconcilerConfig;
-use crate::decide::Plan;
+use crate::decide::{Plan, RolloutStatus};
 use crate::driver::{
     AdoptEntry, Adoption, DesiredUpdate, Driver, DriverError, DriverStats, Pass, UpdateError,
 };
-use crate::id::{LogicalNodeId, NodeAttemptId, OperationId};
+use crate::id::{GroupId, LogicalNodeId, NodeAttemptId, OperationId};
 use crate::observe::{BootstrapObservation, Folded, OperationResult};
+use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState};
 use crate::state::ClusterState;
 use crate::time::Timestamp;
+use std::collections::BTreeSet;
 
 /// The driver core as a [`crate::Host`] (or a test harness) drives it.
 ///
@@ -106,6 +108,16 @@ pub trait Reconciler {
     fn set_paused(&mut self, paused: bool);
     /// See [`Driver::is_paused`].
     fn is_paused(&self) -> bool;
+    /// See [`Driver::rollout_holds`].
+    fn rollout_holds(&self) -> Vec<RolloutStatus>;
+    /// See [`Driver::set_tripped`].
+    fn set_tripped(&mut self, tripped: BTreeSet<GroupId>);
+    /// See [`Driver::breaker`].
+    fn breaker(
+        &self,
+        group: &GroupId,
+        away: &dyn Fn(&LogicalNodeId, NodeAttemptId) -> bool,
+    ) -> Option<Breaker>;
 }
 
 impl Reconciler for Driver {
@@ -194,5 +206,18 @@ impl Reconciler for Driver {
     }
     fn is_paused(&self) -> bool {
         Driver::is_paused(self)
+    }
+    fn rollout_holds(&self) -> Vec<RolloutStatus> {
+        Driver::rollout_holds(self)
+    }
+    fn set_tripped(&mut self, tripped: BTreeSet<GroupId>) {
+        Driver::set_tripped(self, tripped);
+    }
+    fn breaker(
+        &self,
+        group: &GroupId,
+        away: &dyn Fn(&LogicalNodeId, NodeAttemptId) -> bool,
+    ) -> Option<Breaker> {
+        Driver::breaker(self, group, away)
     }
 }

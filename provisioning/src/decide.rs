@@ -3,11 +3,13 @@
 //! Nothing here reads a clock, performs I/O or mutates state. Every deadline it
 //! compares against was computed and stored when an observation was folded.
 
-use crate::id::LogicalNodeId;
+use crate::id::{GroupId, LogicalNodeId, NodeAttemptId};
+use crate::rollout::Breaker;
 use crate::shape::{DesiredGroup, DesiredState, NodeTemplate, same_template};
 use crate::state::{BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeStage};
 use crate::time::{Timestamp, earliest};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 
@@ -51,16 +53,31 @@ pub enum LadderRow {
     AwaitBootstrap = 15,
     /// 16. Lease and endpoint but no session: start bootstrap.
     StartBootstrap = 16,
+    /// 17. Ready and drifted, but the group's rollout must wait: wait.
+    ///
+    /// A refinement of row 4, tried right after it: the group's
+    /// `max_unavailable` is spent or its rollout stopped (see [`RolloutGates`]).
+    AwaitRolloutBudget = 17,
+    /// 18. Destroyed after a failure, restart due, but the group's breaker is tripped: wait.
+    ///
+    /// A refinement of row 2, tried right after it: while more of the
+    /// group is unhealthy than its `max_unhealthy` allows, a failed slot
+    /// gets no new attempt of the same template (a new template still
+    /// restarts it).
+    AwaitBreaker = 18,
 }
 
 impl LadderRow {
-    /// All rows, in priority order (InsertSlot first).
-    pub const ALL: [LadderRow; 17] = [
+    /// All rows, in priority order (InsertSlot first). Rows 17 and 18
+    /// refine rows 4 and 2, so each comes right after the row it refines.
+    pub const ALL: [LadderRow; 19] = [
         Self::InsertSlot,
         Self::ReapDestroyed,
         Self::RestartDestroyed,
+        Self::AwaitBreaker,
         Self::AwaitRestartBackoff,
         Self::BeginDelete,
+        Self::AwaitRolloutBudget,
         Self::AwaitPendingOperation,
         Self::AdoptAmbiguousCreate,
         Self::CancelBootstrap,
@@ -362,24 +379,301 @@ pub fn reconcile_node_paused(
     }
 }
 
+/// The rollout budgets of one pass: which ready nodes of an outdated
+/// template may begin deleting (row 4) and which wait (row 17).
+///
+/// A group's budget is its resolved `max_unavailable` minus its desired
+/// slots that are not ready now (missing, starting, failed, deleting: as
+/// Cluster API counts them). Ready nodes of another template than their
+/// slot's are admitted in slot order while budget is left, each one taking a
+/// unit. None is admitted while the group's rollout is *stopped*: a desired
+/// slot holds a node of the new template that is not ready and has failed
+/// with that template since its slot was last ready
+/// ([`RetryState::template_failures`](crate::RetryState::template_failures):
+/// the count carries into the slot's next attempts, so the stop holds
+/// through the retries, until that slot becomes ready or another template
+/// is applied).
+///
+/// Nodes MUST be offered in slot order within a pass, and every ready,
+/// outdated node of a group must be offered in the same pass (the driver
+/// keeps the ones row 17 held as candidates of every pass for that).
+///
+/// It also holds the restarts of row 18: the groups whose remediation
+/// breaker is tripped are given with [`RolloutGates::with_tripped`].
+pub struct RolloutGates<'a> {
+    state: &'a ClusterState,
+    desired: &'a DesiredState,
+    current: Option<(GroupId, GroupBudget)>,
+    tripped: Option<&'a BTreeSet<GroupId>>,
+}
+
+/// One group's rollout budget, as a pass spends it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GroupBudget {
+    left: u32,
+    stopped: bool,
+}
+
+impl<'a> RolloutGates<'a> {
+    /// The budgets of a pass over `state` toward `desired`.
+    pub fn new(state: &'a ClusterState, desired: &'a DesiredState) -> Self {
+        Self {
+            state,
+            desired,
+            current: None,
+            tripped: None,
+        }
+    }
+
+    /// The same gates, with the groups whose breaker is tripped.
+    pub fn with_tripped(mut self, tripped: &'a BTreeSet<GroupId>) -> Self {
+        self.tripped = Some(tripped);
+        self
+    }
+
+    /// Whether `group`'s remediation breaker is tripped.
+    pub fn is_tripped(&self, group: &GroupId) -> bool {
+        self.tripped.is_some_and(|t| t.contains(group))
+    }
+
+    /// Whether the ready, outdated node of `id` may begin deleting now;
+    /// spends a unit of its group's budget if so.
+    pub fn admit(&mut self, id: &LogicalNodeId) -> bool {
+        if self
+            .current
+            .as_ref()
+            .is_none_or(|(g, _)| !g.same(&id.group))
+        {
+            let Some(g) = self.desired.group(&id.group) else {
+                return true;
+            };
+            let status = group_status(self.state, g);
+            let budget = GroupBudget {
+                left: status.max_unavailable.saturating_sub(status.unavailable),
+                stopped: status.stopped.is_some(),
+            };
+            self.current = Some((id.group.clone(), budget));
+        }
+        let Some((_, b)) = self.current.as_mut() else {
+            return true;
+        };
+        if b.stopped || b.left == 0 {
+            return false;
+        }
+        b.left -= 1;
+        true
+    }
+}
+
+/// Where one group's rollout stands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutStatus {
+    /// The group.
+    pub group: GroupId,
+    /// Its desired slots.
+    pub nodes: u32,
+    /// Desired slots that are not ready (missing, starting, failed, deleting).
+    pub unavailable: u32,
+    /// The resolved `max_unavailable`.
+    pub max_unavailable: u32,
+    /// Ready nodes whose template is not their slot's: still to be replaced.
+    pub outdated_ready: u32,
+    /// The slot that stopped the rollout, if one did.
+    pub stopped: Option<RolloutStop>,
+}
+
+/// What stopped a rollout: a node of the new template that keeps failing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutStop {
+    /// The slot.
+    pub node: LogicalNodeId,
+    /// Its failures with the new template since it was last ready.
+    pub failures: u32,
+    /// Why its current attempt failed, or its last error (`None` for a
+    /// restarted attempt that has not failed yet).
+    pub reason: Option<String>,
+}
+
+impl RolloutStatus {
+    /// True when ready, outdated nodes wait: the budget is spent or the rollout stopped.
+    pub fn is_holding(&self) -> bool {
+        self.outdated_ready > 0
+            && (self.stopped.is_some() || self.unavailable >= self.max_unavailable)
+    }
+}
+
+impl fmt::Display for RolloutStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let waiting = self.outdated_ready;
+        match &self.stopped {
+            Some(stop) => {
+                write!(f, "rollout stopped: node {} ", stop.node)?;
+                match &stop.reason {
+                    Some(reason) => write!(f, "failed with the new template: {reason}")?,
+                    None => write!(
+                        f,
+                        "has failed {} time(s) with the new template and is retrying",
+                        stop.failures
+                    )?,
+                }
+                write!(
+                    f,
+                    "; {waiting} node(s) of the old template are kept until that node is ready or a fixed template is applied"
+                )
+            }
+            None => write!(
+                f,
+                "rolling out: {waiting} node(s) of the old template wait; {} of max {} unavailable",
+                self.unavailable, self.max_unavailable
+            ),
+        }
+    }
+}
+
+/// Where the rollout of group `g` stands in `state`.
+pub fn group_status(state: &ClusterState, g: &DesiredGroup) -> RolloutStatus {
+    let mut ready = 0u32;
+    let mut outdated_ready = 0u32;
+    let mut stopped = None;
+    let first = LogicalNodeId::new(g.id.clone(), 0);
+    for (id, n) in state.nodes.range(first..) {
+        if !id.group.same(&g.id) || id.index >= g.count {
+            break;
+        }
+        let current = same_template(&n.template, &g.template);
+        if n.is_ready() {
+            ready += 1;
+            outdated_ready += u32::from(!current);
+        } else if current && n.retry.template_failures() > 0 && stopped.is_none() {
+            stopped = Some(RolloutStop {
+                node: id.clone(),
+                failures: n.retry.template_failures(),
+                reason: n
+                    .record
+                    .failed_reason
+                    .clone()
+                    .or_else(|| n.record.last_error.clone()),
+            });
+        }
+    }
+    RolloutStatus {
+        group: g.id.clone(),
+        nodes: g.count,
+        unavailable: g.count - ready,
+        max_unavailable: g.policy.max_unavailable_of(g.count),
+        outdated_ready,
+        // A failing node stops only a rollout that has nodes left to take.
+        stopped: stopped.filter(|_| outdated_ready > 0),
+    }
+}
+
+/// The groups of `desired` whose rollout holds ready, outdated nodes back
+/// in `state` (what row 17 waits on), in group order.
+pub fn rollout_holds(state: &ClusterState, desired: &DesiredState) -> Vec<RolloutStatus> {
+    desired
+        .groups
+        .iter()
+        .map(|g| group_status(state, g))
+        .filter(RolloutStatus::is_holding)
+        .collect()
+}
+
+/// The remediation breaker of `group`, when it is tripped: more of its
+/// desired slots are unhealthy than its `max_unhealthy` allows (`None` when
+/// it is within the limit, has no limit, or is not desired).
+///
+/// A slot is unhealthy when `away(slot, attempt)` says the agent of its
+/// current attempt is away (the host knows its agents' links), or when its
+/// current attempt failed: stage Failed, or being cleaned up or awaiting its
+/// restart after a failure (`failed_reason` is kept until the restart).
+pub fn breaker(
+    state: &ClusterState,
+    desired: &DesiredState,
+    group: &GroupId,
+    away: &dyn Fn(&LogicalNodeId, NodeAttemptId) -> bool,
+) -> Option<Breaker> {
+    let g = desired.group(group)?;
+    g.policy.max_unhealthy?;
+    let first = LogicalNodeId::new(g.id.clone(), 0);
+    let mut unhealthy = 0u32;
+    for (id, n) in state.nodes.range(first..) {
+        if !id.group.same(&g.id) || id.index >= g.count {
+            break;
+        }
+        unhealthy += u32::from(away(id, n.attempt) || n.record.failed_reason.is_some());
+    }
+    Breaker::check(&g.policy, g.count, unhealthy)
+}
+
+/// [`reconcile_node`] with rows 17 and 18: a ready node that row 4 would
+/// take down for drift waits unless `gates` admits it, and a failed slot
+/// that row 2 would restart with the same template waits while its group's
+/// breaker is tripped.
+pub fn reconcile_node_gated(
+    id: &LogicalNodeId,
+    node: &ManagedNode,
+    desired: Option<&Arc<NodeTemplate>>,
+    now: Timestamp,
+    gates: &mut RolloutGates<'_>,
+) -> NodeDecision {
+    let d = reconcile_node(node, desired, now);
+    if let Some(NodeAction::Restart { template }) = &d.action
+        && node.record.failed_reason.is_some()
+        && same_template(template, &node.template)
+        && gates.is_tripped(&id.group)
+    {
+        return NodeDecision::wait(LadderRow::AwaitBreaker, None);
+    }
+    let drift = matches!(
+        d.action,
+        Some(NodeAction::BeginDelete {
+            reason: DeleteReason::SpecDrift
+        })
+    );
+    if drift && node.is_ready() && !gates.admit(id) {
+        return NodeDecision::wait(LadderRow::AwaitRolloutBudget, None);
+    }
+    d
+}
+
 /// One full pass: decides every node and inserts every missing desired slot.
 ///
 /// Walks the observed nodes and the desired groups together in slot order, so
 /// a pass costs one step per node and allocates only for the actions it
-/// returns; a pass over a settled cluster allocates nothing.
+/// returns; a pass over a settled cluster allocates nothing. Group budgets
+/// apply (row 17, [`RolloutGates`]); no breaker is taken as tripped (see
+/// [`reconcile_with`] for row 18).
 pub fn reconcile(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
-    plan_with(state, desired, now, false)
+    plan_with(state, desired, now, false, &BTreeSet::new())
+}
+
+/// [`reconcile`] (or, with `paused`, [`reconcile_paused`]) with the
+/// groups whose remediation breaker is tripped (row 18).
+pub fn reconcile_with(
+    state: &ClusterState,
+    desired: &DesiredState,
+    now: Timestamp,
+    paused: bool,
+    tripped: &BTreeSet<GroupId>,
+) -> Plan {
+    plan_with(state, desired, now, paused, tripped)
 }
 
 /// [`reconcile`] for a paused cluster: every node decided by
 /// [`reconcile_node_paused`], no slot inserted.
 pub fn reconcile_paused(state: &ClusterState, desired: &DesiredState, now: Timestamp) -> Plan {
-    plan_with(state, desired, now, true)
+    plan_with(state, desired, now, true, &BTreeSet::new())
 }
 
-fn plan_with(state: &ClusterState, desired: &DesiredState, now: Timestamp, paused: bool) -> Plan {
+fn plan_with(
+    state: &ClusterState,
+    desired: &DesiredState,
+    now: Timestamp,
+    paused: bool,
+    tripped: &BTreeSet<GroupId>,
+) -> Plan {
     let mut plan = Plan::default();
-    walk(state, desired, now, paused, |id, d| {
+    walk(state, desired, now, paused, tripped, |id, d| {
         plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
         if let Some(action) = d.action {
             plan.actions.push(PlannedAction {
@@ -393,14 +687,16 @@ fn plan_with(state: &ClusterState, desired: &DesiredState, now: Timestamp, pause
 }
 
 /// Visits every slot in order with its decision: existing nodes through
-/// [`reconcile_node`], missing desired slots as [`LadderRow::InsertSlot`].
-/// With `paused`, nodes are decided by [`reconcile_node_paused`] and
-/// missing slots wait.
+/// [`reconcile_node_gated`] (the budgets of rows 17 and 18, `tripped`
+/// naming the groups whose breaker is tripped), missing desired slots as
+/// [`LadderRow::InsertSlot`]. With `paused`, nodes are decided by
+/// [`reconcile_node_paused`] and missing slots wait.
 pub(crate) fn walk(
     state: &ClusterState,
     desired: &DesiredState,
     now: Timestamp,
     paused: bool,
+    tripped: &BTreeSet<GroupId>,
     mut visit: impl FnMut(&LogicalNodeId, NodeDecision),
 ) {
     let mut nodes = state.nodes.iter().peekable();
@@ -416,17 +712,19 @@ pub(crate) fn walk(
             };
             visit(&id, NodeDecision::act(LadderRow::InsertSlot, action));
         };
-    let reconcile_node = |node: &ManagedNode, t: Option<&Arc<NodeTemplate>>, now: Timestamp| {
-        if paused {
-            reconcile_node_paused(node, t, now)
-        } else {
-            reconcile_node(node, t, now)
-        }
-    };
+    let mut gates = RolloutGates::new(state, desired).with_tripped(tripped);
+    let mut reconcile_node =
+        |id: &LogicalNodeId, node: &ManagedNode, t: Option<&Arc<NodeTemplate>>, now: Timestamp| {
+            if paused {
+                reconcile_node_paused(node, t, now)
+            } else {
+                reconcile_node_gated(id, node, t, now, &mut gates)
+            }
+        };
     for g in &desired.groups {
         // Nodes of groups that sort before this one are not desired at all.
         while let Some((id, node)) = nodes.next_if(|(id, _)| id.group < g.id) {
-            visit(id, reconcile_node(node, None, now));
+            visit(id, reconcile_node(id, node, None, now));
         }
         let mut next_missing = 0u32;
         while let Some((id, node)) = nodes.next_if(|(id, _)| id.group.same(&g.id)) {
@@ -435,14 +733,14 @@ pub(crate) fn walk(
             }
             next_missing = next_missing.max(id.index.saturating_add(1));
             let t = (id.index < g.count).then_some(&g.template);
-            visit(id, reconcile_node(node, t, now));
+            visit(id, reconcile_node(id, node, t, now));
         }
         for index in next_missing..g.count {
             insert(&mut visit, g, index);
         }
     }
     for (id, node) in nodes {
-        visit(id, reconcile_node(node, None, now));
+        visit(id, reconcile_node(id, node, None, now));
     }
 }
 
@@ -528,6 +826,7 @@ pub fn diff(state: &ClusterState, desired: &DesiredState) -> ShapeDiff {
         desired,
         Timestamp::from_millis(0),
         false,
+        &BTreeSet::new(),
         |id, _decision| {
             let node = state.nodes.get(id);
             let active = node.is_some_and(|n| {

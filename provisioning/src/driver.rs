@@ -22,17 +22,18 @@
 
 use crate::config::{ConfigError, ReconcilerConfig};
 use crate::decide::{
-    NodeAction, Plan, PlannedAction, is_converged, reconcile, reconcile_node,
-    reconcile_node_paused, reconcile_paused, walk,
+    LadderRow, NodeAction, Plan, PlannedAction, RolloutGates, RolloutStatus, is_converged,
+    reconcile_node_gated, reconcile_node_paused, reconcile_with, rollout_holds, walk,
 };
 use crate::id::{
-    Generation, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId, ResourceKey,
-    RunId, SessionId,
+    Generation, GroupId, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId,
+    ResourceKey, RunId, SessionId,
 };
 use crate::observe::{
     BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome, OperationResult,
     fold_agent_lost, fold_bootstrap, fold_bootstrap_stall, fold_deadline, fold_result,
 };
+use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState, NodeTemplate, ShapeError, same_template};
 use crate::state::{ClusterState, EffectKind, Intent, ManagedNode, NodeStage, PendingOperation};
 use crate::time::{DeadlineOverflow, Timestamp, earliest};
@@ -308,6 +309,10 @@ struct Eval {
     wakes: BTreeSet<(Timestamp, LogicalNodeId)>,
     /// The deadline each waiting node waits on (the index into `wakes`).
     wake_of: BTreeMap<LogicalNodeId, Timestamp>,
+    /// Ready nodes of an outdated template that row 17 held back: their
+    /// decision depends on the rest of their group, so every pass decides
+    /// them again (in slot order with the others, as the budget requires).
+    held: BTreeSet<LogicalNodeId>,
 }
 
 impl Eval {
@@ -321,14 +326,15 @@ impl Eval {
         }
     }
 
-    /// Dirty nodes and nodes whose deadline is due, in slot order.
+    /// Dirty nodes, nodes whose deadline is due and nodes held by a
+    /// rollout budget, in slot order.
     fn candidates(&self, now: Timestamp) -> BTreeSet<&LogicalNodeId> {
         let due = self
             .wakes
             .iter()
             .take_while(|(at, _)| *at <= now)
             .map(|(_, id)| id);
-        self.dirty.iter().chain(due).collect()
+        self.dirty.iter().chain(due).chain(&self.held).collect()
     }
 }
 
@@ -343,6 +349,7 @@ pub struct Driver {
     stats: DriverStats,
     eval: Eval,
     paused: bool,
+    tripped: BTreeSet<GroupId>,
 }
 
 impl Driver {
@@ -361,6 +368,7 @@ impl Driver {
             stats: DriverStats::default(),
             eval: Eval::default(),
             paused: false,
+            tripped: BTreeSet::new(),
         })
     }
 
@@ -378,6 +386,25 @@ impl Driver {
         self.paused = paused;
         self.eval.full = true;
         self.trigger();
+    }
+
+    /// The groups whose remediation breaker is tripped, as the host works
+    /// it out (it knows which agents are away; see
+    /// [`breaker`](crate::breaker)): their failed slots get no new attempt
+    /// of the same template (ladder row 18). A change re-decides every node
+    /// in the next pass, which it queues.
+    pub fn set_tripped(&mut self, tripped: BTreeSet<GroupId>) {
+        if self.tripped == tripped {
+            return;
+        }
+        self.tripped = tripped;
+        self.eval.full = true;
+        self.trigger();
+    }
+
+    /// The groups whose breaker is tripped (see [`Driver::set_tripped`]).
+    pub fn tripped(&self) -> &BTreeSet<GroupId> {
+        &self.tripped
     }
 
     /// Whether reconciling is paused (see [`Driver::set_paused`]).
@@ -580,11 +607,7 @@ impl Driver {
     }
 
     fn plan_on(&self, desired: &DesiredState, now: Timestamp) -> Plan {
-        if self.paused {
-            reconcile_paused(&self.state, desired, now)
-        } else {
-            reconcile(&self.state, desired, now)
-        }
+        reconcile_with(&self.state, desired, now, self.paused, &self.tripped)
     }
 
     /// The actions the next pass would take if `shape` were applied, without applying anything.
@@ -819,42 +842,57 @@ impl Driver {
         if self.eval.full {
             let mut plan = Plan::default();
             let mut wakes = Vec::new();
-            walk(&self.state, &self.desired, now, self.paused, |id, d| {
-                plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
-                if let Some(at) = d.wake_at {
-                    wakes.push((at, id.clone()));
-                }
-                if let Some(action) = d.action {
-                    plan.actions.push(PlannedAction {
-                        node: id.clone(),
-                        row: d.row,
-                        action,
-                    });
-                }
-            });
+            let mut held = BTreeSet::new();
+            let tripped = &self.tripped;
+            walk(
+                &self.state,
+                &self.desired,
+                now,
+                self.paused,
+                tripped,
+                |id, d| {
+                    plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
+                    if let Some(at) = d.wake_at {
+                        wakes.push((at, id.clone()));
+                    }
+                    if d.row == LadderRow::AwaitRolloutBudget {
+                        held.insert(id.clone());
+                    }
+                    if let Some(action) = d.action {
+                        plan.actions.push(PlannedAction {
+                            node: id.clone(),
+                            row: d.row,
+                            action,
+                        });
+                    }
+                },
+            );
             if commit {
                 self.eval = Eval::default();
                 for (at, id) in wakes {
                     self.eval.set_wake(&id, Some(at));
                 }
+                self.eval.held = held;
             }
             return plan;
         }
         let mut plan = Plan::default();
         let mut updates = Vec::new();
         let candidates = self.eval.candidates(now);
+        let mut gates = RolloutGates::new(&self.state, &self.desired).with_tripped(&self.tripped);
         for id in &candidates {
             let Some(node) = self.state.nodes.get(*id) else {
-                updates.push(((*id).clone(), None));
+                updates.push(((*id).clone(), None, false));
                 continue;
             };
             let d = if self.paused {
                 reconcile_node_paused(node, self.desired.slot(id), now)
             } else {
-                reconcile_node(node, self.desired.slot(id), now)
+                reconcile_node_gated(id, node, self.desired.slot(id), now, &mut gates)
             };
             plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
-            updates.push(((*id).clone(), d.wake_at));
+            let held = d.row == LadderRow::AwaitRolloutBudget;
+            updates.push(((*id).clone(), d.wake_at, held));
             if let Some(action) = d.action {
                 plan.actions.push(PlannedAction {
                     node: (*id).clone(),
@@ -871,11 +909,37 @@ impl Driver {
         plan.requeue_at = earliest(plan.requeue_at, others.map(|(at, _)| *at));
         if commit {
             self.eval.dirty.clear();
-            for (id, wake) in updates {
+            for (id, wake, held) in updates {
                 self.eval.set_wake(&id, wake);
+                if held {
+                    self.eval.held.insert(id);
+                } else {
+                    self.eval.held.remove(&id);
+                }
             }
         }
         plan
+    }
+
+    /// The remediation breaker of `group` if it is tripped; `away` says
+    /// whether a slot's agent (of the given attempt) is away. See
+    /// [`breaker`](crate::breaker).
+    pub fn breaker(
+        &self,
+        group: &GroupId,
+        away: &dyn Fn(&LogicalNodeId, NodeAttemptId) -> bool,
+    ) -> Option<Breaker> {
+        crate::decide::breaker(&self.state, &self.desired, group, away)
+    }
+
+    /// The groups whose rollout holds ready nodes of an outdated template
+    /// back (row 17), as of the last pass; empty, without looking at any
+    /// node, when that pass held none.
+    pub fn rollout_holds(&self) -> Vec<RolloutStatus> {
+        if self.eval.held.is_empty() && !self.eval.full {
+            return Vec::new();
+        }
+        rollout_holds(&self.state, &self.desired)
     }
 
     /// Ends the running pass; queues the follow-up pass if anything triggered during it.
@@ -951,7 +1015,14 @@ impl Driver {
                 let attempt = self.allocate_attempt(&id)?;
                 if let Some(node) = self.state.nodes.get_mut(&id) {
                     let failures = node.retry.consecutive_failures;
+                    // Failures of another template are not the new one's.
+                    let inherited = if same_template(&node.template, &template) {
+                        node.retry.inherited_failures
+                    } else {
+                        failures
+                    };
                     *node = ManagedNode::new(attempt, template, failures);
+                    node.retry.inherited_failures = inherited;
                 }
             }
             NodeAction::Reap => {
@@ -985,6 +1056,7 @@ impl Driver {
                     node.record.bootstrap_deadline = None;
                     node.record.last_error = None;
                     node.retry.consecutive_failures = 0;
+                    node.retry.inherited_failures = 0;
                     node.retry.next_effect_at = None;
                 }
             }

@@ -7,7 +7,9 @@
 //! disconnected agent's grace ends, which operations an executor that crashed
 //! was holding, what must be durable before an effect or an acknowledgement,
 //! how a shutdown ends, whether reconciling is paused (durably; see
-//! [`Host::handle_pause`]), and when to tell waiters the cluster converged.
+//! [`Host::handle_pause`]), when a group's lost nodes are not replaced (its
+//! remediation breaker, see [`Host::breaker`]), what each group holds back
+//! and why ([`Host::holds`]), and when to tell waiters the cluster converged.
 //! [`Host`] holds all of it, like `quinn-proto`'s `Endpoint` next to its
 //! `Connection`: no clock, no I/O, time is an argument, and everything it
 //! wants done comes out as data.
@@ -57,19 +59,24 @@
 //!   at start and by periodic sweeps.
 //! - **Ready means live.** A node becomes ready only after its agent joined
 //!   *this* host (a stream replaying an old join proves nothing), and a
-//!   joined agent gone for longer than its group's grace fails the attempt.
+//!   joined agent gone for longer than its group's grace fails the attempt,
+//!   unless its group's breaker is tripped: then it is held (kept, shown
+//!   away) until the group is back within its `max_unhealthy`, and then
+//!   given its grace again.
 
 use crate::config::ReconcilerConfig;
 use crate::core::Reconciler;
 use crate::decide::{Change, Plan, ShapeDiff, diff};
 use crate::driver::{AdoptEntry, DesiredUpdate, DriverError, Pass, PassStats, UpdateError};
 use crate::id::{
-    Generation, LeaseId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId, SessionId,
+    Generation, GroupId, LeaseId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId,
+    SessionId,
 };
 use crate::observe::{
     BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome,
     OperationResult,
 };
+use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState, NodeTemplate};
 use crate::state::{EffectKind, Intent, NodeStage};
 use crate::time::{Timestamp, earliest};
@@ -415,6 +422,31 @@ pub enum ApplyError {
     },
 }
 
+/// What a group holds back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum HoldKind {
+    /// Ready nodes of an outdated template wait: the group's
+    /// `max_unavailable` is spent, or its rollout stopped on a failing node
+    /// (ladder row 17).
+    Rollout,
+    /// Lost and failed nodes are not replaced: more of the group is
+    /// unhealthy than its `max_unhealthy` allows (the breaker is tripped).
+    /// Agents away past their grace are held as they are, and failed slots
+    /// get no new attempt of the same template (ladder row 18).
+    Remediation,
+}
+
+/// One thing a group holds back, and why, in words for people.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupHold {
+    /// The group.
+    pub group: GroupId,
+    /// What is held.
+    pub kind: HoldKind,
+    /// Why, e.g. `remediation paused: 4 of 6 unhealthy > max 2`.
+    pub reason: String,
+}
+
 /// Why a pause was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PauseError {
@@ -574,6 +606,16 @@ pub enum HostEvent {
         /// The empty generation it converges on.
         generation: Generation,
     },
+    /// A group began holding something back, or its reason changed
+    /// (`reason: Some`), or it stopped holding it (`reason: None`).
+    Hold {
+        /// The group.
+        group: GroupId,
+        /// What it holds.
+        kind: HoldKind,
+        /// Why, while it holds.
+        reason: Option<String>,
+    },
     /// Something went wrong that people should know about.
     Warning(String),
 }
@@ -703,6 +745,12 @@ pub struct Host<C: Reconciler> {
     stopped: bool,
     digests: Vec<(Arc<NodeTemplate>, u64)>,
     history: BTreeMap<LogicalNodeId, VecDeque<AttemptRecord>>,
+    /// Away agents whose grace ended while their group's breaker was tripped.
+    held_lost: BTreeSet<LogicalNodeId>,
+    /// What each group holds back, as last announced.
+    holds: BTreeMap<(GroupId, HoldKind), String>,
+    /// No group's breaker was tripped when last told to the core.
+    tripped_none: bool,
 }
 
 impl<C: Reconciler> Host<C> {
@@ -769,6 +817,9 @@ impl<C: Reconciler> Host<C> {
             stopped: false,
             digests: Vec::new(),
             history: BTreeMap::new(),
+            held_lost: BTreeSet::new(),
+            holds: BTreeMap::new(),
+            tripped_none: true,
         })
     }
 
@@ -845,9 +896,42 @@ impl<C: Reconciler> Host<C> {
     }
 
     /// Agents that disconnected (or were heard of only from an earlier
-    /// daemon) and whose grace is running.
+    /// daemon) and whose grace is running, or is over but held by their
+    /// group's breaker.
     pub fn agents_away(&self) -> usize {
-        self.graces.len()
+        self.graces.len() + self.held_lost.len()
+    }
+
+    /// Slots whose agent stayed away past its grace while their group's
+    /// breaker was tripped: kept as they are (not failed, not replaced)
+    /// until the agent returns, or the group is back within its
+    /// `max_unhealthy` (then the agent gets its grace again, from then).
+    pub fn held_lost(&self) -> impl Iterator<Item = &LogicalNodeId> {
+        self.held_lost.iter()
+    }
+
+    /// What each group holds back and why, as of the host's last quiet
+    /// moment, in group order (see [`HoldKind`]).
+    pub fn holds(&self) -> Vec<GroupHold> {
+        self.holds
+            .iter()
+            .map(|((group, kind), reason)| GroupHold {
+                group: group.clone(),
+                kind: *kind,
+                reason: reason.clone(),
+            })
+            .collect()
+    }
+
+    /// The breaker of `group`, when it is tripped (see
+    /// [`breaker`](crate::breaker); an agent is away when it disconnected
+    /// or went silent, its grace running or held). While the breaker is tripped, an away agent whose grace ends is held
+    /// instead of failing its node; everything else goes on (a node whose
+    /// own process or stream reports a failure is still failed and
+    /// replaced, and rollouts and scaling are not affected).
+    pub fn breaker(&self, group: &GroupId) -> Option<Breaker> {
+        let away = |id: &LogicalNodeId, attempt: NodeAttemptId| matches!(self.links.get(id), Some(Link::Away { attempt: a, .. }) if *a == attempt);
+        self.core.breaker(group, &away)
     }
 
     /// The inventory is adopted, no attempt presumed gone awaits its check,
@@ -1392,6 +1476,7 @@ impl<C: Reconciler> Host<C> {
             if self.stopped {
                 return None;
             }
+            self.release_held(now);
             if let Some(todo) = self.todo.pop_front() {
                 if let Some(fold) = self.run_todo(todo, now) {
                     return Some(Output::Folded(fold));
@@ -1409,6 +1494,7 @@ impl<C: Reconciler> Host<C> {
             if let Some(c) = self.due_collect(now) {
                 return Some(Output::Collect(c));
             }
+            self.sync_tripped();
             if self.passes_allowed() && self.core.is_pass_queued() {
                 if self.reserve_attempts() {
                     continue;
@@ -1714,8 +1800,9 @@ impl<C: Reconciler> Host<C> {
         Some(c.request.clone())
     }
 
-    /// Convergence, waiters and the end of a teardown, once the host is quiet.
+    /// Holds, convergence, waiters and the end of a teardown, once the host is quiet.
     fn check_progress(&mut self) {
+        self.update_holds();
         if self.core.is_pass_queued() || !self.todo.is_empty() || !self.is_converged() {
             return;
         }
@@ -1863,6 +1950,7 @@ impl<C: Reconciler> Host<C> {
     fn clear_link(&mut self, node: &LogicalNodeId) {
         if let Some(Link::Away { until, .. }) = self.links.remove(node) {
             self.graces.remove(&(until, node.clone()));
+            self.held_lost.remove(node);
         }
     }
 
@@ -1902,6 +1990,13 @@ impl<C: Reconciler> Host<C> {
 
     fn expire_graces(&mut self, now: Timestamp) {
         while let Some((at, node)) = self.graces.first().cloned().filter(|(at, _)| *at <= now) {
+            if self.breaker(&node.group).is_some() {
+                // Counted as away (it still is) while the breaker is
+                // checked; kept so, with no deadline, until released.
+                self.graces.remove(&(at, node.clone()));
+                self.held_lost.insert(node);
+                continue;
+            }
             self.graces.remove(&(at, node.clone()));
             let Some(Link::Away { attempt, .. }) = self.links.remove(&node) else {
                 continue;
@@ -1909,6 +2004,105 @@ impl<C: Reconciler> Host<C> {
             let reason = "its agent stayed away past its grace".to_owned();
             self.todo.push_back(Todo::AgentLost(node, attempt, reason));
         }
+    }
+
+    /// Tells the core which groups' breakers are tripped (it holds their
+    /// failed slots' restarts); a change queues a pass.
+    fn sync_tripped(&mut self) {
+        let limited = self
+            .core
+            .desired()
+            .groups
+            .iter()
+            .any(|g| g.policy.max_unhealthy.is_some());
+        if !limited && self.tripped_none {
+            return;
+        }
+        let tripped: BTreeSet<GroupId> = self
+            .core
+            .desired()
+            .groups
+            .iter()
+            .filter(|g| g.policy.max_unhealthy.is_some() && self.breaker(&g.id).is_some())
+            .map(|g| g.id.clone())
+            .collect();
+        self.tripped_none = tripped.is_empty();
+        self.core.set_tripped(tripped);
+    }
+
+    /// Gives the held agents of groups whose breaker is no longer tripped
+    /// their grace again, counted from `now`: one that is back by then
+    /// keeps its node; one that is not is lost, and replaced, as usual.
+    fn release_held(&mut self, now: Timestamp) {
+        if self.held_lost.is_empty() {
+            return;
+        }
+        let mut tripped: BTreeMap<GroupId, bool> = BTreeMap::new();
+        let held: Vec<LogicalNodeId> = self.held_lost.iter().cloned().collect();
+        for node in held {
+            let trip = match tripped.get(&node.group) {
+                Some(t) => *t,
+                None => {
+                    let t = self.breaker(&node.group).is_some();
+                    tripped.insert(node.group.clone(), t);
+                    t
+                }
+            };
+            if trip {
+                continue;
+            }
+            self.held_lost.remove(&node);
+            let Some(Link::Away { attempt, .. }) = self.links.get(&node).copied() else {
+                continue;
+            };
+            let grace = self
+                .core
+                .state()
+                .nodes
+                .get(&node)
+                .map_or(0, |n| n.template.join.lost_grace_ms());
+            let until = now.saturating_add_ms(grace);
+            self.set_link(&node, Link::Away { attempt, until });
+        }
+    }
+
+    /// Works out what each group holds back now and announces the changes.
+    fn update_holds(&mut self) {
+        let mut holds = BTreeMap::new();
+        if self.shutdown.is_none() {
+            for r in self.core.rollout_holds() {
+                holds.insert((r.group.clone(), HoldKind::Rollout), r.to_string());
+            }
+        }
+        for g in &self.core.desired().groups {
+            if g.policy.max_unhealthy.is_some()
+                && let Some(b) = self.breaker(&g.id)
+            {
+                holds.insert((g.id.clone(), HoldKind::Remediation), b.to_string());
+            }
+        }
+        if holds == self.holds {
+            return;
+        }
+        for (key, reason) in &holds {
+            if self.holds.get(key) != Some(reason) {
+                self.events.push_back(HostEvent::Hold {
+                    group: key.0.clone(),
+                    kind: key.1,
+                    reason: Some(reason.clone()),
+                });
+            }
+        }
+        for key in self.holds.keys() {
+            if !holds.contains_key(key) {
+                self.events.push_back(HostEvent::Hold {
+                    group: key.0.clone(),
+                    kind: key.1,
+                    reason: None,
+                });
+            }
+        }
+        self.holds = holds;
     }
 
     /// Adopts the journal's records and the inventory once both it and a

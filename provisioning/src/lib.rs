@@ -33,6 +33,7 @@ mod id;
 pub mod observe;
 #[cfg(swactor_policy_probe)]
 mod policy_probe;
+mod rollout;
 mod shape;
 mod state;
 mod time;
@@ -40,9 +41,10 @@ mod time;
 pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
 pub use core::Reconciler;
 pub use decide::{
-    Change, DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, ShapeDiff,
-    allowed_while_paused, diff, is_converged, reconcile, reconcile_node, reconcile_node_paused,
-    reconcile_paused,
+    Change, DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, RolloutGates,
+    RolloutStatus, RolloutStop, ShapeDiff, allowed_while_paused, breaker, diff, group_status,
+    is_converged, reconcile, reconcile_node, reconcile_node_gated, reconcile_node_paused,
+    reconcile_paused, reconcile_with, rollout_holds,
 };
 pub use driver::{
     AdoptEntry, Adoption, DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest,
@@ -50,9 +52,9 @@ pub use driver::{
 };
 pub use host::{
     ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
-    EARLY_OBSERVATIONS_MAX, Host, HostConfig, HostError, HostEvent, HostFold, JOURNAL_FORMAT,
-    JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness, Output,
-    PauseError, Reply, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
+    EARLY_OBSERVATIONS_MAX, GroupHold, HoldKind, Host, HostConfig, HostError, HostEvent, HostFold,
+    JOURNAL_FORMAT, JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness,
+    Output, PauseError, Reply, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
 };
 pub use id::{
     Generation, GroupId, ID_LEN_MAX, IdError, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint,
@@ -62,10 +64,11 @@ pub use observe::{
     BOOT_CHECK_REPORT_MARGIN_MS, BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass,
     Folded, OperationOutcome, OperationResult, stall_during_boot_check_ms,
 };
+pub use rollout::{Breaker, GroupPolicy, PERCENT_MAX, Quantity};
 pub use shape::{
     BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupShape,
-    LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, ProviderShape, SHAPE_NODES_MAX,
-    ShapeError, SwarmJoin, same_template,
+    LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, PolicyShape, ProviderShape,
+    SHAPE_NODES_MAX, ShapeError, SwarmJoin, same_template,
 };
 pub use state::{
     AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord,

@@ -1,6 +1,7 @@
 //! Desired state: the declared cluster shape, its validation and its expansion into slots.
 
 use crate::id::{Generation, GroupId, IdError, LogicalNodeId, RunId, validate_id};
+use crate::rollout::{GroupPolicy, PERCENT_MAX, Quantity};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -53,6 +54,39 @@ pub struct GroupShape {
     /// How long each step of a node of this group may take.
     #[serde(default)]
     pub limits: NodeLimits,
+    /// Rollout and remediation budgets; not part of the template, so
+    /// changing them replaces no node.
+    #[serde(default, flatten)]
+    pub policy: PolicyShape,
+}
+
+/// A group's change budgets as written; `None` keeps the default (see
+/// [`GroupPolicy`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyShape {
+    /// Most desired slots that may be unavailable while ready nodes of an
+    /// outdated template are replaced (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_unavailable: Option<Quantity>,
+    /// Extra nodes a rollout may make (default 0; only 0 is supported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_surge: Option<Quantity>,
+    /// Most unhealthy slots before lost nodes stop being replaced
+    /// (default: no limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_unhealthy: Option<Quantity>,
+}
+
+impl PolicyShape {
+    /// The policy with every default filled in.
+    pub fn resolve(&self) -> GroupPolicy {
+        let d = GroupPolicy::default();
+        GroupPolicy {
+            max_unavailable: self.max_unavailable.unwrap_or(d.max_unavailable),
+            max_surge: self.max_surge.unwrap_or(d.max_surge),
+            max_unhealthy: self.max_unhealthy,
+        }
+    }
 }
 
 fn default_role() -> String {
@@ -265,6 +299,24 @@ pub enum ShapeError {
         /// Path of the field.
         field: String,
     },
+    /// A percentage above 100.
+    #[error("{field} is {value}; a percentage must be between 0% and 100%")]
+    BadPercent {
+        /// Path of the field.
+        field: String,
+        /// The rejected value, as text.
+        value: String,
+    },
+    /// `max_surge` above 0: surge rollouts are not supported yet.
+    #[error(
+        "{field} is {value}, but surge is not supported yet: Swactor replaces a node in place (its slot holds one attempt at a time), so a rollout only takes nodes down, up to max_unavailable at a time; leave max_surge out or set it to 0"
+    )]
+    SurgeUnsupported {
+        /// Path of the field.
+        field: String,
+        /// The rejected value, as text.
+        value: String,
+    },
 }
 
 /// Everything about a slot that an attempt is created from. Immutable per
@@ -401,6 +453,9 @@ pub struct DesiredGroup {
     pub count: u32,
     /// The template every slot of the group is created from.
     pub template: Arc<NodeTemplate>,
+    /// Its rollout and remediation budgets.
+    #[serde(default)]
+    pub policy: GroupPolicy,
 }
 
 /// One desired slot and the template it must run.
@@ -435,12 +490,16 @@ impl DesiredState {
 
     /// The template slot `node` must run, or `None` when the slot is not desired.
     pub fn slot(&self, node: &LogicalNodeId) -> Option<&Arc<NodeTemplate>> {
-        let g = self
-            .groups
-            .binary_search_by(|g| g.id.cmp(&node.group))
-            .ok()
-            .map(|i| &self.groups[i])?;
+        let g = self.group(&node.group)?;
         (node.index < g.count).then_some(&g.template)
+    }
+
+    /// The desired group `id`, if there is one.
+    pub fn group(&self, id: &GroupId) -> Option<&DesiredGroup> {
+        self.groups
+            .binary_search_by(|g| g.id.cmp(id))
+            .ok()
+            .map(|i| &self.groups[i])
     }
 
     /// Total number of desired slots.
@@ -467,6 +526,7 @@ impl DesiredState {
             && self.groups.iter().zip(&other.groups).all(|(a, b)| {
                 a.id == b.id
                     && a.count == b.count
+                    && a.policy == b.policy
                     && (Arc::ptr_eq(&a.template, &b.template) || a.template == b.template)
             })
     }
@@ -577,9 +637,31 @@ impl ClusterShape {
                     range: " > 0",
                 });
             }
+            let policy = [
+                ("max_unavailable", g.policy.max_unavailable),
+                ("max_surge", g.policy.max_surge),
+                ("max_unhealthy", g.policy.max_unhealthy),
+            ];
+            for (name, q) in policy {
+                if let Some(Quantity::Percent(p)) = q
+                    && p > PERCENT_MAX
+                {
+                    return Err(ShapeError::BadPercent {
+                        field: format!("groups[{index}].{name}"),
+                        value: format!("{p}%"),
+                    });
+                }
+            }
+            if let Some(q) = g.policy.max_surge.filter(|q| !q.is_zero()) {
+                return Err(ShapeError::SurgeUnsupported {
+                    field: format!("groups[{index}].max_surge"),
+                    value: q.to_string(),
+                });
+            }
             groups.push(DesiredGroup {
                 id: GroupId::new(&g.id),
                 count: g.count,
+                policy: g.policy.resolve(),
                 template: Arc::new(NodeTemplate {
                     provider: g.provider.clone(),
                     boot: g.boot.clone(),
@@ -634,6 +716,7 @@ pub(crate) mod tests {
             role: "worker".to_owned(),
             join: SwarmJoin::default(),
             limits: NodeLimits::default(),
+            policy: PolicyShape::default(),
         }
     }
 
@@ -741,6 +824,40 @@ pub(crate) mod tests {
         assert_eq!(s.validate().unwrap().groups[0].template.digest(), before);
         s.groups[0].limits.boot_timeout_s = 30.0;
         assert_ne!(s.validate().unwrap().groups[0].template.digest(), before);
+    }
+
+    #[test]
+    fn budgets_are_checked_and_surge_is_refused_with_a_reason() {
+        let mut s = shape(1, vec![group("w", 4)]);
+        assert_eq!(
+            s.validate().unwrap().groups[0].policy,
+            GroupPolicy::default()
+        );
+        s.groups[0].policy.max_unavailable = Some(Quantity::Percent(101));
+        assert_eq!(
+            s.validate().unwrap_err().to_string(),
+            "groups[0].max_unavailable is 101%; a percentage must be between 0% and 100%"
+        );
+        s.groups[0].policy.max_unavailable = Some(Quantity::Percent(50));
+        s.groups[0].policy.max_surge = Some(Quantity::Count(1));
+        let e = s.validate().unwrap_err().to_string();
+        assert!(
+            e.starts_with("groups[0].max_surge is 1, but surge is not supported yet"),
+            "{e}"
+        );
+        s.groups[0].policy.max_surge = Some(Quantity::Percent(0));
+        let d = s.validate().unwrap();
+        assert_eq!(d.groups[0].policy.max_unavailable_of(4), 2);
+    }
+
+    #[test]
+    fn a_budget_change_is_a_change_of_content_but_not_of_template() {
+        let a = shape(1, vec![group("w", 2)]).validate().unwrap();
+        let mut s = shape(2, vec![group("w", 2)]);
+        s.groups[0].policy.max_unhealthy = Some(Quantity::Count(1));
+        let b = s.validate().unwrap();
+        assert!(!a.same_content(&b));
+        assert!(same_template(&a.groups[0].template, &b.groups[0].template));
     }
 
     #[test]

@@ -160,6 +160,20 @@ pub struct RetryState {
     pub consecutive_failures: u32,
     /// No effect is dispatched before this instant (backoff or probe interval).
     pub next_effect_at: Option<Timestamp>,
+    /// How many of `consecutive_failures` were carried in from attempts of
+    /// another template (the slot's template changed since they failed):
+    /// the rest are failures of the template the node runs now, which is
+    /// what stops a rollout.
+    #[serde(default)]
+    pub inherited_failures: u32,
+}
+
+impl RetryState {
+    /// Failures since the slot was last ready with the template it runs now.
+    pub fn template_failures(&self) -> u32 {
+        self.consecutive_failures
+            .saturating_sub(self.inherited_failures)
+    }
 }
 
 /// Lifecycle facts of one attempt. `repr(C)`: the hot stage and ready flag come first.
@@ -262,6 +276,7 @@ impl ManagedNode {
             retry: RetryState {
                 consecutive_failures,
                 next_effect_at: None,
+                inherited_failures: 0,
             },
             next_op_seq: 0,
         }

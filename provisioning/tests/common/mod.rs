@@ -23,6 +23,7 @@ pub fn group(id: &str, count: u32) -> GroupShape {
         role: "worker".to_owned(),
         join: SwarmJoin::default(),
         limits: NodeLimits::default(),
+        policy: Default::default(),
     }
 }
 

@@ -45,5 +45,6 @@ pub use rng::SimRng;
 pub use trace::{Input, Mode, Trace};
 pub use world::{
     BOOT_TIMEOUT_MS, Factory, GRACE_MS, GROUPS, RUN, Reconciler, RunReport, SWEEP_MS, TailBound,
-    TailReport, World, WorldConfig, groups_of, host_config, run_trace, run_trace_with, shape_of,
+    TailReport, World, WorldConfig, budget_policy, groups_of, host_config, policies_of, run_trace,
+    run_trace_with, shape_of, shape_with,
 };

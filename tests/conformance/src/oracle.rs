@@ -21,10 +21,10 @@ use std::fmt;
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState,
     CollectRequest, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind,
-    EffectRequest, Folded, Generation, Intent, JoinRefused, JournalImage, LeaseId, Liveness,
-    LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId,
-    OperationOutcome, OperationResult, Pass, PauseError, ReconcilerConfig, ResourceKey, SessionId,
-    ShutdownMode, Timestamp, UpdateError, reconcile, reconcile_paused, same_template,
+    EffectRequest, Folded, Generation, GroupId, Intent, JoinRefused, JournalImage, LeaseId,
+    Liveness, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId,
+    OperationOutcome, OperationResult, Pass, PauseError, PolicyShape, ReconcilerConfig,
+    ResourceKey, SessionId, ShutdownMode, Timestamp, UpdateError, reconcile_with, same_template,
     stall_during_boot_check_ms,
 };
 
@@ -126,11 +126,22 @@ pub enum Invariant {
     /// pause says so (a teardown overrides it), and an acknowledged pause or
     /// resume survives a crash.
     PausedDispatchesNothingNew,
+    /// A pass takes ready nodes of an outdated template down only within
+    /// their group's `max_unavailable` (counting the group's desired slots
+    /// that are not ready already), lowest slot index first, and none while
+    /// a node of the new template is failing (the rollout is stopped).
+    RolloutWithinBudget,
+    /// While more of a group's desired slots are unhealthy (failed, or
+    /// their agent away) than its `max_unhealthy` allows, no away agent's
+    /// node is failed for it (it is held until the group is back within
+    /// the limit; an agent is held only when its group is over the limit),
+    /// and no failed slot gets a new attempt of the same template.
+    BreakerHoldsWhenOverLimit,
 }
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 40] = [
+    pub const ALL: [Invariant; 42] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -171,6 +182,8 @@ impl Invariant {
         Self::AcknowledgedShapesSurviveRestarts,
         Self::ConvergedNodesRunDesiredTemplate,
         Self::PausedDispatchesNothingNew,
+        Self::RolloutWithinBudget,
+        Self::BreakerHoldsWhenOverLimit,
     ];
 
     /// The invariant's name, as messages print it.
@@ -222,6 +235,8 @@ impl Invariant {
             Self::AcknowledgedShapesSurviveRestarts => "acknowledged_shapes_survive_restarts",
             Self::ConvergedNodesRunDesiredTemplate => "converged_nodes_run_desired_template",
             Self::PausedDispatchesNothingNew => "paused_dispatches_nothing_new",
+            Self::RolloutWithinBudget => "rollout_within_budget",
+            Self::BreakerHoldsWhenOverLimit => "breaker_holds_when_over_limit",
         }
     }
 }
@@ -289,6 +304,11 @@ pub struct Snapshot {
     pub agents_away: usize,
     /// Whether the host says reconciling is paused.
     pub paused: bool,
+    /// Slots whose current attempt's agent is away from the host (its
+    /// grace running, or held by its group's breaker).
+    pub away: BTreeSet<LogicalNodeId>,
+    /// Slots whose agent's grace ended while their group's breaker held it.
+    pub held_lost: BTreeSet<LogicalNodeId>,
 }
 
 /// One step, as the oracle observes it.
@@ -597,6 +617,9 @@ pub struct Oracle {
     paused: bool,
     /// The host acknowledged the last pause or resume as durable.
     pause_acked: bool,
+    /// The budgets of every generation a host accepted, by group, as the
+    /// shapes offered said (not as the core reports them).
+    policies: BTreeMap<Generation, BTreeMap<String, PolicyShape>>,
 }
 
 impl Oracle {
@@ -616,6 +639,7 @@ impl Oracle {
             limit: 16,
             paused: false,
             pause_acked: false,
+            policies: BTreeMap::new(),
         }
     }
 
@@ -707,6 +731,7 @@ impl Oracle {
         if paused && let StepEvent::Pass { pass, .. } = event {
             self.check_paused_pass(pass, before, after);
         }
+        self.observe_budgets(event, before, after);
         self.observe_event(event, before, after, provider);
         if !matches!(event, StepEvent::Restart { .. }) {
             self.observe_transitions(event, before, after, provider);
@@ -1949,6 +1974,229 @@ impl Oracle {
         }
     }
 
+    /// The budgets the offered shape gave `group` at the generation
+    /// `desired` is at, if a host accepted that generation from a shape.
+    fn policy(&self, desired: &DesiredState, group: &str) -> Option<PolicyShape> {
+        self.policies
+            .get(&desired.generation)
+            .and_then(|p| p.get(group))
+            .copied()
+    }
+
+    /// Records accepted budgets; checks rollouts against them and the breaker.
+    fn observe_budgets(&mut self, event: StepEvent<'_>, before: &Snapshot, after: &Snapshot) {
+        match event {
+            StepEvent::Update {
+                shape,
+                outcome: Ok(update),
+            } => {
+                let policies = shape
+                    .groups
+                    .iter()
+                    .map(|g| (g.id.clone(), g.policy))
+                    .collect();
+                // A generation a crash lost before it was durable can be
+                // accepted again with other content: the latest one counts.
+                self.policies.insert(update.generation(), policies);
+            }
+            StepEvent::Pass { .. } => {
+                self.check_rollout(before, after);
+                self.check_breaker_restarts(before, after);
+            }
+            StepEvent::AgentLost {
+                node,
+                folded: Folded::Applied,
+                ..
+            } => self.check_breaker_fold(node, before),
+            _ => {}
+        }
+        // An agent is held only while its group is over its limit.
+        let newly: Vec<LogicalNodeId> = after
+            .held_lost
+            .difference(&before.held_lost)
+            .cloned()
+            .collect();
+        for node in newly {
+            let over = self.unhealthy_and_limit(&node.group.to_string(), before, Some(&node));
+            if over.is_none_or(|(unhealthy, max)| unhealthy <= max) {
+                self.fail(
+                    Invariant::BreakerHoldsWhenOverLimit,
+                    &node,
+                    format!(
+                        "held as lost though its group is within its limit (unhealthy, max: {over:?})"
+                    ),
+                );
+            }
+        }
+    }
+
+    /// (unhealthy desired slots, resolved max_unhealthy) of `group` in
+    /// `snap`, counting `also` as unhealthy; `None` when the group has no limit.
+    fn unhealthy_and_limit(
+        &self,
+        group: &str,
+        snap: &Snapshot,
+        also: Option<&LogicalNodeId>,
+    ) -> Option<(u32, u32)> {
+        let g = snap
+            .desired
+            .groups
+            .iter()
+            .find(|g| g.id.to_string() == group)?;
+        let max = self
+            .policy(&snap.desired, group)?
+            .resolve()
+            .max_unhealthy_of(g.count)?;
+        let unhealthy = snap
+            .state
+            .nodes
+            .iter()
+            .filter(|(id, n)| {
+                id.group.same(&g.id)
+                    && id.index < g.count
+                    && (snap.away.contains(*id)
+                        || n.record.failed_reason.is_some()
+                        || also == Some(*id))
+            })
+            .count() as u32;
+        Some((unhealthy, max))
+    }
+
+    /// The groups of `snap` over their `max_unhealthy`.
+    fn tripped(&self, snap: &Snapshot) -> BTreeSet<GroupId> {
+        snap.desired
+            .groups
+            .iter()
+            .filter(|g| {
+                self.unhealthy_and_limit(&g.id.to_string(), snap, None)
+                    .is_some_and(|(unhealthy, max)| unhealthy > max)
+            })
+            .map(|g| g.id.clone())
+            .collect()
+    }
+
+    /// No failed slot of a group over its limit got a new attempt of the
+    /// same template in this pass.
+    fn check_breaker_restarts(&mut self, before: &Snapshot, after: &Snapshot) {
+        let tripped = self.tripped(before);
+        if tripped.is_empty() {
+            return;
+        }
+        for (id, nb) in &before.state.nodes {
+            if !tripped.contains(&id.group) || nb.record.failed_reason.is_none() {
+                continue;
+            }
+            let Some(na) = after.state.nodes.get(id) else {
+                continue;
+            };
+            if na.attempt != nb.attempt && same_template(&na.template, &nb.template) {
+                let (unhealthy, max) = self
+                    .unhealthy_and_limit(&id.group.to_string(), before, None)
+                    .unwrap_or_default();
+                self.fail(
+                    Invariant::BreakerHoldsWhenOverLimit,
+                    id,
+                    format!(
+                        "failed attempt {} restarted as {} while {unhealthy} of group {} were unhealthy, more than its max_unhealthy of {max}",
+                        nb.attempt, na.attempt, id.group
+                    ),
+                );
+            }
+        }
+    }
+
+    /// An away agent's node was failed: its group must have been within its limit.
+    fn check_breaker_fold(&mut self, node: &LogicalNodeId, before: &Snapshot) {
+        if let Some((unhealthy, max)) =
+            self.unhealthy_and_limit(&node.group.to_string(), before, Some(node))
+            && unhealthy > max
+        {
+            self.fail(
+                Invariant::BreakerHoldsWhenOverLimit,
+                node,
+                format!(
+                    "a lost agent's node was failed while {unhealthy} of group {} were unhealthy, more than its max_unhealthy of {max}",
+                    node.group
+                ),
+            );
+        }
+    }
+
+    /// A pass takes ready, outdated nodes down within budget, in slot
+    /// order, and none while the rollout is stopped.
+    fn check_rollout(&mut self, before: &Snapshot, after: &Snapshot) {
+        let inv = Invariant::RolloutWithinBudget;
+        for g in &before.desired.groups {
+            let Some(policy) = self.policy(&before.desired, &g.id.to_string()) else {
+                continue;
+            };
+            let max = policy.resolve().max_unavailable_of(g.count);
+            let mut ready = 0u32;
+            let mut taken: Vec<LogicalNodeId> = Vec::new();
+            let mut kept: Vec<LogicalNodeId> = Vec::new();
+            let mut failing: Option<LogicalNodeId> = None;
+            for (id, nb) in before
+                .state
+                .nodes
+                .iter()
+                .filter(|(id, _)| id.group.same(&g.id) && id.index < g.count)
+            {
+                let current = same_template(&nb.template, &g.template);
+                if !nb.is_ready() {
+                    if current && nb.retry.template_failures() > 0 && failing.is_none() {
+                        failing = Some(id.clone());
+                    }
+                    continue;
+                }
+                ready += 1;
+                if current {
+                    continue;
+                }
+                let down =
+                    after.state.nodes.get(id).is_some_and(|na| {
+                        na.attempt == nb.attempt && na.intent == Intent::Deleting
+                    });
+                if down {
+                    taken.push(id.clone());
+                } else {
+                    kept.push(id.clone());
+                }
+            }
+            let Some(last) = taken.last() else {
+                continue;
+            };
+            let unavailable = g.count - ready;
+            if unavailable + taken.len() as u32 > max {
+                self.fail(
+                    inv,
+                    last,
+                    format!(
+                        "took {} ready node(s) of {} down in one pass with {unavailable} of {} already unavailable; max_unavailable is {max}",
+                        taken.len(),
+                        g.id,
+                        g.count
+                    ),
+                );
+            }
+            if let Some(skipped) = kept.iter().find(|k| k.index < last.index) {
+                self.fail(
+                    inv,
+                    last,
+                    format!("took {last} down before {skipped}, a lower slot of the old template"),
+                );
+            }
+            if let Some(f) = &failing {
+                self.fail(
+                    inv,
+                    last,
+                    format!(
+                        "took {last} down while {f}, of the new template, was failing (the rollout is stopped)"
+                    ),
+                );
+            }
+        }
+    }
+
     /// A pass of a paused host: only cleanup of deleting and failed attempts.
     fn check_paused_pass(&mut self, pass: &Pass, before: &Snapshot, after: &Snapshot) {
         let inv = Invariant::PausedDispatchesNothingNew;
@@ -2140,11 +2388,14 @@ impl Oracle {
                 "a drained driver still has a pass queued".to_owned(),
             );
         }
-        let plan = if self.paused {
-            reconcile_paused(&after.state, &after.desired, after.now)
-        } else {
-            reconcile(&after.state, &after.desired, after.now)
-        };
+        let tripped = self.tripped(after);
+        let plan = reconcile_with(
+            &after.state,
+            &after.desired,
+            after.now,
+            self.paused,
+            &tripped,
+        );
         if let Some(first) = plan.actions.first() {
             self.fail(
                 Invariant::SettledStatePlansNothing,

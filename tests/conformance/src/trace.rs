@@ -160,6 +160,26 @@ pub enum Input {
     Pause,
     /// The operator resumes reconciling (`swactor resume`).
     Resume,
+    /// Set group `group`'s budgets (a new generation, same templates): see
+    /// [`crate::world::budget_policy`] for what the numbers name.
+    Budget {
+        /// Which group (0 or 1).
+        group: u8,
+        /// Its `max_unavailable`, by code.
+        max_unavailable: u8,
+        /// Its `max_unhealthy`, by code (`None` for no limit).
+        max_unhealthy: Option<u8>,
+    },
+    /// A partition cuts up to `count` of a group's connected agents off at
+    /// once; their machines keep running.
+    MassAgentLoss {
+        /// Which group (0 or 1).
+        group: u8,
+        /// How many agents, at most.
+        count: u8,
+    },
+    /// The partition heals: every away agent rejoins.
+    AgentsReturn,
     /// The host is shut down: leaving every node running for the next host
     /// (`keep`), which starts at once, or tearing everything down, after
     /// which a new host starts with the current shape as its next generation.
@@ -278,6 +298,11 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
         // Pauses outnumber resumes so that paused stretches span many steps.
         2 => Just(Input::Pause),
         1 => Just(Input::Resume),
+        3 => (0u8..2, 0u8..4, proptest::option::weighted(0.7, 0u8..3)).prop_map(
+            |(group, max_unavailable, max_unhealthy)| Input::Budget { group, max_unavailable, max_unhealthy }
+        ),
+        2 => (0u8..2, 1u8..=3).prop_map(|(group, count)| Input::MassAgentLoss { group, count }),
+        1 => Just(Input::AgentsReturn),
     ]
     .boxed()
 }

@@ -24,9 +24,9 @@ use std::rc::Rc;
 pub use swactor_provisioning::Reconciler;
 use swactor_provisioning::{
     BOOT_CHECK_REPORT_MARGIN_MS, BootParams, BootstrapEvent, ClusterShape, CollectRequest, Driver,
-    Generation, GroupShape, Host, HostConfig, HostFold, JournalImage, NodeAttemptId, NodeLimits,
-    OperationTimeouts, Output as HostOutput, ProviderShape, ReconcilerConfig, Reply, ResourceKey,
-    RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp,
+    Generation, GroupShape, Host, HostConfig, HostFold, JournalImage, Link, NodeAttemptId,
+    NodeLimits, OperationTimeouts, Output as HostOutput, PolicyShape, ProviderShape, Quantity,
+    ReconcilerConfig, Reply, ResourceKey, RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp,
 };
 
 /// The run every world drives.
@@ -237,6 +237,7 @@ pub struct World<R: Reconciler = Driver> {
     restarts: u64,
     next_shape: Option<[(u8, u8); 2]>,
     teardowns: Vec<usize>,
+    policies: [PolicyShape; 2],
 }
 
 fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
@@ -253,18 +254,39 @@ fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
         agents_away: host.agents_away(),
         shutting_down: host.shutting_down().is_some() || host.is_stopped(),
         paused: host.is_paused(),
+        away: core
+            .state()
+            .nodes
+            .iter()
+            .filter(|(id, n)| {
+                matches!(host.link(id), Some(Link::Away { attempt, .. }) if attempt == n.attempt)
+            })
+            .map(|(id, _)| id.clone())
+            .collect(),
+        held_lost: host.held_lost().cloned().collect(),
     }
 }
 
-/// The shape with the given group counts and template variants.
+/// The shape with the given group counts and template variants, and the
+/// default budgets.
 pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
+    shape_with(generation, groups, &[PolicyShape::default(); 2])
+}
+
+/// The shape with the given group counts, template variants and budgets.
+pub fn shape_with(
+    generation: u64,
+    groups: &[(u8, u8); 2],
+    policies: &[PolicyShape; 2],
+) -> ClusterShape {
     ClusterShape {
         run_id: RunId::new(RUN),
         generation: Generation(generation),
         groups: GROUPS
             .iter()
             .zip(groups)
-            .map(|(id, (count, variant))| GroupShape {
+            .zip(policies)
+            .map(|((id, (count, variant)), policy)| GroupShape {
                 id: (*id).to_owned(),
                 run_id: None,
                 count: u32::from(*count),
@@ -286,6 +308,7 @@ pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
                     boot_timeout_s: BOOT_TIMEOUT_MS as f64 / 1000.0,
                     ..NodeLimits::default()
                 },
+                policy: *policy,
             })
             .collect(),
         capacity: None,
@@ -310,6 +333,37 @@ pub fn groups_of(shape: &ClusterShape) -> [(u8, u8); 2] {
         groups[i] = (u8::try_from(g.count).unwrap_or(u8::MAX), variant);
     }
     groups
+}
+
+/// The budgets a shape made by [`shape_with`] gives its groups.
+pub fn policies_of(shape: &ClusterShape) -> [PolicyShape; 2] {
+    let mut policies = [PolicyShape::default(); 2];
+    for g in &shape.groups {
+        if let Some(i) = GROUPS.iter().position(|id| *id == g.id) {
+            policies[i] = g.policy;
+        }
+    }
+    policies
+}
+
+/// The budgets a [`Input::Budget`] names: `max_unavailable` 0 for the
+/// default (1), 1 for 2 nodes, 2 for 50%, 3 for 100%; `max_unhealthy`
+/// `None` for no limit, 0 and 1 for those counts, 2 for 50%.
+pub fn budget_policy(max_unavailable: u8, max_unhealthy: Option<u8>) -> PolicyShape {
+    PolicyShape {
+        max_unavailable: match max_unavailable % 4 {
+            0 => None,
+            1 => Some(Quantity::Count(2)),
+            2 => Some(Quantity::Percent(50)),
+            _ => Some(Quantity::Percent(100)),
+        },
+        max_surge: None,
+        max_unhealthy: max_unhealthy.map(|m| match m % 3 {
+            0 => Quantity::Count(0),
+            1 => Quantity::Count(1),
+            _ => Quantity::Percent(50),
+        }),
+    }
 }
 
 impl World<Driver> {
@@ -359,10 +413,11 @@ impl<R: Reconciler> World<R> {
             restarts: 0,
             next_shape: None,
             teardowns: Vec::new(),
+            policies: [PolicyShape::default(); 2],
         };
         world.oracle.begin_input("initial shape".to_owned());
         world.generation = 1;
-        let shape = shape_of(1, &world.groups);
+        let shape = shape_with(1, &world.groups, &world.policies);
         world.offer(&shape);
         world.settle();
         world
@@ -667,7 +722,7 @@ impl<R: Reconciler> World<R> {
         if tore_down && self.next_shape.is_none() {
             // `swactor up SHAPE` after `down`: the shape is the next generation.
             self.generation += 1;
-            let shape = shape_of(self.generation, &self.groups);
+            let shape = shape_with(self.generation, &self.groups, &self.policies);
             self.offer(&shape);
         }
     }
@@ -706,7 +761,7 @@ impl<R: Reconciler> World<R> {
             // `swactor up SHAPE`: offered before the inventory comes in.
             self.groups = groups;
             self.generation += 1;
-            let shape = shape_of(self.generation, &self.groups);
+            let shape = shape_with(self.generation, &self.groups, &self.policies);
             self.offer(&shape);
             return;
         }
@@ -716,11 +771,12 @@ impl<R: Reconciler> World<R> {
                 self.generation = self.generation.max(shape.generation.0);
                 if !shape.groups.is_empty() {
                     self.groups = groups_of(shape);
+                    self.policies = policies_of(shape);
                 }
             }
             None => {
                 // No shape was ever durable: `swactor up SHAPE` again.
-                let shape = shape_of(self.generation.max(1), &self.groups);
+                let shape = shape_with(self.generation.max(1), &self.groups, &self.policies);
                 self.offer(&shape);
             }
         }
@@ -823,7 +879,7 @@ impl<R: Reconciler> World<R> {
                 let mut groups = self.groups;
                 groups[usize::from(group % 2)] = (count, variant);
                 let generation = self.generation + 1 + u64::from(skip);
-                let shape = shape_of(generation, &groups);
+                let shape = shape_with(generation, &groups, &self.policies);
                 self.offer(&shape);
                 if self.host.shutting_down().is_none() {
                     self.groups = groups;
@@ -831,7 +887,7 @@ impl<R: Reconciler> World<R> {
                 }
             }
             Input::Resubmit => {
-                let shape = shape_of(self.generation, &self.groups);
+                let shape = shape_with(self.generation, &self.groups, &self.policies);
                 self.offer(&shape);
             }
             Input::Invalid(kind) => {
@@ -839,26 +895,26 @@ impl<R: Reconciler> World<R> {
                 let shape = match kind {
                     InvalidUpdate::GenerationRegression => {
                         groups[0].0 = (groups[0].0 + 1) % 4;
-                        shape_of(self.generation.saturating_sub(1), &groups)
+                        shape_with(self.generation.saturating_sub(1), &groups, &self.policies)
                     }
                     InvalidUpdate::SameGenerationChange => {
                         groups[1].1 = (groups[1].1 + 1) % 3;
-                        shape_of(self.generation, &groups)
+                        shape_with(self.generation, &groups, &self.policies)
                     }
                     InvalidUpdate::WrongRun => {
-                        let mut s = shape_of(self.generation + 1, &groups);
+                        let mut s = shape_with(self.generation + 1, &groups, &self.policies);
                         s.run_id = RunId::new("another-run");
                         s
                     }
                     InvalidUpdate::Malformed => {
-                        let mut s = shape_of(self.generation + 1, &groups);
+                        let mut s = shape_with(self.generation + 1, &groups, &self.policies);
                         s.groups[0].id = "Alpha".to_owned();
                         s
                     }
                     InvalidUpdate::OverCapacity => {
                         // One more node than the shape's own capacity allows.
                         groups[0].0 += 1;
-                        let mut s = shape_of(self.generation + 1, &groups);
+                        let mut s = shape_with(self.generation + 1, &groups, &self.policies);
                         s.capacity = Some(s.node_count().saturating_sub(1));
                         s
                     }
@@ -963,6 +1019,47 @@ impl<R: Reconciler> World<R> {
             }
             Input::Pause => self.pause(true),
             Input::Resume => self.pause(false),
+            Input::Budget {
+                group,
+                max_unavailable,
+                max_unhealthy,
+            } => {
+                let mut policies = self.policies;
+                policies[usize::from(group % 2)] = budget_policy(max_unavailable, max_unhealthy);
+                let generation = self.generation + 1;
+                let shape = shape_with(generation, &self.groups, &policies);
+                self.offer(&shape);
+                if self.host.shutting_down().is_none() {
+                    self.policies = policies;
+                    self.generation = generation;
+                }
+            }
+            Input::MassAgentLoss { group, count } => {
+                // A partition cuts `count` of the group's connected agents
+                // off at once (their machines keep running).
+                let group = GROUPS[usize::from(group % 2)];
+                let cut: Vec<ResourceKey> = self
+                    .host
+                    .core()
+                    .state()
+                    .nodes
+                    .iter()
+                    .filter(|(id, n)| {
+                        id.group.as_str() == group
+                            && self.host.link(id) == Some(Link::Connected(n.attempt))
+                    })
+                    .take(usize::from(count))
+                    .map(|(id, n)| ResourceKey {
+                        run_id: RunId::new(RUN),
+                        node: id.clone(),
+                        attempt: n.attempt,
+                    })
+                    .collect();
+                for key in &cut {
+                    self.host.handle_agent_gone(key, 0, self.now);
+                }
+            }
+            Input::AgentsReturn => self.agents_return(),
             Input::Shutdown { keep } => {
                 let mode = if keep {
                     ShutdownMode::Keep
@@ -975,6 +1072,33 @@ impl<R: Reconciler> World<R> {
             }
         }
         self.settle();
+    }
+
+    /// The partition heals: every agent away from the host (its grace
+    /// running or held by a breaker) rejoins, as its machine still runs.
+    pub fn agents_return(&mut self) {
+        let away: Vec<ResourceKey> = self
+            .host
+            .core()
+            .state()
+            .nodes
+            .iter()
+            .filter_map(|(id, n)| match self.host.link(id) {
+                Some(Link::Away { attempt, .. }) if attempt == n.attempt => Some(ResourceKey {
+                    run_id: RunId::new(RUN),
+                    node: id.clone(),
+                    attempt,
+                }),
+                _ => None,
+            })
+            .collect();
+        for key in away {
+            let outcome = self.host.handle_agent_joined(&key, self.now);
+            self.record(StepEvent::AgentJoined {
+                key: &key,
+                outcome: &outcome,
+            });
+        }
     }
 
     /// `swactor pause` (`paused`) or `swactor resume`, judged by the oracle.
@@ -1042,6 +1166,19 @@ impl<R: Reconciler> World<R> {
             self.pause(false);
             self.settle();
         }
+        if self.host.shutting_down().is_none()
+            && self.policies.iter().any(|p| p.max_unhealthy.is_some())
+        {
+            // Agents cut off for good never bring a tripped breaker back
+            // under its limit; the operator lifts the limit instead.
+            for p in &mut self.policies {
+                p.max_unhealthy = None;
+            }
+            self.generation += 1;
+            let shape = shape_with(self.generation, &self.groups, &self.policies);
+            self.offer(&shape);
+            self.settle();
+        }
     }
 
     /// Heals the world and runs it until the host converges, judging the
@@ -1069,7 +1206,19 @@ impl<R: Reconciler> World<R> {
             .nodes
             .len()
             .max(self.sut().desired().node_count() as usize);
-        let bound = self.config.tail_bound(nodes);
+        let mut bound = self.config.tail_bound(nodes);
+        // A rollout replaces at most max_unavailable ready nodes of a group
+        // at a time: the per-node bound holds for each wave of it.
+        let waves = self
+            .sut()
+            .desired()
+            .groups
+            .iter()
+            .map(|g| u64::from(g.count.div_ceil(g.policy.max_unavailable_of(g.count))))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        bound.time_ms *= waves;
         let converged_now = |w: &Self| {
             independently_converged(w.sut().state(), w.sut().desired()) && w.host.is_converged()
         };

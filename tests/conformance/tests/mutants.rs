@@ -9,10 +9,11 @@ use std::rc::Rc;
 use swactor_conformance::battery::{BatteryConfig, run_battery};
 use swactor_conformance::{Factory, Mode, RUN, Reconciler, WorldConfig};
 use swactor_provisioning::{
-    AdoptEntry, Adoption, BootstrapObservation, ClusterShape, ClusterState, DesiredState,
+    AdoptEntry, Adoption, BootstrapObservation, Breaker, ClusterShape, ClusterState, DesiredState,
     DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, FailureClass, Folded,
-    Generation, LogicalNodeId, NodeAttemptId, NodeStage, OperationId, OperationOutcome,
-    OperationResult, Pass, Plan, ReconcilerConfig, RunId, Timestamp, UpdateError,
+    Generation, GroupId, LogicalNodeId, NodeAttemptId, NodeStage, OperationId, OperationOutcome,
+    OperationResult, Pass, Plan, Quantity, ReconcilerConfig, RolloutStatus, RunId, Timestamp,
+    UpdateError,
 };
 
 /// One way to break the driver.
@@ -48,9 +49,16 @@ enum Mutation {
     AdoptDriftedAsCurrent,
     /// Says it is paused but goes on reconciling as if it were not.
     IgnorePause,
+    /// Shows the shape's budgets but rolls every group out with
+    /// `max_unavailable = 100%` (everything at once).
+    IgnoreRolloutBudget,
+    /// Never reports a group's remediation breaker tripped.
+    IgnoreBreaker,
 }
 
-const ALL: [Mutation; 14] = [
+const ALL: [Mutation; 16] = [
+    Mutation::IgnoreRolloutBudget,
+    Mutation::IgnoreBreaker,
     Mutation::IgnorePause,
     Mutation::IgnoreAttemptFloor,
     Mutation::AdoptDriftedAsCurrent,
@@ -72,6 +80,8 @@ struct Mutant {
     mutation: Mutation,
     first_attempt: BTreeMap<LogicalNodeId, NodeAttemptId>,
     paused: bool,
+    /// What `desired` shows when the inner driver was given another shape.
+    shown: Option<DesiredState>,
 }
 
 impl Mutant {
@@ -82,6 +92,7 @@ impl Mutant {
             mutation,
             first_attempt: BTreeMap::new(),
             paused: false,
+            shown: None,
         }
     }
 
@@ -156,6 +167,17 @@ impl Reconciler for Mutant {
             let mut forward = shape.clone();
             forward.generation = Generation(current.0 + 1);
             return self.inner.update_desired(&forward);
+        }
+        if self.mutation == Mutation::IgnoreRolloutBudget {
+            let mut all_at_once = shape.clone();
+            for g in &mut all_at_once.groups {
+                g.policy.max_unavailable = Some(Quantity::Percent(100));
+            }
+            let outcome = self.inner.update_desired(&all_at_once);
+            if let Ok(DesiredUpdate::Accepted(_)) = outcome {
+                self.shown = shape.validate().ok();
+            }
+            return outcome;
         }
         self.inner.update_desired(shape)
     }
@@ -296,7 +318,7 @@ impl Reconciler for Mutant {
     }
 
     fn desired(&self) -> &DesiredState {
-        self.inner.desired()
+        self.shown.as_ref().unwrap_or_else(|| self.inner.desired())
     }
 
     fn is_converged(&self) -> bool {
@@ -320,6 +342,25 @@ impl Reconciler for Mutant {
 
     fn is_paused(&self) -> bool {
         self.paused
+    }
+
+    fn rollout_holds(&self) -> Vec<RolloutStatus> {
+        self.inner.rollout_holds()
+    }
+
+    fn set_tripped(&mut self, tripped: std::collections::BTreeSet<GroupId>) {
+        self.inner.set_tripped(tripped);
+    }
+
+    fn breaker(
+        &self,
+        group: &GroupId,
+        away: &dyn Fn(&LogicalNodeId, NodeAttemptId) -> bool,
+    ) -> Option<Breaker> {
+        if self.mutation == Mutation::IgnoreBreaker {
+            return None;
+        }
+        self.inner.breaker(group, away)
     }
 }
 

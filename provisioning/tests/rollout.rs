@@ -1,0 +1,336 @@
+//! Rolling replacement: a new template takes ready nodes down within the
+//! group's `max_unavailable`, in slot order, and a failing replacement
+//! stops the rollout until a fixed template is applied.
+
+mod common;
+
+use common::*;
+use swactor_provisioning::*;
+
+/// The slots whose active attempt began deleting (or was replaced) since `before`.
+fn taken_down(before: &ClusterState, d: &Driver) -> Vec<String> {
+    d.state()
+        .nodes
+        .iter()
+        .filter(|(id, n)| {
+            before.nodes.get(*id).is_some_and(|b| {
+                b.intent == Intent::Active
+                    && (b.attempt != n.attempt || n.intent == Intent::Deleting)
+            })
+        })
+        .map(|(id, _)| id.to_string())
+        .collect()
+}
+
+fn with_role(mut g: GroupShape, role: &str) -> GroupShape {
+    g.role = role.to_owned();
+    g
+}
+
+fn budget(mut g: GroupShape, max_unavailable: Quantity) -> GroupShape {
+    g.policy.max_unavailable = Some(max_unavailable);
+    g
+}
+
+#[test]
+fn a_new_template_replaces_ready_nodes_one_at_a_time_in_slot_order() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 4)])).unwrap();
+    converge(&mut d, t(0));
+    d.update_desired(&shape(2, vec![with_role(group("w", 4), "v2")]))
+        .unwrap();
+    let before = d.state().clone();
+    let first = settle(&mut d, t(1));
+    assert_eq!(taken_down(&before, &d), ["w-0"]);
+    assert!(first.iter().all(|x| x.key.node == node_id("w-0")));
+    // The waiting ones are decided by row 17, and the driver says why.
+    let mut gates = RolloutGates::new(d.state(), d.desired());
+    for id in ["w-1", "w-2", "w-3"] {
+        let n = &d.state().nodes[&node_id(id)];
+        let row = reconcile_node_gated(
+            &node_id(id),
+            n,
+            d.desired().slot(&node_id(id)),
+            t(1),
+            &mut gates,
+        )
+        .row;
+        assert_eq!(row, LadderRow::AwaitRolloutBudget, "{id}");
+    }
+    let holds = d.rollout_holds();
+    assert_eq!(holds.len(), 1);
+    assert_eq!(
+        holds[0].to_string(),
+        "rolling out: 3 node(s) of the old template wait; 1 of max 1 unavailable"
+    );
+    // Step through the rollout: never more than one desired slot down, and
+    // the old nodes go in slot order.
+    let mut order = vec!["w-0".to_owned()];
+    let mut now = t(1);
+    for _ in 0..64 {
+        if d.is_converged() {
+            break;
+        }
+        now = d.poll_timeout().unwrap_or(now).max(now);
+        d.handle_tick(now);
+        let before = d.state().clone();
+        settle(&mut d, now);
+        bring_up(&mut d, now);
+        order.extend(taken_down(&before, &d));
+        let down = d.state().nodes.values().filter(|n| !n.is_ready()).count();
+        assert!(down <= 1, "{down} nodes down at once");
+    }
+    assert!(d.is_converged());
+    assert_eq!(order, ["w-0", "w-1", "w-2", "w-3"]);
+    assert!(d.rollout_holds().is_empty());
+}
+
+/// Runs passes, answering every dispatch with success, until none is left.
+fn settle(d: &mut Driver, now: Timestamp) -> Vec<Dispatch> {
+    let mut all = Vec::new();
+    loop {
+        let ds = drain(d, now);
+        if ds.is_empty() {
+            return all;
+        }
+        for disp in &ds {
+            let _ = d.handle_result(success(disp), now).unwrap();
+        }
+        all.extend(ds);
+    }
+}
+
+/// Every node whose bootstrap runs joins and converges.
+fn bring_up(d: &mut Driver, now: Timestamp) {
+    loop {
+        let running: Vec<String> = d
+            .state()
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.record.stage == NodeStage::BootstrapRunning)
+            .map(|(id, _)| id.to_string())
+            .collect();
+        if running.is_empty() {
+            return;
+        }
+        for id in running {
+            for ev in [
+                BootstrapEvent::SwactorJoined,
+                BootstrapEvent::Stage(BootstrapStage::Converged),
+            ] {
+                let o = observe(d, &id, ev);
+                let _ = d.handle_bootstrap(o, now).unwrap();
+            }
+        }
+        settle(d, now);
+    }
+}
+
+#[test]
+fn a_percentage_budget_rounds_down_and_counts_slots_that_are_not_ready() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 5)])).unwrap();
+    converge(&mut d, t(0));
+    // 50% of 5 is 2.5: two at a time.
+    let g = budget(with_role(group("w", 5), "v2"), Quantity::Percent(50));
+    d.update_desired(&shape(2, vec![g.clone()])).unwrap();
+    let before = d.state().clone();
+    let _ = drain(&mut d, t(1));
+    assert_eq!(taken_down(&before, &d), ["w-0", "w-1"]);
+
+    // A slot that is not ready (here: scaled up, not there yet) uses budget.
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 4)])).unwrap();
+    converge(&mut d, t(0));
+    let g = budget(with_role(group("w", 5), "v2"), Quantity::Percent(50));
+    d.update_desired(&shape(2, vec![g])).unwrap();
+    let before = d.state().clone();
+    let _ = drain(&mut d, t(1));
+    assert_eq!(
+        taken_down(&before, &d),
+        ["w-0"],
+        "w-4 is missing, so one of the two units is spent"
+    );
+}
+
+#[test]
+fn a_failing_replacement_stops_the_rollout_until_a_fixed_template_is_applied() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 4)])).unwrap();
+    converge(&mut d, t(0));
+    let broken = budget(with_role(group("w", 4), "broken"), Quantity::Count(2));
+    d.update_desired(&shape(2, vec![broken])).unwrap();
+    let before = d.state().clone();
+    settle(&mut d, t(1));
+    assert_eq!(taken_down(&before, &d), ["w-0", "w-1"]);
+    // Both are cleaned up and restarted with the broken template.
+    let mut now = t(1);
+    for _ in 0..8 {
+        let running = d
+            .state()
+            .nodes
+            .values()
+            .filter(|n| n.record.stage == NodeStage::BootstrapRunning)
+            .count();
+        if running == 2 {
+            break;
+        }
+        now = d.poll_timeout().unwrap_or(now).max(now);
+        d.handle_tick(now);
+        settle(&mut d, now);
+    }
+    // w-1 comes up; w-0's boot check fails.
+    for ev in [
+        BootstrapEvent::SwactorJoined,
+        BootstrapEvent::Stage(BootstrapStage::Converged),
+    ] {
+        let o = observe(&d, "w-1", ev);
+        let _ = d.handle_bootstrap(o, now).unwrap();
+    }
+    let o = observe(
+        &d,
+        "w-0",
+        BootstrapEvent::Failed {
+            stage: BootstrapStage::BootCheckFailed,
+            reason: "boot check exited 1".to_owned(),
+        },
+    );
+    let _ = d.handle_bootstrap(o, now).unwrap();
+    let before = d.state().clone();
+    settle(&mut d, now);
+    assert!(
+        taken_down(&before, &d).iter().all(|n| n == "w-0"),
+        "only the failed node's own cleanup runs: {:?}",
+        taken_down(&before, &d)
+    );
+    assert!(d.state().nodes[&node_id("w-2")].is_ready());
+    assert!(d.state().nodes[&node_id("w-3")].is_ready());
+    let holds = d.rollout_holds();
+    assert_eq!(holds.len(), 1);
+    let why = holds[0].to_string();
+    assert!(
+        why.starts_with(
+            "rollout stopped: node w-0 failed with the new template: boot check exited 1"
+        ),
+        "{why}: {:#?}",
+        d.state().nodes[&node_id("w-0")]
+    );
+    // Its restart carries the failure: the stop holds while it retries.
+    now = d.poll_timeout().unwrap_or(now).max(now);
+    d.handle_tick(now);
+    let creates = settle(&mut d, now);
+    assert!(!creates.is_empty());
+    assert!(
+        creates.iter().all(|c| c.key.node == node_id("w-0")),
+        "{creates:?}"
+    );
+    assert_eq!(
+        d.rollout_holds().len(),
+        1,
+        "still stopped while w-0 retries"
+    );
+    assert!(d.rollout_holds()[0].to_string().contains("is retrying"));
+
+    // A fixed template: the failing w-0 is replaced at once (it is not
+    // ready, so it costs no budget), and the rollout goes on from there.
+    let fixed = budget(with_role(group("w", 4), "fixed"), Quantity::Count(2));
+    d.update_desired(&shape(3, vec![fixed])).unwrap();
+    let before = d.state().clone();
+    settle(&mut d, now);
+    // w-0 is not ready, so replacing it costs nothing; w-1 takes the one
+    // unit left of the two.
+    assert_eq!(taken_down(&before, &d), ["w-0", "w-1"]);
+    assert!(d.rollout_holds().iter().all(|h| h.stopped.is_none()));
+    for _ in 0..64 {
+        if d.is_converged() {
+            break;
+        }
+        bring_up(&mut d, now);
+        now = d.poll_timeout().unwrap_or(now).max(now);
+        d.handle_tick(now);
+        settle(&mut d, now);
+    }
+    assert!(d.is_converged(), "{:#?}", d.state());
+    assert!(d.state().nodes.values().all(|n| n.template.role == "fixed"));
+}
+
+#[test]
+fn undesired_and_not_ready_nodes_are_replaced_without_waiting_for_the_budget() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 3)])).unwrap();
+    // Nothing is ready yet: the new template replaces all three at once.
+    let _ = drain(&mut d, t(0));
+    d.update_desired(&shape(2, vec![with_role(group("w", 2), "v2")]))
+        .unwrap();
+    let before = d.state().clone();
+    let _ = drain(&mut d, t(1));
+    let down: Vec<String> = d
+        .state()
+        .nodes
+        .iter()
+        .filter(|(id, n)| {
+            n.intent == Intent::Deleting && before.nodes[*id].intent == Intent::Active
+        })
+        .map(|(id, _)| id.to_string())
+        .collect();
+    assert_eq!(down, ["w-0", "w-1", "w-2"]);
+}
+
+#[test]
+fn a_tripped_breaker_holds_a_failed_slots_restart_but_never_a_new_template() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 2)])).unwrap();
+    converge(&mut d, t(0));
+    let attempt = d.state().nodes[&node_id("w-0")].attempt;
+    let _ = d.handle_agent_lost(&node_id("w-0"), attempt, "gone", t(1));
+    d.set_tripped([GroupId::new("w")].into_iter().collect());
+    settle(&mut d, t(1));
+    assert_eq!(
+        d.state().nodes[&node_id("w-0")].record.stage,
+        NodeStage::Destroyed,
+        "the failed attempt is cleaned up"
+    );
+    // Long after its restart is due, it waits on row 18.
+    let later = t(600_000);
+    d.handle_tick(later);
+    assert!(settle(&mut d, later).is_empty());
+    let n = &d.state().nodes[&node_id("w-0")];
+    assert_eq!(n.attempt, attempt);
+    let mut gates = RolloutGates::new(d.state(), d.desired()).with_tripped(d.tripped());
+    let row = reconcile_node_gated(
+        &node_id("w-0"),
+        n,
+        d.desired().slot(&node_id("w-0")),
+        later,
+        &mut gates,
+    )
+    .row;
+    assert_eq!(row, LadderRow::AwaitBreaker);
+    assert_eq!(
+        d.poll_timeout(),
+        None,
+        "a held restart waits on no deadline"
+    );
+
+    // The breaker resets: the restart goes.
+    let mut reset = d.clone();
+    reset.set_tripped(Default::default());
+    let creates = settle(&mut reset, later);
+    assert!(
+        creates
+            .iter()
+            .any(|c| c.key.node == node_id("w-0") && c.request.kind() == EffectKind::CreateLease),
+        "{creates:?}"
+    );
+
+    // Or a new template is applied: a fix is never held back.
+    d.update_desired(&shape(2, vec![with_role(group("w", 2), "v2")]))
+        .unwrap();
+    let creates = settle(&mut d, later);
+    assert!(
+        creates
+            .iter()
+            .any(|c| c.key.node == node_id("w-0") && c.request.kind() == EffectKind::CreateLease),
+        "{creates:?}"
+    );
+}
