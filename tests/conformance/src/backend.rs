@@ -116,7 +116,7 @@ pub enum ProviderError {
     /// The lease does not exist (never did, or is gone).
     NoSuchLease(LeaseId),
     /// A create named a provider kind this provider is not, as a daemon
-    /// that routes calls by kind would answer (see [`PROVIDER_KIND`]).
+    /// that routes calls by kind would answer (any kind but `"fake"`).
     UnknownKind(String),
 }
 
