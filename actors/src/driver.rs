@@ -287,13 +287,24 @@ impl DriverState {
                 self.waiting.insert(ticket, Waiting::Pause(reply));
                 let _ = self.host.handle_pause(paused, ticket, now);
             }
+            ClusterMsg::Replace(node, reply) => {
+                let _ = reply.send(self.host.handle_replace(&node, now));
+            }
         }
     }
 
     /// Drains the host's outputs and routes them; re-arms the one timer.
     async fn drive(&mut self, myself: &ActorRef<DriverMsg>) -> Result<(), ActorProcessingErr> {
         let now = self.now();
-        while let Some(out) = self.host.poll_output(now) {
+        loop {
+            let started = swactor_engine::EngineInstant::now();
+            let Some(out) = self.host.poll_output(now) else {
+                break;
+            };
+            if let Output::Pass(pass) = &out {
+                let took = swactor_engine::EngineInstant::now().saturating_duration_since(started);
+                self.telemetry.pass_took(pass.number, took);
+            }
             match out {
                 Output::Persist(delta) => {
                     if let Some(journal) = &self.journal {

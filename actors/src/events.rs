@@ -121,6 +121,10 @@ pub struct ClusterSnapshot {
     /// nothing new is dispatched.
     #[serde(default)]
     pub paused: bool,
+    /// Operations handed to the executor whose results have not come back
+    /// (the executor's queue depth).
+    #[serde(default)]
+    pub in_flight: usize,
 }
 
 /// One node's rented machine, as its provider last saw it.
@@ -192,6 +196,10 @@ pub enum ClusterEvent {
         transitions: usize,
         /// Operations dispatched.
         dispatched: usize,
+        /// Microseconds the driver spent in the step that ran the pass
+        /// (deciding, and folding what the step folded); 0 when unknown.
+        #[serde(default)]
+        duration_us: u64,
     },
     /// The cluster converged on a generation.
     Converged {

@@ -18,7 +18,7 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
     ApplyError, BootstrapObservation, ClusterShape, DesiredUpdate, Generation, JoinRefused,
-    JournalImage, Liveness, LogicalNodeId, PauseError, ResourceKey, ShutdownMode, ShutdownReport,
+    JournalImage, Liveness, LogicalNodeId, PauseError, ReplaceError, ResourceKey, ShutdownMode, ShutdownReport,
     Timestamp,
 };
 use tokio::sync::broadcast;
@@ -51,6 +51,12 @@ pub enum ClusterMsg {
     /// Pause (`true`) or resume (`false`) reconciling; the reply (whether
     /// anything changed) comes once the flag is durable.
     Pause(bool, RpcReplyPort<Result<bool, PauseError>>),
+    /// The operator asks for a node to be replaced; the reply names the
+    /// attempt that will be (see [`swactor_provisioning::Host::handle_replace`]).
+    Replace(
+        LogicalNodeId,
+        RpcReplyPort<Result<swactor_provisioning::NodeAttemptId, ReplaceError>>,
+    ),
 }
 
 /// What a swarm endpoint tells a cluster about its agents.

@@ -913,6 +913,11 @@ impl<C: Reconciler> Host<C> {
         }
     }
 
+    /// Operations handed out for execution whose results have not come back.
+    pub fn in_flight_count(&self) -> usize {
+        self.in_flight.len()
+    }
+
     /// The attempts of `node` remembered for people, oldest first.
     pub fn history(&self, node: &LogicalNodeId) -> Option<&VecDeque<AttemptRecord>> {
         self.history.get(node)
