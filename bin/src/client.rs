@@ -280,6 +280,7 @@ fn unexpected(answer: &ControlResponse) -> anyhow::Error {
             ControlResponse::Described(_) => "a node",
             ControlResponse::Down { .. } => "a stop",
             ControlResponse::Paused { .. } => "a pause",
+            ControlResponse::Replaced { .. } => "a replace",
             ControlResponse::Error(_) => "an error",
         }
     )
@@ -510,6 +511,24 @@ pub(crate) async fn pause(state_dir: &Path, paused: bool) -> Result<()> {
         (false, true) => "resumed",
         (false, false) => "not paused: nothing to resume",
     })?;
+    out.flush()?;
+    Ok(())
+}
+
+/// `swactor replace NODE`.
+///
+/// # Errors
+/// An unreachable daemon, or the replace was refused.
+pub(crate) async fn replace(state_dir: &Path, node: &str) -> Result<()> {
+    let answer = one(state_dir, ControlRequest::Replace(node.to_owned())).await?;
+    let ControlResponse::Replaced { node, attempt } = answer else {
+        return Err(unexpected(&answer));
+    };
+    let mut out = Out::new();
+    out.line(&format!(
+        "{node}: attempt {attempt} is failed (replaced by the operator); it is cleaned up, \
+         then a new attempt starts (`swactor status` shows it)"
+    ))?;
     out.flush()?;
     Ok(())
 }

@@ -178,6 +178,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         stats: Default::default(),
         now: Default::default(),
         rentals: Vec::new(),
+        in_flight: 0,
         paused: false,
     };
     let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())

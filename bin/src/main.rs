@@ -172,6 +172,22 @@ paused. `swactor down` overrides it and removes every node.",
     /// Resume reconciling after `swactor pause`.
     #[command(after_help = "Example:\n  swactor resume")]
     Resume,
+    /// Replace one node: its current attempt is failed ("replaced by the
+    /// operator"), cleaned up, and a new one is started.
+    #[command(
+        long_about = "Replace one node: its current attempt is failed with the reason \
+\"replaced by the operator\" and goes through the same cleanup as any failed attempt (its \
+bootstrap is stopped and its machine released) before a new attempt is started, after the \
+usual backoff; the slot never has two live attempts. A node that is already failed or \
+leaving, or has an operation in flight, is refused (try again once it finishes). While \
+reconciling is paused the old attempt is cleaned up but no new one starts until `swactor \
+resume`.",
+        after_help = "Example:\n  swactor replace worker-1"
+    )]
+    Replace {
+        /// The node, e.g. worker-1.
+        node: String,
+    },
     /// Stop the daemon, tearing everything down (or keeping it with --keep).
     #[command(after_help = "Examples:
   swactor down          destroy every node, then stop the daemon
@@ -305,6 +321,7 @@ fn main() {
             }
             Command::Pause => client::pause(&state_dir, true).await.map(|()| 0),
             Command::Resume => client::pause(&state_dir, false).await.map(|()| 0),
+            Command::Replace { node } => client::replace(&state_dir, &node).await.map(|()| 0),
             Command::Down { keep, purge } => {
                 client::down(&state_dir, keep, purge).await.map(|()| 0)
             }
