@@ -166,6 +166,7 @@ impl Actor for DriverActor {
                     settled: st.host.settled(),
                     agents_away: st.host.agents_away(),
                     stats: core.stats(),
+                    shape: st.host.journal_meta().shape.clone(),
                 });
             }
             DriverMsg::Executor(report) => st.reported(&myself, report, now).await?,

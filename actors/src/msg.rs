@@ -18,8 +18,8 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
     ApplyError, BootstrapObservation, ClusterShape, DesiredUpdate, Generation, JoinRefused,
-    JournalImage, Liveness, LogicalNodeId, PauseError, ReplaceError, ResourceKey, ShutdownMode, ShutdownReport,
-    Timestamp,
+    JournalImage, Liveness, LogicalNodeId, PauseError, ReplaceError, ResourceKey, ShutdownMode,
+    ShutdownReport, Timestamp,
 };
 use tokio::sync::broadcast;
 
@@ -181,6 +181,8 @@ pub struct DriverView {
     pub agents_away: usize,
     /// The core's lifetime counters.
     pub stats: swactor_provisioning::DriverStats,
+    /// The shape on record (the last accepted one), as it was applied.
+    pub shape: Option<ClusterShape>,
 }
 
 /// A local subscription: the state now, then every event after it.

@@ -526,8 +526,8 @@ pub(crate) async fn replace(state_dir: &Path, node: &str) -> Result<()> {
     };
     let mut out = Out::new();
     out.line(&format!(
-        "{node}: attempt {attempt} is failed (replaced by the operator); it is cleaned up, \
-         then a new attempt starts (`swactor status` shows it)"
+        "{node}: its attempt a{attempt} is failed (replaced by the operator) and is cleaned \
+         up, then a new attempt starts (`swactor status` shows it)"
     ))?;
     out.flush()?;
     Ok(())

@@ -53,6 +53,9 @@ pub(crate) struct UpOptions {
     pub(crate) advertise: Option<IpAddr>,
     /// The binary remote hosts run as their agent.
     pub(crate) agent_binary: Option<PathBuf>,
+    /// Where the web surface (dashboard, metrics) listens; default: the
+    /// address the last daemon used, else a free port on 127.0.0.1.
+    pub(crate) http: Option<SocketAddr>,
 }
 
 /// Runs the daemon until it is told to stop. Returns the process exit code.
@@ -96,6 +99,9 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let run_id = start.run_id.clone();
 
     let endpoint = bind_daemon_endpoint(&state, listen).await?;
+    let http_listener = crate::http::bind(&state, opts.http).await?;
+    let http_token = crate::http::token(&state)?;
+    let metrics = crate::http::Metrics::new();
     let ticket = EndpointTicket::new(endpoint.addr());
     // What agents are given: the advertised address, on the bound port.
     let agent_ticket = match (opts.advertise, endpoint.bound_sockets().first()) {
@@ -140,8 +146,13 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         resume.as_ref(),
         file.as_ref(),
     )?;
-    let mut providers: Vec<Arc<dyn Provider>> =
-        vec![Arc::new(process), Arc::new(ssh.clone()), Arc::new(docker)];
+    // Every provider call is timed and its failures counted for /metrics.
+    let metered = |p: Arc<dyn Provider>| crate::http::Metered::wrap(p, metrics.clone());
+    let mut providers: Vec<Arc<dyn Provider>> = vec![
+        metered(Arc::new(process)),
+        metered(Arc::new(ssh.clone())),
+        metered(Arc::new(docker)),
+    ];
     let vast = vast_provider(
         vast_key,
         &state,
@@ -157,7 +168,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     // restart of a shape that rents nothing.
     let mut visibility_window = Providers::new(providers.clone()).listing_lag();
     if let Some((vast, used)) = &vast {
-        providers.push(Arc::new(vast.clone()));
+        providers.push(metered(Arc::new(vast.clone())));
         if *used {
             visibility_window = visibility_window.max(vast.listing_lag());
         }
@@ -221,6 +232,14 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let (started_tx, started_rx) = tokio::sync::watch::channel(false);
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.
     let cli_allowed = Allowlist::only([cli_id]);
+    let control = ControlHandler {
+        cluster: cluster.clone(),
+        run_id: run_id.clone(),
+        down: down_tx,
+        started: started_rx,
+        provider: provider.clone(),
+        vast,
+    };
     let router = GuardedRouterBuilder::new(endpoint.clone())
         .serve(
             ALPN_SWARM,
@@ -231,20 +250,21 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
                 refusals: RefusalLog::default(),
             },
         )
-        .serve(
-            ALPN_CONTROL,
-            cli_allowed.clone(),
-            ControlHandler {
-                cluster: cluster.clone(),
-                run_id: run_id.clone(),
-                down: down_tx,
-                started: started_rx,
-                provider: provider.clone(),
-                vast,
-            },
-        )
-        .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry)
+        .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
+        .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
         .spawn();
+    let http_addr = http_listener.local_addr()?;
+    crate::http::serve(
+        http_listener,
+        Arc::new(crate::http::Web {
+            control,
+            telemetry,
+            metrics,
+            token: http_token.clone(),
+            state_dir: state.root().to_path_buf(),
+            addr: http_addr,
+        }),
+    );
     state.write_ticket(&ticket)?;
     reload_on_hangup(hangups, state.clone(), ticket.clone(), cli_allowed, cli_id);
     eprintln!(
@@ -253,6 +273,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         state.root().display()
     );
 
+    eprintln!("swactor: dashboard at http://{http_addr}/?token={http_token}");
     eprintln!("swactor: {}", start.note);
     let mut finish_teardown = false;
     match &start.what {

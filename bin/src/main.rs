@@ -14,6 +14,7 @@ mod client;
 mod control;
 mod daemon;
 mod guard;
+mod http;
 mod journal;
 mod logs;
 mod progress;
@@ -96,6 +97,11 @@ nodes, or creates more than 20 at once, is confirmed on a terminal (or needs
         /// `swactor-agent` next to this executable, else this executable).
         #[arg(long, value_name = "PATH", env = "SWACTOR_AGENT_BINARY")]
         agent_binary: Option<PathBuf>,
+        /// Where the dashboard and /metrics listen (default: the address
+        /// used last time in this state directory, else a free port on
+        /// 127.0.0.1). Kept in STATE/http.addr; the token is in STATE/http.token.
+        #[arg(long, value_name = "ADDR:PORT")]
+        http: Option<std::net::SocketAddr>,
     },
     /// Offer a new shape to the running daemon (its plan is shown first).
     #[command(after_help = "Examples:
@@ -278,6 +284,7 @@ fn main() {
                 listen,
                 advertise,
                 agent_binary,
+                http,
             } => {
                 let timeout = timeout.unwrap_or(UP_TIMEOUT_DEFAULT_S);
                 if !timeout.is_finite() || timeout <= 0.0 {
@@ -289,6 +296,7 @@ fn main() {
                     listen,
                     advertise,
                     agent_binary,
+                    http,
                     until_converged,
                     timeout: Duration::from_secs_f64(timeout),
                     keep,

@@ -286,10 +286,8 @@ impl<S: Serialize, E: Serialize> TelemetryPublisher<S, E> {
         let seq = {
             let mut ring = self.shared.lock();
             let seq = ring.seq + 1;
-            let frame = encode::<S, E>(
-                &TelemetryFrame::Event { seq, at_ms, event },
-                frame_len_max,
-            )?;
+            let frame =
+                encode::<S, E>(&TelemetryFrame::Event { seq, at_ms, event }, frame_len_max)?;
             ring.seq = seq;
             if self.shared.config.history_len_max > 0 {
                 if ring.history.len() == self.shared.config.history_len_max {

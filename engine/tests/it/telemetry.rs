@@ -549,12 +549,20 @@ async fn the_ndjson_file_rotates_at_its_size_limit_keeping_so_many_old_files() {
     sink.flush().await.unwrap();
     let live = dir.path().join(NDJSON_FILE_NAME);
     let path = |n: usize| dir.path().join(format!("{NDJSON_FILE_NAME}.{n}"));
-    assert!(path(1).exists() && path(2).exists(), "two rotated files kept");
+    assert!(
+        path(1).exists() && path(2).exists(),
+        "two rotated files kept"
+    );
     assert!(!path(3).exists(), "no third rotated file");
     let mut last = None;
     for file in [path(2), path(1), live] {
         let text = std::fs::read_to_string(&file).unwrap();
-        assert!(text.len() <= 200, "{} has {} bytes", file.display(), text.len());
+        assert!(
+            text.len() <= 200,
+            "{} has {} bytes",
+            file.display(),
+            text.len()
+        );
         for line in text.lines() {
             let n = serde_json::from_str::<serde_json::Value>(line).unwrap()["n"]
                 .as_u64()
