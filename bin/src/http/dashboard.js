@@ -13,6 +13,7 @@ const S = {
   away: {},            // node -> wall ms its agent was seen going away
   points: [],          // [{at_ms, ready, passes}] for the plot
   lastSeq: 0,
+  convergedGen: null,  // the last generation the cluster said it converged on
 };
 
 const $ = (id) => document.getElementById(id);
@@ -87,7 +88,7 @@ function eventText(ev) {
   const [kind, v] = Object.entries(ev)[0];
   switch (kind) {
     case 'ShapeAccepted': return `generation ${v.generation} accepted (${v.nodes} node(s))`;
-    case 'Node': return `${v.node} a${v.attempt}: ${stateWord(v)}` + (v.last_error && !v.ready ? ` — ${v.last_error}` : '');
+    case 'Node': return `${v.node} a${v.attempt}: ${stateWord(v)} (${v.stage})` + (v.last_error && !v.ready ? ` — ${v.last_error}` : '');
     case 'Removed': return `${v.node} removed`;
     case 'Dispatched': return `${v.node}: ${v.effect}`;
     case 'Finished': return `${v.node}: ${v.outcome}` + (v.folded ? '' : ' (stale, discarded)');
@@ -107,6 +108,16 @@ function eventText(ev) {
 
 // ----- rendering -----
 
+// Converged: the cluster said so for this generation, and every desired
+// node is (again) ready with nothing else left over.
+function converged() {
+  const s = S.snap;
+  if (s.converged) S.convergedGen = s.generation;
+  const ready = s.nodes.filter((n) => n.ready).length;
+  return S.convergedGen === s.generation && ready === s.desired_nodes &&
+    s.nodes.length === ready && !s.orphans;
+}
+
 function headline() {
   const s = S.snap;
   const h = $('headline');
@@ -117,7 +128,7 @@ function headline() {
   if (s.shutting_down) {
     text = 'tearing down: ' + s.nodes.length + ' node(s) left';
     cls = 'busy';
-  } else if (s.converged && ready === s.desired_nodes && nodes.length === ready) {
+  } else if (converged()) {
     text = `converged: ${ready} of ${s.desired_nodes} node(s) ready`;
     cls = 'ok';
   } else {
@@ -129,7 +140,7 @@ function headline() {
     if (failing.length) why.push(`${failing[0].node}: ${failing[0].last_error}` + (failing.length > 1 ? ` (and ${failing.length - 1} more failing)` : ''));
     if (s.orphans) why.push(`${s.orphans} leftover resource(s) being collected`);
     if (!s.adopted) why.push('adopting what an earlier daemon left');
-    if (!why.length) why.push('waiting for the next pass');
+    if (!why.length) why.push('the cluster has not confirmed it yet');
     text = 'not converged: ' + why.join('; ');
     cls = 'busy';
   }
@@ -208,13 +219,20 @@ function renderPlot() {
   const svg = $('plot');
   const now = Date.now();
   const pts = S.points.filter((p) => p.at_ms > now - HOUR_MS);
+  // The line runs on to now at the current count.
+  pts.push({ at_ms: now, ready: S.snap.nodes.filter((n) => n.ready).length, passes: S.snap.stats.passes });
   const W = 600, H = 160, pad = 4;
   const x = (t) => pad + (W - 2 * pad) * (1 - (now - t) / HOUR_MS);
   const readyMax = Math.max(1, S.snap.desired_nodes, ...pts.map((p) => p.ready));
   const rates = [];
-  for (let i = 1; i < pts.length; i++) {
-    const dt = (pts[i].at_ms - pts[i - 1].at_ms) / 60000;
-    if (dt > 0) rates.push({ at_ms: pts[i].at_ms, rate: Math.max(0, pts[i].passes - pts[i - 1].passes) / dt });
+  // Rates over at least 5 s, so two close points do not make a spike.
+  let from = pts[0];
+  for (const p of pts.slice(1)) {
+    const dt = (p.at_ms - from.at_ms) / 60000;
+    if (dt >= 5 / 60) {
+      rates.push({ at_ms: p.at_ms, rate: Math.max(0, p.passes - from.passes) / dt });
+      from = p;
+    }
   }
   const rateMax = Math.max(1, ...rates.map((r) => r.rate));
   const line = (list, val, max) => list.map((p) => `${x(p.at_ms).toFixed(1)},${(H - pad - (H - 2 * pad) * val(p) / max).toFixed(1)}`).join(' ');
@@ -229,7 +247,7 @@ function renderPlot() {
     return p;
   };
   svg.replaceChildren(poly(line(pts, (p) => p.ready, readyMax), '#17803d'), poly(line(rates, (r) => r.rate, rateMax), '#2563eb'));
-  $('plot-range').textContent = `scale: ${readyMax} node(s), ${Math.round(rateMax)} passes/min; ${pts.length} point(s)`;
+  $('plot-range').textContent = `top of the plot: ${readyMax} node(s), ${Math.round(rateMax)} passes/min`;
 }
 
 function render() {
@@ -296,7 +314,7 @@ function onEvent(d) {
     case 'Node': upsert(v); break;
     case 'Removed': S.snap.nodes = S.snap.nodes.filter((n) => n.node !== v.node); break;
     case 'ShapeAccepted': S.snap.generation = v.generation; S.snap.desired_nodes = v.nodes; S.snap.converged = false; refreshSoon(); break;
-    case 'Converged': S.snap.converged = true; S.snap.observed_generation = v.generation; refreshSoon(); break;
+    case 'Converged': S.snap.converged = true; S.convergedGen = v.generation; S.snap.observed_generation = v.generation; refreshSoon(); break;
     case 'Pass': S.snap.stats.passes = v.number; break;
     case 'Resumed': S.snap.paused = false; break;
     case 'AgentDisconnected': S.away[v.key.node] = d.at_ms; break;
