@@ -72,6 +72,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
              which address to dial: name it with --advertise IP; nothing was started"
         );
     }
+    let ndjson = ndjson_config()?;
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
     let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
     let agent_binary = AgentBinary::find(opts.agent_binary.as_deref())?;
@@ -192,7 +193,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         in_flight: 0,
         paused: false,
     };
-    let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())
+    let sink = NdjsonSink::open(state.root(), &ndjson)
         .await
         .context("cannot open telemetry.ndjson")?;
     // A snapshot of 100,000 nodes is several MiB; the engine's default
@@ -737,6 +738,48 @@ fn vast_key(file: Option<&ShapeFile>) -> Result<Option<ApiKey>> {
             None => Ok(None),
         },
     }
+}
+
+/// Largest `telemetry.ndjson` before it is rotated, in bytes.
+const TELEMETRY_FILE_BYTES_MAX: &str = "SWACTOR_TELEMETRY_FILE_BYTES_MAX";
+/// The smallest rotation size accepted.
+const TELEMETRY_FILE_BYTES_MIN: u64 = 4096;
+/// Rotated `telemetry.ndjson.N` files kept.
+const TELEMETRY_FILES_KEPT: &str = "SWACTOR_TELEMETRY_FILES_KEPT";
+
+/// The NDJSON sink's settings: the defaults, or what
+/// `SWACTOR_TELEMETRY_FILE_BYTES_MAX` and `SWACTOR_TELEMETRY_FILES_KEPT` say.
+fn ndjson_config() -> Result<NdjsonConfig> {
+    let mut config = NdjsonConfig::default();
+    let number = |name: &str| -> Result<Option<u64>> {
+        match std::env::var(name) {
+            Err(_) => Ok(None),
+            Ok(v) => v.trim().parse().map(Some).with_context(|| {
+                format!("{name}={v:?} is not a whole number; nothing was started")
+            }),
+        }
+    };
+    if let Some(bytes) = number(TELEMETRY_FILE_BYTES_MAX)? {
+        config.file_len_max = bytes;
+    }
+    if let Some(kept) = number(TELEMETRY_FILES_KEPT)? {
+        config.files_kept = usize::try_from(kept).unwrap_or(usize::MAX);
+    }
+    if config.file_len_max < TELEMETRY_FILE_BYTES_MIN {
+        anyhow::bail!(
+            "{TELEMETRY_FILE_BYTES_MAX}={} is too small: a file holds at least \
+             {TELEMETRY_FILE_BYTES_MIN} bytes; nothing was started",
+            config.file_len_max
+        );
+    }
+    // A line longer than a whole file is dropped (and counted), not written.
+    config.line_len_max = config
+        .line_len_max
+        .min(usize::try_from(config.file_len_max).unwrap_or(usize::MAX));
+    config.validate().map_err(|e| {
+        anyhow::anyhow!("{e} ({TELEMETRY_FILES_KEPT} is at most 1000); nothing was started")
+    })?;
+    Ok(config)
 }
 
 /// Seconds from an environment variable, if set.

@@ -406,7 +406,12 @@ fn metrics_match_status_and_bad_requests_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     let shape = shape_file(dir.path(), "m.toml", &workers("metrics", 2));
-    let mut daemon = Daemon::start(&state, &shape);
+    // A small telemetry file, so this test sees it rotate.
+    let env = [
+        ("SWACTOR_TELEMETRY_FILE_BYTES_MAX", "8192"),
+        ("SWACTOR_TELEMETRY_FILES_KEPT", "2"),
+    ];
+    let mut daemon = Daemon::spawn_env(&state, Some(&shape), &[], &env).expect("a daemon");
     wait_converged(&state, Duration::from_secs(60), |s| {
         s.nodes.iter().filter(|n| n.ready).count() == 2
     });
@@ -686,6 +691,38 @@ fn metrics_match_status_and_bad_requests_change_nothing() {
         daemon.last_log()
     );
     assert!(agents(&state).is_empty(), "no agent left");
+
+    // telemetry.ndjson rotated at 8 KiB, keeping two old files; every
+    // record is stamped, and the sequence runs on across the files.
+    let files = [
+        state.join("telemetry.ndjson.2"),
+        state.join("telemetry.ndjson.1"),
+        state.join("telemetry.ndjson"),
+    ];
+    assert!(
+        !state.join("telemetry.ndjson.3").exists(),
+        "only two old files are kept"
+    );
+    let mut last = None;
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        assert!(
+            text.len() <= 8192,
+            "{} has {} bytes",
+            f.display(),
+            text.len()
+        );
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert!(
+                v["at_ms"].as_u64().is_some_and(|t| t > 1_600_000_000_000),
+                "{line}"
+            );
+            let seq = v["seq"].as_u64().unwrap();
+            assert!(last.is_none_or(|l| seq == l + 1), "{seq} after {last:?}");
+            last = Some(seq);
+        }
+    }
 }
 
 #[test]
