@@ -298,12 +298,12 @@ impl DriverState {
     async fn drive(&mut self, myself: &ActorRef<DriverMsg>) -> Result<(), ActorProcessingErr> {
         let now = self.now();
         loop {
-            let started = swactor_engine::EngineInstant::now();
+            let started = self.clock.now();
             let Some(out) = self.host.poll_output(now) else {
                 break;
             };
             if let Output::Pass(pass) = &out {
-                let took = swactor_engine::EngineInstant::now().saturating_duration_since(started);
+                let took = self.clock.now().saturating_duration_since(started);
                 self.telemetry.pass_took(pass.number, took);
             }
             match out {

@@ -525,7 +525,7 @@ pub(crate) async fn replace(state_dir: &Path, node: &str) -> Result<()> {
         return Err(unexpected(&answer));
     };
     let mut out = Out::new();
-    out.line(&format!(
+    out.line(format!(
         "{node}: its attempt a{attempt} is failed (replaced by the operator) and is cleaned \
          up, then a new attempt starts (`swactor status` shows it)"
     ))?;
