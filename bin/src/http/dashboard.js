@@ -145,6 +145,8 @@ function headline() {
     cls = 'busy';
   }
   if (s.paused && cls === 'ok') text += ' (paused)';
+  const micros = (s.rentals || []).reduce((sum, r) => sum + r.usd_per_hour_micros, 0);
+  if (micros > 0) text += ` · rented machines $${(micros / 1e6).toFixed(2)}/h`;
   h.textContent = text;
   h.className = cls;
   $('generation').textContent = s.generation;

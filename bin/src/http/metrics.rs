@@ -146,6 +146,7 @@ impl Metrics {
     /// Starts the event state from a subscription's snapshot.
     pub(crate) fn seed(&self, snapshot: &ClusterSnapshot) {
         let mut events = self.lock_events();
+        events.nodes.clear();
         for n in &snapshot.nodes {
             events.nodes.insert(n.node.clone(), node_entry(n));
         }

@@ -155,26 +155,34 @@ pub(crate) fn serve(listener: tokio::net::TcpListener, web: Arc<Web>) {
 }
 
 /// Feeds the metrics from the cluster's events, and takes a point for the
-/// dashboard's plot every [`metrics::SAMPLE_EVERY`].
+/// dashboard's plot every [`metrics::SAMPLE_EVERY`]. A cluster restarted by
+/// its supervisor ends the subscription; it is taken again.
 async fn follow(web: Arc<Web>) {
-    let Ok(mut sub) = web.control.cluster.subscribe().await else {
-        return;
-    };
-    web.metrics.seed(&sub.snapshot);
     let mut tick = tokio::time::interval(metrics::SAMPLE_EVERY);
     loop {
-        tokio::select! {
-            event = sub.events.recv() => match event {
-                Ok(event) => web.metrics.observe(&event),
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                    // Counters miss what was skipped; the node table is re-read.
-                    if let Ok(snap) = web.control.cluster.snapshot().await {
-                        web.metrics.seed(&snap);
+        let mut sub = match web.control.cluster.subscribe().await {
+            Ok(sub) => sub,
+            Err(_) => {
+                tick.tick().await;
+                web.metrics.sample(wall_ms());
+                continue;
+            }
+        };
+        web.metrics.seed(&sub.snapshot);
+        loop {
+            tokio::select! {
+                event = sub.events.recv() => match event {
+                    Ok(event) => web.metrics.observe(&event),
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        // Counters miss what was skipped; the node table is re-read.
+                        if let Ok(snap) = web.control.cluster.snapshot().await {
+                            web.metrics.seed(&snap);
+                        }
                     }
-                }
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-            },
-            _ = tick.tick() => web.metrics.sample(wall_ms()),
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                },
+                _ = tick.tick() => web.metrics.sample(wall_ms()),
+            }
         }
     }
 }
