@@ -215,7 +215,7 @@ async fn the_dashboard_shows_the_fleet_live_and_its_controls_steer_it() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     let shape = shape_file(dir.path(), "dash.toml", &workers("dash", 3));
-    let daemon = Daemon::start(&state, &shape);
+    let mut daemon = Daemon::start(&state, &shape);
     wait_converged(&state, Duration::from_secs(60), |s| {
         s.nodes.iter().filter(|n| n.ready).count() == 3
     });
@@ -248,9 +248,37 @@ async fn the_dashboard_shows_the_fleet_live_and_its_controls_steer_it() {
     );
 
     let chromium = browser::Chromium::launch().await;
+    // The browser without the token: 401, and the page says where it is.
     let page = chromium
         .browser
-        .new_page(format!("http://{addr}/?token={token}"))
+        .new_page(format!("http://{addr}/"))
+        .await
+        .expect("open the dashboard without a token");
+    let code: u16 = browser::eval(
+        &page,
+        "performance.getEntriesByType('navigation')[0].responseStatus",
+    )
+    .await;
+    assert_eq!(code, 401);
+    let text: String = browser::eval(&page, "document.body.innerText").await;
+    assert!(text.contains("access token"), "{text}");
+    // A page of another origin (localhost is another site than 127.0.0.1)
+    // posting to the daemon changes nothing.
+    page.goto(format!("http://localhost:{}/healthz", addr.port()))
+        .await
+        .expect("another origin");
+    let _: bool = browser::eval(
+        &page,
+        &format!(
+            "fetch('http://{addr}/api/pause', {{method: 'POST', mode: 'no-cors', credentials: 'include', body: '{{}}'}}).then(() => true, () => true)"
+        ),
+    )
+    .await;
+    assert!(
+        !status(&state).unwrap().paused,
+        "the cross-origin pause changed nothing"
+    );
+    page.goto(format!("http://{addr}/?token={token}"))
         .await
         .expect("open the dashboard");
     // The token went into a cookie and out of the address.
@@ -377,8 +405,28 @@ async fn the_dashboard_shows_the_fleet_live_and_its_controls_steer_it() {
     .await;
     browser::screenshot(&page, &artifacts().join("dashboard-detail.png")).await;
 
+    // Tear down, after the page's confirmation: every node goes, then the daemon.
+    let _: bool = browser::eval(&page, "document.querySelector('#teardown').click(); true").await;
+    browser::until(
+        &page,
+        Duration::from_secs(5),
+        "the confirmation",
+        "document.querySelector('#teardown-dialog').open",
+    )
+    .await;
+    let _: bool = browser::eval(
+        &page,
+        "document.querySelector('#teardown-confirm').click(); true",
+    )
+    .await;
+    assert_eq!(
+        daemon.wait_exit(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        daemon.last_log()
+    );
+    assert!(agents(&state).is_empty(), "no agent left");
     chromium.close().await;
-    drop(daemon);
 }
 
 /// A metric's value in a parsed exposition (the first sample of that name
