@@ -592,3 +592,28 @@ impl Provider for Metered {
         self.inner.owns_session(session)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_provisioning::NodeStage;
+
+    #[test]
+    fn stages_and_reasons_are_fixed_snake_case_label_values() {
+        assert_eq!(
+            stage_label(NodeStage::BootstrapRunning),
+            "bootstrap_running"
+        );
+        assert_eq!(stage_label(NodeStage::New), "new");
+        assert_eq!(replacement_reason(None), "shape_change");
+        assert_eq!(
+            replacement_reason(Some(swactor_provisioning::REPLACED_BY_OPERATOR)),
+            "operator"
+        );
+        assert_eq!(
+            replacement_reason(Some("its agent stayed away past its grace")),
+            "agent_lost"
+        );
+        assert_eq!(replacement_reason(Some("boot check exited 1")), "failure");
+    }
+}

@@ -579,7 +579,8 @@ fn sse_event(web: &Web, frame: &[u8]) -> Event {
 
 // ----- controls -----
 
-/// The control answer as a response: refusals are 409 unless `code` says otherwise.
+/// The control answer as a response; a refusal (the request was valid, the
+/// cluster said no: a node already failed, a teardown under way) is 409.
 fn answered(resp: ControlResponse) -> Response {
     match resp {
         ControlResponse::Error(e) => refuse(StatusCode::CONFLICT, &e),
