@@ -1037,6 +1037,9 @@ struct WatchView {
     clock: Option<(Timestamp, Instant)>,
     last_per_node: HashMap<LogicalNodeId, String>,
     last_line: String,
+    /// When the event being printed was published (wall clock, ms since
+    /// the Unix epoch): its lines carry that time, not the time they arrive.
+    at_ms: Option<u64>,
 }
 
 impl WatchView {
@@ -1046,6 +1049,7 @@ impl WatchView {
             clock: None,
             last_per_node: HashMap::new(),
             last_line: String::new(),
+            at_ms: None,
         }
     }
 
@@ -1060,7 +1064,8 @@ impl WatchView {
         if text == self.last_line {
             return Ok(());
         }
-        self.out.line(format_args!("{} {text}", clock()))?;
+        let at = self.at_ms.map_or_else(clock, crate::words::clock_at);
+        self.out.line(format_args!("{at} {text}"))?;
         text.clone_into(&mut self.last_line);
         Ok(())
     }
@@ -1084,8 +1089,11 @@ impl WatchView {
                 self.snapshot(&state)?;
                 None
             }
-            Ok(Some(TelemetryFrame::Event { event, .. })) => {
-                self.event(event)?;
+            Ok(Some(TelemetryFrame::Event { event, at_ms, .. })) => {
+                self.at_ms = Some(at_ms);
+                let printed = self.event(event);
+                self.at_ms = None;
+                printed?;
                 None
             }
             Ok(Some(TelemetryFrame::Lagged { missed })) => {
