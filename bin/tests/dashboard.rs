@@ -390,6 +390,36 @@ async fn the_dashboard_shows_the_fleet_live_and_its_controls_steer_it() {
         status(&state).is_some_and(|s| !s.paused)
     });
 
+    // A scale-down destroys a node: the page asks first, as `apply` does.
+    let _: bool = browser::eval(
+        &page,
+        "document.querySelector('#count-worker').value = '4'; document.querySelector('[data-scale=\"worker\"]').click(); true",
+    )
+    .await;
+    browser::until(
+        &page,
+        Duration::from_secs(10),
+        "the question",
+        "document.querySelector('#confirm-dialog').open && document.querySelector('#confirm-text').textContent.includes('destroys 1 node')",
+    )
+    .await;
+    assert_eq!(
+        status(&state).unwrap().desired_nodes,
+        5,
+        "nothing changed before the answer"
+    );
+    let _: bool = browser::eval(&page, "document.querySelector('#confirm-go').click(); true").await;
+    browser::until(
+        &page,
+        Duration::from_secs(60),
+        "four workers, worker-4 gone",
+        &format!(
+            "{} && document.querySelector('#node-worker-4') === null",
+            ready_rows(4)
+        ),
+    )
+    .await;
+
     // The node view: its attempts and the end of its log.
     let _: bool = browser::eval(
         &page,
@@ -622,6 +652,16 @@ fn metrics_match_status_and_bad_requests_change_nothing() {
                 &token,
                 "/api/scale",
                 "{\"group\": \"nope\", \"count\": 1}",
+            ),
+        ),
+        // A scale-down destroys nodes: like `apply`, it needs a yes.
+        (
+            409,
+            post(
+                addr,
+                &token,
+                "/api/scale",
+                "{\"group\": \"worker\", \"count\": 1}",
             ),
         ),
         (

@@ -365,7 +365,11 @@ async function post(path, body) {
   });
   let answer = {};
   try { answer = await r.json(); } catch (e) { /* no body */ }
-  if (!r.ok) throw new Error(answer.error || `${r.status} ${r.statusText}`);
+  if (!r.ok) {
+    const e = new Error(answer.error || `${r.status} ${r.statusText}`);
+    e.confirm = answer.confirm;
+    throw e;
+  }
   return answer;
 }
 
@@ -376,6 +380,30 @@ async function act(what, path, body, done) {
     say(done(answer));
   } catch (e) {
     say(e.message, true);
+  }
+}
+
+// Asks in the page's own dialog; resolves to true when confirmed.
+function ask(question) {
+  const d = $('confirm-dialog');
+  $('confirm-text').textContent = question;
+  d.returnValue = '';
+  d.showModal();
+  return new Promise((resolve) => {
+    d.addEventListener('close', () => resolve(d.returnValue === 'confirm'), { once: true });
+  });
+}
+
+// Scales a group; a change `apply` would ask about is asked about here too.
+async function scale(g, count) {
+  const done = (a) => a.message + (a.paused ? ' (paused: acted on after Resume)' : '');
+  say(`scaling ${g} to ${count}…`);
+  try {
+    say(done(await post('/api/scale', { group: g, count })));
+  } catch (e) {
+    if (!e.confirm) { say(e.message, true); return; }
+    if (!(await ask(e.confirm + '. Go ahead?'))) { say('nothing was changed'); return; }
+    act(`scaling ${g} to ${count}`, '/api/scale', { group: g, count, yes: true }, done);
   }
 }
 
@@ -414,9 +442,7 @@ document.addEventListener('click', (e) => {
   if (!(t instanceof HTMLElement)) return;
   if (t.dataset.scale) {
     const g = t.dataset.scale;
-    const count = Number($('count-' + g).value);
-    act(`scaling ${g} to ${count}`, '/api/scale', { group: g, count },
-      (a) => a.message + (a.paused ? ' (paused: acted on after Resume)' : ''));
+    scale(g, Number($('count-' + g).value));
   } else if (t.dataset.replace) {
     const n = t.dataset.replace;
     act(`replacing ${n}`, '/api/replace', { node: n },

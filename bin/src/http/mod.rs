@@ -709,13 +709,17 @@ async fn api_scale(State(web): State<Arc<Web>>, body: Body) -> Response {
             );
         }
     };
-    scale(&web, group, count).await
+    let yes = body.get("yes") == Some(&Value::Bool(true));
+    scale(&web, group, count, yes).await
 }
 
 /// Offers the shape on record with one group's count changed, as the next
 /// generation: the cluster judges it as it judges any `apply` (capacity,
-/// limits, generation rules).
-async fn scale(web: &Web, group: &str, count: u32) -> Response {
+/// limits, generation rules). A change `apply` would ask about (it destroys
+/// nodes, or creates more than 20 at once) needs `yes`, as `apply` needs
+/// `--yes` without a terminal; without it the answer (409) says why in
+/// `confirm`, for the page to ask.
+async fn scale(web: &Web, group: &str, count: u32, yes: bool) -> Response {
     let view = match web.control.cluster.inspect().await {
         Ok(v) => v,
         Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
@@ -746,6 +750,23 @@ async fn scale(web: &Web, group: &str, count: u32) -> Response {
     }
     g.count = count;
     shape.generation = Generation(view.desired.generation.0 + 1);
+    if !yes {
+        let plan = match web.control.cluster.plan(Some(shape.clone())).await {
+            Ok(plan) => plan,
+            Err(e) => return refuse(StatusCode::BAD_REQUEST, &crate::control::refusal(&e)),
+        };
+        if let Some(why) = crate::guard::reason_to_ask(&plan.diff) {
+            let why = why.replacen("this shape", &format!("scaling {group} to {count}"), 1);
+            return (
+                StatusCode::CONFLICT,
+                axum::Json(json!({
+                    "error": format!("{why}: send \"yes\": true to go ahead; nothing was changed"),
+                    "confirm": why,
+                })),
+            )
+                .into_response();
+        }
+    }
     match web.control.cluster.apply(shape).await {
         Ok(DesiredUpdate::Accepted(g) | DesiredUpdate::Unchanged(g)) => {
             let paused = web.control.cluster.snapshot().await.is_ok_and(|s| s.paused);
