@@ -224,7 +224,9 @@ function renderPlot() {
   // The line runs on to now at the current count.
   pts.push({ at_ms: now, ready: S.snap.nodes.filter((n) => n.ready).length, passes: S.snap.stats.passes });
   const W = 600, H = 160, pad = 4;
-  const x = (t) => pad + (W - 2 * pad) * (1 - (now - t) / HOUR_MS);
+  // The time axis spans what there is to show: 5 minutes at least, an hour at most.
+  const spanMs = Math.min(HOUR_MS, Math.max(5 * 60000, now - pts[0].at_ms));
+  const x = (t) => pad + (W - 2 * pad) * (1 - (now - t) / spanMs);
   const readyMax = Math.max(1, S.snap.desired_nodes, ...pts.map((p) => p.ready));
   const rates = [];
   // Rates over at least 5 s, so two close points do not make a spike.
@@ -249,7 +251,7 @@ function renderPlot() {
     return p;
   };
   svg.replaceChildren(poly(line(pts, (p) => p.ready, readyMax), '#17803d'), poly(line(rates, (r) => r.rate, rateMax), '#2563eb'));
-  $('plot-range').textContent = `top of the plot: ${readyMax} node(s), ${Math.round(rateMax)} passes/min`;
+  $('plot-range').textContent = `the last ${span(spanMs)}; top of the plot: ${readyMax} node(s), ${Math.round(rateMax)} passes/min`;
 }
 
 function render() {
