@@ -154,6 +154,7 @@ pub(crate) async fn run() -> Result<Vec<(u64, usize)>, Box<dyn std::error::Error
         stats: Default::default(),
         now: Default::default(),
         rentals: Vec::new(),
+        in_flight: 0,
         paused: false,
         holds: Vec::new(),
     };

@@ -13,7 +13,7 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
     ApplyError, ClusterShape, DesiredUpdate, Generation, JoinRefused, Liveness, LogicalNodeId,
-    PauseError, ResourceKey, ShutdownMode, ShutdownReport,
+    NodeAttemptId, PauseError, ReplaceError, ResourceKey, ShutdownMode, ShutdownReport,
 };
 
 /// Why a call to a cluster failed.
@@ -31,6 +31,9 @@ pub enum ClusterError {
     /// The pause was refused (the cluster is being torn down).
     #[error(transparent)]
     Pause(#[from] PauseError),
+    /// The replace was refused; nothing changed.
+    #[error(transparent)]
+    Replace(#[from] ReplaceError),
 }
 
 /// A running cluster. Cheap to clone; every clone talks to the same driver actor.
@@ -262,6 +265,21 @@ impl ClusterHandle {
     pub async fn resume(&self) -> Result<bool, ClusterError> {
         Ok(self
             .call(|r| DriverMsg::Cluster(ClusterMsg::Pause(false, r)))
+            .await??)
+    }
+
+    /// Replaces `node` on the operator's word: its current attempt fails
+    /// with the reason "replaced by the operator" and goes through the
+    /// normal cleanup before a new attempt starts. Returns the attempt that
+    /// is replaced.
+    ///
+    /// # Errors
+    /// [`ClusterError::Replace`]: an unknown node, one already failed or
+    /// leaving, one with an operation in flight, a cluster shutting down;
+    /// the cluster is gone.
+    pub async fn replace(&self, node: LogicalNodeId) -> Result<NodeAttemptId, ClusterError> {
+        Ok(self
+            .call(|r| DriverMsg::Cluster(ClusterMsg::Replace(node, r)))
             .await??)
     }
 

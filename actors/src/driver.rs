@@ -166,6 +166,7 @@ impl Actor for DriverActor {
                     settled: st.host.settled(),
                     agents_away: st.host.agents_away(),
                     stats: core.stats(),
+                    shape: st.host.journal_meta().shape.clone(),
                 });
             }
             DriverMsg::Executor(report) => st.reported(&myself, report, now).await?,
@@ -287,13 +288,24 @@ impl DriverState {
                 self.waiting.insert(ticket, Waiting::Pause(reply));
                 let _ = self.host.handle_pause(paused, ticket, now);
             }
+            ClusterMsg::Replace(node, reply) => {
+                let _ = reply.send(self.host.handle_replace(&node, now));
+            }
         }
     }
 
     /// Drains the host's outputs and routes them; re-arms the one timer.
     async fn drive(&mut self, myself: &ActorRef<DriverMsg>) -> Result<(), ActorProcessingErr> {
         let now = self.now();
-        while let Some(out) = self.host.poll_output(now) {
+        loop {
+            let started = self.clock.now();
+            let Some(out) = self.host.poll_output(now) else {
+                break;
+            };
+            if let Output::Pass(pass) = &out {
+                let took = self.clock.now().saturating_duration_since(started);
+                self.telemetry.pass_took(pass.number, took);
+            }
             match out {
                 Output::Persist(delta) => {
                     if let Some(journal) = &self.journal {

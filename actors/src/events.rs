@@ -125,6 +125,10 @@ pub struct ClusterSnapshot {
     /// stopped on a failing node, remediation paused by a breaker.
     #[serde(default)]
     pub holds: Vec<GroupHold>,
+    /// Operations handed to the executor whose results have not come back
+    /// (the executor's queue depth).
+    #[serde(default)]
+    pub in_flight: usize,
 }
 
 /// One node's rented machine, as its provider last saw it.
@@ -196,6 +200,10 @@ pub enum ClusterEvent {
         transitions: usize,
         /// Operations dispatched.
         dispatched: usize,
+        /// Microseconds the driver spent in the step that ran the pass
+        /// (deciding, and folding what the step folded); 0 when unknown.
+        #[serde(default)]
+        duration_us: u64,
     },
     /// The cluster converged on a generation.
     Converged {

@@ -18,8 +18,8 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
     ApplyError, BootstrapObservation, ClusterShape, DesiredUpdate, Generation, JoinRefused,
-    JournalImage, Liveness, LogicalNodeId, PauseError, ResourceKey, ShutdownMode, ShutdownReport,
-    Timestamp,
+    JournalImage, Liveness, LogicalNodeId, PauseError, ReplaceError, ResourceKey, ShutdownMode,
+    ShutdownReport, Timestamp,
 };
 use tokio::sync::broadcast;
 
@@ -51,6 +51,12 @@ pub enum ClusterMsg {
     /// Pause (`true`) or resume (`false`) reconciling; the reply (whether
     /// anything changed) comes once the flag is durable.
     Pause(bool, RpcReplyPort<Result<bool, PauseError>>),
+    /// The operator asks for a node to be replaced; the reply names the
+    /// attempt that will be (see [`swactor_provisioning::Host::handle_replace`]).
+    Replace(
+        LogicalNodeId,
+        RpcReplyPort<Result<swactor_provisioning::NodeAttemptId, ReplaceError>>,
+    ),
 }
 
 /// What a swarm endpoint tells a cluster about its agents.
@@ -175,6 +181,8 @@ pub struct DriverView {
     pub agents_away: usize,
     /// The core's lifetime counters.
     pub stats: swactor_provisioning::DriverStats,
+    /// The shape on record (the last accepted one), as it was applied.
+    pub shape: Option<ClusterShape>,
 }
 
 /// A local subscription: the state now, then every event after it.

@@ -13,7 +13,13 @@ pub(crate) struct Telemetry {
     publisher: Option<Arc<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>>,
     /// The remote snapshot is stale.
     pub(crate) dirty: bool,
+    /// How long the last passes took (pass number, microseconds), newest
+    /// last, until their events are published.
+    pass_us: std::collections::VecDeque<(u64, u64)>,
 }
+
+/// Pass timings kept until their events are drained.
+const PASS_TIMINGS_MAX: usize = 64;
 
 impl Telemetry {
     pub(crate) fn new(
@@ -25,7 +31,17 @@ impl Telemetry {
             events,
             publisher,
             dirty: false,
+            pass_us: std::collections::VecDeque::new(),
         }
+    }
+
+    /// Notes how long pass `number` took, for its event.
+    pub(crate) fn pass_took(&mut self, number: u64, took: std::time::Duration) {
+        if self.pass_us.len() == PASS_TIMINGS_MAX {
+            self.pass_us.pop_front();
+        }
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.pass_us.push_back((number, us));
     }
 
     pub(crate) fn subscribe<C: Reconciler>(&self, host: &Host<C>, now: Timestamp) -> Subscription {
@@ -74,6 +90,11 @@ impl Telemetry {
                     nodes: stats.nodes,
                     transitions: stats.transitions,
                     dispatched: stats.dispatched,
+                    duration_us: self
+                        .pass_us
+                        .iter()
+                        .find(|(n, _)| *n == number)
+                        .map_or(0, |(_, us)| *us),
                 },
                 HostEvent::Converged { generation, nodes } => {
                     self.refresh(host, now);
@@ -196,6 +217,7 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         stats: core.stats(),
         now,
         rentals: Vec::new(),
+        in_flight: host.in_flight_count(),
         paused: host.is_paused(),
         holds: host.holds(),
     }

@@ -280,6 +280,7 @@ fn unexpected(answer: &ControlResponse) -> anyhow::Error {
             ControlResponse::Described(_) => "a node",
             ControlResponse::Down { .. } => "a stop",
             ControlResponse::Paused { .. } => "a pause",
+            ControlResponse::Replaced { .. } => "a replace",
             ControlResponse::Error(_) => "an error",
         }
     )
@@ -542,6 +543,24 @@ pub(crate) async fn pause(state_dir: &Path, paused: bool) -> Result<()> {
         (false, true) => "resumed",
         (false, false) => "not paused: nothing to resume",
     })?;
+    out.flush()?;
+    Ok(())
+}
+
+/// `swactor replace NODE`.
+///
+/// # Errors
+/// An unreachable daemon, or the replace was refused.
+pub(crate) async fn replace(state_dir: &Path, node: &str) -> Result<()> {
+    let answer = one(state_dir, ControlRequest::Replace(node.to_owned())).await?;
+    let ControlResponse::Replaced { node, attempt } = answer else {
+        return Err(unexpected(&answer));
+    };
+    let mut out = Out::new();
+    out.line(format!(
+        "{node}: its attempt a{attempt} is failed (replaced by the operator) and is cleaned \
+         up, then a new attempt starts (`swactor status` shows it)"
+    ))?;
     out.flush()?;
     Ok(())
 }
@@ -1053,6 +1072,9 @@ struct WatchView {
     clock: Option<(Timestamp, Instant)>,
     last_per_node: HashMap<LogicalNodeId, String>,
     last_line: String,
+    /// When the event being printed was published (wall clock, ms since
+    /// the Unix epoch): its lines carry that time, not the time they arrive.
+    at_ms: Option<u64>,
 }
 
 impl WatchView {
@@ -1062,6 +1084,7 @@ impl WatchView {
             clock: None,
             last_per_node: HashMap::new(),
             last_line: String::new(),
+            at_ms: None,
         }
     }
 
@@ -1076,7 +1099,8 @@ impl WatchView {
         if text == self.last_line {
             return Ok(());
         }
-        self.out.line(format_args!("{} {text}", clock()))?;
+        let at = self.at_ms.map_or_else(clock, crate::words::clock_at);
+        self.out.line(format_args!("{at} {text}"))?;
         text.clone_into(&mut self.last_line);
         Ok(())
     }
@@ -1100,8 +1124,11 @@ impl WatchView {
                 self.snapshot(&state)?;
                 None
             }
-            Ok(Some(TelemetryFrame::Event { event, .. })) => {
-                self.event(event)?;
+            Ok(Some(TelemetryFrame::Event { event, at_ms, .. })) => {
+                self.at_ms = Some(at_ms);
+                let printed = self.event(event);
+                self.at_ms = None;
+                printed?;
                 None
             }
             Ok(Some(TelemetryFrame::Lagged { missed })) => {

@@ -14,8 +14,8 @@ use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{HANDSHAKE_DEADLINE, accept_first_frame, send_frame};
 use swactor_providers::{Provider, Providers};
 use swactor_provisioning::{
-    Change, ClusterShape, DesiredState, DesiredUpdate, Intent, LogicalNodeId, NodeStage, RunId,
-    UpdateError, same_template,
+    Change, ClusterShape, DesiredState, DesiredUpdate, Intent, LogicalNodeId, NodeStage,
+    ReplaceError, RunId, UpdateError, same_template,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -154,7 +154,9 @@ pub(crate) struct ControlHandler {
 }
 
 impl ControlHandler {
-    async fn answer(&self, req: ControlRequest) -> ControlResponse {
+    /// Answers one request: the CLI's control protocol and the daemon's web
+    /// page both come here, so both get the same validation and rules.
+    pub(crate) async fn answer(&self, req: ControlRequest) -> ControlResponse {
         if matches!(req, ControlRequest::Apply(_) | ControlRequest::Plan { .. })
             && self.started.clone().wait_for(|s| *s).await.is_err()
         {
@@ -212,6 +214,7 @@ impl ControlHandler {
                 })
                 .map_err(|e| refusal(&e)),
             ControlRequest::Describe(node) => self.describe(&node).await,
+            ControlRequest::Replace(node) => self.replace(&node).await,
             ControlRequest::Down { keep, purge } => self.down(keep, purge).await,
         };
         result.unwrap_or_else(ControlResponse::Error)
@@ -322,6 +325,22 @@ impl ControlHandler {
                 self.run_id,
                 cut(node)
             )),
+        }
+    }
+
+    async fn replace(&self, node: &str) -> Result<ControlResponse, String> {
+        let id = LogicalNodeId::parse(node).ok_or_else(|| not_a_node_id(node))?;
+        match self.cluster.replace(id.clone()).await {
+            Ok(attempt) => Ok(ControlResponse::Replaced {
+                node: id.to_string(),
+                attempt: attempt.0,
+            }),
+            Err(ClusterError::Replace(ReplaceError::UnknownNode(_))) => Err(format!(
+                "run {} has no node {}; nothing was changed (`swactor status` lists the nodes)",
+                self.run_id,
+                cut(node)
+            )),
+            Err(e) => Err(format!("{}; nothing was changed", refusal(&e))),
         }
     }
 

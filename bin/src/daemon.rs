@@ -53,6 +53,9 @@ pub(crate) struct UpOptions {
     pub(crate) advertise: Option<IpAddr>,
     /// The binary remote hosts run as their agent.
     pub(crate) agent_binary: Option<PathBuf>,
+    /// Where the web surface (dashboard, metrics) listens; default: the
+    /// address the last daemon used, else a free port on 127.0.0.1.
+    pub(crate) http: Option<SocketAddr>,
 }
 
 /// Runs the daemon until it is told to stop. Returns the process exit code.
@@ -98,6 +101,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
              which address to dial: name it with --advertise IP; nothing was started"
         );
     }
+    let ndjson = ndjson_config()?;
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
     let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
     let agent_binary = AgentBinary::find(opts.agent_binary.as_deref())?;
@@ -125,6 +129,9 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let run_id = start.run_id.clone();
 
     let endpoint = bind_daemon_endpoint(&state, listen).await?;
+    let http_listener = crate::http::bind(&state, opts.http).await?;
+    let http_token = crate::http::token(&state)?;
+    let metrics = crate::http::Metrics::new();
     let ticket = EndpointTicket::new(endpoint.addr());
     // What agents are given: the advertised address, on the bound port.
     state.save_network(listen, advertise)?;
@@ -170,8 +177,13 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         resume.as_ref(),
         file.as_ref(),
     )?;
-    let mut providers: Vec<Arc<dyn Provider>> =
-        vec![Arc::new(process), Arc::new(ssh.clone()), Arc::new(docker)];
+    // Every provider call is timed and its failures counted for /metrics.
+    let metered = |p: Arc<dyn Provider>| crate::http::Metered::wrap(p, metrics.clone());
+    let mut providers: Vec<Arc<dyn Provider>> = vec![
+        metered(Arc::new(process)),
+        metered(Arc::new(ssh.clone())),
+        metered(Arc::new(docker)),
+    ];
     let vast = vast_provider(
         vast_key,
         &state,
@@ -187,7 +199,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     // restart of a shape that rents nothing.
     let mut visibility_window = Providers::new(providers.clone()).listing_lag();
     if let Some((vast, used)) = &vast {
-        providers.push(Arc::new(vast.clone()));
+        providers.push(metered(Arc::new(vast.clone())));
         if *used {
             visibility_window = visibility_window.max(vast.listing_lag());
         }
@@ -208,10 +220,11 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         stats: Default::default(),
         now: Default::default(),
         rentals: Vec::new(),
+        in_flight: 0,
         paused: false,
         holds: Vec::new(),
     };
-    let sink = NdjsonSink::open(state.root(), &NdjsonConfig::default())
+    let sink = NdjsonSink::open(state.root(), &ndjson)
         .await
         .context("cannot open telemetry.ndjson")?;
     // A snapshot of 100,000 nodes is several MiB; the engine's default
@@ -251,6 +264,14 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let (started_tx, started_rx) = tokio::sync::watch::channel(false);
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.
     let cli_allowed = Allowlist::only([cli_id]);
+    let control = ControlHandler {
+        cluster: cluster.clone(),
+        run_id: run_id.clone(),
+        down: down_tx,
+        started: started_rx,
+        provider: provider.clone(),
+        vast,
+    };
     let router = GuardedRouterBuilder::new(endpoint.clone())
         .serve(
             ALPN_SWARM,
@@ -261,20 +282,21 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
                 refusals: RefusalLog::default(),
             },
         )
-        .serve(
-            ALPN_CONTROL,
-            cli_allowed.clone(),
-            ControlHandler {
-                cluster: cluster.clone(),
-                run_id: run_id.clone(),
-                down: down_tx,
-                started: started_rx,
-                provider: provider.clone(),
-                vast,
-            },
-        )
-        .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry)
+        .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
+        .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
         .spawn();
+    let http_addr = http_listener.local_addr()?;
+    crate::http::serve(
+        http_listener,
+        Arc::new(crate::http::Web {
+            control,
+            telemetry,
+            metrics,
+            token: http_token.clone(),
+            state_dir: state.root().to_path_buf(),
+            addr: http_addr,
+        }),
+    );
     state.write_ticket(&ticket)?;
     reload_on_hangup(hangups, state.clone(), ticket.clone(), cli_allowed, cli_id);
     eprintln!(
@@ -283,6 +305,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         state.root().display()
     );
 
+    eprintln!("swactor: dashboard at http://{http_addr}/?token={http_token}");
     eprintln!("swactor: {}", start.note);
     let mut finish_teardown = false;
     match &start.what {
@@ -746,6 +769,48 @@ fn vast_key(file: Option<&ShapeFile>) -> Result<Option<ApiKey>> {
             None => Ok(None),
         },
     }
+}
+
+/// Largest `telemetry.ndjson` before it is rotated, in bytes.
+const TELEMETRY_FILE_BYTES_MAX: &str = "SWACTOR_TELEMETRY_FILE_BYTES_MAX";
+/// The smallest rotation size accepted.
+const TELEMETRY_FILE_BYTES_MIN: u64 = 4096;
+/// Rotated `telemetry.ndjson.N` files kept.
+const TELEMETRY_FILES_KEPT: &str = "SWACTOR_TELEMETRY_FILES_KEPT";
+
+/// The NDJSON sink's settings: the defaults, or what
+/// `SWACTOR_TELEMETRY_FILE_BYTES_MAX` and `SWACTOR_TELEMETRY_FILES_KEPT` say.
+fn ndjson_config() -> Result<NdjsonConfig> {
+    let mut config = NdjsonConfig::default();
+    let number = |name: &str| -> Result<Option<u64>> {
+        match std::env::var(name) {
+            Err(_) => Ok(None),
+            Ok(v) => v.trim().parse().map(Some).with_context(|| {
+                format!("{name}={v:?} is not a whole number; nothing was started")
+            }),
+        }
+    };
+    if let Some(bytes) = number(TELEMETRY_FILE_BYTES_MAX)? {
+        config.file_len_max = bytes;
+    }
+    if let Some(kept) = number(TELEMETRY_FILES_KEPT)? {
+        config.files_kept = usize::try_from(kept).unwrap_or(usize::MAX);
+    }
+    if config.file_len_max < TELEMETRY_FILE_BYTES_MIN {
+        anyhow::bail!(
+            "{TELEMETRY_FILE_BYTES_MAX}={} is too small: a file holds at least \
+             {TELEMETRY_FILE_BYTES_MIN} bytes; nothing was started",
+            config.file_len_max
+        );
+    }
+    // A line longer than a whole file is dropped (and counted), not written.
+    config.line_len_max = config
+        .line_len_max
+        .min(usize::try_from(config.file_len_max).unwrap_or(usize::MAX));
+    config.validate().map_err(|e| {
+        anyhow::anyhow!("{e} ({TELEMETRY_FILES_KEPT} is at most 1000); nothing was started")
+    })?;
+    Ok(config)
 }
 
 /// Seconds from an environment variable, if set.

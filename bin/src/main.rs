@@ -14,6 +14,7 @@ mod client;
 mod control;
 mod daemon;
 mod guard;
+mod http;
 mod journal;
 mod logs;
 mod progress;
@@ -97,6 +98,11 @@ nodes, or creates more than 20 at once, is confirmed on a terminal (or needs
         /// `swactor-agent` next to this executable, else this executable).
         #[arg(long, value_name = "PATH", env = "SWACTOR_AGENT_BINARY")]
         agent_binary: Option<PathBuf>,
+        /// Where the dashboard and /metrics listen (default: the address
+        /// used last time in this state directory, else a free port on
+        /// 127.0.0.1). Kept in STATE/http.addr; the token is in STATE/http.token.
+        #[arg(long, value_name = "ADDR:PORT")]
+        http: Option<std::net::SocketAddr>,
     },
     /// Offer a new shape to the running daemon (its plan is shown first).
     #[command(after_help = "Examples:
@@ -173,6 +179,22 @@ paused. `swactor down` overrides it and removes every node.",
     /// Resume reconciling after `swactor pause`.
     #[command(after_help = "Example:\n  swactor resume")]
     Resume,
+    /// Replace one node: its current attempt is failed ("replaced by the
+    /// operator"), cleaned up, and a new one is started.
+    #[command(
+        long_about = "Replace one node: its current attempt is failed with the reason \
+\"replaced by the operator\" and goes through the same cleanup as any failed attempt (its \
+bootstrap is stopped and its machine released) before a new attempt is started, after the \
+usual backoff; the slot never has two live attempts. A node that is already failed or \
+leaving, or has an operation in flight, is refused (try again once it finishes). While \
+reconciling is paused the old attempt is cleaned up but no new one starts until `swactor \
+resume`.",
+        after_help = "Example:\n  swactor replace worker-1"
+    )]
+    Replace {
+        /// The node, e.g. worker-1.
+        node: String,
+    },
     /// Stop the daemon, tearing everything down (or keeping it with --keep).
     #[command(after_help = "Examples:
   swactor down          destroy every node, then stop the daemon
@@ -263,6 +285,7 @@ fn main() {
                 listen,
                 advertise,
                 agent_binary,
+                http,
             } => {
                 let timeout = timeout.unwrap_or(UP_TIMEOUT_DEFAULT_S);
                 if !timeout.is_finite() || timeout <= 0.0 {
@@ -274,6 +297,7 @@ fn main() {
                     listen,
                     advertise,
                     agent_binary,
+                    http,
                     until_converged,
                     timeout: Duration::from_secs_f64(timeout),
                     keep,
@@ -306,6 +330,7 @@ fn main() {
             }
             Command::Pause => client::pause(&state_dir, true).await.map(|()| 0),
             Command::Resume => client::pause(&state_dir, false).await.map(|()| 0),
+            Command::Replace { node } => client::replace(&state_dir, &node).await.map(|()| 0),
             Command::Down { keep, purge } => {
                 client::down(&state_dir, keep, purge).await.map(|()| 0)
             }

@@ -35,6 +35,9 @@ pub(crate) enum ControlRequest {
     Pause,
     /// Resume reconciling.
     Resume,
+    /// Replace one node, by its id: its current attempt is failed and
+    /// cleaned up, then a new one starts.
+    Replace(String),
     /// Stop the daemon: tear down (or keep) every node.
     Down {
         /// Leave the nodes running for the next daemon to adopt.
@@ -64,6 +67,13 @@ pub(crate) enum ControlResponse {
         paused: bool,
         /// Whether that changed anything.
         changed: bool,
+    },
+    /// The node's attempt is failed and will be replaced.
+    Replaced {
+        /// The node.
+        node: String,
+        /// The attempt being replaced.
+        attempt: u64,
     },
     /// What a shape would change.
     Plan(PlanReport),
@@ -262,6 +272,7 @@ mod tests {
             stats: Default::default(),
             now: Timestamp::from_millis(1),
             rentals: Vec::new(),
+            in_flight: 0,
             paused: false,
             holds: Vec::new(),
         };
@@ -305,6 +316,7 @@ mod tests {
             now: Timestamp::from_millis(1),
             rentals: Vec::new(),
             paused: false,
+            in_flight: 2,
             holds: vec![GroupHold {
                 group: GroupId::new("worker"),
                 kind: HoldKind::Remediation,
@@ -318,6 +330,7 @@ mod tests {
             },
             TelemetryFrame::Event {
                 seq: 2,
+                at_ms: 1_764_000_000_000,
                 event: ClusterEvent::Hold {
                     group: "worker".to_owned(),
                     kind: HoldKind::Rollout,

@@ -247,6 +247,18 @@ pub(crate) fn clock() -> String {
     chrono::Local::now().format("%H:%M:%S").to_string()
 }
 
+/// [`clock`] at `at_ms` (milliseconds since the Unix epoch), e.g. an event's stamp.
+pub(crate) fn clock_at(at_ms: u64) -> String {
+    i64::try_from(at_ms)
+        .ok()
+        .and_then(chrono::DateTime::from_timestamp_millis)
+        .map_or_else(clock, |t| {
+            t.with_timezone(&chrono::Local)
+                .format("%H:%M:%S")
+                .to_string()
+        })
+}
+
 /// How many names a list in a message shows before it says how many more.
 const NAMES_SHOWN: usize = 20;
 

@@ -577,6 +577,15 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
         text.contains("rented machines: 4 · 1.206 $/h in all"),
         "{text}"
     );
+    // /metrics says the same price.
+    let (code, metrics) = web_get(&w.state(), "/metrics");
+    assert_eq!(code, 200, "{metrics}");
+    let price: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("swactor_cluster_usd_per_hour{provider=\"vast\"} "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no price in {metrics}"));
+    assert!((price - 1.206).abs() < 1e-9, "{price}");
     let o = cli(&w.state(), &["down"]);
     assert!(o.status.success(), "{}\n{}", stderr(&o), d.log());
     wait_for(Duration::from_secs(30), "no live instance", || {

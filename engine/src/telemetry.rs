@@ -44,6 +44,9 @@ pub enum TelemetryFrame<S, E> {
     Event {
         /// Sequence number, starting at 1 and increasing by 1 per publish.
         seq: u64,
+        /// When it was published: milliseconds since the Unix epoch, on the
+        /// publisher's wall clock.
+        at_ms: u64,
         /// The event.
         event: E,
     },
@@ -265,7 +268,7 @@ impl<S: Serialize, E: Serialize> TelemetryPublisher<S, E> {
         })
     }
 
-    /// Also writes every published event to `sink` as `{"seq":…,"event":…}`.
+    /// Also writes every published event to `sink` as `{"seq":…,"at_ms":…,"event":…}`.
     #[must_use]
     pub fn with_ndjson(mut self, sink: NdjsonSink) -> Self {
         self.sink = Some(sink);
@@ -279,10 +282,12 @@ impl<S: Serialize, E: Serialize> TelemetryPublisher<S, E> {
     /// published then and the sequence number is not used.
     pub fn publish(&self, event: &E) -> Result<u64, TelemetryError> {
         let frame_len_max = self.shared.config.frame_len_max;
+        let at_ms = wall_clock_ms();
         let seq = {
             let mut ring = self.shared.lock();
             let seq = ring.seq + 1;
-            let frame = encode::<S, E>(&TelemetryFrame::Event { seq, event }, frame_len_max)?;
+            let frame =
+                encode::<S, E>(&TelemetryFrame::Event { seq, at_ms, event }, frame_len_max)?;
             ring.seq = seq;
             if self.shared.config.history_len_max > 0 {
                 if ring.history.len() == self.shared.config.history_len_max {
@@ -300,10 +305,11 @@ impl<S: Serialize, E: Serialize> TelemetryPublisher<S, E> {
             #[derive(Serialize)]
             struct Line<'a, E> {
                 seq: u64,
+                at_ms: u64,
                 event: &'a E,
             }
             // The sink counts what it had to drop; publishing goes on regardless.
-            let _ = sink.record(&Line { seq, event });
+            let _ = sink.record(&Line { seq, at_ms, event });
         }
         Ok(seq)
     }
@@ -368,6 +374,71 @@ impl<S, E> Drop for TelemetryPublisher<S, E> {
     }
 }
 
+/// Milliseconds since the Unix epoch (0 for a clock set before it).
+fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A subscription inside the publisher's own process (e.g. a web page's
+/// event stream): the same frames, in the same order, as a remote
+/// subscriber gets over [`ALPN_TELEMETRY`], still encoded. It counts
+/// against `subscribers_max` like a remote one while it lives.
+pub struct LocalSubscription {
+    head: VecDeque<Bytes>,
+    rx: Option<broadcast::Receiver<Bytes>>,
+    _alive: crate::timers::TaskGaugeGuard,
+}
+
+impl fmt::Debug for LocalSubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalSubscription")
+            .field("head", &self.head.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LocalSubscription {
+    /// The next encoded frame (a big-endian `u32` length, then the postcard
+    /// payload; see [`decode_frame`]); `None` once the publisher is gone.
+    /// A subscriber that fell behind gets a `Lagged` frame and goes on.
+    pub async fn next_frame(&mut self) -> Option<Bytes> {
+        if let Some(frame) = self.head.pop_front() {
+            return Some(frame);
+        }
+        let rx = self.rx.as_mut()?;
+        match rx.recv().await {
+            Ok(frame) => Some(frame),
+            Err(broadcast::error::RecvError::Lagged(missed)) => Some(lagged_frame(missed)),
+            Err(broadcast::error::RecvError::Closed) => {
+                self.rx = None;
+                None
+            }
+        }
+    }
+}
+
+/// Decodes one frame as [`LocalSubscription::next_frame`] returns it.
+///
+/// # Errors
+/// A frame that is truncated, oversized or not a `TelemetryFrame<S, E>`.
+pub fn decode_frame<S: DeserializeOwned, E: DeserializeOwned>(
+    frame: &[u8],
+) -> Result<TelemetryFrame<S, E>, FrameError> {
+    let runtime_free = futures_util::FutureExt::now_or_never(recv_frame::<
+        TelemetryFrame<S, E>,
+        &[u8],
+    >(&mut &frame[..], usize::MAX));
+    match runtime_free {
+        Some(Ok(Some(frame))) => Ok(frame),
+        Some(Ok(None)) | None => Err(FrameError::Io {
+            source: std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+        }),
+        Some(Err(e)) => Err(e),
+    }
+}
+
 fn encode<S: Serialize, E: Serialize>(
     frame: &TelemetryFrame<&S, &E>,
     frame_len_max: usize,
@@ -399,6 +470,36 @@ impl fmt::Debug for TelemetryHandler {
 }
 
 impl TelemetryHandler {
+    /// Subscribes from inside the process: the snapshot, then every event,
+    /// exactly as a remote subscriber would get them. `None` when
+    /// `subscribers_max` subscribers are served already, or the publisher
+    /// is gone.
+    #[must_use]
+    pub fn subscribe_local(&self) -> Option<LocalSubscription> {
+        let alive = self
+            .shared
+            .subscribers
+            .try_enter(self.shared.config.subscribers_max)?;
+        let start = self.start()?;
+        let mut head = VecDeque::with_capacity(start.backlog.len() + 2);
+        head.push_back(start.snapshot);
+        if start.missed > 0 {
+            head.push_back(lagged_frame(start.missed));
+        }
+        head.extend(start.backlog);
+        Some(LocalSubscription {
+            head,
+            rx: Some(start.rx),
+            _alive: alive,
+        })
+    }
+
+    /// Subscribers (remote and local) served right now.
+    #[must_use]
+    pub fn subscriber_count(&self) -> usize {
+        self.shared.subscribers.get()
+    }
+
     fn start(&self) -> Option<Start> {
         let ring = self.shared.lock();
         let rx = ring.tx.as_ref()?.subscribe();

@@ -647,6 +647,32 @@ pub enum JoinRefused {
     Stopped,
 }
 
+/// Why an operator's replace was refused; nothing changed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReplaceError {
+    /// No node holds that slot.
+    #[error("{0} is not a node of this cluster")]
+    UnknownNode(LogicalNodeId),
+    /// The node has failed already (it is being replaced) or is being deleted.
+    #[error("{0} is already failed or being deleted; it needs no replacing")]
+    NotActive(LogicalNodeId),
+    /// An operation on the node is in flight; replacing it now could leave
+    /// that operation's result nowhere to go.
+    #[error("{node} has an operation in flight ({effect:?}); try again once it finishes")]
+    Busy {
+        /// The slot.
+        node: LogicalNodeId,
+        /// The operation in flight.
+        effect: crate::EffectKind,
+    },
+    /// The cluster is shutting down or has stopped.
+    #[error("the cluster is shutting down")]
+    ShuttingDown,
+}
+
+/// The reason an operator's replace gives the failed attempt.
+pub const REPLACED_BY_OPERATOR: &str = "replaced by the operator";
+
 /// Why a host could not be built.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum HostError {
@@ -969,6 +995,11 @@ impl<C: Reconciler> Host<C> {
                 Ok((plan, diff(self.core.state(), &next)))
             }
         }
+    }
+
+    /// Operations handed out for execution whose results have not come back.
+    pub fn in_flight_count(&self) -> usize {
+        self.in_flight.len()
     }
 
     /// The attempts of `node` remembered for people, oldest first.
@@ -1378,6 +1409,47 @@ impl<C: Reconciler> Host<C> {
             let since = Timestamp::from_millis(now.as_millis().saturating_sub(silent_ms));
             self.start_grace(&key.node, key.attempt, since, 0);
         }
+    }
+
+    /// The operator asks for `node`'s current attempt to be replaced: it is
+    /// failed with the reason [`REPLACED_BY_OPERATOR`], exactly as if its
+    /// agent had been lost, so the normal ladder cancels its bootstrap,
+    /// destroys its lease and only then starts a new attempt (never two
+    /// live attempts for one slot). Returns the attempt that will be
+    /// replaced; the fold happens on the next [`Host::poll_output`].
+    ///
+    /// # Errors
+    /// [`ReplaceError`]: an unknown slot, a node already failed or leaving,
+    /// one with an operation in flight, or a cluster shutting down.
+    pub fn handle_replace(
+        &mut self,
+        node: &LogicalNodeId,
+        _now: Timestamp,
+    ) -> Result<NodeAttemptId, ReplaceError> {
+        if self.stopped || self.shutdown.is_some() {
+            return Err(ReplaceError::ShuttingDown);
+        }
+        let Some(n) = self.core.state().nodes.get(node) else {
+            return Err(ReplaceError::UnknownNode(node.clone()));
+        };
+        if n.intent != Intent::Active
+            || matches!(n.record.stage, NodeStage::Failed | NodeStage::Destroyed)
+        {
+            return Err(ReplaceError::NotActive(node.clone()));
+        }
+        if let Some(p) = &n.pending {
+            return Err(ReplaceError::Busy {
+                node: node.clone(),
+                effect: p.effect,
+            });
+        }
+        let attempt = n.attempt;
+        self.todo.push_back(Todo::AgentLost(
+            node.clone(),
+            attempt,
+            REPLACED_BY_OPERATOR.to_owned(),
+        ));
+        Ok(attempt)
     }
 
     /// The executor lane `lane` crashed: every operation it held folds as ambiguous.

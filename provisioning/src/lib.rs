@@ -54,7 +54,8 @@ pub use host::{
     ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
     EARLY_OBSERVATIONS_MAX, GroupHold, HoldKind, Host, HostConfig, HostError, HostEvent, HostFold,
     JOURNAL_FORMAT, JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness,
-    Output, PauseError, Reply, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
+    Output, PauseError, REPLACED_BY_OPERATOR, ReplaceError, Reply, ShutdownMode, ShutdownReport,
+    SlotRecord, Ticket,
 };
 pub use id::{
     Generation, GroupId, ID_LEN_MAX, IdError, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint,

@@ -514,3 +514,30 @@ impl Drop for Watcher {
         self.halt();
     }
 }
+
+/// `GET path` on the daemon's web surface (address and token from the state
+/// directory): the status and the body.
+pub fn web_get(state: &Path, path: &str) -> (u16, String) {
+    use std::io::Read;
+    let addr = std::fs::read_to_string(state.join("http.addr")).expect("http.addr");
+    let token = std::fs::read_to_string(state.join("http.token")).expect("http.token");
+    let (addr, token) = (addr.trim(), token.trim());
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the web surface");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}

@@ -12,6 +12,9 @@ use tokio::sync::{mpsc, oneshot};
 /// The file name the sink writes inside its directory.
 pub const NDJSON_FILE_NAME: &str = "telemetry.ndjson";
 
+/// Most rotated files an [`NdjsonSink`] keeps.
+const FILES_KEPT_MAX: usize = 1000;
+
 /// Limits of an [`NdjsonSink`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NdjsonConfig {
@@ -19,6 +22,12 @@ pub struct NdjsonConfig {
     pub queue_len_max: usize,
     /// Longest line accepted, in bytes, newline included.
     pub line_len_max: usize,
+    /// Size at which the file is rotated, in bytes: a line that would take
+    /// it past this starts a new file (the old one becomes `….ndjson.1`).
+    pub file_len_max: u64,
+    /// Rotated files kept besides the live one (`….ndjson.1` is the newest);
+    /// 0 keeps none (a full file is simply started afresh).
+    pub files_kept: usize,
 }
 
 impl Default for NdjsonConfig {
@@ -26,6 +35,8 @@ impl Default for NdjsonConfig {
         Self {
             queue_len_max: 4096,
             line_len_max: 1024 * 1024,
+            file_len_max: 64 * 1024 * 1024,
+            files_kept: 3,
         }
     }
 }
@@ -44,6 +55,17 @@ impl NdjsonConfig {
         if self.line_len_max < 2 {
             return Err(NdjsonError::Config {
                 field: "line_len_max",
+            });
+        }
+        // A file must hold at least one line, or every line would rotate.
+        if self.file_len_max < self.line_len_max as u64 {
+            return Err(NdjsonError::Config {
+                field: "file_len_max",
+            });
+        }
+        if self.files_kept > FILES_KEPT_MAX {
+            return Err(NdjsonError::Config {
+                field: "files_kept",
             });
         }
         Ok(())
@@ -111,7 +133,8 @@ struct Counters {
     dropped: AtomicU64,
 }
 
-/// Appends JSON lines to `<dir>/telemetry.ndjson`; cheap to clone.
+/// Appends JSON lines to `<dir>/telemetry.ndjson`, rotating it at
+/// `file_len_max` bytes; cheap to clone.
 ///
 /// [`NdjsonSink::record`] is synchronous and never waits: the line goes on a
 /// bounded queue drained by a writer task, and is dropped (and counted) when
@@ -141,10 +164,22 @@ impl NdjsonSink {
                 path: path.clone(),
                 source,
             })?;
+        let len = file.metadata().await.map_or(0, |m| m.len());
         let (tx, rx) = mpsc::channel(config.queue_len_max);
         let counters = Arc::new(Counters::default());
         let path = Arc::new(path);
-        tokio::spawn(write_lines(file, rx, counters.clone(), path.clone()));
+        let rotation = Rotation {
+            len,
+            file_len_max: config.file_len_max,
+            files_kept: config.files_kept,
+        };
+        tokio::spawn(write_lines(
+            file,
+            rx,
+            counters.clone(),
+            path.clone(),
+            rotation,
+        ));
         Ok(Self {
             tx,
             counters,
@@ -210,11 +245,48 @@ impl NdjsonSink {
     }
 }
 
+/// The live file's size and when to rotate it.
+struct Rotation {
+    len: u64,
+    file_len_max: u64,
+    files_kept: usize,
+}
+
+/// `telemetry.ndjson.N`.
+fn rotated(path: &Path, n: usize) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".{n}"));
+    PathBuf::from(name)
+}
+
+/// Shifts the rotated files by one (dropping the oldest), moves the live
+/// file to `.1`, and opens a fresh live file.
+async fn rotate(path: &Path, files_kept: usize) -> io::Result<tokio::fs::File> {
+    if files_kept == 0 {
+        tokio::fs::remove_file(path).await?;
+    } else {
+        let _ = tokio::fs::remove_file(rotated(path, files_kept)).await;
+        for n in (1..files_kept).rev() {
+            match tokio::fs::rename(rotated(path, n), rotated(path, n + 1)).await {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                other => other?,
+            }
+        }
+        tokio::fs::rename(path, rotated(path, 1)).await?;
+    }
+    tokio::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .await
+}
+
 async fn write_lines(
     file: tokio::fs::File,
     mut rx: mpsc::Receiver<Command>,
     counters: Arc<Counters>,
     path: Arc<PathBuf>,
+    mut rotation: Rotation,
 ) {
     let mut out = tokio::io::BufWriter::new(file);
     let fail = |source| NdjsonError::Write {
@@ -223,19 +295,28 @@ async fn write_lines(
     };
     while let Some(command) = rx.recv().await {
         let result = match command {
-            Command::Line(line) => match out.write_all(&line).await {
-                Ok(()) => {
-                    counters.written.fetch_add(1, Ordering::Relaxed);
-                    // Flush whenever the queue runs dry so the file trails
-                    // the events by at most one burst.
-                    if rx.is_empty() {
-                        out.flush().await.map_err(fail)
-                    } else {
-                        Ok(())
+            Command::Line(line)
+                if rotation.len > 0
+                    && rotation.len.saturating_add(line.len() as u64) > rotation.file_len_max =>
+            {
+                let rotated = match out.flush().await {
+                    Ok(()) => rotate(&path, rotation.files_kept).await,
+                    Err(e) => Err(e),
+                };
+                match rotated {
+                    Ok(file) => {
+                        out = tokio::io::BufWriter::new(file);
+                        rotation.len = 0;
+                        write_line(&mut out, &line, &rx, &counters, &mut rotation)
+                            .await
+                            .map_err(fail)
                     }
+                    Err(source) => Err(fail(source)),
                 }
-                Err(source) => Err(fail(source)),
-            },
+            }
+            Command::Line(line) => write_line(&mut out, &line, &rx, &counters, &mut rotation)
+                .await
+                .map_err(fail),
             Command::Flush(ack) => {
                 let flushed = out.flush().await.map_err(fail);
                 let failed = flushed.as_ref().err().map(ToString::to_string);
@@ -255,4 +336,22 @@ async fn write_lines(
         }
     }
     let _ = out.flush().await;
+}
+
+async fn write_line(
+    out: &mut tokio::io::BufWriter<tokio::fs::File>,
+    line: &[u8],
+    rx: &mpsc::Receiver<Command>,
+    counters: &Counters,
+    rotation: &mut Rotation,
+) -> io::Result<()> {
+    out.write_all(line).await?;
+    counters.written.fetch_add(1, Ordering::Relaxed);
+    rotation.len = rotation.len.saturating_add(line.len() as u64);
+    // Flush whenever the queue runs dry so the file trails the events by
+    // at most one burst.
+    if rx.is_empty() {
+        out.flush().await?;
+    }
+    Ok(())
 }

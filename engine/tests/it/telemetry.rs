@@ -68,11 +68,31 @@ async fn sub(client: &Endpoint, router: &Router) -> Sub {
     .unwrap()
 }
 
+/// The next frame, with an event's timestamp checked (it is recent) and
+/// then zeroed, so frames compare equal to the expected ones.
 async fn next(sub: &mut Sub) -> Frame {
-    within(WAIT, "telemetry frame", sub.next())
+    let frame = within(WAIT, "telemetry frame", sub.next())
         .await
         .unwrap()
-        .expect("stream open")
+        .expect("stream open");
+    match frame {
+        TelemetryFrame::Event { seq, at_ms, event } => {
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as u64;
+            assert!(
+                at_ms <= now_ms && now_ms - at_ms < 60_000,
+                "event {seq} is stamped {at_ms}, now is {now_ms}"
+            );
+            TelemetryFrame::Event {
+                seq,
+                at_ms: 0,
+                event,
+            }
+        }
+        other => other,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,7 +137,7 @@ async fn a_hundred_subscribers_each_receive_every_event_in_order() {
         let seqs: Vec<u64> = frames[1..]
             .iter()
             .map(|frame| match frame {
-                TelemetryFrame::Event { seq, event } if event.n == *seq => *seq,
+                TelemetryFrame::Event { seq, event, .. } if event.n == *seq => *seq,
                 other => panic!("unexpected frame {other:?}"),
             })
             .collect();
@@ -324,6 +344,7 @@ async fn a_departing_subscriber_frees_its_task_and_buffer() {
         next(&mut subs[0]).await,
         TelemetryFrame::Event {
             seq: 1,
+            at_ms: 0,
             event: ev(1)
         }
     );
@@ -358,6 +379,7 @@ async fn a_late_subscriber_gets_the_snapshot_then_the_events_after_it() {
         next(&mut s).await,
         TelemetryFrame::Event {
             seq: 4,
+            at_ms: 0,
             event: ev(4)
         }
     );
@@ -365,6 +387,7 @@ async fn a_late_subscriber_gets_the_snapshot_then_the_events_after_it() {
         next(&mut s).await,
         TelemetryFrame::Event {
             seq: 5,
+            at_ms: 0,
             event: ev(5)
         }
     );
@@ -373,6 +396,7 @@ async fn a_late_subscriber_gets_the_snapshot_then_the_events_after_it() {
         next(&mut s).await,
         TelemetryFrame::Event {
             seq: 6,
+            at_ms: 0,
             event: ev(6)
         }
     );
@@ -404,6 +428,7 @@ async fn a_snapshot_older_than_the_history_is_followed_by_a_lag_notice() {
         next(&mut s).await,
         TelemetryFrame::Event {
             seq: 4,
+            at_ms: 0,
             event: ev(4)
         }
     );
@@ -411,6 +436,7 @@ async fn a_snapshot_older_than_the_history_is_followed_by_a_lag_notice() {
         next(&mut s).await,
         TelemetryFrame::Event {
             seq: 5,
+            at_ms: 0,
             event: ev(5)
         }
     );
@@ -441,6 +467,7 @@ async fn published_events_are_also_written_as_ndjson_lines() {
     for (i, line) in lines.iter().enumerate() {
         let n = i as u64 + 1;
         assert_eq!(line["seq"], n);
+        assert!(line["at_ms"].as_u64().is_some_and(|t| t > 0), "{line}");
         assert_eq!(line["event"]["n"], n);
     }
     assert_eq!((sink.written(), sink.dropped()), (3, 0));
@@ -454,6 +481,7 @@ async fn a_full_ndjson_queue_drops_and_counts_instead_of_blocking() {
         &NdjsonConfig {
             queue_len_max: 4,
             line_len_max: 64,
+            ..NdjsonConfig::default()
         },
     )
     .await
@@ -502,4 +530,48 @@ async fn subscribers_beyond_the_limit_are_refused_as_busy() {
     assert_eq!(publisher.subscriber_count(), 2);
     client.close().await;
     router.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_ndjson_file_rotates_at_its_size_limit_keeping_so_many_old_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = NdjsonConfig {
+        line_len_max: 64,
+        file_len_max: 200,
+        files_kept: 2,
+        ..NdjsonConfig::default()
+    };
+    let sink = NdjsonSink::open(dir.path(), &config).await.unwrap();
+    for n in 0..50u32 {
+        sink.record(&serde_json::json!({ "n": n, "pad": "xxxxxxxxxx" }))
+            .unwrap();
+    }
+    sink.flush().await.unwrap();
+    let live = dir.path().join(NDJSON_FILE_NAME);
+    let path = |n: usize| dir.path().join(format!("{NDJSON_FILE_NAME}.{n}"));
+    assert!(
+        path(1).exists() && path(2).exists(),
+        "two rotated files kept"
+    );
+    assert!(!path(3).exists(), "no third rotated file");
+    let mut last = None;
+    for file in [path(2), path(1), live] {
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(
+            text.len() <= 200,
+            "{} has {} bytes",
+            file.display(),
+            text.len()
+        );
+        for line in text.lines() {
+            let n = serde_json::from_str::<serde_json::Value>(line).unwrap()["n"]
+                .as_u64()
+                .unwrap();
+            // Lines run on in order across the files, oldest file first.
+            assert!(last.is_none_or(|l| n == l + 1), "{n} after {last:?}");
+            last = Some(n);
+        }
+    }
+    assert_eq!(last, Some(49));
+    assert_eq!((sink.written(), sink.dropped()), (50, 0));
 }

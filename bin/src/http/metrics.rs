@@ -1,0 +1,619 @@
+//! The daemon's Prometheus metrics: what a scrape reads from the cluster,
+//! what the event stream counts, and what the provider calls take.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use swactor_actors::{ClusterEvent, ClusterSnapshot, NodeSummary};
+use swactor_providers::{
+    BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait,
+};
+use swactor_provisioning::{
+    LeaseId, LogicalNodeId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
+};
+
+/// Label sets: a list of (name, value) pairs.
+type Labels = Vec<(&'static str, String)>;
+
+/// Points kept for the dashboard's plot: one every [`SAMPLE_EVERY`], an hour's worth.
+pub(crate) const SAMPLES_MAX: usize = 360;
+/// How often the plot gets a point.
+pub(crate) const SAMPLE_EVERY: Duration = Duration::from_secs(10);
+
+/// Every metric the daemon exports, and the state the event stream keeps.
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    registry: Registry,
+    scraped: Arc<Mutex<Option<Scraped>>>,
+    provider_calls: Family<Labels, Histogram>,
+    provider_failures: Family<Labels, Counter>,
+    dispatches: Family<Labels, Counter>,
+    replacements: Family<Labels, Counter>,
+    pass_duration: Histogram,
+    events: Mutex<EventState>,
+    encoding: Mutex<()>,
+}
+
+/// What one scrape read from the daemon, for the collector to encode.
+#[derive(Debug, Clone)]
+pub(crate) struct Scraped {
+    /// The status, as `swactor status --json` has it.
+    pub(crate) snapshot: ClusterSnapshot,
+    /// Desired slots per group of the shape on record.
+    pub(crate) desired: BTreeMap<String, u64>,
+    /// Telemetry subscribers now (remote and web).
+    pub(crate) subscribers: usize,
+    /// Whether a provider that rents by the hour is configured (then the
+    /// cluster's price is exported even when it is 0).
+    pub(crate) priced: Vec<&'static str>,
+    /// How long the last convergence took, and of which generation (filled
+    /// in by [`Metrics::encode`]).
+    pub(crate) convergence: Option<(u64, Duration)>,
+}
+
+/// What the event stream has taught the metrics so far.
+#[derive(Debug, Default)]
+struct EventState {
+    /// Each node's attempt and last error, to tell a replacement and why.
+    nodes: BTreeMap<LogicalNodeId, (u64, Option<String>, bool)>,
+    /// Generations accepted and not yet converged, with when.
+    accepted: BTreeMap<u64, Instant>,
+    /// How long the last convergence took, and of which generation.
+    last_convergence: Option<(u64, Duration)>,
+    /// Passes seen so far (the last pass number).
+    passes: u64,
+    /// The plot's points: (wall-clock ms, ready nodes, passes so far).
+    samples: std::collections::VecDeque<(u64, u64, u64)>,
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Arc<Self> {
+        let mut registry = Registry::default();
+        let provider_calls = Family::<Labels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.001, 2.0, 16))
+        });
+        registry.register(
+            "swactor_provider_call_duration_seconds",
+            "How long provider calls took, by provider and call",
+            provider_calls.clone(),
+        );
+        let provider_failures = Family::<Labels, Counter>::default();
+        registry.register(
+            "swactor_provider_call_failures",
+            "Provider calls that failed, by provider, call and failure class",
+            provider_failures.clone(),
+        );
+        let dispatches = Family::<Labels, Counter>::default();
+        registry.register(
+            "swactor_dispatches",
+            "Operations dispatched to the executor since the daemon started, by effect kind",
+            dispatches.clone(),
+        );
+        let replacements = Family::<Labels, Counter>::default();
+        registry.register(
+            "swactor_replacements",
+            "Nodes whose attempt was replaced by a new one since the daemon started, by reason",
+            replacements.clone(),
+        );
+        let pass_duration = Histogram::new(exponential_buckets(0.000_05, 2.0, 16));
+        registry.register(
+            "swactor_pass_duration_seconds",
+            "How long the driver's steps that ran a reconcile pass took",
+            pass_duration.clone(),
+        );
+        let scraped = Arc::new(Mutex::new(None));
+        registry.register_collector(Box::new(SnapshotCollector {
+            scraped: scraped.clone(),
+        }));
+        Arc::new(Self {
+            registry,
+            scraped,
+            provider_calls,
+            provider_failures,
+            dispatches,
+            replacements,
+            pass_duration,
+            events: Mutex::new(EventState::default()),
+            encoding: Mutex::new(()),
+        })
+    }
+
+    /// The exposition (OpenMetrics text) of everything, with `scraped` as
+    /// the cluster's state.
+    pub(crate) fn encode(&self, mut scraped: Scraped) -> String {
+        scraped.convergence = self.lock_events().last_convergence;
+        // One scrape at a time: the collector reads what this one stored.
+        let _one = self.encoding.lock().unwrap_or_else(PoisonError::into_inner);
+        *self.scraped.lock().unwrap_or_else(PoisonError::into_inner) = Some(scraped);
+        let mut out = String::new();
+        // Encoding into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    fn lock_events(&self) -> std::sync::MutexGuard<'_, EventState> {
+        self.events.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts the event state from a subscription's snapshot.
+    pub(crate) fn seed(&self, snapshot: &ClusterSnapshot) {
+        let mut events = self.lock_events();
+        events.nodes.clear();
+        for n in &snapshot.nodes {
+            events.nodes.insert(n.node.clone(), node_entry(n));
+        }
+        events.passes = snapshot.stats.passes;
+    }
+
+    /// Counts what one event says.
+    pub(crate) fn observe(&self, event: &ClusterEvent) {
+        match event {
+            ClusterEvent::Dispatched { effect, .. } => {
+                self.dispatches
+                    .get_or_create(&vec![("effect", effect_label(*effect).to_owned())])
+                    .inc();
+            }
+            ClusterEvent::Pass {
+                number,
+                duration_us,
+                ..
+            } => {
+                self.lock_events().passes = *number;
+                if *duration_us > 0 {
+                    self.pass_duration.observe(*duration_us as f64 / 1e6);
+                }
+            }
+            ClusterEvent::Node(n) => {
+                let mut events = self.lock_events();
+                let entry = node_entry(n);
+                if let Some((attempt, error, _)) = events.nodes.get(&n.node)
+                    && *attempt < n.attempt.0
+                {
+                    let reason = replacement_reason(error.as_deref());
+                    self.replacements
+                        .get_or_create(&vec![("reason", reason.to_owned())])
+                        .inc();
+                }
+                events.nodes.insert(n.node.clone(), entry);
+            }
+            ClusterEvent::Removed { node } => {
+                self.lock_events().nodes.remove(node);
+            }
+            ClusterEvent::ShapeAccepted { generation, .. }
+            | ClusterEvent::TeardownStarted { generation } => {
+                let mut events = self.lock_events();
+                events.accepted.insert(generation.0, Instant::now());
+                // Only the last few generations can still converge.
+                while events.accepted.len() > 16 {
+                    events.accepted.pop_first();
+                }
+            }
+            ClusterEvent::Converged { generation, .. } => {
+                let mut events = self.lock_events();
+                if let Some(at) = events.accepted.remove(&generation.0) {
+                    events.last_convergence = Some((generation.0, at.elapsed()));
+                }
+                events.accepted.retain(|g, _| *g > generation.0);
+            }
+            _ => {}
+        }
+    }
+
+    /// Adds a point to the plot: ready nodes and passes so far, now.
+    pub(crate) fn sample(&self, at_ms: u64) {
+        let mut events = self.lock_events();
+        let ready = events.nodes.values().filter(|(_, _, r)| *r).count() as u64;
+        let passes = events.passes;
+        if events.samples.len() == SAMPLES_MAX {
+            events.samples.pop_front();
+        }
+        events.samples.push_back((at_ms, ready, passes));
+    }
+
+    /// The plot's points, oldest first: (wall-clock ms, ready, passes so far).
+    pub(crate) fn samples(&self) -> Vec<(u64, u64, u64)> {
+        self.lock_events().samples.iter().copied().collect()
+    }
+
+    fn call(
+        &self,
+        provider: &'static str,
+        call: &'static str,
+        took: Duration,
+        failed: Option<&'static str>,
+    ) {
+        let labels = vec![("provider", provider.to_owned()), ("call", call.to_owned())];
+        self.provider_calls
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+        if let Some(class) = failed {
+            let mut labels = labels;
+            labels.push(("class", class.to_owned()));
+            self.provider_failures.get_or_create(&labels).inc();
+        }
+    }
+}
+
+fn node_entry(n: &NodeSummary) -> (u64, Option<String>, bool) {
+    (n.attempt.0, n.last_error.clone(), n.ready)
+}
+
+/// Why a slot got a new attempt, in a few fixed words (a label value).
+fn replacement_reason(last_error: Option<&str>) -> &'static str {
+    let Some(error) = last_error else {
+        return "shape_change";
+    };
+    if error.contains(swactor_provisioning::REPLACED_BY_OPERATOR) {
+        "operator"
+    } else if error.contains("agent") {
+        "agent_lost"
+    } else if error.contains("timed out") || error.contains("deadline") || error.contains("within")
+    {
+        "timeout"
+    } else {
+        "failure"
+    }
+}
+
+/// An effect kind as a label value.
+pub(crate) fn effect_label(kind: swactor_provisioning::EffectKind) -> &'static str {
+    use swactor_provisioning::EffectKind as K;
+    match kind {
+        K::CreateLease => "create_lease",
+        K::LookupEndpoint => "lookup_endpoint",
+        K::StartBootstrap => "start_bootstrap",
+        K::CancelBootstrap => "cancel_bootstrap",
+        K::DestroyLease => "destroy_lease",
+    }
+}
+
+/// A node stage as a label value.
+pub(crate) fn stage_label(stage: swactor_provisioning::NodeStage) -> String {
+    let debug = format!("{stage:?}");
+    let mut out = String::with_capacity(debug.len() + 4);
+    for (i, c) in debug.chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                out.push('_');
+            }
+            out.push(c.to_ascii_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The group of a node id (`worker` of `worker-3`).
+pub(crate) fn group_of(node: &LogicalNodeId) -> String {
+    node.group.as_str().to_owned()
+}
+
+/// Encodes what a scrape read, at scrape time.
+#[derive(Debug)]
+struct SnapshotCollector {
+    scraped: Arc<Mutex<Option<Scraped>>>,
+}
+
+fn gauge<V: prometheus_client::encoding::EncodeGaugeValue + Copy>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: &[(Labels, V)],
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in values {
+        if labels.is_empty() {
+            return ConstGauge::new(*v).encode(metric);
+        }
+        ConstGauge::new(*v).encode(metric.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    ConstCounter::new(value).encode(metric)
+}
+
+impl prometheus_client::collector::Collector for SnapshotCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let guard = self.scraped.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(s) = guard.as_ref() else {
+            return Ok(());
+        };
+        let snap = &s.snapshot;
+        let e = &mut encoder;
+        let mut by_stage: BTreeMap<(String, String), i64> = BTreeMap::new();
+        let mut ready: BTreeMap<String, i64> = BTreeMap::new();
+        for n in &snap.nodes {
+            let group = group_of(&n.node);
+            *by_stage
+                .entry((group.clone(), stage_label(n.stage)))
+                .or_default() += 1;
+            *ready.entry(group).or_default() += i64::from(n.ready);
+        }
+        for g in s.desired.keys() {
+            ready.entry(g.clone()).or_default();
+        }
+        let stages: Vec<(Labels, i64)> = by_stage
+            .into_iter()
+            .map(|((g, st), v)| (vec![("group", g), ("stage", st)], v))
+            .collect();
+        gauge(e, "swactor_nodes", "Nodes by group and stage.", &stages)?;
+        let ready_v: Vec<(Labels, i64)> = ready
+            .iter()
+            .map(|(g, v)| (vec![("group", g.clone())], *v))
+            .collect();
+        gauge(
+            e,
+            "swactor_group_ready_nodes",
+            "Ready nodes per group.",
+            &ready_v,
+        )?;
+        let desired_v: Vec<(Labels, i64)> = s
+            .desired
+            .iter()
+            .map(|(g, v)| {
+                (
+                    vec![("group", g.clone())],
+                    i64::try_from(*v).unwrap_or(i64::MAX),
+                )
+            })
+            .collect();
+        gauge(
+            e,
+            "swactor_group_desired_nodes",
+            "Desired nodes per group.",
+            &desired_v,
+        )?;
+        let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let ready_total = snap.nodes.iter().filter(|n| n.ready).count() as i64;
+        gauge(
+            e,
+            "swactor_ready_nodes",
+            "Ready nodes.",
+            &[(vec![], ready_total)],
+        )?;
+        gauge(
+            e,
+            "swactor_desired_nodes",
+            "Slots of the desired shape.",
+            &[(vec![], int(snap.desired_nodes))],
+        )?;
+        gauge(
+            e,
+            "swactor_generation",
+            "The desired generation.",
+            &[(vec![], int(snap.generation.0))],
+        )?;
+        gauge(
+            e,
+            "swactor_converged",
+            "1 when converged on the desired generation.",
+            &[(vec![], i64::from(snap.converged))],
+        )?;
+        gauge(
+            e,
+            "swactor_paused",
+            "1 while reconciling is paused.",
+            &[(vec![], i64::from(snap.paused))],
+        )?;
+        gauge(
+            e,
+            "swactor_orphans",
+            "Leftover resources being collected.",
+            &[(vec![], snap.orphans as i64)],
+        )?;
+        gauge(
+            e,
+            "swactor_executor_queue_depth",
+            "Operations handed to the executor whose results have not come back.",
+            &[(vec![], snap.in_flight as i64)],
+        )?;
+        gauge(
+            e,
+            "swactor_telemetry_subscribers",
+            "Telemetry subscribers (swactor watch, dashboard pages).",
+            &[(vec![], s.subscribers as i64)],
+        )?;
+        counter(
+            e,
+            "swactor_passes",
+            "Reconcile passes run by the cluster's driver.",
+            snap.stats.passes,
+        )?;
+        counter(
+            e,
+            "swactor_dispatched_operations",
+            "Operations the driver dispatched (its lifetime counter).",
+            snap.stats.dispatched,
+        )?;
+        if let Some((generation, took)) = s.convergence {
+            gauge(
+                e,
+                "swactor_last_convergence_seconds",
+                "How long the last converged generation took, from its acceptance.",
+                &[(
+                    vec![("generation", generation.to_string())],
+                    took.as_secs_f64(),
+                )],
+            )?;
+        }
+        let mut price: BTreeMap<String, u64> =
+            s.priced.iter().map(|p| ((*p).to_owned(), 0)).collect();
+        for r in &snap.rentals {
+            *price.entry(r.provider.clone()).or_default() += r.usd_per_hour_micros;
+        }
+        if !price.is_empty() {
+            let values: Vec<(Labels, f64)> = price
+                .into_iter()
+                .map(|(p, micros)| (vec![("provider", p)], micros as f64 / 1e6))
+                .collect();
+            gauge(
+                e,
+                "swactor_cluster_usd_per_hour",
+                "What the rented machines of the current attempts cost, in dollars per hour.",
+                &values,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A provider whose every call is timed and whose failures are counted.
+pub(crate) struct Metered {
+    inner: Arc<dyn Provider>,
+    metrics: Arc<Metrics>,
+}
+
+impl Metered {
+    pub(crate) fn wrap(inner: Arc<dyn Provider>, metrics: Arc<Metrics>) -> Arc<dyn Provider> {
+        Arc::new(Self { inner, metrics })
+    }
+
+    fn record<T>(&self, call: &'static str, started: Instant, result: &Result<T, ProviderError>) {
+        let failed = result.as_ref().err().map(|e| match e {
+            ProviderError::Definite(_) => "definite",
+            ProviderError::Ambiguous(_) => "ambiguous",
+            ProviderError::NotReady => "not_ready",
+            ProviderError::Gone(_) => "gone",
+        });
+        self.metrics
+            .call(self.inner.kind(), call, started.elapsed(), failed);
+    }
+}
+
+impl std::fmt::Debug for Metered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Metered({})", self.inner.kind())
+    }
+}
+
+#[async_trait]
+impl Provider for Metered {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    async fn create_lease(
+        &self,
+        key: &ResourceKey,
+        template: &NodeTemplate,
+    ) -> Result<LeaseGrant, ProviderError> {
+        let started = Instant::now();
+        let r = self.inner.create_lease(key, template).await;
+        self.record("create_lease", started, &r);
+        r
+    }
+
+    async fn lookup_endpoint(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<NodeEndpoint, ProviderError> {
+        let started = Instant::now();
+        let r = self.inner.lookup_endpoint(key, lease).await;
+        self.record("lookup_endpoint", started, &r);
+        r
+    }
+
+    async fn start_bootstrap(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        endpoint: &NodeEndpoint,
+        template: &NodeTemplate,
+    ) -> Result<BootstrapSession, ProviderError> {
+        let started = Instant::now();
+        let r = self
+            .inner
+            .start_bootstrap(key, lease, endpoint, template)
+            .await;
+        self.record("start_bootstrap", started, &r);
+        r
+    }
+
+    async fn cancel_bootstrap(
+        &self,
+        key: &ResourceKey,
+        session: &SessionId,
+    ) -> Result<(), ProviderError> {
+        let started = Instant::now();
+        let r = self.inner.cancel_bootstrap(key, session).await;
+        self.record("cancel_bootstrap", started, &r);
+        r
+    }
+
+    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+        let started = Instant::now();
+        let r = self.inner.destroy_lease(key, lease).await;
+        self.record("destroy_lease", started, &r);
+        r
+    }
+
+    async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
+        let started = Instant::now();
+        let r = self.inner.list(run_id).await;
+        self.record("list", started, &r);
+        r
+    }
+
+    fn listing_lag(&self) -> Duration {
+        self.inner.listing_lag()
+    }
+
+    fn capacity(&self) -> Option<swactor_provisioning::Capacity> {
+        self.inner.capacity()
+    }
+
+    fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
+        self.inner.describe_lease(lease)
+    }
+
+    fn owns_lease(&self, lease: &LeaseId) -> bool {
+        self.inner.owns_lease(lease)
+    }
+
+    fn owns_session(&self, session: &SessionId) -> bool {
+        self.inner.owns_session(session)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_provisioning::NodeStage;
+
+    #[test]
+    fn stages_and_reasons_are_fixed_snake_case_label_values() {
+        assert_eq!(
+            stage_label(NodeStage::BootstrapRunning),
+            "bootstrap_running"
+        );
+        assert_eq!(stage_label(NodeStage::New), "new");
+        assert_eq!(replacement_reason(None), "shape_change");
+        assert_eq!(
+            replacement_reason(Some(swactor_provisioning::REPLACED_BY_OPERATOR)),
+            "operator"
+        );
+        assert_eq!(
+            replacement_reason(Some("its agent stayed away past its grace")),
+            "agent_lost"
+        );
+        assert_eq!(replacement_reason(Some("boot check exited 1")), "failure");
+    }
+}
