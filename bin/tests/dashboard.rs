@@ -10,67 +10,6 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// The dashboard's address and token, from the state directory.
-fn web(state: &Path) -> (SocketAddr, String) {
-    let addr = std::fs::read_to_string(state.join("http.addr"))
-        .expect("http.addr")
-        .trim()
-        .parse()
-        .expect("an address in http.addr");
-    let token = std::fs::read_to_string(state.join("http.token"))
-        .expect("http.token")
-        .trim()
-        .to_owned();
-    (addr, token)
-}
-
-/// One HTTP/1.1 exchange over a fresh connection: the status and the body.
-fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect to the dashboard");
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        req.push_str(&format!("Host: {addr}\r\n"));
-    }
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes()).unwrap();
-    // A refused body may be answered before it is all read; the answer counts.
-    let _ = s.write_all(body);
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out).into_owned();
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no HTTP answer to {method} {path}: {text:?}"));
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (code, body)
-}
-
-fn bearer(token: &str) -> String {
-    format!("Bearer {token}")
-}
-
-fn get(addr: SocketAddr, token: &str, path: &str) -> (u16, String) {
-    http(addr, "GET", path, &[("Authorization", &bearer(token))], b"")
-}
-
 fn post(addr: SocketAddr, token: &str, path: &str, body: &str) -> (u16, String) {
     let origin = format!("http://{addr}");
     http(

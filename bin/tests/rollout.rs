@@ -196,6 +196,14 @@ fn freezing_four_of_six_agents_trips_the_breaker_until_they_recover_or_the_limit
     let s = status(&state).expect("a status");
     assert_eq!(attempts(&s), before, "nothing was replaced");
     assert!(s.nodes.iter().all(|n| n.failures == 0), "{s:#?}");
+    // /metrics says the same.
+    let (addr, token) = web(&state);
+    let (code, metrics) = get(addr, &token, "/metrics");
+    assert_eq!(code, 200, "{metrics}");
+    assert!(
+        metrics.contains(r#"swactor_group_held{group="worker",kind="remediation"} 1"#),
+        "{metrics}"
+    );
     let text = stdout(&cli(&state, &["status"]));
     assert!(
         text.contains(&format!("group worker: {tripped}")),

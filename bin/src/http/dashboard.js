@@ -97,6 +97,7 @@ function eventText(ev) {
     case 'Warning': return `warning: ${v.message}`;
     case 'Adopted': return `adopted ${v.adopted.length} node(s), ${v.orphans.length} orphan(s)`;
     case 'Swept': return `sweep found ${v.orphans.length} orphan(s)`;
+    case 'Hold': return `group ${v.group}: ` + (v.reason || (v.kind === 'Rollout' ? 'rollout goes on' : 'remediation resumed'));
     case 'Collected': return `orphan ${v.key.node} a${v.key.attempt} ` + (v.error ? `not collected: ${v.error}` : 'collected');
     case 'AgentJoined': return `${v.key.node} a${v.key.attempt}: agent joined`;
     case 'AgentDisconnected': return `${v.key.node} a${v.key.attempt}: agent disconnected`;
@@ -138,6 +139,7 @@ function headline() {
     if (ready < s.desired_nodes) why.push(`${ready} of ${s.desired_nodes} node(s) ready`);
     const failing = waiting.filter((n) => n.last_error);
     if (failing.length) why.push(`${failing[0].node}: ${failing[0].last_error}` + (failing.length > 1 ? ` (and ${failing.length - 1} more failing)` : ''));
+    for (const hold of s.holds || []) why.push(`group ${hold.group}: ${hold.reason}`);
     if (s.orphans) why.push(`${s.orphans} leftover resource(s) being collected`);
     if (!s.adopted) why.push('adopting what an earlier daemon left');
     if (!why.length) why.push('the cluster has not confirmed it yet');
@@ -321,6 +323,7 @@ function onEvent(d) {
     case 'Converged': S.snap.converged = true; S.convergedGen = v.generation; S.snap.observed_generation = v.generation; refreshSoon(); break;
     case 'Pass': S.snap.stats.passes = v.number; break;
     case 'Resumed': S.snap.paused = false; break;
+    case 'Hold': refreshSoon(); break;
     case 'AgentDisconnected': S.away[v.key.node] = d.at_ms; break;
     case 'TeardownStarted': S.snap.shutting_down = 'Teardown'; S.snap.generation = v.generation; break;
     default: break;

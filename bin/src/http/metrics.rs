@@ -412,6 +412,27 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
             "1 while reconciling is paused.",
             &[(vec![], i64::from(snap.paused))],
         )?;
+        let holds: Vec<(Labels, i64)> = snap
+            .holds
+            .iter()
+            .map(|h| {
+                let kind = match h.kind {
+                    swactor_provisioning::HoldKind::Rollout => "rollout",
+                    swactor_provisioning::HoldKind::Remediation => "remediation",
+                };
+                (
+                    vec![("group", h.group.to_string()), ("kind", kind.to_owned())],
+                    1,
+                )
+            })
+            .collect();
+        gauge(
+            e,
+            "swactor_group_held",
+            "1 while a group holds back: a rollout waiting on its budget or stopped \
+             (kind=rollout), or remediation paused by its breaker (kind=remediation).",
+            &holds,
+        )?;
         gauge(
             e,
             "swactor_orphans",

@@ -527,7 +527,7 @@ pub fn web_get(state: &Path, path: &str) -> (u16, String) {
     let req = format!(
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
     );
-    s.write_all(req.as_bytes()).unwrap();
+    std::io::Write::write_all(&mut s, req.as_bytes()).unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
     let code = out
@@ -540,4 +540,65 @@ pub fn web_get(state: &Path, path: &str) -> (u16, String) {
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (code, body)
+}
+
+/// The dashboard's address and token, from the state directory.
+pub fn web(state: &Path) -> (std::net::SocketAddr, String) {
+    let addr = std::fs::read_to_string(state.join("http.addr"))
+        .expect("http.addr")
+        .trim()
+        .parse()
+        .expect("an address in http.addr");
+    let token = std::fs::read_to_string(state.join("http.token"))
+        .expect("http.token")
+        .trim()
+        .to_owned();
+    (addr, token)
+}
+
+/// One HTTP/1.1 exchange over a fresh connection: the status and the body.
+pub fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the dashboard");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    std::io::Write::write_all(&mut s, req.as_bytes()).unwrap();
+    // A refused body may be answered before it is all read; the answer counts.
+    let _ = std::io::Write::write_all(&mut s, body);
+    let mut out = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP answer to {method} {path}: {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}
+
+pub fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+pub fn get(addr: std::net::SocketAddr, token: &str, path: &str) -> (u16, String) {
+    http(addr, "GET", path, &[("Authorization", &bearer(token))], b"")
 }
