@@ -505,6 +505,9 @@ fn seeded_real_faults_never_double_an_agent_and_down_leaves_nothing() {
 
 #[test]
 fn seeded_real_faults_over_ssh_hosts_never_double_an_agent_and_down_leaves_nothing() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     battery("ssh");
 }
 

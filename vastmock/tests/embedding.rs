@@ -11,14 +11,28 @@ use swactor_vastmock::{MockConfig, VastMock};
 
 #[test]
 fn the_binary_prints_its_url_first_serves_and_stops_its_sshds_on_sigterm() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    /// Kills the mock if the test fails before it is stopped, so no server
+    /// outlives the test (holding its output pipe open).
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
     let state = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_swactor-vastmock"))
-        .args(["--api-key", "k3y", "--state-dir"])
-        .arg(state.path())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_swactor-vastmock"))
+            .args(["--api-key", "k3y", "--state-dir"])
+            .arg(state.path())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
     let url = lines.next().unwrap().unwrap();
     assert!(url.starts_with("http://127.0.0.1:"), "{url}");
     assert_eq!(lines.next().unwrap().unwrap(), "api_key=k3y");
@@ -37,11 +51,11 @@ fn the_binary_prints_its_url_first_serves_and_stops_its_sshds_on_sigterm() {
 
     // SIGTERM, by the pid of the child this test started.
     let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let exit = child.wait().unwrap();
+    let exit = child.0.wait().unwrap();
     assert!(exit.success(), "{exit}");
     assert_eq!(sshds_under(state.path()), 0);
     assert!(state.path().exists(), "a given state directory is kept");

@@ -241,6 +241,9 @@ fn a_boot_failure_ends_created_with_an_oci_error() {
 
 #[test]
 fn killed_instances_exit_go_offline_or_vanish() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let (mock, api) = start(quick(true));
     let a = api.create(OFFER, "a");
     let b = api.create(OFFER + 1, "b");
@@ -276,6 +279,9 @@ fn killed_instances_exit_go_offline_or_vanish() {
 
 #[test]
 fn ssh_never_ready_runs_with_a_port_on_which_nothing_answers() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let (mock, api) = start(quick(true));
     mock.ssh_never_ready(Selector::Next(1));
     let mute = api.create(OFFER, "mute");

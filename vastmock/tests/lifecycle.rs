@@ -23,6 +23,9 @@ fn config() -> MockConfig {
 
 #[test]
 fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let keys = tempfile::tempdir().unwrap();
     let (account_key, account_pub) = keypair(keys.path(), "account");
     let (onstart_key, onstart_pub) = keypair(keys.path(), "onstart");
@@ -157,6 +160,9 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
 
 #[test]
 fn dropping_the_mock_stops_every_sshd_and_a_key_attached_later_logs_in() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
     let keys = tempfile::tempdir().unwrap();
     let (late_key, late_pub) = keypair(keys.path(), "late");
     let mock = VastMock::start(MockConfig {

@@ -49,6 +49,41 @@ const PID_FILE: &str = "sshd.pid";
 const LOG_FILE: &str = "sshd.log";
 const HOME_DIR: &str = "home";
 
+/// Set to `1` (as `.ci/run` does) to make [`sshd_available`] fail a test
+/// instead of skipping it when the server is missing.
+pub const REQUIRE_SSHD_ENV: &str = "SWACTOR_REQUIRE_SSHD";
+
+/// Whether this machine has the OpenSSH server and `ssh-keygen` the harness
+/// runs. Tests that need them return early when it says no, after one line
+/// on stderr saying what to install; with `SWACTOR_REQUIRE_SSHD=1` a
+/// missing server fails the test instead.
+///
+/// # Panics
+/// When the server is missing and `SWACTOR_REQUIRE_SSHD=1`.
+pub fn sshd_available() -> bool {
+    static SKIPPED: std::sync::Once = std::sync::Once::new();
+    let keygen = ["/usr/bin/ssh-keygen", "/bin/ssh-keygen"]
+        .iter()
+        .any(|p| Path::new(p).exists());
+    if Path::new(SSHD).exists() && keygen {
+        return true;
+    }
+    assert!(
+        std::env::var(REQUIRE_SSHD_ENV).as_deref() != Ok("1"),
+        "{REQUIRE_SSHD_ENV}=1 but {SSHD} or ssh-keygen is missing (apt-get install openssh-server)"
+    );
+    SKIPPED.call_once(|| {
+        // Straight to stderr: the harness hides a passing test's output.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "ssh tests skipped: {SSHD} or ssh-keygen is missing (apt-get install openssh-server; \
+             {REQUIRE_SSHD_ENV}=1 to fail instead)"
+        );
+    });
+    false
+}
+
 /// A running OpenSSH server on `127.0.0.1:{port}`; killed when dropped.
 #[derive(Debug)]
 pub struct Sshd {
@@ -367,6 +402,34 @@ pub struct NetNs {
 }
 
 impl NetNs {
+    /// Whether namespaces can be made here: `ip` is installed and this
+    /// process runs as root. When not, one line on stderr says so and the
+    /// caller skips; with `SWACTOR_REQUIRE_SSHD=1` (CI) it fails instead.
+    ///
+    /// # Panics
+    /// When namespaces cannot be made and `SWACTOR_REQUIRE_SSHD=1`.
+    pub fn available() -> bool {
+        let root = rustix::process::geteuid().is_root();
+        if Path::new(IP).exists() && root {
+            return true;
+        }
+        let why = if root {
+            format!("{IP} is missing (apt-get install iproute2)")
+        } else {
+            "making a network namespace needs root".to_owned()
+        };
+        assert!(
+            std::env::var(REQUIRE_SSHD_ENV).as_deref() != Ok("1"),
+            "{REQUIRE_SSHD_ENV}=1 but {why}"
+        );
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "network-namespace ssh test skipped: {why}"
+        );
+        false
+    }
+
     /// Makes the namespace and its link.
     ///
     /// # Panics
