@@ -103,24 +103,12 @@ fn settle(d: &mut Driver, now: Timestamp) -> Vec<Dispatch> {
 /// Every node whose bootstrap runs joins and converges.
 fn bring_up(d: &mut Driver, now: Timestamp) {
     loop {
-        let running: Vec<String> = d
-            .state()
-            .nodes
-            .iter()
-            .filter(|(_, n)| n.record.stage == NodeStage::BootstrapRunning)
-            .map(|(id, _)| id.to_string())
-            .collect();
+        let running = bootstrapping(d);
         if running.is_empty() {
             return;
         }
         for id in running {
-            for ev in [
-                BootstrapEvent::SwactorJoined,
-                BootstrapEvent::Stage(BootstrapStage::Converged),
-            ] {
-                let o = observe(d, &id, ev);
-                let _ = d.handle_bootstrap(o, now).unwrap();
-            }
+            join(d, &id, now);
         }
         settle(d, now);
     }

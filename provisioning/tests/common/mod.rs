@@ -114,28 +114,42 @@ pub fn observe(d: &Driver, node: &str, event: BootstrapEvent) -> BootstrapObserv
     }
 }
 
+/// The nodes whose bootstrap runs (their agents have not joined yet).
+pub fn bootstrapping(d: &Driver) -> Vec<String> {
+    d.state()
+        .nodes
+        .iter()
+        .filter(|(_, n)| n.record.stage == NodeStage::BootstrapRunning)
+        .map(|(id, _)| id.to_string())
+        .collect()
+}
+
+/// The agent of `node` joins and reports converged: what each fold did.
+pub fn join(d: &mut Driver, node: &str, now: Timestamp) -> Vec<Folded> {
+    [
+        BootstrapEvent::SwactorJoined,
+        BootstrapEvent::Stage(BootstrapStage::Converged),
+    ]
+    .into_iter()
+    .map(|ev| {
+        let o = observe(d, node, ev);
+        d.handle_bootstrap(o, now).unwrap()
+    })
+    .collect()
+}
+
 /// Drives every node to ready with a perfectly behaved provider.
 pub fn converge(d: &mut Driver, now: Timestamp) {
     for _ in 0..32 {
         let dispatches = drain(d, now);
         if dispatches.is_empty() && !d.is_pass_queued() {
-            let joined: Vec<String> = d
-                .state()
-                .nodes
-                .iter()
-                .filter(|(_, n)| n.record.stage == NodeStage::BootstrapRunning)
-                .map(|(id, _)| id.to_string())
-                .collect();
+            let joined = bootstrapping(d);
             if joined.is_empty() {
                 break;
             }
             for id in joined {
-                for ev in [
-                    BootstrapEvent::SwactorJoined,
-                    BootstrapEvent::Stage(BootstrapStage::Converged),
-                ] {
-                    let o = observe(d, &id, ev);
-                    assert_eq!(d.handle_bootstrap(o, now).unwrap(), Folded::Applied);
+                for folded in join(d, &id, now) {
+                    assert_eq!(folded, Folded::Applied);
                 }
             }
             continue;
