@@ -328,16 +328,24 @@ async fn a_restarted_provider_lists_and_adopts_the_running_agent_without_a_secon
         return;
     }
     let world = World::new(2, CONVERGING);
+    start_then_adopt_after_a_restart(&world, key("w-1", 5)).await;
+}
+
+/// Claims a host for `k`, starts its agent, then has a new provider (as a
+/// restarted daemon would) list the claim and adopt the running agent
+/// without a second start; destroy leaves nothing and releases the claim.
+async fn start_then_adopt_after_a_restart(world: &World, k: ResourceKey) {
     let t = world.template();
-    let k = key("w-1", 5);
     let first = world.provider();
     let grant = first.create_lease(&k, &t).await.unwrap();
+    // A retried create sticks to the same claim.
+    assert_eq!(first.create_lease(&k, &t).await.unwrap().lease, grant.lease);
     let endpoint = first.lookup_endpoint(&k, &grant.lease).await.unwrap();
     let mut s1 = first
         .start_bootstrap(&k, &grant.lease, &endpoint, &t)
         .await
         .unwrap();
-    take(&mut s1.events, 6).await;
+    assert_eq!(take(&mut s1.events, 6).await, converging_stages());
     let host = world.holder(&k).unwrap();
     let dir = world.node_dir(host, &k);
     let before = agents_in(&dir);
@@ -348,7 +356,7 @@ async fn a_restarted_provider_lists_and_adopts_the_running_agent_without_a_secon
     let second = world.provider();
     second.learn_template(&t);
     let listed = second.list(&RunId::new("r1")).await.unwrap();
-    assert_eq!(listed.len(), 1);
+    assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[&k].session.as_ref(), Some(&s1.session));
     let mut s2 = second
         .start_bootstrap(&k, &grant.lease, &endpoint, &t)
@@ -363,6 +371,10 @@ async fn a_restarted_provider_lists_and_adopts_the_running_agent_without_a_secon
         processes_in(&dir).is_empty()
     })
     .await;
+    assert!(
+        second.list(&RunId::new("r1")).await.unwrap().is_empty(),
+        "the claim was released"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -460,41 +472,5 @@ async fn a_host_whose_shell_greets_on_stdout_is_claimed_listed_and_adopted_all_t
         "echo 'Welcome to host0: be nice'\necho 'claimed by nobody'\n",
     )
     .unwrap();
-    let t = world.template();
-    let k = key("w-0", 1);
-    let first = world.provider();
-    let grant = first.create_lease(&k, &t).await.unwrap();
-    // A retried create sticks to the same claim.
-    assert_eq!(first.create_lease(&k, &t).await.unwrap().lease, grant.lease);
-    let endpoint = first.lookup_endpoint(&k, &grant.lease).await.unwrap();
-    let mut s1 = first
-        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
-        .await
-        .unwrap();
-    assert_eq!(take(&mut s1.events, 6).await, converging_stages());
-    let dir = world.node_dir(0, &k);
-    let before = agents_in(&dir);
-    assert_eq!(before.len(), 1);
-    drop(first);
-
-    let second = world.provider();
-    second.learn_template(&t);
-    let listed = second.list(&RunId::new("r1")).await.unwrap();
-    assert_eq!(listed.len(), 1, "{listed:?}");
-    assert_eq!(listed[&k].session.as_ref(), Some(&s1.session));
-    let s2 = second
-        .start_bootstrap(&k, &grant.lease, &endpoint, &t)
-        .await
-        .unwrap();
-    assert_eq!(s2.session, s1.session);
-    assert_eq!(agents_in(&dir), before, "no second agent");
-    second.destroy_lease(&k, &grant.lease).await.unwrap();
-    wait_until("everything of the attempt to be gone", || {
-        processes_in(&dir).is_empty()
-    })
-    .await;
-    assert!(
-        second.list(&RunId::new("r1")).await.unwrap().is_empty(),
-        "the claim was released"
-    );
+    start_then_adopt_after_a_restart(&world, key("w-0", 1)).await;
 }
