@@ -124,6 +124,15 @@ impl World {
         ]
     }
 
+    /// Waits until `count` nodes are ready; fails the test with the last
+    /// status and `d`'s log when they are not within [`CONVERGE`].
+    fn ready(&self, d: &Daemon, count: usize) -> swactor_actors::ClusterSnapshot {
+        try_wait_converged(&self.state(), CONVERGE, |s| {
+            s.nodes.iter().filter(|n| n.ready).count() == count
+        })
+        .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()))
+    }
+
     fn up(&self, shape: &Path, env: &[(&'static str, String)]) -> Result<Daemon, Exited> {
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         Daemon::spawn_env(
@@ -564,10 +573,7 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
     let d = w
         .up(&shape, &w.env())
         .unwrap_or_else(|e| panic!("{:?}: {}", e.code, e.log));
-    let snap = try_wait_converged(&w.state(), CONVERGE, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 4
-    })
-    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    let snap = w.ready(&d, 4);
     eprintln!(
         "4 vast nodes converged in {:.1} s",
         started.elapsed().as_secs_f64()
@@ -651,10 +657,7 @@ fn a_daemon_killed_mid_create_adopts_the_instance_when_it_starts_again() {
     let d = w
         .up(&shape, &w.env())
         .unwrap_or_else(|e| panic!("{}", e.log));
-    try_wait_converged(&w.state(), CONVERGE, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 1
-    })
-    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    w.ready(&d, 1);
     assert_eq!(w.mock.creates_total(), 1, "{}", d.log());
     assert_eq!(w.mock.live_instances(), 1);
     w.assert_one_create_per_label();
@@ -709,10 +712,7 @@ fn a_restarted_daemon_reading_cut_off_answers_rents_nothing_twice() {
     let mut d = w
         .up(&shape, &w.env())
         .unwrap_or_else(|e| panic!("{}", e.log));
-    try_wait_converged(&w.state(), CONVERGE, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    })
-    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    w.ready(&d, 2);
     d.kill9();
     drop(d);
     // The restarted daemon's first listings and shows are cut off mid-JSON
@@ -723,10 +723,7 @@ fn a_restarted_daemon_reading_cut_off_answers_rents_nothing_twice() {
     let d = w
         .up(&shape, &w.env())
         .unwrap_or_else(|e| panic!("{}", e.log));
-    try_wait_converged(&w.state(), CONVERGE, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    })
-    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    w.ready(&d, 2);
     assert_eq!(w.mock.creates_total(), 2, "{}", d.log());
     assert_eq!(w.mock.live_instances(), 2);
 
@@ -742,10 +739,7 @@ fn a_restarted_daemon_reading_cut_off_answers_rents_nothing_twice() {
         .expect("a live instance");
     assert_eq!(w.mock.kill(Selector::Id(victim.id), Death::Vanished), 1);
     wait_for(CONVERGE, "the replacement", || w.mock.creates_total() == 3);
-    try_wait_converged(&w.state(), CONVERGE, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    })
-    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    w.ready(&d, 2);
     assert_eq!(w.mock.creates_total(), 3, "{}", d.log());
     assert_eq!(w.mock.live_instances(), 2);
     w.assert_one_create_per_label();
@@ -882,10 +876,7 @@ fn under_the_services_own_rate_limits_the_paced_daemon_converges() {
     env.retain(|(k, _)| *k != "SWACTOR_VAST_PACING");
     let started = Instant::now();
     let d = w.up(&shape, &env).unwrap_or_else(|e| panic!("{}", e.log));
-    try_wait_converged(&w.state(), CONVERGE, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    })
-    .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
+    w.ready(&d, 2);
     eprintln!(
         "2 nodes converged under the service's rate limits in {:.1} s",
         started.elapsed().as_secs_f64()
