@@ -303,8 +303,11 @@ enum Queue {
 struct Eval {
     /// Re-decide every slot (the desired state changed, or an insert failed).
     full: bool,
-    /// Nodes whose state changed since they were last decided.
-    dirty: BTreeSet<LogicalNodeId>,
+    /// Nodes whose state changed since they were last decided, in the order
+    /// they changed (a node may appear more than once; a pass sorts and
+    /// deduplicates them). A vector whose capacity is kept from pass to pass,
+    /// so marking a node dirty does not allocate.
+    dirty: Vec<LogicalNodeId>,
     /// Waiting nodes by the deadline they wait on.
     wakes: BTreeSet<(Timestamp, LogicalNodeId)>,
     /// The deadline each waiting node waits on (the index into `wakes`).
@@ -317,25 +320,55 @@ struct Eval {
 
 impl Eval {
     fn set_wake(&mut self, id: &LogicalNodeId, wake: Option<Timestamp>) {
-        if let Some(old) = self.wake_of.remove(id) {
+        let old = self.wake_of.get(id).copied();
+        if old == wake {
+            return;
+        }
+        if let Some(old) = old {
             self.wakes.remove(&(old, id.clone()));
         }
-        if let Some(at) = wake {
-            self.wakes.insert((at, id.clone()));
-            self.wake_of.insert(id.clone(), at);
+        match wake {
+            Some(at) => {
+                self.wakes.insert((at, id.clone()));
+                self.wake_of.insert(id.clone(), at);
+            }
+            None => {
+                self.wake_of.remove(id);
+            }
         }
     }
 
     /// Dirty nodes, nodes whose deadline is due and nodes held by a
-    /// rollout budget, in slot order.
-    fn candidates(&self, now: Timestamp) -> BTreeSet<&LogicalNodeId> {
+    /// rollout budget, in slot order, into `out` (cleared first; its
+    /// capacity is reused, so a pass over a settled cluster does not allocate).
+    fn candidates(&self, now: Timestamp, out: &mut Vec<LogicalNodeId>) {
+        out.clear();
         let due = self
             .wakes
             .iter()
             .take_while(|(at, _)| *at <= now)
             .map(|(_, id)| id);
-        self.dirty.iter().chain(due).chain(&self.held).collect()
+        out.extend(self.dirty.iter().chain(due).chain(&self.held).cloned());
+        out.sort_unstable();
+        out.dedup();
     }
+}
+
+/// A full pass's plan, every waiting node's wake-up, and the nodes row 17 holds.
+type FullDecision = (
+    Plan,
+    Vec<(Timestamp, LogicalNodeId)>,
+    BTreeSet<LogicalNodeId>,
+);
+
+/// Buffers a pass reuses, so that deciding a few nodes of a large settled
+/// cluster allocates nothing once they have grown to fit.
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    /// The nodes the pass decides.
+    candidates: Vec<LogicalNodeId>,
+    /// What each decided node now waits on, and whether row 17 holds it.
+    updates: Vec<(Option<Timestamp>, bool)>,
 }
 
 /// The sole writer of [`ClusterState`]; see the module docs for the calling order.
@@ -348,6 +381,7 @@ pub struct Driver {
     requeue_at: Option<Timestamp>,
     stats: DriverStats,
     eval: Eval,
+    scratch: Scratch,
     paused: bool,
     tripped: BTreeSet<GroupId>,
 }
@@ -367,6 +401,7 @@ impl Driver {
             requeue_at: None,
             stats: DriverStats::default(),
             eval: Eval::default(),
+            scratch: Scratch::default(),
             paused: false,
             tripped: BTreeSet::new(),
         })
@@ -724,8 +759,9 @@ impl Driver {
         }
         let mut folded = 0;
         let mut first_error = None;
-        let due: Vec<LogicalNodeId> = self.eval.candidates(now).into_iter().cloned().collect();
-        for id in due {
+        let mut due = std::mem::take(&mut self.scratch.candidates);
+        self.eval.candidates(now, &mut due);
+        for id in due.drain(..) {
             let Some(node) = self.state.nodes.get_mut(&id) else {
                 continue;
             };
@@ -746,9 +782,10 @@ impl Driver {
             changed |= fold_bootstrap_stall(node, now);
             if changed {
                 folded += 1;
-                self.eval.dirty.insert(id);
+                self.eval.dirty.push(id);
             }
         }
+        self.scratch.candidates = due;
         self.trigger();
         first_error.map_or(Ok(folded), Err)
     }
@@ -779,7 +816,7 @@ impl Driver {
         }
         self.queue = Queue::Running { dirty: false };
         self.stats.passes += 1;
-        let plan = self.decide(now, true);
+        let plan = self.decide(now);
         self.state.observed_generation = Some(self.desired.generation);
         let mut pass = Pass {
             number: self.stats.passes,
@@ -806,14 +843,14 @@ impl Driver {
                 }
                 Ok(None) => {
                     debug_assert!(transition);
-                    self.eval.dirty.insert(id.clone());
+                    self.eval.dirty.push(id.clone());
                     pass.transitioned.push(id);
                     pass.stats.transitions += 1;
                 }
                 Err(e) => {
                     // A full pass would try again next time; so will we.
                     self.eval.full |= insert;
-                    self.eval.dirty.insert(id);
+                    self.eval.dirty.push(id);
                     pass.stats.errors += 1;
                     pass.errors.push(e);
                 }
@@ -833,56 +870,87 @@ impl Driver {
     /// computes it: only dirty and due nodes are decided. It always equals
     /// [`Driver::plan`] (property-tested); it exists so tests can prove that.
     pub fn next_pass_plan(&self, now: Timestamp) -> Plan {
-        self.clone().decide(now, false)
+        match self.decide_full(now) {
+            Some((plan, _, _)) => plan,
+            None => self.decide_some(now, &mut Scratch::default()),
+        }
     }
 
-    /// Decides the candidates of this pass; with `commit`, also updates the
-    /// evaluation index (clears dirt, records new wake-ups).
-    fn decide(&mut self, now: Timestamp, commit: bool) -> Plan {
-        if self.eval.full {
-            let mut plan = Plan::default();
-            let mut wakes = Vec::new();
-            let mut held = BTreeSet::new();
-            let tripped = &self.tripped;
-            walk(
-                &self.state,
-                &self.desired,
-                now,
-                self.paused,
-                tripped,
-                |id, d| {
-                    plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
-                    if let Some(at) = d.wake_at {
-                        wakes.push((at, id.clone()));
-                    }
-                    if d.row == LadderRow::AwaitRolloutBudget {
-                        held.insert(id.clone());
-                    }
-                    if let Some(action) = d.action {
-                        plan.actions.push(PlannedAction {
-                            node: id.clone(),
-                            row: d.row,
-                            action,
-                        });
-                    }
-                },
-            );
-            if commit {
-                self.eval = Eval::default();
-                for (at, id) in wakes {
-                    self.eval.set_wake(&id, Some(at));
-                }
-                self.eval.held = held;
+    /// Decides the candidates of this pass and updates the evaluation index
+    /// (clears dirt, records new wake-ups).
+    fn decide(&mut self, now: Timestamp) -> Plan {
+        if let Some((plan, wakes, held)) = self.decide_full(now) {
+            self.eval = Eval::default();
+            for (at, id) in wakes {
+                self.eval.set_wake(&id, Some(at));
             }
+            self.eval.held = held;
             return plan;
         }
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let plan = self.decide_some(now, &mut scratch);
+        self.eval.dirty.clear();
+        for (id, &(wake, held)) in scratch.candidates.iter().zip(&scratch.updates) {
+            self.eval.set_wake(id, wake);
+            if held {
+                if !self.eval.held.contains(id) {
+                    self.eval.held.insert(id.clone());
+                }
+            } else {
+                self.eval.held.remove(id);
+            }
+        }
+        scratch.candidates.clear();
+        scratch.updates.clear();
+        self.scratch = scratch;
+        plan
+    }
+
+    /// A full pass's plan, with every node's wake-up and the nodes row 17
+    /// holds; `None` unless a full pass is due.
+    fn decide_full(&self, now: Timestamp) -> Option<FullDecision> {
+        if !self.eval.full {
+            return None;
+        }
         let mut plan = Plan::default();
-        let mut updates = Vec::new();
-        let candidates = self.eval.candidates(now);
+        let mut wakes = Vec::new();
+        let mut held = BTreeSet::new();
+        walk(
+            &self.state,
+            &self.desired,
+            now,
+            self.paused,
+            &self.tripped,
+            |id, d| {
+                plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
+                if let Some(at) = d.wake_at {
+                    wakes.push((at, id.clone()));
+                }
+                if d.row == LadderRow::AwaitRolloutBudget {
+                    held.insert(id.clone());
+                }
+                if let Some(action) = d.action {
+                    plan.actions.push(PlannedAction {
+                        node: id.clone(),
+                        row: d.row,
+                        action,
+                    });
+                }
+            },
+        );
+        Some((plan, wakes, held))
+    }
+
+    /// Decides only the dirty, due and held nodes; leaves them in
+    /// `scratch.candidates` and what each now waits on in `scratch.updates`.
+    fn decide_some(&self, now: Timestamp, scratch: &mut Scratch) -> Plan {
+        let mut plan = Plan::default();
+        self.eval.candidates(now, &mut scratch.candidates);
+        scratch.updates.clear();
         let mut gates = RolloutGates::new(&self.state, &self.desired).with_tripped(&self.tripped);
-        for id in &candidates {
-            let Some(node) = self.state.nodes.get(*id) else {
-                updates.push(((*id).clone(), None, false));
+        for id in &scratch.candidates {
+            let Some(node) = self.state.nodes.get(id) else {
+                scratch.updates.push((None, false));
                 continue;
             };
             let d = if self.paused {
@@ -892,32 +960,22 @@ impl Driver {
             };
             plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
             let held = d.row == LadderRow::AwaitRolloutBudget;
-            updates.push(((*id).clone(), d.wake_at, held));
+            scratch.updates.push((d.wake_at, held));
             if let Some(action) = d.action {
                 plan.actions.push(PlannedAction {
-                    node: (*id).clone(),
+                    node: id.clone(),
                     row: d.row,
                     action,
                 });
             }
         }
+        let candidates = &scratch.candidates;
         let others = self
             .eval
             .wakes
             .iter()
-            .find(|(_, id)| !candidates.contains(id));
+            .find(|(_, id)| candidates.binary_search(id).is_err());
         plan.requeue_at = earliest(plan.requeue_at, others.map(|(at, _)| *at));
-        if commit {
-            self.eval.dirty.clear();
-            for (id, wake, held) in updates {
-                self.eval.set_wake(&id, wake);
-                if held {
-                    self.eval.held.insert(id);
-                } else {
-                    self.eval.held.remove(&id);
-                }
-            }
-        }
         plan
     }
 
@@ -976,7 +1034,7 @@ impl Driver {
         match folded {
             Folded::Applied => {
                 self.stats.folded += 1;
-                self.eval.dirty.insert(node.clone());
+                self.eval.dirty.push(node.clone());
                 self.trigger();
             }
             Folded::Discarded(_) => self.stats.discarded += 1,
