@@ -16,20 +16,20 @@
 use crate::executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 use crate::journal::JournalStore;
 use crate::msg::{ClusterMsg, DriverArgs, DriverMsg, DriverView, SwarmMsg, TimerKey};
-use crate::observer::{BootstrapObserver, Observed, ObserverArgs};
+use crate::observer::{Observed, ObserverArgs, observe};
 use crate::telemetry::{self, Telemetry, snapshot};
 use crate::{ClusterConfig, ClusterEvent, PlanView};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use swactor_engine::ractor::{
-    Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
+    Actor, ActorProcessingErr, ActorRef, DerivedActorRef, RpcReplyPort, SupervisionEvent,
 };
-use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Timers};
+use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Forwarder, Timers};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
-    ApplyError, DesiredUpdate, Driver, Folded, Generation, Host, Listed, LogicalNodeId,
-    NodeAttemptId, OperationOutcome, Output, PauseError, Reply, SessionId, ShutdownReport, Ticket,
-    Timestamp,
+    ApplyError, BootstrapEvent, DesiredUpdate, Driver, Folded, Generation, Host, Listed,
+    LogicalNodeId, NodeAttemptId, OperationOutcome, Output, PauseError, Reply, SessionId,
+    ShutdownReport, Ticket, Timestamp,
 };
 
 /// A caller waiting for the host's [`Reply`] to its ticket.
@@ -49,9 +49,13 @@ pub struct DriverState {
     armed: Option<Timestamp>,
     workers: Children,
     journal: Option<Arc<dyn JournalStore>>,
-    /// The observer of each node's live session (a node has at most one).
-    observers: BTreeMap<LogicalNodeId, (SessionId, ActorRef<crate::observer::Next>)>,
-    observer_ids: BTreeMap<ActorId, LogicalNodeId>,
+    /// The observer of each node's live session (a node has at most one);
+    /// dropping one stops it.
+    observers: BTreeMap<LogicalNodeId, (u64, SessionId, Forwarder)>,
+    /// The number of the next observer.
+    next_observer: u64,
+    /// Where observers send, shared by all of them.
+    observed: DerivedActorRef<Observed>,
     waiting: BTreeMap<Ticket, Waiting>,
     next_ticket: u64,
     drive_queued: bool,
@@ -111,7 +115,8 @@ impl Actor for DriverActor {
             workers,
             journal,
             observers: BTreeMap::new(),
-            observer_ids: BTreeMap::new(),
+            observed: myself.get_derived::<Observed>(),
+            next_observer: 0,
             waiting: BTreeMap::new(),
             next_ticket: 0,
             drive_queued: false,
@@ -133,9 +138,8 @@ impl Actor for DriverActor {
     ) -> Result<(), ActorProcessingErr> {
         state.timers.cancel_all();
         state.workers.stop_all(None);
-        for (_, (_, o)) in std::mem::take(&mut state.observers) {
-            o.kill();
-        }
+        // Dropping the observers stops them.
+        state.observers.clear();
         Ok(())
     }
 
@@ -169,8 +173,12 @@ impl Actor for DriverActor {
                     shape: st.host.journal_meta().shape.clone(),
                 });
             }
-            DriverMsg::Executor(report) => st.reported(&myself, report, now).await?,
-            DriverMsg::Observed(obs) => {
+            DriverMsg::Executor(report) => st.reported(report, now)?,
+            DriverMsg::Observed(obs, observer) => {
+                if obs.event == BootstrapEvent::Closed {
+                    // The stream ended and its observer with it.
+                    st.forget_observer(&obs.node, observer);
+                }
                 let _ = st.host.handle_bootstrap(obs, now)?;
             }
             DriverMsg::Timer(fired) => {
@@ -205,22 +213,6 @@ impl Actor for DriverActor {
         evt: SupervisionEvent,
         st: &mut DriverState,
     ) -> Result<(), ActorProcessingErr> {
-        // Observers are not restarted: their stream is gone with them. A
-        // StartBootstrap re-issued for the node adopts the session afresh;
-        // otherwise the stall deadline covers the loss.
-        let observer = match &evt {
-            SupervisionEvent::ActorTerminated(cell, ..)
-            | SupervisionEvent::ActorFailed(cell, _) => st.observer_ids.remove(&cell.get_id()),
-            _ => None,
-        };
-        if let Some(node) = observer {
-            if let SupervisionEvent::ActorFailed(_, e) = &evt {
-                st.telemetry
-                    .warn(format!("the bootstrap observer of {node} failed: {e}"));
-            }
-            st.observers.remove(&node);
-            return Ok(());
-        }
         let failed = matches!(evt, SupervisionEvent::ActorFailed(..));
         // An error here is the escalation: the restart budget is spent.
         let outcome = st.workers.handle_event(&myself.get_cell(), &evt).await?;
@@ -386,14 +378,13 @@ impl DriverState {
         }
     }
 
-    async fn reported(
+    fn reported(
         &mut self,
-        myself: &ActorRef<DriverMsg>,
         report: ExecutorReport,
         now: Timestamp,
     ) -> Result<(), ActorProcessingErr> {
         match report {
-            ExecutorReport::Finished(f) => self.finished(myself, f, now).await?,
+            ExecutorReport::Finished(f) => self.finished(f, now)?,
             ExecutorReport::Listed(inventory) => {
                 let listed = inventory.map(listing).map_err(|e| e.to_string());
                 self.host.handle_inventory(listed, now);
@@ -406,20 +397,16 @@ impl DriverState {
         Ok(())
     }
 
-    async fn finished(
-        &mut self,
-        myself: &ActorRef<DriverMsg>,
-        f: Finished,
-        now: Timestamp,
-    ) -> Result<(), ActorProcessingErr> {
+    fn finished(&mut self, f: Finished, now: Timestamp) -> Result<(), ActorProcessingErr> {
         let (node, op) = (f.result.node.clone(), f.result.op);
         let started = match &f.result.outcome {
             OperationOutcome::BootstrapStarted { session } => Some(session.clone()),
             _ => None,
         };
-        let outcome = describe(&f.result.outcome);
+        // Described only for subscribers who asked for per-node events.
+        let outcome = self.config.node_events.then(|| describe(&f.result.outcome));
         let folded = self.host.handle_result(f.result, now)? == Folded::Applied;
-        if self.config.node_events {
+        if let Some(outcome) = outcome {
             let event = ClusterEvent::Finished {
                 node: node.clone(),
                 op,
@@ -430,8 +417,7 @@ impl DriverState {
         }
         if folded {
             if let (Some(session), Some(events)) = (started, f.events) {
-                self.start_observer(myself, &node, op.attempt, session, events)
-                    .await;
+                self.start_observer(&node, op.attempt, session, events);
             }
             // A cancelled session's observer goes with it.
             self.drop_stale_observer(&node);
@@ -439,9 +425,8 @@ impl DriverState {
         Ok(())
     }
 
-    async fn start_observer(
+    fn start_observer(
         &mut self,
-        myself: &ActorRef<DriverMsg>,
         node: &LogicalNodeId,
         attempt: NodeAttemptId,
         session: SessionId,
@@ -451,23 +436,29 @@ impl DriverState {
         // fresh stream and the old reader is stopped.
         self.stop_observer(node);
         let args = ObserverArgs {
-            driver: myself.get_derived::<Observed>(),
+            driver: self.observed.clone(),
             node: node.clone(),
             attempt,
             session: session.clone(),
             events,
+            number: self.next_observer,
         };
-        // Linked, without a restart budget: a dead stream cannot be resumed.
-        let cell = myself.get_cell();
-        match BootstrapObserver::spawn_linked(None, BootstrapObserver, args, cell).await {
-            Ok((actor, _)) => {
-                self.observer_ids.insert(actor.get_id(), node.clone());
-                self.observers.insert(node.clone(), (session, actor));
-            }
-            Err(e) => {
-                let message = format!("could not start an observer for {node}: {e}");
-                self.telemetry.warn(message);
-            }
+        // Not restarted if it ends: a dead stream cannot be resumed. A
+        // StartBootstrap re-issued for the node adopts the session afresh;
+        // otherwise the stall deadline covers the loss.
+        self.observers
+            .insert(node.clone(), (self.next_observer, session, observe(args)));
+        self.next_observer += 1;
+    }
+
+    /// Forgets `node`'s observer `number`, whose stream ended.
+    fn forget_observer(&mut self, node: &LogicalNodeId, number: u64) {
+        if self
+            .observers
+            .get(node)
+            .is_some_and(|(n, _, _)| *n == number)
+        {
+            self.observers.remove(node);
         }
     }
 
@@ -479,17 +470,15 @@ impl DriverState {
         if self
             .observers
             .get(node)
-            .is_some_and(|(s, _)| Some(s) != live)
+            .is_some_and(|(_, s, _)| Some(s) != live)
         {
             self.stop_observer(node);
         }
     }
 
     fn stop_observer(&mut self, node: &LogicalNodeId) {
-        if let Some((_, o)) = self.observers.remove(node) {
-            self.observer_ids.remove(&o.get_id());
-            o.kill();
-        }
+        // Dropping it stops it.
+        self.observers.remove(node);
     }
 
     fn send_to_worker(&self, index: usize, msg: WorkerMsg) -> bool {

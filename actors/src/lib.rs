@@ -87,6 +87,6 @@ pub use msg::{
     ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, Subscription, SwarmMsg, SwarmRef,
     TimerKey,
 };
-pub use observer::{BootstrapObserver, Next, Observed, ObserverArgs};
+pub use observer::{Observed, ObserverArgs, observe};
 pub use supervisor::{ClusterSupervisor, SupervisorArgs, SupervisorExit, SupervisorState};
 pub use swactor_provisioning::{ApplyError, JoinRefused, ShutdownMode, ShutdownReport};

@@ -86,8 +86,8 @@ pub enum DriverMsg {
     Inspect(swactor_engine::ractor::RpcReplyPort<DriverView>),
     /// An executor worker reported.
     Executor(ExecutorReport),
-    /// An observer forwarded a bootstrap observation.
-    Observed(BootstrapObservation),
+    /// An observer forwarded a bootstrap observation; with the observer's number.
+    Observed(BootstrapObservation, u64),
     /// An engine timer fired.
     Timer(TimerFired<TimerKey>),
     /// Drain the host's outputs.
@@ -123,7 +123,7 @@ variant!(TimerFired<TimerKey>, Timer);
 
 impl From<Observed> for DriverMsg {
     fn from(o: Observed) -> Self {
-        Self::Observed(o.0)
+        Self::Observed(o.0, o.1)
     }
 }
 
@@ -131,7 +131,7 @@ impl TryFrom<DriverMsg> for Observed {
     type Error = DriverMsg;
     fn try_from(m: DriverMsg) -> Result<Self, DriverMsg> {
         match m {
-            DriverMsg::Observed(o) => Ok(Observed(o)),
+            DriverMsg::Observed(o, n) => Ok(Observed(o, n)),
             other => Err(other),
         }
     }

@@ -13,6 +13,7 @@
 pub mod blocking;
 pub mod clock;
 pub mod deadline;
+pub mod forward;
 pub mod journal;
 pub mod net;
 pub mod supervision;
@@ -24,6 +25,7 @@ pub use blocking::{
 };
 pub use clock::{Clock, EngineInstant};
 pub use deadline::{DeadlinePassed, run_until};
+pub use forward::Forwarder;
 pub use journal::{Journal, JournalBatch, JournalContents, JournalError};
 pub use supervision::{ChildEvent, ChildSpec, Children, RestartPolicy, SupervisionError};
 pub use timers::{TaskGauge, TimerFired, Timers};

@@ -484,7 +484,7 @@ async fn a_retried_create_adopts_the_container_and_list_finds_it() {
     // Another run's listing does not see them.
     assert!(
         w.provider
-            .list(&RunId::new(format!("{}-other", w.run.0)))
+            .list(&RunId::new(format!("{}-other", w.run.as_str())))
             .await
             .unwrap()
             .is_empty()

@@ -1605,7 +1605,12 @@ impl<C: Reconciler> Host<C> {
     /// Brings `node`'s attempt history up to date with its state.
     fn touch_history(&mut self, node: &LogicalNodeId, now: Timestamp) {
         let current = self.core.state().nodes.get(node);
-        let history = self.history.entry(node.clone()).or_default();
+        // Most slots only ever see one attempt: room for exactly one at first
+        // (a default deque would make room for four).
+        let history = self
+            .history
+            .entry(node.clone())
+            .or_insert_with(|| VecDeque::with_capacity(1));
         let Some(n) = current else {
             if let Some(last) = history.back_mut() {
                 last.ended_at.get_or_insert(now);

@@ -58,20 +58,50 @@ pub fn validate_id(s: &str) -> Result<(), IdError> {
     Ok(())
 }
 
-/// Identifies one run: the lifetime of one declared cluster. Fixed for a driver's lifetime.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+/// Identifies one run: the lifetime of one declared cluster. Fixed for a
+/// driver's lifetime. Cheap to clone (shared string); clones of one id compare
+/// equal without looking at the bytes, which keeps resource keys cheap to
+/// order and find.
+#[derive(Clone, Debug, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct RunId(pub String);
+pub struct RunId(Arc<str>);
 
 impl RunId {
     /// Wraps a run id string (validated when a shape is validated).
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
+    pub fn new(s: impl AsRef<str>) -> Self {
+        Self(Arc::from(s.as_ref()))
     }
 
     /// The id as a string slice.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+impl PartialEq for RunId {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+    }
+}
+
+impl std::hash::Hash for RunId {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
+
+impl PartialOrd for RunId {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for RunId {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        if Arc::ptr_eq(&self.0, &other.0) {
+            return std::cmp::Ordering::Equal;
+        }
+        self.0.cmp(&other.0)
     }
 }
 

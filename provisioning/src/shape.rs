@@ -558,7 +558,7 @@ impl ClusterShape {
     /// The first problem found, naming the field (`groups[2].count`, ...).
     pub fn validate(&self) -> Result<DesiredState, ShapeError> {
         validate_id(self.run_id.as_str()).map_err(|source| ShapeError::RunId {
-            value: self.run_id.0.clone(),
+            value: self.run_id.as_str().to_owned(),
             source,
         })?;
         if self.groups.len() > GROUPS_MAX {
@@ -586,8 +586,8 @@ impl ClusterShape {
             if let Some(r) = g.run_id.as_ref().filter(|r| **r != self.run_id) {
                 return Err(ShapeError::ForeignGroup {
                     index,
-                    group_run: r.0.clone(),
-                    run: self.run_id.0.clone(),
+                    group_run: r.as_str().to_owned(),
+                    run: self.run_id.as_str().to_owned(),
                 });
             }
             if g.count > GROUP_COUNT_MAX {
