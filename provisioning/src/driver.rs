@@ -962,12 +962,6 @@ impl Driver {
         (id.index < g.count + surge).then_some(&g.template)
     }
 
-    /// Whether slot `id` is desired now: one of its group's `count` slots,
-    /// or a surge slot of a rollout.
-    pub fn desires(&self, id: &LogicalNodeId) -> bool {
-        self.slot(id).is_some()
-    }
-
     /// The remediation breaker of `group` if it is tripped; `away` says
     /// whether a slot's agent (of the given attempt) is away. See
     /// [`breaker`](crate::breaker).
