@@ -122,7 +122,10 @@ fn a_surge_rolls_six_nodes_without_ever_having_fewer_than_six_ready() {
     let v2 = shape_file(
         tmp.path(),
         "v2.toml",
-        &six("surge", &format!("boot_check = [\"true\", \"v2\"]\n{budget}")),
+        &six(
+            "surge",
+            &format!("boot_check = [\"true\", \"v2\"]\n{budget}"),
+        ),
     );
     let _d = Daemon::start(&state, &v1);
     let before = attempts(&wait_converged(&state, CONVERGE, |s| ready(s) == 6));
@@ -155,7 +158,12 @@ fn a_surge_rolls_six_nodes_without_ever_having_fewer_than_six_ready() {
     assert!(surged, "worker-6 was made as the surge node");
     assert_eq!(fewest, 6, "never fewer than 6 ready");
     assert_eq!(most, 7, "6 nodes and 1 surge node at most");
-    assert_eq!(last.nodes.len(), 6, "the surge node is gone: {:?}", attempts(&last));
+    assert_eq!(
+        last.nodes.len(),
+        6,
+        "the surge node is gone: {:?}",
+        attempts(&last)
+    );
     assert!(last.holds.is_empty(), "{:?}", holds(&last));
 }
 
