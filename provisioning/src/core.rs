@@ -85,6 +85,8 @@ pub trait Reconciler {
     fn adopt(&mut self, entries: Vec<AdoptEntry>, op_seq_base: u64) -> Adoption;
     /// See [`Driver::raise_attempt_floor`].
     fn raise_attempt_floor(&mut self, floor: u64);
+    /// See [`Driver::carry_failures`].
+    fn carry_failures(&mut self, node: LogicalNodeId, failures: u32);
     /// See [`Driver::plan`].
     fn plan(&self, now: Timestamp) -> Plan;
     /// See [`Driver::plan_shape`].
@@ -110,6 +112,13 @@ pub trait Reconciler {
     fn is_paused(&self) -> bool;
     /// See [`Driver::rollout_holds`].
     fn rollout_holds(&self) -> Vec<RolloutStatus>;
+    /// Whether slot `id` is desired now: one of its group's `count` slots,
+    /// or one of the surge slots a rollout adds ([`surge`](crate::surge)).
+    fn desires(&self, id: &LogicalNodeId) -> bool {
+        self.desired()
+            .group(&id.group)
+            .is_some_and(|g| id.index < g.count + crate::decide::surge(self.state(), g))
+    }
     /// See [`Driver::set_tripped`].
     fn set_tripped(&mut self, tripped: BTreeSet<GroupId>);
     /// See [`Driver::breaker`].
@@ -176,6 +185,9 @@ impl Reconciler for Driver {
     }
     fn raise_attempt_floor(&mut self, floor: u64) {
         Driver::raise_attempt_floor(self, floor);
+    }
+    fn carry_failures(&mut self, node: LogicalNodeId, failures: u32) {
+        Driver::carry_failures(self, node, failures);
     }
     fn plan(&self, now: Timestamp) -> Plan {
         Driver::plan(self, now)

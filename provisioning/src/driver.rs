@@ -196,8 +196,10 @@ pub struct Dispatch {
 pub struct AdoptEntry {
     /// The attempt.
     pub key: ResourceKey,
-    /// The template it was made from, when that is known to be its slot's
-    /// desired template; `None` when not known or different (it is replaced).
+    /// The template it was made from, when known: its slot's desired
+    /// template, or an older one (with a listed lease, the node resumes and
+    /// its group's rollout replaces it within budget); `None` when not
+    /// known (it is replaced at once).
     pub template: Option<Arc<NodeTemplate>>,
     /// Its lease, when the provider listed one. A listed lease is taken as
     /// it is (never created again); without one, the create is re-issued
@@ -205,6 +207,13 @@ pub struct AdoptEntry {
     pub lease: Option<LeaseId>,
     /// Its bootstrap session, when the provider listed one.
     pub session: Option<SessionId>,
+    /// The slot's failures with this template since it was last ready, as
+    /// the journal recorded them ([`RetryState::template_failures`]): they
+    /// carry on, so a stopped rollout stays stopped and the backoff goes on
+    /// where it was.
+    ///
+    /// [`RetryState::template_failures`]: crate::RetryState::template_failures
+    pub failures: u32,
 }
 
 /// What [`Driver::adopt`] did with the keys it was given.
@@ -384,6 +393,13 @@ pub struct Driver {
     scratch: Scratch,
     paused: bool,
     tripped: BTreeSet<GroupId>,
+    /// The surge slots of each group that has some, as of the last pass
+    /// ([`surge`](crate::surge)); a change makes the next pass a full one.
+    surges: BTreeMap<GroupId, u32>,
+    /// Failures of slots whose last attempt an earlier driver made and
+    /// that are gone: the slot's next attempt starts with them (see
+    /// [`Driver::carry_failures`]).
+    carried: BTreeMap<LogicalNodeId, u32>,
 }
 
 impl Driver {
@@ -404,6 +420,8 @@ impl Driver {
             scratch: Scratch::default(),
             paused: false,
             tripped: BTreeSet::new(),
+            surges: BTreeMap::new(),
+            carried: BTreeMap::new(),
         })
     }
 
@@ -538,6 +556,7 @@ impl Driver {
         }
         let generation = next.generation;
         self.desired = next;
+        self.carried.clear();
         self.eval.full = true;
         self.trigger();
         Ok(DesiredUpdate::Accepted(generation))
@@ -590,20 +609,31 @@ impl Driver {
                 report.orphans.push(key);
                 continue;
             }
-            // A known template is only ever the desired one; share its Arc.
+            // The desired template is shared by Arc. An older one the slot
+            // is known to run (with a listed lease) is kept while the node
+            // resumes, so its group's rollout replaces it within budget.
             let desired = self.desired.slot(&node);
-            let (template, keep) = match (entry.template, desired) {
-                (Some(t), Some(d)) if same_template(&t, d) => (d.clone(), true),
+            let (template, keep, resuming) = match (entry.template, desired) {
+                (Some(t), Some(d)) if same_template(&t, d) => (d.clone(), true, false),
+                (Some(t), Some(_)) if entry.lease.is_some() => {
+                    report.drifted.push(key.clone());
+                    (t, true, true)
+                }
                 _ => {
                     if desired.is_some() {
                         report.drifted.push(key.clone());
                     }
-                    (retired_template(), false)
+                    (retired_template(), false, false)
                 }
             };
-            let mut managed = ManagedNode::new(key.attempt, template, 0);
+            let mut managed = ManagedNode::new(key.attempt, template, entry.failures);
+            if !keep {
+                // Failures of a template the slot no longer runs.
+                managed.retry.inherited_failures = entry.failures;
+            }
             managed.next_op_seq = op_seq_base;
             let rec = &mut managed.record;
+            rec.resuming = resuming;
             match entry.lease {
                 Some(lease) => {
                     // It exists: take it as it is. Its endpoint is looked up;
@@ -628,6 +658,18 @@ impl Driver {
             self.trigger();
         }
         report
+    }
+
+    /// The slot `node` held an attempt that failed `failures` times with
+    /// the slot's desired template since it was last ready, and that
+    /// attempt is gone (an earlier driver made it, the journal says so):
+    /// the slot's next attempt starts with those failures, so a rollout
+    /// stopped on it stays stopped and its backoff carries on. Forgotten
+    /// when another shape is accepted.
+    pub fn carry_failures(&mut self, node: LogicalNodeId, failures: u32) {
+        if failures > 0 && !self.state.nodes.contains_key(&node) {
+            self.carried.insert(node, failures);
+        }
     }
 
     /// Makes sure no attempt id below `floor` is handed out from now on (a
@@ -870,16 +912,19 @@ impl Driver {
     /// computes it: only dirty and due nodes are decided. It always equals
     /// [`Driver::plan`] (property-tested); it exists so tests can prove that.
     pub fn next_pass_plan(&self, now: Timestamp) -> Plan {
-        match self.decide_full(now) {
-            Some((plan, _, _)) => plan,
-            None => self.decide_some(now, &mut Scratch::default()),
+        if self.eval.full || self.surges_stale() {
+            self.decide_full(now).0
+        } else {
+            self.decide_some(now, &mut Scratch::default())
         }
     }
 
     /// Decides the candidates of this pass and updates the evaluation index
     /// (clears dirt, records new wake-ups).
     fn decide(&mut self, now: Timestamp) -> Plan {
-        if let Some((plan, wakes, held)) = self.decide_full(now) {
+        self.refresh_surges();
+        if self.eval.full {
+            let (plan, wakes, held) = self.decide_full(now);
             self.eval = Eval::default();
             for (at, id) in wakes {
                 self.eval.set_wake(&id, Some(at));
@@ -906,12 +951,8 @@ impl Driver {
         plan
     }
 
-    /// A full pass's plan, with every node's wake-up and the nodes row 17
-    /// holds; `None` unless a full pass is due.
-    fn decide_full(&self, now: Timestamp) -> Option<FullDecision> {
-        if !self.eval.full {
-            return None;
-        }
+    /// A full pass's plan, with every node's wake-up and the nodes row 17 holds.
+    fn decide_full(&self, now: Timestamp) -> FullDecision {
         let mut plan = Plan::default();
         let mut wakes = Vec::new();
         let mut held = BTreeSet::new();
@@ -938,7 +979,7 @@ impl Driver {
                 }
             },
         );
-        Some((plan, wakes, held))
+        (plan, wakes, held)
     }
 
     /// Decides only the dirty, due and held nodes; leaves them in
@@ -954,9 +995,9 @@ impl Driver {
                 continue;
             };
             let d = if self.paused {
-                reconcile_node_paused(node, self.desired.slot(id), now)
+                reconcile_node_paused(node, self.slot(id), now)
             } else {
-                reconcile_node_gated(id, node, self.desired.slot(id), now, &mut gates)
+                reconcile_node_gated(id, node, self.slot(id), now, &mut gates)
             };
             plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
             let held = d.row == LadderRow::AwaitRolloutBudget;
@@ -977,6 +1018,57 @@ impl Driver {
             .find(|(_, id)| candidates.binary_search(id).is_err());
         plan.requeue_at = earliest(plan.requeue_at, others.map(|(at, _)| *at));
         plan
+    }
+
+    /// Works out each group's surge slots again; a group whose surge
+    /// changed gains or loses desired slots, which only a full pass sees.
+    /// Costs nothing for groups that cannot surge.
+    fn refresh_surges(&mut self) {
+        let mut changed = false;
+        for g in &self.desired.groups {
+            if g.policy.max_surge_of(g.count) == 0 {
+                changed |= self.surges.remove(&g.id).is_some();
+                continue;
+            }
+            let now = crate::decide::surge(&self.state, g);
+            let before = self.surges.get(&g.id).copied().unwrap_or(0);
+            if now != before {
+                changed = true;
+                if now == 0 {
+                    self.surges.remove(&g.id);
+                } else {
+                    self.surges.insert(g.id.clone(), now);
+                }
+            }
+        }
+        let desired = &self.desired;
+        let before = self.surges.len();
+        self.surges.retain(|g, _| desired.group(g).is_some());
+        changed |= self.surges.len() != before;
+        self.eval.full |= changed;
+    }
+
+    /// Whether [`Driver::refresh_surges`] would change anything (and so
+    /// make the next pass a full one), without changing anything.
+    fn surges_stale(&self) -> bool {
+        let desired = &self.desired;
+        let moved = desired.groups.iter().any(|g| {
+            let now = if g.policy.max_surge_of(g.count) == 0 {
+                0
+            } else {
+                crate::decide::surge(&self.state, g)
+            };
+            now != self.surges.get(&g.id).copied().unwrap_or(0)
+        });
+        moved || self.surges.keys().any(|g| desired.group(g).is_none())
+    }
+
+    /// The template slot `id` must run: its group's, when `id` is one of
+    /// the group's `count` slots or one of its surge slots.
+    fn slot(&self, id: &LogicalNodeId) -> Option<&Arc<NodeTemplate>> {
+        let g = self.desired.group(&id.group)?;
+        let surge = self.surges.get(&id.group).copied().unwrap_or(0);
+        (id.index < g.count + surge).then_some(&g.template)
     }
 
     /// The remediation breaker of `group` if it is tripped; `away` says
@@ -1065,9 +1157,10 @@ impl Driver {
         match action {
             NodeAction::Insert { template } => {
                 let attempt = self.allocate_attempt(&id)?;
+                let failures = self.carried.remove(&id).unwrap_or(0);
                 self.state
                     .nodes
-                    .insert(id, ManagedNode::new(attempt, template, 0));
+                    .insert(id, ManagedNode::new(attempt, template, failures));
             }
             NodeAction::Restart { template } => {
                 let attempt = self.allocate_attempt(&id)?;
@@ -1111,6 +1204,7 @@ impl Driver {
                 if let Some(node) = self.state.nodes.get_mut(&id) {
                     node.record.stage = NodeStage::Dormant;
                     node.record.ready = true;
+                    node.record.resuming = false;
                     node.record.bootstrap_deadline = None;
                     node.record.last_error = None;
                     node.retry.consecutive_failures = 0;

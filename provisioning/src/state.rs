@@ -207,6 +207,12 @@ pub struct NodeRecord {
     pub last_error: Option<String>,
     /// When a destroyed, still-desired slot may start its next attempt.
     pub restart_at: Option<Timestamp>,
+    /// Adopted by a restarted driver while it runs an older template than
+    /// its slot's (one the journal kept): it re-attaches and may become
+    /// ready again before its group's rollout replaces it within budget,
+    /// instead of being replaced at once. Cleared when it becomes ready.
+    #[serde(default)]
+    pub resuming: bool,
 }
 
 impl NodeRecord {
@@ -226,6 +232,7 @@ impl NodeRecord {
             failed_at: None,
             last_error: None,
             restart_at: None,
+            resuming: false,
         }
     }
 }
