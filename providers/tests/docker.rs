@@ -296,7 +296,7 @@ async fn a_started_container_streams_the_agent_stages_and_its_failure() {
     let state = c.state.clone().unwrap();
     assert_eq!(state.running, Some(false));
     let labels = c.config.as_ref().unwrap().labels.clone().unwrap();
-    assert_eq!(labels[LABEL_RUN], w.run.0);
+    assert_eq!(labels[LABEL_RUN], w.run.as_str());
     assert_eq!(labels[LABEL_NODE], "w-0");
     assert_eq!(labels[LABEL_ATTEMPT], "1");
     assert_eq!(labels[LABEL_GROUP], "w");
@@ -531,7 +531,7 @@ async fn a_container_of_another_key_is_never_adopted_or_removed() {
     let name = DockerProvider::container_name(&key);
     // A container of the key's name whose labels name another attempt.
     let labels = HashMap::from([
-        (LABEL_RUN.to_owned(), w.run.0.clone()),
+        (LABEL_RUN.to_owned(), w.run.as_str().to_owned()),
         (LABEL_NODE.to_owned(), "w-0".to_owned()),
         (LABEL_ATTEMPT.to_owned(), "9".to_owned()),
     ]);
