@@ -691,8 +691,8 @@ pub fn reconcile_node_gated(
     now: Timestamp,
     gates: &mut RolloutGates<'_>,
 ) -> NodeDecision {
-    // A node a restarted driver adopted with an older template re-attaches
-    // as if its template were still desired, until it is ready (then row 17
+    // A node a restarted driver adopted re-attaches with its own template,
+    // even one its slot no longer wants, until it is ready (then row 17
     // rolls it within budget) or fails (then it is replaced at once).
     let resuming = node.record.resuming
         && node.intent == Intent::Active

@@ -612,20 +612,24 @@ impl Driver {
             // The desired template is shared by Arc. An older one the slot
             // is known to run (with a listed lease) is kept while the node
             // resumes, so its group's rollout replaces it within budget.
+            // Every node kept with a listed lease resumes: one whose
+            // template a shape changes before it is ready again is rolled
+            // like the others, not replaced at once.
             let desired = self.desired.slot(&node);
-            let (template, keep, resuming) = match (entry.template, desired) {
-                (Some(t), Some(d)) if same_template(&t, d) => (d.clone(), true, false),
+            let (template, keep) = match (entry.template, desired) {
+                (Some(t), Some(d)) if same_template(&t, d) => (d.clone(), true),
                 (Some(t), Some(_)) if entry.lease.is_some() => {
                     report.drifted.push(key.clone());
-                    (t, true, true)
+                    (t, true)
                 }
                 _ => {
                     if desired.is_some() {
                         report.drifted.push(key.clone());
                     }
-                    (retired_template(), false, false)
+                    (retired_template(), false)
                 }
             };
+            let resuming = keep && entry.lease.is_some();
             let mut managed = ManagedNode::new(key.attempt, template, entry.failures);
             if !keep {
                 // Failures of a template the slot no longer runs.

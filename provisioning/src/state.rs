@@ -207,10 +207,11 @@ pub struct NodeRecord {
     pub last_error: Option<String>,
     /// When a destroyed, still-desired slot may start its next attempt.
     pub restart_at: Option<Timestamp>,
-    /// Adopted by a restarted driver while it runs an older template than
-    /// its slot's (one the journal kept): it re-attaches and may become
-    /// ready again before its group's rollout replaces it within budget,
-    /// instead of being replaced at once. Cleared when it becomes ready.
+    /// Adopted by a restarted driver, with a listed lease, and not ready
+    /// since: while it re-attaches, a template it runs that is not (or no
+    /// longer) its slot's does not replace it at once; it may become ready
+    /// again, and then its group's rollout replaces it within budget.
+    /// Cleared when it becomes ready.
     #[serde(default)]
     pub resuming: bool,
 }
