@@ -866,7 +866,9 @@ impl Driver {
         self.state.observed_generation = Some(self.desired.generation);
         let mut pass = Pass {
             number: self.stats.passes,
-            dispatches: Vec::new(),
+            // Most actions dispatch: sized once rather than grown (and
+            // copied) over a large pass; an empty plan allocates nothing.
+            dispatches: Vec::with_capacity(plan.actions.len()),
             transitioned: Vec::new(),
             stats: PassStats {
                 nodes: self.state.nodes.len(),
