@@ -155,6 +155,10 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
         key,
         token: credentials.token.clone(),
     };
+    // The jobs link: the daemon sends runs over a connection this agent
+    // dials, for as long as the agent lives.
+    let jobs = crate::jobs::agent::AgentJobs::new(&opts.dir, opts.node.clone(), opts.attempt);
+    tokio::spawn(jobs.serve(endpoint.clone(), ticket.clone(), join.clone()));
     let mut joined_once = false;
     let mut failures = 0u32;
     // From here on SIGTERM is caught (tokio keeps the handler for the life

@@ -15,6 +15,7 @@ mod control;
 mod daemon;
 mod guard;
 mod http;
+mod jobs;
 mod journal;
 mod logs;
 mod progress;
@@ -232,12 +233,58 @@ resume`.",
         #[arg(long, short = 'f')]
         follow: bool,
     },
+    /// Run a command on the cluster's ready nodes, streaming their output.
+    #[command(after_help = "Examples:
+  swactor run --all -- hostname                          every ready node
+  swactor run --group gpu --workspace . -- ./train.sh    ship a directory, run in it
+  swactor run --nodes worker-0 worker-1 --output 'out/*' -- make
+  swactor run --all --timeout 60 --env SEED=3 -- ./bench
+
+Output lines are prefixed by their node. The exit code is the worst of the
+runs' exit codes. Outputs go to ./outputs/JOB/NODE/. Ctrl-C cancels the job on
+every node (its process group is killed).")]
+    Run(jobs::cli::RunArgs),
+    /// List the jobs.
+    Jobs {
+        /// As JSON (every field, including the bytes each run was shipped).
+        #[arg(long)]
+        json: bool,
+    },
+    /// One job: its output, or cancel it.
+    #[command(subcommand)]
+    Job(JobCommand),
     /// The node agent (started by providers, not by hand).
     #[command(hide = true)]
     Agent(agent::AgentOptions),
 }
 
+/// `swactor job …`.
+#[derive(Debug, Subcommand)]
+enum JobCommand {
+    /// Replay a job's output, prefixed by node.
+    Logs {
+        /// The job (`job-3` or `3`).
+        id: String,
+        /// Only this node's output.
+        #[arg(long)]
+        node: Option<String>,
+    },
+    /// Cancel a job on every node it still runs on.
+    Cancel {
+        /// The job (`job-3` or `3`).
+        id: String,
+    },
+}
+
 fn main() {
+    // `swactor job-exec --parent PID -- CMD…`: how an agent starts a run;
+    // it becomes CMD before anything else starts (no runtime, no threads).
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("job-exec") {
+        let parent = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
+        let argv = args.get(5..).unwrap_or_default();
+        std::process::exit(jobs::agent::exec(parent, argv));
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -347,6 +394,14 @@ fn main() {
                     follow,
                 };
                 logs::logs(&state_dir, &opts).await
+            }
+            Command::Run(args) => jobs::cli::run(&state_dir, args).await,
+            Command::Jobs { json } => jobs::cli::list(&state_dir, json).await.map(|()| 0),
+            Command::Job(JobCommand::Logs { id, node }) => {
+                jobs::cli::logs(&state_dir, &id, node).await.map(|()| 0)
+            }
+            Command::Job(JobCommand::Cancel { id }) => {
+                jobs::cli::cancel(&state_dir, &id).await.map(|()| 0)
             }
             Command::Agent(opts) => agent::run(opts).await,
         }
