@@ -362,8 +362,13 @@ impl AgentJobs {
         argv: &[String],
         env: &[(String, String)],
     ) -> Result<Arc<Run>, String> {
-        let exe = std::env::current_exe()
-            .map_err(|e| format!("cannot find the agent's own binary: {e}"))?;
+        // This very binary, even if the file was replaced since it started.
+        let exe = if Path::new("/proc/self/exe").exists() {
+            PathBuf::from("/proc/self/exe")
+        } else {
+            std::env::current_exe()
+                .map_err(|e| format!("cannot find the agent's own binary: {e}"))?
+        };
         let mut child = tokio::process::Command::new(exe)
             .arg("job-exec")
             .arg("--parent")

@@ -76,6 +76,7 @@ impl JobLimits {
 
 /// Where a job or a run is.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
 pub(crate) enum JobState {
     /// Accepted, nothing sent yet.
     Queued,
@@ -1083,7 +1084,7 @@ impl JobService {
                     break c;
                 }
                 if let Some(why) = self.superseded(&run.node, run.attempt).await {
-                    return Outcome::fail(JobState::Lost, format!("lost: {why} while the run ran"));
+                    return Outcome::fail(JobState::Lost, format!("{why} while the run ran"));
                 }
                 if self
                     .wait_link(&run.node, run.attempt, self.inner.limits.reattach_wait)
@@ -1093,7 +1094,7 @@ impl JobService {
                     return Outcome::fail(
                         JobState::Lost,
                         format!(
-                            "lost: the agent of {} attempt {} did not come back within {} s",
+                            "the agent of {} attempt {} did not come back within {} s",
                             run.node,
                             run.attempt,
                             self.inner.limits.reattach_wait.as_secs()
