@@ -140,7 +140,11 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
         &state,
         Some(&shape),
         &[],
-        &[("SWACTOR_JOB_WORKSPACE_MAX_BYTES", limit.as_str())],
+        &[
+            ("SWACTOR_JOB_WORKSPACE_MAX_BYTES", limit.as_str()),
+            ("SWACTOR_JOB_OUTPUT_MAX_BYTES", "1000000"),
+            ("SWACTOR_JOB_RUNS_PER_NODE_MAX", "1"),
+        ],
     )
     .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
     ready(&state, 4);
@@ -225,12 +229,18 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
     }
     let ws_arg = ws.to_str().unwrap();
     let total = 50_000_000 + 6 + std::fs::metadata(ws.join("run.sh")).unwrap().len();
+    // Two nodes are enough to see it per node and keep the test short.
+    let two = [
+        "--nodes",
+        "worker-0",
+        "worker-3",
+        "--workspace",
+        ws_arg,
+        "--",
+        "./run.sh",
+    ];
     let started = Instant::now();
-    let o = run(
-        root,
-        &state,
-        &["--all", "--workspace", ws_arg, "--", "./run.sh"],
-    );
+    let o = run(root, &state, &two);
     let first_s = started.elapsed().as_secs_f64();
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
@@ -245,21 +255,17 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
     }
     std::fs::write(ws.join("params.txt"), "beta!\n").unwrap();
     let started = Instant::now();
-    let o = run(
-        root,
-        &state,
-        &["--all", "--workspace", ws_arg, "--", "./run.sh"],
-    );
+    let o = run(root, &state, &two);
     let second_s = started.elapsed().as_secs_f64();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    assert!(stdout(&o).contains("[worker-1] beta!"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("[worker-3] beta!"), "{}", stdout(&o));
     let second = job(&state, "job-4");
     for r in second["runs"].as_array().unwrap() {
         assert_eq!(r["shipped_bytes"].as_u64(), Some(6), "only params.txt: {r}");
         assert_eq!(r["shipped_chunks"].as_u64(), Some(1), "{r}");
     }
     eprintln!(
-        "jobs: 50 MB workspace to 4 nodes in {first_s:.1} s; one changed file in {second_s:.1} s"
+        "jobs: 50 MB workspace to 2 nodes in {first_s:.1} s; one changed file in {second_s:.1} s"
     );
 
     // Bad input: clear errors, nothing started, nothing left half-shipped.
@@ -328,6 +334,34 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
         "{}",
         stderr(&o)
     );
+    // Outputs over the limit are refused with the numbers, and none is kept.
+    let o = run(
+        root,
+        &state,
+        &[
+            "--nodes",
+            "worker-0",
+            "--output",
+            "big.out",
+            "--",
+            "sh",
+            "-c",
+            "head -c 2000000 /dev/zero > big.out",
+        ],
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "add up to 2.0 MB (2000000 bytes), more than the limit of 1.0 MB (1000000 bytes)"
+        ),
+        "{err}"
+    );
+    let id = jobs(&state).pop().unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(!root.join("outputs").join(&id).exists());
     // Every run was collected and forgotten by its agent.
     wait_for(
         Duration::from_secs(10),
@@ -359,6 +393,14 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
     });
     let remote = pids_in(&pids);
     assert!(remote.iter().all(|p| !gone(*p)), "{remote:?}");
+    // One run per node at a time here: another job on a busy node is refused.
+    let o = run(root, &state, &["--nodes", "worker-0", "--", "true"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("worker-0 already has 1 run(s) under way, the most one node may have (SWACTOR_JOB_RUNS_PER_NODE_MAX=1)"),
+        "{}",
+        stderr(&o)
+    );
     let sent = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
@@ -391,14 +433,17 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
     let shape = shape_file(root, "two.toml", &workers("jobs-restart", 2));
     let mut d = Daemon::start(&state, &shape);
     ready(&state, 2);
+    let marks = root.join("marks");
+    std::fs::create_dir_all(&marks).unwrap();
+    let env = format!("MARKS={}", marks.display());
     let child = Command::new(BIN)
-        .args(["run", "--all", "--output", "r.txt", "--state-dir"])
+        .args(["run", "--all", "--output", "r.txt", "--env", &env, "--state-dir"])
         .arg(&state)
         .args([
             "--",
             "sh",
             "-c",
-            "echo before; sleep 4; echo after; echo $SWACTOR_NODE > r.txt",
+            "echo before; touch $MARKS/$SWACTOR_NODE; sleep 4; echo after; echo $SWACTOR_NODE > r.txt",
         ])
         .current_dir(root)
         .stdin(Stdio::null())
@@ -406,11 +451,15 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for(Duration::from_secs(20), "both runs running", || {
-        jobs(&state)
-            .first()
-            .is_some_and(|j| run_states(j).iter().all(|(_, s)| s == "running"))
+    // Both commands have started on their nodes.
+    wait_for(Duration::from_secs(20), "both runs started", || {
+        std::fs::read_dir(&marks).map(|d| d.count()).unwrap_or(0) == 2
     });
+    assert!(
+        run_states(&jobs(&state)[0])
+            .iter()
+            .all(|(_, s)| s == "running")
+    );
     d.kill9();
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(1));
@@ -422,19 +471,23 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
 
     // The restarted daemon (which flips a byte of every chunk it sends)
     // follows the run again and collects it.
-    let _d = Daemon::spawn_env(&state, None, &[], &[("SWACTOR_FAULT_TAMPER_CHUNKS", "1")])
+    let d2 = Daemon::spawn_env(&state, None, &[], &[("SWACTOR_FAULT_TAMPER_CHUNKS", "1")])
         .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
-    wait_for(
-        Duration::from_secs(30),
-        "job-1 to succeed after the restart",
-        || {
-            job(&state, "job-1")["runs"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|r| r["state"] == "succeeded")
-        },
-    );
+    let start = Instant::now();
+    while !job(&state, "job-1")["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["state"] == "succeeded")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "job-1 did not succeed after the restart: {:#}\n{}",
+            job(&state, "job-1"),
+            d2.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let j = job(&state, "job-1");
     let logs = cli(&state, &["job", "logs", "job-1"]);
     let text = stdout(&logs);

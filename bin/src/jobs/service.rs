@@ -786,18 +786,19 @@ impl JobService {
         }
     }
 
-    /// Whether the cluster has moved on from (node, attempt): another
-    /// attempt, or no such node.
+    /// Whether the cluster has moved on from (node, attempt): the node now
+    /// runs a later attempt. (A node missing from the snapshot proves
+    /// nothing: a daemon that just restarted may not list it yet; the
+    /// reattach wait covers that case.)
     async fn superseded(&self, node: &str, attempt: u64) -> Option<String> {
         let snap = self.inner.cluster.snapshot().await.ok()?;
-        match snap.nodes.iter().find(|n| n.node.to_string() == node) {
-            None => Some(format!("{node} is gone from the cluster")),
-            Some(n) if n.attempt.0 != attempt => Some(format!(
+        let n = snap.nodes.iter().find(|n| n.node.to_string() == node)?;
+        (n.attempt.0 > attempt).then(|| {
+            format!(
                 "{node} attempt {attempt} was replaced by attempt {}",
                 n.attempt.0
-            )),
-            Some(_) => None,
-        }
+            )
+        })
     }
 
     /// Drives job `seq`: a child task per run, the timeout, then the end.
@@ -1079,6 +1080,7 @@ impl JobService {
         let mut pending: Vec<u8> = Vec::new();
         let mut cancel_sent = false;
         let exit = 'attach: loop {
+            let away_until = tokio::time::Instant::now() + self.inner.limits.reattach_wait;
             let conn = loop {
                 if let Some(c) = self.link(&run.node, run.attempt) {
                     break c;
@@ -1086,11 +1088,7 @@ impl JobService {
                 if let Some(why) = self.superseded(&run.node, run.attempt).await {
                     return Outcome::fail(JobState::Lost, format!("{why} while the run ran"));
                 }
-                if self
-                    .wait_link(&run.node, run.attempt, self.inner.limits.reattach_wait)
-                    .await
-                    .is_none()
-                {
+                if tokio::time::Instant::now() >= away_until {
                     return Outcome::fail(
                         JobState::Lost,
                         format!(
@@ -1101,6 +1099,10 @@ impl JobService {
                         ),
                     );
                 }
+                // Looked at again twice a second: the node may be replaced meanwhile.
+                let _ = self
+                    .wait_link(&run.node, run.attempt, Duration::from_millis(500))
+                    .await;
             };
             if stop.borrow().is_some() && !cancel_sent {
                 cancel_sent = true;
