@@ -185,7 +185,7 @@ pub(crate) fn describe<C: Reconciler>(
     Some(NodeDescription {
         node: node.clone(),
         summary: summary(host, node),
-        desired: host.core().desired().slot(node).is_some(),
+        desired: host.core().desires(node),
         lease: current.and_then(|n| n.record.lease.as_ref().map(|l| l.0.clone())),
         bootstrap: current.and_then(|n| n.record.bootstrap),
         failed_reason: current.and_then(|n| n.record.failed_reason.clone()),

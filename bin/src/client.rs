@@ -552,12 +552,27 @@ fn rollout_lines(out: &mut Out, file: &ShapeFile, report: &PlanReport) -> std::i
         .iter()
         .filter(|g| replaced.contains(g.id.as_str()))
     {
-        out.line(format_args!(
-            "group {}: ready nodes are replaced {} at a time (max_unavailable), in slot order; \
-             a replacement that fails stops the rollout, and `swactor status` says why",
-            g.id,
-            g.policy.max_unavailable_of(g.count)
-        ))?;
+        let surge = g.policy.max_surge_of(g.count);
+        if surge == 0 {
+            out.line(format_args!(
+                "group {}: ready nodes are replaced {} at a time (max_unavailable), in slot order; \
+                 a replacement that fails stops the rollout, and `swactor status` says why",
+                g.id,
+                g.policy.max_unavailable_of(g.count)
+            ))?;
+        } else {
+            out.line(format_args!(
+                "group {}: {surge} surge node(s) ({}-{} and up) are added first, then ready nodes \
+                 are replaced in slot order keeping at least {} ready (max_unavailable {}, \
+                 max_surge {surge}); the surge nodes go once the group is ready with the new \
+                 template; a replacement that fails stops the rollout, and `swactor status` says why",
+                g.id,
+                g.id,
+                g.count,
+                g.count - g.policy.max_unavailable_of(g.count).min(g.count),
+                g.policy.max_unavailable_of(g.count),
+            ))?;
+        }
     }
     Ok(())
 }

@@ -36,19 +36,21 @@ pub(crate) fn refusal(e: &ClusterError) -> String {
     match e {
         ClusterError::Apply(ApplyError::OverCapacity {
             nodes,
+            surge,
             capacity,
             basis,
         }) if basis.contains("`capacity`") => format!(
-            "the shape asks for {nodes} nodes, more than its own `capacity` of {capacity}; \
-             nothing was changed"
+            "the shape asks for {nodes} nodes{surge}, more than its own `capacity` of \
+             {capacity}; nothing was changed"
         ),
         ClusterError::Apply(ApplyError::OverCapacity {
             nodes,
+            surge,
             capacity,
             basis,
         }) => format!(
-            "the shape asks for {nodes} nodes, but {basis} allows at most {capacity}; nothing \
-             was changed (a top-level `capacity = N` in the shape allows more)"
+            "the shape asks for {nodes} nodes{surge}, but {basis} allows at most {capacity}; \
+             nothing was changed (a top-level `capacity = N` in the shape allows more)"
         ),
         ClusterError::Apply(ApplyError::Update(UpdateError::Invalid(e))) => {
             format!(

@@ -659,7 +659,10 @@ async fn confirm_start(
 ) -> Result<()> {
     let current = image
         .and_then(|i| i.meta.shape.as_ref())
-        .map_or(0, swactor_provisioning::ClusterShape::node_count);
+        .map_or(0, |s| {
+            s.validate()
+                .map_or_else(|_| s.node_count(), |d| d.peak_node_count())
+        });
     if let Some(refused) = crate::shapefile::over_own_capacity(shape, current) {
         anyhow::bail!("{refused}");
     }

@@ -336,12 +336,21 @@ impl ShapeFile {
 /// nodes past the shape's own `capacity`; as the daemon decides, a shape may
 /// always shrink.
 pub(crate) fn over_own_capacity(shape: &ClusterShape, current: u64) -> Option<String> {
-    let nodes = shape.node_count();
     let capacity = shape.capacity?;
+    // Counted at the peak of a rollout: surge nodes are machines too.
+    let (nodes, surge) = match shape.validate() {
+        Ok(d) => (d.peak_node_count(), d.peak_node_count() - d.node_count()),
+        Err(_) => (shape.node_count(), 0),
+    };
+    let with_surge = if surge > 0 {
+        format!(" (counting up to {surge} surge node(s) of a rollout)")
+    } else {
+        String::new()
+    };
     (nodes > capacity && nodes > current).then(|| {
         format!(
-            "the shape asks for {nodes} nodes, more than its own `capacity` of {capacity}; \
-             nothing was changed"
+            "the shape asks for {nodes} nodes{with_surge}, more than its own `capacity` of \
+             {capacity}; nothing was changed"
         )
     })
 }

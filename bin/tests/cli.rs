@@ -636,8 +636,8 @@ fn the_cli_checks_its_input_offline() {
             "bad.toml:4:9",
         ),
         (
-            "run = \"x\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\nmax_surge = 1\n",
-            "groups[0].max_surge is 1, but surge is not supported yet",
+            "run = \"x\"\ncapacity = 2\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\nmax_surge = 1\n",
+            "the shape asks for 3 nodes (counting up to 1 surge node(s) of a rollout), more than its own `capacity` of 2",
         ),
         (
             "run = \"x\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\nmax_unavailable = \"150%\"\n",

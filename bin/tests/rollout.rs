@@ -109,6 +109,57 @@ fn a_six_node_group_rolled_to_a_new_template_never_has_fewer_than_five_ready() {
 }
 
 #[test]
+fn a_surge_rolls_six_nodes_without_ever_having_fewer_than_six_ready() {
+    let started = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let budget = "max_unavailable = 0\nmax_surge = 1";
+    let v1 = shape_file(
+        tmp.path(),
+        "v1.toml",
+        &six("surge", &format!("boot_check = [\"true\"]\n{budget}")),
+    );
+    let v2 = shape_file(
+        tmp.path(),
+        "v2.toml",
+        &six("surge", &format!("boot_check = [\"true\", \"v2\"]\n{budget}")),
+    );
+    let _d = Daemon::start(&state, &v1);
+    let before = attempts(&wait_converged(&state, CONVERGE, |s| ready(s) == 6));
+    let said = apply(&state, &v2);
+    assert!(
+        said.contains("group worker: 1 surge node(s) (worker-6 and up) are added first"),
+        "{said}"
+    );
+    let (mut fewest, mut most, mut surged) = (usize::MAX, 0, false);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let last = loop {
+        let s = status(&state).expect("a status");
+        fewest = fewest.min(ready(&s));
+        most = most.max(s.nodes.len());
+        surged |= s.nodes.iter().any(|n| n.node.to_string() == "worker-6");
+        let rolled = (0..6).all(|i| {
+            let n = format!("worker-{i}");
+            attempts(&s).get(&n).is_some_and(|a| before[&n] != *a)
+        });
+        if s.converged && rolled {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "not rolled within 60 s: {s:#?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!(
+        "rolled 6 nodes with a surge in {:?}; fewest ready {fewest}, most nodes {most}",
+        started.elapsed()
+    );
+    assert!(surged, "worker-6 was made as the surge node");
+    assert_eq!(fewest, 6, "never fewer than 6 ready");
+    assert_eq!(most, 7, "6 nodes and 1 surge node at most");
+    assert_eq!(last.nodes.len(), 6, "the surge node is gone: {:?}", attempts(&last));
+    assert!(last.holds.is_empty(), "{:?}", holds(&last));
+}
+
+#[test]
 fn a_template_whose_boot_check_fails_stops_after_the_first_replacement() {
     let started = Instant::now();
     let tmp = tempfile::tempdir().unwrap();

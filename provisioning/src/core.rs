@@ -110,6 +110,13 @@ pub trait Reconciler {
     fn is_paused(&self) -> bool;
     /// See [`Driver::rollout_holds`].
     fn rollout_holds(&self) -> Vec<RolloutStatus>;
+    /// Whether slot `id` is desired now: one of its group's `count` slots,
+    /// or one of the surge slots a rollout adds ([`surge`](crate::surge)).
+    fn desires(&self, id: &LogicalNodeId) -> bool {
+        self.desired()
+            .group(&id.group)
+            .is_some_and(|g| id.index < g.count + crate::decide::surge(self.state(), g))
+    }
     /// See [`Driver::set_tripped`].
     fn set_tripped(&mut self, tripped: BTreeSet<GroupId>);
     /// See [`Driver::breaker`].

@@ -382,9 +382,13 @@ pub fn reconcile_node_paused(
 /// The rollout budgets of one pass: which ready nodes of an outdated
 /// template may begin deleting (row 4) and which wait (row 17).
 ///
-/// A group's budget is its resolved `max_unavailable` minus its desired
-/// slots that are not ready now (missing, starting, failed, deleting: as
-/// Cluster API counts them). Ready nodes of another template than their
+/// A group's budget is what keeps at least `count - max_unavailable` of its
+/// nodes ready: its ready nodes (in its desired slots, surge slots
+/// included, whatever their template) plus its resolved `max_unavailable`,
+/// minus its `count`. Without a surge that is `max_unavailable` minus the
+/// desired slots that are not ready now (missing, starting, failed,
+/// deleting: as Cluster API counts them); a ready surge node adds one.
+/// Ready nodes of another template than their
 /// slot's are admitted in slot order while budget is left, each one taking a
 /// unit. None is admitted while the group's rollout is *stopped*: a desired
 /// slot holds a node of the new template that is not ready and has failed
@@ -449,7 +453,7 @@ impl<'a> RolloutGates<'a> {
             };
             let status = group_status(self.state, g);
             let budget = GroupBudget {
-                left: status.max_unavailable.saturating_sub(status.unavailable),
+                left: status.budget_left(),
                 stopped: status.stopped.is_some(),
             };
             self.current = Some((id.group.clone(), budget));
@@ -470,9 +474,13 @@ impl<'a> RolloutGates<'a> {
 pub struct RolloutStatus {
     /// The group.
     pub group: GroupId,
-    /// Its desired slots.
+    /// Its desired slots (its `count`, without surge slots).
     pub nodes: u32,
-    /// Desired slots that are not ready (missing, starting, failed, deleting).
+    /// Its ready nodes, surge slots included.
+    pub ready: u32,
+    /// Surge slots it has now (see [`surge`]).
+    pub surge: u32,
+    /// How far ready nodes are below `nodes` (0 when a surge makes up for it).
     pub unavailable: u32,
     /// The resolved `max_unavailable`.
     pub max_unavailable: u32,
@@ -495,10 +503,15 @@ pub struct RolloutStop {
 }
 
 impl RolloutStatus {
+    /// How many more ready nodes may be taken down now: as many as keep
+    /// `nodes - max_unavailable` of them ready.
+    pub fn budget_left(&self) -> u32 {
+        (self.ready + self.max_unavailable).saturating_sub(self.nodes)
+    }
+
     /// True when ready, outdated nodes wait: the budget is spent or the rollout stopped.
     pub fn is_holding(&self) -> bool {
-        self.outdated_ready > 0
-            && (self.stopped.is_some() || self.unavailable >= self.max_unavailable)
+        self.outdated_ready > 0 && (self.stopped.is_some() || self.budget_left() == 0)
     }
 }
 
@@ -521,23 +534,36 @@ impl fmt::Display for RolloutStatus {
                     "; {waiting} node(s) of the old template are kept until that node is ready or a fixed template is applied"
                 )
             }
-            None => write!(
-                f,
-                "rolling out: {waiting} node(s) of the old template wait; {} of max {} unavailable",
-                self.unavailable, self.max_unavailable
-            ),
+            None => {
+                write!(
+                    f,
+                    "rolling out: {waiting} node(s) of the old template wait; {} of max {} unavailable",
+                    self.unavailable, self.max_unavailable
+                )?;
+                if self.surge > 0 {
+                    write!(
+                        f,
+                        "; {} of {} ready with {} surge node(s)",
+                        self.ready,
+                        self.nodes + self.surge,
+                        self.surge
+                    )?;
+                }
+                Ok(())
+            }
         }
     }
 }
 
 /// Where the rollout of group `g` stands in `state`.
 pub fn group_status(state: &ClusterState, g: &DesiredGroup) -> RolloutStatus {
+    let surge = surge(state, g);
     let mut ready = 0u32;
     let mut outdated_ready = 0u32;
     let mut stopped = None;
     let first = LogicalNodeId::new(g.id.clone(), 0);
     for (id, n) in state.nodes.range(first..) {
-        if !id.group.same(&g.id) || id.index >= g.count {
+        if !id.group.same(&g.id) || id.index >= g.count + surge {
             break;
         }
         let current = same_template(&n.template, &g.template);
@@ -559,11 +585,60 @@ pub fn group_status(state: &ClusterState, g: &DesiredGroup) -> RolloutStatus {
     RolloutStatus {
         group: g.id.clone(),
         nodes: g.count,
-        unavailable: g.count - ready,
+        ready,
+        surge,
+        unavailable: g.count.saturating_sub(ready),
         max_unavailable: g.policy.max_unavailable_of(g.count),
         outdated_ready,
         // A failing node stops only a rollout that has nodes left to take.
         stopped: stopped.filter(|_| outdated_ready > 0),
+    }
+}
+
+/// How many surge slots group `g` has in `state`: slots above its `count`
+/// (`worker-6`, `worker-7` for a group of six) that a rollout adds with the
+/// group's template, so ready nodes of the old template can be taken down
+/// while `count - max_unavailable` stay ready even with `max_unavailable`
+/// 0. A surge slot is a slot like any other, with its own identity and one
+/// attempt at a time; it is simply desired only while the rollout needs it.
+///
+/// It is the group's resolved `max_surge` while a rollout runs, 0 otherwise.
+/// A rollout runs while one of the group's `count` slots holds a ready,
+/// Active node of another template than the group's (there is something to
+/// take down), and then, once a surge slot holds an Active node, until every
+/// one of the `count` slots is ready with the group's template (so the last
+/// replaced node is up before the surge nodes go). Surge slots that are no
+/// longer wanted are deleted like any slot a scale-down removes: the
+/// highest first, whatever their state.
+///
+/// A pure function of `state` and `g`: a full pass and an incremental one
+/// see the same surge.
+pub fn surge(state: &ClusterState, g: &DesiredGroup) -> u32 {
+    let max = g.policy.max_surge_of(g.count);
+    if max == 0 {
+        return 0;
+    }
+    let mut outdated_ready = false;
+    let mut settled = 0u32;
+    let mut surging = false;
+    let first = LogicalNodeId::new(g.id.clone(), 0);
+    for (id, n) in state.nodes.range(first..) {
+        if !id.group.same(&g.id) || id.index >= g.count + max {
+            break;
+        }
+        let active = n.intent == Intent::Active;
+        if id.index >= g.count {
+            surging |= active;
+            continue;
+        }
+        let current = same_template(&n.template, &g.template);
+        outdated_ready |= active && !current && n.is_ready();
+        settled += u32::from(current && n.is_ready() && active);
+    }
+    if outdated_ready || (surging && settled < g.count) {
+        max
+    } else {
+        0
     }
 }
 
@@ -726,16 +801,18 @@ pub(crate) fn walk(
         while let Some((id, node)) = nodes.next_if(|(id, _)| id.group < g.id) {
             visit(id, reconcile_node(id, node, None, now));
         }
+        // Its desired slots: `count`, and the surge slots a rollout adds.
+        let extent = g.count + surge(state, g);
         let mut next_missing = 0u32;
         while let Some((id, node)) = nodes.next_if(|(id, _)| id.group.same(&g.id)) {
-            for index in next_missing..id.index.min(g.count) {
+            for index in next_missing..id.index.min(extent) {
                 insert(&mut visit, g, index);
             }
             next_missing = next_missing.max(id.index.saturating_add(1));
-            let t = (id.index < g.count).then_some(&g.template);
+            let t = (id.index < extent).then_some(&g.template);
             visit(id, reconcile_node(id, node, t, now));
         }
-        for index in next_missing..g.count {
+        for index in next_missing..extent {
             insert(&mut visit, g, index);
         }
     }

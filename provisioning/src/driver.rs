@@ -350,6 +350,9 @@ pub struct Driver {
     eval: Eval,
     paused: bool,
     tripped: BTreeSet<GroupId>,
+    /// The surge slots of each group that has some, as of the last pass
+    /// ([`surge`](crate::surge)); a change makes the next pass a full one.
+    surges: BTreeMap<GroupId, u32>,
 }
 
 impl Driver {
@@ -369,6 +372,7 @@ impl Driver {
             eval: Eval::default(),
             paused: false,
             tripped: BTreeSet::new(),
+            surges: BTreeMap::new(),
         })
     }
 
@@ -839,6 +843,7 @@ impl Driver {
     /// Decides the candidates of this pass; with `commit`, also updates the
     /// evaluation index (clears dirt, records new wake-ups).
     fn decide(&mut self, now: Timestamp, commit: bool) -> Plan {
+        self.refresh_surges();
         if self.eval.full {
             let mut plan = Plan::default();
             let mut wakes = Vec::new();
@@ -886,9 +891,9 @@ impl Driver {
                 continue;
             };
             let d = if self.paused {
-                reconcile_node_paused(node, self.desired.slot(id), now)
+                reconcile_node_paused(node, self.slot(id), now)
             } else {
-                reconcile_node_gated(id, node, self.desired.slot(id), now, &mut gates)
+                reconcile_node_gated(id, node, self.slot(id), now, &mut gates)
             };
             plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
             let held = d.row == LadderRow::AwaitRolloutBudget;
@@ -919,6 +924,42 @@ impl Driver {
             }
         }
         plan
+    }
+
+    /// Works out each group's surge slots again; a group whose surge
+    /// changed gains or loses desired slots, which only a full pass sees.
+    /// Costs nothing for groups that cannot surge.
+    fn refresh_surges(&mut self) {
+        let mut changed = false;
+        for g in &self.desired.groups {
+            if g.policy.max_surge_of(g.count) == 0 {
+                changed |= self.surges.remove(&g.id).is_some();
+                continue;
+            }
+            let now = crate::decide::surge(&self.state, g);
+            let before = self.surges.get(&g.id).copied().unwrap_or(0);
+            if now != before {
+                changed = true;
+                if now == 0 {
+                    self.surges.remove(&g.id);
+                } else {
+                    self.surges.insert(g.id.clone(), now);
+                }
+            }
+        }
+        let desired = &self.desired;
+        let before = self.surges.len();
+        self.surges.retain(|g, _| desired.group(g).is_some());
+        changed |= self.surges.len() != before;
+        self.eval.full |= changed;
+    }
+
+    /// The template slot `id` must run: its group's, when `id` is one of
+    /// the group's `count` slots or one of its surge slots.
+    fn slot(&self, id: &LogicalNodeId) -> Option<&Arc<NodeTemplate>> {
+        let g = self.desired.group(&id.group)?;
+        let surge = self.surges.get(&id.group).copied().unwrap_or(0);
+        (id.index < g.count + surge).then_some(&g.template)
     }
 
     /// The remediation breaker of `group` if it is tripped; `away` says

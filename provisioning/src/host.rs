@@ -410,11 +410,13 @@ pub enum ApplyError {
     ShuttingDown,
     /// The shape asks for more nodes than the provider can hold.
     #[error(
-        "the shape asks for {nodes} nodes, but {basis} allows at most {capacity}; nothing was changed (set `capacity` in the shape to override)"
+        "the shape asks for {nodes} nodes{surge}, but {basis} allows at most {capacity}; nothing was changed (set `capacity` in the shape to override)"
     )]
     OverCapacity {
-        /// Nodes the shape asks for.
+        /// Nodes the shape asks for at most (surge slots of a rollout included).
         nodes: u64,
+        /// How the surge adds to `nodes`, said for people (empty without one).
+        surge: String,
         /// The most allowed.
         capacity: u64,
         /// On what that rests.
@@ -1012,13 +1014,29 @@ impl<C: Reconciler> Host<C> {
     /// A malformed shape or one of another run is left for the revision
     /// contract to refuse, with its own clearer reason.
     fn check_capacity(&self, shape: &ClusterShape) -> Result<(), ApplyError> {
-        if shape.run_id != self.meta.run_id || shape.validate().is_err() {
+        if shape.run_id != self.meta.run_id {
             return Ok(());
         }
+        let Ok(next) = shape.validate() else {
+            return Ok(());
+        };
+        // Counted at their peak: a rollout's surge slots are machines too.
+        let peak = |d: &DesiredState, kind: Option<&str>| -> (u64, u64) {
+            d.groups
+                .iter()
+                .filter(|g| kind.is_none_or(|k| g.template.provider.kind == k))
+                .map(|g| (u64::from(g.count), u64::from(g.policy.max_surge_of(g.count))))
+                .fold((0, 0), |(n, s), (gn, gs)| (n + gn + gs, s + gs))
+        };
         // A shape may always shrink, even one already over a limit.
-        let refuse = |nodes: u64, now: u64, capacity: u64, basis: &str| {
+        let refuse = |(nodes, surge): (u64, u64), now: u64, capacity: u64, basis: &str| {
             (nodes > capacity && nodes > now).then(|| ApplyError::OverCapacity {
                 nodes,
+                surge: if surge > 0 {
+                    format!(" (counting up to {surge} surge node(s) of a rollout)")
+                } else {
+                    String::new()
+                },
                 capacity,
                 basis: basis.to_owned(),
             })
@@ -1027,8 +1045,8 @@ impl<C: Reconciler> Host<C> {
         if let Some(capacity) = shape.capacity {
             // The shape's own limit overrides the providers' estimates.
             return match refuse(
-                shape.node_count(),
-                desired.node_count(),
+                peak(&next, None),
+                peak(desired, None).0,
                 capacity,
                 "the shape's `capacity`",
             ) {
@@ -1037,19 +1055,8 @@ impl<C: Reconciler> Host<C> {
             };
         }
         for c in &self.config.capacities {
-            let nodes: u64 = shape
-                .groups
-                .iter()
-                .filter(|g| g.provider.kind == c.kind)
-                .map(|g| u64::from(g.count))
-                .sum();
-            let now: u64 = desired
-                .groups
-                .iter()
-                .filter(|g| g.template.provider.kind == c.kind)
-                .map(|g| u64::from(g.count))
-                .sum();
-            if let Some(e) = refuse(nodes, now, c.nodes, &c.basis) {
+            let now = peak(desired, Some(c.kind.as_str())).0;
+            if let Some(e) = refuse(peak(&next, Some(c.kind.as_str())), now, c.nodes, &c.basis) {
                 return Err(e);
             }
         }
@@ -1791,8 +1798,9 @@ impl<C: Reconciler> Host<C> {
     /// Before a pass, makes sure every attempt id it may hand out is covered
     /// by a durable reservation. True if a persist had to be queued.
     fn reserve_attempts(&mut self) -> bool {
-        // A pass gives at most one new attempt to each desired slot.
-        let bound = self.core.desired().node_count().saturating_add(1);
+        // A pass gives at most one new attempt to each desired slot (surge
+        // slots included).
+        let bound = self.core.desired().peak_node_count().saturating_add(1);
         let next = self.core.state().next_attempt;
         if next.saturating_add(bound) <= self.meta.attempts_reserved {
             return false;

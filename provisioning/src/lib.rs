@@ -42,7 +42,7 @@ pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
 pub use core::Reconciler;
 pub use decide::{
     Change, DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, RolloutGates,
-    RolloutStatus, RolloutStop, ShapeDiff, allowed_while_paused, breaker, diff, group_status,
+    RolloutStatus, RolloutStop, ShapeDiff, allowed_while_paused, breaker, diff, group_status, surge,
     is_converged, reconcile, reconcile_node, reconcile_node_gated, reconcile_node_paused,
     reconcile_paused, reconcile_with, rollout_holds,
 };

@@ -6,9 +6,10 @@
 //! percentage of the group's slot count, resolved the way Kubernetes resolves
 //! `maxUnavailable`, `maxSurge` and `maxUnhealthy`:
 //!
-//! - `max_unavailable` rounds a percentage **down, but to at least 1** (a
-//!   rollout always makes progress);
-//! - `max_surge` rounds **up** (only `0` is accepted for now);
+//! - `max_unavailable` rounds a percentage **down, but to at least 1** when
+//!   there is no surge (a rollout always makes progress); with a surge it
+//!   may be 0, since the surge nodes make the room;
+//! - `max_surge` rounds **up**;
 //! - `max_unhealthy` rounds **down**, and may resolve to 0 (any unhealthy
 //!   node then holds remediation).
 
@@ -114,8 +115,9 @@ pub struct GroupPolicy {
     /// (not ready) when a ready node of an outdated template is taken down
     /// to be replaced. Default 1.
     pub max_unavailable: Quantity,
-    /// Extra nodes a rollout may make beside the ones it replaces. Only 0
-    /// is supported: replacement is in place, one attempt per slot.
+    /// Extra slots a rollout may add beside the group's `count` while it
+    /// runs (see [`surge`](crate::surge)). Default 0: replacement is in
+    /// place only.
     pub max_surge: Quantity,
     /// When more than this many of the group's slots are unhealthy (failed,
     /// or their agent disconnected), lost nodes are not replaced until the
@@ -135,14 +137,23 @@ impl Default for GroupPolicy {
 
 impl GroupPolicy {
     /// `max_unavailable` for a group of `count` slots: a percentage rounds
-    /// down, and the result is at least 1.
+    /// down, and the result is at least 1 unless the group may surge (then
+    /// 0 is kept: the rollout moves by adding nodes first, as Kubernetes
+    /// does with `maxUnavailable: 0`).
     pub fn max_unavailable_of(&self, count: u32) -> u32 {
-        self.max_unavailable.resolve_down(count).max(1)
+        let n = self.max_unavailable.resolve_down(count);
+        if self.max_surge_of(count) > 0 {
+            n
+        } else {
+            n.max(1)
+        }
     }
 
-    /// `max_surge` for a group of `count` slots: a percentage rounds up.
+    /// `max_surge` for a group of `count` slots: a percentage rounds up,
+    /// and the result is at most `count` (a rollout never more than doubles
+    /// a group).
     pub fn max_surge_of(&self, count: u32) -> u32 {
-        self.max_surge.resolve_up(count)
+        self.max_surge.resolve_up(count).min(count)
     }
 
     /// `max_unhealthy` for a group of `count` slots (a percentage rounds
@@ -202,7 +213,12 @@ mod tests {
         let q = p(Quantity::Percent(25), Quantity::Percent(25));
         assert_eq!(q.max_unavailable_of(10), 2);
         assert_eq!(q.max_surge_of(10), 3);
-        assert_eq!(q.max_unavailable_of(3), 1, "0.75 rounds down, then up to 1");
+        assert_eq!(q.max_unavailable_of(3), 0, "0.75 rounds down; the surge makes room");
+        assert_eq!(
+            p(Quantity::Percent(25), Quantity::Count(0)).max_unavailable_of(3),
+            1,
+            "0.75 rounds down, then up to 1 without a surge"
+        );
         assert_eq!(q.max_surge_of(3), 1);
         assert_eq!(
             p(Quantity::Count(0), Quantity::Count(0)).max_unavailable_of(6),
@@ -213,6 +229,15 @@ mod tests {
             6
         );
         assert_eq!(GroupPolicy::default().max_unavailable_of(6), 1);
+        let surge = p(Quantity::Count(0), Quantity::Count(1));
+        assert_eq!(surge.max_unavailable_of(6), 0, "a surge keeps 0 unavailable");
+        assert_eq!(surge.max_surge_of(6), 1);
+        assert_eq!(p(Quantity::Count(0), Quantity::Count(9)).max_surge_of(4), 4);
+        assert_eq!(
+            p(Quantity::Count(0), Quantity::Count(1)).max_unavailable_of(0),
+            1,
+            "an empty group has no surge, so the floor of 1 applies"
+        );
     }
 
     #[test]

@@ -307,16 +307,6 @@ pub enum ShapeError {
         /// The rejected value, as text.
         value: String,
     },
-    /// `max_surge` above 0: surge rollouts are not supported yet.
-    #[error(
-        "{field} is {value}, but surge is not supported yet: Swactor replaces a node in place (its slot holds one attempt at a time), so a rollout only takes nodes down, up to max_unavailable at a time; leave max_surge out or set it to 0"
-    )]
-    SurgeUnsupported {
-        /// Path of the field.
-        field: String,
-        /// The rejected value, as text.
-        value: String,
-    },
 }
 
 /// Everything about a slot that an attempt is created from. Immutable per
@@ -507,6 +497,15 @@ impl DesiredState {
         self.groups.iter().map(|g| u64::from(g.count)).sum()
     }
 
+    /// The most slots this desired state may have at once: every group's
+    /// `count` and its whole `max_surge` (see [`surge`](crate::surge)).
+    pub fn peak_node_count(&self) -> u64 {
+        self.groups
+            .iter()
+            .map(|g| u64::from(g.count) + u64::from(g.policy.max_surge_of(g.count)))
+            .sum()
+    }
+
     /// Every desired slot, in slot order.
     pub fn specs(&self) -> impl Iterator<Item = LogicalNodeSpec> + '_ {
         self.groups.iter().flat_map(|g| {
@@ -651,12 +650,6 @@ impl ClusterShape {
                         value: format!("{p}%"),
                     });
                 }
-            }
-            if let Some(q) = g.policy.max_surge.filter(|q| !q.is_zero()) {
-                return Err(ShapeError::SurgeUnsupported {
-                    field: format!("groups[{index}].max_surge"),
-                    value: q.to_string(),
-                });
             }
             groups.push(DesiredGroup {
                 id: GroupId::new(&g.id),
@@ -827,7 +820,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn budgets_are_checked_and_surge_is_refused_with_a_reason() {
+    fn budgets_are_checked_and_a_surge_may_keep_every_node_up() {
         let mut s = shape(1, vec![group("w", 4)]);
         assert_eq!(
             s.validate().unwrap().groups[0].policy,
@@ -838,13 +831,17 @@ pub(crate) mod tests {
             s.validate().unwrap_err().to_string(),
             "groups[0].max_unavailable is 101%; a percentage must be between 0% and 100%"
         );
-        s.groups[0].policy.max_unavailable = Some(Quantity::Percent(50));
+        s.groups[0].policy.max_unavailable = Some(Quantity::Count(0));
         s.groups[0].policy.max_surge = Some(Quantity::Count(1));
-        let e = s.validate().unwrap_err().to_string();
-        assert!(
-            e.starts_with("groups[0].max_surge is 1, but surge is not supported yet"),
-            "{e}"
+        let d = s.validate().unwrap();
+        assert_eq!(d.groups[0].policy.max_unavailable_of(4), 0);
+        assert_eq!(d.groups[0].policy.max_surge_of(4), 1);
+        s.groups[0].policy.max_surge = Some(Quantity::Percent(101));
+        assert_eq!(
+            s.validate().unwrap_err().to_string(),
+            "groups[0].max_surge is 101%; a percentage must be between 0% and 100%"
         );
+        s.groups[0].policy.max_unavailable = Some(Quantity::Percent(50));
         s.groups[0].policy.max_surge = Some(Quantity::Percent(0));
         let d = s.validate().unwrap();
         assert_eq!(d.groups[0].policy.max_unavailable_of(4), 2);

@@ -322,3 +322,59 @@ fn a_tripped_breaker_holds_a_failed_slots_restart_but_never_a_new_template() {
         "{creates:?}"
     );
 }
+
+#[test]
+fn a_surge_keeps_every_node_ready_and_goes_once_the_rollout_is_done() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 4)])).unwrap();
+    converge(&mut d, t(0));
+    let mut g = budget(with_role(group("w", 4), "v2"), Quantity::Count(0));
+    g.policy.max_surge = Some(Quantity::Count(1));
+    d.update_desired(&shape(2, vec![g])).unwrap();
+    // Nothing is taken down before the surge node is up: w-4 comes first.
+    let before = d.state().clone();
+    let first = settle(&mut d, t(1));
+    assert!(taken_down(&before, &d).is_empty());
+    assert!(
+        first.iter().all(|x| x.key.node == node_id("w-4")),
+        "{first:?}"
+    );
+    assert!(d.desires(&node_id("w-4")));
+    assert_eq!(d.state().nodes.len(), 5);
+    assert_eq!(
+        d.rollout_holds()[0].to_string(),
+        "rolling out: 4 node(s) of the old template wait; 0 of max 0 unavailable; 4 of 5 ready with 1 surge node(s)"
+    );
+    let mut order = Vec::new();
+    let mut now = t(1);
+    for _ in 0..64 {
+        if d.is_converged() {
+            break;
+        }
+        now = d.poll_timeout().unwrap_or(now).max(now);
+        d.handle_tick(now);
+        let before = d.state().clone();
+        settle(&mut d, now);
+        bring_up(&mut d, now);
+        order.extend(taken_down(&before, &d));
+        let ready = d.state().nodes.values().filter(|n| n.is_ready()).count();
+        let live = d
+            .state()
+            .nodes
+            .values()
+            .filter(|n| n.record.stage != NodeStage::Destroyed)
+            .count();
+        assert!(ready >= 4, "{ready} ready: the surge must keep 4 up");
+        assert!(live <= 5, "{live} live attempts: at most 4 + 1 surge");
+    }
+    assert!(d.is_converged(), "{:?}", d.state().nodes.keys());
+    assert_eq!(order, ["w-0", "w-1", "w-2", "w-3"]);
+    // The surge slot went (reaped) once w-3 was ready with the new template.
+    assert!(!d.desires(&node_id("w-4")));
+    assert!(!d.state().nodes.contains_key(&node_id("w-4")));
+    assert_eq!(d.state().nodes.len(), 4);
+    assert!(d.rollout_holds().is_empty());
+    // No rollout, no surge: a failed node is replaced in place.
+    let n = &d.state().nodes[&node_id("w-1")];
+    assert!(same_template(&n.template, &template(d.desired(), "w-1")));
+}

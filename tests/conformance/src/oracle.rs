@@ -18,9 +18,10 @@ use crate::backend::{FakeBackend, KeyStats};
 use crate::executor::FakeExecutor;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::sync::Arc;
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState,
-    CollectRequest, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind,
+    CollectRequest, DesiredGroup, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind,
     EffectRequest, Folded, Generation, GroupId, Intent, JoinRefused, JournalImage, LeaseId,
     Liveness, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId,
     OperationOutcome, OperationResult, Pass, PauseError, PolicyShape, ReconcilerConfig,
@@ -131,6 +132,13 @@ pub enum Invariant {
     /// that are not ready already), lowest slot index first, and none while
     /// a node of the new template is failing (the rollout is stopped).
     RolloutWithinBudget,
+    /// A pass gives a slot above its group's `count` a new attempt only as
+    /// one of the group's surge slots while the spec's surge rule allows it:
+    /// below `count + max_surge` (the offered `max_surge`), while one of the
+    /// `count` slots holds a ready, Active node of another template, or,
+    /// once a surge slot holds an Active node, until all `count` slots are
+    /// ready with the group's template.
+    SurgeWithinBudget,
     /// While more of a group's desired slots are unhealthy (failed, or
     /// their agent away) than its `max_unhealthy` allows, no away agent's
     /// node is failed for it (it is held until the group is back within
@@ -141,7 +149,7 @@ pub enum Invariant {
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 42] = [
+    pub const ALL: [Invariant; 43] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -183,6 +191,7 @@ impl Invariant {
         Self::ConvergedNodesRunDesiredTemplate,
         Self::PausedDispatchesNothingNew,
         Self::RolloutWithinBudget,
+        Self::SurgeWithinBudget,
         Self::BreakerHoldsWhenOverLimit,
     ];
 
@@ -236,6 +245,7 @@ impl Invariant {
             Self::ConvergedNodesRunDesiredTemplate => "converged_nodes_run_desired_template",
             Self::PausedDispatchesNothingNew => "paused_dispatches_nothing_new",
             Self::RolloutWithinBudget => "rollout_within_budget",
+            Self::SurgeWithinBudget => "surge_within_budget",
             Self::BreakerHoldsWhenOverLimit => "breaker_holds_when_over_limit",
         }
     }
@@ -538,6 +548,53 @@ fn timeout_of(config: &ReconcilerConfig, kind: EffectKind) -> u64 {
     }
 }
 
+/// The surge slots group `g` may have in `state` by the spec, `max` being
+/// its resolved `max_surge`: all of them while one of its `count` slots
+/// holds a ready, Active node of another template; once a slot above
+/// `count` (and below `count + max`) holds an Active node, all of them
+/// until every one of the `count` slots is ready and Active with the
+/// group's template; none otherwise.
+pub(crate) fn spec_surge(state: &ClusterState, g: &DesiredGroup, max: u32) -> u32 {
+    if max == 0 {
+        return 0;
+    }
+    let of_group: Vec<(u32, &ManagedNode)> = state
+        .nodes
+        .iter()
+        .filter(|(id, _)| id.group == g.id)
+        .map(|(id, n)| (id.index, n))
+        .collect();
+    let primary = || of_group.iter().filter(|(i, _)| *i < g.count);
+    let rolling = primary().any(|(_, n)| {
+        n.intent == Intent::Active && n.is_ready() && !same_template(&n.template, &g.template)
+    });
+    let up = of_group
+        .iter()
+        .any(|(i, n)| (g.count..g.count + max).contains(i) && n.intent == Intent::Active);
+    let settled = (0..g.count).all(|i| {
+        primary().any(|(j, n)| {
+            *j == i
+                && n.intent == Intent::Active
+                && n.is_ready()
+                && same_template(&n.template, &g.template)
+        })
+    });
+    if rolling || (up && !settled) { max } else { 0 }
+}
+
+/// The template the spec wants slot `id` to run in `state`: its group's,
+/// for one of the group's `count` slots or one of its surge slots
+/// ([`spec_surge`], with the group's shown `max_surge`).
+pub(crate) fn wanted<'a>(
+    state: &ClusterState,
+    desired: &'a DesiredState,
+    id: &LogicalNodeId,
+) -> Option<&'a Arc<NodeTemplate>> {
+    let g = desired.groups.iter().find(|g| g.id == id.group)?;
+    let surge = spec_surge(state, g, g.policy.max_surge_of(g.count));
+    (id.index < g.count + surge).then_some(&g.template)
+}
+
 /// True when `state` is converged on `desired`, judged from the spec's
 /// definition alone: every desired slot holds exactly its desired spec, ready,
 /// Active, nothing pending; no other node exists.
@@ -570,9 +627,7 @@ pub fn earliest_waiting_deadline(
                 // A slot that wants another template restarts at once.
                 return rec.restart_at.filter(|t| {
                     *t > now
-                        && desired
-                            .slot(id)
-                            .is_some_and(|d| same_template(d, &n.template))
+                        && wanted(state, desired, id).is_some_and(|d| same_template(d, &n.template))
                 });
             }
             if let Some(p) = &n.pending {
@@ -1394,7 +1449,7 @@ impl Oracle {
             if nb.intent != Intent::Active || nb.record.stage == NodeStage::Destroyed {
                 continue;
             }
-            let desired = after.desired.slot(id);
+            let desired = wanted(b, &after.desired, id);
             let keep = desired.is_some_and(|t| **t == *nb.template)
                 && nb.record.stage != NodeStage::Failed;
             if keep && na.intent == Intent::Deleting {
@@ -1500,9 +1555,7 @@ impl Oracle {
                     && rec.session.is_none()
                     && nb.pending.is_none();
                 // The backoff holds only while the slot wants the same template.
-                let changed = before
-                    .desired
-                    .slot(id)
+                let changed = wanted(&before.state, &before.desired, id)
                     .is_some_and(|d| !same_template(d, &nb.template));
                 let due = changed || rec.restart_at.is_none_or(|t| t <= now);
                 if !clean || !due {
@@ -2130,7 +2183,10 @@ impl Oracle {
             let Some(policy) = self.policy(&before.desired, &g.id.to_string()) else {
                 continue;
             };
-            let max = policy.resolve().max_unavailable_of(g.count);
+            let resolved = policy.resolve();
+            let max = resolved.max_unavailable_of(g.count);
+            let surge = spec_surge(&before.state, g, resolved.max_surge_of(g.count));
+            self.check_surge(g, surge, before, after);
             let mut ready = 0u32;
             let mut taken: Vec<LogicalNodeId> = Vec::new();
             let mut kept: Vec<LogicalNodeId> = Vec::new();
@@ -2139,7 +2195,7 @@ impl Oracle {
                 .state
                 .nodes
                 .iter()
-                .filter(|(id, _)| id.group.same(&g.id) && id.index < g.count)
+                .filter(|(id, _)| id.group.same(&g.id) && id.index < g.count + surge)
             {
                 let current = same_template(&nb.template, &g.template);
                 if !nb.is_ready() {
@@ -2165,13 +2221,13 @@ impl Oracle {
             let Some(last) = taken.last() else {
                 continue;
             };
-            let unavailable = g.count - ready;
-            if unavailable + taken.len() as u32 > max {
+            // At least `count - max` stay ready, surge nodes included.
+            if ready < taken.len() as u32 + g.count.saturating_sub(max) {
                 self.fail(
                     inv,
                     last,
                     format!(
-                        "took {} ready node(s) of {} down in one pass with {unavailable} of {} already unavailable; max_unavailable is {max}",
+                        "took {} ready node(s) of {} down in one pass with {ready} ready ({surge} surge slot(s)) of {}; max_unavailable is {max}",
                         taken.len(),
                         g.id,
                         g.count
@@ -2191,6 +2247,33 @@ impl Oracle {
                     last,
                     format!(
                         "took {last} down while {f}, of the new template, was failing (the rollout is stopped)"
+                    ),
+                );
+            }
+        }
+    }
+
+    /// A pass gives a slot above `g`'s `count` a new attempt only below
+    /// `count + surge`, `surge` being what the spec allows in `before`.
+    fn check_surge(&mut self, g: &DesiredGroup, surge: u32, before: &Snapshot, after: &Snapshot) {
+        for (id, na) in after
+            .state
+            .nodes
+            .iter()
+            .filter(|(id, _)| id.group == g.id && id.index >= g.count + surge)
+        {
+            let new_attempt = before
+                .state
+                .nodes
+                .get(id)
+                .is_none_or(|nb| nb.attempt != na.attempt);
+            if new_attempt {
+                self.fail(
+                    Invariant::SurgeWithinBudget,
+                    id,
+                    format!(
+                        "attempt {} made for a slot above {}'s count of {} with {surge} surge slot(s) allowed",
+                        na.attempt, g.id, g.count
                     ),
                 );
             }

@@ -298,7 +298,7 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
         // Pauses outnumber resumes so that paused stretches span many steps.
         2 => Just(Input::Pause),
         1 => Just(Input::Resume),
-        3 => (0u8..2, 0u8..4, proptest::option::weighted(0.7, 0u8..3)).prop_map(
+        3 => (0u8..2, 0u8..6, proptest::option::weighted(0.7, 0u8..3)).prop_map(
             |(group, max_unavailable, max_unhealthy)| Input::Budget { group, max_unavailable, max_unhealthy }
         ),
         2 => (0u8..2, 1u8..=3).prop_map(|(group, count)| Input::MassAgentLoss { group, count }),

@@ -347,17 +347,24 @@ pub fn policies_of(shape: &ClusterShape) -> [PolicyShape; 2] {
 }
 
 /// The budgets a [`Input::Budget`] names: `max_unavailable` 0 for the
-/// default (1), 1 for 2 nodes, 2 for 50%, 3 for 100%; `max_unhealthy`
-/// `None` for no limit, 0 and 1 for those counts, 2 for 50%.
+/// default (1), 1 for 2 nodes, 2 for 50%, 3 for 100%, 4 for 0 with a
+/// `max_surge` of 1, 5 for the default with a `max_surge` of 50%;
+/// `max_unhealthy` `None` for no limit, 0 and 1 for those counts, 2 for 50%.
 pub fn budget_policy(max_unavailable: u8, max_unhealthy: Option<u8>) -> PolicyShape {
+    let code = max_unavailable % 6;
     PolicyShape {
-        max_unavailable: match max_unavailable % 4 {
-            0 => None,
+        max_unavailable: match code {
+            0 | 5 => None,
             1 => Some(Quantity::Count(2)),
             2 => Some(Quantity::Percent(50)),
-            _ => Some(Quantity::Percent(100)),
+            3 => Some(Quantity::Percent(100)),
+            _ => Some(Quantity::Count(0)),
         },
-        max_surge: None,
+        max_surge: match code {
+            4 => Some(Quantity::Count(1)),
+            5 => Some(Quantity::Percent(50)),
+            _ => None,
+        },
         max_unhealthy: max_unhealthy.map(|m| match m % 3 {
             0 => Quantity::Count(0),
             1 => Quantity::Count(1),
@@ -1207,14 +1214,19 @@ impl<R: Reconciler> World<R> {
             .len()
             .max(self.sut().desired().node_count() as usize);
         let mut bound = self.config.tail_bound(nodes);
-        // A rollout replaces at most max_unavailable ready nodes of a group
-        // at a time: the per-node bound holds for each wave of it.
+        // A rollout replaces at most max_unavailable + max_surge ready nodes
+        // of a group at a time: the per-node bound holds for each wave of
+        // it, and for the surge nodes coming up before the first wave.
         let waves = self
             .sut()
             .desired()
             .groups
             .iter()
-            .map(|g| u64::from(g.count.div_ceil(g.policy.max_unavailable_of(g.count))))
+            .map(|g| {
+                let surge = g.policy.max_surge_of(g.count);
+                let step = (g.policy.max_unavailable_of(g.count) + surge).max(1);
+                u64::from(g.count.div_ceil(step)) + u64::from(surge > 0)
+            })
             .max()
             .unwrap_or(1)
             .max(1);

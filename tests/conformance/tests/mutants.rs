@@ -54,10 +54,18 @@ enum Mutation {
     IgnoreRolloutBudget,
     /// Never reports a group's remediation breaker tripped.
     IgnoreBreaker,
+    /// Shows the shape's budgets but rolls out with no surge (so a
+    /// `max_unavailable` of 0 takes a node down, as 1 would).
+    IgnoreSurge,
+    /// Shows the shape's budgets but surges by the whole group during every
+    /// rollout.
+    ExtraSurge,
 }
 
-const ALL: [Mutation; 16] = [
+const ALL: [Mutation; 18] = [
     Mutation::IgnoreRolloutBudget,
+    Mutation::IgnoreSurge,
+    Mutation::ExtraSurge,
     Mutation::IgnoreBreaker,
     Mutation::IgnorePause,
     Mutation::IgnoreAttemptFloor,
@@ -168,12 +176,25 @@ impl Reconciler for Mutant {
             forward.generation = Generation(current.0 + 1);
             return self.inner.update_desired(&forward);
         }
-        if self.mutation == Mutation::IgnoreRolloutBudget {
-            let mut all_at_once = shape.clone();
-            for g in &mut all_at_once.groups {
-                g.policy.max_unavailable = Some(Quantity::Percent(100));
+        let budget = match self.mutation {
+            Mutation::IgnoreRolloutBudget => {
+                Some((Some(Quantity::Percent(100)), None))
             }
-            let outcome = self.inner.update_desired(&all_at_once);
+            Mutation::IgnoreSurge => Some((None, Some(Quantity::Count(0)))),
+            Mutation::ExtraSurge => Some((None, Some(Quantity::Percent(100)))),
+            _ => None,
+        };
+        if let Some((max_unavailable, max_surge)) = budget {
+            let mut given = shape.clone();
+            for g in &mut given.groups {
+                if max_unavailable.is_some() {
+                    g.policy.max_unavailable = max_unavailable;
+                }
+                if max_surge.is_some() {
+                    g.policy.max_surge = max_surge;
+                }
+            }
+            let outcome = self.inner.update_desired(&given);
             if let Ok(DesiredUpdate::Accepted(_)) = outcome {
                 self.shown = shape.validate().ok();
             }

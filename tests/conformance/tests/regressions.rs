@@ -4,7 +4,7 @@ use swactor_conformance::{
     DeliveryFault, FakeExecutor, Input, Invariant, Mode, ProviderFault, World, WorldConfig,
 };
 use swactor_provisioning::{
-    BootstrapStage, Driver, EffectKind, FailureClass, GroupShape, LogicalNodeId, OperationOutcome,
+    BootstrapStage, Driver, EffectKind, FailureClass, GroupShape, Intent, LogicalNodeId, OperationOutcome,
     OperationResult, ReconcilerConfig, RunId, Timestamp,
 };
 
@@ -733,6 +733,50 @@ fn a_template_change_rolls_a_group_one_ready_node_at_a_time() {
     assert_clean(&world);
     assert!(world.sut().is_converged());
     assert_eq!(most_down, 1, "one slot down at a time");
+}
+
+/// The same change with `max_unavailable = 0, max_surge = 1`: a surge slot
+/// (`alpha-3`) comes up first, the group never has fewer than three ready
+/// nodes nor more than four slots, and the surge slot is gone at the end.
+/// The oracle's `surge_within_budget` and `rollout_within_budget` watch
+/// every pass.
+#[test]
+fn a_template_change_with_a_surge_keeps_every_node_ready() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 3);
+    converge(&mut world);
+    world.apply(&Input::Budget {
+        group: 0,
+        max_unavailable: 4,
+        max_unhealthy: None,
+    });
+    world.apply(&Input::Shape {
+        group: 0,
+        count: 3,
+        variant: 1,
+        skip: 0,
+    });
+    let (mut fewest_ready, mut most_slots, mut surged) = (3, 0, false);
+    for _ in 0..600 {
+        if !world.step() {
+            break;
+        }
+        let nodes = &world.sut().state().nodes;
+        let ready = nodes.values().filter(|n| n.is_ready()).count();
+        let slots = nodes.values().filter(|n| n.intent == Intent::Active).count();
+        surged |= nodes.keys().any(|id| id.index == 3);
+        fewest_ready = fewest_ready.min(ready);
+        most_slots = most_slots.max(slots);
+        if world.sut().is_converged() {
+            break;
+        }
+    }
+    assert_clean(&world);
+    assert!(world.sut().is_converged());
+    assert!(surged, "the surge slot was made");
+    assert_eq!(fewest_ready, 3, "never below three ready");
+    assert_eq!(most_slots, 4, "three slots and one surge slot at most");
+    assert_eq!(world.sut().state().nodes.len(), 3, "the surge slot is gone");
 }
 
 /// A partition cuts every agent of a group whose `max_unhealthy` is 1 off:
