@@ -1,12 +1,13 @@
 //! `swactor`: the daemon (`up`), the CLI (`apply`, `plan`, `status`,
-//! `describe`, `watch`, `down`, `validate`) and the node agent (`agent`), in
-//! one binary.
+//! `describe`, `watch`, `down`, `validate`, `run`, `jobs`, `job`) and the
+//! node agent (`agent`), in one binary.
 //!
 //! Exit codes: 0 on success, 1 on any error (bad input, a refusal, an
 //! unreachable daemon, a broken stream), 2 from `plan --detailed-exitcode`
 //! when there is work to do, 3 from a daemon whose cluster kept failing
 //! (see `docs/architecture.md`), and 141 when stdout was closed early (as
-//! by `| head`).
+//! by `| head`). `run` exits with its job's worst exit code (130 after
+//! Ctrl-C; see `docs/jobs.md`).
 
 mod agent;
 mod agentbin;
@@ -41,10 +42,12 @@ use std::time::Duration;
   swactor status                        every node, from a second terminal
   swactor plan changed.toml             what a changed shape would do
   swactor apply changed.toml            do it (asks before destroying or replacing)
+  swactor run --all -- hostname         run a command on every ready node
   swactor down                          tear everything down and stop the daemon
 
 Exit codes: 0 success, 1 error, 2 `plan --detailed-exitcode` found work,
-3 the daemon's cluster kept failing, 141 stdout closed early."
+3 the daemon's cluster kept failing, 141 stdout closed early; `run` exits with
+its job's worst exit code (130 after Ctrl-C)."
 )]
 struct Cli {
     /// The state directory (default: $SWACTOR_STATE_DIR, or ./.swactor).
@@ -245,13 +248,22 @@ runs' exit codes. Outputs go to ./outputs/JOB/NODE/. Ctrl-C cancels the job on
 every node (its process group is killed).")]
     Run(jobs::cli::RunArgs),
     /// List the jobs.
+    #[command(after_help = "Examples:
+  swactor jobs                 id, state, runs and command of every job
+  swactor jobs --json          every field, e.g. the bytes each run was shipped")]
     Jobs {
         /// As JSON (every field, including the bytes each run was shipped).
         #[arg(long)]
         json: bool,
     },
     /// One job: its output, or cancel it.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:
+  swactor job logs job-3                   replay its output, prefixed by node
+  swactor job logs job-3 --node worker-1   one node's output
+  swactor job cancel job-3                 kill it on every node it still runs on"
+    )]
     Job(JobCommand),
     /// The node agent (started by providers, not by hand).
     #[command(hide = true)]
