@@ -203,6 +203,19 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
         stderr(&o)
     );
 
+    // --timeout stops the job: its run fails with 124.
+    let o = run(
+        root,
+        &state,
+        &["--nodes", "worker-0", "--timeout", "1", "--", "sleep", "30"],
+    );
+    assert_eq!(o.status.code(), Some(124), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("[worker-0] failed: timed out after 1 s"),
+        "{}",
+        stderr(&o)
+    );
+
     // A 50 MB workspace ships once; one changed file ships alone.
     let ws = root.join("ws");
     std::fs::create_dir_all(ws.join("data")).unwrap();
@@ -248,7 +261,7 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
         out.contains("[worker-3] alpha") && out.contains("[worker-0] 50000000"),
         "{out}"
     );
-    let first = job(&state, "job-3");
+    let first = job(&state, "job-4");
     assert_eq!(first["workspace_bytes"].as_u64(), Some(total));
     for r in first["runs"].as_array().unwrap() {
         assert_eq!(r["shipped_bytes"].as_u64(), Some(total), "{r}");
@@ -259,7 +272,7 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
     let second_s = started.elapsed().as_secs_f64();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stdout(&o).contains("[worker-3] beta!"), "{}", stdout(&o));
-    let second = job(&state, "job-4");
+    let second = job(&state, "job-5");
     for r in second["runs"].as_array().unwrap() {
         assert_eq!(r["shipped_bytes"].as_u64(), Some(6), "only params.txt: {r}");
         assert_eq!(r["shipped_chunks"].as_u64(), Some(1), "{r}");

@@ -1189,7 +1189,10 @@ impl JobService {
         let stopped = stop.borrow().clone();
         if let Some(why) = stopped {
             let mut o = stopped_outcome(&why, "while it ran");
-            o.exit_code = Some(exit.shell_code());
+            // A cancelled run shows how it was killed; a timed-out one, 124.
+            if why == Stop::Cancelled {
+                o.exit_code = Some(exit.shell_code());
+            }
             return o;
         }
         let code = exit.shell_code();
