@@ -262,6 +262,7 @@ every node (its process group is killed).")]
         after_help = "Examples:
   swactor job logs job-3                   replay its output, prefixed by node
   swactor job logs job-3 --node worker-1   one node's output
+  swactor job outputs job-3                copy its outputs to ./outputs/job-3/NODE/
   swactor job cancel job-3                 kill it on every node it still runs on"
     )]
     Job(JobCommand),
@@ -280,6 +281,12 @@ enum JobCommand {
         /// Only this node's output.
         #[arg(long)]
         node: Option<String>,
+    },
+    /// Copy a job's collected outputs to ./outputs/JOB/NODE/ (as `run` does
+    /// when it sees the job end).
+    Outputs {
+        /// The job (`job-3` or `3`).
+        id: String,
     },
     /// Cancel a job on every node it still runs on.
     Cancel {
@@ -411,6 +418,9 @@ fn main() {
             Command::Jobs { json } => jobs::cli::list(&state_dir, json).await.map(|()| 0),
             Command::Job(JobCommand::Logs { id, node }) => {
                 jobs::cli::logs(&state_dir, &id, node).await.map(|()| 0)
+            }
+            Command::Job(JobCommand::Outputs { id }) => {
+                jobs::cli::outputs(&state_dir, &id).await.map(|()| 0)
             }
             Command::Job(JobCommand::Cancel { id }) => {
                 jobs::cli::cancel(&state_dir, &id).await.map(|()| 0)

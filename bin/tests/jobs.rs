@@ -519,6 +519,14 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
         .unwrap();
         assert_eq!(got.trim(), n);
     }
+    // The CLI that saw the daemon die fetches the outputs afterwards.
+    let o = swactor(root, &state, &["job", "outputs", "job-1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for n in ["worker-0", "worker-1"] {
+        let got =
+            std::fs::read_to_string(root.join("outputs/job-1").join(n).join("r.txt")).unwrap();
+        assert_eq!(got.trim(), n);
+    }
     let only = cli(&state, &["job", "logs", "job-1", "--node", "worker-1"]);
     assert!(!stdout(&only).contains("worker-0"), "{}", stdout(&only));
 

@@ -162,7 +162,7 @@ async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
                 match &job {
                     Some(id) => bail!(
                         "lost contact with the daemon; {id} goes on without this CLI \
-                         (`swactor jobs`, `swactor job logs {id}`)"
+                         (`swactor jobs`, `swactor job logs {id}`, `swactor job outputs {id}`)"
                     ),
                     None => bail!("lost contact with the daemon before it accepted the job"),
                 }
@@ -353,6 +353,33 @@ pub(crate) async fn logs(state_dir: &Path, id: &str, node: Option<String>) -> Re
         lines.add(&node, stderr, &text)?;
     }
     lines.flush()?;
+    Ok(())
+}
+
+/// `swactor job outputs`.
+pub(crate) async fn outputs(state_dir: &Path, id: &str) -> Result<()> {
+    let jobs = with_client(state_dir, async |c| {
+        match c.ask(ControlRequest::Jobs).await? {
+            ControlResponse::Jobs(jobs) => Ok(jobs),
+            other => Err(crate::client::unexpected(&other)),
+        }
+    })
+    .await?;
+    let seq = id.strip_prefix("job-").unwrap_or(id);
+    let Some(job) = jobs.iter().find(|j| j.id.strip_prefix("job-") == Some(seq)) else {
+        bail!("no job {id:?} (`swactor jobs` lists them)");
+    };
+    if !job.state().is_final() {
+        bail!(
+            "{} is still {}; its outputs are collected when it ends",
+            job.id,
+            job.state().word()
+        );
+    }
+    match copy_outputs(job)? {
+        Some(dir) => eprintln!("swactor: outputs of {} in {}", job.id, dir.display()),
+        None => eprintln!("swactor: {} has no collected outputs", job.id),
+    }
     Ok(())
 }
 

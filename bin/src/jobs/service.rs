@@ -1480,3 +1480,103 @@ impl ProtocolHandler for JobsHandler {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(state: JobState, exit_code: Option<i32>) -> RunRecord {
+        RunRecord {
+            node: "worker-0".to_owned(),
+            attempt: 1,
+            state,
+            exit_code,
+            error: None,
+            shipped_bytes: 0,
+            shipped_chunks: 0,
+            chunks: 0,
+            output_files: 0,
+            output_bytes: 0,
+        }
+    }
+
+    fn job(runs: Vec<RunRecord>) -> JobRecord {
+        JobRecord {
+            id: "job-1".to_owned(),
+            argv: vec!["true".to_owned()],
+            env: Vec::new(),
+            workspace: None,
+            outputs: Vec::new(),
+            timeout_s: None,
+            created_unix_ms: 0,
+            workspace_files: 0,
+            workspace_bytes: 0,
+            outputs_dir: String::new(),
+            cancelled: None,
+            runs,
+        }
+    }
+
+    #[test]
+    fn a_job_is_as_far_as_its_runs_under_way_then_as_bad_as_its_worst() {
+        use JobState::*;
+        let j = job(vec![
+            run(Succeeded, Some(0)),
+            run(Running, None),
+            run(Shipping, None),
+        ]);
+        assert_eq!(j.state(), Running);
+        let j = job(vec![
+            run(Succeeded, Some(0)),
+            run(Failed, Some(3)),
+            run(Lost, None),
+        ]);
+        assert_eq!(j.state(), Lost);
+        let j = job(vec![run(Succeeded, Some(0)), run(Succeeded, Some(0))]);
+        assert_eq!(j.state(), Succeeded);
+    }
+
+    #[test]
+    fn the_exit_code_is_the_worst_runs() {
+        use JobState::*;
+        let j = job(vec![
+            run(Succeeded, Some(0)),
+            run(Failed, Some(3)),
+            run(Failed, Some(7)),
+        ]);
+        assert_eq!(j.exit_code(), 7);
+        // A run that failed without a code (lost, refused) counts as 1.
+        let j = job(vec![run(Succeeded, Some(0)), run(Lost, None)]);
+        assert_eq!(j.exit_code(), 1);
+        // A run that exited 0 but whose outputs failed is still a failure.
+        let j = job(vec![run(Failed, Some(0))]);
+        assert_eq!(j.exit_code(), 1);
+        assert_eq!(job(vec![run(Succeeded, Some(0))]).exit_code(), 0);
+    }
+
+    #[test]
+    fn a_workspace_is_cut_into_named_chunks_and_an_oversized_one_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let big = vec![5u8; CHUNK_LEN + 10];
+        std::fs::write(tmp.path().join("big"), &big).unwrap();
+        std::fs::create_dir(tmp.path().join("d")).unwrap();
+        std::fs::write(tmp.path().join("d/same"), &big[..10]).unwrap();
+        let ws = read_workspace(tmp.path(), 10 << 20).unwrap();
+        assert_eq!(ws.bytes, (CHUNK_LEN + 20) as u64);
+        let paths: Vec<&str> = ws.manifest.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(paths, ["big", "d/same"]);
+        assert_eq!(ws.manifest[0].chunks.len(), 2);
+        // The same bytes are one chunk, sent once.
+        assert_eq!(ws.manifest[0].chunks[1], ws.manifest[1].chunks[0]);
+        assert_eq!(ws.order.len(), 2);
+        assert_eq!(
+            ws.manifest[0].chunks[1],
+            *blake3::hash(&big[..10]).as_bytes()
+        );
+        let err = read_workspace(tmp.path(), 1000).unwrap_err();
+        assert!(
+            err.contains("more than the limit of 0.0 MB (1000 bytes)"),
+            "{err}"
+        );
+    }
+}
