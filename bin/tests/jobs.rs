@@ -62,12 +62,17 @@ fn run_states(job: &Value) -> Vec<(String, String)> {
 
 /// Waits until `n` workers are ready (other groups may never be).
 fn ready(state: &Path, n: usize) -> swactor_actors::ClusterSnapshot {
+    ready_in(state, "worker", n)
+}
+
+/// Waits until `n` nodes of `group` are ready.
+fn ready_in(state: &Path, group: &str, n: usize) -> swactor_actors::ClusterSnapshot {
     let start = Instant::now();
     loop {
         if let Some(s) = status(state)
             && s.nodes
                 .iter()
-                .filter(|x| x.ready && x.node.group.as_str() == "worker")
+                .filter(|x| x.ready && x.node.group.as_str() == group)
                 .count()
                 == n
         {
@@ -737,4 +742,89 @@ fn a_job_runs_on_two_ssh_hosted_nodes() {
         homes.iter().all(|h| h.join(".swactor").is_dir()),
         "{homes:?}"
     );
+}
+
+#[test]
+fn a_job_runs_in_two_docker_containers() {
+    use common::docker::{agent_binary, docker_shape, engine_up, remove_run};
+    if !engine_up() {
+        return;
+    }
+    /// Removes the run's containers however the test ends.
+    struct Containers(String);
+    impl Drop for Containers {
+        fn drop(&mut self) {
+            remove_run(&self.0);
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let state = root.join("state");
+    let name = format!("dk-jobs-{}", std::process::id());
+    remove_run(&name);
+    let _containers = Containers(name.clone());
+    let shape = shape_file(root, "dk.toml", &docker_shape(&name, 2, ""));
+    let agent = agent_binary();
+    let _d = Daemon::spawn_with(
+        &state,
+        Some(&shape),
+        &["--agent-binary", agent.to_str().unwrap()],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log));
+    ready_in(&state, "w", 2);
+    // The agent image holds nothing but the agent binary: the jobs run it.
+    let ws = root.join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(
+        ws.join("in.toml"),
+        "run = \"inside\"\n[[group]]\nid = \"worker\"\ncount = 3\nprovider = \"process\"\n",
+    )
+    .unwrap();
+    let o = run(
+        root,
+        &state,
+        &[
+            "--all",
+            "--workspace",
+            ws.to_str().unwrap(),
+            "--",
+            "/swactor/swactor-agent",
+            "validate",
+            "in.toml",
+        ],
+    );
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    for n in ["w-0", "w-1"] {
+        assert!(
+            out.contains(&format!("[{n}] in.toml: valid — run inside, 3 nodes")),
+            "{out}"
+        );
+    }
+    let o = run(
+        root,
+        &state,
+        &[
+            "--all",
+            "--output",
+            "keys/ssh/*",
+            "--",
+            "/swactor/swactor-agent",
+            "ssh-key",
+            "--state-dir",
+            "keys",
+        ],
+    );
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    for n in ["w-0", "w-1"] {
+        assert!(out.contains(&format!("[{n}] ssh-ed25519 ")), "{out}");
+        let public = std::fs::read_to_string(
+            root.join("outputs/job-2")
+                .join(n)
+                .join("keys/ssh/id_ed25519.pub"),
+        )
+        .unwrap();
+        assert!(out.contains(public.trim()), "{public} not in {out}");
+    }
 }

@@ -31,6 +31,27 @@ use swactor_provisioning::Intent;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{broadcast, watch};
 
+/// Events of a job kept for a follower that falls behind.
+const EVENTS_KEPT: usize = 4096;
+
+/// Refuses when a node of `targets` already has as many runs under way as it may.
+fn busy(jobs: &BTreeMap<u64, Entry>, targets: &[(String, u64)], max: usize) -> Result<(), String> {
+    for (node, _) in targets {
+        let busy = jobs
+            .values()
+            .flat_map(|e| e.record.runs.iter())
+            .filter(|r| &r.node == node && !r.state.is_final())
+            .count();
+        if busy >= max {
+            return Err(format!(
+                "{node} already has {busy} run(s) under way, the most one node may have \
+                 (SWACTOR_JOB_RUNS_PER_NODE_MAX={max}); nothing was started"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// What the jobs journal says it holds, and its format.
 const KIND: &str = "swactor-jobs";
 const FORMAT: u32 = 1;
@@ -399,7 +420,7 @@ impl JobService {
     }
 
     fn insert(&self, seq: u64, record: JobRecord) -> broadcast::Receiver<JobEvent> {
-        let (events, rx) = broadcast::channel(4096);
+        let (events, rx) = broadcast::channel(EVENTS_KEPT);
         let cancel = watch::channel(None).0;
         self.inner
             .jobs
@@ -583,28 +604,17 @@ impl JobService {
             }
         }
         let (targets, skipped) = self.targets(&spec.targets).await?;
-        // Per-node limit on runs under way.
-        {
-            let jobs = self
+        // Checked now, before the workspace is read, and again as the job is
+        // recorded (another job may have started meanwhile).
+        busy(
+            &self
                 .inner
                 .jobs
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            for (node, _) in &targets {
-                let busy = jobs
-                    .values()
-                    .flat_map(|e| e.record.runs.iter())
-                    .filter(|r| &r.node == node && !r.state.is_final())
-                    .count();
-                if busy >= self.inner.limits.runs_per_node_max {
-                    return Err(format!(
-                        "{node} already has {busy} run(s) under way, the most one node may have \
-                         (SWACTOR_JOB_RUNS_PER_NODE_MAX={}); nothing was started",
-                        self.inner.limits.runs_per_node_max
-                    ));
-                }
-            }
-        }
+                .unwrap_or_else(PoisonError::into_inner),
+            &targets,
+            self.inner.limits.runs_per_node_max,
+        )?;
         let workspace = match &spec.workspace {
             None => Workspace::default(),
             Some(dir) => {
@@ -615,38 +625,57 @@ impl JobService {
                     .map_err(|e| e.to_string())??
             }
         };
-        let seq = self.list().last().and_then(|r| seq_of(&r.id)).unwrap_or(0) + 1;
-        let id = format!("job-{seq}");
-        let outputs_dir = self.inner.dir.join(&id).join("outputs");
-        let record = JobRecord {
-            id: id.clone(),
-            argv: spec.argv.clone(),
-            env: spec.env.clone(),
-            workspace: spec.workspace.as_ref().map(|p| p.display().to_string()),
-            outputs: spec.outputs.clone(),
-            timeout_s: spec.timeout_s,
-            created_unix_ms: now_ms(),
-            workspace_files: workspace.manifest.len() as u64,
-            workspace_bytes: workspace.bytes,
-            outputs_dir: outputs_dir.display().to_string(),
-            cancelled: None,
-            runs: targets
-                .iter()
-                .map(|(node, attempt)| RunRecord {
-                    node: node.clone(),
-                    attempt: *attempt,
-                    state: JobState::Queued,
-                    exit_code: None,
-                    error: None,
-                    shipped_bytes: 0,
-                    shipped_chunks: 0,
-                    chunks: workspace.order.len() as u64,
-                    output_files: 0,
-                    output_bytes: 0,
-                })
-                .collect(),
+        // The number is taken and the job entered under one lock, so two
+        // jobs submitted at once never share a number or overrun a node.
+        let (seq, id, record, rx) = {
+            let mut jobs = self
+                .inner
+                .jobs
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            busy(&jobs, &targets, self.inner.limits.runs_per_node_max)?;
+            let seq = jobs.keys().next_back().copied().unwrap_or(0) + 1;
+            let id = format!("job-{seq}");
+            let outputs_dir = self.inner.dir.join(&id).join("outputs");
+            let record = JobRecord {
+                id: id.clone(),
+                argv: spec.argv.clone(),
+                env: spec.env.clone(),
+                workspace: spec.workspace.as_ref().map(|p| p.display().to_string()),
+                outputs: spec.outputs.clone(),
+                timeout_s: spec.timeout_s,
+                created_unix_ms: now_ms(),
+                workspace_files: workspace.manifest.len() as u64,
+                workspace_bytes: workspace.bytes,
+                outputs_dir: outputs_dir.display().to_string(),
+                cancelled: None,
+                runs: targets
+                    .iter()
+                    .map(|(node, attempt)| RunRecord {
+                        node: node.clone(),
+                        attempt: *attempt,
+                        state: JobState::Queued,
+                        exit_code: None,
+                        error: None,
+                        shipped_bytes: 0,
+                        shipped_chunks: 0,
+                        chunks: workspace.order.len() as u64,
+                        output_files: 0,
+                        output_bytes: 0,
+                    })
+                    .collect(),
+            };
+            let (events, rx) = broadcast::channel(EVENTS_KEPT);
+            jobs.insert(
+                seq,
+                Entry {
+                    record: record.clone(),
+                    events,
+                    cancel: watch::channel(None).0,
+                },
+            );
+            (seq, id, record, rx)
         };
-        let rx = self.insert(seq, record.clone());
         tokio::fs::create_dir_all(self.inner.dir.join(&id))
             .await
             .map_err(|e| format!("cannot make the job's directory: {e}"))?;
