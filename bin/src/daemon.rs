@@ -657,12 +657,10 @@ async fn confirm_start(
     shape: &swactor_provisioning::ClusterShape,
     yes: bool,
 ) -> Result<()> {
-    let current = image
-        .and_then(|i| i.meta.shape.as_ref())
-        .map_or(0, |s| {
-            s.validate()
-                .map_or_else(|_| s.node_count(), |d| d.peak_node_count())
-        });
+    let current = image.and_then(|i| i.meta.shape.as_ref()).map_or(0, |s| {
+        s.validate()
+            .map_or_else(|_| s.node_count(), |d| d.peak_node_count())
+    });
     if let Some(refused) = crate::shapefile::over_own_capacity(shape, current) {
         anyhow::bail!("{refused}");
     }

@@ -131,6 +131,7 @@ mod tests {
                     attempt: NodeAttemptId(i as u64 + 1),
                     template: spec.template.digest(),
                     created: true,
+                    failures: 0,
                 },
             );
         }

@@ -122,7 +122,10 @@ fn a_surge_rolls_six_nodes_without_ever_having_fewer_than_six_ready() {
     let v2 = shape_file(
         tmp.path(),
         "v2.toml",
-        &six("surge", &format!("boot_check = [\"true\", \"v2\"]\n{budget}")),
+        &six(
+            "surge",
+            &format!("boot_check = [\"true\", \"v2\"]\n{budget}"),
+        ),
     );
     let _d = Daemon::start(&state, &v1);
     let before = attempts(&wait_converged(&state, CONVERGE, |s| ready(s) == 6));
@@ -155,7 +158,129 @@ fn a_surge_rolls_six_nodes_without_ever_having_fewer_than_six_ready() {
     assert!(surged, "worker-6 was made as the surge node");
     assert_eq!(fewest, 6, "never fewer than 6 ready");
     assert_eq!(most, 7, "6 nodes and 1 surge node at most");
-    assert_eq!(last.nodes.len(), 6, "the surge node is gone: {:?}", attempts(&last));
+    assert_eq!(
+        last.nodes.len(),
+        6,
+        "the surge node is gone: {:?}",
+        attempts(&last)
+    );
+    assert!(last.holds.is_empty(), "{:?}", holds(&last));
+}
+
+/// Samples `status` after a restart until every node runs a new attempt and
+/// the cluster converged; returns how many of the `old` nodes (still of the
+/// old template at the restart) were taken down at once at most (a new
+/// attempt not ready yet), the samples taken, and the last status.
+fn roll_after_restart(
+    state: &Path,
+    before: &BTreeMap<String, u64>,
+    old: &[String],
+) -> (usize, usize, ClusterSnapshot) {
+    let (mut most, mut samples) = (0, 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(s) = status(state) {
+            samples += 1;
+            // The ones already rolled re-attach, and are not counted.
+            let starting = s
+                .nodes
+                .iter()
+                .filter(|n| old.contains(&n.node.to_string()))
+                .filter(|n| !n.ready && before[&n.node.to_string()] != n.attempt.0)
+                .count();
+            most = most.max(starting);
+            let rolled = s
+                .nodes
+                .iter()
+                .all(|n| before[&n.node.to_string()] != n.attempt.0);
+            if s.converged && rolled && s.nodes.len() == 6 {
+                return (most, samples, s);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not rolled within 60 s after the restart"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_daemon_started_again_with_a_changed_template_rolls_its_nodes_one_at_a_time() {
+    let started = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let v1 = shape_file(
+        tmp.path(),
+        "v1.toml",
+        &six("again", "boot_check = [\"true\"]"),
+    );
+    let v2 = shape_file(
+        tmp.path(),
+        "v2.toml",
+        &six("again", "boot_check = [\"sleep\", \"0.5\"]"),
+    );
+    let mut d = Daemon::start(&state, &v1);
+    let before = attempts(&wait_converged(&state, CONVERGE, |s| ready(s) == 6));
+    d.kill9();
+    // `swactor up v2.toml` over the journal: the nodes it finds run v1,
+    // which the journal names; they are kept and rolled like an apply.
+    let _d = Daemon::spawn(&state, Some(&v2)).expect("the daemon restarts");
+    let old: Vec<String> = before.keys().cloned().collect();
+    let (most, samples, last) = roll_after_restart(&state, &before, &old);
+    eprintln!(
+        "rolled 6 nodes after `up v2.toml` in {:?} ({samples} samples, at most {most} replaced at once)",
+        started.elapsed()
+    );
+    assert_eq!(most, 1, "one node replaced at a time");
+    assert!(last.holds.is_empty(), "{:?}", holds(&last));
+}
+
+#[test]
+fn a_daemon_killed_mid_rollout_rolls_the_rest_one_at_a_time_after_its_restart() {
+    let started = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let v1 = shape_file(
+        tmp.path(),
+        "v1.toml",
+        &six("resume", "boot_check = [\"true\"]"),
+    );
+    // Each replacement takes a second, so the kill lands mid-roll.
+    let v2 = shape_file(
+        tmp.path(),
+        "v2.toml",
+        &six("resume", "boot_check = [\"sleep\", \"1\"]"),
+    );
+    let mut d = Daemon::start(&state, &v1);
+    let before = attempts(&wait_converged(&state, CONVERGE, |s| ready(s) == 6));
+    let _ = apply(&state, &v2);
+    let (_, _, s) = sample_until(&state, Duration::from_secs(30), |s| {
+        s.nodes
+            .iter()
+            .any(|n| n.ready && before[&n.node.to_string()] != n.attempt.0)
+    });
+    d.kill9();
+    let old: Vec<String> = attempts(&s)
+        .into_iter()
+        .filter(|(n, a)| before[n] == *a)
+        .map(|(n, _)| n)
+        .collect();
+    assert!(
+        old.len() >= 3,
+        "killed early in the roll: {:?}",
+        attempts(&s)
+    );
+    // The restarted daemon adopts the old nodes as they are and rolls them
+    // within max_unavailable = 1: never two new attempts starting at once.
+    let _d = Daemon::spawn(&state, None).expect("the daemon restarts");
+    let (most, samples, last) = roll_after_restart(&state, &before, &old);
+    eprintln!(
+        "killed with {} old node(s) left; rolled after the restart in {:?} ({samples} samples, at most {most} starting at once)",
+        old.len(),
+        started.elapsed()
+    );
+    assert_eq!(most, 1, "one old node replaced at a time after the restart");
     assert!(last.holds.is_empty(), "{:?}", holds(&last));
 }
 

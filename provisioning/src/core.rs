@@ -85,6 +85,8 @@ pub trait Reconciler {
     fn adopt(&mut self, entries: Vec<AdoptEntry>, op_seq_base: u64) -> Adoption;
     /// See [`Driver::raise_attempt_floor`].
     fn raise_attempt_floor(&mut self, floor: u64);
+    /// See [`Driver::carry_failures`].
+    fn carry_failures(&mut self, node: LogicalNodeId, failures: u32);
     /// See [`Driver::plan`].
     fn plan(&self, now: Timestamp) -> Plan;
     /// See [`Driver::plan_shape`].
@@ -183,6 +185,9 @@ impl Reconciler for Driver {
     }
     fn raise_attempt_floor(&mut self, floor: u64) {
         Driver::raise_attempt_floor(self, floor);
+    }
+    fn carry_failures(&mut self, node: LogicalNodeId, failures: u32) {
+        Driver::carry_failures(self, node, failures);
     }
     fn plan(&self, now: Timestamp) -> Plan {
         Driver::plan(self, now)

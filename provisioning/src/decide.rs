@@ -691,7 +691,18 @@ pub fn reconcile_node_gated(
     now: Timestamp,
     gates: &mut RolloutGates<'_>,
 ) -> NodeDecision {
-    let d = reconcile_node(node, desired, now);
+    // A node a restarted driver adopted re-attaches with its own template,
+    // even one its slot no longer wants, until it is ready (then row 17
+    // rolls it within budget) or fails (then it is replaced at once).
+    let resuming = node.record.resuming
+        && node.intent == Intent::Active
+        && node.record.stage != NodeStage::Failed
+        && desired.is_some();
+    let d = if resuming {
+        reconcile_node(node, Some(&node.template), now)
+    } else {
+        reconcile_node(node, desired, now)
+    };
     if let Some(NodeAction::Restart { template }) = &d.action
         && node.record.failed_reason.is_some()
         && same_template(template, &node.template)

@@ -196,8 +196,10 @@ pub struct Dispatch {
 pub struct AdoptEntry {
     /// The attempt.
     pub key: ResourceKey,
-    /// The template it was made from, when that is known to be its slot's
-    /// desired template; `None` when not known or different (it is replaced).
+    /// The template it was made from, when known: its slot's desired
+    /// template, or an older one (with a listed lease, the node resumes and
+    /// its group's rollout replaces it within budget); `None` when not
+    /// known (it is replaced at once).
     pub template: Option<Arc<NodeTemplate>>,
     /// Its lease, when the provider listed one. A listed lease is taken as
     /// it is (never created again); without one, the create is re-issued
@@ -205,6 +207,13 @@ pub struct AdoptEntry {
     pub lease: Option<LeaseId>,
     /// Its bootstrap session, when the provider listed one.
     pub session: Option<SessionId>,
+    /// The slot's failures with this template since it was last ready, as
+    /// the journal recorded them ([`RetryState::template_failures`]): they
+    /// carry on, so a stopped rollout stays stopped and the backoff goes on
+    /// where it was.
+    ///
+    /// [`RetryState::template_failures`]: crate::RetryState::template_failures
+    pub failures: u32,
 }
 
 /// What [`Driver::adopt`] did with the keys it was given.
@@ -353,6 +362,10 @@ pub struct Driver {
     /// The surge slots of each group that has some, as of the last pass
     /// ([`surge`](crate::surge)); a change makes the next pass a full one.
     surges: BTreeMap<GroupId, u32>,
+    /// Failures of slots whose last attempt an earlier driver made and
+    /// that are gone: the slot's next attempt starts with them (see
+    /// [`Driver::carry_failures`]).
+    carried: BTreeMap<LogicalNodeId, u32>,
 }
 
 impl Driver {
@@ -373,6 +386,7 @@ impl Driver {
             paused: false,
             tripped: BTreeSet::new(),
             surges: BTreeMap::new(),
+            carried: BTreeMap::new(),
         })
     }
 
@@ -507,6 +521,7 @@ impl Driver {
         }
         let generation = next.generation;
         self.desired = next;
+        self.carried.clear();
         self.eval.full = true;
         self.trigger();
         Ok(DesiredUpdate::Accepted(generation))
@@ -559,10 +574,19 @@ impl Driver {
                 report.orphans.push(key);
                 continue;
             }
-            // A known template is only ever the desired one; share its Arc.
+            // The desired template is shared by Arc. An older one the slot
+            // is known to run (with a listed lease) is kept while the node
+            // resumes, so its group's rollout replaces it within budget.
+            // Every node kept with a listed lease resumes: one whose
+            // template a shape changes before it is ready again is rolled
+            // like the others, not replaced at once.
             let desired = self.desired.slot(&node);
             let (template, keep) = match (entry.template, desired) {
                 (Some(t), Some(d)) if same_template(&t, d) => (d.clone(), true),
+                (Some(t), Some(_)) if entry.lease.is_some() => {
+                    report.drifted.push(key.clone());
+                    (t, true)
+                }
                 _ => {
                     if desired.is_some() {
                         report.drifted.push(key.clone());
@@ -570,9 +594,15 @@ impl Driver {
                     (retired_template(), false)
                 }
             };
-            let mut managed = ManagedNode::new(key.attempt, template, 0);
+            let resuming = keep && entry.lease.is_some();
+            let mut managed = ManagedNode::new(key.attempt, template, entry.failures);
+            if !keep {
+                // Failures of a template the slot no longer runs.
+                managed.retry.inherited_failures = entry.failures;
+            }
             managed.next_op_seq = op_seq_base;
             let rec = &mut managed.record;
+            rec.resuming = resuming;
             match entry.lease {
                 Some(lease) => {
                     // It exists: take it as it is. Its endpoint is looked up;
@@ -597,6 +627,18 @@ impl Driver {
             self.trigger();
         }
         report
+    }
+
+    /// The slot `node` held an attempt that failed `failures` times with
+    /// the slot's desired template since it was last ready, and that
+    /// attempt is gone (an earlier driver made it, the journal says so):
+    /// the slot's next attempt starts with those failures, so a rollout
+    /// stopped on it stays stopped and its backoff carries on. Forgotten
+    /// when another shape is accepted.
+    pub fn carry_failures(&mut self, node: LogicalNodeId, failures: u32) {
+        if failures > 0 && !self.state.nodes.contains_key(&node) {
+            self.carried.insert(node, failures);
+        }
     }
 
     /// Makes sure no attempt id below `floor` is handed out from now on (a
@@ -1048,9 +1090,10 @@ impl Driver {
         match action {
             NodeAction::Insert { template } => {
                 let attempt = self.allocate_attempt(&id)?;
+                let failures = self.carried.remove(&id).unwrap_or(0);
                 self.state
                     .nodes
-                    .insert(id, ManagedNode::new(attempt, template, 0));
+                    .insert(id, ManagedNode::new(attempt, template, failures));
             }
             NodeAction::Restart { template } => {
                 let attempt = self.allocate_attempt(&id)?;
@@ -1094,6 +1137,7 @@ impl Driver {
                 if let Some(node) = self.state.nodes.get_mut(&id) {
                     node.record.stage = NodeStage::Dormant;
                     node.record.ready = true;
+                    node.record.resuming = false;
                     node.record.bootstrap_deadline = None;
                     node.record.last_error = None;
                     node.retry.consecutive_failures = 0;

@@ -241,6 +241,12 @@ pub struct JournalMeta {
     /// Absent in journals written before pausing existed.
     #[serde(default)]
     pub paused: bool,
+    /// Templates of earlier shapes that slots still run: a restarted host
+    /// adopts those nodes as they are and rolls them within their group's
+    /// budget, instead of replacing them all at once (see [`AdoptEntry`]).
+    /// Absent in journals written before it existed.
+    #[serde(default)]
+    pub retired: Vec<NodeTemplate>,
 }
 
 /// Which attempt a slot holds, which template it was made from, and whether
@@ -255,6 +261,12 @@ pub struct SlotRecord {
     /// provider no longer lists it, it is gone and must never be made again.
     #[serde(default)]
     pub created: bool,
+    /// The slot's failures with this template since it was last ready
+    /// ([`RetryState::template_failures`](crate::RetryState::template_failures)),
+    /// kept up to date as they happen, so a restarted host's rollout stop
+    /// and backoff carry on. Absent (0) in journals written before it existed.
+    #[serde(default)]
+    pub failures: u32,
 }
 
 /// Everything a journal holds.
@@ -317,6 +329,7 @@ impl JournalImage {
                 shape: None,
                 tearing_down: false,
                 paused: false,
+                retired: Vec::new(),
             },
             slots: BTreeMap::new(),
         }
@@ -1025,7 +1038,12 @@ impl<C: Reconciler> Host<C> {
             d.groups
                 .iter()
                 .filter(|g| kind.is_none_or(|k| g.template.provider.kind == k))
-                .map(|g| (u64::from(g.count), u64::from(g.policy.max_surge_of(g.count))))
+                .map(|g| {
+                    (
+                        u64::from(g.count),
+                        u64::from(g.policy.max_surge_of(g.count)),
+                    )
+                })
                 .fold((0, 0), |(n, s), (gn, gs)| (n + gn + gs, s + gs))
         };
         // A shape may always shrink, even one already over a limit.
@@ -1136,6 +1154,13 @@ impl<C: Reconciler> Host<C> {
         ticket: Ticket,
         now: Timestamp,
     ) -> Result<DesiredUpdate, ApplyError> {
+        let before: Vec<Arc<NodeTemplate>> = self
+            .core
+            .desired()
+            .groups
+            .iter()
+            .map(|g| g.template.clone())
+            .collect();
         let outcome = if self.shutdown.is_some() || self.stopped {
             Err(ApplyError::ShuttingDown)
         } else {
@@ -1143,6 +1168,7 @@ impl<C: Reconciler> Host<C> {
                 .and_then(|()| self.core.update_desired(shape).map_err(ApplyError::from))
         };
         if let Ok(DesiredUpdate::Accepted(generation)) = outcome {
+            self.retire_templates(&before);
             self.meta.shape = Some(shape.clone());
             self.meta.tearing_down = false;
             self.meta_dirty = true;
@@ -1524,7 +1550,15 @@ impl<C: Reconciler> Host<C> {
                 .is_some_and(|p| p.id == *op)
         });
         if self.core.poll_timeout().is_some_and(|at| at <= now) {
-            self.core.handle_timeout(now)
+            let expired = self.core.handle_timeout(now)?;
+            if expired > 0 {
+                // An expiry may have failed attempts; which ones is not said.
+                let nodes: Vec<LogicalNodeId> = self.slots.keys().cloned().collect();
+                for node in &nodes {
+                    self.record_failures(node);
+                }
+            }
+            Ok(expired)
         } else {
             Ok(0)
         }
@@ -1601,6 +1635,7 @@ impl<C: Reconciler> Host<C> {
     }
 
     fn node_changed(&mut self, node: &LogicalNodeId, now: Timestamp) {
+        self.record_failures(node);
         if self.config.history_len > 0 {
             self.touch_history(node, now);
         }
@@ -1771,16 +1806,18 @@ impl<C: Reconciler> Host<C> {
             .state()
             .nodes
             .get(node)
-            .map(|n| (n.attempt, n.template.clone()));
+            .map(|n| (n.attempt, n.template.clone(), n.retry.template_failures()));
         match current {
-            Some((attempt, template)) => {
+            Some((attempt, template, failures)) => {
                 if self.slots.get(node).is_some_and(|r| r.attempt == attempt) {
+                    self.record_failures(node);
                     return;
                 }
                 let record = SlotRecord {
                     attempt,
                     template: self.digest(&template),
                     created: false,
+                    failures,
                 };
                 self.slots.insert(node.clone(), record);
                 self.remove.remove(node);
@@ -1792,6 +1829,50 @@ impl<C: Reconciler> Host<C> {
                     self.remove.insert(node.clone());
                 }
             }
+        }
+    }
+
+    /// Keeps, among the templates desired `before` a shape change and those
+    /// retired earlier, the ones some slot record still names and no group
+    /// of the desired state does (see [`JournalMeta::retired`]).
+    fn retire_templates(&mut self, before: &[Arc<NodeTemplate>]) {
+        let named: BTreeSet<u64> = self.slots.values().map(|r| r.template).collect();
+        let desired: Vec<Arc<NodeTemplate>> = self
+            .core
+            .desired()
+            .groups
+            .iter()
+            .map(|g| g.template.clone())
+            .collect();
+        let mut skip: BTreeSet<u64> = desired.iter().map(|t| self.digest(t)).collect();
+        let earlier = std::mem::take(&mut self.meta.retired);
+        let mut kept = Vec::new();
+        for t in before.iter().map(|t| (**t).clone()).chain(earlier) {
+            let d = t.digest();
+            if named.contains(&d) && skip.insert(d) {
+                kept.push(t);
+            }
+        }
+        if !kept.is_empty() || !self.meta.retired.is_empty() {
+            self.meta_dirty = true;
+        }
+        self.meta.retired = kept;
+    }
+
+    /// Brings the failure count in `node`'s slot record up to date with
+    /// its current attempt (a change is journaled like any record).
+    fn record_failures(&mut self, node: &LogicalNodeId) {
+        let Some(n) = self.core.state().nodes.get(node) else {
+            return;
+        };
+        let (attempt, failures) = (n.attempt, n.retry.template_failures());
+        if let Some(r) = self.slots.get_mut(node)
+            && r.attempt == attempt
+            && r.failures != failures
+        {
+            r.failures = failures;
+            let record = *r;
+            self.put.insert(node.clone(), record);
         }
     }
 
@@ -2232,6 +2313,10 @@ impl<C: Reconciler> Host<C> {
                 // It existed and is not listed: gone (or not visible yet).
                 // Making it again would make a second machine of one
                 // identity; a sweep finds it if it is only invisible.
+                if wanted {
+                    // Its slot's next attempt carries on from its failures.
+                    self.core.carry_failures(node.clone(), r.failures);
+                }
                 presumed_gone.push(key);
             } else if wanted {
                 // Maybe never made, maybe not visible yet: the re-issued
@@ -2254,6 +2339,25 @@ impl<C: Reconciler> Host<C> {
         if !presumed_gone.is_empty() {
             self.verify = true;
         }
+        // Templates slots may run, by digest, each shared by Arc: the older
+        // ones the journal kept, and the desired ones (a slot of one group
+        // may run what another group wants now).
+        let mut known: Vec<(u64, Arc<NodeTemplate>)> = self
+            .meta
+            .retired
+            .iter()
+            .map(|t| (t.digest(), Arc::new(t.clone())))
+            .collect();
+        let desired: Vec<Arc<NodeTemplate>> = self
+            .core
+            .desired()
+            .groups
+            .iter()
+            .map(|g| g.template.clone())
+            .collect();
+        for t in desired {
+            known.push((self.digest(&t), t));
+        }
         let mut entries = Vec::with_capacity(keys.len());
         for key in keys {
             let desired = self.core.desired().slot(&key.node).cloned();
@@ -2262,14 +2366,22 @@ impl<C: Reconciler> Host<C> {
                 (Some(d), Some(r)) if r.attempt == key.attempt && r.template == self.digest(&d) => {
                     Some(d)
                 }
+                (Some(_), Some(r)) if r.attempt == key.attempt => known
+                    .iter()
+                    .find(|(digest, _)| *digest == r.template)
+                    .map(|(_, t)| t.clone()),
                 _ => None,
             };
             let (lease, session) = held.get(&key).cloned().unwrap_or_default();
+            let failures = recorded
+                .filter(|r| r.attempt == key.attempt)
+                .map_or(0, |r| r.failures);
             entries.push(AdoptEntry {
                 key,
                 template,
                 lease,
                 session,
+                failures,
             });
         }
         let report = self.core.adopt(entries, self.meta.epoch << 32);

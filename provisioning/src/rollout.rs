@@ -213,7 +213,11 @@ mod tests {
         let q = p(Quantity::Percent(25), Quantity::Percent(25));
         assert_eq!(q.max_unavailable_of(10), 2);
         assert_eq!(q.max_surge_of(10), 3);
-        assert_eq!(q.max_unavailable_of(3), 0, "0.75 rounds down; the surge makes room");
+        assert_eq!(
+            q.max_unavailable_of(3),
+            0,
+            "0.75 rounds down; the surge makes room"
+        );
         assert_eq!(
             p(Quantity::Percent(25), Quantity::Count(0)).max_unavailable_of(3),
             1,
@@ -230,7 +234,11 @@ mod tests {
         );
         assert_eq!(GroupPolicy::default().max_unavailable_of(6), 1);
         let surge = p(Quantity::Count(0), Quantity::Count(1));
-        assert_eq!(surge.max_unavailable_of(6), 0, "a surge keeps 0 unavailable");
+        assert_eq!(
+            surge.max_unavailable_of(6),
+            0,
+            "a surge keeps 0 unavailable"
+        );
         assert_eq!(surge.max_surge_of(6), 1);
         assert_eq!(p(Quantity::Count(0), Quantity::Count(9)).max_surge_of(4), 4);
         assert_eq!(

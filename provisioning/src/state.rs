@@ -207,6 +207,13 @@ pub struct NodeRecord {
     pub last_error: Option<String>,
     /// When a destroyed, still-desired slot may start its next attempt.
     pub restart_at: Option<Timestamp>,
+    /// Adopted by a restarted driver, with a listed lease, and not ready
+    /// since: while it re-attaches, a template it runs that is not (or no
+    /// longer) its slot's does not replace it at once; it may become ready
+    /// again, and then its group's rollout replaces it within budget.
+    /// Cleared when it becomes ready.
+    #[serde(default)]
+    pub resuming: bool,
 }
 
 impl NodeRecord {
@@ -226,6 +233,7 @@ impl NodeRecord {
             failed_at: None,
             last_error: None,
             restart_at: None,
+            resuming: false,
         }
     }
 }

@@ -447,6 +447,7 @@ fn adopting_resources_reissues_their_creates_under_the_same_key_and_skips_used_a
         template,
         lease: None,
         session: None,
+        failures: 0,
     };
     let report = d.adopt(
         vec![
@@ -504,6 +505,7 @@ fn an_adopted_attempt_whose_template_is_not_known_to_be_the_desired_one_is_repla
         template: None,
         lease: None,
         session: None,
+        failures: 0,
     };
     let report = d.adopt(vec![entry], 7 << 32);
     assert_eq!(report.drifted, std::slice::from_ref(&key));
@@ -539,6 +541,7 @@ fn an_adopted_listed_lease_is_taken_as_it_is_and_never_created_again() {
         template: d.desired().slot(&key.node).cloned(),
         lease: Some(LeaseId("listed".to_owned())),
         session: Some(SessionId("running".to_owned())),
+        failures: 0,
     };
     let report = d.adopt(vec![entry], 1 << 32);
     assert_eq!(report.adopted, std::slice::from_ref(&key));

@@ -378,3 +378,146 @@ fn a_surge_keeps_every_node_ready_and_goes_once_the_rollout_is_done() {
     let n = &d.state().nodes[&node_id("w-1")];
     assert!(same_template(&n.template, &template(d.desired(), "w-1")));
 }
+
+/// A host whose bootstrap streams prove joins, resuming `journal` if given.
+fn host_with(journal: Option<JournalImage>) -> Host<Driver> {
+    let config = HostConfig {
+        stream_joins: true,
+        ..HostConfig::default()
+    };
+    Host::new(driver(), config, journal).unwrap()
+}
+
+/// Runs the host's outputs at `now` with a provider that does what it is
+/// asked and lists `listed` (once); a started bootstrap of the node
+/// `broken` names fails its boot check, the others join and converge.
+fn pump(
+    h: &mut Host<Driver>,
+    now: Timestamp,
+    broken: &dyn Fn(&LogicalNodeId, &NodeTemplate) -> bool,
+    mut listed: Vec<Listed>,
+) {
+    for _ in 0..64 {
+        let mut round = Vec::new();
+        while let Some(out) = h.poll_output(now) {
+            match out {
+                Output::Persist(delta) => h.handle_persisted(delta.seq),
+                Output::List => h.handle_inventory(Ok(std::mem::take(&mut listed)), now),
+                Output::Pass(pass) => round.extend(pass.dispatches),
+                _ => {}
+            }
+        }
+        if round.is_empty() {
+            return;
+        }
+        for d in &round {
+            assert_eq!(h.handle_result(success(d), now).unwrap(), Folded::Applied);
+            if d.request.kind() != EffectKind::StartBootstrap {
+                continue;
+            }
+            let n = &h.core().state().nodes[&d.key.node];
+            let events = if broken(&d.key.node, &n.template) {
+                vec![BootstrapEvent::Stage(BootstrapStage::BootCheckFailed)]
+            } else {
+                vec![
+                    BootstrapEvent::SwactorJoined,
+                    BootstrapEvent::Stage(BootstrapStage::Converged),
+                ]
+            };
+            let (attempt, session) = (n.attempt, n.record.session.clone().unwrap());
+            for event in events {
+                let obs = BootstrapObservation {
+                    node: d.key.node.clone(),
+                    attempt,
+                    session: session.clone(),
+                    event,
+                };
+                assert_eq!(h.handle_bootstrap(obs, now).unwrap(), Folded::Applied);
+            }
+        }
+    }
+}
+
+/// What the provider holds for the host's live attempts.
+fn inventory(h: &Host<Driver>) -> Vec<Listed> {
+    let state = h.core().state();
+    state
+        .nodes
+        .iter()
+        .filter(|(_, n)| n.record.lease.is_some())
+        .map(|(id, n)| Listed {
+            key: ResourceKey {
+                run_id: state.run_id.clone(),
+                node: id.clone(),
+                attempt: n.attempt,
+            },
+            lease: n.record.lease.clone(),
+            session: n.record.session.clone(),
+        })
+        .collect()
+}
+
+#[test]
+fn a_stopped_rollout_stays_stopped_across_a_restart_of_the_host() {
+    let g = |role: &str| budget(with_role(group("w", 6), role), Quantity::Count(3));
+    let v2_on_w0 = |id: &LogicalNodeId, t: &NodeTemplate| *id == node_id("w-0") && t.role == "v2";
+    let mut h = host_with(None);
+    h.handle_apply(&shape(1, vec![g("v1")]), Ticket(1), t(0))
+        .unwrap();
+    pump(&mut h, t(0), &v2_on_w0, Vec::new());
+    assert!(h.is_converged());
+    // Three go at once; w-1 and w-2 come up with v2, w-0 fails its boot
+    // check: the rollout stops with one slot down, budget left for two.
+    h.handle_apply(&shape(2, vec![g("v2")]), Ticket(2), t(1))
+        .unwrap();
+    pump(&mut h, t(1), &v2_on_w0, Vec::new());
+    let kept: Vec<(String, NodeAttemptId)> = ["w-3", "w-4", "w-5"]
+        .iter()
+        .map(|n| (n.to_string(), h.core().state().nodes[&node_id(n)].attempt))
+        .collect();
+    let holds = h.core().rollout_holds();
+    assert!(holds[0].stopped.is_some(), "{holds:?}");
+    assert_eq!(h.slot_records()[&node_id("w-0")].failures, 1);
+
+    // The daemon dies; a new host resumes the journal and adopts what the
+    // provider lists. w-3 to w-5 still run v1 (the journal kept it): they
+    // resume and become ready, not replaced all at once. w-0's failed
+    // attempt is gone, so its slot gets a new attempt: it starts with the
+    // failure, so the rollout stays stopped (and w-0 fails again).
+    let image = JournalImage {
+        meta: h.journal_meta().clone(),
+        slots: h.slot_records().clone(),
+    };
+    assert_eq!(image.meta.retired.len(), 1, "v1 is kept while slots run it");
+    let listed = inventory(&h);
+    let mut h = host_with(Some(image));
+    pump(&mut h, t(2), &v2_on_w0, listed);
+    for (n, attempt) in &kept {
+        let node = &h.core().state().nodes[&node_id(n)];
+        assert_eq!(node.attempt, *attempt, "{n} was replaced after the restart");
+        assert!(node.is_ready(), "{n} was taken down after the restart");
+    }
+    let w0 = &h.core().state().nodes[&node_id("w-0")];
+    assert_eq!(w0.retry.template_failures(), 2, "{:?}", w0.retry);
+    let holds = h.core().rollout_holds();
+    assert!(holds[0].stopped.is_some(), "{holds:?}");
+    // Once w-0 comes up, the rollout goes on: w-3 to w-5 are rolled (three
+    // at a time at most).
+    let mut now = t(2);
+    for _ in 0..50 {
+        now = now.saturating_add_ms(5_000);
+        let _ = h.handle_timeout(now);
+        pump(&mut h, now, &|_, _| false, Vec::new());
+        if h.is_converged() {
+            break;
+        }
+    }
+    assert!(h.is_converged(), "{:#?}", h.core().state());
+    for (n, attempt) in &kept {
+        assert_ne!(
+            h.core().state().nodes[&node_id(n)].attempt,
+            *attempt,
+            "{n} rolled"
+        );
+    }
+}

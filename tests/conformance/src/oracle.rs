@@ -21,12 +21,12 @@ use std::fmt;
 use std::sync::Arc;
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState,
-    CollectRequest, DesiredGroup, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats, EffectKind,
-    EffectRequest, Folded, Generation, GroupId, Intent, JoinRefused, JournalImage, LeaseId,
-    Liveness, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate, OperationId,
-    OperationOutcome, OperationResult, Pass, PauseError, PolicyShape, ReconcilerConfig,
-    ResourceKey, SessionId, ShutdownMode, Timestamp, UpdateError, reconcile_with, same_template,
-    stall_during_boot_check_ms,
+    CollectRequest, DesiredGroup, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats,
+    EffectKind, EffectRequest, Folded, Generation, GroupId, Intent, JoinRefused, JournalImage,
+    LeaseId, Liveness, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate,
+    OperationId, OperationOutcome, OperationResult, Pass, PauseError, PolicyShape,
+    ReconcilerConfig, ResourceKey, SessionId, ShutdownMode, Timestamp, UpdateError, reconcile_with,
+    same_template, stall_during_boot_check_ms,
 };
 
 /// Every guarantee the oracle checks. [`Invariant::name`] is what messages print.

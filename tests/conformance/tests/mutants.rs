@@ -177,9 +177,7 @@ impl Reconciler for Mutant {
             return self.inner.update_desired(&forward);
         }
         let budget = match self.mutation {
-            Mutation::IgnoreRolloutBudget => {
-                Some((Some(Quantity::Percent(100)), None))
-            }
+            Mutation::IgnoreRolloutBudget => Some((Some(Quantity::Percent(100)), None)),
             Mutation::IgnoreSurge => Some((None, Some(Quantity::Count(0)))),
             Mutation::ExtraSurge => Some((None, Some(Quantity::Percent(100)))),
             _ => None,
@@ -257,6 +255,10 @@ impl Reconciler for Mutant {
         if self.mutation != Mutation::IgnoreAttemptFloor {
             self.inner.raise_attempt_floor(floor);
         }
+    }
+
+    fn carry_failures(&mut self, node: LogicalNodeId, failures: u32) {
+        self.inner.carry_failures(node, failures);
     }
 
     fn plan(&self, now: Timestamp) -> Plan {

@@ -4,8 +4,8 @@ use swactor_conformance::{
     DeliveryFault, FakeExecutor, Input, Invariant, Mode, ProviderFault, World, WorldConfig,
 };
 use swactor_provisioning::{
-    BootstrapStage, Driver, EffectKind, FailureClass, GroupShape, Intent, LogicalNodeId, OperationOutcome,
-    OperationResult, ReconcilerConfig, RunId, Timestamp,
+    BootstrapStage, Driver, EffectKind, FailureClass, GroupShape, Intent, LogicalNodeId,
+    OperationOutcome, OperationResult, ReconcilerConfig, RunId, Timestamp,
 };
 
 /// A world with nothing desired yet, so faults can be armed before the first dispatch.
@@ -763,7 +763,10 @@ fn a_template_change_with_a_surge_keeps_every_node_ready() {
         }
         let nodes = &world.sut().state().nodes;
         let ready = nodes.values().filter(|n| n.is_ready()).count();
-        let slots = nodes.values().filter(|n| n.intent == Intent::Active).count();
+        let slots = nodes
+            .values()
+            .filter(|n| n.intent == Intent::Active)
+            .count();
         surged |= nodes.keys().any(|id| id.index == 3);
         fewest_ready = fewest_ready.min(ready);
         most_slots = most_slots.max(slots);
@@ -777,6 +780,77 @@ fn a_template_change_with_a_surge_keeps_every_node_ready() {
     assert_eq!(fewest_ready, 3, "never below three ready");
     assert_eq!(most_slots, 4, "three slots and one surge slot at most");
     assert_eq!(world.sut().state().nodes.len(), 3, "the surge slot is gone");
+}
+
+/// The host crashes mid-rollout, once `alpha-0` runs the new template:
+/// the restarted host adopts `alpha-1` and `alpha-2`, which still run the
+/// old one, as they are (the journal kept that template), lets them become
+/// ready again and rolls them one at a time, instead of replacing both at
+/// once.
+#[test]
+fn a_crash_mid_rollout_resumes_the_old_nodes_and_rolls_them_one_at_a_time() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 3);
+    converge(&mut world);
+    let attempt = |w: &World, i: u32| {
+        let id = LogicalNodeId::parse(&format!("alpha-{i}")).unwrap();
+        w.sut().state().nodes.get(&id).map(|n| n.attempt)
+    };
+    let old: Vec<_> = (0..3).map(|i| attempt(&world, i)).collect();
+    world.apply(&Input::Shape {
+        group: 0,
+        count: 3,
+        variant: 1,
+        skip: 0,
+    });
+    for _ in 0..400 {
+        let id = slot0();
+        let done = world
+            .sut()
+            .state()
+            .nodes
+            .get(&id)
+            .is_some_and(|n| Some(n.attempt) != old[0] && n.is_ready());
+        if done || !world.step() {
+            break;
+        }
+    }
+    assert_ne!(attempt(&world, 0), old[0], "alpha-0 was replaced first");
+    assert_eq!(attempt(&world, 1), old[1]);
+    world.apply(&Input::HostCrash {
+        at_persist: false,
+        down_ms: 100,
+    });
+    // Down for the rollout: an old attempt being deleted, or a new one not
+    // ready yet. Adopted nodes re-attaching do not count.
+    let mut most_down = 0;
+    for _ in 0..600 {
+        if !world.step() {
+            break;
+        }
+        let nodes = &world.sut().state().nodes;
+        let down = (1..3u32)
+            .filter(|i| {
+                let id = LogicalNodeId::parse(&format!("alpha-{i}")).unwrap();
+                nodes.get(&id).is_some_and(|n| {
+                    n.intent == Intent::Deleting
+                        || (Some(n.attempt) != old[*i as usize] && !n.is_ready())
+                })
+            })
+            .count();
+        most_down = most_down.max(down);
+        if world.sut().is_converged() {
+            break;
+        }
+    }
+    assert_clean(&world);
+    assert!(world.sut().is_converged());
+    assert_ne!(attempt(&world, 1), old[1], "alpha-1 rolled");
+    assert_ne!(attempt(&world, 2), old[2], "alpha-2 rolled");
+    assert_eq!(
+        most_down, 1,
+        "one old node down at a time after the restart"
+    );
 }
 
 /// A partition cuts every agent of a group whose `max_unhealthy` is 1 off:
