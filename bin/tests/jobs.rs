@@ -700,7 +700,7 @@ fn a_job_runs_on_two_ssh_hosted_nodes() {
             targets.join(", ")
         ),
     );
-    let _d = Daemon::spawn_with(
+    let mut d = Daemon::spawn_with(
         &state,
         Some(&shape),
         &["--agent-binary", agent.to_str().unwrap()],
@@ -742,6 +742,15 @@ fn a_job_runs_on_two_ssh_hosted_nodes() {
         homes.iter().all(|h| h.join(".swactor").is_dir()),
         "{homes:?}"
     );
+    // The remote agents go with the nodes (a killed daemon would leave them).
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(d.wait_exit(Duration::from_secs(60)), Some(0), "{}", d.log());
+    let left: Vec<_> = agent_cwds()
+        .into_iter()
+        .filter(|(_, cwd)| cwd.starts_with(root))
+        .collect();
+    assert!(left.is_empty(), "agents left on the hosts: {left:?}");
 }
 
 #[test]
