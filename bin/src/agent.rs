@@ -155,6 +155,20 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
         key,
         token: credentials.token.clone(),
     };
+    // The jobs link: the daemon sends runs over a connection this agent
+    // dials, for as long as the agent lives. It is dialled once the agent
+    // has joined, so a hundred agents starting at once do not make their
+    // joins wait behind twice as many handshakes.
+    let (joined_tx, mut joined_rx) = tokio::sync::watch::channel(false);
+    let jobs = crate::jobs::agent::AgentJobs::new(&opts.dir, opts.node.clone(), opts.attempt);
+    {
+        let (endpoint, ticket, join) = (endpoint.clone(), ticket.clone(), join.clone());
+        tokio::spawn(async move {
+            if joined_rx.wait_for(|j| *j).await.is_ok() {
+                jobs.serve(endpoint, ticket, join).await;
+            }
+        });
+    }
     let mut joined_once = false;
     let mut failures = 0u32;
     // From here on SIGTERM is caught (tokio keeps the handler for the life
@@ -164,7 +178,7 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
         .context("cannot listen for SIGTERM")?;
     let code = loop {
         let outcome = tokio::select! {
-            outcome = session(&endpoint, &ticket, &join, &mut joined_once) => outcome,
+            outcome = session(&endpoint, &ticket, &join, &mut joined_once, &joined_tx) => outcome,
             _ = term.recv() => Session::Stopped,
         };
         match outcome {
@@ -214,6 +228,7 @@ async fn session(
     ticket: &EndpointTicket,
     join: &JoinRequest,
     joined_once: &mut bool,
+    joined: &tokio::sync::watch::Sender<bool>,
 ) -> Session {
     let conn = match connect(
         endpoint,
@@ -245,6 +260,7 @@ async fn session(
     };
     if !*joined_once {
         *joined_once = true;
+        joined.send_replace(true);
         report(&BootstrapEvent::SwactorJoined);
         report(&BootstrapEvent::Stage(BootstrapStage::Converged));
     }

@@ -89,7 +89,8 @@ const RELEASE_WAIT_MAX: Duration = Duration::from_secs(30);
 /// How often `down` checks whether it has.
 const RELEASE_POLL_INTERVAL: Duration = Duration::from_millis(50);
 
-struct Client {
+/// A CLI connection to its daemon.
+pub(crate) struct Client {
     endpoint: Endpoint,
     ticket: EndpointTicket,
     root: String,
@@ -246,7 +247,7 @@ impl Client {
 
 impl Client {
     /// Asks, and turns the daemon's refusal into an error.
-    async fn ask(&self, req: ControlRequest) -> Result<ControlResponse> {
+    pub(crate) async fn ask(&self, req: ControlRequest) -> Result<ControlResponse> {
         match self.request(&req).await? {
             ControlResponse::Error(e) => bail!("{}", cut_long_words(&e)),
             other => Ok(other),
@@ -254,8 +255,46 @@ impl Client {
     }
 }
 
+impl Client {
+    /// Sends `req` and returns the connection and the stream the daemon's
+    /// answers arrive on (a job streams many).
+    pub(crate) async fn stream(
+        &self,
+        req: &ControlRequest,
+    ) -> Result<(
+        swactor_engine::iroh::endpoint::Connection,
+        swactor_engine::iroh::endpoint::RecvStream,
+    )> {
+        let conn = connect(
+            &self.endpoint,
+            self.ticket.addr().clone(),
+            ALPN_CONTROL,
+            CONNECT_TIMEOUT,
+        )
+        .await
+        .map_err(|e| self.not_running(e))?;
+        let (mut send, recv) = conn.open_bi().await.map_err(|e| self.not_running(e))?;
+        let text = serde_json::to_string(req)?;
+        send_frame(&mut send, &text, FRAME_LEN_MAX)
+            .await
+            .map_err(|e| self.not_running(e))?;
+        let _ = send.finish();
+        Ok((conn, recv))
+    }
+}
+
+/// The next answer on a stream from [`Client::stream`]; `None` when it ended.
+pub(crate) async fn recv_answer(
+    recv: &mut swactor_engine::iroh::endpoint::RecvStream,
+) -> Result<Option<ControlResponse>> {
+    let Some(text) = recv_frame::<String, _>(recv, FRAME_LEN_MAX).await? else {
+        return Ok(None);
+    };
+    Ok(Some(serde_json::from_str(&text)?))
+}
+
 /// Opens a client, runs `body` with it and closes it, whatever `body` returned.
-async fn with_client<T>(
+pub(crate) async fn with_client<T>(
     state_dir: &Path,
     body: impl AsyncFnOnce(&Client) -> Result<T>,
 ) -> Result<T> {
@@ -269,7 +308,7 @@ async fn one(state_dir: &Path, req: ControlRequest) -> Result<ControlResponse> {
     with_client(state_dir, async |c| c.ask(req).await).await
 }
 
-fn unexpected(answer: &ControlResponse) -> anyhow::Error {
+pub(crate) fn unexpected(answer: &ControlResponse) -> anyhow::Error {
     anyhow::anyhow!(
         "the daemon answered something this CLI did not ask for ({}); are the CLI and the \
          daemon the same version?",
@@ -281,6 +320,10 @@ fn unexpected(answer: &ControlResponse) -> anyhow::Error {
             ControlResponse::Down { .. } => "a stop",
             ControlResponse::Paused { .. } => "a pause",
             ControlResponse::Replaced { .. } => "a replace",
+            ControlResponse::Job(_) => "a job's event",
+            ControlResponse::Jobs(_) => "a list of jobs",
+            ControlResponse::JobLogs(_) => "a job's output",
+            ControlResponse::JobCancelled { .. } => "a cancel",
             ControlResponse::Error(_) => "an error",
         }
     )

@@ -153,6 +153,8 @@ pub(crate) struct ControlHandler {
     pub(crate) provider: Arc<Providers>,
     /// The vast provider, whose rentals a status lists.
     pub(crate) vast: Option<swactor_providers::vast::VastProvider>,
+    /// The jobs.
+    pub(crate) jobs: crate::jobs::service::JobService,
 }
 
 impl ControlHandler {
@@ -218,6 +220,17 @@ impl ControlHandler {
             ControlRequest::Describe(node) => self.describe(&node).await,
             ControlRequest::Replace(node) => self.replace(&node).await,
             ControlRequest::Down { keep, purge } => self.down(keep, purge).await,
+            ControlRequest::Jobs => Ok(ControlResponse::Jobs(self.jobs.list())),
+            ControlRequest::JobLogs { id, node } => self
+                .jobs
+                .logs(&id, node.as_deref())
+                .await
+                .map(ControlResponse::JobLogs),
+            ControlRequest::JobCancel(id) => self
+                .jobs
+                .cancel(&id)
+                .map(|(job, nodes)| ControlResponse::JobCancelled { job, nodes }),
+            ControlRequest::Run(_) => Err("a job is run on a stream of its own".to_owned()),
         };
         result.unwrap_or_else(ControlResponse::Error)
     }
@@ -377,6 +390,59 @@ const CLOSE_WAIT_MIN: Duration = Duration::from_secs(10);
 /// 20 MiB, and a debug build of the CLI reads it at a few MiB/s).
 const CLOSE_WAIT_PER_MIB: Duration = Duration::from_secs(1);
 
+impl ControlHandler {
+    /// Accepts a job and streams its events to the CLI until it ends (or
+    /// the CLI goes; the job goes on without it).
+    async fn stream_job(
+        &self,
+        spec: crate::jobs::service::JobSpec,
+        mut send: swactor_engine::iroh::endpoint::SendStream,
+        conn: &Connection,
+    ) {
+        use crate::jobs::service::JobEvent;
+        let frame = |resp: &ControlResponse| serde_json::to_string(resp).unwrap_or_default();
+        let (mut events, accepted) = match self.jobs.submit(spec).await {
+            Ok((_, events, accepted)) => (events, accepted),
+            Err(e) => {
+                let _ =
+                    send_frame(&mut send, &frame(&ControlResponse::Error(e)), FRAME_LEN_MAX).await;
+                let _ = send.finish();
+                let _ = tokio::time::timeout(CLOSE_WAIT_MIN, conn.closed()).await;
+                return;
+            }
+        };
+        let mut next = Some(accepted);
+        loop {
+            let Some(event) = next.take() else {
+                match events.recv().await {
+                    Ok(e) => next = Some(e),
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(skipped = n, "a job's follower fell behind");
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                }
+                continue;
+            };
+            let done = matches!(event, JobEvent::Done(_));
+            if send_frame(
+                &mut send,
+                &frame(&ControlResponse::Job(event)),
+                FRAME_LEN_MAX,
+            )
+            .await
+            .is_err()
+            {
+                return;
+            }
+            if done {
+                break;
+            }
+        }
+        let _ = send.finish();
+        let _ = tokio::time::timeout(CLOSE_WAIT_MIN, conn.closed()).await;
+    }
+}
+
 impl ProtocolHandler for ControlHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
         // Closes the connection itself when the request is late or too big.
@@ -386,6 +452,10 @@ impl ProtocolHandler for ControlHandler {
             return Ok(());
         };
         let resp = match serde_json::from_str::<ControlRequest>(&req) {
+            Ok(ControlRequest::Run(spec)) => {
+                self.stream_job(spec, send, &conn).await;
+                return Ok(());
+            }
             Ok(req) => self.answer(req).await,
             Err(e) => ControlResponse::Error(cut_long_words(&format!("malformed request: {e}"))),
         };

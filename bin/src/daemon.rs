@@ -260,6 +260,13 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     #[cfg(debug_assertions)]
     inject_faults(&cluster);
 
+    // Jobs, resumed from jobs.redb: runs left running are followed again.
+    let jobs = crate::jobs::service::JobService::open(
+        state.root(),
+        cluster.clone(),
+        secret,
+        crate::jobs::service::JobLimits::from_env()?,
+    )?;
     let (down_tx, mut down_rx) = mpsc::channel::<DownRequest>(4);
     let (started_tx, started_rx) = tokio::sync::watch::channel(false);
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.
@@ -271,6 +278,7 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         started: started_rx,
         provider: provider.clone(),
         vast,
+        jobs: jobs.clone(),
     };
     let router = GuardedRouterBuilder::new(endpoint.clone())
         .serve(
@@ -282,6 +290,9 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
                 refusals: RefusalLog::default(),
             },
         )
+        // Agents dial in for jobs as for the swarm; each link is checked
+        // like a join.
+        .serve(crate::jobs::ALPN_JOBS, Allowlist::open(), jobs.handler())
         .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
         .spawn();

@@ -1,12 +1,13 @@
 //! `swactor`: the daemon (`up`), the CLI (`apply`, `plan`, `status`,
-//! `describe`, `watch`, `down`, `validate`) and the node agent (`agent`), in
-//! one binary.
+//! `describe`, `watch`, `down`, `validate`, `run`, `jobs`, `job`) and the
+//! node agent (`agent`), in one binary.
 //!
 //! Exit codes: 0 on success, 1 on any error (bad input, a refusal, an
 //! unreachable daemon, a broken stream), 2 from `plan --detailed-exitcode`
 //! when there is work to do, 3 from a daemon whose cluster kept failing
 //! (see `docs/architecture.md`), and 141 when stdout was closed early (as
-//! by `| head`).
+//! by `| head`). `run` exits with its job's worst exit code (130 after
+//! Ctrl-C; see `docs/jobs.md`).
 
 mod agent;
 mod agentbin;
@@ -15,6 +16,7 @@ mod control;
 mod daemon;
 mod guard;
 mod http;
+mod jobs;
 mod journal;
 mod logs;
 mod progress;
@@ -40,10 +42,12 @@ use std::time::Duration;
   swactor status                        every node, from a second terminal
   swactor plan changed.toml             what a changed shape would do
   swactor apply changed.toml            do it (asks before destroying or replacing)
+  swactor run --all -- hostname         run a command on every ready node
   swactor down                          tear everything down and stop the daemon
 
 Exit codes: 0 success, 1 error, 2 `plan --detailed-exitcode` found work,
-3 the daemon's cluster kept failing, 141 stdout closed early."
+3 the daemon's cluster kept failing, 141 stdout closed early; `run` exits with
+its job's worst exit code (130 after Ctrl-C)."
 )]
 struct Cli {
     /// The state directory (default: $SWACTOR_STATE_DIR, or ./.swactor).
@@ -232,12 +236,74 @@ resume`.",
         #[arg(long, short = 'f')]
         follow: bool,
     },
+    /// Run a command on the cluster's ready nodes, streaming their output.
+    #[command(after_help = "Examples:
+  swactor run --all -- hostname                          every ready node
+  swactor run --group gpu --workspace . -- ./train.sh    ship a directory, run in it
+  swactor run --nodes worker-0 worker-1 --output 'out/*' -- make
+  swactor run --all --timeout 60 --env SEED=3 -- ./bench
+
+Output lines are prefixed by their node. The exit code is the worst of the
+runs' exit codes. Outputs go to ./outputs/JOB/NODE/. Ctrl-C cancels the job on
+every node (its process group is killed).")]
+    Run(jobs::cli::RunArgs),
+    /// List the jobs.
+    #[command(after_help = "Examples:
+  swactor jobs                 id, state, runs and command of every job
+  swactor jobs --json          every field, e.g. the bytes each run was shipped")]
+    Jobs {
+        /// As JSON (every field, including the bytes each run was shipped).
+        #[arg(long)]
+        json: bool,
+    },
+    /// One job: its output, or cancel it.
+    #[command(
+        subcommand,
+        after_help = "Examples:
+  swactor job logs job-3                   replay its output, prefixed by node
+  swactor job logs job-3 --node worker-1   one node's output
+  swactor job outputs job-3                copy its outputs to ./outputs/job-3/NODE/
+  swactor job cancel job-3                 kill it on every node it still runs on"
+    )]
+    Job(JobCommand),
     /// The node agent (started by providers, not by hand).
     #[command(hide = true)]
     Agent(agent::AgentOptions),
 }
 
+/// `swactor job …`.
+#[derive(Debug, Subcommand)]
+enum JobCommand {
+    /// Replay a job's output, prefixed by node.
+    Logs {
+        /// The job (`job-3` or `3`).
+        id: String,
+        /// Only this node's output.
+        #[arg(long)]
+        node: Option<String>,
+    },
+    /// Copy a job's collected outputs to ./outputs/JOB/NODE/ (as `run` does
+    /// when it sees the job end).
+    Outputs {
+        /// The job (`job-3` or `3`).
+        id: String,
+    },
+    /// Cancel a job on every node it still runs on.
+    Cancel {
+        /// The job (`job-3` or `3`).
+        id: String,
+    },
+}
+
 fn main() {
+    // `swactor job-exec --parent PID -- CMD…`: how an agent starts a run;
+    // it becomes CMD before anything else starts (no runtime, no threads).
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("job-exec") {
+        let parent = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
+        let argv = args.get(5..).unwrap_or_default();
+        std::process::exit(jobs::agent::exec(parent, argv));
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -347,6 +413,17 @@ fn main() {
                     follow,
                 };
                 logs::logs(&state_dir, &opts).await
+            }
+            Command::Run(args) => jobs::cli::run(&state_dir, args).await,
+            Command::Jobs { json } => jobs::cli::list(&state_dir, json).await.map(|()| 0),
+            Command::Job(JobCommand::Logs { id, node }) => {
+                jobs::cli::logs(&state_dir, &id, node).await.map(|()| 0)
+            }
+            Command::Job(JobCommand::Outputs { id }) => {
+                jobs::cli::outputs(&state_dir, &id).await.map(|()| 0)
+            }
+            Command::Job(JobCommand::Cancel { id }) => {
+                jobs::cli::cancel(&state_dir, &id).await.map(|()| 0)
             }
             Command::Agent(opts) => agent::run(opts).await,
         }

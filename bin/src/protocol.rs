@@ -46,6 +46,20 @@ pub(crate) enum ControlRequest {
         #[serde(default)]
         purge: bool,
     },
+    /// Run a job; the answer is a stream of [`ControlResponse::Job`] events
+    /// ending with its `Done` (or one `Error`).
+    Run(crate::jobs::service::JobSpec),
+    /// Every job.
+    Jobs,
+    /// A job's recorded output, of one node or all.
+    JobLogs {
+        /// The job's id.
+        id: String,
+        /// Only this node's.
+        node: Option<String>,
+    },
+    /// Cancel a job on every node it still runs on.
+    JobCancel(String),
 }
 
 /// The daemon's answer.
@@ -90,6 +104,19 @@ pub(crate) enum ControlResponse {
         /// With `purge`: each remote host, and why it could not be purged if it could not.
         #[serde(default)]
         purged: Vec<(String, Option<String>)>,
+    },
+    /// One event of a job (the answers to `Run`).
+    Job(crate::jobs::service::JobEvent),
+    /// Every job.
+    Jobs(Vec<crate::jobs::service::JobRecord>),
+    /// A job's output as (node, from stderr, text) pieces.
+    JobLogs(Vec<(String, bool, String)>),
+    /// The job is being cancelled on these nodes.
+    JobCancelled {
+        /// The job.
+        job: String,
+        /// The nodes it still ran on.
+        nodes: Vec<String>,
     },
     /// The request was refused; nothing changed.
     Error(String),

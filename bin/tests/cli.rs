@@ -577,7 +577,7 @@ fn the_cli_checks_its_input_offline() {
     );
     for cmd in [
         "up", "apply", "plan", "validate", "status", "describe", "watch", "logs", "pause",
-        "resume", "down",
+        "resume", "down", "run", "jobs", "job",
     ] {
         let o = run(&[cmd, "--help"]);
         assert!(o.status.success(), "{cmd}");

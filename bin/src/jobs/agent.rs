@@ -1,0 +1,607 @@
+//! The agent's side of `swactor/jobs/0`.
+//!
+//! The agent dials its daemon for this protocol (as it does for the swarm)
+//! and then serves the streams the daemon opens on that connection: the
+//! daemon's key is proven by the connection itself, and nobody else can
+//! open a stream on it. Every request names the attempt it is meant for and
+//! one for another attempt is refused, so a run meant for a node's previous
+//! attempt never reaches its replacement.
+//!
+//! Chunks live in `<node dir>/jobs/chunks/<hash>`, each checked against its
+//! BLAKE3 hash before it is kept. A run lives in `<node dir>/jobs/runs/<job>/`:
+//! its workspace `ws/`, its output log `log` (see [`LogRecord`]) and, once
+//! it ended, `exit`. The run's command runs in its own process group under
+//! `swactor job-exec`, which dies with the agent. The agent keeps a run's
+//! log and exit until the daemon says `Forget`.
+
+use super::{
+    ALPN_JOBS, CHUNK_LEN, DATA_PIECE_LEN, ExitInfo, FromAgent, Hash, JOBS_FRAME_LEN_MAX, LogRecord,
+    Stream, ToAgent, glob_match, hex, safe_relative, size_words, walk,
+};
+use crate::protocol::JoinRequest;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use swactor_engine::iroh::Endpoint;
+use swactor_engine::iroh::endpoint::{RecvStream, SendStream};
+use swactor_engine::net::{EndpointTicket, connect, recv_frame, send_frame};
+use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+
+/// What a run has done so far: how long its log is, and how it ended.
+#[derive(Clone, Copy, Debug, Default)]
+struct Progress {
+    log_len: u64,
+    exit: Option<ExitInfo>,
+}
+
+#[derive(Debug)]
+struct Run {
+    dir: PathBuf,
+    /// The process group of the command.
+    pgid: i32,
+    progress: watch::Sender<Progress>,
+}
+
+/// The agent's jobs: its chunk store and its runs.
+#[derive(Debug, Clone)]
+pub(crate) struct AgentJobs {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    root: PathBuf,
+    node: String,
+    attempt: u64,
+    runs: Mutex<HashMap<String, Arc<Run>>>,
+}
+
+impl AgentJobs {
+    /// The jobs of the agent of (`node`, `attempt`), kept under `node_dir`.
+    pub(crate) fn new(node_dir: &Path, node: String, attempt: u64) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                root: node_dir.join("jobs"),
+                node,
+                attempt,
+                runs: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    fn chunk_path(&self, hash: &Hash) -> PathBuf {
+        self.inner.root.join("chunks").join(hex(hash))
+    }
+
+    fn run(&self, job: &str) -> Option<Arc<Run>> {
+        self.inner
+            .runs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(job)
+            .cloned()
+    }
+
+    /// Dials the daemon for the jobs protocol and serves its requests, again
+    /// and again while the agent lives.
+    pub(crate) async fn serve(self, endpoint: Endpoint, ticket: EndpointTicket, join: JoinRequest) {
+        let mut failures = 0u32;
+        loop {
+            match self.session(&endpoint, &ticket, &join).await {
+                Ok(()) => failures = 0,
+                Err(e) => {
+                    failures += 1;
+                    tracing::debug!(%e, "jobs link to the daemon lost");
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.clamp(1, 5)))).await;
+        }
+    }
+
+    async fn session(
+        &self,
+        endpoint: &Endpoint,
+        ticket: &EndpointTicket,
+        join: &JoinRequest,
+    ) -> anyhow::Result<()> {
+        let conn = connect(
+            endpoint,
+            ticket.addr().clone(),
+            ALPN_JOBS,
+            Duration::from_secs(5),
+        )
+        .await?;
+        let (mut send, _recv) = conn.open_bi().await?;
+        send_frame(&mut send, join, JOBS_FRAME_LEN_MAX).await?;
+        let _ = send.finish();
+        loop {
+            let (send, recv) = conn.accept_bi().await?;
+            let me = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = me.serve_stream(send, recv).await {
+                    tracing::debug!(%e, "a jobs request failed");
+                }
+            });
+        }
+    }
+
+    async fn serve_stream(&self, mut send: SendStream, mut recv: RecvStream) -> anyhow::Result<()> {
+        let Some(req) = recv_frame::<ToAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX).await? else {
+            return Ok(());
+        };
+        let attempt = match &req {
+            ToAgent::Missing { attempt, .. }
+            | ToAgent::Chunk { attempt, .. }
+            | ToAgent::Start { attempt, .. }
+            | ToAgent::Attach { attempt, .. }
+            | ToAgent::Collect { attempt, .. }
+            | ToAgent::Cancel { attempt, .. }
+            | ToAgent::Forget { attempt, .. } => *attempt,
+        };
+        if attempt != self.inner.attempt {
+            let refused = FromAgent::Refused(format!(
+                "this agent serves {} attempt {}, not attempt {attempt}",
+                self.inner.node, self.inner.attempt
+            ));
+            send_frame(&mut send, &refused, JOBS_FRAME_LEN_MAX).await?;
+            let _ = send.finish();
+            return Ok(());
+        }
+        match req {
+            ToAgent::Missing { chunks, .. } => {
+                let missing = chunks
+                    .into_iter()
+                    .filter(|h| !self.chunk_path(h).is_file())
+                    .collect();
+                send_frame(&mut send, &FromAgent::Missing(missing), JOBS_FRAME_LEN_MAX).await?;
+            }
+            ToAgent::Chunk { hash, data, .. } => {
+                let mut next = Some((hash, data));
+                while let Some((hash, data)) = next.take() {
+                    let answer = match self.store_chunk(&hash, &data).await {
+                        Ok(()) => FromAgent::Stored,
+                        Err(e) => FromAgent::Refused(e),
+                    };
+                    send_frame(&mut send, &answer, JOBS_FRAME_LEN_MAX).await?;
+                    if let Some(ToAgent::Chunk { hash, data, .. }) =
+                        recv_frame::<ToAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX).await?
+                    {
+                        next = Some((hash, data));
+                    }
+                }
+            }
+            ToAgent::Start {
+                job,
+                manifest,
+                argv,
+                env,
+                ..
+            } => {
+                let answer = match self.start(&job, &manifest, &argv, &env).await {
+                    Ok(()) => FromAgent::Started,
+                    Err(e) => FromAgent::Refused(e),
+                };
+                send_frame(&mut send, &answer, JOBS_FRAME_LEN_MAX).await?;
+            }
+            ToAgent::Attach { job, offset, .. } => {
+                let Some(run) = self.run(&job) else {
+                    send_frame(&mut send, &FromAgent::Unknown, JOBS_FRAME_LEN_MAX).await?;
+                    let _ = send.finish();
+                    return Ok(());
+                };
+                attach(&run, offset, &mut send).await?;
+            }
+            ToAgent::Collect {
+                job,
+                globs,
+                output_max_bytes,
+                ..
+            } => match self.run(&job) {
+                None => send_frame(&mut send, &FromAgent::Unknown, JOBS_FRAME_LEN_MAX).await?,
+                Some(run) => {
+                    self.collect(&run, &globs, output_max_bytes, &mut send)
+                        .await?
+                }
+            },
+            ToAgent::Cancel { job, .. } => {
+                if let Some(run) = self.run(&job) {
+                    cancel(&run).await;
+                }
+                send_frame(&mut send, &FromAgent::Done, JOBS_FRAME_LEN_MAX).await?;
+            }
+            ToAgent::Forget { job, .. } => {
+                let run = self
+                    .inner
+                    .runs
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&job);
+                if let Some(run) = run {
+                    cancel(&run).await;
+                    let _ = tokio::fs::remove_dir_all(&run.dir).await;
+                }
+                send_frame(&mut send, &FromAgent::Done, JOBS_FRAME_LEN_MAX).await?;
+            }
+        }
+        let _ = send.finish();
+        // Let the daemon read the last frame before the stream goes.
+        let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
+        Ok(())
+    }
+
+    /// Keeps `data` under `hash` if it hashes to it.
+    async fn store_chunk(&self, hash: &Hash, data: &[u8]) -> Result<(), String> {
+        if data.len() > CHUNK_LEN {
+            return Err(format!(
+                "chunk {} rejected: {} bytes, more than a chunk's {CHUNK_LEN}",
+                hex(hash),
+                data.len()
+            ));
+        }
+        let actual = *blake3::hash(data).as_bytes();
+        if actual != *hash {
+            tracing::warn!(expected = %hex(hash), actual = %hex(&actual), "a chunk was rejected by hash");
+            return Err(format!(
+                "chunk {} rejected by {}: its bytes hash to {}",
+                hex(hash),
+                self.inner.node,
+                hex(&actual)
+            ));
+        }
+        let path = self.chunk_path(hash);
+        let dir = self.inner.root.join("chunks");
+        let tmp = dir.join(format!("{}.part", hex(hash)));
+        let write = async {
+            tokio::fs::create_dir_all(&dir).await?;
+            tokio::fs::write(&tmp, data).await?;
+            tokio::fs::rename(&tmp, &path).await
+        };
+        write.await.map_err(|e| {
+            format!(
+                "cannot store chunk {} on {}: {e}",
+                hex(hash),
+                self.inner.node
+            )
+        })
+    }
+
+    /// Materialises the workspace and starts the command.
+    async fn start(
+        &self,
+        job: &str,
+        manifest: &[super::FileEntry],
+        argv: &[String],
+        env: &[(String, String)],
+    ) -> Result<(), String> {
+        if !safe_relative(job) || job.contains('/') {
+            return Err(format!("{job:?} is not a job id"));
+        }
+        if argv.is_empty() {
+            return Err("no command to run".to_owned());
+        }
+        if self.run(job).is_some() {
+            return Err(format!("job {job} already runs on {}", self.inner.node));
+        }
+        let dir = self.inner.root.join("runs").join(job);
+        let ws = dir.join("ws");
+        let made = self.materialise(&ws, manifest).await;
+        if let Err(e) = made {
+            // Nothing half-made is left behind.
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+            return Err(e);
+        }
+        match self.spawn(job, &dir, &ws, argv, env).await {
+            Ok(run) => {
+                self.inner
+                    .runs
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(job.to_owned(), run);
+                Ok(())
+            }
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn materialise(&self, ws: &Path, manifest: &[super::FileEntry]) -> Result<(), String> {
+        tokio::fs::create_dir_all(ws)
+            .await
+            .map_err(|e| format!("cannot make the workspace {}: {e}", ws.display()))?;
+        for file in manifest {
+            if !safe_relative(&file.path) {
+                return Err(format!(
+                    "workspace path {:?} is not a plain relative path",
+                    file.path
+                ));
+            }
+            let path = ws.join(&file.path);
+            if let Some(parent) = path.parent() {
+                tokio::fs::create_dir_all(parent)
+                    .await
+                    .map_err(|e| format!("cannot make {}: {e}", parent.display()))?;
+            }
+            let mut out = tokio::fs::File::create(&path)
+                .await
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            for hash in &file.chunks {
+                let data = tokio::fs::read(self.chunk_path(hash)).await.map_err(|e| {
+                    format!(
+                        "chunk {} of {} is not on {}: {e}",
+                        hex(hash),
+                        file.path,
+                        self.inner.node
+                    )
+                })?;
+                out.write_all(&data)
+                    .await
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            }
+            out.flush()
+                .await
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            if file.executable {
+                use std::os::unix::fs::PermissionsExt;
+                tokio::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+                    .await
+                    .map_err(|e| format!("cannot make {} executable: {e}", path.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn spawn(
+        &self,
+        job: &str,
+        dir: &Path,
+        ws: &Path,
+        argv: &[String],
+        env: &[(String, String)],
+    ) -> Result<Arc<Run>, String> {
+        // This very binary, even if the file was replaced since it started.
+        let exe = if Path::new("/proc/self/exe").exists() {
+            PathBuf::from("/proc/self/exe")
+        } else {
+            std::env::current_exe()
+                .map_err(|e| format!("cannot find the agent's own binary: {e}"))?
+        };
+        let mut child = tokio::process::Command::new(exe)
+            .arg("job-exec")
+            .arg("--parent")
+            .arg(rustix::process::getpid().as_raw_nonzero().to_string())
+            .arg("--")
+            .args(argv)
+            .current_dir(ws)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .env("SWACTOR_JOB", job)
+            .env("SWACTOR_NODE", &self.inner.node)
+            .env("SWACTOR_ATTEMPT", self.inner.attempt.to_string())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            // Its own process group, so a cancel kills all it started.
+            .process_group(0)
+            .spawn()
+            .map_err(|e| format!("cannot start the run on {}: {e}", self.inner.node))?;
+        let pgid = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .ok_or("the run's process has no id")?;
+        let log_path = dir.join("log");
+        let mut log = tokio::fs::File::create(&log_path)
+            .await
+            .map_err(|e| format!("cannot make {}: {e}", log_path.display()))?;
+        let (progress, _) = watch::channel(Progress::default());
+        let run = Arc::new(Run {
+            dir: dir.to_path_buf(),
+            pgid,
+            progress,
+        });
+        let (tx, mut rx) = mpsc::channel::<(Stream, Vec<u8>)>(64);
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(pump(out, Stream::Stdout, tx.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(pump(err, Stream::Stderr, tx.clone()));
+        }
+        drop(tx);
+        let watcher = run.clone();
+        tokio::spawn(async move {
+            let mut len = 0u64;
+            while let Some((stream, data)) = rx.recv().await {
+                let record = LogRecord::encode(stream, &data);
+                if log.write_all(&record).await.is_err() {
+                    break;
+                }
+                let _ = log.flush().await;
+                len += record.len() as u64;
+                watcher.progress.send_modify(|p| p.log_len = len);
+            }
+            let status = child.wait().await;
+            let exit = match status {
+                Ok(s) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    ExitInfo {
+                        code: s.code(),
+                        signal: s.signal(),
+                    }
+                }
+                Err(_) => ExitInfo {
+                    code: None,
+                    signal: None,
+                },
+            };
+            let _ = tokio::fs::write(
+                watcher.dir.join("exit"),
+                format!("{:?} {:?}\n", exit.code, exit.signal),
+            )
+            .await;
+            watcher.progress.send_modify(|p| p.exit = Some(exit));
+        });
+        Ok(run)
+    }
+
+    async fn collect(
+        &self,
+        run: &Run,
+        globs: &[String],
+        output_max_bytes: u64,
+        send: &mut SendStream,
+    ) -> anyhow::Result<()> {
+        let ws = run.dir.join("ws");
+        let files = {
+            let ws = ws.clone();
+            tokio::task::spawn_blocking(move || walk(&ws)).await??
+        };
+        let mut chosen: Vec<(String, PathBuf, u64)> = Vec::new();
+        for glob in globs {
+            let before = chosen.len();
+            for (rel, path) in &files {
+                if glob_match(glob, rel) && !chosen.iter().any(|(r, _, _)| r == rel) {
+                    let len = tokio::fs::metadata(path)
+                        .await
+                        .map(|m| m.len())
+                        .unwrap_or(0);
+                    chosen.push((rel.clone(), path.clone(), len));
+                }
+            }
+            let already = files.iter().any(|(rel, _)| glob_match(glob, rel));
+            if chosen.len() == before && !already {
+                let refused = FromAgent::Refused(format!(
+                    "--output {glob:?} matched nothing in the workspace on {}",
+                    self.inner.node
+                ));
+                send_frame(send, &refused, JOBS_FRAME_LEN_MAX).await?;
+                return Ok(());
+            }
+        }
+        let total: u64 = chosen.iter().map(|(_, _, len)| len).sum();
+        if total > output_max_bytes {
+            let refused = FromAgent::Refused(format!(
+                "the outputs on {} add up to {}, more than the limit of {}; none was collected",
+                self.inner.node,
+                size_words(total),
+                size_words(output_max_bytes)
+            ));
+            send_frame(send, &refused, JOBS_FRAME_LEN_MAX).await?;
+            return Ok(());
+        }
+        for (rel, path, _) in chosen {
+            let mut file = tokio::fs::File::open(&path).await?;
+            let len = file.metadata().await?.len();
+            send_frame(
+                send,
+                &FromAgent::File { path: rel, len },
+                JOBS_FRAME_LEN_MAX,
+            )
+            .await?;
+            let mut left = len;
+            let mut buf = vec![0u8; DATA_PIECE_LEN];
+            while left > 0 {
+                let want =
+                    usize::try_from(left.min(DATA_PIECE_LEN as u64)).unwrap_or(DATA_PIECE_LEN);
+                file.read_exact(&mut buf[..want]).await?;
+                send_frame(
+                    send,
+                    &FromAgent::Data(buf[..want].to_vec()),
+                    JOBS_FRAME_LEN_MAX,
+                )
+                .await?;
+                left -= want as u64;
+            }
+        }
+        send_frame(send, &FromAgent::Collected, JOBS_FRAME_LEN_MAX).await?;
+        Ok(())
+    }
+}
+
+/// Reads `pipe` into `tx` until it ends.
+async fn pump(
+    mut pipe: impl tokio::io::AsyncRead + Unpin,
+    stream: Stream,
+    tx: mpsc::Sender<(Stream, Vec<u8>)>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match pipe.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if tx.send((stream, buf[..n].to_vec())).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Sends `run`'s log from `offset` on as it grows, then its exit.
+async fn attach(run: &Run, mut offset: u64, send: &mut SendStream) -> anyhow::Result<()> {
+    let mut rx = run.progress.subscribe();
+    let mut log = tokio::fs::File::open(run.dir.join("log")).await?;
+    let mut buf = vec![0u8; DATA_PIECE_LEN];
+    loop {
+        let now = *rx.borrow_and_update();
+        if now.log_len > offset {
+            let want = usize::try_from((now.log_len - offset).min(DATA_PIECE_LEN as u64))
+                .unwrap_or(DATA_PIECE_LEN);
+            log.seek(std::io::SeekFrom::Start(offset)).await?;
+            log.read_exact(&mut buf[..want]).await?;
+            send_frame(
+                send,
+                &FromAgent::Log(buf[..want].to_vec()),
+                JOBS_FRAME_LEN_MAX,
+            )
+            .await?;
+            offset += want as u64;
+            continue;
+        }
+        if let Some(exit) = now.exit {
+            send_frame(send, &FromAgent::Exit(exit), JOBS_FRAME_LEN_MAX).await?;
+            return Ok(());
+        }
+        if rx.changed().await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+/// Kills the run's process group and waits briefly for its exit.
+async fn cancel(run: &Run) {
+    if run.progress.borrow().exit.is_some() {
+        return;
+    }
+    if let Some(pid) = rustix::process::Pid::from_raw(run.pgid) {
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+    }
+    let mut rx = run.progress.subscribe();
+    let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|p| p.exit.is_some())).await;
+}
+
+/// `swactor job-exec --parent PID -- CMD ARGS…`: becomes CMD, dying with
+/// the agent `PID`. Returns only when CMD could not be started: the exit
+/// code to end with (127 not found, 126 not runnable).
+pub(crate) fn exec(parent: u32, argv: &[String]) -> i32 {
+    use std::os::unix::process::CommandExt;
+    // A run outlives neither its agent nor a kill of it.
+    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+    let ppid = rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get());
+    if u32::try_from(ppid).ok() != Some(parent) {
+        eprintln!("swactor: the agent that started this run is gone");
+        return 1;
+    }
+    let Some((program, args)) = argv.split_first() else {
+        eprintln!("swactor: no command to run");
+        return 127;
+    };
+    let e = std::process::Command::new(program).args(args).exec();
+    eprintln!("swactor: cannot run `{program}`: {e}");
+    if e.kind() == std::io::ErrorKind::NotFound {
+        127
+    } else {
+        126
+    }
+}

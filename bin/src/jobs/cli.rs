@@ -1,0 +1,406 @@
+//! `swactor run`, `swactor jobs` and `swactor job …`: the CLI's side of jobs.
+
+use super::service::{JobEvent, JobRecord, JobSpec, JobState, Targets};
+use crate::client::{Client, with_client};
+use crate::protocol::{ControlRequest, ControlResponse};
+use anyhow::{Context, Result, bail};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Options of `swactor run`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RunArgs {
+    /// Run on every ready node of this group (repeat for more groups).
+    #[arg(long, value_name = "G")]
+    pub(crate) group: Vec<String>,
+    /// Run on these nodes (each must be ready).
+    #[arg(long, value_name = "N", num_args = 1..)]
+    pub(crate) nodes: Vec<String>,
+    /// Run on every ready node.
+    #[arg(long)]
+    pub(crate) all: bool,
+    /// A directory shipped to each node; the command runs inside its copy.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) workspace: Option<PathBuf>,
+    /// Files of the workspace to bring back when the command ends, as globs
+    /// relative to it (`*`, `?`, `**`); written to ./outputs/JOB/NODE/.
+    #[arg(long, value_name = "GLOB", num_args = 1..)]
+    pub(crate) output: Vec<String>,
+    /// Stop the job after this many seconds (its runs fail with 124).
+    #[arg(long, value_name = "S")]
+    pub(crate) timeout: Option<f64>,
+    /// An environment variable for the command (repeat for more).
+    #[arg(long, value_name = "K=V")]
+    pub(crate) env: Vec<String>,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub(crate) argv: Vec<String>,
+}
+
+fn targets(args: &RunArgs) -> Result<Targets> {
+    let chosen = usize::from(args.all)
+        + usize::from(!args.group.is_empty())
+        + usize::from(!args.nodes.is_empty());
+    match chosen {
+        0 => bail!("say where to run: --all, --group G or --nodes N…"),
+        1 if args.all => Ok(Targets::All),
+        1 if !args.group.is_empty() => Ok(Targets::Groups(args.group.clone())),
+        1 => Ok(Targets::Nodes(args.nodes.clone())),
+        _ => bail!("--all, --group and --nodes exclude each other: give one"),
+    }
+}
+
+/// Prints output line by line, each prefixed by its node.
+#[derive(Default)]
+struct Lines {
+    partial: HashMap<(String, bool), String>,
+}
+
+impl Lines {
+    fn add(&mut self, node: &str, stderr: bool, text: &str) -> std::io::Result<()> {
+        let buf = self.partial.entry((node.to_owned(), stderr)).or_default();
+        buf.push_str(text);
+        while let Some(at) = buf.find('\n') {
+            let line: String = buf.drain(..=at).collect();
+            print_line(node, stderr, line.trim_end_matches('\n'))?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        for ((node, stderr), rest) in self.partial.drain() {
+            if !rest.is_empty() {
+                print_line(&node, stderr, &rest)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn print_line(node: &str, stderr: bool, line: &str) -> std::io::Result<()> {
+    if stderr {
+        let mut err = std::io::stderr().lock();
+        writeln!(err, "[{node}] {line}")
+    } else {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "[{node}] {line}")?;
+        out.flush()
+    }
+}
+
+/// `swactor run`: returns the worst exit code of the job's runs.
+pub(crate) async fn run(state_dir: &Path, args: RunArgs) -> Result<i32> {
+    let targets = targets(&args)?;
+    let workspace = match &args.workspace {
+        None => None,
+        Some(dir) => {
+            let abs = std::fs::canonicalize(dir).with_context(|| {
+                format!(
+                    "the workspace {} does not exist; nothing was shipped",
+                    dir.display()
+                )
+            })?;
+            if !abs.is_dir() {
+                bail!(
+                    "the workspace {} is not a directory; nothing was shipped",
+                    dir.display()
+                );
+            }
+            Some(abs)
+        }
+    };
+    let mut env = Vec::new();
+    for kv in &args.env {
+        let Some((k, v)) = kv.split_once('=').filter(|(k, _)| !k.is_empty()) else {
+            bail!("--env {kv:?} is not KEY=VALUE");
+        };
+        env.push((k.to_owned(), v.to_owned()));
+    }
+    let spec = JobSpec {
+        targets,
+        workspace,
+        outputs: args.output.clone(),
+        timeout_s: args.timeout,
+        env,
+        argv: args.argv.clone(),
+    };
+    with_client(state_dir, async |c| follow_run(c, spec).await).await
+}
+
+async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
+    let (conn, mut recv) = client.stream(&ControlRequest::Run(spec)).await?;
+    let mut lines = Lines::default();
+    let mut job: Option<String> = None;
+    let mut cancelling = false;
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
+    let done = loop {
+        let next = tokio::select! {
+            next = crate::client::recv_answer(&mut recv) => next,
+            _ = &mut interrupted, if !cancelling => {
+                cancelling = true;
+                match &job {
+                    Some(id) => {
+                        eprintln!("swactor: Ctrl-C: cancelling {id} on every node…");
+                        match client.ask(ControlRequest::JobCancel(id.clone())).await {
+                            Ok(_) => {}
+                            Err(e) => eprintln!("swactor: cannot cancel {id}: {e:#}"),
+                        }
+                    }
+                    None => bail!("interrupted before the daemon accepted the job"),
+                }
+                continue;
+            }
+        };
+        let event = match next {
+            Ok(Some(ControlResponse::Job(ev))) => ev,
+            Ok(Some(ControlResponse::Error(e))) => bail!("{}", crate::words::cut_long_words(&e)),
+            Ok(Some(other)) => return Err(crate::client::unexpected(&other)),
+            Ok(None) | Err(_) => {
+                lines.flush()?;
+                match &job {
+                    Some(id) => bail!(
+                        "lost contact with the daemon; {id} goes on without this CLI \
+                         (`swactor jobs`, `swactor job logs {id}`, `swactor job outputs {id}`)"
+                    ),
+                    None => bail!("lost contact with the daemon before it accepted the job"),
+                }
+            }
+        };
+        match event {
+            JobEvent::Accepted {
+                job: id,
+                nodes,
+                skipped,
+                workspace_files,
+                workspace_bytes,
+            } => {
+                let ws = if workspace_files > 0 {
+                    format!(
+                        ", workspace of {workspace_files} file(s), {}",
+                        super::size_words(workspace_bytes)
+                    )
+                } else {
+                    String::new()
+                };
+                eprintln!(
+                    "swactor: {id} on {} node(s): {}{ws}",
+                    nodes.len(),
+                    nodes.join(", ")
+                );
+                if !skipped.is_empty() {
+                    eprintln!("swactor: not ready, left out: {}", skipped.join(", "));
+                }
+                job = Some(id);
+            }
+            JobEvent::Shipped {
+                node,
+                bytes,
+                chunks,
+                of,
+            } => {
+                if chunks == 0 && of > 0 {
+                    eprintln!(
+                        "swactor: [{node}] workspace already there ({of} chunk(s)); nothing sent"
+                    );
+                } else if of > 0 {
+                    eprintln!(
+                        "swactor: [{node}] workspace shipped: sent {chunks} of {of} chunk(s), {}",
+                        super::size_words(bytes)
+                    );
+                }
+            }
+            JobEvent::Output { node, stderr, text } => lines.add(&node, stderr, &text)?,
+            JobEvent::Finished(run) => {
+                if run.state != JobState::Succeeded {
+                    let why = run.error.clone().unwrap_or_default();
+                    eprintln!("swactor: [{}] {}: {why}", run.node, run.state.word());
+                }
+            }
+            JobEvent::Done(record) => break record,
+        }
+    };
+    lines.flush()?;
+    conn.close(0u32.into(), b"done");
+    let copied = copy_outputs(&done)?;
+    if let Some(dir) = copied {
+        eprintln!("swactor: outputs in {}", dir.display());
+    }
+    summary(&done, cancelling);
+    Ok(
+        if cancelling && done.runs.iter().any(|r| r.state == JobState::Cancelled) {
+            130
+        } else {
+            done.exit_code()
+        },
+    )
+}
+
+fn summary(job: &JobRecord, cancelled: bool) {
+    let mut counts: Vec<(JobState, usize)> = Vec::new();
+    for r in &job.runs {
+        match counts.iter_mut().find(|(s, _)| *s == r.state) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((r.state, 1)),
+        }
+    }
+    let parts: Vec<String> = counts
+        .iter()
+        .map(|(s, n)| format!("{n} {}", s.word()))
+        .collect();
+    if cancelled {
+        let nodes: Vec<&str> = job
+            .runs
+            .iter()
+            .filter(|r| r.state == JobState::Cancelled)
+            .map(|r| r.node.as_str())
+            .collect();
+        eprintln!(
+            "swactor: {} cancelled on {} node(s) ({}); their process groups were killed",
+            job.id,
+            nodes.len(),
+            nodes.join(", ")
+        );
+    }
+    eprintln!(
+        "swactor: {} {}: {}",
+        job.id,
+        job.state().word(),
+        parts.join(", ")
+    );
+}
+
+/// Copies the job's collected outputs to `./outputs/<job>/<node>/`.
+fn copy_outputs(job: &JobRecord) -> Result<Option<PathBuf>> {
+    if job.outputs.is_empty() || !job.runs.iter().any(|r| r.output_files > 0) {
+        return Ok(None);
+    }
+    let into = PathBuf::from("outputs").join(&job.id);
+    let from = PathBuf::from(&job.outputs_dir);
+    for run in job.runs.iter().filter(|r| r.output_files > 0) {
+        let src = from.join(&run.node);
+        let dst = into.join(&run.node);
+        for (rel, path) in
+            super::walk(&src).with_context(|| format!("cannot read {}", src.display()))?
+        {
+            let to = dst.join(&rel);
+            if let Some(parent) = to.parent() {
+                std::fs::create_dir_all(parent)
+                    .with_context(|| format!("cannot make {}", parent.display()))?;
+            }
+            std::fs::copy(&path, &to).with_context(|| format!("cannot write {}", to.display()))?;
+        }
+    }
+    Ok(Some(into))
+}
+
+/// `swactor jobs`.
+pub(crate) async fn list(state_dir: &Path, json: bool) -> Result<()> {
+    let jobs = with_client(state_dir, async |c| {
+        match c.ask(ControlRequest::Jobs).await? {
+            ControlResponse::Jobs(jobs) => Ok(jobs),
+            other => Err(crate::client::unexpected(&other)),
+        }
+    })
+    .await?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, &jobs)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    if jobs.is_empty() {
+        writeln!(
+            out,
+            "no jobs yet (`swactor run --all -- hostname` starts one)"
+        )?;
+        return Ok(());
+    }
+    writeln!(out, "{:<10} {:<10} {:<28} COMMAND", "JOB", "STATE", "RUNS")?;
+    for j in &jobs {
+        let done = j
+            .runs
+            .iter()
+            .filter(|r| r.state == JobState::Succeeded)
+            .count();
+        let runs = format!("{done}/{} succeeded", j.runs.len());
+        writeln!(
+            out,
+            "{:<10} {:<10} {:<28} {}",
+            j.id,
+            j.state().word(),
+            runs,
+            crate::words::cut(&j.argv.join(" "))
+        )?;
+    }
+    Ok(())
+}
+
+/// `swactor job logs`.
+pub(crate) async fn logs(state_dir: &Path, id: &str, node: Option<String>) -> Result<()> {
+    let req = ControlRequest::JobLogs {
+        id: id.to_owned(),
+        node,
+    };
+    let pieces = with_client(state_dir, async |c| match c.ask(req).await? {
+        ControlResponse::JobLogs(p) => Ok(p),
+        other => Err(crate::client::unexpected(&other)),
+    })
+    .await?;
+    let mut lines = Lines::default();
+    for (node, stderr, text) in pieces {
+        lines.add(&node, stderr, &text)?;
+    }
+    lines.flush()?;
+    Ok(())
+}
+
+/// `swactor job outputs`.
+pub(crate) async fn outputs(state_dir: &Path, id: &str) -> Result<()> {
+    let jobs = with_client(state_dir, async |c| {
+        match c.ask(ControlRequest::Jobs).await? {
+            ControlResponse::Jobs(jobs) => Ok(jobs),
+            other => Err(crate::client::unexpected(&other)),
+        }
+    })
+    .await?;
+    let seq = id.strip_prefix("job-").unwrap_or(id);
+    let Some(job) = jobs.iter().find(|j| j.id.strip_prefix("job-") == Some(seq)) else {
+        bail!("no job {id:?} (`swactor jobs` lists them)");
+    };
+    if !job.state().is_final() {
+        bail!(
+            "{} is still {}; its outputs are collected when it ends",
+            job.id,
+            job.state().word()
+        );
+    }
+    match copy_outputs(job)? {
+        Some(dir) => eprintln!("swactor: outputs of {} in {}", job.id, dir.display()),
+        None => eprintln!("swactor: {} has no collected outputs", job.id),
+    }
+    Ok(())
+}
+
+/// `swactor job cancel`.
+pub(crate) async fn cancel(state_dir: &Path, id: &str) -> Result<()> {
+    let answer = with_client(state_dir, async |c| {
+        c.ask(ControlRequest::JobCancel(id.to_owned())).await
+    })
+    .await?;
+    match answer {
+        ControlResponse::JobCancelled { job, nodes } if nodes.is_empty() => {
+            eprintln!("swactor: {job} had already ended; nothing to cancel");
+        }
+        ControlResponse::JobCancelled { job, nodes } => {
+            eprintln!(
+                "swactor: cancelling {job} on {} node(s) ({}): their process groups are killed",
+                nodes.len(),
+                nodes.join(", ")
+            );
+        }
+        other => return Err(crate::client::unexpected(&other)),
+    }
+    Ok(())
+}

@@ -1,0 +1,344 @@
+//! Jobs: run a command on the cluster's nodes over `swactor/jobs/0`.
+//!
+//! The daemon side ([`service`]) turns a `swactor run` into one job with one
+//! run per (node, attempt); the agent side ([`agent`]) keeps a chunk store,
+//! materialises workspaces, runs commands in their own process group and
+//! keeps each run's output and exit status until the daemon collects them.
+//! The wire types, the workspace manifest and the output log format live
+//! here, shared by both. `docs/jobs.md` tells the whole story.
+
+pub(crate) mod agent;
+pub(crate) mod cli;
+pub(crate) mod service;
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// ALPN of the jobs protocol, dialled by each agent to its daemon.
+pub(crate) const ALPN_JOBS: &[u8] = b"swactor/jobs/0";
+
+/// A BLAKE3 hash: the name of a chunk.
+pub(crate) type Hash = [u8; 32];
+
+/// Largest chunk of a workspace file; files are cut into chunks of this
+/// size, each shipped and stored under its own hash.
+pub(crate) const CHUNK_LEN: usize = 1 << 20;
+
+/// Largest frame on the jobs protocol: a chunk plus its envelope.
+pub(crate) const JOBS_FRAME_LEN_MAX: usize = CHUNK_LEN + 64 * 1024;
+
+/// Largest piece of output or of an output file in one frame.
+pub(crate) const DATA_PIECE_LEN: usize = 256 * 1024;
+
+/// Hex of a hash, for names and messages.
+pub(crate) fn hex(hash: &Hash) -> String {
+    use std::fmt::Write;
+    hash.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// One file of a workspace: where it goes, whether it is executable, and
+/// its content as a list of chunk hashes.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct FileEntry {
+    /// Relative path, `/`-separated, no `..`.
+    pub(crate) path: String,
+    /// Whether any execute bit is set.
+    pub(crate) executable: bool,
+    /// Length in bytes.
+    pub(crate) len: u64,
+    /// The chunks, in order.
+    pub(crate) chunks: Vec<Hash>,
+}
+
+/// Whether `path` is a safe relative path: no root, no `..`, nothing empty.
+pub(crate) fn safe_relative(path: &str) -> bool {
+    !path.is_empty()
+        && !path.starts_with('/')
+        && path
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..")
+}
+
+/// A request from the daemon to an agent, one per stream (a `Chunk` stream
+/// carries many). Every request names the attempt it is meant for; an agent
+/// refuses one for another attempt.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) enum ToAgent {
+    /// Which of these chunks the agent lacks.
+    Missing {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// Chunk hashes.
+        chunks: Vec<Hash>,
+    },
+    /// A chunk to store under its hash (checked before it is kept).
+    Chunk {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// The hash the bytes must have.
+        hash: Hash,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Materialise the workspace and start the command.
+    Start {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// The job's id.
+        job: String,
+        /// The workspace's files.
+        manifest: Vec<FileEntry>,
+        /// The command and its arguments.
+        argv: Vec<String>,
+        /// Extra environment variables.
+        env: Vec<(String, String)>,
+    },
+    /// Stream the run's output from `offset` of its log, then its exit.
+    Attach {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// The job's id.
+        job: String,
+        /// Byte offset into the run's log.
+        offset: u64,
+    },
+    /// Send the files of the workspace that match `globs`.
+    Collect {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// The job's id.
+        job: String,
+        /// Glob patterns, relative to the workspace.
+        globs: Vec<String>,
+        /// Refuse when the matched files add up to more than this.
+        output_max_bytes: u64,
+    },
+    /// Kill the run's process group.
+    Cancel {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// The job's id.
+        job: String,
+    },
+    /// Remove everything the agent keeps of the run.
+    Forget {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// The job's id.
+        job: String,
+    },
+}
+
+/// How a run ended.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct ExitInfo {
+    /// The exit code, when it exited.
+    pub(crate) code: Option<i32>,
+    /// The signal that ended it, when one did.
+    pub(crate) signal: Option<i32>,
+}
+
+impl ExitInfo {
+    /// The exit code a shell would report: the code, or 128 + the signal.
+    pub(crate) fn shell_code(self) -> i32 {
+        self.code.or(self.signal.map(|s| 128 + s)).unwrap_or(1)
+    }
+}
+
+/// An agent's answer (one or many per request).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) enum FromAgent {
+    /// The chunks it lacks.
+    Missing(Vec<Hash>),
+    /// The chunk was verified and stored.
+    Stored,
+    /// The command started.
+    Started,
+    /// Whole log records (see [`LogRecord`]), from the offset asked for on.
+    Log(Vec<u8>),
+    /// The run ended.
+    Exit(ExitInfo),
+    /// An output file follows in `Data` pieces.
+    File {
+        /// Path relative to the workspace.
+        path: String,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// A piece of the current output file.
+    Data(Vec<u8>),
+    /// Every output file was sent.
+    Collected,
+    /// Done (cancel, forget).
+    Done,
+    /// The agent knows no such run.
+    Unknown,
+    /// The request was refused; the text says why.
+    Refused(String),
+}
+
+/// Which stream a piece of output came from.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) enum Stream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// One record of a run's log: a tag byte (1 stdout, 2 stderr), a big-endian
+/// `u32` length, then the bytes. The agent writes its log this way and the
+/// daemon keeps the same bytes, so an offset means the same on both.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LogRecord {
+    /// The stream.
+    pub(crate) stream: Stream,
+    /// The bytes.
+    pub(crate) data: Vec<u8>,
+}
+
+/// Bytes in front of a log record's data.
+pub(crate) const LOG_HEADER_LEN: usize = 5;
+
+impl LogRecord {
+    /// The record's encoding.
+    pub(crate) fn encode(stream: Stream, data: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(LOG_HEADER_LEN + data.len());
+        out.push(match stream {
+            Stream::Stdout => 1,
+            Stream::Stderr => 2,
+        });
+        out.extend_from_slice(&u32::try_from(data.len()).unwrap_or(u32::MAX).to_be_bytes());
+        out.extend_from_slice(data);
+        out
+    }
+
+    /// Splits `bytes` into whole records; returns them and how many bytes
+    /// they took (a torn record at the end is left out).
+    pub(crate) fn decode_all(bytes: &[u8]) -> (Vec<LogRecord>, usize) {
+        let mut records = Vec::new();
+        let mut at = 0;
+        while let Some(header) = bytes.get(at..at + LOG_HEADER_LEN) {
+            let stream = match header[0] {
+                1 => Stream::Stdout,
+                2 => Stream::Stderr,
+                _ => break,
+            };
+            let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+            let Some(data) = bytes.get(at + LOG_HEADER_LEN..at + LOG_HEADER_LEN + len) else {
+                break;
+            };
+            records.push(LogRecord {
+                stream,
+                data: data.to_vec(),
+            });
+            at += LOG_HEADER_LEN + len;
+        }
+        (records, at)
+    }
+}
+
+/// Whether `name` matches the glob `pattern`: `*` any run of characters
+/// but `/`, `?` one such character, `**` as a whole component any number
+/// of components.
+pub(crate) fn glob_match(pattern: &str, name: &str) -> bool {
+    let pat: Vec<&str> = pattern.split('/').filter(|p| !p.is_empty()).collect();
+    let parts: Vec<&str> = name.split('/').collect();
+    match_parts(&pat, &parts)
+}
+
+fn match_parts(pat: &[&str], parts: &[&str]) -> bool {
+    match pat.split_first() {
+        None => parts.is_empty(),
+        Some((&"**", rest)) => (0..=parts.len()).any(|skip| match_parts(rest, &parts[skip..])),
+        Some((first, rest)) => match parts.split_first() {
+            Some((part, others)) => {
+                match_one(first.as_bytes(), part.as_bytes()) && match_parts(rest, others)
+            }
+            None => false,
+        },
+    }
+}
+
+fn match_one(pat: &[u8], s: &[u8]) -> bool {
+    match pat.split_first() {
+        None => s.is_empty(),
+        Some((b'*', rest)) => (0..=s.len()).any(|skip| match_one(rest, &s[skip..])),
+        Some((b'?', rest)) => !s.is_empty() && match_one(rest, &s[1..]),
+        Some((c, rest)) => s.first() == Some(c) && match_one(rest, &s[1..]),
+    }
+}
+
+/// Every regular file under `root`, as sorted relative `/`-separated paths
+/// (symbolic links and other special files are left out).
+pub(crate) fn walk(root: &Path) -> std::io::Result<Vec<(String, PathBuf)>> {
+    let mut out = Vec::new();
+    let mut stack = vec![(String::new(), root.to_path_buf())];
+    while let Some((rel, dir)) = stack.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let child_rel = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                stack.push((child_rel, entry.path()));
+            } else if kind.is_file() {
+                out.push((child_rel, entry.path()));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// A size in words with the exact byte count: "52.4 MB (52428800 bytes)".
+pub(crate) fn size_words(bytes: u64) -> String {
+    #[allow(clippy::cast_precision_loss)]
+    let mb = bytes as f64 / 1_000_000.0;
+    format!("{mb:.1} MB ({bytes} bytes)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_match_within_and_across_directories() {
+        assert!(glob_match("*.txt", "a.txt"));
+        assert!(!glob_match("*.txt", "d/a.txt"));
+        assert!(glob_match("**/*.txt", "d/e/a.txt"));
+        assert!(glob_match("**/*.txt", "a.txt"));
+        assert!(glob_match("out/?.bin", "out/1.bin"));
+        assert!(!glob_match("out/?.bin", "out/12.bin"));
+        assert!(glob_match("result", "result"));
+    }
+
+    #[test]
+    fn log_records_round_trip_and_a_torn_tail_is_left_out() {
+        let mut bytes = LogRecord::encode(Stream::Stdout, b"hello\n");
+        bytes.extend(LogRecord::encode(Stream::Stderr, b"oops"));
+        let whole = bytes.len();
+        bytes.extend(&LogRecord::encode(Stream::Stdout, b"torn")[..6]);
+        let (records, used) = LogRecord::decode_all(&bytes);
+        assert_eq!(used, whole);
+        assert_eq!(records.len(), 2);
+        assert_eq!(records[1].stream, Stream::Stderr);
+        assert_eq!(records[1].data, b"oops");
+    }
+
+    #[test]
+    fn only_plain_relative_paths_are_safe() {
+        assert!(safe_relative("a/b.txt"));
+        assert!(!safe_relative("/etc/passwd"));
+        assert!(!safe_relative("a/../../b"));
+        assert!(!safe_relative("a//b"));
+        assert!(!safe_relative(""));
+    }
+}
