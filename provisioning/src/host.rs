@@ -1154,13 +1154,7 @@ impl<C: Reconciler> Host<C> {
         ticket: Ticket,
         now: Timestamp,
     ) -> Result<DesiredUpdate, ApplyError> {
-        let before: Vec<Arc<NodeTemplate>> = self
-            .core
-            .desired()
-            .groups
-            .iter()
-            .map(|g| g.template.clone())
-            .collect();
+        let before = self.desired_templates();
         let outcome = if self.shutdown.is_some() || self.stopped {
             Err(ApplyError::ShuttingDown)
         } else {
@@ -1837,18 +1831,22 @@ impl<C: Reconciler> Host<C> {
         }
     }
 
+    /// The template of each desired group, in group order.
+    fn desired_templates(&self) -> Vec<Arc<NodeTemplate>> {
+        self.core
+            .desired()
+            .groups
+            .iter()
+            .map(|g| g.template.clone())
+            .collect()
+    }
+
     /// Keeps, among the templates desired `before` a shape change and those
     /// retired earlier, the ones some slot record still names and no group
     /// of the desired state does (see [`JournalMeta::retired`]).
     fn retire_templates(&mut self, before: &[Arc<NodeTemplate>]) {
         let named: BTreeSet<u64> = self.slots.values().map(|r| r.template).collect();
-        let desired: Vec<Arc<NodeTemplate>> = self
-            .core
-            .desired()
-            .groups
-            .iter()
-            .map(|g| g.template.clone())
-            .collect();
+        let desired = self.desired_templates();
         let mut skip: BTreeSet<u64> = desired.iter().map(|t| self.digest(t)).collect();
         let earlier = std::mem::take(&mut self.meta.retired);
         let mut kept = Vec::new();
@@ -2353,14 +2351,7 @@ impl<C: Reconciler> Host<C> {
             .iter()
             .map(|t| (t.digest(), Arc::new(t.clone())))
             .collect();
-        let desired: Vec<Arc<NodeTemplate>> = self
-            .core
-            .desired()
-            .groups
-            .iter()
-            .map(|g| g.template.clone())
-            .collect();
-        for t in desired {
+        for t in self.desired_templates() {
             known.push((self.digest(&t), t));
         }
         let mut entries = Vec::with_capacity(keys.len());
