@@ -186,7 +186,7 @@ pub(crate) fn describe<C: Reconciler>(
         node: node.clone(),
         summary: summary(host, node),
         desired: host.core().desires(node),
-        lease: current.and_then(|n| n.record.lease.as_ref().map(|l| l.0.clone())),
+        lease: current.and_then(|n| n.record.lease.as_ref().map(|l| l.0.to_string())),
         bootstrap: current.and_then(|n| n.record.bootstrap),
         failed_reason: current.and_then(|n| n.record.failed_reason.clone()),
         attempts: history

@@ -326,10 +326,10 @@ impl ControlHandler {
             Some(mut d) => {
                 // The lease, with what the provider says of it.
                 if let Some(l) = d.lease.take() {
-                    let lease = swactor_provisioning::LeaseId(l);
+                    let lease = swactor_provisioning::LeaseId::from(l);
                     d.lease = Some(match self.provider.describe_lease(&lease) {
                         Some(what) => format!("{} ({what})", lease.0),
-                        None => lease.0,
+                        None => lease.0.to_string(),
                     });
                 }
                 Ok(ControlResponse::Described(d))

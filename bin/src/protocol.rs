@@ -279,7 +279,7 @@ mod tests {
                 agent: AgentLink::Away {
                     grace_until: Timestamp::from_millis(123_456_789),
                 },
-                lease: Some(swactor_provisioning::LeaseId(format!(
+                lease: Some(swactor_provisioning::LeaseId::from(format!(
                     "docker:swactor_big_worker-{i}_a{}",
                     u64::from(i) + 1_000_000
                 ))),

@@ -228,7 +228,7 @@ async fn settle(
             Err(ProviderError::NotReady) if start.elapsed() < within => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            other => return other.map(|e| e.0),
+            other => return other.map(|e| e.0.to_string()),
         }
     }
 }

@@ -478,7 +478,7 @@ impl DockerProvider {
                 ProviderError::Definite(format!("key {key} cannot name a container: {e}"))
             })?;
         let name = Self::container_name(key);
-        let lease = LeaseId(format!("docker:{name}"));
+        let lease = LeaseId::from(format!("docker:{name}"));
         Ok((name, lease))
     }
 
@@ -811,7 +811,7 @@ fn key_of_labels(labels: &HashMap<String, String>) -> Option<ResourceKey> {
 }
 
 fn session_id(lease: &LeaseId, started_at: &str) -> SessionId {
-    SessionId(format!("{}#{started_at}", lease.0))
+    SessionId::from(format!("{}#{started_at}", lease.0))
 }
 
 /// Whether a container state is one whose process runs.
@@ -845,7 +845,7 @@ impl Provider for DockerProvider {
         let (name, lease) = Self::locate(key)?;
         let grant = LeaseGrant {
             lease,
-            endpoint: Some(NodeEndpoint(format!("docker:{name}"))),
+            endpoint: Some(NodeEndpoint::from(format!("docker:{name}"))),
         };
         let guard = self.lock_key(&name).await;
         let result = async {
@@ -911,7 +911,7 @@ impl Provider for DockerProvider {
     ) -> Result<NodeEndpoint, ProviderError> {
         let name = Self::locate_lease(key, lease)?;
         match self.inspect(key, &name).await? {
-            Some(_) => Ok(NodeEndpoint(format!("docker:{name}"))),
+            Some(_) => Ok(NodeEndpoint::from(format!("docker:{name}"))),
             None => Err(ProviderError::Gone(format!(
                 "container {name} does not exist"
             ))),
@@ -980,7 +980,7 @@ impl Provider for DockerProvider {
         let (name, lease) = Self::locate(key)?;
         let Some(started) = session
             .0
-            .strip_prefix(&lease.0)
+            .strip_prefix(lease.as_str())
             .and_then(|rest| rest.strip_prefix('#'))
         else {
             return Err(ProviderError::Definite(format!(

@@ -399,7 +399,7 @@ mod tests {
         let k = key();
         let grant = p.create_lease(&k, &template()).await.unwrap();
         assert!(p.delete_out_of_band(&k));
-        let endpoint = NodeEndpoint("fake:nowhere".to_owned());
+        let endpoint = NodeEndpoint::from("fake:nowhere");
         assert!(matches!(
             p.lookup_endpoint(&k, &grant.lease).await,
             Err(ProviderError::Gone(_))

@@ -205,7 +205,7 @@ mod tests {
         ) -> Result<LeaseGrant, ProviderError> {
             self.saw("create");
             Ok(LeaseGrant {
-                lease: LeaseId(format!("{}:lease", self.kind)),
+                lease: LeaseId::from(format!("{}:lease", self.kind)),
                 endpoint: None,
             })
         }
@@ -227,7 +227,7 @@ mod tests {
             self.saw("start");
             let (_tx, events): (_, BootstrapEvents) = tokio::sync::mpsc::channel(1);
             Ok(BootstrapSession {
-                session: SessionId(format!("{}:session", self.kind)),
+                session: SessionId::from(format!("{}:session", self.kind)),
                 events,
             })
         }
@@ -253,7 +253,7 @@ mod tests {
             Ok(Inventory::from([(
                 key,
                 OwnedResources {
-                    lease: Some(LeaseId(format!("{}:lease", self.kind))),
+                    lease: Some(LeaseId::from(format!("{}:lease", self.kind))),
                     session: None,
                 },
             )]))
@@ -303,10 +303,10 @@ mod tests {
         let grant = all.create_lease(&key, &template("beta")).await.unwrap();
         assert_eq!(grant.lease.0, "beta:lease");
         let _ = all.lookup_endpoint(&key, &grant.lease).await;
-        all.destroy_lease(&key, &LeaseId("alpha:lease".into()))
+        all.destroy_lease(&key, &LeaseId::from("alpha:lease"))
             .await
             .unwrap();
-        all.cancel_bootstrap(&key, &SessionId("beta:session".into()))
+        all.cancel_bootstrap(&key, &SessionId::from("beta:session"))
             .await
             .unwrap();
         assert_eq!(a.calls(), ["destroy"]);
@@ -320,7 +320,7 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("drives: alpha, beta"), "{err}");
         assert!(
-            all.destroy_lease(&key, &LeaseId("gamma:lease".into()))
+            all.destroy_lease(&key, &LeaseId::from("gamma:lease"))
                 .await
                 .is_err()
         );

@@ -365,7 +365,7 @@ impl ProcessProvider {
         validate_id(key.run_id.as_str())
             .and_then(|()| validate_id(key.node.group.as_str()))
             .map_err(|e| ProviderError::Definite(format!("key {key} cannot name a lease: {e}")))?;
-        Ok((self.node_dir(key), LeaseId(lease_path(key))))
+        Ok((self.node_dir(key), LeaseId::from(lease_path(key))))
     }
 
     /// Like [`Self::locate`], also checking `lease` is the key's.
@@ -420,7 +420,7 @@ impl ProcessProvider {
     }
 
     fn endpoint(dir: &Path) -> NodeEndpoint {
-        NodeEndpoint(format!("local:{}", dir.display()))
+        NodeEndpoint::from(format!("local:{}", dir.display()))
     }
 
     /// Spawns `key`'s agent in `dir` and records its pid.
@@ -782,7 +782,7 @@ fn lease_path(key: &ResourceKey) -> String {
 }
 
 fn session_id(lease: &LeaseId, pid: i32) -> SessionId {
-    SessionId(format!("{}#pid{pid}", lease.0))
+    SessionId::from(format!("{}#pid{pid}", lease.0))
 }
 
 /// The pid of a session of `lease`, when `session` is one.
@@ -1246,11 +1246,11 @@ mod tests {
 
     #[test]
     fn sessions_name_their_lease_and_pid() {
-        let lease = LeaseId("nodes/r/w-0-a1".to_owned());
+        let lease = LeaseId::from("nodes/r/w-0-a1");
         let session = session_id(&lease, 4242);
         assert_eq!(session.0, "nodes/r/w-0-a1#pid4242");
         assert_eq!(session_pid(&lease, &session), Some(4242));
-        let other = LeaseId("nodes/r/w-0-a2".to_owned());
+        let other = LeaseId::from("nodes/r/w-0-a2");
         assert_eq!(session_pid(&other, &session), None);
         for bad in [
             "nodes/r/w-0-a1#pid1",
@@ -1258,7 +1258,7 @@ mod tests {
             "nodes/r/w-0-a1#pid+5",
         ] {
             assert_eq!(
-                session_pid(&lease, &SessionId(bad.to_owned())),
+                session_pid(&lease, &SessionId::from(bad.to_owned())),
                 None,
                 "{bad}"
             );

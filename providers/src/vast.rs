@@ -278,7 +278,7 @@ fn read_failed(what: &str, e: &ApiError) -> ProviderError {
 }
 
 fn lease_of(id: u64) -> LeaseId {
-    LeaseId(format!("vast:{id}"))
+    LeaseId::from(format!("vast:{id}"))
 }
 
 fn instance_of(lease: &LeaseId) -> Result<u64, ProviderError> {
@@ -290,7 +290,7 @@ fn instance_of(lease: &LeaseId) -> Result<u64, ProviderError> {
 }
 
 fn session_of(instance: u64, key: &ResourceKey, pid: &str) -> SessionId {
-    SessionId(format!(
+    SessionId::from(format!(
         "vast:{instance}#{}-{}#pid{pid}",
         key.node, key.attempt
     ))
@@ -1151,7 +1151,7 @@ impl Provider for VastProvider {
                 // Running is not enough: the endpoint is ready once SSH
                 // answers and takes our key (`onstart` may not have run yet).
                 match self.connect(id, &target).await {
-                    Ok(_) => Ok(NodeEndpoint(format!("ssh:{target}"))),
+                    Ok(_) => Ok(NodeEndpoint::from(format!("ssh:{target}"))),
                     Err(
                         e @ (SshError::NotReady { .. }
                         | SshError::Auth { .. }
@@ -1415,8 +1415,8 @@ mod tests {
     #[test]
     fn leases_and_sessions_name_their_instance() {
         assert_eq!(instance_of(&lease_of(42)), Ok(42));
-        assert!(instance_of(&LeaseId("ssh:root@h:22".into())).is_err());
-        assert!(instance_of(&LeaseId("vast:x".into())).is_err());
+        assert!(instance_of(&LeaseId::from("ssh:root@h:22")).is_err());
+        assert!(instance_of(&LeaseId::from("vast:x")).is_err());
         let key = ResourceKey {
             run_id: RunId::new("r"),
             node: LogicalNodeId::parse("gpu-0").unwrap(),

@@ -555,7 +555,7 @@ async fn a_container_of_another_key_is_never_adopted_or_removed() {
         w.provider
             .destroy_lease(
                 &key,
-                &swactor_provisioning::LeaseId(format!("docker:{name}")),
+                &swactor_provisioning::LeaseId::from(format!("docker:{name}")),
             )
             .await,
     ] {

@@ -190,7 +190,7 @@ fn read_pid_file(dir: &Path) -> Option<i32> {
 }
 
 fn session_of(lease: &LeaseId, pid: i32) -> SessionId {
-    SessionId(format!("{}#pid{pid}", lease.0))
+    SessionId::from(format!("{}#pid{pid}", lease.0))
 }
 
 /// A process that is none of ours, leading a group of its own (so a stray
@@ -561,7 +561,7 @@ async fn an_agent_that_exits_on_its_own_is_reported_lost() {
     p.cancel_bootstrap(&k, &session.session).await.unwrap();
 
     // Its log outlives the lease, for `swactor logs`.
-    let lease = LeaseId("nodes/r1/w-0-a1".to_owned());
+    let lease = LeaseId::from("nodes/r1/w-0-a1");
     p.destroy_lease(&k, &lease).await.unwrap();
     assert!(!p.node_dir(&k).exists());
     let logs = agent_logs(p.state_dir(), &k.run_id, &k.node).unwrap();
@@ -616,8 +616,8 @@ async fn calls_for_a_missing_lease_say_gone_a_mismatched_one_fails_definitely_an
     let world = World::new();
     let p = world.provider("converging", CONVERGING);
     let k = key("w-0", 1);
-    let lease = LeaseId("nodes/r1/w-0-a1".to_owned());
-    let endpoint = swactor_provisioning::NodeEndpoint("local:/nowhere".to_owned());
+    let lease = LeaseId::from("nodes/r1/w-0-a1");
+    let endpoint = swactor_provisioning::NodeEndpoint::from("local:/nowhere");
     assert!(matches!(
         p.lookup_endpoint(&k, &lease).await,
         Err(ProviderError::Gone(_))
@@ -628,7 +628,7 @@ async fn calls_for_a_missing_lease_say_gone_a_mismatched_one_fails_definitely_an
     ));
     let granted = p.create_lease(&k, &template()).await.unwrap().lease;
     assert_eq!(granted, lease);
-    let other = LeaseId("nodes/r1/w-0-a2".to_owned());
+    let other = LeaseId::from("nodes/r1/w-0-a2");
     assert!(matches!(
         p.lookup_endpoint(&k, &other).await,
         Err(ProviderError::Definite(_))
@@ -637,7 +637,7 @@ async fn calls_for_a_missing_lease_say_gone_a_mismatched_one_fails_definitely_an
         p.destroy_lease(&k, &other).await,
         Err(ProviderError::Definite(_))
     ));
-    let gone = swactor_provisioning::SessionId("nodes/r1/w-0-a1#pid999999".to_owned());
+    let gone = swactor_provisioning::SessionId::from("nodes/r1/w-0-a1#pid999999");
     p.cancel_bootstrap(&k, &gone).await.unwrap();
     p.destroy_lease(&k, &lease).await.unwrap();
     p.destroy_lease(&k, &lease).await.unwrap();
@@ -843,7 +843,7 @@ async fn a_node_directory_removed_out_of_band_is_gone_and_its_destroy_still_stop
     let agent = pid_of(&session);
     std::fs::remove_dir_all(&dir).unwrap();
 
-    let endpoint = swactor_provisioning::NodeEndpoint(format!("local:{}", dir.display()));
+    let endpoint = swactor_provisioning::NodeEndpoint::from(format!("local:{}", dir.display()));
     assert!(matches!(
         p.lookup_endpoint(&k, &lease).await,
         Err(ProviderError::Gone(_))

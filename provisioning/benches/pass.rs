@@ -53,11 +53,11 @@ fn settled(n: u32) -> Driver {
             let k = &disp.key;
             let outcome = match &disp.request {
                 EffectRequest::CreateLease { .. } => OperationOutcome::LeaseCreated {
-                    lease: LeaseId(k.to_string()),
-                    endpoint: Some(NodeEndpoint(k.to_string())),
+                    lease: LeaseId::from(k.to_string()),
+                    endpoint: Some(NodeEndpoint::from(k.to_string())),
                 },
                 EffectRequest::StartBootstrap { .. } => OperationOutcome::BootstrapStarted {
-                    session: SessionId(k.to_string()),
+                    session: SessionId::from(k.to_string()),
                 },
                 _ => unreachable!("a perfect provider needs nothing else"),
             };
@@ -75,7 +75,7 @@ fn settled(n: u32) -> Driver {
                     let o = BootstrapObservation {
                         node: k.node.clone(),
                         attempt: k.attempt,
-                        session: SessionId(k.to_string()),
+                        session: SessionId::from(k.to_string()),
                         event,
                     };
                     let _ = d.handle_bootstrap(o, now).unwrap();

@@ -277,20 +277,64 @@ impl fmt::Display for ResourceKey {
     }
 }
 
-/// A provider's handle on a leased machine.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct LeaseId(pub String);
+/// A provider's string id, kept inline when it is short (24 bytes or less,
+/// which covers every id the bundled providers make for the fake and most
+/// real ones): cloning and comparing one touches no heap.
+pub type IdString = compact_str::CompactString;
 
-/// Where a leased machine can be reached (an SSH address, a local path, ...).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct NodeEndpoint(pub String);
+macro_rules! string_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(pub IdString);
 
-/// A provider's handle on one running bootstrap session.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct SessionId(pub String);
+        impl $name {
+            /// Wraps a provider's id.
+            pub fn new(s: impl Into<IdString>) -> Self {
+                Self(s.into())
+            }
+
+            /// The id as a string slice.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl From<String> for $name {
+            fn from(s: String) -> Self {
+                Self(s.into())
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(s: &str) -> Self {
+                Self(s.into())
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    };
+}
+
+string_id!(
+    /// A provider's handle on a leased machine.
+    LeaseId
+);
+
+string_id!(
+    /// Where a leased machine can be reached (an SSH address, a local path, ...).
+    NodeEndpoint
+);
+
+string_id!(
+    /// A provider's handle on one running bootstrap session.
+    SessionId
+);
 
 #[cfg(test)]
 mod tests {

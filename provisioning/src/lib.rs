@@ -58,8 +58,8 @@ pub use host::{
     SlotRecord, Ticket,
 };
 pub use id::{
-    Generation, GroupId, ID_LEN_MAX, IdError, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint,
-    OperationId, ResourceKey, RunId, SessionId, validate_id,
+    Generation, GroupId, ID_LEN_MAX, IdError, IdString, LeaseId, LogicalNodeId, NodeAttemptId,
+    NodeEndpoint, OperationId, ResourceKey, RunId, SessionId, validate_id,
 };
 pub use observe::{
     BOOT_CHECK_REPORT_MARGIN_MS, BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass,

@@ -406,7 +406,7 @@ fn results_of_a_superseded_attempt_are_discarded() {
     let old_session_obs = BootstrapObservation {
         node: node_id("w-0"),
         attempt: s.key.attempt,
-        session: SessionId("whatever".into()),
+        session: SessionId::from("whatever"),
         event: BootstrapEvent::SwactorJoined,
     };
     for disp in drain(&mut d, t(0)) {
@@ -539,14 +539,14 @@ fn an_adopted_listed_lease_is_taken_as_it_is_and_never_created_again() {
     let entry = AdoptEntry {
         key: key.clone(),
         template: d.desired().slot(&key.node).cloned(),
-        lease: Some(LeaseId("listed".to_owned())),
-        session: Some(SessionId("running".to_owned())),
+        lease: Some(LeaseId::from("listed")),
+        session: Some(SessionId::from("running")),
         failures: 0,
     };
     let report = d.adopt(vec![entry], 1 << 32);
     assert_eq!(report.adopted, std::slice::from_ref(&key));
     let n = &d.state().nodes[&key.node];
-    assert_eq!(n.record.lease, Some(LeaseId("listed".to_owned())));
+    assert_eq!(n.record.lease, Some(LeaseId::from("listed")));
     assert_eq!(n.record.ambiguous, None);
     // Kept: its session is re-attached by StartBootstrap, not assumed.
     assert_eq!(n.record.session, None);

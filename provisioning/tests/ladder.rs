@@ -23,16 +23,16 @@ fn node_at(stage: NodeStage) -> ManagedNode {
         stage,
         S::LeaseCreated | S::EndpointKnown | S::BootstrapRunning | S::SwactorJoined | S::Dormant
     ) {
-        rec.lease = Some(LeaseId("l".into()));
+        rec.lease = Some(LeaseId::from("l"));
     }
     if matches!(
         stage,
         S::EndpointKnown | S::BootstrapRunning | S::SwactorJoined | S::Dormant
     ) {
-        rec.endpoint = Some(NodeEndpoint("e".into()));
+        rec.endpoint = Some(NodeEndpoint::from("e"));
     }
     if matches!(stage, S::BootstrapRunning | S::SwactorJoined | S::Dormant) {
-        rec.session = Some(SessionId("s".into()));
+        rec.session = Some(SessionId::from("s"));
     }
     if stage == S::Dormant {
         rec.ready = true;

@@ -41,7 +41,7 @@ fn pending_operations_finish_and_are_folded_while_paused_but_the_next_step_waits
     // The lease arrives while paused: folded, shown, not advanced.
     let lease = OperationResult {
         outcome: OperationOutcome::LeaseCreated {
-            lease: LeaseId("l".into()),
+            lease: LeaseId::from("l"),
             endpoint: None,
         },
         ..success(&create[0])

@@ -908,7 +908,7 @@ async fn sweep(shared: Weak<Shared>) {
 }
 
 fn session_of(host: &HostAccess, key: &ResourceKey, pid: &str) -> SessionId {
-    SessionId(format!(
+    SessionId::from(format!(
         "ssh:{}#{}-{}#pid{pid}",
         host.target, key.node, key.attempt
     ))
@@ -931,8 +931,8 @@ impl Provider for SshHostsProvider {
         }
         let _guard = self.lock_key(key).await;
         let grant = |host: &HostAccess| LeaseGrant {
-            lease: LeaseId(format!("ssh:{}", host.target)),
-            endpoint: Some(NodeEndpoint(format!("ssh:{}", host.target))),
+            lease: LeaseId::from(format!("ssh:{}", host.target)),
+            endpoint: Some(NodeEndpoint::from(format!("ssh:{}", host.target))),
         };
         // A create that was tried before goes back to its host.
         if let Some(record) = self.record(key) {
@@ -1034,7 +1034,7 @@ impl Provider for SshHostsProvider {
                 host.target
             )));
         }
-        Ok(NodeEndpoint(format!("ssh:{}", host.target)))
+        Ok(NodeEndpoint::from(format!("ssh:{}", host.target)))
     }
 
     async fn start_bootstrap(
@@ -1127,7 +1127,7 @@ impl Provider for SshHostsProvider {
             .ok_or_else(|| {
                 ProviderError::Definite(format!("{} is not an ssh session", session.0))
             })?;
-        let host = self.host_of_lease(key, &LeaseId(format!("ssh:{target}")))?;
+        let host = self.host_of_lease(key, &LeaseId::from(format!("ssh:{target}")))?;
         let _guard = self.lock_key(key).await;
         self.mark_cancelled(session);
         let grace = self.shared.config.term_grace.as_secs().max(1);
@@ -1215,7 +1215,7 @@ impl Provider for SshHostsProvider {
             inventory.insert(
                 key.clone(),
                 OwnedResources {
-                    lease: Some(LeaseId(format!("ssh:{}", host.target))),
+                    lease: Some(LeaseId::from(format!("ssh:{}", host.target))),
                     session: (!pid.is_empty()).then(|| session_of(&host, &key, &pid)),
                 },
             );
@@ -1233,7 +1233,7 @@ impl Provider for SshHostsProvider {
                 inventory.insert(
                     key,
                     OwnedResources {
-                        lease: Some(LeaseId(format!("ssh:{target}"))),
+                        lease: Some(LeaseId::from(format!("ssh:{target}"))),
                         session: None,
                     },
                 );

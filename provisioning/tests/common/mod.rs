@@ -89,14 +89,14 @@ pub fn success(d: &Dispatch) -> OperationResult {
     let key = &d.key;
     let outcome = match &d.request {
         EffectRequest::CreateLease { .. } => OperationOutcome::LeaseCreated {
-            lease: LeaseId(format!("lease-{key}")),
+            lease: LeaseId::from(format!("lease-{key}")),
             endpoint: None,
         },
         EffectRequest::LookupEndpoint { .. } => OperationOutcome::EndpointFound {
-            endpoint: NodeEndpoint(format!("ep-{key}")),
+            endpoint: NodeEndpoint::from(format!("ep-{key}")),
         },
         EffectRequest::StartBootstrap { .. } => OperationOutcome::BootstrapStarted {
-            session: SessionId(format!("sess-{key}")),
+            session: SessionId::from(format!("sess-{key}")),
         },
         EffectRequest::CancelBootstrap { .. } => OperationOutcome::BootstrapCancelled,
         EffectRequest::DestroyLease { .. } => OperationOutcome::LeaseDestroyed,

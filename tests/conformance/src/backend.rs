@@ -471,13 +471,13 @@ impl FakeBackend {
             Some(ProviderFault::EndpointSlow { delay_ms }) => Some(now.0.saturating_add(delay_ms)),
             _ => Some(now.0.saturating_add(self.config.endpoint_delay_ms)),
         };
-        let id = LeaseId(self.fresh_id("lease"));
+        let id = LeaseId::from(self.fresh_id("lease"));
         let info = LeaseInfo {
             key: key.clone(),
             created_at: now,
             visible_at: Timestamp(now.0.saturating_add(lag)),
             endpoint_ready_at: ready_at.map(Timestamp),
-            endpoint: NodeEndpoint(format!("ssh://{}", id.0)),
+            endpoint: NodeEndpoint::from(format!("ssh://{}", id.0)),
             live: true,
             deleted_out_of_band: false,
             template: template.cloned(),
@@ -552,7 +552,7 @@ impl FakeBackend {
             || self
                 .take_fault(|f| matches!(f, ProviderFault::CloseAfterConverge))
                 .is_some();
-        let id = SessionId(self.fresh_id("session"));
+        let id = SessionId::from(self.fresh_id("session"));
         self.sessions.insert(
             id.clone(),
             SessionInfo {
