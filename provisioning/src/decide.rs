@@ -561,9 +561,8 @@ pub fn group_status(state: &ClusterState, g: &DesiredGroup) -> RolloutStatus {
     let mut ready = 0u32;
     let mut outdated_ready = 0u32;
     let mut stopped = None;
-    let first = LogicalNodeId::new(g.id.clone(), 0);
-    for (id, n) in state.nodes.range(first..) {
-        if !id.group.same(&g.id) || id.index >= g.count + surge {
+    for (id, n) in state.nodes.group(&g.id) {
+        if id.index >= g.count + surge {
             break;
         }
         let current = same_template(&n.template, &g.template);
@@ -621,9 +620,8 @@ pub fn surge(state: &ClusterState, g: &DesiredGroup) -> u32 {
     let mut outdated_ready = false;
     let mut settled = 0u32;
     let mut surging = false;
-    let first = LogicalNodeId::new(g.id.clone(), 0);
-    for (id, n) in state.nodes.range(first..) {
-        if !id.group.same(&g.id) || id.index >= g.count + max {
+    for (id, n) in state.nodes.group(&g.id) {
+        if id.index >= g.count + max {
             break;
         }
         let active = n.intent == Intent::Active;
@@ -669,10 +667,9 @@ pub fn breaker(
 ) -> Option<Breaker> {
     let g = desired.group(group)?;
     g.policy.max_unhealthy?;
-    let first = LogicalNodeId::new(g.id.clone(), 0);
     let mut unhealthy = 0u32;
-    for (id, n) in state.nodes.range(first..) {
-        if !id.group.same(&g.id) || id.index >= g.count {
+    for (id, n) in state.nodes.group(&g.id) {
+        if id.index >= g.count {
             break;
         }
         unhealthy += u32::from(away(id, n.attempt) || n.record.failed_reason.is_some());

@@ -540,7 +540,7 @@ impl Driver {
         // its next effects see the new placement; one waiting out the
         // backoff of an effect that failed (say, no free host) tries again
         // at once, since the new placement may be what it waited for.
-        for (id, node) in &mut self.state.nodes {
+        for (id, node) in self.state.nodes.iter_mut() {
             if let Some(t) = next.slot(id)
                 && !Arc::ptr_eq(t, &node.template)
                 && same_template(t, &node.template)

@@ -127,6 +127,13 @@ impl GroupId {
         &self.0
     }
 
+    /// True when both are clones of one id (the same allocation); false
+    /// says nothing.
+    #[inline]
+    pub fn ptr_eq(&self, other: &GroupId) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Equality with a pointer fast path: ids cloned from the same desired
     /// group share their allocation, which keeps a settled pass cheap.
     #[inline]

@@ -1,12 +1,10 @@
 //! Observed state: what the driver knows about every slot.
 
-use crate::id::{
-    Generation, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId, RunId, SessionId,
-};
+use crate::id::{Generation, LeaseId, NodeAttemptId, NodeEndpoint, OperationId, RunId, SessionId};
+use crate::nodemap::NodeMap;
 use crate::shape::NodeTemplate;
 use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// The observation ladder of one attempt.
@@ -308,7 +306,7 @@ pub struct ClusterState {
     /// The next attempt id to hand out; only grows.
     pub next_attempt: u64,
     /// One entry per slot, in slot order.
-    pub nodes: BTreeMap<LogicalNodeId, ManagedNode>,
+    pub nodes: NodeMap<ManagedNode>,
 }
 
 impl ClusterState {
@@ -318,7 +316,7 @@ impl ClusterState {
             run_id,
             observed_generation: None,
             next_attempt: first_attempt,
-            nodes: BTreeMap::new(),
+            nodes: NodeMap::new(),
         }
     }
 }

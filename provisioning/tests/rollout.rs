@@ -367,7 +367,11 @@ fn a_surge_keeps_every_node_ready_and_goes_once_the_rollout_is_done() {
         assert!(ready >= 4, "{ready} ready: the surge must keep 4 up");
         assert!(live <= 5, "{live} live attempts: at most 4 + 1 surge");
     }
-    assert!(d.is_converged(), "{:?}", d.state().nodes.keys());
+    assert!(
+        d.is_converged(),
+        "{:?}",
+        d.state().nodes.keys().collect::<Vec<_>>()
+    );
     assert_eq!(order, ["w-0", "w-1", "w-2", "w-3"]);
     // The surge slot went (reaped) once w-3 was ready with the new template.
     assert!(!d.desires(&node_id("w-4")));

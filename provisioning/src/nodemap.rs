@@ -1,0 +1,478 @@
+//! A map keyed by slot that stores each group's slots in a dense vector.
+//!
+//! Slots are `{group}-{index}` with small, mostly contiguous indexes, so a
+//! group's entries live in a vector indexed by slot index: a lookup is a
+//! search among the (few) groups and one index, and a walk in slot order
+//! reads memory front to back. It iterates in the same order as a
+//! `BTreeMap<LogicalNodeId, V>` (group, then index) and serializes as one.
+//!
+//! Indexes at or above [`DENSE_INDEX_MAX`] (never made by a shape, whose
+//! groups are bounded by `GROUP_COUNT_MAX`, but possible in a journal or a
+//! provider's listing) go to a sparse map instead, so no input can make the
+//! vector huge.
+
+use crate::id::{GroupId, LogicalNodeId};
+use serde::de::{MapAccess, Visitor};
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+
+/// Slot indexes below this are stored densely; larger ones sparsely.
+pub const DENSE_INDEX_MAX: u32 = 1 << 18;
+
+#[derive(Clone, PartialEq)]
+struct Group<V> {
+    id: GroupId,
+    /// Slot `i` at position `i`; `None` for an absent slot. Never ends in `None`.
+    dense: Vec<Option<(LogicalNodeId, V)>>,
+    /// Slots at or above [`DENSE_INDEX_MAX`].
+    sparse: BTreeMap<u32, (LogicalNodeId, V)>,
+}
+
+impl<V> Group<V> {
+    fn new(id: GroupId) -> Self {
+        Self {
+            id,
+            dense: Vec::new(),
+            sparse: BTreeMap::new(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.dense.is_empty() && self.sparse.is_empty()
+    }
+
+    fn get(&self, index: u32) -> Option<&(LogicalNodeId, V)> {
+        if index < DENSE_INDEX_MAX {
+            self.dense.get(index as usize)?.as_ref()
+        } else {
+            self.sparse.get(&index)
+        }
+    }
+
+    fn get_mut(&mut self, index: u32) -> Option<&mut (LogicalNodeId, V)> {
+        if index < DENSE_INDEX_MAX {
+            self.dense.get_mut(index as usize)?.as_mut()
+        } else {
+            self.sparse.get_mut(&index)
+        }
+    }
+
+    fn iter(&self) -> GroupIter<'_, V> {
+        self.dense
+            .iter()
+            .filter_map(
+                entry_ref as fn(&Option<(LogicalNodeId, V)>) -> Option<(&LogicalNodeId, &V)>,
+            )
+            .chain(
+                self.sparse
+                    .values()
+                    .map(pair_ref as fn(&(LogicalNodeId, V)) -> (&LogicalNodeId, &V)),
+            )
+    }
+}
+
+fn entry_ref<V>(e: &Option<(LogicalNodeId, V)>) -> Option<(&LogicalNodeId, &V)> {
+    e.as_ref().map(|(k, v)| (k, v))
+}
+
+fn pair_ref<V>(e: &(LogicalNodeId, V)) -> (&LogicalNodeId, &V) {
+    (&e.0, &e.1)
+}
+
+type GroupIter<'a, V> = std::iter::Chain<
+    std::iter::FilterMap<
+        std::slice::Iter<'a, Option<(LogicalNodeId, V)>>,
+        fn(&Option<(LogicalNodeId, V)>) -> Option<(&LogicalNodeId, &V)>,
+    >,
+    std::iter::Map<
+        std::collections::btree_map::Values<'a, u32, (LogicalNodeId, V)>,
+        fn(&(LogicalNodeId, V)) -> (&LogicalNodeId, &V),
+    >,
+>;
+
+/// A map from slot to `V`, ordered like `BTreeMap<LogicalNodeId, V>`. See the module docs.
+#[derive(Clone, PartialEq)]
+pub struct NodeMap<V> {
+    /// Sorted by group id; no group is empty.
+    groups: Vec<Group<V>>,
+    len: usize,
+}
+
+impl<V> Default for NodeMap<V> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<V> NodeMap<V> {
+    /// An empty map.
+    pub const fn new() -> Self {
+        Self {
+            groups: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// How many slots hold an entry.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no slot holds an entry.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn group_pos(&self, id: &GroupId) -> Result<usize, usize> {
+        // Most maps hold one or a few groups; ids cloned from the desired
+        // group compare by pointer.
+        if let Some(i) = self.groups.iter().position(|g| g.id.ptr_eq(id)) {
+            return Ok(i);
+        }
+        self.groups.binary_search_by(|g| g.id.cmp(id))
+    }
+
+    /// The entry of `key`.
+    pub fn get(&self, key: &LogicalNodeId) -> Option<&V> {
+        let g = &self.groups[self.group_pos(&key.group).ok()?];
+        g.get(key.index).map(|(_, v)| v)
+    }
+
+    /// The entry of `key`, with the key as stored.
+    pub fn get_key_value(&self, key: &LogicalNodeId) -> Option<(&LogicalNodeId, &V)> {
+        let g = &self.groups[self.group_pos(&key.group).ok()?];
+        g.get(key.index).map(|(k, v)| (k, v))
+    }
+
+    /// The entry of `key`, to change.
+    pub fn get_mut(&mut self, key: &LogicalNodeId) -> Option<&mut V> {
+        let i = self.group_pos(&key.group).ok()?;
+        self.groups[i].get_mut(key.index).map(|(_, v)| v)
+    }
+
+    /// True when `key` holds an entry.
+    pub fn contains_key(&self, key: &LogicalNodeId) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Puts `value` at `key`; returns what was there.
+    pub fn insert(&mut self, key: LogicalNodeId, value: V) -> Option<V> {
+        let i = match self.group_pos(&key.group) {
+            Ok(i) => i,
+            Err(i) => {
+                self.groups.insert(i, Group::new(key.group.clone()));
+                i
+            }
+        };
+        let g = &mut self.groups[i];
+        let index = key.index;
+        let old = if index < DENSE_INDEX_MAX {
+            let at = index as usize;
+            if g.dense.len() <= at {
+                g.dense.resize_with(at + 1, || None);
+            }
+            g.dense[at].replace((key, value))
+        } else {
+            g.sparse.insert(index, (key, value))
+        };
+        if old.is_none() {
+            self.len += 1;
+        }
+        old.map(|(_, v)| v)
+    }
+
+    /// Takes the entry of `key` out.
+    pub fn remove(&mut self, key: &LogicalNodeId) -> Option<V> {
+        let i = self.group_pos(&key.group).ok()?;
+        let g = &mut self.groups[i];
+        let old = if key.index < DENSE_INDEX_MAX {
+            let at = key.index as usize;
+            let old = g.dense.get_mut(at)?.take();
+            while g.dense.last().is_some_and(Option::is_none) {
+                g.dense.pop();
+            }
+            if g.dense.capacity() > 64 && g.dense.len() < g.dense.capacity() / 4 {
+                g.dense.shrink_to(g.dense.len() * 2);
+            }
+            old
+        } else {
+            g.sparse.remove(&key.index)
+        };
+        if old.is_some() {
+            self.len -= 1;
+        }
+        if g.is_empty() {
+            self.groups.remove(i);
+        }
+        old.map(|(_, v)| v)
+    }
+
+    /// Removes every entry.
+    pub fn clear(&mut self) {
+        self.groups.clear();
+        self.len = 0;
+    }
+
+    /// Every entry, in slot order (group, then index).
+    pub fn iter(&self) -> Iter<'_, V> {
+        Iter {
+            inner: self.groups.iter().flat_map(Group::iter),
+            left: self.len,
+        }
+    }
+
+    /// Every entry in slot order, to change.
+    pub fn iter_mut(&mut self) -> impl DoubleEndedIterator<Item = (&LogicalNodeId, &mut V)> {
+        self.groups.iter_mut().flat_map(|g| {
+            let dense = g
+                .dense
+                .iter_mut()
+                .filter_map(|e| e.as_mut().map(|(k, v)| (&*k, v)));
+            dense.chain(g.sparse.values_mut().map(|(k, v)| (&*k, v)))
+        })
+    }
+
+    /// The entries of one group, in index order.
+    pub fn group(&self, id: &GroupId) -> impl DoubleEndedIterator<Item = (&LogicalNodeId, &V)> {
+        let g = self.group_pos(id).ok().map(|i| &self.groups[i]);
+        g.into_iter().flat_map(Group::iter)
+    }
+
+    /// The groups that hold entries, in order.
+    pub fn groups(&self) -> impl DoubleEndedIterator<Item = &GroupId> {
+        self.groups.iter().map(|g| &g.id)
+    }
+
+    /// Every key, in slot order.
+    pub fn keys(&self) -> impl DoubleEndedIterator<Item = &LogicalNodeId> {
+        self.iter().map(|(k, _)| k)
+    }
+
+    /// Every value, in slot order.
+    pub fn values(&self) -> impl DoubleEndedIterator<Item = &V> {
+        self.iter().map(|(_, v)| v)
+    }
+
+    /// Every value in slot order, to change.
+    pub fn values_mut(&mut self) -> impl DoubleEndedIterator<Item = &mut V> {
+        self.iter_mut().map(|(_, v)| v)
+    }
+
+    /// The first entry in slot order.
+    pub fn first_key_value(&self) -> Option<(&LogicalNodeId, &V)> {
+        self.iter().next()
+    }
+
+    /// The last entry in slot order.
+    pub fn last_key_value(&self) -> Option<(&LogicalNodeId, &V)> {
+        self.iter().next_back()
+    }
+
+    /// Keeps only the entries `f` accepts.
+    pub fn retain(&mut self, mut f: impl FnMut(&LogicalNodeId, &mut V) -> bool) {
+        let gone: Vec<LogicalNodeId> = self
+            .iter_mut()
+            .filter_map(|(k, v)| (!f(k, v)).then(|| k.clone()))
+            .collect();
+        for k in gone {
+            self.remove(&k);
+        }
+    }
+}
+
+/// The iterator of [`NodeMap::iter`]: entries in slot order.
+pub struct Iter<'a, V> {
+    inner: std::iter::FlatMap<
+        std::slice::Iter<'a, Group<V>>,
+        GroupIter<'a, V>,
+        fn(&'a Group<V>) -> GroupIter<'a, V>,
+    >,
+    left: usize,
+}
+
+impl<'a, V> Iterator for Iter<'a, V> {
+    type Item = (&'a LogicalNodeId, &'a V);
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        let next = self.inner.next();
+        self.left = self.left.saturating_sub(usize::from(next.is_some()));
+        next
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl<V> DoubleEndedIterator for Iter<'_, V> {
+    fn next_back(&mut self) -> Option<Self::Item> {
+        let next = self.inner.next_back();
+        self.left = self.left.saturating_sub(usize::from(next.is_some()));
+        next
+    }
+}
+
+impl<V> ExactSizeIterator for Iter<'_, V> {}
+
+impl<'a, V> IntoIterator for &'a NodeMap<V> {
+    type Item = (&'a LogicalNodeId, &'a V);
+    type IntoIter = Iter<'a, V>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl<V> IntoIterator for NodeMap<V> {
+    type Item = (LogicalNodeId, V);
+    type IntoIter = std::vec::IntoIter<(LogicalNodeId, V)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        let mut out = Vec::with_capacity(self.len);
+        for g in self.groups {
+            out.extend(g.dense.into_iter().flatten());
+            out.extend(g.sparse.into_values());
+        }
+        out.into_iter()
+    }
+}
+
+impl<V> FromIterator<(LogicalNodeId, V)> for NodeMap<V> {
+    fn from_iter<I: IntoIterator<Item = (LogicalNodeId, V)>>(iter: I) -> Self {
+        let mut map = Self::new();
+        map.extend(iter);
+        map
+    }
+}
+
+impl<V> Extend<(LogicalNodeId, V)> for NodeMap<V> {
+    fn extend<I: IntoIterator<Item = (LogicalNodeId, V)>>(&mut self, iter: I) {
+        for (k, v) in iter {
+            self.insert(k, v);
+        }
+    }
+}
+
+impl<V> std::ops::Index<&LogicalNodeId> for NodeMap<V> {
+    type Output = V;
+
+    fn index(&self, key: &LogicalNodeId) -> &V {
+        self.get(key).expect("no entry for this slot")
+    }
+}
+
+impl<V: fmt::Debug> fmt::Debug for NodeMap<V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl<V: Serialize> Serialize for NodeMap<V> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.len))?;
+        for (k, v) in self {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for NodeMap<V> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V_<V>(PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> Visitor<'de> for V_<V> {
+            type Value = NodeMap<V>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map from node id to value")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
+                let mut map = NodeMap::new();
+                while let Some((k, v)) = a.next_entry::<LogicalNodeId, V>()? {
+                    map.insert(k, v);
+                }
+                Ok(map)
+            }
+        }
+        d.deserialize_map(V_(PhantomData))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> LogicalNodeId {
+        LogicalNodeId::parse(s).unwrap()
+    }
+
+    #[test]
+    fn it_orders_and_answers_like_a_btree_map() {
+        let keys = [
+            "w-3", "a-0", "w-0", "w-10", "b-7", "w-262144", "w-300000", "a-2", "w-1",
+        ];
+        let mut map = NodeMap::new();
+        let mut reference = BTreeMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(map.insert(id(k), i), reference.insert(id(k), i));
+        }
+        assert_eq!(map.insert(id("w-3"), 99), reference.insert(id("w-3"), 99));
+        let got: Vec<_> = map.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let want: Vec<_> = reference.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        assert_eq!(got, want);
+        let back: Vec<_> = map.iter().rev().map(|(k, _)| k.clone()).collect();
+        let want_back: Vec<_> = reference.keys().rev().cloned().collect();
+        assert_eq!(back, want_back);
+        assert_eq!(map.len(), reference.len());
+        assert_eq!(map.iter().len(), reference.len());
+        for k in ["w-10", "w-300000", "a-0", "a-2", "zz-1"] {
+            assert_eq!(map.remove(&id(k)), reference.remove(&id(k)));
+            assert_eq!(map.len(), reference.len());
+        }
+        let got: Vec<_> = map.keys().cloned().collect();
+        assert_eq!(got, reference.keys().cloned().collect::<Vec<_>>());
+        assert_eq!(map.get(&id("w-1")), reference.get(&id("w-1")));
+        assert_eq!(map.get(&id("w-2")), None);
+        let w: Vec<_> = map
+            .group(&GroupId::new("w"))
+            .map(|(k, _)| k.to_string())
+            .collect();
+        assert_eq!(w, ["w-0", "w-1", "w-3", "w-262144"]);
+        assert!(map.group(&GroupId::new("a")).next().is_none());
+    }
+
+    #[test]
+    fn removing_the_last_slots_gives_their_room_back() {
+        let mut map = NodeMap::new();
+        for i in 0..1000 {
+            map.insert(LogicalNodeId::new(GroupId::new("w"), i), i);
+        }
+        for i in (10..1000).rev() {
+            map.remove(&LogicalNodeId::new(GroupId::new("w"), i));
+        }
+        assert_eq!(map.len(), 10);
+        assert!(map.groups[0].dense.capacity() < 100);
+        for i in 0..10 {
+            map.remove(&LogicalNodeId::new(GroupId::new("w"), i));
+        }
+        assert!(map.is_empty() && map.groups.is_empty());
+    }
+
+    #[test]
+    fn it_serializes_as_a_map_and_reads_back_in_slot_order() {
+        let mut map = NodeMap::new();
+        map.insert(id("w-10"), 10u32);
+        map.insert(id("w-1"), 1u32);
+        map.insert(id("a-0"), 0u32);
+        let reference: BTreeMap<LogicalNodeId, u32> =
+            map.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let text = serde_json::to_string(&map).unwrap();
+        assert_eq!(text, serde_json::to_string(&reference).unwrap());
+        assert_eq!(text, r#"{"a-0":0,"w-1":1,"w-10":10}"#);
+        let back: NodeMap<u32> = serde_json::from_str(&text).unwrap();
+        assert!(back == map);
+    }
+}
