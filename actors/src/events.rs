@@ -74,7 +74,7 @@ impl NodeSummary {
             ready: n.is_ready() && !matches!(agent, AgentLink::Away { .. }),
             pending: n.pending.as_ref().map(|p| p.effect),
             failures: n.retry.consecutive_failures,
-            last_error: n.record.last_error.clone(),
+            last_error: n.record.last_error().map(str::to_owned),
             next_retry_at: n.retry.next_effect_at.or(n.record.restart_at),
             agent,
             lease: n.record.lease.clone(),

@@ -575,9 +575,9 @@ pub fn group_status(state: &ClusterState, g: &DesiredGroup) -> RolloutStatus {
                 failures: n.retry.template_failures(),
                 reason: n
                     .record
-                    .failed_reason
-                    .clone()
-                    .or_else(|| n.record.last_error.clone()),
+                    .failed_reason()
+                    .or_else(|| n.record.last_error())
+                    .map(str::to_owned),
             });
         }
     }
@@ -672,7 +672,7 @@ pub fn breaker(
         if id.index >= g.count {
             break;
         }
-        unhealthy += u32::from(away(id, n.attempt) || n.record.failed_reason.is_some());
+        unhealthy += u32::from(away(id, n.attempt) || n.record.failed_reason().is_some());
     }
     Breaker::check(&g.policy, g.count, unhealthy)
 }
@@ -701,7 +701,7 @@ pub fn reconcile_node_gated(
         reconcile_node(node, desired, now)
     };
     if let Some(NodeAction::Restart { template }) = &d.action
-        && node.record.failed_reason.is_some()
+        && node.record.failed_reason().is_some()
         && same_template(template, &node.template)
         && gates.is_tripped(&id.group)
     {

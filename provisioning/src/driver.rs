@@ -555,6 +555,11 @@ impl Driver {
             }
         }
         let generation = next.generation;
+        for g in &next.groups {
+            // Room for the group's slots in one allocation, not a doubling
+            // vector's slack (a third of it, for a large group).
+            self.state.nodes.reserve(&g.id, g.count);
+        }
         self.desired = next;
         self.carried.clear();
         self.eval.full = true;
@@ -1212,7 +1217,7 @@ impl Driver {
                     node.record.ready = true;
                     node.record.resuming = false;
                     node.record.bootstrap_deadline = None;
-                    node.record.last_error = None;
+                    node.record.set_last_error(None);
                     node.retry.consecutive_failures = 0;
                     node.retry.inherited_failures = 0;
                     node.retry.next_effect_at = None;

@@ -1672,10 +1672,10 @@ impl<C: Reconciler> Host<C> {
             r.ready_at.get_or_insert(now);
         }
         if r.failed_reason.is_none() {
-            r.failed_reason.clone_from(&n.record.failed_reason);
+            r.failed_reason = n.record.failed_reason().map(str::to_owned);
         }
-        if n.record.last_error.is_some() {
-            r.last_error.clone_from(&n.record.last_error);
+        if let Some(e) = n.record.last_error() {
+            r.last_error = Some(e.to_owned());
         }
         if n.record.stage == NodeStage::Destroyed {
             r.ended_at.get_or_insert(now);

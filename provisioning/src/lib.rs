@@ -75,6 +75,6 @@ pub use shape::{
 };
 pub use state::{
     AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord,
-    NodeStage, PendingOperation, RetryState,
+    NodeStage, PendingOperation, RetryState, Trouble,
 };
 pub use time::{DeadlineOverflow, Timestamp};

@@ -96,7 +96,9 @@ type GroupIter<'a, V> = std::iter::Chain<
 /// A map from slot to `V`, ordered like `BTreeMap<LogicalNodeId, V>`. See the module docs.
 #[derive(Clone, PartialEq)]
 pub struct NodeMap<V> {
-    /// Sorted by group id; no group is empty.
+    /// Sorted by group id. A group is empty only between a
+    /// [`NodeMap::reserve`] and its first insert; removing its last entry
+    /// drops it.
     groups: Vec<Group<V>>,
     len: usize,
 }
@@ -184,6 +186,21 @@ impl<V> NodeMap<V> {
         old.map(|(_, v)| v)
     }
 
+    /// Makes room for `group`'s slots `0..slots` (dense ones only), so
+    /// inserting them does not grow the vector step by step.
+    pub fn reserve(&mut self, group: &GroupId, slots: u32) {
+        let i = match self.group_pos(group) {
+            Ok(i) => i,
+            Err(i) => {
+                self.groups.insert(i, Group::new(group.clone()));
+                i
+            }
+        };
+        let dense = &mut self.groups[i].dense;
+        let want = slots.min(DENSE_INDEX_MAX) as usize;
+        dense.reserve_exact(want.saturating_sub(dense.len()));
+    }
+
     /// Takes the entry of `key` out.
     pub fn remove(&mut self, key: &LogicalNodeId) -> Option<V> {
         let i = self.group_pos(&key.group).ok()?;
@@ -241,7 +258,7 @@ impl<V> NodeMap<V> {
         g.into_iter().flat_map(Group::iter)
     }
 
-    /// The groups that hold entries, in order.
+    /// The groups that hold entries (or a reservation), in order.
     pub fn groups(&self) -> impl DoubleEndedIterator<Item = &GroupId> {
         self.groups.iter().map(|g| &g.id)
     }

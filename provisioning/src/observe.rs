@@ -162,7 +162,7 @@ pub fn fold_result(
 
     match (kind, outcome) {
         (_, OperationOutcome::Failed { class, reason }) => {
-            rec.last_error = Some(format!("{kind:?}: {reason}"));
+            rec.set_last_error(Some(format!("{kind:?}: {reason}")));
             let attempt_fails = node.intent == Intent::Active
                 && match class {
                     FailureClass::Definite => kind == EffectKind::StartBootstrap,
@@ -231,7 +231,7 @@ pub fn fold_result(
             if node.intent == Intent::Active && rec.endpoint_deadline.is_some_and(|at| at <= now) {
                 let waited = node.template.limits.endpoint_timeout_s;
                 let reason = format!("the endpoint was not ready within {waited} s");
-                rec.last_error = Some(reason.clone());
+                rec.set_last_error(Some(reason.clone()));
                 node.retry.consecutive_failures = failures_after;
                 fail_attempt(node, reason, now);
                 return Ok(Folded::Applied);
@@ -342,7 +342,7 @@ pub fn fold_bootstrap(
     };
     if let Some((stage, reason)) = failure {
         rec.bootstrap = Some(stage);
-        rec.last_error = Some(reason.clone());
+        rec.set_last_error(Some(reason.clone()));
         if live {
             node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
             fail_attempt(node, reason, now);
@@ -393,7 +393,7 @@ pub fn fold_bootstrap_stall(node: &mut ManagedNode, now: Timestamp) -> bool {
             None => "the bootstrap made no progress before its deadline".to_owned(),
         };
         node.record.bootstrap = Some(BootstrapStage::AgentLost);
-        node.record.last_error = Some(reason.clone());
+        node.record.set_last_error(Some(reason.clone()));
         node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
         fail_attempt(node, reason, now);
     }
@@ -417,7 +417,7 @@ pub fn fold_agent_lost(
         return Folded::Discarded(DiscardReason::NotActive);
     }
     node.record.bootstrap = Some(BootstrapStage::AgentLost);
-    node.record.last_error = Some(reason.clone());
+    node.record.set_last_error(Some(reason.clone()));
     node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
     fail_attempt(node, reason, now);
     Folded::Applied
@@ -427,8 +427,7 @@ fn fail_attempt(node: &mut ManagedNode, reason: String, now: Timestamp) {
     let rec = &mut node.record;
     rec.stage = NodeStage::Failed;
     rec.ready = false;
-    rec.failed_reason = Some(reason);
-    rec.failed_at = Some(now);
+    rec.set_failed(reason, now);
     rec.bootstrap_deadline = None;
     rec.endpoint_deadline = None;
     node.retry.next_effect_at = None;

@@ -174,8 +174,7 @@ impl RetryState {
     }
 }
 
-/// Lifecycle facts of one attempt. `repr(C)`: the hot stage and ready flag come first.
-#[repr(C)]
+/// Lifecycle facts of one attempt.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRecord {
     /// Where on the ladder the attempt is.
@@ -197,12 +196,12 @@ pub struct NodeRecord {
     /// A lease whose endpoint is still not ready at this instant fails the
     /// attempt (an instance stuck loading is replaced, not probed forever).
     pub endpoint_deadline: Option<Timestamp>,
-    /// Why the attempt failed.
-    pub failed_reason: Option<String>,
-    /// When the attempt failed.
-    pub failed_at: Option<Timestamp>,
-    /// The most recent error of any kind, for people to read.
-    pub last_error: Option<String>,
+    /// What went wrong with the attempt, if anything did (out of line: a
+    /// healthy node carries one pointer, not three strings and a time).
+    /// Read it through [`NodeRecord::failed_reason`],
+    /// [`NodeRecord::failed_at`] and [`NodeRecord::last_error`].
+    #[serde(default)]
+    pub trouble: Option<Box<Trouble>>,
     /// When a destroyed, still-desired slot may start its next attempt.
     pub restart_at: Option<Timestamp>,
     /// Adopted by a restarted driver, with a listed lease, and not ready
@@ -227,13 +226,61 @@ impl NodeRecord {
             ambiguous: None,
             bootstrap_deadline: None,
             endpoint_deadline: None,
-            failed_reason: None,
-            failed_at: None,
-            last_error: None,
+            trouble: None,
             restart_at: None,
             resuming: false,
         }
     }
+}
+
+impl NodeRecord {
+    /// Why the attempt failed.
+    pub fn failed_reason(&self) -> Option<&str> {
+        self.trouble.as_ref()?.failed_reason.as_deref()
+    }
+
+    /// When the attempt failed.
+    pub fn failed_at(&self) -> Option<Timestamp> {
+        self.trouble.as_ref()?.failed_at
+    }
+
+    /// The most recent error of any kind, for people to read.
+    pub fn last_error(&self) -> Option<&str> {
+        self.trouble.as_ref()?.last_error.as_deref()
+    }
+
+    /// Records the most recent error (`None` clears it).
+    pub fn set_last_error(&mut self, error: Option<String>) {
+        self.edit_trouble(|t| t.last_error = error);
+    }
+
+    /// Records that the attempt failed at `at`, and why.
+    pub fn set_failed(&mut self, reason: String, at: Timestamp) {
+        self.edit_trouble(|t| {
+            t.failed_reason = Some(reason);
+            t.failed_at = Some(at);
+        });
+    }
+
+    /// Changes the trouble record; an empty one is dropped.
+    fn edit_trouble(&mut self, f: impl FnOnce(&mut Trouble)) {
+        let mut t = self.trouble.take().unwrap_or_default();
+        f(&mut t);
+        if *t != Trouble::default() {
+            self.trouble = Some(t);
+        }
+    }
+}
+
+/// What went wrong with an attempt: kept out of line in [`NodeRecord`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Trouble {
+    /// Why the attempt failed.
+    pub failed_reason: Option<String>,
+    /// When the attempt failed.
+    pub failed_at: Option<Timestamp>,
+    /// The most recent error of any kind, for people to read.
+    pub last_error: Option<String>,
 }
 
 impl Default for NodeRecord {

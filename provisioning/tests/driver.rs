@@ -125,13 +125,7 @@ fn a_failed_submission_folds_as_an_operation_failure() {
     let n = &d.state().nodes[&node_id("w-0")];
     assert!(n.pending.is_none());
     assert_eq!(n.retry.consecutive_failures, 1);
-    assert!(
-        n.record
-            .last_error
-            .as_deref()
-            .unwrap()
-            .contains("queue full")
-    );
+    assert!(n.record.last_error().unwrap().contains("queue full"));
 }
 
 #[test]

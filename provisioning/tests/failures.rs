@@ -79,7 +79,7 @@ fn endpoint_not_ready_is_a_probe_on_the_probe_interval_not_a_failure() {
         Some(t(d.config().probe_interval_ms))
     );
     assert!(node(&d).record.lease.is_some(), "the lease is kept");
-    assert_eq!(node(&d).record.last_error, None);
+    assert_eq!(node(&d).record.last_error(), None);
 }
 
 #[test]
@@ -157,8 +157,8 @@ fn a_bootstrap_runtime_or_join_failure_ends_the_attempt() {
         assert_eq!(d.handle_bootstrap(o, t(5)).unwrap(), Folded::Applied);
         let n = node(&d);
         assert_eq!(n.record.stage, NodeStage::Failed, "{event:?}");
-        assert_eq!(n.record.failed_at, Some(t(5)));
-        assert!(n.record.failed_reason.is_some());
+        assert_eq!(n.record.failed_at(), Some(t(5)));
+        assert!(n.record.failed_reason().is_some());
         assert_eq!(n.retry.consecutive_failures, 1);
         let cleanup = drain(&mut d, t(5));
         let want = if event == BootstrapEvent::Closed {
@@ -286,7 +286,7 @@ fn a_bootstrap_that_stalls_past_its_deadline_fails_the_attempt() {
     d.handle_timeout(t(20 + stall)).unwrap();
     assert_eq!(node(&d).record.stage, NodeStage::Failed);
     assert_eq!(node(&d).record.bootstrap, Some(BootstrapStage::AgentLost));
-    let reason = node(&d).record.failed_reason.clone().unwrap();
+    let reason = node(&d).record.failed_reason().unwrap().to_owned();
     assert!(reason.contains("last reported: SwactorStart"), "{reason}");
 }
 
@@ -301,7 +301,7 @@ fn a_boot_check_that_outlives_its_timeout_and_its_report_fails_naming_the_boot_c
     let at = d.poll_timeout().unwrap();
     d.handle_timeout(at).unwrap();
     assert_eq!(node(&d).record.stage, NodeStage::Failed);
-    let reason = node(&d).record.failed_reason.clone().unwrap();
+    let reason = node(&d).record.failed_reason().unwrap().to_owned();
     assert!(
         reason.starts_with("the boot check did not finish within its boot_timeout_s of 300 s"),
         "{reason}"
@@ -321,7 +321,7 @@ fn reaching_ready_resets_the_failure_count() {
     d.handle_timeout(t(1_000)).unwrap();
     converge(&mut d, t(1_000));
     assert_eq!(node(&d).retry.consecutive_failures, 0);
-    assert_eq!(node(&d).record.last_error, None);
+    assert_eq!(node(&d).record.last_error(), None);
 }
 
 #[test]
@@ -445,7 +445,7 @@ fn an_endpoint_that_never_becomes_ready_fails_the_attempt_at_its_groups_deadline
         (10_000..=11_000).contains(&now),
         "failed at {now} ms, the deadline is 10 s and probes are 1 s apart"
     );
-    let reason = node(&d).record.failed_reason.clone().unwrap();
+    let reason = node(&d).record.failed_reason().unwrap().to_owned();
     assert!(reason.contains("not ready within 10 s"), "{reason}");
     // Its cleanup destroys the lease (a stuck instance is not left billing).
     assert_eq!(cleanup.len(), 1);
@@ -463,7 +463,7 @@ fn a_lease_the_provider_says_is_gone_fails_the_attempt_and_is_still_destroyed() 
             Folded::Applied
         );
         assert_eq!(node(&d).record.stage, NodeStage::Failed, "{kind:?}");
-        let reason = node(&d).record.failed_reason.clone().unwrap();
+        let reason = node(&d).record.failed_reason().unwrap().to_owned();
         assert!(reason.contains("the lease is gone"), "{reason}");
         // Destroying what the provider says is gone is cheap and certain;
         // trusting the word alone could leak a machine that only looked gone.

@@ -2108,7 +2108,7 @@ impl Oracle {
                 id.group.same(&g.id)
                     && id.index < g.count
                     && (snap.away.contains(*id)
-                        || n.record.failed_reason.is_some()
+                        || n.record.failed_reason().is_some()
                         || also == Some(*id))
             })
             .count() as u32;
@@ -2136,7 +2136,7 @@ impl Oracle {
             return;
         }
         for (id, nb) in &before.state.nodes {
-            if !tripped.contains(&id.group) || nb.record.failed_reason.is_none() {
+            if !tripped.contains(&id.group) || nb.record.failed_reason().is_none() {
                 continue;
             }
             let Some(na) = after.state.nodes.get(id) else {
