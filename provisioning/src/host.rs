@@ -1694,7 +1694,7 @@ impl<C: Reconciler> Host<C> {
         let mut gone: Vec<(Timestamp, LogicalNodeId)> = self
             .history
             .iter()
-            .filter(|(id, _)| !nodes.contains_key(*id))
+            .filter(|(id, _)| !nodes.contains_key(id))
             .map(|(id, h)| {
                 let ended = h.back().and_then(|r| r.ended_at).unwrap_or(Timestamp(0));
                 (ended, id.clone())

@@ -300,13 +300,15 @@ impl<V> NodeMap<V> {
     }
 }
 
+type GroupsIter<'a, V> = std::iter::FlatMap<
+    std::slice::Iter<'a, Group<V>>,
+    GroupIter<'a, V>,
+    fn(&'a Group<V>) -> GroupIter<'a, V>,
+>;
+
 /// The iterator of [`NodeMap::iter`]: entries in slot order.
 pub struct Iter<'a, V> {
-    inner: std::iter::FlatMap<
-        std::slice::Iter<'a, Group<V>>,
-        GroupIter<'a, V>,
-        fn(&'a Group<V>) -> GroupIter<'a, V>,
-    >,
+    inner: GroupsIter<'a, V>,
     left: usize,
 }
 

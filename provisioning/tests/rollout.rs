@@ -13,7 +13,7 @@ fn taken_down(before: &ClusterState, d: &Driver) -> Vec<String> {
         .nodes
         .iter()
         .filter(|(id, n)| {
-            before.nodes.get(*id).is_some_and(|b| {
+            before.nodes.get(id).is_some_and(|b| {
                 b.intent == Intent::Active
                     && (b.attempt != n.attempt || n.intent == Intent::Deleting)
             })

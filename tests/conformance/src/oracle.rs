@@ -1713,7 +1713,7 @@ impl Oracle {
                 let mut transitioned: Vec<&LogicalNodeId> = a
                     .nodes
                     .iter()
-                    .filter(|(id, na)| match b.nodes.get(*id) {
+                    .filter(|(id, na)| match b.nodes.get(id) {
                         None => true,
                         Some(nb) => {
                             nb.attempt != na.attempt
@@ -1724,7 +1724,7 @@ impl Oracle {
                         }
                     })
                     .map(|(id, _)| id)
-                    .chain(b.nodes.keys().filter(|id| !a.nodes.contains_key(*id)))
+                    .chain(b.nodes.keys().filter(|id| !a.nodes.contains_key(id)))
                     .collect();
                 transitioned.sort();
                 let st = &pass.stats;
