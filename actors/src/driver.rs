@@ -22,12 +22,13 @@ use crate::{ClusterConfig, ClusterEvent, PlanView};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use swactor_engine::ractor::{
-    Actor, ActorProcessingErr, ActorRef, DerivedActorRef, RpcReplyPort, SupervisionEvent,
+    Actor, ActorProcessingErr, ActorRef, DerivedActorRef, MessagingErr, RpcReplyPort,
+    SupervisionEvent,
 };
 use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Forwarder, Timers};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
-    ApplyError, BootstrapEvent, DesiredUpdate, Driver, Folded, Generation, Host, Listed,
+    ApplyError, BootstrapEvent, DesiredUpdate, Dispatch, Driver, Folded, Generation, Host, Listed,
     LogicalNodeId, NodeAttemptId, OperationOutcome, Output, PauseError, Reply, SessionId,
     ShutdownReport, Ticket, Timestamp,
 };
@@ -311,12 +312,27 @@ impl DriverState {
                     self.host.handle_persisted(delta.seq);
                 }
                 Output::Pass(pass) => {
+                    // One message per lane: a pass's operations for a
+                    // worker go together, in the pass's order.
+                    let mut lanes: Vec<Vec<Dispatch>> = Vec::new();
                     for d in pass.dispatches {
-                        let (node, op) = (d.key.node.clone(), d.op);
                         let lane = self.host.lane_of(d.op.attempt) as usize;
-                        if !self.send_to_worker(lane, WorkerMsg::Execute(d)) {
+                        if lanes.len() <= lane {
+                            lanes.resize_with(lane + 1, Vec::new);
+                        }
+                        lanes[lane].push(d);
+                    }
+                    for (lane, batch) in lanes.into_iter().enumerate() {
+                        if batch.is_empty() {
+                            continue;
+                        }
+                        if let Err(batch) = self.send_batch(lane, batch) {
                             let reason = "no executor could take it";
-                            let _ = self.host.handle_submit_failed(&node, op, reason, now)?;
+                            for d in batch {
+                                let _ = self
+                                    .host
+                                    .handle_submit_failed(&d.key.node, d.op, reason, now)?;
+                            }
                         }
                     }
                     for node in &pass.transitioned {
@@ -384,7 +400,11 @@ impl DriverState {
         now: Timestamp,
     ) -> Result<(), ActorProcessingErr> {
         match report {
-            ExecutorReport::Finished(f) => self.finished(f, now)?,
+            ExecutorReport::Finished(batch) => {
+                for f in batch {
+                    self.finished(f, now)?;
+                }
+            }
             ExecutorReport::Listed(inventory) => {
                 let listed = inventory.map(listing).map_err(|e| e.to_string());
                 self.host.handle_inventory(listed, now);
@@ -479,6 +499,20 @@ impl DriverState {
     fn stop_observer(&mut self, node: &LogicalNodeId) {
         // Dropping it stops it.
         self.observers.remove(node);
+    }
+
+    /// Hands `batch` to worker `index`; gives it back if the worker cannot take it.
+    fn send_batch(&self, index: usize, batch: Vec<Dispatch>) -> Result<(), Vec<Dispatch>> {
+        let Some(worker) = self.workers.get::<WorkerMsg>(&worker_label(index)) else {
+            return Err(batch);
+        };
+        match worker.send_message(WorkerMsg::Execute(batch)) {
+            Ok(()) => Ok(()),
+            Err(MessagingErr::SendErr(WorkerMsg::Execute(batch))) => Err(batch),
+            // The worker is gone and its message with it; the lane's
+            // in-flight operations are folded when its loss is reported.
+            Err(_) => Ok(()),
+        }
     }
 
     fn send_to_worker(&self, index: usize, msg: WorkerMsg) -> bool {

@@ -12,6 +12,12 @@
 //!   never observed.
 //! - **Never blocks the driver.** Provider calls are awaited here, in the
 //!   worker, never in the driver.
+//! - **Batched both ways.** The driver hands a worker all of a pass's
+//!   operations for its lane in one message, and the worker runs them in
+//!   order. Results that are ready without waiting (a provider that answers
+//!   at once) are reported together in one message; before the worker waits
+//!   on a provider call it first reports everything it holds, so a slow
+//!   call never delays the results of earlier ones.
 //! - **A session is always handed over.** A StartBootstrap submitted again is
 //!   run again rather than replayed: the provider adopts the running session
 //!   and hands its stream over once more (a replayed outcome would carry no
@@ -21,7 +27,9 @@
 //! know nothing of the actor they report to.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRef};
 use swactor_engine::{Clock, run_until};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources, Provider, ProviderError};
@@ -32,8 +40,8 @@ use swactor_provisioning::{
 
 /// A message to an executor worker.
 pub enum WorkerMsg {
-    /// Run one recorded operation.
-    Execute(Dispatch),
+    /// Run recorded operations, in order.
+    Execute(Vec<Dispatch>),
     /// List what the provider holds for a run (for adoption).
     List(RunId),
     /// Destroy what an orphaned key holds (cancel its session, then its lease).
@@ -45,8 +53,8 @@ pub enum WorkerMsg {
 /// What a worker reports.
 #[derive(Debug)]
 pub enum ExecutorReport {
-    /// An operation finished.
-    Finished(Finished),
+    /// Operations finished, in the order they finished.
+    Finished(Vec<Finished>),
     /// The provider's inventory, for adoption and sweeps.
     Listed(Result<Inventory, ProviderError>),
     /// An orphan was collected (or not).
@@ -81,6 +89,8 @@ pub struct WorkerArgs {
 /// A worker's state.
 pub struct WorkerState {
     args: WorkerArgs,
+    /// Results not reported yet (see the module docs on batching).
+    outbox: Vec<Finished>,
     completed: BTreeMap<OperationId, (EffectRequest, OperationOutcome)>,
     order: VecDeque<OperationId>,
 }
@@ -100,6 +110,7 @@ impl Actor for ExecutorWorker {
     ) -> Result<WorkerState, ActorProcessingErr> {
         Ok(WorkerState {
             args,
+            outbox: Vec::new(),
             completed: BTreeMap::new(),
             order: VecDeque::new(),
         })
@@ -112,7 +123,12 @@ impl Actor for ExecutorWorker {
         state: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            WorkerMsg::Execute(dispatch) => state.execute(dispatch).await,
+            WorkerMsg::Execute(batch) => {
+                for dispatch in batch {
+                    state.execute(dispatch).await;
+                }
+                state.flush();
+            }
             WorkerMsg::List(run_id) => {
                 let listed = state.args.provider.list(&run_id).await;
                 let _ = state
@@ -141,17 +157,22 @@ impl Actor for ExecutorWorker {
 }
 
 impl WorkerState {
-    fn send(&self, result: OperationResult, events: Option<BootstrapEvents>) {
-        let finished = Finished {
+    fn send(&mut self, result: OperationResult, events: Option<BootstrapEvents>) {
+        self.outbox.push(Finished {
             worker: self.args.index,
             result,
             events,
-        };
+        });
+    }
+
+    /// Reports every result held.
+    fn flush(&mut self) {
+        if self.outbox.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.outbox);
         // The driver being gone means the cluster is shutting down; nothing to do.
-        let _ = self
-            .args
-            .driver
-            .send_message(ExecutorReport::Finished(finished));
+        let _ = self.args.driver.send_message(ExecutorReport::Finished(batch));
     }
 
     async fn execute(&mut self, d: Dispatch) {
@@ -183,7 +204,21 @@ impl WorkerState {
             return;
         }
         let deadline = self.args.clock.at_ms(d.deadline.as_millis());
-        let (outcome, events) = match run_until(deadline, run(&*self.args.provider, &d)).await {
+        let provider = self.args.provider.clone();
+        let done = {
+            let mut call = std::pin::pin!(run_until(deadline, run(&*provider, &d)));
+            // One poll first: a call that is done at once joins the batch; one
+            // that must wait sends what the batch holds before it waits.
+            let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+            match first {
+                Poll::Ready(done) => done,
+                Poll::Pending => {
+                    self.flush();
+                    call.await
+                }
+            }
+        };
+        let (outcome, events) = match done {
             Ok(done) => done,
             Err(_) => (
                 OperationOutcome::Failed {
