@@ -29,6 +29,7 @@ use crate::id::{
     Generation, GroupId, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId,
     ResourceKey, RunId, SessionId,
 };
+use crate::nodemap::NodeMap;
 use crate::observe::{
     BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome, OperationResult,
     fold_agent_lost, fold_bootstrap, fold_bootstrap_stall, fold_deadline, fold_result,
@@ -320,7 +321,7 @@ struct Eval {
     /// Waiting nodes by the deadline they wait on.
     wakes: BTreeSet<(Timestamp, LogicalNodeId)>,
     /// The deadline each waiting node waits on (the index into `wakes`).
-    wake_of: BTreeMap<LogicalNodeId, Timestamp>,
+    wake_of: NodeMap<Timestamp>,
     /// Ready nodes of an outdated template that row 17 held back: their
     /// decision depends on the rest of their group, so every pass decides
     /// them again (in slot order with the others, as the budget requires).

@@ -72,6 +72,7 @@ use crate::id::{
     Generation, GroupId, LeaseId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId,
     SessionId,
 };
+use crate::nodemap::NodeMap;
 use crate::observe::{
     BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome,
     OperationResult,
@@ -275,7 +276,7 @@ pub struct JournalImage {
     /// Scalars.
     pub meta: JournalMeta,
     /// One record per slot that holds an attempt.
-    pub slots: BTreeMap<LogicalNodeId, SlotRecord>,
+    pub slots: NodeMap<SlotRecord>,
 }
 
 impl JournalImage {
@@ -331,7 +332,7 @@ impl JournalImage {
                 paused: false,
                 retired: Vec::new(),
             },
-            slots: BTreeMap::new(),
+            slots: NodeMap::new(),
         }
     }
 
@@ -762,14 +763,14 @@ pub struct Host<C: Reconciler> {
     core: C,
     config: HostConfig,
     meta: JournalMeta,
-    slots: BTreeMap<LogicalNodeId, SlotRecord>,
+    slots: NodeMap<SlotRecord>,
     meta_dirty: bool,
-    put: BTreeMap<LogicalNodeId, SlotRecord>,
+    put: NodeMap<SlotRecord>,
     remove: BTreeSet<LogicalNodeId>,
     next_seq: u64,
     awaiting: Option<u64>,
     adoption: Adoption,
-    links: BTreeMap<LogicalNodeId, Link>,
+    links: NodeMap<Link>,
     graces: BTreeSet<(Timestamp, LogicalNodeId)>,
     early: BTreeMap<LogicalNodeId, Vec<BootstrapObservation>>,
     in_flight: BTreeMap<OperationId, (LogicalNodeId, u32)>,
@@ -785,7 +786,7 @@ pub struct Host<C: Reconciler> {
     converged_reported: Option<Generation>,
     stopped: bool,
     digests: Vec<(Arc<NodeTemplate>, u64)>,
-    history: BTreeMap<LogicalNodeId, VecDeque<AttemptRecord>>,
+    history: NodeMap<VecDeque<AttemptRecord>>,
     /// Away agents whose grace ended while their group's breaker was tripped.
     held_lost: BTreeSet<LogicalNodeId>,
     /// What each group holds back, as last announced.
@@ -836,12 +837,12 @@ impl<C: Reconciler> Host<C> {
             meta,
             slots,
             meta_dirty: true,
-            put: BTreeMap::new(),
+            put: NodeMap::new(),
             remove: BTreeSet::new(),
             next_seq: 1,
             awaiting: None,
             adoption: Adoption::Listing,
-            links: BTreeMap::new(),
+            links: NodeMap::new(),
             graces: BTreeSet::new(),
             early: BTreeMap::new(),
             in_flight: BTreeMap::new(),
@@ -857,7 +858,7 @@ impl<C: Reconciler> Host<C> {
             converged_reported: None,
             stopped: false,
             digests: Vec::new(),
-            history: BTreeMap::new(),
+            history: NodeMap::new(),
             held_lost: BTreeSet::new(),
             holds: BTreeMap::new(),
             tripped_none: true,
@@ -887,7 +888,7 @@ impl<C: Reconciler> Host<C> {
     }
 
     /// The slot records as of the last persist handed out (or about to be).
-    pub fn slot_records(&self) -> &BTreeMap<LogicalNodeId, SlotRecord> {
+    pub fn slot_records(&self) -> &NodeMap<SlotRecord> {
         &self.slots
     }
 
@@ -1645,8 +1646,7 @@ impl<C: Reconciler> Host<C> {
         // (a default deque would make room for four).
         let history = self
             .history
-            .entry(node.clone())
-            .or_insert_with(|| VecDeque::with_capacity(1));
+            .get_or_insert_with(node, || VecDeque::with_capacity(1));
         let Some(n) = current else {
             if let Some(last) = history.back_mut() {
                 last.ended_at.get_or_insert(now);

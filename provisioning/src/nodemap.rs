@@ -186,6 +186,14 @@ impl<V> NodeMap<V> {
         old.map(|(_, v)| v)
     }
 
+    /// The entry of `key`, made by `f` first if there is none.
+    pub fn get_or_insert_with(&mut self, key: &LogicalNodeId, f: impl FnOnce() -> V) -> &mut V {
+        if !self.contains_key(key) {
+            self.insert(key.clone(), f());
+        }
+        self.get_mut(key).expect("just inserted")
+    }
+
     /// Makes room for `group`'s slots `0..slots` (dense ones only), so
     /// inserting them does not grow the vector step by step.
     pub fn reserve(&mut self, group: &GroupId, slots: u32) {
