@@ -318,10 +318,13 @@ struct Eval {
     /// deduplicates them). A vector whose capacity is kept from pass to pass,
     /// so marking a node dirty does not allocate.
     dirty: Vec<LogicalNodeId>,
-    /// Waiting nodes by the deadline they wait on.
-    wakes: BTreeSet<(Timestamp, LogicalNodeId)>,
-    /// The deadline each waiting node waits on (the index into `wakes`).
-    wake_of: NodeMap<Timestamp>,
+    /// Waiting nodes, bucketed by the deadline they wait on (a node is in
+    /// exactly one bucket, at the position `wake_of` gives). Deadlines
+    /// cluster (a pass gives every operation it dispatches the same one),
+    /// so there are few buckets and moving a node is a swap.
+    wakes: BTreeMap<Timestamp, Vec<LogicalNodeId>>,
+    /// The deadline each waiting node waits on, and its place in that bucket.
+    wake_of: NodeMap<(Timestamp, u32)>,
     /// Ready nodes of an outdated template that row 17 held back: their
     /// decision depends on the rest of their group, so every pass decides
     /// them again (in slot order with the others, as the budget requires).
@@ -331,20 +334,39 @@ struct Eval {
 impl Eval {
     fn set_wake(&mut self, id: &LogicalNodeId, wake: Option<Timestamp>) {
         let old = self.wake_of.get(id).copied();
-        if old == wake {
+        if old.map(|(at, _)| at) == wake {
             return;
         }
-        if let Some(old) = old {
-            self.wakes.remove(&(old, id.clone()));
+        if let Some((at, pos)) = old {
+            self.unbucket(at, pos);
         }
         match wake {
             Some(at) => {
-                self.wakes.insert((at, id.clone()));
-                self.wake_of.insert(id.clone(), at);
+                let bucket = self.wakes.entry(at).or_default();
+                let pos = u32::try_from(bucket.len()).expect("fewer than 2^32 waiting nodes");
+                bucket.push(id.clone());
+                self.wake_of.insert(id.clone(), (at, pos));
             }
             None => {
                 self.wake_of.remove(id);
             }
+        }
+    }
+
+    /// Takes the node at `pos` of bucket `at` out (the bucket's last node
+    /// moves into its place).
+    fn unbucket(&mut self, at: Timestamp, pos: u32) {
+        let Some(bucket) = self.wakes.get_mut(&at) else {
+            debug_assert!(false, "a waiting node's bucket exists");
+            return;
+        };
+        bucket.swap_remove(pos as usize);
+        if let Some(moved) = bucket.get(pos as usize) {
+            if let Some(w) = self.wake_of.get_mut(moved) {
+                w.1 = pos;
+            }
+        } else if bucket.is_empty() {
+            self.wakes.remove(&at);
         }
     }
 
@@ -353,14 +375,18 @@ impl Eval {
     /// capacity is reused, so a pass over a settled cluster does not allocate).
     fn candidates(&self, now: Timestamp, out: &mut Vec<LogicalNodeId>) {
         out.clear();
-        let due = self
-            .wakes
-            .iter()
-            .take_while(|(at, _)| *at <= now)
-            .map(|(_, id)| id);
+        let due = self.wakes.range(..=now).flat_map(|(_, ids)| ids);
         out.extend(self.dirty.iter().chain(due).chain(&self.held).cloned());
         out.sort_unstable();
         out.dedup();
+    }
+
+    /// The earliest deadline a node outside `candidates` (sorted) waits on.
+    fn earliest_other(&self, candidates: &[LogicalNodeId]) -> Option<Timestamp> {
+        self.wakes
+            .iter()
+            .find(|(_, ids)| ids.iter().any(|id| candidates.binary_search(id).is_err()))
+            .map(|(at, _)| *at)
     }
 }
 
@@ -1022,13 +1048,8 @@ impl Driver {
                 });
             }
         }
-        let candidates = &scratch.candidates;
-        let others = self
-            .eval
-            .wakes
-            .iter()
-            .find(|(_, id)| candidates.binary_search(id).is_err());
-        plan.requeue_at = earliest(plan.requeue_at, others.map(|(at, _)| *at));
+        let others = self.eval.earliest_other(&scratch.candidates);
+        plan.requeue_at = earliest(plan.requeue_at, others);
         plan
     }
 
