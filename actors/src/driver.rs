@@ -16,20 +16,21 @@
 use crate::executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 use crate::journal::JournalStore;
 use crate::msg::{ClusterMsg, DriverArgs, DriverMsg, DriverView, SwarmMsg, TimerKey};
-use crate::observer::{Observed, ObserverArgs, observe};
+use crate::observer::{
+    Observations, Observed, Observer, ObserverTag, Observers, observe, observers,
+};
 use crate::telemetry::{self, Telemetry, snapshot};
 use crate::{ClusterConfig, ClusterEvent, PlanView};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use swactor_engine::ractor::{
-    Actor, ActorProcessingErr, ActorRef, DerivedActorRef, MessagingErr, RpcReplyPort,
-    SupervisionEvent,
+    Actor, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort, SupervisionEvent,
 };
-use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Forwarder, Timers};
+use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Timers};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, DesiredUpdate, Dispatch, Driver, Folded, Generation, Host, Listed,
-    LogicalNodeId, NodeAttemptId, OperationOutcome, Output, PauseError, Reply, SessionId,
+    LogicalNodeId, NodeAttemptId, NodeMap, OperationOutcome, Output, PauseError, Reply, SessionId,
     ShutdownReport, Ticket, Timestamp,
 };
 
@@ -52,11 +53,11 @@ pub struct DriverState {
     journal: Option<Arc<dyn JournalStore>>,
     /// The observer of each node's live session (a node has at most one);
     /// dropping one stops it.
-    observers: BTreeMap<LogicalNodeId, (u64, SessionId, Forwarder)>,
+    observers: NodeMap<(u64, SessionId, Observer)>,
     /// The number of the next observer.
     next_observer: u64,
-    /// Where observers send, shared by all of them.
-    observed: DerivedActorRef<Observed>,
+    /// The mux that follows every session and reports to this actor.
+    mux: Observers,
     waiting: BTreeMap<Ticket, Waiting>,
     next_ticket: u64,
     drive_queued: bool,
@@ -115,8 +116,8 @@ impl Actor for DriverActor {
             armed: None,
             workers,
             journal,
-            observers: BTreeMap::new(),
-            observed: myself.get_derived::<Observed>(),
+            observers: NodeMap::new(),
+            mux: observers(myself.get_derived::<Observations>()),
             next_observer: 0,
             waiting: BTreeMap::new(),
             next_ticket: 0,
@@ -175,12 +176,14 @@ impl Actor for DriverActor {
                 });
             }
             DriverMsg::Executor(report) => st.reported(report, now)?,
-            DriverMsg::Observed(obs, observer) => {
-                if obs.event == BootstrapEvent::Closed {
-                    // The stream ended and its observer with it.
-                    st.forget_observer(&obs.node, observer);
+            DriverMsg::Observed(batch) => {
+                for Observed(obs, observer) in batch {
+                    if obs.event == BootstrapEvent::Closed {
+                        // The stream ended and its observer with it.
+                        st.forget_observer(&obs.node, observer);
+                    }
+                    let _ = st.host.handle_bootstrap(obs, now)?;
                 }
-                let _ = st.host.handle_bootstrap(obs, now)?;
             }
             DriverMsg::Timer(fired) => {
                 if !st.timers.accept(&fired) {
@@ -329,9 +332,12 @@ impl DriverState {
                         if let Err(batch) = self.send_batch(lane, batch) {
                             let reason = "no executor could take it";
                             for d in batch {
-                                let _ = self
-                                    .host
-                                    .handle_submit_failed(&d.key.node, d.op, reason, now)?;
+                                let _ = self.host.handle_submit_failed(
+                                    &d.key.node,
+                                    d.op,
+                                    reason,
+                                    now,
+                                )?;
                             }
                         }
                     }
@@ -455,19 +461,18 @@ impl DriverState {
         // A node observes one session at a time; an adopted session gets a
         // fresh stream and the old reader is stopped.
         self.stop_observer(node);
-        let args = ObserverArgs {
-            driver: self.observed.clone(),
+        let tag = ObserverTag {
             node: node.clone(),
             attempt,
             session: session.clone(),
-            events,
             number: self.next_observer,
         };
         // Not restarted if it ends: a dead stream cannot be resumed. A
         // StartBootstrap re-issued for the node adopts the session afresh;
         // otherwise the stall deadline covers the loss.
+        let observer = observe(&self.mux, tag, events);
         self.observers
-            .insert(node.clone(), (self.next_observer, session, observe(args)));
+            .insert(node.clone(), (self.next_observer, session, observer));
         self.next_observer += 1;
     }
 

@@ -172,7 +172,10 @@ impl WorkerState {
         }
         let batch = std::mem::take(&mut self.outbox);
         // The driver being gone means the cluster is shutting down; nothing to do.
-        let _ = self.args.driver.send_message(ExecutorReport::Finished(batch));
+        let _ = self
+            .args
+            .driver
+            .send_message(ExecutorReport::Finished(batch));
     }
 
     async fn execute(&mut self, d: Dispatch) {

@@ -15,7 +15,8 @@
 //!     ├── executor-0 … executor-N   ExecutorWorker: provider I/O, dedup by operation id,
 //!     │                              restarted within a budget; a crash folds its
 //!     │                              operations as ambiguous (the host decides)
-//!     └── observer (one per session) BootstrapObserver: follows a session's stream
+//!     └── observers (one task)       an engine mux that follows every session's
+//!                                    stream and reports them in batches
 //! ```
 //!
 //! Other actors talk to a cluster through a [`ClusterRef`], a typed ref
@@ -87,6 +88,6 @@ pub use msg::{
     ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, Subscription, SwarmMsg, SwarmRef,
     TimerKey,
 };
-pub use observer::{Observed, ObserverArgs, observe};
+pub use observer::{Observations, Observed, Observer, ObserverTag, Observers, observe, observers};
 pub use supervisor::{ClusterSupervisor, SupervisorArgs, SupervisorExit, SupervisorState};
 pub use swactor_provisioning::{ApplyError, JoinRefused, ShutdownMode, ShutdownReport};

@@ -10,16 +10,15 @@
 use crate::events::{ClusterEvent, ClusterSnapshot, NodeDescription, PlanView};
 use crate::executor::ExecutorReport;
 use crate::journal::JournalStore;
-use crate::observer::Observed;
+use crate::observer::{Observations, Observed};
 use std::sync::Arc;
 use swactor_engine::TimerFired;
 use swactor_engine::ractor::{DerivedActorRef, RpcReplyPort};
 use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_providers::Provider;
 use swactor_provisioning::{
-    ApplyError, BootstrapObservation, ClusterShape, DesiredUpdate, Generation, JoinRefused,
-    JournalImage, Liveness, LogicalNodeId, PauseError, ReplaceError, ResourceKey, ShutdownMode,
-    ShutdownReport, Timestamp,
+    ApplyError, ClusterShape, DesiredUpdate, Generation, JoinRefused, JournalImage, Liveness,
+    LogicalNodeId, PauseError, ReplaceError, ResourceKey, ShutdownMode, ShutdownReport, Timestamp,
 };
 use tokio::sync::broadcast;
 
@@ -86,8 +85,8 @@ pub enum DriverMsg {
     Inspect(swactor_engine::ractor::RpcReplyPort<DriverView>),
     /// An executor worker reported.
     Executor(ExecutorReport),
-    /// An observer forwarded a bootstrap observation; with the observer's number.
-    Observed(BootstrapObservation, u64),
+    /// Bootstrap observations from the observers' mux, each with its observer's number.
+    Observed(Vec<Observed>),
     /// An engine timer fired.
     Timer(TimerFired<TimerKey>),
     /// Drain the host's outputs.
@@ -121,17 +120,17 @@ variant!(SwarmMsg, Swarm);
 variant!(ExecutorReport, Executor);
 variant!(TimerFired<TimerKey>, Timer);
 
-impl From<Observed> for DriverMsg {
-    fn from(o: Observed) -> Self {
-        Self::Observed(o.0, o.1)
+impl From<Observations> for DriverMsg {
+    fn from(o: Observations) -> Self {
+        Self::Observed(o.0)
     }
 }
 
-impl TryFrom<DriverMsg> for Observed {
+impl TryFrom<DriverMsg> for Observations {
     type Error = DriverMsg;
     fn try_from(m: DriverMsg) -> Result<Self, DriverMsg> {
         match m {
-            DriverMsg::Observed(o, n) => Ok(Observed(o, n)),
+            DriverMsg::Observed(o) => Ok(Observations(o)),
             other => Err(other),
         }
     }

@@ -1,65 +1,77 @@
-//! Bootstrap observers: one forwarding task per session, handing its stream to the driver.
+//! Bootstrap observers: one engine mux follows every session's stream and
+//! hands the driver what they report, in batches.
 //!
-//! An observer tags every event of its session's stream with the node,
-//! attempt and session it belongs to and sends it to the driver. When the
-//! stream ends it reports `Closed` and ends; the driver also stops it (by
-//! dropping its [`Forwarder`]) when the session is cancelled or its node goes
-//! away. Nothing of it outlives the session.
-//!
-//! It is a plain task rather than an actor: a cluster may follow a hundred
-//! thousand sessions at once, and an actor per session cost several
-//! kilobytes and two messages per event.
+//! The driver follows each session under a tag (node, attempt, session and
+//! the observer's number); the mux turns every event into an observation
+//! with that tag, and a stream that ends into `Closed`. All that is ready
+//! when the mux wakes goes to the driver in ONE message, so a hundred
+//! thousand sessions reporting the same step cost one message, not a
+//! hundred thousand. Dropping a session's [`Followed`] handle stops
+//! following it; nothing of a session outlives it.
 
-use swactor_engine::Forwarder;
 use swactor_engine::ractor::DerivedActorRef;
+use swactor_engine::{Followed, Mux};
 use swactor_providers::BootstrapEvents;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapObservation, LogicalNodeId, NodeAttemptId, SessionId,
 };
 
-/// What an observer reports: one observation of its session, and the
-/// observer's number (the driver numbers the observers it starts, so the end
-/// of one stream is never taken for the end of a later stream of the same
+/// One observation of a session, and the number of the observer that
+/// followed it (the driver numbers the sessions it follows, so the end of
+/// one stream is never taken for the end of a later stream of the same
 /// session).
 #[derive(Debug)]
 pub struct Observed(pub BootstrapObservation, pub u64);
 
-/// What an observer follows and where it reports.
-pub struct ObserverArgs {
-    /// Where observations go.
-    pub driver: DerivedActorRef<Observed>,
+/// What the mux sends the driver: every observation it had, in order per session.
+#[derive(Debug)]
+pub struct Observations(pub Vec<Observed>);
+
+/// What a followed stream is tagged with.
+#[derive(Clone, Debug)]
+pub struct ObserverTag {
     /// The slot.
     pub node: LogicalNodeId,
     /// The attempt the session belongs to.
     pub attempt: NodeAttemptId,
     /// The session.
     pub session: SessionId,
-    /// The session's stream.
-    pub events: BootstrapEvents,
     /// The observer's number, sent with every observation.
     pub number: u64,
 }
 
-/// Starts following a session's stream; dropping the returned handle stops it.
-/// Must be called inside a tokio runtime.
-pub fn observe(args: ObserverArgs) -> Forwarder {
-    let ObserverArgs {
-        driver,
-        node,
-        attempt,
-        session,
-        events,
-        number,
-    } = args;
-    Forwarder::start(events, move |event| {
-        let ended = event.is_none() || event == Some(BootstrapEvent::Closed);
-        let obs = BootstrapObservation {
-            node: node.clone(),
-            attempt,
-            session: session.clone(),
-            event: event.unwrap_or(BootstrapEvent::Closed),
-        };
-        // The driver being gone means the cluster is shutting down.
-        driver.send_message(Observed(obs, number)).is_ok() && !ended
-    })
+/// The mux that follows a driver's sessions.
+pub type Observers = Mux<ObserverTag, BootstrapEvent>;
+
+/// A followed session; dropping it stops following.
+pub type Observer = Followed<ObserverTag, BootstrapEvent>;
+
+/// Starts the mux that reports to `driver`. Must be called inside a tokio runtime.
+pub fn observers(driver: DerivedActorRef<Observations>) -> Observers {
+    // A stream's `Closed` is its last word, as its end is.
+    let last = |e: &BootstrapEvent| *e == BootstrapEvent::Closed;
+    Mux::start(
+        last,
+        move |batch: Vec<(ObserverTag, Option<BootstrapEvent>)>| {
+            let observed = batch
+                .into_iter()
+                .map(|(tag, event)| {
+                    let obs = BootstrapObservation {
+                        node: tag.node,
+                        attempt: tag.attempt,
+                        session: tag.session,
+                        event: event.unwrap_or(BootstrapEvent::Closed),
+                    };
+                    Observed(obs, tag.number)
+                })
+                .collect();
+            // The driver being gone means the cluster is shutting down.
+            driver.send_message(Observations(observed)).is_ok()
+        },
+    )
+}
+
+/// Follows `events` under `tag`.
+pub fn observe(observers: &Observers, tag: ObserverTag, events: BootstrapEvents) -> Observer {
+    observers.follow(tag, events)
 }

@@ -1,4 +1,4 @@
-//! Forwarders: a task that drains one channel into a callback.
+//! Forwarders and muxes: tasks that drain channels into a callback.
 //!
 //! A cluster follows one stream per running bootstrap session, which can mean
 //! a hundred thousand streams at once. An actor per stream costs several
@@ -12,6 +12,10 @@
 //!   task: no item is handed to the sink after the abort is observed by the
 //!   task, which happens at its next await.
 
+use crate::stream;
+use std::future::poll_fn;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::task::{Context, Poll, Wake, Waker};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
@@ -58,6 +62,301 @@ impl Forwarder {
 impl Drop for Forwarder {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// Follows many [`stream`](crate::stream) receivers in ONE task and hands
+/// what they yield to a sink in batches.
+///
+/// A forwarder per stream is a task per stream and a sink call per item; a
+/// hundred thousand bootstrap sessions that each report a step at the same
+/// moment would cost a hundred thousand task wake-ups and as many messages.
+/// A mux wakes once, drains every stream that has something, and makes one
+/// sink call with all of it.
+///
+/// # Guarantees
+/// - Each stream's items reach the sink in order, each tagged with the key it
+///   was followed under, then `(key, None)` once the stream ends. An item
+///   the `last` predicate given to [`Mux::start`] accepts is the stream's
+///   last: nothing follows it, not even the `None`. Either way the stream is
+///   then forgotten.
+/// - Dropping a stream's [`Followed`] handle forgets the stream: nothing of it
+///   is drained after the mux task observes the drop (items it already took
+///   may still be in the batch it is delivering).
+/// - One sink call carries at most [`MUX_DRAIN_MAX`] items of one stream; a
+///   stream with more waiting is drained again in the next round, so one
+///   chatty stream cannot hold the others up.
+/// - The task ends when the sink returns `false`, or when the [`Mux`] is
+///   dropped (which aborts it).
+pub struct Mux<K, T> {
+    shared: Arc<MuxShared<K, T>>,
+    task: AbortHandle,
+}
+
+/// Most items taken from one stream for one sink call.
+pub const MUX_DRAIN_MAX: usize = 64;
+
+struct MuxShared<K, T> {
+    state: Mutex<MuxState<K, T>>,
+}
+
+struct MuxState<K, T> {
+    slots: Vec<Option<Slot<K, T>>>,
+    free: Vec<u32>,
+    /// Slots whose stream woke them, to drain.
+    ready: Vec<u32>,
+    /// The mux task, while it waits for a ready slot.
+    task: Option<Waker>,
+    next_generation: u32,
+}
+
+struct Slot<K, T> {
+    key: K,
+    rx: stream::Receiver<T>,
+    waker: Waker,
+    generation: u32,
+    /// In `ready` already.
+    queued: bool,
+}
+
+impl<K, T> MuxShared<K, T> {
+    fn lock(&self) -> MutexGuard<'_, MuxState<K, T>> {
+        // Critical sections only move slots and indexes; a poisoned lock
+        // still guards consistent state.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<K, T> MuxState<K, T> {
+    /// Queues slot `index` of `generation` for draining; the waker of the
+    /// task to wake, if it waits.
+    fn mark_ready(&mut self, index: u32, generation: u32) -> Option<Waker> {
+        match self.slots.get_mut(index as usize) {
+            Some(Some(slot)) if slot.generation == generation && !slot.queued => {
+                slot.queued = true;
+                self.ready.push(index);
+                self.task.take()
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The waker a mux gives one stream: it queues that stream's slot.
+struct SlotWake<K, T> {
+    shared: Weak<MuxShared<K, T>>,
+    index: u32,
+    generation: u32,
+}
+
+impl<K: Send + 'static, T: Send + 'static> Wake for SlotWake<K, T> {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let Some(shared) = self.shared.upgrade() else {
+            return;
+        };
+        let task = shared.lock().mark_ready(self.index, self.generation);
+        if let Some(task) = task {
+            task.wake();
+        }
+    }
+}
+
+/// A stream a [`Mux`] follows; dropping it forgets the stream.
+pub struct Followed<K, T> {
+    shared: Weak<MuxShared<K, T>>,
+    index: u32,
+    generation: u32,
+}
+
+impl<K, T> Drop for Followed<K, T> {
+    fn drop(&mut self) {
+        let Some(shared) = self.shared.upgrade() else {
+            return;
+        };
+        let mut st = shared.lock();
+        let live = matches!(
+            st.slots.get(self.index as usize),
+            Some(Some(slot)) if slot.generation == self.generation
+        );
+        if live {
+            let slot = st.slots[self.index as usize].take();
+            st.free.push(self.index);
+            drop(st);
+            // The receiver goes outside the lock: its senders may be woken.
+            drop(slot);
+        }
+    }
+}
+
+impl<K, T> std::fmt::Debug for Followed<K, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Followed")
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+impl<K: Clone + Send + 'static, T: Send + 'static> Mux<K, T> {
+    /// Starts the task; `sink` gets every batch and returns `false` to stop;
+    /// `last` says which items end their stream. Must be called inside a
+    /// tokio runtime.
+    pub fn start<F>(last: fn(&T) -> bool, mut sink: F) -> Self
+    where
+        F: FnMut(Vec<(K, Option<T>)>) -> bool + Send + 'static,
+    {
+        let shared = Arc::new(MuxShared {
+            state: Mutex::new(MuxState {
+                slots: Vec::new(),
+                free: Vec::new(),
+                ready: Vec::new(),
+                task: None,
+                next_generation: 0,
+            }),
+        });
+        let weak = Arc::downgrade(&shared);
+        let task = tokio::spawn(async move {
+            let mut ready = Vec::new();
+            loop {
+                let Some(shared) = weak.upgrade() else { return };
+                poll_fn(|cx| {
+                    let mut st = shared.lock();
+                    if st.ready.is_empty() {
+                        st.task = Some(cx.waker().clone());
+                        Poll::Pending
+                    } else {
+                        std::mem::swap(&mut ready, &mut st.ready);
+                        Poll::Ready(())
+                    }
+                })
+                .await;
+                let batch = drain(&shared, &mut ready, last);
+                drop(shared);
+                if !batch.is_empty() && !sink(batch) {
+                    return;
+                }
+            }
+        });
+        Self {
+            shared,
+            task: task.abort_handle(),
+        }
+    }
+
+    /// Follows `rx` under `key` until it ends or the handle is dropped.
+    pub fn follow(&self, key: K, rx: stream::Receiver<T>) -> Followed<K, T> {
+        let mut st = self.shared.lock();
+        let generation = st.next_generation;
+        st.next_generation = st.next_generation.wrapping_add(1);
+        let index = match st.free.pop() {
+            Some(i) => i,
+            None => {
+                st.slots.push(None);
+                u32::try_from(st.slots.len() - 1).expect("fewer than 2^32 streams")
+            }
+        };
+        let waker = Waker::from(Arc::new(SlotWake {
+            shared: Arc::downgrade(&self.shared),
+            index,
+            generation,
+        }));
+        st.slots[index as usize] = Some(Slot {
+            key,
+            rx,
+            waker,
+            generation,
+            queued: false,
+        });
+        // A first drain registers the slot's waker and takes what is queued.
+        let task = st.mark_ready(index, generation);
+        drop(st);
+        if let Some(task) = task {
+            task.wake();
+        }
+        Followed {
+            shared: Arc::downgrade(&self.shared),
+            index,
+            generation,
+        }
+    }
+
+    /// Streams followed now.
+    pub fn len(&self) -> usize {
+        let st = self.shared.lock();
+        st.slots.len() - st.free.len()
+    }
+
+    /// True when no stream is followed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Takes what the `ready` slots hold (emptying `ready`).
+fn drain<K: Clone, T>(
+    shared: &MuxShared<K, T>,
+    ready: &mut Vec<u32>,
+    last: fn(&T) -> bool,
+) -> Vec<(K, Option<T>)> {
+    let mut batch = Vec::new();
+    let mut ended = Vec::new();
+    let mut st = shared.lock();
+    for index in ready.drain(..) {
+        let Some(Some(slot)) = st.slots.get_mut(index as usize) else {
+            continue;
+        };
+        slot.queued = false;
+        let waker = slot.waker.clone();
+        let mut cx = Context::from_waker(&waker);
+        let mut taken = 0;
+        loop {
+            if taken == MUX_DRAIN_MAX {
+                // More next round; the others go first.
+                let generation = slot.generation;
+                let _ = st.mark_ready(index, generation);
+                break;
+            }
+            match slot.rx.poll_recv(&mut cx) {
+                Poll::Ready(Some(item)) => {
+                    let ends = last(&item);
+                    batch.push((slot.key.clone(), Some(item)));
+                    taken += 1;
+                    if ends {
+                        ended.push(index);
+                        break;
+                    }
+                }
+                Poll::Ready(None) => {
+                    batch.push((slot.key.clone(), None));
+                    ended.push(index);
+                    break;
+                }
+                Poll::Pending => break,
+            }
+        }
+    }
+    let mut gone = Vec::with_capacity(ended.len());
+    for index in ended {
+        gone.push(st.slots[index as usize].take());
+        st.free.push(index);
+    }
+    drop(st);
+    drop(gone);
+    batch
+}
+
+impl<K, T> Drop for Mux<K, T> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl<K, T> std::fmt::Debug for Mux<K, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mux").finish_non_exhaustive()
     }
 }
 
@@ -117,5 +416,134 @@ mod tests {
         }
         assert!(f.is_finished());
         assert!(tx.send(2).await.is_err());
+    }
+
+    type Batches = Arc<Mutex<Vec<Vec<(u32, Option<u32>)>>>>;
+
+    fn collecting_mux() -> (Mux<u32, u32>, Batches) {
+        let batches: Batches = Arc::default();
+        let b = batches.clone();
+        let mux = Mux::start(
+            |v: &u32| *v == 999,
+            move |batch| {
+                b.lock().unwrap().push(batch);
+                true
+            },
+        );
+        (mux, batches)
+    }
+
+    async fn settle() {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_mux_delivers_what_many_streams_hold_in_one_batch_in_order_then_each_end() {
+        let (mux, batches) = collecting_mux();
+        let mut senders = Vec::new();
+        let mut handles = Vec::new();
+        for key in 0..100u32 {
+            let (tx, rx) = stream::channel(8);
+            handles.push(mux.follow(key, rx));
+            senders.push(tx);
+        }
+        settle().await;
+        assert!(
+            batches.lock().unwrap().is_empty(),
+            "nothing sent, nothing delivered"
+        );
+        for (key, tx) in senders.iter().enumerate() {
+            let key = key as u32;
+            tx.try_send(key * 10).unwrap();
+            tx.try_send(key * 10 + 1).unwrap();
+        }
+        settle().await;
+        let got = std::mem::take(&mut *batches.lock().unwrap());
+        assert_eq!(got.len(), 1, "one wake-up, one batch");
+        assert_eq!(got[0].len(), 200);
+        for key in 0..100u32 {
+            let mine: Vec<_> = got[0]
+                .iter()
+                .filter(|(k, _)| *k == key)
+                .map(|(_, v)| *v)
+                .collect();
+            assert_eq!(mine, vec![Some(key * 10), Some(key * 10 + 1)]);
+        }
+        senders[0].try_send(999).unwrap();
+        senders[0].try_send(1000).unwrap();
+        drop(senders);
+        settle().await;
+        let got = std::mem::take(&mut *batches.lock().unwrap());
+        let ends: usize = got
+            .iter()
+            .map(|b| b.iter().filter(|(_, v)| v.is_none()).count())
+            .sum();
+        assert_eq!(ends, 99, "every stream reports its end once");
+        let first: Vec<_> = got.iter().flatten().filter(|(k, _)| *k == 0).collect();
+        assert_eq!(
+            first,
+            [&(0, Some(999))],
+            "a last item ends its stream: nothing follows"
+        );
+        assert!(mux.is_empty(), "ended streams are forgotten");
+        drop(handles);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_handle_stops_its_stream_and_a_chatty_stream_shares_the_rounds() {
+        let (mux, batches) = collecting_mux();
+        let (quiet_tx, quiet_rx) = stream::channel(4);
+        let (chatty_tx, chatty_rx) = stream::channel(1000);
+        let quiet = mux.follow(1, quiet_rx);
+        let _chatty = mux.follow(2, chatty_rx);
+        for i in 0..(3 * MUX_DRAIN_MAX as u32) {
+            chatty_tx.try_send(i).unwrap();
+        }
+        quiet_tx.try_send(7).unwrap();
+        settle().await;
+        let got = std::mem::take(&mut *batches.lock().unwrap());
+        assert!(
+            got.len() >= 3,
+            "the chatty stream took several rounds: {}",
+            got.len()
+        );
+        assert!(
+            got.iter()
+                .all(|b| b.iter().filter(|(k, _)| *k == 2).count() <= MUX_DRAIN_MAX)
+        );
+        let chatty: Vec<u32> = got
+            .iter()
+            .flatten()
+            .filter(|(k, _)| *k == 2)
+            .filter_map(|(_, v)| *v)
+            .collect();
+        assert_eq!(chatty, (0..3 * MUX_DRAIN_MAX as u32).collect::<Vec<_>>());
+        assert_eq!(
+            got[0].iter().filter(|(k, _)| *k == 1).count(),
+            1,
+            "the quiet one is in the first round"
+        );
+        drop(quiet);
+        settle().await;
+        assert!(
+            quiet_tx.is_closed(),
+            "the dropped stream's receiver is gone"
+        );
+        assert!(matches!(
+            quiet_tx.try_send(8),
+            Err(stream::TrySendError::Closed(8))
+        ));
+        settle().await;
+        assert!(
+            batches
+                .lock()
+                .unwrap()
+                .iter()
+                .flatten()
+                .all(|(k, _)| *k != 1)
+        );
+        assert_eq!(mux.len(), 1);
     }
 }

@@ -16,6 +16,7 @@ pub mod deadline;
 pub mod forward;
 pub mod journal;
 pub mod net;
+pub mod stream;
 pub mod supervision;
 pub mod telemetry;
 pub mod timers;
@@ -25,7 +26,7 @@ pub use blocking::{
 };
 pub use clock::{Clock, EngineInstant};
 pub use deadline::{DeadlinePassed, run_until};
-pub use forward::Forwarder;
+pub use forward::{Followed, Forwarder, MUX_DRAIN_MAX, Mux};
 pub use journal::{Journal, JournalBatch, JournalContents, JournalError};
 pub use supervision::{ChildEvent, ChildSpec, Children, RestartPolicy, SupervisionError};
 pub use timers::{TaskGauge, TimerFired, Timers};

@@ -96,7 +96,7 @@ use swactor_provisioning::{
     LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, NodeTemplate, ResourceKey, RunId,
     SessionId, validate_id,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// Default of [`DockerConfig::stop_grace`].
 pub const STOP_GRACE_DEFAULT: Duration = Duration::from_secs(5);
@@ -690,7 +690,7 @@ impl DockerProvider {
 
     /// Opens a stream for `session` of container `name`, replacing (ending) any earlier one.
     fn open_stream(&self, session: &SessionId, name: &str, started_at: &str) -> BootstrapSession {
-        let (tx, rx) = mpsc::channel(STREAM_BUFFER_LEN);
+        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
         let (stop, stop_rx) = oneshot::channel();
         let stream = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
         let cancelled = {

@@ -22,7 +22,7 @@ use swactor_provisioning::{
     BootstrapEvent, EffectKind, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
     Timestamp,
 };
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::Notify;
 
 /// Settings of a [`FakeProvider`].
 #[derive(Clone, Debug)]
@@ -49,7 +49,7 @@ impl Default for FakeConfig {
 }
 
 struct Stream {
-    tx: Option<mpsc::Sender<BootstrapEvent>>,
+    tx: Option<swactor_engine::stream::Sender<BootstrapEvent>>,
     /// Everything delivered so far, replayed to an adopting caller.
     log: Vec<BootstrapEvent>,
 }
@@ -257,7 +257,7 @@ impl Provider for FakeProvider {
                 .backend
                 .start_bootstrap(key, lease, now)
                 .map_err(classify)?;
-            let (tx, events) = mpsc::channel(buffer);
+            let (tx, events) = swactor_engine::stream::channel(buffer);
             let stream = st.streams.entry(grant.session.clone()).or_insert(Stream {
                 tx: None,
                 log: Vec::new(),

@@ -40,7 +40,6 @@ use std::collections::BTreeMap;
 use swactor_provisioning::{
     BootstrapEvent, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
 };
-use tokio::sync::mpsc;
 
 /// Locks `m`, also after a panic in another holder: every provider keeps
 /// its critical sections to single map or model operations, so a poisoned
@@ -81,7 +80,7 @@ pub struct LeaseGrant {
 
 /// The stream of facts a bootstrap session reports. It ends when the session
 /// does; an explicit [`BootstrapEvent::Closed`] before the end is optional.
-pub type BootstrapEvents = mpsc::Receiver<BootstrapEvent>;
+pub type BootstrapEvents = swactor_engine::stream::Receiver<BootstrapEvent>;
 
 /// A bootstrap session the provider started or adopted.
 #[derive(Debug)]

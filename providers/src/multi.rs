@@ -225,7 +225,7 @@ mod tests {
             _: &NodeTemplate,
         ) -> Result<BootstrapSession, ProviderError> {
             self.saw("start");
-            let (_tx, events): (_, BootstrapEvents) = tokio::sync::mpsc::channel(1);
+            let (_tx, events): (_, BootstrapEvents) = swactor_engine::stream::channel(1);
             Ok(BootstrapSession {
                 session: SessionId::from(format!("{}:session", self.kind)),
                 events,

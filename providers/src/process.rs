@@ -116,7 +116,7 @@ use swactor_provisioning::{
     SessionId, validate_id,
 };
 use tail::{Exit, Tail};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 /// Default of [`ProcessConfig::term_grace`].
 pub const TERM_GRACE_DEFAULT: Duration = Duration::from_secs(5);
@@ -522,7 +522,7 @@ impl ProcessProvider {
         who: AgentIdentity,
         spawned: Option<ExitWatch>,
     ) -> BootstrapSession {
-        let (tx, rx) = mpsc::channel(STREAM_BUFFER_LEN);
+        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
         let (stop, stop_rx) = oneshot::channel();
         let stream = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
         let (exit, cancelled) = {

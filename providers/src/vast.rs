@@ -75,7 +75,7 @@ use swactor_provisioning::{
     LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, NodeTemplate, ResourceKey, RunId,
     SessionId,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// The service's address when `VAST_URL` is not set.
 pub const DEFAULT_URL: &str = "https://console.vast.ai";
@@ -966,7 +966,7 @@ impl VastProvider {
         let lines = ssh
             .exec_lines(&remote::follow(&remote::node_dir(key)))
             .await?;
-        let (tx, rx) = mpsc::channel(STREAM_BUFFER_LEN);
+        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
         let (stop, stop_rx) = oneshot::channel();
         let cancelled = Arc::new(AtomicBool::new(false));
         if let Some(old) = lock(&self.shared.sessions).insert(

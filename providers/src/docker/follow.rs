@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use swactor_provisioning::{BootstrapEvent, BootstrapStage, SessionId};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// Longest agent output line kept; longer ones cannot be protocol lines and are skipped.
 const LINE_LEN_MAX: usize = 64 * 1024;
@@ -59,7 +59,7 @@ pub(super) struct Follow {
     /// Set before the provider stops or removes the container on purpose.
     pub(super) cancelled: Arc<AtomicBool>,
     /// The stream.
-    pub(super) tx: mpsc::Sender<BootstrapEvent>,
+    pub(super) tx: swactor_engine::stream::Sender<BootstrapEvent>,
     /// Resolves when a newer stream replaces this one or the provider is dropped.
     pub(super) stop: oneshot::Receiver<()>,
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use swactor_provisioning::{BootstrapEvent, BootstrapStage, SessionId};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 /// Longest agent output line kept; longer ones cannot be protocol lines and are skipped.
 const LINE_LEN_MAX: usize = 64 * 1024;
@@ -80,7 +80,7 @@ pub(super) struct Tail {
     /// How often the log and a polled pid are checked.
     pub(super) poll: Duration,
     /// The stream.
-    pub(super) tx: mpsc::Sender<BootstrapEvent>,
+    pub(super) tx: swactor_engine::stream::Sender<BootstrapEvent>,
     /// Resolves (with an error) when a newer stream replaces this one or the
     /// provider is dropped.
     pub(super) stop: oneshot::Receiver<()>,

@@ -55,7 +55,7 @@ use swactor_provisioning::{
     BootstrapEvent, BootstrapStage, LeaseId, NodeEndpoint, NodeTemplate, ParamValue, ResourceKey,
     RunId, SessionId,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// Default of [`SshHostsConfig::unreachable_give_up`].
 pub const UNREACHABLE_GIVE_UP_DEFAULT: Duration = Duration::from_secs(60);
@@ -742,7 +742,7 @@ impl SshHostsProvider {
             .exec_lines(&remote::follow(&remote::node_dir(key)))
             .await
             .map_err(ProviderError::from)?;
-        let (tx, rx) = mpsc::channel(STREAM_BUFFER_LEN);
+        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
         let (stop, stop_rx) = oneshot::channel();
         let cancelled = Arc::new(AtomicBool::new(false));
         if let Some(old) = lock(&self.shared.sessions).insert(
@@ -802,7 +802,7 @@ pub(crate) fn write_durably(path: &Path, value: &impl Serialize) -> Result<(), P
 /// Forwards a remote follow's lines as bootstrap events.
 pub(crate) async fn relay(
     mut lines: super::RemoteLines,
-    tx: mpsc::Sender<BootstrapEvent>,
+    tx: swactor_engine::stream::Sender<BootstrapEvent>,
     mut stop: oneshot::Receiver<()>,
     cancelled: Arc<AtomicBool>,
     target: String,

@@ -1,0 +1,373 @@
+//! Small bounded channels for the many streams a cluster follows at once.
+//!
+//! A cluster follows one bootstrap stream per session, which can mean a
+//! hundred thousand open streams. A tokio `mpsc` channel costs about 1.5 KiB
+//! however little it carries (it allocates its first block of 32 slots up
+//! front); this one is a mutex around a queue that holds only what is in it,
+//! about a hundred bytes when empty. Its API follows tokio's: `send` waits for
+//! room, `try_send` does not, `closed` resolves when the receiver is gone,
+//! and `recv` yields `None` once every sender is dropped and the queue is
+//! drained.
+//!
+//! # Guarantees
+//! - Items arrive in the order they were sent (per channel).
+//! - At most `capacity` items wait at once; `send` waits for room and
+//!   `try_send` refuses.
+//! - Dropping the receiver drops what was queued and makes every send fail.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::{Future, poll_fn};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+struct State<T> {
+    queue: VecDeque<T>,
+    capacity: usize,
+    senders: usize,
+    receiver_gone: bool,
+    /// The receiver waiting for an item or the end.
+    rx_waker: Option<Waker>,
+    /// Senders waiting for room, or for the receiver to go.
+    tx_wakers: Vec<Waker>,
+}
+
+struct Shared<T> {
+    state: Mutex<State<T>>,
+}
+
+impl<T> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // Every critical section is a few assignments that cannot panic
+        // half-way, so a poisoned lock still guards a consistent queue.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A channel of at most `capacity` waiting items (at least one).
+pub fn channel<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State {
+            queue: VecDeque::new(),
+            capacity: capacity.max(1),
+            senders: 1,
+            receiver_gone: false,
+            rx_waker: None,
+            tx_wakers: Vec::new(),
+        }),
+    });
+    (
+        Sender {
+            shared: shared.clone(),
+        },
+        Receiver { shared },
+    )
+}
+
+/// The sending half; clones send into the same channel.
+pub struct Sender<T> {
+    shared: Arc<Shared<T>>,
+}
+
+/// The receiving half.
+pub struct Receiver<T> {
+    shared: Arc<Shared<T>>,
+}
+
+/// The receiver is gone; the item comes back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SendError<T>(pub T);
+
+/// Why [`Sender::try_send`] did not send; the item comes back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum TrySendError<T> {
+    /// The channel holds `capacity` items.
+    Full(T),
+    /// The receiver is gone.
+    Closed(T),
+}
+
+impl<T> fmt::Debug for SendError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SendError(..)")
+    }
+}
+
+impl<T> fmt::Display for SendError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the receiver is gone")
+    }
+}
+
+impl<T> std::error::Error for SendError<T> {}
+
+impl<T> fmt::Debug for TrySendError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Full(_) => f.write_str("Full(..)"),
+            Self::Closed(_) => f.write_str("Closed(..)"),
+        }
+    }
+}
+
+impl<T> fmt::Display for TrySendError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Full(_) => f.write_str("the channel is full"),
+            Self::Closed(_) => f.write_str("the receiver is gone"),
+        }
+    }
+}
+
+impl<T> std::error::Error for TrySendError<T> {}
+
+impl<T> Sender<T> {
+    /// Queues `item` if there is room, waking the receiver.
+    ///
+    /// # Errors
+    /// The channel is full, or the receiver is gone.
+    pub fn try_send(&self, item: T) -> Result<(), TrySendError<T>> {
+        let mut st = self.shared.lock();
+        if st.receiver_gone {
+            return Err(TrySendError::Closed(item));
+        }
+        if st.queue.len() >= st.capacity {
+            return Err(TrySendError::Full(item));
+        }
+        st.queue.push_back(item);
+        let waker = st.rx_waker.take();
+        drop(st);
+        if let Some(w) = waker {
+            w.wake();
+        }
+        Ok(())
+    }
+
+    /// Queues `item`, waiting for room. Cancel-safe: if the future is
+    /// dropped before it completes, nothing was sent.
+    ///
+    /// # Errors
+    /// The receiver is gone.
+    pub async fn send(&self, item: T) -> Result<(), SendError<T>> {
+        let mut item = Some(item);
+        poll_fn(|cx| {
+            let mut st = self.shared.lock();
+            let Some(it) = item.take() else {
+                return Poll::Ready(Ok(()));
+            };
+            if st.receiver_gone {
+                return Poll::Ready(Err(SendError(it)));
+            }
+            if st.queue.len() >= st.capacity {
+                item = Some(it);
+                register(&mut st.tx_wakers, cx);
+                return Poll::Pending;
+            }
+            st.queue.push_back(it);
+            let waker = st.rx_waker.take();
+            drop(st);
+            if let Some(w) = waker {
+                w.wake();
+            }
+            Poll::Ready(Ok(()))
+        })
+        .await
+    }
+
+    /// Resolves once the receiver is gone.
+    pub fn closed(&self) -> impl Future<Output = ()> + '_ {
+        poll_fn(|cx| {
+            let mut st = self.shared.lock();
+            if st.receiver_gone {
+                Poll::Ready(())
+            } else {
+                register(&mut st.tx_wakers, cx);
+                Poll::Pending
+            }
+        })
+    }
+
+    /// True once the receiver is gone.
+    pub fn is_closed(&self) -> bool {
+        self.shared.lock().receiver_gone
+    }
+}
+
+/// Adds `cx`'s waker to `wakers` unless an equivalent one is there.
+fn register(wakers: &mut Vec<Waker>, cx: &Context<'_>) {
+    if !wakers.iter().any(|w| w.will_wake(cx.waker())) {
+        wakers.push(cx.waker().clone());
+    }
+}
+
+impl<T> Clone for Sender<T> {
+    fn clone(&self) -> Self {
+        self.shared.lock().senders += 1;
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<T> Drop for Sender<T> {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock();
+        st.senders -= 1;
+        let waker = if st.senders == 0 {
+            st.rx_waker.take()
+        } else {
+            None
+        };
+        drop(st);
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+impl<T> fmt::Debug for Sender<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sender").finish_non_exhaustive()
+    }
+}
+
+impl<T> Receiver<T> {
+    /// The next item, or `None` once every sender is gone and the queue is empty.
+    pub async fn recv(&mut self) -> Option<T> {
+        poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// Polls for the next item; see [`Receiver::recv`].
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        let mut st = self.shared.lock();
+        if let Some(item) = st.queue.pop_front() {
+            let wakers = take_wakers(&mut st);
+            drop(st);
+            wakers.into_iter().for_each(Waker::wake);
+            return Poll::Ready(Some(item));
+        }
+        if st.senders == 0 {
+            return Poll::Ready(None);
+        }
+        match &st.rx_waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            _ => st.rx_waker = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+
+    /// The next item if one is waiting (`Ok(None)` when the channel is
+    /// empty but open; `Err(())` once it is closed and drained).
+    ///
+    /// # Errors
+    /// Every sender is gone and nothing is left.
+    #[allow(clippy::result_unit_err)]
+    pub fn try_recv(&mut self) -> Result<Option<T>, ()> {
+        let mut st = self.shared.lock();
+        match st.queue.pop_front() {
+            Some(item) => {
+                let wakers = take_wakers(&mut st);
+                drop(st);
+                wakers.into_iter().for_each(Waker::wake);
+                Ok(Some(item))
+            }
+            None if st.senders == 0 => Err(()),
+            None => Ok(None),
+        }
+    }
+
+    /// Items waiting now.
+    pub fn len(&self) -> usize {
+        self.shared.lock().queue.len()
+    }
+
+    /// True when nothing waits now.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Senders waiting for room, taken out to be woken after the lock is released.
+fn take_wakers<T>(st: &mut State<T>) -> Vec<Waker> {
+    if st.tx_wakers.is_empty() {
+        Vec::new()
+    } else {
+        std::mem::take(&mut st.tx_wakers)
+    }
+}
+
+impl<T> Drop for Receiver<T> {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock();
+        st.receiver_gone = true;
+        let queued = std::mem::take(&mut st.queue);
+        let wakers = std::mem::take(&mut st.tx_wakers);
+        drop(st);
+        drop(queued);
+        wakers.into_iter().for_each(Waker::wake);
+    }
+}
+
+impl<T> fmt::Debug for Receiver<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receiver").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn items_arrive_in_order_then_the_end() {
+        let (tx, mut rx) = channel(4);
+        let tx2 = tx.clone();
+        tx.send(1).await.unwrap();
+        tx2.try_send(2).unwrap();
+        tx.send(3).await.unwrap();
+        drop(tx);
+        assert_eq!(rx.recv().await, Some(1));
+        drop(tx2);
+        assert_eq!(rx.recv().await, Some(2));
+        assert_eq!(rx.recv().await, Some(3));
+        assert_eq!(rx.recv().await, None);
+        assert_eq!(rx.try_recv(), Err(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_channel_makes_send_wait_and_try_send_refuse() {
+        let (tx, mut rx) = channel(1);
+        tx.try_send(1).unwrap();
+        assert!(matches!(tx.try_send(2), Err(TrySendError::Full(2))));
+        let waiting = tokio::time::timeout(Duration::from_secs(1), tx.send(2)).await;
+        assert!(waiting.is_err(), "send waits while the channel is full");
+        let tx2 = tx.clone();
+        let sender = tokio::spawn(async move { tx2.send(3).await });
+        tokio::task::yield_now().await;
+        assert_eq!(rx.recv().await, Some(1));
+        sender.await.unwrap().unwrap();
+        assert_eq!(rx.recv().await, Some(3));
+        assert_eq!(rx.try_recv(), Ok(None));
+    }
+
+    #[tokio::test]
+    async fn dropping_the_receiver_fails_every_send_and_resolves_closed() {
+        let (tx, rx) = channel::<u32>(2);
+        let tx2 = tx.clone();
+        let waiter = tokio::spawn(async move { tx2.closed().await });
+        tokio::task::yield_now().await;
+        assert!(!tx.is_closed());
+        drop(rx);
+        waiter.await.unwrap();
+        assert!(tx.is_closed());
+        assert!(matches!(tx.try_send(1), Err(TrySendError::Closed(1))));
+        assert_eq!(tx.send(2).await, Err(SendError(2)));
+    }
+
+    #[test]
+    fn an_empty_channel_is_small() {
+        // The point of this channel: far less than tokio's ~1.5 KiB.
+        assert!(std::mem::size_of::<Shared<[u8; 32]>>() <= 112);
+    }
+}
