@@ -260,13 +260,15 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     #[cfg(debug_assertions)]
     inject_faults(&cluster);
 
-    // Jobs, resumed from jobs.redb: runs left running are followed again.
+    // Jobs, resumed from jobs.redb: a job actor for every job with runs
+    // under way follows them again.
     let jobs = crate::jobs::service::JobService::open(
         state.root(),
         cluster.clone(),
         secret,
         crate::jobs::service::JobLimits::from_env()?,
-    )?;
+    )
+    .await?;
     let (down_tx, mut down_rx) = mpsc::channel::<DownRequest>(4);
     let (started_tx, started_rx) = tokio::sync::watch::channel(false);
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.

@@ -1,9 +1,13 @@
-//! Forwarders: a task that drains one channel into a callback.
+//! Forwarders: a task that drains one channel (or stream) into a callback.
 //!
 //! A cluster follows one stream per running bootstrap session, which can mean
 //! a hundred thousand streams at once. An actor per stream costs several
 //! kilobytes (its mailboxes, its cell, its task) and two messages per event;
 //! a forwarder is one small task that hands each item straight to its sink.
+//!
+//! The same task can drain any [`Stream`] ([`Forwarder::start_stream`]),
+//! e.g. frames read from a network stream, so that an actor receives them
+//! as messages without owning a task of its own.
 //!
 //! # Guarantees
 //! - Items reach the sink in channel order, then one `None` when the channel
@@ -12,6 +16,7 @@
 //!   task: no item is handed to the sink after the abort is observed by the
 //!   task, which happens at its next await.
 
+use futures_util::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
@@ -34,6 +39,32 @@ impl Forwarder {
         let task = tokio::spawn(async move {
             loop {
                 let item = rx.recv().await;
+                let end = item.is_none();
+                if !sink(item) || end {
+                    return;
+                }
+            }
+        });
+        Self {
+            task: task.abort_handle(),
+        }
+    }
+
+    /// Starts a task that hands every item of `stream` to `sink`, then
+    /// `None` once the stream has ended. The task ends after the `None`, or
+    /// as soon as `sink` returns `false`. The stream is polled only after
+    /// the sink took the previous item, so a bounded stream stays bounded.
+    /// Must be called inside a tokio runtime.
+    pub fn start_stream<S, F>(stream: S, mut sink: F) -> Self
+    where
+        S: Stream + Send + 'static,
+        S::Item: Send + 'static,
+        F: FnMut(Option<S::Item>) -> bool + Send + 'static,
+    {
+        let task = tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            loop {
+                let item = stream.next().await;
                 let end = item.is_none();
                 if !sink(item) || end {
                     return;
@@ -90,6 +121,38 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), vec![Some(0), Some(1), Some(2), None]);
         tokio::task::yield_now().await;
         assert!(f.is_finished());
+    }
+
+    #[tokio::test]
+    async fn a_stream_is_drained_like_a_channel_and_stops_with_its_handle() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let mut done_tx = Some(done_tx);
+        let s = seen.clone();
+        let _f = Forwarder::start_stream(futures_util::stream::iter([1u32, 2, 3]), move |item| {
+            s.lock().unwrap().push(item);
+            if item.is_none()
+                && let Some(d) = done_tx.take()
+            {
+                let _ = d.send(());
+            }
+            true
+        });
+        done_rx.await.unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![Some(1), Some(2), Some(3), None]);
+
+        // A stream that never ends is stopped by dropping the handle.
+        let (tx, rx) = mpsc::channel::<u32>(1);
+        let f = Forwarder::start_stream(tokio_stream_of(rx), |_| true);
+        tx.send(1).await.unwrap();
+        drop(f);
+        tokio::task::yield_now().await;
+        assert!(tx.send(2).await.is_err());
+    }
+
+    /// A channel as a stream, without another dependency.
+    fn tokio_stream_of(rx: mpsc::Receiver<u32>) -> impl Stream<Item = u32> {
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|i| (i, rx)) })
     }
 
     #[tokio::test]

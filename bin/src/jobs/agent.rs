@@ -10,9 +10,18 @@
 //! Chunks live in `<node dir>/jobs/chunks/<hash>`, each checked against its
 //! BLAKE3 hash before it is kept. A run lives in `<node dir>/jobs/runs/<job>/`:
 //! its workspace `ws/`, its output log `log` (see [`LogRecord`]) and, once
-//! it ended, `exit`. The run's command runs in its own process group under
-//! `swactor job-exec`, which dies with the agent. The agent keeps a run's
-//! log and exit until the daemon says `Forget`.
+//! it ended, `exit` (its [`ExitInfo`] as JSON, written to `exit.part` and
+//! renamed, so it is whole or absent). The run's command runs in its own
+//! process group under `swactor job-exec`, which dies with the agent.
+//!
+//! Everything of a run is on disk until the daemon says `Forget`, so an
+//! agent that restarts still answers `Attach` and `Collect` for the runs
+//! its predecessor finished. A run without `exit` was still running when
+//! its agent died, and its process died with it: `Attach` says so
+//! ([`FromAgent::Died`]) after the log.
+//!
+//! Every output file `Collect` sends names its BLAKE3 hash first; the
+//! daemon keeps the file only if the bytes it receives match.
 
 use super::{
     ALPN_JOBS, CHUNK_LEN, DATA_PIECE_LEN, ExitInfo, FromAgent, Hash, JOBS_FRAME_LEN_MAX, LogRecord,
@@ -26,21 +35,81 @@ use std::time::Duration;
 use swactor_engine::iroh::Endpoint;
 use swactor_engine::iroh::endpoint::{RecvStream, SendStream};
 use swactor_engine::net::{EndpointTicket, connect, recv_frame, send_frame};
-use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
+
+/// How a run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// Its command exited like this.
+    Exited(ExitInfo),
+    /// It was running when an earlier agent of this attempt died; its
+    /// process died with that agent.
+    Died,
+}
 
 /// What a run has done so far: how long its log is, and how it ended.
 #[derive(Clone, Copy, Debug, Default)]
 struct Progress {
     log_len: u64,
-    exit: Option<ExitInfo>,
+    end: Option<End>,
+}
+
+/// Writes `exit` to `<dir>/exit` whole or not at all.
+fn write_exit(dir: &Path, exit: ExitInfo) -> std::io::Result<()> {
+    use std::io::Write;
+    let part = dir.join("exit.part");
+    let mut f = std::fs::File::create(&part)?;
+    f.write_all(&serde_json::to_vec(&exit).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    std::fs::rename(&part, dir.join("exit"))?;
+    // The rename itself is durable once the directory is.
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// The exit recorded in `<dir>/exit`, if there is one.
+fn read_exit(dir: &Path) -> Option<ExitInfo> {
+    serde_json::from_slice(&std::fs::read(dir.join("exit")).ok()?).ok()
+}
+
+/// The runs an earlier agent left under `runs`, each ended one way or the other.
+fn recover(runs: &Path) -> HashMap<String, Arc<Run>> {
+    let mut out = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(runs) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let job = entry.file_name().to_string_lossy().into_owned();
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) || !safe_relative(&job) {
+            continue;
+        }
+        let dir = entry.path();
+        let log_len = std::fs::metadata(dir.join("log")).map_or(0, |m| m.len());
+        let end = read_exit(&dir).map_or(End::Died, End::Exited);
+        tracing::info!(%job, ?end, "a run an earlier agent left");
+        let progress = watch::channel(Progress {
+            log_len,
+            end: Some(end),
+        })
+        .0;
+        out.insert(
+            job,
+            Arc::new(Run {
+                dir,
+                // Nothing of it runs any more; there is nothing to kill.
+                pgid: None,
+                progress,
+            }),
+        );
+    }
+    out
 }
 
 #[derive(Debug)]
 struct Run {
     dir: PathBuf,
-    /// The process group of the command.
-    pgid: i32,
+    /// The process group of the command, while this agent runs it.
+    pgid: Option<i32>,
     progress: watch::Sender<Progress>,
 }
 
@@ -56,17 +125,31 @@ struct Inner {
     node: String,
     attempt: u64,
     runs: Mutex<HashMap<String, Arc<Run>>>,
+    /// Whether a run's command is started through `swactor job-exec` (only
+    /// unit tests start it directly: their binary has no `job-exec`).
+    exec_wrapper: bool,
+    /// Test hook (debug builds): `SWACTOR_FAULT_TAMPER_OUTPUTS=PATH` flips a
+    /// byte of the output file PATH as it is sent, after it was hashed.
+    tamper_output: Option<String>,
 }
 
 impl AgentJobs {
-    /// The jobs of the agent of (`node`, `attempt`), kept under `node_dir`.
+    /// The jobs of the agent of (`node`, `attempt`), kept under `node_dir`,
+    /// with every run an earlier agent left there.
     pub(crate) fn new(node_dir: &Path, node: String, attempt: u64) -> Self {
+        let root = node_dir.join("jobs");
+        let runs = recover(&root.join("runs"));
+        let tamper_output = cfg!(debug_assertions)
+            .then(|| std::env::var("SWACTOR_FAULT_TAMPER_OUTPUTS").ok())
+            .flatten();
         Self {
             inner: Arc::new(Inner {
-                root: node_dir.join("jobs"),
+                root,
                 node,
                 attempt,
-                runs: Mutex::new(HashMap::new()),
+                runs: Mutex::new(runs),
+                exec_wrapper: true,
+                tamper_output,
             }),
         }
     }
@@ -191,7 +274,7 @@ impl AgentJobs {
                     let _ = send.finish();
                     return Ok(());
                 };
-                attach(&run, offset, &mut send).await?;
+                self.attach(&run, offset, &mut send).await?;
             }
             ToAgent::Collect {
                 job,
@@ -354,6 +437,7 @@ impl AgentJobs {
         Ok(())
     }
 
+    #[allow(clippy::too_many_lines)] // one process, its pipes and its watcher, in order
     async fn spawn(
         &self,
         job: &str,
@@ -369,12 +453,20 @@ impl AgentJobs {
             std::env::current_exe()
                 .map_err(|e| format!("cannot find the agent's own binary: {e}"))?
         };
-        let mut child = tokio::process::Command::new(exe)
-            .arg("job-exec")
-            .arg("--parent")
-            .arg(rustix::process::getpid().as_raw_nonzero().to_string())
-            .arg("--")
-            .args(argv)
+        let mut command = if self.inner.exec_wrapper {
+            let mut c = tokio::process::Command::new(exe);
+            c.arg("job-exec")
+                .arg("--parent")
+                .arg(rustix::process::getpid().as_raw_nonzero().to_string())
+                .arg("--")
+                .args(argv);
+            c
+        } else {
+            let mut c = tokio::process::Command::new(&argv[0]);
+            c.args(&argv[1..]);
+            c
+        };
+        let mut child = command
             .current_dir(ws)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("SWACTOR_JOB", job)
@@ -398,7 +490,7 @@ impl AgentJobs {
         let (progress, _) = watch::channel(Progress::default());
         let run = Arc::new(Run {
             dir: dir.to_path_buf(),
-            pgid,
+            pgid: Some(pgid),
             progress,
         });
         let (tx, mut rx) = mpsc::channel::<(Stream, Vec<u8>)>(64);
@@ -435,22 +527,25 @@ impl AgentJobs {
                     signal: None,
                 },
             };
-            let _ = tokio::fs::write(
-                watcher.dir.join("exit"),
-                format!("{:?} {:?}\n", exit.code, exit.signal),
-            )
-            .await;
-            watcher.progress.send_modify(|p| p.exit = Some(exit));
+            // On disk before anyone is told, so what a daemon was told
+            // survives this agent.
+            let dir = watcher.dir.clone();
+            match tokio::task::spawn_blocking(move || write_exit(&dir, exit)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(%e, "cannot record a run's exit"),
+                Err(e) => tracing::warn!(%e, "cannot record a run's exit"),
+            }
+            watcher.progress.send_modify(|p| p.end = Some(End::Exited(exit)));
         });
         Ok(run)
     }
 
-    async fn collect(
+    async fn collect<W: AsyncWrite + Unpin + Send>(
         &self,
         run: &Run,
         globs: &[String],
         output_max_bytes: u64,
-        send: &mut SendStream,
+        send: &mut W,
     ) -> anyhow::Result<()> {
         let ws = run.dir.join("ws");
         let files = {
@@ -491,20 +586,41 @@ impl AgentJobs {
             return Ok(());
         }
         for (rel, path, _) in chosen {
+            // Hashed first, then sent: a file that changes in between is
+            // caught by the daemon's check, like one damaged on the way.
+            let hash = {
+                let path = path.clone();
+                tokio::task::spawn_blocking(move || -> std::io::Result<Hash> {
+                    let mut hasher = blake3::Hasher::new();
+                    hasher.update_reader(std::fs::File::open(path)?)?;
+                    Ok(*hasher.finalize().as_bytes())
+                })
+                .await??
+            };
             let mut file = tokio::fs::File::open(&path).await?;
             let len = file.metadata().await?.len();
+            let tamper = self.inner.tamper_output.as_deref() == Some(rel.as_str());
             send_frame(
                 send,
-                &FromAgent::File { path: rel, len },
+                &FromAgent::File {
+                    path: rel,
+                    len,
+                    hash,
+                },
                 JOBS_FRAME_LEN_MAX,
             )
             .await?;
             let mut left = len;
             let mut buf = vec![0u8; DATA_PIECE_LEN];
+            let mut first = true;
             while left > 0 {
                 let want =
                     usize::try_from(left.min(DATA_PIECE_LEN as u64)).unwrap_or(DATA_PIECE_LEN);
                 file.read_exact(&mut buf[..want]).await?;
+                if tamper && first {
+                    buf[0] ^= 0xff;
+                }
+                first = false;
                 send_frame(
                     send,
                     &FromAgent::Data(buf[..want].to_vec()),
@@ -517,11 +633,65 @@ impl AgentJobs {
         send_frame(send, &FromAgent::Collected, JOBS_FRAME_LEN_MAX).await?;
         Ok(())
     }
+
+    /// Sends `run`'s log from `offset` on as it grows, then how it ended.
+    async fn attach<W: AsyncWrite + Unpin + Send>(
+        &self,
+        run: &Run,
+        mut offset: u64,
+        send: &mut W,
+    ) -> anyhow::Result<()> {
+        let mut rx = run.progress.subscribe();
+        let mut log = None;
+        let mut buf = vec![0u8; DATA_PIECE_LEN];
+        loop {
+            let now = *rx.borrow_and_update();
+            if now.log_len > offset {
+                let want = usize::try_from((now.log_len - offset).min(DATA_PIECE_LEN as u64))
+                    .unwrap_or(DATA_PIECE_LEN);
+                if log.is_none() {
+                    log = Some(tokio::fs::File::open(run.dir.join("log")).await?);
+                }
+                let Some(file) = log.as_mut() else {
+                    continue;
+                };
+                file.seek(std::io::SeekFrom::Start(offset)).await?;
+                file.read_exact(&mut buf[..want]).await?;
+                send_frame(
+                    send,
+                    &FromAgent::Log(buf[..want].to_vec()),
+                    JOBS_FRAME_LEN_MAX,
+                )
+                .await?;
+                offset += want as u64;
+                continue;
+            }
+            match now.end {
+                Some(End::Exited(exit)) => {
+                    send_frame(send, &FromAgent::Exit(exit), JOBS_FRAME_LEN_MAX).await?;
+                    return Ok(());
+                }
+                Some(End::Died) => {
+                    let died = FromAgent::Died(format!(
+                        "the agent of {} attempt {} restarted while the run ran, and the \
+                         run's process died with the agent before it",
+                        self.inner.node, self.inner.attempt
+                    ));
+                    send_frame(send, &died, JOBS_FRAME_LEN_MAX).await?;
+                    return Ok(());
+                }
+                None => {}
+            }
+            if rx.changed().await.is_err() {
+                return Ok(());
+            }
+        }
+    }
 }
 
 /// Reads `pipe` into `tx` until it ends.
 async fn pump(
-    mut pipe: impl tokio::io::AsyncRead + Unpin,
+    mut pipe: impl AsyncRead + Unpin,
     stream: Stream,
     tx: mpsc::Sender<(Stream, Vec<u8>)>,
 ) {
@@ -538,47 +708,16 @@ async fn pump(
     }
 }
 
-/// Sends `run`'s log from `offset` on as it grows, then its exit.
-async fn attach(run: &Run, mut offset: u64, send: &mut SendStream) -> anyhow::Result<()> {
-    let mut rx = run.progress.subscribe();
-    let mut log = tokio::fs::File::open(run.dir.join("log")).await?;
-    let mut buf = vec![0u8; DATA_PIECE_LEN];
-    loop {
-        let now = *rx.borrow_and_update();
-        if now.log_len > offset {
-            let want = usize::try_from((now.log_len - offset).min(DATA_PIECE_LEN as u64))
-                .unwrap_or(DATA_PIECE_LEN);
-            log.seek(std::io::SeekFrom::Start(offset)).await?;
-            log.read_exact(&mut buf[..want]).await?;
-            send_frame(
-                send,
-                &FromAgent::Log(buf[..want].to_vec()),
-                JOBS_FRAME_LEN_MAX,
-            )
-            .await?;
-            offset += want as u64;
-            continue;
-        }
-        if let Some(exit) = now.exit {
-            send_frame(send, &FromAgent::Exit(exit), JOBS_FRAME_LEN_MAX).await?;
-            return Ok(());
-        }
-        if rx.changed().await.is_err() {
-            return Ok(());
-        }
-    }
-}
-
 /// Kills the run's process group and waits briefly for its exit.
 async fn cancel(run: &Run) {
-    if run.progress.borrow().exit.is_some() {
+    if run.progress.borrow().end.is_some() {
         return;
     }
-    if let Some(pid) = rustix::process::Pid::from_raw(run.pgid) {
+    if let Some(pid) = run.pgid.and_then(rustix::process::Pid::from_raw) {
         let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
     }
     let mut rx = run.progress.subscribe();
-    let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|p| p.exit.is_some())).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|p| p.end.is_some())).await;
 }
 
 /// `swactor job-exec --parent PID -- CMD ARGS…`: becomes CMD, dying with

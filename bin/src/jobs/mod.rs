@@ -1,14 +1,26 @@
 //! Jobs: run a command on the cluster's nodes over `swactor/jobs/0`.
 //!
-//! The daemon side ([`service`]) turns a `swactor run` into one job with one
-//! run per (node, attempt); the agent side ([`agent`]) keeps a chunk store,
-//! materialises workspaces, runs commands in their own process group and
-//! keeps each run's output and exit status until the daemon collects them.
-//! The wire types, the workspace manifest and the output log format live
-//! here, shared by both. `docs/jobs.md` tells the whole story.
+//! The daemon side turns a `swactor run` into one job with one run per
+//! (node, attempt): [`service`] takes requests and keeps the jobs' records,
+//! [`runner`] holds the actors that drive them, and [`machine`] decides, as
+//! plain data, what a run does next. The agent side ([`agent`]) keeps a
+//! chunk store, materialises workspaces, runs commands in their own process
+//! group and keeps each run's output and exit status on disk until the
+//! daemon collects them. The wire types, the workspace manifest and the
+//! output log format live here, shared by both. `docs/jobs.md` tells the
+//! whole story.
+//!
+//! ```text
+//! JobsActor                    one per daemon; records a job whose actor failed
+//!  └── JobActor  job-N         owns the job's record and its timeout timer
+//!       └── RunActor (N, node) ships, starts, follows, collects one run
+//!            └── Forwarder     the agent's log and exit, as messages
+//! ```
 
 pub(crate) mod agent;
 pub(crate) mod cli;
+pub(crate) mod machine;
+pub(crate) mod runner;
 pub(crate) mod service;
 
 use serde::{Deserialize, Serialize};
@@ -167,6 +179,9 @@ pub(crate) enum FromAgent {
         path: String,
         /// Length in bytes.
         len: u64,
+        /// The BLAKE3 hash of its bytes, which the daemon checks before
+        /// keeping the file.
+        hash: Hash,
     },
     /// A piece of the current output file.
     Data(Vec<u8>),
@@ -178,6 +193,9 @@ pub(crate) enum FromAgent {
     Unknown,
     /// The request was refused; the text says why.
     Refused(String),
+    /// The run's process died with an earlier agent of this attempt, before
+    /// it could record an exit status; the text says so.
+    Died(String),
 }
 
 /// Which stream a piece of output came from.
