@@ -295,16 +295,7 @@ impl AgentJobs {
                 send_frame(&mut send, &FromAgent::Done, JOBS_FRAME_LEN_MAX).await?;
             }
             ToAgent::Forget { job, .. } => {
-                let run = self
-                    .inner
-                    .runs
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remove(&job);
-                if let Some(run) = run {
-                    cancel(&run).await;
-                    let _ = tokio::fs::remove_dir_all(&run.dir).await;
-                }
+                self.forget(&job).await;
                 send_frame(&mut send, &FromAgent::Done, JOBS_FRAME_LEN_MAX).await?;
             }
         }
@@ -312,6 +303,20 @@ impl AgentJobs {
         // Let the daemon read the last frame before the stream goes.
         let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
         Ok(())
+    }
+
+    /// Drops everything of the run of `job`, killing it first if it runs.
+    async fn forget(&self, job: &str) {
+        let run = self
+            .inner
+            .runs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(job);
+        if let Some(run) = run {
+            cancel(&run).await;
+            let _ = tokio::fs::remove_dir_all(&run.dir).await;
+        }
     }
 
     /// Keeps `data` under `hash` if it hashes to it.
@@ -535,7 +540,9 @@ impl AgentJobs {
                 Ok(Err(e)) => tracing::warn!(%e, "cannot record a run's exit"),
                 Err(e) => tracing::warn!(%e, "cannot record a run's exit"),
             }
-            watcher.progress.send_modify(|p| p.end = Some(End::Exited(exit)));
+            watcher
+                .progress
+                .send_modify(|p| p.end = Some(End::Exited(exit)));
         });
         Ok(run)
     }
@@ -742,5 +749,160 @@ pub(crate) fn exec(parent: u32, argv: &[String]) -> i32 {
         127
     } else {
         126
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::jobs::LOG_HEADER_LEN;
+
+    /// An agent whose runs start their command directly (a test binary has
+    /// no `swactor job-exec`).
+    fn agent(node_dir: &Path) -> AgentJobs {
+        let jobs = AgentJobs::new(node_dir, "worker-0".to_owned(), 2);
+        let inner = Arc::into_inner(jobs.inner).unwrap();
+        AgentJobs {
+            inner: Arc::new(Inner {
+                exec_wrapper: false,
+                ..inner
+            }),
+        }
+    }
+
+    async fn frames(mut bytes: &[u8]) -> Vec<FromAgent> {
+        let mut out = Vec::new();
+        while let Some(f) = recv_frame::<FromAgent, _>(&mut bytes, JOBS_FRAME_LEN_MAX)
+            .await
+            .unwrap()
+        {
+            out.push(f);
+        }
+        out
+    }
+
+    fn log_of(frames: &[FromAgent]) -> Vec<LogRecord> {
+        let mut log = Vec::new();
+        for f in frames {
+            if let FromAgent::Log(b) = f {
+                log.extend_from_slice(b);
+            }
+        }
+        LogRecord::decode_all(&log).0
+    }
+
+    #[tokio::test]
+    async fn a_restarted_agent_answers_attach_and_collect_for_a_finished_run_until_forget() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = agent(tmp.path());
+        let argv: Vec<String> = ["sh", "-c", "echo hello; echo result > out.txt; exit 3"]
+            .map(str::to_owned)
+            .to_vec();
+        first.start("job-1", &[], &argv, &[]).await.unwrap();
+        let run = first.run("job-1").unwrap();
+        let mut progress = run.progress.subscribe();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            progress.wait_for(|p| p.end.is_some()),
+        )
+        .await
+        .expect("the run ends")
+        .unwrap();
+        drop((progress, run, first));
+
+        // A new agent on the same directory, as after a restart.
+        let again = agent(tmp.path());
+        let run = again.run("job-1").expect("the finished run is still known");
+        let mut out = Vec::new();
+        again.attach(&run, 0, &mut out).await.unwrap();
+        let got = frames(&out).await;
+        let log = log_of(&got);
+        assert_eq!(log.len(), 1, "{got:?}");
+        assert_eq!(
+            (log[0].stream, log[0].data.as_slice()),
+            (Stream::Stdout, &b"hello\n"[..])
+        );
+        assert_eq!(
+            got.last(),
+            Some(&FromAgent::Exit(ExitInfo {
+                code: Some(3),
+                signal: None
+            }))
+        );
+        // From an offset: only the rest.
+        let mut out = Vec::new();
+        again.attach(&run, 3, &mut out).await.unwrap();
+        let FromAgent::Log(rest) = &frames(&out).await[0] else {
+            panic!("no log");
+        };
+        assert_eq!(rest.len(), LOG_HEADER_LEN + 6 - 3);
+
+        let mut out = Vec::new();
+        again
+            .collect(&run, &["*.txt".to_owned()], 1 << 20, &mut out)
+            .await
+            .unwrap();
+        let got = frames(&out).await;
+        assert_eq!(
+            got,
+            [
+                FromAgent::File {
+                    path: "out.txt".to_owned(),
+                    len: 7,
+                    hash: *blake3::hash(b"result\n").as_bytes(),
+                },
+                FromAgent::Data(b"result\n".to_vec()),
+                FromAgent::Collected,
+            ]
+        );
+
+        // Forgotten, it is gone for good, also for the next agent.
+        drop(run);
+        again.forget("job-1").await;
+        assert!(again.run("job-1").is_none());
+        assert!(agent(tmp.path()).run("job-1").is_none());
+        assert!(!tmp.path().join("jobs/runs/job-1").exists());
+    }
+
+    #[tokio::test]
+    async fn a_run_its_agent_left_without_an_exit_reports_its_log_then_that_it_died() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("jobs/runs/job-2");
+        std::fs::create_dir_all(dir.join("ws")).unwrap();
+        std::fs::write(dir.join("log"), LogRecord::encode(Stream::Stderr, b"half")).unwrap();
+        // A torn exit (the agent died mid-write) is no exit.
+        std::fs::write(dir.join("exit.part"), b"{\"co").unwrap();
+        let agent = agent(tmp.path());
+        let run = agent.run("job-2").unwrap();
+        let mut out = Vec::new();
+        agent.attach(&run, 0, &mut out).await.unwrap();
+        let got = frames(&out).await;
+        assert_eq!(log_of(&got)[0].data, b"half");
+        let Some(FromAgent::Died(why)) = got.last() else {
+            panic!("{got:?}");
+        };
+        assert!(
+            why.contains("worker-0 attempt 2 restarted while the run ran"),
+            "{why}"
+        );
+        // Nothing of it runs, so a cancel has nothing to wait for.
+        tokio::time::timeout(Duration::from_secs(1), cancel(&run))
+            .await
+            .unwrap();
+        // And it cannot be started again under the same job.
+        let again = agent.start("job-2", &[], &["true".to_owned()], &[]).await;
+        assert!(again.unwrap_err().contains("already runs"));
+    }
+
+    #[test]
+    fn an_exit_is_written_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let exit = ExitInfo {
+            code: None,
+            signal: Some(9),
+        };
+        write_exit(tmp.path(), exit).unwrap();
+        assert_eq!(read_exit(tmp.path()), Some(exit));
+        assert!(!tmp.path().join("exit.part").exists());
     }
 }

@@ -401,7 +401,10 @@ impl RunMachine {
                 self.attach();
             }
             (Phase::Away, Event::Superseded(why)) => {
-                self.finish(Outcome::fail(JobState::Lost, format!("{why} while the run ran")));
+                self.finish(Outcome::fail(
+                    JobState::Lost,
+                    format!("{why} while the run ran"),
+                ));
             }
             (Phase::Away, Event::ReattachExpired) => self.finish(Outcome::fail(
                 JobState::Lost,
@@ -535,7 +538,9 @@ mod tests {
     fn a_timed_out_run_fails_with_124_and_a_cancelled_one_keeps_its_signal() {
         let mut m = RunMachine::new(facts(true), JobState::Running, false);
         let _ = drain(&mut m);
-        m.handle(Event::Stop(Stop::TimedOut("timed out after 1 s".to_owned())));
+        m.handle(Event::Stop(Stop::TimedOut(
+            "timed out after 1 s".to_owned(),
+        )));
         assert_eq!(drain(&mut m), [Action::Cancel]);
         // A second stop changes nothing.
         m.handle(Event::Stop(Stop::Cancelled));
@@ -582,10 +587,7 @@ mod tests {
         let mut m = RunMachine::new(facts(false), JobState::Running, false);
         let _ = drain(&mut m);
         m.handle(Event::AttachBroke("reset".to_owned()));
-        assert_eq!(
-            drain(&mut m),
-            [Action::ArmReattach, Action::CheckLink]
-        );
+        assert_eq!(drain(&mut m), [Action::ArmReattach, Action::CheckLink]);
         m.handle(Event::Stop(Stop::Cancelled));
         assert_eq!(drain(&mut m), []);
         m.handle(Event::LinkUp);
@@ -692,10 +694,7 @@ mod tests {
             Some(Duration::from_secs(8))
         );
         // Used up while the daemon was down: fires at once.
-        assert_eq!(
-            timeout_left(Some(1.0), 1_000, 90_000),
-            Some(Duration::ZERO)
-        );
+        assert_eq!(timeout_left(Some(1.0), 1_000, 90_000), Some(Duration::ZERO));
         // A clock that went back counts nothing as used.
         assert_eq!(
             timeout_left(Some(2.0), 9_000, 1_000),

@@ -161,7 +161,7 @@ impl ExitInfo {
 }
 
 /// An agent's answer (one or many per request).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub(crate) enum FromAgent {
     /// The chunks it lacks.
     Missing(Vec<Hash>),

@@ -155,8 +155,11 @@ async fn fail_unfinished(shared: &Shared, seq: u64, why: &str) {
     let mut abandoned = Vec::new();
     for idx in 0..record.runs.len() {
         let run = record.runs[idx].clone();
-        if let Some(event) = record.apply(idx, &Change::Finished(Outcome::fail(JobState::Failed, why)))
-        {
+        if let Some(event) = record.apply(
+            idx,
+            &Change::Finished(Outcome::fail(JobState::Failed, why)),
+            unix_now_ms(),
+        ) {
             events.push(event);
             abandoned.push(run);
         }
@@ -389,7 +392,7 @@ impl JobActorState {
     /// Applies `change` to run `idx`, writes the record, then tells followers.
     async fn record_change(&mut self, idx: usize, change: &Change) -> Result<(), String> {
         let mut next = self.record.clone();
-        let event = next.apply(idx, change);
+        let event = next.apply(idx, change, unix_now_ms());
         self.shared.commit(self.seq, &next).await?;
         self.record = next;
         if let Some(event) = event {
@@ -428,7 +431,8 @@ impl JobActorState {
     async fn end(&mut self, myself: &ActorRef<JobMsg>) {
         self.timers.cancel_all();
         tracing::info!(job = %self.record.id, state = self.record.state().word(), "job ended");
-        self.shared.emit(self.seq, JobEvent::Done(self.record.clone()));
+        self.shared
+            .emit(self.seq, JobEvent::Done(self.record.clone()));
         myself.stop(None);
     }
 }
@@ -635,9 +639,11 @@ impl RunActorState {
                 let running = change == Change::Running;
                 self.record(change).await?;
                 if running && self.a.shared.faults.abort_after_running {
-                    // Test hook: dies between the record and its effect.
-                    eprintln!("swactor: SWACTOR_FAULT_ABORT_AFTER_RUNNING: aborting");
-                    std::process::abort();
+                    // Test hook: the daemon dies between the record and its
+                    // effect, as a kill -9 could make it (exit skips every
+                    // destructor, like a kill; a core dump would only litter).
+                    eprintln!("swactor: SWACTOR_FAULT_ABORT_AFTER_RUNNING: exiting");
+                    std::process::exit(86);
                 }
                 None
             }
@@ -727,11 +733,18 @@ impl RunActorState {
         let ws = self.a.workspace.clone()?;
         let failed = |error: String, lost: bool| Some(Event::ShipFailed { error, lost });
         let Some(conn) = self.link() else {
-            let e = format!("{} attempt {} has no jobs link", self.node(), self.attempt());
+            let e = format!(
+                "{} attempt {} has no jobs link",
+                self.node(),
+                self.attempt()
+            );
             return failed(e, true);
         };
         let went = |e: &dyn std::fmt::Display| {
-            format!("{} went away while the workspace was shipped: {e}", self.node())
+            format!(
+                "{} went away while the workspace was shipped: {e}",
+                self.node()
+            )
         };
         let ask = ToAgent::Missing {
             attempt: self.attempt(),
@@ -1008,8 +1021,9 @@ impl RunActorState {
         let node = self.node();
         let clock = &self.a.shared.clock;
         let max = self.a.shared.limits.output_max_bytes;
-        let went =
-            |e: &dyn std::fmt::Display| format!("{node} went away while its outputs were collected: {e}");
+        let went = |e: &dyn std::fmt::Display| {
+            format!("{node} went away while its outputs were collected: {e}")
+        };
         let open = async {
             let (mut send, recv) = conn.open_bi().await?;
             send_frame(&mut send, req, JOBS_FRAME_LEN_MAX).await?;
@@ -1087,7 +1101,12 @@ struct Incoming {
 }
 
 impl Incoming {
-    async fn create(into: &Path, path: String, len: u64, hash: super::Hash) -> Result<Self, String> {
+    async fn create(
+        into: &Path,
+        path: String,
+        len: u64,
+        hash: super::Hash,
+    ) -> Result<Self, String> {
         let dest = into.join(&path);
         if let Some(parent) = dest.parent() {
             tokio::fs::create_dir_all(parent)

@@ -184,6 +184,9 @@ pub(crate) struct RunRecord {
     /// The output files collected, each with its verified hash.
     #[serde(default)]
     pub(crate) collected: Vec<OutputFile>,
+    /// When it ended, in ms since the Unix epoch.
+    #[serde(default)]
+    pub(crate) ended_unix_ms: Option<u64>,
 }
 
 /// A job as the journal keeps it.
@@ -252,10 +255,15 @@ impl JobRecord {
             .unwrap_or(0)
     }
 
-    /// Applies `change` to run `idx`; returns the event that tells
-    /// followers about it, if any. A change to a run that already ended is
-    /// ignored: a final state is never overwritten.
-    pub(crate) fn apply(&mut self, idx: usize, change: &Change) -> Option<JobEvent> {
+    /// Applies `change` to run `idx` at `now_unix_ms`; returns the event
+    /// that tells followers about it, if any. A change to a run that already
+    /// ended is ignored: a final state is never overwritten.
+    pub(crate) fn apply(
+        &mut self,
+        idx: usize,
+        change: &Change,
+        now_unix_ms: u64,
+    ) -> Option<JobEvent> {
         let of = self.runs.first().map_or(0, |r| r.chunks);
         let run = self.runs.get_mut(idx)?;
         if run.state.is_final() {
@@ -288,6 +296,7 @@ impl JobRecord {
                 run.output_files = outcome.collected.len() as u64;
                 run.output_bytes = outcome.collected.iter().map(|f| f.len).sum();
                 run.collected.clone_from(&outcome.collected);
+                run.ended_unix_ms = Some(now_unix_ms);
                 Some(JobEvent::Finished(run.clone()))
             }
         }
@@ -382,8 +391,8 @@ pub(crate) struct Faults {
     /// `SWACTOR_FAULT_RUN_PANICS_ON=NODE`: the run actor of that node panics
     /// on the first piece of log it receives.
     pub(crate) run_panics_on: Option<String>,
-    /// `SWACTOR_FAULT_ABORT_AFTER_RUNNING=1`: the daemon aborts as soon as a
-    /// run's `running` is on record, before its start request is sent.
+    /// `SWACTOR_FAULT_ABORT_AFTER_RUNNING=1`: the daemon exits (code 86) as
+    /// soon as a run's `running` is on record, before its start request is sent.
     pub(crate) abort_after_running: bool,
 }
 
@@ -752,6 +761,7 @@ impl JobService {
                         output_files: 0,
                         output_bytes: 0,
                         collected: Vec::new(),
+                        ended_unix_ms: None,
                     })
                     .collect(),
             };
@@ -884,7 +894,6 @@ impl JobService {
         }
         Ok((chosen, skipped))
     }
-
 }
 
 /// Reads and hashes the workspace `dir`, refusing one over `max` bytes.
@@ -967,7 +976,6 @@ fn read_workspace(dir: &Path, max: u64) -> Result<Workspace, String> {
     }
     Ok(ws)
 }
-
 
 /// The agents' jobs links, by (node, attempt), and the run actors waiting
 /// on them. A run actor is told when its attempt's link comes up, and when
@@ -1134,6 +1142,7 @@ mod tests {
             output_files: 0,
             output_bytes: 0,
             collected: Vec::new(),
+            ended_unix_ms: None,
         }
     }
 
@@ -1158,7 +1167,7 @@ mod tests {
     #[test]
     fn a_final_state_is_applied_once_and_never_overwritten() {
         let mut j = job(vec![run(JobState::Queued, None)]);
-        assert!(j.apply(0, &Change::Shipping).is_none());
+        assert!(j.apply(0, &Change::Shipping, 5).is_none());
         assert_eq!(j.runs[0].state, JobState::Shipping);
         let shipped = j.apply(
             0,
@@ -1166,9 +1175,10 @@ mod tests {
                 bytes: 6,
                 chunks: 1,
             },
+            5,
         );
         assert!(matches!(shipped, Some(JobEvent::Shipped { bytes: 6, .. })));
-        assert!(j.apply(0, &Change::Running).is_none());
+        assert!(j.apply(0, &Change::Running, 5).is_none());
         assert_eq!(j.state(), JobState::Running);
         let file = OutputFile {
             path: "out.txt".to_owned(),
@@ -1182,18 +1192,19 @@ mod tests {
             collected: vec![file.clone()],
         };
         assert!(matches!(
-            j.apply(0, &Change::Finished(done)),
+            j.apply(0, &Change::Finished(done), 5),
             Some(JobEvent::Finished(_))
         ));
         assert_eq!((j.runs[0].output_files, j.runs[0].output_bytes), (1, 3));
         assert_eq!(j.runs[0].collected, [file]);
+        assert_eq!(j.runs[0].ended_unix_ms, Some(5));
         // A late change (e.g. from a run actor that crashed after it was
         // recorded) leaves the final state alone.
         let crashed = Outcome::fail(JobState::Failed, "crashed");
-        assert!(j.apply(0, &Change::Finished(crashed)).is_none());
-        assert!(j.apply(0, &Change::Running).is_none());
+        assert!(j.apply(0, &Change::Finished(crashed), 5).is_none());
+        assert!(j.apply(0, &Change::Running, 5).is_none());
         assert_eq!(j.runs[0].state, JobState::Succeeded);
-        assert!(j.apply(7, &Change::Running).is_none());
+        assert!(j.apply(7, &Change::Running, 5).is_none());
     }
 
     #[test]
@@ -1268,4 +1279,3 @@ mod tests {
         );
     }
 }
-
