@@ -921,9 +921,9 @@ fn a_tampered_output_is_rejected_and_a_crashed_run_actor_is_a_failed_run_while_t
     assert_eq!(o.status.code(), Some(1), "{err}");
     let hash = blake3::hash(b"bad\n").to_hex().to_string();
     assert!(
-        err.contains(&format!(
+        err.contains(
             "[worker-0] failed: output tampered.txt from worker-0 rejected: its bytes hash to "
-        )) && err.contains(&format!(", not {hash}; none of its outputs was kept")),
+        ) && err.contains(&format!(", not {hash}; none of its outputs was kept")),
         "{err}"
     );
     let r = run_of(&state, "job-1", "worker-0");
