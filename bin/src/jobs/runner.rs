@@ -52,6 +52,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// The longest one request to an agent (or one frame of a transfer) may take.
 pub(crate) const REQUEST_WAIT: Duration = Duration::from_secs(30);
 
+/// The longest a request about a run whose actor is gone may take: the
+/// actor that asks waits meanwhile, and so do the runs that report to it.
+pub(crate) const ABANDON_WAIT: Duration = Duration::from_secs(5);
+
 /// Pieces of log (each at most [`super::DATA_PIECE_LEN`]) read off a stream
 /// and not yet handled by its run actor.
 pub(crate) const LOG_PIECES_IN_FLIGHT: usize = 8;
@@ -187,8 +191,9 @@ async fn abandon(shared: &Shared, job: &str, run: &RunRecord) {
         attempt,
         job: job.clone(),
     };
-    let _ = request(shared, &conn, &cancel).await;
-    let _ = request(shared, &conn, &ToAgent::Forget { attempt, job }).await;
+    let _ = request_within(shared, &conn, &cancel, ABANDON_WAIT).await;
+    let forget = ToAgent::Forget { attempt, job };
+    let _ = request_within(shared, &conn, &forget, ABANDON_WAIT).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -1196,6 +1201,16 @@ fn frames(recv: RecvStream) -> impl futures_util::Stream<Item = Piece> + Send + 
 
 /// One request, one answer, on a new stream of `conn`, within [`REQUEST_WAIT`].
 async fn request(shared: &Shared, conn: &Connection, req: &ToAgent) -> anyhow::Result<FromAgent> {
+    request_within(shared, conn, req, REQUEST_WAIT).await
+}
+
+/// One request, one answer, on a new stream of `conn`, within `wait`.
+async fn request_within(
+    shared: &Shared,
+    conn: &Connection,
+    req: &ToAgent,
+    wait: Duration,
+) -> anyhow::Result<FromAgent> {
     let ask = async {
         let (mut send, mut recv): (SendStream, RecvStream) = conn.open_bi().await?;
         send_frame(&mut send, req, JOBS_FRAME_LEN_MAX).await?;
@@ -1205,14 +1220,9 @@ async fn request(shared: &Shared, conn: &Connection, req: &ToAgent) -> anyhow::R
             .ok_or_else(|| anyhow::anyhow!("the agent closed the stream"))?;
         anyhow::Ok(answer)
     };
-    run_until(shared.clock.now() + REQUEST_WAIT, ask)
+    run_until(shared.clock.now() + wait, ask)
         .await
-        .map_err(|_| {
-            anyhow::anyhow!(
-                "the agent did not answer within {} s",
-                REQUEST_WAIT.as_secs()
-            )
-        })?
+        .map_err(|_| anyhow::anyhow!("the agent did not answer within {} s", wait.as_secs()))?
 }
 
 async fn read_at(path: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
