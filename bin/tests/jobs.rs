@@ -500,9 +500,9 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
         stderr(&o)
     );
 
-    // The restarted daemon (which flips a byte of every chunk it sends)
-    // follows the run again and collects it.
-    let d2 = Daemon::spawn_env(&state, None, &[], &[("SWACTOR_FAULT_TAMPER_CHUNKS", "1")])
+    // The restarted daemon (which flips a byte of every chunk in its blob
+    // store once it is imported) follows the run again and collects it.
+    let d2 = Daemon::spawn_env(&state, None, &[], &[("SWACTOR_FAULT_TAMPER_BLOBS", "1")])
         .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
     let start = Instant::now();
     while !job(&state, "job-1")["runs"]
@@ -548,7 +548,7 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
     let only = cli(&state, &["job", "logs", "job-1", "--node", "worker-1"]);
     assert!(!stdout(&only).contains("worker-0"), "{}", stdout(&only));
 
-    // A tampered chunk is rejected by the agent's hash check and not kept.
+    // A tampered chunk is rejected by the agent's verified fetch and not kept.
     let ws = root.join("ws");
     std::fs::create_dir_all(&ws).unwrap();
     let content = b"content the daemon will tamper with\n";
@@ -570,7 +570,7 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
     let hash = blake3::hash(content).to_hex().to_string();
     assert!(
         err.contains(&format!(
-            "chunk {hash} rejected by worker-0: its bytes hash to"
+            "chunk {hash} rejected by worker-0: its bytes do not match their BLAKE3 hash"
         )),
         "{err}"
     );

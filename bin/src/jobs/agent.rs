@@ -7,8 +7,10 @@
 //! one for another attempt is refused, so a run meant for a node's previous
 //! attempt never reaches its replacement.
 //!
-//! Chunks live in `<node dir>/jobs/chunks/<hash>`, each checked against its
-//! BLAKE3 hash before it is kept. A run lives in `<node dir>/jobs/runs/<job>/`:
+//! Chunks live in `<node dir>/jobs/chunks/<hash>`. The agent fetches the
+//! ones it lacks from the daemon's `iroh-blobs` provider, on a connection it
+//! dials itself, and keeps a chunk only once every piece of it was verified
+//! against its BLAKE3 hash tree. A run lives in `<node dir>/jobs/runs/<job>/`:
 //! its workspace `ws/`, its output log `log` (see [`LogRecord`]) and, once
 //! it ended, `exit` (its [`ExitInfo`] as JSON, written to `exit.part` and
 //! renamed, so it is whole or absent). The run's command runs in its own
@@ -32,8 +34,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-use swactor_engine::iroh::Endpoint;
-use swactor_engine::iroh::endpoint::{RecvStream, SendStream};
+use swactor_engine::iroh::endpoint::{Connection, RecvStream, SendStream};
+use swactor_engine::iroh::{Endpoint, EndpointAddr};
 use swactor_engine::net::{EndpointTicket, connect, recv_frame, send_frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
@@ -202,21 +204,26 @@ impl AgentJobs {
         loop {
             let (send, recv) = conn.accept_bi().await?;
             let me = self.clone();
+            let daemon = (endpoint.clone(), ticket.addr().clone());
             tokio::spawn(async move {
-                if let Err(e) = me.serve_stream(send, recv).await {
+                if let Err(e) = me.serve_stream(send, recv, &daemon).await {
                     tracing::debug!(%e, "a jobs request failed");
                 }
             });
         }
     }
 
-    async fn serve_stream(&self, mut send: SendStream, mut recv: RecvStream) -> anyhow::Result<()> {
+    async fn serve_stream(
+        &self,
+        mut send: SendStream,
+        mut recv: RecvStream,
+        daemon: &(Endpoint, EndpointAddr),
+    ) -> anyhow::Result<()> {
         let Some(req) = recv_frame::<ToAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX).await? else {
             return Ok(());
         };
         let attempt = match &req {
-            ToAgent::Missing { attempt, .. }
-            | ToAgent::Chunk { attempt, .. }
+            ToAgent::Fetch { attempt, .. }
             | ToAgent::Start { attempt, .. }
             | ToAgent::Attach { attempt, .. }
             | ToAgent::Collect { attempt, .. }
@@ -233,28 +240,7 @@ impl AgentJobs {
             return Ok(());
         }
         match req {
-            ToAgent::Missing { chunks, .. } => {
-                let missing = chunks
-                    .into_iter()
-                    .filter(|h| !self.chunk_path(h).is_file())
-                    .collect();
-                send_frame(&mut send, &FromAgent::Missing(missing), JOBS_FRAME_LEN_MAX).await?;
-            }
-            ToAgent::Chunk { hash, data, .. } => {
-                let mut next = Some((hash, data));
-                while let Some((hash, data)) = next.take() {
-                    let answer = match self.store_chunk(&hash, &data).await {
-                        Ok(()) => FromAgent::Stored,
-                        Err(e) => FromAgent::Refused(e),
-                    };
-                    send_frame(&mut send, &answer, JOBS_FRAME_LEN_MAX).await?;
-                    if let Some(ToAgent::Chunk { hash, data, .. }) =
-                        recv_frame::<ToAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX).await?
-                    {
-                        next = Some((hash, data));
-                    }
-                }
-            }
+            ToAgent::Fetch { chunks, .. } => self.fetch(&chunks, daemon, &mut send).await?,
             ToAgent::Start {
                 job,
                 manifest,
@@ -319,40 +305,123 @@ impl AgentJobs {
         }
     }
 
-    /// Keeps `data` under `hash` if it hashes to it.
-    async fn store_chunk(&self, hash: &Hash, data: &[u8]) -> Result<(), String> {
-        if data.len() > CHUNK_LEN {
-            return Err(format!(
-                "chunk {} rejected: {} bytes, more than a chunk's {CHUNK_LEN}",
-                hex(hash),
-                data.len()
-            ));
+    /// Fetches the chunks of `chunks` this agent lacks from the daemon's blob
+    /// provider; a `Stored` frame follows each, then `Fetched`.
+    async fn fetch<W: AsyncWrite + Unpin + Send>(
+        &self,
+        chunks: &[Hash],
+        daemon: &(Endpoint, EndpointAddr),
+        send: &mut W,
+    ) -> anyhow::Result<()> {
+        let mut missing: Vec<Hash> = Vec::new();
+        for hash in chunks {
+            if !self.chunk_path(hash).is_file() && !missing.contains(hash) {
+                missing.push(*hash);
+            }
         }
-        let actual = *blake3::hash(data).as_bytes();
-        if actual != *hash {
-            tracing::warn!(expected = %hex(hash), actual = %hex(&actual), "a chunk was rejected by hash");
-            return Err(format!(
-                "chunk {} rejected by {}: its bytes hash to {}",
-                hex(hash),
-                self.inner.node,
-                hex(&actual)
-            ));
+        if missing.is_empty() {
+            let none = FromAgent::Fetched {
+                bytes: 0,
+                chunks: 0,
+            };
+            return Ok(send_frame(send, &none, JOBS_FRAME_LEN_MAX).await?);
         }
-        let path = self.chunk_path(hash);
-        let dir = self.inner.root.join("chunks");
-        let tmp = dir.join(format!("{}.part", hex(hash)));
-        let write = async {
-            tokio::fs::create_dir_all(&dir).await?;
-            tokio::fs::write(&tmp, data).await?;
-            tokio::fs::rename(&tmp, &path).await
+        let (endpoint, addr) = daemon;
+        let conn = match connect(
+            endpoint,
+            addr.clone(),
+            iroh_blobs::ALPN,
+            Duration::from_secs(5),
+        )
+        .await
+        {
+            Ok(conn) => conn,
+            Err(e) => {
+                let refused = FromAgent::Refused(format!(
+                    "{} cannot reach the daemon's blob provider: {e}",
+                    self.inner.node
+                ));
+                return Ok(send_frame(send, &refused, JOBS_FRAME_LEN_MAX).await?);
+            }
         };
-        write.await.map_err(|e| {
-            format!(
-                "cannot store chunk {} on {}: {e}",
-                hex(hash),
-                self.inner.node
-            )
-        })
+        let mut bytes = 0u64;
+        for hash in &missing {
+            match self.fetch_chunk(&conn, hash).await {
+                Ok(n) => {
+                    bytes += n;
+                    send_frame(send, &FromAgent::Stored, JOBS_FRAME_LEN_MAX).await?;
+                }
+                Err(e) => {
+                    conn.close(0u32.into(), b"failed");
+                    send_frame(send, &FromAgent::Refused(e), JOBS_FRAME_LEN_MAX).await?;
+                    return Ok(());
+                }
+            }
+        }
+        conn.close(0u32.into(), b"done");
+        let fetched = FromAgent::Fetched {
+            bytes,
+            chunks: missing.len() as u64,
+        };
+        Ok(send_frame(send, &fetched, JOBS_FRAME_LEN_MAX).await?)
+    }
+
+    /// Fetches one chunk into the chunk store; returns its length. Every
+    /// piece is verified against the chunk's hash tree before it is written,
+    /// and a chunk that fails is not kept.
+    async fn fetch_chunk(&self, conn: &Connection, hash: &Hash) -> Result<u64, String> {
+        use bao_tree::io::BaoContentItem;
+        use futures_util::StreamExt;
+        use iroh_blobs::get::request::{GetBlobItem, get_blob};
+        let node = &self.inner.node;
+        let dir = self.inner.root.join("chunks");
+        let part = dir.join(format!("{}.part", hex(hash)));
+        let unstorable =
+            |e: std::io::Error| format!("cannot store chunk {} on {node}: {e}", hex(hash));
+        tokio::fs::create_dir_all(&dir).await.map_err(unstorable)?;
+        let mut out = tokio::fs::File::create(&part).await.map_err(unstorable)?;
+        let mut items = get_blob(conn.clone(), iroh_blobs::Hash::from_bytes(*hash));
+        let mut len = 0usize;
+        let got = loop {
+            match items.next().await {
+                Some(GetBlobItem::Item(BaoContentItem::Leaf(leaf))) => {
+                    len += leaf.data.len();
+                    if len > CHUNK_LEN {
+                        break Err(format!(
+                            "chunk {} rejected by {node}: more than a chunk's {CHUNK_LEN} bytes",
+                            hex(hash)
+                        ));
+                    }
+                    if let Err(e) = out.write_all(&leaf.data).await {
+                        break Err(unstorable(e));
+                    }
+                }
+                Some(GetBlobItem::Item(_)) => {}
+                Some(GetBlobItem::Done(stats)) => break Ok(stats.payload_bytes_read),
+                Some(GetBlobItem::Error(e)) => {
+                    tracing::warn!(chunk = %hex(hash), %e, "a chunk was rejected");
+                    break Err(format!(
+                        "chunk {} rejected by {node}: its bytes do not match their BLAKE3 hash ({e})",
+                        hex(hash)
+                    ));
+                }
+                None => break Err(format!("the transfer of chunk {} ended early", hex(hash))),
+            }
+        };
+        let kept = match got {
+            Ok(n) => match out.flush().await {
+                Ok(()) => tokio::fs::rename(&part, self.chunk_path(hash))
+                    .await
+                    .map(|()| n)
+                    .map_err(unstorable),
+                Err(e) => Err(unstorable(e)),
+            },
+            Err(e) => Err(e),
+        };
+        if kept.is_err() {
+            let _ = tokio::fs::remove_file(&part).await;
+        }
+        kept
     }
 
     /// Materialises the workspace and starts the command.

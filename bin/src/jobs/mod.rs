@@ -18,6 +18,7 @@
 //! ```
 
 pub(crate) mod agent;
+pub(crate) mod blobs;
 pub(crate) mod cli;
 pub(crate) mod machine;
 pub(crate) mod runner;
@@ -36,7 +37,8 @@ pub(crate) type Hash = [u8; 32];
 /// size, each shipped and stored under its own hash.
 pub(crate) const CHUNK_LEN: usize = 1 << 20;
 
-/// Largest frame on the jobs protocol: a chunk plus its envelope.
+/// Largest frame on the jobs protocol: a start request's manifest of
+/// chunk hashes, or a piece of output, plus envelope.
 pub(crate) const JOBS_FRAME_LEN_MAX: usize = CHUNK_LEN + 64 * 1024;
 
 /// Largest piece of output or of an output file in one frame.
@@ -74,26 +76,18 @@ pub(crate) fn safe_relative(path: &str) -> bool {
             .all(|part| !part.is_empty() && part != "." && part != "..")
 }
 
-/// A request from the daemon to an agent, one per stream (a `Chunk` stream
-/// carries many). Every request names the attempt it is meant for; an agent
-/// refuses one for another attempt.
+/// A request from the daemon to an agent, one per stream. Every request
+/// names the attempt it is meant for; an agent refuses one for another
+/// attempt.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) enum ToAgent {
-    /// Which of these chunks the agent lacks.
-    Missing {
+    /// Fetch the chunks of these that the agent lacks from the daemon's
+    /// blob provider ([`blobs`]), each verified as it arrives.
+    Fetch {
         /// The attempt the request is for.
         attempt: u64,
         /// Chunk hashes.
         chunks: Vec<Hash>,
-    },
-    /// A chunk to store under its hash (checked before it is kept).
-    Chunk {
-        /// The attempt the request is for.
-        attempt: u64,
-        /// The hash the bytes must have.
-        hash: Hash,
-        /// The bytes.
-        data: Vec<u8>,
     },
     /// Materialise the workspace and start the command.
     Start {
@@ -163,10 +157,15 @@ impl ExitInfo {
 /// An agent's answer (one or many per request).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub(crate) enum FromAgent {
-    /// The chunks it lacks.
-    Missing(Vec<Hash>),
-    /// The chunk was verified and stored.
+    /// One more chunk was fetched, verified and stored.
     Stored,
+    /// Every chunk the agent lacked is stored; this much was fetched.
+    Fetched {
+        /// Chunk bytes fetched (what the blob protocol calls payload).
+        bytes: u64,
+        /// Chunks fetched.
+        chunks: u64,
+    },
     /// The command started.
     Started,
     /// Whole log records (see [`LogRecord`]), from the offset asked for on.

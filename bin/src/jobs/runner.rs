@@ -29,6 +29,7 @@
 //! actor that fails takes its run actors with it, and the supervisor records
 //! its unfinished runs as `failed` the same way. The daemon goes on either way.
 
+use super::blobs::Grant;
 use super::machine::{Action, Change, Event, Outcome, RunFacts, RunMachine, Stop, timeout_left};
 use super::service::{
     ACTOR_CALL_WAIT, JobEvent, JobRecord, JobState, OutputFile, RunRecord, Shared, Workspace,
@@ -497,13 +498,14 @@ pub(crate) enum RunTimer {
 /// A run's actor.
 pub(crate) struct RunActor;
 
-/// A transfer of chunks under way.
+/// A transfer of chunks under way: the agent fetches them from the blob
+/// provider and reports each one on this stream.
 struct Shipping {
-    missing: Vec<super::Hash>,
-    next: usize,
-    bytes: u64,
-    send: SendStream,
+    /// Kept open until the agent has answered.
+    _send: SendStream,
     recv: RecvStream,
+    /// What the agent may fetch meanwhile.
+    _grant: Grant,
 }
 
 /// A run actor's state.
@@ -733,7 +735,8 @@ impl RunActorState {
         }
     }
 
-    /// Asks the node which chunks it lacks and starts sending them.
+    /// Lets the node fetch the workspace's chunks from the blob provider and
+    /// asks it to fetch those it lacks.
     async fn ship(&mut self, myself: &ActorRef<RunMsg>) -> Option<Event> {
         let ws = self.a.workspace.clone()?;
         let failed = |error: String, lost: bool| Some(Event::ShipFailed { error, lost });
@@ -745,103 +748,75 @@ impl RunActorState {
             );
             return failed(e, true);
         };
+        if ws.order.is_empty() {
+            return Some(Event::Shipped {
+                bytes: 0,
+                chunks: 0,
+            });
+        }
+        // Only the key of this link, which is the key derived for this
+        // attempt, and only these chunks, for as long as the transfer lasts.
+        let grant = self.a.shared.blobs.grant(conn.remote_id(), &ws.order);
+        let ask = ToAgent::Fetch {
+            attempt: self.attempt(),
+            chunks: ws.order.clone(),
+        };
+        let open = async {
+            let (mut send, recv) = conn.open_bi().await?;
+            send_frame(&mut send, &ask, JOBS_FRAME_LEN_MAX).await?;
+            let _ = send.finish();
+            anyhow::Ok((send, recv))
+        };
         let went = |e: &dyn std::fmt::Display| {
             format!(
                 "{} went away while the workspace was shipped: {e}",
                 self.node()
             )
         };
-        let ask = ToAgent::Missing {
-            attempt: self.attempt(),
-            chunks: ws.order.clone(),
-        };
-        let missing = match request(&self.a.shared, &conn, &ask).await {
-            Ok(FromAgent::Missing(m)) => m,
-            Ok(FromAgent::Refused(e)) => return failed(e, false),
-            Ok(other) => return failed(format!("unexpected answer {other:?}"), false),
-            Err(e) => return failed(went(&e), true),
-        };
-        if missing.is_empty() {
-            return Some(Event::Shipped {
-                bytes: 0,
-                chunks: 0,
-            });
-        }
-        let opened = run_until(self.a.shared.clock.now() + REQUEST_WAIT, conn.open_bi()).await;
-        let (send, recv) = match opened {
+        let (send, recv) = match run_until(self.a.shared.clock.now() + REQUEST_WAIT, open).await {
             Ok(Ok(streams)) => streams,
             Ok(Err(e)) => return failed(went(&e), true),
             Err(e) => return failed(went(&e), true),
         };
         self.ship = Some(Shipping {
-            missing,
-            next: 0,
-            bytes: 0,
-            send,
+            _send: send,
             recv,
+            _grant: grant,
         });
-        // One chunk per message, so a stop is heard between chunks.
+        // One answer per message, so a stop is heard between chunks.
         let _ = myself.send_message(RunMsg::ShipNext);
         None
     }
 
-    /// Sends the next missing chunk and waits for the agent to store it.
+    /// Reads the agent's next answer about the transfer.
     async fn ship_next(&mut self, myself: &ActorRef<RunMsg>) -> Option<Event> {
-        let ws = self.a.workspace.clone()?;
-        let (node, attempt) = (self.node().to_owned(), self.attempt());
-        let tamper = self.a.shared.faults.tamper_chunks;
+        let node = self.node().to_owned();
         let deadline = self.a.shared.clock.now() + REQUEST_WAIT;
         let ship = self.ship.as_mut()?;
-        let failed = |error: String, lost: bool| Some(Event::ShipFailed { error, lost });
-        let went = |e: &dyn std::fmt::Display| {
-            format!("{node} went away while the workspace was shipped: {e}")
-        };
-        let hash = ship.missing[ship.next];
-        let Some((path, offset, len)) = ws.chunks.get(&hash) else {
-            let e = format!(
-                "the agent asked for chunk {} that is not in the workspace",
-                hex(&hash)
-            );
-            return failed(e, false);
-        };
-        let mut data = match read_at(path, *offset, *len).await {
-            Ok(d) => d,
-            Err(e) => {
-                let e = format!("cannot read {} of the workspace: {e}", path.display());
-                return failed(e, false);
-            }
-        };
-        if tamper && let Some(b) = data.first_mut() {
-            *b ^= 0xff;
-        }
-        let frame = ToAgent::Chunk {
-            attempt,
-            hash,
-            data,
-        };
-        let exchange = async {
-            send_frame(&mut ship.send, &frame, JOBS_FRAME_LEN_MAX).await?;
-            anyhow::Ok(recv_frame::<FromAgent, _>(&mut ship.recv, JOBS_FRAME_LEN_MAX).await?)
-        };
-        match run_until(deadline, exchange).await {
-            Ok(Ok(Some(FromAgent::Stored))) => {}
-            Ok(Ok(Some(FromAgent::Refused(e)))) => return failed(e, false),
-            Ok(Ok(other)) => return failed(format!("unexpected answer {other:?}"), false),
-            Ok(Err(e)) => return failed(went(&e), true),
-            Err(e) => return failed(went(&e), true),
-        }
-        ship.bytes += *len as u64;
-        ship.next += 1;
-        if ship.next < ship.missing.len() {
+        let next = run_until(
+            deadline,
+            recv_frame::<FromAgent, _>(&mut ship.recv, JOBS_FRAME_LEN_MAX),
+        )
+        .await;
+        if let Ok(Ok(Some(FromAgent::Stored))) = next {
             let _ = myself.send_message(RunMsg::ShipNext);
             return None;
         }
-        let mut done = self.ship.take()?;
-        let _ = done.send.finish();
-        Some(Event::Shipped {
-            bytes: done.bytes,
-            chunks: done.missing.len() as u64,
-        })
+        // The transfer is over either way: the grant goes with it.
+        self.ship = None;
+        let went = |e: &dyn std::fmt::Display| {
+            format!("{node} went away while the workspace was shipped: {e}")
+        };
+        let (error, lost) = match next {
+            Ok(Ok(Some(FromAgent::Fetched { bytes, chunks }))) => {
+                return Some(Event::Shipped { bytes, chunks });
+            }
+            Ok(Ok(Some(FromAgent::Refused(e)))) => (e, false),
+            Ok(Ok(other)) => (format!("unexpected answer {other:?}"), false),
+            Ok(Err(e)) => (went(&e), true),
+            Err(e) => (went(&e), true),
+        };
+        Some(Event::ShipFailed { error, lost })
     }
 
     async fn start(&self) -> Event {
@@ -1225,7 +1200,7 @@ async fn request_within(
         .map_err(|_| anyhow::anyhow!("the agent did not answer within {} s", wait.as_secs()))?
 }
 
-async fn read_at(path: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+pub(crate) async fn read_at(path: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
     use tokio::io::{AsyncReadExt, AsyncSeekExt};
     let mut f = tokio::fs::File::open(path).await?;
     f.seek(std::io::SeekFrom::Start(offset)).await?;

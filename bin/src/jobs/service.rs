@@ -11,10 +11,12 @@
 //! every job with runs still under way; the agents keep output and exit
 //! status on disk until the daemon has collected them.
 
+use super::blobs::Blobs;
 use super::runner::{JobArgs, JobMsg, JobsActor, JobsMsg, RunMsg};
 use super::{CHUNK_LEN, FileEntry, Hash, LogRecord, Stream, size_words, walk};
 use crate::protocol::JoinRequest;
 use anyhow::Context;
+use iroh_blobs::api::TempTag;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -24,6 +26,7 @@ use swactor_actors::ClusterHandle;
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::journal::{Journal, JournalBatch, JournalContents};
+use swactor_engine::net::Allowlist;
 use swactor_engine::net::{FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, accept_first_frame};
 use swactor_engine::ractor::{Actor, ActorId, ActorRef, rpc::CallResult};
 use swactor_engine::{BlockingConfig, BlockingPool, Clock, run_until};
@@ -386,8 +389,10 @@ struct Entry {
 /// builds ignore the variables.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Faults {
-    /// `SWACTOR_FAULT_TAMPER_CHUNKS`: every chunk is sent with a byte flipped.
-    pub(crate) tamper_chunks: bool,
+    /// `SWACTOR_FAULT_TAMPER_BLOBS`: every chunk the daemon imports into its
+    /// blob store gets a byte of its data file flipped, after its hash tree
+    /// was computed, so agents are served bytes that do not match.
+    pub(crate) tamper_blobs: bool,
     /// `SWACTOR_FAULT_RUN_PANICS_ON=NODE`: the run actor of that node panics
     /// on the first piece of log it receives.
     pub(crate) run_panics_on: Option<String>,
@@ -402,7 +407,7 @@ impl Faults {
             return Self::default();
         }
         Self {
-            tamper_chunks: std::env::var_os("SWACTOR_FAULT_TAMPER_CHUNKS").is_some(),
+            tamper_blobs: std::env::var_os("SWACTOR_FAULT_TAMPER_BLOBS").is_some(),
             run_panics_on: std::env::var("SWACTOR_FAULT_RUN_PANICS_ON").ok(),
             abort_after_running: std::env::var_os("SWACTOR_FAULT_ABORT_AFTER_RUNNING").is_some(),
         }
@@ -420,6 +425,8 @@ pub(crate) struct Shared {
     secret: [u8; 32],
     pub(crate) limits: JobLimits,
     pub(crate) links: Links,
+    /// Workspace chunks, served to the agents that ship them.
+    pub(crate) blobs: Arc<Blobs>,
     pub(crate) clock: Clock,
     pub(crate) faults: Faults,
     jobs: Mutex<BTreeMap<u64, Entry>>,
@@ -498,6 +505,8 @@ pub(crate) struct Workspace {
     /// Every distinct chunk, in the order first seen.
     pub(crate) order: Vec<Hash>,
     pub(crate) bytes: u64,
+    /// Keep the chunks in the blob store while the workspace is in use.
+    pub(crate) tags: Vec<TempTag>,
 }
 
 fn now_ms() -> u64 {
@@ -534,15 +543,18 @@ impl JobService {
                 .with_context(|| format!("cannot use the jobs journal {}", path.display()))?;
         let dir = state_root.join("jobs");
         std::fs::create_dir_all(&dir).with_context(|| format!("cannot make {}", dir.display()))?;
+        let faults = Faults::from_env();
+        let blobs = Arc::new(Blobs::open(&dir.join("blobs"), faults.tamper_blobs).await?);
         let shared = Arc::new(Shared {
             dir,
             journal,
             cluster,
             secret,
             limits,
-            links: Links::default(),
+            links: Links::new(blobs.allowlist.clone()),
+            blobs,
             clock: Clock::new(),
-            faults: Faults::from_env(),
+            faults,
             jobs: Mutex::new(BTreeMap::new()),
             blocking: BlockingPool::new(&BlockingConfig {
                 concurrency_max: WORKSPACE_READS_MAX,
@@ -609,6 +621,15 @@ impl JobService {
     /// The protocol handler of `swactor/jobs/0`.
     pub(crate) fn handler(&self) -> JobsHandler {
         JobsHandler(self.shared.clone())
+    }
+
+    /// The handler of [`iroh_blobs::ALPN`] and the allowlist to serve it
+    /// behind (the keys of the agents whose jobs link is up).
+    pub(crate) fn blobs(&self) -> (Allowlist, iroh_blobs::BlobsProtocol) {
+        (
+            self.shared.blobs.allowlist.clone(),
+            self.shared.blobs.protocol(),
+        )
     }
 
     /// Every job, oldest first.
@@ -719,11 +740,14 @@ impl JobService {
             Some(dir) => {
                 let dir = dir.clone();
                 let max = limits.workspace_max_bytes;
-                self.shared
+                let mut ws = self
+                    .shared
                     .blocking
                     .call(move |_| read_workspace(&dir, max))
                     .await
-                    .map_err(|e| format!("cannot read the workspace: {e}"))??
+                    .map_err(|e| format!("cannot read the workspace: {e}"))??;
+                ws.tags = self.shared.blobs.import(&ws).await?;
+                ws
             }
         };
         // The number is taken and the job entered under one lock, so two
@@ -979,21 +1003,15 @@ fn read_workspace(dir: &Path, max: u64) -> Result<Workspace, String> {
 
 /// The agents' jobs links, by (node, attempt), and the run actors waiting
 /// on them. A run actor is told when its attempt's link comes up, and when
-/// a later attempt of its node links up (its own attempt was replaced).
+/// a later attempt of its node links up (its own attempt was replaced). The
+/// key of an agent whose link is up may connect to the blob provider.
 #[derive(Debug)]
 pub(crate) struct Links {
     inner: Mutex<LinksInner>,
     /// Bumped on every change, for requests that wait for a link.
     changed: watch::Sender<u64>,
-}
-
-impl Default for Links {
-    fn default() -> Self {
-        Self {
-            inner: Mutex::new(LinksInner::default()),
-            changed: watch::channel(0).0,
-        }
-    }
+    /// The blob provider's allowlist.
+    blobs: Allowlist,
 }
 
 #[derive(Debug, Default)]
@@ -1010,6 +1028,14 @@ struct Watcher {
 }
 
 impl Links {
+    fn new(blobs: Allowlist) -> Self {
+        Self {
+            inner: Mutex::new(LinksInner::default()),
+            changed: watch::channel(0).0,
+            blobs,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, LinksInner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -1039,6 +1065,7 @@ impl Links {
 
     fn up(&self, node: &str, attempt: u64, conn: Connection) {
         let mut inner = self.lock();
+        self.blobs.allow(conn.remote_id());
         inner.conns.insert((node.to_owned(), attempt), conn);
         // A watcher whose actor is gone (killed with its job) is dropped here.
         inner.watchers.retain(|w| {
@@ -1068,6 +1095,7 @@ impl Links {
             .is_some_and(|c| c.stable_id() == conn.stable_id())
         {
             inner.conns.remove(&key);
+            self.blobs.revoke(&conn.remote_id());
         }
         drop(inner);
         self.changed.send_modify(|n| *n += 1);
