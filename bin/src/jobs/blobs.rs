@@ -281,6 +281,62 @@ async fn decide(mut rx: tokio::sync::mpsc::Receiver<ProviderMessage>, grants: Ar
 #[cfg(test)]
 mod tests {
     use super::*;
+    use iroh_blobs::get::request::get_blob;
+    use swactor_engine::iroh::SecretKey;
+    use swactor_engine::net::{GuardedRouterBuilder, NetConfig, bind_endpoint, connect};
+
+    async fn endpoint() -> swactor_engine::iroh::Endpoint {
+        bind_endpoint(&NetConfig::default(), SecretKey::generate())
+            .await
+            .unwrap()
+    }
+
+    /// Real iroh endpoints on loopback, the daemon's real store and router.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_a_linked_key_fetches_and_only_the_chunks_granted_to_it_while_granted() {
+        let tmp = tempfile::tempdir().unwrap();
+        let blobs = Arc::new(Blobs::open(tmp.path(), false).await.unwrap());
+        let first = blobs
+            .store
+            .add_bytes(&b"first chunk"[..])
+            .temp_tag()
+            .await
+            .unwrap();
+        let second = blobs
+            .store
+            .add_bytes(&b"second chunk"[..])
+            .temp_tag()
+            .await
+            .unwrap();
+        let daemon = endpoint().await;
+        let _router = GuardedRouterBuilder::new(daemon.clone())
+            .serve(iroh_blobs::ALPN, blobs.allowlist.clone(), blobs.protocol())
+            .spawn();
+        let (agent, stranger) = (endpoint().await, endpoint().await);
+        let wait = Duration::from_secs(5);
+        // As when the agent's jobs link is accepted, and its run ships.
+        blobs.allowlist.allow(agent.id());
+        let grant = blobs.grant(agent.id(), &[*first.hash().as_bytes()]);
+
+        let conn = connect(&agent, daemon.addr(), iroh_blobs::ALPN, wait)
+            .await
+            .unwrap();
+        let got = get_blob(conn.clone(), first.hash()).bytes().await.unwrap();
+        assert_eq!(&got[..], b"first chunk");
+        // A chunk not granted to it is refused.
+        assert!(get_blob(conn.clone(), second.hash()).bytes().await.is_err());
+        // A key without a jobs link is turned away before the provider.
+        if let Ok(c) = connect(&stranger, daemon.addr(), iroh_blobs::ALPN, wait).await {
+            assert!(get_blob(c, first.hash()).bytes().await.is_err());
+        }
+        // Once the transfer is over, not even the granted chunk.
+        drop(grant);
+        assert!(get_blob(conn.clone(), first.hash()).bytes().await.is_err());
+        let again = connect(&agent, daemon.addr(), iroh_blobs::ALPN, wait).await;
+        if let Ok(c) = again {
+            assert!(get_blob(c, first.hash()).bytes().await.is_err());
+        }
+    }
 
     #[test]
     fn a_key_may_fetch_only_what_it_was_granted_while_it_is() {
