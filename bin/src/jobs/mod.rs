@@ -3,10 +3,11 @@
 //! The daemon side turns a `swactor run` into one job with one run per
 //! (node, attempt): [`service`] takes requests and keeps the jobs' records,
 //! [`runner`] holds the actors that drive them, and [`machine`] decides, as
-//! plain data, what a run does next. The agent side ([`agent`]) keeps a
-//! chunk store, materialises workspaces, runs commands in their own process
-//! group and keeps each run's output and exit status on disk until the
-//! daemon collects them. The wire types, the workspace manifest and the
+//! plain data, what a run does next; [`blobs`] serves workspace chunks to
+//! the agents over iroh-blobs. The agent side ([`agent`]) fetches the
+//! chunks it lacks into its chunk store, materialises workspaces, runs
+//! commands in their own process group and keeps each run's output and
+//! exit status on disk until the daemon collects them. The wire types, the workspace manifest and the
 //! output log format live here, shared by both. `docs/jobs.md` tells the
 //! whole story.
 //!
