@@ -511,7 +511,6 @@ impl AgentJobs {
         Ok(())
     }
 
-    #[allow(clippy::too_many_lines)] // one process, its pipes and its watcher, in order
     async fn spawn(
         &self,
         job: &str,
