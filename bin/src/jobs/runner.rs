@@ -17,9 +17,11 @@
 //! the job actor, which writes the record and answers once it is durable;
 //! the run actor awaits that answer before the next action, so every state
 //! change is in `jobs.redb` before the effect it licenses. Requests to an
-//! agent are single bounded awaits ([`REQUEST_WAIT`]); a log stream is read
-//! by a [`Forwarder`] with at most [`LOG_PIECES_IN_FLIGHT`] pieces in the
-//! mailbox at once. Waiting for a link is a message from the link registry
+//! agent are single bounded awaits ([`REQUEST_WAIT`]); a transfer (the agent
+//! fetching chunks from the blob provider, under a [`Grant`] for its key)
+//! is followed one answer per message, so a stop is heard between chunks; a
+//! log stream is read by a [`Forwarder`] with at most
+//! [`LOG_PIECES_IN_FLIGHT`] pieces in the mailbox at once. Waiting for a link is a message from the link registry
 //! ([`super::service::Links`]) or the end of the reattach timer; nothing
 //! here spawns a task, sleeps or polls.
 //!
