@@ -260,13 +260,16 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     #[cfg(debug_assertions)]
     inject_faults(&cluster);
 
-    // Jobs, resumed from jobs.redb: runs left running are followed again.
+    // Jobs, resumed from jobs.redb: a job actor for every job with runs
+    // under way follows them again.
     let jobs = crate::jobs::service::JobService::open(
         state.root(),
         cluster.clone(),
         secret,
         crate::jobs::service::JobLimits::from_env()?,
-    )?;
+    )
+    .await?;
+    let (blobs_allowed, blobs) = jobs.blobs();
     let (down_tx, mut down_rx) = mpsc::channel::<DownRequest>(4);
     let (started_tx, started_rx) = tokio::sync::watch::channel(false);
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.
@@ -293,6 +296,9 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         // Agents dial in for jobs as for the swarm; each link is checked
         // like a join.
         .serve(crate::jobs::ALPN_JOBS, Allowlist::open(), jobs.handler())
+        // Workspaces: only the keys of agents with a jobs link may connect,
+        // and each fetches only the chunks of the run it ships.
+        .serve(iroh_blobs::ALPN, blobs_allowed, blobs)
         .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
         .spawn();

@@ -179,6 +179,19 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
             .unwrap();
         assert_eq!(got.trim(), format!("worker-{i}"));
     }
+    // Each collected file is on record with the hash the daemon checked.
+    for r in job(&state, "job-1")["runs"].as_array().unwrap() {
+        let node = r["node"].as_str().unwrap();
+        let want = blake3::hash(format!("{node}\n").as_bytes())
+            .to_hex()
+            .to_string();
+        assert_eq!(r["collected"][0]["path"], "out.txt", "{r}");
+        assert_eq!(
+            r["collected"][0]["blake3"].as_str(),
+            Some(want.as_str()),
+            "{r}"
+        );
+    }
     // The broken node is not ready: --all leaves it out and says so.
     assert!(
         stderr(&o).contains("not ready, left out: broken-0"),
@@ -487,9 +500,9 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
         stderr(&o)
     );
 
-    // The restarted daemon (which flips a byte of every chunk it sends)
-    // follows the run again and collects it.
-    let d2 = Daemon::spawn_env(&state, None, &[], &[("SWACTOR_FAULT_TAMPER_CHUNKS", "1")])
+    // The restarted daemon (which flips a byte of every chunk in its blob
+    // store once it is imported) follows the run again and collects it.
+    let d2 = Daemon::spawn_env(&state, None, &[], &[("SWACTOR_FAULT_TAMPER_BLOBS", "1")])
         .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
     let start = Instant::now();
     while !job(&state, "job-1")["runs"]
@@ -535,7 +548,7 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
     let only = cli(&state, &["job", "logs", "job-1", "--node", "worker-1"]);
     assert!(!stdout(&only).contains("worker-0"), "{}", stdout(&only));
 
-    // A tampered chunk is rejected by the agent's hash check and not kept.
+    // A tampered chunk is rejected by the agent's verified fetch and not kept.
     let ws = root.join("ws");
     std::fs::create_dir_all(&ws).unwrap();
     let content = b"content the daemon will tamper with\n";
@@ -557,7 +570,7 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
     let hash = blake3::hash(content).to_hex().to_string();
     assert!(
         err.contains(&format!(
-            "chunk {hash} rejected by worker-0: its bytes hash to"
+            "chunk {hash} rejected by worker-0: its bytes do not match their BLAKE3 hash"
         )),
         "{err}"
     );
@@ -836,4 +849,290 @@ fn a_job_runs_in_two_docker_containers() {
         .unwrap();
         assert!(out.contains(public.trim()), "{public} not in {out}");
     }
+}
+
+/// The run of `job` on `node`, as `swactor jobs --json` has it.
+fn run_of(state: &Path, id: &str, node: &str) -> Value {
+    job(state, id)["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["node"] == node)
+        .cloned()
+        .unwrap_or_else(|| panic!("{id} did not run on {node}"))
+}
+
+/// Waits until every run of `id` has ended; returns the job.
+fn wait_ended(state: &Path, id: &str, within: Duration) -> Value {
+    let start = Instant::now();
+    loop {
+        let j = job(state, id);
+        if j["runs"].as_array().unwrap().iter().all(|r| {
+            ["succeeded", "failed", "cancelled", "lost"].contains(&r["state"].as_str().unwrap())
+        }) {
+            return j;
+        }
+        assert!(
+            start.elapsed() < within,
+            "{id} did not end within {within:?}: {j:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_tampered_output_is_rejected_and_a_crashed_run_actor_is_a_failed_run_while_the_daemon_serves_on()
+ {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let state = root.join("state");
+    let shape = shape_file(root, "two.toml", &workers("jobs-faults", 2));
+    // The agents inherit the daemon's environment: theirs tampers with
+    // `tampered.txt` after hashing it; the daemon's run actor for worker-1
+    // panics on the first log it receives.
+    let _d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[
+            ("SWACTOR_FAULT_TAMPER_OUTPUTS", "tampered.txt"),
+            ("SWACTOR_FAULT_RUN_PANICS_ON", "worker-1"),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    ready(&state, 2);
+
+    // A tampered output fails its run, and nothing of that run is kept.
+    let o = run(
+        root,
+        &state,
+        &[
+            "--nodes",
+            "worker-0",
+            "--output",
+            "*.txt",
+            "--",
+            "sh",
+            "-c",
+            "echo good > good.txt; echo bad > tampered.txt",
+        ],
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let hash = blake3::hash(b"bad\n").to_hex().to_string();
+    assert!(
+        err.contains(
+            "[worker-0] failed: output tampered.txt from worker-0 rejected: its bytes hash to "
+        ) && err.contains(&format!(", not {hash}; none of its outputs was kept")),
+        "{err}"
+    );
+    let r = run_of(&state, "job-1", "worker-0");
+    assert_eq!(r["state"], "failed", "{r}");
+    assert_eq!(r["collected"].as_array().map(Vec::len), Some(0), "{r}");
+    assert!(!root.join("outputs/job-1").exists());
+    let kept = Path::new(job(&state, "job-1")["outputs_dir"].as_str().unwrap()).join("worker-0");
+    assert!(!kept.exists(), "{kept:?}");
+    // The same files without the tampered one are collected and verified.
+    let o = run(
+        root,
+        &state,
+        &[
+            "--nodes",
+            "worker-0",
+            "--output",
+            "good.txt",
+            "--",
+            "sh",
+            "-c",
+            "echo good > good.txt",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let r = run_of(&state, "job-2", "worker-0");
+    assert_eq!(
+        r["collected"][0]["blake3"].as_str(),
+        Some(blake3::hash(b"good\n").to_hex().as_str()),
+        "{r}"
+    );
+
+    // worker-1's run actor panics once the run has started: the run is
+    // recorded as failed, its process is killed, worker-0's run goes on.
+    let pids = root.join("pids");
+    std::fs::create_dir_all(&pids).unwrap();
+    let env = format!("PIDS={}", pids.display());
+    let o = run(
+        root,
+        &state,
+        &[
+            "--all",
+            "--env",
+            &env,
+            "--",
+            "sh",
+            "-c",
+            "echo $$ > $PIDS/$SWACTOR_NODE; echo started; sleep 3; echo done",
+        ],
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[worker-1] failed: the daemon's actor for this run failed: "),
+        "{err}"
+    );
+    assert!(stdout(&o).contains("[worker-0] done"), "{}", stdout(&o));
+    let crashed = run_of(&state, "job-3", "worker-1");
+    assert_eq!(crashed["state"], "failed", "{crashed}");
+    assert!(
+        crashed["error"]
+            .as_str()
+            .unwrap()
+            .contains("SWACTOR_FAULT_RUN_PANICS_ON=worker-1"),
+        "{crashed}"
+    );
+    assert_eq!(run_of(&state, "job-3", "worker-0")["state"], "succeeded");
+    let pid: u32 = std::fs::read_to_string(pids.join("worker-1"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    wait_for(
+        Duration::from_secs(5),
+        "the crashed run's process to go",
+        || gone(pid),
+    );
+    // The daemon serves on: status, and a new job on the other node.
+    assert!(status(&state).is_some());
+    let o = run(
+        root,
+        &state,
+        &["--nodes", "worker-0", "--", "echo", "still here"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("[worker-0] still here"));
+}
+
+#[test]
+fn running_is_on_record_before_start_is_sent_and_a_timeout_counts_time_used_before_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let state = root.join("state");
+    let shape = shape_file(root, "one.toml", &workers("jobs-order", 1));
+    let marks = root.join("marks");
+    std::fs::create_dir_all(&marks).unwrap();
+    let env = format!("MARKS={}", marks.display());
+
+    // This daemon exits as soon as a run's `running` is durable, before it
+    // sends the start: the command never runs, and the journal says running.
+    let mut d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[("SWACTOR_FAULT_ABORT_AFTER_RUNNING", "1")],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    ready(&state, 1);
+    let o = run(
+        root,
+        &state,
+        &[
+            "--nodes",
+            "worker-0",
+            "--env",
+            &env,
+            "--",
+            "sh",
+            "-c",
+            "touch $MARKS/ran",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(
+        d.wait_exit(Duration::from_secs(10)),
+        Some(86),
+        "{}",
+        d.last_log()
+    );
+    // It left its ticket behind (it exited like a crash).
+    let _ = std::fs::remove_file(state.join("daemon.ticket"));
+    let d2 = Daemon::spawn(&state, None).unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    let j = wait_ended(&state, "job-1", Duration::from_secs(60));
+    let r = &j["runs"][0];
+    assert_eq!(r["state"], "failed", "{j:#}\n{}", d2.last_log());
+    assert!(
+        r["error"]
+            .as_str()
+            .unwrap()
+            .contains("has no record of this run")
+            && r["error"].as_str().unwrap().contains("nothing ran"),
+        "{r}"
+    );
+    assert!(
+        !marks.join("ran").exists(),
+        "the command ran before its state was on record"
+    );
+
+    // A 12 s timeout: the daemon is killed 4 s in and restarted; the
+    // timeout still fires 12 s after the job was accepted (not 12 s after
+    // the restart), through the new daemon's engine timer.
+    let mut d2 = d2;
+    let child = Command::new(BIN)
+        .args([
+            "run",
+            "--nodes",
+            "worker-0",
+            "--timeout",
+            "12",
+            "--env",
+            &env,
+            "--state-dir",
+        ])
+        .arg(&state)
+        .args(["--", "sh", "-c", "touch $MARKS/started; sleep 60"])
+        .current_dir(root)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "the run to start", || {
+        marks.join("started").exists()
+    });
+    let created = job(&state, "job-2")["created_unix_ms"].as_u64().unwrap();
+    let since = || {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        now.saturating_sub(created)
+    };
+    while since() < 4000 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    d2.kill9();
+    let o = child.wait_with_output().unwrap();
+    assert!(
+        stderr(&o).contains("lost contact with the daemon; job-2 goes on"),
+        "{}",
+        stderr(&o)
+    );
+    let d3 = Daemon::spawn(&state, None).unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    let j = wait_ended(&state, "job-2", Duration::from_secs(40));
+    let r = &j["runs"][0];
+    assert_eq!(
+        (r["state"].as_str(), r["exit_code"].as_i64()),
+        (Some("failed"), Some(124)),
+        "{j:#}\n{}",
+        d3.last_log()
+    );
+    assert_eq!(r["error"], "timed out after 12 s", "{r}");
+    let took = r["ended_unix_ms"].as_u64().unwrap() - created;
+    eprintln!(
+        "jobs: a 12 s timeout across a restart at 4 s ended the run {took} ms after acceptance"
+    );
+    // Counted from the restart it would end after 4 s + the restart + 12 s.
+    assert!(
+        (12_000..15_500).contains(&took),
+        "ended {took} ms after acceptance"
+    );
+    assert_eq!(j["cancelled"], "timed out after 12 s");
 }

@@ -1,11 +1,15 @@
-//! Forwarders and muxes: tasks that drain channels into a callback.
+//! Forwarders and muxes: tasks that drain channels (or streams) into a callback.
 //!
-//! A cluster follows one stream per running bootstrap session, which can mean
-//! a hundred thousand streams at once. An actor per stream costs several
-//! kilobytes (its mailboxes, its cell, its task) and two messages per event;
-//! a forwarder is one small task that hands each item straight to its sink.
+//! A forwarder is one small task that hands each item of one channel
+//! straight to its sink. A [`Mux`] follows many channels in one task and
+//! hands their items over in batches: a cluster follows one bootstrap
+//! stream per running session, which can mean a hundred thousand at once.
 //!
-//! # Guarantees
+//! The same task can drain any [`Stream`] ([`Forwarder::start_stream`]),
+//! e.g. frames read from a network stream, so that an actor receives them
+//! as messages without owning a task of its own.
+//!
+//! # Guarantees (forwarders; a mux's are on [`Mux`])
 //! - Items reach the sink in channel order, then one `None` when the channel
 //!   closes, unless the sink asked to stop earlier (by returning `false`).
 //! - Dropping the [`Forwarder`] (or calling [`Forwarder::stop`]) aborts the
@@ -13,6 +17,7 @@
 //!   task, which happens at its next await.
 
 use crate::stream;
+use futures_util::{Stream, StreamExt};
 use std::future::poll_fn;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{Context, Poll, Wake, Waker};
@@ -38,6 +43,32 @@ impl Forwarder {
         let task = tokio::spawn(async move {
             loop {
                 let item = rx.recv().await;
+                let end = item.is_none();
+                if !sink(item) || end {
+                    return;
+                }
+            }
+        });
+        Self {
+            task: task.abort_handle(),
+        }
+    }
+
+    /// Starts a task that hands every item of `stream` to `sink`, then
+    /// `None` once the stream has ended. The task ends after the `None`, or
+    /// as soon as `sink` returns `false`. The stream is polled only after
+    /// the sink took the previous item, so a bounded stream stays bounded.
+    /// Must be called inside a tokio runtime.
+    pub fn start_stream<S, F>(stream: S, mut sink: F) -> Self
+    where
+        S: Stream + Send + 'static,
+        S::Item: Send + 'static,
+        F: FnMut(Option<S::Item>) -> bool + Send + 'static,
+    {
+        let task = tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            loop {
+                let item = stream.next().await;
                 let end = item.is_none();
                 if !sink(item) || end {
                     return;
@@ -389,6 +420,38 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), vec![Some(0), Some(1), Some(2), None]);
         tokio::task::yield_now().await;
         assert!(f.is_finished());
+    }
+
+    #[tokio::test]
+    async fn a_stream_is_drained_like_a_channel_and_stops_with_its_handle() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let mut done_tx = Some(done_tx);
+        let s = seen.clone();
+        let _f = Forwarder::start_stream(futures_util::stream::iter([1u32, 2, 3]), move |item| {
+            s.lock().unwrap().push(item);
+            if item.is_none()
+                && let Some(d) = done_tx.take()
+            {
+                let _ = d.send(());
+            }
+            true
+        });
+        done_rx.await.unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![Some(1), Some(2), Some(3), None]);
+
+        // A stream that never ends is stopped by dropping the handle.
+        let (tx, rx) = mpsc::channel::<u32>(1);
+        let f = Forwarder::start_stream(tokio_stream_of(rx), |_| true);
+        tx.send(1).await.unwrap();
+        drop(f);
+        tokio::task::yield_now().await;
+        assert!(tx.send(2).await.is_err());
+    }
+
+    /// A channel as a stream, without another dependency.
+    fn tokio_stream_of(rx: mpsc::Receiver<u32>) -> impl Stream<Item = u32> {
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|i| (i, rx)) })
     }
 
     #[tokio::test]

@@ -7,12 +7,23 @@
 //! one for another attempt is refused, so a run meant for a node's previous
 //! attempt never reaches its replacement.
 //!
-//! Chunks live in `<node dir>/jobs/chunks/<hash>`, each checked against its
-//! BLAKE3 hash before it is kept. A run lives in `<node dir>/jobs/runs/<job>/`:
+//! Chunks live in `<node dir>/jobs/chunks/<hash>`. The agent fetches the
+//! ones it lacks from the daemon's `iroh-blobs` provider, on a connection it
+//! dials itself, and keeps a chunk only once every piece of it was verified
+//! against its BLAKE3 hash tree. A run lives in `<node dir>/jobs/runs/<job>/`:
 //! its workspace `ws/`, its output log `log` (see [`LogRecord`]) and, once
-//! it ended, `exit`. The run's command runs in its own process group under
-//! `swactor job-exec`, which dies with the agent. The agent keeps a run's
-//! log and exit until the daemon says `Forget`.
+//! it ended, `exit` (its [`ExitInfo`] as JSON, written to `exit.part` and
+//! renamed, so it is whole or absent). The run's command runs in its own
+//! process group under `swactor job-exec`, which dies with the agent.
+//!
+//! Everything of a run is on disk until the daemon says `Forget`, so an
+//! agent that restarts still answers `Attach` and `Collect` for the runs
+//! its predecessor finished. A run without `exit` was still running when
+//! its agent died, and its process died with it: `Attach` says so
+//! ([`FromAgent::Died`]) after the log.
+//!
+//! Every output file `Collect` sends names its BLAKE3 hash first; the
+//! daemon keeps the file only if the bytes it receives match.
 
 use super::{
     ALPN_JOBS, CHUNK_LEN, DATA_PIECE_LEN, ExitInfo, FromAgent, Hash, JOBS_FRAME_LEN_MAX, LogRecord,
@@ -23,24 +34,84 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-use swactor_engine::iroh::Endpoint;
-use swactor_engine::iroh::endpoint::{RecvStream, SendStream};
+use swactor_engine::iroh::endpoint::{Connection, RecvStream, SendStream};
+use swactor_engine::iroh::{Endpoint, EndpointAddr};
 use swactor_engine::net::{EndpointTicket, connect, recv_frame, send_frame};
-use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
+
+/// How a run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// Its command exited like this.
+    Exited(ExitInfo),
+    /// It was running when an earlier agent of this attempt died; its
+    /// process died with that agent.
+    Died,
+}
 
 /// What a run has done so far: how long its log is, and how it ended.
 #[derive(Clone, Copy, Debug, Default)]
 struct Progress {
     log_len: u64,
-    exit: Option<ExitInfo>,
+    end: Option<End>,
+}
+
+/// Writes `exit` to `<dir>/exit` whole or not at all.
+fn write_exit(dir: &Path, exit: ExitInfo) -> std::io::Result<()> {
+    use std::io::Write;
+    let part = dir.join("exit.part");
+    let mut f = std::fs::File::create(&part)?;
+    f.write_all(&serde_json::to_vec(&exit).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    std::fs::rename(&part, dir.join("exit"))?;
+    // The rename itself is durable once the directory is.
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// The exit recorded in `<dir>/exit`, if there is one.
+fn read_exit(dir: &Path) -> Option<ExitInfo> {
+    serde_json::from_slice(&std::fs::read(dir.join("exit")).ok()?).ok()
+}
+
+/// The runs an earlier agent left under `runs`, each ended one way or the other.
+fn recover(runs: &Path) -> HashMap<String, Arc<Run>> {
+    let mut out = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(runs) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let job = entry.file_name().to_string_lossy().into_owned();
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) || !safe_relative(&job) {
+            continue;
+        }
+        let dir = entry.path();
+        let log_len = std::fs::metadata(dir.join("log")).map_or(0, |m| m.len());
+        let end = read_exit(&dir).map_or(End::Died, End::Exited);
+        tracing::info!(%job, ?end, "a run an earlier agent left");
+        let progress = watch::channel(Progress {
+            log_len,
+            end: Some(end),
+        })
+        .0;
+        out.insert(
+            job,
+            Arc::new(Run {
+                dir,
+                // Nothing of it runs any more; there is nothing to kill.
+                pgid: None,
+                progress,
+            }),
+        );
+    }
+    out
 }
 
 #[derive(Debug)]
 struct Run {
     dir: PathBuf,
-    /// The process group of the command.
-    pgid: i32,
+    /// The process group of the command, while this agent runs it.
+    pgid: Option<i32>,
     progress: watch::Sender<Progress>,
 }
 
@@ -56,17 +127,31 @@ struct Inner {
     node: String,
     attempt: u64,
     runs: Mutex<HashMap<String, Arc<Run>>>,
+    /// Whether a run's command is started through `swactor job-exec` (only
+    /// unit tests start it directly: their binary has no `job-exec`).
+    exec_wrapper: bool,
+    /// Test hook (debug builds): `SWACTOR_FAULT_TAMPER_OUTPUTS=PATH` flips a
+    /// byte of the output file PATH as it is sent, after it was hashed.
+    tamper_output: Option<String>,
 }
 
 impl AgentJobs {
-    /// The jobs of the agent of (`node`, `attempt`), kept under `node_dir`.
+    /// The jobs of the agent of (`node`, `attempt`), kept under `node_dir`,
+    /// with every run an earlier agent left there.
     pub(crate) fn new(node_dir: &Path, node: String, attempt: u64) -> Self {
+        let root = node_dir.join("jobs");
+        let runs = recover(&root.join("runs"));
+        let tamper_output = cfg!(debug_assertions)
+            .then(|| std::env::var("SWACTOR_FAULT_TAMPER_OUTPUTS").ok())
+            .flatten();
         Self {
             inner: Arc::new(Inner {
-                root: node_dir.join("jobs"),
+                root,
                 node,
                 attempt,
-                runs: Mutex::new(HashMap::new()),
+                runs: Mutex::new(runs),
+                exec_wrapper: true,
+                tamper_output,
             }),
         }
     }
@@ -119,21 +204,26 @@ impl AgentJobs {
         loop {
             let (send, recv) = conn.accept_bi().await?;
             let me = self.clone();
+            let daemon = (endpoint.clone(), ticket.addr().clone());
             tokio::spawn(async move {
-                if let Err(e) = me.serve_stream(send, recv).await {
+                if let Err(e) = me.serve_stream(send, recv, &daemon).await {
                     tracing::debug!(%e, "a jobs request failed");
                 }
             });
         }
     }
 
-    async fn serve_stream(&self, mut send: SendStream, mut recv: RecvStream) -> anyhow::Result<()> {
+    async fn serve_stream(
+        &self,
+        mut send: SendStream,
+        mut recv: RecvStream,
+        daemon: &(Endpoint, EndpointAddr),
+    ) -> anyhow::Result<()> {
         let Some(req) = recv_frame::<ToAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX).await? else {
             return Ok(());
         };
         let attempt = match &req {
-            ToAgent::Missing { attempt, .. }
-            | ToAgent::Chunk { attempt, .. }
+            ToAgent::Fetch { attempt, .. }
             | ToAgent::Start { attempt, .. }
             | ToAgent::Attach { attempt, .. }
             | ToAgent::Collect { attempt, .. }
@@ -150,28 +240,7 @@ impl AgentJobs {
             return Ok(());
         }
         match req {
-            ToAgent::Missing { chunks, .. } => {
-                let missing = chunks
-                    .into_iter()
-                    .filter(|h| !self.chunk_path(h).is_file())
-                    .collect();
-                send_frame(&mut send, &FromAgent::Missing(missing), JOBS_FRAME_LEN_MAX).await?;
-            }
-            ToAgent::Chunk { hash, data, .. } => {
-                let mut next = Some((hash, data));
-                while let Some((hash, data)) = next.take() {
-                    let answer = match self.store_chunk(&hash, &data).await {
-                        Ok(()) => FromAgent::Stored,
-                        Err(e) => FromAgent::Refused(e),
-                    };
-                    send_frame(&mut send, &answer, JOBS_FRAME_LEN_MAX).await?;
-                    if let Some(ToAgent::Chunk { hash, data, .. }) =
-                        recv_frame::<ToAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX).await?
-                    {
-                        next = Some((hash, data));
-                    }
-                }
-            }
+            ToAgent::Fetch { chunks, .. } => self.fetch(&chunks, daemon, &mut send).await?,
             ToAgent::Start {
                 job,
                 manifest,
@@ -191,7 +260,7 @@ impl AgentJobs {
                     let _ = send.finish();
                     return Ok(());
                 };
-                attach(&run, offset, &mut send).await?;
+                self.attach(&run, offset, &mut send).await?;
             }
             ToAgent::Collect {
                 job,
@@ -212,16 +281,7 @@ impl AgentJobs {
                 send_frame(&mut send, &FromAgent::Done, JOBS_FRAME_LEN_MAX).await?;
             }
             ToAgent::Forget { job, .. } => {
-                let run = self
-                    .inner
-                    .runs
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remove(&job);
-                if let Some(run) = run {
-                    cancel(&run).await;
-                    let _ = tokio::fs::remove_dir_all(&run.dir).await;
-                }
+                self.forget(&job).await;
                 send_frame(&mut send, &FromAgent::Done, JOBS_FRAME_LEN_MAX).await?;
             }
         }
@@ -231,40 +291,137 @@ impl AgentJobs {
         Ok(())
     }
 
-    /// Keeps `data` under `hash` if it hashes to it.
-    async fn store_chunk(&self, hash: &Hash, data: &[u8]) -> Result<(), String> {
-        if data.len() > CHUNK_LEN {
-            return Err(format!(
-                "chunk {} rejected: {} bytes, more than a chunk's {CHUNK_LEN}",
-                hex(hash),
-                data.len()
-            ));
+    /// Drops everything of the run of `job`, killing it first if it runs.
+    async fn forget(&self, job: &str) {
+        let run = self
+            .inner
+            .runs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(job);
+        if let Some(run) = run {
+            cancel(&run).await;
+            let _ = tokio::fs::remove_dir_all(&run.dir).await;
         }
-        let actual = *blake3::hash(data).as_bytes();
-        if actual != *hash {
-            tracing::warn!(expected = %hex(hash), actual = %hex(&actual), "a chunk was rejected by hash");
-            return Err(format!(
-                "chunk {} rejected by {}: its bytes hash to {}",
-                hex(hash),
-                self.inner.node,
-                hex(&actual)
-            ));
+    }
+
+    /// Fetches the chunks of `chunks` this agent lacks from the daemon's blob
+    /// provider; a `Stored` frame follows each, then `Fetched`.
+    async fn fetch<W: AsyncWrite + Unpin + Send>(
+        &self,
+        chunks: &[Hash],
+        daemon: &(Endpoint, EndpointAddr),
+        send: &mut W,
+    ) -> anyhow::Result<()> {
+        let mut missing: Vec<Hash> = Vec::new();
+        for hash in chunks {
+            if !self.chunk_path(hash).is_file() && !missing.contains(hash) {
+                missing.push(*hash);
+            }
         }
-        let path = self.chunk_path(hash);
-        let dir = self.inner.root.join("chunks");
-        let tmp = dir.join(format!("{}.part", hex(hash)));
-        let write = async {
-            tokio::fs::create_dir_all(&dir).await?;
-            tokio::fs::write(&tmp, data).await?;
-            tokio::fs::rename(&tmp, &path).await
+        if missing.is_empty() {
+            let none = FromAgent::Fetched {
+                bytes: 0,
+                chunks: 0,
+            };
+            return Ok(send_frame(send, &none, JOBS_FRAME_LEN_MAX).await?);
+        }
+        let (endpoint, addr) = daemon;
+        let conn = match connect(
+            endpoint,
+            addr.clone(),
+            iroh_blobs::ALPN,
+            Duration::from_secs(5),
+        )
+        .await
+        {
+            Ok(conn) => conn,
+            Err(e) => {
+                let refused = FromAgent::Refused(format!(
+                    "{} cannot reach the daemon's blob provider: {e}",
+                    self.inner.node
+                ));
+                return Ok(send_frame(send, &refused, JOBS_FRAME_LEN_MAX).await?);
+            }
         };
-        write.await.map_err(|e| {
-            format!(
-                "cannot store chunk {} on {}: {e}",
-                hex(hash),
-                self.inner.node
-            )
-        })
+        let mut bytes = 0u64;
+        for hash in &missing {
+            match self.fetch_chunk(&conn, hash).await {
+                Ok(n) => {
+                    bytes += n;
+                    send_frame(send, &FromAgent::Stored, JOBS_FRAME_LEN_MAX).await?;
+                }
+                Err(e) => {
+                    conn.close(0u32.into(), b"failed");
+                    send_frame(send, &FromAgent::Refused(e), JOBS_FRAME_LEN_MAX).await?;
+                    return Ok(());
+                }
+            }
+        }
+        conn.close(0u32.into(), b"done");
+        let fetched = FromAgent::Fetched {
+            bytes,
+            chunks: missing.len() as u64,
+        };
+        Ok(send_frame(send, &fetched, JOBS_FRAME_LEN_MAX).await?)
+    }
+
+    /// Fetches one chunk into the chunk store; returns its length. Every
+    /// piece is verified against the chunk's hash tree before it is written,
+    /// and a chunk that fails is not kept.
+    async fn fetch_chunk(&self, conn: &Connection, hash: &Hash) -> Result<u64, String> {
+        use bao_tree::io::BaoContentItem;
+        use futures_util::StreamExt;
+        use iroh_blobs::get::request::{GetBlobItem, get_blob};
+        let node = &self.inner.node;
+        let dir = self.inner.root.join("chunks");
+        let part = dir.join(format!("{}.part", hex(hash)));
+        let unstorable =
+            |e: std::io::Error| format!("cannot store chunk {} on {node}: {e}", hex(hash));
+        tokio::fs::create_dir_all(&dir).await.map_err(unstorable)?;
+        let mut out = tokio::fs::File::create(&part).await.map_err(unstorable)?;
+        let mut items = get_blob(conn.clone(), iroh_blobs::Hash::from_bytes(*hash));
+        let mut len = 0usize;
+        let got = loop {
+            match items.next().await {
+                Some(GetBlobItem::Item(BaoContentItem::Leaf(leaf))) => {
+                    len += leaf.data.len();
+                    if len > CHUNK_LEN {
+                        break Err(format!(
+                            "chunk {} rejected by {node}: more than a chunk's {CHUNK_LEN} bytes",
+                            hex(hash)
+                        ));
+                    }
+                    if let Err(e) = out.write_all(&leaf.data).await {
+                        break Err(unstorable(e));
+                    }
+                }
+                Some(GetBlobItem::Item(_)) => {}
+                Some(GetBlobItem::Done(stats)) => break Ok(stats.payload_bytes_read),
+                Some(GetBlobItem::Error(e)) => {
+                    tracing::warn!(chunk = %hex(hash), %e, "a chunk was rejected");
+                    break Err(format!(
+                        "chunk {} rejected by {node}: its bytes do not match their BLAKE3 hash ({e})",
+                        hex(hash)
+                    ));
+                }
+                None => break Err(format!("the transfer of chunk {} ended early", hex(hash))),
+            }
+        };
+        let kept = match got {
+            Ok(n) => match out.flush().await {
+                Ok(()) => tokio::fs::rename(&part, self.chunk_path(hash))
+                    .await
+                    .map(|()| n)
+                    .map_err(unstorable),
+                Err(e) => Err(unstorable(e)),
+            },
+            Err(e) => Err(e),
+        };
+        if kept.is_err() {
+            let _ = tokio::fs::remove_file(&part).await;
+        }
+        kept
     }
 
     /// Materialises the workspace and starts the command.
@@ -369,12 +526,20 @@ impl AgentJobs {
             std::env::current_exe()
                 .map_err(|e| format!("cannot find the agent's own binary: {e}"))?
         };
-        let mut child = tokio::process::Command::new(exe)
-            .arg("job-exec")
-            .arg("--parent")
-            .arg(rustix::process::getpid().as_raw_nonzero().to_string())
-            .arg("--")
-            .args(argv)
+        let mut command = if self.inner.exec_wrapper {
+            let mut c = tokio::process::Command::new(exe);
+            c.arg("job-exec")
+                .arg("--parent")
+                .arg(rustix::process::getpid().as_raw_nonzero().to_string())
+                .arg("--")
+                .args(argv);
+            c
+        } else {
+            let mut c = tokio::process::Command::new(&argv[0]);
+            c.args(&argv[1..]);
+            c
+        };
+        let mut child = command
             .current_dir(ws)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("SWACTOR_JOB", job)
@@ -398,7 +563,7 @@ impl AgentJobs {
         let (progress, _) = watch::channel(Progress::default());
         let run = Arc::new(Run {
             dir: dir.to_path_buf(),
-            pgid,
+            pgid: Some(pgid),
             progress,
         });
         let (tx, mut rx) = mpsc::channel::<(Stream, Vec<u8>)>(64);
@@ -435,22 +600,27 @@ impl AgentJobs {
                     signal: None,
                 },
             };
-            let _ = tokio::fs::write(
-                watcher.dir.join("exit"),
-                format!("{:?} {:?}\n", exit.code, exit.signal),
-            )
-            .await;
-            watcher.progress.send_modify(|p| p.exit = Some(exit));
+            // On disk before anyone is told, so what a daemon was told
+            // survives this agent.
+            let dir = watcher.dir.clone();
+            match tokio::task::spawn_blocking(move || write_exit(&dir, exit)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(%e, "cannot record a run's exit"),
+                Err(e) => tracing::warn!(%e, "cannot record a run's exit"),
+            }
+            watcher
+                .progress
+                .send_modify(|p| p.end = Some(End::Exited(exit)));
         });
         Ok(run)
     }
 
-    async fn collect(
+    async fn collect<W: AsyncWrite + Unpin + Send>(
         &self,
         run: &Run,
         globs: &[String],
         output_max_bytes: u64,
-        send: &mut SendStream,
+        send: &mut W,
     ) -> anyhow::Result<()> {
         let ws = run.dir.join("ws");
         let files = {
@@ -491,20 +661,41 @@ impl AgentJobs {
             return Ok(());
         }
         for (rel, path, _) in chosen {
+            // Hashed first, then sent: a file that changes in between is
+            // caught by the daemon's check, like one damaged on the way.
+            let hash = {
+                let path = path.clone();
+                tokio::task::spawn_blocking(move || -> std::io::Result<Hash> {
+                    let mut hasher = blake3::Hasher::new();
+                    hasher.update_reader(std::fs::File::open(path)?)?;
+                    Ok(*hasher.finalize().as_bytes())
+                })
+                .await??
+            };
             let mut file = tokio::fs::File::open(&path).await?;
             let len = file.metadata().await?.len();
+            let tamper = self.inner.tamper_output.as_deref() == Some(rel.as_str());
             send_frame(
                 send,
-                &FromAgent::File { path: rel, len },
+                &FromAgent::File {
+                    path: rel,
+                    len,
+                    hash,
+                },
                 JOBS_FRAME_LEN_MAX,
             )
             .await?;
             let mut left = len;
             let mut buf = vec![0u8; DATA_PIECE_LEN];
+            let mut first = true;
             while left > 0 {
                 let want =
                     usize::try_from(left.min(DATA_PIECE_LEN as u64)).unwrap_or(DATA_PIECE_LEN);
                 file.read_exact(&mut buf[..want]).await?;
+                if tamper && first {
+                    buf[0] ^= 0xff;
+                }
+                first = false;
                 send_frame(
                     send,
                     &FromAgent::Data(buf[..want].to_vec()),
@@ -517,11 +708,65 @@ impl AgentJobs {
         send_frame(send, &FromAgent::Collected, JOBS_FRAME_LEN_MAX).await?;
         Ok(())
     }
+
+    /// Sends `run`'s log from `offset` on as it grows, then how it ended.
+    async fn attach<W: AsyncWrite + Unpin + Send>(
+        &self,
+        run: &Run,
+        mut offset: u64,
+        send: &mut W,
+    ) -> anyhow::Result<()> {
+        let mut rx = run.progress.subscribe();
+        let mut log = None;
+        let mut buf = vec![0u8; DATA_PIECE_LEN];
+        loop {
+            let now = *rx.borrow_and_update();
+            if now.log_len > offset {
+                let want = usize::try_from((now.log_len - offset).min(DATA_PIECE_LEN as u64))
+                    .unwrap_or(DATA_PIECE_LEN);
+                if log.is_none() {
+                    log = Some(tokio::fs::File::open(run.dir.join("log")).await?);
+                }
+                let Some(file) = log.as_mut() else {
+                    continue;
+                };
+                file.seek(std::io::SeekFrom::Start(offset)).await?;
+                file.read_exact(&mut buf[..want]).await?;
+                send_frame(
+                    send,
+                    &FromAgent::Log(buf[..want].to_vec()),
+                    JOBS_FRAME_LEN_MAX,
+                )
+                .await?;
+                offset += want as u64;
+                continue;
+            }
+            match now.end {
+                Some(End::Exited(exit)) => {
+                    send_frame(send, &FromAgent::Exit(exit), JOBS_FRAME_LEN_MAX).await?;
+                    return Ok(());
+                }
+                Some(End::Died) => {
+                    let died = FromAgent::Died(format!(
+                        "the agent of {} attempt {} restarted while the run ran, and the \
+                         run's process died with the agent before it",
+                        self.inner.node, self.inner.attempt
+                    ));
+                    send_frame(send, &died, JOBS_FRAME_LEN_MAX).await?;
+                    return Ok(());
+                }
+                None => {}
+            }
+            if rx.changed().await.is_err() {
+                return Ok(());
+            }
+        }
+    }
 }
 
 /// Reads `pipe` into `tx` until it ends.
 async fn pump(
-    mut pipe: impl tokio::io::AsyncRead + Unpin,
+    mut pipe: impl AsyncRead + Unpin,
     stream: Stream,
     tx: mpsc::Sender<(Stream, Vec<u8>)>,
 ) {
@@ -538,47 +783,16 @@ async fn pump(
     }
 }
 
-/// Sends `run`'s log from `offset` on as it grows, then its exit.
-async fn attach(run: &Run, mut offset: u64, send: &mut SendStream) -> anyhow::Result<()> {
-    let mut rx = run.progress.subscribe();
-    let mut log = tokio::fs::File::open(run.dir.join("log")).await?;
-    let mut buf = vec![0u8; DATA_PIECE_LEN];
-    loop {
-        let now = *rx.borrow_and_update();
-        if now.log_len > offset {
-            let want = usize::try_from((now.log_len - offset).min(DATA_PIECE_LEN as u64))
-                .unwrap_or(DATA_PIECE_LEN);
-            log.seek(std::io::SeekFrom::Start(offset)).await?;
-            log.read_exact(&mut buf[..want]).await?;
-            send_frame(
-                send,
-                &FromAgent::Log(buf[..want].to_vec()),
-                JOBS_FRAME_LEN_MAX,
-            )
-            .await?;
-            offset += want as u64;
-            continue;
-        }
-        if let Some(exit) = now.exit {
-            send_frame(send, &FromAgent::Exit(exit), JOBS_FRAME_LEN_MAX).await?;
-            return Ok(());
-        }
-        if rx.changed().await.is_err() {
-            return Ok(());
-        }
-    }
-}
-
 /// Kills the run's process group and waits briefly for its exit.
 async fn cancel(run: &Run) {
-    if run.progress.borrow().exit.is_some() {
+    if run.progress.borrow().end.is_some() {
         return;
     }
-    if let Some(pid) = rustix::process::Pid::from_raw(run.pgid) {
+    if let Some(pid) = run.pgid.and_then(rustix::process::Pid::from_raw) {
         let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
     }
     let mut rx = run.progress.subscribe();
-    let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|p| p.exit.is_some())).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|p| p.end.is_some())).await;
 }
 
 /// `swactor job-exec --parent PID -- CMD ARGS…`: becomes CMD, dying with
@@ -603,5 +817,160 @@ pub(crate) fn exec(parent: u32, argv: &[String]) -> i32 {
         127
     } else {
         126
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::jobs::LOG_HEADER_LEN;
+
+    /// An agent whose runs start their command directly (a test binary has
+    /// no `swactor job-exec`).
+    fn agent(node_dir: &Path) -> AgentJobs {
+        let jobs = AgentJobs::new(node_dir, "worker-0".to_owned(), 2);
+        let inner = Arc::into_inner(jobs.inner).unwrap();
+        AgentJobs {
+            inner: Arc::new(Inner {
+                exec_wrapper: false,
+                ..inner
+            }),
+        }
+    }
+
+    async fn frames(mut bytes: &[u8]) -> Vec<FromAgent> {
+        let mut out = Vec::new();
+        while let Some(f) = recv_frame::<FromAgent, _>(&mut bytes, JOBS_FRAME_LEN_MAX)
+            .await
+            .unwrap()
+        {
+            out.push(f);
+        }
+        out
+    }
+
+    fn log_of(frames: &[FromAgent]) -> Vec<LogRecord> {
+        let mut log = Vec::new();
+        for f in frames {
+            if let FromAgent::Log(b) = f {
+                log.extend_from_slice(b);
+            }
+        }
+        LogRecord::decode_all(&log).0
+    }
+
+    #[tokio::test]
+    async fn a_restarted_agent_answers_attach_and_collect_for_a_finished_run_until_forget() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = agent(tmp.path());
+        let argv: Vec<String> = ["sh", "-c", "echo hello; echo result > out.txt; exit 3"]
+            .map(str::to_owned)
+            .to_vec();
+        first.start("job-1", &[], &argv, &[]).await.unwrap();
+        let run = first.run("job-1").unwrap();
+        let mut progress = run.progress.subscribe();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            progress.wait_for(|p| p.end.is_some()),
+        )
+        .await
+        .expect("the run ends")
+        .unwrap();
+        drop((progress, run, first));
+
+        // A new agent on the same directory, as after a restart.
+        let again = agent(tmp.path());
+        let run = again.run("job-1").expect("the finished run is still known");
+        let mut out = Vec::new();
+        again.attach(&run, 0, &mut out).await.unwrap();
+        let got = frames(&out).await;
+        let log = log_of(&got);
+        assert_eq!(log.len(), 1, "{got:?}");
+        assert_eq!(
+            (log[0].stream, log[0].data.as_slice()),
+            (Stream::Stdout, &b"hello\n"[..])
+        );
+        assert_eq!(
+            got.last(),
+            Some(&FromAgent::Exit(ExitInfo {
+                code: Some(3),
+                signal: None
+            }))
+        );
+        // From an offset: only the rest.
+        let mut out = Vec::new();
+        again.attach(&run, 3, &mut out).await.unwrap();
+        let FromAgent::Log(rest) = &frames(&out).await[0] else {
+            panic!("no log");
+        };
+        assert_eq!(rest.len(), LOG_HEADER_LEN + 6 - 3);
+
+        let mut out = Vec::new();
+        again
+            .collect(&run, &["*.txt".to_owned()], 1 << 20, &mut out)
+            .await
+            .unwrap();
+        let got = frames(&out).await;
+        assert_eq!(
+            got,
+            [
+                FromAgent::File {
+                    path: "out.txt".to_owned(),
+                    len: 7,
+                    hash: *blake3::hash(b"result\n").as_bytes(),
+                },
+                FromAgent::Data(b"result\n".to_vec()),
+                FromAgent::Collected,
+            ]
+        );
+
+        // Forgotten, it is gone for good, also for the next agent.
+        drop(run);
+        again.forget("job-1").await;
+        assert!(again.run("job-1").is_none());
+        assert!(agent(tmp.path()).run("job-1").is_none());
+        assert!(!tmp.path().join("jobs/runs/job-1").exists());
+    }
+
+    #[tokio::test]
+    async fn a_run_its_agent_left_without_an_exit_reports_its_log_then_that_it_died() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("jobs/runs/job-2");
+        std::fs::create_dir_all(dir.join("ws")).unwrap();
+        std::fs::write(dir.join("log"), LogRecord::encode(Stream::Stderr, b"half")).unwrap();
+        // A torn exit (the agent died mid-write) is no exit.
+        std::fs::write(dir.join("exit.part"), b"{\"co").unwrap();
+        let agent = agent(tmp.path());
+        let run = agent.run("job-2").unwrap();
+        let mut out = Vec::new();
+        agent.attach(&run, 0, &mut out).await.unwrap();
+        let got = frames(&out).await;
+        assert_eq!(log_of(&got)[0].data, b"half");
+        let Some(FromAgent::Died(why)) = got.last() else {
+            panic!("{got:?}");
+        };
+        assert!(
+            why.contains("worker-0 attempt 2 restarted while the run ran"),
+            "{why}"
+        );
+        // Nothing of it runs, so a cancel has nothing to wait for.
+        tokio::time::timeout(Duration::from_secs(1), cancel(&run))
+            .await
+            .unwrap();
+        // And it cannot be started again under the same job.
+        let again = agent.start("job-2", &[], &["true".to_owned()], &[]).await;
+        assert!(again.unwrap_err().contains("already runs"));
+    }
+
+    #[test]
+    fn an_exit_is_written_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let exit = ExitInfo {
+            code: None,
+            signal: Some(9),
+        };
+        write_exit(tmp.path(), exit).unwrap();
+        assert_eq!(read_exit(tmp.path()), Some(exit));
+        assert!(!tmp.path().join("exit.part").exists());
     }
 }

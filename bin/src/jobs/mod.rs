@@ -1,14 +1,28 @@
 //! Jobs: run a command on the cluster's nodes over `swactor/jobs/0`.
 //!
-//! The daemon side ([`service`]) turns a `swactor run` into one job with one
-//! run per (node, attempt); the agent side ([`agent`]) keeps a chunk store,
-//! materialises workspaces, runs commands in their own process group and
-//! keeps each run's output and exit status until the daemon collects them.
-//! The wire types, the workspace manifest and the output log format live
-//! here, shared by both. `docs/jobs.md` tells the whole story.
+//! The daemon side turns a `swactor run` into one job with one run per
+//! (node, attempt): [`service`] takes requests and keeps the jobs' records,
+//! [`runner`] holds the actors that drive them, and [`machine`] decides, as
+//! plain data, what a run does next; [`blobs`] serves workspace chunks to
+//! the agents over iroh-blobs. The agent side ([`agent`]) fetches the
+//! chunks it lacks into its chunk store, materialises workspaces, runs
+//! commands in their own process group and keeps each run's output and
+//! exit status on disk until the daemon collects them. The wire types, the workspace manifest and the
+//! output log format live here, shared by both. `docs/jobs.md` tells the
+//! whole story.
+//!
+//! ```text
+//! JobsActor                    one per daemon; records a job whose actor failed
+//!  └── JobActor  job-N         owns the job's record and its timeout timer
+//!       └── RunActor (N, node) ships, starts, follows, collects one run
+//!            └── Forwarder     the agent's log and exit, as messages
+//! ```
 
 pub(crate) mod agent;
+pub(crate) mod blobs;
 pub(crate) mod cli;
+pub(crate) mod machine;
+pub(crate) mod runner;
 pub(crate) mod service;
 
 use serde::{Deserialize, Serialize};
@@ -24,7 +38,8 @@ pub(crate) type Hash = [u8; 32];
 /// size, each shipped and stored under its own hash.
 pub(crate) const CHUNK_LEN: usize = 1 << 20;
 
-/// Largest frame on the jobs protocol: a chunk plus its envelope.
+/// Largest frame on the jobs protocol: a start request's manifest of
+/// chunk hashes, or a piece of output, plus envelope.
 pub(crate) const JOBS_FRAME_LEN_MAX: usize = CHUNK_LEN + 64 * 1024;
 
 /// Largest piece of output or of an output file in one frame.
@@ -62,26 +77,18 @@ pub(crate) fn safe_relative(path: &str) -> bool {
             .all(|part| !part.is_empty() && part != "." && part != "..")
 }
 
-/// A request from the daemon to an agent, one per stream (a `Chunk` stream
-/// carries many). Every request names the attempt it is meant for; an agent
-/// refuses one for another attempt.
+/// A request from the daemon to an agent, one per stream. Every request
+/// names the attempt it is meant for; an agent refuses one for another
+/// attempt.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) enum ToAgent {
-    /// Which of these chunks the agent lacks.
-    Missing {
+    /// Fetch the chunks of these that the agent lacks from the daemon's
+    /// blob provider ([`blobs`]), each verified as it arrives.
+    Fetch {
         /// The attempt the request is for.
         attempt: u64,
         /// Chunk hashes.
         chunks: Vec<Hash>,
-    },
-    /// A chunk to store under its hash (checked before it is kept).
-    Chunk {
-        /// The attempt the request is for.
-        attempt: u64,
-        /// The hash the bytes must have.
-        hash: Hash,
-        /// The bytes.
-        data: Vec<u8>,
     },
     /// Materialise the workspace and start the command.
     Start {
@@ -149,12 +156,17 @@ impl ExitInfo {
 }
 
 /// An agent's answer (one or many per request).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub(crate) enum FromAgent {
-    /// The chunks it lacks.
-    Missing(Vec<Hash>),
-    /// The chunk was verified and stored.
+    /// One more chunk was fetched, verified and stored.
     Stored,
+    /// Every chunk the agent lacked is stored; this much was fetched.
+    Fetched {
+        /// Chunk bytes fetched (what the blob protocol calls payload).
+        bytes: u64,
+        /// Chunks fetched.
+        chunks: u64,
+    },
     /// The command started.
     Started,
     /// Whole log records (see [`LogRecord`]), from the offset asked for on.
@@ -167,6 +179,9 @@ pub(crate) enum FromAgent {
         path: String,
         /// Length in bytes.
         len: u64,
+        /// The BLAKE3 hash of its bytes, which the daemon checks before
+        /// keeping the file.
+        hash: Hash,
     },
     /// A piece of the current output file.
     Data(Vec<u8>),
@@ -178,6 +193,9 @@ pub(crate) enum FromAgent {
     Unknown,
     /// The request was refused; the text says why.
     Refused(String),
+    /// The run's process died with an earlier agent of this attempt, before
+    /// it could record an exit status; the text says so.
+    Died(String),
 }
 
 /// Which stream a piece of output came from.

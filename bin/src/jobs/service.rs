@@ -1,38 +1,49 @@
-//! The daemon's side of jobs: accepts agents' jobs links, turns a
-//! `swactor run` into a job with one run per (node, attempt), ships the
-//! workspace, follows each run's output, collects its outputs and records
-//! every state change in `jobs.redb` before acting on it.
+//! The daemon's side of jobs: the requests `swactor run`, `swactor jobs` and
+//! `swactor job …` make, the records of every job, and the registry of the
+//! agents' jobs links.
 //!
-//! One task drives each job and one child task each of its runs; the job's
-//! timeout is a timer of the job's task. A restarted daemon reads
-//! `jobs.redb` and follows again every run that was running: the agents
-//! keep output and exit status until the daemon has collected them.
+//! A job is driven by actors ([`super::runner`]): a job actor per job, a run
+//! actor per (job, node) run. This module is what the control protocol
+//! talks to: it checks a request, records the job in `jobs.redb` before
+//! anything is sent, hands the job to its actor, and answers queries from a
+//! copy of each job's record that its actor refreshes after every journal
+//! write. A restarted daemon reads `jobs.redb` and starts a job actor for
+//! every job with runs still under way; the agents keep output and exit
+//! status on disk until the daemon has collected them.
 
-use super::{
-    CHUNK_LEN, FileEntry, FromAgent, Hash, JOBS_FRAME_LEN_MAX, LogRecord, Stream, ToAgent, hex,
-    safe_relative, size_words, walk,
-};
+use super::blobs::Blobs;
+use super::runner::{JobArgs, JobMsg, JobsActor, JobsMsg, RunMsg};
+use super::{CHUNK_LEN, FileEntry, Hash, LogRecord, Stream, size_words, walk};
 use crate::protocol::JoinRequest;
 use anyhow::Context;
+use iroh_blobs::api::TempTag;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use swactor_actors::ClusterHandle;
-use swactor_engine::iroh::endpoint::{Connection, RecvStream, SendStream};
+use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::journal::{Journal, JournalBatch, JournalContents};
-use swactor_engine::net::{
-    FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, accept_first_frame, recv_frame, send_frame,
-};
+use swactor_engine::net::Allowlist;
+use swactor_engine::net::{FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, accept_first_frame};
+use swactor_engine::ractor::{Actor, ActorId, ActorRef, rpc::CallResult};
+use swactor_engine::{BlockingConfig, BlockingPool, Clock, run_until};
 use swactor_providers::credentials::AgentCredentials;
 use swactor_provisioning::Intent;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::{broadcast, watch};
+
+use super::machine::{Change, Stop};
 
 /// Events of a job kept for a follower that falls behind.
 const EVENTS_KEPT: usize = 4096;
+
+/// Workspaces read (and hashed) at once.
+const WORKSPACE_READS_MAX: usize = 2;
+
+/// How long a request may wait for a job actor to answer.
+pub(crate) const ACTOR_CALL_WAIT: Duration = Duration::from_secs(60);
 
 /// Refuses when a node of `targets` already has as many runs under way as it may.
 fn busy(jobs: &BTreeMap<u64, Entry>, targets: &[(String, u64)], max: usize) -> Result<(), String> {
@@ -52,7 +63,8 @@ fn busy(jobs: &BTreeMap<u64, Entry>, targets: &[(String, u64)], max: usize) -> R
     Ok(())
 }
 
-/// What the jobs journal says it holds, and its format.
+/// What the jobs journal says it holds, and its format. Fields added since
+/// format 1 default when read, so a journal written before them still opens.
 const KIND: &str = "swactor-jobs";
 const FORMAT: u32 = 1;
 
@@ -138,6 +150,17 @@ impl JobState {
     }
 }
 
+/// A collected output file, as the daemon verified and kept it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct OutputFile {
+    /// Path relative to the workspace (and to `<outputs_dir>/<node>/`).
+    pub(crate) path: String,
+    /// Length in bytes.
+    pub(crate) len: u64,
+    /// BLAKE3 of its bytes, in hex; the daemon checked the bytes against it.
+    pub(crate) blake3: String,
+}
+
 /// One run of a job: a node's attempt, and what became of it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct RunRecord {
@@ -161,6 +184,12 @@ pub(crate) struct RunRecord {
     pub(crate) output_files: u64,
     /// Output bytes collected.
     pub(crate) output_bytes: u64,
+    /// The output files collected, each with its verified hash.
+    #[serde(default)]
+    pub(crate) collected: Vec<OutputFile>,
+    /// When it ended, in ms since the Unix epoch.
+    #[serde(default)]
+    pub(crate) ended_unix_ms: Option<u64>,
 }
 
 /// A job as the journal keeps it.
@@ -186,8 +215,12 @@ pub(crate) struct JobRecord {
     pub(crate) workspace_bytes: u64,
     /// Where the collected outputs are: `<dir>/<node>/…`.
     pub(crate) outputs_dir: String,
-    /// Why it was cancelled, once it was.
+    /// Why it was cancelled or stopped, once it was.
     pub(crate) cancelled: Option<String>,
+    /// The stop itself, recorded before any run is told, so a restarted
+    /// daemon carries it out.
+    #[serde(default)]
+    pub(crate) stop: Option<Stop>,
     /// Its runs.
     pub(crate) runs: Vec<RunRecord>,
 }
@@ -223,6 +256,53 @@ impl JobRecord {
             })
             .max()
             .unwrap_or(0)
+    }
+
+    /// Applies `change` to run `idx` at `now_unix_ms`; returns the event
+    /// that tells followers about it, if any. A change to a run that already
+    /// ended is ignored: a final state is never overwritten.
+    pub(crate) fn apply(
+        &mut self,
+        idx: usize,
+        change: &Change,
+        now_unix_ms: u64,
+    ) -> Option<JobEvent> {
+        let of = self.runs.first().map_or(0, |r| r.chunks);
+        let run = self.runs.get_mut(idx)?;
+        if run.state.is_final() {
+            return None;
+        }
+        match change {
+            Change::Shipping => {
+                run.state = JobState::Shipping;
+                None
+            }
+            Change::Shipped { bytes, chunks } => {
+                run.shipped_bytes = *bytes;
+                run.shipped_chunks = *chunks;
+                Some(JobEvent::Shipped {
+                    node: run.node.clone(),
+                    bytes: *bytes,
+                    chunks: *chunks,
+                    of,
+                })
+            }
+            Change::Running => {
+                run.state = JobState::Running;
+                None
+            }
+            Change::Finished(outcome) => {
+                debug_assert!(outcome.state.is_final(), "{outcome:?}");
+                run.state = outcome.state;
+                run.exit_code = outcome.exit_code;
+                run.error.clone_from(&outcome.error);
+                run.output_files = outcome.collected.len() as u64;
+                run.output_bytes = outcome.collected.iter().map(|f| f.len).sum();
+                run.collected.clone_from(&outcome.collected);
+                run.ended_unix_ms = Some(now_unix_ms);
+                Some(JobEvent::Finished(run.clone()))
+            }
+        }
     }
 }
 
@@ -298,63 +378,135 @@ pub(crate) enum JobEvent {
 
 #[derive(Debug)]
 struct Entry {
+    /// The record as last written to the journal.
     record: JobRecord,
     events: broadcast::Sender<JobEvent>,
-    /// Set to the reason when the job is cancelled or timed out.
-    cancel: watch::Sender<Option<Stop>>,
+    /// The job's actor while it runs.
+    actor: Option<ActorRef<JobMsg>>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Stop {
-    Cancelled,
-    TimedOut(String),
+/// Test hooks of debug builds, read from the daemon's environment; release
+/// builds ignore the variables.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Faults {
+    /// `SWACTOR_FAULT_TAMPER_BLOBS`: every chunk the daemon imports into its
+    /// blob store gets a byte of its data file flipped, after its hash tree
+    /// was computed, so agents are served bytes that do not match.
+    pub(crate) tamper_blobs: bool,
+    /// `SWACTOR_FAULT_RUN_PANICS_ON=NODE`: the run actor of that node panics
+    /// on the first piece of log it receives.
+    pub(crate) run_panics_on: Option<String>,
+    /// `SWACTOR_FAULT_ABORT_AFTER_RUNNING=1`: the daemon exits (code 86) as
+    /// soon as a run's `running` is on record, before its start request is sent.
+    pub(crate) abort_after_running: bool,
 }
 
-/// The daemon's jobs.
-#[derive(Clone, Debug)]
-pub(crate) struct JobService {
-    inner: Arc<Inner>,
-}
-
-#[derive(Debug)]
-struct Inner {
-    dir: PathBuf,
-    journal: Journal,
-    save: tokio::sync::Mutex<()>,
-    cluster: ClusterHandle,
-    secret: [u8; 32],
-    limits: JobLimits,
-    links: Mutex<HashMap<(String, u64), Connection>>,
-    links_changed: watch::Sender<u64>,
-    jobs: Mutex<BTreeMap<u64, Entry>>,
-    /// Test hook (debug builds): every chunk is sent with a byte flipped.
-    tamper: bool,
-}
-
-/// The outcome of one run, decided by its task.
-struct Outcome {
-    state: JobState,
-    exit_code: Option<i32>,
-    error: Option<String>,
-}
-
-impl Outcome {
-    fn fail(state: JobState, error: impl Into<String>) -> Self {
+impl Faults {
+    fn from_env() -> Self {
+        if !cfg!(debug_assertions) {
+            return Self::default();
+        }
         Self {
-            state,
-            exit_code: None,
-            error: Some(error.into()),
+            tamper_blobs: std::env::var_os("SWACTOR_FAULT_TAMPER_BLOBS").is_some(),
+            run_panics_on: std::env::var("SWACTOR_FAULT_RUN_PANICS_ON").ok(),
+            abort_after_running: std::env::var_os("SWACTOR_FAULT_ABORT_AFTER_RUNNING").is_some(),
         }
     }
 }
 
+/// What the job service and its actors share: the journal, the records'
+/// copies, the links, the limits.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// `<state dir>/jobs`: logs and collected outputs.
+    pub(crate) dir: PathBuf,
+    pub(crate) journal: Journal,
+    pub(crate) cluster: ClusterHandle,
+    secret: [u8; 32],
+    pub(crate) limits: JobLimits,
+    pub(crate) links: Links,
+    /// Workspace chunks, served to the agents that ship them.
+    pub(crate) blobs: Arc<Blobs>,
+    pub(crate) clock: Clock,
+    pub(crate) faults: Faults,
+    jobs: Mutex<BTreeMap<u64, Entry>>,
+    blocking: BlockingPool,
+}
+
+impl Shared {
+    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Entry>> {
+        self.jobs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The record of job `seq` as last written.
+    pub(crate) fn record(&self, seq: u64) -> Option<JobRecord> {
+        self.jobs().get(&seq).map(|e| e.record.clone())
+    }
+
+    /// Writes `record` (job `seq`) to the journal, then makes it the copy
+    /// queries read.
+    ///
+    /// # Errors
+    /// The journal cannot be written; the copy is left as it was.
+    pub(crate) async fn commit(&self, seq: u64, record: &JobRecord) -> Result<(), String> {
+        self.journal
+            .commit(JournalBatch::<u64, JobRecord> {
+                meta: None,
+                put: vec![(format!("{seq:012}"), record.clone())],
+                delete: Vec::new(),
+            })
+            .await
+            .map_err(|e| {
+                format!(
+                    "cannot record job {seq} in {}: {e}",
+                    self.journal.path().display()
+                )
+            })?;
+        if let Some(e) = self.jobs().get_mut(&seq) {
+            e.record = record.clone();
+        }
+        Ok(())
+    }
+
+    /// Tells job `seq`'s followers about `event`.
+    pub(crate) fn emit(&self, seq: u64, event: JobEvent) {
+        if let Some(e) = self.jobs().get(&seq) {
+            // Nobody following is fine: `swactor job logs` reads the files.
+            let _ = e.events.send(event);
+        }
+    }
+
+    /// Notes which actor drives job `seq` (`None` once it ended).
+    pub(crate) fn set_actor(&self, seq: u64, actor: Option<ActorRef<JobMsg>>) {
+        if let Some(e) = self.jobs().get_mut(&seq) {
+            e.actor = actor;
+        }
+    }
+
+    /// Where the daemon keeps the log of `job` on `node`.
+    pub(crate) fn log_path(&self, job: &str, node: &str) -> PathBuf {
+        self.dir.join(job).join(format!("{node}.log"))
+    }
+}
+
+/// The daemon's jobs: a cheap handle to share.
+#[derive(Clone, Debug)]
+pub(crate) struct JobService {
+    shared: Arc<Shared>,
+    root: ActorRef<JobsMsg>,
+}
+
 /// A workspace as read for shipping: its manifest and where each chunk is.
 #[derive(Debug, Default)]
-struct Workspace {
-    manifest: Vec<FileEntry>,
-    chunks: HashMap<Hash, (PathBuf, u64, usize)>,
-    order: Vec<Hash>,
-    bytes: u64,
+pub(crate) struct Workspace {
+    pub(crate) manifest: Vec<FileEntry>,
+    /// Each chunk's file, offset and length.
+    pub(crate) chunks: HashMap<Hash, (PathBuf, u64, usize)>,
+    /// Every distinct chunk, in the order first seen.
+    pub(crate) order: Vec<Hash>,
+    pub(crate) bytes: u64,
+    /// Keep the chunks in the blob store while the workspace is in use.
+    pub(crate) tags: Vec<TempTag>,
 }
 
 fn now_ms() -> u64 {
@@ -363,17 +515,23 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// Milliseconds since the Unix epoch: a job's timeout counts from its
+/// acceptance across daemon restarts, which only the wall clock spans.
+pub(crate) fn unix_now_ms() -> u64 {
+    now_ms()
+}
+
 fn seq_of(id: &str) -> Option<u64> {
     id.strip_prefix("job-").unwrap_or(id).parse().ok()
 }
 
 impl JobService {
-    /// Opens `jobs.redb` under `state_root` and follows again every run it
-    /// says was under way.
+    /// Opens `jobs.redb` under `state_root`, starts the jobs' supervisor and
+    /// a job actor for every job it says has runs under way.
     ///
     /// # Errors
-    /// The journal cannot be opened.
-    pub(crate) fn open(
+    /// The journal cannot be opened, or the supervisor cannot start.
+    pub(crate) async fn open(
         state_root: &Path,
         cluster: ClusterHandle,
         secret: [u8; 32],
@@ -385,117 +543,99 @@ impl JobService {
                 .with_context(|| format!("cannot use the jobs journal {}", path.display()))?;
         let dir = state_root.join("jobs");
         std::fs::create_dir_all(&dir).with_context(|| format!("cannot make {}", dir.display()))?;
-        let tamper =
-            cfg!(debug_assertions) && std::env::var_os("SWACTOR_FAULT_TAMPER_CHUNKS").is_some();
-        let service = Self {
-            inner: Arc::new(Inner {
-                dir,
-                journal,
-                save: tokio::sync::Mutex::new(()),
-                cluster,
-                secret,
-                limits,
-                links: Mutex::new(HashMap::new()),
-                links_changed: watch::channel(0).0,
-                jobs: Mutex::new(BTreeMap::new()),
-                tamper,
-            }),
-        };
+        let faults = Faults::from_env();
+        let blobs = Arc::new(Blobs::open(&dir.join("blobs"), faults.tamper_blobs).await?);
+        let shared = Arc::new(Shared {
+            dir,
+            journal,
+            cluster,
+            secret,
+            limits,
+            links: Links::new(blobs.allowlist.clone()),
+            blobs,
+            clock: Clock::new(),
+            faults,
+            jobs: Mutex::new(BTreeMap::new()),
+            blocking: BlockingPool::new(&BlockingConfig {
+                concurrency_max: WORKSPACE_READS_MAX,
+            })?,
+        });
+        let (root, _) = Actor::spawn(None, JobsActor, shared.clone())
+            .await
+            .context("cannot start the jobs' supervisor")?;
+        let service = Self { shared, root };
         let mut resume = Vec::new();
         for (key, record) in contents.records {
             let Ok(seq) = key.parse::<u64>() else {
                 continue;
             };
-            let under_way = record.runs.iter().any(|r| !r.state.is_final());
-            service.insert(seq, record);
-            if under_way {
-                resume.push(seq);
+            if record.runs.iter().any(|r| !r.state.is_final()) {
+                resume.push((seq, record.clone()));
             }
+            service.insert(seq, record);
         }
-        for seq in resume {
-            tracing::info!(job = seq, "following a job the last daemon left running");
-            tokio::spawn(service.clone().drive(seq, None));
+        for (seq, record) in resume {
+            tracing::info!(job = %record.id, "following a job the last daemon left running");
+            service.start(seq, record, None).await?;
         }
         Ok(service)
     }
 
     fn insert(&self, seq: u64, record: JobRecord) -> broadcast::Receiver<JobEvent> {
         let (events, rx) = broadcast::channel(EVENTS_KEPT);
-        let cancel = watch::channel(None).0;
-        self.inner
-            .jobs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(
-                seq,
-                Entry {
-                    record,
-                    events,
-                    cancel,
-                },
-            );
+        self.shared.jobs().insert(
+            seq,
+            Entry {
+                record,
+                events,
+                actor: None,
+            },
+        );
         rx
+    }
+
+    /// Has the supervisor start job `seq`'s actor.
+    async fn start(
+        &self,
+        seq: u64,
+        record: JobRecord,
+        workspace: Option<Arc<Workspace>>,
+    ) -> anyhow::Result<()> {
+        let args = JobArgs {
+            shared: self.shared.clone(),
+            seq,
+            record,
+            workspace,
+        };
+        match self
+            .root
+            .call(|reply| JobsMsg::Start(args, reply), Some(ACTOR_CALL_WAIT))
+            .await
+        {
+            Ok(CallResult::Success(Ok(()))) => Ok(()),
+            Ok(CallResult::Success(Err(e))) => anyhow::bail!("{e}"),
+            Ok(_) | Err(_) => anyhow::bail!("the jobs' supervisor did not answer"),
+        }
     }
 
     /// The protocol handler of `swactor/jobs/0`.
     pub(crate) fn handler(&self) -> JobsHandler {
-        JobsHandler(self.clone())
+        JobsHandler(self.shared.clone())
     }
 
-    fn with<T>(&self, seq: u64, f: impl FnOnce(&mut Entry) -> T) -> Option<T> {
-        self.inner
-            .jobs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get_mut(&seq)
-            .map(f)
-    }
-
-    fn emit(&self, seq: u64, event: JobEvent) {
-        self.with(seq, |e| {
-            let _ = e.events.send(event);
-        });
-    }
-
-    /// Writes job `seq` as it is now to the journal.
-    async fn save(&self, seq: u64) -> anyhow::Result<()> {
-        let _order = self.inner.save.lock().await;
-        let Some(record) = self.with(seq, |e| e.record.clone()) else {
-            return Ok(());
-        };
-        self.inner
-            .journal
-            .commit(JournalBatch::<u64, JobRecord> {
-                meta: None,
-                put: vec![(format!("{seq:012}"), record)],
-                delete: Vec::new(),
-            })
-            .await
-            .with_context(|| {
-                format!(
-                    "cannot record job {seq} in {}",
-                    self.inner.journal.path().display()
-                )
-            })
-    }
-
-    async fn set_run(&self, seq: u64, idx: usize, f: impl FnOnce(&mut RunRecord)) {
-        self.with(seq, |e| {
-            if let Some(run) = e.record.runs.get_mut(idx) {
-                f(run);
-            }
-        });
-        if let Err(e) = self.save(seq).await {
-            tracing::error!("{e:#}");
-        }
+    /// The handler of [`iroh_blobs::ALPN`] and the allowlist to serve it
+    /// behind (the keys of the agents whose jobs link is up).
+    pub(crate) fn blobs(&self) -> (Allowlist, iroh_blobs::BlobsProtocol) {
+        (
+            self.shared.blobs.allowlist.clone(),
+            self.shared.blobs.protocol(),
+        )
     }
 
     /// Every job, oldest first.
     pub(crate) fn list(&self) -> Vec<JobRecord> {
-        self.inner
-            .jobs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.shared
+            .jobs()
             .values()
             .map(|e| e.record.clone())
             .collect()
@@ -503,7 +643,7 @@ impl JobService {
 
     fn find(&self, id: &str) -> Result<u64, String> {
         seq_of(id)
-            .filter(|seq| self.with(*seq, |_| ()).is_some())
+            .filter(|seq| self.shared.jobs().contains_key(seq))
             .ok_or_else(|| format!("no job {id:?} (`swactor jobs` lists them)"))
     }
 
@@ -515,7 +655,7 @@ impl JobService {
         node: Option<&str>,
     ) -> Result<Vec<(String, bool, String)>, String> {
         let seq = self.find(id)?;
-        let record = self.with(seq, |e| e.record.clone()).ok_or("gone")?;
+        let record = self.shared.record(seq).ok_or("gone")?;
         if let Some(n) = node
             && !record.runs.iter().any(|r| r.node == n)
         {
@@ -527,7 +667,7 @@ impl JobService {
             .iter()
             .filter(|r| node.is_none_or(|n| n == r.node))
         {
-            let bytes = tokio::fs::read(self.log_path(&record.id, &run.node))
+            let bytes = tokio::fs::read(self.shared.log_path(&record.id, &run.node))
                 .await
                 .unwrap_or_default();
             for rec in LogRecord::decode_all(&bytes).0 {
@@ -541,38 +681,25 @@ impl JobService {
         Ok(out)
     }
 
-    fn log_path(&self, job: &str, node: &str) -> PathBuf {
-        self.inner.dir.join(job).join(format!("{node}.log"))
-    }
-
     /// Cancels job `id` on every node it still runs on; returns the job and those nodes.
     pub(crate) fn cancel(&self, id: &str) -> Result<(String, Vec<String>), String> {
         let seq = self.find(id)?;
-        self.stop(seq, Stop::Cancelled)
-            .ok_or_else(|| format!("no job {id:?}"))
-    }
-
-    fn stop(&self, seq: u64, why: Stop) -> Option<(String, Vec<String>)> {
-        self.with(seq, |e| {
-            let nodes: Vec<String> = e
-                .record
-                .runs
-                .iter()
-                .filter(|r| !r.state.is_final())
-                .map(|r| r.node.clone())
-                .collect();
-            if !nodes.is_empty() {
-                e.cancel.send_if_modified(|c| {
-                    if c.is_none() {
-                        *c = Some(why);
-                        true
-                    } else {
-                        false
-                    }
-                });
-            }
-            (e.record.id.clone(), nodes)
-        })
+        let jobs = self.shared.jobs();
+        let entry = jobs.get(&seq).ok_or_else(|| format!("no job {id:?}"))?;
+        let nodes: Vec<String> = entry
+            .record
+            .runs
+            .iter()
+            .filter(|r| !r.state.is_final())
+            .map(|r| r.node.clone())
+            .collect();
+        if !nodes.is_empty()
+            && let Some(actor) = &entry.actor
+        {
+            // A job that ended meanwhile has nothing left to cancel.
+            let _ = actor.send_message(JobMsg::Stop(Stop::Cancelled));
+        }
+        Ok((entry.record.id.clone(), nodes))
     }
 
     /// Accepts a job: checks everything, records it, starts it. Returns its
@@ -604,39 +731,33 @@ impl JobService {
             }
         }
         let (targets, skipped) = self.targets(&spec.targets).await?;
+        let limits = self.shared.limits;
         // Checked now, before the workspace is read, and again as the job is
         // recorded (another job may have started meanwhile).
-        busy(
-            &self
-                .inner
-                .jobs
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-            &targets,
-            self.inner.limits.runs_per_node_max,
-        )?;
+        busy(&self.shared.jobs(), &targets, limits.runs_per_node_max)?;
         let workspace = match &spec.workspace {
             None => Workspace::default(),
             Some(dir) => {
                 let dir = dir.clone();
-                let max = self.inner.limits.workspace_max_bytes;
-                tokio::task::spawn_blocking(move || read_workspace(&dir, max))
+                let max = limits.workspace_max_bytes;
+                let mut ws = self
+                    .shared
+                    .blocking
+                    .call(move |_| read_workspace(&dir, max))
                     .await
-                    .map_err(|e| e.to_string())??
+                    .map_err(|e| format!("cannot read the workspace: {e}"))??;
+                ws.tags = self.shared.blobs.import(&ws).await?;
+                ws
             }
         };
         // The number is taken and the job entered under one lock, so two
         // jobs submitted at once never share a number or overrun a node.
         let (seq, id, record, rx) = {
-            let mut jobs = self
-                .inner
-                .jobs
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            busy(&jobs, &targets, self.inner.limits.runs_per_node_max)?;
+            let mut jobs = self.shared.jobs();
+            busy(&jobs, &targets, limits.runs_per_node_max)?;
             let seq = jobs.keys().next_back().copied().unwrap_or(0) + 1;
             let id = format!("job-{seq}");
-            let outputs_dir = self.inner.dir.join(&id).join("outputs");
+            let outputs_dir = self.shared.dir.join(&id).join("outputs");
             let record = JobRecord {
                 id: id.clone(),
                 argv: spec.argv.clone(),
@@ -649,6 +770,7 @@ impl JobService {
                 workspace_bytes: workspace.bytes,
                 outputs_dir: outputs_dir.display().to_string(),
                 cancelled: None,
+                stop: None,
                 runs: targets
                     .iter()
                     .map(|(node, attempt)| RunRecord {
@@ -662,6 +784,8 @@ impl JobService {
                         chunks: workspace.order.len() as u64,
                         output_files: 0,
                         output_bytes: 0,
+                        collected: Vec::new(),
+                        ended_unix_ms: None,
                     })
                     .collect(),
             };
@@ -671,22 +795,22 @@ impl JobService {
                 Entry {
                     record: record.clone(),
                     events,
-                    cancel: watch::channel(None).0,
+                    actor: None,
                 },
             );
             (seq, id, record, rx)
         };
-        tokio::fs::create_dir_all(self.inner.dir.join(&id))
-            .await
-            .map_err(|e| format!("cannot make the job's directory: {e}"))?;
+        let forget = || {
+            self.shared.jobs().remove(&seq);
+        };
+        if let Err(e) = tokio::fs::create_dir_all(self.shared.dir.join(&id)).await {
+            forget();
+            return Err(format!("cannot make the job's directory: {e}"));
+        }
         // Recorded before anything is sent.
-        if let Err(e) = self.save(seq).await {
-            self.inner
-                .jobs
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&seq);
-            return Err(format!("{e:#}; nothing was started"));
+        if let Err(e) = self.shared.commit(seq, &record).await {
+            forget();
+            return Err(format!("{e}; nothing was started"));
         }
         let accepted = JobEvent::Accepted {
             job: id,
@@ -695,7 +819,12 @@ impl JobService {
             workspace_files: record.workspace_files,
             workspace_bytes: record.workspace_bytes,
         };
-        tokio::spawn(self.clone().drive(seq, Some(Arc::new(workspace))));
+        let runs = record.runs.len();
+        if let Err(e) = self.start(seq, record, Some(Arc::new(workspace))).await {
+            // On record as queued: a restarted daemon marks it failed.
+            tracing::error!(job = seq, runs, "{e:#}");
+            return Err(format!("{e:#}"));
+        }
         Ok((seq, rx, accepted))
     }
 
@@ -705,7 +834,7 @@ impl JobService {
         targets: &Targets,
     ) -> Result<(Vec<(String, u64)>, Vec<String>), String> {
         let snap = self
-            .inner
+            .shared
             .cluster
             .snapshot()
             .await
@@ -776,7 +905,9 @@ impl JobService {
         // A ready node's agent may still be dialing its jobs link.
         for (node, attempt) in &chosen {
             if self
-                .wait_link(node, *attempt, Duration::from_secs(5))
+                .shared
+                .links
+                .wait(&self.shared.clock, node, *attempt, Duration::from_secs(5))
                 .await
                 .is_none()
             {
@@ -787,598 +918,6 @@ impl JobService {
         }
         Ok((chosen, skipped))
     }
-
-    fn link(&self, node: &str, attempt: u64) -> Option<Connection> {
-        self.inner
-            .links
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&(node.to_owned(), attempt))
-            .filter(|c| c.close_reason().is_none())
-            .cloned()
-    }
-
-    /// The link of (node, attempt), waiting up to `wait` for it.
-    async fn wait_link(&self, node: &str, attempt: u64, wait: Duration) -> Option<Connection> {
-        let mut changed = self.inner.links_changed.subscribe();
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            if let Some(c) = self.link(node, attempt) {
-                return Some(c);
-            }
-            if tokio::time::timeout_at(deadline, changed.changed())
-                .await
-                .is_err()
-            {
-                return None;
-            }
-        }
-    }
-
-    /// Whether the cluster has moved on from (node, attempt): the node now
-    /// runs a later attempt. (A node missing from the snapshot proves
-    /// nothing: a daemon that just restarted may not list it yet; the
-    /// reattach wait covers that case.)
-    async fn superseded(&self, node: &str, attempt: u64) -> Option<String> {
-        let snap = self.inner.cluster.snapshot().await.ok()?;
-        let n = snap.nodes.iter().find(|n| n.node.to_string() == node)?;
-        (n.attempt.0 > attempt).then(|| {
-            format!(
-                "{node} attempt {attempt} was replaced by attempt {}",
-                n.attempt.0
-            )
-        })
-    }
-
-    /// Drives job `seq`: a child task per run, the timeout, then the end.
-    async fn drive(self, seq: u64, workspace: Option<Arc<Workspace>>) {
-        let Some((runs, timeout, created, stop_rx)) = self.with(seq, |e| {
-            (
-                e.record.runs.len(),
-                e.record.timeout_s,
-                e.record.created_unix_ms,
-                e.cancel.subscribe(),
-            )
-        }) else {
-            return;
-        };
-        let mut children = tokio::task::JoinSet::new();
-        for idx in 0..runs {
-            children.spawn(
-                self.clone()
-                    .run(seq, idx, workspace.clone(), stop_rx.clone()),
-            );
-        }
-        let timer = timeout.map(|t| {
-            let left = Duration::from_secs_f64(t.clamp(0.001, 1e9))
-                .saturating_sub(Duration::from_millis(now_ms().saturating_sub(created)));
-            let me = self.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(left).await;
-                me.stop(seq, Stop::TimedOut(format!("timed out after {t} s")));
-            })
-        });
-        while children.join_next().await.is_some() {}
-        if let Some(timer) = timer {
-            timer.abort();
-        }
-        let stopped = stop_rx.borrow().clone();
-        self.with(seq, |e| {
-            e.record.cancelled = match stopped {
-                Some(Stop::Cancelled) => Some("cancelled".to_owned()),
-                Some(Stop::TimedOut(t)) => Some(t),
-                None => None,
-            };
-        });
-        if let Err(e) = self.save(seq).await {
-            tracing::error!("{e:#}");
-        }
-        if let Some(record) = self.with(seq, |e| e.record.clone()) {
-            tracing::info!(job = %record.id, state = record.state().word(), "job ended");
-            self.emit(seq, JobEvent::Done(record));
-        }
-    }
-
-    /// One run, from wherever the journal says it is to its end.
-    async fn run(
-        self,
-        seq: u64,
-        idx: usize,
-        workspace: Option<Arc<Workspace>>,
-        mut stop: watch::Receiver<Option<Stop>>,
-    ) {
-        let Some(run) = self
-            .with(seq, |e| e.record.runs.get(idx).cloned())
-            .flatten()
-        else {
-            return;
-        };
-        if run.state.is_final() {
-            return;
-        }
-        let outcome = match (run.state, workspace) {
-            (JobState::Queued | JobState::Shipping, Some(ws)) => {
-                self.ship_and_start(seq, idx, &run, &ws, &mut stop).await
-            }
-            (JobState::Queued | JobState::Shipping, None) => Err(Outcome::fail(
-                JobState::Failed,
-                "the daemon stopped before the run started; nothing ran",
-            )),
-            (_, _) => Ok(()),
-        };
-        let outcome = match outcome {
-            Err(o) => o,
-            Ok(()) => self.follow(seq, idx, &run, &mut stop).await,
-        };
-        let job = self.with(seq, |e| e.record.id.clone()).unwrap_or_default();
-        self.set_run(seq, idx, |r| {
-            r.state = outcome.state;
-            r.exit_code = outcome.exit_code;
-            r.error = outcome.error.clone();
-        })
-        .await;
-        if let Some(r) = self
-            .with(seq, |e| e.record.runs.get(idx).cloned())
-            .flatten()
-        {
-            self.emit(seq, JobEvent::Finished(r));
-        }
-        // The agent may drop what it kept once the end is on record.
-        if let Some(conn) = self.link(&run.node, run.attempt) {
-            let _ = request(
-                &conn,
-                &ToAgent::Forget {
-                    attempt: run.attempt,
-                    job,
-                },
-            )
-            .await;
-        }
-    }
-
-    async fn ship_and_start(
-        &self,
-        seq: u64,
-        idx: usize,
-        run: &RunRecord,
-        ws: &Workspace,
-        stop: &mut watch::Receiver<Option<Stop>>,
-    ) -> Result<(), Outcome> {
-        self.set_run(seq, idx, |r| r.state = JobState::Shipping)
-            .await;
-        let lost = || {
-            Outcome::fail(
-                JobState::Lost,
-                format!("{} attempt {} has no jobs link", run.node, run.attempt),
-            )
-        };
-        let conn = self.link(&run.node, run.attempt).ok_or_else(lost)?;
-        let (bytes, chunks) = self
-            .ship(&conn, run, ws)
-            .await
-            .map_err(|e| Outcome::fail(JobState::Failed, e))?;
-        self.set_run(seq, idx, |r| {
-            r.shipped_bytes = bytes;
-            r.shipped_chunks = chunks;
-        })
-        .await;
-        self.emit(
-            seq,
-            JobEvent::Shipped {
-                node: run.node.clone(),
-                bytes,
-                chunks,
-                of: ws.order.len() as u64,
-            },
-        );
-        if let Some(why) = stop.borrow().clone() {
-            return Err(stopped_outcome(&why, "before it started"));
-        }
-        // The intent is on record before the effect.
-        self.set_run(seq, idx, |r| r.state = JobState::Running)
-            .await;
-        let (job, argv, env) = self
-            .with(seq, |e| {
-                (
-                    e.record.id.clone(),
-                    e.record.argv.clone(),
-                    e.record.env.clone(),
-                )
-            })
-            .ok_or_else(lost)?;
-        let start = ToAgent::Start {
-            attempt: run.attempt,
-            job,
-            manifest: ws.manifest.clone(),
-            argv,
-            env,
-        };
-        match request(&conn, &start).await {
-            Ok(FromAgent::Started) => Ok(()),
-            Ok(FromAgent::Refused(e)) => Err(Outcome {
-                state: JobState::Failed,
-                exit_code: Some(127),
-                error: Some(e),
-            }),
-            Ok(other) => Err(Outcome::fail(
-                JobState::Failed,
-                format!("unexpected answer {other:?}"),
-            )),
-            Err(e) => Err(Outcome::fail(
-                JobState::Lost,
-                format!("{} went away while the run was starting: {e}", run.node),
-            )),
-        }
-    }
-
-    /// Sends the chunks `run`'s node lacks; returns the bytes and chunks sent.
-    async fn ship(
-        &self,
-        conn: &Connection,
-        run: &RunRecord,
-        ws: &Workspace,
-    ) -> Result<(u64, u64), String> {
-        let missing = match request(
-            conn,
-            &ToAgent::Missing {
-                attempt: run.attempt,
-                chunks: ws.order.clone(),
-            },
-        )
-        .await
-        {
-            Ok(FromAgent::Missing(m)) => m,
-            Ok(FromAgent::Refused(e)) => return Err(e),
-            Ok(other) => return Err(format!("unexpected answer {other:?}")),
-            Err(e) => {
-                return Err(format!(
-                    "{} went away while the workspace was shipped: {e}",
-                    run.node
-                ));
-            }
-        };
-        if missing.is_empty() {
-            return Ok((0, 0));
-        }
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-        let mut bytes = 0u64;
-        let mut sent = 0u64;
-        for hash in &missing {
-            let Some((path, offset, len)) = ws.chunks.get(hash) else {
-                return Err(format!(
-                    "the agent asked for chunk {} that is not in the workspace",
-                    hex(hash)
-                ));
-            };
-            let mut data = read_at(path, *offset, *len)
-                .await
-                .map_err(|e| format!("cannot read {} of the workspace: {e}", path.display()))?;
-            if self.inner.tamper
-                && let Some(b) = data.first_mut()
-            {
-                *b ^= 0xff;
-            }
-            let frame = ToAgent::Chunk {
-                attempt: run.attempt,
-                hash: *hash,
-                data,
-            };
-            send_frame(&mut send, &frame, JOBS_FRAME_LEN_MAX)
-                .await
-                .map_err(|e| e.to_string())?;
-            match recv_frame::<FromAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX).await {
-                Ok(Some(FromAgent::Stored)) => {}
-                Ok(Some(FromAgent::Refused(e))) => return Err(e),
-                Ok(other) => return Err(format!("unexpected answer {other:?}")),
-                Err(e) => {
-                    return Err(format!(
-                        "{} went away while the workspace was shipped: {e}",
-                        run.node
-                    ));
-                }
-            }
-            bytes += *len as u64;
-            sent += 1;
-        }
-        let _ = send.finish();
-        Ok((bytes, sent))
-    }
-
-    /// Follows a started run to its end: output, exit, outputs. Survives its
-    /// agent's link going and coming back; a node that does not come back
-    /// (or was replaced) makes the run `lost`.
-    async fn follow(
-        &self,
-        seq: u64,
-        idx: usize,
-        run: &RunRecord,
-        stop: &mut watch::Receiver<Option<Stop>>,
-    ) -> Outcome {
-        let Some(job) = self.with(seq, |e| e.record.id.clone()) else {
-            return Outcome::fail(JobState::Failed, "the job is gone");
-        };
-        let log_path = self.log_path(&job, &run.node);
-        // This daemon's copy of the log starts over: the agent has all of it.
-        let Ok(mut log) = tokio::fs::File::create(&log_path).await else {
-            return Outcome::fail(
-                JobState::Failed,
-                format!("cannot write {}", log_path.display()),
-            );
-        };
-        let mut offset = 0u64;
-        let mut pending: Vec<u8> = Vec::new();
-        let mut cancel_sent = false;
-        let exit = 'attach: loop {
-            let away_until = tokio::time::Instant::now() + self.inner.limits.reattach_wait;
-            let conn = loop {
-                if let Some(c) = self.link(&run.node, run.attempt) {
-                    break c;
-                }
-                if let Some(why) = self.superseded(&run.node, run.attempt).await {
-                    return Outcome::fail(JobState::Lost, format!("{why} while the run ran"));
-                }
-                if tokio::time::Instant::now() >= away_until {
-                    return Outcome::fail(
-                        JobState::Lost,
-                        format!(
-                            "the agent of {} attempt {} did not come back within {} s",
-                            run.node,
-                            run.attempt,
-                            self.inner.limits.reattach_wait.as_secs()
-                        ),
-                    );
-                }
-                // Looked at again twice a second: the node may be replaced meanwhile.
-                let _ = self
-                    .wait_link(&run.node, run.attempt, Duration::from_millis(500))
-                    .await;
-            };
-            if stop.borrow().is_some() && !cancel_sent {
-                cancel_sent = true;
-                let _ = request(
-                    &conn,
-                    &ToAgent::Cancel {
-                        attempt: run.attempt,
-                        job: job.clone(),
-                    },
-                )
-                .await;
-            }
-            let attached = async {
-                let (mut send, recv) = conn.open_bi().await?;
-                let req = ToAgent::Attach {
-                    attempt: run.attempt,
-                    job: job.clone(),
-                    offset,
-                };
-                send_frame(&mut send, &req, JOBS_FRAME_LEN_MAX).await?;
-                let _ = send.finish();
-                anyhow::Ok(recv)
-            };
-            let Ok(mut recv) = attached.await else {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            };
-            loop {
-                let next = tokio::select! {
-                    next = recv_frame::<FromAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX) => next,
-                    changed = stop.changed(), if !cancel_sent => {
-                        if changed.is_ok() && stop.borrow().is_some() {
-                            cancel_sent = true;
-                            let conn = conn.clone();
-                            let cancel = ToAgent::Cancel { attempt: run.attempt, job: job.clone() };
-                            tokio::spawn(async move { let _ = request(&conn, &cancel).await; });
-                        }
-                        continue;
-                    }
-                };
-                match next {
-                    Ok(Some(FromAgent::Log(bytes))) => {
-                        if log.write_all(&bytes).await.is_err() {
-                            return Outcome::fail(
-                                JobState::Failed,
-                                format!("cannot write {}", log_path.display()),
-                            );
-                        }
-                        offset += bytes.len() as u64;
-                        pending.extend_from_slice(&bytes);
-                        let (records, used) = LogRecord::decode_all(&pending);
-                        pending.drain(..used);
-                        for rec in records {
-                            self.emit(
-                                seq,
-                                JobEvent::Output {
-                                    node: run.node.clone(),
-                                    stderr: rec.stream == Stream::Stderr,
-                                    text: String::from_utf8_lossy(&rec.data).into_owned(),
-                                },
-                            );
-                        }
-                    }
-                    Ok(Some(FromAgent::Exit(exit))) => break 'attach exit,
-                    Ok(Some(FromAgent::Unknown)) => {
-                        return Outcome::fail(
-                            JobState::Failed,
-                            format!(
-                                "{} has no record of this run: the daemon stopped before the run started, so nothing ran",
-                                run.node
-                            ),
-                        );
-                    }
-                    Ok(Some(FromAgent::Refused(e))) => return Outcome::fail(JobState::Lost, e),
-                    // The link broke: find the agent again.
-                    _ => {
-                        let _ = log.flush().await;
-                        continue 'attach;
-                    }
-                }
-            }
-        };
-        let _ = log.flush().await;
-        let stopped = stop.borrow().clone();
-        if let Some(why) = stopped {
-            let mut o = stopped_outcome(&why, "while it ran");
-            // A cancelled run shows how it was killed; a timed-out one, 124.
-            if why == Stop::Cancelled {
-                o.exit_code = Some(exit.shell_code());
-            }
-            return o;
-        }
-        let code = exit.shell_code();
-        let outputs = self
-            .with(seq, |e| e.record.outputs.clone())
-            .unwrap_or_default();
-        let collected = if outputs.is_empty() {
-            Ok((0, 0))
-        } else {
-            match self.link(&run.node, run.attempt) {
-                Some(conn) => self.collect(&conn, &job, run, outputs).await,
-                None => Err(format!(
-                    "{} went away before its outputs were collected",
-                    run.node
-                )),
-            }
-        };
-        match collected {
-            Ok((files, bytes)) => {
-                self.set_run(seq, idx, |r| {
-                    r.output_files = files;
-                    r.output_bytes = bytes;
-                })
-                .await;
-                Outcome {
-                    state: if code == 0 {
-                        JobState::Succeeded
-                    } else {
-                        JobState::Failed
-                    },
-                    exit_code: Some(code),
-                    error: (code != 0).then(|| format!("exited with {code}")),
-                }
-            }
-            Err(e) => Outcome {
-                state: JobState::Failed,
-                exit_code: Some(code),
-                error: Some(e),
-            },
-        }
-    }
-
-    /// Fetches the run's outputs into `<outputs_dir>/<node>/`.
-    async fn collect(
-        &self,
-        conn: &Connection,
-        job: &str,
-        run: &RunRecord,
-        globs: Vec<String>,
-    ) -> Result<(u64, u64), String> {
-        let into = self.inner.dir.join(job).join("outputs").join(&run.node);
-        let _ = tokio::fs::remove_dir_all(&into).await;
-        let max = self.inner.limits.output_max_bytes;
-        let req = ToAgent::Collect {
-            attempt: run.attempt,
-            job: job.to_owned(),
-            globs,
-            output_max_bytes: max,
-        };
-        let went = |e: &dyn std::fmt::Display| {
-            format!(
-                "{} went away while its outputs were collected: {e}",
-                run.node
-            )
-        };
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| went(&e))?;
-        send_frame(&mut send, &req, JOBS_FRAME_LEN_MAX)
-            .await
-            .map_err(|e| went(&e))?;
-        let _ = send.finish();
-        let mut files = 0u64;
-        let mut bytes = 0u64;
-        let mut current: Option<tokio::fs::File> = None;
-        let result = loop {
-            match recv_frame::<FromAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX).await {
-                Ok(Some(FromAgent::File { path, .. })) => {
-                    if !safe_relative(&path) {
-                        break Err(format!(
-                            "{} named an output {path:?} outside its workspace",
-                            run.node
-                        ));
-                    }
-                    let dest = into.join(&path);
-                    if let Some(parent) = dest.parent() {
-                        let _ = tokio::fs::create_dir_all(parent).await;
-                    }
-                    match tokio::fs::File::create(&dest).await {
-                        Ok(f) => current = Some(f),
-                        Err(e) => break Err(format!("cannot write {}: {e}", dest.display())),
-                    }
-                    files += 1;
-                }
-                Ok(Some(FromAgent::Data(data))) => {
-                    bytes += data.len() as u64;
-                    if bytes > max {
-                        break Err(format!(
-                            "the outputs of {} exceed the limit of {}",
-                            run.node,
-                            size_words(max)
-                        ));
-                    }
-                    if let Some(f) = current.as_mut()
-                        && let Err(e) = f.write_all(&data).await
-                    {
-                        break Err(format!("cannot write an output: {e}"));
-                    }
-                }
-                Ok(Some(FromAgent::Collected)) => break Ok((files, bytes)),
-                Ok(Some(FromAgent::Refused(e))) => break Err(e),
-                Ok(other) => break Err(format!("unexpected answer {other:?}")),
-                Err(e) => break Err(went(&e)),
-            }
-        };
-        if let Some(mut f) = current {
-            let _ = f.flush().await;
-        }
-        if result.is_err() {
-            let _ = tokio::fs::remove_dir_all(&into).await;
-        }
-        result
-    }
-}
-
-fn stopped_outcome(why: &Stop, when: &str) -> Outcome {
-    match why {
-        Stop::Cancelled => Outcome::fail(JobState::Cancelled, format!("cancelled {when}")),
-        Stop::TimedOut(t) => Outcome {
-            state: JobState::Failed,
-            exit_code: Some(124),
-            error: Some(t.clone()),
-        },
-    }
-}
-
-/// One request, one answer, on a new stream of `conn`.
-async fn request(conn: &Connection, req: &ToAgent) -> anyhow::Result<FromAgent> {
-    let ask = async {
-        let (mut send, mut recv): (SendStream, RecvStream) = conn.open_bi().await?;
-        send_frame(&mut send, req, JOBS_FRAME_LEN_MAX).await?;
-        let _ = send.finish();
-        let answer = recv_frame::<FromAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX)
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("the agent closed the stream"))?;
-        anyhow::Ok(answer)
-    };
-    tokio::time::timeout(Duration::from_secs(30), ask)
-        .await
-        .map_err(|_| anyhow::anyhow!("the agent did not answer within 30 s"))?
-}
-
-async fn read_at(path: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
-    use tokio::io::{AsyncReadExt, AsyncSeekExt};
-    let mut f = tokio::fs::File::open(path).await?;
-    f.seek(std::io::SeekFrom::Start(offset)).await?;
-    let mut data = vec![0u8; len];
-    f.read_exact(&mut data).await?;
-    Ok(data)
 }
 
 /// Reads and hashes the workspace `dir`, refusing one over `max` bytes.
@@ -1462,10 +1001,132 @@ fn read_workspace(dir: &Path, max: u64) -> Result<Workspace, String> {
     Ok(ws)
 }
 
+/// The agents' jobs links, by (node, attempt), and the run actors waiting
+/// on them. A run actor is told when its attempt's link comes up, and when
+/// a later attempt of its node links up (its own attempt was replaced). The
+/// key of an agent whose link is up may connect to the blob provider.
+#[derive(Debug)]
+pub(crate) struct Links {
+    inner: Mutex<LinksInner>,
+    /// Bumped on every change, for requests that wait for a link.
+    changed: watch::Sender<u64>,
+    /// The blob provider's allowlist.
+    blobs: Allowlist,
+}
+
+#[derive(Debug, Default)]
+struct LinksInner {
+    conns: HashMap<(String, u64), Connection>,
+    watchers: Vec<Watcher>,
+}
+
+#[derive(Debug)]
+struct Watcher {
+    node: String,
+    attempt: u64,
+    actor: ActorRef<RunMsg>,
+}
+
+impl Links {
+    fn new(blobs: Allowlist) -> Self {
+        Self {
+            inner: Mutex::new(LinksInner::default()),
+            changed: watch::channel(0).0,
+            blobs,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LinksInner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The live link of (node, attempt).
+    pub(crate) fn get(&self, node: &str, attempt: u64) -> Option<Connection> {
+        self.lock()
+            .conns
+            .get(&(node.to_owned(), attempt))
+            .filter(|c| c.close_reason().is_none())
+            .cloned()
+    }
+
+    /// Tells `actor` about links of `node` from now on.
+    pub(crate) fn watch(&self, node: &str, attempt: u64, actor: ActorRef<RunMsg>) {
+        self.lock().watchers.push(Watcher {
+            node: node.to_owned(),
+            attempt,
+            actor,
+        });
+    }
+
+    /// Stops telling actor `id`.
+    pub(crate) fn unwatch(&self, id: ActorId) {
+        self.lock().watchers.retain(|w| w.actor.get_id() != id);
+    }
+
+    fn up(&self, node: &str, attempt: u64, conn: Connection) {
+        let mut inner = self.lock();
+        self.blobs.allow(conn.remote_id());
+        inner.conns.insert((node.to_owned(), attempt), conn);
+        // A watcher whose actor is gone (killed with its job) is dropped here.
+        inner.watchers.retain(|w| {
+            if w.node != node {
+                return true;
+            }
+            let msg = match attempt.cmp(&w.attempt) {
+                std::cmp::Ordering::Equal => RunMsg::LinkUp,
+                std::cmp::Ordering::Greater => RunMsg::Superseded(format!(
+                    "{node} attempt {} was replaced by attempt {attempt}",
+                    w.attempt
+                )),
+                std::cmp::Ordering::Less => return true,
+            };
+            w.actor.send_message(msg).is_ok()
+        });
+        drop(inner);
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    fn down(&self, node: &str, attempt: u64, conn: &Connection) {
+        let mut inner = self.lock();
+        let key = (node.to_owned(), attempt);
+        if inner
+            .conns
+            .get(&key)
+            .is_some_and(|c| c.stable_id() == conn.stable_id())
+        {
+            inner.conns.remove(&key);
+            self.blobs.revoke(&conn.remote_id());
+        }
+        drop(inner);
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// The link of (node, attempt), waiting up to `wait` for it.
+    pub(crate) async fn wait(
+        &self,
+        clock: &Clock,
+        node: &str,
+        attempt: u64,
+        wait: Duration,
+    ) -> Option<Connection> {
+        let mut changed = self.changed.subscribe();
+        let deadline = clock.now() + wait;
+        loop {
+            if let Some(c) = self.get(node, attempt) {
+                return Some(c);
+            }
+            // Woken by every change, never by a timer of its own.
+            if !matches!(run_until(deadline, changed.changed()).await, Ok(Ok(()))) {
+                return None;
+            }
+        }
+    }
+}
+
 /// `swactor/jobs/0` on the daemon: each agent's jobs link, checked like a
 /// swarm join (its key and token must be those of its attempt).
 #[derive(Debug, Clone)]
-pub(crate) struct JobsHandler(JobService);
+pub(crate) struct JobsHandler(Arc<Shared>);
 
 impl ProtocolHandler for JobsHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
@@ -1475,37 +1136,18 @@ impl ProtocolHandler for JobsHandler {
         else {
             return Ok(());
         };
-        let expected = AgentCredentials::derive(&self.0.inner.secret, &join.key);
+        let expected = AgentCredentials::derive(&self.0.secret, &join.key);
         if conn.remote_id() != expected.endpoint_id() || join.token != expected.token {
             tracing::warn!(key = %join.key, "a jobs link was refused: wrong key or token");
             conn.close(1u32.into(), b"not this node's agent");
             return Ok(());
         }
-        let key = (join.key.node.to_string(), join.key.attempt.0);
-        tracing::info!(node = %key.0, attempt = key.1, "jobs link up");
-        self.0
-            .inner
-            .links
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(key.clone(), conn.clone());
-        self.0.inner.links_changed.send_modify(|n| *n += 1);
+        let (node, attempt) = (join.key.node.to_string(), join.key.attempt.0);
+        tracing::info!(%node, attempt, "jobs link up");
+        self.0.links.up(&node, attempt, conn.clone());
         conn.closed().await;
-        let mut links = self
-            .0
-            .inner
-            .links
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if links
-            .get(&key)
-            .is_some_and(|c| c.stable_id() == conn.stable_id())
-        {
-            links.remove(&key);
-        }
-        drop(links);
-        self.0.inner.links_changed.send_modify(|n| *n += 1);
-        tracing::info!(node = %key.0, attempt = key.1, "jobs link down");
+        self.0.links.down(&node, attempt, &conn);
+        tracing::info!(%node, attempt, "jobs link down");
         Ok(())
     }
 }
@@ -1513,6 +1155,7 @@ impl ProtocolHandler for JobsHandler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::jobs::machine::Outcome;
 
     fn run(state: JobState, exit_code: Option<i32>) -> RunRecord {
         RunRecord {
@@ -1526,6 +1169,8 @@ mod tests {
             chunks: 0,
             output_files: 0,
             output_bytes: 0,
+            collected: Vec::new(),
+            ended_unix_ms: None,
         }
     }
 
@@ -1542,8 +1187,61 @@ mod tests {
             workspace_bytes: 0,
             outputs_dir: String::new(),
             cancelled: None,
+            stop: None,
             runs,
         }
+    }
+
+    #[test]
+    fn a_final_state_is_applied_once_and_never_overwritten() {
+        let mut j = job(vec![run(JobState::Queued, None)]);
+        assert!(j.apply(0, &Change::Shipping, 5).is_none());
+        assert_eq!(j.runs[0].state, JobState::Shipping);
+        let shipped = j.apply(
+            0,
+            &Change::Shipped {
+                bytes: 6,
+                chunks: 1,
+            },
+            5,
+        );
+        assert!(matches!(shipped, Some(JobEvent::Shipped { bytes: 6, .. })));
+        assert!(j.apply(0, &Change::Running, 5).is_none());
+        assert_eq!(j.state(), JobState::Running);
+        let file = OutputFile {
+            path: "out.txt".to_owned(),
+            len: 3,
+            blake3: "ab".to_owned(),
+        };
+        let done = Outcome {
+            state: JobState::Succeeded,
+            exit_code: Some(0),
+            error: None,
+            collected: vec![file.clone()],
+        };
+        assert!(matches!(
+            j.apply(0, &Change::Finished(done), 5),
+            Some(JobEvent::Finished(_))
+        ));
+        assert_eq!((j.runs[0].output_files, j.runs[0].output_bytes), (1, 3));
+        assert_eq!(j.runs[0].collected, [file]);
+        assert_eq!(j.runs[0].ended_unix_ms, Some(5));
+        // A late change (e.g. from a run actor that crashed after it was
+        // recorded) leaves the final state alone.
+        let crashed = Outcome::fail(JobState::Failed, "crashed");
+        assert!(j.apply(0, &Change::Finished(crashed), 5).is_none());
+        assert!(j.apply(0, &Change::Running, 5).is_none());
+        assert_eq!(j.runs[0].state, JobState::Succeeded);
+        assert!(j.apply(7, &Change::Running, 5).is_none());
+    }
+
+    #[test]
+    fn a_record_written_before_the_new_fields_still_reads() {
+        let mut v = serde_json::to_value(job(vec![run(JobState::Running, None)])).unwrap();
+        v.as_object_mut().unwrap().remove("stop");
+        v["runs"][0].as_object_mut().unwrap().remove("collected");
+        let back: JobRecord = serde_json::from_value(v).unwrap();
+        assert!(back.stop.is_none() && back.runs[0].collected.is_empty());
     }
 
     #[test]
