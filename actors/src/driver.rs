@@ -62,6 +62,8 @@ pub struct DriverState {
     next_ticket: u64,
     drive_queued: bool,
     telemetry: Telemetry,
+    /// Messages handled (see [`DriverView::messages`]).
+    messages: u64,
 }
 
 /// The driver actor.
@@ -122,6 +124,7 @@ impl Actor for DriverActor {
             waiting: BTreeMap::new(),
             next_ticket: 0,
             drive_queued: false,
+            messages: 0,
             telemetry: Telemetry::new(config.event_buffer_len, publisher),
             config,
         };
@@ -152,6 +155,7 @@ impl Actor for DriverActor {
         st: &mut DriverState,
     ) -> Result<(), ActorProcessingErr> {
         let now = st.now();
+        st.messages += 1;
         match msg {
             DriverMsg::Cluster(msg) => st.public(msg, now),
             DriverMsg::Swarm(SwarmMsg::Join(key, reply)) => {
@@ -173,6 +177,7 @@ impl Actor for DriverActor {
                     agents_away: st.host.agents_away(),
                     stats: core.stats(),
                     shape: st.host.journal_meta().shape.clone(),
+                    messages: st.messages,
                 });
             }
             DriverMsg::Executor(report) => st.reported(report, now)?,

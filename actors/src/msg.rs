@@ -182,6 +182,9 @@ pub struct DriverView {
     pub stats: swactor_provisioning::DriverStats,
     /// The shape on record (the last accepted one), as it was applied.
     pub shape: Option<ClusterShape>,
+    /// Messages the driver actor has handled: every one its mailbox took
+    /// (a batch of results or observations counts once), its own included.
+    pub messages: u64,
 }
 
 /// A local subscription: the state now, then every event after it.

@@ -32,8 +32,8 @@ pub(crate) struct Figures {
     /// Processor time the process spent over the same span (user and
     /// system): the figure to read on a machine busy with other work.
     pub(crate) converge_cpu: Duration,
-    /// Messages into and out of the driver: results and observations
-    /// (folded or discarded), one per pass, and one per dispatch.
+    /// Messages the driver actor's mailbox took (a batch of results or of
+    /// observations is one message).
     pub(crate) messages: u64,
     /// Passes the driver ran.
     pub(crate) passes: u64,
@@ -67,7 +67,7 @@ impl Figures {
     pub(crate) fn row(&self) -> String {
         let n = self.nodes;
         format!(
-            "| {n} | {:.3} s | {:.3} s | {:.1} | {} | {:.0} MB | {:.0} B | {:.0} B | {:.0} B | {:.0} B | {:.0} B | {:.1} ns |",
+            "| {n} | {:.3} s | {:.3} s | {:.4} | {} | {:.0} MB | {:.0} B | {:.0} B | {:.0} B | {:.0} B | {:.0} B | {:.1} ns |",
             self.converge.as_secs_f64(),
             self.converge_cpu.as_secs_f64(),
             self.messages as f64 / f64::from(n.max(1)),
@@ -195,7 +195,7 @@ pub(crate) fn measure(n: u32) -> Figures {
         })
         .min()
         .unwrap_or_default();
-    let stats = view.stats;
+    let (stats, messages) = (view.stats, view.messages);
     drop(view);
     rt.block_on(cluster.shutdown(ShutdownMode::Teardown))
         .expect("the cluster shuts down");
@@ -207,7 +207,7 @@ pub(crate) fn measure(n: u32) -> Figures {
         nodes: n,
         converge,
         converge_cpu,
-        messages: stats.folded + stats.discarded + stats.passes + stats.dispatched,
+        messages,
         passes: stats.passes,
         peak_rss,
         rss_growth,
