@@ -11,10 +11,10 @@ mod measure;
 fn the_scale_benchmark_measures_a_small_cluster() {
     let f = measure::measure(200);
     assert_eq!(f.nodes, 200);
-    // Every node walks the ladder: a lease, a bootstrap, observations, and
-    // a pass now and then; nothing is retried with a zero-latency provider.
-    let per_node = f.messages as f64 / 200.0;
-    assert!((4.0..30.0).contains(&per_node), "{f:?}");
+    // Every node walks the ladder (a lease, a bootstrap, observations), but
+    // results and observations reach the driver in batches: far fewer
+    // messages than nodes, and at least one per pass.
+    assert!(f.messages < 200, "{f:?}");
     assert!(f.passes >= 2 && f.passes < f.messages, "{f:?}");
     assert!(f.converge > std::time::Duration::ZERO, "{f:?}");
     // Memory: the run held some heap, the state is part of it, and the

@@ -769,6 +769,20 @@ fn plan_with(
     plan
 }
 
+/// Whether `node` is ready with exactly its slot's template (the same
+/// `Arc`) and waits on nothing: then every row before 11 passes it by, and
+/// rows 17 and 18 concern only outdated or failed nodes, so
+/// [`reconcile_node_gated`] decides row 11 for it.
+#[inline]
+fn steady(node: &ManagedNode, desired: Option<&Arc<NodeTemplate>>) -> bool {
+    node.record.ready
+        && node.intent == Intent::Active
+        && matches!(node.record.stage, NodeStage::Dormant | NodeStage::HandedOff)
+        && node.pending.is_none()
+        && node.retry.next_effect_at.is_none()
+        && desired.is_some_and(|t| Arc::ptr_eq(t, &node.template))
+}
+
 /// Visits every slot in order with its decision: existing nodes through
 /// [`reconcile_node_gated`] (the budgets of rows 17 and 18, `tripped`
 /// naming the groups whose breaker is tripped), missing desired slots as
@@ -782,7 +796,7 @@ pub(crate) fn walk(
     tripped: &BTreeSet<GroupId>,
     mut visit: impl FnMut(&LogicalNodeId, NodeDecision),
 ) {
-    let mut nodes = state.nodes.iter().peekable();
+    let mut groups = state.nodes.by_group().peekable();
     let insert =
         |visit: &mut dyn FnMut(&LogicalNodeId, NodeDecision), g: &DesiredGroup, index: u32| {
             let id = LogicalNodeId::new(g.id.clone(), index);
@@ -800,32 +814,45 @@ pub(crate) fn walk(
         |id: &LogicalNodeId, node: &ManagedNode, t: Option<&Arc<NodeTemplate>>, now: Timestamp| {
             if paused {
                 reconcile_node_paused(node, t, now)
+            } else if steady(node, t) {
+                // Most nodes of a large cluster, most of the time: row 11
+                // without walking the ladder (the same answer, checked in
+                // debug builds).
+                let d = NodeDecision::wait(LadderRow::SteadyReady, None);
+                debug_assert_eq!(d, reconcile_node_gated(id, node, t, now, &mut gates));
+                d
             } else {
                 reconcile_node_gated(id, node, t, now, &mut gates)
             }
         };
     for g in &desired.groups {
         // Nodes of groups that sort before this one are not desired at all.
-        while let Some((id, node)) = nodes.next_if(|(id, _)| id.group < g.id) {
-            visit(id, reconcile_node(id, node, None, now));
+        while let Some((_, nodes)) = groups.next_if(|(id, _)| **id < g.id) {
+            for (id, node) in nodes {
+                visit(id, reconcile_node(id, node, None, now));
+            }
         }
         // Its desired slots: `count`, and the surge slots a rollout adds.
         let extent = g.count + surge(state, g);
         let mut next_missing = 0u32;
-        while let Some((id, node)) = nodes.next_if(|(id, _)| id.group.same(&g.id)) {
-            for index in next_missing..id.index.min(extent) {
-                insert(&mut visit, g, index);
+        if let Some((_, nodes)) = groups.next_if(|(id, _)| id.same(&g.id)) {
+            for (id, node) in nodes {
+                for index in next_missing..id.index.min(extent) {
+                    insert(&mut visit, g, index);
+                }
+                next_missing = next_missing.max(id.index.saturating_add(1));
+                let t = (id.index < extent).then_some(&g.template);
+                visit(id, reconcile_node(id, node, t, now));
             }
-            next_missing = next_missing.max(id.index.saturating_add(1));
-            let t = (id.index < extent).then_some(&g.template);
-            visit(id, reconcile_node(id, node, t, now));
         }
         for index in next_missing..extent {
             insert(&mut visit, g, index);
         }
     }
-    for (id, node) in nodes {
-        visit(id, reconcile_node(id, node, None, now));
+    for (_, nodes) in groups {
+        for (id, node) in nodes {
+            visit(id, reconcile_node(id, node, None, now));
+        }
     }
 }
 

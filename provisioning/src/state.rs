@@ -174,23 +174,33 @@ impl RetryState {
     }
 }
 
-/// Lifecycle facts of one attempt.
+/// Lifecycle facts of one attempt. `repr(C)`: the small fields a pass
+/// reads (stage, ready flag) come first, next to the hot fields of
+/// [`ManagedNode`] that precede the record.
+#[repr(C)]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRecord {
     /// Where on the ladder the attempt is.
     pub stage: NodeStage,
     /// The convergence flag: set when convergence is observed, cleared on failure or delete.
     pub ready: bool,
+    /// The last bootstrap fact reported.
+    pub bootstrap: Option<BootstrapStage>,
+    /// A create whose outcome is unknown; re-issued (adopting) before any destructive step.
+    pub ambiguous: Option<AmbiguousCreate>,
+    /// Adopted by a restarted driver, with a listed lease, and not ready
+    /// since: while it re-attaches, a template it runs that is not (or no
+    /// longer) its slot's does not replace it at once; it may become ready
+    /// again, and then its group's rollout replaces it within budget.
+    /// Cleared when it becomes ready.
+    #[serde(default)]
+    pub resuming: bool,
     /// The provider's lease, while one is live.
     pub lease: Option<LeaseId>,
     /// The machine's endpoint, once known.
     pub endpoint: Option<NodeEndpoint>,
     /// The live bootstrap session, if any.
     pub session: Option<SessionId>,
-    /// The last bootstrap fact reported.
-    pub bootstrap: Option<BootstrapStage>,
-    /// A create whose outcome is unknown; re-issued (adopting) before any destructive step.
-    pub ambiguous: Option<AmbiguousCreate>,
     /// A bootstrap session that reports nothing until this instant is failed as stalled.
     pub bootstrap_deadline: Option<Timestamp>,
     /// A lease whose endpoint is still not ready at this instant fails the
@@ -204,13 +214,6 @@ pub struct NodeRecord {
     pub trouble: Option<Box<Trouble>>,
     /// When a destroyed, still-desired slot may start its next attempt.
     pub restart_at: Option<Timestamp>,
-    /// Adopted by a restarted driver, with a listed lease, and not ready
-    /// since: while it re-attaches, a template it runs that is not (or no
-    /// longer) its slot's does not replace it at once; it may become ready
-    /// again, and then its group's rollout replaces it within budget.
-    /// Cleared when it becomes ready.
-    #[serde(default)]
-    pub resuming: bool,
 }
 
 impl NodeRecord {
