@@ -125,6 +125,26 @@ fn bench_pass(c: &mut Criterion) {
                 BatchSize::LargeInput,
             );
         });
+        // The same, on a driver that stays warm: fold one observation, run
+        // the pass it queues, again and again (the clone above leaves every
+        // structure cold in the cache, which dominates at 100k).
+        let mut warm = d.clone();
+        let (node, n0) = warm.state().nodes.iter().nth(n as usize / 2).unwrap();
+        let converged = BootstrapObservation {
+            node: node.clone(),
+            attempt: n0.attempt,
+            session: n0.record.session.clone().unwrap(),
+            event: BootstrapEvent::Stage(BootstrapStage::Converged),
+        };
+        g.bench_with_input(BenchmarkId::new("driver_fold_and_pass", n), &n, |b, _| {
+            b.iter(|| {
+                let folded = warm.handle_bootstrap(converged.clone(), now).unwrap();
+                assert_eq!(folded, Folded::Applied);
+                let pass = warm.poll_pass(now).unwrap().unwrap();
+                assert!(pass.dispatches.is_empty());
+                warm.finish_pass().unwrap();
+            });
+        });
         // 10 % churn: every tenth node failed, so a pass begins its deletion.
         let mut churn = d.state().clone();
         for (i, node) in churn.nodes.values_mut().enumerate() {
