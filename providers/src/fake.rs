@@ -11,12 +11,11 @@
 //! visibility), plus [`FakeProvider::arm_lost_result`] (the call takes effect
 //! but its reply is lost: an ambiguous outcome) and out-of-band deletion.
 
-use crate::{BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError};
+use crate::{BootstrapEvents, BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError};
 use async_trait::async_trait;
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
-use swactor_conformance::{BackendConfig, FakeBackend, LiveResource, Origin, ProviderFault};
+use swactor_conformance::{BackendConfig, FakeBackend, Origin, ProviderFault};
 use swactor_engine::Clock;
 use swactor_provisioning::{
     BootstrapEvent, EffectKind, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
@@ -48,15 +47,39 @@ impl Default for FakeConfig {
     }
 }
 
-struct Stream {
-    tx: Option<mpsc::Sender<BootstrapEvent>>,
-    /// Everything delivered so far, replayed to an adopting caller.
-    log: Vec<BootstrapEvent>,
+/// The provider's end of one session's stream.
+type StreamTx = mpsc::Sender<BootstrapEvent>;
+
+/// Why [`deliver`] could not hand an observation to a stream's reader.
+#[derive(Debug)]
+enum Undelivered {
+    /// The reader is `stream_buffer_len` behind.
+    Full,
+    /// The reader is gone.
+    Closed,
+}
+
+/// A new stream holding up to `buffer` undelivered observations. Every
+/// stream the provider makes comes from here.
+fn open_stream(buffer: usize) -> (StreamTx, BootstrapEvents) {
+    mpsc::channel(buffer)
+}
+
+/// Hands `event` to the stream's reader without waiting. Every observation
+/// the provider sends goes through here.
+fn deliver(tx: &StreamTx, event: BootstrapEvent) -> Result<(), Undelivered> {
+    tx.try_send(event).map_err(|e| match e {
+        mpsc::error::TrySendError::Full(_) => Undelivered::Full,
+        mpsc::error::TrySendError::Closed(_) => Undelivered::Closed,
+    })
 }
 
 struct State {
     backend: FakeBackend,
-    streams: BTreeMap<SessionId, Stream>,
+    /// The stream of each session, by the model's session index; `None`
+    /// once the session ended (the reader sees the end of its stream).
+    /// Replaying a session to an adopting caller reads the model's log.
+    streams: Vec<Option<StreamTx>>,
     lost_results: Vec<EffectKind>,
     observations_dropped: u64,
 }
@@ -106,7 +129,7 @@ impl FakeProvider {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 backend: FakeBackend::new(config.backend.clone(), config.seed),
-                streams: BTreeMap::new(),
+                streams: Vec::new(),
                 lost_results: Vec::new(),
                 observations_dropped: 0,
             }),
@@ -145,12 +168,7 @@ impl FakeProvider {
     pub fn delete_out_of_band(&self, key: &ResourceKey) -> bool {
         let now = self.shared.now();
         let mut st = self.shared.lock();
-        let lease = st
-            .backend
-            .leases()
-            .iter()
-            .find(|(_, l)| l.live && l.key == *key)
-            .map(|(id, _)| id.clone());
+        let lease = st.backend.live_lease(key);
         let deleted = lease.is_some_and(|l| st.backend.delete_out_of_band(&l, now));
         drop(st);
         self.shared.wake.notify_one();
@@ -257,19 +275,22 @@ impl Provider for FakeProvider {
                 .backend
                 .start_bootstrap(key, lease, now)
                 .map_err(classify)?;
-            let (tx, events) = mpsc::channel(buffer);
-            let stream = st.streams.entry(grant.session.clone()).or_insert(Stream {
-                tx: None,
-                log: Vec::new(),
-            });
+            let i = st
+                .backend
+                .session_index(&grant.session)
+                .expect("the model just started or adopted it");
+            let (tx, events) = open_stream(buffer);
             if grant.origin != Origin::Created {
                 // Restate the progress so far on the adopter's fresh stream.
-                for ev in &stream.log {
-                    let _ = tx.try_send(ev.clone());
+                for ev in st.backend.delivered(i) {
+                    let _ = deliver(&tx, ev);
                 }
             }
+            if st.streams.len() <= i {
+                st.streams.resize_with(i + 1, || None);
+            }
             // Replacing the sender ends any older reader's stream.
-            stream.tx = Some(tx);
+            st.streams[i] = Some(tx);
             Ok(BootstrapSession {
                 session: grant.session,
                 events,
@@ -303,23 +324,18 @@ impl Provider for FakeProvider {
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
         self.latency().await;
         let st = self.shared.lock();
-        let mut inv = Inventory::new();
-        for (key, res) in st.backend.live_resources() {
-            if key.run_id != *run_id {
-                continue;
-            }
-            let entry = inv.entry(key.clone()).or_default();
-            match res {
-                LiveResource::Lease(l) => entry.lease = Some(l.clone()),
-                LiveResource::Session(s) => entry.session = Some(s.clone()),
-            }
-        }
+        let inv: Inventory = st
+            .backend
+            .holdings(run_id)
+            .map(|(key, lease, session)| (key.clone(), crate::OwnedResources { lease, session }))
+            .collect();
         Ok(inv)
     }
 }
 
 /// Delivers scripted observations at their virtual time until the provider is dropped.
 async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
+    let mut ended = Vec::new();
     loop {
         let (next, clock) = {
             let Some(s) = shared.upgrade() else { return };
@@ -343,25 +359,23 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
         let now = s.now();
         let mut guard = s.lock();
         let st = &mut *guard;
-        let mut touched = Vec::new();
-        for obs in st.backend.poll_observations(now) {
-            let Some(stream) = st.streams.get_mut(&obs.session) else {
+        for obs in st.backend.poll_events(now) {
+            let Some(stream) = st.streams.get(obs.session) else {
                 continue;
             };
-            stream.log.push(obs.event.clone());
-            if let Some(Err(_)) = stream.tx.as_ref().map(|tx| tx.try_send(obs.event)) {
+            if let Some(Err(_)) = stream.as_ref().map(|tx| deliver(tx, obs.event)) {
                 st.observations_dropped += 1;
             }
-            touched.push(obs.session);
+            if !obs.open {
+                ended.push(obs.session);
+            }
         }
         // A session ends only after an observation (its last script step, or
-        // the final event of a cancel or loss); close the channel of each one
-        // that did, so its reader sees the end.
-        for id in touched {
-            let open = st.backend.sessions().get(&id).is_some_and(|i| i.open);
-            if let Some(stream) = st.streams.get_mut(&id).filter(|_| !open) {
-                stream.tx = None;
-            }
+        // the final event of a cancel or loss); once every observation due
+        // is delivered (a failure's close may follow it at the same poll),
+        // close the stream of each one that did, so its reader sees the end.
+        for i in ended.drain(..) {
+            st.streams[i] = None;
         }
     }
 }
@@ -369,6 +383,7 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
     use swactor_provisioning::{LogicalNodeId, NodeAttemptId, ResourceKey, RunId};
 
     fn key() -> ResourceKey {
