@@ -387,8 +387,6 @@ pub struct SessionEvent {
     pub session: usize,
     /// What it reported.
     pub event: BootstrapEvent,
-    /// Whether the session is still open after reporting it.
-    pub open: bool,
 }
 
 /// Totals over the backend's lifetime.
@@ -1715,12 +1713,15 @@ impl FakeBackend {
     }
 
     /// [`FakeBackend::poll_observations`] as an iterator of [`SessionEvent`]s:
-    /// the same observations in the same order, without the attempt's
-    /// identity and with whether the session is still open. Observations
-    /// the iterator is dropped before yielding stay due.
+    /// the same observations in the same order, by session index rather
+    /// than with the attempt's identity. Observations the iterator is
+    /// dropped before yielding stay due. Once it is exhausted,
+    /// [`PollEvents::ended`] names the sessions that reported and are no
+    /// longer open.
     pub fn poll_events(&mut self, now: Timestamp) -> PollEvents<'_> {
         PollEvents {
             poll: Poll::new(self, now),
+            reported: Vec::new(),
         }
     }
 
@@ -1943,6 +1944,23 @@ impl Drop for Poll<'_> {
 #[must_use = "observations not taken stay due"]
 pub struct PollEvents<'a> {
     poll: Poll<'a>,
+    /// Sessions that reported and may not be open at the end of the poll:
+    /// ended already, or due again within it.
+    reported: Vec<u32>,
+}
+
+impl PollEvents<'_> {
+    /// The sessions that reported in this poll and are no longer open (a
+    /// session may be named more than once). A session can end by an
+    /// observation nobody hears (a lost close), so MUST be asked only once
+    /// every observation due was taken, to be complete.
+    pub fn ended(&self) -> impl Iterator<Item = usize> + '_ {
+        let sessions = &self.poll.backend.sessions;
+        self.reported
+            .iter()
+            .map(|i| *i as usize)
+            .filter(|i| !sessions[*i].open)
+    }
 }
 
 impl Iterator for PollEvents<'_> {
@@ -1950,10 +1968,13 @@ impl Iterator for PollEvents<'_> {
 
     fn next(&mut self) -> Option<SessionEvent> {
         let (i, code) = self.poll.next_code()?;
+        let s = &self.poll.backend.sessions[i];
+        if !s.open || (s.scheduled && s.due <= self.poll.now) {
+            self.reported.push(index_u32(i));
+        }
         Some(SessionEvent {
             session: i,
             event: event(code),
-            open: self.poll.backend.sessions[i].open,
         })
     }
 }
