@@ -460,13 +460,21 @@ impl IdBuf {
         let mut digits = [0u8; 20];
         let mut at = digits.len();
         let mut m = n;
-        loop {
+        // Two digits a division while there are more than two.
+        while m >= 100 {
+            let pair = (m % 100) as usize;
+            m /= 100;
+            at -= 2;
+            digits[at] = b'0' + (pair / 10) as u8;
+            digits[at + 1] = b'0' + (pair % 10) as u8;
+        }
+        if m >= 10 {
+            at -= 2;
+            digits[at] = b'0' + (m / 10) as u8;
+            digits[at + 1] = b'0' + (m % 10) as u8;
+        } else {
             at -= 1;
-            digits[at] = b'0' + (m % 10) as u8;
-            m /= 10;
-            if m == 0 {
-                break;
-            }
+            digits[at] = b'0' + m as u8;
         }
         let d = &digits[at..];
         bytes[p.len()..p.len() + d.len()].copy_from_slice(d);
@@ -672,68 +680,83 @@ fn key_hash(key: &ResourceKey) -> u64 {
         for w in &mut words {
             h = mix(h, u64::from_le_bytes(w.try_into().expect("eight bytes")));
         }
-        let mut last = [0u8; 8];
-        last[..words.remainder().len()].copy_from_slice(words.remainder());
-        h = mix(h, u64::from_le_bytes(last) ^ ((bytes.len() as u64) << 56));
+        let last = words
+            .remainder()
+            .iter()
+            .rev()
+            .fold(0u64, |w, b| (w << 8) | u64::from(*b));
+        h = mix(h, last ^ ((bytes.len() as u64) << 56));
     }
     h = mix(h, u64::from(key.node.index));
     mix(h, key.attempt.0)
 }
 
-/// An open-addressing hash set of key indexes, hashed and compared through
-/// the key table (so each identity is stored once).
+/// An open-addressing hash set of key indexes, compared through the key
+/// table (so each identity is stored once). Each slot also keeps the top
+/// bits of its key's hash, so a probe rarely touches the key table and
+/// growing never does.
 #[derive(Clone, Debug, Default)]
 struct KeyIndex {
-    /// A power of two long (or empty); [`NONE`] marks a free slot.
-    slots: Vec<u32>,
+    /// A power of two long (at most 2^32), or empty: a free slot is zero,
+    /// a taken one holds `tag << 32 | (index + 1)`.
+    slots: Vec<u64>,
 }
 
 impl KeyIndex {
-    fn home(&self, hash: u64) -> usize {
+    /// The 32 bits of a key's hash the index uses: the top of a Fibonacci
+    /// multiply, where it mixed most.
+    fn tag(hash: u64) -> u32 {
+        (hash.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
+    }
+
+    fn home(&self, tag: u32) -> usize {
         let bits = self.slots.len().trailing_zeros();
-        // Fibonacci hashing on the high bits, where the multiply mixed most.
-        (hash.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize
+        (u64::from(tag) >> (32 - bits)) as usize
     }
 
     fn find(&self, keys: &Table<KeyEntry>, key: &ResourceKey, hash: u64) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
+        let tag = Self::tag(hash);
         let mask = self.slots.len() - 1;
-        let mut at = self.home(hash);
+        let mut at = self.home(tag);
         loop {
             let slot = self.slots[at];
-            if slot == NONE {
+            if slot == 0 {
                 return None;
             }
-            if keys[slot as usize].key == *key {
-                return Some(slot as usize);
-            }
-            at = (at + 1) & mask;
-        }
-    }
-
-    /// Adds key `i` (not present yet); `keys` already holds it.
-    fn insert(&mut self, keys: &Table<KeyEntry>, i: usize, hash: u64) {
-        if (keys.len()) * 4 > self.slots.len() * 3 {
-            let len = (self.slots.len() * 2).max(16);
-            self.slots = vec![NONE; len];
-            for j in 0..keys.len() {
-                if j != i {
-                    self.place(index_u32(j), key_hash(&keys[j].key));
+            if (slot >> 32) as u32 == tag {
+                let i = (slot as u32 - 1) as usize;
+                if keys[i].key == *key {
+                    return Some(i);
                 }
             }
-        }
-        self.place(index_u32(i), hash);
-    }
-
-    fn place(&mut self, i: u32, hash: u64) {
-        let mask = self.slots.len() - 1;
-        let mut at = self.home(hash);
-        while self.slots[at] != NONE {
             at = (at + 1) & mask;
         }
-        self.slots[at] = i;
+    }
+
+    /// Adds key `i` (not present yet), `count` keys in all with it.
+    fn insert(&mut self, count: usize, i: usize, hash: u64) {
+        if count * 4 > self.slots.len() * 3 {
+            let old = std::mem::take(&mut self.slots);
+            let len = (old.len() * 2).max(16);
+            assert!(len <= 1 << 32, "fewer than 2^31 identities");
+            self.slots = vec![0; len];
+            for slot in old.into_iter().filter(|s| *s != 0) {
+                self.place(slot);
+            }
+        }
+        self.place(u64::from(Self::tag(hash)) << 32 | (u64::from(index_u32(i)) + 1));
+    }
+
+    fn place(&mut self, slot: u64) {
+        let mask = self.slots.len() - 1;
+        let mut at = self.home((slot >> 32) as u32);
+        while self.slots[at] != 0 {
+            at = (at + 1) & mask;
+        }
+        self.slots[at] = slot;
     }
 }
 
@@ -930,10 +953,35 @@ impl Session {
 
 /// Sessions due at one instant. Entries of sessions since moved elsewhere
 /// stay until the bucket is taken; `live` counts the others.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 struct Bucket {
     live: u32,
+    /// Whether `sessions` is in the order of the id strings.
+    sorted: bool,
+    /// The [`lex_key`] of the last session put in.
+    last: u128,
     sessions: Vec<u32>,
+}
+
+impl Default for Bucket {
+    fn default() -> Self {
+        Self {
+            live: 0,
+            sorted: true,
+            last: 0,
+            sessions: Vec::new(),
+        }
+    }
+}
+
+impl Bucket {
+    fn push(&mut self, i: u32, number: u64) {
+        let key = lex_key(number);
+        self.sorted &= key > self.last;
+        self.last = key;
+        self.live += 1;
+        self.sessions.push(i);
+    }
 }
 
 const SCRIPT_CONVERGED: u8 = 5;
@@ -1097,16 +1145,21 @@ impl FakeBackend {
 
     fn key_or_insert(&mut self, key: &ResourceKey) -> usize {
         let hash = key_hash(key);
-        if let Some(i) = self.index.find(&self.keys, key, hash) {
-            return i;
+        match self.index.find(&self.keys, key, hash) {
+            Some(i) => i,
+            None => self.insert_key(key, hash),
         }
+    }
+
+    /// Adds `key` (not known yet, of hash `hash`) and returns its index.
+    fn insert_key(&mut self, key: &ResourceKey, hash: u64) -> usize {
         let i = self.keys.push(KeyEntry {
             key: self.interned.key(key),
             stats: KeyStats::default(),
             lease: NONE,
             session: NONE,
         });
-        self.index.insert(&self.keys, i, hash);
+        self.index.insert(self.keys.len(), i, hash);
         i
     }
 
@@ -1198,9 +1251,11 @@ impl FakeBackend {
         debug_assert!(!s.scheduled);
         s.scheduled = true;
         s.due = at;
-        let bucket = self.schedule.entry(at).or_default();
-        bucket.live += 1;
-        bucket.sessions.push(index_u32(i));
+        let number = s.number;
+        self.schedule
+            .entry(at)
+            .or_default()
+            .push(index_u32(i), number);
     }
 
     /// Puts session `i` in the observation schedule at its next step, or takes it out.
@@ -1367,10 +1422,9 @@ impl FakeBackend {
         if self.refused(EffectKind::StartBootstrap) {
             return Err(ProviderError::Refused(EffectKind::StartBootstrap));
         }
-        let open = self
-            .find_key(key)
-            .map(|k| self.keys[k].session)
-            .filter(|s| *s != NONE);
+        let hash = key_hash(key);
+        let known = self.index.find(&self.keys, key, hash);
+        let open = known.map(|k| self.keys[k].session).filter(|s| *s != NONE);
         if let Some(i) = open {
             let i = i as usize;
             self.attach(i, now);
@@ -1396,7 +1450,10 @@ impl FakeBackend {
             || self
                 .take_fault(|f| matches!(f, ProviderFault::CloseAfterConverge))
                 .is_some();
-        let k = self.key_or_insert(key);
+        let k = match known {
+            Some(k) => k,
+            None => self.insert_key(key, hash),
+        };
         let i = self.sessions.len();
         let number = self.fresh_number(Kind::Session, i);
         self.sessions.push(Session {
@@ -1903,21 +1960,27 @@ impl<'a> Poll<'a> {
             let entry = b.schedule.first_entry().filter(|e| *e.key() <= self.now)?;
             let (at, bucket) = entry.remove_entry();
             let mut order = bucket.sessions;
-            // Drop entries of sessions that moved since, then put the rest
-            // in the order of their id strings (sort only when needed: a
-            // bucket filled from an earlier one is in order already).
-            order.retain(|i| {
-                let s = &b.sessions[*i as usize];
-                s.scheduled && s.due == at
-            });
-            let lex = |i: &u32| lex_key(b.sessions[*i as usize].number);
-            if !order.is_sorted_by_key(lex) {
+            // Drop entries of sessions that moved since (there are some
+            // only if one moved out), then put the rest in the order of
+            // their id strings (a bucket filled from an earlier one, in
+            // order, is in order already).
+            let stale = order.len() != bucket.live as usize;
+            if stale {
+                order.retain(|i| {
+                    let s = &b.sessions[*i as usize];
+                    s.scheduled && s.due == at
+                });
+            }
+            if !bucket.sorted {
+                let lex = |i: &u32| lex_key(b.sessions[*i as usize].number);
                 let mut keyed: Vec<(u128, u32)> = order.iter().map(|i| (lex(i), *i)).collect();
                 keyed.sort_unstable();
                 order.clear();
                 order.extend(keyed.into_iter().map(|(_, i)| i));
             }
-            order.dedup();
+            if stale {
+                order.dedup();
+            }
             debug_assert_eq!(order.len(), bucket.live as usize);
             self.instant = Some((at, order, 0));
         }
@@ -1934,9 +1997,11 @@ impl Drop for Poll<'_> {
         if rest.is_empty() {
             return;
         }
-        let bucket = self.backend.schedule.entry(at).or_default();
-        bucket.live += rest.len() as u32;
-        bucket.sessions.extend_from_slice(rest);
+        let b = &mut *self.backend;
+        let bucket = b.schedule.entry(at).or_default();
+        for i in rest {
+            bucket.push(*i, b.sessions[*i as usize].number);
+        }
     }
 }
 
