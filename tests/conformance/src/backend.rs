@@ -1807,11 +1807,6 @@ impl FakeBackend {
             .map(|c| event(c & CODE_MASK))
     }
 
-    /// Whether session `i` exists and is open.
-    pub fn session_open(&self, i: usize) -> bool {
-        self.sessions.get(i).is_some_and(|s| s.open)
-    }
-
     /// The observation of session `i` due at `at`, if it reaches a host:
     /// advances its script, logs the event and reschedules the session.
     fn fire(&mut self, i: usize, at: Timestamp) -> Option<u8> {
