@@ -127,6 +127,26 @@ pub enum TrySendError<T> {
     Closed(T),
 }
 
+/// Why [`Receiver::try_recv`] gave nothing (as tokio's `TryRecvError`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TryRecvError {
+    /// Nothing waits now; a sender is left.
+    Empty,
+    /// Every sender is gone and nothing is left.
+    Disconnected,
+}
+
+impl fmt::Display for TryRecvError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Empty => f.write_str("the channel is empty"),
+            Self::Disconnected => f.write_str("every sender is gone"),
+        }
+    }
+}
+
+impl std::error::Error for TryRecvError {}
+
 impl<T> fmt::Debug for SendError<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("SendError(..)")
@@ -296,23 +316,23 @@ impl<T> Receiver<T> {
         Poll::Pending
     }
 
-    /// The next item if one is waiting (`Ok(None)` when the channel is
-    /// empty but open; `Err(())` once it is closed and drained).
+    /// The next item if one is waiting.
     ///
     /// # Errors
-    /// Every sender is gone and nothing is left.
-    #[allow(clippy::result_unit_err)]
-    pub fn try_recv(&mut self) -> Result<Option<T>, ()> {
+    /// [`TryRecvError::Empty`] when nothing waits but a sender is left;
+    /// [`TryRecvError::Disconnected`] once every sender is gone and nothing
+    /// is left.
+    pub fn try_recv(&mut self) -> Result<T, TryRecvError> {
         let mut st = self.shared.lock();
         match st.queue.pop_front() {
             Some(item) => {
                 let wakers = take_wakers(&mut st);
                 drop(st);
                 wakers.into_iter().for_each(Waker::wake);
-                Ok(Some(item))
+                Ok(item)
             }
-            None if st.senders == 0 => Err(()),
-            None => Ok(None),
+            None if st.senders == 0 => Err(TryRecvError::Disconnected),
+            None => Err(TryRecvError::Empty),
         }
     }
 
@@ -372,7 +392,7 @@ mod tests {
         assert_eq!(rx.recv().await, Some(2));
         assert_eq!(rx.recv().await, Some(3));
         assert_eq!(rx.recv().await, None);
-        assert_eq!(rx.try_recv(), Err(()));
+        assert_eq!(rx.try_recv(), Err(TryRecvError::Disconnected));
     }
 
     #[tokio::test(start_paused = true)]
@@ -388,7 +408,7 @@ mod tests {
         assert_eq!(rx.recv().await, Some(1));
         sender.await.unwrap().unwrap();
         assert_eq!(rx.recv().await, Some(3));
-        assert_eq!(rx.try_recv(), Ok(None));
+        assert_eq!(rx.try_recv(), Err(TryRecvError::Empty));
     }
 
     #[tokio::test]

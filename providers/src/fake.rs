@@ -11,13 +11,12 @@
 //! visibility), plus [`FakeProvider::arm_lost_result`] (the call takes effect
 //! but its reply is lost: an ambiguous outcome) and out-of-band deletion.
 
-use crate::{BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError};
+use crate::{BootstrapEvents, BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError};
 use async_trait::async_trait;
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
-use swactor_conformance::{BackendConfig, FakeBackend, LiveResource, Origin, ProviderFault};
-use swactor_engine::Clock;
+use swactor_conformance::{BackendConfig, FakeBackend, Origin, ProviderFault};
+use swactor_engine::{Clock, stream};
 use swactor_provisioning::{
     BootstrapEvent, EffectKind, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
     Timestamp,
@@ -48,15 +47,39 @@ impl Default for FakeConfig {
     }
 }
 
-struct Stream {
-    tx: Option<swactor_engine::stream::Sender<BootstrapEvent>>,
-    /// Everything delivered so far, replayed to an adopting caller.
-    log: Vec<BootstrapEvent>,
+/// The provider's end of one session's stream.
+type StreamTx = stream::Sender<BootstrapEvent>;
+
+/// Why [`deliver`] could not hand an observation to a stream's reader.
+#[derive(Debug)]
+enum Undelivered {
+    /// The reader is `stream_buffer_len` behind.
+    Full,
+    /// The reader is gone.
+    Closed,
+}
+
+/// A new stream holding up to `buffer` undelivered observations. Every
+/// stream the provider makes comes from here.
+fn open_stream(buffer: usize) -> (StreamTx, BootstrapEvents) {
+    stream::channel(buffer)
+}
+
+/// Hands `event` to the stream's reader without waiting. Every observation
+/// the provider sends goes through here.
+fn deliver(tx: &StreamTx, event: BootstrapEvent) -> Result<(), Undelivered> {
+    tx.try_send(event).map_err(|e| match e {
+        stream::TrySendError::Full(_) => Undelivered::Full,
+        stream::TrySendError::Closed(_) => Undelivered::Closed,
+    })
 }
 
 struct State {
     backend: FakeBackend,
-    streams: BTreeMap<SessionId, Stream>,
+    /// The stream of each session, by the model's session index; `None`
+    /// once the session ended (the reader sees the end of its stream).
+    /// Replaying a session to an adopting caller reads the model's log.
+    streams: Vec<Option<StreamTx>>,
     lost_results: Vec<EffectKind>,
     observations_dropped: u64,
 }
@@ -106,7 +129,7 @@ impl FakeProvider {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 backend: FakeBackend::new(config.backend.clone(), config.seed),
-                streams: BTreeMap::new(),
+                streams: Vec::new(),
                 lost_results: Vec::new(),
                 observations_dropped: 0,
             }),
@@ -145,12 +168,7 @@ impl FakeProvider {
     pub fn delete_out_of_band(&self, key: &ResourceKey) -> bool {
         let now = self.shared.now();
         let mut st = self.shared.lock();
-        let lease = st
-            .backend
-            .leases()
-            .iter()
-            .find(|(_, l)| l.live && l.key == *key)
-            .map(|(id, _)| id.clone());
+        let lease = st.backend.live_lease(key);
         let deleted = lease.is_some_and(|l| st.backend.delete_out_of_band(&l, now));
         drop(st);
         self.shared.wake.notify_one();
@@ -257,19 +275,22 @@ impl Provider for FakeProvider {
                 .backend
                 .start_bootstrap(key, lease, now)
                 .map_err(classify)?;
-            let (tx, events) = swactor_engine::stream::channel(buffer);
-            let stream = st.streams.entry(grant.session.clone()).or_insert(Stream {
-                tx: None,
-                log: Vec::new(),
-            });
+            let i = st
+                .backend
+                .session_index(&grant.session)
+                .expect("the model just started or adopted it");
+            let (tx, events) = open_stream(buffer);
             if grant.origin != Origin::Created {
                 // Restate the progress so far on the adopter's fresh stream.
-                for ev in &stream.log {
-                    let _ = tx.try_send(ev.clone());
+                for ev in st.backend.delivered(i) {
+                    let _ = deliver(&tx, ev);
                 }
             }
+            if st.streams.len() <= i {
+                st.streams.resize_with(i + 1, || None);
+            }
             // Replacing the sender ends any older reader's stream.
-            stream.tx = Some(tx);
+            st.streams[i] = Some(tx);
             Ok(BootstrapSession {
                 session: grant.session,
                 events,
@@ -303,17 +324,11 @@ impl Provider for FakeProvider {
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
         self.latency().await;
         let st = self.shared.lock();
-        let mut inv = Inventory::new();
-        for (key, res) in st.backend.live_resources() {
-            if key.run_id != *run_id {
-                continue;
-            }
-            let entry = inv.entry(key.clone()).or_default();
-            match res {
-                LiveResource::Lease(l) => entry.lease = Some(l.clone()),
-                LiveResource::Session(s) => entry.session = Some(s.clone()),
-            }
-        }
+        let inv: Inventory = st
+            .backend
+            .holdings(run_id)
+            .map(|(key, lease, session)| (key.clone(), crate::OwnedResources { lease, session }))
+            .collect();
         Ok(inv)
     }
 }
@@ -343,24 +358,23 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
         let now = s.now();
         let mut guard = s.lock();
         let st = &mut *guard;
-        let mut touched = Vec::new();
-        for obs in st.backend.poll_observations(now) {
-            let Some(stream) = st.streams.get_mut(&obs.session) else {
+        let mut events = st.backend.poll_events(now);
+        for obs in events.by_ref() {
+            let Some(stream) = st.streams.get(obs.session) else {
                 continue;
             };
-            stream.log.push(obs.event.clone());
-            if let Some(Err(_)) = stream.tx.as_ref().map(|tx| tx.try_send(obs.event)) {
+            if let Some(Err(_)) = stream.as_ref().map(|tx| deliver(tx, obs.event)) {
                 st.observations_dropped += 1;
             }
-            touched.push(obs.session);
         }
         // A session ends only after an observation (its last script step, or
-        // the final event of a cancel or loss); close the channel of each one
-        // that did, so its reader sees the end.
-        for id in touched {
-            let open = st.backend.sessions().get(&id).is_some_and(|i| i.open);
-            if let Some(stream) = st.streams.get_mut(&id).filter(|_| !open) {
-                stream.tx = None;
+        // the final event of a cancel or loss); once every observation due
+        // is delivered (a failure's close may follow it at the same poll),
+        // close the stream of each one that reported and ended, so its
+        // reader sees the end.
+        for i in events.ended() {
+            if let Some(stream) = st.streams.get_mut(i) {
+                *stream = None;
             }
         }
     }
@@ -369,6 +383,7 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
     use swactor_provisioning::{LogicalNodeId, NodeAttemptId, ResourceKey, RunId};
 
     fn key() -> ResourceKey {
@@ -419,5 +434,212 @@ mod tests {
             p.create_lease(&k, &template()).await,
             Err(ProviderError::Definite(_))
         ));
+    }
+
+    /// FNV-1a over everything written to it.
+    struct Digest(u64);
+
+    impl std::fmt::Write for Digest {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            for b in s.bytes() {
+                self.0 ^= u64::from(b);
+                self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+            Ok(())
+        }
+    }
+
+    /// Drives a provider through `ops` pseudo-random calls, sleeps (so the
+    /// pump delivers) and stream reads, and digests everything a caller sees.
+    async fn drive(config: FakeConfig, seed: u64, ops: u32) -> u64 {
+        use std::fmt::Write as _;
+        use swactor_conformance::SimRng;
+        use swactor_provisioning::{BootstrapStage, GroupId};
+        let kinds = [
+            EffectKind::CreateLease,
+            EffectKind::LookupEndpoint,
+            EffectKind::StartBootstrap,
+            EffectKind::CancelBootstrap,
+            EffectKind::DestroyLease,
+        ];
+        let stages = [
+            BootstrapStage::SshConnectFailed,
+            BootstrapStage::BootCheckFailed,
+            BootstrapStage::SwactorStartFailed,
+            BootstrapStage::JoinFailed,
+            BootstrapStage::AgentLost,
+            BootstrapStage::Converged,
+        ];
+        let mut rng = SimRng::new(seed);
+        let mut d = Digest(0xcbf2_9ce4_8422_2325);
+        let p = FakeProvider::new(config, Clock::new());
+        let runs = [RunId::new("r"), RunId::new("s")];
+        let t = template();
+        let mut leases = vec![LeaseId::from("lease-0"), LeaseId::from("session-2")];
+        let mut sessions = vec![SessionId::from("session-1")];
+        let mut streams: Vec<(SessionId, Option<crate::BootstrapEvents>)> = Vec::new();
+        let below = |rng: &mut SimRng, n: usize| rng.range(0, n as u64 - 1) as usize;
+        for op in 0..ops {
+            let k = ResourceKey {
+                run_id: runs[below(&mut rng, 2)].clone(),
+                node: LogicalNodeId::new(GroupId::new("w"), rng.range(0, 12) as u32),
+                attempt: NodeAttemptId(rng.range(1, 2)),
+            };
+            let lease = leases[below(&mut rng, leases.len())].clone();
+            let _ = write!(d, "#{op} {k} ");
+            match rng.range(0, 99) {
+                0..=14 => {
+                    let r = p.create_lease(&k, &t).await;
+                    if let Ok(g) = &r {
+                        leases.push(g.lease.clone());
+                    }
+                    let _ = write!(d, "create {r:?}");
+                }
+                15..=24 => {
+                    let _ = write!(d, "lookup {:?}", p.lookup_endpoint(&k, &lease).await);
+                }
+                25..=39 => {
+                    let endpoint = NodeEndpoint::from("ssh://x");
+                    match p.start_bootstrap(&k, &lease, &endpoint, &t).await {
+                        Ok(s) => {
+                            let _ = write!(d, "start {:?}", s.session);
+                            sessions.push(s.session.clone());
+                            streams.push((s.session, Some(s.events)));
+                        }
+                        Err(e) => {
+                            let _ = write!(d, "start {e:?}");
+                        }
+                    }
+                }
+                40..=44 => {
+                    let s = sessions[below(&mut rng, sessions.len())].clone();
+                    let _ = write!(d, "cancel {:?}", p.cancel_bootstrap(&k, &s).await);
+                }
+                45..=49 => {
+                    let _ = write!(d, "destroy {:?}", p.destroy_lease(&k, &lease).await);
+                }
+                50..=52 => {
+                    let _ = write!(d, "oob {}", p.delete_out_of_band(&k));
+                }
+                53..=55 => {
+                    let _ = write!(d, "list {:?}", p.list(&k.run_id).await);
+                }
+                56..=61 => {
+                    let fault = match rng.range(0, 6) {
+                        0 => ProviderFault::Refuse {
+                            kind: kinds[below(&mut rng, kinds.len())],
+                        },
+                        1 => ProviderFault::EndpointSlow {
+                            delay_ms: rng.range(0, 500),
+                        },
+                        2 => ProviderFault::BootstrapFailsAt {
+                            stage: stages[below(&mut rng, stages.len())],
+                        },
+                        3 => ProviderFault::LoseObservations {
+                            mask: rng.range(0, 255) as u8,
+                        },
+                        4 => ProviderFault::CloseAfterConverge,
+                        5 => ProviderFault::Invisible {
+                            lag_ms: rng.range(0, 500),
+                        },
+                        _ => ProviderFault::EndpointNeverReady,
+                    };
+                    let _ = write!(d, "arm {fault:?}");
+                    p.arm(fault);
+                }
+                62..=63 => {
+                    let kind = kinds[below(&mut rng, kinds.len())];
+                    let _ = write!(d, "lose {kind:?}");
+                    p.arm_lost_result(kind);
+                }
+                64 => {
+                    let _ = write!(d, "heal");
+                    p.heal();
+                }
+                65..=79 if !streams.is_empty() => {
+                    // Read what a stream holds, as an observer would.
+                    let at = below(&mut rng, streams.len());
+                    let (id, events) = &mut streams[at];
+                    let _ = write!(d, "read {id:?}");
+                    if let Some(rx) = events {
+                        loop {
+                            match rx.try_recv() {
+                                Ok(ev) => {
+                                    let _ = write!(d, " {ev:?}");
+                                }
+                                Err(e) => {
+                                    let _ = write!(d, " {e:?}");
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                }
+                80..=81 if !streams.is_empty() => {
+                    // An observer that goes away.
+                    let at = below(&mut rng, streams.len());
+                    let (id, events) = &mut streams[at];
+                    let _ = write!(d, "drop {id:?}");
+                    *events = None;
+                }
+                _ => {
+                    let ms = rng.range(0, 450);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    let _ = write!(d, "slept {ms} dropped {}", p.observations_dropped());
+                }
+            }
+            if op % 300 == 299 {
+                p.inspect(|b| {
+                    let _ = write!(d, "{:?} {:?} {:?}", b.counters(), b.leases(), b.sessions());
+                });
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        for (id, events) in &mut streams {
+            let _ = write!(d, "end {id:?}");
+            while let Some(rx) = events.as_mut() {
+                match rx.try_recv() {
+                    Ok(ev) => {
+                        let _ = write!(d, " {ev:?}");
+                    }
+                    Err(e) => {
+                        let _ = write!(d, " {e:?}");
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = write!(d, "dropped {}", p.observations_dropped());
+        for run in &runs {
+            let _ = write!(d, "list {:?}", p.list(run).await);
+        }
+        d.0
+    }
+
+    /// The provider around the model must answer, deliver and end streams
+    /// exactly as it did when these digests were recorded (from the
+    /// provider that kept a second log per stream and its streams in a map
+    /// by session id).
+    #[tokio::test(start_paused = true)]
+    async fn the_fake_provider_answers_and_streams_exactly_as_recorded() {
+        let mut got = Vec::new();
+        for (name, buffer, step_ms) in [("roomy", 64, 200), ("tight", 3, 50), ("zero step", 2, 0)] {
+            let config = FakeConfig {
+                backend: BackendConfig {
+                    bootstrap_step_ms: step_ms,
+                    ..BackendConfig::default()
+                },
+                seed: 5,
+                latency: Duration::ZERO,
+                stream_buffer_len: buffer,
+            };
+            got.push(format!("{name}: {:016x}", drive(config, 11, 3_000).await));
+        }
+        let got = got.join("\n");
+        let want = "\
+roomy: a99294a4a5850220
+tight: 504e9ccb3ef12db7
+zero step: 0537136ab11b7553";
+        assert_eq!(got, want, "the provider's answers changed:\n{got}");
     }
 }

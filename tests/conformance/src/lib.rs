@@ -31,8 +31,9 @@ pub mod trace;
 mod world;
 
 pub use backend::{
-    BackendConfig, BackendCounters, FakeBackend, KeyStats, LeaseGrant, LeaseInfo, LiveResource,
-    Origin, ProviderError, ProviderFault, SessionGrant, SessionInfo,
+    BackendConfig, BackendCounters, FakeBackend, KeyStats, Keys, LeaseGrant, LeaseInfo, Leases,
+    LiveResource, Origin, PollEvents, ProviderError, ProviderFault, SessionEvent, SessionGrant,
+    SessionInfo, Sessions,
 };
 pub use executor::{
     ArmedDelivery, DeliveryFault, ExecutorConfig, ExecutorStats, FakeExecutor, Output, Submitted,

@@ -465,10 +465,10 @@ pub trait ProviderView {
 
 impl ProviderView for FakeBackend {
     fn lease_owner(&self, lease: &LeaseId) -> Option<(&ResourceKey, bool)> {
-        self.leases().get(lease).map(|l| (&l.key, l.live))
+        self.leases().get(lease).map(|l| (l.key, l.live))
     }
     fn session_owner(&self, session: &SessionId) -> Option<(&ResourceKey, bool)> {
-        self.sessions().get(session).map(|s| (&s.key, s.open))
+        self.sessions().get(session).map(|s| (s.key, s.open))
     }
     fn live_keys(&self) -> Vec<ResourceKey> {
         self.live_resources().map(|(k, _)| k.clone()).collect()
@@ -480,7 +480,7 @@ impl ProviderView for FakeBackend {
         0
     }
     fn lease_template(&self, lease: &LeaseId) -> Option<&NodeTemplate> {
-        self.leases().get(lease)?.template.as_deref()
+        self.leases().get(lease)?.template.map(|t| &**t)
     }
     fn overlaps(&self) -> u64 {
         0
