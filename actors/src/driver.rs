@@ -181,7 +181,11 @@ impl Actor for DriverActor {
                 });
             }
             DriverMsg::Executor(report) => st.reported(report, now)?,
-            DriverMsg::Observed(batch) => {
+            DriverMsg::Observed(mut batch) => {
+                // In slot order (stably: a session's own order stays): a
+                // large batch then walks the nodes' memory front to back
+                // instead of in the order the sessions happened to report.
+                batch.sort_by(|a, b| a.0.node.cmp(&b.0.node));
                 for Observed(obs, observer) in batch {
                     if obs.event == BootstrapEvent::Closed {
                         // The stream ended and its observer with it.

@@ -124,6 +124,7 @@ impl Actor for ExecutorWorker {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             WorkerMsg::Execute(batch) => {
+                state.outbox.reserve(batch.len());
                 for dispatch in batch {
                     state.execute(dispatch).await;
                 }

@@ -332,7 +332,8 @@ fn drain<K: Clone, T>(
     ready: &mut Vec<u32>,
     last: fn(&T) -> bool,
 ) -> Vec<(K, Option<T>)> {
-    let mut batch = Vec::new();
+    // Most woken streams hold one item.
+    let mut batch = Vec::with_capacity(ready.len());
     let mut ended = Vec::new();
     let mut st = shared.lock();
     for index in ready.drain(..) {

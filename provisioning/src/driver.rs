@@ -937,7 +937,13 @@ impl Driver {
             }
         }
         self.stats.dispatched += pass.stats.dispatched as u64;
-        self.requeue_at = requeue_at;
+        // Every waiting node's wake-up is in the index now (the decided
+        // ones' new ones, the dispatched ones' deadlines, everyone else's
+        // unchanged): the earliest of them is the next one. Debug builds
+        // check it against the plan's own reckoning.
+        let next = self.eval.wakes.keys().next().copied();
+        debug_assert_eq!(next, requeue_at, "the wake index and the plan disagree");
+        self.requeue_at = next;
         if pass.stats.transitions > 0 {
             // A transition completes a node's step; its follow-on action is
             // decided by the next pass, which this guarantees.
@@ -953,7 +959,7 @@ impl Driver {
         if self.eval.full || self.surges_stale() {
             self.decide_full(now).0
         } else {
-            self.decide_some(now, &mut Scratch::default())
+            self.decide_some(now, &mut Scratch::default(), true)
         }
     }
 
@@ -971,7 +977,9 @@ impl Driver {
             return plan;
         }
         let mut scratch = std::mem::take(&mut self.scratch);
-        let plan = self.decide_some(now, &mut scratch);
+        // The pass reads its requeue instant off the wake index once every
+        // node's new wake-up is in it (see `poll_pass`).
+        let plan = self.decide_some(now, &mut scratch, cfg!(debug_assertions));
         self.eval.dirty.clear();
         for (id, &(wake, held)) in scratch.candidates.iter().zip(&scratch.updates) {
             self.eval.set_wake(id, wake);
@@ -1022,10 +1030,13 @@ impl Driver {
 
     /// Decides only the dirty, due and held nodes; leaves them in
     /// `scratch.candidates` and what each now waits on in `scratch.updates`.
-    fn decide_some(&self, now: Timestamp, scratch: &mut Scratch) -> Plan {
+    /// `others` adds the earliest wake-up of the nodes not decided to the
+    /// plan's `requeue_at` (a scan the pass itself does without).
+    fn decide_some(&self, now: Timestamp, scratch: &mut Scratch, others: bool) -> Plan {
         let mut plan = Plan::default();
         self.eval.candidates(now, &mut scratch.candidates);
         scratch.updates.clear();
+        scratch.updates.reserve(scratch.candidates.len());
         let mut gates = RolloutGates::new(&self.state, &self.desired).with_tripped(&self.tripped);
         for id in &scratch.candidates {
             let Some(node) = self.state.nodes.get(id) else {
@@ -1048,8 +1059,10 @@ impl Driver {
                 });
             }
         }
-        let others = self.eval.earliest_other(&scratch.candidates);
-        plan.requeue_at = earliest(plan.requeue_at, others);
+        if others {
+            let others = self.eval.earliest_other(&scratch.candidates);
+            plan.requeue_at = earliest(plan.requeue_at, others);
+        }
         plan
     }
 

@@ -50,6 +50,7 @@ impl<V> Group<V> {
         self.dense.is_empty() && self.sparse.is_empty()
     }
 
+    #[inline]
     fn get(&self, index: u32) -> Option<&Entry<V>> {
         if index < DENSE_INDEX_MAX {
             self.dense.get(index as usize)?.as_ref()
@@ -58,6 +59,7 @@ impl<V> Group<V> {
         }
     }
 
+    #[inline]
     fn get_mut(&mut self, index: u32) -> Option<&mut Entry<V>> {
         if index < DENSE_INDEX_MAX {
             self.dense.get_mut(index as usize)?.as_mut()
@@ -132,16 +134,20 @@ impl<V> NodeMap<V> {
         self.len == 0
     }
 
+    #[inline]
     fn group_pos(&self, id: &GroupId) -> Result<usize, usize> {
-        // Most maps hold one or a few groups; ids cloned from the desired
-        // group compare by pointer.
-        if let Some(i) = self.groups.iter().position(|g| g.id.ptr_eq(id)) {
-            return Ok(i);
+        // Most maps hold one or a few groups, and ids cloned from the
+        // desired group compare by pointer: look at the first few that way.
+        for (i, g) in self.groups.iter().enumerate().take(4) {
+            if g.id.ptr_eq(id) {
+                return Ok(i);
+            }
         }
         self.groups.binary_search_by(|g| g.id.cmp(id))
     }
 
     /// The entry of `key`.
+    #[inline]
     pub fn get(&self, key: &LogicalNodeId) -> Option<&V> {
         let g = &self.groups[self.group_pos(&key.group).ok()?];
         g.get(key.index).map(|Entry(_, v)| v)
@@ -154,12 +160,14 @@ impl<V> NodeMap<V> {
     }
 
     /// The entry of `key`, to change.
+    #[inline]
     pub fn get_mut(&mut self, key: &LogicalNodeId) -> Option<&mut V> {
         let i = self.group_pos(&key.group).ok()?;
         self.groups[i].get_mut(key.index).map(|Entry(_, v)| v)
     }
 
     /// True when `key` holds an entry.
+    #[inline]
     pub fn contains_key(&self, key: &LogicalNodeId) -> bool {
         self.get(key).is_some()
     }
