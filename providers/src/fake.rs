@@ -449,6 +449,22 @@ mod tests {
         }
     }
 
+    /// Writes what `rx` holds into `d`, then how it stopped (empty or ended).
+    fn read_out(d: &mut Digest, rx: &mut crate::BootstrapEvents) {
+        use std::fmt::Write as _;
+        loop {
+            match rx.try_recv() {
+                Ok(ev) => {
+                    let _ = write!(d, " {ev:?}");
+                }
+                Err(e) => {
+                    let _ = write!(d, " {e:?}");
+                    break;
+                }
+            }
+        }
+    }
+
     /// Drives a provider through `ops` pseudo-random calls, sleeps (so the
     /// pump delivers) and stream reads, and digests everything a caller sees.
     async fn drive(config: FakeConfig, seed: u64, ops: u32) -> u64 {
@@ -562,17 +578,7 @@ mod tests {
                     let (id, events) = &mut streams[at];
                     let _ = write!(d, "read {id:?}");
                     if let Some(rx) = events {
-                        loop {
-                            match rx.try_recv() {
-                                Ok(ev) => {
-                                    let _ = write!(d, " {ev:?}");
-                                }
-                                Err(e) => {
-                                    let _ = write!(d, " {e:?}");
-                                    break;
-                                }
-                            }
-                        }
+                        read_out(&mut d, rx);
                     }
                 }
                 80..=81 if !streams.is_empty() => {
@@ -597,16 +603,8 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(60)).await;
         for (id, events) in &mut streams {
             let _ = write!(d, "end {id:?}");
-            while let Some(rx) = events.as_mut() {
-                match rx.try_recv() {
-                    Ok(ev) => {
-                        let _ = write!(d, " {ev:?}");
-                    }
-                    Err(e) => {
-                        let _ = write!(d, " {e:?}");
-                        break;
-                    }
-                }
+            if let Some(rx) = events.as_mut() {
+                read_out(&mut d, rx);
             }
         }
         let _ = write!(d, "dropped {}", p.observations_dropped());
