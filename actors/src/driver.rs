@@ -523,9 +523,14 @@ impl DriverState {
         match worker.send_message(WorkerMsg::Execute(batch)) {
             Ok(()) => Ok(()),
             Err(MessagingErr::SendErr(WorkerMsg::Execute(batch))) => Err(batch),
-            // The worker is gone and its message with it; the lane's
-            // in-flight operations are folded when its loss is reported.
-            Err(_) => Ok(()),
+            // The message is lost without coming back (ractor gives it back
+            // whenever a live worker's mailbox refuses it): the operations
+            // stay pending until their stored deadlines fold them as
+            // ambiguous, and the reconciler re-issues them.
+            Err(e) => {
+                tracing::warn!(worker = index, "a batch of operations was not delivered: {e}");
+                Ok(())
+            }
         }
     }
 
