@@ -528,7 +528,10 @@ impl DriverState {
             // stay pending until their stored deadlines fold them as
             // ambiguous, and the reconciler re-issues them.
             Err(e) => {
-                tracing::warn!(worker = index, "a batch of operations was not delivered: {e}");
+                tracing::warn!(
+                    worker = index,
+                    "a batch of operations was not delivered: {e}"
+                );
                 Ok(())
             }
         }
