@@ -16,9 +16,7 @@
 use crate::executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 use crate::journal::JournalStore;
 use crate::msg::{ClusterMsg, DriverArgs, DriverMsg, DriverView, SwarmMsg, TimerKey};
-use crate::observer::{
-    Observations, Observed, Observer, ObserverTag, Observers, observe, observers,
-};
+use crate::observer::{Observations, Observed, Observer, ObserverTag, Observers, observers};
 use crate::telemetry::{self, Telemetry, snapshot};
 use crate::{ClusterConfig, ClusterEvent, PlanView};
 use std::collections::BTreeMap;
@@ -479,7 +477,7 @@ impl DriverState {
         // Not restarted if it ends: a dead stream cannot be resumed. A
         // StartBootstrap re-issued for the node adopts the session afresh;
         // otherwise the stall deadline covers the loss.
-        let observer = observe(&self.mux, tag, events);
+        let observer = self.mux.follow(tag, events);
         self.observers
             .insert(node.clone(), (self.next_observer, session, observer));
         self.next_observer += 1;

@@ -88,6 +88,6 @@ pub use msg::{
     ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, Subscription, SwarmMsg, SwarmRef,
     TimerKey,
 };
-pub use observer::{Observations, Observed, Observer, ObserverTag, Observers, observe, observers};
+pub use observer::{Observations, Observed, Observer, ObserverTag, Observers, observers};
 pub use supervisor::{ClusterSupervisor, SupervisorArgs, SupervisorExit, SupervisorState};
 pub use swactor_provisioning::{ApplyError, JoinRefused, ShutdownMode, ShutdownReport};

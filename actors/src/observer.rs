@@ -11,7 +11,6 @@
 
 use swactor_engine::ractor::DerivedActorRef;
 use swactor_engine::{Followed, Mux};
-use swactor_providers::BootstrapEvents;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapObservation, LogicalNodeId, NodeAttemptId, SessionId,
 };
@@ -69,9 +68,4 @@ pub fn observers(driver: DerivedActorRef<Observations>) -> Observers {
             driver.send_message(Observations(observed)).is_ok()
         },
     )
-}
-
-/// Follows `events` under `tag`.
-pub fn observe(observers: &Observers, tag: ObserverTag, events: BootstrapEvents) -> Observer {
-    observers.follow(tag, events)
 }

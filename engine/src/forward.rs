@@ -1,17 +1,16 @@
 //! Forwarders and muxes: tasks that drain channels (or streams) into a callback.
 //!
-//! A forwarder is one small task that hands each item of one channel
-//! straight to its sink. A [`Mux`] follows many channels in one task and
-//! hands their items over in batches: a cluster follows one bootstrap
-//! stream per running session, which can mean a hundred thousand at once.
-//!
-//! The same task can drain any [`Stream`] ([`Forwarder::start_stream`]),
-//! e.g. frames read from a network stream, so that an actor receives them
-//! as messages without owning a task of its own.
+//! A forwarder is one small task that hands each item of one [`Stream`]
+//! (frames read off a network stream, say) straight to its sink
+//! ([`Forwarder::start_stream`]), so that an actor receives them as
+//! messages without owning a task of its own. A [`Mux`] follows many
+//! [`stream`](crate::stream) channels in one task and hands their items
+//! over in batches: a cluster follows one bootstrap stream per running
+//! session, which can mean a hundred thousand at once.
 //!
 //! # Guarantees (forwarders; a mux's are on [`Mux`])
-//! - Items reach the sink in channel order, then one `None` when the channel
-//!   closes, unless the sink asked to stop earlier (by returning `false`).
+//! - Items reach the sink in stream order, then one `None` when the stream
+//!   ends, unless the sink asked to stop earlier (by returning `false`).
 //! - Dropping the [`Forwarder`] (or calling [`Forwarder::stop`]) aborts the
 //!   task: no item is handed to the sink after the abort is observed by the
 //!   task, which happens at its next await.
@@ -21,7 +20,6 @@ use futures_util::{Stream, StreamExt};
 use std::future::poll_fn;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{Context, Poll, Wake, Waker};
-use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
 /// The handle of a forwarding task; dropping it stops the task.
@@ -31,29 +29,6 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    /// Starts a task that hands every item of `rx` to `sink`, then `None`
-    /// once the channel is closed and drained. The task ends after the
-    /// `None`, or as soon as `sink` returns `false`. Must be called inside a
-    /// tokio runtime.
-    pub fn start<T, F>(mut rx: mpsc::Receiver<T>, mut sink: F) -> Self
-    where
-        T: Send + 'static,
-        F: FnMut(Option<T>) -> bool + Send + 'static,
-    {
-        let task = tokio::spawn(async move {
-            loop {
-                let item = rx.recv().await;
-                let end = item.is_none();
-                if !sink(item) || end {
-                    return;
-                }
-            }
-        });
-        Self {
-            task: task.abort_handle(),
-        }
-    }
-
     /// Starts a task that hands every item of `stream` to `sink`, then
     /// `None` once the stream has ended. The task ends after the `None`, or
     /// as soon as `sink` returns `false`. The stream is polled only after
@@ -396,6 +371,7 @@ impl<K, T> std::fmt::Debug for Mux<K, T> {
 mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
+    use tokio::sync::mpsc;
 
     #[tokio::test]
     async fn items_arrive_in_order_then_the_end() {
@@ -404,7 +380,7 @@ mod tests {
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let mut done_tx = Some(done_tx);
         let s = seen.clone();
-        let f = Forwarder::start(rx, move |item: Option<u32>| {
+        let f = Forwarder::start_stream(tokio_stream_of(rx), move |item: Option<u32>| {
             s.lock().unwrap().push(item);
             if item.is_none()
                 && let Some(d) = done_tx.take()
@@ -460,7 +436,7 @@ mod tests {
         let (tx, rx) = mpsc::channel::<u32>(4);
         let seen = Arc::new(Mutex::new(0u32));
         let s = seen.clone();
-        let f = Forwarder::start(rx, move |_| {
+        let f = Forwarder::start_stream(tokio_stream_of(rx), move |_| {
             *s.lock().unwrap() += 1;
             true
         });
@@ -473,7 +449,7 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), 1);
 
         let (tx, rx) = mpsc::channel::<u32>(4);
-        let f = Forwarder::start(rx, |_| false);
+        let f = Forwarder::start_stream(tokio_stream_of(rx), |_| false);
         tx.send(1).await.unwrap();
         for _ in 0..4 {
             tokio::task::yield_now().await;

@@ -153,12 +153,6 @@ impl<V> NodeMap<V> {
         g.get(key.index).map(|Entry(_, v)| v)
     }
 
-    /// The entry of `key`, with the key as stored.
-    pub fn get_key_value(&self, key: &LogicalNodeId) -> Option<(&LogicalNodeId, &V)> {
-        let g = &self.groups[self.group_pos(&key.group).ok()?];
-        g.get(key.index).map(|Entry(k, v)| (k, v))
-    }
-
     /// The entry of `key`, to change.
     #[inline]
     pub fn get_mut(&mut self, key: &LogicalNodeId) -> Option<&mut V> {
@@ -284,11 +278,6 @@ impl<V> NodeMap<V> {
         self.groups.iter().map(|g| (&g.id, GroupEntries(g.iter())))
     }
 
-    /// The groups that hold entries (or a reservation), in order.
-    pub fn groups(&self) -> impl DoubleEndedIterator<Item = &GroupId> {
-        self.groups.iter().map(|g| &g.id)
-    }
-
     /// Every key, in slot order.
     pub fn keys(&self) -> impl DoubleEndedIterator<Item = &LogicalNodeId> {
         self.iter().map(|(k, _)| k)
@@ -304,25 +293,9 @@ impl<V> NodeMap<V> {
         self.iter_mut().map(|(_, v)| v)
     }
 
-    /// The first entry in slot order.
-    pub fn first_key_value(&self) -> Option<(&LogicalNodeId, &V)> {
-        self.iter().next()
-    }
-
     /// The last entry in slot order.
     pub fn last_key_value(&self) -> Option<(&LogicalNodeId, &V)> {
         self.iter().next_back()
-    }
-
-    /// Keeps only the entries `f` accepts.
-    pub fn retain(&mut self, mut f: impl FnMut(&LogicalNodeId, &mut V) -> bool) {
-        let gone: Vec<LogicalNodeId> = self
-            .iter_mut()
-            .filter_map(|(k, v)| (!f(k, v)).then(|| k.clone()))
-            .collect();
-        for k in gone {
-            self.remove(&k);
-        }
     }
 }
 
