@@ -384,6 +384,7 @@ async fn pump(shared: Weak<Shared>, wake: Arc<Notify>) {
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+    use swactor_conformance::Digest;
     use swactor_provisioning::{LogicalNodeId, NodeAttemptId, ResourceKey, RunId};
 
     fn key() -> ResourceKey {
@@ -436,19 +437,6 @@ mod tests {
         ));
     }
 
-    /// FNV-1a over everything written to it.
-    struct Digest(u64);
-
-    impl std::fmt::Write for Digest {
-        fn write_str(&mut self, s: &str) -> std::fmt::Result {
-            for b in s.bytes() {
-                self.0 ^= u64::from(b);
-                self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-            Ok(())
-        }
-    }
-
     /// Writes what `rx` holds into `d`, then how it stopped (empty or ended).
     fn read_out(d: &mut Digest, rx: &mut crate::BootstrapEvents) {
         use std::fmt::Write as _;
@@ -487,7 +475,7 @@ mod tests {
             BootstrapStage::Converged,
         ];
         let mut rng = SimRng::new(seed);
-        let mut d = Digest(0xcbf2_9ce4_8422_2325);
+        let mut d = Digest::new();
         let p = FakeProvider::new(config, Clock::new());
         let runs = [RunId::new("r"), RunId::new("s")];
         let t = template();
@@ -611,7 +599,7 @@ mod tests {
         for run in &runs {
             let _ = write!(d, "list {:?}", p.list(run).await);
         }
-        d.0
+        d.value()
     }
 
     /// The provider around the model must answer, deliver and end streams

@@ -24,6 +24,7 @@
 
 mod backend;
 pub mod battery;
+mod digest;
 mod executor;
 mod oracle;
 mod rng;
@@ -35,6 +36,7 @@ pub use backend::{
     LiveResource, Origin, PollEvents, ProviderError, ProviderFault, SessionEvent, SessionGrant,
     SessionInfo, Sessions,
 };
+pub use digest::Digest;
 pub use executor::{
     ArmedDelivery, DeliveryFault, ExecutorConfig, ExecutorStats, FakeExecutor, Output, Submitted,
 };

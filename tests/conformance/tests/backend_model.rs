@@ -15,31 +15,14 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
-use swactor_conformance::{BackendConfig, FakeBackend, ProviderFault, ProviderView, SimRng};
+use swactor_conformance::{
+    BackendConfig, Digest, FakeBackend, ProviderFault, ProviderView, SimRng,
+};
 use swactor_provisioning::{
     BootParams, BootstrapStage, EffectKind, EffectRequest, GroupId, LeaseId, LogicalNodeId,
     NodeAttemptId, NodeEndpoint, NodeTemplate, ProviderShape, ResourceKey, RunId, SessionId,
     SwarmJoin, Timestamp,
 };
-
-/// FNV-1a over everything written to it.
-struct Digest(u64);
-
-impl Digest {
-    fn new() -> Self {
-        Self(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl std::fmt::Write for Digest {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        for b in s.bytes() {
-            self.0 ^= u64::from(b);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        Ok(())
-    }
-}
 
 fn template(kind: &str, role: &str) -> Arc<NodeTemplate> {
     Arc::new(NodeTemplate {
@@ -273,7 +256,7 @@ fn run(config: BackendConfig, seed: u64, ops: u32) -> u64 {
     now = Timestamp(now.0 + 100_000);
     let _ = write!(d, "drain {:?}", b.poll_observations(now));
     views(&mut d, &b, now, &runs);
-    d.0
+    d.value()
 }
 
 fn configs() -> Vec<(&'static str, BackendConfig)> {
