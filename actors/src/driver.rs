@@ -179,12 +179,23 @@ impl Actor for DriverActor {
                 });
             }
             DriverMsg::Executor(report) => st.reported(report, now)?,
-            DriverMsg::Observed(mut batch) => {
-                // In slot order (stably: a session's own order stays): a
-                // large batch then walks the nodes' memory front to back
-                // instead of in the order the sessions happened to report.
-                batch.sort_by(|a, b| a.0.node.cmp(&b.0.node));
-                for Observed(obs, observer) in batch {
+            DriverMsg::Observed(batch) => {
+                // In slot order, and within a slot in the order received (a
+                // session's own order stays): a large batch then walks the
+                // nodes' memory front to back instead of in the order the
+                // sessions happened to report. The sort moves small (slot,
+                // position) pairs; each observation is moved once.
+                let mut order: Vec<(LogicalNodeId, usize)> = batch
+                    .iter()
+                    .enumerate()
+                    .map(|(i, o)| (o.0.node, i))
+                    .collect();
+                order.sort();
+                let mut batch: Vec<Option<Observed>> = batch.into_iter().map(Some).collect();
+                for (_, i) in order {
+                    let Some(Observed(obs, observer)) = batch[i].take() else {
+                        continue;
+                    };
                     if obs.event == BootstrapEvent::Closed {
                         // The stream ended and its observer with it.
                         st.forget_observer(&obs.node, observer);
@@ -388,6 +399,17 @@ impl DriverState {
     }
 
     fn answer(&mut self, ticket: Ticket, reply: Reply) {
+        if let Reply::Applied(Ok(DesiredUpdate::Accepted(_))) = &reply {
+            // Room for every slot's observer in one allocation, as the host
+            // makes for its own tables.
+            let mut streams = 0usize;
+            for g in &self.host.core().desired().groups {
+                self.observers.reserve(&g.id, g.count);
+                // As much as the map reserves (dense slots only).
+                streams += g.count.min(swactor_provisioning::DENSE_INDEX_MAX) as usize;
+            }
+            self.mux.reserve(streams);
+        }
         match (self.waiting.remove(&ticket), reply) {
             (Some(Waiting::Apply(port)), Reply::Applied(outcome)) => {
                 let _ = port.send(outcome);
@@ -431,7 +453,7 @@ impl DriverState {
     }
 
     fn finished(&mut self, f: Finished, now: Timestamp) -> Result<(), ActorProcessingErr> {
-        let (node, op) = (f.result.node.clone(), f.result.op);
+        let (node, op) = (f.result.node, f.result.op);
         let started = match &f.result.outcome {
             OperationOutcome::BootstrapStarted { session } => Some(session.clone()),
             _ => None,
@@ -441,7 +463,7 @@ impl DriverState {
         let folded = self.host.handle_result(f.result, now)? == Folded::Applied;
         if let Some(outcome) = outcome {
             let event = ClusterEvent::Finished {
-                node: node.clone(),
+                node,
                 op,
                 outcome,
                 folded,
@@ -469,7 +491,7 @@ impl DriverState {
         // fresh stream and the old reader is stopped.
         self.stop_observer(node);
         let tag = ObserverTag {
-            node: node.clone(),
+            node: *node,
             attempt,
             session: session.clone(),
             number: self.next_observer,
@@ -479,7 +501,7 @@ impl DriverState {
         // otherwise the stall deadline covers the loss.
         let observer = self.mux.follow(tag, events);
         self.observers
-            .insert(node.clone(), (self.next_observer, session, observer));
+            .insert(*node, (self.next_observer, session, observer));
         self.next_observer += 1;
     }
 

@@ -66,7 +66,7 @@ impl NodeSummary {
             _ => AgentLink::NotJoined,
         };
         Some(Self {
-            node: node.clone(),
+            node: *node,
             attempt: n.attempt,
             stage: n.record.stage,
             intent: n.intent,

@@ -200,7 +200,7 @@ impl WorkerState {
                 }
             };
             let result = OperationResult {
-                node: d.key.node.clone(),
+                node: d.key.node,
                 op: d.op,
                 outcome,
             };

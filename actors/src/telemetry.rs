@@ -183,7 +183,7 @@ pub(crate) fn describe<C: Reconciler>(
         return None;
     }
     Some(NodeDescription {
-        node: node.clone(),
+        node: *node,
         summary: summary(host, node),
         desired: host.core().desires(node),
         lease: current.and_then(|n| n.record.lease.as_ref().map(|l| l.0.to_string())),

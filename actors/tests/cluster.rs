@@ -403,7 +403,7 @@ async fn describe_shows_a_node_and_its_last_attempts() {
     c.apply(shape(1, 1)).await.unwrap();
     converged(&c).await;
     let w0 = LogicalNodeId::parse("w-0").unwrap();
-    let d = c.describe(w0.clone()).await.unwrap().expect("w-0 is known");
+    let d = c.describe(w0).await.unwrap().expect("w-0 is known");
     assert!(d.desired && d.summary.as_ref().is_some_and(|s| s.ready));
     assert_eq!(d.attempts.len(), 1);
     let first = &d.attempts[0];

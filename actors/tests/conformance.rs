@@ -228,7 +228,7 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
                     };
                     let key = swactor_provisioning::ResourceKey {
                         run_id: RunId::new(RUN),
-                        node: (*node).clone(),
+                        node: **node,
                         attempt,
                     };
                     cluster.agent_gone(key, Duration::ZERO);

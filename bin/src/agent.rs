@@ -151,10 +151,7 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
     };
 
     report(&BootstrapEvent::Stage(BootstrapStage::Join));
-    let join = JoinRequest {
-        key,
-        token: credentials.token.clone(),
-    };
+    let join = JoinRequest::new(&key, credentials.token.clone());
     // The jobs link: the daemon sends runs over a connection this agent
     // dials, for as long as the agent lives. It is dialled once the agent
     // has joined, so a hundred agents starting at once do not make their

@@ -862,7 +862,7 @@ fn print_description(
     if let Some(e) = d.summary.as_ref().and_then(|n| n.last_error.clone()) {
         facts.push(("last error", e));
     }
-    out.line(&d.node)?;
+    out.line(d.node)?;
     let mut table = Table::new(&["", ""]);
     for (k, v) in facts {
         table.row(vec![k.to_owned()], v);
@@ -1168,7 +1168,7 @@ impl WatchView {
             return Ok(());
         }
         self.say(&text)?;
-        self.last_per_node.insert(node.clone(), text);
+        self.last_per_node.insert(*node, text);
         Ok(())
     }
 
@@ -1221,8 +1221,7 @@ impl WatchView {
             ))?;
         }
         for n in &s.nodes {
-            self.last_per_node
-                .insert(n.node.clone(), node_text(n, s.now));
+            self.last_per_node.insert(n.node, node_text(n, s.now));
         }
         Ok(())
     }

@@ -124,9 +124,9 @@ fn every_change(view: &DriverView, next: &DesiredState) -> Vec<(LogicalNodeId, C
     let mut out = Vec::new();
     for (id, node) in &view.state.nodes {
         match next.slot(id) {
-            Some(t) if !same_template(t, &node.template) => out.push((id.clone(), Change::Replace)),
+            Some(t) if !same_template(t, &node.template) => out.push((*id, Change::Replace)),
             None if node.record.stage != NodeStage::Destroyed => {
-                out.push((id.clone(), Change::Destroy));
+                out.push((*id, Change::Destroy));
             }
             _ => {}
         }
@@ -136,7 +136,7 @@ fn every_change(view: &DriverView, next: &DesiredState) -> Vec<(LogicalNodeId, C
             out.push((spec.node, Change::Create));
         }
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out.sort_by_key(|a| a.0);
     out
 }
 
@@ -345,7 +345,7 @@ impl ControlHandler {
 
     async fn replace(&self, node: &str) -> Result<ControlResponse, String> {
         let id = LogicalNodeId::parse(node).ok_or_else(|| not_a_node_id(node))?;
-        match self.cluster.replace(id.clone()).await {
+        match self.cluster.replace(id).await {
             Ok(attempt) => Ok(ControlResponse::Replaced {
                 node: id.to_string(),
                 attempt: attempt.0,

@@ -111,7 +111,7 @@ impl View {
             said: BTreeMap::new(),
         };
         for n in snapshot.nodes {
-            view.nodes.insert(n.node.clone(), n);
+            view.nodes.insert(n.node, n);
         }
         view
     }
@@ -149,11 +149,11 @@ impl View {
                     let key = format!("{} {} {error}", n.attempt, state_word(&n));
                     if self.said.get(&n.node) != Some(&key) {
                         eprintln!("{text}");
-                        self.said.insert(n.node.clone(), key);
+                        self.said.insert(n.node, key);
                     }
                 }
                 self.converged = false;
-                self.nodes.insert(n.node.clone(), n);
+                self.nodes.insert(n.node, n);
             }
             ClusterEvent::Removed { node } => {
                 // Said once, however often the daemon repeats it.

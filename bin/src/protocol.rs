@@ -166,13 +166,81 @@ impl PlanReport {
     }
 }
 
-/// An agent asking to join the swarm.
+/// An agent asking to join the swarm, or to open its jobs link: the first
+/// frame either protocol reads from a peer it does not trust yet.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct JoinRequest {
     /// The (run, node, attempt) the agent was started for.
-    pub(crate) key: ResourceKey,
+    pub(crate) key: JoinKey,
     /// The token the daemon derived for that key.
     pub(crate) token: String,
+}
+
+/// A resource key as plain text, the way a join request carries it. It
+/// becomes a [`ResourceKey`] only in [`JoinRequest::verify`], once the peer
+/// has proved it is that key's agent, so nothing an unauthenticated peer
+/// sends is interned (group names are kept for the life of the process).
+/// Encoded exactly like a `ResourceKey`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct JoinKey {
+    /// The run id.
+    pub(crate) run_id: String,
+    /// The node id, `GROUP-INDEX`.
+    pub(crate) node: String,
+    /// The attempt number.
+    pub(crate) attempt: u64,
+}
+
+impl JoinKey {
+    /// The text form of `key`.
+    pub(crate) fn of(key: &ResourceKey) -> Self {
+        Self {
+            run_id: key.run_id.to_string(),
+            node: key.node.to_string(),
+            attempt: key.attempt.0,
+        }
+    }
+
+    /// The key as `ResourceKey`'s `Display` spells it (what tokens are derived from).
+    pub(crate) fn text(&self) -> String {
+        format!("{}/{}/a{}", self.run_id, self.node, self.attempt)
+    }
+}
+
+impl JoinRequest {
+    /// The request for `key`'s agent, holding `token`.
+    pub(crate) fn new(key: &ResourceKey, token: String) -> Self {
+        Self {
+            key: JoinKey::of(key),
+            token,
+        }
+    }
+
+    /// The key, if the peer is that key's agent: it connected as the iroh
+    /// identity `secret` derives for the key and sent the key's token.
+    /// Otherwise the refusal to tell it.
+    pub(crate) fn verify(
+        &self,
+        secret: &[u8; 32],
+        remote: swactor_engine::iroh::EndpointId,
+    ) -> Result<ResourceKey, &'static str> {
+        let expected =
+            swactor_providers::credentials::AgentCredentials::derive_text(secret, &self.key.text());
+        if remote != expected.endpoint_id() {
+            return Err("this key may not join for that node");
+        }
+        if self.token != expected.token {
+            return Err("the join token does not match this node's identity");
+        }
+        // Only now, with a key the daemon issued, are its names interned.
+        let node = swactor_provisioning::LogicalNodeId::parse(&self.key.node)
+            .ok_or("the key's node id is not one this daemon knows")?;
+        Ok(ResourceKey {
+            run_id: swactor_provisioning::RunId::new(&self.key.run_id),
+            node,
+            attempt: swactor_provisioning::NodeAttemptId(self.key.attempt),
+        })
+    }
 }
 
 /// The daemon's answer to a join.
@@ -242,14 +310,14 @@ mod tests {
 
         #[test]
         fn a_join_round_trips_and_any_truncation_is_refused(token in "[0-9a-f]{0,64}", attempt in any::<u64>(), cut in 0usize..200) {
-            let join = JoinRequest {
-                key: swactor_provisioning::ResourceKey {
+            let join = JoinRequest::new(
+                &swactor_provisioning::ResourceKey {
                     run_id: swactor_provisioning::RunId::new("r"),
                     node: swactor_provisioning::LogicalNodeId::parse("w-0").unwrap(),
                     attempt: swactor_provisioning::NodeAttemptId(attempt),
                 },
                 token,
-            };
+            );
             let bytes = encode_frame(&join, FIRST_FRAME_LEN_MAX_BYTES).unwrap();
             prop_assert!(decode::<JoinRequest>(&bytes, FIRST_FRAME_LEN_MAX_BYTES));
             let cut = cut.min(bytes.len());
@@ -262,6 +330,43 @@ mod tests {
     /// A status of 100,000 nodes, each with a 200-character error, as the
     /// daemon sends it: as a control answer (JSON) and as a telemetry
     /// snapshot (postcard). Both must fit the frames each side accepts.
+    #[test]
+    fn a_join_is_encoded_as_before_and_interns_nothing_until_its_token_checks() {
+        use swactor_providers::credentials::AgentCredentials;
+        use swactor_provisioning::{GroupId, LogicalNodeId, NodeAttemptId, RunId};
+        let key = ResourceKey {
+            run_id: RunId::new("r"),
+            node: LogicalNodeId::parse("w-3").unwrap(),
+            attempt: NodeAttemptId(9),
+        };
+        // Same bytes as the (key, token) pair older agents send.
+        let join = JoinRequest::new(&key, "t".into());
+        assert_eq!(join.key.text(), key.to_string());
+        assert_eq!(
+            encode_frame(&join, FIRST_FRAME_LEN_MAX_BYTES).unwrap(),
+            encode_frame(&(&key, "t"), FIRST_FRAME_LEN_MAX_BYTES).unwrap()
+        );
+        let secret = [7u8; 32];
+        let creds = AgentCredentials::derive(&secret, &key);
+        let good = JoinRequest::new(&key, creds.token.clone());
+        assert_eq!(good.verify(&secret, creds.endpoint_id()), Ok(key.clone()));
+        assert!(good.verify(&[8u8; 32], creds.endpoint_id()).is_err());
+        // A stranger's join for a group this process never saw: refused,
+        // and the group's name is not stored.
+        let stranger = JoinRequest {
+            key: JoinKey {
+                run_id: "r".into(),
+                node: "never-joined-group-0".into(),
+                attempt: 1,
+            },
+            token: creds.token.clone(),
+        };
+        let bytes = encode_frame(&stranger, FIRST_FRAME_LEN_MAX_BYTES).unwrap();
+        assert!(decode::<JoinRequest>(&bytes, FIRST_FRAME_LEN_MAX_BYTES));
+        assert!(stranger.verify(&secret, creds.endpoint_id()).is_err());
+        assert_eq!(GroupId::known("never-joined-group"), None);
+    }
+
     #[test]
     fn a_status_of_a_hundred_thousand_nodes_fits_a_frame() {
         let error = "e".repeat(200);

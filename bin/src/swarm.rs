@@ -16,7 +16,6 @@ use swactor_engine::net::{
     FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, REFUSAL_LOG_INTERVAL, accept_first_frame,
     recv_frame, send_frame,
 };
-use swactor_providers::credentials::AgentCredentials;
 
 /// How often a connected agent's join is asserted again.
 const JOIN_REASSERT: Duration = Duration::from_secs(3);
@@ -42,16 +41,13 @@ impl ProtocolHandler for SwarmHandler {
         };
         // Only the key this attempt's agent was given may join for it, and
         // only with its token: a token read off another process is useless.
-        let expected = AgentCredentials::derive(&self.secret, &join.key);
-        let verdict = if conn.remote_id() != expected.endpoint_id() {
-            Err("this key may not join for that node".to_owned())
-        } else if join.token != expected.token {
-            Err("the join token does not match this node's identity".to_owned())
-        } else {
-            match self.cluster.agent_join(join.key.clone()).await {
+        let checked = join.verify(&self.secret, conn.remote_id());
+        let verdict = match &checked {
+            Err(reason) => Err((*reason).to_owned()),
+            Ok(key) => match self.cluster.agent_join(key.clone()).await {
                 Ok(v) => v.map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
-            }
+            },
         };
         let reply = match &verdict {
             Ok(liveness) => JoinReply::Welcome {
@@ -61,10 +57,10 @@ impl ProtocolHandler for SwarmHandler {
         };
         let sent = send_frame(&mut send, &reply, SMALL_FRAME_LEN_MAX_BYTES).await;
         if let Err(reason) = &verdict {
-            self.refusals.refused(&join.key.to_string(), reason);
+            self.refusals.refused(&join.key.text(), reason);
         }
-        let liveness = match (sent, verdict) {
-            (Ok(()), Ok(liveness)) => liveness,
+        let (key, liveness) = match (sent, checked, verdict) {
+            (Ok(()), Ok(key), Ok(liveness)) => (key, liveness),
             _ => {
                 let _ = send.finish();
                 let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
@@ -74,7 +70,7 @@ impl ProtocolHandler for SwarmHandler {
         // Silent this long, the agent is taken for gone; its grace is
         // counted from its last heartbeat.
         let silence = Duration::from_millis(liveness.silence_ms);
-        tracing::info!(key = %join.key, "agent joined");
+        tracing::info!(%key, "agent joined");
         // The agent stays connected and sends heartbeats. The join is asserted
         // again now and then: a cluster actor restarted from its journal
         // learns who is still connected, and an agent whose attempt was
@@ -92,15 +88,15 @@ impl ProtocolHandler for SwarmHandler {
                 continue;
             }
             asserted = Instant::now();
-            if let Ok(Err(refusal)) = self.cluster.agent_join(join.key.clone()).await {
-                tracing::info!(key = %join.key, %refusal, "dropping an agent no longer wanted");
+            if let Ok(Err(refusal)) = self.cluster.agent_join(key.clone()).await {
+                tracing::info!(%key, %refusal, "dropping an agent no longer wanted");
                 conn.close(1u32.into(), b"no longer wanted");
                 return Ok(());
             }
         }
-        tracing::info!(key = %join.key, silent_for = ?heard.elapsed(), "agent disconnected");
+        tracing::info!(%key, silent_for = ?heard.elapsed(), "agent disconnected");
         conn.close(0u32.into(), b"silent");
-        self.cluster.agent_gone(join.key, heard.elapsed());
+        self.cluster.agent_gone(key, heard.elapsed());
         Ok(())
     }
 }

@@ -252,6 +252,15 @@ impl<K: Clone + Send + 'static, T: Send + 'static> Mux<K, T> {
         }
     }
 
+    /// Makes room for `streams` followed at once, so following that many
+    /// does not grow the slot table step by step (each step a copy, and up
+    /// to half again of slack kept).
+    pub fn reserve(&self, streams: usize) {
+        let mut st = self.shared.lock();
+        let additional = streams.saturating_sub(st.slots.len());
+        st.slots.reserve_exact(additional);
+    }
+
     /// Follows `rx` under `key` until it ends or the handle is dropped.
     pub fn follow(&self, key: K, rx: stream::Receiver<T>) -> Followed<K, T> {
         let mut st = self.shared.lock();

@@ -56,7 +56,13 @@ pub enum CredentialsError {
 impl AgentCredentials {
     /// The credentials of `key`'s agent under the daemon's `secret`.
     pub fn derive(secret: &[u8; 32], key: &ResourceKey) -> Self {
-        let id = key.to_string();
+        Self::derive_text(secret, &key.to_string())
+    }
+
+    /// The credentials of the key whose text (`run/node/aN`, as a
+    /// [`ResourceKey`] displays) is `id`: what a daemon checks a join
+    /// against before it trusts the key enough to parse it.
+    pub fn derive_text(secret: &[u8; 32], id: &str) -> Self {
         let token = blake3::keyed_hash(secret, id.as_bytes())
             .to_hex()
             .to_string();

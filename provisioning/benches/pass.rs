@@ -62,7 +62,7 @@ fn settled(n: u32) -> Driver {
                 _ => unreachable!("a perfect provider needs nothing else"),
             };
             let r = OperationResult {
-                node: k.node.clone(),
+                node: k.node,
                 op: disp.op,
                 outcome,
             };
@@ -73,7 +73,7 @@ fn settled(n: u32) -> Driver {
                     BootstrapEvent::Stage(BootstrapStage::Converged),
                 ] {
                     let o = BootstrapObservation {
-                        node: k.node.clone(),
+                        node: k.node,
                         attempt: k.attempt,
                         session: SessionId::from(k.to_string()),
                         event,
@@ -108,7 +108,7 @@ fn bench_pass(c: &mut Criterion) {
                     let mut d2 = d.clone();
                     let (node, n0) = d2.state().nodes.iter().next().unwrap();
                     let o = BootstrapObservation {
-                        node: node.clone(),
+                        node: *node,
                         attempt: n0.attempt,
                         session: n0.record.session.clone().unwrap(),
                         event: BootstrapEvent::Stage(BootstrapStage::Converged),
@@ -131,7 +131,7 @@ fn bench_pass(c: &mut Criterion) {
         let mut warm = d.clone();
         let (node, n0) = warm.state().nodes.iter().nth(n as usize / 2).unwrap();
         let converged = BootstrapObservation {
-            node: node.clone(),
+            node: *node,
             attempt: n0.attempt,
             session: n0.record.session.clone().unwrap(),
             event: BootstrapEvent::Stage(BootstrapStage::Converged),
@@ -171,13 +171,7 @@ fn bench_pass(c: &mut Criterion) {
                         .nodes
                         .iter()
                         .step_by(10)
-                        .map(|(id, node)| {
-                            (
-                                id.clone(),
-                                node.attempt,
-                                node.record.session.clone().unwrap(),
-                            )
-                        })
+                        .map(|(id, node)| (*id, node.attempt, node.record.session.clone().unwrap()))
                         .collect();
                     for (node, attempt, session) in lost {
                         let event = BootstrapEvent::Failed {

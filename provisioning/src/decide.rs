@@ -456,7 +456,7 @@ impl<'a> RolloutGates<'a> {
                 left: status.budget_left(),
                 stopped: status.stopped.is_some(),
             };
-            self.current = Some((id.group.clone(), budget));
+            self.current = Some((id.group, budget));
         }
         let Some((_, b)) = self.current.as_mut() else {
             return true;
@@ -571,7 +571,7 @@ pub fn group_status(state: &ClusterState, g: &DesiredGroup) -> RolloutStatus {
             outdated_ready += u32::from(!current);
         } else if current && n.retry.template_failures() > 0 && stopped.is_none() {
             stopped = Some(RolloutStop {
-                node: id.clone(),
+                node: *id,
                 failures: n.retry.template_failures(),
                 reason: n
                     .record
@@ -582,7 +582,7 @@ pub fn group_status(state: &ClusterState, g: &DesiredGroup) -> RolloutStatus {
         }
     }
     RolloutStatus {
-        group: g.id.clone(),
+        group: g.id,
         nodes: g.count,
         ready,
         surge,
@@ -760,7 +760,7 @@ fn plan_with(
         plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
         if let Some(action) = d.action {
             plan.actions.push(PlannedAction {
-                node: id.clone(),
+                node: *id,
                 row: d.row,
                 action,
             });
@@ -799,7 +799,7 @@ pub(crate) fn walk(
     let mut groups = state.nodes.by_group().peekable();
     let insert =
         |visit: &mut dyn FnMut(&LogicalNodeId, NodeDecision), g: &DesiredGroup, index: u32| {
-            let id = LogicalNodeId::new(g.id.clone(), index);
+            let id = LogicalNodeId::new(g.id, index);
             if paused {
                 visit(&id, NodeDecision::wait(LadderRow::InsertSlot, None));
                 return;
@@ -924,7 +924,7 @@ impl ShapeDiff {
             Change::Destroy => self.destroy += 1,
         }
         if self.examples.len() < Self::EXAMPLES_MAX {
-            self.examples.push((node.clone(), change));
+            self.examples.push((*node, change));
         }
     }
 }

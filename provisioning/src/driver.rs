@@ -344,8 +344,8 @@ impl Eval {
             Some(at) => {
                 let bucket = self.wakes.entry(at).or_default();
                 let pos = u32::try_from(bucket.len()).expect("fewer than 2^32 waiting nodes");
-                bucket.push(id.clone());
-                self.wake_of.insert(id.clone(), (at, pos));
+                bucket.push(*id);
+                self.wake_of.insert(*id, (at, pos));
             }
             None => {
                 self.wake_of.remove(id);
@@ -627,11 +627,11 @@ impl Driver {
             match newest.get(&key.node) {
                 Some(e) if e.key.attempt >= key.attempt => report.orphans.push(entry.key),
                 Some(_) => {
-                    let older = newest.insert(key.node.clone(), entry);
+                    let older = newest.insert(key.node, entry);
                     report.orphans.extend(older.map(|e| e.key));
                 }
                 None => {
-                    newest.insert(key.node.clone(), entry);
+                    newest.insert(key.node, entry);
                 }
             }
         }
@@ -749,7 +749,7 @@ impl Driver {
         let folded =
             fold_result(node, result.op, result.outcome, &self.config, now).map_err(|source| {
                 DriverError::Deadline {
-                    node: result.node.clone(),
+                    node: result.node,
                     source,
                 }
             })?;
@@ -769,7 +769,7 @@ impl Driver {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         let result = OperationResult {
-            node: node.clone(),
+            node: *node,
             op,
             outcome: OperationOutcome::Failed {
                 class: FailureClass::Definite,
@@ -802,7 +802,7 @@ impl Driver {
             now,
         )
         .map_err(|source| DriverError::Deadline {
-            node: obs.node.clone(),
+            node: obs.node,
             source,
         })?;
         Ok(self.count(&obs.node, folded))
@@ -851,10 +851,7 @@ impl Driver {
                 }
                 Ok(_) => {}
                 Err(source) => {
-                    first_error.get_or_insert(DriverError::Deadline {
-                        node: id.clone(),
-                        source,
-                    });
+                    first_error.get_or_insert(DriverError::Deadline { node: id, source });
                 }
             }
             changed |= fold_bootstrap_stall(node, now);
@@ -911,7 +908,7 @@ impl Driver {
         let mut requeue_at = plan.requeue_at;
         for planned in plan.actions {
             let transition = planned.action.is_transition();
-            let id = planned.node.clone();
+            let id = planned.node;
             let insert = matches!(planned.action, NodeAction::Insert { .. });
             match self.apply(planned.node, planned.action, now) {
                 Ok(Some(d)) => {
@@ -923,7 +920,7 @@ impl Driver {
                 }
                 Ok(None) => {
                     debug_assert!(transition);
-                    self.eval.dirty.push(id.clone());
+                    self.eval.dirty.push(id);
                     pass.transitioned.push(id);
                     pass.stats.transitions += 1;
                 }
@@ -985,7 +982,7 @@ impl Driver {
             self.eval.set_wake(id, wake);
             if held {
                 if !self.eval.held.contains(id) {
-                    self.eval.held.insert(id.clone());
+                    self.eval.held.insert(*id);
                 }
             } else {
                 self.eval.held.remove(id);
@@ -1011,14 +1008,14 @@ impl Driver {
             |id, d| {
                 plan.requeue_at = earliest(plan.requeue_at, d.wake_at);
                 if let Some(at) = d.wake_at {
-                    wakes.push((at, id.clone()));
+                    wakes.push((at, *id));
                 }
                 if d.row == LadderRow::AwaitRolloutBudget {
-                    held.insert(id.clone());
+                    held.insert(*id);
                 }
                 if let Some(action) = d.action {
                     plan.actions.push(PlannedAction {
-                        node: id.clone(),
+                        node: *id,
                         row: d.row,
                         action,
                     });
@@ -1053,7 +1050,7 @@ impl Driver {
             scratch.updates.push((d.wake_at, held));
             if let Some(action) = d.action {
                 plan.actions.push(PlannedAction {
-                    node: id.clone(),
+                    node: *id,
                     row: d.row,
                     action,
                 });
@@ -1083,7 +1080,7 @@ impl Driver {
                 if now == 0 {
                     self.surges.remove(&g.id);
                 } else {
-                    self.surges.insert(g.id.clone(), now);
+                    self.surges.insert(g.id, now);
                 }
             }
         }
@@ -1172,7 +1169,7 @@ impl Driver {
         match folded {
             Folded::Applied => {
                 self.stats.folded += 1;
-                self.eval.dirty.push(node.clone());
+                self.eval.dirty.push(*node);
                 self.trigger();
             }
             Folded::Discarded(_) => self.stats.discarded += 1,
@@ -1184,7 +1181,7 @@ impl Driver {
         let id = self.state.next_attempt;
         self.state.next_attempt = id
             .checked_add(1)
-            .ok_or_else(|| DriverError::AttemptIdsExhausted { node: node.clone() })?;
+            .ok_or(DriverError::AttemptIdsExhausted { node: *node })?;
         Ok(NodeAttemptId(id))
     }
 
@@ -1196,10 +1193,7 @@ impl Driver {
         action: NodeAction,
         now: Timestamp,
     ) -> Result<Option<Dispatch>, DriverError> {
-        let deadline_err = |source| DriverError::Deadline {
-            node: id.clone(),
-            source,
-        };
+        let deadline_err = |source| DriverError::Deadline { node: id, source };
         match action {
             NodeAction::Insert { template } => {
                 let attempt = self.allocate_attempt(&id)?;
@@ -1280,17 +1274,14 @@ impl Driver {
         };
         let deadline = now
             .checked_add_ms(timeout)
-            .map_err(|source| DriverError::Deadline {
-                node: id.clone(),
-                source,
-            })?;
+            .map_err(|source| DriverError::Deadline { node: id, source })?;
         let seq = node.next_op_seq;
         let next_seq = seq
             .checked_add(1)
-            .ok_or_else(|| DriverError::OperationSeqExhausted { node: id.clone() })?;
+            .ok_or(DriverError::OperationSeqExhausted { node: id })?;
         let rec = &node.record;
         let missing = |what| DriverError::MissingEffectInput {
-            node: id.clone(),
+            node: id,
             kind,
             missing: what,
         };

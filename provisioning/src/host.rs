@@ -345,7 +345,7 @@ impl JournalImage {
             self.slots.remove(node);
         }
         for (node, record) in &delta.put {
-            self.slots.insert(node.clone(), *record);
+            self.slots.insert(*node, *record);
         }
     }
 }
@@ -958,7 +958,7 @@ impl<C: Reconciler> Host<C> {
         self.holds
             .iter()
             .map(|((group, kind), reason)| GroupHold {
-                group: group.clone(),
+                group: *group,
                 kind: *kind,
                 reason: reason.clone(),
             })
@@ -1163,6 +1163,16 @@ impl<C: Reconciler> Host<C> {
                 .and_then(|()| self.core.update_desired(shape).map_err(ApplyError::from))
         };
         if let Ok(DesiredUpdate::Accepted(generation)) = outcome {
+            // Room for each group's slots in one allocation, as the state
+            // has: a doubling vector would copy itself as it grows and keep
+            // up to half again of slack.
+            for g in &self.core.desired().groups {
+                self.slots.reserve(&g.id, g.count);
+                self.links.reserve(&g.id, g.count);
+                if self.config.history_len > 0 {
+                    self.history.reserve(&g.id, g.count);
+                }
+            }
             self.retire_templates(&before);
             self.meta.shape = Some(shape.clone());
             self.meta.tearing_down = false;
@@ -1318,7 +1328,7 @@ impl<C: Reconciler> Host<C> {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         self.in_flight.remove(&result.op);
-        let node = result.node.clone();
+        let node = result.node;
         let started = matches!(result.outcome, OperationOutcome::BootstrapStarted { .. });
         let created = matches!(result.outcome, OperationOutcome::LeaseCreated { .. });
         let attempt = result.op.attempt;
@@ -1408,11 +1418,11 @@ impl<C: Reconciler> Host<C> {
             return Err(JoinRefused::OtherRun(key.run_id.clone()));
         }
         let Some(node) = self.core.state().nodes.get(&key.node) else {
-            return Err(JoinRefused::UnknownNode(key.node.clone()));
+            return Err(JoinRefused::UnknownNode(key.node));
         };
         if node.attempt != key.attempt {
             return Err(JoinRefused::Superseded {
-                node: key.node.clone(),
+                node: key.node,
                 given: key.attempt,
                 current: node.attempt,
             });
@@ -1420,12 +1430,12 @@ impl<C: Reconciler> Host<C> {
         if node.intent != Intent::Active
             || matches!(node.record.stage, NodeStage::Failed | NodeStage::Destroyed)
         {
-            return Err(JoinRefused::NotActive(key.node.clone()));
+            return Err(JoinRefused::NotActive(key.node));
         }
         let liveness = Liveness::for_grace(node.template.join.lost_grace_ms());
         self.set_link(&key.node, Link::Connected(key.attempt));
         self.events.push_back(HostEvent::AgentJoined(key.clone()));
-        self.todo.push_back(Todo::FeedJoin(key.node.clone()));
+        self.todo.push_back(Todo::FeedJoin(key.node));
         Ok(liveness)
     }
 
@@ -1458,22 +1468,22 @@ impl<C: Reconciler> Host<C> {
             return Err(ReplaceError::ShuttingDown);
         }
         let Some(n) = self.core.state().nodes.get(node) else {
-            return Err(ReplaceError::UnknownNode(node.clone()));
+            return Err(ReplaceError::UnknownNode(*node));
         };
         if n.intent != Intent::Active
             || matches!(n.record.stage, NodeStage::Failed | NodeStage::Destroyed)
         {
-            return Err(ReplaceError::NotActive(node.clone()));
+            return Err(ReplaceError::NotActive(*node));
         }
         if let Some(p) = &n.pending {
             return Err(ReplaceError::Busy {
-                node: node.clone(),
+                node: *node,
                 effect: p.effect,
             });
         }
         let attempt = n.attempt;
         self.todo.push_back(Todo::AgentLost(
-            node.clone(),
+            *node,
             attempt,
             REPLACED_BY_OPERATOR.to_owned(),
         ));
@@ -1486,7 +1496,7 @@ impl<C: Reconciler> Host<C> {
             .in_flight
             .iter()
             .filter(|(_, (_, l))| *l == lane)
-            .map(|(op, (node, _))| (*op, node.clone()))
+            .map(|(op, (node, _))| (*op, *node))
             .collect();
         if !lost.is_empty() {
             self.warn(format!(
@@ -1635,7 +1645,7 @@ impl<C: Reconciler> Host<C> {
             self.touch_history(node, now);
         }
         if self.config.node_events {
-            self.events.push_back(HostEvent::NodeChanged(node.clone()));
+            self.events.push_back(HostEvent::NodeChanged(*node));
         }
     }
 
@@ -1697,7 +1707,7 @@ impl<C: Reconciler> Host<C> {
             .filter(|(id, _)| !nodes.contains_key(id))
             .map(|(id, h)| {
                 let ended = h.back().and_then(|r| r.ended_at).unwrap_or(Timestamp(0));
-                (ended, id.clone())
+                (ended, *id)
             })
             .collect();
         gone.sort();
@@ -1753,7 +1763,7 @@ impl<C: Reconciler> Host<C> {
         if r.attempt == attempt && !r.created {
             r.created = true;
             let r = *r;
-            self.put.insert(node.clone(), r);
+            self.put.insert(*node, r);
         }
     }
 
@@ -1818,14 +1828,14 @@ impl<C: Reconciler> Host<C> {
                     created: false,
                     failures,
                 };
-                self.slots.insert(node.clone(), record);
+                self.slots.insert(*node, record);
                 self.remove.remove(node);
-                self.put.insert(node.clone(), record);
+                self.put.insert(*node, record);
             }
             None => {
                 if self.slots.remove(node).is_some() {
                     self.put.remove(node);
-                    self.remove.insert(node.clone());
+                    self.remove.insert(*node);
                 }
             }
         }
@@ -1875,7 +1885,7 @@ impl<C: Reconciler> Host<C> {
         {
             r.failures = failures;
             let record = *r;
-            self.put.insert(node.clone(), record);
+            self.put.insert(*node, record);
         }
     }
 
@@ -1913,15 +1923,14 @@ impl<C: Reconciler> Host<C> {
         }
         for d in &pass.dispatches {
             let lane = self.lane_of(d.op.attempt);
-            self.in_flight.insert(d.op, (d.key.node.clone(), lane));
+            self.in_flight.insert(d.op, (d.key.node, lane));
             if self.config.node_events {
                 self.events.push_back(HostEvent::Dispatched {
-                    node: d.key.node.clone(),
+                    node: d.key.node,
                     op: d.op,
                     effect: d.request.kind(),
                 });
-                self.events
-                    .push_back(HostEvent::NodeChanged(d.key.node.clone()));
+                self.events.push_back(HostEvent::NodeChanged(d.key.node));
             }
         }
         for node in &pass.transitioned {
@@ -2017,7 +2026,7 @@ impl<C: Reconciler> Host<C> {
                     return None;
                 }
                 let obs = BootstrapObservation {
-                    node: node.clone(),
+                    node,
                     attempt: n.attempt,
                     session,
                     event: BootstrapEvent::SwactorJoined,
@@ -2040,7 +2049,7 @@ impl<C: Reconciler> Host<C> {
                     return None;
                 }
                 let result = OperationResult {
-                    node: node.clone(),
+                    node,
                     op,
                     outcome: OperationOutcome::Failed {
                         class: FailureClass::Ambiguous,
@@ -2079,7 +2088,7 @@ impl<C: Reconciler> Host<C> {
             }
         }
         if self.links.get(node) == Some(&Link::Connected(attempt)) {
-            self.todo.push_back(Todo::FeedJoin(node.clone()));
+            self.todo.push_back(Todo::FeedJoin(*node));
         }
     }
 
@@ -2094,7 +2103,7 @@ impl<C: Reconciler> Host<C> {
         if !waiting {
             return;
         }
-        let kept = self.early.entry(obs.node.clone()).or_default();
+        let kept = self.early.entry(obs.node).or_default();
         if kept.first().is_some_and(|o| o.attempt != obs.attempt) {
             kept.clear();
         }
@@ -2106,14 +2115,14 @@ impl<C: Reconciler> Host<C> {
     fn set_link(&mut self, node: &LogicalNodeId, link: Link) {
         self.clear_link(node);
         if let Link::Away { until, .. } = link {
-            self.graces.insert((until, node.clone()));
+            self.graces.insert((until, *node));
         }
-        self.links.insert(node.clone(), link);
+        self.links.insert(*node, link);
     }
 
     fn clear_link(&mut self, node: &LogicalNodeId) {
         if let Some(Link::Away { until, .. }) = self.links.remove(node) {
-            self.graces.remove(&(until, node.clone()));
+            self.graces.remove(&(until, *node));
             self.held_lost.remove(node);
         }
     }
@@ -2137,7 +2146,7 @@ impl<C: Reconciler> Host<C> {
         self.events.push_back(HostEvent::AgentDisconnected {
             key: ResourceKey {
                 run_id: self.meta.run_id.clone(),
-                node: node.clone(),
+                node: *node,
                 attempt,
             },
             grace_until: until,
@@ -2157,11 +2166,11 @@ impl<C: Reconciler> Host<C> {
             if self.breaker(&node.group).is_some() {
                 // Counted as away (it still is) while the breaker is
                 // checked; kept so, with no deadline, until released.
-                self.graces.remove(&(at, node.clone()));
+                self.graces.remove(&(at, node));
                 self.held_lost.insert(node);
                 continue;
             }
-            self.graces.remove(&(at, node.clone()));
+            self.graces.remove(&(at, node));
             let Some(Link::Away { attempt, .. }) = self.links.remove(&node) else {
                 continue;
             };
@@ -2188,7 +2197,7 @@ impl<C: Reconciler> Host<C> {
             .groups
             .iter()
             .filter(|g| g.policy.max_unhealthy.is_some() && self.breaker(&g.id).is_some())
-            .map(|g| g.id.clone())
+            .map(|g| g.id)
             .collect();
         self.tripped_none = tripped.is_empty();
         self.core.set_tripped(tripped);
@@ -2208,7 +2217,7 @@ impl<C: Reconciler> Host<C> {
                 Some(t) => *t,
                 None => {
                     let t = self.breaker(&node.group).is_some();
-                    tripped.insert(node.group.clone(), t);
+                    tripped.insert(node.group, t);
                     t
                 }
             };
@@ -2235,14 +2244,14 @@ impl<C: Reconciler> Host<C> {
         let mut holds = BTreeMap::new();
         if self.shutdown.is_none() {
             for r in self.core.rollout_holds() {
-                holds.insert((r.group.clone(), HoldKind::Rollout), r.to_string());
+                holds.insert((r.group, HoldKind::Rollout), r.to_string());
             }
         }
         for g in &self.core.desired().groups {
             if g.policy.max_unhealthy.is_some()
                 && let Some(b) = self.breaker(&g.id)
             {
-                holds.insert((g.id.clone(), HoldKind::Remediation), b.to_string());
+                holds.insert((g.id, HoldKind::Remediation), b.to_string());
             }
         }
         if holds == self.holds {
@@ -2251,7 +2260,7 @@ impl<C: Reconciler> Host<C> {
         for (key, reason) in &holds {
             if self.holds.get(key) != Some(reason) {
                 self.events.push_back(HostEvent::Hold {
-                    group: key.0.clone(),
+                    group: key.0,
                     kind: key.1,
                     reason: Some(reason.clone()),
                 });
@@ -2260,7 +2269,7 @@ impl<C: Reconciler> Host<C> {
         for key in self.holds.keys() {
             if !holds.contains_key(key) {
                 self.events.push_back(HostEvent::Hold {
-                    group: key.0.clone(),
+                    group: key.0,
                     kind: key.1,
                     reason: None,
                 });
@@ -2295,7 +2304,7 @@ impl<C: Reconciler> Host<C> {
         let desired: Vec<(LogicalNodeId, u64)> = self
             .slots
             .keys()
-            .filter_map(|node| Some((node.clone(), self.core.desired().slot(node)?.clone())))
+            .filter_map(|node| Some((*node, self.core.desired().slot(node)?.clone())))
             .collect::<Vec<_>>()
             .into_iter()
             .map(|(node, t)| (node, self.digest(&t)))
@@ -2303,7 +2312,7 @@ impl<C: Reconciler> Host<C> {
         for (node, r) in &self.slots {
             let key = ResourceKey {
                 run_id: run.clone(),
-                node: node.clone(),
+                node: *node,
                 attempt: r.attempt,
             };
             if held.contains_key(&key) {
@@ -2318,7 +2327,7 @@ impl<C: Reconciler> Host<C> {
                 // identity; a sweep finds it if it is only invisible.
                 if wanted {
                     // Its slot's next attempt carries on from its failures.
-                    self.core.carry_failures(node.clone(), r.failures);
+                    self.core.carry_failures(*node, r.failures);
                 }
                 presumed_gone.push(key);
             } else if wanted {
@@ -2337,7 +2346,7 @@ impl<C: Reconciler> Host<C> {
         for key in &presumed_gone {
             self.slots.remove(&key.node);
             self.put.remove(&key.node);
-            self.remove.insert(key.node.clone());
+            self.remove.insert(key.node);
         }
         if !presumed_gone.is_empty() {
             self.verify = true;
@@ -2387,7 +2396,7 @@ impl<C: Reconciler> Host<C> {
                 self.record_created(&key.node, key.attempt);
             }
             if let Some(s) = &mut self.shutdown {
-                s.nodes.insert(key.node.clone());
+                s.nodes.insert(key.node);
             }
         }
         for key in &report.orphans {

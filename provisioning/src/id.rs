@@ -111,47 +111,107 @@ impl fmt::Display for RunId {
     }
 }
 
-/// Identifies a node group within a run. Cheap to clone (shared string).
-#[derive(Clone, Debug, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct GroupId(Arc<str>);
+/// Identifies a node group within a run: an interned name, one pointer
+/// wide and `Copy`.
+///
+/// Every distinct name is stored once for the life of the process (see
+/// [`GroupId::new`]), so two ids are equal exactly when they point at the same
+/// name, and copying one costs nothing: slot ids, resource keys and the maps
+/// keyed by them carry no reference counts. Order and hashing follow the
+/// name's text, never the pointer, so they are the same in every run.
+#[derive(Clone, Copy)]
+pub struct GroupId(&'static GroupName);
+
+/// One interned group name (the box keeps [`GroupId`] one pointer wide).
+struct GroupName(Box<str>);
+
+/// Most distinct group names [`GroupId::intern`] stores; past it only names
+/// already known are found. [`GroupId::new`], which trusted paths (a
+/// validated shape, tests) use, is not limited.
+///
+/// Names are at most [`ID_LEN_MAX`] bytes, so the cap bounds what text from
+/// outside (a provider's listing, a wire message) can make the process keep
+/// to a few MiB. Frames an unauthenticated peer sends carry no interned ids
+/// at all (the swarm's join request carries its key as plain text until its
+/// token is checked).
+pub const GROUP_NAMES_MAX: usize = 65_536;
+
+/// The interned group names. Filled once per distinct name and never emptied;
+/// a lookup takes a lock, so hot paths copy ids rather than intern them.
+static GROUP_NAMES: std::sync::Mutex<std::collections::BTreeMap<&'static str, GroupId>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 impl GroupId {
-    /// Wraps a group id string (validated when a shape is validated).
+    /// The id of the group named `s`, storing the name if it is new. Used
+    /// for names the daemon trusts (a validated shape's groups); text from
+    /// elsewhere goes through [`GroupId::intern`].
     pub fn new(s: &str) -> Self {
-        Self(Arc::from(s))
+        Self::lookup(s, usize::MAX).expect("an unlimited intern always succeeds")
+    }
+
+    /// Like [`GroupId::new`], but a name not stored yet is only stored while
+    /// fewer than [`GROUP_NAMES_MAX`] names are; `None` past that.
+    pub fn intern(s: &str) -> Option<Self> {
+        Self::lookup(s, GROUP_NAMES_MAX)
+    }
+
+    /// The id of `s` if that name is stored already; never stores one. For
+    /// text that may only name a group the process knows.
+    pub fn known(s: &str) -> Option<Self> {
+        Self::lookup(s, 0)
+    }
+
+    fn lookup(s: &str, max: usize) -> Option<Self> {
+        // A poisoned lock only means a panic elsewhere while holding it; the
+        // map is never left half-changed (one insert of a finished entry).
+        let mut names = GROUP_NAMES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(id) = names.get(s) {
+            return Some(*id);
+        }
+        if names.len() >= max {
+            return None;
+        }
+        let name: &'static GroupName = Box::leak(Box::new(GroupName(Box::from(s))));
+        let id = GroupId(name);
+        names.insert(&name.0, id);
+        Some(id)
     }
 
     /// The id as a string slice.
-    pub fn as_str(&self) -> &str {
-        &self.0
+    #[inline]
+    pub fn as_str(&self) -> &'static str {
+        &self.0.0
     }
 
-    /// True when both are clones of one id (the same allocation); false
-    /// says nothing.
+    /// True when both are the same id. With interned names this is
+    /// equality; kept for the call sites that say they want the pointer test.
     #[inline]
     pub fn ptr_eq(&self, other: &GroupId) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        std::ptr::eq(self.0, other.0)
     }
 
-    /// Equality with a pointer fast path: ids cloned from the same desired
-    /// group share their allocation, which keeps a settled pass cheap.
+    /// Equality (a pointer comparison).
     #[inline]
     pub fn same(&self, other: &GroupId) -> bool {
-        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+        self.ptr_eq(other)
     }
 }
 
 impl PartialEq for GroupId {
+    #[inline]
     fn eq(&self, other: &Self) -> bool {
-        self.same(other)
+        self.ptr_eq(other)
     }
 }
 
+impl Eq for GroupId {}
+
 impl std::hash::Hash for GroupId {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        // Equality compares the strings, so hashing must too.
-        self.0.hash(state);
+        // By the text, so a hash never depends on where the name was stored.
+        self.as_str().hash(state);
     }
 }
 
@@ -162,17 +222,41 @@ impl PartialOrd for GroupId {
 }
 
 impl Ord for GroupId {
+    #[inline]
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        if Arc::ptr_eq(&self.0, &other.0) {
+        if self.ptr_eq(other) {
             return std::cmp::Ordering::Equal;
         }
-        self.0.cmp(&other.0)
+        self.as_str().cmp(other.as_str())
+    }
+}
+
+impl fmt::Debug for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("GroupId").field(&self.as_str()).finish()
     }
 }
 
 impl fmt::Display for GroupId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for GroupId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for GroupId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = std::borrow::Cow::<'de, str>::deserialize(d)?;
+        Self::intern(&s).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "group {s:?} is new and {GROUP_NAMES_MAX} group names are already known"
+            ))
+        })
     }
 }
 
@@ -180,7 +264,7 @@ impl fmt::Display for GroupId {
 ///
 /// Ordered by group, then by index, so the highest indexes of a group are the
 /// last entries of its range (scale-down removes exactly those).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct LogicalNodeId {
     /// The group the slot belongs to.
     pub group: GroupId,
@@ -194,7 +278,9 @@ impl LogicalNodeId {
         Self { group, index }
     }
 
-    /// Parses `{group}-{index}` by splitting at the last dash.
+    /// Parses `{group}-{index}` by splitting at the last dash. A well-formed
+    /// id of a group never seen before fails too once [`GROUP_NAMES_MAX`]
+    /// names are known.
     pub fn parse(s: &str) -> Option<Self> {
         let (group, index) = s.rsplit_once('-')?;
         if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
@@ -204,7 +290,8 @@ impl LogicalNodeId {
             return None;
         }
         validate_id(group).ok()?;
-        Some(Self::new(GroupId::new(group), index.parse().ok()?))
+        let index = index.parse().ok()?;
+        Some(Self::new(GroupId::intern(group)?, index))
     }
 }
 
@@ -374,6 +461,43 @@ mod tests {
         let a = LogicalNodeId::parse("w-2").unwrap();
         let b = LogicalNodeId::parse("w-10").unwrap();
         assert!(a < b);
+    }
+
+    #[test]
+    fn one_name_is_one_group_id_ordered_and_hashed_by_its_text() {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let a = GroupId::new("interned-a");
+        let again = GroupId::new(&String::from("interned-a"));
+        assert!(a.ptr_eq(&again) && a == again);
+        let b = GroupId::new("interned-b");
+        assert_ne!(a, b);
+        assert!(a < b, "ordered by the text");
+        let h = BuildHasherDefault::<DefaultHasher>::default();
+        assert_eq!(
+            h.hash_one(a),
+            h.hash_one("interned-a"),
+            "hashed by the text"
+        );
+        assert_eq!(format!("{a} {a:?}"), "interned-a GroupId(\"interned-a\")");
+        assert_eq!(std::mem::size_of::<GroupId>(), 8);
+        assert_eq!(std::mem::size_of::<LogicalNodeId>(), 16);
+        assert_eq!(std::mem::size_of::<Option<LogicalNodeId>>(), 16);
+    }
+
+    #[test]
+    fn past_the_cap_only_known_names_are_found() {
+        let known = GroupId::new("capped-known");
+        // A cap of zero stands for a full table.
+        assert_eq!(GroupId::lookup("capped-known", 0), Some(known));
+        assert_eq!(GroupId::lookup("capped-never-stored", 0), None);
+        assert_eq!(GroupId::known("capped-never-stored"), None);
+        assert_eq!(GroupId::known("capped-known"), Some(known));
+        // Serde goes through the capped path and round-trips.
+        let json = serde_json::to_string(&known).unwrap();
+        assert_eq!(json, "\"capped-known\"");
+        assert_eq!(serde_json::from_str::<GroupId>(&json).unwrap(), known);
+        let node: LogicalNodeId = serde_json::from_str("\"capped-known-7\"").unwrap();
+        assert_eq!((node.group, node.index), (known, 7));
     }
 
     #[test]

@@ -59,8 +59,8 @@ pub use host::{
     SlotRecord, Ticket,
 };
 pub use id::{
-    Generation, GroupId, ID_LEN_MAX, IdError, IdString, LeaseId, LogicalNodeId, NodeAttemptId,
-    NodeEndpoint, OperationId, ResourceKey, RunId, SessionId, validate_id,
+    GROUP_NAMES_MAX, Generation, GroupId, ID_LEN_MAX, IdError, IdString, LeaseId, LogicalNodeId,
+    NodeAttemptId, NodeEndpoint, OperationId, ResourceKey, RunId, SessionId, validate_id,
 };
 pub use nodemap::{DENSE_INDEX_MAX, GroupEntries, NodeMap};
 pub use observe::{

@@ -25,10 +25,10 @@ pub const DENSE_INDEX_MAX: u32 = 1 << 18;
 /// A slot's key and value, in that order: a walk reads the key and the
 /// value's first fields (which `ManagedNode` keeps hot) from one cache line.
 #[repr(C)]
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 struct Entry<V>(LogicalNodeId, V);
 
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 struct Group<V> {
     id: GroupId,
     /// Slot `i` at position `i`; `None` for an absent slot. Never ends in `None`.
@@ -100,13 +100,20 @@ type GroupIter<'a, V> = std::iter::Chain<
 >;
 
 /// A map from slot to `V`, ordered like `BTreeMap<LogicalNodeId, V>`. See the module docs.
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 pub struct NodeMap<V> {
     /// Sorted by group id. A group is empty only between a
     /// [`NodeMap::reserve`] and its first insert; removing its last entry
     /// drops it.
     groups: Vec<Group<V>>,
     len: usize,
+}
+
+/// Equal when they hold the same entries (room reserved is not compared).
+impl<V: PartialEq> PartialEq for NodeMap<V> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.iter().eq(other.iter())
+    }
 }
 
 impl<V> Default for NodeMap<V> {
@@ -134,15 +141,25 @@ impl<V> NodeMap<V> {
         self.len == 0
     }
 
-    #[inline]
+    #[inline(always)]
     fn group_pos(&self, id: &GroupId) -> Result<usize, usize> {
-        // Most maps hold one or a few groups, and ids cloned from the
-        // desired group compare by pointer: look at the first few that way.
-        for (i, g) in self.groups.iter().enumerate().take(4) {
+        // Most maps hold one group, and group ids are equal exactly when
+        // they are the same pointer: the first group is one comparison.
+        match self.groups.first() {
+            Some(g) if g.id.ptr_eq(id) => Ok(0),
+            _ => self.group_pos_rest(id),
+        }
+    }
+
+    #[inline(never)]
+    fn group_pos_rest(&self, id: &GroupId) -> Result<usize, usize> {
+        for (i, g) in self.groups.iter().enumerate().take(8).skip(1) {
             if g.id.ptr_eq(id) {
                 return Ok(i);
             }
         }
+        // Not among the first few (or absent): by name, which also gives
+        // where an absent group goes.
         self.groups.binary_search_by(|g| g.id.cmp(id))
     }
 
@@ -171,7 +188,7 @@ impl<V> NodeMap<V> {
         let i = match self.group_pos(&key.group) {
             Ok(i) => i,
             Err(i) => {
-                self.groups.insert(i, Group::new(key.group.clone()));
+                self.groups.insert(i, Group::new(key.group));
                 i
             }
         };
@@ -195,7 +212,7 @@ impl<V> NodeMap<V> {
     /// The entry of `key`, made by `f` first if there is none.
     pub fn get_or_insert_with(&mut self, key: &LogicalNodeId, f: impl FnOnce() -> V) -> &mut V {
         if !self.contains_key(key) {
-            self.insert(key.clone(), f());
+            self.insert(*key, f());
         }
         self.get_mut(key).expect("just inserted")
     }
@@ -206,7 +223,7 @@ impl<V> NodeMap<V> {
         let i = match self.group_pos(group) {
             Ok(i) => i,
             Err(i) => {
-                self.groups.insert(i, Group::new(group.clone()));
+                self.groups.insert(i, Group::new(*group));
                 i
             }
         };
@@ -450,10 +467,10 @@ mod tests {
             assert_eq!(map.insert(id(k), i), reference.insert(id(k), i));
         }
         assert_eq!(map.insert(id("w-3"), 99), reference.insert(id("w-3"), 99));
-        let got: Vec<_> = map.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        let want: Vec<_> = reference.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let got: Vec<_> = map.iter().map(|(k, v)| (*k, *v)).collect();
+        let want: Vec<_> = reference.iter().map(|(k, v)| (*k, *v)).collect();
         assert_eq!(got, want);
-        let back: Vec<_> = map.iter().rev().map(|(k, _)| k.clone()).collect();
+        let back: Vec<_> = map.iter().rev().map(|(k, _)| *k).collect();
         let want_back: Vec<_> = reference.keys().rev().cloned().collect();
         assert_eq!(back, want_back);
         assert_eq!(map.len(), reference.len());
@@ -497,12 +514,25 @@ mod tests {
         map.insert(id("w-10"), 10u32);
         map.insert(id("w-1"), 1u32);
         map.insert(id("a-0"), 0u32);
-        let reference: BTreeMap<LogicalNodeId, u32> =
-            map.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let reference: BTreeMap<LogicalNodeId, u32> = map.iter().map(|(k, v)| (*k, *v)).collect();
         let text = serde_json::to_string(&map).unwrap();
         assert_eq!(text, serde_json::to_string(&reference).unwrap());
         assert_eq!(text, r#"{"a-0":0,"w-1":1,"w-10":10}"#);
         let back: NodeMap<u32> = serde_json::from_str(&text).unwrap();
         assert!(back == map);
+    }
+
+    #[test]
+    fn room_reserved_is_not_part_of_equality() {
+        let mut reserved = NodeMap::new();
+        reserved.reserve(&GroupId::new("w"), 100);
+        reserved.reserve(&GroupId::new("a"), 3);
+        assert!(reserved == NodeMap::<u32>::new());
+        reserved.insert(id("w-1"), 1u32);
+        let mut plain = NodeMap::new();
+        plain.insert(id("w-1"), 1u32);
+        assert!(reserved == plain);
+        plain.insert(id("w-2"), 2u32);
+        assert!(reserved != plain);
     }
 }

@@ -510,7 +510,7 @@ impl DesiredState {
     pub fn specs(&self) -> impl Iterator<Item = LogicalNodeSpec> + '_ {
         self.groups.iter().flat_map(|g| {
             (0..g.count).map(move |i| LogicalNodeSpec {
-                node: LogicalNodeId::new(g.id.clone(), i),
+                node: LogicalNodeId::new(g.id, i),
                 template: g.template.clone(),
             })
         })
@@ -538,7 +538,7 @@ impl DesiredState {
                 let p = &previous.groups[i];
                 if *p.template == *g.template {
                     g.template = p.template.clone();
-                    g.id = p.id.clone();
+                    g.id = p.id;
                 }
             }
         }
@@ -667,7 +667,7 @@ impl ClusterShape {
         if total > SHAPE_NODES_MAX {
             return Err(ShapeError::TooManyNodes { total });
         }
-        groups.sort_by(|a, b| a.id.cmp(&b.id));
+        groups.sort_by_key(|a| a.id);
         Ok(DesiredState {
             run_id: self.run_id.clone(),
             generation: self.generation,

@@ -127,9 +127,7 @@ impl World {
                     .state()
                     .nodes
                     .iter()
-                    .filter_map(|(id, n)| {
-                        n.record.session.clone().map(|s| (id.clone(), n.attempt, s))
-                    })
+                    .filter_map(|(id, n)| n.record.session.clone().map(|s| (*id, n.attempt, s)))
                     .collect();
                 if let Some((node, attempt, session)) = live.get(i % live.len().max(1)).cloned() {
                     let event = match ev {
@@ -188,7 +186,7 @@ impl World {
                             && n.record.session.is_some()
                             && n.record.bootstrap != Some(BootstrapStage::Converged)
                     })
-                    .map(|(id, n)| (id.clone(), n.attempt, n.record.session.clone().unwrap()))
+                    .map(|(id, n)| (*id, n.attempt, n.record.session.clone().unwrap()))
                     .collect();
                 if running.is_empty() {
                     self.now = self
@@ -203,7 +201,7 @@ impl World {
                         BootstrapEvent::Stage(BootstrapStage::Converged),
                     ] {
                         let obs = BootstrapObservation {
-                            node: node.clone(),
+                            node,
                             attempt,
                             session: session.clone(),
                             event,
@@ -300,10 +298,10 @@ proptest! {
         for s in &trace {
             w.apply(s);
             for (id, n) in &w.d.state().nodes {
-                if let Some(prev) = owner.insert(n.attempt, id.clone()) {
+                if let Some(prev) = owner.insert(n.attempt, *id) {
                     prop_assert_eq!(&prev, id, "attempt {} moved slots", n.attempt);
                 }
-                if let Some(prev) = last.insert(id.clone(), n.attempt) {
+                if let Some(prev) = last.insert(*id, n.attempt) {
                     prop_assert!(prev <= n.attempt, "{} went back from {} to {}", id, prev, n.attempt);
                 }
             }

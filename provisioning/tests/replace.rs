@@ -44,7 +44,7 @@ fn pump(h: &mut Host<Driver>, now: Timestamp) -> Vec<Dispatch> {
                     BootstrapEvent::Stage(BootstrapStage::Converged),
                 ] {
                     let obs = BootstrapObservation {
-                        node: d.key.node.clone(),
+                        node: d.key.node,
                         attempt,
                         session: session.clone().expect("a live session"),
                         event,
@@ -137,7 +137,7 @@ fn a_replace_of_an_unknown_or_failed_node_is_refused_and_changes_nothing() {
     );
     assert_eq!(
         h.handle_replace(&w0, t(2)),
-        Err(ReplaceError::NotActive(w0.clone()))
+        Err(ReplaceError::NotActive(w0))
     );
 }
 
@@ -158,7 +158,7 @@ fn a_replace_of_a_node_with_an_operation_in_flight_is_refused() {
     assert_eq!(
         h.handle_replace(&w0, t(1)),
         Err(ReplaceError::Busy {
-            node: w0.clone(),
+            node: w0,
             effect: EffectKind::CreateLease
         })
     );

@@ -431,7 +431,7 @@ fn pump(
             let (attempt, session) = (n.attempt, n.record.session.clone().unwrap());
             for event in events {
                 let obs = BootstrapObservation {
-                    node: d.key.node.clone(),
+                    node: d.key.node,
                     attempt,
                     session: session.clone(),
                     event,
@@ -452,7 +452,7 @@ fn inventory(h: &Host<Driver>) -> Vec<Listed> {
         .map(|(id, n)| Listed {
             key: ResourceKey {
                 run_id: state.run_id.clone(),
-                node: id.clone(),
+                node: *id,
                 attempt: n.attempt,
             },
             lease: n.record.lease.clone(),

@@ -148,7 +148,7 @@ impl Metrics {
         let mut events = self.lock_events();
         events.nodes.clear();
         for n in &snapshot.nodes {
-            events.nodes.insert(n.node.clone(), node_entry(n));
+            events.nodes.insert(n.node, node_entry(n));
         }
         events.passes = snapshot.stats.passes;
     }
@@ -182,7 +182,7 @@ impl Metrics {
                         .get_or_create(&vec![("reason", reason.to_owned())])
                         .inc();
                 }
-                events.nodes.insert(n.node.clone(), entry);
+                events.nodes.insert(n.node, entry);
             }
             ClusterEvent::Removed { node } => {
                 self.lock_events().nodes.remove(node);

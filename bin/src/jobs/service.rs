@@ -30,7 +30,6 @@ use swactor_engine::net::Allowlist;
 use swactor_engine::net::{FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, accept_first_frame};
 use swactor_engine::ractor::{Actor, ActorId, ActorRef, rpc::CallResult};
 use swactor_engine::{BlockingConfig, BlockingPool, Clock, run_until};
-use swactor_providers::credentials::AgentCredentials;
 use swactor_provisioning::Intent;
 use tokio::sync::{broadcast, watch};
 
@@ -1136,13 +1135,15 @@ impl ProtocolHandler for JobsHandler {
         else {
             return Ok(());
         };
-        let expected = AgentCredentials::derive(&self.0.secret, &join.key);
-        if conn.remote_id() != expected.endpoint_id() || join.token != expected.token {
-            tracing::warn!(key = %join.key, "a jobs link was refused: wrong key or token");
-            conn.close(1u32.into(), b"not this node's agent");
-            return Ok(());
-        }
-        let (node, attempt) = (join.key.node.to_string(), join.key.attempt.0);
+        let key = match join.verify(&self.0.secret, conn.remote_id()) {
+            Ok(key) => key,
+            Err(reason) => {
+                tracing::warn!(key = %join.key.text(), %reason, "a jobs link was refused");
+                conn.close(1u32.into(), b"not this node's agent");
+                return Ok(());
+            }
+        };
+        let (node, attempt) = (key.node.to_string(), key.attempt.0);
         tracing::info!(%node, attempt, "jobs link up");
         self.0.links.up(&node, attempt, conn.clone());
         conn.closed().await;

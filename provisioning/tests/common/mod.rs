@@ -68,7 +68,7 @@ pub fn drain(d: &mut Driver, now: Timestamp) -> Vec<Dispatch> {
 
 pub fn result(d: &Dispatch, outcome: OperationOutcome) -> OperationResult {
     OperationResult {
-        node: d.key.node.clone(),
+        node: d.key.node,
         op: d.op,
         outcome,
     }

@@ -1774,7 +1774,7 @@ impl FakeBackend {
             let s = &b.sessions[i];
             let key = &b.keys[s.key as usize].key;
             out.push(BootstrapObservation {
-                node: key.node.clone(),
+                node: key.node,
                 attempt: key.attempt,
                 session: session_id(s.number),
                 event: event(code),

@@ -247,7 +247,7 @@ impl FakeExecutor {
                 return Submitted::AlreadyRunning;
             };
             let result = OperationResult {
-                node: dispatch.key.node.clone(),
+                node: dispatch.key.node,
                 op: dispatch.op,
                 outcome: outcome.clone(),
             };
@@ -273,7 +273,7 @@ impl FakeExecutor {
         self.stats.accepted += 1;
         let queue = self
             .queues
-            .entry((dispatch.key.node.clone(), dispatch.op.attempt))
+            .entry((dispatch.key.node, dispatch.op.attempt))
             .or_default();
         queue.push_back(dispatch.op);
         if queue.len() == 1 {
@@ -287,7 +287,7 @@ impl FakeExecutor {
         let entry = self.ops.get_mut(&op).expect("started ops are known");
         debug_assert_eq!(entry.state, OpState::Queued);
         entry.state = OpState::Running;
-        let key = (entry.dispatch.key.node.clone(), op.attempt);
+        let key = (entry.dispatch.key.node, op.attempt);
         let mut apply_at = Timestamp(now.0 + latency);
         if let Some(DeliveryFault::LateCompletion { extra_ms }) = entry.fault {
             apply_at = apply_at.max(Timestamp(entry.dispatch.deadline.0 + extra_ms));
@@ -321,7 +321,7 @@ impl FakeExecutor {
         };
         self.ops.get_mut(&op).expect("known").state = OpState::Done(reported.clone());
         let result = Output::Result(OperationResult {
-            node: dispatch.key.node.clone(),
+            node: dispatch.key.node,
             op,
             outcome: reported,
         });
@@ -343,7 +343,7 @@ impl FakeExecutor {
             }
         }
         // The next operation of this attempt may run now.
-        let key = (dispatch.key.node.clone(), op.attempt);
+        let key = (dispatch.key.node, op.attempt);
         let queue = self.queues.get_mut(&key).expect("applied ops are queued");
         queue.pop_front();
         match queue.front().copied() {
@@ -429,9 +429,7 @@ impl FakeExecutor {
 
     /// Operations of `attempt` of `node` submitted and not yet applied.
     pub fn in_flight(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> usize {
-        self.queues
-            .get(&(node.clone(), attempt))
-            .map_or(0, VecDeque::len)
+        self.queues.get(&(*node, attempt)).map_or(0, VecDeque::len)
     }
 
     /// Operations that have been submitted and not yet applied, over all attempts.
@@ -442,7 +440,7 @@ impl FakeExecutor {
     /// The kind of every operation of `attempt` of `node` still queued or running.
     pub fn in_flight_kinds(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> Vec<EffectKind> {
         self.queues
-            .get(&(node.clone(), attempt))
+            .get(&(*node, attempt))
             .map(|q| {
                 q.iter()
                     .map(|op| self.ops[op].dispatch.request.kind())

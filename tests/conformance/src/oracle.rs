@@ -848,7 +848,7 @@ impl Oracle {
                     n.attempt == obs.attempt && n.record.session.as_ref() == Some(&obs.session)
                 });
                 if live && *folded == Folded::Applied {
-                    let who = (obs.node.clone(), obs.attempt);
+                    let who = (obs.node, obs.attempt);
                     match obs.event {
                         BootstrapEvent::SwactorJoined => {
                             self.joined.insert(who);
@@ -1013,10 +1013,7 @@ impl Oracle {
             StepEvent::Restart { durable } => {
                 self.joined.clear();
                 self.converged.clear();
-                let last = self
-                    .attempts_seen
-                    .last_key_value()
-                    .map(|(a, n)| (*a, n.clone()));
+                let last = self.attempts_seen.last_key_value().map(|(a, n)| (*a, *n));
                 if let Some((used, node)) = last
                     && a.next_attempt <= used.0
                 {
@@ -1309,7 +1306,7 @@ impl Oracle {
         for d in &pass.dispatches {
             let id = &d.key.node;
             let kind = d.request.kind();
-            if !dispatched.insert(id.clone()) {
+            if !dispatched.insert(*id) {
                 self.fail(
                     Invariant::OnePendingOperationPerNode,
                     id,
@@ -1532,7 +1529,7 @@ impl Oracle {
                     );
                 }
             } else if new_attempt {
-                if let Some(owner) = self.attempts_seen.insert(na.attempt, id.clone()) {
+                if let Some(owner) = self.attempts_seen.insert(na.attempt, *id) {
                     self.fail(
                         Invariant::AttemptIdsNeverReused,
                         id,
@@ -1582,7 +1579,7 @@ impl Oracle {
             let Some(nb) = nb.filter(|nb| nb.attempt == na.attempt) else {
                 continue;
             };
-            let who = (id.clone(), na.attempt);
+            let who = (*id, na.attempt);
             if na.is_ready()
                 && !nb.is_ready()
                 && !(self.joined.contains(&who) && self.converged.contains(&who))
@@ -1629,7 +1626,7 @@ impl Oracle {
                 }
                 let key = ResourceKey {
                     run_id: a.run_id.clone(),
-                    node: id.clone(),
+                    node: *id,
                     attempt: na.attempt,
                 };
                 let live = provider.live_keys().iter().filter(|k| **k == key).count();
@@ -2124,7 +2121,7 @@ impl Oracle {
                 self.unhealthy_and_limit(&g.id.to_string(), snap, None)
                     .is_some_and(|(unhealthy, max)| unhealthy > max)
             })
-            .map(|g| g.id.clone())
+            .map(|g| g.id)
             .collect()
     }
 
@@ -2200,7 +2197,7 @@ impl Oracle {
                 let current = same_template(&nb.template, &g.template);
                 if !nb.is_ready() {
                     if current && nb.retry.template_failures() > 0 && failing.is_none() {
-                        failing = Some(id.clone());
+                        failing = Some(*id);
                     }
                     continue;
                 }
@@ -2213,9 +2210,9 @@ impl Oracle {
                         na.attempt == nb.attempt && na.intent == Intent::Deleting
                     });
                 if down {
-                    taken.push(id.clone());
+                    taken.push(*id);
                 } else {
-                    kept.push(id.clone());
+                    kept.push(*id);
                 }
             }
             let Some(last) = taken.last() else {

@@ -261,7 +261,7 @@ fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
             .filter(|(id, n)| {
                 matches!(host.link(id), Some(Link::Away { attempt, .. }) if attempt == n.attempt)
             })
-            .map(|(id, _)| id.clone())
+            .map(|(id, _)| *id)
             .collect(),
         held_lost: host.held_lost().cloned().collect(),
     }
@@ -549,7 +549,7 @@ impl<R: Reconciler> World<R> {
                 // about it proves nothing on its own.
                 let key = ResourceKey {
                     run_id: RunId::new(RUN),
-                    node: obs.node.clone(),
+                    node: obs.node,
                     attempt: obs.attempt,
                 };
                 let outcome = self.host.handle_agent_joined(&key, self.now);
@@ -996,7 +996,7 @@ impl<R: Reconciler> World<R> {
                         .expect("index is in range");
                     let key = ResourceKey {
                         run_id: RunId::new(RUN),
-                        node: id.clone(),
+                        node: *id,
                         attempt: NodeAttemptId(n.attempt.0 - u64::from(stale)),
                     };
                     self.host.handle_agent_gone(&key, 0, self.now);
@@ -1058,7 +1058,7 @@ impl<R: Reconciler> World<R> {
                     .take(usize::from(count))
                     .map(|(id, n)| ResourceKey {
                         run_id: RunId::new(RUN),
-                        node: id.clone(),
+                        node: *id,
                         attempt: n.attempt,
                     })
                     .collect();
@@ -1093,7 +1093,7 @@ impl<R: Reconciler> World<R> {
             .filter_map(|(id, n)| match self.host.link(id) {
                 Some(Link::Away { attempt, .. }) if attempt == n.attempt => Some(ResourceKey {
                     run_id: RunId::new(RUN),
-                    node: id.clone(),
+                    node: *id,
                     attempt,
                 }),
                 _ => None,
@@ -1261,7 +1261,7 @@ impl<R: Reconciler> World<R> {
                 .nodes
                 .iter()
                 .find(|(_, n)| !n.is_ready())
-                .map(|(id, n)| (id.clone(), format!("{:?} {:?}", n.intent, n.record.stage)));
+                .map(|(id, n)| (*id, format!("{:?} {:?}", n.intent, n.record.stage)));
             let detail = format!(
                 "not converged after {} ms and {} passes of fair delivery (bound {} ms, {} passes); first unready node: {:?}; orphans left: {}",
                 report.time_ms,

@@ -115,7 +115,7 @@ fn run(config: BackendConfig, seed: u64, ops: u32) -> u64 {
         // run past several decimal lengths and keys collect several attempts.
         let key = if keys.is_empty() || rng.chance(150) {
             let run = pick(&mut rng, &runs).expect("runs").clone();
-            let group = pick(&mut rng, &groups).expect("groups").clone();
+            let group = *pick(&mut rng, &groups).expect("groups");
             let k = ResourceKey {
                 run_id: run,
                 node: LogicalNodeId::new(group, rng.range(0, 40) as u32),

@@ -138,7 +138,7 @@ impl Mutant {
                 for d in &mut pass.dispatches {
                     let first = *self
                         .first_attempt
-                        .entry(d.key.node.clone())
+                        .entry(d.key.node)
                         .or_insert(d.key.attempt);
                     d.key.attempt = first;
                     d.op.attempt = first;

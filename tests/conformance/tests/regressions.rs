@@ -965,7 +965,7 @@ fn a_failed_slot_of_a_group_over_its_limit_is_cleaned_up_but_not_restarted() {
         .nodes
         .iter()
         .find(|(_, n)| n.record.failed_reason().is_some())
-        .map(|(id, n)| (id.clone(), n.clone()))
+        .map(|(id, n)| (*id, n.clone()))
         .expect("one node failed");
     assert_eq!(
         lost.1.record.stage,
