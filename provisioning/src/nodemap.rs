@@ -535,4 +535,13 @@ mod tests {
         plain.insert(id("w-2"), 2u32);
         assert!(reserved != plain);
     }
+
+    #[test]
+    fn a_slot_of_the_state_is_four_cache_lines() {
+        // See `ManagedNode`'s padding: the walk's speed depends on it.
+        assert_eq!(
+            std::mem::size_of::<Option<Entry<crate::state::ManagedNode>>>(),
+            256
+        );
+    }
 }
