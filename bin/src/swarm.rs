@@ -57,7 +57,10 @@ impl ProtocolHandler for SwarmHandler {
         };
         let sent = send_frame(&mut send, &reply, SMALL_FRAME_LEN_MAX_BYTES).await;
         if let Err(reason) = &verdict {
-            self.refusals.refused(&join.key.text(), reason);
+            // The key is the peer's own unchecked text: escaped, so it
+            // cannot forge log lines.
+            self.refusals
+                .refused(&join.key.text().escape_debug().to_string(), reason);
         }
         let (key, liveness) = match (sent, checked, verdict) {
             (Ok(()), Ok(key), Ok(liveness)) => (key, liveness),

@@ -1138,7 +1138,8 @@ impl ProtocolHandler for JobsHandler {
         let key = match join.verify(&self.0.secret, conn.remote_id()) {
             Ok(key) => key,
             Err(reason) => {
-                tracing::warn!(key = %join.key.text(), %reason, "a jobs link was refused");
+                // The key is the peer's unchecked text: logged escaped.
+                tracing::warn!(key = ?join.key.text(), %reason, "a jobs link was refused");
                 conn.close(1u32.into(), b"not this node's agent");
                 return Ok(());
             }
