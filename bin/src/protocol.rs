@@ -203,7 +203,9 @@ impl JoinKey {
 
     /// The key as `ResourceKey`'s `Display` spells it (what tokens are derived from).
     pub(crate) fn text(&self) -> String {
-        format!("{}/{}/a{}", self.run_id, self.node, self.attempt)
+        // The attempt spelled by its own `Display`, as the key spells it.
+        let attempt = swactor_provisioning::NodeAttemptId(self.attempt);
+        format!("{}/{}/{attempt}", self.run_id, self.node)
     }
 }
 

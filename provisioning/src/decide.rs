@@ -443,11 +443,7 @@ impl<'a> RolloutGates<'a> {
     /// Whether the ready, outdated node of `id` may begin deleting now;
     /// spends a unit of its group's budget if so.
     pub fn admit(&mut self, id: &LogicalNodeId) -> bool {
-        if self
-            .current
-            .as_ref()
-            .is_none_or(|(g, _)| !g.same(&id.group))
-        {
+        if self.current.as_ref().is_none_or(|(g, _)| *g != id.group) {
             let Some(g) = self.desired.group(&id.group) else {
                 return true;
             };
@@ -835,7 +831,7 @@ pub(crate) fn walk(
         // Its desired slots: `count`, and the surge slots a rollout adds.
         let extent = g.count + surge(state, g);
         let mut next_missing = 0u32;
-        if let Some((_, nodes)) = groups.next_if(|(id, _)| id.same(&g.id)) {
+        if let Some((_, nodes)) = groups.next_if(|(id, _)| **id == g.id) {
             for (id, node) in nodes {
                 for index in next_missing..id.index.min(extent) {
                     insert(&mut visit, g, index);

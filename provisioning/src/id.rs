@@ -184,25 +184,13 @@ impl GroupId {
     pub fn as_str(&self) -> &'static str {
         &self.0.0
     }
-
-    /// True when both are the same id. With interned names this is
-    /// equality; kept for the call sites that say they want the pointer test.
-    #[inline]
-    pub fn ptr_eq(&self, other: &GroupId) -> bool {
-        std::ptr::eq(self.0, other.0)
-    }
-
-    /// Equality (a pointer comparison).
-    #[inline]
-    pub fn same(&self, other: &GroupId) -> bool {
-        self.ptr_eq(other)
-    }
 }
 
+/// One comparison of pointers: each name is stored once.
 impl PartialEq for GroupId {
     #[inline]
     fn eq(&self, other: &Self) -> bool {
-        self.ptr_eq(other)
+        std::ptr::eq(self.0, other.0)
     }
 }
 
@@ -224,7 +212,7 @@ impl PartialOrd for GroupId {
 impl Ord for GroupId {
     #[inline]
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        if self.ptr_eq(other) {
+        if self == other {
             return std::cmp::Ordering::Equal;
         }
         self.as_str().cmp(other.as_str())
@@ -468,7 +456,7 @@ mod tests {
         use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
         let a = GroupId::new("interned-a");
         let again = GroupId::new(&String::from("interned-a"));
-        assert!(a.ptr_eq(&again) && a == again);
+        assert!(std::ptr::eq(a.0, again.0) && a == again);
         let b = GroupId::new("interned-b");
         assert_ne!(a, b);
         assert!(a < b, "ordered by the text");

@@ -146,7 +146,7 @@ impl<V> NodeMap<V> {
         // Most maps hold one group, and group ids are equal exactly when
         // they are the same pointer: the first group is one comparison.
         match self.groups.first() {
-            Some(g) if g.id.ptr_eq(id) => Ok(0),
+            Some(g) if g.id == *id => Ok(0),
             _ => self.group_pos_rest(id),
         }
     }
@@ -154,7 +154,7 @@ impl<V> NodeMap<V> {
     #[inline(never)]
     fn group_pos_rest(&self, id: &GroupId) -> Result<usize, usize> {
         for (i, g) in self.groups.iter().enumerate().take(8).skip(1) {
-            if g.id.ptr_eq(id) {
+            if g.id == *id {
                 return Ok(i);
             }
         }

@@ -2102,7 +2102,7 @@ impl Oracle {
             .nodes
             .iter()
             .filter(|(id, n)| {
-                id.group.same(&g.id)
+                id.group == g.id
                     && id.index < g.count
                     && (snap.away.contains(*id)
                         || n.record.failed_reason().is_some()
@@ -2192,7 +2192,7 @@ impl Oracle {
                 .state
                 .nodes
                 .iter()
-                .filter(|(id, _)| id.group.same(&g.id) && id.index < g.count + surge)
+                .filter(|(id, _)| id.group == g.id && id.index < g.count + surge)
             {
                 let current = same_template(&nb.template, &g.template);
                 if !nb.is_ready() {
