@@ -335,12 +335,21 @@ impl DriverState {
                 Output::Pass(pass) => {
                     // One message per lane: a pass's operations for a
                     // worker go together, in the pass's order.
-                    let mut lanes: Vec<Vec<Dispatch>> = Vec::new();
+                    // Counted first, so each lane's batch is made at its size
+                    // (a large pass's batches would otherwise be copied as
+                    // they double).
+                    let mut sizes: Vec<usize> = Vec::new();
+                    for d in &pass.dispatches {
+                        let lane = self.host.lane_of(d.op.attempt) as usize;
+                        if sizes.len() <= lane {
+                            sizes.resize(lane + 1, 0);
+                        }
+                        sizes[lane] += 1;
+                    }
+                    let mut lanes: Vec<Vec<Dispatch>> =
+                        sizes.into_iter().map(Vec::with_capacity).collect();
                     for d in pass.dispatches {
                         let lane = self.host.lane_of(d.op.attempt) as usize;
-                        if lanes.len() <= lane {
-                            lanes.resize_with(lane + 1, Vec::new);
-                        }
                         lanes[lane].push(d);
                     }
                     for (lane, batch) in lanes.into_iter().enumerate() {

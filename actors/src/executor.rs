@@ -26,8 +26,9 @@
 //! Workers report through their own message type, [`ExecutorReport`]; they
 //! know nothing of the actor they report to.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::task::Poll;
 use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRef};
@@ -91,8 +92,95 @@ pub struct WorkerState {
     args: WorkerArgs,
     /// Results not reported yet (see the module docs on batching).
     outbox: Vec<Finished>,
-    completed: BTreeMap<OperationId, (EffectRequest, OperationOutcome)>,
-    order: VecDeque<OperationId>,
+    history: History,
+}
+
+/// The last completed operations of a worker, for replay: a ring in
+/// completion order (the oldest leaves first) and an index from operation
+/// id to position in it. Entries never move while they are kept, so
+/// remembering one is a push and an index insert, whatever their size.
+struct History {
+    len_max: usize,
+    /// Completed operations, oldest first; a forgotten one stays as `None`
+    /// until its turn to leave.
+    ring: VecDeque<Option<(OperationId, EffectRequest, OperationOutcome)>>,
+    /// Where each kept operation is: its number, counting every entry ever
+    /// put in the ring.
+    index: HashMap<OperationId, u64, BuildHasherDefault<OpHasher>>,
+    /// The number of the ring's front entry.
+    front: u64,
+}
+
+impl History {
+    fn new(len_max: usize) -> Self {
+        Self {
+            len_max,
+            ring: VecDeque::new(),
+            index: HashMap::default(),
+            front: 0,
+        }
+    }
+
+    fn get(&self, op: &OperationId) -> Option<&(OperationId, EffectRequest, OperationOutcome)> {
+        let n = *self.index.get(op)?;
+        let at = usize::try_from(n.checked_sub(self.front)?).ok()?;
+        self.ring.get(at)?.as_ref()
+    }
+
+    /// Forgets `op` (it runs again if submitted again).
+    fn forget(&mut self, op: &OperationId) {
+        if let Some(n) = self.index.remove(op)
+            && let Some(slot) = n
+                .checked_sub(self.front)
+                .and_then(|at| usize::try_from(at).ok())
+                .and_then(|at| self.ring.get_mut(at))
+        {
+            *slot = None;
+        }
+    }
+
+    /// Remembers a completed operation, letting the oldest go past `len_max`.
+    fn remember(&mut self, op: OperationId, request: EffectRequest, outcome: OperationOutcome) {
+        if self.len_max == 0 {
+            return;
+        }
+        self.forget(&op);
+        while self.ring.len() >= self.len_max {
+            if let Some(Some((old, _, _))) = self.ring.pop_front() {
+                self.index.remove(&old);
+            }
+            self.front += 1;
+        }
+        let n = self.front + self.ring.len() as u64;
+        self.ring.push_back(Some((op, request, outcome)));
+        self.index.insert(op, n);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.index.len()
+    }
+}
+
+/// Hashes an [`OperationId`] (two integers the driver made, so nothing an
+/// outsider chooses) with one multiply per word, as rustc's `FxHasher` does.
+#[derive(Default)]
+struct OpHasher(u64);
+
+impl Hasher for OpHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0xf135_7aea_2e62_a9c5);
+    }
 }
 
 /// The worker actor (a unit struct: all state is in [`WorkerState`]).
@@ -108,11 +196,11 @@ impl Actor for ExecutorWorker {
         _myself: ActorRef<WorkerMsg>,
         args: WorkerArgs,
     ) -> Result<WorkerState, ActorProcessingErr> {
+        let history = History::new(args.history_len_max);
         Ok(WorkerState {
             args,
             outbox: Vec::new(),
-            completed: BTreeMap::new(),
-            order: VecDeque::new(),
+            history,
         })
     }
 
@@ -182,14 +270,14 @@ impl WorkerState {
     async fn execute(&mut self, d: Dispatch) {
         let restart = matches!(d.request, EffectRequest::StartBootstrap { .. })
             && self
-                .completed
+                .history
                 .get(&d.op)
-                .is_some_and(|(r, _)| *r == d.request);
+                .is_some_and(|(_, r, _)| *r == d.request);
         if restart {
             // Run it again: the provider adopts the session and hands its stream over.
-            self.completed.remove(&d.op);
+            self.history.forget(&d.op);
         }
-        if let Some((request, outcome)) = self.completed.get(&d.op) {
+        if let Some((_, request, outcome)) = self.history.get(&d.op) {
             let outcome = if *request == d.request {
                 outcome.clone()
             } else {
@@ -207,18 +295,19 @@ impl WorkerState {
             self.send(result, None);
             return;
         }
-        let deadline = self.args.clock.at_ms(d.deadline.as_millis());
         let provider = self.args.provider.clone();
         let done = {
-            let mut call = std::pin::pin!(run_until(deadline, run(&*provider, &d)));
-            // One poll first: a call that is done at once joins the batch; one
-            // that must wait sends what the batch holds before it waits.
+            let mut call = std::pin::pin!(run(&*provider, &d));
+            // One poll first: a call that is done at once joins the batch
+            // (no time passed, so no deadline did); one that must wait sends
+            // what the batch holds, then waits under the deadline.
             let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
             match first {
-                Poll::Ready(done) => done,
+                Poll::Ready(done) => Ok(done),
                 Poll::Pending => {
                     self.flush();
-                    call.await
+                    let deadline = self.args.clock.at_ms(d.deadline.as_millis());
+                    run_until(deadline, call).await
                 }
             }
         };
@@ -232,26 +321,13 @@ impl WorkerState {
                 None,
             ),
         };
-        self.remember(d.op, d.request, outcome.clone());
+        self.history.remember(d.op, d.request, outcome.clone());
         let result = OperationResult {
             node: d.key.node,
             op: d.op,
             outcome,
         };
         self.send(result, events);
-    }
-
-    fn remember(&mut self, op: OperationId, request: EffectRequest, outcome: OperationOutcome) {
-        if self.args.history_len_max == 0 {
-            return;
-        }
-        while self.order.len() >= self.args.history_len_max {
-            if let Some(old) = self.order.pop_front() {
-                self.completed.remove(&old);
-            }
-        }
-        self.completed.insert(op, (request, outcome));
-        self.order.push_back(op);
     }
 }
 
@@ -317,5 +393,74 @@ async fn run(p: &dyn Provider, d: &Dispatch) -> (OperationOutcome, Option<Bootst
             Ok(()) => (OperationOutcome::LeaseDestroyed, None),
             Err(e) => (failed(e), None),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_provisioning::{LeaseId, NodeAttemptId};
+
+    fn op(attempt: u64, seq: u64) -> OperationId {
+        OperationId {
+            attempt: NodeAttemptId(attempt),
+            seq,
+        }
+    }
+
+    fn lookup(lease: &str) -> EffectRequest {
+        EffectRequest::LookupEndpoint {
+            lease: LeaseId::new(lease),
+        }
+    }
+
+    #[test]
+    fn the_history_replays_what_it_keeps_and_lets_the_oldest_go() {
+        let mut h = History::new(3);
+        for i in 0..5 {
+            h.remember(
+                op(i, 0),
+                lookup(&format!("l{i}")),
+                OperationOutcome::LeaseDestroyed,
+            );
+        }
+        assert_eq!(h.len(), 3);
+        assert!(h.get(&op(0, 0)).is_none() && h.get(&op(1, 0)).is_none());
+        for i in 2..5 {
+            let (id, request, outcome) = h.get(&op(i, 0)).expect("kept");
+            assert_eq!(*id, op(i, 0));
+            assert_eq!(*request, lookup(&format!("l{i}")));
+            assert_eq!(*outcome, OperationOutcome::LeaseDestroyed);
+        }
+        assert_eq!(h.ring.len(), 3, "the ring never outgrows its bound");
+    }
+
+    #[test]
+    fn a_forgotten_operation_is_not_replayed_and_its_place_still_counts() {
+        let mut h = History::new(2);
+        h.remember(op(1, 0), lookup("a"), OperationOutcome::LeaseDestroyed);
+        h.remember(op(1, 1), lookup("b"), OperationOutcome::LeaseDestroyed);
+        h.forget(&op(1, 0));
+        assert!(h.get(&op(1, 0)).is_none());
+        assert!(h.get(&op(1, 1)).is_some());
+        // Remembered again after being forgotten: found at its new place.
+        h.remember(op(1, 0), lookup("a"), OperationOutcome::EndpointNotReady);
+        assert_eq!(
+            h.get(&op(1, 0)).map(|e| &e.2),
+            Some(&OperationOutcome::EndpointNotReady)
+        );
+        assert!(h.get(&op(1, 1)).is_some());
+        assert_eq!(h.len(), 2);
+        h.remember(op(2, 0), lookup("c"), OperationOutcome::LeaseDestroyed);
+        assert!(h.get(&op(1, 1)).is_none(), "the oldest went");
+        assert!(h.get(&op(1, 0)).is_some() && h.get(&op(2, 0)).is_some());
+    }
+
+    #[test]
+    fn a_history_of_zero_keeps_nothing() {
+        let mut h = History::new(0);
+        h.remember(op(1, 0), lookup("a"), OperationOutcome::LeaseDestroyed);
+        assert!(h.get(&op(1, 0)).is_none());
+        assert_eq!(h.len(), 0);
     }
 }

@@ -325,14 +325,17 @@ fn drain<K: Clone, T>(
             continue;
         };
         slot.queued = false;
-        let waker = slot.waker.clone();
+        // The slot's own waker, lent to the poll rather than cloned: a clone
+        // and its drop would touch the waker's count (a cache miss per
+        // stream on a large mux) for nothing.
+        let waker = std::mem::replace(&mut slot.waker, Waker::noop().clone());
         let mut cx = Context::from_waker(&waker);
         let mut taken = 0;
+        let mut more = false;
         loop {
             if taken == MUX_DRAIN_MAX {
                 // More next round; the others go first.
-                let generation = slot.generation;
-                let _ = st.mark_ready(index, generation);
+                more = true;
                 break;
             }
             match slot.rx.poll_recv(&mut cx) {
@@ -352,6 +355,11 @@ fn drain<K: Clone, T>(
                 }
                 Poll::Pending => break,
             }
+        }
+        slot.waker = waker;
+        if more {
+            let generation = slot.generation;
+            let _ = st.mark_ready(index, generation);
         }
     }
     let mut gone = Vec::with_capacity(ended.len());
