@@ -773,7 +773,10 @@ pub struct Host<C: Reconciler> {
     links: NodeMap<Link>,
     graces: BTreeSet<(Timestamp, LogicalNodeId)>,
     early: BTreeMap<LogicalNodeId, Vec<BootstrapObservation>>,
-    in_flight: BTreeMap<OperationId, (LogicalNodeId, u32)>,
+    /// The operation each node has out for execution, and its lane. A node
+    /// waits on one operation at a time, so a newer one replaces an older
+    /// one still out, whose result (if it ever comes) the core discards.
+    in_flight: NodeMap<(OperationId, u32)>,
     collects: BTreeMap<ResourceKey, Collect>,
     sweep_at: Option<Timestamp>,
     listing: bool,
@@ -845,7 +848,7 @@ impl<C: Reconciler> Host<C> {
             links: NodeMap::new(),
             graces: BTreeSet::new(),
             early: BTreeMap::new(),
-            in_flight: BTreeMap::new(),
+            in_flight: NodeMap::new(),
             collects: BTreeMap::new(),
             sweep_at: Some(Timestamp::from_millis(0)),
             listing: false,
@@ -1013,7 +1016,9 @@ impl<C: Reconciler> Host<C> {
         }
     }
 
-    /// Operations handed out for execution whose results have not come back.
+    /// Nodes with an operation handed out for execution whose result has not
+    /// come back (an older operation of a node that has a newer one out is
+    /// not counted: nothing waits on it).
     pub fn in_flight_count(&self) -> usize {
         self.in_flight.len()
     }
@@ -1169,6 +1174,7 @@ impl<C: Reconciler> Host<C> {
             for g in &self.core.desired().groups {
                 self.slots.reserve(&g.id, g.count);
                 self.links.reserve(&g.id, g.count);
+                self.in_flight.reserve(&g.id, g.count);
                 if self.config.history_len > 0 {
                     self.history.reserve(&g.id, g.count);
                 }
@@ -1327,7 +1333,7 @@ impl<C: Reconciler> Host<C> {
         result: OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        self.in_flight.remove(&result.op);
+        self.back_from_flight(&result.node, result.op);
         let node = result.node;
         let started = matches!(result.outcome, OperationOutcome::BootstrapStarted { .. });
         let created = matches!(result.outcome, OperationOutcome::LeaseCreated { .. });
@@ -1356,12 +1362,19 @@ impl<C: Reconciler> Host<C> {
         reason: &str,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        self.in_flight.remove(&op);
+        self.back_from_flight(node, op);
         let folded = self.core.handle_submit_failed(node, op, reason, now)?;
         if folded == Folded::Applied {
             self.node_changed(node, now);
         }
         Ok(folded)
+    }
+
+    /// `node`'s operation `op` is back (its result, or a refused submit).
+    fn back_from_flight(&mut self, node: &LogicalNodeId, op: OperationId) {
+        if self.in_flight.get(node).is_some_and(|(out, _)| *out == op) {
+            self.in_flight.remove(node);
+        }
     }
 
     /// Folds a bootstrap stream observation.
@@ -1496,7 +1509,7 @@ impl<C: Reconciler> Host<C> {
             .in_flight
             .iter()
             .filter(|(_, (_, l))| *l == lane)
-            .map(|(op, (node, _))| (*op, *node))
+            .map(|(node, (op, _))| (*op, *node))
             .collect();
         if !lost.is_empty() {
             self.warn(format!(
@@ -1505,7 +1518,7 @@ impl<C: Reconciler> Host<C> {
             ));
         }
         for (op, node) in lost {
-            self.in_flight.remove(&op);
+            self.in_flight.remove(&node);
             self.todo.push_back(Todo::LaneLost(op, node));
         }
     }
@@ -1548,7 +1561,7 @@ impl<C: Reconciler> Host<C> {
     pub fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
         self.expire_graces(now);
         let pending = &self.core.state().nodes;
-        self.in_flight.retain(|op, (node, _)| {
+        self.in_flight.retain(|node, (op, _)| {
             pending
                 .get(node)
                 .and_then(|n| n.pending.as_ref())
@@ -1923,7 +1936,7 @@ impl<C: Reconciler> Host<C> {
         }
         for d in &pass.dispatches {
             let lane = self.lane_of(d.op.attempt);
-            self.in_flight.insert(d.op, (d.key.node, lane));
+            self.in_flight.insert(d.key.node, (d.op, lane));
             if self.config.node_events {
                 self.events.push_back(HostEvent::Dispatched {
                     node: d.key.node,

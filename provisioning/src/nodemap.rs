@@ -258,6 +258,32 @@ impl<V> NodeMap<V> {
         old.map(|Entry(_, v)| v)
     }
 
+    /// Keeps only the entries `keep` accepts.
+    pub fn retain(&mut self, mut keep: impl FnMut(&LogicalNodeId, &mut V) -> bool) {
+        let mut removed = 0;
+        for g in &mut self.groups {
+            for e in &mut g.dense {
+                if let Some(Entry(k, v)) = e
+                    && !keep(k, v)
+                {
+                    *e = None;
+                    removed += 1;
+                }
+            }
+            while g.dense.last().is_some_and(Option::is_none) {
+                g.dense.pop();
+            }
+            if g.dense.capacity() > 64 && g.dense.len() < g.dense.capacity() / 4 {
+                g.dense.shrink_to(g.dense.len() * 2);
+            }
+            let before = g.sparse.len();
+            g.sparse.retain(|_, Entry(k, v)| keep(k, v));
+            removed += before - g.sparse.len();
+        }
+        self.len -= removed;
+        self.groups.retain(|g| !g.is_empty());
+    }
+
     /// Removes every entry.
     pub fn clear(&mut self) {
         self.groups.clear();
@@ -489,6 +515,38 @@ mod tests {
             .collect();
         assert_eq!(w, ["w-0", "w-1", "w-3", "w-262144"]);
         assert!(map.group(&GroupId::new("a")).next().is_none());
+    }
+
+    #[test]
+    fn retain_keeps_what_a_btree_map_would_and_gives_room_back() {
+        let keys = [
+            "a-0", "a-1", "w-0", "w-1", "w-2", "w-999", "w-262144", "w-300001",
+        ];
+        let mut map = NodeMap::new();
+        let mut reference = BTreeMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            map.insert(id(k), i);
+            reference.insert(id(k), i);
+        }
+        let keep = |k: &LogicalNodeId, v: &mut usize| {
+            *v += 1;
+            k.index % 2 == 0 && k.group != GroupId::new("a")
+        };
+        map.retain(keep);
+        reference.retain(keep);
+        let got: Vec<_> = map.iter().map(|(k, v)| (*k, *v)).collect();
+        let want: Vec<_> = reference.iter().map(|(k, v)| (*k, *v)).collect();
+        assert_eq!(got, want);
+        assert_eq!(map.len(), reference.len());
+        assert!(map.group(&GroupId::new("a")).next().is_none());
+        assert_eq!(map.groups.len(), 1, "an emptied group goes");
+        assert_eq!(
+            map.groups[0].dense.len(),
+            3,
+            "the dense part ends at its last entry"
+        );
+        map.retain(|_, _| false);
+        assert!(map.is_empty() && map.groups.is_empty());
     }
 
     #[test]
