@@ -189,9 +189,7 @@ pub(crate) fn describe<C: Reconciler>(
         lease: current.and_then(|n| n.record.lease.as_ref().map(|l| l.0.to_string())),
         bootstrap: current.and_then(|n| n.record.bootstrap),
         failed_reason: current.and_then(|n| n.record.failed_reason().map(str::to_owned)),
-        attempts: history
-            .map(|h| h.iter().cloned().collect())
-            .unwrap_or_default(),
+        attempts: history.unwrap_or_default(),
         now,
     })
 }

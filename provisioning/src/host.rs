@@ -209,18 +209,89 @@ pub struct AttemptRecord {
     pub last_error: Option<String>,
 }
 
-impl AttemptRecord {
-    fn new(attempt: NodeAttemptId, now: Timestamp) -> Self {
-        Self {
+/// A slot's attempts as the host keeps them: the latest inline (most slots
+/// only ever have one), the earlier ones, oldest first, behind it. With
+/// [`Kept`] that is 104 bytes in the slot's table and no allocation, where a
+/// deque of [`AttemptRecord`]s was a 48-byte entry and a 104-byte one.
+#[derive(Clone, Debug, Default)]
+struct Attempts {
+    earlier: Vec<Kept>,
+    latest: Option<Kept>,
+}
+
+impl Attempts {
+    fn records(&self) -> Vec<AttemptRecord> {
+        self.earlier
+            .iter()
+            .chain(&self.latest)
+            .map(Kept::record)
+            .collect()
+    }
+
+    /// Starts `attempt`'s record, keeping at most `len` in all.
+    fn start(&mut self, attempt: NodeAttemptId, now: Timestamp, len: usize) {
+        let kept = Kept {
             attempt,
             started_at: now,
             ready_at: None,
             ended_at: None,
             stage: NodeStage::New,
             bootstrap: None,
-            failed_reason: None,
-            last_error: None,
+            notes: None,
+        };
+        if let Some(previous) = self.latest.replace(kept) {
+            self.earlier.push(previous);
         }
+        let excess = (self.earlier.len() + 1).saturating_sub(len.max(1));
+        self.earlier.drain(..excess);
+    }
+}
+
+/// An [`AttemptRecord`] with its two texts boxed together (an attempt that
+/// never failed nor erred has neither): 64 bytes instead of 104.
+#[derive(Clone, Debug)]
+struct Kept {
+    attempt: NodeAttemptId,
+    started_at: Timestamp,
+    ready_at: Option<Timestamp>,
+    ended_at: Option<Timestamp>,
+    stage: NodeStage,
+    bootstrap: Option<crate::state::BootstrapStage>,
+    notes: Option<Box<Notes>>,
+}
+
+/// The texts of a [`Kept`] attempt.
+#[derive(Clone, Debug, Default)]
+struct Notes {
+    failed_reason: Option<String>,
+    last_error: Option<String>,
+}
+
+impl Kept {
+    fn record(&self) -> AttemptRecord {
+        let notes = self.notes.as_deref();
+        AttemptRecord {
+            attempt: self.attempt,
+            started_at: self.started_at,
+            ready_at: self.ready_at,
+            ended_at: self.ended_at,
+            stage: self.stage,
+            bootstrap: self.bootstrap,
+            failed_reason: notes.and_then(|n| n.failed_reason.clone()),
+            last_error: notes.and_then(|n| n.last_error.clone()),
+        }
+    }
+
+    fn failed_reason(&self) -> Option<&str> {
+        self.notes.as_deref()?.failed_reason.as_deref()
+    }
+
+    fn last_error(&self) -> Option<&str> {
+        self.notes.as_deref()?.last_error.as_deref()
+    }
+
+    fn notes(&mut self) -> &mut Notes {
+        self.notes.get_or_insert_default()
     }
 }
 
@@ -789,7 +860,7 @@ pub struct Host<C: Reconciler> {
     converged_reported: Option<Generation>,
     stopped: bool,
     digests: Vec<(Arc<NodeTemplate>, u64)>,
-    history: NodeMap<VecDeque<AttemptRecord>>,
+    history: NodeMap<Attempts>,
     /// Away agents whose grace ended while their group's breaker was tripped.
     held_lost: BTreeSet<LogicalNodeId>,
     /// What each group holds back, as last announced.
@@ -1024,8 +1095,8 @@ impl<C: Reconciler> Host<C> {
     }
 
     /// The attempts of `node` remembered for people, oldest first.
-    pub fn history(&self, node: &LogicalNodeId) -> Option<&VecDeque<AttemptRecord>> {
-        self.history.get(node)
+    pub fn history(&self, node: &LogicalNodeId) -> Option<Vec<AttemptRecord>> {
+        self.history.get(node).map(Attempts::records)
     }
 
     /// Refuses a shape that grows past the capacity (the shape's own, or the provider's).
@@ -1665,28 +1736,21 @@ impl<C: Reconciler> Host<C> {
     /// Brings `node`'s attempt history up to date with its state.
     fn touch_history(&mut self, node: &LogicalNodeId, now: Timestamp) {
         let current = self.core.state().nodes.get(node);
-        // Most slots only ever see one attempt: room for exactly one at first
-        // (a default deque would make room for four).
-        let history = self
-            .history
-            .get_or_insert_with(node, || VecDeque::with_capacity(1));
+        let history = self.history.get_or_insert_with(node, Attempts::default);
         let Some(n) = current else {
-            if let Some(last) = history.back_mut() {
+            if let Some(last) = &mut history.latest {
                 last.ended_at.get_or_insert(now);
             }
             self.forget_departed();
             return;
         };
-        if history.back().map(|r| r.attempt) != Some(n.attempt) {
-            if let Some(last) = history.back_mut() {
+        if history.latest.as_ref().map(|r| r.attempt) != Some(n.attempt) {
+            if let Some(last) = &mut history.latest {
                 last.ended_at.get_or_insert(now);
             }
-            history.push_back(AttemptRecord::new(n.attempt, now));
-            while history.len() > self.config.history_len {
-                history.pop_front();
-            }
+            history.start(n.attempt, now, self.config.history_len);
         }
-        let Some(r) = history.back_mut() else {
+        let Some(r) = &mut history.latest else {
             return;
         };
         r.stage = n.record.stage;
@@ -1694,11 +1758,15 @@ impl<C: Reconciler> Host<C> {
         if n.is_ready() {
             r.ready_at.get_or_insert(now);
         }
-        if r.failed_reason.is_none() {
-            r.failed_reason = n.record.failed_reason().map(str::to_owned);
+        if r.failed_reason().is_none()
+            && let Some(reason) = n.record.failed_reason()
+        {
+            r.notes().failed_reason = Some(reason.to_owned());
         }
-        if let Some(e) = n.record.last_error() {
-            r.last_error = Some(e.to_owned());
+        if let Some(e) = n.record.last_error()
+            && r.last_error() != Some(e)
+        {
+            r.notes().last_error = Some(e.to_owned());
         }
         if n.record.stage == NodeStage::Destroyed {
             r.ended_at.get_or_insert(now);
@@ -1719,7 +1787,11 @@ impl<C: Reconciler> Host<C> {
             .iter()
             .filter(|(id, _)| !nodes.contains_key(id))
             .map(|(id, h)| {
-                let ended = h.back().and_then(|r| r.ended_at).unwrap_or(Timestamp(0));
+                let ended = h
+                    .latest
+                    .as_ref()
+                    .and_then(|r| r.ended_at)
+                    .unwrap_or(Timestamp(0));
                 (ended, *id)
             })
             .collect();
@@ -2464,7 +2536,40 @@ impl fmt::Display for Link {
 
 #[cfg(test)]
 mod tests {
-    use super::Liveness;
+    use super::{Attempts, Kept, Liveness};
+    use crate::id::NodeAttemptId;
+    use crate::state::NodeStage;
+    use crate::time::Timestamp;
+
+    #[test]
+    fn a_slot_keeps_its_last_attempts_oldest_first_with_their_texts() {
+        let mut h = Attempts::default();
+        assert!(h.records().is_empty());
+        for a in 1..=5 {
+            h.start(NodeAttemptId(a), Timestamp(a * 10), 3);
+            let r = h.latest.as_mut().expect("just started");
+            r.stage = NodeStage::Failed;
+            r.notes().failed_reason = Some(format!("boom {a}"));
+        }
+        let records = h.records();
+        let attempts: Vec<u64> = records.iter().map(|r| r.attempt.0).collect();
+        assert_eq!(attempts, [3, 4, 5]);
+        assert_eq!(records[2].failed_reason.as_deref(), Some("boom 5"));
+        assert_eq!(records[2].last_error, None);
+        assert_eq!(records[0].started_at, Timestamp(30));
+        // One kept: the latest only.
+        let mut one = Attempts::default();
+        one.start(NodeAttemptId(1), Timestamp(0), 1);
+        one.start(NodeAttemptId(2), Timestamp(1), 1);
+        assert_eq!(one.records().len(), 1);
+        assert!(one.earlier.is_empty());
+    }
+
+    #[test]
+    fn a_kept_attempt_is_a_cache_line_and_a_slot_holds_one_inline() {
+        assert!(size_of::<Kept>() <= 64, "{}", size_of::<Kept>());
+        assert!(size_of::<Attempts>() <= 88, "{}", size_of::<Attempts>());
+    }
 
     #[test]
     fn silence_is_half_the_grace_within_its_bounds_and_beats_come_four_times_per_window() {
