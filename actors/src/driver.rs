@@ -27,9 +27,9 @@ use swactor_engine::ractor::{
 use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Timers};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
-    ApplyError, BootstrapEvent, DesiredUpdate, Dispatch, Driver, Folded, Generation, Host, Listed,
-    LogicalNodeId, NodeAttemptId, NodeMap, OperationOutcome, Output, PauseError, Reply, SessionId,
-    ShutdownReport, Ticket, Timestamp,
+    ApplyError, BootstrapEvent, BootstrapObservation, DesiredUpdate, Dispatch, Driver, Folded,
+    Generation, Host, Listed, LogicalNodeId, NodeAttemptId, NodeMap, OperationOutcome, Output,
+    PauseError, Reply, SessionId, ShutdownReport, Ticket, Timestamp,
 };
 
 /// A caller waiting for the host's [`Reply`] to its ticket.
@@ -51,7 +51,7 @@ pub struct DriverState {
     journal: Option<Arc<dyn JournalStore>>,
     /// The observer of each node's live session (a node has at most one);
     /// dropping one stops it.
-    observers: NodeMap<(u64, SessionId, Observer)>,
+    observers: NodeMap<Following>,
     /// The number of the next observer.
     next_observer: u64,
     /// The mux that follows every session and reports to this actor.
@@ -62,6 +62,15 @@ pub struct DriverState {
     telemetry: Telemetry,
     /// Messages handled (see [`DriverView::messages`]).
     messages: u64,
+}
+
+/// A node's followed session: what its events are folded as, and the
+/// mux's handle on its stream (dropping it stops following).
+struct Following {
+    number: u64,
+    attempt: NodeAttemptId,
+    session: SessionId,
+    _observer: Observer,
 }
 
 /// The driver actor.
@@ -185,20 +194,34 @@ impl Actor for DriverActor {
                 // nodes' memory front to back instead of in the order the
                 // sessions happened to report. The sort moves small (slot,
                 // position) pairs; each observation is moved once.
-                let mut order: Vec<(LogicalNodeId, usize)> = batch
-                    .iter()
-                    .enumerate()
-                    .map(|(i, o)| (o.0.node, i))
-                    .collect();
+                let mut order: Vec<(LogicalNodeId, usize)> =
+                    batch.iter().enumerate().map(|(i, o)| (o.node, i)).collect();
                 order.sort();
                 let mut batch: Vec<Option<Observed>> = batch.into_iter().map(Some).collect();
                 for (_, i) in order {
-                    let Some(Observed(obs, observer)) = batch[i].take() else {
+                    let Some(Observed {
+                        node,
+                        observer,
+                        event,
+                    }) = batch[i].take()
+                    else {
                         continue;
+                    };
+                    // What an observer read before it was stopped is not
+                    // wanted: its session is no longer the node's (or is
+                    // followed afresh, from the start of its log).
+                    let Some(f) = st.observers.get(&node).filter(|f| f.number == observer) else {
+                        continue;
+                    };
+                    let obs = BootstrapObservation {
+                        node,
+                        attempt: f.attempt,
+                        session: f.session.clone(),
+                        event,
                     };
                     if obs.event == BootstrapEvent::Closed {
                         // The stream ended and its observer with it.
-                        st.forget_observer(&obs.node, observer);
+                        st.observers.remove(&node);
                     }
                     let _ = st.host.handle_bootstrap(obs, now)?;
                 }
@@ -501,28 +524,20 @@ impl DriverState {
         self.stop_observer(node);
         let tag = ObserverTag {
             node: *node,
-            attempt,
-            session: session.clone(),
             number: self.next_observer,
         };
         // Not restarted if it ends: a dead stream cannot be resumed. A
         // StartBootstrap re-issued for the node adopts the session afresh;
         // otherwise the stall deadline covers the loss.
         let observer = self.mux.follow(tag, events);
-        self.observers
-            .insert(*node, (self.next_observer, session, observer));
+        let following = Following {
+            number: self.next_observer,
+            attempt,
+            session,
+            _observer: observer,
+        };
+        self.observers.insert(*node, following);
         self.next_observer += 1;
-    }
-
-    /// Forgets `node`'s observer `number`, whose stream ended.
-    fn forget_observer(&mut self, node: &LogicalNodeId, number: u64) {
-        if self
-            .observers
-            .get(node)
-            .is_some_and(|(n, _, _)| *n == number)
-        {
-            self.observers.remove(node);
-        }
     }
 
     /// Stops `node`'s observer if its record no longer holds the observed
@@ -533,7 +548,7 @@ impl DriverState {
         if self
             .observers
             .get(node)
-            .is_some_and(|(_, s, _)| Some(s) != live)
+            .is_some_and(|f| Some(&f.session) != live)
         {
             self.stop_observer(node);
         }
