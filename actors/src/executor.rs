@@ -144,7 +144,6 @@ impl History {
         if self.len_max == 0 {
             return;
         }
-        self.forget(&op);
         while self.ring.len() >= self.len_max {
             if let Some(Some((old, _, _))) = self.ring.pop_front() {
                 self.index.remove(&old);
@@ -153,7 +152,17 @@ impl History {
         }
         let n = self.front + self.ring.len() as u64;
         self.ring.push_back(Some((op, request, outcome)));
-        self.index.insert(op, n);
+        if let Some(old) = self.index.insert(op, n) {
+            // Remembered again (the driver does not do that): the older
+            // entry is no longer what the id names.
+            if let Some(slot) = old
+                .checked_sub(self.front)
+                .and_then(|at| usize::try_from(at).ok())
+                .and_then(|at| self.ring.get_mut(at))
+            {
+                *slot = None;
+            }
+        }
     }
 
     #[cfg(test)]
@@ -454,6 +463,19 @@ mod tests {
         h.remember(op(2, 0), lookup("c"), OperationOutcome::LeaseDestroyed);
         assert!(h.get(&op(1, 1)).is_none(), "the oldest went");
         assert!(h.get(&op(1, 0)).is_some() && h.get(&op(2, 0)).is_some());
+    }
+
+    #[test]
+    fn an_operation_remembered_twice_is_found_at_its_latest() {
+        let mut h = History::new(4);
+        h.remember(op(1, 0), lookup("a"), OperationOutcome::LeaseDestroyed);
+        h.remember(op(1, 0), lookup("a"), OperationOutcome::EndpointNotReady);
+        assert_eq!(h.len(), 1);
+        assert_eq!(
+            h.get(&op(1, 0)).map(|e| &e.2),
+            Some(&OperationOutcome::EndpointNotReady)
+        );
+        assert!(h.ring[0].is_none(), "the older entry is cleared");
     }
 
     #[test]

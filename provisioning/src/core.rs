@@ -54,6 +54,18 @@ pub trait Reconciler {
         obs: BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError>;
+    /// [`Reconciler::handle_bootstrap`] on a borrowed observation, for a
+    /// caller that may still need it (by default, on a copy).
+    ///
+    /// # Errors
+    /// As [`Reconciler::handle_bootstrap`].
+    fn handle_bootstrap_ref(
+        &mut self,
+        obs: &BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        self.handle_bootstrap(obs.clone(), now)
+    }
     /// See [`Driver::handle_agent_lost`].
     fn handle_agent_lost(
         &mut self,
@@ -155,6 +167,13 @@ impl Reconciler for Driver {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         Driver::handle_bootstrap(self, obs, now)
+    }
+    fn handle_bootstrap_ref(
+        &mut self,
+        obs: &BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        Driver::handle_bootstrap_ref(self, obs, now)
     }
     fn handle_agent_lost(
         &mut self,

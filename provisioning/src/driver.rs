@@ -789,6 +789,19 @@ impl Driver {
         obs: BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
+        self.handle_bootstrap_ref(&obs, now)
+    }
+
+    /// [`Driver::handle_bootstrap`] on a borrowed observation (what it
+    /// keeps of it, it copies).
+    ///
+    /// # Errors
+    /// As [`Driver::handle_bootstrap`].
+    pub fn handle_bootstrap_ref(
+        &mut self,
+        obs: &BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
         let Some(node) = self.state.nodes.get_mut(&obs.node) else {
             let unknown = Folded::Discarded(DiscardReason::UnknownNode);
             return Ok(self.count(&obs.node, unknown));
@@ -797,7 +810,7 @@ impl Driver {
             node,
             obs.attempt,
             &obs.session,
-            obs.event,
+            &obs.event,
             &self.config,
             now,
         )

@@ -286,7 +286,7 @@ pub fn fold_bootstrap(
     node: &mut ManagedNode,
     attempt: NodeAttemptId,
     session: &SessionId,
-    event: BootstrapEvent,
+    event: &BootstrapEvent,
     config: &ReconcilerConfig,
     now: Timestamp,
 ) -> Result<Folded, DeadlineOverflow> {
@@ -300,11 +300,11 @@ pub fn fold_bootstrap(
     let boot_check_at = now.checked_add_ms(stall_during_boot_check_ms(config, node))?;
     let live = node.intent == Intent::Active && node.record.stage != NodeStage::Failed;
     let rec = &mut node.record;
-    let failure = match event {
+    let failure = match *event {
         BootstrapEvent::Stage(stage) if stage.is_failure() => {
             Some((stage, format!("bootstrap reported {stage:?}")))
         }
-        BootstrapEvent::Failed { stage, reason } => Some((stage, reason)),
+        BootstrapEvent::Failed { stage, ref reason } => Some((stage, reason.clone())),
         BootstrapEvent::Stage(stage) => {
             rec.bootstrap = Some(stage);
             if live && !rec.ready {
