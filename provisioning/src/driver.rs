@@ -377,7 +377,11 @@ impl Eval {
         out.clear();
         let due = self.wakes.range(..=now).flat_map(|(_, ids)| ids);
         out.extend(self.dirty.iter().chain(due).chain(&self.held).cloned());
-        out.sort_unstable();
+        // A stable sort, though equal ids are interchangeable: the ids come
+        // in a few long sorted runs (results and observations are folded in
+        // slot order), which it merges in linear time where an unstable
+        // sort does not look for them.
+        out.sort();
         out.dedup();
     }
 
