@@ -322,30 +322,50 @@ struct Eval {
     /// exactly one bucket, at the position `wake_of` gives). Deadlines
     /// cluster (a pass gives every operation it dispatches the same one),
     /// so there are few buckets and moving a node is a swap.
-    wakes: BTreeMap<Timestamp, Vec<LogicalNodeId>>,
-    /// The deadline each waiting node waits on, and its place in that bucket.
-    wake_of: NodeMap<(Timestamp, u32)>,
+    wakes: BTreeMap<Timestamp, u32>,
+    /// The buckets `wakes` numbers; an emptied one is free for the next
+    /// deadline (its number is in `free_buckets`).
+    buckets: Vec<WakeBucket>,
+    free_buckets: Vec<u32>,
+    /// The deadline last given a bucket, and its number: a pass gives the
+    /// nodes it dispatches one deadline, so most look-ups end here.
+    last_bucket: Option<(Timestamp, u32)>,
+    /// The bucket each waiting node is in, and its place in that bucket.
+    wake_of: NodeMap<(u32, u32)>,
     /// Ready nodes of an outdated template that row 17 held back: their
     /// decision depends on the rest of their group, so every pass decides
     /// them again (in slot order with the others, as the budget requires).
     held: BTreeSet<LogicalNodeId>,
 }
 
+/// The nodes waiting on one deadline.
+#[derive(Clone, Debug, Default)]
+struct WakeBucket {
+    at: Timestamp,
+    ids: Vec<LogicalNodeId>,
+}
+
 impl Eval {
     fn set_wake(&mut self, id: &LogicalNodeId, wake: Option<Timestamp>) {
         let old = self.wake_of.get(id).copied();
-        if old.map(|(at, _)| at) == wake {
+        if old.map(|(b, _)| self.buckets[b as usize].at) == wake {
             return;
         }
-        if let Some((at, pos)) = old {
-            self.unbucket(at, pos);
+        if let Some((b, pos)) = old {
+            self.unbucket(b, pos);
         }
         match wake {
             Some(at) => {
-                let bucket = self.wakes.entry(at).or_default();
-                let pos = u32::try_from(bucket.len()).expect("fewer than 2^32 waiting nodes");
-                bucket.push(*id);
-                self.wake_of.insert(*id, (at, pos));
+                let b = self.bucket_at(at);
+                let ids = &mut self.buckets[b as usize].ids;
+                let pos = u32::try_from(ids.len()).expect("fewer than 2^32 waiting nodes");
+                ids.push(*id);
+                match self.wake_of.get_mut(id) {
+                    Some(w) => *w = (b, pos),
+                    None => {
+                        self.wake_of.insert(*id, (b, pos));
+                    }
+                }
             }
             None => {
                 self.wake_of.remove(id);
@@ -353,21 +373,64 @@ impl Eval {
         }
     }
 
-    /// Takes the node at `pos` of bucket `at` out (the bucket's last node
-    /// moves into its place).
-    fn unbucket(&mut self, at: Timestamp, pos: u32) {
-        let Some(bucket) = self.wakes.get_mut(&at) else {
-            debug_assert!(false, "a waiting node's bucket exists");
-            return;
+    /// The number of the bucket of deadline `at`, made if there is none.
+    fn bucket_at(&mut self, at: Timestamp) -> u32 {
+        if let Some((last, b)) = self.last_bucket
+            && last == at
+        {
+            return b;
+        }
+        let b = match self.wakes.get(&at) {
+            Some(&b) => b,
+            None => {
+                let bucket = WakeBucket {
+                    at,
+                    ids: Vec::new(),
+                };
+                let b = match self.free_buckets.pop() {
+                    Some(b) => {
+                        self.buckets[b as usize] = bucket;
+                        b
+                    }
+                    None => {
+                        self.buckets.push(bucket);
+                        u32::try_from(self.buckets.len() - 1).expect("fewer than 2^32 deadlines")
+                    }
+                };
+                self.wakes.insert(at, b);
+                b
+            }
         };
-        bucket.swap_remove(pos as usize);
-        if let Some(moved) = bucket.get(pos as usize) {
+        self.last_bucket = Some((at, b));
+        b
+    }
+
+    /// Takes the node at `pos` of bucket `b` out (the bucket's last node
+    /// moves into its place).
+    fn unbucket(&mut self, b: u32, pos: u32) {
+        let bucket = &mut self.buckets[b as usize];
+        bucket.ids.swap_remove(pos as usize);
+        if let Some(moved) = bucket.ids.get(pos as usize) {
             if let Some(w) = self.wake_of.get_mut(moved) {
                 w.1 = pos;
             }
-        } else if bucket.is_empty() {
+        } else if bucket.ids.is_empty() {
+            let at = bucket.at;
+            // Its room goes too: a bucket of a large pass is large.
+            bucket.ids = Vec::new();
             self.wakes.remove(&at);
+            self.free_buckets.push(b);
+            if self.last_bucket.is_some_and(|(_, last)| last == b) {
+                self.last_bucket = None;
+            }
         }
+    }
+
+    /// The nodes waiting on deadlines up to `now`.
+    fn due(&self, now: Timestamp) -> impl Iterator<Item = &LogicalNodeId> {
+        self.wakes
+            .range(..=now)
+            .flat_map(|(_, &b)| &self.buckets[b as usize].ids)
     }
 
     /// Dirty nodes, nodes whose deadline is due and nodes held by a
@@ -375,8 +438,13 @@ impl Eval {
     /// capacity is reused, so a pass over a settled cluster does not allocate).
     fn candidates(&self, now: Timestamp, out: &mut Vec<LogicalNodeId>) {
         out.clear();
-        let due = self.wakes.range(..=now).flat_map(|(_, ids)| ids);
-        out.extend(self.dirty.iter().chain(due).chain(&self.held).cloned());
+        out.extend(
+            self.dirty
+                .iter()
+                .chain(self.due(now))
+                .chain(&self.held)
+                .cloned(),
+        );
         // A stable sort, though equal ids are interchangeable: the ids come
         // in a few long sorted runs (results and observations are folded in
         // slot order), which it merges in linear time where an unstable
@@ -389,7 +457,10 @@ impl Eval {
     fn earliest_other(&self, candidates: &[LogicalNodeId]) -> Option<Timestamp> {
         self.wakes
             .iter()
-            .find(|(_, ids)| ids.iter().any(|id| candidates.binary_search(id).is_err()))
+            .find(|(_, b)| {
+                let ids = &self.buckets[**b as usize].ids;
+                ids.iter().any(|id| candidates.binary_search(id).is_err())
+            })
             .map(|(at, _)| *at)
     }
 }
