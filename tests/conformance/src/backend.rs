@@ -536,8 +536,19 @@ fn parse_number(id: &str, prefix: &str) -> Option<u64> {
 /// left-aligned to twenty places, ties (one string a prefix of the other
 /// plus zeros) broken by length.
 fn lex_key(n: u64) -> u128 {
+    /// `10^i`, looked up: a `u128` power is a loop of wide multiplies, and
+    /// every observation the backend schedules takes a key.
+    const POW10: [u128; 21] = {
+        let mut p = [1u128; 21];
+        let mut i = 1;
+        while i < 21 {
+            p[i] = p[i - 1] * 10;
+            i += 1;
+        }
+        p
+    };
     let len = n.checked_ilog10().map_or(1, |d| d + 1);
-    ((u128::from(n) * 10u128.pow(20 - len)) << 5) | u128::from(len)
+    ((u128::from(n) * POW10[(20 - len) as usize]) << 5) | u128::from(len)
 }
 
 /// The numbers `1..=max` in the order of their decimal strings.
