@@ -149,8 +149,13 @@ impl<K, T> MuxState<K, T> {
 }
 
 /// The waker a mux gives one stream: it queues that stream's slot.
+///
+/// It holds the mux's state strongly, so a wake-up (one per item a stream
+/// is sent) takes the lock and nothing else. The cycle this makes (state,
+/// slot, waker, state) is broken when the [`Mux`] is dropped: it empties
+/// the slot table, and a stream's receiver forgets its waker when dropped.
 struct SlotWake<K, T> {
-    shared: Weak<MuxShared<K, T>>,
+    shared: Arc<MuxShared<K, T>>,
     index: u32,
     generation: u32,
 }
@@ -161,10 +166,7 @@ impl<K: Send + 'static, T: Send + 'static> Wake for SlotWake<K, T> {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        let Some(shared) = self.shared.upgrade() else {
-            return;
-        };
-        let task = shared.lock().mark_ready(self.index, self.generation);
+        let task = self.shared.lock().mark_ready(self.index, self.generation);
         if let Some(task) = task {
             task.wake();
         }
@@ -274,7 +276,7 @@ impl<K: Clone + Send + 'static, T: Send + 'static> Mux<K, T> {
             }
         };
         let waker = Waker::from(Arc::new(SlotWake {
-            shared: Arc::downgrade(&self.shared),
+            shared: self.shared.clone(),
             index,
             generation,
         }));
@@ -375,6 +377,17 @@ fn drain<K: Clone, T>(
 impl<K, T> Drop for Mux<K, T> {
     fn drop(&mut self) {
         self.task.abort();
+        // Every slot's waker holds the state: emptying the table lets it go
+        // (the slots are dropped outside the lock, since dropping a
+        // receiver may wake its senders).
+        let mut st = self.shared.lock();
+        let slots = std::mem::take(&mut st.slots);
+        st.free.clear();
+        st.ready.clear();
+        let task = st.task.take();
+        drop(st);
+        drop(slots);
+        drop(task);
     }
 }
 
@@ -545,6 +558,33 @@ mod tests {
             "a last item ends its stream: nothing follows"
         );
         assert!(mux.is_empty(), "ended streams are forgotten");
+        drop(handles);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_mux_lets_its_state_go_though_its_streams_senders_live() {
+        let (mux, _batches) = collecting_mux();
+        let mut senders = Vec::new();
+        let mut handles = Vec::new();
+        for key in 0..10u32 {
+            let (tx, rx) = stream::channel(8);
+            handles.push(mux.follow(key, rx));
+            tx.try_send(key).unwrap();
+            senders.push(tx);
+        }
+        // Drained once: every stream now holds its slot's waker.
+        settle().await;
+        let state = Arc::downgrade(&mux.shared);
+        drop(mux);
+        // The aborted task lets go of the state once the runtime drops it.
+        settle().await;
+        assert!(
+            state.upgrade().is_none(),
+            "the wakers' hold on the state went with the mux"
+        );
+        for tx in &senders {
+            assert!(tx.try_send(1).is_err(), "the streams' receivers are gone");
+        }
         drop(handles);
     }
 

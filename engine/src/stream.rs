@@ -371,8 +371,12 @@ impl<T> Drop for Receiver<T> {
         st.receiver_gone = true;
         let queued = std::mem::take(&mut st.queue);
         let wakers = std::mem::take(&mut st.tx_wakers);
+        // Nothing will wait on this channel again; a waker kept here could
+        // keep its owner alive for as long as a sender lives.
+        let rx_waker = st.rx_waker.take();
         drop(st);
         drop(queued);
+        drop(rx_waker);
         wakers.into_iter().for_each(Waker::wake);
     }
 }
