@@ -983,9 +983,16 @@ impl Driver {
         self.state.observed_generation = Some(self.desired.generation);
         let mut pass = Pass {
             number: self.stats.passes,
-            // Most actions dispatch: sized once rather than grown (and
-            // copied) over a large pass; an empty plan allocates nothing.
-            dispatches: Vec::with_capacity(plan.actions.len()),
+            // Sized once rather than grown (and copied) over a large pass,
+            // for the actions that dispatch: a pass of transitions only
+            // (every node marked ready, say) holds no room for dispatches it
+            // will not make. An empty plan allocates nothing.
+            dispatches: Vec::with_capacity(
+                plan.actions
+                    .iter()
+                    .filter(|a| !a.action.is_transition())
+                    .count(),
+            ),
             transitioned: Vec::new(),
             stats: PassStats {
                 nodes: self.state.nodes.len(),
