@@ -327,38 +327,30 @@ fn drain<K: Clone, T>(
             continue;
         };
         slot.queued = false;
-        // The slot's own waker, lent to the poll rather than cloned: a clone
-        // and its drop would touch the waker's count (a cache miss per
-        // stream on a large mux) for nothing.
-        let waker = std::mem::replace(&mut slot.waker, Waker::noop().clone());
-        let mut cx = Context::from_waker(&waker);
-        let mut taken = 0;
-        let mut more = false;
-        loop {
-            if taken == MUX_DRAIN_MAX {
-                // More next round; the others go first.
-                more = true;
-                break;
+        // The slot's own waker, borrowed rather than cloned: a clone and its
+        // drop would touch the waker's count (a cache miss per stream on a
+        // large mux) for nothing.
+        let Slot { key, rx, waker, .. } = slot;
+        let cx = Context::from_waker(waker);
+        let drained = rx.drain_into(&cx, MUX_DRAIN_MAX, |item| {
+            let ends = last(&item);
+            batch.push((key.clone(), Some(item)));
+            !ends
+        });
+        let more = match drained {
+            // More next round; the others go first.
+            stream::Drained::Full => true,
+            stream::Drained::Stopped => {
+                ended.push(index);
+                false
             }
-            match slot.rx.poll_recv(&mut cx) {
-                Poll::Ready(Some(item)) => {
-                    let ends = last(&item);
-                    batch.push((slot.key.clone(), Some(item)));
-                    taken += 1;
-                    if ends {
-                        ended.push(index);
-                        break;
-                    }
-                }
-                Poll::Ready(None) => {
-                    batch.push((slot.key.clone(), None));
-                    ended.push(index);
-                    break;
-                }
-                Poll::Pending => break,
+            stream::Drained::Closed => {
+                batch.push((slot.key.clone(), None));
+                ended.push(index);
+                false
             }
-        }
-        slot.waker = waker;
+            stream::Drained::Pending => false,
+        };
         if more {
             let generation = slot.generation;
             let _ = st.mark_ready(index, generation);
