@@ -243,7 +243,7 @@ impl<T> Sender<T> {
             }
             if st.queue.len() >= st.capacity as usize {
                 item = Some(it);
-                register(&mut st.tx_wakers, cx);
+                register(&mut st, cx);
                 return Poll::Pending;
             }
             st.queue.push_back(it);
@@ -264,7 +264,7 @@ impl<T> Sender<T> {
             if st.receiver_gone {
                 Poll::Ready(())
             } else {
-                register(&mut st.tx_wakers, cx);
+                register(&mut st, cx);
                 Poll::Pending
             }
         })
@@ -276,9 +276,9 @@ impl<T> Sender<T> {
     }
 }
 
-/// Adds `cx`'s waker to `wakers` unless an equivalent one is there.
-fn register(wakers: &mut Option<Box<Vec<Waker>>>, cx: &Context<'_>) {
-    let wakers = wakers.get_or_insert_default();
+/// Adds `cx`'s waker to the waiting senders unless an equivalent one is there.
+fn register<T>(st: &mut State<T>, cx: &Context<'_>) {
+    let wakers = st.tx_wakers.get_or_insert_default();
     if !wakers.iter().any(|w| w.will_wake(cx.waker())) {
         wakers.push(cx.waker().clone());
     }

@@ -530,7 +530,7 @@ mod tests {
         }
         let keep = |k: &LogicalNodeId, v: &mut usize| {
             *v += 1;
-            k.index % 2 == 0 && k.group != GroupId::new("a")
+            k.index.is_multiple_of(2) && k.group != GroupId::new("a")
         };
         map.retain(keep);
         reference.retain(keep);
