@@ -133,20 +133,26 @@ impl History {
     }
 
     fn get(&self, op: &OperationId) -> Option<&(OperationId, EffectRequest, OperationOutcome)> {
-        let n = *self.index.get(op)?;
-        let at = usize::try_from(n.checked_sub(self.front)?).ok()?;
+        let at = self.position(*self.index.get(op)?)?;
         self.ring.get(at)?.as_ref()
+    }
+
+    /// Where entry number `n` is in the ring.
+    fn position(&self, n: u64) -> Option<usize> {
+        usize::try_from(n.checked_sub(self.front)?).ok()
+    }
+
+    /// Empties the ring's entry number `n` (it leaves in its turn).
+    fn clear_entry(&mut self, n: u64) {
+        if let Some(slot) = self.position(n).and_then(|at| self.ring.get_mut(at)) {
+            *slot = None;
+        }
     }
 
     /// Forgets `op` (it runs again if submitted again).
     fn forget(&mut self, op: &OperationId) {
-        if let Some(n) = self.index.remove(op)
-            && let Some(slot) = n
-                .checked_sub(self.front)
-                .and_then(|at| usize::try_from(at).ok())
-                .and_then(|at| self.ring.get_mut(at))
-        {
-            *slot = None;
+        if let Some(n) = self.index.remove(op) {
+            self.clear_entry(n);
         }
     }
 
@@ -166,13 +172,7 @@ impl History {
         if let Some(old) = self.index.insert(op, n) {
             // Remembered again (the driver does not do that): the older
             // entry is no longer what the id names.
-            if let Some(slot) = old
-                .checked_sub(self.front)
-                .and_then(|at| usize::try_from(at).ok())
-                .and_then(|at| self.ring.get_mut(at))
-            {
-                *slot = None;
-            }
+            self.clear_entry(old);
         }
     }
 

@@ -374,8 +374,6 @@ impl<K, T> Drop for Mux<K, T> {
         // receiver may wake its senders).
         let mut st = self.shared.lock();
         let slots = std::mem::take(&mut st.slots);
-        st.free.clear();
-        st.ready.clear();
         let task = st.task.take();
         drop(st);
         drop(slots);

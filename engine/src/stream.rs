@@ -276,6 +276,14 @@ impl<T> Sender<T> {
     }
 }
 
+/// Makes `cx`'s waker the receiver's, unless an equivalent one is already.
+fn register_rx<T>(st: &mut State<T>, cx: &Context<'_>) {
+    match &st.rx_waker {
+        Some(w) if w.will_wake(cx.waker()) => {}
+        _ => st.rx_waker = Some(cx.waker().clone()),
+    }
+}
+
 /// Adds `cx`'s waker to the waiting senders unless an equivalent one is there.
 fn register<T>(st: &mut State<T>, cx: &Context<'_>) {
     let wakers = st.tx_wakers.get_or_insert_default();
@@ -335,10 +343,7 @@ impl<T> Receiver<T> {
         if st.senders == 0 {
             return Poll::Ready(None);
         }
-        match &st.rx_waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            _ => st.rx_waker = Some(cx.waker().clone()),
-        }
+        register_rx(&mut st, cx);
         Poll::Pending
     }
 
@@ -391,10 +396,7 @@ impl<T> Receiver<T> {
                 }
                 None if st.senders == 0 => break Drained::Closed,
                 None => {
-                    match &st.rx_waker {
-                        Some(w) if w.will_wake(cx.waker()) => {}
-                        _ => st.rx_waker = Some(cx.waker().clone()),
-                    }
+                    register_rx(&mut st, cx);
                     break Drained::Pending;
                 }
             }

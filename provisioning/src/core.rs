@@ -45,27 +45,16 @@ pub trait Reconciler {
         reason: &str,
         now: Timestamp,
     ) -> Result<Folded, DriverError>;
-    /// See [`Driver::handle_bootstrap`].
+    /// See [`Driver::handle_bootstrap`]; the observation is borrowed (the
+    /// host may still need it, to keep an early one).
     ///
     /// # Errors
     /// As the driver's.
     fn handle_bootstrap(
         &mut self,
-        obs: BootstrapObservation,
-        now: Timestamp,
-    ) -> Result<Folded, DriverError>;
-    /// [`Reconciler::handle_bootstrap`] on a borrowed observation, for a
-    /// caller that may still need it (by default, on a copy).
-    ///
-    /// # Errors
-    /// As [`Reconciler::handle_bootstrap`].
-    fn handle_bootstrap_ref(
-        &mut self,
         obs: &BootstrapObservation,
         now: Timestamp,
-    ) -> Result<Folded, DriverError> {
-        self.handle_bootstrap(obs.clone(), now)
-    }
+    ) -> Result<Folded, DriverError>;
     /// See [`Driver::handle_agent_lost`].
     fn handle_agent_lost(
         &mut self,
@@ -162,13 +151,6 @@ impl Reconciler for Driver {
         Driver::handle_submit_failed(self, node, op, reason, now)
     }
     fn handle_bootstrap(
-        &mut self,
-        obs: BootstrapObservation,
-        now: Timestamp,
-    ) -> Result<Folded, DriverError> {
-        Driver::handle_bootstrap(self, obs, now)
-    }
-    fn handle_bootstrap_ref(
         &mut self,
         obs: &BootstrapObservation,
         now: Timestamp,

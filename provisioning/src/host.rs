@@ -1476,7 +1476,7 @@ impl<C: Reconciler> Host<C> {
                 return Ok(Folded::Discarded(DiscardReason::NotLive));
             }
         }
-        let folded = self.core.handle_bootstrap_ref(&obs, now)?;
+        let folded = self.core.handle_bootstrap(&obs, now)?;
         match folded {
             Folded::Applied => self.node_changed(&obs.node, now),
             Folded::Discarded(DiscardReason::StaleSession) => self.keep_early(obs),
@@ -2097,7 +2097,7 @@ impl<C: Reconciler> Host<C> {
     fn run_todo(&mut self, todo: Todo, now: Timestamp) -> Option<HostFold> {
         match todo {
             Todo::Observe(obs) => {
-                let folded = self.core.handle_bootstrap_ref(&obs, now);
+                let folded = self.core.handle_bootstrap(&obs, now);
                 if folded == Ok(Folded::Applied) {
                     self.node_changed(&obs.node, now);
                 }
@@ -2116,7 +2116,7 @@ impl<C: Reconciler> Host<C> {
                     session,
                     event: BootstrapEvent::SwactorJoined,
                 };
-                let folded = self.core.handle_bootstrap_ref(&obs, now);
+                let folded = self.core.handle_bootstrap(&obs, now);
                 if folded == Ok(Folded::Applied) {
                     self.node_changed(&node, now);
                 }

@@ -50,6 +50,17 @@ impl<V> Group<V> {
         self.dense.is_empty() && self.sparse.is_empty()
     }
 
+    /// Drops the dense part's trailing empty slots (it never ends in one) and,
+    /// once it is a quarter of its room, most of that room.
+    fn trim(&mut self) {
+        while self.dense.last().is_some_and(Option::is_none) {
+            self.dense.pop();
+        }
+        if self.dense.capacity() > 64 && self.dense.len() < self.dense.capacity() / 4 {
+            self.dense.shrink_to(self.dense.len() * 2);
+        }
+    }
+
     #[inline]
     fn get(&self, index: u32) -> Option<&Entry<V>> {
         if index < DENSE_INDEX_MAX {
@@ -239,12 +250,7 @@ impl<V> NodeMap<V> {
         let old = if key.index < DENSE_INDEX_MAX {
             let at = key.index as usize;
             let old = g.dense.get_mut(at)?.take();
-            while g.dense.last().is_some_and(Option::is_none) {
-                g.dense.pop();
-            }
-            if g.dense.capacity() > 64 && g.dense.len() < g.dense.capacity() / 4 {
-                g.dense.shrink_to(g.dense.len() * 2);
-            }
+            g.trim();
             old
         } else {
             g.sparse.remove(&key.index)
@@ -270,12 +276,7 @@ impl<V> NodeMap<V> {
                     removed += 1;
                 }
             }
-            while g.dense.last().is_some_and(Option::is_none) {
-                g.dense.pop();
-            }
-            if g.dense.capacity() > 64 && g.dense.len() < g.dense.capacity() / 4 {
-                g.dense.shrink_to(g.dense.len() * 2);
-            }
+            g.trim();
             let before = g.sparse.len();
             g.sparse.retain(|_, Entry(k, v)| keep(k, v));
             removed += before - g.sparse.len();

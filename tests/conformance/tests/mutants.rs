@@ -275,10 +275,10 @@ impl Reconciler for Mutant {
 
     fn handle_bootstrap(
         &mut self,
-        obs: BootstrapObservation,
+        obs: &BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        self.inner.handle_bootstrap(obs, now)
+        self.inner.handle_bootstrap_ref(obs, now)
     }
 
     fn handle_agent_lost(
