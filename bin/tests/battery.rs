@@ -538,7 +538,10 @@ fn battery(kind: &'static str) {
                 s.spawn(move || match run_seed(seed, kind) {
                     Ok(summary) => eprintln!("{summary}"),
                     Err(e) => {
-                        eprintln!("seed {seed} FAILED (details at the end)");
+                        // The reason first and short: a CI log may keep
+                        // only its head, and the details run long.
+                        let head: String = e.chars().take(400).collect();
+                        eprintln!("seed {seed} FAILED: {head} (details at the end)");
                         failures.lock().unwrap().push(format!("seed {seed}: {e}"));
                     }
                 });
