@@ -13,7 +13,7 @@
 //!   output is taken: an attempt's first effect never goes out before its
 //!   record is durable, and an apply is acknowledged only once it is.
 
-use crate::executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
+use crate::executor::{BATCH_MAX, ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 use crate::journal::JournalStore;
 use crate::msg::{ClusterMsg, DriverArgs, DriverMsg, DriverView, SwarmMsg, TimerKey};
 use crate::observer::{Observations, Observed, Observer, ObserverTag, Observers, observers};
@@ -356,8 +356,8 @@ impl DriverState {
                     self.host.handle_persisted(delta.seq);
                 }
                 Output::Pass(pass) => {
-                    // One message per lane: a pass's operations for a
-                    // worker go together, in the pass's order.
+                    // A pass's operations for a worker go in the pass's
+                    // order, in messages of at most `BATCH_MAX`.
                     // Counted first, so each lane's batch is made at its size
                     // (a large pass's batches would otherwise be copied as
                     // they double).
@@ -375,10 +375,12 @@ impl DriverState {
                         let lane = self.host.lane_of(d.op.attempt) as usize;
                         lanes[lane].push(d);
                     }
-                    for (lane, batch) in lanes.into_iter().enumerate() {
-                        if batch.is_empty() {
-                            continue;
-                        }
+                    let batches = lanes.into_iter().enumerate().flat_map(|(lane, all)| {
+                        cut_from_end(all, BATCH_MAX)
+                            .into_iter()
+                            .map(move |b| (lane, b))
+                    });
+                    for (lane, batch) in batches {
                         if let Err(batch) = self.send_batch(lane, batch) {
                             let reason = "no executor could take it";
                             for d in batch {
@@ -627,5 +629,37 @@ fn describe(outcome: &OperationOutcome) -> String {
         OperationOutcome::BootstrapCancelled => "bootstrap cancelled".to_owned(),
         OperationOutcome::LeaseDestroyed => "lease destroyed".to_owned(),
         OperationOutcome::Failed { class, reason } => format!("{class:?} failure: {reason}"),
+    }
+}
+
+/// Cuts `all` into pieces of at most `max` items, in order, shrinking what
+/// is left after each cut (so the pieces and the rest are never two copies).
+fn cut_from_end<T>(mut all: Vec<T>, max: usize) -> Vec<Vec<T>> {
+    let mut pieces = Vec::with_capacity(all.len().div_ceil(max));
+    while all.len() > max {
+        let at = (all.len() - 1) / max * max;
+        pieces.push(all.split_off(at));
+        all.shrink_to_fit();
+    }
+    if !all.is_empty() {
+        pieces.push(all);
+    }
+    pieces.reverse();
+    pieces
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cut_from_end;
+
+    #[test]
+    fn pieces_are_in_order_and_no_larger_than_asked() {
+        for n in [0, 1, 1023, 1024, 1025, 5000] {
+            let pieces = cut_from_end((0..n).collect::<Vec<u32>>(), 1024);
+            assert_eq!(pieces.len(), n.div_ceil(1024) as usize, "{n} items");
+            assert!(pieces.iter().all(|p| !p.is_empty() && p.len() <= 1024));
+            let joined: Vec<u32> = pieces.concat();
+            assert_eq!(joined, (0..n).collect::<Vec<u32>>());
+        }
     }
 }

@@ -12,12 +12,14 @@
 //!   never observed.
 //! - **Never blocks the driver.** Provider calls are awaited here, in the
 //!   worker, never in the driver.
-//! - **Batched both ways.** The driver hands a worker all of a pass's
-//!   operations for its lane in one message, and the worker runs them in
-//!   order. Results that are ready without waiting (a provider that answers
-//!   at once) are reported together in one message; before the worker waits
-//!   on a provider call it first reports everything it holds, so a slow
-//!   call never delays the results of earlier ones.
+//! - **Batched both ways.** The driver hands a worker a pass's operations
+//!   for its lane in messages of at most [`BATCH_MAX`], and the worker runs
+//!   them in order. Results that are ready without waiting (a provider that
+//!   answers at once) are reported together, one message per batch; before
+//!   the worker waits on a provider call it first reports everything it
+//!   holds, so a slow call never delays the results of earlier ones. After
+//!   each batch the worker lets the driver run, so a large pass flows
+//!   through in steps rather than being held whole, twice over.
 //! - **A session is always handed over.** A StartBootstrap submitted again is
 //!   run again rather than replayed: the provider adopts the running session
 //!   and hands its stream over once more (a replayed outcome would carry no
@@ -40,12 +42,18 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::task::Poll;
 use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRef};
-use swactor_engine::{Clock, run_until};
+use swactor_engine::{Clock, run_until, yield_to_others};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources, Provider, ProviderError};
 use swactor_provisioning::{
     Dispatch, EffectRequest, FailureClass, OperationId, OperationOutcome, OperationResult,
     ResourceKey, RunId,
 };
+
+/// The most operations the driver hands a worker in one message. A large
+/// pass goes out in several, and the worker reports each one's results and
+/// lets the driver run before it takes the next: a 100k pass is never held
+/// twice (as the driver's batches and the worker's results) at once.
+pub(crate) const BATCH_MAX: usize = 4096;
 
 /// A message to an executor worker.
 pub enum WorkerMsg {
@@ -237,6 +245,10 @@ impl Actor for ExecutorWorker {
                     state.execute(dispatch).await;
                 }
                 state.flush();
+                // The driver folds these before this worker takes its next
+                // batch: results and the operations they lead to flow on
+                // instead of piling up behind a large pass.
+                yield_to_others().await;
             }
             WorkerMsg::List(run_id) => {
                 let listed = state.args.provider.list(&run_id).await;

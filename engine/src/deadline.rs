@@ -24,6 +24,12 @@ pub async fn run_until<F: Future>(
         .map_err(|_| DeadlinePassed)
 }
 
+/// Lets the other tasks of the runtime run before this one goes on (for a
+/// crate that may not touch the scheduler itself).
+pub async fn yield_to_others() {
+    tokio::task::yield_now().await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

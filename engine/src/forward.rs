@@ -92,6 +92,9 @@ impl Drop for Forwarder {
 /// - One sink call carries at most [`MUX_DRAIN_MAX`] items of one stream; a
 ///   stream with more waiting is drained again in the next round, so one
 ///   chatty stream cannot hold the others up.
+/// - One sink call drains at most [`MUX_BATCH_STREAMS`] streams; the task
+///   yields before it drains more, so a batch stays small however many
+///   streams are woken at once.
 /// - The task ends when the sink returns `false`, or when the [`Mux`] is
 ///   dropped (which aborts it).
 pub struct Mux<K, T> {
@@ -101,6 +104,11 @@ pub struct Mux<K, T> {
 
 /// Most items taken from one stream for one sink call.
 pub const MUX_DRAIN_MAX: usize = 64;
+
+/// Most streams drained for one sink call: when more are woken at once, the
+/// rest wait for the next call, after the sink's side has run (so 100k
+/// streams woken together are not handed over, and held, in one batch).
+pub const MUX_BATCH_STREAMS: usize = 4096;
 
 struct MuxShared<K, T> {
     state: Mutex<MuxState<K, T>>,
@@ -227,21 +235,34 @@ impl<K: Clone + Send + 'static, T: Send + 'static> Mux<K, T> {
         });
         let weak = Arc::downgrade(&shared);
         let task = tokio::spawn(async move {
+            // The slots woken, and how many of them are drained.
             let mut ready = Vec::new();
+            let mut taken = 0;
             loop {
+                if taken < ready.len() {
+                    // More were woken than one batch takes: the sink's side
+                    // runs before the next batch is made.
+                    tokio::task::yield_now().await;
+                }
                 let Some(shared) = weak.upgrade() else { return };
-                poll_fn(|cx| {
-                    let mut st = shared.lock();
-                    if st.ready.is_empty() {
-                        st.task = Some(cx.waker().clone());
-                        Poll::Pending
-                    } else {
-                        std::mem::swap(&mut ready, &mut st.ready);
-                        Poll::Ready(())
-                    }
-                })
-                .await;
-                let batch = drain(&shared, &mut ready, last);
+                if taken == ready.len() {
+                    ready.clear();
+                    taken = 0;
+                    poll_fn(|cx| {
+                        let mut st = shared.lock();
+                        if st.ready.is_empty() {
+                            st.task = Some(cx.waker().clone());
+                            Poll::Pending
+                        } else {
+                            std::mem::swap(&mut ready, &mut st.ready);
+                            Poll::Ready(())
+                        }
+                    })
+                    .await;
+                }
+                let end = ready.len().min(taken + MUX_BATCH_STREAMS);
+                let batch = drain(&shared, &ready[taken..end], last);
+                taken = end;
                 drop(shared);
                 if !batch.is_empty() && !sink(batch) {
                     return;
@@ -312,17 +333,17 @@ impl<K: Clone + Send + 'static, T: Send + 'static> Mux<K, T> {
     }
 }
 
-/// Takes what the `ready` slots hold (emptying `ready`).
+/// Takes what the `ready` slots hold.
 fn drain<K: Clone, T>(
     shared: &MuxShared<K, T>,
-    ready: &mut Vec<u32>,
+    ready: &[u32],
     last: fn(&T) -> bool,
 ) -> Vec<(K, Option<T>)> {
     // Most woken streams hold one item.
     let mut batch = Vec::with_capacity(ready.len());
     let mut ended = Vec::new();
     let mut st = shared.lock();
-    for index in ready.drain(..) {
+    for &index in ready {
         let Some(Some(slot)) = st.slots.get_mut(index as usize) else {
             continue;
         };
@@ -548,6 +569,38 @@ mod tests {
             "a last item ends its stream: nothing follows"
         );
         assert!(mux.is_empty(), "ended streams are forgotten");
+        drop(handles);
+    }
+
+    #[tokio::test]
+    async fn many_streams_woken_at_once_go_out_in_bounded_batches_and_the_sink_runs_between() {
+        let (mux, batches) = collecting_mux();
+        let streams = 2 * MUX_BATCH_STREAMS as u32 + 5;
+        let mut senders = Vec::new();
+        let mut handles = Vec::new();
+        for key in 0..streams {
+            let (tx, rx) = stream::channel(2);
+            handles.push(mux.follow(key, rx));
+            senders.push(tx);
+        }
+        settle().await;
+        for (key, tx) in senders.iter().enumerate() {
+            tx.try_send(key as u32).unwrap();
+        }
+        // The first batch is out, and the mux yields before it makes the next.
+        tokio::task::yield_now().await;
+        let first = batches.lock().unwrap().len();
+        assert_eq!(first, 1, "one batch, then the others run");
+        settle().await;
+        let got = std::mem::take(&mut *batches.lock().unwrap());
+        let sizes: Vec<usize> = got.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [MUX_BATCH_STREAMS, MUX_BATCH_STREAMS, 5]);
+        let keys: Vec<u32> = got.iter().flatten().map(|(k, _)| *k).collect();
+        assert_eq!(
+            keys,
+            (0..streams).collect::<Vec<_>>(),
+            "in wake order, each once"
+        );
         drop(handles);
     }
 

@@ -25,7 +25,7 @@ pub use blocking::{
     BlockingCall, BlockingConfig, BlockingError, BlockingPool, BlockingTicket, CancelToken,
 };
 pub use clock::{Clock, EngineInstant};
-pub use deadline::{DeadlinePassed, run_until};
+pub use deadline::{DeadlinePassed, run_until, yield_to_others};
 pub use forward::{Followed, Forwarder, MUX_DRAIN_MAX, Mux};
 pub use journal::{Journal, JournalBatch, JournalContents, JournalError};
 pub use supervision::{ChildEvent, ChildSpec, Children, RestartPolicy, SupervisionError};
