@@ -103,6 +103,19 @@ pub trait Reconciler {
     fn config(&self) -> &ReconcilerConfig;
     /// See [`Driver::is_converged`].
     fn is_converged(&self) -> bool;
+    /// See [`Driver::unconverged_from`]; by default, [`Reconciler::is_converged`]
+    /// naming no node.
+    ///
+    /// # Errors
+    /// The state is not converged.
+    fn unconverged_from(&self, hint: Option<&LogicalNodeId>) -> Result<(), Option<LogicalNodeId>> {
+        let _ = hint;
+        if self.is_converged() {
+            Ok(())
+        } else {
+            Err(None)
+        }
+    }
     /// See [`Driver::stats`].
     fn stats(&self) -> DriverStats;
     /// See [`Driver::is_pass_queued`].
@@ -207,6 +220,9 @@ impl Reconciler for Driver {
     }
     fn is_converged(&self) -> bool {
         Driver::is_converged(self)
+    }
+    fn unconverged_from(&self, hint: Option<&LogicalNodeId>) -> Result<(), Option<LogicalNodeId>> {
+        Driver::unconverged_from(self, hint)
     }
     fn stats(&self) -> DriverStats {
         Driver::stats(self)

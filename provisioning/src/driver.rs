@@ -592,6 +592,22 @@ impl Driver {
         is_converged(&self.state, &self.desired)
     }
 
+    /// As [`Driver::is_converged`], naming what is not: `Err(Some(node))`
+    /// for a node that is not converged (looked for from `hint` on, then
+    /// from the first slot up to it), `Err(None)` when the node count
+    /// differs. The test is the same node for node, in another order: a
+    /// check that starts where the last one stopped finds a converge in
+    /// progress unfinished at once, instead of walking every ready node.
+    ///
+    /// # Errors
+    /// The state is not converged.
+    pub fn unconverged_from(
+        &self,
+        hint: Option<&LogicalNodeId>,
+    ) -> Result<(), Option<LogicalNodeId>> {
+        crate::decide::unconverged_from(&self.state, &self.desired, hint)
+    }
+
     /// True when a pass is queued (the host should call `poll_pass`).
     pub fn is_pass_queued(&self) -> bool {
         self.queue == Queue::Queued

@@ -858,6 +858,9 @@ pub struct Host<C: Reconciler> {
     waiters: Vec<Ticket>,
     shutdown: Option<Shutdown>,
     converged_reported: Option<Generation>,
+    /// The node that kept the last convergence check from passing: the next
+    /// one starts there.
+    converged_hint: Option<LogicalNodeId>,
     stopped: bool,
     digests: Vec<(Arc<NodeTemplate>, u64)>,
     history: NodeMap<Attempts>,
@@ -930,6 +933,7 @@ impl<C: Reconciler> Host<C> {
             waiters: Vec::new(),
             shutdown: None,
             converged_reported: None,
+            converged_hint: None,
             stopped: false,
             digests: Vec::new(),
             history: NodeMap::new(),
@@ -2058,10 +2062,28 @@ impl<C: Reconciler> Host<C> {
         Some(c.request.clone())
     }
 
+    /// [`Host::is_converged`], with the core's walk started at the node that
+    /// failed the last check (and that node remembered for the next).
+    fn converged_from_hint(&mut self) -> bool {
+        if !(self.settled() && self.agents_away() == 0) {
+            return false;
+        }
+        match self.core.unconverged_from(self.converged_hint.as_ref()) {
+            Ok(()) => {
+                self.converged_hint = None;
+                true
+            }
+            Err(hint) => {
+                self.converged_hint = hint;
+                false
+            }
+        }
+    }
+
     /// Holds, convergence, waiters and the end of a teardown, once the host is quiet.
     fn check_progress(&mut self) {
         self.update_holds();
-        if self.core.is_pass_queued() || !self.todo.is_empty() || !self.is_converged() {
+        if self.core.is_pass_queued() || !self.todo.is_empty() || !self.converged_from_hint() {
             return;
         }
         let generation = self.core.desired().generation;

@@ -299,6 +299,19 @@ impl<V> NodeMap<V> {
         }
     }
 
+    /// The entries at `from` and after it, in slot order.
+    pub fn iter_from(&self, from: &LogicalNodeId) -> impl Iterator<Item = (&LogicalNodeId, &V)> {
+        let (Ok(start) | Err(start)) = self.group_pos(&from.group);
+        self.groups[start..].iter().flat_map(move |g| {
+            let at = if g.id == from.group { from.index } else { 0 };
+            let dense_from = (at as usize).min(g.dense.len());
+            g.dense[dense_from..]
+                .iter()
+                .filter_map(entry_ref as fn(&Option<Entry<V>>) -> Option<(&LogicalNodeId, &V)>)
+                .chain(g.sparse.range(at..).map(|(_, e)| pair_ref(e)))
+        })
+    }
+
     /// Every entry in slot order, to change.
     pub fn iter_mut(&mut self) -> impl DoubleEndedIterator<Item = (&LogicalNodeId, &mut V)> {
         self.groups.iter_mut().flat_map(|g| {
@@ -516,6 +529,25 @@ mod tests {
             .collect();
         assert_eq!(w, ["w-0", "w-1", "w-3", "w-262144"]);
         assert!(map.group(&GroupId::new("a")).next().is_none());
+    }
+
+    #[test]
+    fn iter_from_gives_what_a_btree_range_would() {
+        let keys = [
+            "a-0", "a-2", "b-7", "w-0", "w-1", "w-3", "w-10", "w-262144", "w-300000",
+        ];
+        let map: NodeMap<usize> = keys.iter().enumerate().map(|(i, k)| (id(k), i)).collect();
+        let reference: BTreeMap<LogicalNodeId, usize> =
+            keys.iter().enumerate().map(|(i, k)| (id(k), i)).collect();
+        let froms = [
+            "a-0", "a-1", "a-3", "aa-0", "b-0", "b-7", "b-8", "w-2", "w-10", "w-11", "w-262143",
+            "w-262144", "w-262145", "w-300001", "zz-0",
+        ];
+        for from in froms {
+            let got: Vec<_> = map.iter_from(&id(from)).map(|(k, v)| (*k, *v)).collect();
+            let want: Vec<_> = reference.range(id(from)..).map(|(k, v)| (*k, *v)).collect();
+            assert_eq!(got, want, "from {from}");
+        }
     }
 
     #[test]

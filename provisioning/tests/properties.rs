@@ -289,6 +289,40 @@ proptest! {
     }
 
     #[test]
+    fn a_convergence_check_from_any_node_answers_as_the_full_one(
+        trace in proptest::collection::vec(step(), 0..160),
+        settle in any::<bool>(),
+    ) {
+        let mut w = run(&trace);
+        if settle {
+            w.settle();
+        }
+        let converged = w.d.is_converged();
+        let mut hints: Vec<Option<LogicalNodeId>> = vec![None];
+        hints.extend(w.d.state().nodes.keys().map(|k| Some(*k)));
+        // A slot with no node, and one past every slot.
+        hints.push(Some(LogicalNodeId::parse("w-77").unwrap()));
+        hints.push(Some(LogicalNodeId::parse("zz-0").unwrap()));
+        for hint in &hints {
+            match w.d.unconverged_from(hint.as_ref()) {
+                Ok(()) => prop_assert!(converged, "from {:?}: converged, but the full check says no", hint),
+                Err(None) => {
+                    prop_assert!(!converged);
+                    prop_assert_ne!(w.d.state().nodes.len() as u64, w.d.desired().node_count());
+                }
+                Err(Some(node)) => {
+                    prop_assert!(!converged, "from {:?}: {} named, but the full check says yes", hint, node);
+                    let n = &w.d.state().nodes[&node];
+                    let fine = w.d.desired().slot(&node).is_some_and(|t| same_template(t, &n.template))
+                        && n.is_ready()
+                        && n.pending.is_none();
+                    prop_assert!(!fine, "from {:?}: {} named, but it is converged", hint, node);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn attempt_ids_are_never_reused(trace in proptest::collection::vec(step(), 0..160)) {
         // Record (slot, attempt) pairs: an attempt id belongs to one slot, and a
         // slot's attempts only ever grow.
