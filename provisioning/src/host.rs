@@ -1739,15 +1739,17 @@ impl<C: Reconciler> Host<C> {
 
     /// Brings `node`'s attempt history up to date with its state.
     fn touch_history(&mut self, node: &LogicalNodeId, now: Timestamp) {
-        let current = self.core.state().nodes.get(node);
-        let history = self.history.get_or_insert_with(node, Attempts::default);
-        let Some(n) = current else {
-            if let Some(last) = &mut history.latest {
+        let Some(n) = self.core.state().nodes.get(node) else {
+            // A slot that left. Its history may already be let go (many
+            // slots leave in one pass, and the trim runs on the first of
+            // them): it is not made again, empty, to be trimmed once more.
+            if let Some(last) = self.history.get_mut(node).and_then(|h| h.latest.as_mut()) {
                 last.ended_at.get_or_insert(now);
             }
             self.forget_departed();
             return;
         };
+        let history = self.history.get_or_insert_with(node, Attempts::default);
         if history.latest.as_ref().map(|r| r.attempt) != Some(n.attempt) {
             if let Some(last) = &mut history.latest {
                 last.ended_at.get_or_insert(now);
