@@ -210,12 +210,17 @@ pub struct AttemptRecord {
 }
 
 /// A slot's attempts as the host keeps them: the latest inline (most slots
-/// only ever have one), the earlier ones, oldest first, behind it. With
-/// [`Kept`] that is 104 bytes in the slot's table and no allocation, where a
-/// deque of [`AttemptRecord`]s was a 48-byte entry and a 104-byte one.
+/// only ever have one), the earlier ones, oldest first, behind one pointer
+/// (none until there is one). With [`Kept`] that is 88 bytes in the slot's
+/// table and no allocation, where a deque of [`AttemptRecord`]s was a
+/// 48-byte entry and a 104-byte one.
 #[derive(Clone, Debug, Default)]
 struct Attempts {
-    earlier: Vec<Kept>,
+    #[allow(
+        clippy::box_collection,
+        reason = "one pointer wide (a vector is three): most slots never have an earlier attempt"
+    )]
+    earlier: Option<Box<Vec<Kept>>>,
     latest: Option<Kept>,
 }
 
@@ -223,6 +228,7 @@ impl Attempts {
     fn records(&self) -> Vec<AttemptRecord> {
         self.earlier
             .iter()
+            .flat_map(|e| e.iter())
             .chain(&self.latest)
             .map(Kept::record)
             .collect()
@@ -239,11 +245,19 @@ impl Attempts {
             bootstrap: None,
             notes: None,
         };
-        if let Some(previous) = self.latest.replace(kept) {
-            self.earlier.push(previous);
+        let earlier_max = len.max(1) - 1;
+        if let Some(previous) = self.latest.replace(kept)
+            && earlier_max > 0
+        {
+            self.earlier.get_or_insert_default().push(previous);
         }
-        let excess = (self.earlier.len() + 1).saturating_sub(len.max(1));
-        self.earlier.drain(..excess);
+        if let Some(earlier) = &mut self.earlier {
+            let excess = earlier.len().saturating_sub(earlier_max);
+            earlier.drain(..excess);
+            if earlier.is_empty() {
+                self.earlier = None;
+            }
+        }
     }
 }
 
@@ -2569,6 +2583,8 @@ mod tests {
     fn a_slot_keeps_its_last_attempts_oldest_first_with_their_texts() {
         let mut h = Attempts::default();
         assert!(h.records().is_empty());
+        h.start(NodeAttemptId(0), Timestamp(0), 3);
+        assert!(h.earlier.is_none(), "one attempt allocates nothing");
         for a in 1..=5 {
             h.start(NodeAttemptId(a), Timestamp(a * 10), 3);
             let r = h.latest.as_mut().expect("just started");
@@ -2586,13 +2602,16 @@ mod tests {
         one.start(NodeAttemptId(1), Timestamp(0), 1);
         one.start(NodeAttemptId(2), Timestamp(1), 1);
         assert_eq!(one.records().len(), 1);
-        assert!(one.earlier.is_empty());
+        assert!(
+            one.earlier.is_none(),
+            "nothing earlier is kept, nor room for it"
+        );
     }
 
     #[test]
     fn a_kept_attempt_is_a_cache_line_and_a_slot_holds_one_inline() {
         assert!(size_of::<Kept>() <= 64, "{}", size_of::<Kept>());
-        assert!(size_of::<Attempts>() <= 88, "{}", size_of::<Attempts>());
+        assert!(size_of::<Attempts>() <= 72, "{}", size_of::<Attempts>());
     }
 
     #[test]
