@@ -315,7 +315,8 @@ struct Eval {
     full: bool,
     /// Nodes whose state changed since they were last decided, in the order
     /// they changed (a node may appear more than once; a pass sorts and
-    /// deduplicates them). A vector whose capacity is kept from pass to pass,
+    /// deduplicates them). A vector whose capacity is kept from pass to pass
+    /// (given back only after a pass that used a small part of a large one),
     /// so marking a node dirty does not allocate.
     dirty: Vec<LogicalNodeId>,
     /// Waiting nodes, bucketed by the deadline they wait on (a node is in
@@ -495,11 +496,17 @@ impl Scratch {
         let used = self.candidates.len();
         self.candidates.clear();
         self.updates.clear();
-        if self.candidates.capacity() > Self::KEEP && used < self.candidates.capacity() / 8 {
-            let keep = used.max(Self::KEEP);
-            self.candidates.shrink_to(keep);
-            self.updates.shrink_to(keep);
-        }
+        give_back_room(&mut self.candidates, used);
+        give_back_room(&mut self.updates, used);
+    }
+}
+
+/// Shrinks the emptied buffer `v` after a pass that used `used` entries of
+/// it, when that was under an eighth of its room: down to `used`, or
+/// [`Scratch::KEEP`] entries. See [`Scratch::clear_after_pass`].
+fn give_back_room<T>(v: &mut Vec<T>, used: usize) {
+    if v.capacity() > Scratch::KEEP && used < v.capacity() / 8 {
+        v.shrink_to(used.max(Scratch::KEEP));
     }
 }
 
@@ -1109,7 +1116,9 @@ impl Driver {
         // The pass reads its requeue instant off the wake index once every
         // node's new wake-up is in it (see `poll_pass`).
         let plan = self.decide_some(now, &mut scratch, cfg!(debug_assertions));
+        let dirtied = self.eval.dirty.len();
         self.eval.dirty.clear();
+        give_back_room(&mut self.eval.dirty, dirtied);
         for (id, &(wake, held)) in scratch.candidates.iter().zip(&scratch.updates) {
             self.eval.set_wake(id, wake);
             if held {
