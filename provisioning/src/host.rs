@@ -1817,12 +1817,16 @@ impl<C: Reconciler> Host<C> {
     }
 
     /// Once twice [`DEPARTED_HISTORY_MAX`] slots that no longer have a node
-    /// are remembered, forgets the ones that left first down to the limit
-    /// (in bulk, so that a large scale-down does not sort once per node).
+    /// are remembered (or an eighth as many as have one, if that is more),
+    /// forgets the ones that left first down to the limit. In bulk, so that
+    /// a large scale-down does not sort once per node, and after a number
+    /// of departures that grows with the cluster, since the trim walks every
+    /// slot's history: a large cluster leaving one slot at a time would
+    /// otherwise be walked whole every few hundred departures.
     fn forget_departed(&mut self) {
         let nodes = &self.core.state().nodes;
         let departed = self.history.len().saturating_sub(nodes.len());
-        if departed <= 2 * DEPARTED_HISTORY_MAX {
+        if departed <= (2 * DEPARTED_HISTORY_MAX).max(nodes.len() / 8) {
             return;
         }
         let mut gone: Vec<(Timestamp, LogicalNodeId)> = self

@@ -69,3 +69,22 @@ fn a_large_scale_down_keeps_a_bounded_departed_history_and_no_empty_one() {
         );
     }
 }
+
+#[test]
+fn a_large_cluster_trims_departed_histories_only_after_an_eighth_of_its_size() {
+    // 8,000 stay: the trim waits for 1,000 departures (an eighth), so the
+    // 900 that leave are all remembered; a small cluster trims at 512.
+    let (stay, leave) = (8_000u32, 900u32);
+    let mut h = Host::new(driver(), HostConfig::default(), None).unwrap();
+    h.handle_apply(&shape(1, vec![group("w", stay + leave)]), Ticket(1), t(0))
+        .unwrap();
+    settle(&mut h, t(0));
+    h.handle_apply(&shape(2, vec![group("w", stay)]), Ticket(2), t(10))
+        .unwrap();
+    settle(&mut h, t(10));
+    assert_eq!(h.core().state().nodes.len(), stay as usize);
+    let remembered = (stay..stay + leave)
+        .filter(|i| h.history(&node_id(&format!("w-{i}"))).is_some())
+        .count();
+    assert_eq!(remembered, leave as usize, "no trim below an eighth");
+}
