@@ -11,22 +11,12 @@ use swactor_provisioning::*;
 /// success, until it has nothing more to do.
 fn settle(h: &mut Host<Driver>, now: Timestamp) {
     loop {
-        let mut answered = false;
-        while let Some(o) = h.poll_output(now) {
-            match o {
-                Output::Persist(delta) => h.handle_persisted(delta.seq),
-                Output::List => h.handle_inventory(Ok(Vec::new()), now),
-                Output::Pass(pass) => {
-                    for d in &pass.dispatches {
-                        let _ = h.handle_result(success(d), now).unwrap();
-                        answered = true;
-                    }
-                }
-                Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
-            }
-        }
-        if !answered {
+        let dispatches = drain_host(h, now);
+        if dispatches.is_empty() {
             return;
+        }
+        for d in &dispatches {
+            let _ = h.handle_result(success(d), now).unwrap();
         }
     }
 }

@@ -6,21 +6,6 @@ mod common;
 use common::*;
 use swactor_provisioning::*;
 
-/// Drains the host's outputs at `now` without answering any dispatch;
-/// returns the dispatches.
-fn drain(h: &mut Host<Driver>, now: Timestamp) -> Vec<Dispatch> {
-    let mut out = Vec::new();
-    while let Some(o) = h.poll_output(now) {
-        match o {
-            Output::Persist(delta) => h.handle_persisted(delta.seq),
-            Output::List => h.handle_inventory(Ok(Vec::new()), now),
-            Output::Pass(pass) => out.extend(pass.dispatches),
-            Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
-        }
-    }
-    out
-}
-
 #[test]
 fn a_lost_lane_folds_its_own_operations_only() {
     let config = HostConfig {
@@ -30,7 +15,7 @@ fn a_lost_lane_folds_its_own_operations_only() {
     let mut h = Host::new(driver(), config, None).unwrap();
     h.handle_apply(&shape(1, vec![group("w", 6)]), Ticket(1), t(0))
         .unwrap();
-    let creates = drain(&mut h, t(0));
+    let creates = drain_host(&mut h, t(0));
     assert_eq!(creates.len(), 6);
     assert_eq!(h.in_flight_count(), 6);
     let (lost, kept): (Vec<_>, Vec<_>) = creates.iter().partition(|d| h.lane_of(d.op.attempt) == 0);
@@ -38,7 +23,7 @@ fn a_lost_lane_folds_its_own_operations_only() {
 
     h.handle_lane_lost(0);
     assert_eq!(h.in_flight_count(), kept.len(), "the lost lane's are out");
-    drain(&mut h, t(1));
+    drain_host(&mut h, t(1));
     let nodes = &h.core().state().nodes;
     for d in &lost {
         let n = &nodes[&d.key.node];

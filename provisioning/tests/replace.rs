@@ -21,15 +21,7 @@ fn host() -> Host<Driver> {
 fn pump(h: &mut Host<Driver>, now: Timestamp) -> Vec<Dispatch> {
     let mut log = Vec::new();
     for _ in 0..64 {
-        let mut round = Vec::new();
-        while let Some(out) = h.poll_output(now) {
-            match out {
-                Output::Persist(delta) => h.handle_persisted(delta.seq),
-                Output::List => h.handle_inventory(Ok(Vec::new()), now),
-                Output::Pass(pass) => round.extend(pass.dispatches),
-                Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
-            }
-        }
+        let round = drain_host(h, now);
         if round.is_empty() {
             break;
         }

@@ -66,6 +66,22 @@ pub fn drain(d: &mut Driver, now: Timestamp) -> Vec<Dispatch> {
     out
 }
 
+/// Drains a host's outputs at `now` as a daemon would (writes made
+/// durable at once, an empty inventory) without answering any dispatch;
+/// returns the dispatches, in order.
+pub fn drain_host(h: &mut Host<Driver>, now: Timestamp) -> Vec<Dispatch> {
+    let mut out = Vec::new();
+    while let Some(o) = h.poll_output(now) {
+        match o {
+            Output::Persist(delta) => h.handle_persisted(delta.seq),
+            Output::List => h.handle_inventory(Ok(Vec::new()), now),
+            Output::Pass(pass) => out.extend(pass.dispatches),
+            Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
+        }
+    }
+    out
+}
+
 pub fn result(d: &Dispatch, outcome: OperationOutcome) -> OperationResult {
     OperationResult {
         node: d.key.node,
