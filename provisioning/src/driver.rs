@@ -361,6 +361,9 @@ impl Eval {
                 let ids = &mut self.buckets[b as usize].ids;
                 let pos = u32::try_from(ids.len()).expect("fewer than 2^32 waiting nodes");
                 ids.push(*id);
+                // Most nodes move from one bucket to another: changing the
+                // entry in place costs less than an insert that replaces it
+                // (0.8% of a 10k converge's instructions).
                 match self.wake_of.get_mut(id) {
                     Some(w) => *w = (b, pos),
                     None => {

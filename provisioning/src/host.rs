@@ -1047,9 +1047,18 @@ impl<C: Reconciler> Host<C> {
     /// presumed an attempt gone, before the sweep that checks it), "nothing
     /// else held" is not known.
     pub fn is_converged(&self) -> bool {
+        self.convergence().is_ok()
+    }
+
+    /// [`Host::is_converged`], naming the node that is not when there is one
+    /// (the core's walk starts at the one the last check named).
+    fn convergence(&self) -> Result<(), Option<LogicalNodeId>> {
         // An agent that is away may be gone: its node is not counted on
         // until it is back or replaced.
-        self.settled() && self.agents_away() == 0 && self.core.is_converged()
+        if !(self.settled() && self.agents_away() == 0) {
+            return Err(None);
+        }
+        self.core.unconverged_from(self.converged_hint.as_ref())
     }
 
     /// Agents that disconnected (or were heard of only from an earlier
@@ -2105,19 +2114,18 @@ impl<C: Reconciler> Host<C> {
         Some(c.request.clone())
     }
 
-    /// [`Host::is_converged`], with the core's walk started at the node that
-    /// failed the last check (and that node remembered for the next).
+    /// [`Host::is_converged`], remembering the node that is not for the
+    /// next check.
     fn converged_from_hint(&mut self) -> bool {
-        if !(self.settled() && self.agents_away() == 0) {
-            return false;
-        }
-        match self.core.unconverged_from(self.converged_hint.as_ref()) {
+        match self.convergence() {
             Ok(()) => {
                 self.converged_hint = None;
                 true
             }
             Err(hint) => {
-                self.converged_hint = hint;
+                if hint.is_some() {
+                    self.converged_hint = hint;
+                }
                 false
             }
         }
