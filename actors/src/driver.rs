@@ -28,7 +28,7 @@ use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Timers};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, DesiredUpdate, Dispatch, Driver, Folded,
-    Generation, Host, Listed, LogicalNodeId, NodeAttemptId, NodeMap, OperationOutcome, Output,
+    Generation, Host, Listed, LogicalNodeId, NodeAttemptId, NodeTable, OperationOutcome, Output,
     PauseError, Reply, SessionId, ShutdownReport, Ticket, Timestamp,
 };
 
@@ -51,7 +51,7 @@ pub struct DriverState {
     journal: Option<Arc<dyn JournalStore>>,
     /// The observer of each node's live session (a node has at most one);
     /// dropping one stops it.
-    observers: NodeMap<Following>,
+    observers: NodeTable<Following>,
     /// The number of the next observer.
     next_observer: u64,
     /// The mux that follows every session and reports to this actor.
@@ -125,7 +125,7 @@ impl Actor for DriverActor {
             armed: None,
             workers,
             journal,
-            observers: NodeMap::new(),
+            observers: NodeTable::new(),
             mux: observers(myself.get_derived::<Observations>()),
             next_observer: 0,
             waiting: BTreeMap::new(),

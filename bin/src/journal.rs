@@ -50,7 +50,7 @@ impl DaemonJournal {
             let image = Arc::new(Mutex::new(None));
             return Ok((Self { journal, image }, None));
         };
-        let mut slots = swactor_provisioning::NodeMap::new();
+        let mut slots = swactor_provisioning::NodeTable::new();
         for (node, record) in records {
             let id = LogicalNodeId::parse(&node).with_context(|| {
                 format!(

@@ -29,7 +29,7 @@ use crate::id::{
     Generation, GroupId, LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId,
     ResourceKey, RunId, SessionId,
 };
-use crate::nodemap::NodeMap;
+use crate::nodemap::NodeTable;
 use crate::observe::{
     BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome, OperationResult,
     fold_agent_lost, fold_bootstrap, fold_bootstrap_stall, fold_deadline, fold_result,
@@ -332,7 +332,7 @@ struct Eval {
     /// nodes it dispatches one deadline, so most look-ups end here.
     last_bucket: Option<(Timestamp, u32)>,
     /// The bucket each waiting node is in, and its place in that bucket.
-    wake_of: NodeMap<(u32, u32)>,
+    wake_of: NodeTable<(u32, u32)>,
     /// Ready nodes of an outdated template that row 17 held back: their
     /// decision depends on the rest of their group, so every pass decides
     /// them again (in slot order with the others, as the budget requires).

@@ -72,7 +72,7 @@ use crate::id::{
     Generation, GroupId, LeaseId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId,
     SessionId,
 };
-use crate::nodemap::NodeMap;
+use crate::nodemap::NodeTable;
 use crate::observe::{
     BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass, Folded, OperationOutcome,
     OperationResult,
@@ -384,7 +384,7 @@ pub struct JournalImage {
     /// Scalars.
     pub meta: JournalMeta,
     /// One record per slot that holds an attempt.
-    pub slots: NodeMap<SlotRecord>,
+    pub slots: NodeTable<SlotRecord>,
 }
 
 impl JournalImage {
@@ -400,13 +400,13 @@ impl JournalImage {
     /// never work caused by `next`.
     pub fn diff(&self, next: &DesiredState) -> ShapeDiff {
         let previous = self.meta.shape.as_ref().and_then(|s| s.validate().ok());
-        let mut changes: Vec<(&LogicalNodeId, Change)> = Vec::new();
+        let mut changes: Vec<(LogicalNodeId, Change)> = Vec::new();
         let mut diff = ShapeDiff::default();
-        for (id, record) in &self.slots {
-            match next.slot(id) {
+        for (id, record) in self.slots.iter() {
+            match next.slot(&id) {
                 Some(t) if t.digest() != record.template => changes.push((id, Change::Replace)),
                 Some(_) => diff.unchanged += 1,
-                None if previous.as_ref().is_some_and(|p| p.slot(id).is_some())
+                None if previous.as_ref().is_some_and(|p| p.slot(&id).is_some())
                     && !self.meta.tearing_down =>
                 {
                     changes.push((id, Change::Destroy));
@@ -419,11 +419,11 @@ impl JournalImage {
             .map(|s| s.node)
             .filter(|n| !self.slots.contains_key(n))
             .collect();
-        changes.extend(created.iter().map(|n| (n, Change::Create)));
+        changes.extend(created.into_iter().map(|n| (n, Change::Create)));
         // Slot order, as the daemon lists them.
-        changes.sort_by(|a, b| a.0.cmp(b.0));
+        changes.sort_by_key(|c| c.0);
         for (node, change) in changes {
-            diff.note(node, change);
+            diff.note(&node, change);
         }
         diff
     }
@@ -440,7 +440,7 @@ impl JournalImage {
                 paused: false,
                 retired: Vec::new(),
             },
-            slots: NodeMap::new(),
+            slots: NodeTable::new(),
         }
     }
 
@@ -871,20 +871,26 @@ pub struct Host<C: Reconciler> {
     core: C,
     config: HostConfig,
     meta: JournalMeta,
-    slots: NodeMap<SlotRecord>,
+    slots: NodeTable<SlotRecord>,
     meta_dirty: bool,
-    put: NodeMap<SlotRecord>,
+    /// Slots whose record changed since the last flush, in the order they
+    /// changed (a slot may be here more than once, or have no record any
+    /// more): the flush writes each one's record as it then is. A list, not
+    /// a table by slot, so a flush of a few slots near the end of a large
+    /// group costs what they do, not the group's length.
+    put: Vec<LogicalNodeId>,
     remove: BTreeSet<LogicalNodeId>,
     next_seq: u64,
     awaiting: Option<u64>,
     adoption: Adoption,
-    links: NodeMap<Link>,
+    links: NodeTable<Link>,
     graces: BTreeSet<(Timestamp, LogicalNodeId)>,
     early: BTreeMap<LogicalNodeId, Vec<BootstrapObservation>>,
-    /// The operation each node has out for execution, and its lane. A node
-    /// waits on one operation at a time, so a newer one replaces an older
-    /// one still out, whose result (if it ever comes) the core discards.
-    in_flight: NodeMap<(OperationId, u32)>,
+    /// The operation each node has out for execution (its lane is
+    /// [`Host::lane_of`] its attempt). A node waits on one operation at a
+    /// time, so a newer one replaces an older one still out, whose result
+    /// (if it ever comes) the core discards.
+    in_flight: NodeTable<OperationId>,
     collects: BTreeMap<ResourceKey, Collect>,
     sweep_at: Option<Timestamp>,
     listing: bool,
@@ -900,7 +906,7 @@ pub struct Host<C: Reconciler> {
     converged_hint: Option<LogicalNodeId>,
     stopped: bool,
     digests: Vec<(Arc<NodeTemplate>, u64)>,
-    history: NodeMap<Attempts>,
+    history: NodeTable<Attempts>,
     /// Away agents whose grace ended while their group's breaker was tripped.
     held_lost: BTreeSet<LogicalNodeId>,
     /// What each group holds back, as last announced.
@@ -951,15 +957,15 @@ impl<C: Reconciler> Host<C> {
             meta,
             slots,
             meta_dirty: true,
-            put: NodeMap::new(),
+            put: Vec::new(),
             remove: BTreeSet::new(),
             next_seq: 1,
             awaiting: None,
             adoption: Adoption::Listing,
-            links: NodeMap::new(),
+            links: NodeTable::new(),
             graces: BTreeSet::new(),
             early: BTreeMap::new(),
-            in_flight: NodeMap::new(),
+            in_flight: NodeTable::new(),
             collects: BTreeMap::new(),
             sweep_at: Some(Timestamp::from_millis(0)),
             listing: false,
@@ -973,7 +979,7 @@ impl<C: Reconciler> Host<C> {
             converged_hint: None,
             stopped: false,
             digests: Vec::new(),
-            history: NodeMap::new(),
+            history: NodeTable::new(),
             held_lost: BTreeSet::new(),
             holds: BTreeMap::new(),
             tripped_none: true,
@@ -1003,7 +1009,7 @@ impl<C: Reconciler> Host<C> {
     }
 
     /// The slot records as of the last persist handed out (or about to be).
-    pub fn slot_records(&self) -> &NodeMap<SlotRecord> {
+    pub fn slot_records(&self) -> &NodeTable<SlotRecord> {
         &self.slots
     }
 
@@ -1493,7 +1499,7 @@ impl<C: Reconciler> Host<C> {
 
     /// `node`'s operation `op` is back (its result, or a refused submit).
     fn back_from_flight(&mut self, node: &LogicalNodeId, op: OperationId) {
-        if self.in_flight.get(node).is_some_and(|(out, _)| *out == op) {
+        if self.in_flight.get(node) == Some(&op) {
             self.in_flight.remove(node);
         }
     }
@@ -1629,8 +1635,8 @@ impl<C: Reconciler> Host<C> {
         let lost: Vec<(OperationId, LogicalNodeId)> = self
             .in_flight
             .iter()
-            .filter(|(_, (_, l))| *l == lane)
-            .map(|(node, (op, _))| (*op, *node))
+            .filter(|(_, op)| self.lane_of(op.attempt) == lane)
+            .map(|(node, op)| (*op, node))
             .collect();
         if !lost.is_empty() {
             self.warn(format!(
@@ -1682,9 +1688,9 @@ impl<C: Reconciler> Host<C> {
     pub fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
         self.expire_graces(now);
         let pending = &self.core.state().nodes;
-        self.in_flight.retain(|node, (op, _)| {
+        self.in_flight.retain(|node, op| {
             pending
-                .get(node)
+                .get(&node)
                 .and_then(|n| n.pending.as_ref())
                 .is_some_and(|p| p.id == *op)
         });
@@ -1692,7 +1698,7 @@ impl<C: Reconciler> Host<C> {
             let expired = self.core.handle_timeout(now)?;
             if expired > 0 {
                 // An expiry may have failed attempts; which ones is not said.
-                let nodes: Vec<LogicalNodeId> = self.slots.keys().cloned().collect();
+                let nodes: Vec<LogicalNodeId> = self.slots.keys().collect();
                 for node in &nodes {
                     self.record_failures(node);
                 }
@@ -1848,7 +1854,7 @@ impl<C: Reconciler> Host<C> {
                     .as_ref()
                     .and_then(|r| r.ended_at.get())
                     .unwrap_or(Timestamp(0));
-                (ended, *id)
+                (ended, id)
             })
             .collect();
         gone.sort();
@@ -1888,12 +1894,25 @@ impl<C: Reconciler> Host<C> {
         let delta = JournalDelta {
             seq,
             meta: self.meta_dirty.then(|| self.meta.clone()),
-            put: std::mem::take(&mut self.put).into_iter().collect(),
+            put: self.changed_records(),
             remove: std::mem::take(&mut self.remove).into_iter().collect(),
         };
         self.meta_dirty = false;
         self.outputs.push_back(Output::Persist(delta));
         true
+    }
+
+    /// The records of the slots changed since the last flush, once each, in
+    /// slot order; a slot changed and then removed has none (its removal is
+    /// written instead).
+    fn changed_records(&mut self) -> Vec<(LogicalNodeId, SlotRecord)> {
+        let mut changed = std::mem::take(&mut self.put);
+        changed.sort_unstable();
+        changed.dedup();
+        changed
+            .into_iter()
+            .filter_map(|node| Some((node, *self.slots.get(&node)?)))
+            .collect()
     }
 
     /// A lease of `node`'s `attempt` was seen created: a later host must never make it again.
@@ -1903,8 +1922,7 @@ impl<C: Reconciler> Host<C> {
         };
         if r.attempt == attempt && !r.created {
             r.created = true;
-            let r = *r;
-            self.put.insert(*node, r);
+            self.put.push(*node);
         }
     }
 
@@ -1971,11 +1989,10 @@ impl<C: Reconciler> Host<C> {
                 };
                 self.slots.insert(*node, record);
                 self.remove.remove(node);
-                self.put.insert(*node, record);
+                self.put.push(*node);
             }
             None => {
                 if self.slots.remove(node).is_some() {
-                    self.put.remove(node);
                     self.remove.insert(*node);
                 }
             }
@@ -2025,8 +2042,7 @@ impl<C: Reconciler> Host<C> {
             && r.failures != failures
         {
             r.failures = failures;
-            let record = *r;
-            self.put.insert(*node, record);
+            self.put.push(*node);
         }
     }
 
@@ -2063,8 +2079,7 @@ impl<C: Reconciler> Host<C> {
             self.warn(e.to_string());
         }
         for d in &pass.dispatches {
-            let lane = self.lane_of(d.op.attempt);
-            self.in_flight.insert(d.key.node, (d.op, lane));
+            self.in_flight.insert(d.key.node, d.op);
             if self.config.node_events {
                 self.events.push_back(HostEvent::Dispatched {
                     node: d.key.node,
@@ -2459,33 +2474,31 @@ impl<C: Reconciler> Host<C> {
         let mut keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
         let mut presumed_gone = Vec::new();
         // The digest of each slot's desired template, where it has one.
-        let desired: Vec<(LogicalNodeId, u64)> = self
+        let desired: NodeTable<u64> = self
             .slots
             .keys()
-            .filter_map(|node| Some((*node, self.core.desired().slot(node)?.clone())))
+            .filter_map(|node| Some((node, self.core.desired().slot(&node)?.clone())))
             .collect::<Vec<_>>()
             .into_iter()
             .map(|(node, t)| (node, self.digest(&t)))
             .collect();
-        for (node, r) in &self.slots {
+        for (node, r) in self.slots.iter() {
             let key = ResourceKey {
                 run_id: run.clone(),
-                node: *node,
+                node,
                 attempt: r.attempt,
             };
             if held.contains_key(&key) {
                 continue;
             }
-            let wanted = desired
-                .iter()
-                .any(|(n, digest)| n == node && *digest == r.template);
+            let wanted = desired.get(&node) == Some(&r.template);
             if r.created {
                 // It existed and is not listed: gone (or not visible yet).
                 // Making it again would make a second machine of one
                 // identity; a sweep finds it if it is only invisible.
                 if wanted {
                     // Its slot's next attempt carries on from its failures.
-                    self.core.carry_failures(*node, r.failures);
+                    self.core.carry_failures(node, r.failures);
                 }
                 presumed_gone.push(key);
             } else if wanted {
@@ -2503,7 +2516,6 @@ impl<C: Reconciler> Host<C> {
         }
         for key in &presumed_gone {
             self.slots.remove(&key.node);
-            self.put.remove(&key.node);
             self.remove.insert(key.node);
         }
         if !presumed_gone.is_empty() {

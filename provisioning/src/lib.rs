@@ -62,7 +62,7 @@ pub use id::{
     GROUP_NAMES_MAX, Generation, GroupId, ID_LEN_MAX, IdError, IdString, LeaseId, LogicalNodeId,
     NodeAttemptId, NodeEndpoint, OperationId, ResourceKey, RunId, SessionId, validate_id,
 };
-pub use nodemap::{DENSE_INDEX_MAX, GroupEntries, NodeMap};
+pub use nodemap::{DENSE_INDEX_MAX, GroupEntries, NodeMap, NodeTable};
 pub use observe::{
     BOOT_CHECK_REPORT_MARGIN_MS, BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass,
     Folded, OperationOutcome, OperationResult, stall_during_boot_check_ms,
