@@ -19,7 +19,7 @@ use crate::stream;
 use futures_util::{Stream, StreamExt};
 use std::future::poll_fn;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Poll, Waker};
 use tokio::task::AbortHandle;
 
 /// The handle of a forwarding task; dropping it stops the task.
@@ -126,8 +126,8 @@ struct MuxState<K, T> {
 
 struct Slot<K, T> {
     key: K,
+    /// Linked to the mux's ready queue as the slot's index and generation.
     rx: stream::Receiver<T>,
-    waker: Waker,
     generation: u32,
     /// In `ready` already.
     queued: bool,
@@ -156,25 +156,17 @@ impl<K, T> MuxState<K, T> {
     }
 }
 
-/// The waker a mux gives one stream: it queues that stream's slot.
+/// How a followed stream tells the mux it has something: its receiver is
+/// linked to the mux's state (no waker, and no allocation, per stream), and
+/// queues its slot.
 ///
-/// It holds the mux's state strongly, so a wake-up (one per item a stream
-/// is sent) takes the lock and nothing else. The cycle this makes (state,
-/// slot, waker, state) is broken when the [`Mux`] is dropped: it empties
-/// the slot table, and a stream's receiver forgets its waker when dropped.
-struct SlotWake<K, T> {
-    shared: Arc<MuxShared<K, T>>,
-    index: u32,
-    generation: u32,
-}
-
-impl<K: Send + 'static, T: Send + 'static> Wake for SlotWake<K, T> {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        let task = self.shared.lock().mark_ready(self.index, self.generation);
+/// Each link holds the mux's state strongly, so a wake-up (one per item a
+/// stream is sent) takes the lock and nothing else. The cycle this makes
+/// (state, slot, receiver, state) is broken when the [`Mux`] is dropped: it
+/// empties the slot table, and a receiver forgets its link when dropped.
+impl<K: Send, T: Send> stream::ReadyQueue for MuxShared<K, T> {
+    fn ready(&self, index: u32, generation: u32) {
+        let task = self.lock().mark_ready(index, generation);
         if let Some(task) = task {
             task.wake();
         }
@@ -296,15 +288,10 @@ impl<K: Clone + Send + 'static, T: Send + 'static> Mux<K, T> {
                 u32::try_from(st.slots.len() - 1).expect("fewer than 2^32 streams")
             }
         };
-        let waker = Waker::from(Arc::new(SlotWake {
-            shared: self.shared.clone(),
-            index,
-            generation,
-        }));
+        rx.link(self.shared.clone(), index, generation);
         st.slots[index as usize] = Some(Slot {
             key,
             rx,
-            waker,
             generation,
             queued: false,
         });
@@ -348,12 +335,8 @@ fn drain<K: Clone, T>(
             continue;
         };
         slot.queued = false;
-        // The slot's own waker, borrowed rather than cloned: a clone and its
-        // drop would touch the waker's count (a cache miss per stream on a
-        // large mux) for nothing.
-        let Slot { key, rx, waker, .. } = slot;
-        let cx = Context::from_waker(waker);
-        let drained = rx.drain_into(&cx, MUX_DRAIN_MAX, |item| {
+        let Slot { key, rx, .. } = slot;
+        let drained = rx.drain_armed(MUX_DRAIN_MAX, |item| {
             let ends = last(&item);
             batch.push((key.clone(), Some(item)));
             !ends

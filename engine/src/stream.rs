@@ -28,8 +28,8 @@ struct State<T> {
     capacity: u32,
     senders: u32,
     receiver_gone: bool,
-    /// The receiver waiting for an item or the end.
-    rx_waker: Option<Waker>,
+    /// Who is told when the receiver waits for an item or the end.
+    rx_waker: RxWake,
     /// Senders waiting for room, or for the receiver to go. Boxed: few
     /// channels ever have one, and an empty `Vec` inline is 24 bytes a
     /// channel where `None` is 8.
@@ -39,6 +39,64 @@ struct State<T> {
 
 struct Shared<T> {
     state: Mutex<State<T>>,
+}
+
+/// A follower of many streams (the engine's mux), told which of them has
+/// something: where a waker per stream would be an allocation per stream,
+/// each stream keeps a handle on the follower's one queue and its own
+/// number in it.
+pub(crate) trait ReadyQueue: Send + Sync {
+    /// Stream `index` (of `generation`) has an item, or has ended.
+    fn ready(&self, index: u32, generation: u32);
+}
+
+/// Who to tell when the waiting receiver has something.
+enum RxWake {
+    None,
+    /// A task polled the receiver and waits.
+    Task(Waker),
+    /// The receiver is followed through a [`ReadyQueue`]: told once each
+    /// time its follower found it empty (`armed`), and kept across wake-ups.
+    Queue {
+        queue: Arc<dyn ReadyQueue>,
+        index: u32,
+        generation: u32,
+        armed: bool,
+    },
+}
+
+/// A wake-up taken out of a channel's state, to give once its lock is released.
+enum Wake {
+    Task(Waker),
+    Queue(Arc<dyn ReadyQueue>, u32, u32),
+}
+
+impl Wake {
+    fn wake(self) {
+        match self {
+            Self::Task(w) => w.wake(),
+            Self::Queue(queue, index, generation) => queue.ready(index, generation),
+        }
+    }
+}
+
+impl RxWake {
+    /// The wake-up an item or the end gives the waiting receiver, if it waits.
+    fn take(&mut self) -> Option<Wake> {
+        match self {
+            Self::None => None,
+            Self::Task(_) => match std::mem::replace(self, Self::None) {
+                Self::Task(w) => Some(Wake::Task(w)),
+                _ => None,
+            },
+            Self::Queue {
+                queue,
+                index,
+                generation,
+                armed,
+            } => std::mem::take(armed).then(|| Wake::Queue(queue.clone(), *index, *generation)),
+        }
+    }
 }
 
 impl<T> Shared<T> {
@@ -102,7 +160,7 @@ pub fn channel<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
             capacity: u32::try_from(capacity.max(1)).unwrap_or(u32::MAX),
             senders: 1,
             receiver_gone: false,
-            rx_waker: None,
+            rx_waker: RxWake::None,
             tx_wakers: None,
         }),
     });
@@ -218,9 +276,9 @@ impl<T> Sender<T> {
             return Err(TrySendError::Full(item));
         }
         st.queue.push_back(item);
-        let waker = st.rx_waker.take();
+        let wake = st.rx_waker.take();
         drop(st);
-        if let Some(w) = waker {
+        if let Some(w) = wake {
             w.wake();
         }
         Ok(())
@@ -247,9 +305,9 @@ impl<T> Sender<T> {
                 return Poll::Pending;
             }
             st.queue.push_back(it);
-            let waker = st.rx_waker.take();
+            let wake = st.rx_waker.take();
             drop(st);
-            if let Some(w) = waker {
+            if let Some(w) = wake {
                 w.wake();
             }
             Poll::Ready(Ok(()))
@@ -276,11 +334,19 @@ impl<T> Sender<T> {
     }
 }
 
-/// Makes `cx`'s waker the receiver's, unless an equivalent one is already.
+/// Makes `cx`'s waker the receiver's, unless an equivalent one is already
+/// (a task that polls a followed receiver takes it over from its follower).
 fn register_rx<T>(st: &mut State<T>, cx: &Context<'_>) {
     match &st.rx_waker {
-        Some(w) if w.will_wake(cx.waker()) => {}
-        _ => st.rx_waker = Some(cx.waker().clone()),
+        RxWake::Task(w) if w.will_wake(cx.waker()) => {}
+        _ => st.rx_waker = RxWake::Task(cx.waker().clone()),
+    }
+}
+
+/// Arms the receiver's queue, or registers nothing if it has none.
+fn arm_queue<T>(st: &mut State<T>) {
+    if let RxWake::Queue { armed, .. } = &mut st.rx_waker {
+        *armed = true;
     }
 }
 
@@ -307,13 +373,13 @@ impl<T> Drop for Sender<T> {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
         st.senders -= 1;
-        let waker = if st.senders == 0 {
+        let wake = if st.senders == 0 {
             st.rx_waker.take()
         } else {
             None
         };
         drop(st);
-        if let Some(w) = waker {
+        if let Some(w) = wake {
             w.wake();
         }
     }
@@ -379,7 +445,35 @@ impl<T> Receiver<T> {
         &mut self,
         cx: &Context<'_>,
         max: usize,
+        take: impl FnMut(T) -> bool,
+    ) -> Drained {
+        self.drain_with(max, take, |st| register_rx(st, cx))
+    }
+
+    /// Has `queue` told (as stream `index` of `generation`) when this
+    /// receiver, found empty by [`Receiver::drain_armed`], has something
+    /// again; it replaces any waker. Nothing is told until the first such
+    /// drain.
+    pub(crate) fn link(&self, queue: Arc<dyn ReadyQueue>, index: u32, generation: u32) {
+        self.shared.lock().rx_waker = RxWake::Queue {
+            queue,
+            index,
+            generation,
+            armed: false,
+        };
+    }
+
+    /// [`Receiver::drain_into`] for a [`Receiver::link`]ed receiver: finding
+    /// the queue empty arms the link instead of registering a waker.
+    pub(crate) fn drain_armed(&mut self, max: usize, take: impl FnMut(T) -> bool) -> Drained {
+        self.drain_with(max, take, arm_queue)
+    }
+
+    fn drain_with(
+        &mut self,
+        max: usize,
         mut take: impl FnMut(T) -> bool,
+        wait: impl FnOnce(&mut State<T>),
     ) -> Drained {
         let mut st = self.shared.lock();
         let mut taken = 0;
@@ -396,7 +490,7 @@ impl<T> Receiver<T> {
                 }
                 None if st.senders == 0 => break Drained::Closed,
                 None => {
-                    register_rx(&mut st, cx);
+                    wait(&mut st);
                     break Drained::Pending;
                 }
             }
@@ -435,7 +529,7 @@ impl<T> Drop for Receiver<T> {
         let wakers = st.tx_wakers.take().map_or_else(Vec::new, |w| *w);
         // Nothing will wait on this channel again; a waker kept here could
         // keep its owner alive for as long as a sender lives.
-        let rx_waker = st.rx_waker.take();
+        let rx_waker = std::mem::replace(&mut st.rx_waker, RxWake::None);
         drop(st);
         drop(queued);
         drop(rx_waker);
@@ -596,8 +690,11 @@ mod tests {
     fn an_empty_channel_is_small() {
         // The point of this channel: far less than tokio's ~1.5 KiB, with
         // room for one waiting item inline and no buffer when idle.
-        // 96 bytes, 112 with the `Arc`'s counts.
+        // 112 bytes, 128 with the `Arc`'s counts: the link to a follower
+        // is 32 of them, where a follower's waker would be its own
+        // allocation (48 bytes with the allocator's) and 16 more here.
         let size = std::mem::size_of::<Shared<[u8; 32]>>();
-        assert!(size <= 96, "{size}");
+        assert!(size <= 112, "{size}");
+        assert_eq!(std::mem::size_of::<RxWake>(), 32);
     }
 }
