@@ -53,7 +53,7 @@ use swactor_provisioning::{
 /// pass goes out in several, and the worker reports each one's results and
 /// lets the driver run before it takes the next: a 100k pass is never held
 /// twice (as the driver's batches and the worker's results) at once.
-pub(crate) const BATCH_MAX: usize = 4096;
+pub(crate) const BATCH_MAX: usize = 1024;
 
 /// A message to an executor worker.
 pub enum WorkerMsg {
