@@ -358,28 +358,14 @@ impl DriverState {
                 Output::Pass(pass) => {
                     // A pass's operations for a worker go in the pass's
                     // order, in messages of at most `BATCH_MAX`.
-                    // Counted first, so each lane's batch is made at its size
-                    // (a large pass's batches would otherwise be copied as
-                    // they double).
-                    let mut sizes: Vec<usize> = Vec::new();
-                    for d in &pass.dispatches {
-                        let lane = self.host.lane_of(d.op.attempt) as usize;
-                        if sizes.len() <= lane {
-                            sizes.resize(lane + 1, 0);
-                        }
-                        sizes[lane] += 1;
-                    }
-                    let mut lanes: Vec<Vec<Dispatch>> =
-                        sizes.into_iter().map(Vec::with_capacity).collect();
-                    for d in pass.dispatches {
-                        let lane = self.host.lane_of(d.op.attempt) as usize;
-                        lanes[lane].push(d);
-                    }
-                    let batches = lanes.into_iter().enumerate().flat_map(|(lane, all)| {
-                        cut_from_end(all, BATCH_MAX)
-                            .into_iter()
-                            .map(move |b| (lane, b))
-                    });
+                    let host = &self.host;
+                    let mut batches = Vec::new();
+                    into_batches(
+                        pass.dispatches,
+                        |d| host.lane_of(d.op.attempt) as usize,
+                        BATCH_MAX,
+                        |lane, batch| batches.push((lane, batch)),
+                    );
                     for (lane, batch) in batches {
                         if let Err(batch) = self.send_batch(lane, batch) {
                             let reason = "no executor could take it";
@@ -632,34 +618,71 @@ fn describe(outcome: &OperationOutcome) -> String {
     }
 }
 
-/// Cuts `all` into pieces of at most `max` items, in order, shrinking what
-/// is left after each cut (so the pieces and the rest are never two copies).
-fn cut_from_end<T>(mut all: Vec<T>, max: usize) -> Vec<Vec<T>> {
-    let mut pieces = Vec::with_capacity(all.len().div_ceil(max));
-    while all.len() > max {
-        let at = (all.len() - 1) / max * max;
-        pieces.push(all.split_off(at));
-        all.shrink_to_fit();
+/// Hands `items` to `batch` in batches of at most `max`, each of one lane
+/// (`lane_of`) and in the order the items came, each made at its final
+/// size (how many each lane has is counted first) and each item moved once.
+fn into_batches<T>(
+    items: Vec<T>,
+    lane_of: impl Fn(&T) -> usize,
+    max: usize,
+    mut batch: impl FnMut(usize, Vec<T>),
+) {
+    let max = max.max(1);
+    let mut left: Vec<usize> = Vec::new();
+    for item in &items {
+        let lane = lane_of(item);
+        if left.len() <= lane {
+            left.resize(lane + 1, 0);
+        }
+        left[lane] += 1;
     }
-    if !all.is_empty() {
-        pieces.push(all);
+    // Each lane's batch being filled, and the size it is made for.
+    let mut open: Vec<(Vec<T>, usize)> = left.iter().map(|_| (Vec::new(), 0)).collect();
+    for item in items {
+        let lane = lane_of(&item);
+        let (b, size) = &mut open[lane];
+        if b.is_empty() {
+            *size = left[lane].min(max);
+            *b = Vec::with_capacity(*size);
+        }
+        b.push(item);
+        left[lane] -= 1;
+        if b.len() == *size {
+            batch(lane, std::mem::take(b));
+        }
     }
-    pieces.reverse();
-    pieces
 }
 
 #[cfg(test)]
 mod tests {
-    use super::cut_from_end;
+    use super::into_batches;
 
     #[test]
-    fn pieces_are_in_order_and_no_larger_than_asked() {
-        for n in [0, 1, 1023, 1024, 1025, 5000] {
-            let pieces = cut_from_end((0..n).collect::<Vec<u32>>(), 1024);
-            assert_eq!(pieces.len(), n.div_ceil(1024) as usize, "{n} items");
-            assert!(pieces.iter().all(|p| !p.is_empty() && p.len() <= 1024));
-            let joined: Vec<u32> = pieces.concat();
-            assert_eq!(joined, (0..n).collect::<Vec<u32>>());
+    fn batches_keep_each_lanes_order_and_are_no_larger_than_asked() {
+        for n in [0u32, 1, 1023, 1024, 1025, 5000] {
+            for lanes in [1u32, 3, 8] {
+                let mut got: Vec<(usize, Vec<u32>)> = Vec::new();
+                let lane_of = |i: &u32| ((i * 7 + i / 5) % lanes) as usize;
+                into_batches((0..n).collect(), lane_of, 1024, |lane, b| {
+                    got.push((lane, b));
+                });
+                assert!(got.iter().all(|(_, b)| !b.is_empty() && b.len() <= 1024));
+                assert!(
+                    got.iter().all(|(_, b)| b.capacity() == b.len()),
+                    "made at size"
+                );
+                for lane in 0..lanes as usize {
+                    let joined: Vec<u32> = got
+                        .iter()
+                        .filter(|(l, _)| *l == lane)
+                        .flat_map(|(_, b)| b.iter().copied())
+                        .collect();
+                    let want: Vec<u32> = (0..n).filter(|i| lane_of(i) == lane).collect();
+                    assert_eq!(joined, want, "{n} items, lane {lane} of {lanes}");
+                    let count = want.len().div_ceil(1024);
+                    assert_eq!(got.iter().filter(|(l, _)| *l == lane).count(), count);
+                }
+            }
         }
     }
 }
