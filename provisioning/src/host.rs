@@ -1907,7 +1907,10 @@ impl<C: Reconciler> Host<C> {
     /// written instead).
     fn changed_records(&mut self) -> Vec<(LogicalNodeId, SlotRecord)> {
         let mut changed = std::mem::take(&mut self.put);
-        changed.sort_unstable();
+        // Stable: the list comes in a few sorted runs (a pass's slots, then
+        // each result batch's), which a merge sort takes as they are; an
+        // unstable sort cost 30 M more instructions at 100k.
+        changed.sort();
         changed.dedup();
         changed
             .into_iter()
