@@ -295,7 +295,7 @@ impl<K: Clone + Send + 'static, T: Send + 'static> Mux<K, T> {
             generation,
             queued: false,
         });
-        // A first drain registers the slot's waker and takes what is queued.
+        // A first drain arms the stream's link and takes what is queued.
         let task = st.mark_ready(index, generation);
         drop(st);
         if let Some(task) = task {
@@ -373,7 +373,7 @@ fn drain<K: Clone, T>(
 impl<K, T> Drop for Mux<K, T> {
     fn drop(&mut self) {
         self.task.abort();
-        // Every slot's waker holds the state: emptying the table lets it go
+        // Every followed receiver's link holds the state: emptying the table lets it go
         // (the slots are dropped outside the lock, since dropping a
         // receiver may wake its senders).
         let mut st = self.shared.lock();
@@ -598,7 +598,7 @@ mod tests {
             tx.try_send(key).unwrap();
             senders.push(tx);
         }
-        // Drained once: every stream now holds its slot's waker.
+        // Drained once: every stream's link to the state is armed.
         settle().await;
         let state = Arc::downgrade(&mux.shared);
         drop(mux);
@@ -606,7 +606,7 @@ mod tests {
         settle().await;
         assert!(
             state.upgrade().is_none(),
-            "the wakers' hold on the state went with the mux"
+            "the links' hold on the state went with the mux"
         );
         for tx in &senders {
             assert!(tx.try_send(1).is_err(), "the streams' receivers are gone");
