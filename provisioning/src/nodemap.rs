@@ -279,35 +279,12 @@ pub struct NodeMap<V> {
     inner: Groups<Entry<V>>,
 }
 
-/// Equal when they hold the same entries (room reserved is not compared).
-impl<V: PartialEq> PartialEq for NodeMap<V> {
-    fn eq(&self, other: &Self) -> bool {
-        self.len() == other.len() && self.iter().eq(other.iter())
-    }
-}
-
-impl<V> Default for NodeMap<V> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl<V> NodeMap<V> {
     /// An empty map.
     pub const fn new() -> Self {
         Self {
             inner: Groups::new(),
         }
-    }
-
-    /// How many slots hold an entry.
-    pub fn len(&self) -> usize {
-        self.inner.len
-    }
-
-    /// True when no slot holds an entry.
-    pub fn is_empty(&self) -> bool {
-        self.inner.len == 0
     }
 
     /// The entry of `key`.
@@ -322,25 +299,11 @@ impl<V> NodeMap<V> {
         self.inner.get_mut(key).map(|Entry(_, v)| v)
     }
 
-    /// True when `key` holds an entry.
-    #[inline]
-    pub fn contains_key(&self, key: &LogicalNodeId) -> bool {
-        self.get(key).is_some()
-    }
-
     /// Puts `value` at `key`; returns what was there.
     pub fn insert(&mut self, key: LogicalNodeId, value: V) -> Option<V> {
         self.inner
             .insert(&key, Entry(key, value))
             .map(|Entry(_, v)| v)
-    }
-
-    /// The entry of `key`, made by `f` first if there is none.
-    pub fn get_or_insert_with(&mut self, key: &LogicalNodeId, f: impl FnOnce() -> V) -> &mut V {
-        if !self.contains_key(key) {
-            self.insert(*key, f());
-        }
-        self.get_mut(key).expect("just inserted")
     }
 
     /// Makes room for `group`'s slots `0..slots` (dense ones only), so
@@ -504,60 +467,104 @@ impl<V> IntoIterator for NodeMap<V> {
     }
 }
 
-impl<V> FromIterator<(LogicalNodeId, V)> for NodeMap<V> {
-    fn from_iter<I: IntoIterator<Item = (LogicalNodeId, V)>>(iter: I) -> Self {
-        let mut map = Self::new();
-        map.extend(iter);
-        map
-    }
-}
+/// What [`NodeMap`] and [`NodeTable`] share besides their storage: they
+/// answer alike, built on each one's `new`, `get`, `get_mut`, `insert` and
+/// `iter`.
+macro_rules! map_by_slot {
+    ($map:ident) => {
+        impl<V> $map<V> {
+            /// How many slots hold an entry.
+            pub fn len(&self) -> usize {
+                self.inner.len
+            }
 
-impl<V> Extend<(LogicalNodeId, V)> for NodeMap<V> {
-    fn extend<I: IntoIterator<Item = (LogicalNodeId, V)>>(&mut self, iter: I) {
-        for (k, v) in iter {
-            self.insert(k, v);
+            /// True when no slot holds an entry.
+            pub fn is_empty(&self) -> bool {
+                self.inner.len == 0
+            }
+
+            /// True when `key` holds an entry.
+            #[inline]
+            pub fn contains_key(&self, key: &LogicalNodeId) -> bool {
+                self.get(key).is_some()
+            }
+
+            /// The entry of `key`, made by `f` first if there is none.
+            pub fn get_or_insert_with(
+                &mut self,
+                key: &LogicalNodeId,
+                f: impl FnOnce() -> V,
+            ) -> &mut V {
+                if !self.contains_key(key) {
+                    self.insert(*key, f());
+                }
+                self.get_mut(key).expect("just inserted")
+            }
         }
-    }
+
+        /// Equal when they hold the same entries (room reserved is not compared).
+        impl<V: PartialEq> PartialEq for $map<V> {
+            fn eq(&self, other: &Self) -> bool {
+                self.len() == other.len() && self.iter().eq(other.iter())
+            }
+        }
+
+        impl<V> Default for $map<V> {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl<V> FromIterator<(LogicalNodeId, V)> for $map<V> {
+            fn from_iter<I: IntoIterator<Item = (LogicalNodeId, V)>>(iter: I) -> Self {
+                let mut map = Self::new();
+                map.extend(iter);
+                map
+            }
+        }
+
+        impl<V> Extend<(LogicalNodeId, V)> for $map<V> {
+            fn extend<I: IntoIterator<Item = (LogicalNodeId, V)>>(&mut self, iter: I) {
+                for (k, v) in iter {
+                    self.insert(k, v);
+                }
+            }
+        }
+
+        impl<V> std::ops::Index<&LogicalNodeId> for $map<V> {
+            type Output = V;
+
+            fn index(&self, key: &LogicalNodeId) -> &V {
+                self.get(key).expect("no entry for this slot")
+            }
+        }
+
+        impl<V: fmt::Debug> fmt::Debug for $map<V> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_map().entries(self.iter()).finish()
+            }
+        }
+
+        impl<V: Serialize> Serialize for $map<V> {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut map = s.serialize_map(Some(self.len()))?;
+                for (k, v) in self.iter() {
+                    map.serialize_entry(&k, v)?;
+                }
+                map.end()
+            }
+        }
+
+        impl<'de, V: Deserialize<'de>> Deserialize<'de> for $map<V> {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                d.deserialize_map(MapVisitor::<(Self, V)>(PhantomData))
+            }
+        }
+    };
 }
 
-impl<V> std::ops::Index<&LogicalNodeId> for NodeMap<V> {
-    type Output = V;
-
-    fn index(&self, key: &LogicalNodeId) -> &V {
-        self.get(key).expect("no entry for this slot")
-    }
-}
-
-impl<V: fmt::Debug> fmt::Debug for NodeMap<V> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_map().entries(self.iter()).finish()
-    }
-}
-
-impl<V: Serialize> Serialize for NodeMap<V> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        serialize_map(s, self.len(), self.iter())
-    }
-}
-
-impl<'de, V: Deserialize<'de>> Deserialize<'de> for NodeMap<V> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_map(MapVisitor::<(Self, V)>(PhantomData))
-    }
-}
-
-/// Writes `len` entries as one map.
-fn serialize_map<S: Serializer, K: Serialize, V: Serialize>(
-    s: S,
-    len: usize,
-    entries: impl Iterator<Item = (K, V)>,
-) -> Result<S::Ok, S::Error> {
-    let mut map = s.serialize_map(Some(len))?;
-    for (k, v) in entries {
-        map.serialize_entry(&k, &v)?;
-    }
-    map.end()
-}
+map_by_slot!(NodeMap);
+map_by_slot!(NodeTable);
 
 /// Reads a map from node id to value into any map by slot `M`.
 struct MapVisitor<M>(PhantomData<M>);
@@ -588,35 +595,12 @@ pub struct NodeTable<V> {
     inner: Groups<V>,
 }
 
-/// Equal when they hold the same entries (room reserved is not compared).
-impl<V: PartialEq> PartialEq for NodeTable<V> {
-    fn eq(&self, other: &Self) -> bool {
-        self.len() == other.len() && self.iter().eq(other.iter())
-    }
-}
-
-impl<V> Default for NodeTable<V> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl<V> NodeTable<V> {
     /// An empty table.
     pub const fn new() -> Self {
         Self {
             inner: Groups::new(),
         }
-    }
-
-    /// How many slots hold an entry.
-    pub fn len(&self) -> usize {
-        self.inner.len
-    }
-
-    /// True when no slot holds an entry.
-    pub fn is_empty(&self) -> bool {
-        self.inner.len == 0
     }
 
     /// The entry of `key`.
@@ -631,23 +615,9 @@ impl<V> NodeTable<V> {
         self.inner.get_mut(key)
     }
 
-    /// True when `key` holds an entry.
-    #[inline]
-    pub fn contains_key(&self, key: &LogicalNodeId) -> bool {
-        self.get(key).is_some()
-    }
-
     /// Puts `value` at `key`; returns what was there.
     pub fn insert(&mut self, key: LogicalNodeId, value: V) -> Option<V> {
         self.inner.insert(&key, value)
-    }
-
-    /// The entry of `key`, made by `f` first if there is none.
-    pub fn get_or_insert_with(&mut self, key: &LogicalNodeId, f: impl FnOnce() -> V) -> &mut V {
-        if !self.contains_key(key) {
-            self.insert(*key, f());
-        }
-        self.get_mut(key).expect("just inserted")
     }
 
     /// Makes room for `group`'s slots `0..slots` (dense ones only).
@@ -709,48 +679,6 @@ impl<V> IntoIterator for NodeTable<V> {
             );
         }
         out.into_iter()
-    }
-}
-
-impl<V> FromIterator<(LogicalNodeId, V)> for NodeTable<V> {
-    fn from_iter<I: IntoIterator<Item = (LogicalNodeId, V)>>(iter: I) -> Self {
-        let mut map = Self::new();
-        map.extend(iter);
-        map
-    }
-}
-
-impl<V> Extend<(LogicalNodeId, V)> for NodeTable<V> {
-    fn extend<I: IntoIterator<Item = (LogicalNodeId, V)>>(&mut self, iter: I) {
-        for (k, v) in iter {
-            self.insert(k, v);
-        }
-    }
-}
-
-impl<V> std::ops::Index<&LogicalNodeId> for NodeTable<V> {
-    type Output = V;
-
-    fn index(&self, key: &LogicalNodeId) -> &V {
-        self.get(key).expect("no entry for this slot")
-    }
-}
-
-impl<V: fmt::Debug> fmt::Debug for NodeTable<V> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_map().entries(self.iter()).finish()
-    }
-}
-
-impl<V: Serialize> Serialize for NodeTable<V> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        serialize_map(s, self.len(), self.iter())
-    }
-}
-
-impl<'de, V: Deserialize<'de>> Deserialize<'de> for NodeTable<V> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_map(MapVisitor::<(Self, V)>(PhantomData))
     }
 }
 
