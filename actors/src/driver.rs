@@ -185,6 +185,7 @@ impl Actor for DriverActor {
                     stats: core.stats(),
                     shape: st.host.journal_meta().shape.clone(),
                     messages: st.messages,
+                    deaf: st.host.last_deaf_gap(),
                 });
             }
             DriverMsg::Executor(report) => st.reported(report, now)?,

@@ -252,6 +252,17 @@ pub enum ClusterEvent {
         /// End of its grace.
         grace_until: Timestamp,
     },
+    /// The daemon heard nothing at all from `from` to `to` (it was
+    /// stopped, asleep or starved): no agent is blamed for that silence,
+    /// and the `agents` joined or away each get their grace again from `to`.
+    Deaf {
+        /// The last input before the gap.
+        from: Timestamp,
+        /// When the daemon was back.
+        to: Timestamp,
+        /// Agents given their grace again.
+        agents: usize,
+    },
     /// A teardown began.
     TeardownStarted {
         /// The empty generation it converges on.

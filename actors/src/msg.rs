@@ -185,6 +185,8 @@ pub struct DriverView {
     /// Messages the driver actor has handled: every one its mailbox took
     /// (a batch of results or observations counts once), its own included.
     pub messages: u64,
+    /// The host's latest deaf gap: time it heard nothing at all.
+    pub deaf: Option<swactor_provisioning::DeafGap>,
 }
 
 /// A local subscription: the state now, then every event after it.

@@ -129,6 +129,18 @@ impl Telemetry {
                 HostEvent::AgentDisconnected { key, grace_until } => {
                     ClusterEvent::AgentDisconnected { key, grace_until }
                 }
+                HostEvent::Deaf(gap) => {
+                    tracing::info!(
+                        unheard_ms = gap.len_ms(),
+                        agents = gap.agents,
+                        "the daemon was not listening; every agent gets its grace again"
+                    );
+                    ClusterEvent::Deaf {
+                        from: gap.from,
+                        to: gap.to,
+                        agents: gap.agents,
+                    }
+                }
                 HostEvent::Paused => ClusterEvent::Paused,
                 HostEvent::Resumed { by_teardown } => ClusterEvent::Resumed { by_teardown },
                 HostEvent::TeardownStarted { generation } => {

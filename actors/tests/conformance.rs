@@ -68,6 +68,7 @@ async fn snapshot(cluster: &ClusterHandle, provider: &FakeProvider) -> (Snapshot
         paused: false,
         away: Default::default(),
         held_lost: Default::default(),
+        deaf: view.deaf,
     };
     (snap, backend)
 }

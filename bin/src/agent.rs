@@ -187,6 +187,16 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
                 };
                 break fail(stage, format!("the daemon refused the join: {reason}"));
             }
+            Session::NotYet(reason) => {
+                // The daemon answered: it is there, just not ready for this
+                // join (it is reading its journal, or restarting its
+                // cluster). Ask again soon, for as long as it says so.
+                tracing::info!(%reason, "the daemon deferred the join; asking again");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    _ = term.recv() => break 0,
+                }
+            }
             Session::Lost(reason) => {
                 failures += 1;
                 // Before the first join, give up after about a minute so the
@@ -216,6 +226,7 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
 
 enum Session {
     Refused(String),
+    NotYet(String),
     Lost(String),
     Stopped,
 }
@@ -252,6 +263,7 @@ async fn session(
             Duration::from_millis(heartbeat_ms.max(50))
         }
         Ok(Some(JoinReply::Refused(reason))) => return Session::Refused(reason),
+        Ok(Some(JoinReply::NotYet(reason))) => return Session::NotYet(reason),
         Ok(None) => return Session::Lost("the daemon closed the stream".to_owned()),
         Err(e) => return Session::Lost(e.to_string()),
     };

@@ -342,6 +342,16 @@ pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
             key.node, key.attempt
         ),
         ClusterEvent::AgentJoined { .. } => return None,
+        ClusterEvent::Deaf { from, to, agents } => {
+            let secs = to.as_millis().saturating_sub(from.as_millis()) as f64 / 1000.0;
+            let mut line = format!("the daemon was not listening for {secs:.1} s");
+            if *agents > 0 {
+                line.push_str(&format!(
+                    " (stopped, asleep or starved): each of its {agents} agent(s) gets its whole grace again"
+                ));
+            }
+            line
+        }
         ClusterEvent::AgentDisconnected { key, grace_until } => format!(
             "{} {}: agent disconnected; replaced unless it is back {}",
             key.node,

@@ -253,8 +253,11 @@ pub(crate) enum JoinReply {
         /// The interval the daemon expects heartbeats at.
         heartbeat_ms: u64,
     },
-    /// Refused, with the reason.
+    /// Refused, with the reason: the agent's attempt is not wanted, it stops.
     Refused(String),
+    /// Not now, with the reason (the daemon has not read its journal yet,
+    /// its cluster is restarting or going away): the agent asks again.
+    NotYet(String),
 }
 
 /// A heartbeat from a joined agent.

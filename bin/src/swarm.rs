@@ -42,25 +42,35 @@ impl ProtocolHandler for SwarmHandler {
         // Only the key this attempt's agent was given may join for it, and
         // only with its token: a token read off another process is useless.
         let checked = join.verify(&self.secret, conn.remote_id());
+        // (reason, whether the agent should ask again)
         let verdict = match &checked {
-            Err(reason) => Err((*reason).to_owned()),
+            Err(reason) => Err(((*reason).to_owned(), false)),
             Ok(key) => match self.cluster.agent_join(key.clone()).await {
-                Ok(v) => v.map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
+                Ok(v) => v.map_err(|e| (e.to_string(), e.is_transient())),
+                // The cluster actor is restarting from its journal, or the
+                // daemon is going away: not a verdict on the attempt.
+                Err(e) => Err((e.to_string(), true)),
             },
         };
         let reply = match &verdict {
             Ok(liveness) => JoinReply::Welcome {
                 heartbeat_ms: liveness.heartbeat_ms,
             },
-            Err(reason) => JoinReply::Refused(reason.clone()),
+            Err((reason, true)) => JoinReply::NotYet(reason.clone()),
+            Err((reason, false)) => JoinReply::Refused(reason.clone()),
         };
         let sent = send_frame(&mut send, &reply, SMALL_FRAME_LEN_MAX_BYTES).await;
-        if let Err(reason) = &verdict {
-            // The key is the peer's own unchecked text: escaped, so it
-            // cannot forge log lines.
-            self.refusals
-                .refused(&join.key.text().escape_debug().to_string(), reason);
+        match &verdict {
+            Err((reason, false)) => {
+                // The key is the peer's own unchecked text: escaped, so it
+                // cannot forge log lines.
+                self.refusals
+                    .refused(&join.key.text().escape_debug().to_string(), reason);
+            }
+            Err((reason, true)) => {
+                tracing::debug!(key = %join.key.text().escape_debug(), %reason, "join deferred");
+            }
+            Ok(_) => {}
         }
         let (key, liveness) = match (sent, checked, verdict) {
             (Ok(()), Ok(key), Ok(liveness)) => (key, liveness),

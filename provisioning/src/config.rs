@@ -24,6 +24,18 @@ pub struct ReconcilerConfig {
     pub timeouts: OperationTimeouts,
     /// The first attempt id the allocator hands out.
     pub first_attempt_id: u64,
+    /// The longest the daemon may go between two of its own inputs and
+    /// still count as having listened (the host asks to be woken at least
+    /// every third of it). A longer gap is time in which the daemon could
+    /// not hear anyone: its process was stopped, its machine slept, its
+    /// event loop was starved. No agent is blamed for silence in such a
+    /// gap (see the host's "deaf gaps").
+    #[serde(default = "default_listen_gap_ms")]
+    pub listen_gap_ms: u64,
+}
+
+fn default_listen_gap_ms() -> u64 {
+    ReconcilerConfig::LISTEN_GAP_DEFAULT_MS
 }
 
 /// How long each kind of operation may stay pending, in milliseconds.
@@ -63,6 +75,7 @@ impl Default for ReconcilerConfig {
             bootstrap_stall_ms: 300_000,
             timeouts: OperationTimeouts::default(),
             first_attempt_id: 1,
+            listen_gap_ms: Self::LISTEN_GAP_DEFAULT_MS,
         }
     }
 }
@@ -90,6 +103,18 @@ pub enum ConfigError {
 }
 
 impl ReconcilerConfig {
+    /// The default [`ReconcilerConfig::listen_gap_ms`]: well above the
+    /// half-second stalls a loaded 2-core machine gives a process now and
+    /// then, well below the shortest silence taken for a lost agent.
+    pub const LISTEN_GAP_DEFAULT_MS: u64 = 1_500;
+
+    /// How often the host asks to be woken while anything is judged by
+    /// silence: a third of [`ReconcilerConfig::listen_gap_ms`], so a
+    /// listening daemon never leaves a gap as long as that.
+    pub fn listen_watch_ms(&self) -> u64 {
+        (self.listen_gap_ms / 3).max(1)
+    }
+
     /// Checks every field.
     ///
     /// # Errors
@@ -100,6 +125,7 @@ impl ReconcilerConfig {
             ("backoff_base_ms", self.backoff_base_ms),
             ("probe_interval_ms", self.probe_interval_ms),
             ("bootstrap_stall_ms", self.bootstrap_stall_ms),
+            ("listen_gap_ms", self.listen_gap_ms),
             ("timeouts.create_lease_ms", t.create_lease_ms),
             ("timeouts.lookup_endpoint_ms", t.lookup_endpoint_ms),
             ("timeouts.start_bootstrap_ms", t.start_bootstrap_ms),

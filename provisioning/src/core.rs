@@ -70,6 +70,8 @@ pub trait Reconciler {
     fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError>;
     /// See [`Driver::handle_tick`].
     fn handle_tick(&mut self, now: Timestamp);
+    /// See [`Driver::handle_unheard`].
+    fn handle_unheard(&mut self, from: Timestamp, to: Timestamp);
     /// See [`Driver::poll_timeout`].
     fn poll_timeout(&self) -> Option<Timestamp>;
     /// See [`Driver::poll_pass`].
@@ -184,6 +186,9 @@ impl Reconciler for Driver {
     }
     fn handle_tick(&mut self, now: Timestamp) {
         Driver::handle_tick(self, now);
+    }
+    fn handle_unheard(&mut self, from: Timestamp, to: Timestamp) {
+        Driver::handle_unheard(self, from, to);
     }
     fn poll_timeout(&self) -> Option<Timestamp> {
         Driver::poll_timeout(self)

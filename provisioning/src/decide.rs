@@ -347,7 +347,18 @@ pub fn allowed_while_paused(node: Option<&ManagedNode>, action: &NodeAction) -> 
         NodeAction::Insert { .. } | NodeAction::Restart { .. } => false,
         NodeAction::Reap | NodeAction::MarkDestroyed | NodeAction::ObserveConvergence => true,
         NodeAction::BeginDelete { .. } => node.is_some_and(|n| n.record.stage == NodeStage::Failed),
-        NodeAction::Dispatch(_) => node.is_some_and(|n| n.intent == Intent::Deleting),
+        // Cleanups run; so does an adopted attempt's re-attachment to the
+        // endpoint and session it already has (the provider adopts them
+        // under the attempt's key), so that a daemon restarted while paused
+        // sees its running nodes ready again instead of "creating".
+        NodeAction::Dispatch(kind) => node.is_some_and(|n| {
+            n.intent == Intent::Deleting
+                || (n.record.resuming
+                    && matches!(
+                        kind,
+                        EffectKind::LookupEndpoint | EffectKind::StartBootstrap
+                    ))
+        }),
     }
 }
 

@@ -1000,6 +1000,32 @@ impl Driver {
         first_error.map_or(Ok(folded), Err)
     }
 
+    /// Nothing was heard from `from` to `to`, not because nothing happened
+    /// but because whoever drives this core was not listening (see the
+    /// host's deaf gaps). A bootstrap stall deadline that was still running
+    /// at `from` moves on by the gap: a stream's silence the daemon could
+    /// not hear fails no attempt. Other deadlines stay: an operation that
+    /// expires meanwhile only folds as ambiguous and is re-issued (the
+    /// provider adopts), and a backoff that ended is merely late.
+    pub fn handle_unheard(&mut self, from: Timestamp, to: Timestamp) {
+        let gap_ms = to.as_millis().saturating_sub(from.as_millis());
+        if gap_ms == 0 {
+            return;
+        }
+        let mut moved = false;
+        for (id, node) in self.state.nodes.iter_mut() {
+            let rec = &mut node.record;
+            if let Some(at) = rec.bootstrap_deadline.filter(|at| *at > from) {
+                rec.bootstrap_deadline = Some(at.saturating_add_ms(gap_ms));
+                self.eval.dirty.push(*id);
+                moved = true;
+            }
+        }
+        if moved {
+            self.trigger();
+        }
+    }
+
     /// The periodic safety-net tick: queues a pass if a waiting deadline is due.
     pub fn handle_tick(&mut self, now: Timestamp) {
         if self.requeue_at.is_some_and(|at| at <= now) {

@@ -740,6 +740,10 @@ pub enum HostEvent {
         /// Why, while it holds.
         reason: Option<String>,
     },
+    /// The host heard nothing for longer than it may (see [`DeafGap`]):
+    /// every agent joined or away gets its whole grace again from `gap.to`,
+    /// and bootstrap stall deadlines move on by the gap.
+    Deaf(DeafGap),
     /// Something went wrong that people should know about.
     Warning(String),
 }
@@ -769,6 +773,20 @@ pub enum JoinRefused {
     /// The host has stopped.
     #[error("the cluster has stopped")]
     Stopped,
+    /// The journal holds this attempt but the host has not adopted it yet
+    /// (it is still waiting for the provider's inventory or a shape): the
+    /// agent should ask again shortly. Not a refusal of the attempt.
+    #[error("{0} is known but not adopted yet; ask again shortly")]
+    NotYet(LogicalNodeId),
+}
+
+impl JoinRefused {
+    /// Whether the agent should ask again rather than give up.
+    pub fn is_transient(&self) -> bool {
+        // A stopped host is one that is going away (`down --keep`, a
+        // restart): its agents find the next one.
+        matches!(self, Self::NotYet(_) | Self::Stopped)
+    }
 }
 
 /// Why an operator's replace was refused; nothing changed.
@@ -796,6 +814,10 @@ pub enum ReplaceError {
 
 /// The reason an operator's replace gives the failed attempt.
 pub const REPLACED_BY_OPERATOR: &str = "replaced by the operator";
+
+/// The reason an attempt fails when its joined agent stayed away past its
+/// grace (counted only while the host was listening).
+pub const AWAY_PAST_GRACE: &str = "its agent stayed away past its grace";
 
 /// Why a host could not be built.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -831,6 +853,28 @@ pub enum Link {
         /// End of its grace.
         until: Timestamp,
     },
+}
+
+/// A stretch of time in which the host was handed no input at all, longer
+/// than [`ReconcilerConfig::listen_gap_ms`]: the daemon around it could not
+/// have heard its agents (its process was stopped, its machine slept, its
+/// event loop was starved, it was busy elsewhere). Silence in it is nobody's
+/// fault, so no agent is judged by it; see [`Host::last_deaf_gap`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeafGap {
+    /// The last input before the gap.
+    pub from: Timestamp,
+    /// The first input after it: the host listens again from here.
+    pub to: Timestamp,
+    /// Agents whose judgement it restarted (joined or away at `to`).
+    pub agents: usize,
+}
+
+impl DeafGap {
+    /// How long the host heard nothing.
+    pub fn len_ms(&self) -> u64 {
+        self.to.as_millis().saturating_sub(self.from.as_millis())
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -913,6 +957,11 @@ pub struct Host<C: Reconciler> {
     holds: BTreeMap<(GroupId, HoldKind), String>,
     /// No group's breaker was tripped when last told to the core.
     tripped_none: bool,
+    /// The latest instant an input was handed in with (see
+    /// [`Host::last_deaf_gap`]).
+    last_input: Option<Timestamp>,
+    /// The latest deaf gap, if there was one.
+    deaf: Option<DeafGap>,
 }
 
 impl<C: Reconciler> Host<C> {
@@ -983,6 +1032,8 @@ impl<C: Reconciler> Host<C> {
             held_lost: BTreeSet::new(),
             holds: BTreeMap::new(),
             tripped_none: true,
+            last_input: None,
+            deaf: None,
         })
     }
 
@@ -1215,7 +1266,10 @@ impl<C: Reconciler> Host<C> {
     }
 
     /// The earliest instant the host needs waking: the core's deadline, a
-    /// grace end, an orphan's retry.
+    /// grace end, an orphan's retry, and, while it holds any node or agent,
+    /// a watch [`ReconcilerConfig::listen_watch_ms`] after its last input
+    /// (so that a gap longer than [`ReconcilerConfig::listen_gap_ms`] means
+    /// the daemon was not listening; see [`Host::last_deaf_gap`]).
     pub fn poll_timeout(&self) -> Option<Timestamp> {
         if self.stopped {
             return None;
@@ -1225,8 +1279,85 @@ impl<C: Reconciler> Host<C> {
         let sweep = self.sweep_at.filter(|_| !self.listing);
         earliest(
             earliest(self.core.poll_timeout(), grace),
-            earliest(collect, sweep),
+            earliest(earliest(collect, sweep), self.watch_at()),
         )
+    }
+
+    /// When the host next wants an input, if only to know it was listening.
+    fn watch_at(&self) -> Option<Timestamp> {
+        let watching = !self.links.is_empty() || !self.core.state().nodes.is_empty();
+        self.last_input
+            .filter(|_| watching)
+            .map(|at| at.saturating_add_ms(self.core.config().listen_watch_ms()))
+    }
+
+    /// The latest deaf gap: two inputs further apart than
+    /// [`ReconcilerConfig::listen_gap_ms`]. A daemon that listens never
+    /// leaves one (the host asks to be woken well within it), so a gap is
+    /// time in which nobody could be heard, and its silence is held against
+    /// nobody:
+    /// - an agent away when the gap ends gets its whole grace again, from
+    ///   the gap's end;
+    /// - an agent found silent later is judged from the gap's end at the
+    ///   earliest, however long ago it was last heard;
+    /// - a bootstrap's stall deadline moves on by the gap's length
+    ///   ([`Reconciler::handle_unheard`]).
+    ///
+    /// An agent that really died in the gap is therefore replaced one grace
+    /// after the daemon is back, never at once.
+    pub fn last_deaf_gap(&self) -> Option<DeafGap> {
+        self.deaf
+    }
+
+    /// From when silence counts: the end of the latest deaf gap.
+    fn listening_since(&self) -> Timestamp {
+        self.deaf.map_or(Timestamp::from_millis(0), |g| g.to)
+    }
+
+    /// Every input passes here first, with its `now`: a gap since the last
+    /// one longer than the core's `listen_gap_ms` is a deaf gap.
+    fn heard(&mut self, now: Timestamp) {
+        let gap_max = self.core.config().listen_gap_ms;
+        match self.last_input {
+            Some(last) if now <= last => return,
+            Some(last) if now.as_millis() - last.as_millis() > gap_max => self.deafened(last, now),
+            _ => {}
+        }
+        self.last_input = Some(now);
+    }
+
+    fn deafened(&mut self, from: Timestamp, to: Timestamp) {
+        let links: Vec<(LogicalNodeId, Link)> = self.links.iter().map(|(n, l)| (n, *l)).collect();
+        let agents = links.len();
+        for (node, link) in links {
+            let Link::Away { attempt, until } = link else {
+                continue;
+            };
+            if self.held_lost.contains(&node) {
+                // No deadline while held; released, it gets a grace anyway.
+                continue;
+            }
+            let grace = self
+                .core
+                .state()
+                .nodes
+                .get(&node)
+                .map_or(0, |n| n.template.join.lost_grace_ms());
+            let fresh = to.saturating_add_ms(grace);
+            if fresh > until {
+                self.set_link(
+                    &node,
+                    Link::Away {
+                        attempt,
+                        until: fresh,
+                    },
+                );
+            }
+        }
+        self.core.handle_unheard(from, to);
+        let gap = DeafGap { from, to, agents };
+        self.deaf = Some(gap);
+        self.events.push_back(HostEvent::Deaf(gap));
     }
 
     /// The host's own deadlines, for diagnostics: (earliest grace, earliest
@@ -1251,6 +1382,7 @@ impl<C: Reconciler> Host<C> {
     /// shape (or a shutdown) says what is desired; later ones are sweeps:
     /// whatever no slot's current attempt owns is collected.
     pub fn handle_inventory(&mut self, listed: Result<Vec<Listed>, String>, now: Timestamp) {
+        self.heard(now);
         self.listing = false;
         let listed = match listed {
             Ok(listed) => listed,
@@ -1287,6 +1419,7 @@ impl<C: Reconciler> Host<C> {
         ticket: Ticket,
         now: Timestamp,
     ) -> Result<DesiredUpdate, ApplyError> {
+        self.heard(now);
         let before = self.desired_templates();
         let outcome = if self.shutdown.is_some() || self.stopped {
             Err(ApplyError::ShuttingDown)
@@ -1343,8 +1476,9 @@ impl<C: Reconciler> Host<C> {
         &mut self,
         paused: bool,
         ticket: Ticket,
-        _now: Timestamp,
+        now: Timestamp,
     ) -> Result<bool, PauseError> {
+        self.heard(now);
         let outcome = if paused && (self.shutdown.is_some() || self.stopped) {
             Err(PauseError::ShuttingDown)
         } else if self.meta.paused == paused || self.stopped {
@@ -1385,6 +1519,7 @@ impl<C: Reconciler> Host<C> {
     /// durable first (a restarted host knows a teardown was asked for), then
     /// scales to zero, collects every orphan and stops when nothing is left.
     pub fn handle_shutdown(&mut self, mode: ShutdownMode, ticket: Ticket, now: Timestamp) {
+        self.heard(now);
         if self.stopped {
             self.outputs
                 .push_back(Output::Reply(ticket, Reply::Stopped));
@@ -1460,6 +1595,7 @@ impl<C: Reconciler> Host<C> {
         result: OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
+        self.heard(now);
         self.back_from_flight(&result.node, result.op);
         let node = result.node;
         let started = matches!(result.outcome, OperationOutcome::BootstrapStarted { .. });
@@ -1489,6 +1625,7 @@ impl<C: Reconciler> Host<C> {
         reason: &str,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
+        self.heard(now);
         self.back_from_flight(node, op);
         let folded = self.core.handle_submit_failed(node, op, reason, now)?;
         if folded == Folded::Applied {
@@ -1520,6 +1657,7 @@ impl<C: Reconciler> Host<C> {
         obs: BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
+        self.heard(now);
         if obs.event == BootstrapEvent::SwactorJoined {
             if self.config.stream_joins {
                 if let Some(n) = self.core.state().nodes.get(&obs.node)
@@ -1549,13 +1687,24 @@ impl<C: Reconciler> Host<C> {
     pub fn handle_agent_joined(
         &mut self,
         key: &ResourceKey,
-        _now: Timestamp,
+        now: Timestamp,
     ) -> Result<Liveness, JoinRefused> {
+        self.heard(now);
         if self.stopped {
             return Err(JoinRefused::Stopped);
         }
         if key.run_id != self.meta.run_id {
             return Err(JoinRefused::OtherRun(key.run_id.clone()));
+        }
+        if !matches!(self.adoption, Adoption::Done)
+            && self
+                .slots
+                .get(&key.node)
+                .is_some_and(|r| r.attempt == key.attempt)
+        {
+            // The journal holds this very attempt and adoption has not run
+            // yet: the node is not in the core yet, but it is no stranger.
+            return Err(JoinRefused::NotYet(key.node));
         }
         let Some(node) = self.core.state().nodes.get(&key.node) else {
             return Err(JoinRefused::UnknownNode(key.node));
@@ -1582,9 +1731,14 @@ impl<C: Reconciler> Host<C> {
     /// The agent of `key` disconnected, having last been heard `silent_ms`
     /// ago: unless it rejoins within its group's grace (counted from when it
     /// was last heard), the attempt fails and is replaced.
+    ///
+    /// Silence before the end of the latest deaf gap does not count (see
+    /// [`Host::last_deaf_gap`]): the grace then runs from the gap's end.
     pub fn handle_agent_gone(&mut self, key: &ResourceKey, silent_ms: u64, now: Timestamp) {
+        self.heard(now);
         if self.links.get(&key.node) == Some(&Link::Connected(key.attempt)) {
-            let since = Timestamp::from_millis(now.as_millis().saturating_sub(silent_ms));
+            let last_heard = Timestamp::from_millis(now.as_millis().saturating_sub(silent_ms));
+            let since = last_heard.max(self.listening_since());
             self.start_grace(&key.node, key.attempt, since, 0);
         }
     }
@@ -1602,8 +1756,9 @@ impl<C: Reconciler> Host<C> {
     pub fn handle_replace(
         &mut self,
         node: &LogicalNodeId,
-        _now: Timestamp,
+        now: Timestamp,
     ) -> Result<NodeAttemptId, ReplaceError> {
+        self.heard(now);
         if self.stopped || self.shutdown.is_some() {
             return Err(ReplaceError::ShuttingDown);
         }
@@ -1657,6 +1812,7 @@ impl<C: Reconciler> Host<C> {
         outcome: Result<(), String>,
         now: Timestamp,
     ) {
+        self.heard(now);
         let Some(c) = self.collects.get_mut(key) else {
             return;
         };
@@ -1686,6 +1842,7 @@ impl<C: Reconciler> Host<C> {
     /// # Errors
     /// As [`Reconciler::handle_timeout`].
     pub fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
+        self.heard(now);
         self.expire_graces(now);
         let pending = &self.core.state().nodes;
         self.in_flight.retain(|node, op| {
@@ -1711,6 +1868,7 @@ impl<C: Reconciler> Host<C> {
 
     /// The periodic safety-net tick.
     pub fn handle_tick(&mut self, now: Timestamp) {
+        self.heard(now);
         self.expire_graces(now);
         self.core.handle_tick(now);
     }
@@ -1719,6 +1877,7 @@ impl<C: Reconciler> Host<C> {
 
     /// The next output. See the module docs for what each one MUST cause.
     pub fn poll_output(&mut self, now: Timestamp) -> Option<Output> {
+        self.heard(now);
         loop {
             if self.awaiting.is_some() {
                 return None;
@@ -2350,7 +2509,7 @@ impl<C: Reconciler> Host<C> {
             let Some(Link::Away { attempt, .. }) = self.links.remove(&node) else {
                 continue;
             };
-            let reason = "its agent stayed away past its grace".to_owned();
+            let reason = AWAY_PAST_GRACE.to_owned();
             self.todo.push_back(Todo::AgentLost(node, attempt, reason));
         }
     }

@@ -55,7 +55,7 @@ pub use host::{
     ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
     EARLY_OBSERVATIONS_MAX, GroupHold, HoldKind, Host, HostConfig, HostError, HostEvent, HostFold,
     JOURNAL_FORMAT, JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness,
-    Output, PauseError, REPLACED_BY_OPERATOR, ReplaceError, Reply, ShutdownMode, ShutdownReport,
+    Output, PauseError, REPLACED_BY_OPERATOR, AWAY_PAST_GRACE, DeafGap, ReplaceError, Reply, ShutdownMode, ShutdownReport,
     SlotRecord, Ticket,
 };
 pub use id::{

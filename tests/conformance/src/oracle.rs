@@ -21,10 +21,10 @@ use std::fmt;
 use std::sync::Arc;
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, ClusterState,
-    CollectRequest, DesiredGroup, DesiredState, DesiredUpdate, Dispatch, DriverError, DriverStats,
-    EffectKind, EffectRequest, Folded, Generation, GroupId, Intent, JoinRefused, JournalImage,
-    LeaseId, Liveness, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage, NodeTemplate,
-    OperationId, OperationOutcome, OperationResult, Pass, PauseError, PolicyShape,
+    CollectRequest, DeafGap, DesiredGroup, DesiredState, DesiredUpdate, Dispatch, DriverError,
+    DriverStats, EffectKind, EffectRequest, Folded, Generation, GroupId, Intent, JoinRefused,
+    JournalImage, LeaseId, Liveness, LogicalNodeId, ManagedNode, NodeAttemptId, NodeStage,
+    NodeTemplate, OperationId, OperationOutcome, OperationResult, Pass, PauseError, PolicyShape,
     ReconcilerConfig, ResourceKey, SessionId, ShutdownMode, Timestamp, UpdateError, reconcile_with,
     same_template, stall_during_boot_check_ms,
 };
@@ -145,11 +145,17 @@ pub enum Invariant {
     /// the limit; an agent is held only when its group is over the limit),
     /// and no failed slot gets a new attempt of the same template.
     BreakerHoldsWhenOverLimit,
+    /// A node is failed for its agent's silence only when the agent really
+    /// was silent (the world cut it off) for at least its grace while the
+    /// host was listening: an agent the host merely could not hear (the
+    /// host paused, or was down) keeps its node, and one cut off during a
+    /// pause gets its whole grace counted from when the host is back.
+    NoAgentBlamedForHostSilence,
 }
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 43] = [
+    pub const ALL: [Invariant; 44] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -193,6 +199,7 @@ impl Invariant {
         Self::RolloutWithinBudget,
         Self::SurgeWithinBudget,
         Self::BreakerHoldsWhenOverLimit,
+        Self::NoAgentBlamedForHostSilence,
     ];
 
     /// The invariant's name, as messages print it.
@@ -247,6 +254,7 @@ impl Invariant {
             Self::RolloutWithinBudget => "rollout_within_budget",
             Self::SurgeWithinBudget => "surge_within_budget",
             Self::BreakerHoldsWhenOverLimit => "breaker_holds_when_over_limit",
+            Self::NoAgentBlamedForHostSilence => "no_agent_blamed_for_host_silence",
         }
     }
 }
@@ -319,6 +327,8 @@ pub struct Snapshot {
     pub away: BTreeSet<LogicalNodeId>,
     /// Slots whose agent's grace ended while their group's breaker held it.
     pub held_lost: BTreeSet<LogicalNodeId>,
+    /// The host's latest deaf gap ([`Host::last_deaf_gap`](swactor_provisioning::Host::last_deaf_gap)).
+    pub deaf: Option<DeafGap>,
 }
 
 /// One step, as the oracle observes it.
@@ -888,15 +898,22 @@ impl Oracle {
                 if let Err(e) = folded {
                     self.report(Invariant::DriverErrorFree, None, format!("{e:?}"));
                 }
+                // A deaf gap noticed at this very step moved every stall
+                // deadline still running at its start on by its length.
+                let gap = after.deaf.filter(|_| after.deaf != before.deaf);
                 for (id, nb) in &b.nodes {
                     let Some(na) = a.nodes.get(id) else { continue };
                     if nb.pending.is_none() {
                         let rb = &nb.record;
+                        let deadline = rb.bootstrap_deadline.map(|t| match gap {
+                            Some(g) if t > g.from => t.saturating_add_ms(g.len_ms()),
+                            _ => t,
+                        });
                         let should_stall = nb.intent == Intent::Active
                             && rb.session.is_some()
                             && !rb.ready
                             && rb.stage != NodeStage::Failed
-                            && rb.bootstrap_deadline.is_some_and(|t| t <= now);
+                            && deadline.is_some_and(|t| t <= now);
                         let stalled =
                             rb.stage != NodeStage::Failed && na.record.stage == NodeStage::Failed;
                         let counted = na.retry.consecutive_failures
@@ -1774,7 +1791,10 @@ impl Oracle {
             },
             _ => true,
         };
-        if !queued_ok {
+        // A deaf gap noticed at this step may have moved stall deadlines,
+        // which queues a pass whatever the input was.
+        let deaf_moved = after.deaf != before.deaf && after.pass_queued == Some(true);
+        if !queued_ok && !deaf_moved {
             self.report(
                 inv,
                 None,
@@ -2316,9 +2336,18 @@ impl Oracle {
         }
         for d in &pass.dispatches {
             let id = &d.key.node;
+            // An attempt adopted with its lease re-attaches to what runs
+            // (its endpoint, its session); that makes nothing new.
+            let reattach = |nb: &ManagedNode| {
+                nb.record.resuming
+                    && matches!(
+                        d.request.kind(),
+                        EffectKind::LookupEndpoint | EffectKind::StartBootstrap
+                    )
+            };
             if b.nodes
                 .get(id)
-                .is_none_or(|nb| nb.intent != Intent::Deleting)
+                .is_none_or(|nb| nb.intent != Intent::Deleting && !reattach(nb))
             {
                 self.fail(
                     inv,

@@ -23,10 +23,11 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 pub use swactor_provisioning::Reconciler;
 use swactor_provisioning::{
-    BOOT_CHECK_REPORT_MARGIN_MS, BootParams, BootstrapEvent, ClusterShape, CollectRequest, Driver,
-    Generation, GroupShape, Host, HostConfig, HostFold, JournalImage, Link, NodeAttemptId,
-    NodeLimits, OperationTimeouts, Output as HostOutput, PolicyShape, ProviderShape, Quantity,
-    ReconcilerConfig, Reply, ResourceKey, RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp,
+    AWAY_PAST_GRACE, BOOT_CHECK_REPORT_MARGIN_MS, BootParams, BootstrapEvent, ClusterShape,
+    CollectRequest, Driver, Folded, Generation, GroupShape, Host, HostConfig, HostFold,
+    JournalImage, Link, Liveness, LogicalNodeId, NodeAttemptId, NodeLimits, OperationTimeouts,
+    Output as HostOutput, PolicyShape, ProviderShape, Quantity, ReconcilerConfig, Reply,
+    ResourceKey, RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp,
 };
 
 /// The run every world drives.
@@ -78,6 +79,10 @@ impl WorldConfig {
                     destroy_lease_ms: 3_000,
                 },
                 first_attempt_id: 1,
+                // The silence a live agent's connection is dropped after
+                // (its group's grace is GRACE_MS): a shorter host pause
+                // drops nobody, a longer one is a deaf gap.
+                listen_gap_ms: 2_000,
             },
             backend: BackendConfig {
                 endpoint_delay_ms: 300,
@@ -238,7 +243,17 @@ pub struct World<R: Reconciler = Driver> {
     next_shape: Option<[(u8, u8); 2]>,
     teardowns: Vec<usize>,
     policies: [PolicyShape; 2],
+    /// Agents the world cut off (they are really silent), with when.
+    cut: BTreeMap<LogicalNodeId, (NodeAttemptId, Timestamp)>,
+    /// Stretches in which no host listened: host pauses, crash downtime.
+    unheard: Vec<(Timestamp, Timestamp)>,
+    /// Live agents whose connection a host pause dropped, and when each
+    /// is back (it dials again, as a real agent does).
+    rejoins: Vec<(Timestamp, ResourceKey)>,
 }
+
+/// How soon an agent whose connection a host pause dropped joins again.
+const PAUSE_REJOIN_MS: u64 = 500;
 
 fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
     let core = host.core();
@@ -264,6 +279,7 @@ fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
             .map(|(id, _)| *id)
             .collect(),
         held_lost: host.held_lost().cloned().collect(),
+        deaf: host.last_deaf_gap(),
     }
 }
 
@@ -421,6 +437,9 @@ impl<R: Reconciler> World<R> {
             next_shape: None,
             teardowns: Vec::new(),
             policies: [PolicyShape::default(); 2],
+            cut: BTreeMap::new(),
+            unheard: Vec::new(),
+            rejoins: Vec::new(),
         };
         world.oracle.begin_input("initial shape".to_owned());
         world.generation = 1;
@@ -694,12 +713,132 @@ impl<R: Reconciler> World<R> {
                 node,
                 attempt,
                 folded,
-                ..
-            } => self.record(StepEvent::AgentLost {
-                node,
-                attempt: *attempt,
-                folded: *folded,
-            }),
+                reason,
+            } => {
+                if reason == AWAY_PAST_GRACE && *folded == Folded::Applied {
+                    self.check_blame(node, *attempt);
+                }
+                self.record(StepEvent::AgentLost {
+                    node,
+                    attempt: *attempt,
+                    folded: *folded,
+                });
+            }
+        }
+    }
+
+    /// A node is being failed because its agent stayed away past its grace:
+    /// the world must have cut that agent off, and a host must have been
+    /// listening for a whole grace since (see
+    /// [`Invariant::NoAgentBlamedForHostSilence`]).
+    fn check_blame(&mut self, node: &LogicalNodeId, attempt: NodeAttemptId) {
+        let inv = Invariant::NoAgentBlamedForHostSilence;
+        let Some(&(_, since)) = self.cut.get(node).filter(|(a, _)| *a == attempt) else {
+            self.oracle.report(
+                inv,
+                Some(node),
+                format!(
+                    "{node}/{attempt} failed for silence at {}, but its agent was live: the host only did not hear it (unheard {:?})",
+                    self.now, self.unheard
+                ),
+            );
+            return;
+        };
+        // Stalls up to the core's listen gap are tolerated as listening
+        // (no host can tell them from scheduling noise); longer ones are
+        // not listening.
+        let tolerated = self.host.core().config().listen_gap_ms;
+        let deaf: u64 = self
+            .unheard
+            .iter()
+            .filter(|(a, b)| b.0 - a.0 > tolerated)
+            .map(|(a, b)| {
+                let (a, b) = (a.0.max(since.0), b.0.min(self.now.0));
+                b.saturating_sub(a)
+            })
+            .sum();
+        let listened = (self.now.0 - since.0).saturating_sub(deaf);
+        if listened < GRACE_MS {
+            self.oracle.report(
+                inv,
+                Some(node),
+                format!(
+                    "{node}/{attempt} failed for silence at {}: cut off at {since}, but the host listened for only {listened} ms of it (grace {GRACE_MS} ms)",
+                    self.now
+                ),
+            );
+        }
+    }
+
+    /// The world cuts off the agent of `key` (it stays silent until the
+    /// partition heals).
+    fn cut_off(&mut self, key: &ResourceKey) {
+        let joined = match self.host.link(&key.node) {
+            Some(Link::Connected(a)) => a == key.attempt,
+            // Dropped by a host pause and about to dial again: it dies now.
+            Some(Link::Away { attempt, .. }) => {
+                attempt == key.attempt && self.rejoins.iter().any(|(_, k)| k == key)
+            }
+            None => false,
+        };
+        if joined {
+            self.cut.insert(key.node, (key.attempt, self.now));
+        }
+        self.rejoins.retain(|(_, k)| k != key);
+    }
+
+    /// The host heard nothing for `ms`: every live agent connected to it
+    /// that the pause outlasted its silence limit is dropped (as the swarm
+    /// endpoint does when it wakes) and dials again shortly.
+    fn host_paused(&mut self, ms: u64) {
+        let from = self.now;
+        self.now = Timestamp(self.now.0 + ms);
+        self.unheard.push((from, self.now));
+        if ms <= Liveness::for_grace(GRACE_MS).silence_ms {
+            return;
+        }
+        let dropped: Vec<ResourceKey> = self
+            .host
+            .core()
+            .state()
+            .nodes
+            .iter()
+            .filter(|(id, n)| {
+                self.host.link(id) == Some(Link::Connected(n.attempt))
+                    && !self.cut.contains_key(*id)
+            })
+            .map(|(id, n)| ResourceKey {
+                run_id: RunId::new(RUN),
+                node: *id,
+                attempt: n.attempt,
+            })
+            .collect();
+        for key in dropped {
+            self.host.handle_agent_gone(&key, ms, self.now);
+            self.rejoins
+                .push((Timestamp(self.now.0 + PAUSE_REJOIN_MS), key));
+        }
+    }
+
+    /// Live agents whose connection a pause dropped, due by now, join again.
+    fn rejoin_due(&mut self) {
+        let now = self.now;
+        let due: Vec<ResourceKey> = self
+            .rejoins
+            .iter()
+            .filter(|(at, _)| *at <= now)
+            .map(|(_, k)| k.clone())
+            .collect();
+        self.rejoins.retain(|(at, _)| *at > now);
+        for key in due {
+            if self.cut.contains_key(&key.node) {
+                continue;
+            }
+            let outcome = self.host.handle_agent_joined(&key, now);
+            self.record(StepEvent::AgentJoined {
+                key: &key,
+                outcome: &outcome,
+            });
         }
     }
 
@@ -707,7 +846,9 @@ impl<R: Reconciler> World<R> {
     /// with it; after `down_ms` a new host starts from the journal.
     fn crash(&mut self, down_ms: u16) {
         self.exec.crash(self.now);
+        let from = self.now;
         self.now = Timestamp(self.now.0 + u64::from(down_ms));
+        self.unheard.push((from, self.now));
         self.start_host("crashed");
     }
 
@@ -791,6 +932,7 @@ impl<R: Reconciler> World<R> {
 
     /// Runs everything due at `now`: deliveries, the host's timer, passes.
     fn settle(&mut self) {
+        self.rejoin_due();
         for output in self.exec.poll(self.now) {
             self.deliver(output);
             // A host that reconciles after every message; the other kind
@@ -844,10 +986,11 @@ impl<R: Reconciler> World<R> {
 
     /// The earliest wake-up of any party.
     pub fn next_wake(&self) -> Option<Timestamp> {
-        match (self.host.poll_timeout(), self.exec.next_wake()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let rejoin = self.rejoins.iter().map(|(at, _)| *at).min();
+        [self.host.poll_timeout(), self.exec.next_wake(), rejoin]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Advances to the earliest wake-up and runs it. False when nothing is left to wake.
@@ -942,7 +1085,7 @@ impl<R: Reconciler> World<R> {
             Input::HostPause { ms } => {
                 // Nothing is woken during the pause; `settle` below then
                 // serves every late delivery and the late timer at once.
-                self.now = Timestamp(self.now.0 + u64::from(ms));
+                self.host_paused(u64::from(ms));
             }
             Input::LoseTimerOnce => self.timer_lost = true,
             Input::Provider(f) => {
@@ -999,6 +1142,7 @@ impl<R: Reconciler> World<R> {
                         node: *id,
                         attempt: NodeAttemptId(n.attempt.0 - u64::from(stale)),
                     };
+                    self.cut_off(&key);
                     self.host.handle_agent_gone(&key, 0, self.now);
                 }
             }
@@ -1063,6 +1207,7 @@ impl<R: Reconciler> World<R> {
                     })
                     .collect();
                 for key in &cut {
+                    self.cut_off(key);
                     self.host.handle_agent_gone(key, 0, self.now);
                 }
             }
@@ -1100,6 +1245,8 @@ impl<R: Reconciler> World<R> {
             })
             .collect();
         for key in away {
+            self.cut.remove(&key.node);
+            self.rejoins.retain(|(_, k)| *k != key);
             let outcome = self.host.handle_agent_joined(&key, self.now);
             self.record(StepEvent::AgentJoined {
                 key: &key,

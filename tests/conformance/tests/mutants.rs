@@ -60,9 +60,14 @@ enum Mutation {
     /// Shows the shape's budgets but surges by the whole group during every
     /// rollout.
     ExtraSurge,
+    /// Tells its host it may go an hour without an input and still have
+    /// listened, and ignores the gaps it is told of: a host that stops
+    /// hears nobody, and blames its agents for the silence.
+    BlameAgentsForDeafGaps,
 }
 
-const ALL: [Mutation; 18] = [
+const ALL: [Mutation; 19] = [
+    Mutation::BlameAgentsForDeafGaps,
     Mutation::IgnoreRolloutBudget,
     Mutation::IgnoreSurge,
     Mutation::ExtraSurge,
@@ -85,6 +90,8 @@ const ALL: [Mutation; 18] = [
 
 struct Mutant {
     inner: Driver,
+    /// The configuration the host is shown.
+    shown_config: ReconcilerConfig,
     mutation: Mutation,
     first_attempt: BTreeMap<LogicalNodeId, NodeAttemptId>,
     paused: bool,
@@ -95,8 +102,13 @@ struct Mutant {
 impl Mutant {
     fn new(mutation: Mutation, mode: Mode) -> Self {
         let config = WorldConfig::for_mode(mode).reconciler;
+        let mut shown_config = config.clone();
+        if mutation == Mutation::BlameAgentsForDeafGaps {
+            shown_config.listen_gap_ms = 3_600_000;
+        }
         Self {
             inner: Driver::new(RunId::new(RUN), config).expect("valid config"),
+            shown_config,
             mutation,
             first_attempt: BTreeMap::new(),
             paused: false,
@@ -270,7 +282,13 @@ impl Reconciler for Mutant {
     }
 
     fn config(&self) -> &ReconcilerConfig {
-        self.inner.config()
+        &self.shown_config
+    }
+
+    fn handle_unheard(&mut self, from: Timestamp, to: Timestamp) {
+        if self.mutation != Mutation::BlameAgentsForDeafGaps {
+            self.inner.handle_unheard(from, to);
+        }
     }
 
     fn handle_bootstrap(

@@ -1028,3 +1028,55 @@ fn budgets_of_a_generation_lost_in_a_crash_and_accepted_again_are_judged_by_the_
     assert_clean(&world);
     converge(&mut world);
 }
+
+/// Issue 28: a daemon stopped (`kill -STOP`, a laptop's sleep) for longer
+/// than its agents' grace came back and replaced every live node, because
+/// it counted its own silence against them. Host pauses of 3, 10 and 60
+/// graces leave every live agent's node as it was.
+#[test]
+fn a_host_paused_for_many_graces_replaces_no_live_agent() {
+    for graces in [3u32, 10, 60] {
+        let mut world = empty_world(|_| {});
+        scale(&mut world, 3);
+        converge(&mut world);
+        let before = alpha_attempts(&world);
+        world.apply(&Input::HostPause { ms: graces * 5_000 });
+        let gap = world
+            .host()
+            .last_deaf_gap()
+            .expect("the pause is a deaf gap");
+        assert_eq!(gap.len_ms(), u64::from(graces) * 5_000);
+        assert_eq!(gap.agents, 3, "every joined agent gets its grace again");
+        world.apply(&Input::Advance { ms: 20_000 });
+        assert_clean(&world);
+        assert_eq!(alpha_attempts(&world), before, "pause of {graces} graces");
+        assert!(world.host().is_converged());
+    }
+}
+
+/// An agent that really died while the host was paused is replaced, but
+/// only after a whole grace of the host listening, not the moment it wakes.
+#[test]
+fn an_agent_lost_during_a_host_pause_is_replaced_one_grace_after_it() {
+    let mut world = empty_world(|_| {});
+    scale(&mut world, 2);
+    converge(&mut world);
+    let before = alpha_attempts(&world);
+    world.apply(&Input::AgentLost {
+        pick: 0,
+        stale: false,
+    });
+    world.apply(&Input::HostPause { ms: 30_000 });
+    let back = world.now();
+    world.apply(&Input::Advance { ms: 4_900 });
+    assert_clean(&world);
+    assert_eq!(alpha_attempts(&world), before, "not yet: within its grace");
+    world.apply(&Input::Advance { ms: 200 });
+    assert_clean(&world);
+    let node = world.host().core().state().nodes.get(&slot0()).cloned();
+    assert!(
+        node.is_some_and(|n| n.record.failed_reason().is_some() || n.intent == Intent::Deleting),
+        "lost one grace after the host was back at {back}"
+    );
+    converge(&mut world);
+}

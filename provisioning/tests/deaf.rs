@@ -1,0 +1,257 @@
+//! A daemon that could not listen (stopped, asleep, starved) blames nobody
+//! for the silence, and a daemon that has not adopted its journal yet
+//! defers the joins of the attempts the journal holds instead of refusing
+//! them; a daemon restarted while paused re-attaches its running nodes.
+
+mod common;
+
+use common::*;
+use swactor_provisioning::*;
+
+/// A host whose agents join over the swarm only (as the daemon's).
+fn host(journal: Option<JournalImage>) -> Host<Driver> {
+    Host::new(driver(), HostConfig::default(), journal).unwrap()
+}
+
+/// Runs the host's outputs at `now` with a well-behaved provider: writes are
+/// durable at once (and kept in `journal`), the inventory is `listed`, every
+/// dispatch succeeds, and a started bootstrap's agent joins and converges.
+fn pump(
+    h: &mut Host<Driver>,
+    journal: &mut JournalImage,
+    listed: &[Listed],
+    now: Timestamp,
+) -> Vec<Dispatch> {
+    let mut log = Vec::new();
+    for _ in 0..64 {
+        let mut round = Vec::new();
+        while let Some(o) = h.poll_output(now) {
+            match o {
+                Output::Persist(delta) => {
+                    journal.apply(&delta);
+                    h.handle_persisted(delta.seq);
+                }
+                Output::List => h.handle_inventory(Ok(listed.to_vec()), now),
+                Output::Pass(pass) => round.extend(pass.dispatches),
+                Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
+            }
+        }
+        if round.is_empty() {
+            break;
+        }
+        for d in &round {
+            let _ = h.handle_result(success(d), now).unwrap();
+            if d.request.kind() == EffectKind::StartBootstrap {
+                h.handle_agent_joined(&d.key, now).unwrap();
+                let n = &h.core().state().nodes[&d.key.node];
+                let obs = BootstrapObservation {
+                    node: d.key.node,
+                    attempt: n.attempt,
+                    session: n.record.session.clone().expect("a live session"),
+                    event: BootstrapEvent::Stage(BootstrapStage::Converged),
+                };
+                let _ = h.handle_bootstrap(obs, now).unwrap();
+            }
+        }
+        log.extend(round);
+    }
+    log
+}
+
+fn key(h: &Host<Driver>, node: &str) -> ResourceKey {
+    let id = node_id(node);
+    ResourceKey {
+        run_id: h.core().state().run_id.clone(),
+        node: id,
+        attempt: h.core().state().nodes[&id].attempt,
+    }
+}
+
+fn converged(count: u32) -> (Host<Driver>, JournalImage) {
+    let mut h = host(None);
+    let mut journal = JournalImage::new(h.core().state().run_id.clone());
+    h.handle_apply(&shape(1, vec![group("w", count)]), Ticket(1), t(0))
+        .unwrap();
+    pump(&mut h, &mut journal, &[], t(0));
+    assert!(h.is_converged(), "{:#?}", h.core().state());
+    (h, journal)
+}
+
+/// Feeds the host its watch wake-ups up to `until`, as a listening daemon's timer would.
+fn listen(h: &mut Host<Driver>, journal: &mut JournalImage, until: Timestamp) {
+    while let Some(at) = h.poll_timeout().filter(|at| *at <= until) {
+        h.handle_timeout(at).unwrap();
+        pump(h, journal, &[], at);
+    }
+}
+
+#[test]
+fn a_listening_host_asks_to_be_woken_within_its_listen_gap() {
+    let (mut h, mut journal) = converged(2);
+    let gap = h.core().config().listen_gap_ms;
+    let at = h.poll_timeout().expect("a host with nodes watches");
+    assert!(at.as_millis() <= gap, "{at} is past the listen gap {gap}");
+    listen(&mut h, &mut journal, t(60_000));
+    assert_eq!(
+        h.last_deaf_gap(),
+        None,
+        "a host woken as it asked is never deaf"
+    );
+}
+
+#[test]
+fn an_agent_found_silent_after_a_deaf_gap_gets_its_grace_from_the_gap_s_end() {
+    let (mut h, mut journal) = converged(2);
+    listen(&mut h, &mut journal, t(10_000));
+    let w0 = key(&h, "w-0");
+    // The daemon was stopped from 10 s to 40 s; on waking, its swarm
+    // endpoint finds w-0 silent for 30 s (grace: 5 s).
+    h.handle_agent_gone(&w0, 30_000, t(40_000));
+    let gap = h.last_deaf_gap().expect("a 30 s gap is deaf");
+    assert_eq!((gap.from, gap.to, gap.agents), (t(10_000), t(40_000), 2));
+    match h.link(&w0.node) {
+        Some(Link::Away { until, .. }) => assert_eq!(until, t(45_000)),
+        other => panic!("{other:?}"),
+    }
+    // Back within that grace: nothing is replaced.
+    h.handle_timeout(t(44_000)).unwrap();
+    pump(&mut h, &mut journal, &[], t(44_000));
+    h.handle_agent_joined(&w0, t(44_000)).unwrap();
+    listen(&mut h, &mut journal, t(60_000));
+    assert_eq!(key(&h, "w-0").attempt, w0.attempt);
+    assert!(h.is_converged());
+}
+
+#[test]
+fn an_agent_away_when_the_host_went_deaf_gets_its_whole_grace_again() {
+    let (mut h, mut journal) = converged(2);
+    let w1 = key(&h, "w-1");
+    h.handle_agent_gone(&w1, 0, t(1_000));
+    // Its grace would end at 6 s; the host hears nothing from 1 s to 20 s.
+    h.handle_timeout(t(20_000)).unwrap();
+    match h.link(&w1.node) {
+        Some(Link::Away { until, .. }) => assert_eq!(until, t(25_000)),
+        other => panic!("{other:?}"),
+    }
+    pump(&mut h, &mut journal, &[], t(20_000));
+    assert_eq!(key(&h, "w-1").attempt, w1.attempt, "not lost at once");
+    // It never comes back: lost one grace after the host was back.
+    listen(&mut h, &mut journal, t(24_900));
+    assert_eq!(key(&h, "w-1").attempt, w1.attempt);
+    listen(&mut h, &mut journal, t(25_500));
+    let n = &h.core().state().nodes[&w1.node];
+    assert!(
+        n.attempt != w1.attempt || n.record.failed_reason() == Some(AWAY_PAST_GRACE),
+        "{n:#?}"
+    );
+}
+
+#[test]
+fn a_deaf_gap_moves_bootstrap_stall_deadlines_on_by_its_length() {
+    let mut d = driver();
+    d.update_desired(&shape(1, vec![group("w", 1)])).unwrap();
+    // Create, look up, start: the node waits on its stream.
+    for _ in 0..3 {
+        for dispatch in drain(&mut d, t(0)) {
+            assert_eq!(
+                d.handle_result(success(&dispatch), t(0)).unwrap(),
+                Folded::Applied
+            );
+        }
+    }
+    let w0 = node_id("w-0");
+    let before = d.state().nodes[&w0]
+        .record
+        .bootstrap_deadline
+        .expect("a stall deadline");
+    d.handle_unheard(t(100), t(60_100));
+    let after = d.state().nodes[&w0].record.bootstrap_deadline.unwrap();
+    assert_eq!(after, before.saturating_add_ms(60_000));
+    // At the old deadline nothing stalls.
+    d.handle_timeout(before).unwrap();
+    drain(&mut d, before);
+    assert_ne!(d.state().nodes[&w0].record.stage, NodeStage::Failed);
+}
+
+#[test]
+fn a_join_the_journal_holds_is_deferred_until_adoption_then_accepted() {
+    let (h, journal) = converged(2);
+    let w0 = key(&h, "w-0");
+    let listed: Vec<Listed> = ["w-0", "w-1"]
+        .iter()
+        .map(|n| {
+            let k = key(&h, n);
+            let rec = &h.core().state().nodes[&k.node].record;
+            Listed {
+                key: k,
+                lease: rec.lease.clone(),
+                session: rec.session.clone(),
+            }
+        })
+        .collect();
+    drop(h);
+    let mut next = host(Some(journal.clone()));
+    assert_eq!(
+        next.handle_agent_joined(&w0, t(0)),
+        Err(JoinRefused::NotYet(w0.node)),
+        "a restarted host that has not adopted yet defers, never says 'not a node'"
+    );
+    assert!(JoinRefused::NotYet(w0.node).is_transient());
+    // A stranger is refused as before.
+    let stranger = ResourceKey {
+        node: node_id("w-7"),
+        ..w0.clone()
+    };
+    assert_eq!(
+        next.handle_agent_joined(&stranger, t(0)),
+        Err(JoinRefused::UnknownNode(stranger.node))
+    );
+    let mut journal = journal;
+    pump(&mut next, &mut journal, &listed, t(10));
+    assert!(next.handle_agent_joined(&w0, t(20)).is_ok());
+}
+
+#[test]
+fn a_host_restarted_while_paused_re_attaches_its_running_nodes() {
+    let (mut h, mut journal) = converged(2);
+    assert_eq!(h.handle_pause(true, Ticket(2), t(5)), Ok(true));
+    pump(&mut h, &mut journal, &[], t(5));
+    assert!(journal.meta.paused);
+    let listed: Vec<Listed> = ["w-0", "w-1"]
+        .iter()
+        .map(|n| {
+            let k = key(&h, n);
+            let rec = &h.core().state().nodes[&k.node].record;
+            Listed {
+                key: k,
+                lease: rec.lease.clone(),
+                session: rec.session.clone(),
+            }
+        })
+        .collect();
+    let attempts: Vec<NodeAttemptId> = listed.iter().map(|l| l.key.attempt).collect();
+    drop(h);
+    let mut next = host(Some(journal.clone()));
+    assert!(next.is_paused());
+    let dispatched = pump(&mut next, &mut journal, &listed, t(100));
+    let kinds: Vec<EffectKind> = dispatched.iter().map(|d| d.request.kind()).collect();
+    assert!(
+        kinds
+            .iter()
+            .all(|k| matches!(k, EffectKind::LookupEndpoint | EffectKind::StartBootstrap)),
+        "only re-attachment while paused: {kinds:?}"
+    );
+    assert!(next.is_paused());
+    let now: Vec<NodeAttemptId> = ["w-0", "w-1"]
+        .iter()
+        .map(|n| key(&next, n).attempt)
+        .collect();
+    assert_eq!(now, attempts, "the same attempts, nothing new");
+    assert!(
+        ["w-0", "w-1"]
+            .iter()
+            .all(|n| next.core().state().nodes[&node_id(n)].is_ready()),
+        "{:#?}",
+        next.core().state()
+    );
+}
