@@ -8,13 +8,21 @@
 # Leaves the binary at target/release/swactor-agent (target/debug/... with
 # --debug), next to the swactor binary the same profile builds: the daemon
 # looks for it there first. `swactor up --agent-binary PATH` (or
-# $SWACTOR_AGENT_BINARY) names another.
+# $SWACTOR_AGENT_BINARY) names another. "target" is cargo's target
+# directory: $CARGO_TARGET_DIR when set (a relative one is taken from the
+# directory the script is run in), else whatever cargo's configuration
+# says, else target/ in the repository.
 #
 # The static build has its own tree under target/<host triple>/ (crt-static
 # changes every crate's flags, so nothing is shared with the normal build).
 # --drop-build removes that tree once the binary is copied out: CI does, to
 # keep its disk use down; keep it locally for fast rebuilds.
 set -euo pipefail
+# Resolved before the cd below, so it means what it meant to the caller.
+if [ -n "${CARGO_TARGET_DIR:-}" ]; then
+    CARGO_TARGET_DIR=$(realpath -m -- "$CARGO_TARGET_DIR")
+    export CARGO_TARGET_DIR
+fi
 cd "$(dirname "$0")/.."
 
 profile=release
@@ -41,9 +49,16 @@ CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_DEV_STRIP=debuginfo \
 CARGO_PROFILE_RELEASE_STRIP=debuginfo \
     cargo build "${flags[@]}" -p swactor --target "$host"
 
-built="target/$host/$profile/swactor"
-out="target/$profile/swactor-agent"
-mkdir -p "target/$profile"
+# Where cargo put it: the target directory as cargo itself resolves it.
+target=$(cargo metadata --no-deps --format-version 1 \
+    | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+if [ -z "$target" ]; then
+    echo "build-static-agent: cannot tell cargo's target directory from \`cargo metadata\`" >&2
+    exit 1
+fi
+built="$target/$host/$profile/swactor"
+out="$target/$profile/swactor-agent"
+mkdir -p "$target/$profile"
 cp "$built" "$out.tmp"
 mv "$out.tmp" "$out"
 # A dynamically linked ELF names its loader in a PT_INTERP header.
@@ -61,6 +76,6 @@ else
     echo "build-static-agent: warning: neither readelf nor file is installed; static linking not checked" >&2
 fi
 if [ "$drop_build" = 1 ]; then
-    rm -rf "target/$host"
+    rm -rf "${target:?}/$host"
 fi
 echo "$out ($(du -h "$out" | cut -f1)), sha256 $(sha256sum "$out" | cut -d' ' -f1)"

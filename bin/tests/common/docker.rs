@@ -68,7 +68,13 @@ pub fn agent_binary() -> PathBuf {
                 String::from_utf8_lossy(&out.stdout).trim(),
                 started.elapsed()
             );
-            root.join("target/debug/swactor-agent")
+            // The script leaves it in cargo's target directory, wherever
+            // that is (CARGO_TARGET_DIR included): the one holding the
+            // profile directory of the `swactor` under test.
+            let profile_dir = std::path::Path::new(super::BIN)
+                .parent()
+                .expect("the swactor binary is in a directory");
+            profile_dir.with_file_name("debug").join("swactor-agent")
         })
         .clone()
 }
