@@ -588,6 +588,16 @@ impl Provider for Metered {
 
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
         let started = Instant::now();
+        // Debug builds only: `SWACTOR_FAULT_LIST_DELAY_MS=N` holds every
+        // listing back N ms, so a test can make agents' joins reach a
+        // restarted daemon before it has adopted its journal.
+        #[cfg(debug_assertions)]
+        if let Some(ms) = std::env::var("SWACTOR_FAULT_LIST_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
         let r = self.inner.list(run_id).await;
         self.record("list", started, &r);
         r
