@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use swactor_provisioning::{
     AttemptRecord, BootstrapStage, ClusterState, DriverStats, EffectKind, Generation, GroupHold,
-    HoldKind, Intent, LadderRow, LeaseId, Link, LogicalNodeId, NodeAttemptId, NodeStage,
+    HoldKind, Intent, LadderRow, LeaseId, Link, LogicalNodeId, NextStep, NodeAttemptId, NodeStage,
     OperationId, Plan, ResourceKey, ShapeDiff, ShutdownMode, Timestamp,
 };
 
@@ -52,6 +52,10 @@ pub struct NodeSummary {
     /// the provider fills it in for people.
     #[serde(default)]
     pub resource: Option<String>,
+    /// What happens next to it, and when (the host's `next_step`); every view
+    /// words its waits from this.
+    #[serde(default)]
+    pub next: NextStep,
 }
 
 impl NodeSummary {
@@ -79,6 +83,7 @@ impl NodeSummary {
             agent,
             lease: n.record.lease.clone(),
             resource: None,
+            next: NextStep::Nothing,
         })
     }
 }
@@ -251,6 +256,10 @@ pub enum ClusterEvent {
         key: ResourceKey,
         /// End of its grace.
         grace_until: Timestamp,
+        /// Whether a new attempt follows if it is not back (not while
+        /// paused, nor while its group's breaker holds it).
+        #[serde(default = "yes")]
+        replaced: bool,
     },
     /// The daemon heard nothing at all from `from` to `to` (it was
     /// stopped, asleep or starved): no agent is blamed for that silence,
@@ -356,4 +365,8 @@ impl From<(Plan, ShapeDiff)> for PlanView {
             diff,
         }
     }
+}
+
+fn yes() -> bool {
+    true
 }

@@ -4,7 +4,7 @@ use crate::events::{ClusterEvent, ClusterSnapshot, NodeDescription, NodeSummary}
 use crate::msg::Subscription;
 use std::sync::Arc;
 use swactor_engine::telemetry::TelemetryPublisher;
-use swactor_provisioning::{Host, HostEvent, LogicalNodeId, Reconciler, Timestamp};
+use swactor_provisioning::{Host, HostEvent, LogicalNodeId, NextStep, Reconciler, Timestamp};
 use tokio::sync::broadcast;
 
 /// Local subscribers and, optionally, remote ones through the engine's publisher.
@@ -71,7 +71,7 @@ impl Telemetry {
     pub(crate) fn drain<C: Reconciler>(&mut self, host: &mut Host<C>, now: Timestamp) {
         while let Some(event) = host.poll_event() {
             let event = match event {
-                HostEvent::NodeChanged(node) => match summary(host, &node) {
+                HostEvent::NodeChanged(node) => match summary(host, &node, now) {
                     Some(summary) => ClusterEvent::Node(summary),
                     None => ClusterEvent::Removed { node },
                 },
@@ -127,7 +127,15 @@ impl Telemetry {
                 HostEvent::Collected { key, error } => ClusterEvent::Collected { key, error },
                 HostEvent::AgentJoined(key) => ClusterEvent::AgentJoined { key },
                 HostEvent::AgentDisconnected { key, grace_until } => {
-                    ClusterEvent::AgentDisconnected { key, grace_until }
+                    let replaced = matches!(
+                        host.next_step(&key.node, now),
+                        Some(NextStep::LostAt { replaced: true, .. })
+                    );
+                    ClusterEvent::AgentDisconnected {
+                        key,
+                        grace_until,
+                        replaced,
+                    }
                 }
                 HostEvent::Deaf(gap) => {
                     tracing::info!(
@@ -179,8 +187,14 @@ impl Telemetry {
     }
 }
 
-fn summary<C: Reconciler>(host: &Host<C>, node: &LogicalNodeId) -> Option<NodeSummary> {
-    NodeSummary::of(node, host.core().state(), host.link(node))
+fn summary<C: Reconciler>(
+    host: &Host<C>,
+    node: &LogicalNodeId,
+    now: Timestamp,
+) -> Option<NodeSummary> {
+    let mut summary = NodeSummary::of(node, host.core().state(), host.link(node))?;
+    summary.next = host.next_step(node, now).unwrap_or_default();
+    Some(summary)
 }
 
 /// One node in depth, or `None` if the host knows nothing of it.
@@ -196,7 +210,7 @@ pub(crate) fn describe<C: Reconciler>(
     }
     Some(NodeDescription {
         node: *node,
-        summary: summary(host, node),
+        summary: summary(host, node, now),
         desired: host.core().desires(node),
         lease: current.and_then(|n| n.record.lease.as_ref().map(|l| l.0.to_string())),
         bootstrap: current.and_then(|n| n.record.bootstrap),
@@ -220,7 +234,7 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         nodes: state
             .nodes
             .keys()
-            .filter_map(|id| summary(host, id))
+            .filter_map(|id| summary(host, id, now))
             .collect(),
         orphans: host.collecting().count(),
         shutting_down: host.shutting_down(),

@@ -7,8 +7,8 @@ use crate::shapefile::{ShapeFile, over_own_capacity};
 use crate::state::{DaemonHolder, StateDir};
 use crate::term::{Table, stdout_width};
 use crate::words::{
-    ago, bootstrap_words, clock, cut_long_words, effect_words, nodes, retry_cell, stage_word,
-    state_cell, state_text, state_word, until,
+    ago, bootstrap_words, clock, cut_long_words, effect_words, next_words, nodes, retry_cell,
+    stage_word, state_cell, state_text, state_word,
 };
 use anyhow::{Context, Result, bail};
 use std::collections::{BTreeMap, HashMap};
@@ -21,7 +21,7 @@ use swactor_engine::net::{
     ALPN_CONTROL, EndpointTicket, NetConfig, bind_endpoint, codes, connect, recv_frame, send_frame,
 };
 use swactor_engine::telemetry::{SubscribeError, TelemetryFrame, subscribe};
-use swactor_provisioning::{LogicalNodeId, Timestamp};
+use swactor_provisioning::{LogicalNodeId, NextStep, Timestamp};
 
 /// How long a daemon that holds its state directory may take to answer a
 /// dial. One that holds none is reported at once, without a dial. 1.5 s
@@ -614,10 +614,21 @@ pub(crate) async fn replace(state_dir: &Path, node: &str) -> Result<()> {
     let ControlResponse::Replaced { node, attempt } = answer else {
         return Err(unexpected(&answer));
     };
+    // What follows the cleanup is the cluster's to say: nothing new starts
+    // while it is paused.
+    let paused = match one(state_dir, ControlRequest::Status).await {
+        Ok(ControlResponse::Status(snap)) => snap.paused,
+        _ => false,
+    };
+    let then = if paused {
+        "no new attempt starts while the cluster is paused (`swactor resume` goes on)"
+    } else {
+        "then a new attempt starts (`swactor status` shows it)"
+    };
     let mut out = Out::new();
     out.line(format!(
         "{node}: its attempt a{attempt} is failed (replaced by the operator) and is cleaned \
-         up, then a new attempt starts (`swactor status` shows it)"
+         up; {then}"
     ))?;
     out.flush()?;
     Ok(())
@@ -696,22 +707,10 @@ fn status_table(s: &ClusterSnapshot) -> Table {
         if resources {
             cells.push(n.resource.clone().unwrap_or_else(|| "-".to_owned()));
         }
-        cells.extend([
-            n.failures.to_string(),
-            held_retry(retry_cell(n, s.now), s.paused),
-        ]);
+        cells.extend([n.failures.to_string(), retry_cell(n, s.now)]);
         table.row(cells, n.last_error.clone().unwrap_or_default());
     }
     table
-}
-
-/// A retry that a pause holds back says so, rather than a time.
-pub(crate) fn held_retry(cell: String, paused: bool) -> String {
-    if paused && cell != "-" {
-        "paused".to_owned()
-    } else {
-        cell
-    }
 }
 
 /// Prints a status, each line after `prefix`, fitted to `width` columns if given.
@@ -820,19 +819,15 @@ fn print_description(
                 f => format!(" ({f} failures since it was last ready)"),
             };
             facts.push(("attempt", format!("{}{failures}", n.attempt)));
-            if let Some(at) = n.next_retry_at {
-                facts.push(("next retry", until(at, now)));
+            if matches!(n.next, NextStep::RetryAt(_) | NextStep::Held(_)) {
+                facts.push(("next retry", next_words(n.next, now)));
             }
             facts.push((
                 "agent",
                 match n.agent {
                     AgentLink::Connected => "connected".to_owned(),
                     AgentLink::NotJoined => "not joined to this daemon".to_owned(),
-                    AgentLink::Away { grace_until } if grace_until > now => format!(
-                        "disconnected; replaced unless it is back {}",
-                        until(grace_until, now)
-                    ),
-                    AgentLink::Away { .. } => "disconnected; its grace is over".to_owned(),
+                    AgentLink::Away { .. } => format!("disconnected; {}", next_words(n.next, now)),
                 },
             ));
             if let Some(p) = n.pending {

@@ -239,7 +239,7 @@ impl View {
                     n.attempt.to_string(),
                     state_cell(n, now),
                     n.failures.to_string(),
-                    crate::client::held_retry(retry_cell(n, now), self.paused),
+                    retry_cell(n, now),
                 ],
                 n.last_error.clone().unwrap_or_default(),
             );
@@ -352,11 +352,21 @@ pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
             }
             line
         }
-        ClusterEvent::AgentDisconnected { key, grace_until } => format!(
-            "{} {}: agent disconnected; replaced unless it is back {}",
+        ClusterEvent::AgentDisconnected {
+            key,
+            grace_until,
+            replaced,
+        } => format!(
+            "{} {}: agent disconnected; {}",
             key.node,
             key.attempt,
-            crate::words::until(*grace_until, now)
+            crate::words::next_words(
+                swactor_provisioning::NextStep::LostAt {
+                    at: *grace_until,
+                    replaced: *replaced,
+                },
+                now
+            )
         ),
         ClusterEvent::TeardownStarted { generation } => {
             format!("tearing down (generation {})", generation.0)

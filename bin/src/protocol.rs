@@ -394,6 +394,11 @@ mod tests {
                     u64::from(i) + 1_000_000
                 ))),
                 resource: Some("container 0123456789ab".to_owned()),
+                // The largest a next step is on the wire.
+                next: swactor_provisioning::NextStep::LostAt {
+                    at: Timestamp::from_millis(123_456_789),
+                    replaced: true,
+                },
             })
             .collect();
         let snap = ClusterSnapshot {

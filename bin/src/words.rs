@@ -5,7 +5,9 @@
 //! `Dormant` in one place and `ready` in another.
 
 use swactor_actors::{AgentLink, NodeSummary};
-use swactor_provisioning::{BootstrapStage, Change, EffectKind, Intent, NodeStage, Timestamp};
+use swactor_provisioning::{
+    BootstrapStage, Change, EffectKind, Intent, NextStep, NodeStage, Timestamp,
+};
 
 /// Where a node is, in one word.
 ///
@@ -48,33 +50,54 @@ pub(crate) fn stage_word(stage: NodeStage) -> &'static str {
     }
 }
 
-/// [`state_word`] with what it waits for: `failed, retrying in 12 s`,
-/// `restarting in 3 s`, `disconnected (grace for 4 s more)`.
+/// [`state_word`] with what happens next, as the daemon's core says it
+/// ([`NextStep`]): `failed, retrying in 12 s`, `restarting in 3 s`,
+/// `disconnected (grace for 4 s more)`, `failed, held: paused`.
 pub(crate) fn state_text(n: &NodeSummary, now: Timestamp) -> String {
     let word = state_word(n);
-    if let AgentLink::Away { grace_until } = n.agent
-        && word == "disconnected"
-    {
-        return if grace_until > now {
-            format!(
-                "disconnected (grace for {} more)",
-                span_up(grace_until.saturating_since(now))
-            )
-        } else {
-            "disconnected (grace over)".to_owned()
-        };
-    }
-    match n.next_retry_at {
-        Some(at) if word == "restarting" => format!("restarting {}", until(at, now)),
-        Some(at) if waits_to_retry(word) => format!("{word}, retrying {}", until(at, now)),
-        _ => word.to_owned(),
+    match n.next {
+        NextStep::LostAt { at, replaced } => {
+            let then = if replaced {
+                ""
+            } else {
+                "; not replaced while paused"
+            };
+            if at > now {
+                format!(
+                    "{word} (grace for {} more{then})",
+                    span_up(at.saturating_since(now))
+                )
+            } else {
+                format!("{word} (grace over{then})")
+            }
+        }
+        NextStep::RetryAt(at) if word == "restarting" => format!("restarting {}", until(at, now)),
+        NextStep::RetryAt(at) => format!("{word}, retrying {}", until(at, now)),
+        NextStep::Held(by) => format!("{word}, held: {by}"),
+        NextStep::Nothing | NextStep::Working | NextStep::Leaving => word.to_owned(),
     }
 }
 
-/// Whether a node in this state will be tried again at its `next_retry_at`
-/// (a ready node has nothing to retry, and a deleted one is not retried).
-fn waits_to_retry(word: &str) -> bool {
-    !matches!(word, "ready" | "deleting" | "deleted" | "disconnected")
+/// What comes next, for one column or one fact: `in 12 s`, `now`, `held:
+/// paused`, or `-` when nothing is waited for.
+pub(crate) fn next_words(next: NextStep, now: Timestamp) -> String {
+    match next {
+        NextStep::RetryAt(at) => until(at, now),
+        NextStep::Held(by) => format!("held: {by}"),
+        NextStep::LostAt { at, replaced } => {
+            let then = if replaced {
+                "replaced"
+            } else {
+                "lost; not replaced while paused"
+            };
+            if at > now {
+                format!("{then} unless back {}", until(at, now))
+            } else {
+                format!("{then}: grace over")
+            }
+        }
+        NextStep::Nothing | NextStep::Working | NextStep::Leaving => "-".to_owned(),
+    }
 }
 
 /// The STATE column, next to a RETRY column: the word, and for a
@@ -86,10 +109,10 @@ pub(crate) fn state_cell(n: &NodeSummary, now: Timestamp) -> String {
     }
 }
 
-/// The RETRY column: `in 12 s`, `now`, or `-`.
+/// The RETRY column: `in 12 s`, `now`, `held: paused`, or `-`.
 pub(crate) fn retry_cell(n: &NodeSummary, now: Timestamp) -> String {
-    match n.next_retry_at {
-        Some(at) if waits_to_retry(state_word(n)) => until(at, now),
+    match n.next {
+        NextStep::RetryAt(_) | NextStep::Held(_) => next_words(n.next, now),
         _ => "-".to_owned(),
     }
 }
@@ -304,6 +327,7 @@ mod tests {
             agent: AgentLink::NotJoined,
             lease: None,
             resource: None,
+            next: NextStep::Nothing,
         }
     }
 
@@ -340,6 +364,7 @@ mod tests {
         assert_eq!(state_word(&leaving), "deleting");
         leaving.stage = NodeStage::Destroyed;
         leaving.next_retry_at = Some(at(5_000));
+        leaving.next = NextStep::Leaving;
         assert_eq!(state_word(&leaving), "deleted");
         assert_eq!(
             retry_cell(&leaving, at(0)),
@@ -353,27 +378,46 @@ mod tests {
         assert_eq!(state_text(&failed, at(0)), "failed");
         failed.stage = NodeStage::Destroyed;
         failed.next_retry_at = Some(at(2_000));
+        failed.next = NextStep::RetryAt(at(2_000));
         assert_eq!(state_text(&failed, at(0)), "failed, retrying in 2 s");
+        // The same wait held by a pause: no time is promised.
+        failed.next = NextStep::Held(swactor_provisioning::HeldBy::Paused);
+        assert_eq!(state_text(&failed, at(0)), "failed, held: paused");
+        assert_eq!(retry_cell(&failed, at(0)), "held: paused");
     }
 
     #[test]
     fn waits_are_relative_to_the_clusters_clock() {
         let mut n = node(NodeStage::Failed);
         n.next_retry_at = Some(at(112_000));
+        n.next = NextStep::RetryAt(at(112_000));
         assert_eq!(state_text(&n, at(100_000)), "failed, retrying in 12 s");
         assert_eq!(retry_cell(&n, at(100_000)), "in 12 s");
         assert_eq!(retry_cell(&n, at(113_000)), "now");
         let mut down = node(NodeStage::Destroyed);
         down.next_retry_at = Some(at(100_200));
+        down.next = NextStep::RetryAt(at(100_200));
         assert_eq!(state_text(&down, at(100_000)), "restarting in 1 s");
         let mut away = node(NodeStage::Dormant);
         away.ready = true;
         away.agent = AgentLink::Away {
             grace_until: at(104_000),
         };
+        away.next = NextStep::LostAt {
+            at: at(104_000),
+            replaced: true,
+        };
         assert_eq!(
             state_text(&away, at(100_000)),
             "disconnected (grace for 4 s more)"
+        );
+        away.next = NextStep::LostAt {
+            at: at(104_000),
+            replaced: false,
+        };
+        assert_eq!(
+            state_text(&away, at(100_000)),
+            "disconnected (grace for 4 s more; not replaced while paused)"
         );
         assert_eq!(ago(at(0), at(180_000)), "3 min ago");
         assert_eq!(ago(at(0), at(500)), "just now");

@@ -116,6 +116,24 @@ fn pausing_during_convergence_freezes_dispatches() {
         d.last_log()
     );
     no_new_agents_for(&state, &allowed, Duration::from_secs(4), "after restart");
+    // Its running agents re-attach while paused: each one's node is ready
+    // again (not "creating" for as long as the pause lasts).
+    let running = agent_ids(&state);
+    assert!(!running.is_empty());
+    wait_for(
+        Duration::from_secs(30),
+        "the running nodes ready again while paused",
+        || {
+            status(&state).is_some_and(|s| {
+                s.paused
+                    && running.iter().all(|(node, attempt)| {
+                        s.nodes.iter().any(|n| {
+                            n.node.to_string() == *node && n.attempt.0 == *attempt && n.ready
+                        })
+                    })
+            })
+        },
+    );
     assert!(
         paused_status(&state).nodes.len() <= 3,
         "nothing inserted after the restart"

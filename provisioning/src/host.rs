@@ -855,6 +855,54 @@ pub enum Link {
     },
 }
 
+/// What happens next to a node, and when, as [`Host::next_step`] tells it:
+/// the one answer `status`, `describe`, `watch`, `plan`, `up`'s table and
+/// the dashboard all give, so no view promises a retry that will not come.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NextStep {
+    /// Nothing: the node is ready (or unknown).
+    #[default]
+    Nothing,
+    /// It moves on by itself: an operation is out, or its agent is being
+    /// waited for.
+    Working,
+    /// Its next try (an effect, or a new attempt) is due at this instant.
+    RetryAt(Timestamp),
+    /// Its agent is away: the attempt fails at `at` unless the agent is
+    /// back; `replaced` says whether a new attempt follows (not while paused).
+    LostAt {
+        /// When its grace ends.
+        at: Timestamp,
+        /// Whether a new attempt follows then.
+        replaced: bool,
+    },
+    /// Nothing happens to it until the hold clears.
+    Held(HeldBy),
+    /// It is being cleaned up and removed (or replaced once that is done).
+    Leaving,
+}
+
+/// What holds a node back (see [`NextStep::Held`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HeldBy {
+    /// Reconciling is paused (`swactor pause`).
+    Paused,
+    /// Its group's remediation breaker is tripped (`max_unhealthy`).
+    Remediation,
+    /// Its group's rollout stopped on a failing node, or waits for its budget.
+    Rollout,
+}
+
+impl fmt::Display for HeldBy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Paused => "paused",
+            Self::Remediation => "remediation paused",
+            Self::Rollout => "rollout stopped",
+        })
+    }
+}
+
 /// A stretch of time in which the host was handed no input at all, longer
 /// than [`ReconcilerConfig::listen_gap_ms`]: the daemon around it could not
 /// have heard its agents (its process was stopped, its machine slept, its
@@ -1289,6 +1337,89 @@ impl<C: Reconciler> Host<C> {
         self.last_input
             .filter(|_| watching)
             .map(|at| at.saturating_add_ms(self.core.config().listen_watch_ms()))
+    }
+
+    /// What happens next to `node`, and when (see [`NextStep`]); `None`
+    /// for a slot the host holds no node for.
+    ///
+    /// It reads what the ladder will do: a pause holds every create,
+    /// restart and replacement (cleanups still run); a tripped breaker
+    /// holds its group's away agents and restarts; a stopped or spent
+    /// rollout holds its group's outdated ready nodes.
+    pub fn next_step(&self, node: &LogicalNodeId, now: Timestamp) -> Option<NextStep> {
+        let n = self.core.state().nodes.get(node)?;
+        let paused = self.core.is_paused();
+        let desired = self.core.desired().slot(node);
+        if n.record.stage == NodeStage::Destroyed {
+            // Cleaned up: reaped if its slot is gone, else a new attempt.
+            let Some(template) = desired else {
+                return Some(NextStep::Leaving);
+            };
+            if paused {
+                return Some(NextStep::Held(HeldBy::Paused));
+            }
+            if crate::shape::same_template(template, &n.template)
+                && self
+                    .core
+                    .desired()
+                    .group(&node.group)
+                    .is_some_and(|g| g.policy.max_unhealthy.is_some())
+                && self.breaker(&node.group).is_some()
+            {
+                return Some(NextStep::Held(HeldBy::Remediation));
+            }
+            return Some(NextStep::RetryAt(
+                n.record.restart_at.unwrap_or(now).max(now),
+            ));
+        }
+        if n.intent == Intent::Deleting {
+            return Some(match n.retry.next_effect_at {
+                Some(at) if at > now && n.pending.is_none() => NextStep::RetryAt(at),
+                _ => NextStep::Leaving,
+            });
+        }
+        if let Some(Link::Away { attempt, until }) = self.links.get(node).copied()
+            && attempt == n.attempt
+        {
+            return Some(if self.held_lost.contains(node) {
+                NextStep::Held(HeldBy::Remediation)
+            } else {
+                NextStep::LostAt {
+                    at: until,
+                    replaced: !paused,
+                }
+            });
+        }
+        if n.pending.is_some() {
+            return Some(NextStep::Working);
+        }
+        if n.record.stage == NodeStage::Failed {
+            // Its cleanup begins at the next pass, paused or not.
+            return Some(NextStep::Leaving);
+        }
+        if n.is_ready() {
+            let outdated = desired.is_some_and(|t| !crate::shape::same_template(t, &n.template));
+            if outdated && !paused && self.holds.contains_key(&(node.group, HoldKind::Rollout)) {
+                return Some(NextStep::Held(HeldBy::Rollout));
+            }
+            return Some(if outdated && paused {
+                NextStep::Held(HeldBy::Paused)
+            } else {
+                NextStep::Nothing
+            });
+        }
+        if paused && !n.record.resuming {
+            // A live attempt is not advanced while paused (its stream is
+            // still heard, and a join still makes it ready).
+            return Some(match n.record.stage {
+                NodeStage::BootstrapRunning | NodeStage::SwactorJoined => NextStep::Working,
+                _ => NextStep::Held(HeldBy::Paused),
+            });
+        }
+        Some(match n.retry.next_effect_at {
+            Some(at) if at > now => NextStep::RetryAt(at),
+            _ => NextStep::Working,
+        })
     }
 
     /// The latest deaf gap: two inputs further apart than

@@ -52,11 +52,11 @@ pub use driver::{
     Pass, PassStats, UpdateError,
 };
 pub use host::{
-    ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
-    EARLY_OBSERVATIONS_MAX, GroupHold, HoldKind, Host, HostConfig, HostError, HostEvent, HostFold,
-    JOURNAL_FORMAT, JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness,
-    Output, PauseError, REPLACED_BY_OPERATOR, AWAY_PAST_GRACE, DeafGap, ReplaceError, Reply, ShutdownMode, ShutdownReport,
-    SlotRecord, Ticket,
+    AWAY_PAST_GRACE, ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
+    DeafGap, EARLY_OBSERVATIONS_MAX, GroupHold, HeldBy, HoldKind, Host, HostConfig, HostError,
+    HostEvent, HostFold, JOURNAL_FORMAT, JoinRefused, JournalDelta, JournalImage, JournalMeta,
+    Link, Listed, Liveness, NextStep, Output, PauseError, REPLACED_BY_OPERATOR, ReplaceError,
+    Reply, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
 };
 pub use id::{
     GROUP_NAMES_MAX, Generation, GroupId, ID_LEN_MAX, IdError, IdString, LeaseId, LogicalNodeId,
