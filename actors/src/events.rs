@@ -260,6 +260,10 @@ pub enum ClusterEvent {
         /// paused, nor while its group's breaker holds it).
         #[serde(default = "yes")]
         replaced: bool,
+        /// The cluster's clock when it was noticed: its grace is told
+        /// against this, not against a viewer's idea of the clock.
+        #[serde(default)]
+        at: Timestamp,
     },
     /// The daemon heard nothing at all from `from` to `to` (it was
     /// stopped, asleep or starved): no agent is blamed for that silence,

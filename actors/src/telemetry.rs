@@ -135,6 +135,7 @@ impl Telemetry {
                         key,
                         grace_until,
                         replaced,
+                        at: now,
                     }
                 }
                 HostEvent::Deaf(gap) => {

@@ -356,6 +356,7 @@ pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
             key,
             grace_until,
             replaced,
+            at,
         } => format!(
             "{} {}: agent disconnected; {}",
             key.node,
@@ -365,7 +366,13 @@ pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
                     at: *grace_until,
                     replaced: *replaced,
                 },
-                now
+                // The grace as it stood when the daemon noticed: a
+                // viewer's clock (from a snapshot that may be old) is not.
+                if *at > Timestamp::from_millis(0) {
+                    *at
+                } else {
+                    now
+                }
             )
         ),
         ClusterEvent::TeardownStarted { generation } => {
@@ -395,4 +402,47 @@ pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
         } => format!("group {group}: remediation resumed (back within max_unhealthy)"),
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_provisioning::{LogicalNodeId, NodeAttemptId, ResourceKey, RunId};
+
+    fn disconnected(at: u64, grace_until: u64, replaced: bool) -> ClusterEvent {
+        ClusterEvent::AgentDisconnected {
+            key: ResourceKey {
+                run_id: RunId::new("r"),
+                node: LogicalNodeId::parse("worker-0").unwrap(),
+                attempt: NodeAttemptId(7),
+            },
+            grace_until: Timestamp::from_millis(grace_until),
+            replaced,
+            at: Timestamp::from_millis(at),
+        }
+    }
+
+    #[test]
+    fn a_disconnection_tells_its_grace_as_the_daemon_saw_it_not_by_a_stale_clock() {
+        // The viewer's clock came from a snapshot 6 s old: the grace left
+        // is still the 3 s the daemon saw, not 9 s.
+        let line = note(
+            &disconnected(100_000, 103_000, true),
+            Timestamp::from_millis(94_000),
+        );
+        assert_eq!(
+            line.as_deref(),
+            Some("worker-0 a7: agent disconnected; replaced unless back in 3 s")
+        );
+        let paused = note(
+            &disconnected(100_000, 103_000, false),
+            Timestamp::from_millis(0),
+        );
+        assert_eq!(
+            paused.as_deref(),
+            Some(
+                "worker-0 a7: agent disconnected; lost unless back in 3 s (not replaced while paused)"
+            )
+        );
+    }
 }

@@ -84,18 +84,15 @@ pub(crate) fn next_words(next: NextStep, now: Timestamp) -> String {
     match next {
         NextStep::RetryAt(at) => until(at, now),
         NextStep::Held(by) => format!("held: {by}"),
-        NextStep::LostAt { at, replaced } => {
-            let then = if replaced {
-                "replaced"
-            } else {
-                "lost; not replaced while paused"
-            };
-            if at > now {
-                format!("{then} unless back {}", until(at, now))
-            } else {
-                format!("{then}: grace over")
-            }
-        }
+        NextStep::LostAt { at, replaced } => match (replaced, at > now) {
+            (true, true) => format!("replaced unless back {}", until(at, now)),
+            (true, false) => "replaced: its grace is over".to_owned(),
+            (false, true) => format!(
+                "lost unless back {} (not replaced while paused)",
+                until(at, now)
+            ),
+            (false, false) => "lost; not replaced while paused".to_owned(),
+        },
         NextStep::Nothing | NextStep::Working | NextStep::Leaving => "-".to_owned(),
     }
 }
