@@ -3,7 +3,7 @@
 
 use crate::guard;
 use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
-use crate::shapefile::{ShapeFile, over_own_capacity};
+use crate::shapefile::{ShapeFile, capacity_refusal, offline_capacities};
 use crate::state::{DaemonHolder, StateDir};
 use crate::term::{Table, stdout_width};
 use crate::words::{
@@ -347,14 +347,15 @@ impl Out {
     }
 }
 
-/// `swactor validate SHAPE`: every check that needs no daemon.
+/// `swactor validate SHAPE`: every check that needs no daemon, the
+/// capacity of this machine included (as `up` would check it).
 ///
 /// # Errors
 /// The shape is not one a daemon would take; the error says why.
 pub(crate) fn validate(shape: &Path) -> Result<()> {
     let file = ShapeFile::load(shape)?;
     let checked = file.check(1)?;
-    if let Some(refused) = over_own_capacity(&checked, 0) {
+    if let Some(refused) = capacity_refusal(&checked, None, &offline_capacities()) {
         bail!("{refused}");
     }
     let total = checked.node_count();

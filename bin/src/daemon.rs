@@ -104,12 +104,17 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let ndjson = ndjson_config()?;
     let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
     let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
-    let agent_binary = AgentBinary::find(opts.agent_binary.as_deref())?;
-    // A shape that rents Vast.ai machines needs the key before anything else.
-    let vast_key = vast_key(file.as_ref())?;
     // A fresh state directory: the whole shape is new, and whether to go
     // ahead is settled before the directory is even made.
     let fresh = !opts.state_dir.join("journal.redb").exists();
+    if fresh && file.is_none() {
+        // Refused before anything is made: a mistyped --state-dir is left
+        // as it was (or absent).
+        return Err(nothing_to_resume(&opts.state_dir));
+    }
+    let agent_binary = AgentBinary::find(opts.agent_binary.as_deref())?;
+    // A shape that rents Vast.ai machines needs the key before anything else.
+    let vast_key = vast_key(file.as_ref())?;
     if let Some(shape) = checked.as_ref().filter(|_| fresh) {
         confirm_start(None, shape, opts.yes).await?;
     }
@@ -560,11 +565,7 @@ impl Start {
     ) -> Result<Self> {
         let Some(image) = journal else {
             let Some(file) = file else {
-                anyhow::bail!(
-                    "there is nothing to resume in {}: no daemon has run here yet. \
-                     Give a shape, e.g. `swactor up examples/local.toml`",
-                    dir.display()
-                );
+                return Err(nothing_to_resume(dir));
             };
             return Ok(Self {
                 run_id: file.run_id(),
@@ -634,6 +635,15 @@ impl Start {
     }
 }
 
+/// Why `up` without a shape cannot start in `dir`: no daemon has run there.
+fn nothing_to_resume(dir: &Path) -> anyhow::Error {
+    anyhow::anyhow!(
+        "there is nothing to resume in {}: no daemon has run here yet. Give a shape, e.g. \
+         `swactor up examples/local.toml`",
+        dir.display()
+    )
+}
+
 /// `up SHAPE`: once the earlier daemon's nodes are adopted, applies the
 /// shape (its plan was shown before the daemon started), with the same rules
 /// as `apply`.
@@ -654,20 +664,21 @@ async fn offer_on_start(cluster: &ClusterHandle, run_id: &RunId, file: &ShapeFil
 
 /// Shows what `shape` changes on the cluster the journal `image` records
 /// (none: a fresh state directory) and asks when it destroys, replaces or
-/// creates many nodes, unless `yes`. Runs before the daemon starts anything.
+/// creates many nodes, unless `yes`. Runs before the daemon starts anything,
+/// so a shape the daemon would refuse on capacity is refused here, with the
+/// same check and the same words, and nothing starts.
 ///
 /// # Errors
-/// The shape grows past its own `capacity`, or the change was not confirmed.
+/// The shape grows past its own `capacity` or what the providers can hold,
+/// or the change was not confirmed.
 async fn confirm_start(
     image: Option<&JournalImage>,
     shape: &swactor_provisioning::ClusterShape,
     yes: bool,
 ) -> Result<()> {
-    let current = image.and_then(|i| i.meta.shape.as_ref()).map_or(0, |s| {
-        s.validate()
-            .map_or_else(|_| s.node_count(), |d| d.peak_node_count())
-    });
-    if let Some(refused) = crate::shapefile::over_own_capacity(shape, current) {
+    let current = image.and_then(|i| i.meta.shape.as_ref());
+    let capacities = crate::shapefile::offline_capacities();
+    if let Some(refused) = crate::shapefile::capacity_refusal(shape, current, &capacities) {
         anyhow::bail!("{refused}");
     }
     let diff = crate::guard::diff_from_journal(image, shape);

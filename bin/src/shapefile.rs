@@ -5,9 +5,11 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use swactor_provisioning::{
-    BootParams, ClusterShape, Generation, GroupShape, NodeLimits, ParamValue, PolicyShape,
-    ProviderShape, Quantity, RunId, ShapeError, SwarmJoin,
+    BootParams, Capacity, ClusterShape, DesiredState, GROUP_COUNT_MAX, Generation, GroupField,
+    GroupShape, NodeLimits, ParamValue, PolicyShape, ProviderShape, Quantity, RunId, ShapeError,
+    SwarmJoin,
 };
+use toml::Spanned;
 
 use crate::words::cut;
 
@@ -155,20 +157,17 @@ fn placement(hosts: &[HostEntry]) -> BTreeMap<String, ParamValue> {
 }
 
 impl ShapeFile {
-    /// Parses TOML; errors name the line and column.
+    /// Parses TOML; errors name the line and column and, for a value of
+    /// the wrong type or an unknown key, the group and the key as the file
+    /// writes them (`group "worker": count must be a whole number, not "lots"`).
     ///
     /// # Errors
-    /// Malformed TOML or an unknown field.
+    /// Malformed TOML, an unknown key or a value of the wrong type.
     pub(crate) fn parse(text: &str, origin: &str) -> Result<Self> {
         toml::from_str(text).map_err(|e| {
             let (line, col) = e.span().map(|s| line_col(text, s.start)).unwrap_or((0, 0));
-            let message = match e.message().trim_end() {
-                m if m.contains("untagged enum HostEntry") => {
-                    "a host is \"user@host:port\" or { host = \"user@host:port\", labels = [\"…\"] }, \
-                     with no other keys"
-                }
-                m => m,
-            };
+            let message =
+                in_file_words(text, &e).unwrap_or_else(|| e.message().trim_end().to_owned());
             anyhow::anyhow!(
                 "{origin}:{line}:{col}: {message} (the shape file is not valid; nothing was changed)"
             )
@@ -199,17 +198,16 @@ impl ShapeFile {
         for (i, g) in self.groups.iter().enumerate() {
             if !SUPPORTED_PROVIDERS.contains(&g.provider.as_str()) {
                 bail!(
-                    "group[{i}] ({:?}) asks for provider {:?}, which this daemon cannot drive; \
-                     supported: {}",
-                    cut(&g.id),
+                    "{}: provider {:?} is not one this daemon can drive; supported: {}",
+                    group_name(i, Some(&g.id)),
                     cut(&g.provider),
                     SUPPORTED_PROVIDERS.join(", ")
                 );
             }
             if !g.hosts.is_empty() && !PLACED_ON_HOSTS.contains(&g.provider.as_str()) {
                 bail!(
-                    "group[{i}] ({:?}) lists `hosts`, which provider {:?} does not use (only {} does)",
-                    cut(&g.id),
+                    "{}: lists `hosts`, which provider {:?} does not use (only {} does)",
+                    group_name(i, Some(&g.id)),
                     cut(&g.provider),
                     PLACED_ON_HOSTS.join(", ")
                 );
@@ -293,20 +291,21 @@ impl ShapeFile {
         let mut spend_cap: Option<(f64, String)> = None;
         for g in &desired.groups {
             let checked = match g.template.provider.kind.as_str() {
+                "process" => swactor_providers::process::check_template(&g.template),
                 "ssh" => swactor_providers::ssh::check_template(&g.template),
                 "docker" => swactor_providers::docker::check_template(&g.template),
                 "vast" => swactor_providers::vast::check_template(&g.template),
                 _ => Ok(()),
             };
             checked.map_err(|e| {
-                anyhow::anyhow!("group {}: {e}; nothing was changed", cut(g.id.as_str()))
+                anyhow::anyhow!("group {:?}: {e}; nothing was changed", cut(g.id.as_str()))
             })?;
             if g.template.provider.kind == "vast"
                 && let Some(cap) = swactor_providers::vast::spend_cap_of(&g.template)
             {
                 match &spend_cap {
                     Some((first, by)) if (first - cap).abs() > 1e-9 => bail!(
-                        "group {} sets spend_cap_dph = {cap} but group {by} sets {first}: the cap \
+                        "group {:?} sets spend_cap_dph = {cap} but group {by:?} sets {first}: the cap \
                          covers the whole run, so every vast group that sets it must set the \
                          same value; nothing was changed",
                         cut(g.id.as_str())
@@ -332,30 +331,77 @@ impl ShapeFile {
     }
 }
 
-/// The refusal, if `shape` (of `nodes` nodes) grows a cluster of `current`
-/// nodes past the shape's own `capacity`; as the daemon decides, a shape may
-/// always shrink.
-pub(crate) fn over_own_capacity(shape: &ClusterShape, current: u64) -> Option<String> {
-    let capacity = shape.capacity?;
-    // Counted at the peak of a rollout: surge nodes are machines too.
-    let (nodes, surge) = match shape.validate() {
-        Ok(d) => (d.peak_node_count(), d.peak_node_count() - d.node_count()),
-        Err(_) => (shape.node_count(), 0),
-    };
-    let with_surge = if surge > 0 {
-        format!(" (counting up to {surge} surge node(s) of a rollout)")
-    } else {
-        String::new()
-    };
-    (nodes > capacity && nodes > current).then(|| {
-        format!(
-            "the shape asks for {nodes} nodes{with_surge}, more than its own `capacity` of \
-             {capacity}; nothing was changed"
-        )
-    })
+/// What a shape is checked against before any daemon is asked: the
+/// capacities providers set of their own accord, as a daemon's providers
+/// report them ([`swactor_providers::Provider::capacity`]). Only `process`
+/// sets one (this machine's memory); the others leave the limit to the
+/// shape's own `capacity`.
+pub(crate) fn offline_capacities() -> Vec<Capacity> {
+    swactor_providers::process::machine_capacity()
+        .into_iter()
+        .collect()
 }
 
-/// A shape error in words, with any value it echoes cut to a readable length.
+/// The refusal, if `shape` would grow a cluster that holds `current` (a
+/// journal's shape; `None` for a new cluster) past its own `capacity` or
+/// past one of `capacities`: the check a running daemon makes of every
+/// shape ([`swactor_provisioning::check_capacity`]), in the words it
+/// answers with. A shape may always shrink.
+pub(crate) fn capacity_refusal(
+    shape: &ClusterShape,
+    current: Option<&ClusterShape>,
+    capacities: &[Capacity],
+) -> Option<String> {
+    let now = current
+        .and_then(|s| s.validate().ok())
+        .unwrap_or_else(|| DesiredState::empty(shape.run_id.clone(), Generation(0)));
+    let refused = swactor_provisioning::check_capacity(shape, &now, capacities).err()?;
+    Some(crate::control::refusal(
+        &swactor_actors::ClusterError::Apply(refused),
+    ))
+}
+
+/// A group as messages name it: `group "worker"`, or by its place in the
+/// file when it has no id to go by (`the 2nd [[group]]`).
+fn group_name(index: usize, id: Option<&str>) -> String {
+    match id {
+        Some(id) if !id.is_empty() => format!("group {:?}", cut(id)),
+        _ => format!("the {} [[group]]", ordinal(index + 1)),
+    }
+}
+
+/// `1st`, `2nd`, `3rd`, `4th`, …, `11th`, `21st`.
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
+/// A group's field as the shape file writes it, where [`GroupField`] names
+/// it as [`GroupShape`] holds it (`join.lost_grace_s` is `lost_grace_s`).
+fn file_key(field: &GroupField) -> String {
+    match field {
+        GroupField::ProviderKind => "provider".to_owned(),
+        GroupField::Role => "role".to_owned(),
+        GroupField::Param(path) => format!("params.{path}"),
+        // `hosts` (and labels, which only strings fill) are written in the group.
+        GroupField::Placement(path) => path.clone(),
+        GroupField::LostGraceS => "lost_grace_s".to_owned(),
+        GroupField::EndpointTimeoutS => "endpoint_timeout_s".to_owned(),
+        GroupField::BootTimeoutS => "boot_timeout_s".to_owned(),
+        GroupField::MaxUnavailable => "max_unavailable".to_owned(),
+        GroupField::MaxSurge => "max_surge".to_owned(),
+        GroupField::MaxUnhealthy => "max_unhealthy".to_owned(),
+    }
+}
+
+/// A shape error in the shape file's words: a group by its id, a field by
+/// its key in the file, any value it echoes cut to a readable length.
 pub(crate) fn shape_error(e: &ShapeError) -> String {
     match e {
         ShapeError::RunId { value, source } => format!("run {:?} {source}", cut(value)),
@@ -363,14 +409,278 @@ pub(crate) fn shape_error(e: &ShapeError) -> String {
             index,
             value,
             source,
-        } => format!("groups[{index}].id {:?} {source}", cut(value)),
-        ShapeError::DuplicateGroup { index, first, id } => {
+        } => format!(
+            "the id {:?} of the {} [[group]] {source}",
+            cut(value),
+            ordinal(index + 1)
+        ),
+        ShapeError::DuplicateGroup { index, first, id } => format!(
+            "group {:?} is declared twice (the {} and the {} [[group]]); each group needs an id \
+             of its own",
+            cut(id),
+            ordinal(first + 1),
+            ordinal(index + 1)
+        ),
+        ShapeError::CountTooLarge { index, id, count } => format!(
+            "{}: count is {count}; a group may have at most {GROUP_COUNT_MAX}",
+            group_name(*index, Some(id))
+        ),
+        ShapeError::BadNumber {
+            index,
+            id,
+            field,
+            value,
+            range,
+        } => {
+            let finite = value.parse::<f64>().is_ok_and(f64::is_finite);
             format!(
-                "groups[{index}].id {:?} is already used by groups[{first}]",
-                cut(id)
+                "{}: {} must be a {}number{range} (got {})",
+                group_name(*index, Some(id)),
+                file_key(field),
+                if finite { "" } else { "finite " },
+                value.to_lowercase()
             )
         }
+        ShapeError::EmptyField { index, id, field } => format!(
+            "{}: {} must not be empty",
+            group_name(*index, Some(id)),
+            file_key(field)
+        ),
+        ShapeError::BadPercent {
+            index,
+            id,
+            field,
+            value,
+        } => format!(
+            "{}: {} must be a percentage from 0% to 100% (got {value})",
+            group_name(*index, Some(id)),
+            file_key(field)
+        ),
         other => crate::words::cut_long_words(&other.to_string()),
+    }
+}
+
+/// A TOML document as where each of its keys and values is, read again
+/// after a typed parse failed to find what its error points at.
+enum Spot {
+    Table(Vec<(Spanned<String>, Spanned<Spot>)>),
+    List(Vec<Spanned<Spot>>),
+    Str(String),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Spot {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Any;
+        impl<'de> serde::de::Visitor<'de> for Any {
+            type Value = Spot;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any TOML value")
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Spot, E> {
+                Ok(Spot::Other)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Spot, E> {
+                Ok(Spot::Other)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Spot, E> {
+                Ok(Spot::Other)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Spot, E> {
+                Ok(Spot::Other)
+            }
+            fn visit_str<E>(self, s: &str) -> Result<Spot, E> {
+                Ok(Spot::Str(s.to_owned()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Spot, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
+                }
+                Ok(Spot::List(items))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Spot, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(key) = map.next_key()? {
+                    entries.push((key, map.next_value()?));
+                }
+                Ok(Spot::Table(entries))
+            }
+        }
+        d.deserialize_any(Any)
+    }
+}
+
+/// One step of a path into a document: a key, or an item of a list.
+enum Step<'a> {
+    Key(&'a str),
+    Item(usize),
+}
+
+/// The path to the innermost key or value that holds `span`. A table's
+/// span may leave out its sub-tables (`[group.params]` lies outside the
+/// span of its `[[group]]`), so every branch is searched, not only those
+/// whose span holds it.
+fn path_to<'a>(spot: &'a Spot, span: &std::ops::Range<usize>) -> Option<Vec<Step<'a>>> {
+    let holds = |s: std::ops::Range<usize>| s.start <= span.start && span.end <= s.end;
+    let within = |step: Step<'a>, value: &'a Spanned<Spot>| {
+        let deeper = path_to(value.get_ref(), span);
+        if deeper.is_none() && !holds(value.span()) {
+            return None;
+        }
+        let mut path = vec![step];
+        path.extend(deeper.unwrap_or_default());
+        Some(path)
+    };
+    match spot {
+        Spot::Table(entries) => entries.iter().find_map(|(k, v)| {
+            if holds(k.span()) {
+                // The key itself (an unknown one): nothing further in.
+                Some(vec![Step::Key(k.get_ref())])
+            } else {
+                within(Step::Key(k.get_ref()), v)
+            }
+        }),
+        Spot::List(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| within(Step::Item(i), v)),
+        Spot::Str(_) | Spot::Other => None,
+    }
+}
+
+/// The string at `key` of table `spot`, if there is one.
+fn str_at<'a>(spot: &'a Spot, key: &str) -> Option<&'a str> {
+    let Spot::Table(entries) = spot else {
+        return None;
+    };
+    entries
+        .iter()
+        .find(|(k, _)| k.get_ref() == key)
+        .and_then(|(_, v)| match v.get_ref() {
+            Spot::Str(s) => Some(s.as_str()),
+            _ => None,
+        })
+}
+
+/// What a failed typed parse of `text` means, in the file's words: which
+/// group (by its id), which key (`count`, `params.xs[1]`), and what it
+/// must be. `None` when the error points nowhere, or the text is not TOML
+/// at all: then toml's own words are the ones that help.
+fn in_file_words(text: &str, e: &toml::de::Error) -> Option<String> {
+    let span = e.span()?;
+    let root: Spot = toml::from_str(text).ok()?;
+    let path = path_to(&root, &span).unwrap_or_default();
+    let (who, rest) = match path.as_slice() {
+        [Step::Key("group"), Step::Item(i), rest @ ..] => {
+            let i = *i;
+            let Spot::Table(top) = &root else {
+                return None;
+            };
+            let id = top
+                .iter()
+                .find(|(k, _)| k.get_ref() == "group")
+                .and_then(|(_, groups)| match groups.get_ref() {
+                    Spot::List(groups) => groups.get(i),
+                    _ => None,
+                })
+                .and_then(|g| str_at(g.get_ref(), "id"));
+            (Some(group_name(i, id)), rest)
+        }
+        rest => (None, rest),
+    };
+    let mut key = String::new();
+    for step in rest {
+        match step {
+            Step::Key(k) if key.is_empty() => key.push_str(k),
+            Step::Key(k) => {
+                key.push('.');
+                key.push_str(k);
+            }
+            Step::Item(i) => key.push_str(&format!("[{i}]")),
+        }
+    }
+    let message = e.message().trim_end();
+    let what = if let Some((got, want)) = message
+        .strip_prefix("invalid type: ")
+        .or_else(|| message.strip_prefix("invalid value: "))
+        .and_then(|m| m.split_once(", expected "))
+    {
+        let out_of_range = message.starts_with("invalid value: ");
+        format!(
+            "{key} must be {}, not {}",
+            expected_words(want, out_of_range),
+            got_words(got)
+        )
+    } else if let Some(name) = message
+        .strip_prefix("missing field `")
+        .and_then(|m| m.strip_suffix('`'))
+    {
+        format!("{name} is required")
+    } else if let Some(known) = message
+        .strip_prefix("unknown field `")
+        .and_then(|m| m.split_once("`, expected "))
+    {
+        let (name, expected) = known;
+        let expected = expected.strip_prefix("one of ").unwrap_or(expected);
+        format!("unknown key `{name}`; the keys here are {expected}")
+    } else if message.contains("untagged enum HostEntry") {
+        format!(
+            "{key}: a host is \"user@host:port\" or {{ host = \"user@host:port\", labels = \
+             [\"…\"] }}, with no other keys"
+        )
+    } else if message.contains("untagged enum ParamValue") {
+        format!("{key} must be a string, a number, true or false, or a list of those")
+    } else if key.is_empty() {
+        message.to_owned()
+    } else {
+        format!("{key}: {message}")
+    };
+    Some(match who {
+        Some(who) => format!("{who}: {what}"),
+        None => what,
+    })
+}
+
+/// What serde expected, as a shape's author would say it.
+fn expected_words(want: &str, out_of_range: bool) -> String {
+    let whole = |max: u64| {
+        if out_of_range {
+            format!("a whole number from 0 to {max}")
+        } else {
+            "a whole number".to_owned()
+        }
+    };
+    match want {
+        "u8" => whole(u8::MAX.into()),
+        "u16" => whole(u16::MAX.into()),
+        "u32" => whole(u32::MAX.into()),
+        "u64" | "usize" => whole(u64::MAX),
+        "i8" | "i16" | "i32" | "i64" | "isize" => "a whole number".to_owned(),
+        "f32" | "f64" => "a number".to_owned(),
+        "a boolean" => "true or false".to_owned(),
+        "a sequence" => "a list".to_owned(),
+        "a map" => "a table".to_owned(),
+        w if w.starts_with("struct ") => "a table".to_owned(),
+        w => w.to_owned(),
+    }
+}
+
+/// A value serde did not take, as TOML writes it: `"lots"`, `-1`, `true`,
+/// `a list`.
+fn got_words(got: &str) -> String {
+    if let Some(quoted) = got.strip_prefix("string ") {
+        return quoted.to_owned();
+    }
+    match got {
+        "sequence" => return "a list".to_owned(),
+        "map" => return "a table".to_owned(),
+        _ => {}
+    }
+    // `integer `-1``, `floating point `1.5``, `boolean `true``.
+    match got.split_once(" `") {
+        Some((_, value)) => value.trim_end_matches('`').to_owned(),
+        None => got.to_owned(),
     }
 }
 
@@ -480,18 +790,168 @@ mod tests {
 
     #[test]
     fn own_capacity_refuses_growth_only() {
-        let f = ShapeFile::parse(
-            "run = \"r\"\ncapacity = 5\n[[group]]\nid = \"w\"\ncount = 8\nprovider = \"process\"\n",
-            "x",
-        )
-        .unwrap();
-        let shape = f.check(1).unwrap();
-        let e = over_own_capacity(&shape, 0).unwrap();
+        let body = |count: u32| {
+            format!(
+                "run = \"r\"\ncapacity = 5\n[[group]]\nid = \"w\"\ncount = {count}\nprovider = \"process\"\n"
+            )
+        };
+        let shape = ShapeFile::parse(&body(8), "x").unwrap().check(1).unwrap();
+        let e = capacity_refusal(&shape, None, &[]).unwrap();
         assert!(
             e.contains("8 nodes") && e.contains("`capacity` of 5"),
             "{e}"
         );
-        assert_eq!(over_own_capacity(&shape, 10), None, "shrinking from 10");
+        let ten = ShapeFile::parse(&body(10), "x").unwrap().check(1).unwrap();
+        assert_eq!(
+            capacity_refusal(&shape, Some(&ten), &[]),
+            None,
+            "shrinking from 10"
+        );
+    }
+
+    #[test]
+    fn a_shape_past_this_machines_memory_is_refused_offline_as_a_daemon_would() {
+        let body = |capacity: &str| {
+            format!(
+                "run = \"r\"\n{capacity}[[group]]\nid = \"w\"\ncount = 100000\nprovider = \"process\"\n\
+                 [[group]]\nid = \"far\"\ncount = 5\nprovider = \"ssh\"\nhosts = [\"root@192.0.2.1\"]\n"
+            )
+        };
+        let memory = Capacity {
+            kind: "process".to_owned(),
+            nodes: 300,
+            basis: "this machine's memory".to_owned(),
+        };
+        let shape = ShapeFile::parse(&body(""), "x").unwrap().check(1).unwrap();
+        let e = capacity_refusal(&shape, None, std::slice::from_ref(&memory)).unwrap();
+        assert_eq!(
+            e,
+            "the shape asks for 100000 nodes, but this machine's memory allows at most 300; \
+             nothing was changed (a top-level `capacity = N` in the shape allows more)"
+        );
+        // The shape's own capacity goes past the estimate on purpose.
+        let own = ShapeFile::parse(&body("capacity = 200000\n"), "x")
+            .unwrap()
+            .check(1)
+            .unwrap();
+        assert_eq!(capacity_refusal(&own, None, &[memory]), None);
+        // What `validate` checks against is what the process provider reports.
+        assert_eq!(
+            offline_capacities().first().map(|c| c.kind.as_str()),
+            swactor_providers::process::machine_capacity()
+                .as_ref()
+                .map(|c| c.kind.as_str())
+        );
+    }
+
+    #[test]
+    fn validation_names_groups_by_id_and_keys_as_the_file_writes_them() {
+        let group = |extra: &str| {
+            format!(
+                "run = \"r\"\n[[group]]\nid = \"worker\"\ncount = 1\nprovider = \"process\"\n{extra}"
+            )
+        };
+        let refused = |body: String| match ShapeFile::parse(&body, "s.toml") {
+            Ok(file) => file.check(1).unwrap_err().to_string(),
+            Err(e) => e.to_string(),
+        };
+        for (extra, want) in [
+            (
+                "lost_grace_s = -1\n",
+                "group \"worker\": lost_grace_s must be a number >= 0 (got -1)",
+            ),
+            (
+                "boot_timeout_s = inf\n",
+                "group \"worker\": boot_timeout_s must be a finite number > 0 (got inf)",
+            ),
+            ("role = \"\"\n", "group \"worker\": role must not be empty"),
+            (
+                "max_surge = \"150%\"\n",
+                "group \"worker\": max_surge must be a percentage from 0% to 100% (got 150%)",
+            ),
+            (
+                "[group.params]\nratio = nan\n",
+                "group \"worker\": params.ratio must be a finite number (got nan)",
+            ),
+            (
+                "[group.params]\nmemory_mb = 256\n",
+                "group \"worker\": unknown parameter `memory_mb` (the process provider takes none)",
+            ),
+            (
+                "[[group]]\nid = \"worker\"\ncount = 1\nprovider = \"process\"\n",
+                "group \"worker\" is declared twice (the 1st and the 2nd [[group]])",
+            ),
+        ] {
+            let e = refused(group(extra));
+            assert!(e.contains(want), "{extra}: {e}");
+            assert!(!e.contains("groups["), "{extra}: {e}");
+        }
+        let e = refused(group("").replace("count = 1", "count = \"lots\""));
+        assert!(
+            e.starts_with(
+                "s.toml:4:9: group \"worker\": count must be a whole number, not \"lots\""
+            ),
+            "{e}"
+        );
+        let e = refused(group("").replace("count = 1", "count = -1"));
+        assert!(
+            e.contains(
+                "group \"worker\": count must be a whole number from 0 to 4294967295, not -1"
+            ),
+            "{e}"
+        );
+        let e = refused(group("env = { A = 1 }\nboot_check = [\"true\"]\n"));
+        assert!(
+            e.contains("group \"worker\": env.A must be a string, not 1"),
+            "{e}"
+        );
+        let e = refused(group("[group.params]\nxs = [1, { a = 1 }]\n"));
+        assert!(
+            e.contains("group \"worker\": params.xs must be a string, a number"),
+            "{e}"
+        );
+        let e = refused(group("").replace("provider = \"process\"\n", ""));
+        assert!(e.contains("group \"worker\": provider is required"), "{e}");
+        let e = refused(
+            group("")
+                .replace("id = \"worker\"\n", "")
+                .replace("count = 1", "count = 1.5"),
+        );
+        assert!(
+            e.contains("the 1st [[group]]: count must be a whole number, not 1.5"),
+            "{e}"
+        );
+        let e = refused(group("").replace("provider = \"process\"", "provider = \"aws\""));
+        assert!(
+            e.starts_with("group \"worker\": provider \"aws\" is not one this daemon can drive"),
+            "{e}"
+        );
+        let e = refused(group("").replace("id = \"worker\"", "id = \"Worker\""));
+        assert!(
+            e.contains("the id \"Worker\" of the 1st [[group]] must start with a lowercase letter"),
+            "{e}"
+        );
+        // Values of provider parameters are shown as the file writes them.
+        let e = refused(
+            group("").replace(
+                "provider = \"process\"",
+                "provider = \"docker\"\nimage = \"a\"",
+            ) + "[group.params]\nimage = \"b\"\n",
+        );
+        assert!(
+            e.contains("the group's `image` is \"a\"") && !e.contains("boot.image"),
+            "{e}"
+        );
+        let e = refused(
+            group("").replace("provider = \"process\"", "provider = \"docker\"")
+                + "[group.params]\nmemory_mb = \"lots\"\n",
+        );
+        assert!(
+            e.contains(
+                "group \"worker\": `memory_mb` must be a whole number of megabytes, not \"lots\""
+            ),
+            "{e}"
+        );
     }
 
     #[test]
@@ -510,7 +970,7 @@ mod tests {
         check(group("a", "max_dph = 0.5\nspend_cap_dph = 2.0")).unwrap();
         let e = check(group("a", "max_dph = 0")).unwrap_err().to_string();
         assert!(
-            e.contains("group a") && e.contains("`max_dph` must be more than 0"),
+            e.contains("group \"a\"") && e.contains("`max_dph` must be more than 0"),
             "{e}"
         );
         let e = check(group("a", "max_dph = 1.0\nnum_gpu = 2"))
@@ -523,7 +983,10 @@ mod tests {
             group("b", "max_dph = 0.5\nspend_cap_dph = 3.0")
         );
         let e = check(two).unwrap_err().to_string();
-        assert!(e.contains("spend_cap_dph = 3 but group a sets 2"), "{e}");
+        assert!(
+            e.contains("spend_cap_dph = 3 but group \"a\" sets 2"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -625,7 +625,7 @@ fn the_cli_checks_its_input_offline() {
         ),
         (
             "run = \"x\"\n[[group]]\nid = \"Bad\"\ncount = 1\nprovider = \"process\"\n",
-            "groups[0].id",
+            "the id \"Bad\" of the 1st [[group]]",
         ),
         (
             "run = \"x\"\ncapacity = 2\n[[group]]\nid = \"w\"\ncount = 3\nprovider = \"process\"\n",
@@ -641,7 +641,7 @@ fn the_cli_checks_its_input_offline() {
         ),
         (
             "run = \"x\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\nmax_unavailable = \"150%\"\n",
-            "groups[0].max_unavailable is 150%; a percentage must be between 0% and 100%",
+            "group \"w\": max_unavailable must be a percentage from 0% to 100% (got 150%)",
         ),
         (
             "run = \"x\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"process\"\nmax_unhealthy = \"two\"\n",
@@ -653,6 +653,154 @@ fn the_cli_checks_its_input_offline() {
         assert_eq!(o.status.code(), Some(1), "{body}");
         assert!(stderr(&o).contains(needle), "{body}: {}", stderr(&o));
     }
+}
+
+/// `swactor validate BODY` in `dir`: its exit code and what it said.
+fn validate_body(dir: &Path, body: &str) -> (Option<i32>, String) {
+    let file = shape_file(dir, "shape.toml", body);
+    let o = run(&["validate", file.to_str().unwrap()]);
+    (o.status.code(), text(&o))
+}
+
+#[test]
+fn validation_messages_name_groups_and_keys_as_the_shape_file_writes_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let group = |provider: &str, extra: &str| {
+        format!(
+            "run = \"x\"\n[[group]]\nid = \"worker\"\ncount = 1\nprovider = \"{provider}\"\n{extra}"
+        )
+    };
+    for (body, want) in [
+        (
+            group("process", "lost_grace_s = -1\n"),
+            "group \"worker\": lost_grace_s must be a number >= 0 (got -1)",
+        ),
+        (
+            group("process", "").replace("count = 1", "count = \"lots\""),
+            "shape.toml:4:9: group \"worker\": count must be a whole number, not \"lots\"",
+        ),
+        (
+            group("docker", "image = \"a\"\n[group.params]\nimage = \"b\"\n"),
+            "group \"worker\": `image` in [group.params] is \"b\" but the group's `image` is \"a\"",
+        ),
+        (
+            group(
+                "ssh",
+                "hosts = [\"root@192.0.2.1\"]\n[group.params]\ntrust_on_first_use = \"lots\"\n",
+            ),
+            "`trust_on_first_use` must be true or false, not \"lots\"",
+        ),
+        (
+            group("aws", ""),
+            "group \"worker\": provider \"aws\" is not one this daemon can drive",
+        ),
+    ] {
+        let (code, said) = validate_body(tmp.path(), &body);
+        assert_eq!(code, Some(1), "{body}: {said}");
+        assert!(said.contains(want), "{body}: {said}");
+        for internal in [
+            "groups[",
+            "group[",
+            "boot.image",
+            "join.",
+            "Str(",
+            "expected u32",
+        ] {
+            assert!(!said.contains(internal), "{body}: {internal} in {said}");
+        }
+    }
+}
+
+#[test]
+fn a_process_group_refuses_unknown_params_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (code, said) = validate_body(
+        tmp.path(),
+        &format!("{}[group.params]\ncpus = 2\n", workers("x", 1)),
+    );
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains(
+            "group \"worker\": unknown parameter `cpus` (the process provider takes none)"
+        ),
+        "{said}"
+    );
+}
+
+#[test]
+fn validate_refuses_a_shape_past_this_machines_capacity_as_up_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (code, said) = validate_body(tmp.path(), &workers("x", 100_000));
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("the shape asks for 100000 nodes, but this machine's")
+            && said.contains("allows at most")
+            && said.contains("nothing was changed"),
+        "{said}"
+    );
+    // Its own `capacity` lets it past the estimate, as it does for `up`.
+    let (code, said) = validate_body(
+        tmp.path(),
+        &format!("capacity = 100000\n{}", workers("x", 100_000)),
+    );
+    assert_eq!(code, Some(0), "{said}");
+}
+
+#[test]
+fn up_refuses_a_shape_past_this_machines_capacity_before_starting_anything() {
+    let tmp = tempfile::tempdir().unwrap();
+    let huge = shape_file(tmp.path(), "huge.toml", &workers("cli-huge", 100_000));
+    // A fresh state directory: not even made.
+    let state = tmp.path().join("state");
+    let o = cli(&state, &["up", huge.to_str().unwrap(), "--yes"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("the shape asks for 100000 nodes, but this machine's"),
+        "{err}"
+    );
+    assert!(!err.contains("dashboard at"), "no daemon started: {err}");
+    assert!(!err.contains("daemon for run"), "no daemon started: {err}");
+    assert!(!state.exists(), "nothing was made");
+
+    // Next to a journal, refused as early: the stopped run stays as it was.
+    let one = shape_file(tmp.path(), "one.toml", &workers("cli-huge", 1));
+    let o = cli(
+        &state,
+        &["up", one.to_str().unwrap(), "--until-converged", "--keep"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let agents_before = agents(&state);
+    let o = cli(&state, &["up", huge.to_str().unwrap(), "--yes"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("allows at most") && !err.contains("dashboard at"),
+        "{err}"
+    );
+    assert!(!state.join("daemon.ticket").exists());
+    assert_eq!(agents(&state), agents_before, "its agent was left alone");
+    kill_agents(&state);
+}
+
+#[test]
+fn up_without_a_shape_on_a_fresh_state_directory_leaves_nothing_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let absent = tmp.path().join("absent");
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    for state in [&absent, &empty] {
+        let o = cli(state, &["up"]);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert!(
+            stderr(&o).contains("there is nothing to resume in"),
+            "{}",
+            text(&o)
+        );
+    }
+    assert!(!absent.exists(), "not made");
+    let left: Vec<_> = std::fs::read_dir(&empty).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }
 
 /// The README's first command, without a terminal: four nodes are created

@@ -176,7 +176,11 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
     );
     let o = cli(&state, &["up", invalid.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("groups[0].id"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the id \"Bad_Id\" of the 1st [[group]]"),
+        "{}",
+        stderr(&o)
+    );
     assert!(!state.join("daemon.ticket").exists(), "nothing was started");
 
     // Through `apply` on a running daemon.
@@ -206,7 +210,7 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
         (&other_run, "this daemon manages run"),
         (&bad_toml, "bad.toml:3:9"),
         (&unknown, "provider \"aws\""),
-        (&invalid, "groups[0].id"),
+        (&invalid, "the id \"Bad_Id\" of the 1st [[group]]"),
     ] {
         let o = cli(&state, &["apply", file.to_str().unwrap(), "--yes"]);
         assert_eq!(o.status.code(), Some(1), "{}", file.display());

@@ -132,6 +132,38 @@ pub const LOG_POLL_INTERVAL_MAX: Duration = Duration::from_secs(10);
 /// workload need room too).
 pub const AGENT_MEMORY_BYTES: u64 = 64 << 20;
 
+/// Checks a `process` group's template as its author wrote it: the provider
+/// takes no parameters, so any is refused by name (as the `docker` and
+/// `ssh` providers refuse the ones they do not know).
+///
+/// # Errors
+/// The first problem, worded for the shape's author.
+pub fn check_template(template: &NodeTemplate) -> Result<(), String> {
+    match template.provider.params.keys().next() {
+        Some(name) => Err(format!(
+            "unknown parameter `{name}` (the process provider takes none)"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// How many agents this machine can hold: its available memory at
+/// [`AGENT_MEMORY_BYTES`] each; `None` when that cannot be read. It is the
+/// [`ProcessProvider`]'s [`Provider::capacity`], and needs no provider, so
+/// that a shape can be checked against it before a daemon starts.
+pub fn machine_capacity() -> Option<swactor_provisioning::Capacity> {
+    let available = available_memory_bytes()?;
+    Some(swactor_provisioning::Capacity {
+        kind: "process".to_owned(),
+        nodes: available / AGENT_MEMORY_BYTES,
+        basis: format!(
+            "this machine's {:.1} GiB of available memory at {} MiB per agent",
+            available as f64 / f64::from(1u32 << 30),
+            AGENT_MEMORY_BYTES >> 20
+        ),
+    })
+}
+
 /// How long a stop waits for a group to vanish after SIGKILL before calling the outcome unknown.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How often a stop checks whether the group is gone.
@@ -1109,16 +1141,7 @@ impl Provider for ProcessProvider {
     }
 
     fn capacity(&self) -> Option<swactor_provisioning::Capacity> {
-        let available = available_memory_bytes()?;
-        Some(swactor_provisioning::Capacity {
-            kind: self.kind().to_owned(),
-            nodes: available / AGENT_MEMORY_BYTES,
-            basis: format!(
-                "this machine's {:.1} GiB of available memory at {} MiB per agent",
-                available as f64 / f64::from(1u32 << 30),
-                AGENT_MEMORY_BYTES >> 20
-            ),
-        })
+        machine_capacity()
     }
 
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {

@@ -915,3 +915,18 @@ fn a_config_left_at_its_unset_values_is_rejected_field_by_field() {
         })
     ));
 }
+
+#[test]
+fn a_process_group_refuses_any_parameter_by_name() {
+    let mut t = template();
+    assert_eq!(swactor_providers::process::check_template(&t), Ok(()));
+    t.provider.params.insert(
+        "memory_mb".to_owned(),
+        swactor_provisioning::ParamValue::Int(256),
+    );
+    let e = swactor_providers::process::check_template(&t).unwrap_err();
+    assert_eq!(
+        e,
+        "unknown parameter `memory_mb` (the process provider takes none)"
+    );
+}

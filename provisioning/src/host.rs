@@ -1262,55 +1262,7 @@ impl<C: Reconciler> Host<C> {
         if shape.run_id != self.meta.run_id {
             return Ok(());
         }
-        let Ok(next) = shape.validate() else {
-            return Ok(());
-        };
-        // Counted at their peak: a rollout's surge slots are machines too.
-        let peak = |d: &DesiredState, kind: Option<&str>| -> (u64, u64) {
-            d.groups
-                .iter()
-                .filter(|g| kind.is_none_or(|k| g.template.provider.kind == k))
-                .map(|g| {
-                    (
-                        u64::from(g.count),
-                        u64::from(g.policy.max_surge_of(g.count)),
-                    )
-                })
-                .fold((0, 0), |(n, s), (gn, gs)| (n + gn + gs, s + gs))
-        };
-        // A shape may always shrink, even one already over a limit.
-        let refuse = |(nodes, surge): (u64, u64), now: u64, capacity: u64, basis: &str| {
-            (nodes > capacity && nodes > now).then(|| ApplyError::OverCapacity {
-                nodes,
-                surge: if surge > 0 {
-                    format!(" (counting up to {surge} surge node(s) of a rollout)")
-                } else {
-                    String::new()
-                },
-                capacity,
-                basis: basis.to_owned(),
-            })
-        };
-        let desired = self.core.desired();
-        if let Some(capacity) = shape.capacity {
-            // The shape's own limit overrides the providers' estimates.
-            return match refuse(
-                peak(&next, None),
-                peak(desired, None).0,
-                capacity,
-                "the shape's `capacity`",
-            ) {
-                Some(e) => Err(e),
-                None => Ok(()),
-            };
-        }
-        for c in &self.config.capacities {
-            let now = peak(desired, Some(c.kind.as_str())).0;
-            if let Some(e) = refuse(peak(&next, Some(c.kind.as_str())), now, c.nodes, &c.basis) {
-                return Err(e);
-            }
-        }
-        Ok(())
+        crate::capacity::check_capacity(shape, self.core.desired(), &self.config.capacities)
     }
 
     /// The earliest instant the host needs waking: the core's deadline, a

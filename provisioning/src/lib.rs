@@ -24,6 +24,7 @@
 //! one dispatched effect of an attempt. Providers key every external resource on
 //! a [`ResourceKey`] (run, slot, attempt) and adopt before creating.
 
+mod capacity;
 mod config;
 mod core;
 mod decide;
@@ -39,6 +40,7 @@ mod shape;
 mod state;
 mod time;
 
+pub use capacity::check_capacity;
 pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
 pub use core::Reconciler;
 pub use decide::{
@@ -69,8 +71,8 @@ pub use observe::{
 };
 pub use rollout::{Breaker, GroupPolicy, PERCENT_MAX, Quantity};
 pub use shape::{
-    BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupShape,
-    LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, PolicyShape, ProviderShape,
+    BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupField,
+    GroupShape, LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, PolicyShape, ProviderShape,
     SHAPE_NODES_MAX, ShapeError, SwarmJoin, same_template,
 };
 pub use state::{

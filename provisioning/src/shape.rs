@@ -127,6 +127,37 @@ pub enum ParamValue {
     List(Vec<ParamValue>),
 }
 
+/// Most items of a list a [`ParamValue`] shows; the rest are said as `…`.
+const PARAM_LIST_SHOWN: usize = 8;
+
+/// As it would be written in a TOML shape file (`"gpu"`, `2`, `0.5`,
+/// `true`, `[1, 2]`), for messages: a list shows its first
+/// [`PARAM_LIST_SHOWN`] items and then `…`.
+impl std::fmt::Display for ParamValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Bool(b) => write!(f, "{b}"),
+            Self::Int(i) => write!(f, "{i}"),
+            // `{:?}` keeps the point of a whole float (`1.0`), as TOML does.
+            Self::Float(x) => write!(f, "{x:?}"),
+            Self::Str(s) => write!(f, "{s:?}"),
+            Self::List(items) => {
+                f.write_str("[")?;
+                for (i, item) in items.iter().take(PARAM_LIST_SHOWN).enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    write!(f, "{item}")?;
+                }
+                if items.len() > PARAM_LIST_SHOWN {
+                    write!(f, ", … ({} items)", items.len())?;
+                }
+                f.write_str("]")
+            }
+        }
+    }
+}
+
 /// How the agent is started and checked on a leased machine.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct BootParams {
@@ -222,7 +253,10 @@ pub(crate) fn seconds_to_ms(s: f64) -> u64 {
     (s * 1000.0) as u64
 }
 
-/// Why a shape was rejected. Each variant names the offending field.
+/// Why a shape was rejected. Each variant names the offending field, in
+/// the names of [`ClusterShape`] (`groups[2].join.lost_grace_s`); a group's
+/// problem carries the group's position and id, and the field as a
+/// [`GroupField`], so a front end can say it in the names its users write.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum ShapeError {
     /// The run id is malformed.
@@ -268,6 +302,8 @@ pub enum ShapeError {
     CountTooLarge {
         /// Position of the group.
         index: usize,
+        /// The group's id.
+        id: String,
         /// The declared count.
         count: u32,
     },
@@ -284,29 +320,86 @@ pub enum ShapeError {
         count: usize,
     },
     /// A number is NaN or infinite, or out of its range.
-    #[error("{field} is {value}; it must be a finite number{range}")]
+    #[error("groups[{index}].{field} is {value}; it must be a finite number{range}")]
     BadNumber {
-        /// Path of the field.
-        field: String,
+        /// Position of the group.
+        index: usize,
+        /// The group's id.
+        id: String,
+        /// The field.
+        field: GroupField,
         /// The rejected value, as text.
         value: String,
         /// Extra range requirement, e.g. " >= 0".
         range: &'static str,
     },
     /// A required string is empty.
-    #[error("{field} must not be empty")]
+    #[error("groups[{index}].{field} must not be empty")]
     EmptyField {
-        /// Path of the field.
-        field: String,
+        /// Position of the group.
+        index: usize,
+        /// The group's id.
+        id: String,
+        /// The field.
+        field: GroupField,
     },
     /// A percentage above 100.
-    #[error("{field} is {value}; a percentage must be between 0% and 100%")]
+    #[error("groups[{index}].{field} is {value}; a percentage must be between 0% and 100%")]
     BadPercent {
-        /// Path of the field.
-        field: String,
+        /// Position of the group.
+        index: usize,
+        /// The group's id.
+        id: String,
+        /// The field.
+        field: GroupField,
         /// The rejected value, as text.
         value: String,
     },
+}
+
+/// A field of a [`GroupShape`] that validation can refuse. It displays as
+/// its path in the group (`join.lost_grace_s`, `provider.params.xs[1]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupField {
+    /// `provider.kind`.
+    ProviderKind,
+    /// `role`.
+    Role,
+    /// A provider parameter: `provider.params.{0}`, where the path names
+    /// an item of a list as `name[i]`.
+    Param(String),
+    /// A placement entry: `provider.placement.{0}`, paths as for
+    /// [`GroupField::Param`].
+    Placement(String),
+    /// `join.lost_grace_s`.
+    LostGraceS,
+    /// `limits.endpoint_timeout_s`.
+    EndpointTimeoutS,
+    /// `limits.boot_timeout_s`.
+    BootTimeoutS,
+    /// `max_unavailable`.
+    MaxUnavailable,
+    /// `max_surge`.
+    MaxSurge,
+    /// `max_unhealthy`.
+    MaxUnhealthy,
+}
+
+impl std::fmt::Display for GroupField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::ProviderKind => f.write_str("provider.kind"),
+            Self::Role => f.write_str("role"),
+            Self::Param(path) => write!(f, "provider.params.{path}"),
+            Self::Placement(path) => write!(f, "provider.placement.{path}"),
+            Self::LostGraceS => f.write_str("join.lost_grace_s"),
+            Self::EndpointTimeoutS => f.write_str("limits.endpoint_timeout_s"),
+            Self::BootTimeoutS => f.write_str("limits.boot_timeout_s"),
+            Self::MaxUnavailable => f.write_str("max_unavailable"),
+            Self::MaxSurge => f.write_str("max_surge"),
+            Self::MaxUnhealthy => f.write_str("max_unhealthy"),
+        }
+    }
 }
 
 /// Everything about a slot that an attempt is created from. Immutable per
@@ -589,64 +682,72 @@ impl ClusterShape {
                     run: self.run_id.as_str().to_owned(),
                 });
             }
+            let id = || g.id.clone();
             if g.count > GROUP_COUNT_MAX {
                 return Err(ShapeError::CountTooLarge {
                     index,
+                    id: id(),
                     count: g.count,
                 });
             }
             total += u64::from(g.count);
+            let empty = |field| ShapeError::EmptyField {
+                index,
+                id: id(),
+                field,
+            };
             if g.provider.kind.is_empty() {
-                return Err(ShapeError::EmptyField {
-                    field: format!("groups[{index}].provider.kind"),
-                });
+                return Err(empty(GroupField::ProviderKind));
             }
             if g.role.is_empty() {
-                return Err(ShapeError::EmptyField {
-                    field: format!("groups[{index}].role"),
-                });
+                return Err(empty(GroupField::Role));
             }
+            let bad_number = |field, value: f64, range| ShapeError::BadNumber {
+                index,
+                id: id(),
+                field,
+                value: value.to_string(),
+                range,
+            };
             for (k, v) in &g.provider.params {
-                check_param(&format!("groups[{index}].provider.params.{k}"), v)?;
+                check_param(k.clone(), v, &|path, f| {
+                    bad_number(GroupField::Param(path), f, "")
+                })?;
             }
             for (k, v) in &g.provider.placement {
-                check_param(&format!("groups[{index}].provider.placement.{k}"), v)?;
+                check_param(k.clone(), v, &|path, f| {
+                    bad_number(GroupField::Placement(path), f, "")
+                })?;
             }
             let grace = g.join.lost_grace_s;
             if !grace.is_finite() || grace < 0.0 {
-                return Err(ShapeError::BadNumber {
-                    field: format!("groups[{index}].join.lost_grace_s"),
-                    value: grace.to_string(),
-                    range: " >= 0",
-                });
+                return Err(bad_number(GroupField::LostGraceS, grace, " >= 0"));
             }
             let endpoint_timeout = g.limits.endpoint_timeout_s;
             if !endpoint_timeout.is_finite() || endpoint_timeout <= 0.0 {
-                return Err(ShapeError::BadNumber {
-                    field: format!("groups[{index}].limits.endpoint_timeout_s"),
-                    value: endpoint_timeout.to_string(),
-                    range: " > 0",
-                });
+                return Err(bad_number(
+                    GroupField::EndpointTimeoutS,
+                    endpoint_timeout,
+                    " > 0",
+                ));
             }
             let boot_timeout = g.limits.boot_timeout_s;
             if !boot_timeout.is_finite() || boot_timeout <= 0.0 {
-                return Err(ShapeError::BadNumber {
-                    field: format!("groups[{index}].limits.boot_timeout_s"),
-                    value: boot_timeout.to_string(),
-                    range: " > 0",
-                });
+                return Err(bad_number(GroupField::BootTimeoutS, boot_timeout, " > 0"));
             }
             let policy = [
-                ("max_unavailable", g.policy.max_unavailable),
-                ("max_surge", g.policy.max_surge),
-                ("max_unhealthy", g.policy.max_unhealthy),
+                (GroupField::MaxUnavailable, g.policy.max_unavailable),
+                (GroupField::MaxSurge, g.policy.max_surge),
+                (GroupField::MaxUnhealthy, g.policy.max_unhealthy),
             ];
-            for (name, q) in policy {
+            for (field, q) in policy {
                 if let Some(Quantity::Percent(p)) = q
                     && p > PERCENT_MAX
                 {
                     return Err(ShapeError::BadPercent {
-                        field: format!("groups[{index}].{name}"),
+                        index,
+                        id: id(),
+                        field,
                         value: format!("{p}%"),
                     });
                 }
@@ -676,17 +777,19 @@ impl ClusterShape {
     }
 }
 
-fn check_param(field: &str, v: &ParamValue) -> Result<(), ShapeError> {
+/// Refuses a NaN or infinite number anywhere in `v`, found at `path`
+/// (`name`, or `name[i]` for an item of a list), with `bad`'s error.
+fn check_param(
+    path: String,
+    v: &ParamValue,
+    bad: &dyn Fn(String, f64) -> ShapeError,
+) -> Result<(), ShapeError> {
     match v {
-        ParamValue::Float(f) if !f.is_finite() => Err(ShapeError::BadNumber {
-            field: field.to_owned(),
-            value: f.to_string(),
-            range: "",
-        }),
+        ParamValue::Float(f) if !f.is_finite() => Err(bad(path, *f)),
         ParamValue::List(items) => items
             .iter()
             .enumerate()
-            .try_for_each(|(i, item)| check_param(&format!("{field}[{i}]"), item)),
+            .try_for_each(|(i, item)| check_param(format!("{path}[{i}]"), item, bad)),
         _ => Ok(()),
     }
 }
@@ -807,6 +910,62 @@ pub(crate) mod tests {
             s.validate().unwrap_err().to_string(),
             "run_id \"\" is empty"
         );
+    }
+
+    #[test]
+    fn a_group_error_carries_the_groups_id_and_the_field_apart_from_its_path() {
+        let mut s = shape(1, vec![group("ok", 1), group("worker", 1)]);
+        s.groups[1].join.lost_grace_s = -1.0;
+        let e = s.validate().unwrap_err();
+        assert_eq!(
+            e,
+            ShapeError::BadNumber {
+                index: 1,
+                id: "worker".into(),
+                field: GroupField::LostGraceS,
+                value: "-1".into(),
+                range: " >= 0",
+            }
+        );
+        // Programmatic users keep the shape's own path.
+        assert!(
+            e.to_string()
+                .starts_with("groups[1].join.lost_grace_s is -1"),
+            "{e}"
+        );
+        s.groups[1].join.lost_grace_s = 1.0;
+        s.groups[1].provider.params.insert(
+            "xs".into(),
+            ParamValue::List(vec![ParamValue::Float(f64::NAN)]),
+        );
+        assert!(matches!(
+            s.validate(),
+            Err(ShapeError::BadNumber { field: GroupField::Param(p), id, .. })
+                if p == "xs[0]" && id == "worker"
+        ));
+        s.groups[1].provider.params.clear();
+        s.groups[1].role.clear();
+        assert!(matches!(
+            s.validate(),
+            Err(ShapeError::EmptyField {
+                index: 1,
+                field: GroupField::Role,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_param_value_shows_as_toml_and_a_long_list_is_cut() {
+        let v = ParamValue::List(vec![
+            ParamValue::Str("gpu".into()),
+            ParamValue::Int(2),
+            ParamValue::Float(1.0),
+            ParamValue::Bool(true),
+        ]);
+        assert_eq!(v.to_string(), r#"["gpu", 2, 1.0, true]"#);
+        let long = ParamValue::List((0..1000).map(ParamValue::Int).collect());
+        assert_eq!(long.to_string(), "[0, 1, 2, 3, 4, 5, 6, 7, … (1000 items)]");
     }
 
     #[test]

@@ -73,12 +73,13 @@ impl NodeOptions {
             (None, None) => None,
             (Some(ParamValue::Str(a)), Some(b)) if a != b => {
                 return Err(format!(
-                    "`image` is {a:?} but boot.image is {b:?}; name the image once"
+                    "`image` in [group.params] is {a:?} but the group's `image` is {b:?}; \
+                     name the image once"
                 ));
             }
             (Some(ParamValue::Str(name)), _) | (None, Some(name)) => Some(check_image(name)?),
             (Some(other), _) => {
-                return Err(format!("`image` must be an image name, not {other:?}"));
+                return Err(format!("`image` must be an image name, not {other}"));
             }
         };
         let memory_bytes = match params.get("memory_mb") {
@@ -96,7 +97,7 @@ impl NodeOptions {
             Some(ParamValue::Int(mb)) => Some(mb * (1 << 20)),
             Some(other) => {
                 return Err(format!(
-                    "`memory_mb` must be a whole number of megabytes, not {other:?}"
+                    "`memory_mb` must be a whole number of megabytes, not {other}"
                 ));
             }
         };
@@ -107,7 +108,7 @@ impl NodeOptions {
                     ParamValue::Int(n) => *n as f64,
                     ParamValue::Float(f) => *f,
                     other => {
-                        return Err(format!("`cpus` must be a number, not {other:?}"));
+                        return Err(format!("`cpus` must be a number, not {other}"));
                     }
                 };
                 // At least a thousandth of a CPU: the engine refuses less.
@@ -132,13 +133,13 @@ impl NodeOptions {
                 .map(|m| match m {
                     ParamValue::Str(text) => parse_mount(text),
                     other => Err(format!(
-                        "every mount must be a string \"host:container[:rw]\", not {other:?}"
+                        "every mount must be a string \"host:container[:rw]\", not {other}"
                     )),
                 })
                 .collect::<Result<_, _>>()?,
             Some(other) => {
                 return Err(format!(
-                    "`mounts` must be a list of \"host:container[:rw]\", not {other:?}"
+                    "`mounts` must be a list of \"host:container[:rw]\", not {other}"
                 ));
             }
         };

@@ -167,14 +167,14 @@ impl Group {
         let key = match params.get("key") {
             None => None,
             Some(ParamValue::Str(path)) => Some(expand_home(path)),
-            Some(other) => return Err(bad(format!("`key` must be a file path, not {other:?}"))),
+            Some(other) => return Err(bad(format!("`key` must be a file path, not {other}"))),
         };
         let trust_on_first_use = match params.get("trust_on_first_use") {
             None => false,
             Some(ParamValue::Bool(b)) => *b,
             Some(other) => {
                 return Err(bad(format!(
-                    "`trust_on_first_use` must be true or false, not {other:?}"
+                    "`trust_on_first_use` must be true or false, not {other}"
                 )));
             }
         };
@@ -184,7 +184,7 @@ impl Group {
             Some(ParamValue::Float(f)) if *f > 0.0 => Some(*f),
             Some(other) => {
                 return Err(bad(format!(
-                    "`unreachable_give_up_s` must be a positive number of seconds, not {other:?}"
+                    "`unreachable_give_up_s` must be a positive number of seconds, not {other}"
                 )));
             }
         };
@@ -198,12 +198,12 @@ impl Group {
         let listed = match template.provider.placement.get("hosts") {
             Some(ParamValue::List(list)) => list.as_slice(),
             None => &[],
-            Some(other) => return Err(bad(format!("`hosts` must be a list, not {other:?}"))),
+            Some(other) => return Err(bad(format!("`hosts` must be a list, not {other}"))),
         };
         let mut hosts = Vec::with_capacity(listed.len());
         for h in listed {
             let ParamValue::Str(text) = h else {
-                return Err(bad(format!("every host must be a string, not {h:?}")));
+                return Err(bad(format!("every host must be a string, not {h}")));
             };
             let target: SshTarget = text
                 .parse()
@@ -227,7 +227,7 @@ impl Group {
                 for (host, list) in hosts.iter().zip(per_host) {
                     let ParamValue::List(list) = list else {
                         return Err(bad(format!(
-                            "the labels of {} must be a list, not {list:?}",
+                            "the labels of {} must be a list, not {list}",
                             host.target
                         )));
                     };
@@ -235,7 +235,7 @@ impl Group {
                     for l in list {
                         let ParamValue::Str(l) = l else {
                             return Err(bad(format!(
-                                "every label of {} must be a string, not {l:?}",
+                                "every label of {} must be a string, not {l}",
                                 host.target
                             )));
                         };
@@ -256,7 +256,7 @@ impl Group {
             }
             Some(other) => {
                 return Err(bad(format!(
-                    "`labels` must be a list of {} lists, one per host, not {other:?}",
+                    "`labels` must be a list of {} lists, one per host, not {other}",
                     hosts.len()
                 )));
             }

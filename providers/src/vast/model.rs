@@ -73,7 +73,7 @@ fn number(name: &str, v: &ParamValue) -> Result<f64, String> {
     match v {
         ParamValue::Int(n) => Ok(*n as f64),
         ParamValue::Float(f) if f.is_finite() => Ok(*f),
-        other => Err(format!("`{name}` must be a number, not {other:?}")),
+        other => Err(format!("`{name}` must be a number, not {other}")),
     }
 }
 
@@ -97,14 +97,14 @@ impl GroupParams {
             Some(ParamValue::Str(s)) if !s.trim().is_empty() => Some(s.trim().to_owned()),
             Some(other) => {
                 return Err(format!(
-                    "`gpu_name` must be a GPU model such as \"RTX_4090\", not {other:?}"
+                    "`gpu_name` must be a GPU model such as \"RTX_4090\", not {other}"
                 ));
             }
         };
         let num_gpus = match params.get("num_gpus") {
             None => 1,
             Some(ParamValue::Int(n)) if (1..=64).contains(n) => *n as u32,
-            Some(other) => return Err(format!("`num_gpus` must be 1 to 64, not {other:?}")),
+            Some(other) => return Err(format!("`num_gpus` must be 1 to 64, not {other}")),
         };
         let positive = |name: &str| -> Result<Option<f64>, String> {
             match params.get(name) {
@@ -149,7 +149,7 @@ impl GroupParams {
                         .to_owned(),
                 );
             }
-            (Some(other), _) => return Err(format!("`image` must be a string, not {other:?}")),
+            (Some(other), _) => return Err(format!("`image` must be a string, not {other}")),
             (None, None) => {
                 return Err(
                     "the group names no `image` (the container the machines run, e.g. \"pytorch/pytorch:latest\")"
@@ -172,12 +172,12 @@ impl GroupParams {
                 .iter()
                 .map(|v| match v {
                     ParamValue::Str(s) if !s.trim().is_empty() => Ok(s.trim().to_owned()),
-                    other => Err(format!("every `region` must be a string, not {other:?}")),
+                    other => Err(format!("every `region` must be a string, not {other}")),
                 })
                 .collect::<Result<_, _>>()?,
             Some(other) => {
                 return Err(format!(
-                    "`region` must be a string or a list of strings, not {other:?}"
+                    "`region` must be a string or a list of strings, not {other}"
                 ));
             }
         };
@@ -190,7 +190,7 @@ impl GroupParams {
         let verified = match params.get("verified") {
             None => true,
             Some(ParamValue::Bool(b)) => *b,
-            Some(other) => return Err(format!("`verified` must be true or false, not {other:?}")),
+            Some(other) => return Err(format!("`verified` must be true or false, not {other}")),
         };
         if let Some(cap) = spend_cap_dph
             && cap < max_dph

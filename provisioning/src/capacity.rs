@@ -1,0 +1,115 @@
+//! Whether a shape fits: under its own `capacity`, or under the providers' estimates.
+
+use crate::host::{ApplyError, Capacity};
+use crate::shape::{ClusterShape, DesiredState};
+
+/// Refuses `shape` when it would grow the cluster, from `current`, past the
+/// shape's own `capacity` or, without one, past any of `capacities` (each
+/// counting only the groups of its provider kind). Nodes are counted at
+/// their peak: a rollout's surge slots are machines too. A shape may
+/// always shrink, even one already over a limit.
+///
+/// The [`Host`](crate::Host) checks every shape it is offered with it; a
+/// front end may call it before it starts anything (with an empty
+/// `current` for a new cluster), to refuse the same shapes earlier.
+///
+/// # Errors
+/// [`ApplyError::OverCapacity`], naming the numbers. A shape that does not
+/// validate is not refused here: validation says why, more clearly.
+pub fn check_capacity(
+    shape: &ClusterShape,
+    current: &DesiredState,
+    capacities: &[Capacity],
+) -> Result<(), ApplyError> {
+    let Ok(next) = shape.validate() else {
+        return Ok(());
+    };
+    let peak = |d: &DesiredState, kind: Option<&str>| -> (u64, u64) {
+        d.groups
+            .iter()
+            .filter(|g| kind.is_none_or(|k| g.template.provider.kind == k))
+            .map(|g| {
+                (
+                    u64::from(g.count),
+                    u64::from(g.policy.max_surge_of(g.count)),
+                )
+            })
+            .fold((0, 0), |(n, s), (gn, gs)| (n + gn + gs, s + gs))
+    };
+    let refuse = |(nodes, surge): (u64, u64), now: u64, capacity: u64, basis: &str| {
+        (nodes > capacity && nodes > now).then(|| ApplyError::OverCapacity {
+            nodes,
+            surge: if surge > 0 {
+                format!(" (counting up to {surge} surge node(s) of a rollout)")
+            } else {
+                String::new()
+            },
+            capacity,
+            basis: basis.to_owned(),
+        })
+    };
+    if let Some(capacity) = shape.capacity {
+        // The shape's own limit overrides the providers' estimates.
+        return match refuse(
+            peak(&next, None),
+            peak(current, None).0,
+            capacity,
+            "the shape's `capacity`",
+        ) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+    }
+    for c in capacities {
+        let now = peak(current, Some(c.kind.as_str())).0;
+        if let Some(e) = refuse(peak(&next, Some(c.kind.as_str())), now, c.nodes, &c.basis) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::{Generation, RunId};
+    use crate::shape::tests::{group, shape};
+
+    fn local(nodes: u64) -> Capacity {
+        Capacity {
+            kind: "fake".to_owned(),
+            nodes,
+            basis: "this test's memory".to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_new_cluster_past_a_providers_estimate_is_refused_and_its_own_capacity_wins() {
+        let none = DesiredState::empty(RunId::new("run"), Generation(0));
+        let mut big = shape(1, vec![group("w", 10)]);
+        let e = check_capacity(&big, &none, &[local(4)]).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                ApplyError::OverCapacity {
+                    nodes: 10,
+                    capacity: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // Other kinds' estimates do not count this group.
+        let other = Capacity {
+            kind: "process".to_owned(),
+            ..local(4)
+        };
+        assert_eq!(check_capacity(&big, &none, &[other]), Ok(()));
+        big.capacity = Some(20);
+        assert_eq!(check_capacity(&big, &none, &[local(4)]), Ok(()));
+        // Shrinking is always allowed, even past the limit.
+        let now = shape(1, vec![group("w", 12)]).validate().unwrap();
+        big.capacity = None;
+        assert_eq!(check_capacity(&big, &now, &[local(4)]), Ok(()));
+    }
+}
