@@ -474,3 +474,64 @@ async fn a_host_whose_shell_greets_on_stdout_is_claimed_listed_and_adopted_all_t
     .unwrap();
     start_then_adopt_after_a_restart(&world, key("w-0", 1)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_pool_that_does_not_answer_is_summed_up_in_a_short_line() {
+    let world = World::new(0, CONVERGING);
+    let p = world.provider();
+    // Ports nothing listens on: each host refuses the connection at once.
+    let ports: Vec<u16> = (0..9)
+        .map(|_| {
+            let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            free.local_addr().unwrap().port()
+        })
+        .collect();
+    let refused = |hosts: Vec<String>| {
+        let mut t = world.template();
+        let hosts = hosts.into_iter().map(ParamValue::Str).collect();
+        t.provider
+            .placement
+            .insert("hosts".into(), ParamValue::List(hosts));
+        let p = p.clone();
+        async move {
+            let e = p.create_lease(&key("w-0", 1), &t).await.unwrap_err();
+            assert!(matches!(e, ProviderError::Definite(_)), "{e:?}");
+            e.to_string()
+        }
+    };
+    // Nine reasons: the first hosts with theirs, the rest counted.
+    let text = refused(
+        ports
+            .iter()
+            .map(|port| format!("root@127.0.0.1:{port}"))
+            .collect(),
+    )
+    .await;
+    assert!(
+        text.starts_with(&format!(
+            "waiting for a free host: 0 of the pool's 9 hosts are claimed; not answering: \
+             root@127.0.0.1:{} (connection refused (nothing listens on port {}))",
+            ports[0], ports[0]
+        )),
+        "{text}"
+    );
+    assert!(text.ends_with("; and 6 more"), "{text}");
+    assert!(!text.contains(&format!("127.0.0.1:{}", ports[3])), "{text}");
+    assert!(text.len() < 400, "{} characters: {text}", text.len());
+    // One reason for all: said once.
+    let text = refused(
+        (0..9)
+            .map(|i| format!("user{i}@127.0.0.1:{}", ports[0]))
+            .collect(),
+    )
+    .await;
+    assert_eq!(
+        text,
+        format!(
+            "waiting for a free host: 0 of the pool's 9 hosts are claimed; not answering: \
+             user0@127.0.0.1:{p}, user1@127.0.0.1:{p}, user2@127.0.0.1:{p} and 6 more \
+             (connection refused (nothing listens on port {p}))",
+            p = ports[0]
+        )
+    );
+}

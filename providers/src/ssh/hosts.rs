@@ -914,6 +914,77 @@ fn session_of(host: &HostAccess, key: &ResourceKey, pid: &str) -> SessionId {
     ))
 }
 
+/// Hosts of each kind (claimed, not answering, unusable) that a create's
+/// "waiting for a free host" names; the others are counted.
+const HOSTS_NAMED_MAX: usize = 3;
+
+/// Why a create found no free host among the pool's `pool` hosts: how many
+/// are claimed first, then the hosts of each kind with their reasons, up to
+/// [`HOSTS_NAMED_MAX`] of a kind and `and N more` for the rest. Hosts not
+/// answering for the same reason share it (`a, b (connection refused …)`).
+/// One line, whose length does not grow with the pool.
+fn no_free_host(
+    pool: usize,
+    taken: &[String],
+    away: &[(String, String)],
+    unusable: &[String],
+) -> String {
+    let more = |n: usize| {
+        if n > 0 {
+            format!(" and {n} more")
+        } else {
+            String::new()
+        }
+    };
+    let some = |items: &[String], sep: &str| {
+        let shown = &items[..items.len().min(HOSTS_NAMED_MAX)];
+        format!("{}{}", shown.join(sep), more(items.len() - shown.len()))
+    };
+    let mut text = format!(
+        "waiting for a free host: {} of the pool's {pool} hosts are claimed",
+        taken.len()
+    );
+    if !taken.is_empty() {
+        text.push_str(&format!(" ({})", some(taken, ", ")));
+    }
+    if !away.is_empty() {
+        let mut by_reason: Vec<(&str, Vec<&str>)> = Vec::new();
+        for (target, reason) in away {
+            match by_reason.iter_mut().find(|(r, _)| r == reason) {
+                Some((_, targets)) => targets.push(target),
+                None => by_reason.push((reason, vec![target])),
+            }
+        }
+        let mut parts = Vec::new();
+        let mut named = 0;
+        for (reason, targets) in &by_reason {
+            let shown = targets.len().min(HOSTS_NAMED_MAX - named);
+            if shown == 0 {
+                break;
+            }
+            named += shown;
+            parts.push(format!(
+                "{}{} ({reason})",
+                targets[..shown].join(", "),
+                more(targets.len() - shown)
+            ));
+        }
+        let unnamed: usize = by_reason
+            .iter()
+            .skip(parts.len())
+            .map(|(_, t)| t.len())
+            .sum();
+        text.push_str(&format!("; not answering: {}", parts.join("; ")));
+        if unnamed > 0 {
+            text.push_str(&format!("; and {unnamed} more"));
+        }
+    }
+    if !unusable.is_empty() {
+        text.push_str(&format!("; cannot be used: {}", some(unusable, "; ")));
+    }
+    text
+}
+
 #[async_trait]
 impl Provider for SshHostsProvider {
     fn kind(&self) -> &'static str {
@@ -972,10 +1043,10 @@ impl Provider for SshHostsProvider {
                         .map_or_else(|| "something else".to_owned(), |k| k.to_string());
                     taken.push(format!("{} by {by}", host.target));
                 }
-                Err(e @ SshError::NotReady { .. }) => {
+                Err(SshError::NotReady { reason, .. }) => {
                     // Nothing ran there: the host holds no claim of ours.
                     self.forget_record(key);
-                    away.push(format!("{} ({e})", host.target));
+                    away.push((host.target.clone(), reason));
                 }
                 Err(e) if e.is_definite() => {
                     self.forget_record(key);
@@ -994,25 +1065,11 @@ impl Provider for SshHostsProvider {
                 }
             }
         }
-        Err(ProviderError::Definite(format!(
-            "waiting for a free host: {} of the pool's {} hosts are claimed{}{}{}",
-            taken.len(),
+        Err(ProviderError::Definite(no_free_host(
             group.hosts.len(),
-            if taken.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", taken.join(", "))
-            },
-            if away.is_empty() {
-                String::new()
-            } else {
-                format!("; not answering: {}", away.join("; "))
-            },
-            if unusable.is_empty() {
-                String::new()
-            } else {
-                format!("; cannot be used: {}", unusable.join("; "))
-            }
+            &taken,
+            &away,
+            &unusable,
         )))
     }
 
