@@ -115,7 +115,7 @@ fn while_paused_no_retry_is_announced_and_none_happens() {
         Some(NextStep::Held(HeldBy::Paused))
     );
     assert_eq!(h.handle_pause(false, Ticket(3), t(300_000)), Ok(true));
-    let resumed = run(&mut h, t(300_000), t(300_000), |d| success(d));
+    let resumed = run(&mut h, t(300_000), t(300_000), success);
     assert!(!resumed.is_empty(), "resuming retries at once");
 }
 
