@@ -147,7 +147,11 @@ fn joins_racing_restarts_are_never_refused_for_a_node_the_journal_holds() {
             !log.contains("is not a node of this cluster") && !log.contains("refused the join"),
             "restart {i}: a join was refused for a node the journal holds\n{log}"
         );
-        assert_eq!(attempts(&after), before, "restart {i}: nothing was replaced\n{log}");
+        assert_eq!(
+            attempts(&after),
+            before,
+            "restart {i}: nothing was replaced\n{log}"
+        );
     }
     eprintln!(
         "{races} restarts raced against live agents' joins in {:?}",
