@@ -575,3 +575,120 @@ async fn the_ndjson_file_rotates_at_its_size_limit_keeping_so_many_old_files() {
     assert_eq!(last, Some(49));
     assert_eq!((sink.written(), sink.dropped()), (50, 0));
 }
+
+/// A tmpfs of a few KiB mounted on a temporary directory, unmounted on drop.
+struct TinyDisk {
+    dir: tempfile::TempDir,
+}
+
+impl TinyDisk {
+    /// `None` (with a line saying so) where mounting is not permitted.
+    fn mount(size: &str) -> Option<Self> {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::piped())
+            .output();
+        match mounted {
+            Ok(out) if out.status.success() => Some(Self { dir }),
+            Ok(out) => {
+                eprintln!(
+                    "skipped: cannot mount a tmpfs here ({})",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+                None
+            }
+            Err(e) => {
+                eprintln!("skipped: cannot run mount ({e})");
+                None
+            }
+        }
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for TinyDisk {
+    fn drop(&mut self) {
+        // Lazily: the sink's writer may still hold its file open.
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+#[tokio::test]
+async fn the_ndjson_file_survives_a_full_disk_and_says_how_many_lines_it_lost() {
+    let Some(disk) = TinyDisk::mount("64k") else {
+        return;
+    };
+    let config = NdjsonConfig {
+        line_len_max: 1024,
+        reopen_after_max: Duration::from_millis(200),
+        ..NdjsonConfig::default()
+    };
+    let sink = NdjsonSink::open(disk.path(), &config).await.unwrap();
+    let line = |n: u64| serde_json::json!({ "n": n, "pad": "x".repeat(200) });
+    let mut recorded = 0;
+    for n in 0..10 {
+        sink.record(&line(n)).unwrap();
+        recorded += 1;
+    }
+    sink.flush().await.unwrap();
+    // Fill the filesystem.
+    let filler = disk.path().join("filler");
+    let mut file = std::fs::File::create(&filler).unwrap();
+    while std::io::Write::write_all(&mut file, &[0; 1024]).is_ok() {}
+    drop(file);
+    // Lines go on coming until writing them fails.
+    let mut n = 10;
+    loop {
+        for _ in 0..20 {
+            sink.record(&line(n)).unwrap();
+            recorded += 1;
+            n += 1;
+        }
+        if sink.flush().await.is_err() {
+            break;
+        }
+        assert!(n < 1000, "the full disk took every line");
+    }
+    std::fs::remove_file(&filler).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while sink.flush().await.is_err() {
+        assert!(Instant::now() < deadline, "writing never resumed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..10 {
+        sink.record(&line(n)).unwrap();
+        recorded += 1;
+        n += 1;
+    }
+    sink.flush().await.unwrap();
+
+    let text = std::fs::read_to_string(disk.path().join(NDJSON_FILE_NAME)).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    let gaps: Vec<_> = lines.iter().filter(|l| l.get("gap").is_some()).collect();
+    assert_eq!(gaps.len(), 1, "{gaps:?}");
+    let gap = &gaps[0]["gap"];
+    // At least the line the full disk cut short.
+    assert!(gap["dropped"].as_u64().unwrap() >= 1, "{gap}");
+    assert_eq!(gap["dropped"], sink.dropped(), "{gap}");
+    assert!(gap["error"].as_str().unwrap().contains("space"), "{gap}");
+    let ns: Vec<u64> = lines.iter().filter_map(|l| l["n"].as_u64()).collect();
+    assert!(ns.windows(2).all(|w| w[0] < w[1]), "{ns:?}");
+    assert_eq!(ns.len() as u64, sink.written());
+    assert_eq!(sink.written() + sink.dropped(), recorded);
+    assert_eq!(ns[..10], (0..10).collect::<Vec<_>>());
+    assert_eq!(ns[ns.len() - 10..], (n - 10..n).collect::<Vec<_>>());
+    // The line after the gap is the first one written after it.
+    let at = lines.iter().position(|l| l.get("gap").is_some()).unwrap();
+    assert_eq!(lines[at + 1]["n"], n - 10);
+}
