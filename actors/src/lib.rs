@@ -91,3 +91,4 @@ pub use msg::{
 pub use observer::{Observations, Observed, Observer, ObserverTag, Observers, observers};
 pub use supervisor::{ClusterSupervisor, SupervisorArgs, SupervisorExit, SupervisorState};
 pub use swactor_provisioning::{ApplyError, JoinRefused, ShutdownMode, ShutdownReport};
+pub use telemetry::EVENT_LOG_TARGET;

@@ -7,6 +7,12 @@ use swactor_engine::telemetry::TelemetryPublisher;
 use swactor_provisioning::{Host, HostEvent, LogicalNodeId, NextStep, Reconciler, Timestamp};
 use tokio::sync::broadcast;
 
+/// The target of the log lines that say again what an event already says (a
+/// warning, a hold, an adoption): a program that shows the events in its
+/// own words, as `swactor up` does, turns this target off where it shows
+/// them, and keeps the log lines of every other target.
+pub const EVENT_LOG_TARGET: &str = "swactor_actors::events";
+
 /// Local subscribers and, optionally, remote ones through the engine's publisher.
 pub(crate) struct Telemetry {
     events: broadcast::Sender<ClusterEvent>,
@@ -63,7 +69,7 @@ impl Telemetry {
     }
 
     pub(crate) fn warn(&mut self, message: String) {
-        tracing::warn!("{message}");
+        tracing::warn!(target: EVENT_LOG_TARGET, "{message}");
         self.publish(ClusterEvent::Warning { message });
     }
 
@@ -109,6 +115,7 @@ impl Telemetry {
                 } => {
                     if !adopted.is_empty() || !orphans.is_empty() {
                         tracing::info!(
+                            target: EVENT_LOG_TARGET,
                             adopted = adopted.len(),
                             drifted = drifted.len(),
                             orphans = orphans.len(),
@@ -140,6 +147,7 @@ impl Telemetry {
                 }
                 HostEvent::Deaf(gap) => {
                     tracing::info!(
+                        target: EVENT_LOG_TARGET,
                         unheard_ms = gap.len_ms(),
                         agents = gap.agents,
                         "the daemon was not listening; every agent gets its grace again"
@@ -161,8 +169,13 @@ impl Telemetry {
                     reason,
                 } => {
                     match &reason {
-                        Some(r) => tracing::warn!(group = %group, "{r}"),
-                        None => tracing::info!(group = %group, ?kind, "no longer held"),
+                        Some(r) => tracing::warn!(target: EVENT_LOG_TARGET, group = %group, "{r}"),
+                        None => tracing::info!(
+                            target: EVENT_LOG_TARGET,
+                            group = %group,
+                            ?kind,
+                            "no longer held"
+                        ),
                     }
                     ClusterEvent::Hold {
                         group: group.to_string(),

@@ -321,8 +321,17 @@ fn main() {
         Command::Up { .. } | Command::Agent(_) => "warn",
         _ => "warn,iroh=off",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SWACTOR_LOG")
+    let mut filter = tracing_subscriber::EnvFilter::try_from_env("SWACTOR_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    // `up` shows every warning, hold and adoption of its cluster in its own
+    // words (its progress lines, from the event stream): the cluster's log
+    // lines that say the same again are kept off this terminal, whatever
+    // SWACTOR_LOG asks for. `swactor watch` and telemetry.ndjson have them.
+    if let Command::Up { .. } = cli.command
+        && let Ok(off) = format!("{}=off", swactor_actors::EVENT_LOG_TARGET).parse()
+    {
+        filter = filter.add_directive(off);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

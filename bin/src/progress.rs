@@ -31,7 +31,20 @@ impl Progress {
         let (lines, mut said) = mpsc::unbounded_channel::<String>();
         let tty = std::io::stderr().is_terminal();
         let task = tokio::spawn(async move {
+            // Holds that began before this display did (the breaker of a
+            // restarted daemon, tripped while its agents come back) are said
+            // as their events would have said them: the cluster's own log
+            // lines for them are kept off the terminal (see main).
+            let held: Vec<String> = sub
+                .snapshot
+                .holds
+                .iter()
+                .map(|h| format!("group {}: {}", h.group, h.reason))
+                .collect();
             let mut view = View::new(sub.snapshot);
+            for line in &held {
+                view.line(line, tty);
+            }
             let mut events = sub.events;
             let mut tick = tokio::time::interval(Duration::from_millis(250));
             loop {

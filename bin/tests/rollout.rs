@@ -428,3 +428,31 @@ fn freezing_four_of_six_agents_trips_the_breaker_until_they_recover_or_the_limit
             .status();
     }
 }
+
+#[test]
+fn a_restarted_daemon_says_its_breaker_holds_in_its_own_words_and_not_again_as_raw_warnings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(tmp.path(), "six.toml", &six("quiet", "max_unhealthy = 1"));
+    let mut first = Daemon::start(&state, &shape);
+    wait_converged(&state, CONVERGE, |s| ready(s) == 6);
+    first.kill9();
+    // Until its six agents are back, the new daemon counts them unhealthy:
+    // past max_unhealthy, its breaker holds the group.
+    let second = Daemon::spawn(&state, None).expect("a resumed daemon");
+    wait_converged(&state, CONVERGE, |s| s.holds.is_empty() && ready(s) == 6);
+    let log = second.last_log();
+    assert!(
+        log.lines()
+            .any(|l| l.starts_with("group worker: remediation paused: ")),
+        "the hold is said: {log}"
+    );
+    let raw: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            l.contains("WARN swactor_actors")
+                || (l.contains("remediation paused") && !l.starts_with("group worker: "))
+        })
+        .collect();
+    assert!(raw.is_empty(), "said again raw: {raw:#?}\n{log}");
+}
