@@ -324,6 +324,7 @@ pub(crate) fn unexpected(answer: &ControlResponse) -> anyhow::Error {
             ControlResponse::Jobs(_) => "a list of jobs",
             ControlResponse::JobLogs(_) => "a job's output",
             ControlResponse::JobCancelled { .. } => "a cancel",
+            ControlResponse::AgentLog(_) => "a piece of an agent log",
             ControlResponse::Error(_) => "an error",
         }
     )

@@ -1,7 +1,7 @@
 //! The control protocol (`swactor/control/0`): what the CLI asks of a running daemon.
 
 use crate::guard::CHANGES_SHOWN;
-use crate::protocol::{ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
+use crate::protocol::{AgentLogPiece, ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
 use crate::shapefile::{ShapeFile, shape_error};
 use crate::words::{cut, cut_long_words};
 use std::sync::Arc;
@@ -231,6 +231,9 @@ impl ControlHandler {
                 .cancel(&id)
                 .map(|(job, nodes)| ControlResponse::JobCancelled { job, nodes }),
             ControlRequest::Run(_) => Err("a job is run on a stream of its own".to_owned()),
+            ControlRequest::AgentLog { .. } => {
+                Err("an agent log is sent on a stream of its own".to_owned())
+            }
         };
         result.unwrap_or_else(ControlResponse::Error)
     }
@@ -368,6 +371,7 @@ impl ControlHandler {
             Ok((r, purged)) => Ok(ControlResponse::Down {
                 destroyed: r.destroyed.iter().map(ToString::to_string).collect(),
                 kept: r.kept.iter().map(ToString::to_string).collect(),
+                without_machine: r.without_machine.iter().map(ToString::to_string).collect(),
                 purged,
             }),
             Err(_) => Err("the daemon stopped without a report".to_owned()),
@@ -443,6 +447,153 @@ impl ControlHandler {
     }
 }
 
+/// Most bytes of log text sent in one frame: what is already read is
+/// gathered up to this, so a long log goes in few frames.
+const LOG_FRAME_TEXT_MAX: usize = 256 * 1024;
+
+impl ControlHandler {
+    /// Where the log `swactor logs` asks for is: the provider's stream of
+    /// it, or where the CLI reads it itself.
+    async fn agent_log(
+        &self,
+        node: &str,
+        attempt: Option<u64>,
+        run: Option<&str>,
+        follow: bool,
+    ) -> Result<(AgentLogPiece, Option<swactor_providers::AgentLogStream>), String> {
+        let in_state_dir = |why: String| Ok((AgentLogPiece::InStateDir { why: Some(why) }, None));
+        if let Some(run) = run.filter(|r| *r != self.run_id.as_str()) {
+            return in_state_dir(format!(
+                "the daemon runs run {}, not {}",
+                self.run_id,
+                cut(run)
+            ));
+        }
+        let id = LogicalNodeId::parse(node).ok_or_else(|| not_a_node_id(node))?;
+        let described = self.cluster.describe(id).await.map_err(|e| refusal(&e))?;
+        let Some(d) = described else {
+            return in_state_dir(format!("run {} has no node {id} now", self.run_id));
+        };
+        let Some(current) = d.summary else {
+            return in_state_dir(format!("{id} has no attempt now"));
+        };
+        if let Some(a) = attempt.filter(|a| *a != current.attempt.0) {
+            return in_state_dir(format!(
+                "a{a} is not {id}'s current attempt ({}): a docker, ssh or vast node's log \
+                 goes with its machine, and only the current attempt's machine is asked",
+                current.attempt
+            ));
+        }
+        let Some(lease) = current.lease.clone() else {
+            return in_state_dir(format!(
+                "{id}'s attempt {} has no machine now (it is {})",
+                current.attempt,
+                crate::words::state_word(&current)
+            ));
+        };
+        let key = swactor_provisioning::ResourceKey {
+            run_id: self.run_id.clone(),
+            node: id,
+            attempt: current.attempt,
+        };
+        let kind = self.provider.kind_of_lease(&lease).unwrap_or("unknown");
+        match self.provider.agent_log(&key, &lease, follow).await {
+            Ok(swactor_providers::AgentLogSource::StateDir) => {
+                Ok((AgentLogPiece::InStateDir { why: None }, None))
+            }
+            Ok(swactor_providers::AgentLogSource::Remote(stream)) => {
+                let shown = match self.provider.describe_lease(&lease) {
+                    Some(what) => format!("{} ({what})", lease.0),
+                    None => lease.0.to_string(),
+                };
+                let start = AgentLogPiece::Start {
+                    attempt: current.attempt.0,
+                    kind: kind.to_owned(),
+                    lease: shown,
+                };
+                Ok((start, Some(stream)))
+            }
+            Err(e) => Err(format!(
+                "cannot read the agent log of {id} attempt {} (a {kind} node, lease {}): {e}",
+                current.attempt, lease.0
+            )),
+        }
+    }
+
+    /// Sends the agent log `swactor logs` asked for, piece by piece, until
+    /// it ends or the CLI goes.
+    async fn stream_agent_log(
+        &self,
+        request: (String, Option<u64>, Option<String>, bool),
+        mut send: swactor_engine::iroh::endpoint::SendStream,
+        conn: &Connection,
+    ) {
+        let (node, attempt, run, follow) = request;
+        let frame = |piece: AgentLogPiece| {
+            serde_json::to_string(&ControlResponse::AgentLog(piece)).unwrap_or_default()
+        };
+        let (first, stream) = match self.agent_log(&node, attempt, run.as_deref(), follow).await {
+            Ok(found) => found,
+            Err(e) => {
+                let text = serde_json::to_string(&ControlResponse::Error(e)).unwrap_or_default();
+                let _ = send_frame(&mut send, &text, FRAME_LEN_MAX).await;
+                let _ = send.finish();
+                let _ = tokio::time::timeout(CLOSE_WAIT_MIN, conn.closed()).await;
+                return;
+            }
+        };
+        if send_frame(&mut send, &frame(first), FRAME_LEN_MAX)
+            .await
+            .is_err()
+        {
+            return;
+        }
+        if let Some(mut stream) = stream {
+            let mut held = None;
+            loop {
+                let piece = match held.take() {
+                    Some(piece) => Some(piece),
+                    None => tokio::select! {
+                        piece = stream.recv() => piece,
+                        // The CLI went (Ctrl-C on `--follow`): stop reading.
+                        _ = conn.closed() => return,
+                    },
+                };
+                let piece = match piece {
+                    None => break,
+                    Some(Err(e)) => AgentLogPiece::Broken(e),
+                    Some(Ok(mut text)) => {
+                        // What has already been read goes along in the same frame.
+                        while text.len() < LOG_FRAME_TEXT_MAX {
+                            match stream.try_recv() {
+                                Ok(Ok(more)) => text.push_str(&more),
+                                Ok(Err(e)) => {
+                                    held = Some(Err(e));
+                                    break;
+                                }
+                                Err(_) => break,
+                            }
+                        }
+                        AgentLogPiece::Text(text)
+                    }
+                };
+                let last = matches!(piece, AgentLogPiece::Broken(_));
+                if send_frame(&mut send, &frame(piece), FRAME_LEN_MAX)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                if last {
+                    break;
+                }
+            }
+        }
+        let _ = send.finish();
+        let _ = tokio::time::timeout(CLOSE_WAIT_MIN, conn.closed()).await;
+    }
+}
+
 impl ProtocolHandler for ControlHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
         // Closes the connection itself when the request is late or too big.
@@ -454,6 +605,16 @@ impl ProtocolHandler for ControlHandler {
         let resp = match serde_json::from_str::<ControlRequest>(&req) {
             Ok(ControlRequest::Run(spec)) => {
                 self.stream_job(spec, send, &conn).await;
+                return Ok(());
+            }
+            Ok(ControlRequest::AgentLog {
+                node,
+                attempt,
+                run,
+                follow,
+            }) => {
+                self.stream_agent_log((node, attempt, run, follow), send, &conn)
+                    .await;
                 return Ok(());
             }
             Ok(req) => self.answer(req).await,

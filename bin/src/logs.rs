@@ -1,23 +1,29 @@
-//! `swactor logs NODE`: an agent's log, read from the state directory.
+//! `swactor logs NODE`: an agent's log.
 //!
-//! Works with the daemon running or not: the process provider keeps the end
-//! of every destroyed attempt's log under `{state}/logs/` and the running
-//! attempts' logs are in their node directories (see
-//! `swactor_providers::process::agent_logs`).
+//! A `process` node's log is read from the state directory, with the daemon
+//! running or not: the process provider keeps the end of every destroyed
+//! attempt's log under `{state}/logs/` and the running attempts' logs are in
+//! their node directories (see `swactor_providers::process::agent_logs`).
+//! Any other node's log is on its machine (a container's log, a file on an
+//! SSH host or a rented instance): the daemon reads it there through its
+//! provider and streams it to the CLI.
 
 use anyhow::{Context, Result, bail};
 use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Duration;
 use swactor_providers::process::{AgentLog, LOG_ATTEMPTS_KEPT, agent_logs};
-use swactor_provisioning::{LogicalNodeId, RunId};
+use swactor_provisioning::{LogicalNodeId, NodeAttemptId, RunId};
 
-use crate::words::cut;
+use crate::protocol::{AgentLogPiece, ControlRequest, ControlResponse};
+use crate::state::StateDir;
+use crate::words::{cut, cut_long_words};
 
-/// Where the logs of nodes on other machines are.
-const ELSEWHERE: &str = "Logs are kept here only for `process` nodes; a `docker` node's agent \
-     logs to its container (`docker logs swactor_RUN_NODE_aN`, its name in `swactor describe`), \
-     an `ssh` node's to `~/.swactor/nodes/RUN/NODE-aN/agent.log` on its host";
+/// Where the logs of nodes on other machines are, when the daemon is not
+/// there to read them.
+const NO_DAEMON: &str = "Only `process` nodes' logs are kept here; a `docker`, `ssh` or `vast` \
+     node's log is on its machine, and is read through the daemon, which is not running \
+     (`swactor up` starts it again)";
 
 /// How often `--follow` looks for more output.
 const FOLLOW_POLL: Duration = Duration::from_millis(200);
@@ -48,11 +54,118 @@ pub(crate) async fn logs(state_dir: &Path, opts: &LogsOptions) -> Result<i32> {
     if !state_dir.is_dir() {
         bail!("there is no state directory at {}", state_dir.display());
     }
+    let elsewhere = if daemon_answers(state_dir) {
+        match from_daemon(state_dir, &node, opts).await? {
+            FromDaemon::Shown => return Ok(0),
+            FromDaemon::InStateDir(None) => "Only `process` nodes' logs are kept here".to_owned(),
+            FromDaemon::InStateDir(Some(why)) => {
+                format!("The daemon read none: {why}. Only `process` nodes' logs are kept here")
+            }
+        }
+    } else {
+        NO_DAEMON.to_owned()
+    };
+    from_state_dir(state_dir, &node, opts, &elsewhere).await
+}
+
+/// Whether a daemon may answer for this state directory: one holds its
+/// lock, or (no daemon ever ran here) it holds a ticket of one elsewhere.
+fn daemon_answers(state_dir: &Path) -> bool {
+    let Ok(state) = StateDir::open(state_dir.to_path_buf()) else {
+        return false;
+    };
+    if state.has_lock_file() {
+        state.running_daemon().is_some()
+    } else {
+        state.read_ticket().is_ok()
+    }
+}
+
+/// What the daemon did with a request for a log.
+enum FromDaemon {
+    /// It sent the log, and it was printed.
+    Shown,
+    /// It says the log is in the state directory, and why when the node
+    /// is not a `process` one.
+    InStateDir(Option<String>),
+}
+
+/// Asks the daemon for the log and prints what it sends.
+async fn from_daemon(
+    state_dir: &Path,
+    node: &LogicalNodeId,
+    opts: &LogsOptions,
+) -> Result<FromDaemon> {
+    let request = ControlRequest::AgentLog {
+        node: node.to_string(),
+        attempt: opts.attempt,
+        run: opts.run.clone(),
+        follow: opts.follow,
+    };
+    crate::client::with_client(state_dir, async |client| {
+        let (_conn, mut recv) = client.stream(&request).await?;
+        let mut attempt = None;
+        loop {
+            let answer = crate::client::recv_answer(&mut recv)
+                .await
+                .context("lost contact with the daemon while it sent the log")?;
+            let piece = match answer {
+                Some(ControlResponse::AgentLog(piece)) => piece,
+                Some(ControlResponse::Error(e)) => bail!("{}", cut_long_words(&e)),
+                Some(other) => return Err(crate::client::unexpected(&other)),
+                None if attempt.is_none() => {
+                    bail!("the daemon closed the connection before it sent the log")
+                }
+                None => break,
+            };
+            match piece {
+                AgentLogPiece::InStateDir { why } => return Ok(FromDaemon::InStateDir(why)),
+                AgentLogPiece::Start {
+                    attempt: a,
+                    kind,
+                    lease,
+                } => {
+                    attempt = Some(NodeAttemptId(a));
+                    eprintln!(
+                        "== {node} attempt {} ({kind} node, {lease}; read from its machine by \
+                         the daemon) ==",
+                        NodeAttemptId(a)
+                    );
+                }
+                AgentLogPiece::Text(text) => {
+                    let mut out = std::io::stdout().lock();
+                    if !write_out(&mut out, text.as_bytes())? {
+                        return Ok(FromDaemon::Shown);
+                    }
+                }
+                AgentLogPiece::Broken(e) => {
+                    bail!("reading the log broke off: {}", cut_long_words(&e))
+                }
+            }
+        }
+        if opts.follow
+            && let Some(a) = attempt
+        {
+            eprintln!("== {node} attempt {a} has ended; nothing more will be written ==");
+        }
+        Ok(FromDaemon::Shown)
+    })
+    .await
+}
+
+/// Prints a `process` node's log from the state directory; `elsewhere`
+/// says where other nodes' logs are, for when there is none here.
+async fn from_state_dir(
+    state_dir: &Path,
+    node: &LogicalNodeId,
+    opts: &LogsOptions,
+    elsewhere: &str,
+) -> Result<i32> {
     let run = match &opts.run {
         Some(r) => RunId::new(r.clone()),
-        None => only_run(state_dir)?,
+        None => only_run(state_dir, elsewhere)?,
     };
-    let all = agent_logs(state_dir, &run, &node)
+    let all = agent_logs(state_dir, &run, node)
         .with_context(|| format!("cannot read the logs of {node}"))?;
     let Some(log) = pick(&all, opts.attempt) else {
         let kept: Vec<String> = all.iter().map(|l| l.attempt.to_string()).collect();
@@ -62,7 +175,7 @@ pub(crate) async fn logs(state_dir: &Path, opts: &LogsOptions) -> Result<i32> {
                 kept.join(", ")
             ),
             _ => {
-                bail!("no log of {node} in run {run}: it never had a local agent here. {ELSEWHERE}")
+                bail!("no log of {node} in run {run}: it never had a local agent here. {elsewhere}")
             }
         }
     };
@@ -122,13 +235,16 @@ fn copy(file: &mut std::fs::File, out: &mut impl Write) -> Result<bool> {
         if n == 0 {
             break;
         }
-        match out.write_all(&buf[..n]) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(false),
-            Err(e) => return Err(e.into()),
+        if !write_out(out, &buf[..n])? {
+            return Ok(false);
         }
     }
-    match out.flush() {
+    Ok(true)
+}
+
+/// Writes `bytes` to `out` and flushes it. False once `out` is closed.
+fn write_out(out: &mut impl Write, bytes: &[u8]) -> Result<bool> {
+    match out.write_all(bytes).and_then(|()| out.flush()) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
         Err(e) => Err(e.into()),
@@ -136,7 +252,7 @@ fn copy(file: &mut std::fs::File, out: &mut impl Write) -> Result<bool> {
 }
 
 /// The one run this state directory holds nodes or kept logs of.
-fn only_run(state_dir: &Path) -> Result<RunId> {
+fn only_run(state_dir: &Path, elsewhere: &str) -> Result<RunId> {
     let mut runs = std::collections::BTreeSet::new();
     for sub in ["nodes", "logs"] {
         if let Ok(entries) = std::fs::read_dir(state_dir.join(sub)) {
@@ -151,7 +267,7 @@ fn only_run(state_dir: &Path) -> Result<RunId> {
     match (runs.next(), runs.next()) {
         (Some(run), None) => Ok(RunId::new(run)),
         (None, _) => bail!(
-            "{} holds no agent logs: no `process` node was ever started there. {ELSEWHERE}",
+            "{} holds no agent logs: no `process` node was ever started there. {elsewhere}",
             state_dir.display()
         ),
         (Some(a), Some(b)) => bail!(

@@ -218,10 +218,11 @@ resume`.",
         after_help = "Example:\n  swactor ssh-key | ssh root@10.0.0.5 'cat >> ~/.ssh/authorized_keys'"
     )]
     SshKey,
-    /// Show a `process` node's agent log: its latest attempt's, or
-    /// `--attempt N`'s. The ends of the last three attempts' logs are kept
-    /// after their machines are gone. (Nodes on other providers log where
-    /// they run: `docker logs`, or a file on the SSH host.)
+    /// Show a node's agent log: its latest attempt's, or `--attempt N`'s.
+    /// A `process` node's is read from the state directory, where the ends
+    /// of its last three attempts' logs are kept after they are gone; any
+    /// other node's (a container's log, a file on an SSH host or instance)
+    /// is read from its machine by the running daemon, while it exists.
     #[command(after_help = "Example:\n  swactor logs worker-0 --follow")]
     Logs {
         /// The node, e.g. `worker-0`.

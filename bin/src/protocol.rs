@@ -60,6 +60,43 @@ pub(crate) enum ControlRequest {
     },
     /// Cancel a job on every node it still runs on.
     JobCancel(String),
+    /// A node's agent log; the answer is a stream of
+    /// [`ControlResponse::AgentLog`] pieces (or one `Error`).
+    AgentLog {
+        /// The node, e.g. `worker-0`.
+        node: String,
+        /// One attempt (its number) instead of the current one.
+        attempt: Option<u64>,
+        /// The run the CLI asks about, when it names one.
+        run: Option<String>,
+        /// Go on sending what the agent writes until its attempt ends.
+        follow: bool,
+    },
+}
+
+/// One piece of the answer to [`ControlRequest::AgentLog`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) enum AgentLogPiece {
+    /// The daemon sends no log: it is in the state directory (a `process`
+    /// node's, or the kept end of an ended attempt's), where the CLI reads
+    /// it. The only piece.
+    InStateDir {
+        /// Why no provider was asked, when the node is not a `process` one.
+        why: Option<String>,
+    },
+    /// The log follows, read where the agent runs. The first piece.
+    Start {
+        /// The attempt.
+        attempt: u64,
+        /// Its provider's kind.
+        kind: String,
+        /// Its lease, with what the provider says of it.
+        lease: String,
+    },
+    /// Some of the log's text.
+    Text(String),
+    /// Reading the log broke off, for this reason. The last piece.
+    Broken(String),
 }
 
 /// The daemon's answer.
@@ -99,8 +136,12 @@ pub(crate) enum ControlResponse {
     Down {
         /// Nodes torn down.
         destroyed: Vec<String>,
-        /// Nodes left running.
+        /// Nodes left running (their machines are kept).
         kept: Vec<String>,
+        /// With `keep`: nodes on record that had no machine to keep (failed
+        /// and cleaned up, or not created yet); the next `up` starts them.
+        #[serde(default)]
+        without_machine: Vec<String>,
         /// With `purge`: each remote host, and why it could not be purged if it could not.
         #[serde(default)]
         purged: Vec<(String, Option<String>)>,
@@ -118,6 +159,8 @@ pub(crate) enum ControlResponse {
         /// The nodes it still ran on.
         nodes: Vec<String>,
     },
+    /// A piece of a node's agent log (the answers to `AgentLog`).
+    AgentLog(AgentLogPiece),
     /// The request was refused; nothing changed.
     Error(String),
 }

@@ -856,3 +856,88 @@ fn a_missing_agent_binary_is_named_before_anything_starts() {
     assert!(!err.contains("plan:"), "it got as far as the plan: {err}");
     assert!(!state.exists(), "a state directory was made");
 }
+
+#[test]
+fn swactor_logs_reads_an_ssh_node_s_agent_log_from_its_host_and_follows_it_to_its_end() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let pool = Pool::new(1);
+    let shape = pool.shape("one.toml", 1, &[0], "");
+    let mut d = pool.up(&shape);
+    let snap = wait_converged(&pool.state, CONVERGE, |s| s.nodes.len() == 1);
+    let attempt = node(&snap, "w-0").attempt;
+    let on_host = pool
+        .home(0)
+        .join(format!(".swactor/nodes/ssh/w-0-{attempt}/agent.log"));
+
+    // `describe` points at `swactor logs`, and that reads the file on the host.
+    let o = cli(&pool.state, &["describe", "w-0"]);
+    assert!(stdout(&o).contains("swactor logs w-0"), "{}", stdout(&o));
+    let o = cli(&pool.state, &["logs", "w-0"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let shown = stdout(&o);
+    let file = std::fs::read_to_string(&on_host).unwrap();
+    assert!(!shown.is_empty(), "{}", stderr(&o));
+    assert!(
+        file.starts_with(&shown),
+        "shown:\n{shown}\nthe file on the host:\n{file}"
+    );
+    assert!(
+        stderr(&o).contains(&format!("w-0 attempt {attempt} (ssh node")),
+        "{}",
+        stderr(&o)
+    );
+
+    // --follow prints what is written next, and ends with the attempt.
+    let mut follow = std::process::Command::new(BIN)
+        .args(["logs", "w-0", "--follow", "--state-dir"])
+        .arg(&pool.state)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let mut log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&on_host)
+        .unwrap();
+    std::io::Write::write_all(&mut log, b"a line the test wrote\n").unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let o = cli(&pool.state, &["replace", "w-0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let started = Instant::now();
+    while follow.try_wait().unwrap().is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "`logs --follow` outlived its attempt"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let o = follow.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("a line the test wrote\n"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(stderr(&o).contains("has ended"), "{}", stderr(&o));
+
+    // The replaced attempt's log went with its directory: said so, not
+    // that the node was never a `process` one.
+    wait_converged(&pool.state, CONVERGE, |s| {
+        s.nodes.len() == 1 && node(s, "w-0").attempt != attempt
+    });
+    let o = cli(
+        &pool.state,
+        &["logs", "w-0", "--attempt", &attempt.0.to_string()],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("not w-0's current attempt"),
+        "{}",
+        stderr(&o)
+    );
+    down_leaves_nothing(&pool, &mut d, false);
+}

@@ -619,6 +619,12 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("no price in {metrics}"));
     assert!((price - 1.206).abs() < 1e-9, "{price}");
+    // `swactor logs` reads a node's agent log on its instance, over SSH.
+    let node = snap.nodes[0].node.to_string();
+    let o = cli(&w.state(), &["logs", &node]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stdout(&o).is_empty(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("(vast node"), "{}", stderr(&o));
     let o = cli(&w.state(), &["down"]);
     assert!(o.status.success(), "{}\n{}", stderr(&o), d.log());
     wait_for(Duration::from_secs(30), "no live instance", || {

@@ -74,7 +74,10 @@ pub use options::{CPUS_MAX, MEMORY_MB_MAX, MEMORY_MB_MIN, MOUNTS_MAX, check_temp
 
 use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
 use crate::lock;
-use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
+use crate::{
+    AgentLogSource, BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider,
+    ProviderError,
+};
 use async_trait::async_trait;
 use bollard::Docker;
 use bollard::errors::Error as EngineError;
@@ -1103,6 +1106,53 @@ impl Provider for DockerProvider {
             );
         }
         Ok(inventory)
+    }
+
+    async fn agent_log(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        follow: bool,
+    ) -> Result<AgentLogSource, ProviderError> {
+        let name = Self::locate_lease(key, lease)?;
+        if self.inspect(key, &name).await?.is_none() {
+            return Err(ProviderError::Gone(format!(
+                "container {name} no longer exists, and its log went with it"
+            )));
+        }
+        // The whole log, every start of the container included: what
+        // `docker logs` shows.
+        let options = bollard::query_parameters::LogsOptions {
+            follow,
+            stdout: true,
+            stderr: true,
+            ..Default::default()
+        };
+        let mut logs = self.shared.docker.logs(&name, Some(options));
+        let (tx, rx) = tokio::sync::mpsc::channel(crate::AGENT_LOG_BUFFER_LEN);
+        tokio::spawn(async move {
+            loop {
+                let item = tokio::select! {
+                    item = logs.next() => item,
+                    // Nobody reads any more: stop following.
+                    () = tx.closed() => return,
+                };
+                let piece = match item {
+                    None => return,
+                    Some(Ok(output)) => {
+                        Ok(String::from_utf8_lossy(&output.into_bytes()).into_owned())
+                    }
+                    Some(Err(e)) => Err(format!(
+                        "reading the log of container {name} broke off: {e}"
+                    )),
+                };
+                let last = piece.is_err();
+                if tx.send(piece).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        Ok(AgentLogSource::Remote(rx))
     }
 
     fn describe_lease(&self, lease: &LeaseId) -> Option<String> {

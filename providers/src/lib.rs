@@ -23,6 +23,7 @@
 pub mod credentials;
 #[cfg(feature = "docker")]
 pub mod docker;
+pub mod exit;
 #[cfg(feature = "fake")]
 pub mod fake;
 mod multi;
@@ -104,6 +105,26 @@ pub struct OwnedResources {
 /// Everything a provider holds for one run, by key.
 pub type Inventory = BTreeMap<ResourceKey, OwnedResources>;
 
+/// Pieces of an agent's log as they are read where the agent runs; an
+/// `Err` piece says why the reading broke off, and is the last.
+pub type AgentLogStream = tokio::sync::mpsc::Receiver<Result<String, String>>;
+
+/// Pieces an [`AgentLogStream`] buffers before its reader must catch up.
+pub const AGENT_LOG_BUFFER_LEN: usize = 64;
+
+/// Where [`Provider::agent_log`] found an agent's log.
+#[derive(Debug)]
+pub enum AgentLogSource {
+    /// In the daemon's state directory (the `process` provider's nodes, and
+    /// the kept ends of their ended attempts' logs): whoever shares that
+    /// directory reads it there.
+    StateDir,
+    /// Read from the machine the agent runs on: everything the log holds,
+    /// then, when following, what the agent writes until it ends. The
+    /// stream ends with the log; dropping it stops the reading.
+    Remote(AgentLogStream),
+}
+
 /// A way to lease machines and run the agent on them. See the crate docs for
 /// the rules every implementation follows.
 #[async_trait]
@@ -168,6 +189,23 @@ pub trait Provider: Send + Sync + 'static {
     fn describe_lease(&self, lease: &LeaseId) -> Option<String> {
         let _ = lease;
         None
+    }
+
+    /// The agent log of `key`'s attempt on `lease`, for `swactor logs`:
+    /// what it holds now and, with `follow`, what the agent writes until
+    /// it ends. Only reads; a lease that is gone is [`ProviderError::Gone`].
+    /// The default is a provider that keeps no log anyone can read.
+    async fn agent_log(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        follow: bool,
+    ) -> Result<AgentLogSource, ProviderError> {
+        let _ = (key, lease, follow);
+        Err(ProviderError::Definite(format!(
+            "the {} provider keeps no agent log that can be read",
+            self.kind()
+        )))
     }
 
     /// Whether `lease` is one of this provider's (for [`Providers`] to route

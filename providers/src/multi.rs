@@ -6,7 +6,9 @@
 //! ([`Provider::owns_lease`], [`Provider::owns_session`]); a listing is the
 //! union of every provider's.
 
-use crate::{BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait};
+use crate::{
+    AgentLogSource, BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait,
+};
 use std::sync::Arc;
 use std::time::Duration;
 use swactor_provisioning::{
@@ -43,6 +45,11 @@ impl Providers {
     /// The kinds it can drive, in the order given.
     pub fn kinds(&self) -> Vec<&'static str> {
         self.all.iter().map(|p| p.kind()).collect()
+    }
+
+    /// The kind of the provider that owns `lease`, if one does.
+    pub fn kind_of_lease(&self, lease: &LeaseId) -> Option<&'static str> {
+        self.of_lease(lease).ok().map(|p| p.kind())
     }
 
     /// Each provider's own capacity, where it has one.
@@ -141,6 +148,15 @@ impl Provider for Providers {
             }
         }
         Ok(all)
+    }
+
+    async fn agent_log(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        follow: bool,
+    ) -> Result<AgentLogSource, ProviderError> {
+        self.of_lease(lease)?.agent_log(key, lease, follow).await
     }
 
     fn listing_lag(&self) -> Duration {

@@ -1132,6 +1132,16 @@ impl Provider for ProcessProvider {
         Ok(())
     }
 
+    async fn agent_log(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        _follow: bool,
+    ) -> Result<crate::AgentLogSource, ProviderError> {
+        self.locate_lease(key, lease)?;
+        Ok(crate::AgentLogSource::StateDir)
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         lease.0.starts_with("nodes/")
     }

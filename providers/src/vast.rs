@@ -59,8 +59,8 @@ use crate::credentials::AgentCredentials;
 use crate::lock;
 use crate::ssh::remote;
 use crate::ssh::{
-    ConnectOptions, KnownHosts, SshError, SshIdentity, SshSession, SshTarget, private_dirs, relay,
-    write_durably,
+    ConnectOptions, KnownHosts, SshError, SshIdentity, SshSession, SshTarget, private_dirs,
+    read_agent_log, relay, write_durably,
 };
 use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
 use async_trait::async_trait;
@@ -1397,6 +1397,23 @@ impl Provider for VastProvider {
             "instance {id}{offer} · machine {} · {:.3} $/h · {}",
             i.machine, i.dph, i.status
         ))
+    }
+
+    async fn agent_log(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        follow: bool,
+    ) -> Result<crate::AgentLogSource, ProviderError> {
+        let id = instance_of(lease)?;
+        let Some(target) = self.target_of(id).await? else {
+            return Err(definite(format!(
+                "vast: instance {id} is not running (or not serving SSH), so its agent log \
+                 cannot be read"
+            )));
+        };
+        let ssh = self.connect(id, &target).await?;
+        read_agent_log(&ssh, key, follow, format!("instance {id} ({target})")).await
     }
 
     fn owns_lease(&self, lease: &LeaseId) -> bool {

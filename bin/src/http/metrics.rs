@@ -615,6 +615,17 @@ impl Provider for Metered {
         self.inner.describe_lease(lease)
     }
 
+    // Not timed: reading a log is an operator's request, not one of the
+    // reconciler's effects, and a followed log lasts as long as it is read.
+    async fn agent_log(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        follow: bool,
+    ) -> Result<swactor_providers::AgentLogSource, ProviderError> {
+        self.inner.agent_log(key, lease, follow).await
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         self.inner.owns_lease(lease)
     }

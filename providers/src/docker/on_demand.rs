@@ -9,7 +9,9 @@
 //! engine: there is nothing of the run's to find there.
 
 use super::{DockerConfig, DockerError, DockerProvider};
-use crate::{BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait};
+use crate::{
+    AgentLogSource, BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait,
+};
 use std::sync::atomic::{AtomicBool, Ordering};
 use swactor_provisioning::{LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId};
 
@@ -127,6 +129,15 @@ impl Provider for DockerOnDemand {
             return Ok(Inventory::new());
         }
         self.get().await?.list(run_id).await
+    }
+
+    async fn agent_log(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        follow: bool,
+    ) -> Result<AgentLogSource, ProviderError> {
+        self.get().await?.agent_log(key, lease, follow).await
     }
 
     fn describe_lease(&self, lease: &LeaseId) -> Option<String> {

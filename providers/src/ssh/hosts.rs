@@ -873,6 +873,84 @@ pub(crate) async fn relay(
     }
 }
 
+/// Most lines of an agent log sent as one piece.
+const LOG_LINES_PER_PIECE: usize = 256;
+
+/// Reads `key`'s agent log on the host `ssh` reaches ([`remote::read_log`]),
+/// for [`Provider::agent_log`]; `target` names the host in messages.
+pub(crate) async fn read_agent_log(
+    ssh: &SshSession,
+    key: &ResourceKey,
+    follow: bool,
+    target: String,
+) -> Result<crate::AgentLogSource, ProviderError> {
+    let dir = remote::node_dir(key);
+    let mut lines = ssh
+        .exec_lines(&remote::read_log(&dir, follow))
+        .await
+        .map_err(ProviderError::from)?;
+    let (tx, rx) = tokio::sync::mpsc::channel(crate::AGENT_LOG_BUFFER_LEN);
+    tokio::spawn(async move {
+        let mut started = false;
+        let mut piece = String::new();
+        let mut gathered = 0;
+        loop {
+            let line = tokio::select! {
+                line = lines.lines.recv() => line,
+                // Nobody reads any more: dropping the lines ends the remote command.
+                () = tx.closed() => return,
+            };
+            let end = match line {
+                Some(RemoteLine::Stdout(text)) if !started => {
+                    // What the login shell printed before the command ran is not the log.
+                    started = text == remote::LOG_START_MARKER;
+                    continue;
+                }
+                Some(RemoteLine::Stdout(text)) => match text.find(EXIT_MARKER) {
+                    Some(at) => {
+                        piece.push_str(&text[..at]);
+                        let status = text[at + EXIT_MARKER.len()..].trim();
+                        Some((status == "gone").then(|| {
+                            format!(
+                                "{target} has no directory ~/{dir} any more: the attempt's \
+                                 log went with it"
+                            )
+                        }))
+                    }
+                    None if text == ALIVE_MARKER => None,
+                    None => {
+                        piece.push_str(&text);
+                        piece.push('\n');
+                        gathered += 1;
+                        None
+                    }
+                },
+                // tail's complaints about a log not written yet are no part of it.
+                Some(RemoteLine::Stderr(_)) => None,
+                Some(RemoteLine::Exit(_) | RemoteLine::Closed) | None => Some(Some(format!(
+                    "the SSH connection to {target} ended before the whole log was read"
+                ))),
+            };
+            // A piece goes once a few lines are gathered, when no more
+            // have come yet, and at the end.
+            let flush = end.is_some() || gathered >= LOG_LINES_PER_PIECE || lines.lines.is_empty();
+            if flush && !piece.is_empty() {
+                gathered = 0;
+                if tx.send(Ok(std::mem::take(&mut piece))).await.is_err() {
+                    return;
+                }
+            }
+            if let Some(error) = end {
+                if let Some(e) = error {
+                    let _ = tx.send(Err(e)).await;
+                }
+                return;
+            }
+        }
+    });
+    Ok(crate::AgentLogSource::Remote(rx))
+}
+
 fn remember(recent: &mut VecDeque<String>, line: &str) {
     let line = line.trim();
     if line.is_empty() {
@@ -1304,6 +1382,17 @@ impl Provider for SshHostsProvider {
             .0
             .strip_prefix("ssh:")
             .map(|host| format!("host {host}"))
+    }
+
+    async fn agent_log(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        follow: bool,
+    ) -> Result<crate::AgentLogSource, ProviderError> {
+        let host = self.host_of_lease(key, lease)?;
+        let ssh = self.connect(&host).await.map_err(ProviderError::from)?;
+        read_agent_log(&ssh, key, follow, host.target).await
     }
 
     fn owns_lease(&self, lease: &LeaseId) -> bool {

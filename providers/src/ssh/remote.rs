@@ -271,6 +271,27 @@ pub(crate) fn follow(dir: &str) -> String {
 /// A line [`follow`] prints now and then to notice a reader that is gone.
 pub(crate) const ALIVE_MARKER: &str = "##swactor-alive";
 
+/// What [`read_log`] prints before the log, so that whatever the login
+/// shell prints first (a greeting) is told from it.
+pub(crate) const LOG_START_MARKER: &str = "##swactor-log";
+
+/// Prints [`LOG_START_MARKER`], then the attempt's log and [`EXIT_MARKER`]
+/// (`shown` when not following, else as [`follow`] ends it); only
+/// `{EXIT_MARKER}gone` when the attempt's directory does not exist.
+pub(crate) fn read_log(dir: &str, follow_it: bool) -> String {
+    let start = format!("printf '%s\\n' '{LOG_START_MARKER}'");
+    if follow_it {
+        return format!("{start}; {}", follow(dir));
+    }
+    let dir = quote(dir);
+    // The log's last line may lack its end of line: the marker then starts a line of its own.
+    format!(
+        "{start}; cd {dir} 2>/dev/null || {{ echo '{EXIT_MARKER}gone'; exit 0; }}; \
+         cat agent.log 2>/dev/null; \
+         [ -z \"$(tail -c 1 agent.log 2>/dev/null)\" ] || echo; echo '{EXIT_MARKER}shown'"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
