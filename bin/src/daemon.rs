@@ -112,7 +112,8 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
         // as it was (or absent).
         return Err(nothing_to_resume(&opts.state_dir));
     }
-    let agent_binary = AgentBinary::find(opts.agent_binary.as_deref())?;
+    let (agent_binary, keep_agent_binary) =
+        choose_agent_binary(&opts.state_dir, opts.agent_binary.as_deref())?;
     // A shape that rents Vast.ai machines needs the key before anything else.
     let vast_key = vast_key(file.as_ref())?;
     if let Some(shape) = checked.as_ref().filter(|_| fresh) {
@@ -140,6 +141,9 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     let ticket = EndpointTicket::new(endpoint.addr());
     // What agents are given: the advertised address, on the bound port.
     state.save_network(listen, advertise)?;
+    if let Some(path) = &keep_agent_binary {
+        state.save_agent_binary(path)?;
+    }
     let agent_ticket = match (advertise, endpoint.bound_sockets().first()) {
         (Some(ip), Some(bound)) => EndpointTicket::new(
             swactor_engine::iroh::EndpointAddr::new(endpoint.id())
@@ -690,6 +694,46 @@ async fn confirm_start(
         }
     }
     crate::guard::ask(&diff, yes).await
+}
+
+/// The agent binary remote machines and containers run: the one given now
+/// (returned again, absolute, to be kept for the next daemon), else the one
+/// the last daemon of this state directory was given (as `--listen` is
+/// kept), else the one [`AgentBinary::find`] finds.
+///
+/// # Errors
+/// A binary given now that cannot be read.
+fn choose_agent_binary(
+    state_dir: &Path,
+    given: Option<&Path>,
+) -> Result<(AgentBinary, Option<PathBuf>)> {
+    if let Some(path) = given {
+        let binary = AgentBinary::find(Some(path))?;
+        let absolute = std::path::absolute(path)
+            .with_context(|| format!("cannot tell where {} is", path.display()))?;
+        return Ok((binary, Some(absolute)));
+    }
+    let Some(saved) = StateDir::saved_agent_binary(state_dir) else {
+        return Ok((AgentBinary::find(None)?, None));
+    };
+    if saved.is_file() {
+        eprintln!(
+            "swactor: remote machines and containers run the agent binary {}, as the last \
+             daemon of this state directory was told (--agent-binary names another)",
+            saved.display()
+        );
+        return Ok((AgentBinary::find(Some(&saved))?, None));
+    }
+    let found = AgentBinary::find(None)?;
+    eprintln!(
+        "swactor: warning: the agent binary the last daemon of this state directory was \
+         given, {}, is gone; remote machines and containers run {} ({}) instead \
+         (--agent-binary names one)",
+        saved.display(),
+        found.path.display(),
+        found.found
+    );
+    Ok((found, None))
 }
 
 /// The `ssh` provider, told of every host the journal's and the file's

@@ -16,6 +16,8 @@ use swactor_engine::net::{EndpointTicket, load_or_create_secret_key};
 pub(crate) const STATE_DIR_ENV: &str = "SWACTOR_STATE_DIR";
 /// Where the daemon's listen and advertised addresses are kept.
 pub(crate) const NETWORK_FILE: &str = "daemon.network";
+/// Where the agent binary named with `--agent-binary` is kept.
+pub(crate) const AGENT_BINARY_FILE: &str = "daemon.agent-binary";
 /// The state directory used when none is given.
 pub(crate) const DEFAULT_STATE_DIR: &str = ".swactor";
 
@@ -206,6 +208,30 @@ impl StateDir {
             text.push_str(&format!("advertise={ip}\n"));
         }
         write_atomic(&self.root.join(NETWORK_FILE), text.as_bytes(), 0o644)
+    }
+
+    /// The agent binary the last daemon was told to use (`--agent-binary`
+    /// or `$SWACTOR_AGENT_BINARY`), as an absolute path, if it was saved.
+    /// Read from a path, as [`Self::saved_network`] is.
+    pub(crate) fn saved_agent_binary(root: &Path) -> Option<PathBuf> {
+        use std::os::unix::ffi::OsStringExt;
+        let bytes = std::fs::read(root.join(AGENT_BINARY_FILE)).ok()?;
+        let path = PathBuf::from(std::ffi::OsString::from_vec(bytes));
+        path.is_absolute().then_some(path)
+    }
+
+    /// Remembers the agent binary the daemon was told to use, so a daemon
+    /// started again without `--agent-binary` uploads the same one.
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub(crate) fn save_agent_binary(&self, path: &Path) -> Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        write_atomic(
+            &self.root.join(AGENT_BINARY_FILE),
+            path.as_os_str().as_bytes(),
+            0o644,
+        )
     }
 
     /// The secret join tokens are derived from; created on first use.

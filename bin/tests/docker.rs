@@ -434,3 +434,137 @@ fn bad_container_settings_are_refused_before_anything_starts() {
     assert_eq!(containers(&w.run).len(), 1);
     w.down();
 }
+
+#[test]
+fn swactor_logs_shows_a_docker_node_s_container_log_and_follows_it_until_the_container_stops() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("logs");
+    w.up(&docker_shape(&w.run, 1, ""));
+    let snap = w.converged(1);
+    let attempt = snap.nodes[0].attempt;
+    let container = one_per_slot(&w.run)["w-0"].name.clone();
+
+    // `describe` points at `swactor logs`, and that shows what `docker logs` does.
+    assert!(describe(&w.state, "w-0").contains("swactor logs w-0"));
+    let o = cli(&w.state, &["logs", "w-0"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let shown = stdout(&o);
+    let engine = docker(&["logs", &container]);
+    for line in stdout(&engine)
+        .lines()
+        .chain(stderr(&engine).lines())
+        .take(3)
+    {
+        assert!(shown.contains(line), "{line:?} is not in:\n{shown}");
+    }
+    assert!(!shown.is_empty(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!("w-0 attempt {attempt} (docker node")),
+        "{}",
+        stderr(&o)
+    );
+
+    // --follow ends once the container has stopped.
+    let mut follow = std::process::Command::new(BIN)
+        .args(["logs", "w-0", "-f", "--state-dir"])
+        .arg(&w.state)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(docker(&["stop", "-t", "1", &container]).status.success());
+    let started = Instant::now();
+    while follow.try_wait().unwrap().is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "`logs --follow` outlived its container"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let o = follow.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with(&shown), "{}", stdout(&o));
+    assert!(stderr(&o).contains("has ended"), "{}", stderr(&o));
+
+    // The stopped attempt is replaced; its log went with its container,
+    // which is said instead of "no process node".
+    let after = w.converged(1);
+    assert_ne!(after.nodes[0].attempt, attempt);
+    let o = cli(
+        &w.state,
+        &["logs", "w-0", "--attempt", &attempt.0.to_string()],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("not w-0's current attempt"),
+        "{}",
+        stderr(&o)
+    );
+    w.down();
+}
+
+#[test]
+fn a_plain_up_after_a_kill_9_uploads_the_agent_binary_the_last_up_was_given() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("keepbin");
+    // A binary of its own content (trailing bytes change no ELF), so its
+    // image is told from the one of the build's `swactor-agent`, which a
+    // daemon finds next to its executable when it is given none.
+    let agent = w.dir.join("bin/agent");
+    std::fs::create_dir_all(agent.parent().unwrap()).unwrap();
+    let mut bytes = std::fs::read(agent_binary()).unwrap();
+    bytes.extend_from_slice(b"\nkept-agent-binary-test\n");
+    std::fs::write(&agent, bytes).unwrap();
+    std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let f = w.file(&docker_shape(&w.run, 1, ""));
+    let d = Daemon::spawn_with(
+        &w.state,
+        Some(&f),
+        &["--agent-binary", agent.to_str().unwrap()],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log));
+    w.daemon = Some(d);
+    let before = w.converged(1).nodes[0].attempt;
+    let image_of =
+        |name: &str| stdout(&docker(&["inspect", "--format", "{{.Config.Image}}", name]));
+    let first = one_per_slot(&w.run)["w-0"].clone();
+    let image = image_of(&first.name);
+
+    // kill -9, the node's container removed meanwhile (a stopped one would
+    // be started again), and `up` with nothing else.
+    w.daemon.as_mut().unwrap().kill9();
+    assert!(docker(&["rm", "-f", &first.name]).status.success());
+    let d = Daemon::spawn(&w.state, None)
+        .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log));
+    w.daemon = Some(d);
+    let replaced = try_wait_converged(&w.state, Duration::from_secs(120), |s| {
+        s.nodes.len() == 1 && s.nodes[0].ready && s.nodes[0].attempt > before
+    });
+    assert!(
+        replaced.is_ok(),
+        "w-0 was not replaced: {replaced:#?}\ndaemon log:\n{}",
+        w.log()
+    );
+    let replacement = one_per_slot(&w.run)["w-0"].clone();
+    assert_eq!(
+        image_of(&replacement.name),
+        image,
+        "the replacement runs another agent binary; daemon log:\n{}",
+        w.log()
+    );
+    assert!(
+        w.daemon.as_ref().unwrap().last_log().contains(&format!(
+            "agent binary {}, as the last daemon",
+            agent.display()
+        )),
+        "{}",
+        w.log()
+    );
+    w.down();
+}
