@@ -63,6 +63,25 @@ pub(crate) struct UpOptions {
 /// # Errors
 /// Bad input (shape, state directory) or a failure to start.
 pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
+    let mut endpoint = None;
+    let outcome = run(opts, &mut endpoint).await;
+    if outcome.is_err()
+        && let Some(endpoint) = endpoint
+    {
+        // A start refused once the endpoint is bound (a provider that cannot
+        // start, a shape refused) closes it: dropped open, iroh would log an
+        // ERROR of its own below the line that says what was wrong.
+        let _ = tokio::time::timeout(ENDPOINT_CLOSE_MAX, endpoint.close()).await;
+    }
+    outcome
+}
+
+/// How long a refused start waits for its endpoint to close.
+const ENDPOINT_CLOSE_MAX: Duration = Duration::from_secs(3);
+
+/// [`up`]; puts the daemon's endpoint in `bound` as soon as it is bound, for
+/// `up` to close if this fails.
+async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>) -> Result<i32> {
     let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
     // Addresses given now win; without any, those of the last daemon of
@@ -134,9 +153,12 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
     }
     let run_id = start.run_id.clone();
 
-    let endpoint = bind_daemon_endpoint(&state, listen).await?;
+    // The web surface first: an --http address that cannot be bound is
+    // refused before the endpoint starts, with nothing else to say.
     let http_listener = crate::http::bind(&state, opts.http).await?;
     let http_token = crate::http::token(&state)?;
+    let endpoint = bind_daemon_endpoint(&state, listen).await?;
+    *bound = Some(endpoint.clone());
     let metrics = crate::http::Metrics::new();
     let ticket = EndpointTicket::new(endpoint.addr());
     // What agents are given: the advertised address, on the bound port.

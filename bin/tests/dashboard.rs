@@ -850,3 +850,60 @@ fn a_hundred_streams_and_a_thousand_scrapes_do_not_stop_a_hundred_nodes_convergi
     );
     drop(daemon);
 }
+#[test]
+fn an_http_address_that_cannot_be_used_is_refused_in_one_line_and_no_raw_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let shape = shape_file(dir.path(), "h.toml", &workers("http", 1));
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap().to_string();
+    // Taken; not this machine's (TEST-NET-1); and a start refused later,
+    // once the daemon's endpoint is bound (a setting the vast provider reads).
+    let cases: [(&[&str], &[(&str, &str)], String); 3] = [
+        (
+            &["--http", &taken],
+            &[],
+            format!("swactor: cannot listen on {taken} for the web surface (--http): "),
+        ),
+        (
+            &["--http", "192.0.2.1:1"],
+            &[],
+            "swactor: cannot listen on 192.0.2.1:1 for the web surface (--http): ".to_owned(),
+        ),
+        (
+            &[],
+            &[
+                ("VAST_API_KEY", "k"),
+                ("SWACTOR_VAST_LISTING_LAG_S", "soon"),
+            ],
+            "swactor: SWACTOR_VAST_LISTING_LAG_S=\"soon\" is not a number of seconds".to_owned(),
+        ),
+    ];
+    for (args, env, refusal) in cases {
+        let exited = Daemon::spawn_env(&state, Some(&shape), args, env)
+            .err()
+            .unwrap_or_else(|| panic!("{args:?} {env:?} was not refused"));
+        assert_eq!(exited.code, Some(1), "{}", exited.log);
+        let said: Vec<&str> = exited
+            .log
+            .lines()
+            .filter(|l| !l.starts_with("=== ") && !l.starts_with("swactor: plan: "))
+            .collect();
+        assert_eq!(said.len(), 1, "one line: {said:#?}");
+        assert!(said[0].starts_with(&refusal), "{said:#?}");
+        assert!(agents(&state).is_empty(), "nothing was started");
+    }
+    // An address that is not one: the usage error names --http.
+    let o = cli(
+        &state,
+        &["up", shape.to_str().unwrap(), "--http", "256.0.0.1:1"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.starts_with("error: invalid value '256.0.0.1:1' for '--http <ADDR:PORT>'"),
+        "{err}"
+    );
+    assert!(!err.contains("ERROR"), "{err}");
+    drop(holder);
+}
