@@ -907,3 +907,32 @@ fn an_http_address_that_cannot_be_used_is_refused_in_one_line_and_no_raw_error()
     assert!(!err.contains("ERROR"), "{err}");
     drop(holder);
 }
+
+#[test]
+fn a_kept_dashboard_port_that_is_taken_is_named_with_the_port_used_instead() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    // The port the last daemon used, now held by someone else.
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap();
+    std::fs::write(state.join("http.addr"), taken.to_string()).unwrap();
+    let shape = shape_file(dir.path(), "p.toml", &workers("port", 1));
+    let mut daemon = Daemon::spawn(&state, Some(&shape)).expect("a daemon");
+    let (addr, _) = web(&state);
+    assert_ne!(addr.port(), taken.port());
+    let log = daemon.last_log();
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(&format!("port {}", taken.port())))
+        .collect();
+    assert_eq!(said.len(), 1, "one line says so: {log}");
+    assert!(
+        said[0].contains("is taken") && said[0].contains(&format!("uses port {}", addr.port())),
+        "{}",
+        said[0]
+    );
+    assert!(cli(&state, &["down"]).status.success());
+    daemon.wait_exit(Duration::from_secs(30));
+    drop(holder);
+}

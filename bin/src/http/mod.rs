@@ -96,8 +96,21 @@ pub(crate) async fn bind(
             Some(addr) => match tokio::net::TcpListener::bind(addr).await {
                 Ok(l) => l,
                 Err(e) => {
-                    tracing::warn!(%e, %addr, "the web surface's previous address is taken; binding a new port");
-                    tokio::net::TcpListener::bind(fresh).await?
+                    // Bookmarks and scrapers hold the old port: say plainly that it moved.
+                    let l = tokio::net::TcpListener::bind(fresh).await?;
+                    let why = if e.kind() == std::io::ErrorKind::AddrInUse {
+                        "is taken".to_owned()
+                    } else {
+                        format!("cannot be used ({e})")
+                    };
+                    eprintln!(
+                        "swactor: the dashboard's port {}, kept in {} from the last daemon, {why}; \
+                         it uses port {} instead, and keeps that one (--http ADDR:PORT picks one)",
+                        addr.port(),
+                        path.display(),
+                        l.local_addr()?.port()
+                    );
+                    l
                 }
             },
             None => tokio::net::TcpListener::bind(fresh).await?,
