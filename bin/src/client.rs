@@ -330,13 +330,13 @@ pub(crate) fn unexpected(answer: &ControlResponse) -> anyhow::Error {
     )
 }
 
-/// Buffered lines on stdout. A closed pipe surfaces as an I/O error of kind
-/// `BrokenPipe`, which `main` turns into a quiet exit.
-struct Out(std::io::BufWriter<std::io::Stdout>);
+/// Buffered lines on stdout. Once its reader has gone, they are dropped
+/// (see [`crate::term::Stdout`]): the command goes on regardless.
+struct Out(std::io::BufWriter<crate::term::Stdout>);
 
 impl Out {
     fn new() -> Self {
-        Self(std::io::BufWriter::new(std::io::stdout()))
+        Self(std::io::BufWriter::new(crate::term::Stdout))
     }
 
     fn line(&mut self, text: impl std::fmt::Display) -> std::io::Result<()> {
@@ -1082,6 +1082,8 @@ pub(crate) async fn watch(state_dir: &Path) -> Result<()> {
             break Ok(Ended::Broken("the stream stopped".to_owned()));
         };
         match view.frame(frame) {
+            // Nobody reads any more (`| head`): the watch is over.
+            Ok(None) if crate::term::Stdout::closed() => break Ok(Ended::Cleanly("stopped")),
             Ok(None) => {}
             Ok(Some(ended)) => break Ok(ended),
             Err(e) => break Err(e),

@@ -5,9 +5,9 @@
 //! Exit codes: 0 on success, 1 on any error (bad input, a refusal, an
 //! unreachable daemon, a broken stream), 2 from `plan --detailed-exitcode`
 //! when there is work to do, 3 from a daemon whose cluster kept failing
-//! (see `docs/architecture.md`), and 141 when stdout was closed early (as
-//! by `| head`). `run` exits with its job's worst exit code (130 after
-//! Ctrl-C; see `docs/jobs.md`).
+//! (see `docs/architecture.md`). `run` exits with its job's worst exit code
+//! (130 after Ctrl-C; see `docs/jobs.md`). A stdout closed early (as by
+//! `| head`) changes none of them: what is written after is dropped.
 
 mod agent;
 mod agentbin;
@@ -46,8 +46,8 @@ use std::time::Duration;
   swactor down                          tear everything down and stop the daemon
 
 Exit codes: 0 success, 1 error, 2 `plan --detailed-exitcode` found work,
-3 the daemon's cluster kept failing, 141 stdout closed early; `run` exits with
-its job's worst exit code (130 after Ctrl-C)."
+3 the daemon's cluster kept failing; `run` exits with its job's worst exit
+code (130 after Ctrl-C). A pipe closed early (`| head`) changes none of them."
 )]
 struct Cli {
     /// The state directory (default: $SWACTOR_STATE_DIR, or ./.swactor).
@@ -201,7 +201,7 @@ resume`.",
     },
     /// Stop the daemon, tearing everything down (or keeping it with --keep).
     #[command(after_help = "Examples:
-  swactor down          destroy every node, then stop the daemon
+  swactor down          destroy every node, then stop the daemon (it never asks; --yes is taken)
   swactor down --keep   stop the daemon, leave the nodes for the next `swactor up`")]
     Down {
         /// Leave the nodes running for the next `swactor up` to adopt.
@@ -211,6 +211,11 @@ resume`.",
         /// Swactor (the uploaded agent binary, ~/.swactor when empty).
         #[arg(long)]
         purge: bool,
+        /// Go ahead without asking. `down` never asks (naming it is how it is
+        /// confirmed); taken so that scripts may pass --yes to it as they do
+        /// to `up` and `apply`.
+        #[arg(long, short = 'y')]
+        yes: bool,
     },
     /// Print the public key the daemon logs into SSH hosts with (made on
     /// first use), for their `authorized_keys`.
@@ -401,15 +406,18 @@ fn main() {
                 let identity = swactor_providers::ssh::SshIdentity::load_or_generate(
                     &state.root().join("ssh"),
                 )?;
-                println!("{}", identity.public_openssh());
+                use std::io::Write;
+                writeln!(term::Stdout, "{}", identity.public_openssh())?;
                 Ok(0)
             }
             Command::Pause => client::pause(&state_dir, true).await.map(|()| 0),
             Command::Resume => client::pause(&state_dir, false).await.map(|()| 0),
             Command::Replace { node } => client::replace(&state_dir, &node).await.map(|()| 0),
-            Command::Down { keep, purge } => {
-                client::down(&state_dir, keep, purge).await.map(|()| 0)
-            }
+            Command::Down {
+                keep,
+                purge,
+                yes: _,
+            } => client::down(&state_dir, keep, purge).await.map(|()| 0),
             Command::Logs {
                 node,
                 attempt,
@@ -443,8 +451,10 @@ fn main() {
     match outcome {
         Ok(code) => std::process::exit(code),
         Err(e) if closed_pipe(&e) => {
-            // The reader went away (`| head`): nothing to say, and nobody to
-            // say it to. 141 is what a shell reports for a SIGPIPE death.
+            // Output goes through `term::Stdout`, which takes a reader that
+            // went away as the end of what is shown, so this is a command
+            // cut short by some other pipe: 141, what a shell reports for a
+            // SIGPIPE death, says so without a message nobody may read.
             std::process::exit(141);
         }
         Err(e) => {

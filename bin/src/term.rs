@@ -22,6 +22,52 @@ pub(crate) fn stdout_width() -> Option<usize> {
     size_of(std::io::stdout()).map(|(cols, _)| cols)
 }
 
+/// Whether standard output's reader has gone (see [`Stdout`]).
+static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Standard output, for which a reader that went away (`| head -1`: EPIPE)
+/// ends what is shown and nothing else: what is written from then on is
+/// dropped, so a command goes on as it would have (an `apply` applies, a
+/// refusal is refused) and its exit code says how it went, not that
+/// nobody read the end of its output.
+pub(crate) struct Stdout;
+
+impl Stdout {
+    /// Whether the reader has gone.
+    pub(crate) fn closed() -> bool {
+        STDOUT_CLOSED.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn quiet(result: std::io::Result<()>) -> std::io::Result<()> {
+        match result {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                STDOUT_CLOSED.store(true, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
+            other => other,
+        }
+    }
+}
+
+impl Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if !Self::closed() {
+            // Whole or not at all, and flushed at once: a line written is
+            // on its way to the reader (std's stdout holds partial lines).
+            let mut out = std::io::stdout().lock();
+            Self::quiet(out.write_all(buf).and_then(|()| out.flush()))?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if Self::closed() {
+            return Ok(());
+        }
+        Self::quiet(std::io::stdout().lock().flush())
+    }
+}
+
 /// Narrowest room given to the last (free-text) column before it moves to
 /// lines of its own below the row.
 const LAST_COLUMN_MIN_CHARS: usize = 24;

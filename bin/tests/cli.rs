@@ -827,3 +827,55 @@ fn up_of_the_local_example_never_asks() {
     );
     assert!(agents(&state).is_empty());
 }
+
+/// Runs `swactor ARGS --state-dir STATE` with its stdout a pipe whose
+/// reader is already gone, as `| head -1` leaves it once `head` is done.
+fn into_a_closed_pipe(state: &Path, args: &[&str]) -> Output {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    Command::new(BIN)
+        .args(args)
+        .arg("--state-dir")
+        .arg(state)
+        .stdin(Stdio::null())
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_closed_stdout_changes_neither_what_apply_does_nor_its_exit_code() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let two = shape_file(tmp.path(), "two.toml", &workers("cli-pipe", 2));
+    let one = shape_file(tmp.path(), "one.toml", &workers("cli-pipe", 1));
+    let mut d = Daemon::start(&state, &two);
+    wait_converged(&state, CONVERGE, |s| s.nodes.len() == 2);
+    let before = generation_and_nodes(&state);
+
+    // Refused (it destroys a node, no terminal, no --yes): 1, nothing applied.
+    let o = into_a_closed_pipe(&state, &["apply", one.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("pass --yes"), "{}", stderr(&o));
+    assert_eq!(generation_and_nodes(&state), before);
+
+    // Applied: 0, and it was.
+    let o = into_a_closed_pipe(&state, &["apply", one.to_str().unwrap(), "--yes"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    let after = wait_converged(&state, CONVERGE, |s| s.nodes.len() == 1);
+    assert_eq!(after.generation.0, before.0 + 1);
+
+    // Nor does it end a watch with an error, or change `status`'s answer.
+    for args in [&["status"][..], &["status", "--json"], &["watch"]] {
+        let o = into_a_closed_pipe(&state, args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+        assert_eq!(stderr(&o), "", "{args:?}: nothing said about a closed pipe");
+    }
+
+    // `down` takes --yes as `up` and `apply` do, and asks nothing either way.
+    let o = cli(&state, &["down", "--yes"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(d.wait_exit(Duration::from_secs(30)), Some(0));
+}

@@ -83,9 +83,8 @@ fn print_line(node: &str, stderr: bool, line: &str) -> std::io::Result<()> {
         let mut err = std::io::stderr().lock();
         writeln!(err, "[{node}] {line}")
     } else {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "[{node}] {line}")?;
-        out.flush()
+        // A reader that went away does not end the job or change its exit code.
+        writeln!(crate::term::Stdout, "[{node}] {line}")
     }
 }
 
@@ -304,7 +303,7 @@ pub(crate) async fn list(state_dir: &Path, json: bool) -> Result<()> {
         }
     })
     .await?;
-    let mut out = std::io::stdout().lock();
+    let mut out = std::io::BufWriter::new(crate::term::Stdout);
     if json {
         serde_json::to_writer_pretty(&mut out, &jobs)?;
         writeln!(out)?;
