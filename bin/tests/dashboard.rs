@@ -936,3 +936,76 @@ fn a_kept_dashboard_port_that_is_taken_is_named_with_the_port_used_instead() {
     daemon.wait_exit(Duration::from_secs(30));
     drop(holder);
 }
+#[test]
+fn dispatches_by_effect_add_up_to_the_total_and_count_a_resumed_daemons_first_lookups() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let shape = shape_file(dir.path(), "d.toml", &workers("dispatch", 3));
+    let ready = |s: &swactor_actors::ClusterSnapshot| s.nodes.iter().filter(|n| n.ready).count();
+    let mut first = Daemon::start(&state, &shape);
+    wait_converged(&state, Duration::from_secs(60), |s| ready(s) == 3);
+    first.kill9();
+    // The next daemon adopts the three agents: it looks up each one's
+    // endpoint and takes its session over, as soon as it starts.
+    let _second = Daemon::spawn(&state, None).expect("a resumed daemon");
+    wait_converged(&state, Duration::from_secs(60), |s| ready(s) == 3);
+    let (addr, token) = web(&state);
+    let (text, s) = (0..20)
+        .find_map(|_| {
+            let before = status(&state)?;
+            let (code, text) = get(addr, &token, "/metrics");
+            assert_eq!(code, 200, "{text}");
+            let after = status(&state)?;
+            (before.stats == after.stats).then_some((text, after))
+        })
+        .expect("a quiet moment to scrape in");
+    let m = parse_metrics(&text);
+
+    // What this daemon dispatched, by its events in telemetry.ndjson
+    // (from its first event on: each daemon numbers its own from 1).
+    let ndjson = std::fs::read_to_string(state.join("telemetry.ndjson")).unwrap();
+    let lines: Vec<serde_json::Value> = ndjson
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let from = lines.iter().rposition(|l| l["seq"] == 1).unwrap();
+    let mut dispatched: std::collections::BTreeMap<String, f64> = Default::default();
+    for line in &lines[from..] {
+        if let Some(effect) = line["event"]["Dispatched"]["effect"].as_str() {
+            *dispatched.entry(effect.to_owned()).or_default() += 1.0;
+        }
+    }
+    let effects = [
+        ("create_lease", "CreateLease"),
+        ("lookup_endpoint", "LookupEndpoint"),
+        ("start_bootstrap", "StartBootstrap"),
+        ("cancel_bootstrap", "CancelBootstrap"),
+        ("destroy_lease", "DestroyLease"),
+    ];
+    let mut sum = 0.0;
+    for (label, event) in effects {
+        let value = metric(&m, "swactor_dispatches_total", &[("effect", label)])
+            .unwrap_or_else(|| panic!("no series for {label}: {text}"));
+        assert_eq!(
+            value,
+            dispatched.get(event).copied().unwrap_or(0.0),
+            "{label}: {dispatched:?}\n{text}"
+        );
+        sum += value;
+    }
+    assert_eq!(
+        metric(
+            &m,
+            "swactor_dispatches_total",
+            &[("effect", "lookup_endpoint")]
+        ),
+        Some(3.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&m, "swactor_dispatched_operations_total", &[]),
+        Some(sum),
+        "{text}"
+    );
+    assert_eq!(sum, s.stats.dispatched as f64);
+}

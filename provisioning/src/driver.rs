@@ -283,6 +283,9 @@ pub struct DriverStats {
     pub passes: u64,
     /// Effects dispatched.
     pub dispatched: u64,
+    /// Effects dispatched, by kind (at [`EffectKind::index`]); they add up
+    /// to `dispatched`. See [`DriverStats::dispatched_of`].
+    pub dispatched_by_kind: [u64; EffectKind::ALL.len()],
     /// Inputs folded into state.
     pub folded: u64,
     /// Inputs discarded as stale, superseded or mismatched.
@@ -291,6 +294,13 @@ pub struct DriverStats {
     pub expired: u64,
     /// Triggers that collapsed into an already queued or dirty pass.
     pub collapsed_triggers: u64,
+}
+
+impl DriverStats {
+    /// Effects of `kind` dispatched.
+    pub fn dispatched_of(&self, kind: EffectKind) -> u64 {
+        self.dispatched_by_kind[kind.index()]
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1083,6 +1093,7 @@ impl Driver {
                     // The node now waits on its operation's deadline.
                     self.eval.set_wake(&id, Some(d.deadline));
                     requeue_at = earliest(requeue_at, Some(d.deadline));
+                    self.stats.dispatched_by_kind[d.request.kind().index()] += 1;
                     pass.dispatches.push(d);
                     pass.stats.dispatched += 1;
                 }
@@ -1102,6 +1113,11 @@ impl Driver {
             }
         }
         self.stats.dispatched += pass.stats.dispatched as u64;
+        debug_assert_eq!(
+            self.stats.dispatched,
+            self.stats.dispatched_by_kind.iter().sum::<u64>(),
+            "the dispatches by kind add up to the dispatches"
+        );
         // Every waiting node's wake-up is in the index now (the decided
         // ones' new ones, the dispatched ones' deadlines, everyone else's
         // unchanged): the earliest of them is the next one. Debug builds

@@ -97,6 +97,21 @@ pub enum EffectKind {
 }
 
 impl EffectKind {
+    /// Every kind, in declaration order: a kind's place here is its
+    /// [`EffectKind::index`].
+    pub const ALL: [Self; 5] = [
+        Self::CreateLease,
+        Self::LookupEndpoint,
+        Self::StartBootstrap,
+        Self::CancelBootstrap,
+        Self::DestroyLease,
+    ];
+
+    /// This kind's place in [`EffectKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     /// True for the effects that bring something into existence, and so must
     /// be re-issued (adopting) when their outcome is unknown.
     pub fn creates(self) -> bool {

@@ -35,7 +35,6 @@ pub(crate) struct Metrics {
     scraped: Arc<Mutex<Option<Scraped>>>,
     provider_calls: Family<Labels, Histogram>,
     provider_failures: Family<Labels, Counter>,
-    dispatches: Family<Labels, Counter>,
     replacements: Family<Labels, Counter>,
     pass_duration: Histogram,
     events: Mutex<EventState>,
@@ -91,12 +90,6 @@ impl Metrics {
             "Provider calls that failed, by provider, call and failure class",
             provider_failures.clone(),
         );
-        let dispatches = Family::<Labels, Counter>::default();
-        registry.register(
-            "swactor_dispatches",
-            "Operations dispatched to the executor since the daemon started, by effect kind",
-            dispatches.clone(),
-        );
         let replacements = Family::<Labels, Counter>::default();
         registry.register(
             "swactor_replacements",
@@ -118,7 +111,6 @@ impl Metrics {
             scraped,
             provider_calls,
             provider_failures,
-            dispatches,
             replacements,
             pass_duration,
             events: Mutex::new(EventState::default()),
@@ -156,11 +148,6 @@ impl Metrics {
     /// Counts what one event says.
     pub(crate) fn observe(&self, event: &ClusterEvent) {
         match event {
-            ClusterEvent::Dispatched { effect, .. } => {
-                self.dispatches
-                    .get_or_create(&vec![("effect", effect_label(*effect).to_owned())])
-                    .inc();
-            }
             ClusterEvent::Pass {
                 number,
                 duration_us,
@@ -460,9 +447,26 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
         counter(
             e,
             "swactor_dispatched_operations",
-            "Operations the driver dispatched (its lifetime counter).",
+            "Operations the driver dispatched (its lifetime counter; swactor_dispatches_total \
+             has them by effect).",
             snap.stats.dispatched,
         )?;
+        // From the same counters as the total, read at the same moment: the
+        // kinds add up to it at every scrape, and every kind has its series
+        // from 0 (a resumed daemon's first lookups included, which come
+        // before anything could follow the events).
+        let mut by_effect = e.encode_descriptor(
+            "swactor_dispatches",
+            "Operations the driver dispatched, by effect kind (they add up to \
+             swactor_dispatched_operations_total).",
+            None,
+            MetricType::Counter,
+        )?;
+        for kind in swactor_provisioning::EffectKind::ALL {
+            let labels: Labels = vec![("effect", effect_label(kind).to_owned())];
+            ConstCounter::new(snap.stats.dispatched_of(kind))
+                .encode(by_effect.encode_family(&labels)?)?;
+        }
         if let Some((generation, took)) = s.convergence {
             gauge(
                 e,
