@@ -859,7 +859,9 @@ fn an_http_address_that_cannot_be_used_is_refused_in_one_line_and_no_raw_error()
     let taken = holder.local_addr().unwrap().to_string();
     // Taken; not this machine's (TEST-NET-1); and a start refused later,
     // once the daemon's endpoint is bound (a setting the vast provider reads).
-    let cases: [(&[&str], &[(&str, &str)], String); 3] = [
+    // `up`'s arguments and environment, and how its one line begins.
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], String);
+    let cases: [Case; 3] = [
         (
             &["--http", &taken],
             &[],
