@@ -1392,6 +1392,15 @@ impl<C: Reconciler> Host<C> {
         self.deaf
     }
 
+    /// The grace `node`'s group grants a silent agent (0 for no node).
+    fn grace_of(&self, node: &LogicalNodeId) -> u64 {
+        self.core
+            .state()
+            .nodes
+            .get(node)
+            .map_or(0, |n| n.template.join.lost_grace_ms())
+    }
+
     /// From when silence counts: the end of the latest deaf gap.
     fn listening_since(&self) -> Timestamp {
         self.deaf.map_or(Timestamp::from_millis(0), |g| g.to)
@@ -1420,12 +1429,7 @@ impl<C: Reconciler> Host<C> {
                 // No deadline while held; released, it gets a grace anyway.
                 continue;
             }
-            let grace = self
-                .core
-                .state()
-                .nodes
-                .get(&node)
-                .map_or(0, |n| n.template.join.lost_grace_ms());
+            let grace = self.grace_of(&node);
             let fresh = to.saturating_add_ms(grace);
             if fresh > until {
                 self.set_link(
@@ -2646,12 +2650,7 @@ impl<C: Reconciler> Host<C> {
             let Some(Link::Away { attempt, .. }) = self.links.get(&node).copied() else {
                 continue;
             };
-            let grace = self
-                .core
-                .state()
-                .nodes
-                .get(&node)
-                .map_or(0, |n| n.template.join.lost_grace_ms());
+            let grace = self.grace_of(&node);
             let until = now.saturating_add_ms(grace);
             self.set_link(&node, Link::Away { attempt, until });
         }

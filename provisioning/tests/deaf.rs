@@ -67,6 +67,22 @@ fn key(h: &Host<Driver>, node: &str) -> ResourceKey {
     }
 }
 
+/// What the provider lists for `nodes`: each one's lease and session as the host knows them.
+fn listed(h: &Host<Driver>, nodes: &[&str]) -> Vec<Listed> {
+    nodes
+        .iter()
+        .map(|n| {
+            let k = key(h, n);
+            let rec = &h.core().state().nodes[&k.node].record;
+            Listed {
+                key: k,
+                lease: rec.lease.clone(),
+                session: rec.session.clone(),
+            }
+        })
+        .collect()
+}
+
 fn converged(count: u32) -> (Host<Driver>, JournalImage) {
     let mut h = host(None);
     let mut journal = JournalImage::new(h.core().state().run_id.clone());
@@ -177,18 +193,7 @@ fn a_deaf_gap_moves_bootstrap_stall_deadlines_on_by_its_length() {
 fn a_join_the_journal_holds_is_deferred_until_adoption_then_accepted() {
     let (h, journal) = converged(2);
     let w0 = key(&h, "w-0");
-    let listed: Vec<Listed> = ["w-0", "w-1"]
-        .iter()
-        .map(|n| {
-            let k = key(&h, n);
-            let rec = &h.core().state().nodes[&k.node].record;
-            Listed {
-                key: k,
-                lease: rec.lease.clone(),
-                session: rec.session.clone(),
-            }
-        })
-        .collect();
+    let listed = listed(&h, &["w-0", "w-1"]);
     drop(h);
     let mut next = host(Some(journal.clone()));
     assert_eq!(
@@ -217,18 +222,7 @@ fn a_host_restarted_while_paused_re_attaches_its_running_nodes() {
     assert_eq!(h.handle_pause(true, Ticket(2), t(5)), Ok(true));
     pump(&mut h, &mut journal, &[], t(5));
     assert!(journal.meta.paused);
-    let listed: Vec<Listed> = ["w-0", "w-1"]
-        .iter()
-        .map(|n| {
-            let k = key(&h, n);
-            let rec = &h.core().state().nodes[&k.node].record;
-            Listed {
-                key: k,
-                lease: rec.lease.clone(),
-                session: rec.session.clone(),
-            }
-        })
-        .collect();
+    let listed = listed(&h, &["w-0", "w-1"]);
     let attempts: Vec<NodeAttemptId> = listed.iter().map(|l| l.key.attempt).collect();
     drop(h);
     let mut next = host(Some(journal.clone()));
