@@ -138,10 +138,6 @@ pub(crate) enum ControlResponse {
         destroyed: Vec<String>,
         /// Nodes left running (their machines are kept).
         kept: Vec<String>,
-        /// With `keep`: nodes on record that had no machine to keep (failed
-        /// and cleaned up, or not created yet); the next `up` starts them.
-        #[serde(default)]
-        without_machine: Vec<String>,
         /// With `purge`: each remote host, and why it could not be purged if it could not.
         #[serde(default)]
         purged: Vec<(String, Option<String>)>,
