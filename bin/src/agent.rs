@@ -21,7 +21,6 @@ use swactor_providers::process::format_agent_line;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, ResourceKey, RunId,
 };
-use tokio::io::{AsyncBufReadExt, AsyncRead};
 
 /// How long the agent's connection to its daemon may hear nothing before it
 /// is taken for dead and the agent dials again.
@@ -97,8 +96,9 @@ pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
         node,
         attempt: NodeAttemptId(opts.attempt),
     };
-    report(&BootstrapEvent::Stage(BootstrapStage::SshConnect));
-
+    // No `SshConnect`: whatever brought this agent to its machine (a local
+    // spawn, a container, an SSH session) is done by now, and most involve
+    // no SSH at all. The first stage an agent reports is its own first step.
     report(&BootstrapEvent::Stage(BootstrapStage::BootCheck));
     if !opts.boot_check.is_empty()
         && let Err(reason) = boot_check(&opts.boot_check, opts.boot_timeout_s).await
@@ -291,41 +291,24 @@ async fn boot_check(argv: &[String], timeout_s: f64) -> Result<(), String> {
     let Some((program, args)) = argv.split_first() else {
         return Ok(());
     };
+    let could_not_start = |e: std::io::Error| format!("boot check `{cmd}` could not start: {e}");
+    // Its stdout and stderr are one pipe, so its lines are read in the order
+    // it wrote them: two pipes, each read on its own, would interleave them
+    // differently at every attempt.
+    let (output, written) = std::io::pipe().map_err(could_not_start)?;
     let mut child = tokio::process::Command::new(program)
         .args(args)
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
+        .stdout(written.try_clone().map_err(could_not_start)?)
+        .stderr(written)
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("boot check `{cmd}` could not start: {e}"))?;
+        .map_err(could_not_start)?;
+    // The command is gone with this process's copies of the pipe's writing
+    // end: the pipe ends once the check (and what it left behind) closes it.
     // Its output goes to the agent's log, and its last lines into the
     // reason of a failure.
-    let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<String>(64);
-    for pipe in [
-        child
-            .stdout
-            .take()
-            .map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
-        child
-            .stderr
-            .take()
-            .map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
-    ]
-    .into_iter()
-    .flatten()
-    {
-        let tx = lines_tx.clone();
-        tokio::spawn(async move {
-            let mut reader = tokio::io::BufReader::new(pipe).lines();
-            while let Ok(Some(line)) = reader.next_line().await {
-                if tx.send(line).await.is_err() {
-                    break;
-                }
-            }
-        });
-    }
-    drop(lines_tx);
+    let mut lines = read_lines(output).map_err(could_not_start)?;
     let mut last = std::collections::VecDeque::new();
     let mut note = |line: String| {
         eprintln!("boot check: {line}");
@@ -367,13 +350,49 @@ async fn boot_check(argv: &[String], timeout_s: f64) -> Result<(), String> {
     };
     match status {
         Ok(status) if status.success() => Ok(()),
-        Ok(status) => Err(format!("boot check `{cmd}` exited with {status}{said}")),
+        Ok(status) => Err(format!(
+            "boot check `{cmd}` {}{said}",
+            swactor_providers::exit::Ended::of(&status).clause()
+        )),
         Err(e) => Err(format!("boot check `{cmd}` could not be waited for: {e}")),
     }
 }
 
 /// Lines of a failed boot check's output quoted in the failure.
 const BOOT_CHECK_LINES_QUOTED: usize = 5;
+/// Bytes of a boot check's output read as one line at most (a longer line
+/// is read as several).
+const BOOT_CHECK_LINE_BYTES_MAX: u64 = 64 * 1024;
+
+/// Reads `pipe` line by line on a thread of its own (a pipe read blocks),
+/// handing each line on as it comes, until the pipe ends or nobody takes
+/// the lines any more. Bytes that are not UTF-8 are shown as `�`.
+fn read_lines(pipe: std::io::PipeReader) -> std::io::Result<tokio::sync::mpsc::Receiver<String>> {
+    use std::io::{BufRead, Read};
+    let (tx, rx) = tokio::sync::mpsc::channel::<String>(64);
+    std::thread::Builder::new()
+        .name("boot-check-output".to_owned())
+        .spawn(move || {
+            let mut pipe = std::io::BufReader::new(pipe);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match (&mut pipe)
+                    .take(BOOT_CHECK_LINE_BYTES_MAX)
+                    .read_until(b'\n', &mut line)
+                {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+                let text = String::from_utf8_lossy(&line);
+                let text = text.trim_end_matches(['\n', '\r']).to_owned();
+                if tx.blocking_send(text).is_err() {
+                    break;
+                }
+            }
+        })?;
+    Ok(rx)
+}
 
 /// `argv` as one line for messages, each argument quoted when it needs to be
 /// and the whole cut to a readable length.
@@ -411,6 +430,35 @@ mod tests {
         addrs.iter().fold(EndpointAddr::new(id), |a, s| {
             a.with_ip_addr(s.parse().expect("a socket address"))
         })
+    }
+
+    #[tokio::test]
+    async fn a_boot_checks_output_is_quoted_in_the_order_it_was_written() {
+        let check: Vec<String> = [
+            "sh",
+            "-c",
+            "for i in 1 2 3 4 5 6; do echo out$i; echo err$i >&2; done; exit 3",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        for _ in 0..10 {
+            let reason = boot_check(&check, 30.0).await.unwrap_err();
+            assert_eq!(
+                reason,
+                "boot check `sh -c \"for i in 1 2 3 4 5 6; do echo out$i; echo err$i >&2; done; \
+                 exit 3\"` exited with code 3; its last output: err4 | out5 | err5 | out6 | err6"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_boot_check_killed_by_a_signal_says_which() {
+        let check: Vec<String> = ["sh", "-c", "kill -TERM $$"].map(str::to_owned).to_vec();
+        let reason = boot_check(&check, 30.0).await.unwrap_err();
+        assert_eq!(
+            reason,
+            "boot check `sh -c \"kill -TERM $$\"` was killed by signal 15 (SIGTERM)"
+        );
     }
 
     #[test]

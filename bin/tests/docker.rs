@@ -203,7 +203,10 @@ fn killed_paused_and_removed_containers_are_replaced_never_two_per_slot() {
     assert!(live.values().all(|c| c.state == "running"), "{live:#?}");
     // Why each was replaced is on record.
     let killed = describe(&w.state, "w-0");
-    assert!(killed.contains("exited with code 137"), "{killed}");
+    assert!(
+        killed.contains("was killed by signal 9 (SIGKILL)"),
+        "{killed}"
+    );
     let paused = describe(&w.state, "w-1");
     assert!(paused.contains("stayed away past its grace"), "{paused}");
     w.down();

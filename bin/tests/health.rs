@@ -242,7 +242,7 @@ fn a_failed_attempts_real_error_is_in_its_reason_and_its_log_outlives_it() {
     });
     let err = n.last_error.unwrap();
     assert!(
-        err.contains("exited with exit status: 7; its last output: ")
+        err.contains("exited with code 7; its last output: ")
             && err.contains("disk /data is missing"),
         "{err}"
     );

@@ -23,6 +23,7 @@
 pub mod credentials;
 #[cfg(feature = "docker")]
 pub mod docker;
+pub mod exit;
 #[cfg(feature = "fake")]
 pub mod fake;
 mod multi;

@@ -786,8 +786,8 @@ fn reap(mut child: std::process::Child, pid: i32) -> Option<ExitWatch> {
         .stack_size(64 * 1024)
         .spawn(move || {
             let status = match child.wait() {
-                Ok(status) => status.to_string(),
-                Err(e) => format!("an unknown status ({e})"),
+                Ok(status) => crate::exit::Ended::of(&status).clause(),
+                Err(e) => format!("ended with an unknown status ({e})"),
             };
             let _ = tx.send(Some(status));
         });

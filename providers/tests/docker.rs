@@ -322,11 +322,7 @@ async fn a_started_container_streams_the_agent_stages_and_its_failure() {
     eprintln!("create to failure in {:.1?}", started.elapsed());
     assert_eq!(
         stages(&seen),
-        [
-            BootstrapStage::SshConnect,
-            BootstrapStage::BootCheck,
-            BootstrapStage::SwactorStart
-        ]
+        [BootstrapStage::BootCheck, BootstrapStage::SwactorStart]
     );
     match seen.last().unwrap() {
         BootstrapEvent::Failed { stage, reason } => {

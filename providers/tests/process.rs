@@ -555,7 +555,7 @@ async fn an_agent_that_exits_on_its_own_is_reported_lost() {
     // The reason quotes what the agent last wrote, without terminal escapes.
     assert_eq!(
         reason,
-        "agent exited with exit status: 3; its last output: error: unexpected argument found | usage: agent [OPTIONS]"
+        "agent exited with code 3; its last output: error: unexpected argument found | usage: agent [OPTIONS]"
     );
     // Nothing to stop any more.
     p.cancel_bootstrap(&k, &session.session).await.unwrap();

@@ -92,7 +92,7 @@ async fn exec_returns_stdout_stderr_and_the_exit_status_or_the_killing_signal() 
         .unwrap();
     assert_eq!(text(&out.stdout), "before\n");
     assert_eq!((out.status, out.signal.as_deref()), (None, Some("KILL")));
-    assert_eq!(out.describe_exit(), "killed by signal KILL");
+    assert_eq!(out.describe_exit(), "killed by signal 9 (SIGKILL)");
 
     // Output beyond the bound keeps its end.
     let out = session

@@ -315,8 +315,7 @@ async fn an_agent_that_exits_unannounced_fails_with_its_status_and_last_words() 
     };
     assert_eq!(stage, BootstrapStage::AgentLost);
     assert!(
-        reason.contains("exited with status 4")
-            && reason.contains("cannot find the daemon's ticket"),
+        reason.contains("exited with code 4") && reason.contains("cannot find the daemon's ticket"),
         "{reason}"
     );
     p.destroy_lease(&k, &grant.lease).await.unwrap();

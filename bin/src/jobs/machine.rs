@@ -88,7 +88,10 @@ impl Outcome {
                 JobState::Failed
             },
             exit_code: Some(code),
-            error: (code != 0).then(|| format!("exited with {code}")),
+            // The code is the shell's (128 + a signal), for exit codes;
+            // the words say which it was.
+            error: (code != 0)
+                .then(|| swactor_providers::exit::Ended::new(exit.code, exit.signal).to_string()),
             collected,
         }
     }
@@ -667,7 +670,23 @@ mod tests {
         let o = finished(&drain(&mut m)).cloned().unwrap();
         assert_eq!(
             (o.state, o.exit_code, o.error.as_deref()),
-            (JobState::Failed, Some(3), Some("exited with 3"))
+            (JobState::Failed, Some(3), Some("exited with code 3"))
+        );
+        // Killed: the exit code is the shell's, the words say it was a signal.
+        let mut m = RunMachine::new(facts(false), JobState::Running, false);
+        let _ = drain(&mut m);
+        m.handle(Event::Exit(ExitInfo {
+            code: None,
+            signal: Some(15),
+        }));
+        let o = finished(&drain(&mut m)).cloned().unwrap();
+        assert_eq!(
+            (o.state, o.exit_code, o.error.as_deref()),
+            (
+                JobState::Failed,
+                Some(143),
+                Some("killed by signal 15 (SIGTERM)")
+            )
         );
 
         let mut m = RunMachine::new(facts(false), JobState::Queued, true);

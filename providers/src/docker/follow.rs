@@ -321,12 +321,17 @@ pub(super) fn exit_reason(
     } else {
         ""
     };
+    // Docker gives a container killed by a signal the shell's code for it.
+    let ended = i32::try_from(code).map_or_else(
+        |_| format!("exited with code {code}"),
+        |code| crate::exit::Ended::from_shell(code).clause(),
+    );
     if recent.is_empty() {
-        return format!("container {name} exited with code {code}{oom} (it wrote nothing else)");
+        return format!("container {name} {ended}{oom} (it wrote nothing else)");
     }
     let last: Vec<&str> = recent.iter().map(String::as_str).collect();
     format!(
-        "container {name} exited with code {code}{oom}; its last output: {}",
+        "container {name} {ended}{oom}; its last output: {}",
         last.join(" | ")
     )
 }
@@ -357,7 +362,7 @@ mod tests {
         let mut recent = VecDeque::new();
         assert_eq!(
             exit_reason("c", 137, true, &recent),
-            "container c exited with code 137 (OOMKilled: it ran out of its memory limit; raise `memory_mb`) (it wrote nothing else)"
+            "container c was killed by signal 9 (SIGKILL) (OOMKilled: it ran out of its memory limit; raise `memory_mb`) (it wrote nothing else)"
         );
         remember(&mut recent, "error: \u{1b}unexpected argument\r");
         remember(&mut recent, "  ");

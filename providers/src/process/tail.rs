@@ -35,7 +35,8 @@ pub(super) enum Exit {
 }
 
 impl Exit {
-    /// The exit status when the agent has exited.
+    /// How the agent ended (`exited with code 3`, `was killed by signal 9
+    /// (SIGKILL)`), once it has.
     fn status(&mut self) -> Option<String> {
         match self {
             Self::Child(rx) => {
@@ -45,10 +46,11 @@ impl Exit {
                 // A reaper that vanished without a status cannot report one.
                 rx.has_changed()
                     .is_err()
-                    .then(|| "an unknown status".to_owned())
+                    .then(|| "ended with an unknown status".to_owned())
             }
-            Self::Adopted { pid, who } => (os::leader(*pid, who) != os::Leader::Ours)
-                .then(|| "an unknown status (it was not started by this process)".to_owned()),
+            Self::Adopted { pid, who } => (os::leader(*pid, who) != os::Leader::Ours).then(|| {
+                "ended with an unknown status (it was not started by this process)".to_owned()
+            }),
         }
     }
 
@@ -179,17 +181,14 @@ impl Tail {
         self.recent.push_back(kept);
     }
 
-    /// Why the agent's stream ends in a failure: its exit status and what it
-    /// last wrote.
+    /// Why the agent's stream ends in a failure: how it ended (a clause of
+    /// [`crate::exit::Ended`]) and what it last wrote.
     fn exit_reason(&self, status: &str) -> String {
         if self.recent.is_empty() {
-            return format!("agent exited with {status} (it wrote nothing else)");
+            return format!("agent {status} (it wrote nothing else)");
         }
         let last: Vec<&str> = self.recent.iter().map(String::as_str).collect();
-        format!(
-            "agent exited with {status}; its last output: {}",
-            last.join(" | ")
-        )
+        format!("agent {status}; its last output: {}", last.join(" | "))
     }
 
     async fn send(&mut self, event: BootstrapEvent) -> Result<(), Stopped> {

@@ -829,10 +829,14 @@ pub(crate) async fn relay(
                                 recent.iter().cloned().collect::<Vec<_>>().join(" | ")
                             )
                         };
-                        let how = if status == "killed" {
-                            "was killed (it left no exit status)".to_owned()
-                        } else {
-                            format!("exited with status {status}")
+                        // The shell's `$?`: a code, or 128 + the signal that
+                        // ended the agent.
+                        let how = match status.parse::<i32>() {
+                            _ if status == "killed" => {
+                                "was killed (it left no exit status)".to_owned()
+                            }
+                            Ok(code) => crate::exit::Ended::from_shell(code).clause(),
+                            Err(_) => format!("ended with the status {status:?}"),
                         };
                         BootstrapEvent::Failed {
                             stage: BootstrapStage::AgentLost,

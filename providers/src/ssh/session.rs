@@ -47,13 +47,18 @@ impl ExecOutput {
         self.status == Some(0)
     }
 
-    /// How the command ended, for messages: `exit status 3`, `killed by
-    /// signal KILL`, or `no exit status`.
+    /// How the command ended, for messages: `exited with code 3`, `killed
+    /// by signal 9 (SIGKILL)`, or `ended without an exit status`.
     pub fn describe_exit(&self) -> String {
-        match (&self.status, &self.signal) {
-            (Some(status), _) => format!("exit status {status}"),
-            (None, Some(signal)) => format!("killed by signal {signal}"),
-            (None, None) => "no exit status".to_owned(),
+        match (self.status, self.signal.as_deref()) {
+            (None, Some(name))
+                if crate::exit::Ended::from_ssh(None, Some(name))
+                    == crate::exit::Ended::Unknown =>
+            {
+                // A signal this side does not know by name: its name, as sent.
+                format!("killed by signal {name}")
+            }
+            (status, signal) => crate::exit::Ended::from_ssh(status, signal).to_string(),
         }
     }
 }
