@@ -146,7 +146,7 @@ pub(crate) async fn run() -> Result<Vec<(u64, usize)>, Box<dyn std::error::Error
         generation: Generation(0),
         observed_generation: None,
         converged: false,
-        adopted: false,
+        inventory_read: false,
         desired_nodes: 0,
         nodes: Vec::new(),
         orphans: 0,

@@ -403,7 +403,14 @@ impl DriverState {
                     }
                 }
                 Output::Folded(_) => {}
-                Output::Reply(ticket, reply) => self.answer(ticket, reply),
+                Output::Reply(ticket, reply) => {
+                    // What happened before the answer is published before
+                    // it: a teardown's report comes after every node's
+                    // `Removed`, so whoever follows the events and waits
+                    // for the report has seen them all by then.
+                    self.telemetry.drain(&mut self.host, now);
+                    self.answer(ticket, reply);
+                }
                 Output::Stop => {
                     self.telemetry.drain(&mut self.host, now);
                     self.telemetry.refresh(&self.host, now);

@@ -99,10 +99,12 @@ pub struct ClusterSnapshot {
     pub observed_generation: Option<Generation>,
     /// Whether the cluster is converged on the desired generation.
     pub converged: bool,
-    /// Whether what an earlier daemon left (the journal, the provider's
-    /// inventory) has been adopted.
-    #[serde(default)]
-    pub adopted: bool,
+    /// Whether the daemon has read the provider's listing of the run and
+    /// matched it against its journal (taking over what an earlier daemon
+    /// left, if anything: a new run reads an empty listing). Until then no
+    /// node is created or judged missing.
+    #[serde(default, alias = "adopted")]
+    pub inventory_read: bool,
     /// How many slots the desired shape has.
     pub desired_nodes: u64,
     /// Every node, in slot order.

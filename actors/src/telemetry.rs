@@ -243,7 +243,7 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         generation: core.desired().generation,
         observed_generation: state.observed_generation,
         converged: host.is_converged(),
-        adopted: host.adopted(),
+        inventory_read: host.adopted(),
         desired_nodes: core.desired().node_count(),
         nodes: state
             .nodes

@@ -647,7 +647,20 @@ pub(crate) async fn status(state_dir: &Path, json: bool) -> Result<()> {
     };
     let mut out = Out::new();
     if json {
-        serde_json::to_writer_pretty(&mut out.0, &snap)?;
+        /// The snapshot with the cluster's state in a word first, as the
+        /// headline says it (`converging`, `converged`, `paused`, `tearing
+        /// down`, `stopping`).
+        #[derive(serde::Serialize)]
+        struct WithState<'a> {
+            state: &'static str,
+            #[serde(flatten)]
+            snapshot: &'a ClusterSnapshot,
+        }
+        let with_state = WithState {
+            state: crate::words::cluster_state(&snap),
+            snapshot: &snap,
+        };
+        serde_json::to_writer_pretty(&mut out.0, &with_state)?;
         out.line("")?;
     } else {
         print_status(&mut out, &snap, stdout_width(), "")?;
@@ -677,10 +690,16 @@ fn status_headline(s: &ClusterSnapshot) -> String {
     if s.orphans > 0 {
         line.push_str(&format!(" · collecting {} leftover(s)", s.orphans));
     }
-    if s.shutting_down.is_some() {
-        line.push_str(" · shutting down");
-    } else if s.converged {
-        line.push_str(" · converged");
+    // The same word `status --json` gives as its `state`; `paused` has a
+    // longer form of its own below.
+    match crate::words::cluster_state(s) {
+        "converging" => {}
+        "paused" if s.converged => line.push_str(" · converged"),
+        "paused" => {}
+        word => {
+            line.push_str(" · ");
+            line.push_str(word);
+        }
     }
     if s.paused {
         line.push_str(" · paused (`swactor resume` to go on)");
@@ -937,16 +956,17 @@ fn print_description(
 pub(crate) async fn down(state_dir: &Path, keep: bool, purge: bool) -> Result<()> {
     let state = StateDir::open(state_dir.to_path_buf())?;
     let request = ControlRequest::Down { keep, purge };
-    let (destroyed, kept, purged) = match one(state_dir, request).await? {
+    let (destroyed, kept, without_machine, purged) = match one(state_dir, request).await? {
         ControlResponse::Down {
             destroyed,
             kept,
+            without_machine,
             purged,
-        } => (destroyed, kept, purged),
+        } => (destroyed, kept, without_machine, purged),
         other => return Err(unexpected(&other)),
     };
     let mut out = Out::new();
-    if destroyed.is_empty() && kept.is_empty() {
+    if destroyed.is_empty() && kept.is_empty() && without_machine.is_empty() {
         out.line("daemon stopped; there were no nodes")?;
     }
     if !destroyed.is_empty() {
@@ -962,6 +982,9 @@ pub(crate) async fn down(state_dir: &Path, keep: bool, purge: bool) -> Result<()
             kept.len(),
             crate::words::names(&kept)
         ))?;
+    }
+    if !without_machine.is_empty() {
+        out.line(crate::words::without_machine(&without_machine))?;
     }
     for (host, failed) in &purged {
         match failed {

@@ -371,6 +371,7 @@ impl ControlHandler {
             Ok((r, purged)) => Ok(ControlResponse::Down {
                 destroyed: r.destroyed.iter().map(ToString::to_string).collect(),
                 kept: r.kept.iter().map(ToString::to_string).collect(),
+                without_machine: r.without_machine.iter().map(ToString::to_string).collect(),
                 purged,
             }),
             Err(_) => Err("the daemon stopped without a report".to_owned()),

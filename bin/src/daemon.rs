@@ -243,7 +243,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         generation: Generation(0),
         observed_generation: None,
         converged: false,
-        adopted: false,
+        inventory_read: false,
         desired_nodes: 0,
         nodes: Vec::new(),
         orphans: 0,
@@ -675,7 +675,7 @@ fn nothing_to_resume(dir: &Path) -> anyhow::Error {
 /// as `apply`.
 async fn offer_on_start(cluster: &ClusterHandle, run_id: &RunId, file: &ShapeFile) -> Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !cluster.snapshot().await?.adopted && std::time::Instant::now() < deadline {
+    while !cluster.snapshot().await?.inventory_read && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     match apply_file(cluster, run_id, file).await {
@@ -1021,6 +1021,12 @@ fn print_report(report: &ShutdownReport) {
             names(&report.kept)
         );
     }
+    if !report.without_machine.is_empty() {
+        eprintln!(
+            "swactor: {}",
+            crate::words::without_machine(&report.without_machine)
+        );
+    }
 }
 
 async fn shutdown_signal() {
@@ -1065,3 +1071,4 @@ async fn bind_daemon_endpoint(
     }
     Ok(ep)
 }
+

@@ -171,7 +171,9 @@ async fn from_state_dir(
         let kept: Vec<String> = all.iter().map(|l| l.attempt.to_string()).collect();
         match opts.attempt {
             Some(a) if !all.is_empty() => bail!(
-                "no log of {node} attempt a{a} in run {run}; there are: {} (the last {LOG_ATTEMPTS_KEPT} attempts of a slot are kept)",
+                "no log of {node} attempt a{a} in run {run}; there are: {} (a slot keeps the \
+                 log of its current attempt and those of its last {LOG_ATTEMPTS_KEPT} ended \
+                 ones)",
                 kept.join(", ")
             ),
             _ => {

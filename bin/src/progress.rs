@@ -9,7 +9,7 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 use swactor_actors::{ClusterEvent, ClusterHandle, ClusterSnapshot, NodeSummary};
 use swactor_provisioning::{HoldKind, LogicalNodeId, Timestamp};
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
@@ -57,6 +57,18 @@ impl Progress {
                         Err(RecvError::Closed) => break,
                     },
                     _ = tick.tick(), if tty => view.redraw(),
+                }
+            }
+            // What happened before the stop is shown before whatever the
+            // caller prints next (a teardown's summary): the select above
+            // may have taken the stop while events were still queued.
+            loop {
+                match events.try_recv() {
+                    Ok(ev) => view.apply(ev, tty),
+                    Err(TryRecvError::Lagged(n)) => {
+                        view.line(&format!("(display skipped {n} events)"), tty);
+                    }
+                    Err(TryRecvError::Empty | TryRecvError::Closed) => break,
                 }
             }
             said.close();
@@ -107,6 +119,8 @@ struct View {
     converged: bool,
     /// Reconciling is paused.
     paused: bool,
+    /// A teardown is under way.
+    tearing_down: bool,
     /// Without a terminal: the last line printed per node, so a node is
     /// printed again only when what is said of it changes.
     said: BTreeMap<LogicalNodeId, String>,
@@ -121,6 +135,8 @@ impl View {
             generation: snapshot.generation.0,
             converged: snapshot.converged,
             paused: snapshot.paused,
+            tearing_down: snapshot.shutting_down
+                == Some(swactor_provisioning::ShutdownMode::Teardown),
             said: BTreeMap::new(),
         };
         for n in snapshot.nodes {
@@ -201,6 +217,13 @@ impl View {
                 match other {
                     ClusterEvent::Paused => self.paused = true,
                     ClusterEvent::Resumed { .. } => self.paused = false,
+                    // The teardown is a generation of its own (the empty
+                    // shape), as `status` says: the table says the same.
+                    ClusterEvent::TeardownStarted { generation } => {
+                        self.generation = generation.0;
+                        self.converged = false;
+                        self.tearing_down = true;
+                    }
                     _ => {}
                 }
                 if let Some(note) = note(&other, self.now()) {
@@ -237,7 +260,13 @@ impl View {
             "generation {} · {ready}/{} ready{}{}",
             self.generation,
             self.nodes.len(),
-            if self.converged { " · converged" } else { "" },
+            if self.tearing_down {
+                " · tearing down"
+            } else if self.converged {
+                " · converged"
+            } else {
+                ""
+            },
             if self.paused { " · paused" } else { "" }
         )];
         // Nodes that are not ready first: when not all fit, they are the

@@ -138,6 +138,10 @@ pub(crate) enum ControlResponse {
         destroyed: Vec<String>,
         /// Nodes left running (their machines are kept).
         kept: Vec<String>,
+        /// With `keep`: nodes on record that had no machine to keep (failed
+        /// and cleaned up, or not created yet); the next `up` starts them.
+        #[serde(default)]
+        without_machine: Vec<String>,
         /// With `purge`: each remote host, and why it could not be purged if it could not.
         #[serde(default)]
         purged: Vec<(String, Option<String>)>,
@@ -445,7 +449,7 @@ mod tests {
             generation: swactor_provisioning::Generation(3),
             observed_generation: None,
             converged: false,
-            adopted: true,
+            inventory_read: true,
             desired_nodes: 100_000,
             nodes,
             orphans: 0,
@@ -488,7 +492,7 @@ mod tests {
             generation: swactor_provisioning::Generation(1),
             observed_generation: None,
             converged: false,
-            adopted: true,
+            inventory_read: true,
             desired_nodes: 6,
             nodes: Vec::new(),
             orphans: 0,

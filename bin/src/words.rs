@@ -4,9 +4,9 @@
 //! node through [`state_word`] and [`state_text`], so the same node is never
 //! `Dormant` in one place and `ready` in another.
 
-use swactor_actors::{AgentLink, NodeSummary};
+use swactor_actors::{AgentLink, ClusterSnapshot, NodeSummary};
 use swactor_provisioning::{
-    BootstrapStage, Change, EffectKind, Intent, NextStep, NodeStage, Timestamp,
+    BootstrapStage, Change, EffectKind, Intent, NextStep, NodeStage, ShutdownMode, Timestamp,
 };
 
 /// Where a node is, in one word.
@@ -305,6 +305,64 @@ pub(crate) fn nodes(n: u64) -> String {
     }
 }
 
+/// The cluster in a word or two, as `status` heads it and `status --json`
+/// gives it (`state`): `tearing down`, `stopping` (a daemon leaving its
+/// nodes running), `paused`, `converged` or `converging`.
+pub(crate) fn cluster_state(s: &ClusterSnapshot) -> &'static str {
+    match s.shutting_down {
+        Some(ShutdownMode::Teardown) => "tearing down",
+        Some(ShutdownMode::Keep) => "stopping",
+        None if s.paused => "paused",
+        None if s.converged => "converged",
+        None => "converging",
+    }
+}
+
+/// The nodes a `down --keep` had no machine of to keep.
+pub(crate) fn without_machine<T: std::fmt::Display>(list: &[T]) -> String {
+    format!(
+        "{} node(s) had no machine to keep (failed and cleaned up, or not created yet): {}; \
+         the next `swactor up` starts them",
+        list.len(),
+        names(list)
+    )
+}
+
+/// A size for people, in decimal units: `1 byte`, `6 bytes`, `1.2 kB`,
+/// `3.4 MB`, `5.0 GB`.
+pub(crate) fn size_words(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["kB", "MB", "GB", "TB", "PB", "EB"];
+    match bytes {
+        1 => return "1 byte".to_owned(),
+        0..1000 => return format!("{bytes} bytes"),
+        _ => {}
+    }
+    #[allow(clippy::cast_precision_loss)] // One decimal is shown.
+    let mut value = bytes as f64 / 1000.0;
+    let mut unit = 0;
+    // 999,960 bytes read `1.0 MB`, not `1000.0 kB`.
+    while value >= 999.95 && unit + 1 < UNITS.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// Two sizes a message compares (`2.0 MB, more than the limit of 1.0 MB`):
+/// when they would read alike, each with its exact count of bytes, so a
+/// size is never said to be past a limit that reads the same.
+pub(crate) fn sizes_compared(size: u64, limit: u64) -> (String, String) {
+    let (a, b) = (size_words(size), size_words(limit));
+    if a == b && size != limit {
+        (
+            format!("{a} ({size} bytes)"),
+            format!("{b} ({limit} bytes)"),
+        )
+    } else {
+        (a, b)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -454,5 +512,29 @@ mod tests {
         assert!(shown.len() < 100, "{shown}");
         assert!(shown.ends_with("(5000 characters) is unknown"), "{shown}");
         assert_eq!(cut_long_words("a b  c\nd"), "a b  c\nd");
+    }
+
+    #[test]
+    fn sizes_read_in_bytes_below_a_kilobyte_and_in_decimal_units_above() {
+        assert_eq!(size_words(0), "0 bytes");
+        assert_eq!(size_words(1), "1 byte");
+        assert_eq!(size_words(6), "6 bytes");
+        assert_eq!(size_words(999), "999 bytes");
+        assert_eq!(size_words(1000), "1.0 kB");
+        assert_eq!(size_words(1234), "1.2 kB");
+        assert_eq!(size_words(999_949), "999.9 kB");
+        assert_eq!(size_words(999_960), "1.0 MB");
+        assert_eq!(size_words(3_400_000), "3.4 MB");
+        assert_eq!(size_words(52_428_800), "52.4 MB");
+        assert_eq!(size_words(5_000_000_000), "5.0 GB");
+        assert_eq!(size_words(u64::MAX), "18.4 EB");
+        assert_eq!(sizes_compared(6, 1000), ("6 bytes".into(), "1.0 kB".into()));
+        assert_eq!(
+            sizes_compared(1_000_001, 1_000_000),
+            (
+                "1.0 MB (1000001 bytes)".into(),
+                "1.0 MB (1000000 bytes)".into()
+            )
+        );
     }
 }

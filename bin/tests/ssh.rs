@@ -532,13 +532,16 @@ fn an_apply_sent_while_up_is_still_adopting_waits_and_is_not_overtaken_by_the_up
     let mut d = pool.up(&shape("one.toml", 1));
     let two = shape("two.toml", 2);
     let early = status(&pool.state).expect("status answers while the daemon adopts");
-    assert!(!early.adopted, "the silent host did not hold adoption back");
+    assert!(
+        !early.inventory_read,
+        "the silent host did not hold adoption back"
+    );
     let o = cli(&pool.state, &["apply", two.to_str().unwrap(), "--yes"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let said = stdout(&o) + &stderr(&o);
     // The apply went after the shape `up` was given, never before it.
     assert!(said.contains("generation 2"), "{said}");
-    wait_status(&pool.state, CONVERGE, "adoption", |s| s.adopted);
+    wait_status(&pool.state, CONVERGE, "adoption", |s| s.inventory_read);
     std::thread::sleep(Duration::from_millis(500));
     let s = status(&pool.state).unwrap();
     assert_eq!(

@@ -515,8 +515,13 @@ pub struct ShutdownReport {
     pub mode: ShutdownMode,
     /// Slots whose nodes were torn down.
     pub destroyed: Vec<LogicalNodeId>,
-    /// Slots whose nodes were left running.
+    /// Slots whose nodes were left running: their attempt holds a lease.
     pub kept: Vec<LogicalNodeId>,
+    /// Slots on record whose attempt held no lease when the host stopped
+    /// (it failed and its machine is gone, or none was made yet): nothing
+    /// of theirs was left running, and the next host starts them.
+    #[serde(default)]
+    pub without_machine: Vec<LogicalNodeId>,
 }
 
 /// Why a shape was not applied.
@@ -1619,10 +1624,18 @@ impl<C: Reconciler> Host<C> {
         let nodes: BTreeSet<LogicalNodeId> = self.core.state().nodes.keys().cloned().collect();
         match mode {
             ShutdownMode::Keep => {
+                let state = self.core.state();
+                let (kept, without_machine) = nodes.into_iter().partition(|id| {
+                    state
+                        .nodes
+                        .get(id)
+                        .is_some_and(|n| n.record.lease.is_some())
+                });
                 let report = ShutdownReport {
                     mode,
                     destroyed: Vec::new(),
-                    kept: nodes.into_iter().collect(),
+                    kept,
+                    without_machine,
                 };
                 self.outputs
                     .push_back(Output::Reply(ticket, Reply::Shutdown(report)));
@@ -2027,6 +2040,17 @@ impl<C: Reconciler> Host<C> {
 
     fn node_changed(&mut self, node: &LogicalNodeId, now: Timestamp) {
         self.record_failures(node);
+        // A destroyed attempt has no agent: its link (connected, or away
+        // with a grace running) ends with it, before its slot restarts.
+        if self
+            .core
+            .state()
+            .nodes
+            .get(node)
+            .is_none_or(|n| n.record.stage == NodeStage::Destroyed)
+        {
+            self.clear_link(node);
+        }
         if self.config.history_len > 0 {
             self.touch_history(node, now);
         }
@@ -2067,10 +2091,13 @@ impl<C: Reconciler> Host<C> {
         {
             r.notes().failed_reason = Some(reason.to_owned());
         }
-        if let Some(e) = n.record.last_error()
-            && r.last_error() != Some(e)
-        {
-            r.notes().last_error = Some(e.to_owned());
+        // The node's last error as it is now: one it got past (a create
+        // that waited for room, then went through) is not the attempt's
+        // last word.
+        match n.record.last_error() {
+            Some(e) if r.last_error() != Some(e) => r.notes().last_error = Some(e.to_owned()),
+            None if r.last_error().is_some() => r.notes().last_error = None,
+            _ => {}
         }
         if n.record.stage == NodeStage::Destroyed {
             r.ended_at.set_once(now);
@@ -2422,6 +2449,7 @@ impl<C: Reconciler> Host<C> {
                 mode: s.mode,
                 destroyed: s.nodes.into_iter().collect(),
                 kept: Vec::new(),
+                without_machine: Vec::new(),
             };
             for t in s.tickets {
                 self.outputs

@@ -152,6 +152,7 @@ pub fn fold_result(
         return Ok(Folded::Discarded(DiscardReason::StaleOperation));
     };
     let kind = pending.effect;
+    let cleanup = pending.cleanup;
     // An operation the active attempt dispatched, failing after the node
     // began deleting, says nothing about the cleanup: it must not delay it.
     let interrupted = node.intent == Intent::Deleting && !pending.cleanup;
@@ -257,6 +258,13 @@ pub fn fold_result(
             rec.endpoint = None;
         }
         (_, _) => return Ok(Folded::Discarded(DiscardReason::OutcomeMismatch)),
+    }
+    // A live attempt got past the step an error held back (a create that
+    // waited for room, a lookup that failed): the error is over and is no
+    // longer the node's last word. An attempt that failed, or is leaving,
+    // keeps the error it failed with for people to read.
+    if !cleanup && node.intent == Intent::Active && rec.stage != NodeStage::Failed {
+        rec.set_last_error(None);
     }
     node.pending = None;
     node.retry.next_effect_at = None;

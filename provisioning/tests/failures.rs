@@ -479,3 +479,66 @@ fn a_lease_the_provider_says_is_gone_fails_the_attempt_and_is_still_destroyed() 
         assert_eq!(node(&d).record.stage, NodeStage::Destroyed);
     }
 }
+
+/// A host whose bootstrap streams prove joins.
+fn host() -> Host<Driver> {
+    let config = HostConfig {
+        stream_joins: true,
+        ..HostConfig::default()
+    };
+    Host::new(driver(), config, None).unwrap()
+}
+
+#[test]
+fn an_error_is_no_longer_shown_once_the_step_it_held_back_succeeds() {
+    let mut h = host();
+    h.handle_apply(&shape(1, vec![group("w", 1)]), Ticket(1), t(0))
+        .unwrap();
+    let w0 = node_id("w-0");
+    let error = |h: &Host<Driver>| {
+        h.core().state().nodes[&w0]
+            .record
+            .last_error()
+            .map(str::to_owned)
+    };
+    let mut now = t(0);
+    let mut failed_once = false;
+    for _ in 0..50 {
+        for d in drain_host(&mut h, now) {
+            if d.request.kind() == EffectKind::CreateLease && !failed_once {
+                // The provider has no room yet ("waiting for a free host").
+                failed_once = true;
+                let _ = h
+                    .handle_result(fail(&d, FailureClass::Definite), now)
+                    .unwrap();
+                assert_eq!(error(&h).as_deref(), Some("CreateLease: injected"));
+                continue;
+            }
+            assert_eq!(h.handle_result(success(&d), now).unwrap(), Folded::Applied);
+            // The create went through: what held it back is over.
+            assert_eq!(error(&h), None, "after {:?}", d.request.kind());
+            if d.request.kind() == EffectKind::StartBootstrap {
+                for event in [
+                    BootstrapEvent::SwactorJoined,
+                    BootstrapEvent::Stage(BootstrapStage::Converged),
+                ] {
+                    let obs = observe(h.core(), "w-0", event);
+                    assert_eq!(h.handle_bootstrap(obs, now).unwrap(), Folded::Applied);
+                }
+            }
+        }
+        if h.is_converged() {
+            break;
+        }
+        now = now.saturating_add_ms(1_000);
+        let _ = h.handle_timeout(now);
+    }
+    assert!(failed_once && h.is_converged(), "{:#?}", h.core().state());
+    let history = h.history(&w0).expect("w-0 has a history");
+    let latest = history.last().expect("one attempt");
+    assert!(latest.ready_at.is_some(), "{latest:#?}");
+    assert_eq!(
+        latest.last_error, None,
+        "`describe` of a ready attempt shows no error it got past"
+    );
+}

@@ -155,3 +155,54 @@ fn a_replace_of_a_node_with_an_operation_in_flight_is_refused() {
         })
     );
 }
+
+#[test]
+fn a_destroyed_attempt_has_no_agent_link_left() {
+    let mut h = converged_host(1);
+    let w0 = node_id("w-0");
+    let old = h.core().state().nodes[&w0].attempt;
+    assert_eq!(h.link(&w0), Some(Link::Connected(old)), "it joined");
+
+    assert_eq!(h.handle_replace(&w0, t(10)), Ok(old));
+    pump(&mut h, t(10));
+    // Cleaned up, and waiting out its backoff before the next attempt.
+    let n = &h.core().state().nodes[&w0];
+    assert_eq!((n.attempt, n.record.stage), (old, NodeStage::Destroyed));
+    assert_eq!(
+        h.link(&w0),
+        None,
+        "a destroyed attempt's agent is gone; its link must not say connected"
+    );
+}
+
+#[test]
+fn a_shutdown_that_keeps_nodes_keeps_only_those_with_a_machine() {
+    let mut h = converged_host(2);
+    let (w0, w1) = (node_id("w-0"), node_id("w-1"));
+    let old = h.core().state().nodes[&w1].attempt;
+    assert_eq!(h.handle_replace(&w1, t(10)), Ok(old));
+    pump(&mut h, t(10));
+    let n = &h.core().state().nodes[&w1];
+    assert_eq!(
+        (n.record.stage, &n.record.lease),
+        (NodeStage::Destroyed, &None)
+    );
+
+    h.handle_shutdown(ShutdownMode::Keep, Ticket(9), t(11));
+    let mut report = None;
+    while let Some(out) = h.poll_output(t(11)) {
+        match out {
+            Output::Persist(delta) => h.handle_persisted(delta.seq),
+            Output::Reply(Ticket(9), Reply::Shutdown(r)) => report = Some(r),
+            _ => {}
+        }
+    }
+    let report = report.expect("the shutdown was answered");
+    assert_eq!(report.kept, [w0], "w-0 runs on");
+    assert_eq!(
+        report.without_machine,
+        [w1],
+        "w-1 failed and its machine is gone: nothing of it was kept"
+    );
+    assert!(report.destroyed.is_empty());
+}

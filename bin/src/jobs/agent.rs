@@ -27,7 +27,7 @@
 
 use super::{
     ALPN_JOBS, CHUNK_LEN, DATA_PIECE_LEN, ExitInfo, FromAgent, Hash, JOBS_FRAME_LEN_MAX, LogRecord,
-    Stream, ToAgent, glob_match, hex, safe_relative, size_words, walk,
+    Stream, ToAgent, glob_match, hex, safe_relative, walk,
 };
 use crate::protocol::JoinRequest;
 use std::collections::HashMap;
@@ -651,11 +651,11 @@ impl AgentJobs {
         }
         let total: u64 = chosen.iter().map(|(_, _, len)| len).sum();
         if total > output_max_bytes {
+            let (total, max) = crate::words::sizes_compared(total, output_max_bytes);
             let refused = FromAgent::Refused(format!(
-                "the outputs on {} add up to {}, more than the limit of {}; none was collected",
+                "the outputs on {} add up to {total}, more than the limit of {max}; none was \
+                 collected",
                 self.inner.node,
-                size_words(total),
-                size_words(output_max_bytes)
             ));
             send_frame(send, &refused, JOBS_FRAME_LEN_MAX).await?;
             return Ok(());

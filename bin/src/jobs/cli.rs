@@ -178,7 +178,7 @@ async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
                 let ws = if workspace_files > 0 {
                     format!(
                         ", workspace of {workspace_files} file(s), {}",
-                        super::size_words(workspace_bytes)
+                        crate::words::size_words(workspace_bytes)
                     )
                 } else {
                     String::new()
@@ -206,7 +206,7 @@ async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
                 } else if of > 0 {
                     eprintln!(
                         "swactor: [{node}] workspace shipped: sent {chunks} of {of} chunk(s), {}",
-                        super::size_words(bytes)
+                        crate::words::size_words(bytes)
                     );
                 }
             }

@@ -316,13 +316,6 @@ pub(crate) fn walk(root: &Path) -> std::io::Result<Vec<(String, PathBuf)>> {
     Ok(out)
 }
 
-/// A size in words with the exact byte count: "52.4 MB (52428800 bytes)".
-pub(crate) fn size_words(bytes: u64) -> String {
-    #[allow(clippy::cast_precision_loss)]
-    let mb = bytes as f64 / 1_000_000.0;
-    format!("{mb:.1} MB ({bytes} bytes)")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1048,7 +1048,7 @@ impl RunActorState {
                     if total > max {
                         return Err(format!(
                             "the outputs of {node} exceed the limit of {}",
-                            super::size_words(max)
+                            crate::words::size_words(max)
                         ));
                     }
                     let Some(file) = current.as_mut() else {

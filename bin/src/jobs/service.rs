@@ -13,8 +13,9 @@
 
 use super::blobs::Blobs;
 use super::runner::{JobArgs, JobMsg, JobsActor, JobsMsg, RunMsg};
-use super::{CHUNK_LEN, FileEntry, Hash, LogRecord, Stream, size_words, walk};
+use super::{CHUNK_LEN, FileEntry, Hash, LogRecord, Stream, walk};
 use crate::protocol::JoinRequest;
+use crate::words::sizes_compared;
 use anyhow::Context;
 use iroh_blobs::api::TempTag;
 use serde::{Deserialize, Serialize};
@@ -935,13 +936,12 @@ fn read_workspace(dir: &Path, max: u64) -> Result<Workspace, String> {
         total += std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     }
     if total > max {
+        let (total, max) = sizes_compared(total, max);
         return Err(format!(
-            "the workspace {} holds {} in {} file(s), more than the limit of {} \
+            "the workspace {} holds {total} in {} file(s), more than the limit of {max} \
              (SWACTOR_JOB_WORKSPACE_MAX_BYTES on the daemon); nothing was shipped",
             dir.display(),
-            size_words(total),
             files.len(),
-            size_words(max)
         ));
     }
     let mut ws = Workspace::default();
@@ -990,11 +990,11 @@ fn read_workspace(dir: &Path, max: u64) -> Result<Workspace, String> {
         ws.manifest.push(entry);
     }
     if ws.bytes > max {
+        let (bytes, max) = sizes_compared(ws.bytes, max);
         return Err(format!(
-            "the workspace {} grew to {} while it was read, more than the limit of {}; nothing was shipped",
+            "the workspace {} grew to {bytes} while it was read, more than the limit of {max}; \
+             nothing was shipped",
             dir.display(),
-            size_words(ws.bytes),
-            size_words(max)
         ));
     }
     Ok(ws)
@@ -1304,7 +1304,7 @@ mod tests {
         );
         let err = read_workspace(tmp.path(), 1000).unwrap_err();
         assert!(
-            err.contains("more than the limit of 0.0 MB (1000 bytes)"),
+            err.contains("holds 1.0 MB in 2 file(s), more than the limit of 1.0 kB"),
             "{err}"
         );
     }
