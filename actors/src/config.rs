@@ -1,7 +1,7 @@
 //! Settings of a cluster.
 
 use std::time::Duration;
-use swactor_engine::RestartPolicy;
+use swactor_engine::{RestartPolicy, Starvation};
 use swactor_provisioning::{Capacity, ClusterShape, HostConfig, ReconcilerConfig, RunId};
 
 /// Settings of a cluster.
@@ -41,6 +41,11 @@ pub struct ClusterConfig {
     /// How many nodes each provider kind can hold; a shape asking one for
     /// more is refused unless it names its own capacity.
     pub capacities: Vec<Capacity>,
+    /// The daemon's measure of its own starvation (see
+    /// [`swactor_engine::Starvation`]), told to the host so silence the
+    /// daemon could not hear counts against no agent; `None` where nothing
+    /// measures it (tests under paused time, benchmarks).
+    pub starvation: Option<Starvation>,
 }
 
 impl ClusterConfig {
@@ -69,6 +74,7 @@ impl ClusterConfig {
             rejoin_window: Duration::from_millis(host.rejoin_window_ms),
             history_len: host.history_len,
             capacities: host.capacities,
+            starvation: None,
         }
     }
 

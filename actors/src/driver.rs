@@ -24,7 +24,7 @@ use std::sync::Arc;
 use swactor_engine::ractor::{
     Actor, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort, SupervisionEvent,
 };
-use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Timers};
+use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Starvation, Timers};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, DesiredUpdate, Dispatch, Driver, Folded,
@@ -62,6 +62,8 @@ pub struct DriverState {
     telemetry: Telemetry,
     /// Messages handled (see [`DriverView::messages`]).
     messages: u64,
+    /// The starved total last told to the host.
+    starved_seen_ms: u64,
 }
 
 /// A node's followed session: what its events are folded as, and the
@@ -132,6 +134,7 @@ impl Actor for DriverActor {
             next_ticket: 0,
             drive_queued: false,
             messages: 0,
+            starved_seen_ms: config.starvation.as_ref().map_or(0, Starvation::total_ms),
             telemetry: Telemetry::new(config.event_buffer_len, publisher),
             config,
         };
@@ -163,6 +166,16 @@ impl Actor for DriverActor {
     ) -> Result<(), ActorProcessingErr> {
         let now = st.now();
         st.messages += 1;
+        // Time the daemon measured itself starved since the last message is
+        // told to the host before anything it may have delayed.
+        if let Some(starvation) = &st.config.starvation {
+            let total = starvation.total_ms();
+            if total > st.starved_seen_ms {
+                let starved = total - st.starved_seen_ms;
+                st.starved_seen_ms = total;
+                st.host.handle_starved(starved, now);
+            }
+        }
         match msg {
             DriverMsg::Cluster(msg) => st.public(msg, now),
             DriverMsg::Swarm(SwarmMsg::Join(key, reply)) => {

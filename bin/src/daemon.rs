@@ -270,7 +270,13 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
             .with_ndjson(sink);
     let telemetry = publisher.handler();
 
+    // The daemon measures how long its own event loop leaves work waiting:
+    // silence it could not hear is held against no agent (the swarm
+    // endpoint and the host both discount it).
+    let starvation = swactor_engine::Starvation::new();
+    let _measuring = AbortOnDrop(starvation.measure());
     let mut config = ClusterConfig::new(run_id.clone());
+    config.starvation = Some(starvation.clone());
     config.visibility_window = visibility_window;
     config.capacities = provider.capacities();
     // The cluster actor is restarted from the journal if it fails; the
@@ -322,6 +328,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
                 cluster: cluster.clone(),
                 secret,
                 refusals: RefusalLog::default(),
+                starvation,
             },
         )
         // Agents dial in for jobs as for the swarm; each link is checked
@@ -1072,3 +1079,11 @@ async fn bind_daemon_endpoint(
     Ok(ep)
 }
 
+/// Aborts a task when dropped (the daemon's own helpers end with it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -10,6 +10,7 @@ use crate::protocol::{Heartbeat, JoinReply, JoinRequest};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use swactor_actors::ClusterHandle;
+use swactor_engine::Starvation;
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{
@@ -28,6 +29,8 @@ pub(crate) struct SwarmHandler {
     pub(crate) cluster: ClusterHandle,
     pub(crate) secret: [u8; 32],
     pub(crate) refusals: RefusalLog,
+    /// The daemon's measure of its own starvation.
+    pub(crate) starvation: Starvation,
 }
 
 impl ProtocolHandler for SwarmHandler {
@@ -89,28 +92,126 @@ impl ProtocolHandler for SwarmHandler {
         // learns who is still connected, and an agent whose attempt was
         // replaced meanwhile is dropped.
         let mut asserted = Instant::now();
-        let mut heard = Instant::now();
+        let mut heard = Heard::now(&self.starvation);
+        // A silent agent counts as disconnected (its grace runs), but its
+        // connection stays open for as long as the grace may last: an agent
+        // that was only stuck, or whose heartbeats waited in a congested
+        // daemon, comes back on it without a new handshake (a hundred
+        // redials into a daemon that is already behind would only put it
+        // further behind).
+        let mut away = false;
+        let kept = silence + Duration::from_millis(liveness.lost_grace_ms);
         loop {
             let next = recv_frame::<Heartbeat, _>(&mut recv, SMALL_FRAME_LEN_MAX_BYTES);
-            match tokio::time::timeout(silence, next).await {
-                Ok(Ok(Some(Heartbeat(_)))) => heard = Instant::now(),
-                // Silent (stopped, hung, cut off), gone, or talking nonsense.
-                _ => break,
+            tokio::pin!(next);
+            // Only silence the daemon could have heard counts: time it was
+            // starved (or stopped) since the last heartbeat moves the
+            // deadline on, and so does a wake-up that itself came late.
+            let window = if away { kept } else { silence };
+            let frame = loop {
+                let deadline = heard.deadline(window);
+                match tokio::time::timeout_at(deadline.into(), &mut next).await {
+                    Ok(frame) => break Some(frame),
+                    Err(_) if heard.woken_late(deadline) => {}
+                    Err(_) if heard.deadline(window) > deadline => {}
+                    Err(_) => break None,
+                }
+            };
+            match frame {
+                Some(Ok(Some(Heartbeat(_)))) => heard = Heard::now(&self.starvation),
+                // Silent for the first time: disconnected, grace running.
+                None if !away => {
+                    away = true;
+                    let silent = heard.silent_for();
+                    tracing::info!(%key, silent_for = ?silent, "agent silent; its grace runs");
+                    self.cluster.agent_gone(key.clone(), silent);
+                    continue;
+                }
+                // Silent past its grace, gone, or talking nonsense.
+                None | Some(_) => {
+                    if !away {
+                        let silent = heard.silent_for();
+                        tracing::info!(%key, silent_for = ?silent, "agent disconnected");
+                        self.cluster.agent_gone(key, silent);
+                    }
+                    conn.close(0u32.into(), b"silent");
+                    return Ok(());
+                }
             }
-            if asserted.elapsed() < JOIN_REASSERT {
+            // Heard: an agent that was away is back, on the same link, if
+            // its attempt is still wanted; a connected one is asserted again
+            // now and then.
+            if !away && asserted.elapsed() < JOIN_REASSERT {
                 continue;
             }
             asserted = Instant::now();
-            if let Ok(Err(refusal)) = self.cluster.agent_join(key.clone()).await {
-                tracing::info!(%key, %refusal, "dropping an agent no longer wanted");
-                conn.close(1u32.into(), b"no longer wanted");
-                return Ok(());
+            match self.cluster.agent_join(key.clone()).await {
+                Ok(Err(refusal)) => {
+                    tracing::info!(%key, %refusal, "dropping an agent no longer wanted");
+                    conn.close(1u32.into(), b"no longer wanted");
+                    return Ok(());
+                }
+                Ok(Ok(_)) if away => {
+                    tracing::info!(%key, "agent heard again on its link");
+                    away = false;
+                }
+                // Welcomed again; or the cluster is restarting (asked again
+                // at the next assert).
+                Ok(Ok(_)) | Err(_) => {}
             }
         }
-        tracing::info!(%key, silent_for = ?heard.elapsed(), "agent disconnected");
-        conn.close(0u32.into(), b"silent");
-        self.cluster.agent_gone(key, heard.elapsed());
-        Ok(())
+    }
+}
+
+/// When an agent was last heard, and how much of the time since the daemon
+/// itself could not listen.
+struct Heard {
+    at: Instant,
+    /// The daemon's starved total at `at`.
+    starved_at: u64,
+    /// Lateness of this handler's own wake-ups since `at`, beyond the
+    /// noise threshold.
+    late: Duration,
+    starvation: Starvation,
+}
+
+impl Heard {
+    fn now(starvation: &Starvation) -> Self {
+        Self {
+            at: Instant::now(),
+            starved_at: starvation.total_ms(),
+            late: Duration::ZERO,
+            starvation: starvation.clone(),
+        }
+    }
+
+    /// Time since the heartbeat in which the daemon could not listen: what
+    /// its measure counted, or this handler's own late wake-ups if more.
+    fn deaf(&self) -> Duration {
+        let measured =
+            Duration::from_millis(self.starvation.total_ms().saturating_sub(self.starved_at));
+        measured.max(self.late)
+    }
+
+    /// When the agent is silent for `silence` of listening time.
+    fn deadline(&self, silence: Duration) -> Instant {
+        self.at + silence + self.deaf()
+    }
+
+    /// Notes a wake-up for `deadline` that came late; true if it came later
+    /// than scheduling noise (the silence is then looked at again).
+    fn woken_late(&mut self, deadline: Instant) -> bool {
+        let late = Instant::now().saturating_duration_since(deadline);
+        if late <= Starvation::COUNTED_MIN {
+            return false;
+        }
+        self.late += late;
+        true
+    }
+
+    /// How long the agent was silent while the daemon listened.
+    fn silent_for(&self) -> Duration {
+        self.at.elapsed().saturating_sub(self.deaf())
     }
 }
 

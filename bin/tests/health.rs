@@ -158,6 +158,61 @@ fn an_agent_that_exits_is_replaced_at_once_not_after_its_grace() {
     });
 }
 
+/// An agent that goes silent for less than its grace (stuck, or with its
+/// heartbeats waiting in a daemon too busy to read them) is shown
+/// disconnected, and comes back on the link it has: the daemon keeps the
+/// connection open while the grace runs, so no new handshake is needed. A
+/// hundred agents made to redial a daemon that was already behind were
+/// replaced by the dozen before (the dashboard's load test under CI load).
+#[test]
+fn an_agent_silent_for_less_than_its_grace_comes_back_on_the_same_link() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(
+        tmp.path(),
+        "silent.toml",
+        &one_group("health-silent", "boot_check = [\"true\"]\nlost_grace_s = 8"),
+    );
+    let d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[(
+            "SWACTOR_LOG",
+            "warn,swactor::swarm=info,swactor::agent=info",
+        )],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    let snap = wait_converged(&state, CONVERGE, |s| s.nodes.len() == 1);
+    let before = worker0(&snap).unwrap().attempt;
+    let pid = agents(&state)[&("worker-0".to_owned(), before.0)][0];
+    // Silent for 3 s: past the 2 s after which it counts as disconnected,
+    // well within its 8 s grace (and within the agent's own 4 s idle
+    // timeout, after which it would dial again by itself).
+    signal(pid, "-STOP");
+    let stopped = Instant::now();
+    let (n, _) = wait_node(&state, Duration::from_secs(10), "disconnected", |n| {
+        matches!(n.agent, AgentLink::Away { .. })
+    });
+    assert_eq!(n.attempt, before);
+    std::thread::sleep(Duration::from_millis(3_000).saturating_sub(stopped.elapsed()));
+    signal(pid, "-CONT");
+    let (n, _) = wait_node(&state, Duration::from_secs(10), "connected again", |n| {
+        n.agent == AgentLink::Connected
+    });
+    assert_eq!(n.attempt, before, "not replaced");
+    let log = d.last_log();
+    assert!(
+        log.contains("agent heard again on its link"),
+        "the daemon kept the link and heard the agent on it: {log}"
+    );
+    let agent_log = stdout(&cli(&state, &["logs", "worker-0"]));
+    assert!(
+        !agent_log.contains("connection to the daemon lost"),
+        "the agent never had to dial again: {agent_log}"
+    );
+}
+
 /// Issue 11, case 4: a SIGSTOPped agent showed `ready` for about 32 s, was
 /// replaced after about 37 s with `lost_grace_s = 5`, and a 12 s freeze went
 /// unnoticed. Now it is shown disconnected within two seconds and replaced

@@ -1,6 +1,7 @@
 //! The Swactor engine owns everything that touches time, threads and the
 //! network, so that the decision-making crates can stay pure. It provides the
-//! clock (virtual under tokio's paused time, so tests jump it at will), actor
+//! clock (virtual under tokio's paused time, so tests jump it at will), a
+//! measure of how long the runtime itself left ready work waiting, actor
 //! timers whose late firings are filtered by generation, supervision with a
 //! restart budget that escalates, a bounded and cancellable pool for blocking
 //! calls, a durable journal of intent on redb (fsynced, one writer per file),
@@ -16,6 +17,7 @@ pub mod deadline;
 pub mod forward;
 pub mod journal;
 pub mod net;
+pub mod starvation;
 pub mod stream;
 pub mod supervision;
 pub mod telemetry;
@@ -28,6 +30,7 @@ pub use clock::{Clock, EngineInstant};
 pub use deadline::{DeadlinePassed, run_until, yield_to_others};
 pub use forward::{Followed, Forwarder, MUX_DRAIN_MAX, Mux};
 pub use journal::{Journal, JournalBatch, JournalContents, JournalError};
+pub use starvation::Starvation;
 pub use supervision::{ChildEvent, ChildSpec, Children, RestartPolicy, SupervisionError};
 pub use timers::{TaskGauge, TimerFired, Timers};
 

@@ -148,6 +148,11 @@ pub struct Liveness {
     pub heartbeat_ms: u64,
     /// Silence after which the agent counts as disconnected.
     pub silence_ms: u64,
+    /// The grace its group grants once it is disconnected: how long after
+    /// a silence began its link is worth keeping open in case it is heard
+    /// again on it.
+    #[serde(default)]
+    pub lost_grace_ms: u64,
 }
 
 impl Liveness {
@@ -169,6 +174,7 @@ impl Liveness {
         Self {
             heartbeat_ms: silence_ms / Self::BEATS_PER_SILENCE,
             silence_ms,
+            lost_grace_ms,
         }
     }
 }
@@ -1015,6 +1021,8 @@ pub struct Host<C: Reconciler> {
     last_input: Option<Timestamp>,
     /// The latest deaf gap, if there was one.
     deaf: Option<DeafGap>,
+    /// Starved time reported in all ([`Host::handle_starved`]).
+    starved_ms: u64,
 }
 
 impl<C: Reconciler> Host<C> {
@@ -1087,6 +1095,7 @@ impl<C: Reconciler> Host<C> {
             tripped_none: true,
             last_input: None,
             deaf: None,
+            starved_ms: 0,
         })
     }
 
@@ -1964,6 +1973,60 @@ impl<C: Reconciler> Host<C> {
         } else {
             Ok(0)
         }
+    }
+
+    /// The daemon measured that, since its last report, it left ready work
+    /// waiting for `starved_ms` in all before `now` (its event loop was
+    /// starved by other work, or its process or machine stopped): time in
+    /// which it could not have heard anybody, however loud. Such time
+    /// counts against no agent:
+    /// - every agent away gets it back on its grace, but never more than a
+    ///   whole grace from `now`, so an agent that really died is still
+    ///   lost at most one grace after the daemon listens again;
+    /// - a running bootstrap's stall deadline moves on by it.
+    ///
+    /// A stop long enough to leave a deaf gap in the host's inputs (see
+    /// [`Host::last_deaf_gap`]) may be reported here as well; the grace rule
+    /// is then already met, and a stall deadline may move by it twice,
+    /// which errs on the side of the node.
+    pub fn handle_starved(&mut self, starved_ms: u64, now: Timestamp) {
+        self.heard(now);
+        if starved_ms == 0 {
+            return;
+        }
+        self.starved_ms = self.starved_ms.saturating_add(starved_ms);
+        let away: Vec<(LogicalNodeId, NodeAttemptId, Timestamp)> = self
+            .links
+            .iter()
+            .filter_map(|(n, l)| match l {
+                Link::Away { attempt, until } => Some((n, *attempt, *until)),
+                Link::Connected(_) => None,
+            })
+            .collect();
+        for (node, attempt, until) in away {
+            if self.held_lost.contains(&node) {
+                continue;
+            }
+            let cap = now.saturating_add_ms(self.grace_of(&node));
+            let later = until.saturating_add_ms(starved_ms).min(cap);
+            if later > until {
+                self.set_link(
+                    &node,
+                    Link::Away {
+                        attempt,
+                        until: later,
+                    },
+                );
+            }
+        }
+        let from = Timestamp::from_millis(now.as_millis().saturating_sub(starved_ms));
+        self.core.handle_unheard(from, now);
+    }
+
+    /// Milliseconds the daemon reported starved in all
+    /// ([`Host::handle_starved`]).
+    pub fn starved_ms(&self) -> u64 {
+        self.starved_ms
     }
 
     /// The periodic safety-net tick.

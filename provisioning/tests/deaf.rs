@@ -249,3 +249,74 @@ fn a_host_restarted_while_paused_re_attaches_its_running_nodes() {
         next.core().state()
     );
 }
+
+#[test]
+fn starved_time_is_given_back_to_an_away_agent_up_to_one_whole_grace() {
+    let (mut h, mut journal) = converged(2);
+    listen(&mut h, &mut journal, t(10_000));
+    let w0 = key(&h, "w-0");
+    // Found silent for 2 s at 10 s: lost at 13 s (grace 5 s from 8 s).
+    h.handle_agent_gone(&w0, 2_000, t(10_000));
+    let until = |h: &Host<Driver>| match h.link(&w0.node) {
+        Some(Link::Away { until, .. }) => until,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(until(&h), t(13_000));
+    // The daemon then measured itself starved for 1.5 s: the grace ends
+    // that much later.
+    h.handle_starved(1_500, t(10_400));
+    assert_eq!(until(&h), t(14_500));
+    assert_eq!(h.starved_ms(), 1_500);
+    // Never more than a whole grace from when it is told.
+    h.handle_starved(60_000, t(10_800));
+    assert_eq!(until(&h), t(15_800));
+    assert_eq!(h.last_deaf_gap(), None, "starved, but never deaf here");
+    // An agent that really died is still lost at that deadline, not later.
+    listen(&mut h, &mut journal, t(15_799));
+    assert_eq!(key(&h, "w-0").attempt, w0.attempt, "not before its grace");
+    listen(&mut h, &mut journal, t(15_800));
+    pump(&mut h, &mut journal, &[], t(15_800));
+    let n = &h.core().state().nodes[&w0.node];
+    assert!(
+        n.attempt != w0.attempt || n.record.stage == NodeStage::Destroyed,
+        "lost at its grace's end: {n:#?}"
+    );
+}
+
+#[test]
+fn starved_time_moves_a_bootstrap_s_stall_deadline() {
+    let mut h = host(None);
+    let mut journal = JournalImage::new(h.core().state().run_id.clone());
+    h.handle_apply(&shape(1, vec![group("w", 1)]), Ticket(1), t(0))
+        .unwrap();
+    // Run the create and the bootstrap's start, but let no agent report.
+    let mut started = false;
+    for _ in 0..16 {
+        let mut round = Vec::new();
+        while let Some(o) = h.poll_output(t(0)) {
+            match o {
+                Output::Persist(delta) => {
+                    journal.apply(&delta);
+                    h.handle_persisted(delta.seq);
+                }
+                Output::List => h.handle_inventory(Ok(Vec::new()), t(0)),
+                Output::Pass(pass) => round.extend(pass.dispatches),
+                _ => {}
+            }
+        }
+        if round.is_empty() {
+            break;
+        }
+        for d in &round {
+            started |= d.request.kind() == EffectKind::StartBootstrap;
+            let _ = h.handle_result(success(d), t(0)).unwrap();
+        }
+    }
+    assert!(started);
+    let w0 = node_id("w-0");
+    let deadline = |h: &Host<Driver>| h.core().state().nodes[&w0].record.bootstrap_deadline;
+    let before = deadline(&h).expect("a stall deadline runs");
+    h.handle_starved(800, t(1_000));
+    assert_eq!(h.last_deaf_gap(), None);
+    assert_eq!(deadline(&h), Some(before.saturating_add_ms(800)));
+}
