@@ -344,6 +344,11 @@ fn main() {
         // Colours for people; none in a log file or a pipe.
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    // The daemon (and what it starts) and `ssh-key` write only into the
+    // state directory, which is nobody else's.
+    if matches!(cli.command, Command::Up { .. } | Command::SshKey) {
+        state::StateDir::private_files_from_now_on();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -21,6 +21,43 @@ pub(crate) const AGENT_BINARY_FILE: &str = "daemon.agent-binary";
 /// The state directory used when none is given.
 pub(crate) const DEFAULT_STATE_DIR: &str = ".swactor";
 
+/// Makes an existing state directory its owner's alone (0700), or says why
+/// it cannot be: one that other users may enter or list would show them job
+/// logs and workspaces.
+fn make_private(path: &Path) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(path)
+        .with_context(|| format!("cannot read the state directory {}", path.display()))?;
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o077 == 0 {
+        return Ok(());
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me {
+        bail!(
+            "cannot use {} as the state directory: other users may open it (mode {mode:o}) and \
+             it belongs to user {}, not to this one ({me}); make it private (`chmod 700`) or \
+             point --state-dir elsewhere",
+            path.display(),
+            meta.uid()
+        );
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode & 0o7700 | 0o700))
+        .with_context(|| {
+            format!(
+                "cannot make the state directory {} private (it is mode {mode:o}); \
+                 `chmod 700` it or point --state-dir elsewhere",
+                path.display()
+            )
+        })?;
+    eprintln!(
+        "swactor: made the state directory {} private (mode 700; it was {mode:o}): it holds \
+         keys, the journal and job logs",
+        path.display()
+    );
+    Ok(())
+}
+
 /// Paths inside one state directory.
 #[derive(Clone, Debug)]
 pub(crate) struct StateDir {
@@ -80,7 +117,17 @@ impl StateDir {
                 path.display()
             );
         }
+        make_private(&path)?;
         Self::open(path)
+    }
+
+    /// Files the daemon makes from here on (and those of the processes it
+    /// starts) are its user's alone: the state directory holds keys, the
+    /// token secret, the journal, job logs and workspaces, and a job's
+    /// output may quote a secret it was given. Nothing in it is meant for
+    /// other users.
+    pub(crate) fn private_files_from_now_on() {
+        let _ = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
     }
 
     /// For clients: the directory must already exist.
@@ -174,7 +221,7 @@ impl StateDir {
         write_atomic(
             &self.root.join("daemon.port"),
             port.to_string().as_bytes(),
-            0o644,
+            0o600,
         )
     }
 
@@ -207,7 +254,7 @@ impl StateDir {
         if let Some(ip) = advertise {
             text.push_str(&format!("advertise={ip}\n"));
         }
-        write_atomic(&self.root.join(NETWORK_FILE), text.as_bytes(), 0o644)
+        write_atomic(&self.root.join(NETWORK_FILE), text.as_bytes(), 0o600)
     }
 
     /// The agent binary the last daemon was told to use (`--agent-binary`
@@ -230,7 +277,7 @@ impl StateDir {
         write_atomic(
             &self.root.join(AGENT_BINARY_FILE),
             path.as_os_str().as_bytes(),
-            0o644,
+            0o600,
         )
     }
 
@@ -282,7 +329,7 @@ impl StateDir {
             .write(true)
             .create(true)
             .truncate(false)
-            .mode(0o644)
+            .mode(0o600)
             .open(&path)
             .with_context(|| format!("cannot open the lock file {}", path.display()))?;
         // A client probing with a shared lock (`running_daemon`) holds it for

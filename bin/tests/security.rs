@@ -252,3 +252,96 @@ fn unauthenticated_peers_cannot_exhaust_the_daemon_or_flood_its_log() {
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Every file and directory under `root` whose mode lets its group or
+/// other users in at all.
+fn open_to_others(root: &Path) -> Vec<String> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let mut found = Vec::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let Ok(meta) = std::fs::symlink_metadata(e.path()) else {
+                continue;
+            };
+            if meta.file_type().is_symlink() || meta.file_type().is_socket() {
+                continue;
+            }
+            let mode = meta.permissions().mode() & 0o777;
+            if mode & 0o077 != 0 {
+                found.push(format!("{} {mode:o}", e.path().display()));
+            }
+            if meta.is_dir() {
+                todo.push(e.path());
+            }
+        }
+    }
+    found
+}
+
+/// Issue 29, item 6: in a state directory made beforehand with mode 0755,
+/// another user read a job's log that quoted an `--env` secret, and
+/// `telemetry.ndjson` and `http.addr`. Now the directory is made 0700 and
+/// everything the daemon, its agents and their jobs write in it is theirs
+/// alone.
+#[test]
+fn a_state_directory_made_beforehand_is_made_private_with_all_it_holds() {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let tmp = tempfile::tempdir().unwrap();
+    // Another user may walk down to the state directory, as under a home
+    // directory or /srv.
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let state = tmp.path().join("state");
+    std::fs::DirBuilder::new()
+        .mode(0o755)
+        .create(&state)
+        .unwrap();
+    let shape = shape_file(tmp.path(), "private.toml", &workers("private", 1));
+    let d = Daemon::start(&state, &shape);
+    wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.iter().all(|n| n.ready)
+    });
+    let o = std::process::Command::new(BIN)
+        .args([
+            "run",
+            "--all",
+            "--env",
+            "API_KEY=sk-live-4242",
+            "--state-dir",
+        ])
+        .arg(&state)
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "echo the key is $API_KEY; echo made > mine.txt",
+        ])
+        .current_dir(tmp.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mode = std::fs::metadata(&state).unwrap().permissions().mode() & 0o777;
+    assert!(
+        mode == 0o700,
+        "the state directory is mode {mode:o}, not 700"
+    );
+    let open = open_to_others(&state);
+    assert!(open.is_empty(), "open to other users: {open:#?}");
+    assert!(
+        d.last_log().contains("made the state directory"),
+        "the change is said: {}",
+        d.last_log()
+    );
+    // As another user: nothing of it can be listed, let alone read.
+    if let Ok(o) = std::process::Command::new("runuser")
+        .args(["-u", "nobody", "--", "ls"])
+        .arg(&state)
+        .output()
+    {
+        assert!(!o.status.success(), "nobody listed it: {}", stdout(&o));
+    }
+}

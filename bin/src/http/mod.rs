@@ -117,7 +117,7 @@ pub(crate) async fn bind(
         }
     };
     let addr = listener.local_addr()?;
-    crate::state::write_atomic(&path, addr.to_string().as_bytes(), 0o644)?;
+    crate::state::write_atomic(&path, addr.to_string().as_bytes(), 0o600)?;
     Ok(listener)
 }
 
