@@ -267,6 +267,22 @@ fn a_corrupt_journal_is_refused_naming_the_file_and_nothing_is_destroyed() {
             e.log
         );
     }
+    // Cut to half its length (issue 29, item 10): redb asserts on that
+    // rather than returning an error; the refusal is still the only thing
+    // said, with no panic message or backtrace before it.
+    let whole = std::fs::read(&copy).unwrap();
+    std::fs::write(&journal, &whole[..whole.len() / 2]).unwrap();
+    let e = Daemon::spawn(&state, None)
+        .err()
+        .expect("a truncated journal does not start");
+    assert!(
+        e.log.contains("journal.redb")
+            && !e.log.contains("panicked")
+            && !e.log.contains("backtrace"),
+        "one clear refusal: {}",
+        e.log
+    );
+    std::fs::write(&journal, &garbage).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(agents(&state), before, "the kept agents still run");
     assert_eq!(
