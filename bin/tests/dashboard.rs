@@ -1011,3 +1011,84 @@ fn dispatches_by_effect_add_up_to_the_total_and_count_a_resumed_daemons_first_lo
     );
     assert_eq!(sum, s.stats.dispatched as f64);
 }
+
+/// Issue 29, item 3: the web surface had no header or idle timeout and no
+/// cap, so 1,100 idle TCP connections filled a 1,024-descriptor limit:
+/// `/healthz` stopped and `replace` stuck at `CreateLease: … Too many open
+/// files`. Now 20,000 idle connections (held by four helper processes,
+/// since one process may hold 20,000 descriptors at most here) change
+/// neither: the surface holds at most its cap, closes the rest at once,
+/// and closes idle ones after its header timeout.
+#[test]
+fn twenty_thousand_idle_connections_starve_neither_healthz_nor_a_replacement() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let shape = shape_file(dir.path(), "idle.toml", &workers("idle", 2));
+    let _daemon = Daemon::start(&state, &shape);
+    let worker0 = |s: &swactor_actors::ClusterSnapshot| {
+        s.nodes
+            .iter()
+            .find(|n| n.node.to_string() == "worker-0")
+            .map(|n| (n.ready, n.attempt))
+    };
+    let before = wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+    });
+    let before = worker0(&before).unwrap().1;
+    let (addr, token) = web(&state);
+    // Each holder opens its share and says `held`, then sends nothing.
+    let script = "import socket,sys,time\n\
+                  host,port,n=sys.argv[1],int(sys.argv[2]),int(sys.argv[3])\n\
+                  held=[]\n\
+                  for i in range(n):\n    s=socket.socket()\n    s.connect((host,port))\n    held.append(s)\n\
+                  print('held',flush=True)\n\
+                  time.sleep(300)\n";
+    let started = Instant::now();
+    let mut holders: Vec<std::process::Child> = (0..4)
+        .map(|_| {
+            std::process::Command::new("python3")
+                .args([
+                    "-c",
+                    script,
+                    &addr.ip().to_string(),
+                    &addr.port().to_string(),
+                ])
+                .arg("5000")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("python3 runs the connection holders")
+        })
+        .collect();
+    for h in &mut holders {
+        let mut line = String::new();
+        let mut out = std::io::BufReader::new(h.stdout.take().unwrap());
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(
+            line.trim(),
+            "held",
+            "a holder could not open its connections"
+        );
+    }
+    eprintln!("20,000 connections opened in {:.1?}", started.elapsed());
+    // The surface still answers at once.
+    let asked = Instant::now();
+    let (code, text) = get(addr, &token, "/healthz");
+    assert_eq!((code, text.trim()), (200, "ok"));
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        asked.elapsed()
+    );
+    // A replacement still gets the descriptors a create needs.
+    let o = cli(&state, &["replace", "worker-0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_converged(&state, Duration::from_secs(60), |s| {
+        worker0(s).is_some_and(|(ready, attempt)| ready && attempt != before)
+    });
+    let (code, _) = get(addr, &token, "/healthz");
+    assert_eq!(code, 200);
+    for mut h in holders {
+        let _ = h.kill();
+        let _ = h.wait();
+    }
+}

@@ -37,6 +37,7 @@ use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use swactor_actors::{ClusterError, ClusterEvent, ClusterSnapshot};
 use swactor_engine::telemetry::{TelemetryFrame, TelemetryHandler, decode_frame};
@@ -159,12 +160,203 @@ pub(crate) fn serve(listener: tokio::net::TcpListener, web: Arc<Web>) {
         .route("/api/teardown", post(api_teardown))
         .layer(middleware::from_fn_with_state(web.clone(), guard))
         .with_state(web.clone());
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            tracing::warn!(%e, "the web surface stopped");
-        }
-    });
+    tokio::spawn(accept(
+        listener,
+        router,
+        ConnectionLimits::for_this_process(),
+    ));
     tokio::spawn(follow(web));
+}
+
+/// How many connections the web surface holds at once and how long an idle
+/// one may stay.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnectionLimits {
+    /// Connections served at once; one past it is closed as soon as it is
+    /// accepted (event streams count too).
+    pub(crate) connections_max: usize,
+    /// How long a connection may take to send a request's headers, or sit
+    /// idle between requests, before it is closed.
+    pub(crate) header_timeout: Duration,
+}
+
+impl ConnectionLimits {
+    /// The most connections ever held, however many descriptors there are.
+    pub(crate) const CONNECTIONS_MAX: usize = 1_024;
+    /// Header (and keep-alive idle) timeout.
+    pub(crate) const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// At most a quarter of this process's descriptors (the rest are for
+    /// the providers' work: pipes, sockets, log files), and never more than
+    /// [`Self::CONNECTIONS_MAX`].
+    pub(crate) fn for_this_process() -> Self {
+        let descriptors = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX);
+        let quarter = usize::try_from(descriptors / 4).unwrap_or(usize::MAX);
+        Self {
+            connections_max: quarter.clamp(16, Self::CONNECTIONS_MAX),
+            header_timeout: Self::HEADER_TIMEOUT,
+        }
+    }
+}
+
+/// Accepts connections for `router`, at most `limits.connections_max` at
+/// once; each is closed when it sends no complete request head within
+/// `limits.header_timeout` (a first request, or the next on a kept-alive
+/// connection).
+///
+/// At the cap, the oldest connection that is doing nothing (no request
+/// being answered, no event stream being sent) is closed to make room, so
+/// idle connections cannot keep `/healthz` or a dashboard out; when every
+/// connection is busy, the new one is closed at once and counted. An accept
+/// that fails (out of descriptors) is retried after a pause, so a flood can
+/// neither hold descriptors the daemon needs nor spin the loop.
+async fn accept(listener: tokio::net::TcpListener, router: Router, limits: ConnectionLimits) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.connections_max));
+    let mut open: std::collections::VecDeque<Arc<Connection>> = std::collections::VecDeque::new();
+    let mut refused = RefusedConnections::default();
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                refused.failed_accept(&e);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        open.retain(|c| !c.ended.load(Ordering::Relaxed));
+        let slot = match Arc::clone(&slots).try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                let Some(idle) = open.iter().find(|c| c.busy.load(Ordering::Relaxed) == 0) else {
+                    drop(stream);
+                    refused.over_cap(limits.connections_max);
+                    continue;
+                };
+                idle.ended.store(true, Ordering::Relaxed);
+                idle.close.notify_one();
+                match tokio::time::timeout(
+                    Duration::from_secs(1),
+                    Arc::clone(&slots).acquire_owned(),
+                )
+                .await
+                {
+                    Ok(Ok(slot)) => slot,
+                    _ => {
+                        drop(stream);
+                        refused.over_cap(limits.connections_max);
+                        continue;
+                    }
+                }
+            }
+        };
+        let conn = Arc::new(Connection::default());
+        open.push_back(Arc::clone(&conn));
+        let service = hyper_util::service::TowerToHyperService::new(
+            router
+                .clone()
+                .layer(middleware::from_fn(busy_while_answering))
+                .layer(axum::Extension(Arc::clone(&conn))),
+        );
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout);
+            let served = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            tokio::select! {
+                served = served => {
+                    if let Err(e) = served {
+                        tracing::debug!(%e, "a web connection ended with an error");
+                    }
+                }
+                // Shed to make room: dropping the connection closes it.
+                () = conn.close.notified() => {}
+            }
+            conn.ended.store(true, Ordering::Relaxed);
+        });
+    }
+}
+
+/// One connection of the web surface, as the accept loop sees it.
+#[derive(Default)]
+struct Connection {
+    /// Requests being answered on it (an event stream counts until it ends).
+    busy: AtomicUsize,
+    /// It has ended, or was chosen to be closed.
+    ended: AtomicBool,
+    /// Told to close.
+    close: tokio::sync::Notify,
+}
+
+/// Counts a request as busy on its connection until its response has been
+/// sent, body included (a streamed body until the stream ends).
+async fn busy_while_answering(
+    axum::Extension(conn): axum::Extension<Arc<Connection>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    struct Busy(Arc<Connection>);
+    impl Drop for Busy {
+        fn drop(&mut self) {
+            self.0.busy.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    conn.busy.fetch_add(1, Ordering::Relaxed);
+    let busy = Busy(conn);
+    let response = next.run(req).await;
+    if axum::body::HttpBody::size_hint(response.body())
+        .exact()
+        .is_some()
+    {
+        // Whole in memory: written at once.
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let stream = futures_util::StreamExt::map(body.into_data_stream(), move |chunk| {
+        let _busy = &busy;
+        chunk
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
+}
+
+/// Connections the web surface closed unserved, said at most once a minute.
+#[derive(Default)]
+struct RefusedConnections {
+    since_said: u64,
+    said_at: Option<std::time::Instant>,
+}
+
+impl RefusedConnections {
+    const SAY_EVERY: Duration = Duration::from_secs(60);
+
+    fn over_cap(&mut self, max: usize) {
+        self.since_said += 1;
+        if self
+            .said_at
+            .is_none_or(|at| at.elapsed() >= Self::SAY_EVERY)
+        {
+            tracing::warn!(
+                refused = self.since_said,
+                "the web surface holds {max} connections, its most; closed {} more at once \
+                 since this was last said",
+                self.since_said
+            );
+            self.since_said = 0;
+            self.said_at = Some(std::time::Instant::now());
+        }
+    }
+
+    fn failed_accept(&mut self, e: &std::io::Error) {
+        if self
+            .said_at
+            .is_none_or(|at| at.elapsed() >= Self::SAY_EVERY)
+        {
+            tracing::warn!(%e, "the web surface could not accept a connection; retrying");
+            self.said_at = Some(std::time::Instant::now());
+        }
+    }
 }
 
 /// Feeds the metrics from the cluster's events, and takes a point for the
