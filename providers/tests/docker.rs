@@ -412,7 +412,7 @@ async fn an_agent_takes_its_credentials_and_cancel_stops_its_running_container()
         *e == BootstrapEvent::Stage(BootstrapStage::Join)
     })
     .await;
-    assert_eq!(stages(&replayed).len(), 4, "{replayed:?}");
+    assert_eq!(stages(&replayed).len(), 3, "{replayed:?}");
     // The adopting stream replaces the first one, which ends.
     assert_eq!(next(&mut session.events).await, None);
 
@@ -706,7 +706,7 @@ async fn a_groups_own_image_gets_the_agent_copied_in() {
         matches!(e, BootstrapEvent::Failed { .. })
     })
     .await;
-    assert_eq!(stages(&seen).len(), 3, "{seen:?}");
+    assert_eq!(stages(&seen).len(), 2, "{seen:?}");
     match seen.last().unwrap() {
         BootstrapEvent::Failed { stage, reason } => {
             assert_eq!(*stage, BootstrapStage::SwactorStartFailed);
