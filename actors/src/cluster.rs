@@ -233,6 +233,20 @@ impl ClusterHandle {
             .await
     }
 
+    /// Whether the agent presenting `key` may hold a link to this cluster
+    /// (the join's verdict, without joining): only the node's current,
+    /// active attempt may.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn agent_check(
+        &self,
+        key: ResourceKey,
+    ) -> Result<Result<(), JoinRefused>, ClusterError> {
+        self.call(|r| DriverMsg::Swarm(SwarmMsg::Check(key, r)))
+            .await
+    }
+
     /// Reports that the agent of `key` disconnected, last heard `silent` ago.
     pub fn agent_gone(&self, key: ResourceKey, silent: std::time::Duration) {
         // A cluster that is gone has nothing left to replace.

@@ -181,6 +181,9 @@ impl Actor for DriverActor {
             DriverMsg::Swarm(SwarmMsg::Join(key, reply)) => {
                 let _ = reply.send(st.host.handle_agent_joined(&key, now));
             }
+            DriverMsg::Swarm(SwarmMsg::Check(key, reply)) => {
+                let _ = reply.send(st.host.join_verdict(&key).map(|_| ()));
+            }
             DriverMsg::Swarm(SwarmMsg::Gone(key, silent)) => {
                 let silent_ms = u64::try_from(silent.as_millis()).unwrap_or(u64::MAX);
                 st.host.handle_agent_gone(&key, silent_ms, now);

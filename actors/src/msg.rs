@@ -67,6 +67,9 @@ pub enum SwarmMsg {
     /// rejoins within its grace (counted from when it was last heard), its
     /// node is replaced.
     Gone(ResourceKey, std::time::Duration),
+    /// Whether the agent of `key` may hold a link (a jobs link, say): the
+    /// join's verdict, without joining.
+    Check(ResourceKey, RpcReplyPort<Result<(), JoinRefused>>),
 }
 
 /// A ref to a cluster limited to its public messages.

@@ -329,6 +329,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
                 secret,
                 refusals: RefusalLog::default(),
                 starvation,
+                sessions: crate::swarm::Sessions::default(),
             },
         )
         // Agents dial in for jobs as for the swarm; each link is checked

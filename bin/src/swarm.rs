@@ -7,6 +7,8 @@
 //! attempt), with its token. Refusals are logged once, then summarised.
 
 use crate::protocol::{Heartbeat, JoinReply, JoinRequest};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use swactor_actors::ClusterHandle;
@@ -17,6 +19,7 @@ use swactor_engine::net::{
     FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, REFUSAL_LOG_INTERVAL, accept_first_frame,
     recv_frame, send_frame,
 };
+use swactor_provisioning::ResourceKey;
 
 /// How often a connected agent's join is asserted again.
 const JOIN_REASSERT: Duration = Duration::from_secs(3);
@@ -31,6 +34,8 @@ pub(crate) struct SwarmHandler {
     pub(crate) refusals: RefusalLog,
     /// The daemon's measure of its own starvation.
     pub(crate) starvation: Starvation,
+    /// Each attempt's live session.
+    pub(crate) sessions: Sessions,
 }
 
 impl ProtocolHandler for SwarmHandler {
@@ -45,15 +50,30 @@ impl ProtocolHandler for SwarmHandler {
         // Only the key this attempt's agent was given may join for it, and
         // only with its token: a token read off another process is useless.
         let checked = join.verify(&self.secret, conn.remote_id());
+        // One session per attempt: while its agent is heard on another
+        // link, a second join is told "not yet"; a silent one is replaced.
+        let session = match &checked {
+            Ok(key) => self.sessions.claim(key),
+            Err(_) => None,
+        };
         // (reason, whether the agent should ask again)
-        let verdict = match &checked {
-            Err(reason) => Err(((*reason).to_owned(), false)),
-            Ok(key) => match self.cluster.agent_join(key.clone()).await {
+        let verdict = match (&checked, &session) {
+            (Err(reason), _) => Err(((*reason).to_owned(), false)),
+            (Ok(key), None) => Err((
+                format!("the agent of {key} is connected on another link"),
+                true,
+            )),
+            (Ok(key), Some(_)) => match self.cluster.agent_join(key.clone()).await {
                 Ok(v) => v.map_err(|e| (e.to_string(), e.is_transient())),
                 // The cluster actor is restarting from its journal, or the
                 // daemon is going away: not a verdict on the attempt.
                 Err(e) => Err((e.to_string(), true)),
             },
+        };
+        let _session = SessionGuard {
+            sessions: &self.sessions,
+            key: checked.as_ref().ok().cloned(),
+            session: session.clone(),
         };
         let reply = match &verdict {
             Ok(liveness) => JoinReply::Welcome {
@@ -75,8 +95,8 @@ impl ProtocolHandler for SwarmHandler {
             }
             Ok(_) => {}
         }
-        let (key, liveness) = match (sent, checked, verdict) {
-            (Ok(()), Ok(key), Ok(liveness)) => (key, liveness),
+        let (key, liveness, session) = match (sent, checked, verdict, session) {
+            (Ok(()), Ok(key), Ok(liveness), Some(session)) => (key, liveness, session),
             _ => {
                 let _ = send.finish();
                 let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
@@ -110,7 +130,17 @@ impl ProtocolHandler for SwarmHandler {
             let window = if away { kept } else { silence };
             let frame = loop {
                 let deadline = heard.deadline(window);
-                match tokio::time::timeout_at(deadline.into(), &mut next).await {
+                let waited = tokio::select! {
+                    waited = tokio::time::timeout_at(deadline.into(), &mut next) => waited,
+                    // Another link of this attempt's agent joined while
+                    // this one was silent: it carries the agent from now on.
+                    () = session.superseded.notified() => {
+                        tracing::info!(%key, "agent joined on a new link; closing its silent one");
+                        conn.close(0u32.into(), b"superseded");
+                        return Ok(());
+                    }
+                };
+                match waited {
                     Ok(frame) => break Some(frame),
                     Err(_) if heard.woken_late(deadline) => {}
                     Err(_) if heard.deadline(window) > deadline => {}
@@ -122,6 +152,7 @@ impl ProtocolHandler for SwarmHandler {
                 // Silent for the first time: disconnected, grace running.
                 None if !away => {
                     away = true;
+                    session.away.store(true, Ordering::Relaxed);
                     let silent = heard.silent_for();
                     tracing::info!(%key, silent_for = ?silent, "agent silent; its grace runs");
                     self.cluster.agent_gone(key.clone(), silent);
@@ -154,11 +185,65 @@ impl ProtocolHandler for SwarmHandler {
                 Ok(Ok(_)) if away => {
                     tracing::info!(%key, "agent heard again on its link");
                     away = false;
+                    session.away.store(false, Ordering::Relaxed);
                 }
                 // Welcomed again; or the cluster is restarting (asked again
                 // at the next assert).
                 Ok(Ok(_)) | Err(_) => {}
             }
+        }
+    }
+}
+
+/// The live session of each attempt's agent on this endpoint.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sessions(Arc<Mutex<HashMap<ResourceKey, Arc<Session>>>>);
+
+/// One agent's session.
+#[derive(Debug, Default)]
+struct Session {
+    /// Its agent is silent on it (disconnected, its grace running).
+    away: AtomicBool,
+    /// Told when a new link of the same attempt takes over.
+    superseded: tokio::sync::Notify,
+}
+
+impl Sessions {
+    /// A session for `key`, unless its agent is heard on another link; a
+    /// silent one is told it is superseded.
+    fn claim(&self, key: &ResourceKey) -> Option<Arc<Session>> {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(old) = all.get(key) {
+            if !old.away.load(Ordering::Relaxed) {
+                return None;
+            }
+            old.superseded.notify_one();
+        }
+        let session = Arc::new(Session::default());
+        all.insert(key.clone(), Arc::clone(&session));
+        Some(session)
+    }
+
+    /// Forgets `session` of `key`, if it is still the one on record.
+    fn release(&self, key: &ResourceKey, session: &Arc<Session>) {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if all.get(key).is_some_and(|s| Arc::ptr_eq(s, session)) {
+            all.remove(key);
+        }
+    }
+}
+
+/// Releases a claimed session however the handler ends.
+struct SessionGuard<'a> {
+    sessions: &'a Sessions,
+    key: Option<ResourceKey>,
+    session: Option<Arc<Session>>,
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        if let (Some(key), Some(session)) = (&self.key, &self.session) {
+            self.sessions.release(key, session);
         }
     }
 }

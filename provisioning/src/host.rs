@@ -1799,6 +1799,21 @@ impl<C: Reconciler> Host<C> {
         now: Timestamp,
     ) -> Result<Liveness, JoinRefused> {
         self.heard(now);
+        let liveness = self.join_verdict(key)?;
+        self.set_link(&key.node, Link::Connected(key.attempt));
+        self.events.push_back(HostEvent::AgentJoined(key.clone()));
+        self.todo.push_back(Todo::FeedJoin(key.node));
+        Ok(liveness)
+    }
+
+    /// Whether the agent of `key` may join (or keep a link to this host),
+    /// exactly as [`Host::handle_agent_joined`] decides it, without linking
+    /// it: only the node's current, active attempt may; before adoption, an
+    /// attempt the journal holds is told "not yet".
+    ///
+    /// # Errors
+    /// The [`JoinRefused`] a join of `key` would get.
+    pub fn join_verdict(&self, key: &ResourceKey) -> Result<Liveness, JoinRefused> {
         if self.stopped {
             return Err(JoinRefused::Stopped);
         }
@@ -1830,11 +1845,7 @@ impl<C: Reconciler> Host<C> {
         {
             return Err(JoinRefused::NotActive(key.node));
         }
-        let liveness = Liveness::for_grace(node.template.join.lost_grace_ms());
-        self.set_link(&key.node, Link::Connected(key.attempt));
-        self.events.push_back(HostEvent::AgentJoined(key.clone()));
-        self.todo.push_back(Todo::FeedJoin(key.node));
-        Ok(liveness)
+        Ok(Liveness::for_grace(node.template.join.lost_grace_ms()))
     }
 
     /// The agent of `key` disconnected, having last been heard `silent_ms`

@@ -1062,10 +1062,21 @@ impl Links {
         self.lock().watchers.retain(|w| w.actor.get_id() != id);
     }
 
-    fn up(&self, node: &str, attempt: u64, conn: Connection) {
+    /// Records `conn` as the link of (node, attempt); false, changing
+    /// nothing, if that attempt has a live link already (a link replaces
+    /// another only once the other is gone).
+    fn up(&self, node: &str, attempt: u64, conn: Connection) -> bool {
         let mut inner = self.lock();
+        let key = (node.to_owned(), attempt);
+        if inner
+            .conns
+            .get(&key)
+            .is_some_and(|c| c.close_reason().is_none())
+        {
+            return false;
+        }
         self.blobs.allow(conn.remote_id());
-        inner.conns.insert((node.to_owned(), attempt), conn);
+        inner.conns.insert(key, conn);
         // A watcher whose actor is gone (killed with its job) is dropped here.
         inner.watchers.retain(|w| {
             if w.node != node {
@@ -1083,6 +1094,7 @@ impl Links {
         });
         drop(inner);
         self.changed.send_modify(|n| *n += 1);
+        true
     }
 
     fn down(&self, node: &str, attempt: u64, conn: &Connection) {
@@ -1144,9 +1156,38 @@ impl ProtocolHandler for JobsHandler {
                 return Ok(());
             }
         };
+        // Only the node's current, active attempt may link, exactly as
+        // only it may join: a superseded, future or unknown attempt, or
+        // another run's, is refused, and its key never reaches the blob
+        // provider's allowlist.
+        match self.0.cluster.agent_check(key.clone()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(refusal)) => {
+                // The agent dials its link again (every second at most): a
+                // transient refusal is only said at debug level.
+                if refusal.is_transient() {
+                    tracing::debug!(%key, %refusal, "a jobs link was deferred");
+                } else {
+                    tracing::warn!(%key, %refusal, "a jobs link was refused");
+                }
+                conn.close(1u32.into(), b"not this cluster's current attempt");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::debug!(%key, %e, "a jobs link was deferred");
+                conn.close(1u32.into(), b"not yet");
+                return Ok(());
+            }
+        }
         let (node, attempt) = (key.node.to_string(), key.attempt.0);
+        // One link per attempt: a second one, while the first is up, is
+        // refused and changes nothing of the first.
+        if !self.0.links.up(&node, attempt, conn.clone()) {
+            tracing::warn!(%node, attempt, "a second jobs link for an attempt was refused");
+            conn.close(1u32.into(), b"this attempt is linked already");
+            return Ok(());
+        }
         tracing::info!(%node, attempt, "jobs link up");
-        self.0.links.up(&node, attempt, conn.clone());
         conn.closed().await;
         self.0.links.down(&node, attempt, &conn);
         tracing::info!(%node, attempt, "jobs link down");
