@@ -29,7 +29,7 @@ use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, DesiredUpdate, Dispatch, Driver, Folded,
     Generation, Host, Listed, LogicalNodeId, NodeAttemptId, NodeTable, OperationOutcome, Output,
-    PauseError, Reply, SessionId, ShutdownReport, Ticket, Timestamp,
+    PauseError, ReplaceError, Reply, SessionId, ShutdownReport, Ticket, Timestamp,
 };
 
 /// A caller waiting for the host's [`Reply`] to its ticket.
@@ -38,6 +38,7 @@ enum Waiting {
     Converged(RpcReplyPort<Generation>),
     Shutdown(RpcReplyPort<ShutdownReport>),
     Pause(RpcReplyPort<Result<bool, PauseError>>),
+    Replace(RpcReplyPort<Result<NodeAttemptId, ReplaceError>>),
 }
 
 /// The driver actor's state.
@@ -343,7 +344,16 @@ impl DriverState {
                 let _ = self.host.handle_pause(paused, ticket, now);
             }
             ClusterMsg::Replace(node, reply) => {
-                let _ = reply.send(self.host.handle_replace(&node, now));
+                // Answered at once when refused; once durable when taken.
+                let ticket = self.ticket();
+                match self.host.handle_replace(&node, ticket, now) {
+                    Ok(_) => {
+                        self.waiting.insert(ticket, Waiting::Replace(reply));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                }
             }
         }
     }
@@ -466,6 +476,9 @@ impl DriverState {
             }
             (Some(Waiting::Pause(port)), Reply::Paused(outcome)) => {
                 let _ = port.send(outcome);
+            }
+            (Some(Waiting::Replace(port)), Reply::Replaced(attempt)) => {
+                let _ = port.send(Ok(attempt));
             }
             // `Stopped`, or a ticket nobody waits on: dropping the port tells
             // the caller the cluster is gone.

@@ -382,6 +382,11 @@ pub struct SlotRecord {
     /// and backoff carry on. Absent (0) in journals written before it existed.
     #[serde(default)]
     pub failures: u32,
+    /// The operator asked for this attempt to be replaced
+    /// ([`Host::handle_replace`]): a restarted host adopts it as drifted, so
+    /// it is cleaned up and started anew, as it would have been.
+    #[serde(default)]
+    pub replace: bool,
 }
 
 /// Everything a journal holds.
@@ -605,6 +610,9 @@ pub enum Reply {
     Paused(Result<bool, PauseError>),
     /// The shutdown finished.
     Shutdown(ShutdownReport),
+    /// The replace of this attempt asked for is durable: it will be
+    /// replaced even if the daemon stops now.
+    Replaced(NodeAttemptId),
     /// The host stopped before it could answer.
     Stopped,
 }
@@ -1868,7 +1876,11 @@ impl<C: Reconciler> Host<C> {
     /// agent had been lost, so the normal ladder cancels its bootstrap,
     /// destroys its lease and only then starts a new attempt (never two
     /// live attempts for one slot). Returns the attempt that will be
-    /// replaced; the fold happens on the next [`Host::poll_output`].
+    /// replaced; the fold happens on the next [`Host::poll_output`], and the
+    /// [`Reply::Replaced`] for `ticket` follows once the request is durable
+    /// (the slot's record says so, and a host started from it replaces the
+    /// attempt all the same), so a daemon that stops after the reply still
+    /// replaces it.
     ///
     /// # Errors
     /// [`ReplaceError`]: an unknown slot, a node already failed or leaving,
@@ -1876,6 +1888,7 @@ impl<C: Reconciler> Host<C> {
     pub fn handle_replace(
         &mut self,
         node: &LogicalNodeId,
+        ticket: Ticket,
         now: Timestamp,
     ) -> Result<NodeAttemptId, ReplaceError> {
         self.heard(now);
@@ -1902,6 +1915,15 @@ impl<C: Reconciler> Host<C> {
             attempt,
             REPLACED_BY_OPERATOR.to_owned(),
         ));
+        // Durable before it is acknowledged: the slot's record says so, and
+        // a host that starts from it replaces the attempt all the same.
+        if let Some(r) = self.slots.get_mut(node).filter(|r| r.attempt == attempt) {
+            r.replace = true;
+            self.put.push(*node);
+        }
+        self.flush_delta();
+        self.outputs
+            .push_back(Output::Reply(ticket, Reply::Replaced(attempt)));
         Ok(attempt)
     }
 
@@ -2336,6 +2358,7 @@ impl<C: Reconciler> Host<C> {
                     template: self.digest(&template),
                     created: false,
                     failures,
+                    replace: false,
                 };
                 self.slots.insert(*node, record);
                 self.remove.remove(node);
@@ -2884,6 +2907,8 @@ impl<C: Reconciler> Host<C> {
             let desired = self.core.desired().slot(&key.node).cloned();
             let recorded = self.slots.get(&key.node).copied();
             let template = match (desired, recorded) {
+                // Its replacement was asked for and acknowledged: replaced.
+                (_, Some(r)) if r.attempt == key.attempt && r.replace => None,
                 (Some(d), Some(r)) if r.attempt == key.attempt && r.template == self.digest(&d) => {
                     Some(d)
                 }

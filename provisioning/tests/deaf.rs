@@ -320,3 +320,60 @@ fn starved_time_moves_a_bootstrap_s_stall_deadline() {
     assert_eq!(h.last_deaf_gap(), None);
     assert_eq!(deadline(&h), Some(before.saturating_add_ms(800)));
 }
+
+/// Issue 29, item 7: `replace` was acknowledged before anything of it was
+/// durable; a daemon stopped on a journal error lost it. Now its reply
+/// follows the write that records it, and a host started from that journal
+/// replaces the attempt all the same.
+#[test]
+fn an_acknowledged_replace_is_durable_and_survives_a_restart() {
+    let (mut h, mut journal) = converged(2);
+    let w0 = key(&h, "w-0");
+    assert_eq!(h.handle_replace(&w0.node, Ticket(7), t(10)), Ok(w0.attempt));
+    // Nothing is answered before the record is written.
+    let mut written = None;
+    let mut answered = false;
+    while let Some(out) = h.poll_output(t(10)) {
+        match out {
+            Output::Persist(delta) => {
+                assert!(!answered, "answered before the write");
+                assert!(
+                    delta.put.iter().any(|(n, r)| *n == w0.node && r.replace),
+                    "the write records the replace: {delta:?}"
+                );
+                written = Some(delta);
+                break;
+            }
+            Output::Reply(Ticket(7), _) => answered = true,
+            _ => {}
+        }
+    }
+    let delta = written.expect("a write");
+    assert!(!answered);
+    assert!(
+        h.poll_output(t(10)).is_none(),
+        "nothing until the write is durable"
+    );
+    // The daemon dies right after the write is durable, before anything
+    // of the replace reached the provider: the next host replaces it.
+    journal.apply(&delta);
+    let listed = listed(&h, &["w-0", "w-1"]);
+    let mut next = host(Some(journal.clone()));
+    let dispatches = pump(&mut next, &mut journal, &listed, t(20));
+    let destroyed: Vec<_> = dispatches
+        .iter()
+        .filter(|d| d.request.kind() == EffectKind::DestroyLease)
+        .map(|d| d.key.clone())
+        .collect();
+    assert_eq!(
+        destroyed,
+        [w0.clone()],
+        "the replaced attempt is cleaned up"
+    );
+    assert_ne!(key(&next, "w-0").attempt, w0.attempt, "and started anew");
+    assert_eq!(
+        key(&next, "w-1"),
+        key(&h, "w-1"),
+        "w-1 is adopted as it was"
+    );
+}

@@ -66,7 +66,7 @@ fn an_operator_replace_cleans_up_the_old_attempt_before_starting_a_new_one() {
     let old = h.core().state().nodes[&w1].attempt;
     let other = h.core().state().nodes[&node_id("w-0")].attempt;
 
-    assert_eq!(h.handle_replace(&w1, t(10)), Ok(old));
+    assert_eq!(h.handle_replace(&w1, Ticket(101), t(10)), Ok(old));
     let dispatches = pump(&mut h, t(10));
     // The old attempt is failed with the operator's reason.
     let history = h.history(&w1).expect("w-1 has a history");
@@ -113,22 +113,25 @@ fn an_operator_replace_cleans_up_the_old_attempt_before_starting_a_new_one() {
 fn a_replace_of_an_unknown_or_failed_node_is_refused_and_changes_nothing() {
     let mut h = converged_host(1);
     assert_eq!(
-        h.handle_replace(&node_id("w-7"), t(1)),
+        h.handle_replace(&node_id("w-7"), Ticket(102), t(1)),
         Err(ReplaceError::UnknownNode(node_id("w-7")))
     );
     let w0 = node_id("w-0");
     let attempt = h.core().state().nodes[&w0].attempt;
-    assert_eq!(h.handle_replace(&w0, t(1)), Ok(attempt));
+    assert_eq!(h.handle_replace(&w0, Ticket(103), t(1)), Ok(attempt));
     // Folded: the node is failed now, and a second replace is refused.
-    let _ = h.poll_output(t(1));
-    while h.poll_output(t(1)).is_some() {}
+    while let Some(out) = h.poll_output(t(1)) {
+        if let Output::Persist(delta) = out {
+            h.handle_persisted(delta.seq);
+        }
+    }
     assert_eq!(
         h.core().state().nodes[&w0].record.stage,
         NodeStage::Failed,
         "the replace failed the attempt"
     );
     assert_eq!(
-        h.handle_replace(&w0, t(2)),
+        h.handle_replace(&w0, Ticket(104), t(2)),
         Err(ReplaceError::NotActive(w0))
     );
 }
@@ -148,7 +151,7 @@ fn a_replace_of_a_node_with_an_operation_in_flight_is_refused() {
     }
     let w0 = node_id("w-0");
     assert_eq!(
-        h.handle_replace(&w0, t(1)),
+        h.handle_replace(&w0, Ticket(105), t(1)),
         Err(ReplaceError::Busy {
             node: w0,
             effect: EffectKind::CreateLease
@@ -163,7 +166,7 @@ fn a_destroyed_attempt_has_no_agent_link_left() {
     let old = h.core().state().nodes[&w0].attempt;
     assert_eq!(h.link(&w0), Some(Link::Connected(old)), "it joined");
 
-    assert_eq!(h.handle_replace(&w0, t(10)), Ok(old));
+    assert_eq!(h.handle_replace(&w0, Ticket(106), t(10)), Ok(old));
     pump(&mut h, t(10));
     // Cleaned up, and waiting out its backoff before the next attempt.
     let n = &h.core().state().nodes[&w0];
@@ -180,7 +183,7 @@ fn a_shutdown_that_keeps_nodes_keeps_only_those_with_a_machine() {
     let mut h = converged_host(2);
     let (w0, w1) = (node_id("w-0"), node_id("w-1"));
     let old = h.core().state().nodes[&w1].attempt;
-    assert_eq!(h.handle_replace(&w1, t(10)), Ok(old));
+    assert_eq!(h.handle_replace(&w1, Ticket(107), t(10)), Ok(old));
     pump(&mut h, t(10));
     let n = &h.core().state().nodes[&w1];
     assert_eq!(
