@@ -324,6 +324,12 @@ impl StateDir {
     /// be read), or the lock file cannot be opened or written.
     pub(crate) fn lock(&self) -> Result<DaemonLock> {
         let path = self.lock_path();
+        // The directory itself is locked first: a lock file deleted by hand
+        // (or replaced) cannot let a second daemon in, or hide the running
+        // one from the CLI, since the directory is still the same one.
+        let dir = File::open(&self.root)
+            .with_context(|| format!("cannot open {}", self.root.display()))?;
+        self.take(&dir, &path)?;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -332,16 +338,29 @@ impl StateDir {
             .mode(0o600)
             .open(&path)
             .with_context(|| format!("cannot open the lock file {}", path.display()))?;
+        self.take(&file, &path)?;
+        // The newline marks the pid as complete for readers.
+        let pid = format!("{}\n", std::process::id());
+        file.set_len(0)
+            .and_then(|()| file.write_all_at(pid.as_bytes(), 0))
+            .and_then(|()| file.sync_all())
+            .with_context(|| format!("cannot write the pid into {}", path.display()))?;
+        Ok(DaemonLock { file, _dir: dir })
+    }
+
+    /// Takes an exclusive lock on `what` (the directory or the lock file at
+    /// `path`), or says who holds it.
+    fn take(&self, what: &File, path: &Path) -> Result<()> {
         // A client probing with a shared lock (`running_daemon`) holds it for
         // microseconds; retry briefly so such a probe is never taken for a daemon.
         let started = Instant::now();
         loop {
-            match flock(&file, FlockOperation::NonBlockingLockExclusive) {
-                Ok(()) => break,
+            match flock(what, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(()),
                 Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
                     if started.elapsed() >= LOCK_RETRY_MAX {
                         let holder = DaemonHolder {
-                            pid: read_holder_pid(&path),
+                            pid: read_holder_pid(path),
                         };
                         bail!(
                             "{holder} is already running for {}; stop it with `swactor down` \
@@ -357,13 +376,6 @@ impl StateDir {
                 }
             }
         }
-        // The newline marks the pid as complete for readers.
-        let pid = format!("{}\n", std::process::id());
-        file.set_len(0)
-            .and_then(|()| file.write_all_at(pid.as_bytes(), 0))
-            .and_then(|()| file.sync_all())
-            .with_context(|| format!("cannot write the pid into {}", path.display()))?;
-        Ok(DaemonLock { file })
     }
 
     /// Whether a daemon ever ran on this directory (its lock file exists).
@@ -379,6 +391,21 @@ impl StateDir {
     /// released at once when it succeeds.
     pub(crate) fn running_daemon(&self) -> Option<DaemonHolder> {
         let path = self.lock_path();
+        // The directory's lock is the daemon's, whatever became of its lock
+        // file; the file's is looked at too, for a daemon of an older build.
+        if let Ok(dir) = File::open(&self.root) {
+            match flock(&dir, FlockOperation::NonBlockingLockShared) {
+                Ok(()) => {
+                    let _ = flock(&dir, FlockOperation::Unlock);
+                }
+                Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+                    return Some(DaemonHolder {
+                        pid: read_holder_pid(&path),
+                    });
+                }
+                Err(_) => {}
+            }
+        }
         // No lock file: no daemon has ever run here.
         let file = File::open(&path).ok()?;
         match flock(&file, FlockOperation::NonBlockingLockShared) {
@@ -408,6 +435,8 @@ pub(crate) struct DaemonLock {
     /// Opened with `O_CLOEXEC` (std's default), so agents the daemon starts
     /// do not inherit the lock and keep it after the daemon exits.
     file: File,
+    /// The state directory, locked too (also `O_CLOEXEC`).
+    _dir: File,
 }
 
 impl Drop for DaemonLock {

@@ -174,3 +174,39 @@ fn a_killed_daemon_even_unreaped_does_not_keep_its_directory() {
     );
     drop(first);
 }
+
+/// Issue 29, item 9: with `daemon.lock` deleted, a second `up` took a new
+/// lock file (and was refused only later, at the journal), leaving an
+/// unheld lock file behind; `status` and `down` then said no daemon was
+/// running while the daemon and its agents ran. The daemon now holds its
+/// directory as well, which no file operation inside it takes away.
+#[test]
+fn a_deleted_lock_file_lets_no_second_daemon_in_and_hides_nothing_from_the_cli() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(tmp.path(), "lock.toml", &workers("lock-deleted", 1));
+    let mut first = Daemon::start(&state, &shape);
+    let o = cli(&state, &["status"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_file(state.join("daemon.lock")).unwrap();
+    // A second `up` is refused at once, naming the running one.
+    let log = tmp.path().join("second.log");
+    let mut second = guard(spawn_up(&state, Some(&shape), &log), &state);
+    let status = exits_within(&mut second, Duration::from_secs(20)).expect("the second up exits");
+    assert!(!status.success());
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains("is already running"), "{said}");
+    assert!(exited(&mut first).is_none(), "the first daemon runs on");
+    // The CLI still finds the running daemon, with or without a lock file.
+    for _ in 0..2 {
+        let o = cli(&state, &["status"]);
+        assert!(o.status.success(), "status: {}", stderr(&o));
+        let _ = std::fs::remove_file(state.join("daemon.lock"));
+    }
+    // Its guard would stop the agents of the directory, which are the first's.
+    std::mem::forget(second);
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "down: {}", stderr(&o));
+    let status = exits_within(&mut first, Duration::from_secs(30)).expect("down stops it");
+    assert!(status.success());
+}
