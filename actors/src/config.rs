@@ -46,6 +46,8 @@ pub struct ClusterConfig {
     /// daemon could not hear counts against no agent; `None` where nothing
     /// measures it (tests under paused time, benchmarks).
     pub starvation: Option<Starvation>,
+    /// See [`HostConfig::adopt_unrecorded`]: `swactor up --adopt`.
+    pub adopt_unrecorded: bool,
 }
 
 impl ClusterConfig {
@@ -75,6 +77,7 @@ impl ClusterConfig {
             history_len: host.history_len,
             capacities: host.capacities,
             starvation: None,
+            adopt_unrecorded: host.adopt_unrecorded,
         }
     }
 
@@ -89,6 +92,7 @@ impl ClusterConfig {
             rejoin_window_ms: u64::try_from(self.rejoin_window.as_millis()).unwrap_or(u64::MAX),
             history_len: self.history_len,
             capacities: self.capacities.clone(),
+            adopt_unrecorded: self.adopt_unrecorded,
         }
     }
 }

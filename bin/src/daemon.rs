@@ -29,7 +29,7 @@ use swactor_providers::docker::{DockerConfig, DockerOnDemand};
 use swactor_providers::process::{ProcessConfig, ProcessProvider};
 use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
 use swactor_providers::vast::{ApiKey, Pacing, VastConfig, VastProvider};
-use swactor_provisioning::{Generation, JournalImage, RunId};
+use swactor_provisioning::{Generation, JournalImage, RunId, Unrecorded};
 use tokio::sync::{mpsc, oneshot};
 
 /// Options of `swactor up`.
@@ -56,6 +56,9 @@ pub(crate) struct UpOptions {
     /// Where the web surface (dashboard, metrics) listens; default: the
     /// address the last daemon used, else a free port on 127.0.0.1.
     pub(crate) http: Option<SocketAddr>,
+    /// `--adopt` or `--fresh`: what to do with an earlier run's resources
+    /// when the journal was lost.
+    pub(crate) unrecorded: Option<Unrecorded>,
 }
 
 /// Runs the daemon until it is told to stop. Returns the process exit code.
@@ -130,6 +133,31 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         // Refused before anything is made: a mistyped --state-dir is left
         // as it was (or absent).
         return Err(nothing_to_resume(&opts.state_dir));
+    }
+    if !fresh && let Some(choice) = opts.unrecorded {
+        anyhow::bail!(
+            "{} has a journal: --{} is only for a state directory whose journal was lost; \
+             nothing was started",
+            opts.state_dir.display(),
+            match choice {
+                Unrecorded::Adopt => "adopt",
+                Unrecorded::Fresh => "fresh",
+            }
+        );
+    }
+    // Traces of an earlier run in a directory with no journal: its journal
+    // was lost. Refused here already when the files say so; the provider's
+    // listing is looked at below, once the providers are made.
+    let mut traces = swactor_provisioning::Traces {
+        files: if fresh {
+            run_traces(&opts.state_dir)
+        } else {
+            Vec::new()
+        },
+        listed: Vec::new(),
+    };
+    if fresh {
+        swactor_provisioning::without_journal(traces.clone(), opts.unrecorded)?;
     }
     let (agent_binary, keep_agent_binary) =
         choose_agent_binary(&opts.state_dir, opts.agent_binary.as_deref())?;
@@ -237,6 +265,17 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     }
     let vast = vast.map(|(v, _)| v);
     let provider = Arc::new(Providers::new(providers));
+    // A new journal for a run whose resources the provider still lists:
+    // refused unless told what to do with them.
+    if fresh && opts.unrecorded.is_none() {
+        let listed = provider.list(&run_id).await.map_err(|e| {
+            anyhow::anyhow!(
+                "cannot list what the provider holds for run {run_id}: {e}; nothing was started"
+            )
+        })?;
+        traces.listed = listed.into_keys().collect();
+        swactor_provisioning::without_journal(traces, None)?;
+    }
 
     let empty = ClusterSnapshot {
         run_id: run_id.to_string(),
@@ -277,6 +316,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     let _measuring = AbortOnDrop(starvation.measure());
     let mut config = ClusterConfig::new(run_id.clone());
     config.starvation = Some(starvation.clone());
+    config.adopt_unrecorded = opts.unrecorded == Some(Unrecorded::Adopt);
     config.visibility_window = visibility_window;
     config.capacities = provider.capacities();
     // The cluster actor is restarted from the journal if it fails; the
@@ -1087,4 +1127,27 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// What in a state directory without a journal says a run was here: files
+/// only a daemon or its nodes leave, for people.
+fn run_traces(dir: &Path) -> Vec<String> {
+    let mut found = Vec::new();
+    for file in [
+        "token.secret",
+        "telemetry.ndjson",
+        "jobs.redb",
+        "daemon.ticket",
+    ] {
+        if dir.join(file).exists() {
+            found.push(file.to_owned());
+        }
+    }
+    for sub in ["nodes", "logs", "jobs"] {
+        let entries = std::fs::read_dir(dir.join(sub)).map_or(0, Iterator::count);
+        if entries > 0 {
+            found.push(format!("{sub}/ ({entries} entries)"));
+        }
+    }
+    found
 }

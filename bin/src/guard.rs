@@ -132,6 +132,7 @@ mod tests {
                     template: spec.template.digest(),
                     created: true,
                     failures: 0,
+                    replace: false,
                 },
             );
         }

@@ -107,6 +107,16 @@ nodes, or creates more than 20 at once, is confirmed on a terminal (or needs
         /// 127.0.0.1). Kept in STATE/http.addr; the token is in STATE/http.token.
         #[arg(long, value_name = "ADDR:PORT")]
         http: Option<std::net::SocketAddr>,
+        /// With no journal in a state directory where a run has been (its
+        /// journal was lost): take the resources the provider still lists
+        /// for the run as the shape's nodes, as they are.
+        #[arg(long, conflicts_with = "fresh")]
+        adopt: bool,
+        /// With no journal in a state directory where a run has been:
+        /// destroy what the provider still lists for the run, then create
+        /// the shape anew.
+        #[arg(long)]
+        fresh: bool,
     },
     /// Offer a new shape to the running daemon (its plan is shown first).
     #[command(after_help = "Examples:
@@ -372,6 +382,8 @@ fn main() {
                 advertise,
                 agent_binary,
                 http,
+                adopt,
+                fresh,
             } => {
                 let timeout = timeout.unwrap_or(UP_TIMEOUT_DEFAULT_S);
                 if !timeout.is_finite() || timeout <= 0.0 {
@@ -388,6 +400,11 @@ fn main() {
                     timeout: Duration::from_secs_f64(timeout),
                     keep,
                     yes,
+                    unrecorded: match (adopt, fresh) {
+                        (true, _) => Some(swactor_provisioning::Unrecorded::Adopt),
+                        (_, true) => Some(swactor_provisioning::Unrecorded::Fresh),
+                        _ => None,
+                    },
                 })
                 .await
             }

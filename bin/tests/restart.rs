@@ -462,3 +462,69 @@ fn a_cli_call_while_the_daemon_starts_does_not_kill_it() {
     nothing_left(&state);
     drop(d);
 }
+
+/// Issue 29, item 8: with its journal deleted, `up SHAPE` said nothing,
+/// planned "4 to create", destroyed every running node as an orphan and
+/// created it again (on Vast.ai: every machine rented twice). Now it stops
+/// and names what it found; `--adopt` takes the running nodes as they are,
+/// `--fresh` destroys them first.
+#[test]
+fn a_lost_journal_is_noticed_and_nothing_is_destroyed_without_a_choice() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let two = shape_file(tmp.path(), "two.toml", &workers("restart-lost", 2));
+    let mut d = Daemon::start(&state, &two);
+    let before = one_agent_per_node(&state, &converged_on(&state, 2));
+    let first = attempts(&converged_on(&state, 2));
+    d.kill9();
+    std::fs::remove_file(state.join("journal.redb")).unwrap();
+
+    let e = Daemon::spawn(&state, Some(&two))
+        .err()
+        .expect("a daemon whose journal was lost does not start on its own");
+    assert!(
+        e.log
+            .contains("there is no journal, but a run was here before")
+            && e.log.contains("token.secret")
+            && e.log.contains("--adopt")
+            && e.log.contains("--fresh"),
+        "{}",
+        e.log
+    );
+    assert!(!state.join("journal.redb").exists(), "nothing was started");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(agents(&state), before, "nothing was destroyed");
+    // A journal is not a lost one: the choice is refused next to one.
+    // (Checked once a daemon made a new journal, below.)
+
+    let mut d = Daemon::spawn_with(&state, Some(&two), &["--adopt"])
+        .unwrap_or_else(|e| panic!("--adopt: {e:?}"));
+    let snap = converged_on(&state, 2);
+    assert_eq!(
+        attempts(&snap),
+        first,
+        "adopted as they were, nothing created"
+    );
+    assert_eq!(
+        one_agent_per_node(&state, &snap),
+        before,
+        "the same agents: {}",
+        d.last_log()
+    );
+    d.kill9();
+    let e = Daemon::spawn_with(&state, Some(&two), &["--fresh"])
+        .err()
+        .expect("--fresh next to a journal is refused");
+    assert!(e.log.contains("has a journal"), "{}", e.log);
+
+    // --fresh: destroyed first, then made anew.
+    std::fs::remove_file(state.join("journal.redb")).unwrap();
+    let mut d = Daemon::spawn_with(&state, Some(&two), &["--fresh"])
+        .unwrap_or_else(|e| panic!("--fresh: {e:?}"));
+    let snap = wait_converged(&state, CONVERGE, |s| {
+        s.nodes.len() == 2 && all_connected(s) && attempts(s).iter().all(|a| !first.contains(a))
+    });
+    one_agent_per_node(&state, &snap);
+    down(&state, &mut d, false);
+    nothing_left(&state);
+}

@@ -29,6 +29,7 @@ enum JoinReply {
         heartbeat_ms: u64,
     },
     Refused(String),
+    #[allow(dead_code)] // Only its variant is looked at.
     NotYet(String),
 }
 

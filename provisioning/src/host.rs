@@ -121,6 +121,13 @@ pub struct HostConfig {
     /// not joined this one) gets at least this long to find this host before
     /// its node fails: it first has to notice the old connection died.
     pub rejoin_window_ms: u64,
+    /// With a journal that records nothing (a new one), take each listed
+    /// resource of a desired slot as that slot's attempt, running its
+    /// desired template, instead of collecting it: what a daemon whose
+    /// journal was lost is told to do with `--adopt` (see
+    /// [`without_journal`](crate::without_journal)). The latest attempt of
+    /// a slot is taken; older ones are collected.
+    pub adopt_unrecorded: bool,
 }
 
 impl Default for HostConfig {
@@ -134,6 +141,7 @@ impl Default for HostConfig {
             visibility_window_ms: 60_000,
             sweep_interval_ms: 300_000,
             rejoin_window_ms: 15_000,
+            adopt_unrecorded: false,
         }
     }
 }
@@ -1829,12 +1837,14 @@ impl<C: Reconciler> Host<C> {
             return Err(JoinRefused::OtherRun(key.run_id.clone()));
         }
         if !matches!(self.adoption, Adoption::Done)
-            && self
-                .slots
-                .get(&key.node)
-                .is_some_and(|r| r.attempt == key.attempt)
+            && (self.config.adopt_unrecorded
+                || self
+                    .slots
+                    .get(&key.node)
+                    .is_some_and(|r| r.attempt == key.attempt))
         {
-            // The journal holds this very attempt and adoption has not run
+            // The journal holds this very attempt (or, told to adopt what no
+            // journal recorded, the listing may) and adoption has not run
             // yet: the node is not in the core yet, but it is no stranger.
             return Err(JoinRefused::NotYet(key.node));
         }
@@ -2820,6 +2830,47 @@ impl<C: Reconciler> Host<C> {
         self.holds = holds;
     }
 
+    /// Writes a record for the latest listed attempt of each desired slot,
+    /// as if the journal had held it: its desired template, created if it
+    /// has a lease (see [`HostConfig::adopt_unrecorded`]).
+    fn record_unrecorded(
+        &mut self,
+        held: &BTreeMap<ResourceKey, (Option<LeaseId>, Option<SessionId>)>,
+    ) {
+        let mut latest: BTreeMap<LogicalNodeId, (NodeAttemptId, bool)> = BTreeMap::new();
+        for (key, (lease, _)) in held {
+            if key.run_id != self.meta.run_id || self.core.desired().slot(&key.node).is_none() {
+                continue;
+            }
+            let e = latest
+                .entry(key.node)
+                .or_insert((key.attempt, lease.is_some()));
+            if key.attempt > e.0 {
+                *e = (key.attempt, lease.is_some());
+            }
+        }
+        let count = latest.len();
+        for (node, (attempt, created)) in latest {
+            let Some(template) = self.core.desired().slot(&node).cloned() else {
+                continue;
+            };
+            let record = SlotRecord {
+                attempt,
+                template: self.digest(&template),
+                created,
+                failures: 0,
+                replace: false,
+            };
+            self.slots.insert(node, record);
+            self.put.push(node);
+        }
+        if count > 0 {
+            self.warn(format!(
+                "took {count} resource(s) no journal recorded as the shape's nodes (--adopt)"
+            ));
+        }
+    }
+
     /// Adopts the journal's records and the inventory once both it and a
     /// desired state (a shape, or a teardown) are known.
     fn adopt_if_ready(&mut self, now: Timestamp) {
@@ -2839,6 +2890,9 @@ impl<C: Reconciler> Host<C> {
         let mut held: BTreeMap<ResourceKey, (Option<LeaseId>, Option<SessionId>)> = BTreeMap::new();
         for l in listed {
             held.insert(l.key, (l.lease, l.session));
+        }
+        if self.config.adopt_unrecorded && self.slots.is_empty() {
+            self.record_unrecorded(&held);
         }
         let mut keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
         let mut presumed_gone = Vec::new();

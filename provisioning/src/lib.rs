@@ -31,6 +31,7 @@ mod decide;
 mod driver;
 mod host;
 mod id;
+mod lost;
 mod nodemap;
 pub mod observe;
 #[cfg(swactor_policy_probe)]
@@ -64,6 +65,7 @@ pub use id::{
     GROUP_NAMES_MAX, Generation, GroupId, ID_LEN_MAX, IdError, IdString, LeaseId, LogicalNodeId,
     NodeAttemptId, NodeEndpoint, OperationId, ResourceKey, RunId, SessionId, validate_id,
 };
+pub use lost::{LostJournal, Traces, Unrecorded, without_journal};
 pub use nodemap::{DENSE_INDEX_MAX, GroupEntries, NodeMap, NodeTable};
 pub use observe::{
     BOOT_CHECK_REPORT_MARGIN_MS, BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass,

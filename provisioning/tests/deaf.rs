@@ -367,7 +367,7 @@ fn an_acknowledged_replace_is_durable_and_survives_a_restart() {
         .collect();
     assert_eq!(
         destroyed,
-        [w0.clone()],
+        std::slice::from_ref(&w0),
         "the replaced attempt is cleaned up"
     );
     assert_ne!(key(&next, "w-0").attempt, w0.attempt, "and started anew");
@@ -376,4 +376,42 @@ fn an_acknowledged_replace_is_durable_and_survives_a_restart() {
         key(&h, "w-1"),
         "w-1 is adopted as it was"
     );
+}
+
+/// Issue 29, item 8: a daemon whose journal was lost destroyed every
+/// running node as an orphan and created them again. Told `--adopt`, a
+/// host with an empty journal takes each listed resource of a desired slot
+/// as that slot's node, as it is; told nothing, it collects them (what
+/// `--fresh` asks for, once the daemon has refused to start without one).
+#[test]
+fn a_host_told_to_adopt_unrecorded_resources_takes_them_as_they_are() {
+    let (h, _) = converged(2);
+    let listed = listed(&h, &["w-0", "w-1"]);
+    let run = h.core().state().run_id.clone();
+    for adopt in [true, false] {
+        let config = HostConfig {
+            adopt_unrecorded: adopt,
+            ..HostConfig::default()
+        };
+        let mut next = Host::new(driver(), config, None).unwrap();
+        let mut journal = JournalImage::new(run.clone());
+        next.handle_apply(&shape(1, vec![group("w", 2)]), Ticket(1), t(100))
+            .unwrap();
+        let dispatches = pump(&mut next, &mut journal, &listed, t(100));
+        let kinds: Vec<EffectKind> = dispatches.iter().map(|d| d.request.kind()).collect();
+        if adopt {
+            assert!(
+                !kinds.contains(&EffectKind::CreateLease)
+                    && !kinds.contains(&EffectKind::DestroyLease),
+                "adopted as they are: {kinds:?}"
+            );
+            for n in ["w-0", "w-1"] {
+                assert_eq!(key(&next, n), key(&h, n));
+                assert!(journal.slots.get(&node_id(n)).is_some(), "{n} is journaled");
+            }
+        } else {
+            assert!(kinds.contains(&EffectKind::CreateLease), "{kinds:?}");
+            assert_ne!(key(&next, "w-0").attempt, key(&h, "w-0").attempt);
+        }
+    }
 }

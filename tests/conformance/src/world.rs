@@ -206,6 +206,7 @@ pub fn host_config() -> HostConfig {
         rejoin_window_ms: GRACE_MS,
         history_len: 2,
         capacities: Vec::new(),
+        adopt_unrecorded: false,
     }
 }
 
