@@ -20,7 +20,7 @@ use swactor_actors::{
 use swactor_engine::RestartPolicy;
 use swactor_engine::net::{
     ALPN_CONTROL, ALPN_SWARM, ALPN_TELEMETRY, Allowlist, EndpointTicket, GuardedRouterBuilder,
-    NetConfig, bind_endpoint,
+    Limits, NetConfig, bind_endpoint,
 };
 use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
 use swactor_providers::Provider;
@@ -377,7 +377,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         .serve(crate::jobs::ALPN_JOBS, Allowlist::open(), jobs.handler())
         // Workspaces: only the keys of agents with a jobs link may connect,
         // and each fetches only the chunks of the run it ships.
-        .serve(iroh_blobs::ALPN, blobs_allowed, blobs)
+        .serve_with_limits(iroh_blobs::ALPN, blobs_allowed, Limits::LINKED, blobs)
         .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
         .spawn();

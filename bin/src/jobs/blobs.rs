@@ -338,6 +338,65 @@ mod tests {
         }
     }
 
+    /// Issue 29, item 4: a fetch refused over a cap was reported as
+    /// `its bytes do not match their BLAKE3 hash (io: connection lost)`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fetch_refused_over_a_cap_says_so_and_no_hash_mismatch() {
+        let tmp = tempfile::tempdir().unwrap();
+        let blobs = Arc::new(Blobs::open(tmp.path(), false).await.unwrap());
+        let chunk = blobs
+            .store
+            .add_bytes(&b"a chunk"[..])
+            .temp_tag()
+            .await
+            .unwrap();
+        let daemon = endpoint().await;
+        let one = swactor_engine::net::Limits {
+            connections_max: 1,
+            connections_per_peer_max: 1,
+            ..swactor_engine::net::Limits::LINKED
+        };
+        let _router = GuardedRouterBuilder::new(daemon.clone())
+            .serve_with_limits(
+                iroh_blobs::ALPN,
+                blobs.allowlist.clone(),
+                one,
+                blobs.protocol(),
+            )
+            .spawn();
+        let agent = endpoint().await;
+        let wait = Duration::from_secs(5);
+        blobs.allowlist.allow(agent.id());
+        let _grant = blobs.grant(agent.id(), &[*chunk.hash().as_bytes()]);
+        let first = connect(&agent, daemon.addr(), iroh_blobs::ALPN, wait)
+            .await
+            .unwrap();
+        assert_eq!(
+            &get_blob(first.clone(), chunk.hash()).bytes().await.unwrap()[..],
+            b"a chunk"
+        );
+        // The first connection holds the only slot: the second is refused.
+        let second = connect(&agent, daemon.addr(), iroh_blobs::ALPN, wait)
+            .await
+            .unwrap();
+        let e = get_blob(second.clone(), chunk.hash())
+            .bytes()
+            .await
+            .unwrap_err();
+        let _ = tokio::time::timeout(wait, second.closed()).await;
+        let said = crate::jobs::agent::fetch_failed(
+            &second,
+            "worker-0",
+            chunk.hash().as_bytes(),
+            false,
+            &e.to_string(),
+        );
+        assert!(
+            said.contains("refused") && !said.contains("BLAKE3"),
+            "{said}"
+        );
+    }
+
     #[test]
     fn a_key_may_fetch_only_what_it_was_granted_while_it_is() {
         let peer = swactor_engine::iroh::SecretKey::from_bytes(&[7; 32]).public();

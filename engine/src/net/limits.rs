@@ -46,6 +46,17 @@ impl Limits {
         refusal_log_interval: REFUSAL_LOG_INTERVAL,
     };
 
+    /// Defaults for a protocol whose allowlist admits the key of every
+    /// linked agent (the workspace blobs): the allowlist holds agents only,
+    /// so there may be as many connections in all as on an open protocol,
+    /// and few from any one of them. ([`Limits::ALLOWLISTED`] capped a
+    /// workspace at 64 nodes at once.)
+    pub const LINKED: Self = Self {
+        connections_max: Self::OPEN.connections_max,
+        connections_per_peer_max: 4,
+        refusal_log_interval: REFUSAL_LOG_INTERVAL,
+    };
+
     /// The defaults for `allowlist`: [`Limits::OPEN`] if it is open to
     /// everyone now, else [`Limits::ALLOWLISTED`].
     #[must_use]

@@ -371,3 +371,42 @@ async fn a_thousand_refusals_log_fewer_than_twenty_lines() {
     client.close().await;
     server.shutdown().await.unwrap();
 }
+
+/// Issue 29, item 4: the workspace blobs were served under the allowlisted
+/// cap of 64 connections, so a workspace reached 64 nodes at once and the
+/// rest failed. A protocol whose allowlist holds linked agents serves every
+/// one of them.
+#[tokio::test]
+async fn every_peer_on_a_linked_allowlist_is_served_at_once() {
+    const PEERS: usize = 80;
+    let clients: Vec<Endpoint> =
+        futures_util::future::join_all((0..PEERS).map(|_| endpoint())).await;
+    let allowlist = Allowlist::closed();
+    for c in &clients {
+        allowlist.allow(c.id());
+    }
+    for (limits, served) in [(Limits::LINKED, PEERS), (Limits::ALLOWLISTED, 64)] {
+        let server = GuardedRouterBuilder::new(endpoint().await)
+            .serve_with_limits(ALPN_SWARM, allowlist.clone(), limits, greeter())
+            .spawn();
+        let addr = server.endpoint().addr();
+        let mut held = Vec::new();
+        let mut greeted = 0;
+        for c in &clients {
+            let (conn, outcome) = dial_and_greet(c, &addr, ALPN_SWARM).await;
+            match outcome {
+                Ok(_) => greeted += 1,
+                Err(code) => assert_eq!(code, Some(codes::CLOSE_BUSY)),
+            }
+            held.push(conn);
+        }
+        assert_eq!(greeted, served, "{limits:?}");
+        for conn in held {
+            conn.close(codes::CLOSE_DONE, b"bye");
+        }
+        server.shutdown().await.unwrap();
+    }
+    for c in clients {
+        c.close().await;
+    }
+}
