@@ -826,6 +826,46 @@ pub(crate) fn exec(parent: u32, argv: &[String]) -> i32 {
     }
 }
 
+/// Why fetching `hash` over `conn` failed, in words that say what it was: a
+/// refusal over one of the daemon's caps, a connection that broke off,
+/// bytes that failed their hash (`mismatch`), or anything else the daemon's
+/// blob provider answered.
+pub(super) fn fetch_failed(
+    conn: &Connection,
+    node: &str,
+    hash: &Hash,
+    mismatch: bool,
+    error: &str,
+) -> String {
+    use swactor_engine::iroh::endpoint::ConnectionError;
+    if mismatch {
+        return format!(
+            "chunk {} rejected by {node}: its bytes do not match their BLAKE3 hash ({error})",
+            hex(hash)
+        );
+    }
+    match conn.close_reason() {
+        Some(ConnectionError::ApplicationClosed(close))
+            if close.error_code == swactor_engine::net::codes::CLOSE_BUSY =>
+        {
+            format!(
+                "the daemon refused to send chunk {} to {node}: {} (a limit of its, not a fault \
+                 of the workspace)",
+                hex(hash),
+                String::from_utf8_lossy(&close.reason)
+            )
+        }
+        Some(reason) => format!(
+            "the transfer of chunk {} to {node} broke off: {reason}",
+            hex(hash)
+        ),
+        None => format!(
+            "the daemon did not send chunk {} to {node} ({error})",
+            hex(hash)
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -978,45 +1018,5 @@ mod tests {
         write_exit(tmp.path(), exit).unwrap();
         assert_eq!(read_exit(tmp.path()), Some(exit));
         assert!(!tmp.path().join("exit.part").exists());
-    }
-}
-
-/// Why fetching `hash` over `conn` failed, in words that say what it was: a
-/// refusal over one of the daemon's caps, a connection that broke off,
-/// bytes that failed their hash (`mismatch`), or anything else the daemon's
-/// blob provider answered.
-pub(super) fn fetch_failed(
-    conn: &Connection,
-    node: &str,
-    hash: &Hash,
-    mismatch: bool,
-    error: &str,
-) -> String {
-    use swactor_engine::iroh::endpoint::ConnectionError;
-    if mismatch {
-        return format!(
-            "chunk {} rejected by {node}: its bytes do not match their BLAKE3 hash ({error})",
-            hex(hash)
-        );
-    }
-    match conn.close_reason() {
-        Some(ConnectionError::ApplicationClosed(close))
-            if close.error_code == swactor_engine::net::codes::CLOSE_BUSY =>
-        {
-            format!(
-                "the daemon refused to send chunk {} to {node}: {} (a limit of its, not a fault \
-                 of the workspace)",
-                hex(hash),
-                String::from_utf8_lossy(&close.reason)
-            )
-        }
-        Some(reason) => format!(
-            "the transfer of chunk {} to {node} broke off: {reason}",
-            hex(hash)
-        ),
-        None => format!(
-            "the daemon did not send chunk {} to {node} ({error})",
-            hex(hash)
-        ),
     }
 }

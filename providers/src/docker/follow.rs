@@ -93,7 +93,7 @@ impl Follow {
         let mut reading = Reading::default();
         let mut reopens = 0;
         loop {
-            let broken = self.read_log(&mut reading, since.as_ref()).await?;
+            let broken = self.read_log(&mut reading, since.as_ref(), true).await?;
             let last = match self.docker.inspect_container(&self.name, None).await {
                 Ok(c) => {
                     let state = c.state.unwrap_or_default();
@@ -125,11 +125,20 @@ impl Follow {
                             ),
                         }
                     } else {
+                        // The engine may end a followed log before the last
+                        // lines of an agent that died at once: what it holds
+                        // now is read once more (entries already read are
+                        // skipped by their stamps).
+                        let _ = self.read_log(&mut reading, since.as_ref(), false).await?;
                         let oom = state.oom_killed == Some(true);
                         let code = state.exit_code.unwrap_or(-1);
-                        BootstrapEvent::Failed {
-                            stage: BootstrapStage::AgentLost,
-                            reason: exit_reason(&self.name, code, oom, &reading.recent),
+                        if reading.failed {
+                            BootstrapEvent::Closed
+                        } else {
+                            BootstrapEvent::Failed {
+                                stage: BootstrapStage::AgentLost,
+                                reason: exit_reason(&self.name, code, oom, &reading.recent),
+                            }
                         }
                     }
                 }
@@ -160,15 +169,17 @@ impl Follow {
         }
     }
 
-    /// Reads the log to its end (the container stopped) or until it breaks;
-    /// returns why it broke.
+    /// Reads the log to its end (with `follow`, once the container stopped;
+    /// without, what the engine holds now) or until it breaks; returns why
+    /// it broke.
     async fn read_log(
         &mut self,
         reading: &mut Reading,
         since: Option<&Stamp>,
+        follow: bool,
     ) -> Result<Option<String>, Stopped> {
         let options = LogsOptions {
-            follow: true,
+            follow,
             stdout: true,
             stderr: true,
             timestamps: true,
