@@ -314,6 +314,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     // endpoint and the host both discount it).
     let starvation = swactor_engine::Starvation::new();
     let _measuring = AbortOnDrop(starvation.measure());
+    let _handshakes = AbortOnDrop(tokio::spawn(crate::handshakes::summarise()));
     let mut config = ClusterConfig::new(run_id.clone());
     config.starvation = Some(starvation.clone());
     config.adopt_unrecorded = opts.unrecorded == Some(Unrecorded::Adopt);

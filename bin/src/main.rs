@@ -15,6 +15,7 @@ mod client;
 mod control;
 mod daemon;
 mod guard;
+mod handshakes;
 mod http;
 mod jobs;
 mod journal;
@@ -348,12 +349,29 @@ fn main() {
     {
         filter = filter.add_directive(off);
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colours for people; none in a log file or a pipe.
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    {
+        use tracing_subscriber::Layer;
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        // Peers whose handshakes fail are logged by iroh one line each:
+        // the first of a quiet spell is shown, the rest are counted and
+        // summed up (see `handshakes`).
+        let handshakes = handshakes::FailedHandshakes::global();
+        // Asked at every event (a FilterFn would be asked once per callsite).
+        let shown = tracing_subscriber::filter::DynFilterFn::new(move |meta, _| {
+            !handshakes::FailedHandshakes::is_one(meta) || handshakes.first_of_a_spell()
+        });
+        tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    // Colours for people; none in a log file or a pipe.
+                    .with_ansi(std::io::stderr().is_terminal())
+                    .with_filter(shown)
+                    .with_filter(filter),
+            )
+            .init();
+    }
     // The daemon (and what it starts) and `ssh-key` write only into the
     // state directory, which is nobody else's.
     if matches!(cli.command, Command::Up { .. } | Command::SshKey) {

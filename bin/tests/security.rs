@@ -250,6 +250,24 @@ fn unauthenticated_peers_cannot_exhaust_the_daemon_or_flood_its_log() {
         let lines = d.log().lines().count() - log_before;
         eprintln!("1,000 refusals added {lines} log line(s)");
         assert!(lines < 20, "{lines} lines:\n{}", d.log());
+
+        // 200 handshakes for a protocol the daemon does not speak (issue 29,
+        // item 10: 2,000 of them wrote 2,000 warnings): the first is shown,
+        // the rest counted into a summary.
+        let log_before = d.log().lines().count();
+        for _ in 0..200 {
+            let _ = connect(&ep, addr.clone(), b"no/such/0", Duration::from_secs(5)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        let log = d.log();
+        let added: Vec<&str> = log.lines().skip(log_before).collect();
+        eprintln!("200 failed handshakes added {} log line(s)", added.len());
+        assert!(added.len() < 10, "{} lines:\n{}", added.len(), added.join("\n"));
+        assert!(
+            added.iter().any(|l| l.contains("more incoming connection(s) failed their handshake")),
+            "the rest are summed up:\n{}",
+            added.join("\n")
+        );
     });
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
