@@ -268,13 +268,21 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     // A new journal for a run whose resources the provider still lists:
     // refused unless told what to do with them.
     if fresh && opts.unrecorded.is_none() {
-        let listed = provider.list(&run_id).await.map_err(|e| {
-            anyhow::anyhow!(
-                "cannot list what the provider holds for run {run_id}: {e}; nothing was started"
-            )
-        })?;
-        traces.listed = listed.into_keys().collect();
-        swactor_provisioning::without_journal(traces, None)?;
+        match provider.list(&run_id).await {
+            Ok(listed) => {
+                traces.listed = listed.into_keys().collect();
+                swactor_provisioning::without_journal(traces, None)?;
+            }
+            // A provider that does not answer now (an engine that is down)
+            // is the nodes' problem, said per node once they are made; a
+            // new run still starts. The state directory held no trace of
+            // an earlier run, or the start was refused above.
+            Err(e) => eprintln!(
+                "swactor: warning: could not check what the provider holds for run {run_id} \
+                 ({}); starting it as a new run",
+                crate::words::cut_long_words(&e.to_string())
+            ),
+        }
     }
 
     let empty = ClusterSnapshot {
@@ -361,6 +369,8 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         vast,
         jobs: jobs.clone(),
     };
+    // Connections that have not joined yet (swarm and jobs together).
+    let pre_auth = swactor_engine::net::PreAuth::new(pre_auth_max());
     let router = GuardedRouterBuilder::new(endpoint.clone())
         .serve(
             ALPN_SWARM,
@@ -371,11 +381,16 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
                 refusals: RefusalLog::default(),
                 starvation,
                 sessions: crate::swarm::Sessions::default(),
+                pre_auth: pre_auth.clone(),
             },
         )
         // Agents dial in for jobs as for the swarm; each link is checked
         // like a join.
-        .serve(crate::jobs::ALPN_JOBS, Allowlist::open(), jobs.handler())
+        .serve(
+            crate::jobs::ALPN_JOBS,
+            Allowlist::open(),
+            jobs.handler(pre_auth),
+        )
         // Workspaces: only the keys of agents with a jobs link may connect,
         // and each fetches only the chunks of the run it ships.
         .serve_with_limits(iroh_blobs::ALPN, blobs_allowed, Limits::LINKED, blobs)
@@ -1151,4 +1166,21 @@ fn run_traces(dir: &Path) -> Vec<String> {
         }
     }
     found
+}
+
+/// How many connections may wait to join at once: [`PreAuth::DEFAULT_MAX`],
+/// or, in debug builds only, `SWACTOR_FAULT_PREAUTH_MAX` (a test's flood
+/// reaches a small cap on a slow machine).
+///
+/// [`PreAuth::DEFAULT_MAX`]: swactor_engine::net::PreAuth::DEFAULT_MAX
+fn pre_auth_max() -> usize {
+    #[cfg(debug_assertions)]
+    if let Some(n) = std::env::var("SWACTOR_FAULT_PREAUTH_MAX")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| *n > 0)
+    {
+        return n;
+    }
+    swactor_engine::net::PreAuth::DEFAULT_MAX
 }
