@@ -15,6 +15,7 @@ use swactor_actors::ClusterHandle;
 use swactor_engine::Starvation;
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
+use swactor_engine::net::PreAuth;
 use swactor_engine::net::{
     FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, REFUSAL_LOG_INTERVAL, accept_first_frame,
     recv_frame, send_frame,
@@ -36,10 +37,28 @@ pub(crate) struct SwarmHandler {
     pub(crate) starvation: Starvation,
     /// Each attempt's live session.
     pub(crate) sessions: Sessions,
+    /// Connections not joined yet, bounded apart from joined ones.
+    pub(crate) pre_auth: PreAuth,
 }
 
 impl ProtocolHandler for SwarmHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        // Strangers are bounded apart from joined agents: a connection
+        // holds a pre-authentication place until its join has a verdict.
+        let Some(unjoined) = self.pre_auth.try_enter() else {
+            conn.close(
+                swactor_engine::net::codes::CLOSE_BUSY,
+                b"too many unauthenticated connections",
+            );
+            self.refusals.refused(
+                "(an unauthenticated peer)",
+                &format!(
+                    "{} connections are waiting to join already, the most",
+                    self.pre_auth.max()
+                ),
+            );
+            return Ok(());
+        };
         // Closes the connection itself when the peer is slow, silent or too big.
         let Ok((mut send, mut recv, join)) =
             accept_first_frame::<JoinRequest>(&conn, FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE)
@@ -95,6 +114,7 @@ impl ProtocolHandler for SwarmHandler {
             }
             Ok(_) => {}
         }
+        drop(unjoined);
         let (key, liveness, session) = match (sent, checked, verdict, session) {
             (Ok(()), Ok(key), Ok(liveness), Some(session)) => (key, liveness, session),
             _ => {

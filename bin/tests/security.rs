@@ -493,3 +493,104 @@ fn links_are_held_only_by_the_current_attempt_and_only_once() {
     let after = wait_converged(&state, Duration::from_secs(30), |s| s.nodes[0].ready);
     assert_eq!(after.nodes[0].attempt, node.attempt, "not replaced");
 }
+
+/// Issues 29, items 1 and 2: a flood of connections that never join (they
+/// need only the daemon's ticket) held memory and starved the agents.
+/// Connections that have not joined are now bounded apart from joined
+/// agents: past the cap they are closed at once, and the joined agents'
+/// nodes are untouched.
+#[test]
+fn a_flood_of_silent_strangers_is_bounded_apart_from_joined_agents() {
+    const KEYS: usize = 200;
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(tmp.path(), "two.toml", &workers("sec-preauth", 2));
+    // A small cap, which a flood from this test reaches on a slow machine
+    // within the first-frame deadline (the default is 512).
+    let d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[("SWACTOR_FAULT_PREAUTH_MAX", "32")],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    let before = wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+    });
+    let pid = d.child.as_ref().unwrap().id();
+    let rss_before = status_kib(pid, "VmRSS:");
+    let addr = ticket_of(&state).addr().clone();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (held, busy) = runtime.block_on(async {
+        let config = NetConfig::default();
+        let endpoints: Vec<_> = futures_util::future::join_all(
+            (0..KEYS).map(|_| bind_endpoint(&config, SecretKey::generate())),
+        )
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+        // A silent connection per key, all at once, each opening its
+        // stream and sending nothing; how each ends is looked at within
+        // the first-frame deadline (5 s).
+        let conns: Vec<_> = futures_util::future::join_all(endpoints.iter().map(|ep| {
+            let addr = addr.clone();
+            async move {
+                let conn = connect(ep, addr, ALPN_SWARM, Duration::from_secs(5))
+                    .await
+                    .ok()?;
+                let (send, _recv) = conn.open_bi().await.ok()?;
+                Some((conn, send))
+            }
+        }))
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let busy = conns
+            .iter()
+            .filter(|(c, _)| {
+                c.close_reason()
+                    .is_some_and(|r| r.to_string().contains("too many unauthenticated"))
+            })
+            .count();
+        let held = conns
+            .iter()
+            .filter(|(c, _)| c.close_reason().is_none())
+            .count();
+        // Meanwhile the daemon answers at once.
+        let started = std::time::Instant::now();
+        let o = cli(&state, &["status"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(conns);
+        for ep in endpoints {
+            ep.close().await;
+        }
+        (held, busy)
+    });
+    let rss_after = status_kib(pid, "VmRSS:");
+    eprintln!(
+        "pre-auth flood: {held} held, {busy} closed at once as over the cap; RSS {rss_before} kB -> {rss_after} kB"
+    );
+    assert!(
+        held <= 512,
+        "{held} unauthenticated connections held at once"
+    );
+    assert!(busy > 0, "the cap was never reached ({held} held)");
+    // The joined agents' nodes were not touched.
+    std::thread::sleep(Duration::from_secs(3));
+    let after = wait_converged(&state, Duration::from_secs(30), |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 2
+    });
+    let attempts =
+        |s: &swactor_actors::ClusterSnapshot| s.nodes.iter().map(|n| n.attempt).collect::<Vec<_>>();
+    assert_eq!(attempts(&after), attempts(&before), "no node was replaced");
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -27,7 +27,7 @@ use swactor_actors::ClusterHandle;
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::journal::{Journal, JournalBatch, JournalContents};
-use swactor_engine::net::Allowlist;
+use swactor_engine::net::{Allowlist, PreAuth};
 use swactor_engine::net::{FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, accept_first_frame};
 use swactor_engine::ractor::{Actor, ActorId, ActorRef, rpc::CallResult};
 use swactor_engine::{BlockingConfig, BlockingPool, Clock, run_until};
@@ -619,8 +619,10 @@ impl JobService {
     }
 
     /// The protocol handler of `swactor/jobs/0`.
-    pub(crate) fn handler(&self) -> JobsHandler {
-        JobsHandler(self.shared.clone())
+    /// The handler of the jobs protocol; its links count against
+    /// `pre_auth` until they are checked.
+    pub(crate) fn handler(&self, pre_auth: PreAuth) -> JobsHandler {
+        JobsHandler(self.shared.clone(), pre_auth)
     }
 
     /// The handler of [`iroh_blobs::ALPN`] and the allowlist to serve it
@@ -1137,10 +1139,18 @@ impl Links {
 /// `swactor/jobs/0` on the daemon: each agent's jobs link, checked like a
 /// swarm join (its key and token must be those of its attempt).
 #[derive(Debug, Clone)]
-pub(crate) struct JobsHandler(Arc<Shared>);
+pub(crate) struct JobsHandler(Arc<Shared>, PreAuth);
 
 impl ProtocolHandler for JobsHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        // Unchecked links are bounded apart from checked ones.
+        let Some(unchecked) = self.1.try_enter() else {
+            conn.close(
+                swactor_engine::net::codes::CLOSE_BUSY,
+                b"too many unauthenticated connections",
+            );
+            return Ok(());
+        };
         let Ok((_send, _recv, join)) =
             accept_first_frame::<JoinRequest>(&conn, FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE)
                 .await
@@ -1187,6 +1197,7 @@ impl ProtocolHandler for JobsHandler {
             conn.close(1u32.into(), b"this attempt is linked already");
             return Ok(());
         }
+        drop(unchecked);
         tracing::info!(%node, attempt, "jobs link up");
         conn.closed().await;
         self.0.links.down(&node, attempt, &conn);

@@ -452,3 +452,62 @@ mod tests {
         assert_eq!(quiet.validate(), Err(LimitsError::ZeroRefusalLogInterval));
     }
 }
+
+/// A cap on connections that have not proved who they are yet, shared by
+/// the protocols any peer may open (swarm joins, jobs links).
+///
+/// Anyone who has the daemon's address may open connections and send
+/// nothing: each holds memory until its first-frame deadline. The guarded
+/// router's caps count every connection of a protocol, joined agents'
+/// included; this one counts only those still unauthenticated, so a flood
+/// of strangers is bounded apart from the agents that joined, and a
+/// joined agent's link never waits behind it. A handler enters before it
+/// reads the first frame and leaves once it has a verdict.
+#[derive(Clone, Debug)]
+pub struct PreAuth {
+    slots: Arc<tokio::sync::Semaphore>,
+    max: usize,
+}
+
+/// A connection's place among the unauthenticated ones; dropping it
+/// leaves.
+#[derive(Debug)]
+pub struct PreAuthSlot(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+
+impl PreAuth {
+    /// The default: unauthenticated connections held at once.
+    pub const DEFAULT_MAX: usize = 512;
+
+    /// At most `max` unauthenticated connections at once.
+    ///
+    /// # Panics
+    /// If `max` is 0: nobody could ever join.
+    #[must_use]
+    pub fn new(max: usize) -> Self {
+        assert!(max > 0, "a pre-authentication cap of 0 admits nobody");
+        Self {
+            slots: Arc::new(tokio::sync::Semaphore::new(max)),
+            max,
+        }
+    }
+
+    /// A place for one more unauthenticated connection, if there is one.
+    pub fn try_enter(&self) -> Option<PreAuthSlot> {
+        Arc::clone(&self.slots)
+            .try_acquire_owned()
+            .ok()
+            .map(PreAuthSlot)
+    }
+
+    /// The cap.
+    #[must_use]
+    pub fn max(&self) -> usize {
+        self.max
+    }
+}
+
+impl Default for PreAuth {
+    fn default() -> Self {
+        Self::new(Self::DEFAULT_MAX)
+    }
+}
