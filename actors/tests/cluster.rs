@@ -113,8 +113,25 @@ async fn a_cluster_converges_over_the_fake_provider_and_teardown_leaves_it_empty
     assert_eq!(names, ["w-0", "w-1", "w-2"]);
     assert_eq!(live(&p), (3, 3));
 
+    // Whoever follows the events and waits for the teardown's report has
+    // every node's removal by the time the report comes (a line-per-node
+    // teardown dropped one `removed` about every other time).
+    let mut sub = c.subscribe().await.unwrap();
     let report = c.shutdown(ShutdownMode::Teardown).await.unwrap();
     assert_eq!(report.destroyed.len(), 3);
+    let mut removed = Vec::new();
+    while let Ok(ev) = sub.events.try_recv() {
+        if let ClusterEvent::Removed { node } = ev {
+            removed.push(node.to_string());
+        }
+    }
+    removed.sort();
+    removed.dedup();
+    assert_eq!(
+        removed,
+        ["w-0", "w-1", "w-2"],
+        "every removal before the report"
+    );
     assert_eq!(live(&p), (0, 0), "teardown leaves nothing at the provider");
     assert_no_double_create(&p);
     assert!(

@@ -241,22 +241,14 @@ impl View {
         self.drawn_lines = 0;
     }
 
-    /// Draws the table below the log lines. Every line it draws is shorter
-    /// than the terminal is wide, and it draws fewer lines than the terminal
-    /// is high, so erasing it again takes exactly as many lines as it drew:
-    /// a line that wrapped on its own, or scrolled off the top, would leave
-    /// a copy of the table behind at each redraw.
-    fn redraw(&mut self) {
-        self.erase();
-        let (cols, rows) = stderr_size().unwrap_or((80, 24));
-        let width = cols.saturating_sub(1).max(20);
-        let now = self.now();
+    /// The table's first line: `generation 2 · 3/4 ready · tearing down`.
+    fn headline(&self) -> String {
         let ready = self
             .nodes
             .values()
             .filter(|n| state_word(n) == "ready")
             .count();
-        let mut lines = vec![format!(
+        format!(
             "generation {} · {ready}/{} ready{}{}",
             self.generation,
             self.nodes.len(),
@@ -268,7 +260,20 @@ impl View {
                 ""
             },
             if self.paused { " · paused" } else { "" }
-        )];
+        )
+    }
+
+    /// Draws the table below the log lines. Every line it draws is shorter
+    /// than the terminal is wide, and it draws fewer lines than the terminal
+    /// is high, so erasing it again takes exactly as many lines as it drew:
+    /// a line that wrapped on its own, or scrolled off the top, would leave
+    /// a copy of the table behind at each redraw.
+    fn redraw(&mut self) {
+        self.erase();
+        let (cols, rows) = stderr_size().unwrap_or((80, 24));
+        let width = cols.saturating_sub(1).max(20);
+        let now = self.now();
+        let mut lines = vec![self.headline()];
         // Nodes that are not ready first: when not all fit, they are the
         // ones worth the room.
         let (busy, done): (Vec<&NodeSummary>, Vec<&NodeSummary>) =
@@ -462,6 +467,38 @@ mod tests {
             replaced,
             at: Timestamp::from_millis(at),
         }
+    }
+
+    /// Issue 28, Why 6: `tearing down (generation 2)` was followed by a
+    /// table headed `generation 1 · 0/1 ready`.
+    #[test]
+    fn a_teardown_is_shown_as_the_generation_it_is() {
+        let snapshot = ClusterSnapshot {
+            run_id: "r".to_owned(),
+            generation: swactor_provisioning::Generation(1),
+            observed_generation: None,
+            converged: true,
+            inventory_read: true,
+            desired_nodes: 0,
+            nodes: Vec::new(),
+            orphans: 0,
+            shutting_down: None,
+            stats: Default::default(),
+            now: Timestamp::from_millis(1),
+            rentals: Vec::new(),
+            in_flight: 0,
+            paused: false,
+            holds: Vec::new(),
+        };
+        let mut view = View::new(snapshot);
+        assert_eq!(view.headline(), "generation 1 · 0/0 ready · converged");
+        view.apply(
+            ClusterEvent::TeardownStarted {
+                generation: swactor_provisioning::Generation(2),
+            },
+            false,
+        );
+        assert_eq!(view.headline(), "generation 2 · 0/0 ready · tearing down");
     }
 
     #[test]
