@@ -514,6 +514,37 @@ mod tests {
         assert_eq!(cut_long_words("a b  c\nd"), "a b  c\nd");
     }
 
+    /// Issue 28, Why 6: `status --json` had no word for the cluster's state.
+    #[test]
+    fn the_cluster_is_said_in_one_word_that_a_teardown_and_a_pause_win() {
+        let mut s: ClusterSnapshot = serde_json::from_value(serde_json::json!({
+            "run_id": "r", "generation": 1, "observed_generation": null,
+            "converged": false, "desired_nodes": 0, "nodes": [],
+            "stats": serde_json::to_value(swactor_provisioning::DriverStats::default()).unwrap(),
+            "now": 0
+        }))
+        .unwrap();
+        assert!(!s.inventory_read);
+        assert_eq!(cluster_state(&s), "converging");
+        s.converged = true;
+        assert_eq!(cluster_state(&s), "converged");
+        s.paused = true;
+        assert_eq!(cluster_state(&s), "paused");
+        s.shutting_down = Some(ShutdownMode::Keep);
+        assert_eq!(cluster_state(&s), "stopping");
+        s.shutting_down = Some(ShutdownMode::Teardown);
+        assert_eq!(cluster_state(&s), "tearing down");
+        // A status from an older daemon still reads.
+        let old: ClusterSnapshot = serde_json::from_value(serde_json::json!({
+            "run_id": "r", "generation": 1, "observed_generation": null,
+            "converged": false, "adopted": true, "desired_nodes": 0, "nodes": [],
+            "stats": serde_json::to_value(swactor_provisioning::DriverStats::default()).unwrap(),
+            "now": 0
+        }))
+        .unwrap();
+        assert!(old.inventory_read);
+    }
+
     #[test]
     fn sizes_read_in_bytes_below_a_kilobyte_and_in_decimal_units_above() {
         assert_eq!(size_words(0), "0 bytes");
