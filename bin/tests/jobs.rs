@@ -546,7 +546,8 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
     let only = cli(&state, &["job", "logs", "job-1", "--node", "worker-1"]);
     assert!(!stdout(&only).contains("worker-0"), "{}", stdout(&only));
 
-    // A tampered chunk is rejected by the agent's verified fetch and not kept.
+    // A tampered chunk is caught by the daemon's store as it is sent (its
+    // bytes no longer match their hash tree): nothing of it is kept.
     let ws = root.join("ws");
     std::fs::create_dir_all(&ws).unwrap();
     let content = b"content the daemon will tamper with\n";
@@ -568,7 +569,8 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
     let hash = blake3::hash(content).to_hex().to_string();
     assert!(
         err.contains(&format!(
-            "chunk {hash} rejected by worker-0: its bytes do not match their BLAKE3 hash"
+            "the daemon could not send chunk {hash} to worker-0: its stored copy failed the \
+             check against its BLAKE3 hash"
         )),
         "{err}"
     );

@@ -409,7 +409,15 @@ impl AgentJobs {
                             ..
                         }
                     );
-                    break Err(fetch_failed(conn, node, hash, mismatch, &e.to_string()));
+                    let code = e.iroh_error_code().map(u64::from);
+                    break Err(fetch_failed(
+                        conn,
+                        node,
+                        hash,
+                        mismatch,
+                        code,
+                        &e.to_string(),
+                    ));
                 }
                 None => break Err(format!("the transfer of chunk {} ended early", hex(hash))),
             }
@@ -835,6 +843,7 @@ pub(super) fn fetch_failed(
     node: &str,
     hash: &Hash,
     mismatch: bool,
+    code: Option<u64>,
     error: &str,
 ) -> String {
     use swactor_engine::iroh::endpoint::ConnectionError;
@@ -843,6 +852,31 @@ pub(super) fn fetch_failed(
             "chunk {} rejected by {node}: its bytes do not match their BLAKE3 hash ({error})",
             hex(hash)
         );
+    }
+    // The blob provider's own codes for a request it ends (iroh-blobs'
+    // ERR_PERMISSION, ERR_LIMIT, ERR_INTERNAL).
+    match code {
+        Some(1) => {
+            return format!(
+                "the daemon refused chunk {} to {node}: it was not granted to this node ({error})",
+                hex(hash)
+            );
+        }
+        Some(2) => {
+            return format!(
+                "the daemon refused to send chunk {} to {node}: over one of its limits, not a \
+                 fault of the workspace ({error})",
+                hex(hash)
+            );
+        }
+        Some(3) => {
+            return format!(
+                "the daemon could not send chunk {} to {node}: its stored copy failed the check \
+                 against its BLAKE3 hash, or its store failed ({error})",
+                hex(hash)
+            );
+        }
+        _ => {}
     }
     match conn.close_reason() {
         Some(ConnectionError::ApplicationClosed(close))

@@ -389,6 +389,7 @@ mod tests {
             "worker-0",
             chunk.hash().as_bytes(),
             false,
+            e.iroh_error_code().map(u64::from),
             &e.to_string(),
         );
         assert!(
