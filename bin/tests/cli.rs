@@ -879,3 +879,28 @@ fn a_closed_stdout_changes_neither_what_apply_does_nor_its_exit_code() {
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(d.wait_exit(Duration::from_secs(30)), Some(0));
 }
+
+/// Issue 28, Why 6: `logs --attempt 99999` listed four attempts as "the
+/// last 3". A slot keeps its current attempt's log and its last 3 ended
+/// ones; the refusal says so.
+#[test]
+fn logs_of_an_attempt_not_kept_list_what_is_kept_in_true_words() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let kept = state.join("logs/r/worker-0");
+    std::fs::create_dir_all(&kept).unwrap();
+    for a in 1..=3 {
+        std::fs::write(kept.join(format!("a{a}.log")), format!("log {a}\n")).unwrap();
+    }
+    let live = state.join("nodes/r/worker-0-a4");
+    std::fs::create_dir_all(&live).unwrap();
+    std::fs::write(live.join("agent.log"), "live\n").unwrap();
+    std::fs::write(state.join("daemon.lock"), "").unwrap();
+    let o = cli(&state, &["logs", "worker-0", "--attempt", "99999"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("there are: a1, a2, a3, a4 (a slot keeps the log of its current attempt and those of its last 3 ended ones)"),
+        "{err}"
+    );
+}
