@@ -141,23 +141,7 @@ fn shape(generation: u64, count: u32) -> ClusterShape {
 /// # Errors
 /// Anything that stops the example; it says what.
 pub(crate) async fn run() -> Result<Vec<(u64, usize)>, Box<dyn std::error::Error>> {
-    let empty = ClusterSnapshot {
-        run_id: "embedded".to_owned(),
-        generation: Generation(0),
-        observed_generation: None,
-        converged: false,
-        inventory_read: false,
-        desired_nodes: 0,
-        nodes: Vec::new(),
-        orphans: 0,
-        shutting_down: None,
-        stats: Default::default(),
-        now: Default::default(),
-        rentals: Vec::new(),
-        in_flight: 0,
-        paused: false,
-        holds: Vec::new(),
-    };
+    let empty = ClusterSnapshot::empty("embedded");
     let publisher: TelemetryPublisher<ClusterSnapshot, ClusterEvent> =
         TelemetryPublisher::new(TelemetryConfig::default(), &empty)?;
     let viewer = SecretKey::generate();

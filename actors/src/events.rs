@@ -138,6 +138,30 @@ pub struct ClusterSnapshot {
     pub in_flight: usize,
 }
 
+impl ClusterSnapshot {
+    /// The snapshot of a cluster of `run_id` before anything is known of
+    /// it: generation 0, no nodes, nothing read from its provider.
+    pub fn empty(run_id: impl Into<String>) -> Self {
+        Self {
+            run_id: run_id.into(),
+            generation: Generation(0),
+            observed_generation: None,
+            converged: false,
+            inventory_read: false,
+            desired_nodes: 0,
+            nodes: Vec::new(),
+            orphans: 0,
+            shutting_down: None,
+            stats: DriverStats::default(),
+            now: Timestamp::default(),
+            rentals: Vec::new(),
+            paused: false,
+            holds: Vec::new(),
+            in_flight: 0,
+        }
+    }
+}
+
 /// One node's rented machine, as its provider last saw it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rental {

@@ -285,23 +285,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         }
     }
 
-    let empty = ClusterSnapshot {
-        run_id: run_id.to_string(),
-        generation: Generation(0),
-        observed_generation: None,
-        converged: false,
-        inventory_read: false,
-        desired_nodes: 0,
-        nodes: Vec::new(),
-        orphans: 0,
-        shutting_down: None,
-        stats: Default::default(),
-        now: Default::default(),
-        rentals: Vec::new(),
-        in_flight: 0,
-        paused: false,
-        holds: Vec::new(),
-    };
+    let empty = ClusterSnapshot::empty(run_id.to_string());
     let sink = NdjsonSink::open(state.root(), &ndjson)
         .await
         .context("cannot open telemetry.ndjson")?;

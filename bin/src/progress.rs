@@ -474,21 +474,11 @@ mod tests {
     #[test]
     fn a_teardown_is_shown_as_the_generation_it_is() {
         let snapshot = ClusterSnapshot {
-            run_id: "r".to_owned(),
             generation: swactor_provisioning::Generation(1),
-            observed_generation: None,
             converged: true,
             inventory_read: true,
-            desired_nodes: 0,
-            nodes: Vec::new(),
-            orphans: 0,
-            shutting_down: None,
-            stats: Default::default(),
             now: Timestamp::from_millis(1),
-            rentals: Vec::new(),
-            in_flight: 0,
-            paused: false,
-            holds: Vec::new(),
+            ..ClusterSnapshot::empty("r")
         };
         let mut view = View::new(snapshot);
         assert_eq!(view.headline(), "generation 1 · 0/0 ready · converged");
