@@ -534,3 +534,46 @@ async fn a_large_pool_that_does_not_answer_is_summed_up_in_a_short_line() {
         )
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_cut_off_as_its_host_dies_keeps_the_create_on_that_host() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let mut world = World::new(2, CONVERGING);
+    let p = world.provider();
+    let t = world.template();
+    let k = key("w-0", 1);
+    // Host 0 (where w-0 looks first) runs the claim, then its sshd dies
+    // before the command's exit status leaves: the claim is written and the
+    // provider cannot know it, and host 0 does not answer again.
+    let pid_file = world.hosts[0].dir().join("sshd.pid");
+    let marker = world.root.path().join("cut-once");
+    std::fs::write(
+        world.hosts[0].home().join(".bashrc"),
+        format!(
+            "case \"$SSH_ORIGINAL_COMMAND\" in *set\\ -C*)\n\
+             if [ ! -e '{marker}' ]; then touch '{marker}'; \
+             (cd \"$HOME\" && /bin/sh -c \"$SSH_ORIGINAL_COMMAND\") > /dev/null 2>&1; \
+             kill -9 \"$(cat '{pid}')\" $PPID; sleep 5; fi;;\n\
+             esac\n",
+            marker = marker.display(),
+            pid = pid_file.display(),
+        ),
+    )
+    .unwrap();
+    let e = p.create_lease(&k, &t).await.unwrap_err();
+    assert!(marker.exists(), "the cut-off claim never ran");
+    assert_eq!(world.holder(&k), Some(0), "the claim was written on host 0");
+    // Not "nothing ran there": the create is ambiguous and no other host
+    // is claimed for the same key.
+    assert!(matches!(e, ProviderError::Ambiguous(_)), "{e:?}");
+    assert_eq!(world.claim(1), None, "a second host was claimed for {k}");
+    // Once host 0 answers, the retried create finds its claim there.
+    world.hosts[0].start_again();
+    let grant = p.create_lease(&k, &t).await.unwrap();
+    assert_eq!(grant.lease.0, format!("ssh:{}", world.hosts[0].target()));
+    assert_eq!(world.claim(1), None);
+    p.destroy_lease(&k, &grant.lease).await.unwrap();
+    assert_eq!(world.holder(&k), None);
+}

@@ -474,9 +474,20 @@ impl SshHostsProvider {
     ) -> Result<super::ExecOutput, SshError> {
         let session = self.connect(host).await?;
         match session.exec(command, stdin).await {
-            Err(SshError::Broken { .. }) if session.is_closed() => {
+            Err(broken @ SshError::Broken { .. }) if session.is_closed() => {
                 lock(&self.shared.connections).remove(&host.target);
-                self.connect(host).await?.exec(command, stdin).await
+                match self.connect(host).await {
+                    Ok(again) => again.exec(command, stdin).await,
+                    // The command may have run before the connection broke:
+                    // a host that then does not answer is not a host where
+                    // nothing ran (a claim written just before an sshd died
+                    // must not be taken for a free host).
+                    Err(SshError::NotReady { reason, .. }) => Err(SshError::Broken {
+                        target: host.target.clone(),
+                        reason: format!("{broken}; it did not answer again: {reason}"),
+                    }),
+                    Err(e) => Err(e),
+                }
             }
             other => other,
         }
