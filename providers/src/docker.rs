@@ -129,6 +129,12 @@ const STREAM_BUFFER_LEN: usize = 64;
 /// for the container that took it.
 const ADOPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 const ADOPT_POLLS: u32 = 100;
+/// How late a container may appear in a listing. The engine finishes a
+/// create whose caller went away (a daemon killed mid-request), so such a
+/// container can appear after the caller's successor has listed. It is
+/// given as long as a create that found its name reserved waits for the
+/// container that reserved it (`ADOPT_POLLS` × `ADOPT_POLL_INTERVAL`).
+pub const LISTING_LAG: Duration = Duration::from_secs(10);
 /// How long an engine request may wait for its answer's headers, beyond a stop's grace.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -1162,6 +1168,10 @@ impl Provider for DockerProvider {
         Some(format!("container {}", &id[..id.len().min(12)]))
     }
 
+    fn listing_lag(&self) -> Duration {
+        LISTING_LAG
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         lease.0.starts_with("docker:")
     }
@@ -1174,6 +1184,11 @@ impl Provider for DockerProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_listing_lag_is_as_long_as_the_wait_for_a_reserved_name() {
+        assert_eq!(LISTING_LAG, ADOPT_POLL_INTERVAL * ADOPT_POLLS);
+    }
 
     #[test]
     fn container_names_cannot_collide_across_keys() {

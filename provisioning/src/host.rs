@@ -110,9 +110,12 @@ pub struct HostConfig {
     /// The most nodes each provider kind can hold, and why; a shape asking
     /// one for more is refused unless it names its own `capacity`.
     pub capacities: Vec<Capacity>,
-    /// How long a new lease may stay invisible to the provider's listing.
-    /// An attempt the journal saw created but the listing misses is checked
-    /// again by a sweep this long after start.
+    /// How long a new lease may stay invisible to the provider's listing
+    /// (or, for a create an earlier daemon sent just before it died, take
+    /// to appear). When the first listing misses an attempt the journal
+    /// names and would not re-create, the host lists again this long later
+    /// before it adopts anything, so a late one is adopted and cleaned up
+    /// by the ladder instead of living beside its slot's next attempt.
     pub visibility_window_ms: u64,
     /// Interval of the leak sweeps (list the run, collect what no current
     /// attempt owns); 0 for none beyond the first.
@@ -973,6 +976,10 @@ enum Adoption {
     Listing,
     /// Inventory in hand, waiting for a shape (or a shutdown) to judge it by.
     Waiting(Vec<Listed>),
+    /// The first inventory missed attempts the journal names: waiting for a
+    /// second one, taken after the provider's listing lag (the first is
+    /// kept in case that one fails).
+    Relisting(Vec<Listed>),
     /// Done.
     Done,
 }
@@ -1014,6 +1021,9 @@ pub struct Host<C: Reconciler> {
     sweep_at: Option<Timestamp>,
     listing: bool,
     verify: bool,
+    /// The adoption was judged on a second listing (see
+    /// [`HostConfig::visibility_window_ms`]).
+    relisted: bool,
     todo: VecDeque<Todo>,
     outputs: VecDeque<Output>,
     events: VecDeque<HostEvent>,
@@ -1096,6 +1106,7 @@ impl<C: Reconciler> Host<C> {
             sweep_at: Some(Timestamp::from_millis(0)),
             listing: false,
             verify: false,
+            relisted: false,
             todo: VecDeque::new(),
             outputs: VecDeque::new(),
             events: VecDeque::new(),
@@ -1502,21 +1513,29 @@ impl<C: Reconciler> Host<C> {
         self.heard(now);
         self.listing = false;
         let listed = match listed {
-            Ok(listed) => listed,
             Err(e) => {
                 self.warn(format!("could not list the provider's resources: {e}"));
-                if matches!(self.adoption, Adoption::Listing) {
+                match &mut self.adoption {
                     // The journal's records are still adopted; what the
                     // provider holds beyond them is found by a later sweep.
-                    Vec::new()
-                } else {
-                    self.schedule_sweep(now);
-                    return;
+                    Adoption::Listing => Vec::new(),
+                    // Judged on the first listing, and verified by a sweep.
+                    Adoption::Relisting(first) => std::mem::take(first),
+                    _ => {
+                        self.schedule_sweep(now);
+                        return;
+                    }
                 }
+            }
+            Ok(listed) => {
+                if matches!(self.adoption, Adoption::Relisting(_)) {
+                    self.relisted = true;
+                }
+                listed
             }
         };
         match self.adoption {
-            Adoption::Listing => {
+            Adoption::Listing | Adoption::Relisting(_) => {
                 self.adoption = Adoption::Waiting(listed);
                 self.adopt_if_ready(now);
             }
@@ -2871,6 +2890,62 @@ impl<C: Reconciler> Host<C> {
         }
     }
 
+    /// Whether the adoption waits for a second listing: the first one
+    /// misses an attempt the journal names that adoption would take as
+    /// gone (seen created, or made from a template its slot no longer
+    /// wants, so not re-created to find out), and the provider's listing
+    /// may lag. Taking it as gone at once would start its slot's next
+    /// attempt while it may still appear: an earlier daemon's create, sent
+    /// just before it died, can land after the restart's listing.
+    fn relist_first(&mut self, now: Timestamp) -> bool {
+        let window = self.config.visibility_window_ms;
+        if self.relisted || window == 0 {
+            return false;
+        }
+        let Adoption::Waiting(listed) = &self.adoption else {
+            return false;
+        };
+        let listed_keys: BTreeSet<ResourceKey> = listed.iter().map(|l| l.key.clone()).collect();
+        let desired: Vec<(LogicalNodeId, Arc<NodeTemplate>)> = self
+            .slots
+            .keys()
+            .filter_map(|node| Some((node, self.core.desired().slot(&node)?.clone())))
+            .collect();
+        let desired: BTreeMap<LogicalNodeId, u64> = desired
+            .into_iter()
+            .map(|(node, t)| (node, self.digest(&t)))
+            .collect();
+        let run = self.meta.run_id.clone();
+        let missing = self
+            .slots
+            .iter()
+            .filter(|(node, r)| {
+                let key = ResourceKey {
+                    run_id: run.clone(),
+                    node: *node,
+                    attempt: r.attempt,
+                };
+                let wanted = desired.get(node) == Some(&r.template);
+                !listed_keys.contains(&key) && (r.created || !wanted)
+            })
+            .count();
+        if missing == 0 {
+            return false;
+        }
+        let Adoption::Waiting(first) = std::mem::replace(&mut self.adoption, Adoption::Listing)
+        else {
+            return false;
+        };
+        self.adoption = Adoption::Relisting(first);
+        self.sweep_at = Some(now.saturating_add_ms(window));
+        self.warn(format!(
+            "the provider does not list {missing} attempt(s) the journal names; looking again \
+             in {} s before deciding anything (a create cut off by the last stop may still land)",
+            window as f64 / 1000.0
+        ));
+        true
+    }
+
     /// Adopts the journal's records and the inventory once both it and a
     /// desired state (a shape, or a teardown) are known.
     fn adopt_if_ready(&mut self, now: Timestamp) {
@@ -2879,6 +2954,9 @@ impl<C: Reconciler> Host<C> {
         let judged =
             self.core.desired().generation.0 > 0 || self.shutdown.is_some() || nothing_held;
         if !judged || !matches!(self.adoption, Adoption::Waiting(_)) {
+            return;
+        }
+        if self.relist_first(now) {
             return;
         }
         let Adoption::Waiting(listed) = std::mem::replace(&mut self.adoption, Adoption::Done)
@@ -2941,7 +3019,8 @@ impl<C: Reconciler> Host<C> {
             self.slots.remove(&key.node);
             self.remove.insert(key.node);
         }
-        if !presumed_gone.is_empty() {
+        // Listed twice already (a listing lag apart): nothing more to verify.
+        if !presumed_gone.is_empty() && !self.relisted {
             self.verify = true;
         }
         // Templates slots may run, by digest, each shared by Arc: the older

@@ -415,3 +415,112 @@ fn a_host_told_to_adopt_unrecorded_resources_takes_them_as_they_are() {
         }
     }
 }
+
+/// Runs the host's outputs at `now` without answering any dispatch: what a
+/// daemon does before it dies with its effects on the way. Returns them.
+fn dispatch_only(
+    h: &mut Host<Driver>,
+    journal: &mut JournalImage,
+    now: Timestamp,
+) -> Vec<Dispatch> {
+    let mut out = Vec::new();
+    while let Some(o) = h.poll_output(now) {
+        match o {
+            Output::Persist(delta) => {
+                journal.apply(&delta);
+                h.handle_persisted(delta.seq);
+            }
+            Output::List => h.handle_inventory(Ok(Vec::new()), now),
+            Output::Pass(pass) => out.extend(pass.dispatches),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// A daemon that restarts with w-0's create on the way (sent just before
+/// it died) and a new template applied, before that create landed: the
+/// create is not re-issued (its template is no longer wanted), so the slot
+/// would move on to a new attempt at once.
+fn restarted_with_a_create_on_the_way(window_ms: u64) -> (Host<Driver>, JournalImage, ResourceKey) {
+    let mut h = host(None);
+    let mut journal = JournalImage::new(h.core().state().run_id.clone());
+    let mut g = group("w", 1);
+    h.handle_apply(&shape(1, vec![g.clone()]), Ticket(1), t(0))
+        .unwrap();
+    let sent = dispatch_only(&mut h, &mut journal, t(0));
+    let create = sent
+        .iter()
+        .find(|d| d.request.kind() == EffectKind::CreateLease)
+        .expect("w-0's create")
+        .key
+        .clone();
+    g.role = "v2".to_owned();
+    h.handle_apply(&shape(2, vec![g]), Ticket(2), t(1)).unwrap();
+    dispatch_only(&mut h, &mut journal, t(1));
+    assert!(!journal.slots[&create.node].created);
+    let config = HostConfig {
+        visibility_window_ms: window_ms,
+        ..HostConfig::default()
+    };
+    let next = Host::new(driver(), config, Some(journal.clone())).unwrap();
+    (next, journal, create)
+}
+
+/// CI (stop 37), the docker battery: a daemon killed while the engine was
+/// making w-0's container came back, listed nothing for w-0 (the engine
+/// had not finished), started w-0's next attempt, and the first container
+/// appeared beside it. A listing that misses an attempt the journal names
+/// is now repeated a listing lag later before anything is decided; the
+/// late one is adopted and destroyed before the slot's next attempt.
+#[test]
+fn an_attempt_the_first_listing_misses_is_looked_for_again_before_its_slot_moves_on() {
+    const WINDOW: u64 = 5_000;
+    let (mut next, mut journal, late) = restarted_with_a_create_on_the_way(WINDOW);
+    let sent = pump(&mut next, &mut journal, &[], t(10));
+    assert!(
+        sent.is_empty(),
+        "nothing decided on the first listing: {sent:?}"
+    );
+    assert!(!next.adopted());
+    let mut warned = false;
+    while let Some(e) = next.poll_event() {
+        warned |= matches!(&e, HostEvent::Warning(w) if w.contains("looking again in 5 s"));
+    }
+    assert!(warned, "the wait is said");
+    assert_eq!(next.poll_timeout(), Some(t(10 + WINDOW)));
+
+    // The create landed meanwhile: the second listing shows it.
+    let landed = Listed {
+        key: late.clone(),
+        lease: Some(LeaseId::from("fake-lease")),
+        session: None,
+    };
+    next.handle_timeout(t(10 + WINDOW)).unwrap();
+    let sent = pump(&mut next, &mut journal, &[landed], t(10 + WINDOW));
+    assert!(next.adopted());
+    let destroyed = sent
+        .iter()
+        .position(|d| d.request.kind() == EffectKind::DestroyLease && d.key == late)
+        .unwrap_or_else(|| panic!("the late attempt is destroyed: {sent:?}"));
+    let created = sent
+        .iter()
+        .position(|d| d.request.kind() == EffectKind::CreateLease)
+        .unwrap_or_else(|| panic!("the slot's next attempt is made: {sent:?}"));
+    assert!(destroyed < created, "never two attempts of w-0: {sent:?}");
+    assert_ne!(sent[created].key.attempt, late.attempt);
+}
+
+/// Without a listing lag (a provider that lists what it made at once) the
+/// slot moves on at the first listing, as it did before.
+#[test]
+fn without_a_listing_lag_a_missing_attempt_is_taken_as_gone_at_once() {
+    let (mut next, mut journal, late) = restarted_with_a_create_on_the_way(0);
+    let sent = pump(&mut next, &mut journal, &[], t(10));
+    assert!(next.adopted());
+    assert!(
+        sent.iter()
+            .any(|d| d.request.kind() == EffectKind::CreateLease && d.key.attempt != late.attempt),
+        "{sent:?}"
+    );
+}

@@ -144,6 +144,15 @@ impl Provider for DockerOnDemand {
         self.ready.get()?.describe_lease(lease)
     }
 
+    /// Only a shape that uses Docker waits for it after a restart.
+    fn listing_lag(&self) -> std::time::Duration {
+        if self.in_use.load(Ordering::SeqCst) {
+            super::LISTING_LAG
+        } else {
+            std::time::Duration::ZERO
+        }
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         lease.0.starts_with("docker:")
     }
