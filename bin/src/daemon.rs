@@ -20,7 +20,7 @@ use swactor_actors::{
 use swactor_engine::RestartPolicy;
 use swactor_engine::net::{
     ALPN_CONTROL, ALPN_SWARM, ALPN_TELEMETRY, Allowlist, EndpointTicket, GuardedRouterBuilder,
-    Limits, NetConfig, bind_endpoint,
+    HandshakeRate, Limits, NetConfig, bind_endpoint,
 };
 use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
 use swactor_providers::Provider;
@@ -380,6 +380,15 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         .serve_with_limits(iroh_blobs::ALPN, blobs_allowed, Limits::LINKED, blobs)
         .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
+        // New handshakes are rationed, the CLI's apart from the agents', so
+        // a flood of either costs the daemon a bounded share of its time
+        // and takes nothing from the other; joined agents' links and
+        // connected CLIs are never counted.
+        .handshake_rate(
+            Some(&[ALPN_CONTROL, ALPN_TELEMETRY]),
+            HandshakeRate::DEFAULT,
+        )
+        .handshake_rate(None, HandshakeRate::DEFAULT)
         .spawn();
     let http_addr = http_listener.local_addr()?;
     crate::http::serve(

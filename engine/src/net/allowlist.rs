@@ -4,11 +4,12 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use iroh::endpoint::{Accepting, Connection};
-use iroh::protocol::{AcceptError, ProtocolHandler, Router};
+use iroh::protocol::{AcceptError, IncomingFilterOutcome, ProtocolHandler, Router};
 use iroh::{Endpoint, EndpointId};
 
 use super::codes;
 use super::limits::{Limits, Refusal, RefusalLog, Slots};
+use super::rate::{Bucket, HandshakeRate};
 
 #[derive(Debug)]
 enum Rule {
@@ -124,7 +125,7 @@ impl<H> Guarded<H> {
                 };
                 tracing::warn!(%error, "refusing connection; further refusals are summarised");
             }
-            Refusal::PerPeerCap | Refusal::TotalCap => tracing::warn!(
+            Refusal::PerPeerCap | Refusal::TotalCap | Refusal::HandshakeRate => tracing::warn!(
                 %peer,
                 %alpn,
                 reason = %refusal,
@@ -160,6 +161,7 @@ async fn flush_refusal_summaries(log: Arc<Mutex<RefusalLog>>, alpn: String) {
                 allowlist = summary.counts.allowlist,
                 per_peer_cap = summary.counts.per_peer_cap,
                 total_cap = summary.counts.total_cap,
+                handshake_rate = summary.counts.handshake_rate,
                 "{}",
                 summary.line(&alpn)
             );
@@ -189,7 +191,9 @@ impl<H: ProtocolHandler> ProtocolHandler for Guarded<H> {
             Err(refusal) => {
                 let code = match refusal {
                     Refusal::Allowlist => codes::CLOSE_NOT_ALLOWED,
-                    Refusal::PerPeerCap | Refusal::TotalCap => codes::CLOSE_BUSY,
+                    Refusal::PerPeerCap | Refusal::TotalCap | Refusal::HandshakeRate => {
+                        codes::CLOSE_BUSY
+                    }
                 };
                 conn.close(code, refusal.close_reason());
                 self.record_refusal(refusal, peer);
@@ -222,6 +226,15 @@ impl<H: ProtocolHandler> ProtocolHandler for Guarded<H> {
 #[derive(Debug)]
 pub struct GuardedRouterBuilder {
     inner: iroh::protocol::RouterBuilder,
+    rates: Vec<RateClass>,
+}
+
+/// A handshake budget for some protocols (`None`: the others).
+#[derive(Debug)]
+struct RateClass {
+    alpns: Option<Vec<&'static [u8]>>,
+    rate: HandshakeRate,
+    bucket: Mutex<Bucket>,
 }
 
 impl GuardedRouterBuilder {
@@ -230,6 +243,7 @@ impl GuardedRouterBuilder {
     pub fn new(endpoint: Endpoint) -> Self {
         Self {
             inner: Router::builder(endpoint),
+            rates: Vec::new(),
         }
     }
 
@@ -279,13 +293,91 @@ impl GuardedRouterBuilder {
         };
         Self {
             inner: self.inner.accept(alpn, guarded),
+            rates: self.rates,
         }
+    }
+
+    /// Starts at most `rate` new handshakes per second for connections
+    /// offering one of `alpns` (`None`: every protocol not given a rate of
+    /// its own), all of them together. An attempt past it is refused before
+    /// its handshake, at the cost of one packet; the protocol is read from
+    /// the first packet (its `ClientHello`), which costs a decryption and
+    /// no key exchange. So a flood on the agents' protocols does not take
+    /// the CLI's handshakes, and the reverse. Refusals are logged like the
+    /// caps' (the first on its own, then a summary per
+    /// [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL)).
+    ///
+    /// # Panics
+    /// If `rate` admits nothing ([`HandshakeRate::is_valid`]): rates are
+    /// chosen in code, so that is a programming error.
+    #[must_use]
+    pub fn handshake_rate(mut self, alpns: Option<&[&'static [u8]]>, rate: HandshakeRate) -> Self {
+        assert!(rate.is_valid(), "a handshake rate admits nothing: {rate:?}");
+        self.rates.push(RateClass {
+            alpns: alpns.map(<[&[u8]]>::to_vec),
+            rate,
+            bucket: Mutex::new(Bucket::new(rate)),
+        });
+        self
     }
 
     /// Starts accepting. Keep the [`Router`]: dropping it stops the accept
     /// loop; call [`Router::shutdown`] for a clean stop (it closes the endpoint).
     #[must_use = "dropping the router stops accepting"]
     pub fn spawn(self) -> Router {
-        self.inner.spawn()
+        if self.rates.is_empty() {
+            return self.inner.spawn();
+        }
+        let rates = Arc::new(self.rates);
+        let log = Arc::new(Mutex::new(RefusalLog::new(super::REFUSAL_LOG_INTERVAL)));
+        let filter = move |incoming: &iroh::endpoint::Incoming| {
+            let offered: Vec<Vec<u8>> = incoming
+                .decrypt()
+                .and_then(|initial| initial.alpns())
+                .map(|alpns| alpns.filter_map(Result::ok).map(|a| a.to_vec()).collect())
+                .unwrap_or_default();
+            let class = rates
+                .iter()
+                .find(|c| {
+                    c.alpns
+                        .as_ref()
+                        .is_some_and(|own| offered.iter().any(|o| own.contains(&o.as_slice())))
+                })
+                .or_else(|| rates.iter().find(|c| c.alpns.is_none()));
+            let Some(class) = class else {
+                return IncomingFilterOutcome::Accept;
+            };
+            let now = tokio::time::Instant::now().into_std();
+            let admitted = class
+                .bucket
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .try_take(now);
+            if admitted {
+                return IncomingFilterOutcome::Accept;
+            }
+            let first = log
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .handle_refusal(Refusal::HandshakeRate, now);
+            if first {
+                let protocols: Vec<String> = offered
+                    .iter()
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                tracing::warn!(
+                    ?protocols,
+                    per_second = class.rate.per_second,
+                    burst = class.rate.burst,
+                    "refusing new connections over the handshake rate; further refusals are summarised"
+                );
+                tokio::spawn(flush_refusal_summaries(
+                    Arc::clone(&log),
+                    "this endpoint".to_owned(),
+                ));
+            }
+            IncomingFilterOutcome::Reject
+        };
+        self.inner.incoming_filter(Arc::new(filter)).spawn()
     }
 }

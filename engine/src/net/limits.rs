@@ -109,6 +109,10 @@ pub(crate) enum Refusal {
     PerPeerCap,
     /// The protocol already serves [`Limits::connections_max`] connections.
     TotalCap,
+    /// The endpoint started as many handshakes as its
+    /// [`HandshakeRate`](super::HandshakeRate) allows (refused before the
+    /// handshake, so before any protocol is known).
+    HandshakeRate,
 }
 
 impl Refusal {
@@ -116,7 +120,7 @@ impl Refusal {
         match self {
             Self::Allowlist => super::codes::REASON_NOT_ALLOWED,
             Self::PerPeerCap => super::codes::REASON_PEER_BUSY,
-            Self::TotalCap => super::codes::REASON_BUSY,
+            Self::TotalCap | Self::HandshakeRate => super::codes::REASON_BUSY,
         }
     }
 }
@@ -127,6 +131,7 @@ impl fmt::Display for Refusal {
             Self::Allowlist => "not on the allowlist",
             Self::PerPeerCap => "over the per-peer connection cap",
             Self::TotalCap => "over the connection cap",
+            Self::HandshakeRate => "over the rate of new handshakes",
         })
     }
 }
@@ -211,6 +216,7 @@ pub(crate) struct RefusalCounts {
     pub(crate) allowlist: u64,
     pub(crate) per_peer_cap: u64,
     pub(crate) total_cap: u64,
+    pub(crate) handshake_rate: u64,
 }
 
 impl RefusalCounts {
@@ -219,6 +225,7 @@ impl RefusalCounts {
             Refusal::Allowlist => &mut self.allowlist,
             Refusal::PerPeerCap => &mut self.per_peer_cap,
             Refusal::TotalCap => &mut self.total_cap,
+            Refusal::HandshakeRate => &mut self.handshake_rate,
         };
         *count = count.saturating_add(1);
     }
@@ -227,6 +234,7 @@ impl RefusalCounts {
         self.allowlist
             .saturating_add(self.per_peer_cap)
             .saturating_add(self.total_cap)
+            .saturating_add(self.handshake_rate)
     }
 }
 
@@ -248,6 +256,7 @@ impl RefusalSummary {
             ("allowlist", c.allowlist),
             ("per-peer cap", c.per_peer_cap),
             ("total cap", c.total_cap),
+            ("handshake rate", c.handshake_rate),
         ]
         .into_iter()
         .filter(|(_, n)| *n > 0)

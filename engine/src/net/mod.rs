@@ -5,6 +5,7 @@ mod frame;
 mod handshake;
 mod key;
 mod limits;
+mod rate;
 mod ticket;
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -27,6 +28,7 @@ pub use handshake::{
 };
 pub use key::{KeyFileError, load_or_create_secret_key};
 pub use limits::{Limits, LimitsError, PreAuth, PreAuthSlot, REFUSAL_LOG_INTERVAL};
+pub use rate::HandshakeRate;
 pub use ticket::{EndpointTicket, TICKET_LEN_MAX, TICKET_PREFIX, TicketError};
 
 /// ALPN of the swarm protocol (joins, membership, work).

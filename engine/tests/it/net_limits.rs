@@ -410,3 +410,105 @@ async fn every_peer_on_a_linked_allowlist_is_served_at_once() {
         c.close().await;
     }
 }
+
+/// Issue 29, item 1: a flood of connection attempts buys the server a
+/// handshake each. Past the endpoint's handshake rate an attempt is refused
+/// before its handshake; a connection made earlier is served throughout,
+/// and the rate refills; a protocol with a budget of its own is served.
+#[tokio::test]
+async fn attempts_past_the_handshake_rate_are_refused_before_the_handshake() {
+    use swactor_engine::net::HandshakeRate;
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+
+    let rate = HandshakeRate {
+        per_second: 2,
+        burst: 6,
+    };
+    let server = GuardedRouterBuilder::new(endpoint().await)
+        .serve(ALPN_SWARM, Allowlist::open(), greeter())
+        .serve(ALPN_CONTROL, Allowlist::open(), greeter())
+        .handshake_rate(Some(&[ALPN_CONTROL]), rate)
+        .handshake_rate(None, rate)
+        .spawn();
+    let addr = server.endpoint().addr();
+    let client = endpoint().await;
+    let (kept, outcome) = dial_and_greet(&client, &addr, ALPN_SWARM).await;
+    assert_eq!(outcome.as_deref(), Ok("hi"));
+
+    // 40 attempts at once, from new keys: the burst's 5 left (one went to
+    // `kept`), and at most what a second or two refills.
+    let started = Instant::now();
+    let dialers: Vec<Endpoint> = futures_util::future::join_all((0..40).map(|_| endpoint())).await;
+    let outcomes = futures_util::future::join_all(
+        dialers
+            .iter()
+            .map(|ep| connect(ep, addr.clone(), ALPN_SWARM, DIAL)),
+    )
+    .await;
+    let took = started.elapsed();
+    let made = outcomes.iter().filter(|o| o.is_ok()).count();
+    let refused: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| o.as_ref().err().map(chain))
+        .collect();
+    eprintln!(
+        "{made} of 40 made in {took:?}; first refusal: {:?}",
+        refused.first()
+    );
+    let refill = usize::try_from(took.as_secs() + 1).unwrap() * 2;
+    assert!(
+        (5..=5 + refill).contains(&made),
+        "{made} handshakes made in {took:?}"
+    );
+    assert!(
+        refused.iter().all(|e| e.to_lowercase().contains("refused")),
+        "{refused:?}"
+    );
+    // The connection made before the flood is untouched, and a protocol
+    // with a budget of its own is still served.
+    assert!(kept.close_reason().is_none(), "{:?}", kept.close_reason());
+    let (_control, outcome) = dial_and_greet(&client, &addr, ALPN_CONTROL).await;
+    assert_eq!(
+        outcome.as_deref(),
+        Ok("hi"),
+        "the flood took the CLI's budget"
+    );
+
+    // The rate refills: a second later, an attempt is made again.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let (_again, outcome) = dial_and_greet(&client, &addr, ALPN_SWARM).await;
+    assert_eq!(outcome.as_deref(), Ok("hi"));
+
+    // The refusals are logged once, then summed up.
+    tokio::time::sleep(swactor_engine::net::REFUSAL_LOG_INTERVAL + Duration::from_millis(500))
+        .await;
+    let lines = captured.lines();
+    assert!(lines.len() < 5, "{lines:#?}");
+    assert!(
+        lines.iter().any(|l| l.contains("over the handshake rate")),
+        "{lines:#?}"
+    );
+    for ep in dialers {
+        ep.close().await;
+    }
+    client.close().await;
+    server.shutdown().await.unwrap();
+}
+
+/// An error with its sources, as one line.
+fn chain(e: &(impl std::error::Error + ?Sized)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
