@@ -1136,3 +1136,62 @@ fn running_is_on_record_before_start_is_sent_and_a_timeout_counts_time_used_befo
     );
     assert_eq!(j["cancelled"], "timed out after 12 s");
 }
+
+/// Issue 29, "done when": `swactor run --all --workspace` on a wide fleet
+/// succeeds on every node (the blobs protocol once served 64 at a time).
+/// 24 nodes by default; `SWACTOR_WIDE_NODES=200` is the issue's figure
+/// (opt-in: 200 debug agents take a few minutes on two cores).
+#[test]
+fn a_workspace_reaches_every_node_of_a_wide_fleet_at_once() {
+    let n: usize = std::env::var("SWACTOR_WIDE_NODES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(24);
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let state = root.join("state");
+    let shape = shape_file(root, "wide.toml", &workers("jobs-wide", n as u32));
+    let _d = Daemon::spawn(&state, Some(&shape)).unwrap_or_else(|e| panic!("{}", e.log));
+    let started = Instant::now();
+    let wait = Duration::from_secs(60 + 3 * n as u64);
+    loop {
+        let snap = status(&state);
+        if snap.is_some_and(|s| s.nodes.iter().filter(|x| x.ready).count() == n) {
+            break;
+        }
+        assert!(
+            started.elapsed() < wait,
+            "{n} nodes not ready within {wait:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let up = started.elapsed();
+    // 2 MB in a few files, each node checks every byte.
+    let ws = root.join("ws");
+    std::fs::create_dir_all(ws.join("data")).unwrap();
+    for i in 0..4u8 {
+        std::fs::write(ws.join(format!("data/part{i}.bin")), vec![i; 500_000]).unwrap();
+    }
+    std::fs::write(ws.join("check.sh"), "cat data/part*.bin | wc -c\n").unwrap();
+    let started = Instant::now();
+    let o = run(
+        root,
+        &state,
+        &[
+            "--all",
+            "--workspace",
+            ws.to_str().unwrap(),
+            "--",
+            "sh",
+            "check.sh",
+        ],
+    );
+    let took = started.elapsed();
+    let out = stdout(&o);
+    eprintln!("{n} nodes ready in {up:?}; the run took {took:?}");
+    assert_eq!(o.status.code(), Some(0), "{}{}", out, stderr(&o));
+    let answered = out.lines().filter(|l| l.ends_with("] 2000000")).count();
+    assert_eq!(answered, n, "{out}{}", stderr(&o));
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

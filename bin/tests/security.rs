@@ -594,3 +594,146 @@ fn a_flood_of_silent_strangers_is_bounded_apart_from_joined_agents() {
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// One flood: `attempts` connections on the swarm protocol from `keys`
+/// keys, at most `in_flight` at once; each connection that is made opens a
+/// stream, announces a 64 MiB frame with its 4-byte length and holds it
+/// until the flood ends. Returns (made, refused).
+async fn flood(
+    addr: swactor_engine::iroh::EndpointAddr,
+    keys: usize,
+    attempts: usize,
+    in_flight: usize,
+) -> (usize, usize) {
+    use futures_util::StreamExt;
+    let config = NetConfig::default();
+    let endpoints: Vec<_> = futures_util::future::join_all(
+        (0..keys).map(|_| bind_endpoint(&config, SecretKey::generate())),
+    )
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    let outcomes: Vec<_> = futures_util::stream::iter(0..attempts)
+        .map(|i| {
+            let ep = &endpoints[i % keys];
+            let addr = addr.clone();
+            async move {
+                let conn = connect(ep, addr, ALPN_SWARM, Duration::from_secs(5))
+                    .await
+                    .ok()?;
+                let (mut send, recv) = conn.open_bi().await.ok()?;
+                send.write_all(&(64u32 << 20).to_be_bytes()).await.ok()?;
+                Some((conn, send, recv))
+            }
+        })
+        .buffer_unordered(in_flight)
+        .collect()
+        .await;
+    let made = outcomes.iter().filter(|o| o.is_some()).count();
+    drop(outcomes);
+    for ep in endpoints {
+        ep.close().await;
+    }
+    (made, attempts - made)
+}
+
+/// Issue 29's three-flood battery (opt-in: `SWACTOR_FLOOD=1`; it takes
+/// about two minutes and saturates the machine). Three floods of 5,000
+/// connections each on the swarm protocol, side by side, announcing
+/// 64 MiB frames: no joined agent is replaced, `status` answers throughout,
+/// and the daemon's memory returns once the flood is over. Prints its
+/// figures; `SWACTOR_FLOOD_ATTEMPTS` sets the attempts per flood.
+#[test]
+fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
+    if std::env::var_os("SWACTOR_FLOOD").is_none() {
+        eprintln!("skipped: set SWACTOR_FLOOD=1 to run the three-flood battery");
+        return;
+    }
+    let attempts: usize = std::env::var("SWACTOR_FLOOD_ATTEMPTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5_000);
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    // The default grace (no lost_grace_s): what a user runs.
+    let body = workers("sec-floods", 4).replace("lost_grace_s = 1.0\n", "");
+    let shape = shape_file(tmp.path(), "four.toml", &body);
+    let d = Daemon::start(&state, &shape);
+    let before = wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 4
+    });
+    let pid = d.child.as_ref().unwrap().id();
+    std::thread::sleep(Duration::from_secs(2));
+    let rss_before = status_kib(pid, "VmRSS:");
+    let addr = ticket_of(&state).addr().clone();
+
+    // `status` every 250 ms while the floods run: the slowest answer, and
+    // how many failed.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = {
+        let (stop, state) = (stop.clone(), state.clone());
+        std::thread::spawn(move || {
+            let (mut slowest, mut failed, mut asked) = (Duration::ZERO, 0, 0);
+            let mut peak_rss = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let started = std::time::Instant::now();
+                let o = cli(&state, &["status"]);
+                slowest = slowest.max(started.elapsed());
+                asked += 1;
+                if !o.status.success() {
+                    failed += 1;
+                    eprintln!("status failed: {}", stderr(&o));
+                }
+                peak_rss = peak_rss.max(status_kib(pid, "VmRSS:"));
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            (slowest, failed, asked, peak_rss)
+        })
+    };
+    let started = std::time::Instant::now();
+    let floods: Vec<_> = (0..3)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                tokio::runtime::Runtime::new()
+                    .unwrap()
+                    .block_on(flood(addr, 100, attempts, 200))
+            })
+        })
+        .collect();
+    let results: Vec<(usize, usize)> = floods.into_iter().map(|f| f.join().unwrap()).collect();
+    let took = started.elapsed();
+    let rss_end = status_kib(pid, "VmRSS:");
+    std::thread::sleep(Duration::from_secs(60));
+    let rss_minute = status_kib(pid, "VmRSS:");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (slowest, failed, asked, peak) = prober.join().unwrap();
+    let after = wait_converged(&state, Duration::from_secs(30), |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 4
+    });
+    let attempts_of =
+        |s: &swactor_actors::ClusterSnapshot| s.nodes.iter().map(|n| n.attempt).collect::<Vec<_>>();
+    let log = d.log();
+    let lost = log.matches("stayed away past its grace").count();
+    eprintln!(
+        "three floods of {attempts} attempts in {took:?}: made/refused per flood {results:?}; \
+         status: {asked} asked, {failed} failed, slowest {slowest:?}; \
+         RSS {rss_before} kB before, peak {peak} kB, {rss_end} kB at the end, {rss_minute} kB a minute later; \
+         agents past their grace: {lost}"
+    );
+    assert_eq!(
+        attempts_of(&after),
+        attempts_of(&before),
+        "a node was replaced"
+    );
+    assert_eq!(lost, 0, "an agent was taken for lost");
+    assert_eq!(failed, 0, "status failed {failed} of {asked} times");
+    assert!(slowest < Duration::from_secs(1), "status took {slowest:?}");
+    assert!(
+        rss_minute <= rss_before + rss_before / 10,
+        "RSS {rss_before} kB before, {rss_minute} kB a minute after"
+    );
+    let o = cli(&state, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

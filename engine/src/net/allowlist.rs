@@ -220,9 +220,10 @@ impl<H: ProtocolHandler> ProtocolHandler for Guarded<H> {
 ///
 /// # Caveats
 /// The caps count connections from the end of the TLS handshake until the
-/// handler returns; handshakes in progress are bounded by QUIC's idle
-/// timeout and iroh's limit on pending connections, and a failed handshake
-/// is still logged by iroh's router.
+/// handler returns; how many handshakes start is bounded by
+/// [`GuardedRouterBuilder::handshake_rate`] where one is set, the ones in
+/// progress by QUIC's idle timeout and iroh's limit on pending
+/// connections, and a failed handshake is still logged by iroh's router.
 #[derive(Debug)]
 pub struct GuardedRouterBuilder {
     inner: iroh::protocol::RouterBuilder,
