@@ -630,7 +630,11 @@ impl<R: Reconciler> World<R> {
             }
         }
         let after = snapshot(&self.host, self.now);
-        if passes > 0 {
+        // A host that has not adopted the provider's inventory yet holds
+        // its passes (it may wait a listing lag for a second listing): it
+        // is not drained, only waiting.
+        let holding = !self.host.adopted() && self.host.shutting_down().is_none();
+        if passes > 0 && !holding {
             self.oracle
                 .on_quiescent(&after, passes, self.config.passes_per_instant_max);
         }
