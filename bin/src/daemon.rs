@@ -236,6 +236,9 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         resume.as_ref(),
         file.as_ref(),
     )?;
+    // The most nodes the run holds now or may ask for at start: every one
+    // of their agents may have to reconnect at once after this start.
+    let fleet = fleet_size(resume.as_ref(), file.as_ref())?;
     // Every provider call is timed and its failures counted for /metrics.
     let metered = |p: Arc<dyn Provider>| crate::http::Metered::wrap(p, metrics.clone());
     let mut providers: Vec<Arc<dyn Provider>> = vec![
@@ -386,9 +389,9 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         // connected CLIs are never counted.
         .handshake_rate(
             Some(&[ALPN_CONTROL, ALPN_TELEMETRY]),
-            HandshakeRate::DEFAULT,
+            handshake_rate(HandshakeRate::DEFAULT),
         )
-        .handshake_rate(None, HandshakeRate::DEFAULT)
+        .handshake_rate(None, handshake_rate(agents_rate(fleet)))
         .spawn();
     let http_addr = http_listener.local_addr()?;
     crate::http::serve(
@@ -1176,4 +1179,68 @@ fn pre_auth_max() -> usize {
         return n;
     }
     swactor_engine::net::PreAuth::DEFAULT_MAX
+}
+
+/// The agents' handshake budget for a run of `fleet` nodes: the default,
+/// or enough for every agent's two links (swarm and jobs) in one burst and
+/// their stragglers within the rejoin window, whichever is larger. A flood
+/// gets no more than the fleet itself may need.
+fn agents_rate(fleet: usize) -> HandshakeRate {
+    let links = u32::try_from(fleet.saturating_mul(2)).unwrap_or(u32::MAX);
+    HandshakeRate {
+        per_second: HandshakeRate::DEFAULT.per_second.max(links / 10),
+        burst: HandshakeRate::DEFAULT.burst.max(links.saturating_add(20)),
+    }
+}
+
+/// The most nodes of the journal's shape and of the shape given.
+fn fleet_size(resume: Option<&JournalImage>, file: Option<&ShapeFile>) -> Result<usize> {
+    let shapes = resume
+        .and_then(|j| j.meta.shape.clone())
+        .into_iter()
+        .chain(file.map(|f| f.to_shape(1)).transpose()?);
+    Ok(shapes
+        .map(|s| s.groups.iter().map(|g| g.count as usize).sum::<usize>())
+        .max()
+        .unwrap_or(0))
+}
+
+/// `rate`, or, in debug builds only, `SWACTOR_FAULT_HANDSHAKE_RATE=
+/// PER_SECOND/BURST` (a flood test measures other budgets with it).
+fn handshake_rate(rate: HandshakeRate) -> HandshakeRate {
+    #[cfg(debug_assertions)]
+    if let Some((per_second, burst)) =
+        std::env::var("SWACTOR_FAULT_HANDSHAKE_RATE")
+            .ok()
+            .and_then(|v| {
+                let (a, b) = v.split_once('/')?;
+                Some((a.parse().ok()?, b.parse().ok()?))
+            })
+    {
+        let given = HandshakeRate { per_second, burst };
+        if given.is_valid() {
+            return given;
+        }
+    }
+    rate
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{HandshakeRate, agents_rate};
+
+    #[test]
+    fn the_agents_handshake_budget_follows_the_fleet() {
+        assert_eq!(agents_rate(0), HandshakeRate::DEFAULT);
+        assert_eq!(agents_rate(4), HandshakeRate::DEFAULT);
+        // 1,000 nodes: their 2,000 links in one burst, stragglers at 200/s.
+        assert_eq!(
+            agents_rate(1_000),
+            HandshakeRate {
+                per_second: 200,
+                burst: 2_020
+            }
+        );
+        assert!(agents_rate(usize::MAX).is_valid());
+    }
 }

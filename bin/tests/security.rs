@@ -176,7 +176,16 @@ fn unauthenticated_peers_cannot_exhaust_the_daemon_or_flood_its_log() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let shape = shape_file(tmp.path(), "one.toml", &workers("sec-flood", 1));
-    let d = Daemon::start(&state, &shape);
+    // Connections here come as fast as the machine makes them; the
+    // handshake rate (tested on its own) would refuse some before the caps
+    // and the allowlist this test is about see them.
+    let d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[("SWACTOR_FAULT_HANDSHAKE_RATE", "100000/100000")],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
     wait_converged(&state, Duration::from_secs(60), |s| s.nodes.len() == 1);
     let pid = d.child.as_ref().unwrap().id();
     // Resident memory, and the address space (an allocation of the declared
@@ -659,7 +668,14 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
     // The default grace (no lost_grace_s): what a user runs.
     let body = workers("sec-floods", 4).replace("lost_grace_s = 1.0\n", "");
     let shape = shape_file(tmp.path(), "four.toml", &body);
-    let d = Daemon::start(&state, &shape);
+    let rate = std::env::var("SWACTOR_FAULT_HANDSHAKE_RATE").unwrap_or_default();
+    let d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[("SWACTOR_FAULT_HANDSHAKE_RATE", rate.as_str())],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
     let before = wait_converged(&state, Duration::from_secs(60), |s| {
         s.nodes.iter().filter(|n| n.ready).count() == 4
     });
