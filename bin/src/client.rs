@@ -1047,7 +1047,7 @@ pub(crate) async fn watch(state_dir: &Path) -> Result<()> {
         SubscribeError::Refused { code, .. } if code == codes::CLOSE_NOT_ALLOWED.into_inner() => {
             client.not_authorised()
         }
-        e => client.not_running(error_chain(&e)),
+        e => client.not_running(swactor_engine::error_chain(&e)),
     });
     let mut sub = match subscribed {
         Ok(sub) => sub,
@@ -1131,18 +1131,6 @@ fn closed_on_purpose(e: &SubscribeError) -> bool {
         if *code == codes::CLOSE_DONE.into_inner() || *code == codes::CLOSE_SHUTDOWN.into_inner())
 }
 
-/// An error and its causes on one line.
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
 /// What `watch` has printed: every line starts with the wall-clock time, and
 /// a line that would repeat the previous one for the same node (or the
 /// previous line at all) is not printed again.
@@ -1221,7 +1209,7 @@ impl WatchView {
             Err(e) if closed_on_purpose(&e) => {
                 Some(Ended::Cleanly("the daemon closed the stream (it stopped)"))
             }
-            Err(e) => Some(Ended::Broken(error_chain(&e))),
+            Err(e) => Some(Ended::Broken(swactor_engine::error_chain(&e))),
         };
         self.out.flush()?;
         Ok(ended)

@@ -36,3 +36,19 @@ pub use timers::{TaskGauge, TimerFired, Timers};
 
 pub use iroh;
 pub use ractor;
+
+/// An error with its causes, `outer: cause: root cause`; a cause whose
+/// words its effect already says is not repeated.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
+}

@@ -455,7 +455,7 @@ async fn attempts_past_the_handshake_rate_are_refused_before_the_handshake() {
     let made = outcomes.iter().filter(|o| o.is_ok()).count();
     let refused: Vec<String> = outcomes
         .iter()
-        .filter_map(|o| o.as_ref().err().map(chain))
+        .filter_map(|o| o.as_ref().err().map(|e| swactor_engine::error_chain(e)))
         .collect();
     eprintln!(
         "{made} of 40 made in {took:?}; first refusal: {:?}",
@@ -499,16 +499,4 @@ async fn attempts_past_the_handshake_rate_are_refused_before_the_handshake() {
     }
     client.close().await;
     server.shutdown().await.unwrap();
-}
-
-/// An error with its sources, as one line.
-fn chain(e: &(impl std::error::Error + ?Sized)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }

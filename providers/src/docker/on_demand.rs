@@ -55,26 +55,11 @@ impl DockerOnDemand {
         }
         let provider = DockerProvider::connect(self.config.clone())
             .await
-            .map_err(|e| ProviderError::Definite(error_chain(&e)))?;
+            .map_err(|e| ProviderError::Definite(swactor_engine::error_chain(&e)))?;
         let _ = self.ready.set(provider.clone());
         *connected = Some(provider.clone());
         Ok(provider)
     }
-}
-
-/// An error and its sources, on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let part = s.to_string();
-        if !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        source = s.source();
-    }
-    text
 }
 
 #[async_trait]
