@@ -1,6 +1,7 @@
 //! The control protocol (`swactor/control/0`): what the CLI asks of a running daemon.
 
 use crate::guard::CHANGES_SHOWN;
+use crate::journal::JournalHealth;
 use crate::protocol::{AgentLogPiece, ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
 use crate::shapefile::{ShapeFile, shape_error};
 use crate::words::{cut, cut_long_words};
@@ -62,6 +63,19 @@ pub(crate) fn refusal(e: &ClusterError) -> String {
     }
 }
 
+/// [`refusal`], unless the cluster is gone because its journal could not be
+/// written: then that is the reason, and the request was not recorded.
+pub(crate) fn refusal_in(e: &ClusterError, journal: &JournalHealth) -> String {
+    match (e, journal.failure()) {
+        (ClusterError::NotRunning, Some(failure)) => format!(
+            "the journal cannot be written ({}), so this was not recorded; the daemon stops \
+             and leaves every node running for the next `swactor up` to adopt",
+            cut_long_words(&failure)
+        ),
+        _ => refusal(e),
+    }
+}
+
 /// The refusal of a shape for another run than the daemon's.
 fn other_run(file: &ShapeFile, run_id: &RunId) -> Option<String> {
     (file.run_id() != *run_id).then(|| {
@@ -78,15 +92,17 @@ fn other_run(file: &ShapeFile, run_id: &RunId) -> Option<String> {
 pub(crate) async fn apply_file(
     cluster: &ClusterHandle,
     run_id: &RunId,
+    journal: &JournalHealth,
     file: &ShapeFile,
 ) -> std::result::Result<(u64, bool), String> {
+    let refusal = |e: &ClusterError| refusal_in(e, journal);
     if let Some(refused) = other_run(file, run_id) {
         return Err(refused);
     }
     let current = cluster
         .snapshot()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| refusal(&e))?
         .generation
         .0;
     let shape_at = |g| file.check(g).map_err(|e| format!("{e:#}"));
@@ -155,9 +171,16 @@ pub(crate) struct ControlHandler {
     pub(crate) vast: Option<swactor_providers::vast::VastProvider>,
     /// The jobs.
     pub(crate) jobs: crate::jobs::service::JobService,
+    /// Whether the journal's writes are failing (a refusal then says so).
+    pub(crate) journal: JournalHealth,
 }
 
 impl ControlHandler {
+    /// A refusal from the cluster in words, the journal's failure first.
+    pub(crate) fn refused(&self, e: &ClusterError) -> String {
+        refusal_in(e, &self.journal)
+    }
+
     /// Answers one request: the CLI's control protocol and the daemon's web
     /// page both come here, so both get the same validation and rules.
     pub(crate) async fn answer(&self, req: ControlRequest) -> ControlResponse {
@@ -170,7 +193,7 @@ impl ControlHandler {
         }
         let result = match req {
             ControlRequest::Apply(file) => {
-                match apply_file(&self.cluster, &self.run_id, &file).await {
+                match apply_file(&self.cluster, &self.run_id, &self.journal, &file).await {
                     Ok((generation, changed)) => {
                         // Said so the caller knows nothing will happen yet.
                         let paused = self.cluster.snapshot().await.is_ok_and(|s| s.paused);
@@ -191,7 +214,7 @@ impl ControlHandler {
                     paused: true,
                     changed,
                 })
-                .map_err(|e| refusal(&e)),
+                .map_err(|e| self.refused(&e)),
             ControlRequest::Resume => self
                 .cluster
                 .resume()
@@ -200,7 +223,7 @@ impl ControlHandler {
                     paused: false,
                     changed,
                 })
-                .map_err(|e| refusal(&e)),
+                .map_err(|e| self.refused(&e)),
             ControlRequest::Plan { shape, all } => self.plan(shape, all).await,
             ControlRequest::Status => self
                 .cluster
@@ -216,7 +239,7 @@ impl ControlHandler {
                     snap.rentals = self.rentals(&snap);
                     ControlResponse::Status(snap)
                 })
-                .map_err(|e| refusal(&e)),
+                .map_err(|e| self.refused(&e)),
             ControlRequest::Describe(node) => self.describe(&node).await,
             ControlRequest::Replace(node) => self.replace(&node).await,
             ControlRequest::Down { keep, purge } => self.down(keep, purge).await,
@@ -268,7 +291,11 @@ impl ControlHandler {
     }
 
     async fn plan(&self, file: Option<ShapeFile>, all: bool) -> Result<ControlResponse, String> {
-        let snapshot = self.cluster.snapshot().await.map_err(|e| refusal(&e))?;
+        let snapshot = self
+            .cluster
+            .snapshot()
+            .await
+            .map_err(|e| self.refused(&e))?;
         let (shape, generation) = match &file {
             None => (None, None),
             Some(f) => {
@@ -283,12 +310,16 @@ impl ControlHandler {
             }
         };
         let next = shape.as_ref().map(ClusterShape::validate);
-        let view = self.cluster.plan(shape).await.map_err(|e| refusal(&e))?;
+        let view = self
+            .cluster
+            .plan(shape)
+            .await
+            .map_err(|e| self.refused(&e))?;
         let mut diff = view.diff;
         let total = crate::guard::changed(&diff);
         let placement_only = match (&next, total) {
             (Some(Ok(next)), 0) => {
-                let inspected = self.cluster.inspect().await.map_err(|e| refusal(&e))?;
+                let inspected = self.cluster.inspect().await.map_err(|e| self.refused(&e))?;
                 !inspected.desired.same_content(next)
             }
             _ => false,
@@ -296,7 +327,7 @@ impl ControlHandler {
         let shown = if all { usize::MAX } else { CHANGES_SHOWN };
         let mut changes = crate::guard::examples(&diff, shown);
         if all && total > changes.len() as u64 {
-            let inspected = self.cluster.inspect().await.map_err(|e| refusal(&e))?;
+            let inspected = self.cluster.inspect().await.map_err(|e| self.refused(&e))?;
             let every = match next {
                 Some(Ok(next)) => every_change(&inspected, &next),
                 _ => every_change(&inspected, &inspected.desired),
@@ -325,7 +356,12 @@ impl ControlHandler {
 
     async fn describe(&self, node: &str) -> Result<ControlResponse, String> {
         let id = LogicalNodeId::parse(node).ok_or_else(|| not_a_node_id(node))?;
-        match self.cluster.describe(id).await.map_err(|e| refusal(&e))? {
+        match self
+            .cluster
+            .describe(id)
+            .await
+            .map_err(|e| self.refused(&e))?
+        {
             Some(mut d) => {
                 // The lease, with what the provider says of it.
                 if let Some(l) = d.lease.take() {
@@ -358,6 +394,7 @@ impl ControlHandler {
                 self.run_id,
                 cut(node)
             )),
+            Err(e @ ClusterError::NotRunning) => Err(self.refused(&e)),
             Err(e) => Err(format!("{}; nothing was changed", refusal(&e))),
         }
     }
@@ -470,7 +507,11 @@ impl ControlHandler {
             ));
         }
         let id = LogicalNodeId::parse(node).ok_or_else(|| not_a_node_id(node))?;
-        let described = self.cluster.describe(id).await.map_err(|e| refusal(&e))?;
+        let described = self
+            .cluster
+            .describe(id)
+            .await
+            .map_err(|e| self.refused(&e))?;
         let Some(d) = described else {
             return in_state_dir(format!("run {} has no node {id} now", self.run_id));
         };

@@ -175,6 +175,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     // One daemon per state directory, taken before anything else is touched.
     let _lock = state.lock()?;
     let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
+    let journal_health = journal.health();
     let start = Start::decide(resume.as_ref(), file.as_ref(), state.root())?;
     if let Some(shape) = checked.as_ref().filter(|_| !fresh) {
         confirm_start(resume.as_ref(), shape, opts.yes).await?;
@@ -355,6 +356,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         provider: provider.clone(),
         vast,
         jobs: jobs.clone(),
+        journal: journal_health.clone(),
     };
     // Connections that have not joined yet (swarm and jobs together).
     let pre_auth = swactor_engine::net::PreAuth::new(pre_auth_max());
@@ -418,7 +420,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     let mut finish_teardown = false;
     match &start.what {
         StartWhat::Apply(file) => {
-            if let Err(e) = offer_on_start(&cluster, &run_id, file).await {
+            if let Err(e) = offer_on_start(&cluster, &run_id, &journal_health, file).await {
                 // The shape was refused (e.g. over capacity): stop as if this
                 // `up` had never run, leaving what an earlier daemon left.
                 let _ = cluster.shutdown(ShutdownMode::Keep).await;
@@ -733,12 +735,17 @@ fn nothing_to_resume(dir: &Path) -> anyhow::Error {
 /// `up SHAPE`: once the earlier daemon's nodes are adopted, applies the
 /// shape (its plan was shown before the daemon started), with the same rules
 /// as `apply`.
-async fn offer_on_start(cluster: &ClusterHandle, run_id: &RunId, file: &ShapeFile) -> Result<()> {
+async fn offer_on_start(
+    cluster: &ClusterHandle,
+    run_id: &RunId,
+    journal: &crate::journal::JournalHealth,
+    file: &ShapeFile,
+) -> Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !cluster.snapshot().await?.inventory_read && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    match apply_file(cluster, run_id, file).await {
+    match apply_file(cluster, run_id, journal, file).await {
         Ok((generation, true)) => eprintln!("swactor: applied generation {generation}"),
         Ok((generation, false)) => {
             eprintln!("swactor: the shape is generation {generation} already; nothing to change")

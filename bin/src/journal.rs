@@ -19,6 +19,36 @@ const KIND: &str = "swactor-cluster";
 pub(crate) struct DaemonJournal {
     journal: Journal,
     image: Arc<Mutex<Option<JournalImage>>>,
+    health: JournalHealth,
+}
+
+/// Why the journal's last write failed, if it did: the cluster stops on
+/// such a failure, dropping what it was asked, and whoever asked is told
+/// this rather than only that the cluster is gone.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct JournalHealth(Arc<Mutex<Option<String>>>);
+
+impl JournalHealth {
+    /// The last write's error, unless a write has succeeded since.
+    pub(crate) fn failure(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Records a failure, keeping the first since the last success (a
+    /// storage that failed once may only say so on later writes).
+    fn failed(&self, failure: String) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert(failure);
+    }
+
+    fn succeeded(&self) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
 }
 
 impl DaemonJournal {
@@ -48,7 +78,15 @@ impl DaemonJournal {
                 );
             }
             let image = Arc::new(Mutex::new(None));
-            return Ok((Self { journal, image }, None));
+            let health = JournalHealth::default();
+            return Ok((
+                Self {
+                    journal,
+                    image,
+                    health,
+                },
+                None,
+            ));
         };
         let mut slots = swactor_provisioning::NodeTable::new();
         for (node, record) in records {
@@ -66,9 +104,15 @@ impl DaemonJournal {
             Self {
                 journal,
                 image: mirror,
+                health: JournalHealth::default(),
             },
             Some(image),
         ))
+    }
+
+    /// Whether its writes are failing, for those who explain refusals.
+    pub(crate) fn health(&self) -> JournalHealth {
+        self.health.clone()
     }
 }
 
@@ -84,10 +128,12 @@ impl JournalStore for DaemonJournal {
                 .collect(),
             delete: delta.remove.iter().map(ToString::to_string).collect(),
         };
-        self.journal
-            .commit(batch)
-            .await
-            .map_err(|e| format!("{}: {e}", self.journal.path().display()))?;
+        if let Err(e) = self.journal.commit(batch).await {
+            let failure = swactor_engine::error_chain(&e);
+            self.health.failed(failure.clone());
+            return Err(failure);
+        }
+        self.health.succeeded();
         // Mirrored only once durable.
         let mut image = self.image.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(meta) = &delta.meta {

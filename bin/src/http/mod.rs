@@ -927,7 +927,7 @@ async fn api_scale(State(web): State<Arc<Web>>, body: Body) -> Response {
 async fn scale(web: &Web, group: &str, count: u32, yes: bool) -> Response {
     let view = match web.control.cluster.inspect().await {
         Ok(v) => v,
-        Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, &web.control.refused(&e)),
     };
     let Some(mut shape) = view.shape.clone() else {
         return refuse(
@@ -987,6 +987,9 @@ async fn scale(web: &Web, group: &str, count: u32, yes: bool) -> Response {
                 ApplyError::OverCapacity { .. } | ApplyError::Update(UpdateError::Invalid(_)),
             ),
         ) => refuse(StatusCode::BAD_REQUEST, &crate::control::refusal(&e)),
+        Err(e @ ClusterError::NotRunning) => {
+            refuse(StatusCode::SERVICE_UNAVAILABLE, &web.control.refused(&e))
+        }
         Err(e) => refuse(
             StatusCode::CONFLICT,
             &format!(
