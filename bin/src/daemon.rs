@@ -1047,17 +1047,45 @@ async fn vast_provider(
         Err(e) => anyhow::bail!("cannot start the vast provider: {e}; nothing was started"),
     };
     if used.is_some() {
-        vast.check_access().await.map_err(|e| {
-            anyhow::anyhow!(
-                "{e}; nothing new was rented (instances rented before are left running, \
-                     and the next `swactor up` adopts them)"
-            )
-        })?;
+        check_vast_access(&vast).await?;
         if let Some(warning) = binary.warning() {
             eprintln!("swactor: warning: {warning}");
         }
     }
     Ok(Some((vast, used.is_some())))
+}
+
+/// Checks the vast key before anything is rented. A service that cannot be
+/// read just now (rate limits, errors, answers cut off) is asked again with
+/// a growing wait, each wait said, for up to `SWACTOR_VAST_ACCESS_WAIT_S`
+/// (default 600 s); a refused key stops the daemon at once.
+async fn check_vast_access(vast: &VastProvider) -> Result<()> {
+    use swactor_providers::vast::AccessError;
+    let patience = env_seconds("SWACTOR_VAST_ACCESS_WAIT_S")?.unwrap_or(Duration::from_secs(600));
+    let started = std::time::Instant::now();
+    let mut wait = Duration::from_secs(1);
+    let stop = |e: &AccessError| {
+        anyhow::anyhow!(
+            "{e}; nothing new was rented (instances rented before are left running, \
+             and the next `swactor up` adopts them)"
+        )
+    };
+    loop {
+        match vast.check_access().await {
+            Ok(()) => return Ok(()),
+            Err(e @ AccessError::Unavailable(_)) if started.elapsed() + wait <= patience => {
+                eprintln!(
+                    "swactor: {e}; asking again in {} s (nothing is rented before it answers; \
+                     giving up after {} s in all)",
+                    wait.as_secs(),
+                    patience.as_secs()
+                );
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(30));
+            }
+            Err(e) => return Err(stop(&e)),
+        }
+    }
 }
 
 /// The daemon's peak resident memory, from `/proc/self/status`.

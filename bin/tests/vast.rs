@@ -543,6 +543,11 @@ fn a_wrong_key_is_refused_in_words_that_never_hold_a_key() {
     let p = VastProvider::new(config).unwrap();
     rt().block_on(async {
         let e = p.check_access().await.unwrap_err();
+        assert!(
+            matches!(e, swactor_providers::vast::AccessError::Refused(_)),
+            "a refused key is final: {e:?}"
+        );
+        let e = e.to_string();
         assert!(e.contains("refused the API key"), "{e}");
         assert!(!e.contains("wrong-key-0123456789") && !e.contains(w.mock.api_key()));
         let e = p
@@ -1088,4 +1093,87 @@ fn a_seeded_battery_of_faults_ends_converged_with_one_create_per_label_and_nothi
             w.mock.creates_total()
         );
     }
+}
+
+/// Issue 30's restart test: ten vast nodes and ten `kill -9` restarts of the
+/// daemon. Agents still running rejoin the restarted daemon; none is
+/// refused, so no healthy node is replaced and no machine rented again.
+/// `SWACTOR_VAST_RESTARTS` sets the restarts (default 10).
+#[test]
+fn ten_restarts_replace_no_healthy_vast_node() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let restarts: u32 = std::env::var("SWACTOR_VAST_RESTARTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let w = World::new(offers(12, 0.3));
+    let shape = w.shape("ten.toml", 10, "");
+    let mut d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let first = w.ready(&d, 10);
+    let attempts = |s: &swactor_actors::ClusterSnapshot| -> BTreeMap<String, u64> {
+        s.nodes
+            .iter()
+            .map(|n| (n.node.to_string(), n.attempt.0))
+            .collect()
+    };
+    let before = attempts(&first);
+    assert_eq!(w.mock.creates_total(), 10, "{}", d.log());
+    for i in 0..restarts {
+        d.kill9();
+        drop(d);
+        let started = std::time::Instant::now();
+        d = w
+            .up(&shape, &w.env())
+            .unwrap_or_else(|e| panic!("restart {i}: {}", e.log));
+        let snap = w.ready(&d, 10);
+        eprintln!("restart {i}: 10 ready again in {:?}", started.elapsed());
+        assert_eq!(
+            attempts(&snap),
+            before,
+            "restart {i}: a healthy node was replaced\n{}",
+            d.last_log()
+        );
+        assert_eq!(w.mock.creates_total(), 10, "restart {i}: {}", d.last_log());
+        assert!(
+            !d.last_log().contains("is not a node of this cluster"),
+            "restart {i}: a rejoin was refused\n{}",
+            d.last_log()
+        );
+    }
+    assert_eq!(w.mock.live_instances(), 10);
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+}
+
+/// A 429 burst and answers cut off mid-JSON, more than one read retries,
+/// when the daemon starts: it waits, says so, and converges once the service
+/// answers (it used to exit). A refused key still stops it at once.
+#[test]
+fn faults_at_start_are_waited_out_and_said() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let w = World::new(offers(4, 0.3));
+    let shape = w.shape("two.toml", 2, "");
+    w.mock.rate_burst(swactor_vastmock::Endpoint::List, 2);
+    w.mock.malformed(swactor_vastmock::Endpoint::List, 8);
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    w.ready(&d, 2);
+    let log = d.last_log();
+    assert!(
+        log.contains("asking again in 1 s"),
+        "the wait is said: {log}"
+    );
+    assert_eq!(w.mock.creates_total(), 2, "{log}");
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
 }

@@ -306,6 +306,18 @@ fn onstart(public_key: &str) -> String {
     )
 }
 
+/// Why the access check failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AccessError {
+    /// The service refused the key or the request: asking again will not help.
+    #[error("{0}")]
+    Refused(String),
+    /// The service could not be read just now (rate limited, failing, no
+    /// answer, an answer cut off): it may answer later.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
 impl VastProvider {
     /// A provider keeping its files in `{state_dir}/vast`.
     ///
@@ -349,23 +361,25 @@ impl VastProvider {
     ///
     /// # Errors
     /// The service refused the key or could not be reached.
-    pub async fn check_access(&self) -> Result<(), String> {
-        self.page(None, None)
-            .await
-            .map(|_| ())
-            .map_err(|e| match e {
-                ApiError::Status {
-                    status: 401 | 403, ..
-                } => format!(
-                    "the Vast.ai service at {} refused the API key ({e}); check VAST_API_KEY or ~/.vast_api_key",
-                    self.shared.api.base()
-                ),
-                e @ ApiError::Malformed(_) => format!(
-                    "the Vast.ai service at {} answered in a way Swactor cannot read ({e})",
-                    self.shared.api.base()
-                ),
-                e => format!("cannot reach the Vast.ai service at {}: {e}", self.shared.api.base()),
-            })
+    pub async fn check_access(&self) -> Result<(), AccessError> {
+        let base = self.shared.api.base();
+        self.page(None, None).await.map(|_| ()).map_err(|e| match e {
+            ApiError::Status {
+                status: 401 | 403, ..
+            } => AccessError::Refused(format!(
+                "the Vast.ai service at {base} refused the API key ({e}); check VAST_API_KEY or ~/.vast_api_key"
+            )),
+            // Another client error: a wrong URL, a route that is not there.
+            ApiError::Status { status, .. } if (400..500).contains(&status) && status != 408 && status != 429 => {
+                AccessError::Refused(format!(
+                    "the Vast.ai service at {base} answered in a way Swactor cannot use ({e})"
+                ))
+            }
+            e @ ApiError::Malformed(_) => AccessError::Unavailable(format!(
+                "the Vast.ai service at {base} answered in a way Swactor cannot read ({e})"
+            )),
+            e => AccessError::Unavailable(format!("cannot reach the Vast.ai service at {base}: {e}")),
+        })
     }
 
     /// What `status` shows of each node's instance: the offer, the machine,

@@ -970,6 +970,17 @@ enum Todo {
     AgentLost(LogicalNodeId, NodeAttemptId, String),
 }
 
+/// An attempt the journal names that a listing does not hold.
+struct Unlisted {
+    key: ResourceKey,
+    /// Whether it was ever seen created.
+    created: bool,
+    /// Whether its slot still wants the template it was made from.
+    wanted: bool,
+    /// Its slot's failures so far.
+    failures: u32,
+}
+
 #[derive(Clone, Debug)]
 enum Adoption {
     /// Waiting for the provider's inventory.
@@ -2906,28 +2917,10 @@ impl<C: Reconciler> Host<C> {
             return false;
         };
         let listed_keys: BTreeSet<ResourceKey> = listed.iter().map(|l| l.key.clone()).collect();
-        let desired: Vec<(LogicalNodeId, Arc<NodeTemplate>)> = self
-            .slots
-            .keys()
-            .filter_map(|node| Some((node, self.core.desired().slot(&node)?.clone())))
-            .collect();
-        let desired: BTreeMap<LogicalNodeId, u64> = desired
-            .into_iter()
-            .map(|(node, t)| (node, self.digest(&t)))
-            .collect();
-        let run = self.meta.run_id.clone();
         let missing = self
-            .slots
+            .unlisted(&listed_keys)
             .iter()
-            .filter(|(node, r)| {
-                let key = ResourceKey {
-                    run_id: run.clone(),
-                    node: *node,
-                    attempt: r.attempt,
-                };
-                let wanted = desired.get(node) == Some(&r.template);
-                !listed_keys.contains(&key) && (r.created || !wanted)
-            })
+            .filter(|u| u.created || !u.wanted)
             .count();
         if missing == 0 {
             return false;
@@ -2944,6 +2937,37 @@ impl<C: Reconciler> Host<C> {
             window as f64 / 1000.0
         ));
         true
+    }
+
+    /// The journal's attempts that `listed` does not hold, in slot order.
+    fn unlisted(&mut self, listed: &BTreeSet<ResourceKey>) -> Vec<Unlisted> {
+        // The digest of each slot's desired template, where it has one.
+        let templates: Vec<(LogicalNodeId, Arc<NodeTemplate>)> = self
+            .slots
+            .keys()
+            .filter_map(|node| Some((node, self.core.desired().slot(&node)?.clone())))
+            .collect();
+        let desired: BTreeMap<LogicalNodeId, u64> = templates
+            .into_iter()
+            .map(|(node, t)| (node, self.digest(&t)))
+            .collect();
+        let run = &self.meta.run_id;
+        self.slots
+            .iter()
+            .filter_map(|(node, r)| {
+                let key = ResourceKey {
+                    run_id: run.clone(),
+                    node,
+                    attempt: r.attempt,
+                };
+                (!listed.contains(&key)).then(|| Unlisted {
+                    key,
+                    created: r.created,
+                    wanted: desired.get(&node) == Some(&r.template),
+                    failures: r.failures,
+                })
+            })
+            .collect()
     }
 
     /// Adopts the journal's records and the inventory once both it and a
@@ -2963,7 +2987,6 @@ impl<C: Reconciler> Host<C> {
         else {
             return;
         };
-        let run = self.meta.run_id.clone();
         // What each key holds, as listed; journal records join in below.
         let mut held: BTreeMap<ResourceKey, (Option<LeaseId>, Option<SessionId>)> = BTreeMap::new();
         for l in listed {
@@ -2974,32 +2997,21 @@ impl<C: Reconciler> Host<C> {
         }
         let mut keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
         let mut presumed_gone = Vec::new();
-        // The digest of each slot's desired template, where it has one.
-        let desired: NodeTable<u64> = self
-            .slots
-            .keys()
-            .filter_map(|node| Some((node, self.core.desired().slot(&node)?.clone())))
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|(node, t)| (node, self.digest(&t)))
-            .collect();
-        for (node, r) in self.slots.iter() {
-            let key = ResourceKey {
-                run_id: run.clone(),
-                node,
-                attempt: r.attempt,
-            };
-            if held.contains_key(&key) {
-                continue;
-            }
-            let wanted = desired.get(&node) == Some(&r.template);
-            if r.created {
+        let listed_keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
+        for Unlisted {
+            key,
+            created,
+            wanted,
+            failures,
+        } in self.unlisted(&listed_keys)
+        {
+            if created {
                 // It existed and is not listed: gone (or not visible yet).
                 // Making it again would make a second machine of one
                 // identity; a sweep finds it if it is only invisible.
                 if wanted {
                     // Its slot's next attempt carries on from its failures.
-                    self.core.carry_failures(node, r.failures);
+                    self.core.carry_failures(key.node, failures);
                 }
                 presumed_gone.push(key);
             } else if wanted {

@@ -158,12 +158,16 @@ async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
             Ok(Some(other)) => return Err(crate::client::unexpected(&other)),
             Ok(None) | Err(_) => {
                 lines.flush()?;
+                let why = match next {
+                    Err(e) => format!(" ({e:#})"),
+                    _ => " (it ended the stream)".to_owned(),
+                };
                 match &job {
                     Some(id) => bail!(
-                        "lost contact with the daemon; {id} goes on without this CLI \
+                        "lost contact with the daemon{why}; {id} goes on without this CLI \
                          (`swactor jobs`, `swactor job logs {id}`, `swactor job outputs {id}`)"
                     ),
-                    None => bail!("lost contact with the daemon before it accepted the job"),
+                    None => bail!("lost contact with the daemon{why} before it accepted the job"),
                 }
             }
         };

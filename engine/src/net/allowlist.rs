@@ -107,13 +107,7 @@ impl<H> Guarded<H> {
     /// Counts a refusal, logging it only if it is the first after a quiet
     /// interval; the rest reach the log as summaries (see [`RefusalLog`]).
     fn record_refusal(&self, refusal: Refusal, peer: EndpointId) {
-        let now = tokio::time::Instant::now().into_std();
-        let first = self
-            .refusals
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .handle_refusal(refusal, now);
-        if !first {
+        if !count_refusal(&self.refusals, refusal, || self.alpn_text()) {
             return;
         }
         let alpn = self.alpn_text();
@@ -132,10 +126,27 @@ impl<H> Guarded<H> {
                 "refusing connection; further refusals are summarised"
             ),
         }
-        // One flusher per busy window: it logs the summaries and ends with
-        // the window, so a burst that stops is still reported.
-        tokio::spawn(flush_refusal_summaries(Arc::clone(&self.refusals), alpn));
     }
+}
+
+/// Counts a refusal in `log`. True when it is the first after a quiet
+/// interval: the caller logs that one, and a flusher starts that logs the
+/// summaries of the rest under `label` and ends with the busy window (so a
+/// burst that stops is still reported).
+fn count_refusal(
+    log: &Arc<Mutex<RefusalLog>>,
+    refusal: Refusal,
+    label: impl FnOnce() -> String,
+) -> bool {
+    let now = tokio::time::Instant::now().into_std();
+    let first = log
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .handle_refusal(refusal, now);
+    if first {
+        tokio::spawn(flush_refusal_summaries(Arc::clone(log), label()));
+    }
+    first
 }
 
 async fn flush_refusal_summaries(log: Arc<Mutex<RefusalLog>>, alpn: String) {
@@ -357,11 +368,7 @@ impl GuardedRouterBuilder {
             if admitted {
                 return IncomingFilterOutcome::Accept;
             }
-            let first = log
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .handle_refusal(Refusal::HandshakeRate, now);
-            if first {
+            if count_refusal(&log, Refusal::HandshakeRate, || "this endpoint".to_owned()) {
                 let protocols: Vec<String> = offered
                     .iter()
                     .map(|a| String::from_utf8_lossy(a).into_owned())
@@ -372,10 +379,6 @@ impl GuardedRouterBuilder {
                     burst = class.rate.burst,
                     "refusing new connections over the handshake rate; further refusals are summarised"
                 );
-                tokio::spawn(flush_refusal_summaries(
-                    Arc::clone(&log),
-                    "this endpoint".to_owned(),
-                ));
             }
             IncomingFilterOutcome::Reject
         };

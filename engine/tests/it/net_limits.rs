@@ -287,6 +287,20 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
 }
 
 impl Captured {
+    /// Captures what this thread logs at INFO and above until the guard
+    /// drops (a test's runtime has one thread, so every task of its server
+    /// logs here).
+    fn start() -> (Self, tracing::subscriber::DefaultGuard) {
+        let captured = Self::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(captured.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .finish();
+        let guard = tracing::subscriber::set_default(subscriber);
+        (captured, guard)
+    }
+
     fn lines(&self) -> Vec<String> {
         let bytes = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         String::from_utf8_lossy(&bytes)
@@ -315,14 +329,7 @@ const REFUSALS: usize = 1_000;
 
 #[tokio::test]
 async fn a_thousand_refusals_log_fewer_than_twenty_lines() {
-    let captured = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(captured.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    // This runtime has one thread, so every task of the server logs here.
-    let _logging = tracing::subscriber::set_default(subscriber);
+    let (captured, _logging) = Captured::start();
 
     // Long enough that a slow machine (a refusal is a full handshake, about
     // 10 ms here in a debug build) stays far below 20 summaries.
@@ -418,13 +425,7 @@ async fn every_peer_on_a_linked_allowlist_is_served_at_once() {
 #[tokio::test]
 async fn attempts_past_the_handshake_rate_are_refused_before_the_handshake() {
     use swactor_engine::net::HandshakeRate;
-    let captured = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(captured.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    let _logging = tracing::subscriber::set_default(subscriber);
+    let (captured, _logging) = Captured::start();
 
     let rate = HandshakeRate {
         per_second: 2,
