@@ -421,10 +421,19 @@ async fn run(p: &dyn Provider, d: &Dispatch) -> (OperationOutcome, Option<Bootst
                 Err(e) => (failed(e), None),
             }
         }
-        EffectRequest::DestroyLease { lease } => match p.destroy_lease(key, lease).await {
-            Ok(()) => (OperationOutcome::LeaseDestroyed, None),
-            Err(e) => (failed(e), None),
-        },
+        EffectRequest::DestroyLease {
+            lease,
+            failed: failure,
+        } => {
+            let destroyed = match failure {
+                Some(why) => p.destroy_failed_lease(key, lease, why).await,
+                None => p.destroy_lease(key, lease).await,
+            };
+            match destroyed {
+                Ok(()) => (OperationOutcome::LeaseDestroyed, None),
+                Err(e) => (failed(e), None),
+            }
+        }
     }
 }
 

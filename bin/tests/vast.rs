@@ -1177,3 +1177,73 @@ fn faults_at_start_are_waited_out_and_said() {
     let o = cli(&w.state(), &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Issue 30, fix 3: a machine whose node failed after it was ready (its
+/// instance exited, or its agent died) is not rented again for the node's
+/// replacement, and the skip survives a restart of the daemon (it is kept
+/// on disk, with its reason and expiry).
+#[test]
+fn a_machine_whose_node_failed_is_skipped_across_restarts() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    // Machines 700, 701, 702, cheapest first.
+    let w = World::new(offers(3, 0.3));
+    let shape = w.shape("one.toml", 1, "");
+    let live_offer = || {
+        let live: Vec<u64> = w
+            .mock
+            .instances()
+            .into_iter()
+            .filter(|i| !i.destroyed && i.actual_status.as_deref() != Some("exited"))
+            .map(|i| i.offer_id)
+            .collect();
+        assert!(live.len() <= 1, "one node, one live instance: {live:?}");
+        live.first().copied()
+    };
+    let kill_live = || {
+        let victim = w
+            .mock
+            .instances()
+            .into_iter()
+            .find(|i| !i.destroyed && i.actual_status.as_deref() == Some("running"))
+            .expect("a running instance");
+        assert_eq!(w.mock.kill(Selector::Id(victim.id), Death::Exited), 1);
+        victim.offer_id
+    };
+    let mut d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    w.ready(&d, 1);
+    assert_eq!(live_offer(), Some(5000));
+
+    // Its instance exits: the node fails and is replaced elsewhere.
+    assert_eq!(kill_live(), 5000);
+    wait_for(CONVERGE, "a second rental", || w.mock.creates_total() == 2);
+    w.ready(&d, 1);
+    assert_eq!(live_offer(), Some(5001), "{}", d.last_log());
+
+    // A restart forgets nothing. The next node fails another way (its agent
+    // dies while the instance runs on): its machine is skipped too, and the
+    // replacement goes to the third machine, not back to the cheapest.
+    d.kill9();
+    drop(d);
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    w.ready(&d, 1);
+    let second = w
+        .mock
+        .instances()
+        .into_iter()
+        .find(|i| !i.destroyed && i.actual_status.as_deref() == Some("running"))
+        .expect("a running instance");
+    assert_eq!(second.offer_id, 5001);
+    w.kill_agents_in(&second.dir);
+    wait_for(CONVERGE, "a third rental", || w.mock.creates_total() == 3);
+    w.ready(&d, 1);
+    assert_eq!(live_offer(), Some(5002), "{}", d.last_log());
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

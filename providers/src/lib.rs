@@ -165,6 +165,19 @@ pub trait Provider: Send + Sync + 'static {
     /// Releases a lease; already gone is success.
     async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError>;
 
+    /// Releases the lease of an attempt that failed, for `reason`: a
+    /// provider that chooses machines may avoid this one for a while. By
+    /// default, [`Provider::destroy_lease`].
+    async fn destroy_failed_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        reason: &str,
+    ) -> Result<(), ProviderError> {
+        let _ = reason;
+        self.destroy_lease(key, lease).await
+    }
+
     /// Everything this provider holds for `run_id`, for adoption and garbage collection.
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError>;
 

@@ -133,6 +133,17 @@ impl Provider for Providers {
         self.of_lease(lease)?.destroy_lease(key, lease).await
     }
 
+    async fn destroy_failed_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        reason: &str,
+    ) -> Result<(), ProviderError> {
+        self.of_lease(lease)?
+            .destroy_failed_lease(key, lease, reason)
+            .await
+    }
+
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
         let mut all = Inventory::new();
         for p in &self.all {

@@ -30,6 +30,12 @@
 //!   failed boot, or loading past `load_timeout_s` end the attempt (reported
 //!   as [`ProviderError::Gone`]: the instance will never serve; the core still
 //!   destroys it), and its machine is skipped by later creates.
+//! - **Skipped machines**: a machine is skipped for
+//!   [`VastConfig::bad_machine_ttl`] after a create or a lookup fails on it,
+//!   and after any node on it fails later (its instance exits, its agent
+//!   stays away: the core's destroy says why, [`Provider::destroy_failed_lease`]).
+//!   The list, with each reason and expiry, is kept in
+//!   `{state}/vast/bad_machines.json`, so a restarted daemon skips them too.
 //! - **Bootstrap**: the daemon's SSH key (`{state}/ssh/id_ed25519`) is put in
 //!   `~/.ssh/authorized_keys` by the create's `onstart` script; the agent is
 //!   then uploaded and started as the `ssh` provider does ([`crate::ssh`]'s
@@ -209,14 +215,46 @@ struct SessionEntry {
     _stop: oneshot::Sender<()>,
 }
 
+/// Where the machines to skip are kept, under `{state}/vast`.
+const BAD_MACHINES_FILE: &str = "bad_machines.json";
+
+/// A machine to skip: until when (ms since the Unix epoch, wall clock, as
+/// it must hold across a restart) and why.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct BadMachine {
+    until_unix_ms: u64,
+    reason: String,
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The machines to skip kept at `path` that are still to be skipped (none
+/// when the file is missing or unreadable: it only steers the next rentals).
+fn read_bad_machines(path: &std::path::Path) -> BTreeMap<u64, BadMachine> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return BTreeMap::new();
+    };
+    let mut bad: BTreeMap<u64, BadMachine> = serde_json::from_str(&text).unwrap_or_else(|e| {
+        tracing::warn!(path = %path.display(), error = %e, "ignoring an unreadable list of machines to skip");
+        BTreeMap::new()
+    });
+    let now = unix_ms(SystemTime::now());
+    bad.retain(|_, b| b.until_unix_ms > now);
+    bad
+}
+
 struct Shared {
     config: VastConfig,
     api: Api,
     /// `{state}/vast`.
     dir: PathBuf,
     identity: Arc<SshIdentity>,
-    /// Machines to skip, until when, and why.
-    bad_machines: Mutex<HashMap<u64, (Instant, String)>>,
+    /// Machines to skip, until when, and why; kept in
+    /// `{state}/vast/bad_machines.json` so that a restart skips them too.
+    bad_machines: Mutex<BTreeMap<u64, BadMachine>>,
     /// When each instance without a record was first seen (its load timeout
     /// runs from there).
     first_seen: Mutex<HashMap<u64, Instant>>,
@@ -336,13 +374,14 @@ impl VastProvider {
             .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
         let identity = SshIdentity::load_or_generate(&config.state_dir.join("ssh"))
             .map_err(|e| e.to_string())?;
+        let bad_machines = read_bad_machines(&dir.join(BAD_MACHINES_FILE));
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
                 api,
                 dir,
                 identity: Arc::new(identity),
-                bad_machines: Mutex::new(HashMap::new()),
+                bad_machines: Mutex::new(bad_machines),
                 first_seen: Mutex::new(HashMap::new()),
                 endpoints: Mutex::new(HashMap::new()),
                 connections: Mutex::new(HashMap::new()),
@@ -463,19 +502,34 @@ impl VastProvider {
         let Some(m) = machine.filter(|m| *m != 0) else {
             return;
         };
-        let until = Instant::now() + self.shared.config.bad_machine_ttl;
+        let until_unix_ms = unix_ms(SystemTime::now() + self.shared.config.bad_machine_ttl);
         tracing::info!(
             machine = m,
             reason = why,
             "skipping a machine for the next creates"
         );
-        lock(&self.shared.bad_machines).insert(m, (until, why.to_owned()));
+        let mut bad = lock(&self.shared.bad_machines);
+        bad.insert(
+            m,
+            BadMachine {
+                until_unix_ms,
+                reason: why.to_owned(),
+            },
+        );
+        let now = unix_ms(SystemTime::now());
+        bad.retain(|_, b| b.until_unix_ms > now);
+        let path = self.shared.dir.join(BAD_MACHINES_FILE);
+        // Kept in memory whatever happens; a restart forgets what could
+        // not be written, and says so here.
+        if let Err(e) = write_durably(&path, &*bad) {
+            tracing::warn!(error = %e, "cannot keep the machines to skip across a restart");
+        }
     }
 
     fn is_bad(&self, machine: u64) -> bool {
         let mut bad = lock(&self.shared.bad_machines);
-        let now = Instant::now();
-        bad.retain(|_, (until, _)| *until > now);
+        let now = unix_ms(SystemTime::now());
+        bad.retain(|_, b| b.until_unix_ms > now);
         bad.contains_key(&machine)
     }
 
@@ -1302,6 +1356,28 @@ impl Provider for VastProvider {
             )));
         }
         Ok(())
+    }
+
+    /// Its machine is skipped by later creates, whatever the reason: an
+    /// instance that served and then failed may fail the next node too.
+    async fn destroy_failed_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        reason: &str,
+    ) -> Result<(), ProviderError> {
+        let id = instance_of(lease)?;
+        let shown = lock(&self.shared.shown)
+            .get(key)
+            .filter(|i| i.instance == id)
+            .map(|i| i.machine);
+        let machine = shown.filter(|m| *m != 0).or_else(|| {
+            self.record(key)
+                .filter(|r| r.instance == Some(id))
+                .map(|r| r.machine)
+        });
+        self.mark_bad(machine, &format!("{key} failed on it: {reason}"));
+        self.destroy_lease(key, lease).await
     }
 
     async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {

@@ -162,6 +162,11 @@ pub enum EffectRequest {
     DestroyLease {
         /// The lease.
         lease: LeaseId,
+        /// Why its attempt failed, when it did (not when it is removed by
+        /// a scale-down, a rollout or a teardown): a provider may avoid
+        /// the machine for a while.
+        #[serde(default)]
+        failed: Option<String>,
     },
 }
 
@@ -1487,6 +1492,7 @@ impl Driver {
             },
             EffectKind::DestroyLease => EffectRequest::DestroyLease {
                 lease: rec.lease.clone().ok_or_else(|| missing("lease"))?,
+                failed: rec.failed_reason().map(str::to_owned),
             },
         };
         let op = OperationId {

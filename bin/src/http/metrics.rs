@@ -590,6 +590,18 @@ impl Provider for Metered {
         r
     }
 
+    async fn destroy_failed_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+        reason: &str,
+    ) -> Result<(), ProviderError> {
+        let started = Instant::now();
+        let r = self.inner.destroy_failed_lease(key, lease, reason).await;
+        self.record("destroy_lease", started, &r);
+        r
+    }
+
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
         let started = Instant::now();
         // Debug builds only: `SWACTOR_FAULT_LIST_DELAY_MS=N` holds every

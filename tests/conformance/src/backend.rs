@@ -1649,7 +1649,7 @@ impl FakeBackend {
                     Err(e) => failed(e),
                 }
             }
-            EffectRequest::DestroyLease { lease } => match self.destroy_lease(lease, now) {
+            EffectRequest::DestroyLease { lease, .. } => match self.destroy_lease(lease, now) {
                 Ok(()) => OperationOutcome::LeaseDestroyed,
                 Err(e) => failed(e),
             },

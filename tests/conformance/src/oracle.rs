@@ -1436,7 +1436,8 @@ impl Oracle {
                 EffectRequest::CancelBootstrap { session } => {
                     provider.session_owner(session).map(|(k, _)| k.clone())
                 }
-                EffectRequest::DestroyLease { lease } | EffectRequest::LookupEndpoint { lease } => {
+                EffectRequest::DestroyLease { lease, .. }
+                | EffectRequest::LookupEndpoint { lease } => {
                     provider.lease_owner(lease).map(|(k, _)| k.clone())
                 }
                 EffectRequest::StartBootstrap { lease, .. } => {

@@ -186,6 +186,7 @@ fn run(config: BackendConfig, seed: u64, ops: u32) -> u64 {
                     },
                     _ => EffectRequest::DestroyLease {
                         lease: pick(&mut rng, &leases).expect("leases").clone(),
+                        failed: None,
                     },
                 };
                 let out = b.execute(&key, &request, now);

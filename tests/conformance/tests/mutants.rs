@@ -128,7 +128,10 @@ impl Mutant {
                             .get(&d.key.node)
                             .and_then(|n| n.record.lease.clone())
                     {
-                        d.request = EffectRequest::DestroyLease { lease };
+                        d.request = EffectRequest::DestroyLease {
+                            lease,
+                            failed: None,
+                        };
                     }
                 }
             }
@@ -158,7 +161,7 @@ impl Mutant {
             }
             Mutation::ScaleDownLowestIndex => {
                 for d in &mut pass.dispatches {
-                    let EffectRequest::DestroyLease { lease } = &mut d.request else {
+                    let EffectRequest::DestroyLease { lease, .. } = &mut d.request else {
                         continue;
                     };
                     if desired.slot(&d.key.node).is_some() {
