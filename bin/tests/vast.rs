@@ -1247,3 +1247,43 @@ fn a_machine_whose_node_failed_is_skipped_across_restarts() {
     let o = cli(&w.state(), &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Issue 30, fix 5: `examples/vast.toml`, as written, converges on the mock
+/// with its default offers: two offers fit its query, and its boot check,
+/// `nvidia-smi`, finds the mock's, which reports the offer's GPU.
+#[test]
+fn the_example_converges_on_the_default_mock_as_written() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let w = World::with(MockConfig::fast());
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/vast.toml");
+    let shape = w.root().join("vast.toml");
+    std::fs::copy(&example, &shape).unwrap();
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let snap = w.ready(&d, 2);
+    assert_eq!(w.mock.creates_total(), 2, "{}", d.log());
+    assert!(snap.nodes.iter().all(|n| n.ready), "{snap:#?}");
+    // What the boot check ran, run again on one of the machines.
+    let i = w
+        .mock
+        .instances()
+        .into_iter()
+        .find(|i| !i.destroyed)
+        .unwrap();
+    let out = std::process::Command::new(i.dir.join("bin/nvidia-smi"))
+        .args(["--query-gpu=name,memory.total", "--format=csv,noheader"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "NVIDIA RTX 4090, 24564 MiB"
+    );
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+}

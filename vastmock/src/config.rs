@@ -335,9 +335,10 @@ impl Offer {
     }
 }
 
-/// Eight offers with different GPUs, sizes, prices, reliabilities and places.
+/// Nine offers with different GPUs, sizes, prices, reliabilities and places
+/// (two of them fit `examples/vast.toml`, which rents two machines).
 pub fn default_offers() -> Vec<Offer> {
-    let rows: [(&str, u32, u64, f64, f64, &str, f64); 8] = [
+    let rows: [(&str, u32, u64, f64, f64, &str, f64); 9] = [
         ("RTX 4090", 1, 24564, 0.35, 0.995, "Sweden, SE", 200.0),
         (
             "RTX 4090",
@@ -362,6 +363,15 @@ pub fn default_offers() -> Vec<Offer> {
         ("H100 SXM", 8, 81559, 22.00, 0.998, "Finland, FI", 2000.0),
         ("RTX 3060", 1, 12288, 0.06, 0.900, "Poland, PL", 50.0),
         ("RTX 4090", 1, 24564, 0.29, 0.850, "Vietnam, VN", 80.0),
+        (
+            "RTX 4090",
+            1,
+            24564,
+            0.42,
+            0.985,
+            "United States, US",
+            250.0,
+        ),
     ];
     rows.iter()
         .enumerate()

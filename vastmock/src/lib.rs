@@ -38,7 +38,10 @@
 //! Its `authorized_keys` holds the account's keys as of the create, plus
 //! every OpenSSH public key (`ssh-ed25519 AAAA…`, `ssh-rsa …`, `ecdsa-sha2-…`,
 //! `sk-…`; type and blob, comment dropped) written anywhere in the create's
-//! `onstart` or in an `env` value, plus keys attached later. Stopping stops
+//! `onstart` or in an `env` value, plus keys attached later. Commands over
+//! SSH find an `nvidia-smi` (`{dir}/bin`, first on `PATH`) that reports the
+//! offer's GPUs (model, count, memory; its table, `-L` and `--query-gpu`),
+//! so a boot check of `nvidia-smi` passes as on a GPU host. Stopping stops
 //! the sshd (`ports` null); starting again goes through `loading` for
 //! `Timings::restart` and restarts it on the same port; destroying stops it
 //! and removes the directory; the instance then vanishes, or shows

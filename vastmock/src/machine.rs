@@ -5,10 +5,81 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use swactor_providers::ssh::testing::Sshd;
 
+/// The GPUs an instance's machine reports (those of its offer).
+#[derive(Clone, Debug)]
+pub(crate) struct Gpus {
+    /// The model, as the offer names it (`RTX 4090`).
+    pub(crate) name: String,
+    pub(crate) count: u32,
+    /// Memory per GPU, MiB.
+    pub(crate) ram_mib: u64,
+}
+
+impl Gpus {
+    /// An `nvidia-smi` that reports these GPUs: its table with no
+    /// argument, `-L`, and `--query-gpu=FIELDS` (`index`, `name`,
+    /// `memory.total`, `memory.used`, `count`; others `[N/A]`) with
+    /// `--format=csv[,noheader][,nounits]`.
+    fn nvidia_smi(&self) -> String {
+        let name = format!("NVIDIA {}", self.name.replace(['"', '\\', '$', '`'], ""));
+        format!(
+            r#"#!/bin/sh
+# The Vast.ai mock's nvidia-smi: the GPUs of the offer this instance runs on.
+count={count}; name="{name}"; ram={ram}
+case "$1" in
+-L)
+    i=0
+    while [ "$i" -lt "$count" ]; do
+        echo "GPU $i: $name (UUID: GPU-00000000-mock-0000-0000-00000000000$i)"
+        i=$((i + 1))
+    done ;;
+--query-gpu=*)
+    fields=${{1#--query-gpu=}}; header=1; units=1
+    case "$*" in *noheader*) header=0 ;; esac
+    case "$*" in *nounits*) units=0 ;; esac
+    if [ "$header" = 1 ]; then echo "$fields" | sed 's/,/, /g'; fi
+    i=0
+    while [ "$i" -lt "$count" ]; do
+        line=""
+        for f in $(echo "$fields" | tr ',' ' '); do
+            case "$f" in
+            index) v=$i ;;
+            name) v=$name ;;
+            count) v=$count ;;
+            memory.total) v=$ram; [ "$units" = 1 ] && v="$v MiB" ;;
+            memory.used) v=0; [ "$units" = 1 ] && v="$v MiB" ;;
+            *) v="[N/A]" ;;
+            esac
+            line="${{line:+$line, }}$v"
+        done
+        echo "$line"
+        i=$((i + 1))
+    done ;;
+"")
+    echo "+-----------------------------------------------------------------------------+"
+    echo "| NVIDIA-SMI 550.00 (Vast.ai mock)   Driver Version: 550.00   CUDA Version: 12.4 |"
+    echo "+-----------------------------------------------------------------------------+"
+    i=0
+    while [ "$i" -lt "$count" ]; do
+        echo "|   $i  $name    0MiB / ${{ram}}MiB |"
+        i=$((i + 1))
+    done ;;
+*)
+    echo "nvidia-smi (Vast.ai mock): unsupported arguments: $*" >&2
+    exit 2 ;;
+esac
+"#,
+            count = self.count,
+            ram = self.ram_mib,
+        )
+    }
+}
+
 /// An instance's machine directory and its SSH server.
 #[derive(Debug)]
 pub(crate) struct Machine {
     dir: PathBuf,
+    gpus: Gpus,
     sshd: Option<Sshd>,
     /// The port reported in `ssh_port`/`ports`; kept across stops.
     port: Option<u16>,
@@ -17,9 +88,10 @@ pub(crate) struct Machine {
 }
 
 impl Machine {
-    pub(crate) fn new(dir: PathBuf) -> Self {
+    pub(crate) fn new(dir: PathBuf, gpus: Gpus) -> Self {
         Self {
             dir,
+            gpus,
             sshd: None,
             port: None,
             up: false,
@@ -60,7 +132,7 @@ impl Machine {
             }
             return;
         }
-        if let Err(e) = std::fs::create_dir_all(&self.dir) {
+        if let Err(e) = self.install_nvidia_smi() {
             eprintln!(
                 "swactor-vastmock: cannot make machine directory {}: {e}",
                 self.dir.display()
@@ -92,6 +164,16 @@ impl Machine {
                 self.port.get_or_insert_with(unused_port);
             }
         }
+    }
+
+    /// Makes the directory, with `bin/nvidia-smi` in it.
+    fn install_nvidia_smi(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = self.dir.join("bin");
+        std::fs::create_dir_all(&bin)?;
+        let path = bin.join("nvidia-smi");
+        std::fs::write(&path, self.gpus.nvidia_smi())?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
     }
 
     /// Stops the sshd (the port stays reserved in name only) and every

@@ -9,7 +9,7 @@
 use crate::config::{Endpoint, MockConfig, Offer, RateLimits, Timings};
 use crate::faults::{Ambiguity, Death, Faults, Gone, InstanceFault, Selector, Traits};
 use crate::filter;
-use crate::machine::Machine;
+use crate::machine::{Gpus, Machine};
 use serde_json::{Map, Value, json};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -623,6 +623,11 @@ impl World {
                 loading: traits.loading.unwrap_or(self.timings.loading),
             }
         };
+        let gpus = Gpus {
+            name: offer.gpu_name.clone(),
+            count: offer.num_gpus,
+            ram_mib: offer.gpu_ram,
+        };
         self.rented.insert(offer_id, id);
         self.counters.creates_total += 1;
         *self
@@ -651,7 +656,7 @@ impl World {
                 traits,
                 phase,
                 authorized,
-                machine: Machine::new(self.machines_dir.join(id.to_string())),
+                machine: Machine::new(self.machines_dir.join(id.to_string()), gpus),
             },
         );
         let mut reply = Reply::ok(json!({"success": true, "new_contract": id}));

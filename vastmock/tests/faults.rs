@@ -463,7 +463,7 @@ fn the_admin_routes_report_counters_and_state_and_take_offers_and_keys() {
     );
     let s = api.get("/admin/state").json();
     assert_eq!(s["instances"].as_array().unwrap().len(), 2);
-    assert_eq!(s["offers"].as_array().unwrap().len(), 9);
+    assert_eq!(s["offers"].as_array().unwrap().len(), 10);
     let rows: Vec<&Value> = s["instances"].as_array().unwrap().iter().collect();
     assert_eq!(rows[0]["gpu_name"], "L40S");
     let r = api.post("/admin/faults/random_5xx", json!({"probability": 2.0}));

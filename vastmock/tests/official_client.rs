@@ -140,7 +140,7 @@ fn the_official_cli_searches_creates_shows_labels_stops_starts_and_destroys() {
         .iter()
         .map(|o| o["id"].as_u64().unwrap())
         .collect();
-    assert_eq!(ids, [3_100_008, 3_100_001], "{offers}");
+    assert_eq!(ids, [3_100_008, 3_100_001, 3_100_009], "{offers}");
     let offer = ids[0];
 
     // Create.

@@ -13,7 +13,8 @@
 //! (`SetEnv`), so the login shell does not read this machine's own
 //! `~/.bashrc`: bash does so for SSH commands, and a slow or locking one
 //! (pyenv's rehash takes a lock that a killed session leaves behind) would
-//! stall every command.
+//! stall every command. Programs in `{dir}/bin` come first on its `PATH`
+//! (the Vast.ai mock puts an `nvidia-smi` there).
 //!
 //! [`NetNs`] makes a network namespace joined to this one by a veth pair,
 //! so an [`Sshd`] started in it ([`Sshd::start_in`]) is a host on another
@@ -310,13 +311,14 @@ impl Sshd {
              MaxSessions 100\n\
              MaxAuthTries 6\n\
              SetEnv HOME=\"{home}\"\n\
-             ForceCommand cd \"{home}\" && HOME=\"{home}\" exec /bin/sh -c \"$SSH_ORIGINAL_COMMAND\"\n",
+             ForceCommand cd \"{home}\" && HOME=\"{home}\" PATH=\"{bin}:$PATH\" exec /bin/sh -c \"$SSH_ORIGINAL_COMMAND\"\n",
             port = self.port,
             listen = self.listen,
             host_key = file(HOST_KEY_FILE),
             pid = file(PID_FILE),
             authorized = file(AUTHORIZED_KEYS_FILE),
             home = self.home().display(),
+            bin = self.dir.join("bin").display(),
         );
         fs::create_dir_all(self.home()).expect("cannot make the host's home directory");
         let path = self.dir.join(CONFIG_FILE);
