@@ -173,6 +173,8 @@ pub(crate) struct ControlHandler {
     pub(crate) jobs: crate::jobs::service::JobService,
     /// Whether the journal's writes are failing (a refusal then says so).
     pub(crate) journal: JournalHealth,
+    /// Where the time taken to answer each request is counted.
+    pub(crate) metrics: Arc<crate::http::Metrics>,
 }
 
 impl ControlHandler {
@@ -643,6 +645,8 @@ impl ProtocolHandler for ControlHandler {
         else {
             return Ok(());
         };
+        let started = std::time::Instant::now();
+        let mut kind = "malformed";
         let resp = match serde_json::from_str::<ControlRequest>(&req) {
             Ok(ControlRequest::Run(spec)) => {
                 self.stream_job(spec, send, &conn).await;
@@ -658,7 +662,10 @@ impl ProtocolHandler for ControlHandler {
                     .await;
                 return Ok(());
             }
-            Ok(req) => self.answer(req).await,
+            Ok(req) => {
+                kind = req.kind();
+                self.answer(req).await
+            }
             Err(e) => ControlResponse::Error(cut_long_words(&format!("malformed request: {e}"))),
         };
         let error =
@@ -673,7 +680,9 @@ impl ProtocolHandler for ControlHandler {
                 FRAME_LEN_MAX >> 20
             ));
         }
-        if send_frame(&mut send, &text, FRAME_LEN_MAX).await.is_ok() {
+        let sent = send_frame(&mut send, &text, FRAME_LEN_MAX).await;
+        self.metrics.control_answered(kind, started.elapsed());
+        if sent.is_ok() {
             let _ = send.finish();
             // Wait for the client to read the answer and close: closing first
             // would cut off what it has not read yet.

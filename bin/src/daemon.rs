@@ -357,6 +357,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         vast,
         jobs: jobs.clone(),
         journal: journal_health.clone(),
+        metrics: metrics.clone(),
     };
     // Connections that have not joined yet (swarm and jobs together).
     let pre_auth = swactor_engine::net::PreAuth::new(pre_auth_max());

@@ -9,6 +9,12 @@
 //! (130 after Ctrl-C; see `docs/jobs.md`). A stdout closed early (as by
 //! `| head`) changes none of them: what is written after is dropped.
 
+/// jemalloc: it hands memory freed after a burst (a flood of refused
+/// connections) back to the system within seconds, where glibc's malloc
+/// kept it resident.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod agent;
 mod agentbin;
 mod client;

@@ -74,6 +74,27 @@ pub(crate) enum ControlRequest {
     },
 }
 
+impl ControlRequest {
+    /// Its kind, for metrics and logs (no argument of it).
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Self::Apply(_) => "apply",
+            Self::Plan { .. } => "plan",
+            Self::Status => "status",
+            Self::Describe(_) => "describe",
+            Self::Pause => "pause",
+            Self::Resume => "resume",
+            Self::Replace(_) => "replace",
+            Self::Down { .. } => "down",
+            Self::Run(_) => "run",
+            Self::Jobs => "jobs",
+            Self::JobLogs { .. } => "job_logs",
+            Self::JobCancel(_) => "job_cancel",
+            Self::AgentLog { .. } => "agent_log",
+        }
+    }
+}
+
 /// One piece of the answer to [`ControlRequest::AgentLog`].
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) enum AgentLogPiece {

@@ -700,6 +700,16 @@ fn metrics_match_status_and_bad_requests_change_nothing() {
         Some(1.0),
         "{text}"
     );
+    // The daemon's own time to answer: the one replace and the statuses.
+    let answered = |request: &str| {
+        let head =
+            format!("swactor_control_request_duration_seconds_count{{request=\"{request}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(head.as_str()))
+            .and_then(|n| n.trim().parse::<f64>().ok())
+    };
+    assert_eq!(answered("replace"), Some(1.0), "{text}");
+    assert!(answered("status").is_some_and(|n| n >= 1.0), "{text}");
     let o = cli(&state, &["replace", "worker-7"]);
     assert!(!o.status.success());
     assert!(

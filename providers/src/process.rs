@@ -779,11 +779,13 @@ async fn wait_group_gone(pgid: i32, limit: Duration) -> bool {
 /// Waits for `child` on a thread of its own, publishing its exit status, so
 /// no zombie is left. `None` when no thread could be started; the agent is
 /// then polled like an adopted one and stays a zombie until this process ends.
+/// Its stack is small but not tiny: 64 KiB overflowed once the daemon ran on
+/// jemalloc, whose per-thread set-up and teardown need more of it.
 fn reap(mut child: std::process::Child, pid: i32) -> Option<ExitWatch> {
     let (tx, rx) = watch::channel(None);
     let spawned = std::thread::Builder::new()
         .name(format!("reap-agent-{pid}"))
-        .stack_size(64 * 1024)
+        .stack_size(256 * 1024)
         .spawn(move || {
             let status = match child.wait() {
                 Ok(status) => crate::exit::Ended::of(&status).clause(),

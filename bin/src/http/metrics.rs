@@ -37,6 +37,7 @@ pub(crate) struct Metrics {
     provider_failures: Family<Labels, Counter>,
     replacements: Family<Labels, Counter>,
     pass_duration: Histogram,
+    control_requests: Family<Labels, Histogram>,
     events: Mutex<EventState>,
     encoding: Mutex<()>,
 }
@@ -96,6 +97,15 @@ impl Metrics {
             "Nodes whose attempt was replaced by a new one since the daemon started, by reason",
             replacements.clone(),
         );
+        let control_requests = Family::<Labels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.000_5, 2.0, 16))
+        });
+        registry.register(
+            "swactor_control_request_duration_seconds",
+            "How long the daemon took to answer the CLI's control requests, from the request \
+             read to the answer written, by request (streams of jobs and logs not included)",
+            control_requests.clone(),
+        );
         let pass_duration = Histogram::new(exponential_buckets(0.000_05, 2.0, 16));
         registry.register(
             "swactor_pass_duration_seconds",
@@ -113,6 +123,7 @@ impl Metrics {
             provider_failures,
             replacements,
             pass_duration,
+            control_requests,
             events: Mutex::new(EventState::default()),
             encoding: Mutex::new(()),
         })
@@ -129,6 +140,13 @@ impl Metrics {
         // Encoding into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// A control request of `kind` answered in `took`.
+    pub(crate) fn control_answered(&self, kind: &'static str, took: Duration) {
+        self.control_requests
+            .get_or_create(&vec![("request", kind.to_owned())])
+            .observe(took.as_secs_f64());
     }
 
     fn lock_events(&self) -> std::sync::MutexGuard<'_, EventState> {
