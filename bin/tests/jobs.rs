@@ -503,7 +503,8 @@ fn a_daemon_killed_mid_run_reattaches_and_collects_and_a_tampered_chunk_is_rejec
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("lost contact with the daemon; job-1 goes on"),
+        stderr(&o).contains("lost contact with the daemon (")
+            && stderr(&o).contains("); job-1 goes on"),
         "{}",
         stderr(&o)
     );
@@ -1121,7 +1122,8 @@ fn running_is_on_record_before_start_is_sent_and_a_timeout_counts_time_used_befo
     d2.kill9();
     let o = child.wait_with_output().unwrap();
     assert!(
-        stderr(&o).contains("lost contact with the daemon; job-2 goes on"),
+        stderr(&o).contains("lost contact with the daemon (")
+            && stderr(&o).contains("); job-2 goes on"),
         "{}",
         stderr(&o)
     );
