@@ -48,6 +48,8 @@ pub struct ClusterConfig {
     pub starvation: Option<Starvation>,
     /// See [`HostConfig::adopt_unrecorded`]: `swactor up --adopt`.
     pub adopt_unrecorded: bool,
+    /// See [`HostConfig::deployment`]: what a new journal records.
+    pub deployment: Option<String>,
 }
 
 impl ClusterConfig {
@@ -78,6 +80,7 @@ impl ClusterConfig {
             capacities: host.capacities,
             starvation: None,
             adopt_unrecorded: host.adopt_unrecorded,
+            deployment: host.deployment,
         }
     }
 
@@ -93,6 +96,7 @@ impl ClusterConfig {
             history_len: self.history_len,
             capacities: self.capacities.clone(),
             adopt_unrecorded: self.adopt_unrecorded,
+            deployment: self.deployment.clone(),
         }
     }
 }

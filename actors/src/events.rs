@@ -124,6 +124,15 @@ pub struct ClusterSnapshot {
     /// request, empty in the cluster's own snapshots.
     #[serde(default)]
     pub rentals: Vec<Rental>,
+    /// The deployment the cluster's journal is (`None`: a journal from
+    /// before deployments were recorded).
+    #[serde(default)]
+    pub deployment: Option<String>,
+    /// Resources of the run that another deployment made, as the providers
+    /// last listed them: filled in by the daemon when it answers a status
+    /// request, empty in the cluster's own snapshots.
+    #[serde(default)]
+    pub foreign: Vec<swactor_providers::ForeignResource>,
     /// Reconciling is paused (`swactor pause`): state is folded and shown,
     /// nothing new is dispatched.
     #[serde(default)]
@@ -155,6 +164,8 @@ impl ClusterSnapshot {
             stats: DriverStats::default(),
             now: Timestamp::default(),
             rentals: Vec::new(),
+            deployment: None,
+            foreign: Vec::new(),
             paused: false,
             holds: Vec::new(),
             in_flight: 0,

@@ -255,6 +255,8 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         stats: core.stats(),
         now,
         rentals: Vec::new(),
+        deployment: host.journal_meta().deployment.clone(),
+        foreign: Vec::new(),
         in_flight: host.in_flight_count(),
         paused: host.is_paused(),
         holds: host.holds(),

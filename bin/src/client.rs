@@ -755,6 +755,27 @@ fn print_status(
             out.line(format_args!("{prefix}{line}"))?;
         }
     }
+    if !s.foreign.is_empty() {
+        let cost = crate::words::foreign_cost(&s.foreign)
+            .map(|m| format!(" · {} $/h", usd_per_hour(m)))
+            .unwrap_or_default();
+        let ours = s.deployment.as_deref().map_or_else(
+            || "this daemon's journal predates deployments".to_owned(),
+            |d| format!("this daemon is deployment {d}"),
+        );
+        out.line(format_args!(
+            "{prefix}foreign: {} resource(s) of run {} made by another deployment{cost} \
+             ({ours}; it never adopts or destroys them):",
+            s.foreign.len(),
+            s.run_id
+        ))?;
+        for r in &s.foreign {
+            out.line(format_args!(
+                "{prefix}  {}",
+                crate::words::foreign_resource(r)
+            ))?;
+        }
+    }
     Ok(())
 }
 

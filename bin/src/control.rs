@@ -239,6 +239,7 @@ impl ControlHandler {
                             .and_then(|l| self.provider.describe_lease(l));
                     }
                     snap.rentals = self.rentals(&snap);
+                    snap.foreign = self.provider.foreign();
                     ControlResponse::Status(snap)
                 })
                 .map_err(|e| self.refused(&e)),

@@ -177,6 +177,9 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
     let journal_health = journal.health();
     let start = Start::decide(resume.as_ref(), file.as_ref(), state.root())?;
+    // Which deployment this journal is: every resource a provider makes
+    // carries it, and one of the run that carries another is left alone.
+    let deployment = state.deployment(resume.as_ref())?;
     if let Some(shape) = checked.as_ref().filter(|_| !fresh) {
         confirm_start(resume.as_ref(), shape, opts.yes).await?;
     }
@@ -222,21 +225,14 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         ..ProcessConfig::new(state.root().to_path_buf())
     })
     .context("cannot start the process provider")?;
-    let ssh = ssh_provider(
-        &state,
-        &agent_binary,
-        &agent_ticket,
+    let agents = Agents {
+        binary: &agent_binary,
+        ticket: &agent_ticket,
         secret,
-        resume.as_ref(),
-        file.as_ref(),
-    )?;
-    let docker = docker_provider(
-        &agent_binary,
-        &agent_ticket,
-        secret,
-        resume.as_ref(),
-        file.as_ref(),
-    )?;
+        deployment: deployment.as_deref(),
+    };
+    let ssh = ssh_provider(&state, &agents, resume.as_ref(), file.as_ref())?;
+    let docker = docker_provider(&agents, resume.as_ref(), file.as_ref())?;
     // The most nodes the run holds now or may ask for at start: every one
     // of their agents may have to reconnect at once after this start.
     let fleet = fleet_size(resume.as_ref(), file.as_ref())?;
@@ -247,16 +243,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         metered(Arc::new(ssh.clone())),
         metered(Arc::new(docker)),
     ];
-    let vast = vast_provider(
-        vast_key,
-        &state,
-        &agent_binary,
-        &agent_ticket,
-        secret,
-        resume.as_ref(),
-        file.as_ref(),
-    )
-    .await?;
+    let vast = vast_provider(vast_key, &state, &agents, resume.as_ref(), file.as_ref()).await?;
     // A restarted daemon waits out the listing lag of the providers its
     // shapes use: a Vast.ai key in the environment must not slow down the
     // restart of a shape that rents nothing.
@@ -276,6 +263,16 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
             Ok(listed) => {
                 traces.listed = listed.into_keys().collect();
                 swactor_provisioning::without_journal(traces, None)?;
+                // Another deployment's resources of the same run: another
+                // daemon's, or those of a state directory that was lost.
+                // Left alone, and said.
+                let foreign = provider.foreign();
+                if !foreign.is_empty() {
+                    eprintln!(
+                        "swactor: warning: {}",
+                        crate::words::foreign_resources(&run_id, &foreign)
+                    );
+                }
             }
             // A provider that does not answer now (an engine that is down)
             // is the nodes' problem, said per node once they are made; a
@@ -314,6 +311,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     let mut config = ClusterConfig::new(run_id.clone());
     config.starvation = Some(starvation.clone());
     config.adopt_unrecorded = opts.unrecorded == Some(Unrecorded::Adopt);
+    config.deployment.clone_from(&deployment);
     config.visibility_window = visibility_window;
     config.capacities = provider.capacities();
     // The cluster actor is restarted from the journal if it fails; the
@@ -826,19 +824,28 @@ fn choose_agent_binary(
     Ok((found, None))
 }
 
+/// What the remote providers hand their agents, and the deployment their
+/// resources carry.
+struct Agents<'a> {
+    binary: &'a AgentBinary,
+    ticket: &'a EndpointTicket,
+    secret: [u8; 32],
+    deployment: Option<&'a str>,
+}
+
 /// The `ssh` provider, told of every host the journal's and the file's
 /// shapes list (so a listing at start asks them before any create).
 fn ssh_provider(
     state: &StateDir,
-    binary: &AgentBinary,
-    agent_ticket: &EndpointTicket,
-    secret: [u8; 32],
+    agents: &Agents<'_>,
     resume: Option<&JournalImage>,
     file: Option<&ShapeFile>,
 ) -> Result<SshHostsProvider> {
+    let binary = agents.binary;
     let mut config = SshHostsConfig::new(state.root(), binary.path.clone());
-    config.daemon_ticket = agent_ticket.to_string();
-    config.token_secret = secret;
+    config.daemon_ticket = agents.ticket.to_string();
+    config.token_secret = agents.secret;
+    config.deployment = agents.deployment.map(str::to_owned);
     let ssh = SshHostsProvider::new(config).context("cannot start the ssh provider")?;
     let shapes = resume
         .and_then(|j| j.meta.shape.clone())
@@ -878,20 +885,20 @@ fn kinds_in_use(resume: Option<&JournalImage>, file: Option<&ShapeFile>) -> Resu
 /// The `docker` provider. It reaches the engine only once a `docker` group
 /// needs it, so a daemon on a machine without Docker runs other groups.
 fn docker_provider(
-    binary: &AgentBinary,
-    agent_ticket: &EndpointTicket,
-    secret: [u8; 32],
+    agents: &Agents<'_>,
     resume: Option<&JournalImage>,
     file: Option<&ShapeFile>,
 ) -> Result<DockerOnDemand> {
     let config = DockerConfig {
-        daemon_ticket: agent_ticket.to_string(),
-        token_secret: secret,
-        ..DockerConfig::new(binary.path.clone())
+        daemon_ticket: agents.ticket.to_string(),
+        token_secret: agents.secret,
+        deployment: agents.deployment.map(str::to_owned),
+        ..DockerConfig::new(agents.binary.path.clone())
     };
     let docker = DockerOnDemand::new(config).context("cannot set up the docker provider")?;
     if kinds_in_use(resume, file)?.iter().any(|k| k == "docker") {
         docker.mark_in_use();
+        let binary = agents.binary;
         if !binary.static_linked {
             eprintln!(
                 "swactor: warning: the agent binary {} ({}) is dynamically linked, and a \
@@ -1002,9 +1009,7 @@ fn env_seconds(name: &str) -> Result<Option<Duration>> {
 async fn vast_provider(
     key: Option<ApiKey>,
     state: &StateDir,
-    binary: &AgentBinary,
-    agent_ticket: &EndpointTicket,
-    secret: [u8; 32],
+    agents: &Agents<'_>,
     resume: Option<&JournalImage>,
     file: Option<&ShapeFile>,
 ) -> Result<Option<(VastProvider, bool)>> {
@@ -1026,9 +1031,11 @@ async fn vast_provider(
         .ok()
         .filter(|u| !u.trim().is_empty())
         .unwrap_or_else(|| swactor_providers::vast::DEFAULT_URL.to_owned());
+    let binary = agents.binary;
     let mut config = VastConfig::new(state.root(), binary.path.clone(), url, key);
-    config.daemon_ticket = agent_ticket.to_string();
-    config.token_secret = secret;
+    config.daemon_ticket = agents.ticket.to_string();
+    config.token_secret = agents.secret;
+    config.deployment = agents.deployment.map(str::to_owned);
     if std::env::var("SWACTOR_VAST_PACING").is_ok_and(|v| v.trim() == "none") {
         config.pacing = Pacing::none();
     }
@@ -1183,6 +1190,7 @@ fn run_traces(dir: &Path) -> Vec<String> {
     let mut found = Vec::new();
     for file in [
         "token.secret",
+        crate::state::DEPLOYMENT_FILE,
         "telemetry.ndjson",
         "jobs.redb",
         "daemon.ticket",

@@ -478,6 +478,8 @@ mod tests {
             stats: Default::default(),
             now: Timestamp::from_millis(1),
             rentals: Vec::new(),
+            deployment: None,
+            foreign: Vec::new(),
             in_flight: 0,
             paused: false,
             holds: Vec::new(),
@@ -521,6 +523,8 @@ mod tests {
             stats: Default::default(),
             now: Timestamp::from_millis(1),
             rentals: Vec::new(),
+            deployment: None,
+            foreign: Vec::new(),
             paused: false,
             in_flight: 2,
             holds: vec![GroupHold {

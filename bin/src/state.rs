@@ -16,6 +16,8 @@ use swactor_engine::net::{EndpointTicket, load_or_create_secret_key};
 pub(crate) const STATE_DIR_ENV: &str = "SWACTOR_STATE_DIR";
 /// Where the daemon's listen and advertised addresses are kept.
 pub(crate) const NETWORK_FILE: &str = "daemon.network";
+/// The deployment the journal is, kept beside it: what a lost journal leaves.
+pub(crate) const DEPLOYMENT_FILE: &str = "deployment";
 /// Where the agent binary named with `--agent-binary` is kept.
 pub(crate) const AGENT_BINARY_FILE: &str = "daemon.agent-binary";
 /// The state directory used when none is given.
@@ -281,6 +283,54 @@ impl StateDir {
         )
     }
 
+    /// The deployment this directory's journal is (see
+    /// [`JournalMeta::deployment`]): the journal's own when it records one
+    /// (`None` for a journal from before deployments), else the one in
+    /// `deployment` when that file was kept (a journal that was lost), else
+    /// a new one. The file is kept up to date either way, so a journal lost
+    /// later still leaves its deployment behind.
+    ///
+    /// [`JournalMeta::deployment`]: swactor_provisioning::JournalMeta::deployment
+    ///
+    /// # Errors
+    /// The file cannot be read or written, or holds no deployment id.
+    pub(crate) fn deployment(
+        &self,
+        journal: Option<&swactor_provisioning::JournalImage>,
+    ) -> Result<Option<String>> {
+        let path = self.root.join(DEPLOYMENT_FILE);
+        let kept = match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let id = text.trim().to_owned();
+                swactor_providers::check_deployment(&id)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                Some(id)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
+        };
+        let id = match journal {
+            Some(image) => image.meta.deployment.clone(),
+            None => Some(match kept.clone() {
+                Some(id) => id,
+                None => {
+                    let mut bytes = [0u8; 4];
+                    let mut urandom =
+                        std::fs::File::open("/dev/urandom").context("open /dev/urandom")?;
+                    std::io::Read::read_exact(&mut urandom, &mut bytes)
+                        .context("read /dev/urandom")?;
+                    bytes.iter().map(|b| format!("{b:02x}")).collect()
+                }
+            }),
+        };
+        if let Some(id) = &id
+            && kept.as_ref() != Some(id)
+        {
+            write_atomic(&path, format!("{id}\n").as_bytes(), 0o600)?;
+        }
+        Ok(id)
+    }
+
     /// The secret join tokens are derived from; created on first use.
     ///
     /// # Errors
@@ -539,6 +589,44 @@ mod tests {
             std::fs::write(state.root().join(NETWORK_FILE), damaged).unwrap();
             assert_eq!(StateDir::saved_network(state.root()), None, "{damaged:?}");
         }
+    }
+
+    #[test]
+    fn a_deployment_is_made_once_kept_beside_the_journal_and_the_journals_own_wins() {
+        use swactor_provisioning::{JournalImage, RunId};
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::create(dir.path().join("state")).unwrap();
+        let file = state.root().join(DEPLOYMENT_FILE);
+        // A new journal: a new id, kept in the file (0600).
+        let made = state.deployment(None).unwrap().unwrap();
+        swactor_providers::check_deployment(&made).unwrap();
+        assert_eq!(std::fs::read_to_string(&file).unwrap().trim(), made);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // The journal was lost, the file kept: the same deployment.
+        assert_eq!(
+            state.deployment(None).unwrap().as_deref(),
+            Some(made.as_str())
+        );
+        // A journal's own id wins, and the file follows it.
+        let mut image = JournalImage::new(RunId::new("r"));
+        image.meta.deployment = Some("0123abcd".to_owned());
+        assert_eq!(
+            state.deployment(Some(&image)).unwrap().as_deref(),
+            Some("0123abcd")
+        );
+        assert_eq!(std::fs::read_to_string(&file).unwrap().trim(), "0123abcd");
+        // A journal from before deployments has none.
+        image.meta.deployment = None;
+        assert_eq!(state.deployment(Some(&image)).unwrap(), None);
+        // A damaged file is refused, naming it.
+        std::fs::write(&file, "not an id\n").unwrap();
+        let e = state.deployment(None).unwrap_err().to_string();
+        assert!(
+            e.contains("deployment") && e.contains("not a deployment id"),
+            "{e}"
+        );
     }
 
     #[test]

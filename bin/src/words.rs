@@ -152,6 +152,58 @@ fn span(secs: u64) -> String {
     }
 }
 
+/// One resource of another deployment, in a few words: `vast instance 12
+/// (gpu-0/a3, deployment 0a1b2c3d, 0.420 $/h)`.
+pub(crate) fn foreign_resource(r: &swactor_providers::ForeignResource) -> String {
+    let deployment = r.deployment.as_deref().map_or_else(
+        || "made before deployments were recorded".to_owned(),
+        |d| format!("deployment {d}"),
+    );
+    let cost = r
+        .usd_per_hour_micros
+        .map(|m| format!(", {:.3} $/h", m as f64 / 1e6))
+        .unwrap_or_default();
+    format!(
+        "{} {} ({}, {deployment}{cost})",
+        r.provider, r.resource, r.key
+    )
+}
+
+/// What the resources of other deployments cost together, in millionths of
+/// a dollar per hour; `None` when no provider priced any.
+pub(crate) fn foreign_cost(foreign: &[swactor_providers::ForeignResource]) -> Option<u64> {
+    let mut priced = foreign
+        .iter()
+        .filter_map(|r| r.usd_per_hour_micros)
+        .peekable();
+    priced.peek()?;
+    Some(priced.sum())
+}
+
+/// What a daemon says of its run's resources that another deployment made:
+/// how many, what they cost, the first few, and that they are left alone.
+pub(crate) fn foreign_resources(
+    run: &swactor_provisioning::RunId,
+    foreign: &[swactor_providers::ForeignResource],
+) -> String {
+    const SHOWN: usize = 5;
+    let mut listed: Vec<String> = foreign.iter().take(SHOWN).map(foreign_resource).collect();
+    if foreign.len() > SHOWN {
+        listed.push(format!("and {} more", foreign.len() - SHOWN));
+    }
+    let cost = foreign_cost(foreign)
+        .map(|m| format!(", {:.3} $/h together", m as f64 / 1e6))
+        .unwrap_or_default();
+    format!(
+        "run {run} also has {} resource(s) that another deployment made{cost}: {}. This daemon \
+         never adopts, replaces or destroys them: another daemon with the same run holds them, \
+         or a state directory that was lost made them (then remove them by hand, or start that \
+         directory again with --adopt or --fresh)",
+        foreign.len(),
+        listed.join("; ")
+    )
+}
+
 /// What a provider effect does, for people.
 pub(crate) fn effect_words(effect: EffectKind) -> &'static str {
     match effect {
@@ -367,6 +419,38 @@ pub(crate) fn sizes_compared(size: u64, limit: u64) -> (String, String) {
 mod tests {
     use super::*;
     use swactor_provisioning::{LogicalNodeId, NodeAttemptId};
+
+    #[test]
+    fn foreign_resources_are_named_priced_and_cut_after_five() {
+        let r = |i: u64, d: Option<&str>, dph: Option<u64>| swactor_providers::ForeignResource {
+            provider: "vast".to_owned(),
+            resource: format!("instance {i}"),
+            deployment: d.map(str::to_owned),
+            key: format!("w-{i}/a{i}"),
+            usd_per_hour_micros: dph,
+        };
+        assert_eq!(
+            foreign_resource(&r(7, Some("0a1b2c3d"), Some(420_000))),
+            "vast instance 7 (w-7/a7, deployment 0a1b2c3d, 0.420 $/h)"
+        );
+        assert_eq!(
+            foreign_resource(&r(8, None, None)),
+            "vast instance 8 (w-8/a8, made before deployments were recorded)"
+        );
+        let many: Vec<_> = (0..7)
+            .map(|i| r(i, Some("0a1b2c3d"), Some(100_000)))
+            .collect();
+        let said = foreign_resources(&swactor_provisioning::RunId::new("gpu"), &many);
+        assert!(
+            said.starts_with(
+                "run gpu also has 7 resource(s) that another deployment made, 0.700 $/h together: "
+            ) && said.contains("instance 4 ")
+                && !said.contains("instance 5 ")
+                && said.contains("and 2 more")
+                && said.contains("never adopts, replaces or destroys them"),
+            "{said}"
+        );
+    }
 
     fn node(stage: NodeStage) -> NodeSummary {
         NodeSummary {

@@ -571,3 +571,100 @@ fn a_plain_up_after_a_kill_9_uploads_the_agent_binary_the_last_up_was_given() {
     );
     w.down();
 }
+
+/// Issue 30, fix 2, on one engine: two daemons with the same run and state
+/// directories of their own. Each names and labels its containers with its
+/// own deployment, never adopts or removes the other's, lists them as
+/// foreign, and `down` on one leaves the other's running and unreplaced.
+#[test]
+fn two_deployments_of_one_run_on_one_engine_never_touch_each_other() {
+    if !engine_up() {
+        return;
+    }
+    let w = World::new("twodep");
+    let body = docker_shape(&w.run, 2, "");
+    let shape = shape_file(&w.dir, "two.toml", &body);
+    let agent = agent_binary();
+    let (a, b) = (w.dir.join("state-a"), w.dir.join("state-b"));
+    let up = |state: &Path| {
+        Daemon::spawn_with(
+            state,
+            Some(&shape),
+            &["--agent-binary", agent.to_str().unwrap()],
+        )
+        .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log))
+    };
+    let ready = |state: &Path, d: &Daemon| {
+        try_wait_converged(state, Duration::from_secs(120), |s| {
+            s.nodes.len() == 2 && s.nodes.iter().all(|n| n.ready)
+        })
+        .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()))
+    };
+    let mut da = up(&a);
+    let first_a = ready(&a, &da);
+    let mut db = up(&b);
+    let first_b = ready(&b, &db);
+    let (dep_a, dep_b) = (deployment_of(&a), deployment_of(&b));
+    assert_ne!(dep_a, dep_b);
+    let names = || -> Vec<String> { containers(&w.run).into_iter().map(|c| c.name).collect() };
+    let all = names();
+    assert_eq!(all.len(), 4, "{all:?}\n{}\n{}", da.log(), db.log());
+    for dep in [&dep_a, &dep_b] {
+        assert_eq!(
+            all.iter()
+                .filter(|n| n.ends_with(&format!("_{dep}")))
+                .count(),
+            2,
+            "{all:?}"
+        );
+    }
+    // B, started second, lists A's two as foreign.
+    let text = stdout(&cli(&b, &["status"]));
+    assert!(
+        text.contains(&format!("foreign: 2 resource(s) of run {}", w.run))
+            && text.contains(&format!("deployment {dep_a}")),
+        "{text}"
+    );
+    // A restart of A adopts its own two only.
+    da.kill9();
+    drop(da);
+    let mut da = up(&a);
+    assert_eq!(
+        attempts(&ready(&a, &da)),
+        attempts(&first_a),
+        "{}",
+        da.log()
+    );
+    assert_eq!(names().len(), 4);
+    // `down` on A removes A's containers only; B's run on.
+    let o = cli(&a, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        da.wait_exit(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        da.log()
+    );
+    let left = names();
+    assert!(
+        left.len() == 2 && left.iter().all(|n| n.ends_with(&format!("_{dep_b}"))),
+        "{left:?}"
+    );
+    assert!(containers(&w.run).iter().all(|c| c.state == "running"));
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        attempts(&ready(&b, &db)),
+        attempts(&first_b),
+        "{}",
+        db.log()
+    );
+    let o = cli(&b, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        db.wait_exit(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        db.log()
+    );
+    assert!(containers(&w.run).is_empty());
+}

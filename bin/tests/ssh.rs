@@ -121,9 +121,18 @@ impl Pool {
             .collect()
     }
 
+    /// The claim file of `node`'s `attempt`, made by this pool's daemon
+    /// (whose deployment it names).
+    fn claim_of(&self, node: &str, attempt: u64) -> String {
+        format!(
+            "swactor-claim run=ssh node={node} attempt={attempt} deployment={}\n",
+            deployment_of(&self.state)
+        )
+    }
+
     /// The host holding `node`'s current attempt, from its claim.
     fn host_of(&self, node: &str, attempt: u64) -> Option<usize> {
-        let line = format!("swactor-claim run=ssh node={node} attempt={attempt}\n");
+        let line = self.claim_of(node, attempt);
         (0..self.hosts.len()).find(|i| self.claim(*i).as_deref() == Some(line.as_str()))
     }
 }
@@ -376,7 +385,7 @@ fn a_changed_host_key_is_refused_naming_the_host_and_both_fingerprints() {
     assert!(pool.agents_on(0).is_empty());
     assert_eq!(
         pool.claim(0).as_deref(),
-        Some(format!("swactor-claim run=ssh node=w-0 attempt={}\n", first.0).as_str()),
+        Some(pool.claim_of("w-0", first.0).as_str()),
         "the claim stays until the host is trusted again"
     );
 }

@@ -127,16 +127,31 @@ impl World {
     /// Waits until `count` nodes are ready; fails the test with the last
     /// status and `d`'s log when they are not within [`CONVERGE`].
     fn ready(&self, d: &Daemon, count: usize) -> swactor_actors::ClusterSnapshot {
-        try_wait_converged(&self.state(), CONVERGE, |s| {
+        self.ready_in(&self.state(), d, count)
+    }
+
+    /// [`Self::ready`] for the daemon of `state`.
+    fn ready_in(&self, state: &Path, d: &Daemon, count: usize) -> swactor_actors::ClusterSnapshot {
+        try_wait_converged(state, CONVERGE, |s| {
             s.nodes.iter().filter(|n| n.ready).count() == count
         })
         .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()))
     }
 
     fn up(&self, shape: &Path, env: &[(&'static str, String)]) -> Result<Daemon, Exited> {
+        self.up_in(&self.state(), shape, env)
+    }
+
+    /// [`Self::up`] with the state directory `state`.
+    fn up_in(
+        &self,
+        state: &Path,
+        shape: &Path,
+        env: &[(&'static str, String)],
+    ) -> Result<Daemon, Exited> {
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         Daemon::spawn_env(
-            &self.state(),
+            state,
             Some(shape),
             &["--agent-binary", self.agent.to_str().unwrap()],
             &env,
@@ -1282,6 +1297,119 @@ fn the_example_converges_on_the_default_mock_as_written() {
         "NVIDIA RTX 4090, 24564 MiB"
     );
     let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+}
+
+/// Issue 30, fix 2: two daemons with the same run on one account, each with
+/// its own state directory (two people trying `examples/vast.toml`). Each
+/// labels its instances with its own deployment, never adopts or destroys
+/// the other's, and lists them in `status` as foreign with their price; a
+/// restart adopts only its own, and `down` removes only its own. (Before:
+/// the second took the first's instances as its own, then each replaced
+/// the other's, renting some labels twice.)
+#[test]
+fn two_deployments_of_one_run_on_one_account_never_touch_each_other() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let w = World::new(offers(10, 0.3));
+    let shape = w.shape("three.toml", 3, "");
+    let (a, b) = (w.root().join("state-a"), w.root().join("state-b"));
+    let mut da = w
+        .up_in(&a, &shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let first_a = w.ready_in(&a, &da, 3);
+    let db = w
+        .up_in(&b, &shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let first_b = w.ready_in(&b, &db, 3);
+    let (dep_a, dep_b) = (deployment_of(&a), deployment_of(&b));
+    assert_ne!(dep_a, dep_b);
+    assert_eq!(first_a.deployment.as_deref(), Some(dep_a.as_str()));
+    assert!(
+        db.log().contains("another deployment made") && db.log().contains(&dep_a),
+        "the second daemon says at start what it found: {}",
+        db.log()
+    );
+    let attempts = |s: &swactor_actors::ClusterSnapshot| -> BTreeMap<String, u64> {
+        s.nodes
+            .iter()
+            .map(|n| (n.node.to_string(), n.attempt.0))
+            .collect()
+    };
+    // Six instances, each label made once, three per deployment.
+    assert_eq!(w.mock.live_instances(), 6);
+    assert_eq!(w.mock.creates_total(), 6, "{}\n{}", da.log(), db.log());
+    w.assert_one_create_per_label();
+    let labels: Vec<String> = w
+        .mock
+        .instances()
+        .into_iter()
+        .filter_map(|i| i.label)
+        .collect();
+    for dep in [&dep_a, &dep_b] {
+        let prefix = format!("swactor/{dep}:gpu:");
+        assert_eq!(
+            labels.iter().filter(|l| l.starts_with(&prefix)).count(),
+            3,
+            "{labels:?}"
+        );
+    }
+    // B, started second, lists A's three as foreign, with their price.
+    let text = stdout(&cli(&b, &["status"]));
+    assert!(
+        text.contains("foreign: 3 resource(s) of run gpu made by another deployment")
+            && text.contains(&format!("deployment {dep_a}"))
+            && text.contains("0.30"),
+        "{text}"
+    );
+    // A restart of A adopts its own three and nothing else, and A now
+    // lists B's as foreign (as of its listing at start).
+    da.kill9();
+    drop(da);
+    let da = w
+        .up_in(&a, &shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let again = w.ready_in(&a, &da, 3);
+    assert_eq!(attempts(&again), attempts(&first_a), "{}", da.log());
+    assert_eq!(w.mock.creates_total(), 6, "{}", da.log());
+    let snap_a = wait_converged(&a, CONVERGE, |s| s.foreign.len() == 3);
+    assert!(
+        snap_a
+            .foreign
+            .iter()
+            .all(|f| f.deployment.as_deref() == Some(dep_b.as_str())
+                && f.provider == "vast"
+                && f.usd_per_hour_micros.is_some()),
+        "{:#?}",
+        snap_a.foreign
+    );
+    // `down` on A removes A's three only; B's run on, unreplaced.
+    let o = cli(&a, &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "A's instances gone", || {
+        w.mock.live_instances() == 3
+    });
+    let live: Vec<String> = w
+        .mock
+        .instances()
+        .into_iter()
+        .filter(|i| !i.destroyed)
+        .filter_map(|i| i.label)
+        .collect();
+    assert!(
+        live.iter()
+            .all(|l| l.starts_with(&format!("swactor/{dep_b}:"))),
+        "{live:?}"
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let snap_b = w.ready_in(&b, &db, 3);
+    assert_eq!(attempts(&snap_b), attempts(&first_b), "{}", db.log());
+    assert_eq!(w.mock.creates_total(), 6);
+    let o = cli(&b, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
     wait_for(Duration::from_secs(60), "no live instance", || {
         w.mock.live_instances() == 0

@@ -116,6 +116,9 @@ pub const LABEL_NODE: &str = "swactor.node";
 pub const LABEL_ATTEMPT: &str = "swactor.attempt";
 /// Label naming the node's group.
 pub const LABEL_GROUP: &str = "swactor.group";
+/// Label naming the deployment (the journal) that made a container; absent
+/// on containers made before deployments were recorded.
+pub const LABEL_DEPLOYMENT: &str = "swactor.deployment";
 
 /// Where the agent binary is in a node's container.
 pub const AGENT_PATH: &str = "/swactor/swactor-agent";
@@ -156,6 +159,10 @@ pub struct DockerConfig {
     /// The engine's address (`unix:///…`, `tcp://…`); `None` reads
     /// `DOCKER_HOST`, falling back to the default socket.
     pub docker_host: Option<String>,
+    /// The daemon's deployment: its containers' names and labels carry it,
+    /// and a container of the run made for another deployment (or for
+    /// none, when this is `Some`) is foreign: never adopted or removed.
+    pub deployment: Option<String>,
 }
 
 impl DockerConfig {
@@ -172,6 +179,7 @@ impl DockerConfig {
             stop_grace: STOP_GRACE_DEFAULT,
             image_repository: IMAGE_REPOSITORY_DEFAULT.to_owned(),
             docker_host: None,
+            deployment: None,
         }
     }
 
@@ -187,6 +195,9 @@ impl DockerConfig {
         }
         if self.token_secret == [0; 32] {
             return Err(DockerError::ZeroTokenSecret);
+        }
+        if let Some(d) = &self.deployment {
+            crate::check_deployment(d).map_err(DockerError::BadDeployment)?;
         }
         if self.stop_grace > STOP_GRACE_MAX {
             return Err(DockerError::BadGrace {
@@ -224,6 +235,9 @@ pub enum DockerError {
     /// The token secret is all zeros (the unset value), so anyone could forge join tokens.
     #[error("token_secret is all zeros; it must be a random 32-byte key")]
     ZeroTokenSecret,
+    /// The deployment is not a deployment id.
+    #[error("{0}")]
+    BadDeployment(String),
     /// The stop grace is too long.
     #[error("stop_grace is {value:?}; the most accepted is {STOP_GRACE_MAX:?}")]
     BadGrace {
@@ -280,6 +294,8 @@ struct Shared {
     key_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The engine's id of each container seen, by name, for statuses.
     ids: Mutex<HashMap<String, String>>,
+    /// The run's containers of other deployments, as last listed.
+    foreign: Mutex<Vec<crate::ForeignResource>>,
 }
 
 /// The Docker provider. Cheap to clone; clones share state.
@@ -341,6 +357,7 @@ impl DockerProvider {
                 next_stream: AtomicU64::new(0),
                 key_locks: Mutex::new(HashMap::new()),
                 ids: Mutex::new(HashMap::new()),
+                foreign: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -355,9 +372,20 @@ impl DockerProvider {
         &self.shared.docker
     }
 
-    /// The container that is (or would be) `key`'s lease.
+    /// The container that is (or would be) `key`'s lease for a provider of
+    /// no deployment (see [`DockerConfig::deployment`]).
     pub fn container_name(key: &ResourceKey) -> String {
-        format!("swactor_{}_{}_{}", key.run_id, key.node, key.attempt)
+        Self::container_name_in(key, None)
+    }
+
+    /// The container that is (or would be) `key`'s lease in `deployment`:
+    /// `swactor_{run}_{node}_a{n}`, with `_{deployment}` after it when
+    /// there is one (ids cannot hold `_`, so the two forms never meet).
+    pub fn container_name_in(key: &ResourceKey, deployment: Option<&str>) -> String {
+        match deployment {
+            Some(d) => format!("swactor_{}_{}_{}_{d}", key.run_id, key.node, key.attempt),
+            None => format!("swactor_{}_{}_{}", key.run_id, key.node, key.attempt),
+        }
     }
 
     /// The agent image's tag, building the image if the engine lacks it.
@@ -480,20 +508,20 @@ impl DockerProvider {
     }
 
     /// Checks the key can name a container; returns the name and its lease.
-    fn locate(key: &ResourceKey) -> Result<(String, LeaseId), ProviderError> {
+    fn locate(&self, key: &ResourceKey) -> Result<(String, LeaseId), ProviderError> {
         validate_id(key.run_id.as_str())
             .and_then(|()| validate_id(key.node.group.as_str()))
             .map_err(|e| {
                 ProviderError::Definite(format!("key {key} cannot name a container: {e}"))
             })?;
-        let name = Self::container_name(key);
+        let name = Self::container_name_in(key, self.shared.config.deployment.as_deref());
         let lease = LeaseId::from(format!("docker:{name}"));
         Ok((name, lease))
     }
 
     /// Like [`Self::locate`], also checking `lease` is the key's.
-    fn locate_lease(key: &ResourceKey, lease: &LeaseId) -> Result<String, ProviderError> {
-        let (name, expected) = Self::locate(key)?;
+    fn locate_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<String, ProviderError> {
+        let (name, expected) = self.locate(key)?;
         if *lease != expected {
             return Err(ProviderError::Definite(format!(
                 "lease {} is not key {key}'s (that is {})",
@@ -555,14 +583,24 @@ impl DockerProvider {
         match self.shared.docker.inspect_container(name, None).await {
             Ok(c) => {
                 let labels = c.config.as_ref().and_then(|c| c.labels.as_ref());
+                let ours = self.shared.config.deployment.as_deref();
                 match labels.map(key_of_labels) {
-                    Some(Some(found)) if found == *key => {
+                    Some(Some((found, deployment)))
+                        if found == *key && deployment.as_deref() == ours =>
+                    {
                         if let Some(id) = &c.id {
                             lock(&self.shared.ids).insert(name.to_owned(), id.clone());
                         }
                         Ok(Some(c))
                     }
-                    Some(Some(found)) => Err(ProviderError::Definite(format!(
+                    Some(Some((found, deployment))) if found == *key => {
+                        Err(ProviderError::Definite(format!(
+                            "container {name} belongs to {}, not to this daemon's {}",
+                            deployment_words(deployment.as_deref()),
+                            deployment_words(ours)
+                        )))
+                    }
+                    Some(Some((found, _))) => Err(ProviderError::Definite(format!(
                         "container {name} belongs to {found}, not {key}"
                     ))),
                     _ => Err(ProviderError::Definite(format!(
@@ -613,12 +651,15 @@ impl DockerProvider {
             "--boot-timeout-s={}",
             template.limits.boot_timeout_s
         ));
-        let labels = HashMap::from([
+        let mut labels = HashMap::from([
             (LABEL_RUN.to_owned(), key.run_id.to_string()),
             (LABEL_NODE.to_owned(), key.node.to_string()),
             (LABEL_ATTEMPT.to_owned(), key.attempt.0.to_string()),
             (LABEL_GROUP.to_owned(), key.node.group.to_string()),
         ]);
+        if let Some(d) = &config.deployment {
+            labels.insert(LABEL_DEPLOYMENT.to_owned(), d.clone());
+        }
         let binds: Vec<String> = options
             .mounts
             .iter()
@@ -804,19 +845,28 @@ fn elf_interpreter(binary: &[u8]) -> bool {
     (0..usize::from(count)).any(|i| u32_at(phoff + i * usize::from(entsize)) == Some(PT_INTERP))
 }
 
-/// The key a container's labels name.
-fn key_of_labels(labels: &HashMap<String, String>) -> Option<ResourceKey> {
+/// `deployment` in words, for refusals.
+fn deployment_words(deployment: Option<&str>) -> String {
+    match deployment {
+        Some(d) => format!("deployment {d}"),
+        None => "no deployment (made before deployments were recorded)".to_owned(),
+    }
+}
+
+/// The key a container's labels name, and the deployment they carry.
+fn key_of_labels(labels: &HashMap<String, String>) -> Option<(ResourceKey, Option<String>)> {
     let run = labels.get(LABEL_RUN)?;
     let node = LogicalNodeId::parse(labels.get(LABEL_NODE)?)?;
     let attempt = labels.get(LABEL_ATTEMPT)?;
     if attempt.starts_with('+') {
         return None;
     }
-    Some(ResourceKey {
+    let key = ResourceKey {
         run_id: RunId::new(run.clone()),
         node,
         attempt: NodeAttemptId(attempt.parse().ok()?),
-    })
+    };
+    Some((key, labels.get(LABEL_DEPLOYMENT).cloned()))
 }
 
 fn session_id(lease: &LeaseId, started_at: &str) -> SessionId {
@@ -851,7 +901,7 @@ impl Provider for DockerProvider {
         let bad = |why: String| ProviderError::Definite(format!("docker provider: {why}"));
         let options = NodeOptions::parse(template).map_err(bad)?;
         options.check_host().map_err(bad)?;
-        let (name, lease) = Self::locate(key)?;
+        let (name, lease) = self.locate(key)?;
         let grant = LeaseGrant {
             lease,
             endpoint: Some(NodeEndpoint::from(format!("docker:{name}"))),
@@ -918,7 +968,7 @@ impl Provider for DockerProvider {
         key: &ResourceKey,
         lease: &LeaseId,
     ) -> Result<NodeEndpoint, ProviderError> {
-        let name = Self::locate_lease(key, lease)?;
+        let name = self.locate_lease(key, lease)?;
         match self.inspect(key, &name).await? {
             Some(_) => Ok(NodeEndpoint::from(format!("docker:{name}"))),
             None => Err(ProviderError::Gone(format!(
@@ -934,7 +984,7 @@ impl Provider for DockerProvider {
         _endpoint: &NodeEndpoint,
         template: &NodeTemplate,
     ) -> Result<BootstrapSession, ProviderError> {
-        let name = Self::locate_lease(key, lease)?;
+        let name = self.locate_lease(key, lease)?;
         let options = NodeOptions::parse(template)
             .map_err(|why| ProviderError::Definite(format!("docker provider: {why}")))?;
         let _guard = self.lock_key(&name).await;
@@ -986,7 +1036,7 @@ impl Provider for DockerProvider {
         key: &ResourceKey,
         session: &SessionId,
     ) -> Result<(), ProviderError> {
-        let (name, lease) = Self::locate(key)?;
+        let (name, lease) = self.locate(key)?;
         let Some(started) = session
             .0
             .strip_prefix(lease.as_str())
@@ -1024,7 +1074,7 @@ impl Provider for DockerProvider {
     }
 
     async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
-        let name = Self::locate_lease(key, lease)?;
+        let name = self.locate_lease(key, lease)?;
         let guard = self.lock_key(&name).await;
         let result = async {
             // Refuses a container of another key; absent is success.
@@ -1082,12 +1132,28 @@ impl Provider for DockerProvider {
             self.definite(format!("cannot list the containers of run {run_id}"), &e)
         })?;
         let mut inventory = Inventory::new();
+        let ours = self.shared.config.deployment.as_deref();
+        let mut foreign = Vec::new();
         for summary in found {
-            let Some(key) = summary.labels.as_ref().and_then(key_of_labels) else {
+            let Some((key, deployment)) = summary.labels.as_ref().and_then(key_of_labels) else {
                 tracing::warn!(id = ?summary.id, "ignoring a container of the run whose labels name no key");
                 continue;
             };
-            let (name, lease) = Self::locate(&key)?;
+            if key.run_id == *run_id && deployment.as_deref() != ours {
+                let name = summary.names.iter().flatten().next().map_or_else(
+                    || summary.id.clone().unwrap_or_default(),
+                    |n| n.trim_start_matches('/').to_owned(),
+                );
+                foreign.push(crate::ForeignResource {
+                    provider: "docker".to_owned(),
+                    resource: format!("container {name}"),
+                    deployment,
+                    key: format!("{}/{}", key.node, key.attempt),
+                    usd_per_hour_micros: None,
+                });
+                continue;
+            }
+            let (name, lease) = self.locate(&key)?;
             let named = summary
                 .names
                 .iter()
@@ -1111,7 +1177,13 @@ impl Provider for DockerProvider {
                 },
             );
         }
+        foreign.sort();
+        *lock(&self.shared.foreign) = foreign;
         Ok(inventory)
+    }
+
+    fn foreign(&self) -> Vec<crate::ForeignResource> {
+        lock(&self.shared.foreign).clone()
     }
 
     async fn agent_log(
@@ -1120,7 +1192,7 @@ impl Provider for DockerProvider {
         lease: &LeaseId,
         follow: bool,
     ) -> Result<AgentLogSource, ProviderError> {
-        let name = Self::locate_lease(key, lease)?;
+        let name = self.locate_lease(key, lease)?;
         if self.inspect(key, &name).await?.is_none() {
             return Err(ProviderError::Gone(format!(
                 "container {name} no longer exists, and its log went with it"
@@ -1201,6 +1273,8 @@ mod tests {
         let b = DockerProvider::container_name(&key("a", "b-c-0"));
         assert_eq!(a, "swactor_a-b_c-0_a3");
         assert_ne!(a, b);
+        let d = DockerProvider::container_name_in(&key("a-b", "c-0"), Some("0a1b2c3d"));
+        assert_eq!(d, "swactor_a-b_c-0_a3_0a1b2c3d");
     }
 
     #[test]
@@ -1210,8 +1284,15 @@ mod tests {
             (LABEL_NODE.to_owned(), "w-0".to_owned()),
             (LABEL_ATTEMPT.to_owned(), "7".to_owned()),
         ]);
-        let key = key_of_labels(&labels).unwrap();
+        let (key, deployment) = key_of_labels(&labels).unwrap();
         assert_eq!(key.to_string(), "r/w-0/a7");
+        assert_eq!(deployment, None);
+        let mut deployed = labels.clone();
+        deployed.insert(LABEL_DEPLOYMENT.to_owned(), "0a1b2c3d".to_owned());
+        assert_eq!(
+            key_of_labels(&deployed),
+            Some((key, Some("0a1b2c3d".to_owned())))
+        );
         let mut bad = labels.clone();
         bad.insert(LABEL_ATTEMPT.to_owned(), "+7".to_owned());
         assert_eq!(key_of_labels(&bad), None);

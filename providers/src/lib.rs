@@ -105,6 +105,41 @@ pub struct OwnedResources {
 /// Everything a provider holds for one run, by key.
 pub type Inventory = BTreeMap<ResourceKey, OwnedResources>;
 
+/// A resource of the run that another deployment made: another daemon with
+/// the same run on the same account, engine or hosts, or this state
+/// directory's own earlier journal, lost. A provider never adopts,
+/// destroys or reuses one; it reports what it saw of them.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct ForeignResource {
+    /// The provider kind (`vast`, `docker`, `ssh`).
+    pub provider: String,
+    /// The provider's name for it (an instance id, a container, a host).
+    pub resource: String,
+    /// The deployment its labels name; `None` for a resource made before
+    /// deployments were recorded.
+    pub deployment: Option<String>,
+    /// The slot and attempt it was made for, as `node/aN`.
+    pub key: String,
+    /// What it costs, in millionths of a dollar per hour, when the provider
+    /// knows.
+    pub usd_per_hour_micros: Option<u64>,
+}
+
+/// A deployment id: eight lowercase hex digits, made once per journal.
+///
+/// # Errors
+/// Anything else, in words.
+pub fn check_deployment(id: &str) -> Result<(), String> {
+    if id.len() == 8 && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(())
+    } else {
+        Err(format!(
+            "deployment {id:?} is not a deployment id (eight lowercase hex digits, as \
+             `swactor status` shows them)"
+        ))
+    }
+}
+
 /// Pieces of an agent's log as they are read where the agent runs; an
 /// `Err` piece says why the reading broke off, and is the last.
 pub type AgentLogStream = tokio::sync::mpsc::Receiver<Result<String, String>>;
@@ -219,6 +254,14 @@ pub trait Provider: Send + Sync + 'static {
             "the {} provider keeps no agent log that can be read",
             self.kind()
         )))
+    }
+
+    /// Resources of the run that another deployment made, as the last
+    /// [`Provider::list`] saw them: never adopted, destroyed or reused,
+    /// only reported. From what the provider already knows: it must not
+    /// block or call out.
+    fn foreign(&self) -> Vec<ForeignResource> {
+        Vec::new()
     }
 
     /// Whether `lease` is one of this provider's (for [`Providers`] to route

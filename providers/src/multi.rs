@@ -182,6 +182,10 @@ impl Provider for Providers {
         self.of_lease(lease).ok()?.describe_lease(lease)
     }
 
+    fn foreign(&self) -> Vec<crate::ForeignResource> {
+        self.all.iter().flat_map(|p| p.foreign()).collect()
+    }
+
     fn owns_lease(&self, lease: &LeaseId) -> bool {
         self.all.iter().any(|p| p.owns_lease(lease))
     }

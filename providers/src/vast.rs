@@ -125,6 +125,10 @@ pub struct VastConfig {
     pub connect_timeout: Duration,
     /// How long a stopping agent gets between SIGTERM and SIGKILL.
     pub term_grace: Duration,
+    /// The daemon's deployment: its instances' labels carry it, and an
+    /// instance of the run labelled for another (or none, when this is
+    /// `Some`) is foreign: never adopted or destroyed.
+    pub deployment: Option<String>,
 }
 
 impl VastConfig {
@@ -148,6 +152,7 @@ impl VastConfig {
             bad_machine_ttl: Duration::from_secs(30 * 60),
             connect_timeout: Duration::from_secs(10),
             term_grace: Duration::from_secs(5),
+            deployment: None,
         }
     }
 
@@ -264,6 +269,8 @@ struct Shared {
     sessions: Mutex<HashMap<SessionId, SessionEntry>>,
     /// What status shows, by key.
     shown: Mutex<BTreeMap<ResourceKey, InstanceInfo>>,
+    /// The run's instances of other deployments, as last listed.
+    foreign: Mutex<Vec<crate::ForeignResource>>,
     key_locks: Mutex<HashMap<ResourceKey, Arc<tokio::sync::Mutex<()>>>>,
     /// Recent searches, by query: when, and the offers still untried.
     offers: Mutex<HashMap<String, (Instant, Vec<Offer>)>>,
@@ -387,6 +394,7 @@ impl VastProvider {
                 connections: Mutex::new(HashMap::new()),
                 sessions: Mutex::new(HashMap::new()),
                 shown: Mutex::new(BTreeMap::new()),
+                foreign: Mutex::new(Vec::new()),
                 key_locks: Mutex::new(HashMap::new()),
                 offers: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
@@ -579,23 +587,38 @@ impl VastProvider {
         Ok(out)
     }
 
-    /// The live instances of `run`, by key (several for a key only if
-    /// something went wrong).
+    /// The live instances of `run` of this deployment, by key (several for
+    /// a key only if something went wrong); those of the run with another
+    /// deployment are remembered as foreign.
     async fn run_instances(&self, run: &RunId) -> Result<Vec<(ResourceKey, Instance)>, ApiError> {
-        let prefix = model::run_label_prefix(run);
-        Ok(self
+        let ours = self.shared.config.deployment.as_deref();
+        let mut foreign = Vec::new();
+        let mine = self
             .instances_labelled(None)
             .await?
             .into_iter()
             .filter(|i| !matches!(model::health(i), Health::Destroyed))
             .filter_map(|i| {
-                let label = i.label.as_deref()?;
-                if !label.starts_with(&prefix) {
+                let (key, deployment) = model::parse_label(i.label.as_deref()?)?;
+                if key.run_id != *run {
                     return None;
                 }
-                Some((model::parse_label(label)?, i))
+                if deployment != ours {
+                    foreign.push(crate::ForeignResource {
+                        provider: "vast".to_owned(),
+                        resource: format!("instance {}", i.id),
+                        deployment: deployment.map(str::to_owned),
+                        key: format!("{}/{}", key.node, key.attempt),
+                        usd_per_hour_micros: i.dph_total.map(|d| (d.max(0.0) * 1e6).round() as u64),
+                    });
+                    return None;
+                }
+                Some((key, i))
             })
-            .collect())
+            .collect();
+        foreign.sort();
+        *lock(&self.shared.foreign) = foreign;
+        Ok(mine)
     }
 
     async fn show(&self, id: u64) -> Result<Option<Instance>, ApiError> {
@@ -1149,7 +1172,7 @@ impl Provider for VastProvider {
     ) -> Result<LeaseGrant, ProviderError> {
         let params = GroupParams::of(template).map_err(definite)?;
         let _guard = self.lock_key(key).await;
-        let label = model::label_of(key);
+        let label = model::label_of(key, self.shared.config.deployment.as_deref());
         if label.len() > model::LABEL_LEN_MAX {
             return Err(definite(format!(
                 "the label {label:?} is longer than the service's {} characters; use a shorter run or group id",
@@ -1390,6 +1413,10 @@ impl Provider for VastProvider {
         lock(&self.shared.shown).remove(key);
         tracing::info!(%key, instance = id, "destroyed an instance");
         Ok(())
+    }
+
+    fn foreign(&self) -> Vec<crate::ForeignResource> {
+        lock(&self.shared.foreign).clone()
     }
 
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {

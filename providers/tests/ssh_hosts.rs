@@ -61,10 +61,28 @@ impl World {
     }
 
     fn provider(&self) -> SshHostsProvider {
-        let mut config = SshHostsConfig::new(
-            self.root.path().join("state"),
-            self.root.path().join("agent"),
-        );
+        self.provider_in("state", None)
+    }
+
+    /// A provider of `deployment` keeping its files in `{root}/{state}`
+    /// (with the same SSH key as the first one).
+    fn provider_in(&self, state: &str, deployment: Option<&str>) -> SshHostsProvider {
+        let dir = self.root.path().join(state);
+        if !dir.join("ssh").exists() {
+            std::fs::create_dir_all(dir.join("ssh")).unwrap();
+            for f in [
+                swactor_providers::ssh::KEY_FILE,
+                swactor_providers::ssh::PUBLIC_KEY_FILE,
+            ] {
+                std::fs::copy(
+                    self.root.path().join("state/ssh").join(f),
+                    dir.join("ssh").join(f),
+                )
+                .unwrap();
+            }
+        }
+        let mut config = SshHostsConfig::new(dir, self.root.path().join("agent"));
+        config.deployment = deployment.map(str::to_owned);
         config.daemon_ticket = "ticket-1".into();
         config.token_secret = SECRET;
         config.connect_timeout = Duration::from_secs(3);
@@ -225,6 +243,59 @@ async fn a_host_holds_one_claim_a_retried_create_adopts_it_and_a_full_pool_says_
         b.lease, a.lease,
         "the freed host is claimed by the next key"
     );
+}
+
+/// Issue 30, fix 2: two daemons (deployments) with the same run and the
+/// same hosts. A host claimed by one is taken for the other, even for the
+/// very same key: never adopted, listed or released by it, only reported
+/// as foreign. Once the first lets it go, the second may claim it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_claimed_by_another_deployment_of_the_run_is_never_adopted_or_released() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let world = World::new(1, CONVERGING);
+    let a = world.provider_in("state-a", Some("0000000a"));
+    let b = world.provider_in("state-b", Some("0000000b"));
+    let t = world.template();
+    let k = key("w-0", 1);
+    let held = a.create_lease(&k, &t).await.unwrap();
+    assert_eq!(
+        world.claim(0).as_deref(),
+        Some("swactor-claim run=r1 node=w-0 attempt=1 deployment=0000000a\n")
+    );
+    let e = b.create_lease(&k, &t).await.unwrap_err();
+    assert!(
+        e.to_string().contains("r1/w-0/a1 of deployment 0000000a"),
+        "{e}"
+    );
+    assert!(b.list(&k.run_id).await.unwrap().is_empty());
+    let foreign = b.foreign();
+    assert_eq!(foreign.len(), 1, "{foreign:?}");
+    assert_eq!(foreign[0].deployment.as_deref(), Some("0000000a"));
+    assert_eq!(foreign[0].key, "w-0/a1");
+    // A's agent runs; B's cancel and destroy of "its" key (the same one)
+    // leave the agent, its directory and A's claim alone.
+    let endpoint = a.lookup_endpoint(&k, &held.lease).await.unwrap();
+    let mut session = a
+        .start_bootstrap(&k, &held.lease, &endpoint, &t)
+        .await
+        .unwrap();
+    assert_eq!(take(&mut session.events, 6).await, converging_stages());
+    let dir = world.node_dir(0, &k);
+    assert_eq!(agents_in(&dir).len(), 1, "A's agent runs");
+    b.cancel_bootstrap(&k, &session.session).await.unwrap();
+    b.destroy_lease(&k, &held.lease).await.unwrap();
+    assert_eq!(agents_in(&dir).len(), 1, "A's agent still runs");
+    assert!(world.claim(0).unwrap().contains("deployment=0000000a"));
+    assert_eq!(a.list(&k.run_id).await.unwrap().len(), 1);
+    a.cancel_bootstrap(&k, &session.session).await.unwrap();
+    a.destroy_lease(&k, &held.lease).await.unwrap();
+    assert_eq!(world.claim(0), None);
+    b.create_lease(&k, &t).await.unwrap();
+    assert!(world.claim(0).unwrap().contains("deployment=0000000b"));
+    assert!(a.list(&k.run_id).await.unwrap().is_empty());
+    assert_eq!(a.foreign().len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -131,6 +131,9 @@ pub struct HostConfig {
     /// [`without_journal`](crate::without_journal)). The latest attempt of
     /// a slot is taken; older ones are collected.
     pub adopt_unrecorded: bool,
+    /// What a new journal records as its deployment
+    /// ([`JournalMeta::deployment`]); a journal that exists keeps its own.
+    pub deployment: Option<String>,
 }
 
 impl Default for HostConfig {
@@ -145,6 +148,7 @@ impl Default for HostConfig {
             sweep_interval_ms: 300_000,
             rejoin_window_ms: 15_000,
             adopt_unrecorded: false,
+            deployment: None,
         }
     }
 }
@@ -373,6 +377,13 @@ pub struct JournalMeta {
     /// Absent in journals written before it existed.
     #[serde(default)]
     pub retired: Vec<NodeTemplate>,
+    /// The deployment this journal is: made once, when the journal is, and
+    /// carried by every resource its providers make beside the run, so two
+    /// daemons with the same run on one account never take each other's
+    /// resources. `None` in journals written before it existed (their
+    /// resources carry no deployment).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deployment: Option<String>,
 }
 
 /// Which attempt a slot holds, which template it was made from, and whether
@@ -461,6 +472,7 @@ impl JournalImage {
                 tearing_down: false,
                 paused: false,
                 retired: Vec::new(),
+                deployment: None,
             },
             slots: NodeTable::new(),
         }
@@ -1082,7 +1094,11 @@ impl<C: Reconciler> Host<C> {
         if !core.state().nodes.is_empty() || core.desired().generation.0 != 0 {
             return Err(HostError::CoreNotFresh);
         }
-        let image = journal.unwrap_or_else(|| JournalImage::new(run_id.clone()));
+        let image = journal.unwrap_or_else(|| {
+            let mut image = JournalImage::new(run_id.clone());
+            image.meta.deployment.clone_from(&config.deployment);
+            image
+        });
         if image.meta.run_id != run_id {
             return Err(HostError::OtherRun {
                 journal: image.meta.run_id,

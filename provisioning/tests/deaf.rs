@@ -416,6 +416,30 @@ fn a_host_told_to_adopt_unrecorded_resources_takes_them_as_they_are() {
     }
 }
 
+/// Issue 30, fix 2: a new journal records the deployment its host is
+/// given; a journal that exists keeps its own (none, for one written before
+/// deployments), whatever a later host is given.
+#[test]
+fn a_new_journal_records_its_deployment_and_an_existing_one_keeps_its_own() {
+    let config = |d: &str| HostConfig {
+        deployment: Some(d.to_owned()),
+        ..HostConfig::default()
+    };
+    let mut first = Host::new(driver(), config("0a1b2c3d"), None).unwrap();
+    let mut journal = JournalImage::new(RunId::new("run"));
+    first
+        .handle_apply(&shape(1, vec![group("w", 1)]), Ticket(1), t(100))
+        .unwrap();
+    pump(&mut first, &mut journal, &[], t(100));
+    assert_eq!(journal.meta.deployment.as_deref(), Some("0a1b2c3d"));
+    let again = Host::new(driver(), config("ffffffff"), Some(journal.clone())).unwrap();
+    assert_eq!(again.journal_meta().deployment.as_deref(), Some("0a1b2c3d"));
+    let mut before = journal;
+    before.meta.deployment = None;
+    let old = Host::new(driver(), config("ffffffff"), Some(before)).unwrap();
+    assert_eq!(old.journal_meta().deployment, None);
+}
+
 /// Runs the host's outputs at `now` without answering any dispatch: what a
 /// daemon does before it dies with its effects on the way. Returns them.
 fn dispatch_only(

@@ -649,6 +649,10 @@ impl Provider for Metered {
         self.inner.describe_lease(lease)
     }
 
+    fn foreign(&self) -> Vec<swactor_providers::ForeignResource> {
+        self.inner.foreign()
+    }
+
     // Not timed: reading a log is an operator's request, not one of the
     // reconciler's effects, and a followed log lasts as long as it is read.
     async fn agent_log(

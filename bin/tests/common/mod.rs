@@ -258,6 +258,15 @@ pub fn status(state: &Path) -> Option<ClusterSnapshot> {
         .flatten()
 }
 
+/// The deployment the journal of `state` is, from its `deployment` file.
+#[allow(dead_code)]
+pub fn deployment_of(state: &Path) -> String {
+    std::fs::read_to_string(state.join("deployment"))
+        .unwrap_or_else(|e| panic!("no deployment file in {}: {e}", state.display()))
+        .trim()
+        .to_owned()
+}
+
 /// Waits until `status` shows a converged cluster satisfying `pred`.
 pub fn wait_converged(
     state: &Path,

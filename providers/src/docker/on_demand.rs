@@ -129,6 +129,10 @@ impl Provider for DockerOnDemand {
         self.ready.get()?.describe_lease(lease)
     }
 
+    fn foreign(&self) -> Vec<crate::ForeignResource> {
+        self.ready.get().map(Provider::foreign).unwrap_or_default()
+    }
+
     /// Only a shape that uses Docker waits for it after a restart.
     fn listing_lag(&self) -> std::time::Duration {
         if self.in_use.load(Ordering::SeqCst) {

@@ -84,6 +84,10 @@ pub struct SshHostsConfig {
     /// How long a host may not answer before cleanups on it are given up
     /// (per group: `unreachable_give_up_s`).
     pub unreachable_give_up: Duration,
+    /// The daemon's deployment: its claims carry it, and a host claimed
+    /// for the run by another deployment (or by none, when this is `Some`)
+    /// is taken, its claim foreign: never adopted or released.
+    pub deployment: Option<String>,
 }
 
 impl SshHostsConfig {
@@ -97,6 +101,7 @@ impl SshHostsConfig {
             connect_timeout: Duration::from_secs(10),
             term_grace: Duration::from_secs(5),
             unreachable_give_up: UNREACHABLE_GIVE_UP_DEFAULT,
+            deployment: None,
         }
     }
 }
@@ -325,6 +330,8 @@ struct Shared {
     key_locks: Mutex<HashMap<ResourceKey, Arc<tokio::sync::Mutex<()>>>>,
     /// The agent binary and its sha256, read on first use.
     binary: tokio::sync::OnceCell<(Arc<Vec<u8>>, String)>,
+    /// The run's hosts claimed by other deployments, as last listed.
+    foreign: Mutex<Vec<crate::ForeignResource>>,
 }
 
 /// The `ssh` provider. Cheap to clone; clones share state.
@@ -361,6 +368,7 @@ impl SshHostsProvider {
             unreachable_since: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             key_locks: Mutex::new(HashMap::new()),
+            foreign: Mutex::new(Vec::new()),
             binary: tokio::sync::OnceCell::new(),
         });
         let provider = Self { shared };
@@ -650,6 +658,11 @@ impl SshHostsProvider {
         })
     }
 
+    /// The deployment its claims carry.
+    fn deployment(&self) -> Option<&str> {
+        self.shared.config.deployment.as_deref()
+    }
+
     /// Tries to claim `host` for `key`: `Ok(true)` when the key holds it,
     /// `Ok(false)` when another does.
     async fn try_claim(
@@ -657,7 +670,9 @@ impl SshHostsProvider {
         host: &HostAccess,
         key: &ResourceKey,
     ) -> Result<Option<String>, SshError> {
-        let out = self.run(host, &remote::claim(key)).await?;
+        let out = self
+            .run(host, &remote::claim(key, self.deployment()))
+            .await?;
         let text = String::from_utf8_lossy(&out.stdout);
         let first = text.lines().next().unwrap_or("").trim().to_owned();
         if out.status.is_none() {
@@ -676,7 +691,7 @@ impl SshHostsProvider {
                 ),
             });
         }
-        Ok(if first == remote::claim_line(key) {
+        Ok(if first == remote::claim_line(key, self.deployment()) {
             None
         } else {
             Some(first)
@@ -710,8 +725,20 @@ impl SshHostsProvider {
     async fn clean(&self, host: &HostAccess, key: &ResourceKey) -> Result<(), SshError> {
         let dir = remote::node_dir(key);
         let grace = self.shared.config.term_grace.as_secs().max(1);
-        let out = self.run(host, &remote::stop_agent(&dir, grace)).await?;
-        if String::from_utf8_lossy(&out.stdout).trim() == "stuck" {
+        let stop = remote::stop_agent(&dir, grace);
+        let out = self
+            .run(
+                host,
+                &remote::unless_claimed_by_another(key, self.deployment(), &stop),
+            )
+            .await?;
+        let said = String::from_utf8_lossy(&out.stdout);
+        if said.trim() == remote::FOREIGN_MARKER {
+            // Another key or deployment holds the host: nothing there is ours.
+            tracing::debug!(%key, host = %host.target, "the host is claimed by another; nothing of ours to clean");
+            return Ok(());
+        }
+        if said.trim() == "stuck" {
             return Err(SshError::Remote {
                 target: host.target.clone(),
                 reason: format!("the agent of {key} outlived SIGKILL"),
@@ -720,7 +747,11 @@ impl SshHostsProvider {
         let out = self
             .run(
                 host,
-                &format!("{} && {}", remote::remove_dir(&dir), remote::release(key)),
+                &format!(
+                    "{} && {}",
+                    remote::remove_dir(&dir),
+                    remote::release(key, self.deployment())
+                ),
             )
             .await?;
         if !out.success() {
@@ -1132,8 +1163,13 @@ impl Provider for SshHostsProvider {
                 }
                 Ok(Some(holder)) => {
                     self.forget_record(key);
-                    let by = remote::parse_claim(&holder)
-                        .map_or_else(|| "something else".to_owned(), |k| k.to_string());
+                    let by = remote::parse_claim(&holder).map_or_else(
+                        || "something else".to_owned(),
+                        |(k, d)| match d {
+                            Some(d) => format!("{k} of deployment {d}"),
+                            None => k.to_string(),
+                        },
+                    );
                     taken.push(format!("{} by {by}", host.target));
                 }
                 Err(SshError::NotReady { reason, .. }) => {
@@ -1178,7 +1214,9 @@ impl Provider for SshHostsProvider {
             Err(e) => return Err(e.into()),
         };
         let claim = String::from_utf8_lossy(&out.stdout);
-        if claim.lines().next().map(str::trim) != Some(remote::claim_line(key).as_str()) {
+        if claim.lines().next().map(str::trim)
+            != Some(remote::claim_line(key, self.deployment()).as_str())
+        {
             return Err(ProviderError::Gone(format!(
                 "{} no longer holds the claim of {key}",
                 host.target
@@ -1208,7 +1246,7 @@ impl Provider for SshHostsProvider {
             .lines()
             .next()
             .map(str::trim)
-            != Some(remote::claim_line(key).as_str())
+            != Some(remote::claim_line(key, self.deployment()).as_str())
         {
             return Err(ProviderError::Gone(format!(
                 "{} no longer holds the claim of {key}",
@@ -1281,8 +1319,12 @@ impl Provider for SshHostsProvider {
         let _guard = self.lock_key(key).await;
         self.mark_cancelled(session);
         let grace = self.shared.config.term_grace.as_secs().max(1);
+        let stop = remote::stop_agent(&remote::node_dir(key), grace);
         match self
-            .run(&host, &remote::stop_agent(&remote::node_dir(key), grace))
+            .run(
+                &host,
+                &remote::unless_claimed_by_another(key, self.deployment(), &stop),
+            )
             .await
         {
             Ok(out) if String::from_utf8_lossy(&out.stdout).trim() == "stuck" => {
@@ -1334,19 +1376,25 @@ impl Provider for SshHostsProvider {
                     return (host, None);
                 };
                 let text = String::from_utf8_lossy(&out.stdout);
-                let Some(key) = text.lines().next().and_then(remote::parse_claim) else {
+                let Some((key, deployment)) = text.lines().next().and_then(remote::parse_claim)
+                else {
                     return (host, Some(None));
                 };
+                if deployment.as_deref() != provider.deployment() {
+                    // Another deployment's: its agent is none of ours to look at.
+                    return (host, Some(Some((key, String::new(), Some(deployment)))));
+                }
                 let dir = remote::node_dir(&key);
                 let pid = match provider.run(&host, &remote::agent_pid(&dir)).await {
                     Ok(out) => String::from_utf8_lossy(&out.stdout).trim().to_owned(),
                     // The claim is known; whether its agent runs is not.
                     Err(_) => String::new(),
                 };
-                (host, Some(Some((key, pid))))
+                (host, Some(Some((key, pid, None))))
             });
         }
         let mut inventory = Inventory::new();
+        let mut foreign = Vec::new();
         let mut silent = Vec::new();
         while let Some(found) = asked.join_next().await {
             let Ok((host, answer)) = found else {
@@ -1356,9 +1404,21 @@ impl Provider for SshHostsProvider {
                 silent.push(host.target);
                 continue;
             };
-            let Some((key, pid)) = claim else {
+            let Some((key, pid, other)) = claim else {
                 continue;
             };
+            if let Some(deployment) = other {
+                if key.run_id == *run_id {
+                    foreign.push(crate::ForeignResource {
+                        provider: "ssh".to_owned(),
+                        resource: format!("host {}", host.target),
+                        deployment,
+                        key: format!("{}/{}", key.node, key.attempt),
+                        usd_per_hour_micros: None,
+                    });
+                }
+                continue;
+            }
             if key.run_id != *run_id || abandoned.contains(&(key.clone(), host.target.clone())) {
                 continue;
             }
@@ -1370,6 +1430,8 @@ impl Provider for SshHostsProvider {
                 },
             );
         }
+        foreign.sort();
+        *lock(&self.shared.foreign) = foreign;
         // A host that did not answer may hold the claims its lease records
         // name (a create cut off by a crash leaves a claim the journal never
         // heard of): listed as leases, they are adopted or collected once the
@@ -1390,6 +1452,10 @@ impl Provider for SshHostsProvider {
             }
         }
         Ok(inventory)
+    }
+
+    fn foreign(&self) -> Vec<crate::ForeignResource> {
+        lock(&self.shared.foreign).clone()
     }
 
     fn describe_lease(&self, lease: &LeaseId) -> Option<String> {

@@ -31,33 +31,42 @@ pub(crate) const ROOT: &str = ".swactor";
 /// attempt's directory does not exist.
 pub(crate) const EXIT_MARKER: &str = "##swactor-exit ";
 
-/// The first line of a claim file.
-pub(crate) fn claim_line(key: &ResourceKey) -> String {
-    format!(
+/// The first line of a claim file: the key and, for a recorded deployment,
+/// ` deployment={id}` after it.
+pub(crate) fn claim_line(key: &ResourceKey, deployment: Option<&str>) -> String {
+    let mut line = format!(
         "swactor-claim run={} node={} attempt={}",
         key.run_id, key.node, key.attempt.0
-    )
+    );
+    if let Some(d) = deployment {
+        line.push_str(" deployment=");
+        line.push_str(d);
+    }
+    line
 }
 
-/// The key a claim line names, if it is one.
-pub(crate) fn parse_claim(line: &str) -> Option<ResourceKey> {
+/// The key a claim line names and its deployment, if it is one.
+pub(crate) fn parse_claim(line: &str) -> Option<(ResourceKey, Option<String>)> {
     let rest = line.trim().strip_prefix("swactor-claim ")?;
     let mut run = None;
     let mut node = None;
     let mut attempt = None;
+    let mut deployment = None;
     for field in rest.split(' ') {
         match field.split_once('=')? {
             ("run", v) => run = Some(v),
             ("node", v) => node = Some(v),
             ("attempt", v) => attempt = v.parse::<u64>().ok(),
+            ("deployment", v) if !v.is_empty() => deployment = Some(v.to_owned()),
             _ => return None,
         }
     }
-    Some(ResourceKey {
+    let key = ResourceKey {
         run_id: swactor_provisioning::RunId::new(run?),
         node: swactor_provisioning::LogicalNodeId::parse(node?)?,
         attempt: swactor_provisioning::NodeAttemptId(attempt?),
-    })
+    };
+    Some((key, deployment))
 }
 
 /// `key`'s directory, relative to the login directory.
@@ -81,8 +90,8 @@ pub(crate) fn binary_path(sha256_hex: &str) -> String {
 /// the same as being taken. An existing file is never removed here: it may
 /// be another daemon's claim between its creation and its write (an empty
 /// claim reads as taken).
-pub(crate) fn claim(key: &ResourceKey) -> String {
-    let line = quote(&claim_line(key));
+pub(crate) fn claim(key: &ResourceKey, deployment: Option<&str>) -> String {
+    let line = quote(&claim_line(key, deployment));
     format!(
         "mkdir -p {ROOT} || exit 3; \
          err=$( (set -C; printf '%s\\n' {line} > {ROOT}/claim) 2>&1 ); \
@@ -96,11 +105,31 @@ pub(crate) fn read_claim() -> String {
     format!("cat {ROOT}/claim 2>/dev/null; true")
 }
 
-/// Frees the host if `key` holds it (and only then).
-pub(crate) fn release(key: &ResourceKey) -> String {
-    let line = quote(&claim_line(key));
+/// Frees the host if `key` of `deployment` holds it (and only then).
+pub(crate) fn release(key: &ResourceKey, deployment: Option<&str>) -> String {
+    let line = quote(&claim_line(key, deployment));
     format!(
         "if [ \"$(head -n 1 {ROOT}/claim 2>/dev/null)\" = {line} ]; then rm -f {ROOT}/claim; fi"
+    )
+}
+
+/// What [`unless_claimed_by_another`] prints instead of running its command.
+pub(crate) const FOREIGN_MARKER: &str = "##swactor-foreign";
+
+/// Runs `command` unless the host's claim names another key or deployment
+/// than `key`'s in `deployment` (then it prints [`FOREIGN_MARKER`] and
+/// does nothing): an attempt's directory on a host another deployment
+/// holds may be that deployment's node of the same key.
+pub(crate) fn unless_claimed_by_another(
+    key: &ResourceKey,
+    deployment: Option<&str>,
+    command: &str,
+) -> String {
+    let line = quote(&claim_line(key, deployment));
+    format!(
+        "c=$(head -n 1 {ROOT}/claim 2>/dev/null); \
+         if [ -n \"$c\" ] && [ \"$c\" != {line} ]; then echo '{FOREIGN_MARKER}'; exit 0; fi; \
+         {command}"
     )
 }
 
@@ -307,10 +336,19 @@ mod tests {
 
     #[test]
     fn a_claim_line_names_its_key_and_nothing_else_parses() {
-        assert_eq!(parse_claim(&claim_line(&key())), Some(key()));
+        assert_eq!(parse_claim(&claim_line(&key(), None)), Some((key(), None)));
         assert_eq!(
-            parse_claim(&format!("{}\n", claim_line(&key()))),
-            Some(key())
+            parse_claim(&format!("{}\n", claim_line(&key(), None))),
+            Some((key(), None))
+        );
+        let deployed = claim_line(&key(), Some("0a1b2c3d"));
+        assert_eq!(
+            deployed,
+            "swactor-claim run=r1 node=gpu-3 attempt=12 deployment=0a1b2c3d"
+        );
+        assert_eq!(
+            parse_claim(&deployed),
+            Some((key(), Some("0a1b2c3d".to_owned())))
         );
         assert_eq!(parse_claim("swactor-claim run=r1 node=gpu-3"), None);
         assert_eq!(

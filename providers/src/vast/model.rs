@@ -13,6 +13,8 @@ use swactor_provisioning::{
 
 /// What every label the provider writes starts with.
 pub(crate) const LABEL_PREFIX: &str = "swactor:";
+/// What the labels of a recorded deployment start with, before its id.
+pub(crate) const DEPLOYED_PREFIX: &str = "swactor/";
 /// The longest label the service accepts.
 pub(crate) const LABEL_LEN_MAX: usize = 256;
 /// The smallest disk the service rents, in GB.
@@ -283,33 +285,47 @@ impl GroupParams {
     }
 }
 
-/// The label of `key`'s instance: `swactor:{run}:{node}:{attempt}`.
-pub(crate) fn label_of(key: &ResourceKey) -> String {
-    format!(
-        "{LABEL_PREFIX}{}:{}:{}",
-        key.run_id, key.node, key.attempt.0
-    )
+/// The label of `key`'s instance: `swactor/{deployment}:{run}:{node}:{attempt}`,
+/// or `swactor:{run}:{node}:{attempt}` for a deployment made before they
+/// were recorded.
+pub(crate) fn label_of(key: &ResourceKey, deployment: Option<&str>) -> String {
+    match deployment {
+        Some(d) => format!(
+            "{DEPLOYED_PREFIX}{d}:{}:{}:{}",
+            key.run_id, key.node, key.attempt.0
+        ),
+        None => format!(
+            "{LABEL_PREFIX}{}:{}:{}",
+            key.run_id, key.node, key.attempt.0
+        ),
+    }
 }
 
-/// What every label of `run` starts with.
-pub(crate) fn run_label_prefix(run: &RunId) -> String {
-    format!("{LABEL_PREFIX}{run}:")
-}
-
-/// The key a label names, if it is one of ours.
-pub(crate) fn parse_label(label: &str) -> Option<ResourceKey> {
-    let rest = label.strip_prefix(LABEL_PREFIX)?;
+/// The key a label names and the deployment it carries (`None`: none), if
+/// it is one of ours.
+pub(crate) fn parse_label(label: &str) -> Option<(ResourceKey, Option<&str>)> {
+    let (deployment, rest) = match label.strip_prefix(DEPLOYED_PREFIX) {
+        Some(rest) => {
+            let (d, rest) = rest.split_once(':')?;
+            if d.is_empty() {
+                return None;
+            }
+            (Some(d), rest)
+        }
+        None => (None, label.strip_prefix(LABEL_PREFIX)?),
+    };
     // From the right: the run id may hold anything a shape allows.
     let (rest, attempt) = rest.rsplit_once(':')?;
     let (run, node) = rest.rsplit_once(':')?;
     if run.is_empty() || attempt.is_empty() || !attempt.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    Some(ResourceKey {
+    let key = ResourceKey {
         run_id: RunId::new(run),
         node: LogicalNodeId::parse(node)?,
         attempt: NodeAttemptId(attempt.parse().ok()?),
-    })
+    };
+    Some((key, deployment))
 }
 
 /// One offer from a search.
@@ -732,11 +748,13 @@ mod tests {
     }
 
     #[test]
-    fn a_label_names_its_key_and_parses_back_even_with_colons_in_the_run() {
-        let label = label_of(&key());
+    fn a_label_names_its_key_and_deployment_and_parses_back_even_with_colons_in_the_run() {
+        let label = label_of(&key(), None);
         assert_eq!(label, "swactor:train:1:gpu-3:17");
-        assert_eq!(parse_label(&label), Some(key()));
-        assert!(label.starts_with(&run_label_prefix(&key().run_id)));
+        assert_eq!(parse_label(&label), Some((key(), None)));
+        let label = label_of(&key(), Some("0a1b2c3d"));
+        assert_eq!(label, "swactor/0a1b2c3d:train:1:gpu-3:17");
+        assert_eq!(parse_label(&label), Some((key(), Some("0a1b2c3d"))));
         for bad in [
             "",
             "swactor:",
@@ -744,6 +762,8 @@ mod tests {
             "swactor:r:gpu-3:x",
             "swactor::gpu-3:1",
             "swactor:r:gpu:1",
+            "swactor/:r:gpu-3:1",
+            "swactor/d:r:gpu-3",
             "someone else's label",
         ] {
             assert_eq!(parse_label(bad), None, "{bad:?}");
@@ -751,12 +771,13 @@ mod tests {
     }
 
     #[test]
-    fn a_run_prefix_never_matches_another_run_that_extends_its_name() {
+    fn a_run_never_matches_another_run_that_extends_its_name() {
         let other = ResourceKey {
             run_id: RunId::new("train2"),
             ..key()
         };
-        assert!(!label_of(&other).starts_with(&run_label_prefix(&RunId::new("train"))));
+        let (parsed, _) = parse_label(&label_of(&other, Some("0a1b2c3d"))).unwrap();
+        assert_ne!(parsed.run_id, RunId::new("train"));
     }
 
     #[test]

@@ -207,6 +207,7 @@ pub fn host_config() -> HostConfig {
         history_len: 2,
         capacities: Vec::new(),
         adopt_unrecorded: false,
+        deployment: None,
     }
 }
 
