@@ -43,6 +43,7 @@ fn shape(n: u32) -> ClusterShape {
             policy: Default::default(),
         }],
         capacity: None,
+        budget: None,
     }
 }
 

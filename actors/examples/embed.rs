@@ -132,6 +132,7 @@ fn shape(generation: u64, count: u32) -> ClusterShape {
             policy: Default::default(),
         }],
         capacity: None,
+        budget: None,
     }
 }
 

@@ -133,6 +133,14 @@ pub struct ClusterSnapshot {
     /// request, empty in the cluster's own snapshots.
     #[serde(default)]
     pub foreign: Vec<swactor_providers::ForeignResource>,
+    /// The run's dollar budget, from its shape.
+    #[serde(default)]
+    pub budget: Option<swactor_provisioning::budget::Budget>,
+    /// What the run's rented machines have cost and cost per hour: filled
+    /// in by the daemon when it answers a status request (where a provider
+    /// rents by the hour), empty in the cluster's own snapshots.
+    #[serde(default)]
+    pub spend: Option<swactor_provisioning::budget::Spend>,
     /// Reconciling is paused (`swactor pause`): state is folded and shown,
     /// nothing new is dispatched.
     #[serde(default)]
@@ -166,6 +174,8 @@ impl ClusterSnapshot {
             rentals: Vec::new(),
             deployment: None,
             foreign: Vec::new(),
+            budget: None,
+            spend: None,
             paused: false,
             holds: Vec::new(),
             in_flight: 0,

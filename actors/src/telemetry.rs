@@ -257,6 +257,8 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         rentals: Vec::new(),
         deployment: host.journal_meta().deployment.clone(),
         foreign: Vec::new(),
+        budget: host.journal_meta().shape.as_ref().and_then(|s| s.budget),
+        spend: None,
         in_flight: host.in_flight_count(),
         paused: host.is_paused(),
         holds: host.holds(),

@@ -34,6 +34,7 @@ fn shape(generation: u64, workers: u32) -> ClusterShape {
             policy: Default::default(),
         }],
         capacity: None,
+        budget: None,
     }
 }
 

@@ -755,6 +755,9 @@ fn print_status(
             out.line(format_args!("{prefix}{line}"))?;
         }
     }
+    if let Some(line) = crate::words::budget_line(s.budget.as_ref(), s.spend.as_ref()) {
+        out.line(format_args!("{prefix}{line}"))?;
+    }
     if !s.foreign.is_empty() {
         let cost = crate::words::foreign_cost(&s.foreign)
             .map(|m| format!(" · {} $/h", usd_per_hour(m)))

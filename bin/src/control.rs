@@ -240,6 +240,7 @@ impl ControlHandler {
                     }
                     snap.rentals = self.rentals(&snap);
                     snap.foreign = self.provider.foreign();
+                    snap.spend = self.vast.as_ref().map(|v| v.spend(&self.run_id));
                     ControlResponse::Status(snap)
                 })
                 .map_err(|e| self.refused(&e)),

@@ -343,6 +343,15 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     .await?;
     let (blobs_allowed, blobs) = jobs.blobs();
     let (down_tx, mut down_rx) = mpsc::channel::<DownRequest>(4);
+    // What the run's rentals cost, against its budget: acted on here.
+    let _budget = vast.clone().map(|v| {
+        AbortOnDrop(tokio::spawn(watch_budget(
+            cluster.clone(),
+            v,
+            run_id.clone(),
+            down_tx.clone(),
+        )))
+    });
     let (started_tx, started_rx) = tokio::sync::watch::channel(false);
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.
     let cli_allowed = Allowlist::only([cli_id]);
@@ -1173,6 +1182,74 @@ async fn bind_daemon_endpoint(
         state.save_port(port)?;
     }
     Ok(ep)
+}
+
+/// How often the run's spend is held against its budget: with the lead
+/// the verdict keeps ([`swactor_provisioning::budget::LEAD_MS`]), a run is
+/// acted on before it overspends by more than this much of its rate.
+const BUDGET_CHECK: Duration = Duration::from_secs(5);
+
+/// Time left before the budget at which the daemon says so (once each).
+const BUDGET_WARNINGS_MIN: [u64; 5] = [60, 30, 10, 5, 1];
+
+/// Holds what the run's rented machines cost against its budget every
+/// [`BUDGET_CHECK`], as [`swactor_provisioning::budget::verdict`] decides:
+/// says so as the end nears, and at the budget tears the run down (as
+/// `swactor down` does) or pauses it, whichever its shape says. A paused
+/// run that is resumed while still over its budget is paused again; raise
+/// `budget_usd` with `apply` to go on.
+async fn watch_budget(
+    cluster: swactor_actors::ClusterHandle,
+    vast: VastProvider,
+    run_id: RunId,
+    down: mpsc::Sender<DownRequest>,
+) {
+    use swactor_provisioning::budget::{OnBudget, Verdict, verdict};
+    let mut warned = BUDGET_WARNINGS_MIN.len();
+    let mut torn_down = false;
+    loop {
+        tokio::time::sleep(BUDGET_CHECK).await;
+        let Ok(snap) = cluster.snapshot().await else {
+            return;
+        };
+        let Some(budget) = snap.budget else {
+            warned = BUDGET_WARNINGS_MIN.len();
+            continue;
+        };
+        let spend = vast.spend(&run_id);
+        let line = crate::words::budget_line(Some(&budget), Some(&spend)).unwrap_or_default();
+        match verdict(&budget, spend) {
+            Verdict::Within { left_ms } => {
+                let left_min = left_ms.map_or(u64::MAX, |ms| ms / 60_000);
+                // The tightest threshold passed since the last warning.
+                let due = BUDGET_WARNINGS_MIN
+                    .iter()
+                    .rposition(|m| left_min < *m)
+                    .filter(|i| *i < warned || warned == BUDGET_WARNINGS_MIN.len());
+                if let Some(i) = due {
+                    warned = i;
+                    eprintln!("swactor: {line}");
+                } else if left_min >= BUDGET_WARNINGS_MIN[0] {
+                    warned = BUDGET_WARNINGS_MIN.len();
+                }
+            }
+            Verdict::Reached => match budget.on_reached {
+                OnBudget::Down if !torn_down => {
+                    torn_down = true;
+                    eprintln!("swactor: {line}; tearing the run down");
+                    let (reply, _) = oneshot::channel();
+                    let _ = down.send((false, false, reply)).await;
+                }
+                OnBudget::Pause if !snap.paused && snap.shutting_down.is_none() => {
+                    eprintln!("swactor: {line}; pausing the run (raise budget_usd to go on)");
+                    if let Err(e) = cluster.pause().await {
+                        eprintln!("swactor: could not pause the run at its budget: {e}");
+                    }
+                }
+                _ => {}
+            },
+        }
+    }
 }
 
 /// Aborts a task when dropped (the daemon's own helpers end with it).

@@ -480,6 +480,8 @@ mod tests {
             rentals: Vec::new(),
             deployment: None,
             foreign: Vec::new(),
+            budget: None,
+            spend: None,
             in_flight: 0,
             paused: false,
             holds: Vec::new(),
@@ -525,6 +527,8 @@ mod tests {
             rentals: Vec::new(),
             deployment: None,
             foreign: Vec::new(),
+            budget: None,
+            spend: None,
             paused: false,
             in_flight: 2,
             holds: vec![GroupHold {

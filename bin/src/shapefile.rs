@@ -4,6 +4,7 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use swactor_provisioning::budget::{Budget, OnBudget};
 use swactor_provisioning::{
     BootParams, Capacity, ClusterShape, DesiredState, GROUP_COUNT_MAX, Generation, GroupField,
     GroupShape, NodeLimits, ParamValue, PolicyShape, ProviderShape, Quantity, RunId, ShapeError,
@@ -35,6 +36,13 @@ pub(crate) struct ShapeFile {
     /// estimate (e.g. this machine's memory for local processes).
     #[serde(default)]
     pub(crate) capacity: Option<u64>,
+    /// Dollars the run may spend on rented machines (Vast.ai), storage
+    /// included; at the budget the run is torn down, or paused.
+    #[serde(default)]
+    pub(crate) budget_usd: Option<f64>,
+    /// What reaching `budget_usd` does: `"down"` (the default) or `"pause"`.
+    #[serde(default)]
+    pub(crate) on_budget: Option<String>,
     /// The node groups.
     #[serde(default, rename = "group")]
     pub(crate) groups: Vec<GroupFile>,
@@ -195,6 +203,21 @@ impl ShapeFile {
     /// # Errors
     /// A provider kind this daemon cannot drive.
     pub(crate) fn to_shape(&self, generation: u64) -> Result<ClusterShape> {
+        let budget = match (self.budget_usd, self.on_budget.as_deref()) {
+            (None, None) => None,
+            (None, Some(_)) => bail!(
+                "on_budget is set but budget_usd is not: name the budget (`budget_usd = 50.0`), \
+                 or drop on_budget"
+            ),
+            (Some(usd), on) => {
+                let on = on
+                    .map(OnBudget::parse)
+                    .transpose()
+                    .map_err(anyhow::Error::msg)?
+                    .unwrap_or_default();
+                Some(Budget::of_usd(usd, on).map_err(anyhow::Error::msg)?)
+            }
+        };
         for (i, g) in self.groups.iter().enumerate() {
             if !SUPPORTED_PROVIDERS.contains(&g.provider.as_str()) {
                 bail!(
@@ -255,6 +278,7 @@ impl ShapeFile {
             generation: Generation(self.generation.unwrap_or(generation)),
             groups,
             capacity: self.capacity,
+            budget,
         })
     }
 }
@@ -314,6 +338,17 @@ impl ShapeFile {
                     None => spend_cap = Some((cap, cut(g.id.as_str()).to_string())),
                 }
             }
+        }
+        if shape.budget.is_some()
+            && !desired
+                .groups
+                .iter()
+                .any(|g| g.template.provider.kind == "vast")
+        {
+            bail!(
+                "budget_usd counts what machines rented by the hour cost, and this shape rents \
+                 none (no vast group): drop budget_usd, or add a vast group; nothing was changed"
+            );
         }
         if desired.node_count() == 0 {
             let why = if self.groups.is_empty() {
@@ -741,6 +776,47 @@ mod tests {
         let json = serde_json::to_string(&plain).unwrap();
         assert!(!json.contains("max_"), "{json}");
         assert_eq!(serde_json::from_str::<ClusterShape>(&json).unwrap(), plain);
+    }
+
+    #[test]
+    fn a_dollar_budget_reaches_the_shape_and_is_refused_where_it_means_nothing() {
+        let vast = "[[group]]\nid = \"g\"\ncount = 1\nprovider = \"vast\"\n\
+                    image = \"pytorch/pytorch:latest\"\n[group.params]\nmax_dph = 1.0\n";
+        let f = ShapeFile::parse(
+            &format!("run = \"r\"\nbudget_usd = 12.5\non_budget = \"pause\"\n{vast}"),
+            "b.toml",
+        )
+        .unwrap();
+        let shape = f.check(1).unwrap();
+        assert_eq!(
+            shape.budget,
+            Some(Budget {
+                usd_micros: 12_500_000,
+                on_reached: OnBudget::Pause
+            })
+        );
+        let json = serde_json::to_string(&shape).unwrap();
+        let back: ClusterShape = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.budget, shape.budget);
+        let refused = |body: &str| {
+            ShapeFile::parse(body, "b.toml")
+                .unwrap()
+                .check(1)
+                .unwrap_err()
+                .to_string()
+        };
+        let e = refused(&format!("run = \"r\"\non_budget = \"down\"\n{vast}"));
+        assert!(e.contains("budget_usd is not"), "{e}");
+        let e = refused(&format!("run = \"r\"\nbudget_usd = -1.0\n{vast}"));
+        assert!(e.contains("positive number of dollars"), "{e}");
+        let e = refused(&format!(
+            "run = \"r\"\nbudget_usd = 5.0\non_budget = \"stop\"\n{vast}"
+        ));
+        assert!(e.contains("\"pause\""), "{e}");
+        let e = refused(
+            "run = \"r\"\nbudget_usd = 5.0\n[[group]]\nid = \"w\"\ncount = 1\nprovider = \"process\"\n",
+        );
+        assert!(e.contains("rents") && e.contains("no vast group"), "{e}");
     }
 
     #[test]

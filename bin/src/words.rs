@@ -152,6 +152,49 @@ fn span(secs: u64) -> String {
     }
 }
 
+/// Where the run stands against its budget, in one line (`None` when it
+/// has no budget and rents nothing by the hour): `budget: 0.012 of 0.050 $
+/// spent · 1.206 $/h now · reached in ~2 min, then the run is torn down`.
+pub(crate) fn budget_line(
+    budget: Option<&swactor_provisioning::budget::Budget>,
+    spend: Option<&swactor_provisioning::budget::Spend>,
+) -> Option<String> {
+    use swactor_provisioning::budget::{OnBudget, Verdict, verdict};
+    let usd = |m: u64| format!("{:.3}", m as f64 / 1e6);
+    match (budget, spend) {
+        (None, None) => None,
+        (None, Some(s)) if s.spent_micros == 0 && s.usd_per_hour_micros == 0 => None,
+        (None, Some(s)) => Some(format!(
+            "spent: {} $ so far · {} $/h now (no budget_usd)",
+            usd(s.spent_micros),
+            usd(s.usd_per_hour_micros)
+        )),
+        (Some(b), None) => Some(format!(
+            "budget: {} $ (this daemon rents nothing by the hour to count against it)",
+            usd(b.usd_micros)
+        )),
+        (Some(b), Some(s)) => {
+            let then = match b.on_reached {
+                OnBudget::Down => "the run is torn down",
+                OnBudget::Pause => "the run is paused",
+            };
+            let head = format!(
+                "budget: {} of {} $ spent · {} $/h now",
+                usd(s.spent_micros),
+                usd(b.usd_micros),
+                usd(s.usd_per_hour_micros)
+            );
+            Some(match verdict(b, *s) {
+                Verdict::Reached => format!("{head} · reached: {then}"),
+                Verdict::Within { left_ms: None } => format!("{head} · nothing rented now"),
+                Verdict::Within { left_ms: Some(ms) } => {
+                    format!("{head} · reached in ~{}, then {then}", span_up(ms))
+                }
+            })
+        }
+    }
+}
+
 /// One resource of another deployment, in a few words: `vast instance 12
 /// (gpu-0/a3, deployment 0a1b2c3d, 0.420 $/h)`.
 pub(crate) fn foreign_resource(r: &swactor_providers::ForeignResource) -> String {
@@ -419,6 +462,41 @@ pub(crate) fn sizes_compared(size: u64, limit: u64) -> (String, String) {
 mod tests {
     use super::*;
     use swactor_provisioning::{LogicalNodeId, NodeAttemptId};
+
+    #[test]
+    fn the_budget_line_says_what_is_spent_how_fast_and_when_it_ends() {
+        use swactor_provisioning::budget::{Budget, OnBudget, Spend};
+        let b = Budget::of_usd(50.0, OnBudget::Down).unwrap();
+        let s = Spend {
+            spent_micros: 12_345_678,
+            usd_per_hour_micros: 1_210_000,
+        };
+        assert_eq!(
+            budget_line(Some(&b), Some(&s)).unwrap(),
+            "budget: 12.346 of 50.000 $ spent · 1.210 $/h now · reached in ~31 h, then the run \
+             is torn down"
+        );
+        let p = Budget {
+            on_reached: OnBudget::Pause,
+            ..b
+        };
+        let over = Spend {
+            spent_micros: 50_000_000,
+            ..s
+        };
+        assert!(
+            budget_line(Some(&p), Some(&over))
+                .unwrap()
+                .ends_with("· reached: the run is paused")
+        );
+        assert_eq!(budget_line(None, None), None);
+        assert_eq!(budget_line(None, Some(&Spend::default())), None);
+        assert!(
+            budget_line(None, Some(&s))
+                .unwrap()
+                .starts_with("spent: 12.346 $")
+        );
+    }
 
     #[test]
     fn foreign_resources_are_named_priced_and_cut_after_five() {

@@ -1415,3 +1415,98 @@ fn two_deployments_of_one_run_on_one_account_never_touch_each_other() {
         w.mock.live_instances() == 0
     });
 }
+
+/// Issue 30: `budget_usd`. Four instances at about 3 $/h each (0.2 $ a
+/// minute together) and a budget of 0.183 $: `status` and `/metrics` show
+/// the spend, the daemon says as the end nears, and it tears the run down
+/// (as `down` does) before the budget is spent: what the mock billed, from
+/// each instance's start to its destroy, is never over the budget by more
+/// than a minute of spend, nor short of it by more than the lead the
+/// daemon keeps (30 s) and a few seconds.
+#[test]
+fn a_budget_tears_the_run_down_before_it_is_overspent() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let w = World::new(offers(6, 3.0));
+    let budget = 0.183;
+    let shape = shape_file(
+        w.root(),
+        "budget.toml",
+        &format!(
+            "run = \"gpu\"\nbudget_usd = {budget}\n[[group]]\nid = \"w\"\ncount = 4\n\
+             provider = \"vast\"\nimage = \"pytorch/pytorch:latest\"\nboot_check = [\"true\"]\n\
+             [group.params]\ngpu_name = \"RTX_4090\"\nmax_dph = 5.0\n"
+        ),
+    );
+    // Each instance's start and price, and when it was seen destroyed.
+    let mut ended: BTreeMap<u64, f64> = BTreeMap::new();
+    let mut started: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    let now_unix = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    let mut d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let mut seen_status = String::new();
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let exit = loop {
+        if let Some(status) = d.child.as_mut().unwrap().try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "not torn down: {}", d.log());
+        std::thread::sleep(Duration::from_millis(100));
+        for i in w.mock.instances() {
+            let dph = i.row["dph_total"].as_f64().unwrap_or(0.0);
+            let start = i.row["start_date"].as_f64().unwrap_or(0.0);
+            started.entry(i.id).or_insert((start, dph));
+            if i.destroyed {
+                ended.entry(i.id).or_insert_with(now_unix);
+            }
+        }
+        if seen_status.is_empty() && w.mock.live_instances() == 4 {
+            let text = stdout(&cli(&w.state(), &["status"]));
+            if text.contains("budget: ") {
+                seen_status = text;
+            }
+        }
+    };
+    assert!(exit.success(), "the daemon exited {exit}: {}", d.log());
+    let end = now_unix();
+    for i in w.mock.instances() {
+        if i.destroyed || !started.contains_key(&i.id) {
+            ended.entry(i.id).or_insert(end);
+        }
+    }
+    assert_eq!(w.mock.live_instances(), 0, "{}", d.log());
+    assert!(
+        seen_status.contains("of 0.183 $ spent")
+            && seen_status.contains("then the run is torn down"),
+        "{seen_status}"
+    );
+    let log = d.log();
+    assert!(log.contains("tearing the run down"), "{log}");
+    let billed: f64 = started
+        .iter()
+        .map(|(id, (start, dph))| {
+            dph * (ended.get(id).copied().unwrap_or(end) - start).max(0.0) / 3600.0
+        })
+        .sum();
+    let rate: f64 = started.values().map(|(_, dph)| dph).sum::<f64>() / 60.0;
+    eprintln!(
+        "budget {budget} $: billed {billed:.4} $ over {} instances at {:.3} $/min",
+        started.len(),
+        rate
+    );
+    assert!(
+        billed <= budget + rate,
+        "overspent: {billed} $ of {budget} $"
+    );
+    assert!(
+        billed >= budget - rate * 40.0 / 60.0,
+        "torn down too early: {billed} $ of {budget} $"
+    );
+}

@@ -317,6 +317,7 @@ mod tests {
                 policy: Default::default(),
             }],
             capacity: None,
+            budget: None,
         };
         let desired = shape.validate().unwrap();
         (*desired.groups[0].template).clone()

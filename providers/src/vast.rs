@@ -222,6 +222,23 @@ struct SessionEntry {
 
 /// Where the machines to skip are kept, under `{state}/vast`.
 const BAD_MACHINES_FILE: &str = "bad_machines.json";
+/// Where what ended rentals cost is kept, under `{state}/vast`.
+const SPENT_FILE: &str = "spent.json";
+
+/// What the run's ended rentals cost: each instance's price from its
+/// create to its destroy.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+struct Spent {
+    /// Dollars, in millionths.
+    closed_micros: u64,
+    /// How many rentals ended.
+    closed: u64,
+}
+
+/// What `dph` dollars per hour cost over `lasted`, in millionths of a dollar.
+fn cost_micros(dph: f64, lasted: Duration) -> u64 {
+    (dph.max(0.0) * 1e6 * lasted.as_secs_f64() / 3600.0).round() as u64
+}
 
 /// A machine to skip: until when (ms since the Unix epoch, wall clock, as
 /// it must hold across a restart) and why.
@@ -260,6 +277,8 @@ struct Shared {
     /// Machines to skip, until when, and why; kept in
     /// `{state}/vast/bad_machines.json` so that a restart skips them too.
     bad_machines: Mutex<BTreeMap<u64, BadMachine>>,
+    /// What ended rentals cost; kept in `{state}/vast/spent.json`.
+    spent: Mutex<Spent>,
     /// When each instance without a record was first seen (its load timeout
     /// runs from there).
     first_seen: Mutex<HashMap<u64, Instant>>,
@@ -382,6 +401,10 @@ impl VastProvider {
         let identity = SshIdentity::load_or_generate(&config.state_dir.join("ssh"))
             .map_err(|e| e.to_string())?;
         let bad_machines = read_bad_machines(&dir.join(BAD_MACHINES_FILE));
+        let spent = std::fs::read(dir.join(SPENT_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
@@ -389,6 +412,7 @@ impl VastProvider {
                 dir,
                 identity: Arc::new(identity),
                 bad_machines: Mutex::new(bad_machines),
+                spent: Mutex::new(spent),
                 first_seen: Mutex::new(HashMap::new()),
                 endpoints: Mutex::new(HashMap::new()),
                 connections: Mutex::new(HashMap::new()),
@@ -474,8 +498,42 @@ impl VastProvider {
         serde_json::from_str(&text).ok()
     }
 
+    /// Forgets `key`'s create; a rental it names has ended, and what it
+    /// cost is added to the run's spend.
     fn forget_record(&self, key: &ResourceKey) {
+        if let Some(r) = self.record(key).filter(|r| r.instance.is_some()) {
+            let mut spent = lock(&self.shared.spent);
+            spent.closed_micros = spent
+                .closed_micros
+                .saturating_add(cost_micros(r.dph, r.age()));
+            spent.closed += 1;
+            if let Err(e) = write_durably(&self.shared.dir.join(SPENT_FILE), &*spent) {
+                tracing::warn!(error = %e, "cannot keep what ended rentals cost across a restart");
+            }
+        }
         let _ = std::fs::remove_file(self.record_path(key));
+    }
+
+    /// What the run has cost so far (every rental from its create to its
+    /// destroy, or to now) and costs per hour now (every rental this
+    /// provider made or is making), from its own records: no call out. An
+    /// instance adopted without a record (its record lost) is not counted.
+    pub fn spend(&self, run: &RunId) -> swactor_provisioning::budget::Spend {
+        let mut spend = swactor_provisioning::budget::Spend {
+            spent_micros: lock(&self.shared.spent).closed_micros,
+            usd_per_hour_micros: 0,
+        };
+        for (_, r) in self.records(run) {
+            spend.usd_per_hour_micros = spend
+                .usd_per_hour_micros
+                .saturating_add(cost_micros(r.dph, Duration::from_secs(3600)));
+            if r.instance.is_some() {
+                spend.spent_micros = spend
+                    .spent_micros
+                    .saturating_add(cost_micros(r.dph, r.age()));
+            }
+        }
+        spend
     }
 
     /// Every record of `run`.

@@ -32,6 +32,7 @@ fn shape(generation: u64, n: u32) -> ClusterShape {
         generation: Generation(generation),
         groups,
         capacity: None,
+        budget: None,
     }
 }
 

@@ -1719,6 +1719,7 @@ impl<C: Reconciler> Host<C> {
                     generation,
                     groups: Vec::new(),
                     capacity: None,
+                    budget: None,
                 };
                 if let Err(e) = self.core.update_desired(&empty) {
                     // Unreachable: an empty shape of this run at a higher

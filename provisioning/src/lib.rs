@@ -24,6 +24,7 @@
 //! one dispatched effect of an attempt. Providers key every external resource on
 //! a [`ResourceKey`] (run, slot, attempt) and adopt before creating.
 
+pub mod budget;
 mod capacity;
 mod config;
 mod core;

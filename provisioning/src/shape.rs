@@ -27,6 +27,11 @@ pub struct ClusterShape {
     /// provider's own estimate of what it can hold; `None` keeps the estimate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<u64>,
+    /// What the run may spend on rented machines, and what happens when it
+    /// has (see [`crate::budget`]); `None`: no budget. Changing it replaces
+    /// no node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::budget::Budget>,
 }
 
 /// A set of identical slots.
@@ -822,6 +827,7 @@ pub(crate) mod tests {
             generation: Generation(generation),
             groups,
             capacity: None,
+            budget: None,
         }
     }
 

@@ -106,6 +106,7 @@ fn shape(n: u32) -> ClusterShape {
             policy: Default::default(),
         }],
         capacity: None,
+        budget: None,
     }
 }
 

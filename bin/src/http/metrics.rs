@@ -513,6 +513,22 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
                 &values,
             )?;
         }
+        if let Some(spend) = snap.spend {
+            gauge(
+                e,
+                "swactor_run_spent_usd",
+                "What the run's rented machines have cost so far, ended rentals included, in dollars.",
+                &[(Vec::new(), spend.spent_micros as f64 / 1e6)],
+            )?;
+        }
+        if let Some(budget) = snap.budget {
+            gauge(
+                e,
+                "swactor_run_budget_usd",
+                "The run's dollar budget (budget_usd).",
+                &[(Vec::new(), budget.usd_micros as f64 / 1e6)],
+            )?;
+        }
         Ok(())
     }
 }

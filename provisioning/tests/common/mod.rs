@@ -33,6 +33,7 @@ pub fn shape(generation: u64, groups: Vec<GroupShape>) -> ClusterShape {
         generation: Generation(generation),
         groups,
         capacity: None,
+        budget: None,
     }
 }
 

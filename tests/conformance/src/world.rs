@@ -330,6 +330,7 @@ pub fn shape_with(
             })
             .collect(),
         capacity: None,
+        budget: None,
     }
 }
 
