@@ -398,6 +398,51 @@ fn a_gone_offer_is_a_capacity_failure_and_the_next_create_goes_elsewhere() {
     assert_eq!(w.mock.live_instances(), 0);
 }
 
+/// Issue 30, renting right. The four cheapest offers each fail one rule:
+/// no open port (its SSH may never answer while it bills), an external
+/// machine, rentable for less than the group's `min_duration_h`, and one
+/// whose price is under `max_dph` only without the 16 GB of storage the
+/// rental pays for. None is rented; the node gets the fifth.
+#[test]
+fn offers_without_open_ports_external_too_short_or_over_with_storage_are_never_rented() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let mut all = offers(5, 0.3);
+    all[0]
+        .extra
+        .insert("direct_port_count".into(), serde_json::json!(0));
+    all[1]
+        .extra
+        .insert("external".into(), serde_json::json!(true));
+    all[2]
+        .extra
+        .insert("duration".into(), serde_json::json!(3_600.0));
+    // 0.303 $/h, and 0.0033 $/h of storage: over a max_dph of 0.305 only
+    // with a dearer storage price (1 $ per GB and month: 0.022 $/h).
+    all[3]
+        .extra
+        .insert("storage_cost".into(), serde_json::json!(1.0));
+    let w = World::new(all);
+    let p = w.provider(Duration::from_secs(5), Duration::from_secs(5));
+    let t = template(&[
+        ("min_duration_h", ParamValue::Int(24)),
+        ("max_dph", ParamValue::Float(0.31)),
+    ]);
+    rt().block_on(async {
+        let g = p.create_lease(&key("w-0", 1), &t).await.unwrap();
+        let id = instance_id(&g.lease);
+        assert_eq!(w.mock.instance(id).unwrap().offer_id, 5004);
+        // Its price holds its storage: the offer's 0.304 $/h and 16 GB.
+        let dph = w.mock.instance(id).unwrap().row["dph_total"]
+            .as_f64()
+            .unwrap();
+        assert!((dph - (0.304 + 0.15 * 16.0 / 720.0)).abs() < 1e-9, "{dph}");
+        p.destroy_lease(&key("w-0", 1), &g.lease).await.unwrap();
+    });
+    assert_eq!(w.mock.creates_total(), 1);
+}
+
 #[test]
 fn the_spend_cap_refuses_a_create_over_it_with_the_numbers() {
     if !swactor_providers::ssh::testing::sshd_available() {
@@ -413,8 +458,9 @@ fn the_spend_cap_refuses_a_create_over_it_with_the_numbers() {
         let refused = p.create_lease(&key("w-3", 4), &t).await.unwrap_err();
         let text = refused.to_string();
         assert!(text.contains("spend cap is 1.000 $/h"), "{text}");
-        assert!(text.contains("3 live instance(s) cost 0.903 $/h"), "{text}");
-        assert!(text.contains("1.206 $/h in all"), "{text}");
+        // Each price holds its 16 GB of storage: 0.15 $ per GB and month.
+        assert!(text.contains("3 live instance(s) cost 0.913 $/h"), "{text}");
+        assert!(text.contains("1.219 $/h in all"), "{text}");
         assert_eq!(w.mock.live_instances(), 3);
         for (n, g) in [("w-0", &a), ("w-1", &b), ("w-2", &c)] {
             let attempt = n[2..].parse::<u64>().unwrap() + 1;
@@ -605,7 +651,12 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
     // Status shows each node's offer, machine and price, and the total.
     assert_eq!(snap.rentals.len(), 4, "{:#?}", snap.rentals);
     let total: u64 = snap.rentals.iter().map(|r| r.usd_per_hour_micros).sum();
-    assert_eq!(total, 1_206_000, "0.300 + 0.301 + 0.302 + 0.303 $/h");
+    // 0.300 + 0.301 + 0.302 + 0.303 $/h, and 16 GB of storage each at
+    // 0.15 $ per GB and month (0.00333 $/h).
+    assert!(
+        total.abs_diff(1_219_333) <= 4,
+        "{total}: 0.300 + 0.301 + 0.302 + 0.303 $/h and storage"
+    );
     assert!(
         snap.rentals
             .iter()
@@ -627,7 +678,7 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
     let o = cli(&w.state(), &["status"]);
     let text = stdout(&o);
     assert!(
-        text.contains("rented machines: 4 · 1.206 $/h in all"),
+        text.contains("rented machines: 4 · 1.219 $/h in all"),
         "{text}"
     );
     // /metrics says the same price.
@@ -638,7 +689,7 @@ fn four_nodes_converge_on_the_mock_and_down_leaves_no_instance() {
         .find_map(|l| l.strip_prefix("swactor_cluster_usd_per_hour{provider=\"vast\"} "))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("no price in {metrics}"));
-    assert!((price - 1.206).abs() < 1e-9, "{price}");
+    assert!((price - 1.219_333).abs() < 1e-5, "{price}");
     // `swactor logs` reads a node's agent log on its instance, over SSH.
     let node = snap.nodes[0].node.to_string();
     let o = cli(&w.state(), &["logs", &node]);
@@ -897,6 +948,8 @@ fn under_the_services_own_rate_limits_the_paced_daemon_converges() {
         rate_limits: swactor_vastmock::RateLimits::default(),
         ..MockConfig::fast()
     });
+    // No listing burst: one listing a second, strictly.
+    w.mock.strict_rate_limits(true);
     let shape = w.shape("paced.toml", 2, "");
     let mut env = w.env();
     env.retain(|(k, _)| *k != "SWACTOR_VAST_PACING");
@@ -1509,4 +1562,101 @@ fn a_budget_tears_the_run_down_before_it_is_overspent() {
         billed >= budget - rate * 40.0 / 60.0,
         "torn down too early: {billed} $ of {budget} $"
     );
+}
+
+/// Issue 30: interruptible rentals. Four nodes rented at a bid of 0.5 $/h;
+/// running instances are outbid at random (`SWACTOR_VAST_OUTBIDS` times,
+/// 4 by default; seed `SWACTOR_VAST_OUTBID_SEED`). An outbid instance is
+/// paused (stopped, still billing storage); its node is replaced, and the
+/// paused instance is destroyed before its replacement is rented: no node
+/// ever has a paused instance beside another. Every label is rented once,
+/// and `down` leaves nothing.
+#[test]
+fn outbid_nodes_are_replaced_and_never_leave_a_paused_instance_beside_the_new_one() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let outbids: u64 = std::env::var("SWACTOR_VAST_OUTBIDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    let seed: u64 = std::env::var("SWACTOR_VAST_OUTBID_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7);
+    let w = World::new(offers(12, 0.3));
+    let shape = w.shape("bid.toml", 4, "rental = \"interruptible\"\nbid_dph = 0.5\n");
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let first = w.ready(&d, 4);
+    // Rented at the bid: 0.5 $/h and 16 GB of storage.
+    for i in w.mock.instances() {
+        assert_eq!(i.row["is_bid"], true, "{}", i.row);
+        let dph = i.row["dph_total"].as_f64().unwrap();
+        assert!((dph - (0.5 + 0.15 * 16.0 / 720.0)).abs() < 1e-9, "{dph}");
+    }
+    let node_of = |label: &str| label.rsplit(':').nth(1).unwrap_or("").to_owned();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut rng = Rng(seed);
+    let mut outbid_ids = Vec::new();
+    let violations = std::thread::scope(|s| {
+        let watcher = s.spawn(|| {
+            let mut seen = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut by_node: BTreeMap<String, Vec<(u64, String)>> = BTreeMap::new();
+                for i in w.mock.instances().into_iter().filter(|i| !i.destroyed) {
+                    let status = i.actual_status.clone().unwrap_or_default();
+                    by_node
+                        .entry(node_of(i.label.as_deref().unwrap_or("")))
+                        .or_default()
+                        .push((i.id, status));
+                }
+                for (node, list) in by_node {
+                    if list.len() > 1 && list.iter().any(|(_, s)| s == "stopped") {
+                        seen.push(format!("{node}: {list:?}"));
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            seen
+        });
+        for round in 0..outbids {
+            let running: Vec<u64> = w
+                .mock
+                .instances()
+                .into_iter()
+                .filter(|i| !i.destroyed && i.actual_status.as_deref() == Some("running"))
+                .map(|i| i.id)
+                .collect();
+            let id = running[rng.below(running.len() as u64) as usize];
+            assert_eq!(w.mock.outbid(Selector::Id(id)), 1, "round {round}");
+            outbid_ids.push(id);
+            // Paused, then replaced: a new attempt for its node, ready.
+            wait_for(
+                Duration::from_secs(60),
+                "the outbid instance destroyed",
+                || w.mock.instance(id).is_none_or(|i| i.destroyed),
+            );
+            w.ready(&d, 4);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        watcher.join().unwrap()
+    });
+    assert!(violations.is_empty(), "paused beside live: {violations:?}");
+    let last = w.ready(&d, 4);
+    let replaced = first
+        .nodes
+        .iter()
+        .zip(&last.nodes)
+        .filter(|(a, b)| a.attempt != b.attempt)
+        .count();
+    assert!(replaced >= 1, "{:#?}", last.nodes);
+    assert_eq!(w.mock.creates_total(), 4 + outbids, "{}", d.log());
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
 }

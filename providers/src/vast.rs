@@ -868,8 +868,12 @@ impl VastProvider {
             .await
             .map_err(|e| read_failed("searching offers", &e))?;
         let mut offers = model::parse_offers(&body).map_err(definite)?;
-        // The service filters too; a price or size it ignored must not slip through.
-        offers.retain(|o| o.dph_total <= params.max_dph + 1e-9 && params.in_region(&o.geolocation));
+        // The service filters too; a price or size it ignored must not slip
+        // through. Each offer is priced as it will be rented (a bid's own).
+        offers.retain(|o| params.can_win(o));
+        for o in &mut offers {
+            o.dph_total = params.rented_dph(o);
+        }
         lock(&self.shared.offers).insert(query, (Instant::now(), offers.clone()));
         Ok(offers)
     }
@@ -936,6 +940,14 @@ impl VastProvider {
             "env": env,
             "cancel_unavail": true,
         });
+        let mut body = body;
+        if let Some(hash) = &params.template_hash {
+            body["template_hash_id"] = json!(hash);
+        }
+        if let Some(bid) = params.bid_dph {
+            // An interruptible rental at this bid.
+            body["price"] = json!(bid);
+        }
         // Intent first: a crash while the create is in flight finds it.
         let mut record = CreateRecord {
             label: label.to_owned(),

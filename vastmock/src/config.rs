@@ -109,7 +109,8 @@ pub struct Timings {
     pub provisioning: Duration,
     /// How long it then stays `loading` before `running`.
     pub loading: Duration,
-    /// How long a started (previously stopped) instance stays `loading`.
+    /// How long a started (previously stopped) instance stays `loading`, and
+    /// a rebooted one `rebooting`.
     pub restart: Duration,
     /// How long a destroyed instance is still listed as `destroyed` before it
     /// vanishes; zero: it vanishes at once.
@@ -133,15 +134,17 @@ impl Default for Timings {
 pub enum Endpoint {
     /// `POST /bundles/`.
     Search,
-    /// `PUT /asks/{id}/`.
+    /// `PUT /asks/{id}/` and `POST /asks/bulk/`.
     Create,
-    /// `DELETE /instances/{id}/`.
+    /// `DELETE /instances/{id}/` and `DELETE /instances/`.
     Destroy,
     /// `GET /instances/{id}/`.
     Show,
     /// `GET /instances/` (v0) and `GET /api/v1/instances/`.
     List,
-    /// `PUT /instances/{id}/`: label changes and stop/start.
+    /// `PUT /instances/{id}/` (label changes, stop/start), `PUT /instances/`
+    /// (bulk stop/start), `PUT /instances/reboot/{id}/` and
+    /// `PUT /instances/bid_price/{id}/`.
     Label,
 }
 
@@ -171,20 +174,31 @@ impl Endpoint {
 
 /// Minimum intervals between two accepted calls of one endpoint with one
 /// key; the effective interval is the value times `scale`.
+///
+/// The listing also allows a short burst (`list_burst` calls at once, then
+/// one per `list` interval, as a token bucket): the official client pages
+/// `GET /api/v1/instances/` back to back (25 rows a page) and gives up after
+/// three tries within about 0.4 s, and the real service serves its paging.
+/// Every other endpoint allows one call per interval.
+/// [`crate::VastMock::strict_rate_limits`] takes the burst away.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RateLimits {
     /// `POST /bundles/` (Vast.ai allows about 10 a minute).
     pub search: Duration,
-    /// `PUT /asks/{id}/`.
+    /// `PUT /asks/{id}/` and `POST /asks/bulk/`.
     pub create: Duration,
-    /// `DELETE /instances/{id}/`.
+    /// `DELETE /instances/{id}/` and `DELETE /instances/`.
     pub destroy: Duration,
     /// `GET /instances/{id}/`.
     pub show: Duration,
     /// Listings (v0 and v1).
     pub list: Duration,
-    /// `PUT /instances/{id}/`.
+    /// `PUT /instances/{id}/` and the other `PUT /instances/...` calls.
     pub label: Duration,
+    /// Listing calls accepted at once (at least 1) before the `list`
+    /// interval applies: enough to page through 250 instances.
+    #[serde(default = "default_list_burst")]
+    pub list_burst: u32,
     /// Factor on every interval: 1.0 is realistic, 0.0 turns limits off,
     /// 0.01 keeps them but a hundred times shorter.
     pub scale: f64,
@@ -199,9 +213,14 @@ impl Default for RateLimits {
             show: Duration::from_millis(2000),
             list: Duration::from_millis(1000),
             label: Duration::from_millis(1000),
+            list_burst: default_list_burst(),
             scale: 1.0,
         }
     }
+}
+
+fn default_list_burst() -> u32 {
+    10
 }
 
 impl RateLimits {
@@ -216,6 +235,14 @@ impl RateLimits {
             Endpoint::Label => self.label,
         };
         base.mul_f64(self.scale)
+    }
+
+    /// How many calls of `endpoint` may come at once (at least 1).
+    pub fn burst(&self, endpoint: Endpoint) -> u32 {
+        match endpoint {
+            Endpoint::List => self.list_burst.max(1),
+            _ => 1,
+        }
     }
 }
 
@@ -322,7 +349,7 @@ impl Offer {
             "dlperf_per_dphtotal": 80.0 * f64::from(self.num_gpus) / self.dph_total.max(0.001),
             "total_flops": 80.0 * f64::from(self.num_gpus),
             "duration": 30.0 * 24.0 * 3600.0,
-            "storage_cost": 0.15,
+            "storage_cost": crate::world::STORAGE_COST_DEFAULT,
             "vms_enabled": false,
             "hosting_type": 0,
         });

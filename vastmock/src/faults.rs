@@ -36,7 +36,8 @@ pub enum Gone {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Death {
-    /// `actual_status` `exited` (the container stopped on its own).
+    /// `actual_status` `exited` (the container stopped on its own; one
+    /// stopped by its user shows `stopped`).
     Exited,
     /// `actual_status` `offline` (the host stopped reporting).
     Offline,
@@ -118,6 +119,8 @@ pub(crate) struct Faults {
     pub(crate) flaky_destroy_status: u16,
     /// 429 bodies are plain text instead of JSON.
     pub(crate) text_429: bool,
+    /// No endpoint allows a burst: one call per interval, listings included.
+    pub(crate) strict_rate_limits: bool,
     /// Random 5xx: probability and generator.
     pub(crate) random_5xx: Option<(f64, SplitMix64)>,
 }

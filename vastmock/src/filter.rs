@@ -6,6 +6,11 @@
 //! parsed; strings compare with `_` and space as the same character (the
 //! CLI writes `RTX_4090` for `RTX 4090`). A filter on a field a row does not
 //! have is ignored, and a bare value (`"rentable": true`) means `eq`.
+//!
+//! `geolocation` is stored as `"Texas, US"` but filtered by its two-letter
+//! country code, as the client documents it (`geolocation in [US,CA]`; the
+//! service compares a code derived from the place): `eq`/`in` match the code
+//! (any case) or the whole string, and the order operators compare the code.
 
 use serde_json::Value;
 use std::cmp::Ordering;
@@ -61,6 +66,15 @@ pub(crate) fn matches(
 }
 
 fn test(field: &str, have: &Value, op: &str, want: &Value) -> Result<bool, FilterError> {
+    if field == "geolocation"
+        && let Value::String(place) = have
+    {
+        return test_geolocation(place, op, want);
+    }
+    test_plain(field, have, op, want)
+}
+
+fn test_plain(field: &str, have: &Value, op: &str, want: &Value) -> Result<bool, FilterError> {
     let list = || match want {
         Value::Array(items) => Ok(items),
         _ => Err(FilterError::NotAList {
@@ -91,6 +105,48 @@ fn test(field: &str, have: &Value, op: &str, want: &Value) -> Result<bool, Filte
             });
         }
     })
+}
+
+/// The two-letter country code of a place: `"Texas, US"` → `"US"`.
+pub(crate) fn country_code(place: &str) -> String {
+    place
+        .rsplit(',')
+        .next()
+        .unwrap_or(place)
+        .trim()
+        .to_ascii_uppercase()
+}
+
+fn test_geolocation(place: &str, op: &str, want: &Value) -> Result<bool, FilterError> {
+    let code = Value::String(country_code(place));
+    let is = |w: &Value| {
+        let w_code = match w {
+            Value::String(s) => Value::String(s.trim().to_ascii_uppercase()),
+            other => other.clone(),
+        };
+        compare(&code, &w_code) == Some(Ordering::Equal)
+            || compare(&Value::String(place.to_owned()), w) == Some(Ordering::Equal)
+    };
+    let list = || match want {
+        Value::Array(items) => Ok(items),
+        _ => Err(FilterError::NotAList {
+            field: "geolocation".to_owned(),
+            op: op.to_owned(),
+        }),
+    };
+    match op {
+        "eq" => Ok(is(want)),
+        "neq" | "ne" => Ok(!is(want)),
+        "in" => Ok(list()?.iter().any(is)),
+        "notin" | "nin" => Ok(!list()?.iter().any(is)),
+        _ => {
+            let want = match want {
+                Value::String(s) => Value::String(s.trim().to_ascii_uppercase()),
+                other => other.clone(),
+            };
+            test_plain("geolocation", &code, op, &want)
+        }
+    }
 }
 
 /// Compares a row's value with a filter's value, by the row value's type;
@@ -202,6 +258,26 @@ mod tests {
             json!({"label": null}),
             json!({"label": {"in": [null, "x"]}})
         ));
+    }
+
+    #[test]
+    fn geolocation_filters_by_the_country_code() {
+        let us = json!({"geolocation": "Texas, US"});
+        assert!(ok(us.clone(), json!({"geolocation": {"in": ["US", "CA"]}})));
+        assert!(ok(us.clone(), json!({"geolocation": {"eq": "us"}})));
+        assert!(ok(us.clone(), json!({"geolocation": {"eq": "Texas, US"}})));
+        assert!(!ok(us.clone(), json!({"geolocation": {"notin": ["US"]}})));
+        assert!(ok(us.clone(), json!({"geolocation": {"neq": "CA"}})));
+        assert!(!ok(
+            json!({"geolocation": "Sweden, SE"}),
+            json!({"geolocation": {"in": ["US", "CA"]}})
+        ));
+        assert!(ok(
+            json!({"geolocation": "CA"}),
+            json!({"geolocation": {"in": ["US", "CA"]}})
+        ));
+        let f = json!({"geolocation": {"like": "US"}});
+        assert!(matches(&us, f.as_object().unwrap(), &[]).is_err());
     }
 
     #[test]

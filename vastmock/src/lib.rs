@@ -8,17 +8,25 @@
 //! |---|---|
 //! | `POST /api/v0/bundles/` | search offers: filters (`eq` `neq` `lt` `lte` `gt` `gte` `in` `notin`), `order`, `limit`, `type` |
 //! | `PUT /api/v0/asks/{offer}/` | create (rent): `image`, `disk`, `label`, `onstart`, `runtype`, `env`, `cancel_unavail`, `price` |
+//! | `POST /api/v0/asks/bulk/` | one create per offer in `ids` (≤ 64), same body; `{"success","new_contracts","results"}`, or the first refusal when none committed |
 //! | `GET /api/v0/instances/` | v0 listing `{"instances":[…]}` |
+//! | `PUT /api/v0/instances/` | `{"ids":[…],"state":…}` (or `label`): the update of each; `{"success","updated","failed"}`, or the first refusal when none succeeded |
+//! | `DELETE /api/v0/instances/` | `{"instance_ids":[…]}`: destroys those that exist; `{"success","destroyed","not_found"}`, 404 when none did |
 //! | `GET /api/v1/instances/` | v1 listing: `select_filters`, `order_by`, `limit` (≤ 25), `after_token`, `select_cols`; `next_token`, `total_instances`, `label_counts` |
 //! | `GET /api/v0/instances/filters/` | distinct status/verification/GPU combinations (the CLI asks) |
 //! | `GET /api/v0/instances/{id}/` | show; `{"instances": null}` when absent |
 //! | `PUT /api/v0/instances/{id}/` | `{"label": …}` and/or `{"state": "stopped" \| "running"}` |
 //! | `DELETE /api/v0/instances/{id}/` | destroy |
+//! | `PUT /api/v0/instances/reboot/{id}/` | a running instance is `rebooting` (sshd down, its processes ended) for `Timings::restart`, then `running` on the same port; else 400 `invalid_state` |
+//! | `PUT /api/v0/instances/bid_price/{id}/` | `{"price":P}` for an interruptible instance (created with a `price`): `dph_total` becomes P; no price: `min_bid`; under `min_bid`: 400 `invalid_price`; on-demand: 400 |
+//! | `PUT /api/v0/instances/request_logs/{id}/` | `{"tail","filter"}`: the instance's log at a `result_url` |
+//! | `PUT /api/v0/instances/command/{id}/` | `{"command":"ls …"}` (`ls`, `du`, `rm`; paths inside the instance) run in the home directory of a running instance: the output at a `result_url`, and `writeable_path` |
+//! | `GET /results/{token}` | a `result_url`: the text (no key needed, like the storage links the service gives); 404 `NoSuchKey` XML when unknown |
 //! | `POST/GET /api/v0/ssh/`, `DELETE /api/v0/ssh/{id}/` | account SSH keys |
 //! | `POST /api/v0/instances/{id}/ssh/` | attach a key to one instance (its sshd accepts it at once) |
 //! | `GET /api/v0/users/current/` | a fixed user (the CLI asks to learn its role) |
 //!
-//! Every route works with and without its trailing slash. Authentication
+//! Every `/api` route works with and without its trailing slash. Authentication
 //! is `Authorization: Bearer KEY` or `?api_key=KEY`; a missing or wrong key
 //! gets 401 `{"success":false,"error":"auth_error","msg":"Invalid user key"}`.
 //! The base URL ([`VastMock::url`], no trailing slash) works as `VAST_URL`
@@ -45,7 +53,10 @@
 //! the sshd (`ports` null); starting again goes through `loading` for
 //! `Timings::restart` and restarts it on the same port; destroying stops it
 //! and removes the directory; the instance then vanishes, or shows
-//! `destroyed` for `Timings::destroyed_visible`. The offer is `rented` (and
+//! `destroyed` for `Timings::destroyed_visible`. A stopped instance shows
+//! `actual_status` `stopped` (`intended_status` `stopped`); `exited` is a
+//! container that ended on its own ([`Death::Exited`]) or could not be
+//! scheduled. The offer is `rented` (and
 //! not `rentable`) from the create until the destroy. Dropping the [`VastMock`] stops every
 //! sshd.
 //!
@@ -61,25 +72,38 @@
 //!   [`swactor_providers::ssh::testing::Sshd`] host. `image` is only recorded.
 //! - `onstart` is never run (only read for keys), and `env` is only
 //!   listed in `extra_env`: neither reaches SSH sessions.
-//! - One account and one key. Bulk routes (`PUT`/`DELETE /instances/`,
-//!   `POST /asks/bulk/`), templates, volumes and billing are not served.
+//! - The log (`request_logs`) is the mock's account of the container's
+//!   life (`vastmock: container of instance N started from IMAGE …`,
+//!   stopped, rebooting, exited), not a program's output; `daemon_logs`
+//!   answers the same lines. Results stay fetchable for the last 256 results.
+//! - One account and one key. Templates, volumes, scheduled jobs and
+//!   billing are not served; neither are `recycle`, `prepay` nor
+//!   `update_template`.
 //! - Nothing is persisted: a restarted binary starts empty (leftover
 //!   machine directories in a given `--state-dir` are not adopted).
 //!
 //! # Search
 //! Filters on fields an offer does not have are ignored; a bare value means
 //! `eq`; numbers may come as strings and `_` equals a space, as the official
-//! CLI sends them. `type` `bid`/`interruptible` prices offers at `min_bid`;
-//! `allocated_storage` is accepted and ignored. Without `order`, offers come
+//! CLI sends them. `geolocation` (stored as `"Texas, US"`) is filtered by its
+//! two-letter country code, as the CLI documents it: `geolocation in [US,CA]`. `type` `bid`/`interruptible` prices offers at `min_bid`;
+//! `allocated_storage` (GB) adds that storage to every `dph_total`, at the
+//! offer's `storage_cost` (dollars per GB and month, 0.15 unless its
+//! `extra` says otherwise), and an instance's `dph_total` holds the storage
+//! of its `disk`, as the service bills it. Without `order`, offers come
 //! by `score` descending; without `limit`, at most 64.
 //!
 //! # Rate limits
 //! A minimum interval per endpoint group ([`Endpoint`]) and key
 //! ([`RateLimits`], scaled by `RateLimits::scale`); a call inside the interval
 //! after the last *accepted* call gets 429
-//! `{"detail":"API requests too frequent endpoint threshold=…"}` (or the
-//! same as plain text, see [`VastMock::rate_limit_text`]), no
-//! `Retry-After`. A refused (429) call does not move the window.
+//! `{"success":false,"error":"rate_limited","msg":"API requests too frequent: endpoint threshold=…"}`
+//! (the official client prints `msg`; or the same words as plain text, see
+//! [`VastMock::rate_limit_text`]), no `Retry-After`. A refused (429) call
+//! does not move the window. The listing allows a burst of
+//! `RateLimits::list_burst` calls (a token bucket), so that the official
+//! client's back-to-back paging passes; [`VastMock::strict_rate_limits`]
+//! takes the burst away. A bulk call counts as one call.
 //!
 //! # Order of checks
 //! Authentication, then a pending 429 burst, then the rate limit, then a
@@ -95,6 +119,7 @@
 //! | `/admin/faults/rate_burst` | `{"endpoint":"create","count":K}` | [`VastMock::rate_burst`] |
 //! | `/admin/faults/malformed` | `{"endpoint":"list","count":K}` | [`VastMock::malformed`] |
 //! | `/admin/faults/rate_limit_text` | `{"text":true}` | [`VastMock::rate_limit_text`] |
+//! | `/admin/faults/strict_rate_limits` | `{"strict":true}` | [`VastMock::strict_rate_limits`] |
 //! | `/admin/faults/slow_loading` | `{"target":T,"loading_ms":N}` | [`VastMock::slow_loading`] |
 //! | `/admin/faults/stuck_loading` | `{"target":T}` | [`VastMock::stuck_loading`] |
 //! | `/admin/faults/boot_failure` | `{"target":T}` | [`VastMock::boot_failure`] |
@@ -254,7 +279,13 @@ impl VastMock {
             .set_nonblocking(true)
             .map_err(StartError::Runtime)?;
         let api_key = config.api_key.clone().unwrap_or_else(made_up_key);
-        let shared = Arc::new(Shared::new(World::new(&config, api_key.clone(), machines)));
+        let url = format!("http://{addr}");
+        let shared = Arc::new(Shared::new(World::new(
+            &config,
+            api_key.clone(),
+            machines,
+            url.clone(),
+        )));
         let app = server::router(shared.clone());
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -277,7 +308,7 @@ impl VastMock {
             .map_err(StartError::Runtime)?;
         Ok(Self {
             shared,
-            url: format!("http://{addr}"),
+            url,
             api_key,
             stop: Some(stop),
             thread: Some(thread),
@@ -424,6 +455,20 @@ impl VastMock {
         self.shared.world().kill(&target, death, Instant::now())
     }
 
+    /// Outbids the interruptible instances `target` names ([`Selector::Id`]
+    /// or [`Selector::Label`]) that run or boot: each shows `stopped` with
+    /// its intended status still `running`, its processes stopped and its
+    /// SSH gone, billing on, until [`VastMock::bid_wins`]. Returns how many.
+    pub fn outbid(&self, target: Selector) -> usize {
+        self.shared.world().outbid(&target, Instant::now())
+    }
+
+    /// The bids of the outbid instances `target` names win again: they
+    /// start again. Returns how many.
+    pub fn bid_wins(&self, target: Selector) -> usize {
+        self.shared.world().bid_wins(&target, Instant::now())
+    }
+
     /// The next `count` creates commit, then answer as `kind` says.
     pub fn ambiguous_create(&self, kind: Ambiguity, count: u32) {
         let mut w = self.shared.world();
@@ -459,6 +504,13 @@ impl VastMock {
     /// of JSON `{"detail": …}` when `text`; Vast.ai answers both ways.
     pub fn rate_limit_text(&self, text: bool) {
         self.shared.world().faults.text_429 = text;
+    }
+
+    /// Every endpoint allows one call per interval when `strict`, the
+    /// listing included: no burst (see [`RateLimits`]), so the official
+    /// client's paging of more than 25 instances meets 429s.
+    pub fn strict_rate_limits(&self, strict: bool) {
+        self.shared.world().faults.strict_rate_limits = strict;
     }
 
     /// Clears every knob (instances keep the faults already stamped on them).

@@ -167,8 +167,76 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
     );
     r = both(
         r,
+        "/api/v0/asks/bulk",
+        post(|ctx: Ctx, b: Bytes| async move {
+            let call = body_json(&b).map(|body| Call::CreateBulk { body });
+            api(ctx, call).await
+        }),
+    );
+    r = both(
+        r,
         "/api/v0/instances",
-        get(|ctx: Ctx| async move { api(ctx, Ok(Call::ListV0)).await }),
+        get(|ctx: Ctx| async move { api(ctx, Ok(Call::ListV0)).await })
+            .put(|ctx: Ctx, b: Bytes| async move {
+                let call = body_json(&b).map(|body| Call::UpdateBulk { body });
+                api(ctx, call).await
+            })
+            .delete(|ctx: Ctx, b: Bytes| async move {
+                let call = body_json(&b).map(|body| Call::DestroyBulk { body });
+                api(ctx, call).await
+            }),
+    );
+    r = both(
+        r,
+        "/api/v0/instances/reboot/{id}",
+        axum::routing::put(|ctx: Ctx, Path(id): Path<u64>| async move {
+            api(ctx, Ok(Call::Reboot { id })).await
+        }),
+    );
+    r = both(
+        r,
+        "/api/v0/instances/bid_price/{id}",
+        axum::routing::put(|ctx: Ctx, Path(id): Path<u64>, b: Bytes| async move {
+            let call = body_json(&b).map(|body| Call::ChangeBid { id, body });
+            api(ctx, call).await
+        }),
+    );
+    r = both(
+        r,
+        "/api/v0/instances/request_logs/{id}",
+        axum::routing::put(|ctx: Ctx, Path(id): Path<u64>, b: Bytes| async move {
+            let call = body_json(&b).map(|body| Call::Logs { id, body });
+            api(ctx, call).await
+        }),
+    );
+    r = both(
+        r,
+        "/api/v0/instances/command/{id}",
+        axum::routing::put(|ctx: Ctx, Path(id): Path<u64>, b: Bytes| async move {
+            let call = body_json(&b).map(|body| Call::Execute { id, body });
+            api(ctx, call).await
+        }),
+    );
+    // Where `result_url`s point (logs, command outputs): no key, like the
+    // storage links the real service hands out.
+    r = r.route(
+        "/results/{token}",
+        get(|State(s): State<Arc<Shared>>, Path(token): Path<String>| async move {
+            match s.world().result(&token) {
+                Some(text) => (
+                    StatusCode::OK,
+                    [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+                    text,
+                )
+                    .into_response(),
+                None => (
+                    StatusCode::NOT_FOUND,
+                    [(header::CONTENT_TYPE, "application/xml")],
+                    "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>NoSuchKey</Code></Error>".to_owned(),
+                )
+                    .into_response(),
+            }
+        }),
     );
     r = both(
         r,
@@ -428,6 +496,19 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
                     .get("text")
                     .and_then(Value::as_bool)
                     .ok_or("text missing")?;
+                ok()
+            })
+        }),
+    )
+    .route(
+        "/admin/faults/strict_rate_limits",
+        post(|State(s): S, b: Bytes| {
+            admin(s, move |w, _| {
+                let v: Value = parse(&b)?;
+                w.faults.strict_rate_limits = v
+                    .get("strict")
+                    .and_then(Value::as_bool)
+                    .ok_or("strict missing")?;
                 ok()
             })
         }),

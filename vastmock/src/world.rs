@@ -7,11 +7,11 @@
 //! grace period is over. No timer runs in the background.
 
 use crate::config::{Endpoint, MockConfig, Offer, RateLimits, Timings};
-use crate::faults::{Ambiguity, Death, Faults, Gone, InstanceFault, Selector, Traits};
+use crate::faults::{Ambiguity, Death, Faults, Gone, InstanceFault, Selector, SplitMix64, Traits};
 use crate::filter;
 use crate::machine::{Gpus, Machine};
 use serde_json::{Map, Value, json};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -29,6 +29,14 @@ const PAGE_LEN_MAX: usize = 25;
 const SEARCH_LEN_DEFAULT: usize = 64;
 /// Keys found in `onstart`/`env` and account keys are capped, like everything.
 const KEYS_MAX: usize = 256;
+/// Bulk calls take at most this many ids (the official client sends 64 a call).
+const BULK_IDS_MAX: usize = 64;
+/// Lines an instance's log keeps (the oldest go first).
+const LOG_LINES_MAX: usize = 10_000;
+/// Lines `request_logs` answers without a `tail` (the client's default).
+const LOG_TAIL_DEFAULT: usize = 1000;
+/// Results (logs, command outputs) kept for their URLs; the oldest go first.
+const RESULTS_MAX: usize = 256;
 
 /// An HTTP answer the server writes, and what it does around it.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,7 +85,6 @@ impl Reply {
         )
     }
 
-    /// A 429: JSON `{"detail": …}`, or the same words as plain text.
     /// The same answer cut off halfway through its JSON, as a broken proxy
     /// or a half-written response leaves it (still a 200).
     fn cut_off(self) -> Self {
@@ -96,19 +103,24 @@ impl Reply {
         }
     }
 
+    /// A 429: JSON `{"success":false,"error":"rate_limited","msg":…}` (the
+    /// official client prints `msg`), or the same words as plain text.
     fn too_frequent(interval: Duration, text: bool) -> Self {
-        let detail = format!(
-            "API requests too frequent endpoint threshold={:.2}s",
+        let msg = format!(
+            "API requests too frequent: endpoint threshold={:.2}s",
             interval.as_secs_f64()
         );
         if text {
             Self {
                 status: 429,
-                body: Body::Text(detail, "text/plain; charset=utf-8"),
+                body: Body::Text(msg, "text/plain; charset=utf-8"),
                 after: After::Respond,
             }
         } else {
-            Self::json(429, json!({ "detail": detail }))
+            Self::json(
+                429,
+                json!({"success": false, "error": "rate_limited", "msg": msg}),
+            )
         }
     }
 
@@ -139,7 +151,10 @@ impl Reply {
     }
 }
 
-/// One API call, decoded from HTTP by the server.
+/// One API call, decoded from HTTP by the server. The bulk calls carry
+/// their ids in the body: `CreateBulk` (`POST /asks/bulk/`) `ids` and one
+/// create body, `UpdateBulk` (`PUT /instances/`) `ids` and a `state` (or
+/// `label`), `DestroyBulk` (`DELETE /instances/`) `instance_ids`.
 #[derive(Debug, Clone)]
 pub(crate) enum Call {
     Search { body: Value },
@@ -149,6 +164,13 @@ pub(crate) enum Call {
     Show { id: u64 },
     Update { id: u64, body: Value },
     Destroy { id: u64 },
+    CreateBulk { body: Value },
+    UpdateBulk { body: Value },
+    DestroyBulk { body: Value },
+    Reboot { id: u64 },
+    ChangeBid { id: u64, body: Value },
+    Logs { id: u64, body: Value },
+    Execute { id: u64, body: Value },
     SshCreate { body: Value },
     SshList,
     SshDelete { id: u64 },
@@ -162,11 +184,14 @@ impl Call {
     fn endpoint(&self) -> Option<Endpoint> {
         match self {
             Call::Search { .. } => Some(Endpoint::Search),
-            Call::Create { .. } => Some(Endpoint::Create),
+            Call::Create { .. } | Call::CreateBulk { .. } => Some(Endpoint::Create),
             Call::ListV0 | Call::ListV1 { .. } => Some(Endpoint::List),
             Call::Show { .. } => Some(Endpoint::Show),
-            Call::Update { .. } => Some(Endpoint::Label),
-            Call::Destroy { .. } => Some(Endpoint::Destroy),
+            Call::Update { .. }
+            | Call::UpdateBulk { .. }
+            | Call::Reboot { .. }
+            | Call::ChangeBid { .. } => Some(Endpoint::Label),
+            Call::Destroy { .. } | Call::DestroyBulk { .. } => Some(Endpoint::Destroy),
             _ => None,
         }
     }
@@ -182,9 +207,18 @@ enum Phase {
         loading: Duration,
     },
     Running,
+    /// Rebooting (`PUT /instances/reboot/{id}/`): `rebooting` for `duration`,
+    /// then running again.
+    Rebooting {
+        since: Instant,
+        duration: Duration,
+    },
     /// Loading ended in an OCI runtime error.
     BootFailed,
     Stopped,
+    /// An interruptible instance another rental outbid: paused (stopped,
+    /// its storage still billed) until its bid wins again.
+    Outbid,
     /// Created on an offer that could not be scheduled.
     Unschedulable,
     Dead(Death),
@@ -210,6 +244,24 @@ struct Instance {
     phase: Phase,
     authorized: Vec<String>,
     machine: Machine,
+    /// What `request_logs` answers: the container's life, as the mock saw it.
+    log: VecDeque<String>,
+}
+
+impl Instance {
+    fn note(&mut self, line: String) {
+        if self.log.len() >= LOG_LINES_MAX {
+            self.log.pop_front();
+        }
+        self.log.push_back(line);
+    }
+
+    fn started_line(&self) -> String {
+        format!(
+            "vastmock: container of instance {} started from {} ({}x {})",
+            self.id, self.image, self.offer.num_gpus, self.offer.gpu_name
+        )
+    }
 }
 
 /// What the Rust API shows of an instance.
@@ -285,13 +337,27 @@ pub(crate) struct World {
     next_key_id: u64,
     pub(crate) faults: Faults,
     counters: Counters,
-    /// (key, endpoint) → last accepted call.
-    last_call: HashMap<(String, Endpoint), Instant>,
+    /// (key, endpoint) → when the next call is due if no burst is left
+    /// (the "theoretical arrival time" of a token bucket, GCRA).
+    due: HashMap<(String, Endpoint), Instant>,
+    /// The base URL result URLs (logs, command outputs) are served under.
+    base_url: String,
+    /// Results by token, oldest first.
+    results: VecDeque<(String, String)>,
+    tokens: SplitMix64,
 }
 
 impl World {
-    pub(crate) fn new(config: &MockConfig, api_key: String, machines_dir: PathBuf) -> Self {
+    pub(crate) fn new(
+        config: &MockConfig,
+        api_key: String,
+        machines_dir: PathBuf,
+        base_url: String,
+    ) -> Self {
         let now = unix_now();
+        let seed = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
         let mut world = Self {
             api_key,
             timings: config.timings,
@@ -309,7 +375,10 @@ impl World {
                 ..Faults::default()
             },
             counters: Counters::default(),
-            last_call: HashMap::new(),
+            due: HashMap::new(),
+            base_url,
+            results: VecDeque::new(),
+            tokens: SplitMix64::new(seed ^ 0x5eed),
         };
         for key in &config.ssh_keys {
             world.add_ssh_key(key.clone(), now);
@@ -332,11 +401,21 @@ impl World {
                 } if !inst.traits.stuck && now >= since + provisioning + loading => {
                     if inst.traits.boot_failure {
                         inst.phase = Phase::BootFailed;
+                        inst.note(format!("vastmock: {BOOT_FAILURE_MSG}"));
                     } else {
                         inst.phase = Phase::Running;
                         inst.machine
                             .run(&inst.authorized, real_ssh && !inst.traits.ssh_never_ready);
+                        let line = inst.started_line();
+                        inst.note(line);
                     }
+                }
+                Phase::Rebooting { since, duration } if now >= since + duration => {
+                    inst.phase = Phase::Running;
+                    inst.machine
+                        .run(&inst.authorized, real_ssh && !inst.traits.ssh_never_ready);
+                    let line = inst.started_line();
+                    inst.note(line);
                 }
                 Phase::Destroyed { at } if now >= at + visible => purge.push(inst.id),
                 _ => {}
@@ -364,13 +443,23 @@ impl World {
                     self.faults.text_429,
                 );
             }
-            let slot = (key.to_owned(), endpoint);
-            if let Some(last) = self.last_call.get(&slot)
-                && now < *last + interval
-            {
-                return Reply::too_frequent(interval, self.faults.text_429);
+            if !interval.is_zero() {
+                let burst = if self.faults.strict_rate_limits {
+                    1
+                } else {
+                    self.rate_limits.burst(endpoint)
+                };
+                // A token bucket of `burst` calls, one back per interval: a
+                // call is accepted unless the bucket's due time is more than
+                // `burst - 1` intervals ahead. With a burst of 1 that is a
+                // minimum interval after the last accepted call.
+                let slot = (key.to_owned(), endpoint);
+                let due = self.due.get(&slot).map_or(now, |d| (*d).max(now));
+                if due > now + interval * (burst - 1) {
+                    return Reply::too_frequent(interval, self.faults.text_429);
+                }
+                self.due.insert(slot, due + interval);
             }
-            self.last_call.insert(slot, now);
             if let Some(status) = self.faults.roll_5xx() {
                 return Reply::server_error(status);
             }
@@ -404,6 +493,13 @@ impl World {
             }
             Call::Update { id, body } => self.update(id, &body, now),
             Call::Destroy { id } => self.destroy(id, now),
+            Call::CreateBulk { body } => self.create_bulk(&body, now),
+            Call::UpdateBulk { body } => self.update_bulk(&body, now),
+            Call::DestroyBulk { body } => self.destroy_bulk(&body, now),
+            Call::Reboot { id } => self.reboot(id, now),
+            Call::ChangeBid { id, body } => self.change_bid(id, &body),
+            Call::Logs { id, body } => self.logs(id, &body),
+            Call::Execute { id, body } => self.execute(id, &body),
             Call::SshCreate { body } => match body.get("ssh_key").and_then(Value::as_str) {
                 Some(k) if looks_like_key(k) => {
                     let key = self.add_ssh_key(k.trim().to_owned(), unix_now());
@@ -456,11 +552,17 @@ impl World {
             Some(other) => return Reply::invalid_args(format!("unknown search type {other:?}")),
         };
         let mut rows = Vec::new();
+        // Prices of a search that names the storage to rent include it.
+        let storage = q.get("allocated_storage").and_then(as_f64_lenient);
         for offer in self.offers.values() {
             let mut row = offer.to_json(self.rented.contains_key(&offer.id));
             if bid {
                 row["dph_total"] = json!(offer.min_bid);
                 row["is_bid"] = json!(true);
+            }
+            if let Some(gb) = storage.filter(|gb| *gb > 0.0) {
+                let base = row["dph_total"].as_f64().unwrap_or(0.0);
+                row["dph_total"] = json!(base + storage_dph(offer, gb));
             }
             match filter::matches(&row, q, &SPECIAL) {
                 Ok(true) => rows.push(row),
@@ -495,6 +597,19 @@ impl World {
     }
 
     fn create(&mut self, offer_id: u64, body: &Value, now: Instant) -> Reply {
+        let reply = self.commit_create(offer_id, body, now);
+        match reply.body {
+            Body::Json(ref v) if reply.status == 200 => {
+                let id = v["new_contract"].as_u64().unwrap_or(0);
+                self.ambiguous_answer(reply, id)
+            }
+            _ => reply,
+        }
+    }
+
+    /// A create: the instance made and `{"success":true,"new_contract":id}`,
+    /// or the refusal.
+    fn commit_create(&mut self, offer_id: u64, body: &Value, now: Instant) -> Reply {
         let Value::Object(b) = body else {
             return Reply::invalid_args("the request body must be a JSON object");
         };
@@ -657,9 +772,15 @@ impl World {
                 phase,
                 authorized,
                 machine: Machine::new(self.machines_dir.join(id.to_string()), gpus),
+                log: VecDeque::new(),
             },
         );
-        let mut reply = Reply::ok(json!({"success": true, "new_contract": id}));
+        Reply::ok(json!({"success": true, "new_contract": id}))
+    }
+
+    /// What the caller of a committed create sees: `reply`, or the next
+    /// ambiguity fault (`id` shapes the cut-off JSON).
+    fn ambiguous_answer(&mut self, mut reply: Reply, id: u64) -> Reply {
         if !self.faults.ambiguous.is_empty() {
             reply = match self.faults.ambiguous.remove(0) {
                 Ambiguity::Timeout { hold } => Reply {
@@ -859,8 +980,9 @@ impl World {
         }
         match state {
             Some("stopped") => {
-                if !matches!(inst.phase, Phase::Unschedulable) {
+                if !matches!(inst.phase, Phase::Unschedulable | Phase::Stopped) {
                     inst.phase = Phase::Stopped;
+                    inst.note("vastmock: container stopped (instance stopped by user)".to_owned());
                 }
                 inst.machine.halt();
             }
@@ -947,6 +1069,272 @@ impl World {
                 .run(&inst.authorized, real_ssh && !inst.traits.ssh_never_ready);
         }
         Reply::ok(json!({"success": true, "msg": "SSH key attached to instance"}))
+    }
+
+    // ---- bulk calls -----------------------------------------------------------
+
+    /// `POST /asks/bulk/`: one create per offer in `ids`, all with the same
+    /// body. Answers `{"success", "new_contracts", "results"}` (one result
+    /// per offer, as a single create would answer it) when at least one
+    /// committed, else the first refusal as it stands.
+    fn create_bulk(&mut self, body: &Value, now: Instant) -> Reply {
+        let ids = match ids_in(body, "ids") {
+            Ok(ids) => ids,
+            Err(reply) => return reply,
+        };
+        let mut blob = body.clone();
+        if let Some(b) = blob.as_object_mut() {
+            b.remove("ids");
+        }
+        let mut contracts = Vec::new();
+        let mut results = Vec::new();
+        let mut first_refusal = None;
+        for offer_id in ids {
+            let reply = self.commit_create(offer_id, &blob, now);
+            match (&reply.body, reply.status) {
+                (Body::Json(v), 200) => {
+                    contracts.push(v["new_contract"].clone());
+                    let mut r = v.clone();
+                    r["ask_id"] = json!(offer_id);
+                    results.push(r);
+                }
+                (Body::Json(v), _) => {
+                    let mut r = v.clone();
+                    r["ask_id"] = json!(offer_id);
+                    results.push(r);
+                    first_refusal.get_or_insert(reply);
+                }
+                (Body::Text(..), _) => {
+                    first_refusal.get_or_insert(reply);
+                }
+            }
+        }
+        let Some(first) = contracts.first().and_then(Value::as_u64) else {
+            return first_refusal.unwrap_or_else(|| Reply::invalid_args("nothing created"));
+        };
+        let all = contracts.len() == results.len();
+        let reply = Reply::ok(json!({
+            "success": all,
+            "new_contracts": contracts,
+            "results": results,
+        }));
+        self.ambiguous_answer(reply, first)
+    }
+
+    /// `PUT /instances/`: the update (`state`, `label`) for each id in `ids`.
+    fn update_bulk(&mut self, body: &Value, now: Instant) -> Reply {
+        let ids = match ids_in(body, "ids") {
+            Ok(ids) => ids,
+            Err(reply) => return reply,
+        };
+        let mut blob = body.clone();
+        if let Some(b) = blob.as_object_mut() {
+            b.remove("ids");
+        }
+        let mut done = Vec::new();
+        let mut failed = Vec::new();
+        let mut first_refusal = None;
+        for id in ids {
+            let reply = self.update(id, &blob, now);
+            if reply.status == 200 {
+                done.push(id);
+            } else {
+                failed.push(json!({"id": id, "msg": message(&reply)}));
+                first_refusal.get_or_insert(reply);
+            }
+        }
+        match first_refusal {
+            Some(refusal) if done.is_empty() => refusal,
+            _ => Reply::ok(json!({
+                "success": failed.is_empty(),
+                "updated": done,
+                "failed": failed,
+            })),
+        }
+    }
+
+    /// `DELETE /instances/`: destroys each id in `instance_ids` that exists.
+    fn destroy_bulk(&mut self, body: &Value, now: Instant) -> Reply {
+        let ids = match ids_in(body, "instance_ids") {
+            Ok(ids) => ids,
+            Err(reply) => return reply,
+        };
+        if self.faults.flaky_destroys > 0 {
+            self.faults.flaky_destroys -= 1;
+            return Reply::server_error(self.faults.flaky_destroy_status);
+        }
+        let (mut done, mut missing) = (Vec::new(), Vec::new());
+        for id in ids {
+            let exists = self
+                .instances
+                .get(&id)
+                .is_some_and(|i| !matches!(i.phase, Phase::Destroyed { .. }));
+            if exists {
+                self.end_instance(id, now, true);
+                done.push(id);
+            } else {
+                missing.push(id);
+            }
+        }
+        if done.is_empty() {
+            return Reply::json(
+                404,
+                json!({"success": false, "error": "not_found",
+                       "msg": format!("Instances not found: {missing:?}")}),
+            );
+        }
+        Reply::ok(json!({
+            "success": missing.is_empty(),
+            "destroyed": done,
+            "not_found": missing,
+        }))
+    }
+
+    // ---- reboot, bid, logs, execute ---------------------------------------------
+
+    /// `PUT /instances/reboot/{id}/`: a running instance is `rebooting` (no
+    /// sshd, every process ended) for `Timings::restart`, then runs again.
+    fn reboot(&mut self, id: u64, now: Instant) -> Reply {
+        let restart = self.timings.restart;
+        let Some(inst) = self.live_mut(id) else {
+            return Self::no_such_instance(id);
+        };
+        if !matches!(inst.phase, Phase::Running | Phase::Rebooting { .. }) {
+            return not_running(id);
+        }
+        inst.machine.halt();
+        inst.phase = Phase::Rebooting {
+            since: now,
+            duration: restart,
+        };
+        inst.note("vastmock: container rebooting".to_owned());
+        Reply::ok(json!({"success": true}))
+    }
+
+    /// `PUT /instances/bid_price/{id}/`: `{"price": P}` for an interruptible
+    /// instance (one created with a `price`); no price means the winning
+    /// bid, the offer's `min_bid`.
+    fn change_bid(&mut self, id: u64, body: &Value) -> Reply {
+        let Some(inst) = self.live_mut(id) else {
+            return Self::no_such_instance(id);
+        };
+        if inst.bid.is_none() {
+            return Reply::invalid_args(format!(
+                "instance {id} is on-demand: only an interruptible instance has a bid"
+            ));
+        }
+        let min = inst.offer.min_bid;
+        let price = match body.get("price") {
+            None | Some(Value::Null) => min,
+            Some(v) => match as_f64_lenient(v) {
+                Some(p) if p >= min => p,
+                Some(p) => {
+                    return Reply::json(
+                        400,
+                        json!({"success": false, "error": "invalid_price",
+                               "msg": format!("bid price {p} is below the minimum bid {min} for instance {id}")}),
+                    );
+                }
+                None => {
+                    return Reply::json(
+                        400,
+                        json!({"success": false, "error": "invalid_price",
+                               "msg": format!("invalid bid price {v}")}),
+                    );
+                }
+            },
+        };
+        inst.bid = Some(price);
+        Reply::ok(json!({"success": true}))
+    }
+
+    /// `PUT /instances/request_logs/{id}/`: the instance's log (`tail` last
+    /// lines, those containing `filter`) at a `result_url` the mock serves.
+    fn logs(&mut self, id: u64, body: &Value) -> Reply {
+        let Some(inst) = self.live_mut(id) else {
+            return Self::no_such_instance(id);
+        };
+        let tail = match body.get("tail") {
+            None | Some(Value::Null) => LOG_TAIL_DEFAULT,
+            Some(v) => match as_u64_lenient(v) {
+                Some(n) => n as usize,
+                None => return Reply::invalid_args(format!("tail must be a number, got {v}")),
+            },
+        };
+        let filter = body.get("filter").and_then(Value::as_str).unwrap_or("");
+        let lines: Vec<&str> = inst
+            .log
+            .iter()
+            .map(String::as_str)
+            .filter(|l| l.contains(filter))
+            .collect();
+        let mut text = lines[lines.len().saturating_sub(tail)..].join("\n");
+        text.push('\n');
+        let url = self.keep_result(text);
+        Reply::ok(json!({
+            "success": true,
+            "result_url": url,
+            "msg": "Logs requested; fetch them from result_url.",
+        }))
+    }
+
+    /// `PUT /instances/command/{id}/`: `{"command": "ls …"}` (`ls`, `du` or
+    /// `rm`, paths inside the instance) run in the machine's home directory
+    /// of a running instance; the output at a `result_url`.
+    fn execute(&mut self, id: u64, body: &Value) -> Reply {
+        let Some(inst) = self.live_mut(id) else {
+            return Self::no_such_instance(id);
+        };
+        if !matches!(inst.phase, Phase::Running) {
+            return not_running(id);
+        }
+        let Some(command) = body.get("command").and_then(Value::as_str) else {
+            return Reply::invalid_args("command is required");
+        };
+        let dir = inst
+            .machine
+            .home()
+            .unwrap_or_else(|| inst.machine.dir().to_owned());
+        let output = match run_constrained(&dir, command) {
+            Ok(output) => output,
+            Err(msg) => return Reply::invalid_args(msg),
+        };
+        let writeable_path = dir.display().to_string();
+        let url = self.keep_result(output);
+        Reply::ok(json!({
+            "success": true,
+            "result_url": url,
+            "writeable_path": writeable_path,
+        }))
+    }
+
+    fn live_mut(&mut self, id: u64) -> Option<&mut Instance> {
+        self.instances
+            .get_mut(&id)
+            .filter(|i| !matches!(i.phase, Phase::Destroyed { .. }))
+    }
+
+    /// Keeps `text` for `GET /results/{token}`; returns its URL.
+    fn keep_result(&mut self, text: String) -> String {
+        let token = format!(
+            "{:016x}{:016x}",
+            self.tokens.next_u64(),
+            self.tokens.next_u64()
+        );
+        if self.results.len() >= RESULTS_MAX {
+            self.results.pop_front();
+        }
+        let url = format!("{}/results/{token}", self.base_url);
+        self.results.push_back((token, text));
+        url
+    }
+
+    /// A result kept by `request_logs` or `command`.
+    pub(crate) fn result(&self, token: &str) -> Option<String> {
+        self.results
+            .iter()
+            .find(|(t, _)| t == token)
+            .map(|(_, text)| text.clone())
     }
 
     // ---- the Rust/admin API -------------------------------------------------
@@ -1046,11 +1434,57 @@ impl World {
                     if let Some(inst) = self.instances.get_mut(&id) {
                         inst.machine.halt();
                         inst.phase = Phase::Dead(death);
+                        inst.note(match death {
+                            Death::Exited => "vastmock: container exited unexpectedly".to_owned(),
+                            _ => "vastmock: machine offline: no heartbeat".to_owned(),
+                        });
                     }
                 }
             }
         }
         ids.len()
+    }
+
+    /// Outbids the interruptible instances `selector` names that run or
+    /// boot: each is paused (its container stopped, storage still billed)
+    /// until [`World::bid_wins`]. Returns how many.
+    pub(crate) fn outbid(&mut self, selector: &Selector, now: Instant) -> usize {
+        self.settle(now);
+        let mut n = 0;
+        for inst in self.instances.values_mut() {
+            if inst.bid.is_some()
+                && selects(selector, inst)
+                && matches!(
+                    inst.phase,
+                    Phase::Running | Phase::Booting { .. } | Phase::Rebooting { .. }
+                )
+            {
+                inst.machine.halt();
+                inst.phase = Phase::Outbid;
+                inst.note("vastmock: container stopped: the instance was outbid".to_owned());
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// The bids of the outbid instances `selector` names win again: each
+    /// starts again as a stopped instance does. Returns how many.
+    pub(crate) fn bid_wins(&mut self, selector: &Selector, now: Instant) -> usize {
+        let restart = self.timings.restart;
+        let mut n = 0;
+        for inst in self.instances.values_mut() {
+            if matches!(inst.phase, Phase::Outbid) && selects(selector, inst) {
+                inst.phase = Phase::Booting {
+                    since: now,
+                    provisioning: Duration::ZERO,
+                    loading: restart,
+                };
+                n += 1;
+            }
+        }
+        self.settle(now);
+        n
     }
 
     pub(crate) fn counters(&self) -> Counters {
@@ -1118,6 +1552,8 @@ fn selects(selector: &Selector, inst: &Instance) -> bool {
     }
 }
 
+const BOOT_FAILURE_MSG: &str = "Error response from daemon: failed to create task for container: failed to create shim task: OCI runtime create failed: runc create failed: unable to start container process: error during container init";
+
 /// The status fields of an instance now.
 struct Status {
     actual: Option<&'static str>,
@@ -1160,26 +1596,41 @@ fn status(inst: &Instance, now: Instant) -> Status {
             "running",
             format!("success, running {}", inst.image),
         ),
+        Phase::Rebooting { .. } => st(
+            Some("rebooting"),
+            "running",
+            "running",
+            "running",
+            "Rebooting the container".to_owned(),
+        ),
         Phase::BootFailed => st(
             Some("created"),
             "running",
             "stopped",
             "running",
-            "Error response from daemon: failed to create task for container: failed to create shim task: OCI runtime create failed: runc create failed: unable to start container process: error during container init".to_owned(),
+            BOOT_FAILURE_MSG.to_owned(),
         ),
         Phase::Stopped => st(
-            Some("exited"),
+            Some("stopped"),
             "stopped",
             "stopped",
             "stopped",
             "Instance stopped by user".to_owned(),
+        ),
+        Phase::Outbid => st(
+            Some("stopped"),
+            "running",
+            "stopped",
+            "running",
+            "Instance outbid: paused until its bid wins again".to_owned(),
         ),
         Phase::Unschedulable => st(
             Some("exited"),
             "running",
             "stopped",
             "running",
-            "Unable to schedule the instance: the machine's resources are no longer available".to_owned(),
+            "Unable to schedule the instance: the machine's resources are no longer available"
+                .to_owned(),
         ),
         Phase::Dead(Death::Exited) => st(
             Some("exited"),
@@ -1205,6 +1656,21 @@ fn status(inst: &Instance, now: Instant) -> Status {
     }
 }
 
+/// An offer's storage price unless its `extra` names one: dollars per GB
+/// and month.
+pub(crate) const STORAGE_COST_DEFAULT: f64 = 0.15;
+
+/// What `gb` of storage on `offer` costs per hour: its `storage_cost` is
+/// dollars per GB and month (30 days), as the service quotes it.
+fn storage_dph(offer: &Offer, gb: f64) -> f64 {
+    let per_gb_month = offer
+        .extra
+        .get("storage_cost")
+        .and_then(Value::as_f64)
+        .unwrap_or(STORAGE_COST_DEFAULT);
+    per_gb_month * gb / (30.0 * 24.0)
+}
+
 /// An instance's row, as shows and listings return it.
 fn row(inst: &Instance, now: Instant) -> Value {
     let s = status(inst, now);
@@ -1215,7 +1681,9 @@ fn row(inst: &Instance, now: Instant) -> Value {
         _ => Value::Null,
     };
     let o = &inst.offer;
-    let dph = inst.bid.unwrap_or(o.dph_total);
+    // The machine's price plus the storage the instance holds, as the
+    // service bills it.
+    let dph = inst.bid.unwrap_or(o.dph_total) + storage_dph(o, inst.disk);
     json!({
         "id": inst.id,
         "machine_id": o.machine_id,
@@ -1260,6 +1728,91 @@ fn row(inst: &Instance, now: Instant) -> Value {
         "inet_down": 900.0,
         "template_id": Value::Null,
     })
+}
+
+/// The ids listed in `body[field]`: 1 to [`BULK_IDS_MAX`] of them, repeats dropped.
+fn ids_in(body: &Value, field: &str) -> Result<Vec<u64>, Reply> {
+    let bad = || Reply::invalid_args(format!("{field} must be a list of 1 to {BULK_IDS_MAX} ids"));
+    let Some(Value::Array(items)) = body.get(field) else {
+        return Err(bad());
+    };
+    if items.is_empty() || items.len() > BULK_IDS_MAX {
+        return Err(bad());
+    }
+    let mut ids = Vec::new();
+    for item in items {
+        let id = as_u64_lenient(item).ok_or_else(bad)?;
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    Ok(ids)
+}
+
+/// The `msg` of a JSON reply, or its text.
+fn message(reply: &Reply) -> String {
+    match &reply.body {
+        Body::Json(v) => v
+            .get("msg")
+            .and_then(Value::as_str)
+            .map_or_else(|| v.to_string(), str::to_owned),
+        Body::Text(t, _) => t.clone(),
+    }
+}
+
+fn not_running(id: u64) -> Reply {
+    Reply::json(
+        400,
+        json!({"success": false, "error": "invalid_state",
+               "msg": format!("Instance {id} is not running.")}),
+    )
+}
+
+/// Runs the constrained command of `PUT /instances/command/{id}/` (`ls`,
+/// `du` or `rm` and their arguments, no shell) in `dir`; its output, or why
+/// it was refused. A path argument must stay inside `dir`, and an option
+/// cannot carry a value (`--files0-from=/etc/…`).
+fn run_constrained(dir: &Path, command: &str) -> Result<String, String> {
+    let mut words = command.split_whitespace();
+    let program = words.next().unwrap_or("");
+    if !["ls", "du", "rm"].contains(&program) {
+        return Err(format!(
+            "command {program:?} is not available: use ls, rm or du"
+        ));
+    }
+    let args: Vec<&str> = words.collect();
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+    let root = dir
+        .canonicalize()
+        .map_err(|e| format!("cannot resolve {}: {e}", dir.display()))?;
+    if let Some(opt) = args.iter().find(|a| a.starts_with('-') && a.contains('=')) {
+        return Err(format!("option {opt:?} is not available"));
+    }
+    for arg in args.iter().filter(|a| !a.starts_with('-')) {
+        let path = Path::new(arg);
+        let inside = !path.is_absolute()
+            && !path
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+            && !(program == "rm" && (arg.ends_with('/') || arg.ends_with("/.")))
+            && root
+                .join(path)
+                .parent()
+                .and_then(|p| p.canonicalize().ok())
+                .is_none_or(|p| p.starts_with(&root));
+        if !inside {
+            return Err(format!("path {arg:?} is outside the instance"));
+        }
+    }
+    let out = std::process::Command::new(program)
+        .args(&args)
+        .current_dir(&root)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    Ok(text)
 }
 
 fn key_row(key: &SshKey) -> Value {

@@ -57,7 +57,7 @@ fn a_call_inside_the_rate_limit_interval_gets_429_without_retry_after_then_one_a
     );
     assert_eq!(r.status, 429, "{}", r.body);
     assert!(
-        r.json()["detail"]
+        r.json()["msg"]
             .as_str()
             .unwrap()
             .starts_with("API requests too frequent")
@@ -277,6 +277,49 @@ fn killed_instances_exit_go_offline_or_vanish() {
     assert_eq!(mock.kill(Selector::Id(c), Death::Exited), 0);
 }
 
+/// Interruptible rentals: an outbid instance is paused (stopped, though
+/// still meant to run, its SSH gone) until its bid wins again; on-demand
+/// instances are never outbid.
+#[test]
+fn an_outbid_instance_is_paused_until_its_bid_wins_again() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let (mock, api) = start(quick(true));
+    let r = api.put(
+        &format!("/api/v0/asks/{OFFER}/"),
+        json!({"client_id": "me", "image": "ubuntu:22.04", "disk": 16.0, "label": "bid",
+               "runtype": "ssh_direct", "env": {}, "price": 1.0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let bid = r.json()["new_contract"].as_u64().unwrap();
+    let demand = api.create(OFFER + 1, "demand");
+    let row = api.wait_status(bid, Some("running"), Duration::from_secs(5));
+    let port = host_port(&row).unwrap();
+    api.wait_status(demand, Some("running"), Duration::from_secs(5));
+
+    assert_eq!(
+        mock.outbid(Selector::Id(demand)),
+        0,
+        "on demand: never outbid"
+    );
+    assert_eq!(mock.outbid(Selector::Label("bid".into())), 1);
+    let row = api.show(bid);
+    assert_eq!(row["actual_status"], "stopped");
+    assert_eq!(row["intended_status"], "running");
+    assert!(
+        row["status_msg"].as_str().unwrap().contains("outbid"),
+        "{row}"
+    );
+    assert!(row["ports"].is_null());
+    assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+    assert_eq!(mock.live_instances(), 2, "paused, not gone");
+
+    assert_eq!(mock.bid_wins(Selector::Id(bid)), 1);
+    api.wait_status(bid, Some("running"), Duration::from_secs(5));
+    assert_eq!(mock.bid_wins(Selector::Id(bid)), 0, "not outbid any more");
+}
+
 #[test]
 fn ssh_never_ready_runs_with_a_port_on_which_nothing_answers() {
     if !swactor_providers::ssh::testing::sshd_available() {
@@ -473,4 +516,46 @@ fn the_admin_routes_report_counters_and_state_and_take_offers_and_keys() {
         api.post("/admin/rate_scale", json!({"scale": 0.5})).status,
         200
     );
+}
+
+#[test]
+fn the_listing_allows_a_burst_for_paging_unless_rate_limits_are_strict() {
+    let limits = RateLimits {
+        list_burst: 3,
+        ..RateLimits::default()
+    };
+    let (_mock, api) = start(MockConfig {
+        rate_limits: limits,
+        ..quick(false)
+    });
+    for _ in 0..3 {
+        assert_eq!(api.get("/api/v1/instances/").status, 200);
+    }
+    let r = api.get("/api/v0/instances/");
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(
+        r.json(),
+        json!({"success": false, "error": "rate_limited",
+               "msg": "API requests too frequent: endpoint threshold=1.00s"})
+    );
+    // Other endpoints have no burst.
+    assert_eq!(api.get("/api/v0/instances/1/").status, 200);
+    assert_eq!(api.get("/api/v0/instances/1/").status, 429);
+
+    // Strict (admin route): one listing per interval.
+    let (mock, api) = start(MockConfig {
+        rate_limits: limits,
+        ..quick(false)
+    });
+    let r = api.post("/admin/faults/strict_rate_limits", json!({"strict": true}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(api.get("/api/v1/instances/").status, 200);
+    assert_eq!(api.get("/api/v1/instances/").status, 429);
+    // Cleared with the other knobs: the burst is back once the window passed.
+    mock.clear_faults();
+    std::thread::sleep(Duration::from_millis(1050));
+    for _ in 0..3 {
+        assert_eq!(api.get("/api/v1/instances/").status, 200);
+    }
+    assert_eq!(api.get("/api/v1/instances/").status, 429);
 }

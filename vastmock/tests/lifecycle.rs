@@ -1,4 +1,4 @@
-//! An instance's life over real HTTP, with a real sshd: create, boot, SSH login, stop, start, destroy.
+//! An instance's life over real HTTP, with a real sshd: create, boot, SSH login, stop, start, destroy; and the bulk calls.
 
 mod common;
 
@@ -101,7 +101,7 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
     );
     assert_eq!(r.json(), json!({"success": true}));
     let row = api.show(id);
-    assert_eq!(row["actual_status"], "exited");
+    assert_eq!(row["actual_status"], "stopped");
     assert_eq!(row["intended_status"], "stopped");
     assert!(row["ports"].is_null());
     assert!(
@@ -196,4 +196,67 @@ fn dropping_the_mock_stops_every_sshd_and_a_key_attached_later_logs_in() {
         !machines.exists(),
         "the temporary state directory outlived the mock"
     );
+}
+
+#[test]
+fn bulk_calls_check_their_ids_and_partial_answers_say_what_was_done() {
+    let mock = VastMock::start(MockConfig {
+        real_ssh: false,
+        ..MockConfig::fast()
+    })
+    .unwrap();
+    let api = Api::new(mock.url(), mock.api_key());
+    // One offer rentable, one unknown: the known one is rented.
+    let r = api.post(
+        "/api/v0/asks/bulk/",
+        json!({"ids": [3_100_001, 9_999], "image": "ubuntu:22.04", "disk": 10}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["success"], false);
+    let id = v["new_contracts"][0].as_u64().unwrap();
+    assert_eq!(v["results"][1]["ask_id"], 9_999);
+    assert_eq!(v["results"][1]["success"], false);
+    assert_eq!(mock.creates_total(), 1);
+    // None committed: the refusal as a single create gives it.
+    let r = api.post(
+        "/api/v0/asks/bulk/",
+        json!({"ids": [3_100_002], "image": "Not An Image"}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"], "invalid_args");
+    // Ids: a list of 1 to 64.
+    for ids in [json!([]), json!("1"), json!((0..65).collect::<Vec<u64>>())] {
+        let r = api.put(
+            "/api/v0/instances/",
+            json!({"ids": ids, "state": "stopped"}),
+        );
+        assert_eq!(r.status, 400, "{}", r.body);
+    }
+    // Stop the instance and a missing one: partly done.
+    let r = api.put(
+        "/api/v0/instances/",
+        json!({"ids": [id, 1], "state": "stopped"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["updated"], json!([id]));
+    assert_eq!(r.json()["failed"][0]["id"], 1);
+    assert_eq!(
+        mock.instance(id).unwrap().actual_status.as_deref(),
+        Some("stopped")
+    );
+    // Destroy it and a missing one.
+    let r = api.call(
+        "DELETE",
+        "/api/v0/instances/",
+        Some(&json!({"instance_ids": [id, 1]})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["destroyed"], json!([id]));
+    assert_eq!(r.json()["not_found"], json!([1]));
+    assert_eq!(mock.live_instances(), 0);
+    // An unknown result URL.
+    let r = api.get("/results/0123456789abcdef");
+    assert_eq!(r.status, 404);
+    assert!(r.body.contains("NoSuchKey"), "{}", r.body);
 }

@@ -227,7 +227,12 @@ fn create_refuses_rented_and_unknown_offers_and_bad_arguments() {
     let id = r.json()["new_contract"].as_u64().unwrap();
     let row = api.show(id);
     assert_eq!(row["is_bid"], true);
-    assert_eq!(row["dph_total"], 1.0);
+    // The bid plus the storage of its disk (0.15 $ per GB and month).
+    let storage = 0.15 * row["disk_space"].as_f64().unwrap() / 720.0;
+    assert!(
+        (row["dph_total"].as_f64().unwrap() - (1.0 + storage)).abs() < 1e-9,
+        "{row}"
+    );
     assert_eq!(
         row["extra_env"],
         json!([["TZ", "UTC"], ["-p 8080:8080", "1"]])

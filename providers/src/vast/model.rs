@@ -42,6 +42,11 @@ pub const KNOWN_PARAMS: &[&str] = &[
     "load_timeout_s",
     "spend_cap_dph",
     "verified",
+    "external",
+    "min_duration_h",
+    "template_hash",
+    "rental",
+    "bid_dph",
 ];
 
 /// A group's offer query and limits, read from its template.
@@ -69,6 +74,18 @@ pub(crate) struct GroupParams {
     pub(crate) spend_cap_dph: Option<f64>,
     /// Only hosts the service has verified.
     pub(crate) verified: bool,
+    /// Also offers of external (unmanaged, usually datacenter-resold)
+    /// machines; off by default, as the official client's searches do.
+    pub(crate) external: bool,
+    /// Least time the offer's machine must still be rentable for, in hours
+    /// (its `duration`, which the service gives in seconds).
+    pub(crate) min_duration_h: Option<f64>,
+    /// A template of the account's to create instances from (its hash).
+    pub(crate) template_hash: Option<String>,
+    /// `Some(bid)` for interruptible rentals (`rental = "interruptible"`):
+    /// the price bid per machine and hour, storage aside. Another rental
+    /// that bids more (or rents on demand) pauses the instance.
+    pub(crate) bid_dph: Option<f64>,
 }
 
 fn number(name: &str, v: &ParamValue) -> Result<f64, String> {
@@ -194,6 +211,53 @@ impl GroupParams {
             Some(ParamValue::Bool(b)) => *b,
             Some(other) => return Err(format!("`verified` must be true or false, not {other}")),
         };
+        let external = match params.get("external") {
+            None => false,
+            Some(ParamValue::Bool(b)) => *b,
+            Some(other) => return Err(format!("`external` must be true or false, not {other}")),
+        };
+        let min_duration_h = positive("min_duration_h")?;
+        let template_hash = match params.get("template_hash") {
+            None => None,
+            Some(ParamValue::Str(s))
+                if !s.is_empty()
+                    && s.len() <= 128
+                    && s.bytes().all(|b| b.is_ascii_alphanumeric()) =>
+            {
+                Some(s.clone())
+            }
+            Some(other) => {
+                return Err(format!(
+                    "`template_hash` must be a template's hash (letters and digits), not {other}"
+                ));
+            }
+        };
+        let bid_dph = match params.get("rental") {
+            None => None,
+            Some(ParamValue::Str(r)) if r == "on-demand" => None,
+            Some(ParamValue::Str(r)) if r == "interruptible" => {
+                let bid = positive("bid_dph")?.ok_or_else(|| {
+                    "`rental = \"interruptible\"` needs `bid_dph`, the price to bid per machine \
+                     and hour"
+                        .to_owned()
+                })?;
+                if bid > max_dph {
+                    return Err(format!(
+                        "`bid_dph` ({bid}) is over `max_dph` ({max_dph}): the bid is what a machine \
+                         costs, storage aside"
+                    ));
+                }
+                Some(bid)
+            }
+            Some(other) => {
+                return Err(format!(
+                    "`rental` is \"on-demand\" (the default) or \"interruptible\", not {other}"
+                ));
+            }
+        };
+        if bid_dph.is_none() && params.contains_key("bid_dph") {
+            return Err("`bid_dph` is for `rental = \"interruptible\"` only".to_owned());
+        }
         if let Some(cap) = spend_cap_dph
             && cap < max_dph
         {
@@ -213,11 +277,43 @@ impl GroupParams {
             load_timeout,
             spend_cap_dph,
             verified,
+            external,
+            min_duration_h,
+            template_hash,
+            bid_dph,
         })
     }
 
+    /// Whether this group may rent `offer`: its rented price within
+    /// `max_dph`, its region, and for a bid, a minimum bid the bid meets.
+    pub(crate) fn can_win(&self, offer: &Offer) -> bool {
+        let bid_ok = match (self.bid_dph, offer.min_bid) {
+            (Some(bid), Some(min)) => min <= bid + 1e-9,
+            _ => true,
+        };
+        bid_ok
+            && self.rented_dph(offer) <= self.max_dph + 1e-9
+            && self.in_region(&offer.geolocation)
+    }
+
+    /// What renting `offer` costs per hour with this group's rental: its
+    /// `dph_total` on demand; for a bid, the search priced it at its
+    /// minimum bid (storage included), so the bid replaces that minimum.
+    pub(crate) fn rented_dph(&self, offer: &Offer) -> f64 {
+        match (self.bid_dph, offer.min_bid) {
+            (None, _) => offer.dph_total,
+            (Some(bid), Some(min)) => offer.dph_total - min + bid,
+            (Some(bid), None) => offer.dph_total.max(bid),
+        }
+    }
+
     /// The body of `POST /bundles/`: rentable on-demand offers that fit,
-    /// cheapest first.
+    /// cheapest first. Prices are asked for with the group's disk
+    /// (`allocated_storage`), so `dph_total` holds the storage the rental
+    /// pays for, and `max_dph` and the spend cap count it. Only machines
+    /// with open ports (`direct_port_count`): the daemon reaches its agents
+    /// over direct SSH, and a machine without one may never serve it while
+    /// it bills.
     pub(crate) fn offer_query(&self) -> Value {
         let mut q = json!({
             "rentable": {"eq": true},
@@ -225,10 +321,23 @@ impl GroupParams {
             "num_gpus": {"eq": self.num_gpus},
             "dph_total": {"lte": self.max_dph},
             "disk_space": {"gte": self.disk_gb},
+            "direct_port_count": {"gte": 1},
+            "allocated_storage": self.disk_gb,
             "order": [["dph_total", "asc"]],
             "type": "on-demand",
             "limit": OFFERS_LIMIT,
         });
+        if self.bid_dph.is_some() {
+            // Offers priced at their minimum bid; those this bid cannot win
+            // are left out once listed (see [`Self::can_win`]).
+            q["type"] = json!("bid");
+        }
+        if !self.external {
+            q["external"] = json!({"eq": false});
+        }
+        if let Some(h) = self.min_duration_h {
+            q["duration"] = json!({"gte": h * 3600.0});
+        }
         if self.verified {
             q["verified"] = json!({"eq": true});
         }
@@ -280,6 +389,13 @@ impl GroupParams {
         }
         if self.verified {
             parts.push("verified hosts".to_owned());
+        }
+        if let Some(h) = self.min_duration_h {
+            parts.push(format!("rentable for ≥ {h} h"));
+        }
+        parts.push("with open ports".to_owned());
+        if !self.external {
+            parts.push("not external".to_owned());
         }
         parts.join(", ")
     }
@@ -343,6 +459,8 @@ pub(crate) struct Offer {
     pub(crate) num_gpus: u64,
     /// Where the machine is.
     pub(crate) geolocation: String,
+    /// The least bid it takes, when the service says.
+    pub(crate) min_bid: Option<f64>,
 }
 
 fn as_u64(v: &Value) -> Option<u64> {
@@ -399,6 +517,7 @@ pub(crate) fn parse_offers(body: &Value) -> Result<Vec<Offer>, String> {
                     .and_then(as_str)
                     .unwrap_or("")
                     .to_owned(),
+                min_bid: o.get("min_bid").and_then(as_f64),
             })
         })
         .collect();
@@ -578,7 +697,10 @@ pub(crate) fn health(i: &Instance) -> Health {
             Some((host, port)) => Health::Running(host.clone(), *port),
             None => Health::Pending("running, without an SSH port yet".to_owned()),
         },
-        "exited" | "offline" | "unknown" | "stopped" | "inactive" => failed(status),
+        // Frozen: the machine holds the GPU (and bills for it) but runs nothing.
+        "exited" | "offline" | "unknown" | "stopped" | "inactive" | "frozen" => failed(status),
+        // A reboot comes back by itself, on the same machine.
+        "rebooting" | "restarting" => Health::Pending(status.to_owned()),
         "destroyed" | "deleted" => Health::Destroyed,
         other => Health::Pending(format!("in the state {:?}", cut(other))),
     }
@@ -808,6 +930,80 @@ mod tests {
         assert!(!p.in_region("Sweden, SE"));
         assert!(!p.in_region("USA-ish"));
         assert_eq!(q["order"], json!([["dph_total", "asc"]]));
+        // Renting right: open ports, no external machines, storage priced in.
+        assert_eq!(q["direct_port_count"], json!({"gte": 1}));
+        assert_eq!(q["external"], json!({"eq": false}));
+        assert_eq!(q["allocated_storage"], json!(DISK_GB_DEFAULT));
+        assert!(q.get("duration").is_none());
+        let asked = GroupParams::of(&template(
+            &[
+                ("max_dph", ParamValue::Float(0.5)),
+                ("external", ParamValue::Bool(true)),
+                ("min_duration_h", ParamValue::Int(48)),
+                ("template_hash", ParamValue::Str("abc123".into())),
+            ],
+            Some("img"),
+        ))
+        .unwrap();
+        // A bid: searched at minimum bids, priced at its own.
+        let bid = GroupParams::of(&template(
+            &[
+                ("max_dph", ParamValue::Float(0.5)),
+                ("rental", ParamValue::Str("interruptible".into())),
+                ("bid_dph", ParamValue::Float(0.3)),
+            ],
+            Some("img"),
+        ))
+        .unwrap();
+        assert_eq!(bid.offer_query()["type"], json!("bid"));
+        let offer = |dph_total: f64, min_bid: Option<f64>| Offer {
+            id: 1,
+            machine_id: 2,
+            dph_total,
+            gpu_name: "RTX 4090".into(),
+            num_gpus: 1,
+            geolocation: String::new(),
+            min_bid,
+        };
+        // Minimum bid 0.2 plus 0.01 of storage: rented at 0.3 + 0.01.
+        assert!((bid.rented_dph(&offer(0.21, Some(0.2))) - 0.31).abs() < 1e-9);
+        assert!(bid.can_win(&offer(0.21, Some(0.2))));
+        assert!(
+            !bid.can_win(&offer(0.36, Some(0.35))),
+            "a minimum over the bid"
+        );
+        assert_eq!(asked.rented_dph(&offer(0.4, Some(0.2))), 0.4, "on demand");
+        let refused = |params: &[(&str, ParamValue)]| {
+            GroupParams::of(&template(params, Some("img"))).unwrap_err()
+        };
+        let max = ("max_dph", ParamValue::Float(0.5));
+        assert!(
+            refused(&[
+                max.clone(),
+                ("rental", ParamValue::Str("interruptible".into()))
+            ])
+            .contains("needs `bid_dph`")
+        );
+        assert!(
+            refused(&[
+                max.clone(),
+                ("rental", ParamValue::Str("interruptible".into())),
+                ("bid_dph", ParamValue::Float(0.6))
+            ])
+            .contains("over `max_dph`")
+        );
+        assert!(
+            refused(&[max.clone(), ("bid_dph", ParamValue::Float(0.1))]).contains("is for `rental")
+        );
+        assert!(
+            refused(&[max, ("rental", ParamValue::Str("spot".into()))]).contains("not \"spot\"")
+        );
+
+        let q = asked.offer_query();
+        assert!(q.get("external").is_none());
+        assert_eq!(q["duration"], json!({"gte": 48.0 * 3600.0}));
+        assert_eq!(asked.template_hash.as_deref(), Some("abc123"));
+        assert!(asked.describe().contains("rentable for ≥ 48 h"));
 
         let err = |params: &[(&str, ParamValue)], image: Option<&str>| {
             GroupParams::of(&template(params, image)).unwrap_err()
@@ -989,13 +1185,19 @@ mod tests {
         assert!(
             matches!(health(&oci), Health::Failed(m) if m.contains("failed boot") && m.contains("machine 9") && m.contains("OCI"))
         );
-        for dead in ["exited", "offline", "unknown"] {
+        // Frozen holds (and bills) the GPU and runs nothing; an outbid
+        // interruptible instance is stopped though meant to run.
+        for dead in ["exited", "offline", "unknown", "frozen", "stopped"] {
             let i = instance(json!({"id": 5, "actual_status": dead}));
             assert!(
                 matches!(health(&i), Health::Failed(m) if m.contains(dead)),
                 "{dead}"
             );
         }
+        assert_eq!(
+            health(&instance(json!({"id": 5, "actual_status": "rebooting"}))),
+            Health::Pending("rebooting".into())
+        );
         let stopped =
             instance(json!({"id": 5, "actual_status": "running", "intended_status": "stopped"}));
         assert!(matches!(health(&stopped), Health::Failed(_)));
