@@ -28,8 +28,10 @@ use swactor_provisioning::{LogicalNodeId, NextStep, Timestamp};
 /// was too short on a loaded 2-core machine (a busy daemon was reported as
 /// not answering); a stopped daemon is reported after this long.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long the CLI waits for its endpoint to close once it is done.
-const CLOSE_WAIT_MAX: Duration = Duration::from_millis(300);
+/// How long the CLI waits for its endpoint to close once it is done: its
+/// connections were closed already (the daemon is told at once), so this
+/// only lets the close reach a slow daemon before the process exits.
+const CLOSE_WAIT_MAX: Duration = Duration::from_millis(100);
 /// How long the CLI's connection may hear nothing from the daemon before it
 /// is taken for lost (keep-alives go out at a third of it), so a daemon
 /// killed under a `watch` is noticed even on another machine.

@@ -66,15 +66,16 @@ pub(crate) struct UpOptions {
 /// # Errors
 /// Bad input (shape, state directory) or a failure to start.
 pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
-    let mut endpoint = None;
-    let outcome = run(opts, &mut endpoint).await;
-    if outcome.is_err()
-        && let Some(endpoint) = endpoint
-    {
-        // A start refused once the endpoint is bound (a provider that cannot
-        // start, a shape refused) closes it: dropped open, iroh would log an
-        // ERROR of its own below the line that says what was wrong.
-        let _ = tokio::time::timeout(ENDPOINT_CLOSE_MAX, endpoint.close()).await;
+    let mut endpoints = Vec::new();
+    let outcome = run(opts, &mut endpoints).await;
+    if outcome.is_err() {
+        // A start refused once the endpoints are bound (a provider that
+        // cannot start, a shape refused) closes them: dropped open, iroh
+        // would log an ERROR of its own below the line that says what was
+        // wrong.
+        for endpoint in endpoints {
+            let _ = tokio::time::timeout(ENDPOINT_CLOSE_MAX, endpoint.close()).await;
+        }
     }
     outcome
 }
@@ -84,7 +85,7 @@ const ENDPOINT_CLOSE_MAX: Duration = Duration::from_secs(3);
 
 /// [`up`]; puts the daemon's endpoint in `bound` as soon as it is bound, for
 /// `up` to close if this fails.
-async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>) -> Result<i32> {
+async fn run(opts: UpOptions, bound: &mut Vec<swactor_engine::iroh::Endpoint>) -> Result<i32> {
     let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
     // Addresses given now win; without any, those of the last daemon of
@@ -190,9 +191,15 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
     let http_listener = crate::http::bind(&state, opts.http).await?;
     let http_token = crate::http::token(&state)?;
     let endpoint = bind_daemon_endpoint(&state, listen).await?;
-    *bound = Some(endpoint.clone());
+    bound.push(endpoint.clone());
+    // The CLI's own endpoint, on a socket of its own: a flood of handshakes
+    // on the agents' endpoint (whose ticket every agent's command line
+    // shows) never queues the CLI's handshake behind it.
+    let control_endpoint = bind_control_endpoint(&state, listen).await?;
+    bound.push(control_endpoint.clone());
     let metrics = crate::http::Metrics::new();
-    let ticket = EndpointTicket::new(endpoint.addr());
+    let ticket = EndpointTicket::new(control_endpoint.addr());
+    let swarm_ticket = EndpointTicket::new(endpoint.addr());
     // What agents are given: the advertised address, on the bound port.
     state.save_network(listen, advertise)?;
     if let Some(path) = &keep_agent_binary {
@@ -203,7 +210,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
             swactor_engine::iroh::EndpointAddr::new(endpoint.id())
                 .with_ip_addr(SocketAddr::new(ip, bound.port())),
         ),
-        _ => ticket.clone(),
+        _ => swarm_ticket,
     };
     let cli_id = state.cli_key()?.public();
     let secret_existed = state.root().join("token.secret").exists();
@@ -391,18 +398,20 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         // Workspaces: only the keys of agents with a jobs link may connect,
         // and each fetches only the chunks of the run it ships.
         .serve_with_limits(iroh_blobs::ALPN, blobs_allowed, Limits::LINKED, blobs)
-        .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
-        .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
-        // New handshakes are rationed, the CLI's apart from the agents', so
-        // a flood of either costs the daemon a bounded share of its time
-        // and takes nothing from the other; joined agents' links and
-        // connected CLIs are never counted.
-        .handshake_rate(
-            Some(&[ALPN_CONTROL, ALPN_TELEMETRY]),
-            handshake_rate(HandshakeRate::DEFAULT),
-        )
+        // New handshakes are rationed, so a flood costs the daemon a
+        // bounded share of its time; joined agents' links are never counted.
         .handshake_rate(None, handshake_rate(agents_rate(fleet)))
         .spawn();
+    // The CLI's protocols, on the CLI's endpoint, rationed on their own.
+    let control_router = GuardedRouterBuilder::new(control_endpoint.clone())
+        .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
+        .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
+        .handshake_rate(None, handshake_rate(HandshakeRate::DEFAULT))
+        .spawn();
+    let router = Routers {
+        swarm: router,
+        control: control_router,
+    };
     let http_addr = http_listener.local_addr()?;
     crate::http::serve(
         http_listener,
@@ -433,7 +442,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
                 // `up` had never run, leaving what an earlier daemon left.
                 let _ = cluster.shutdown(ShutdownMode::Keep).await;
                 state.remove_ticket();
-                router.shutdown().await.ok();
+                router.shutdown().await;
                 return Err(e);
             }
         }
@@ -523,7 +532,7 @@ async fn run(opts: UpOptions, bound: &mut Option<swactor_engine::iroh::Endpoint>
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     state.remove_ticket();
-    router.shutdown().await.ok();
+    router.shutdown().await;
     Ok(code)
 }
 
@@ -590,11 +599,7 @@ async fn wait_converged(
 
 /// The cluster actor failed past its restart budget: the daemon stops and
 /// leaves every node running, so the next `swactor up` adopts them.
-async fn gave_up(
-    exit: Option<SupervisorExit>,
-    state: &StateDir,
-    router: swactor_engine::iroh::protocol::Router,
-) -> i32 {
+async fn gave_up(exit: Option<SupervisorExit>, state: &StateDir, router: Routers) -> i32 {
     let reason = match exit {
         Some(SupervisorExit::GaveUp { reason }) => reason,
         Some(SupervisorExit::Stopped) | None => "the cluster stopped unexpectedly".to_owned(),
@@ -605,7 +610,7 @@ async fn gave_up(
          answer until then"
     );
     state.remove_ticket();
-    router.shutdown().await.ok();
+    router.shutdown().await;
     3
 }
 
@@ -1250,6 +1255,40 @@ async fn watch_budget(
             },
         }
     }
+}
+
+/// The daemon's two routers: the agents' protocols on the swarm endpoint,
+/// the CLI's on the control endpoint.
+struct Routers {
+    swarm: swactor_engine::iroh::protocol::Router,
+    control: swactor_engine::iroh::protocol::Router,
+}
+
+impl Routers {
+    /// Closes both endpoints.
+    async fn shutdown(self) {
+        let (a, b) = tokio::join!(self.control.shutdown(), self.swarm.shutdown());
+        let _ = (a, b);
+    }
+}
+
+/// Binds the CLI's endpoint (`control/0`, `telemetry/0`) on `listen`, with
+/// a key of its own (`control.key`), on a port the system picks: the CLI
+/// finds it in `daemon.ticket`.
+async fn bind_control_endpoint(
+    state: &StateDir,
+    listen: IpAddr,
+) -> Result<swactor_engine::iroh::Endpoint> {
+    let config = NetConfig {
+        frame_len_max: FRAME_LEN_MAX,
+        incoming_bidi_streams_max: Some(1),
+        incoming_uni_streams_max: Some(0),
+        bind_addr: SocketAddr::new(listen, 0),
+        ..NetConfig::default()
+    };
+    bind_endpoint(&config, state.control_key()?)
+        .await
+        .context("cannot bind the daemon's control endpoint")
 }
 
 /// Aborts a task when dropped (the daemon's own helpers end with it).

@@ -162,6 +162,15 @@ impl StateDir {
         load_or_create_secret_key(&path).with_context(|| format!("daemon key {}", path.display()))
     }
 
+    /// The identity of the daemon's control endpoint (the one the CLI dials).
+    ///
+    /// # Errors
+    /// The key file cannot be read or created.
+    pub(crate) fn control_key(&self) -> Result<SecretKey> {
+        let path = self.root.join("control.key");
+        load_or_create_secret_key(&path).with_context(|| format!("control key {}", path.display()))
+    }
+
     /// The CLI's identity (the daemon allowlists it).
     ///
     /// # Errors

@@ -40,12 +40,33 @@ fn secret_of(state: &Path) -> [u8; 32] {
         .unwrap()
 }
 
+/// The ticket agents dial (the daemon's swarm endpoint), read off an
+/// agent's command line, as anyone on the machine can. (`daemon.ticket`,
+/// private to the daemon's user, names the CLI's endpoint.)
 fn ticket_of(state: &Path) -> EndpointTicket {
-    std::fs::read_to_string(state.join("daemon.ticket"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let root = state.canonicalize().unwrap();
+        for (pid, cwd) in agent_cwds() {
+            if !cwd.starts_with(&root) {
+                continue;
+            }
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<String> = cmdline
+                .split(|b| *b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            if let Some(i) = args.iter().position(|a| a == "--daemon") {
+                return args[i + 1].parse().unwrap();
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no agent of {} shows its daemon's ticket",
+            state.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Joins the daemon at `state` for `key` with `token`, from the identity `me`.
@@ -247,9 +268,22 @@ fn unauthenticated_peers_cannot_exhaust_the_daemon_or_flood_its_log() {
         let ep = bind_endpoint(&NetConfig::default(), SecretKey::generate())
             .await
             .unwrap();
+        // The control protocol is served on the CLI's endpoint, which
+        // `daemon.ticket` names.
+        let control: EndpointTicket = std::fs::read_to_string(state.join("daemon.ticket"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         let mut refused = 0;
         for _ in 0..1_000 {
-            if let Ok(conn) = connect(&ep, addr.clone(), ALPN_CONTROL, Duration::from_secs(5)).await
+            if let Ok(conn) = connect(
+                &ep,
+                control.addr().clone(),
+                ALPN_CONTROL,
+                Duration::from_secs(5),
+            )
+            .await
             {
                 let _ = conn.closed().await;
                 refused += 1;

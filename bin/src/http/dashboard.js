@@ -149,6 +149,12 @@ function headline() {
   if (s.paused && cls === 'ok') text += ' (paused)';
   const micros = (s.rentals || []).reduce((sum, r) => sum + r.usd_per_hour_micros, 0);
   if (micros > 0) text += ` · rented machines $${(micros / 1e6).toFixed(2)}/h`;
+  if (s.spend && (s.spend.spent_micros > 0 || s.budget)) {
+    text += ` · spent $${(s.spend.spent_micros / 1e6).toFixed(2)}`;
+    if (s.budget) text += ` of a $${(s.budget.usd_micros / 1e6).toFixed(2)} budget`;
+  }
+  const foreign = (s.foreign || []).length;
+  if (foreign) text += ` · ${foreign} resource(s) of this run belong to another deployment (see status)`;
   h.textContent = text;
   h.className = cls;
   $('generation').textContent = s.generation;
@@ -344,9 +350,13 @@ function connect() {
   es.addEventListener('snapshot', (e) => {
     const d = JSON.parse(e.data);
     // The publisher's snapshot, then every event after it.
-    const rentals = S.snap ? S.snap.rentals : [];
+    // What only a status answer holds (prices, spend, foreign resources)
+    // is kept until the next one.
+    const kept = S.snap || {};
     S.snap = d.state;
-    S.snap.rentals = rentals;
+    S.snap.rentals = kept.rentals || [];
+    S.snap.spend = kept.spend;
+    S.snap.foreign = kept.foreign || [];
     S.snapWall = Date.now();
     S.lastSeq = d.seq;
     refreshSoon();
