@@ -1194,9 +1194,6 @@ async fn bind_daemon_endpoint(
 /// acted on before it overspends by more than this much of its rate.
 const BUDGET_CHECK: Duration = Duration::from_secs(5);
 
-/// Time left before the budget at which the daemon says so (once each).
-const BUDGET_WARNINGS_MIN: [u64; 5] = [60, 30, 10, 5, 1];
-
 /// Holds what the run's rented machines cost against its budget every
 /// [`BUDGET_CHECK`], as [`swactor_provisioning::budget::verdict`] decides:
 /// says so as the end nears, and at the budget tears the run down (as
@@ -1209,8 +1206,8 @@ async fn watch_budget(
     run_id: RunId,
     down: mpsc::Sender<DownRequest>,
 ) {
-    use swactor_provisioning::budget::{OnBudget, Verdict, verdict};
-    let mut warned = BUDGET_WARNINGS_MIN.len();
+    use swactor_provisioning::budget::{OnBudget, Verdict, verdict, warning_due};
+    let mut warned = None;
     let mut torn_down = false;
     loop {
         tokio::time::sleep(BUDGET_CHECK).await;
@@ -1218,24 +1215,17 @@ async fn watch_budget(
             return;
         };
         let Some(budget) = snap.budget else {
-            warned = BUDGET_WARNINGS_MIN.len();
+            warned = None;
             continue;
         };
         let spend = vast.spend(&run_id);
         let line = crate::words::budget_line(Some(&budget), Some(&spend)).unwrap_or_default();
         match verdict(&budget, spend) {
             Verdict::Within { left_ms } => {
-                let left_min = left_ms.map_or(u64::MAX, |ms| ms / 60_000);
-                // The tightest threshold passed since the last warning.
-                let due = BUDGET_WARNINGS_MIN
-                    .iter()
-                    .rposition(|m| left_min < *m)
-                    .filter(|i| *i < warned || warned == BUDGET_WARNINGS_MIN.len());
-                if let Some(i) = due {
-                    warned = i;
+                let due;
+                (warned, due) = warning_due(left_ms, warned);
+                if due {
                     eprintln!("swactor: {line}");
-                } else if left_min >= BUDGET_WARNINGS_MIN[0] {
-                    warned = BUDGET_WARNINGS_MIN.len();
                 }
             }
             Verdict::Reached => match budget.on_reached {

@@ -13,6 +13,10 @@ use serde::{Deserialize, Serialize};
 /// the time the budget is.
 pub const LEAD_MS: u64 = 30_000;
 
+/// Minutes left before the budget at which a run says so, once each, from
+/// the loosest to the tightest.
+pub const WARNINGS_MIN: [u64; 5] = [60, 30, 10, 5, 1];
+
 /// Millionths of a dollar in a dollar.
 const MICROS: f64 = 1e6;
 const HOUR_MS: u128 = 3_600_000;
@@ -123,6 +127,21 @@ pub fn verdict(budget: &Budget, spend: Spend) -> Verdict {
     Verdict::Within { left_ms }
 }
 
+/// Whether a run with `left_ms` to go (`None`: nothing rented) should say
+/// so now, given `warned`, the index in [`WARNINGS_MIN`] of the last
+/// warning given (`None`: none since the run last had an hour or more
+/// left). Returns the new `warned`, and whether to warn.
+pub fn warning_due(left_ms: Option<u64>, warned: Option<usize>) -> (Option<usize>, bool) {
+    let left_min = left_ms.map_or(u64::MAX, |ms| ms / 60_000);
+    // The tightest threshold passed.
+    match WARNINGS_MIN.iter().rposition(|m| left_min < *m) {
+        Some(i) if warned.is_none_or(|w| i > w) => (Some(i), true),
+        Some(_) => (warned, false),
+        // An hour or more again (the budget was raised): warn afresh.
+        None => (None, false),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,6 +180,27 @@ mod tests {
         // Spent (or overspent) is reached, even with nothing rented.
         assert_eq!(verdict(&budget(10.0), spend(10.0, 0.0)), Verdict::Reached);
         assert_eq!(verdict(&budget(10.0), spend(12.0, 1.0)), Verdict::Reached);
+    }
+
+    #[test]
+    fn each_warning_is_given_once_from_the_loosest_to_the_tightest() {
+        let min = |m: u64| Some(m * 60_000);
+        let mut warned = None;
+        let mut said = Vec::new();
+        for left in [90, 59, 45, 29, 29, 12, 9, 9, 4, 3, 0] {
+            let (w, due) = warning_due(min(left), warned);
+            warned = w;
+            if due {
+                said.push(left);
+            }
+        }
+        assert_eq!(said, [59, 29, 9, 4, 0]);
+        // A raised budget starts the warnings over; nothing rented, none.
+        assert_eq!(warning_due(min(61), warned), (None, false));
+        assert_eq!(warning_due(None, None), (None, false));
+        // A jump straight to the last minute says it once.
+        assert_eq!(warning_due(min(0), None), (Some(4), true));
+        assert_eq!(warning_due(min(0), Some(4)), (Some(4), false));
     }
 
     #[test]
