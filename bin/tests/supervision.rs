@@ -77,6 +77,13 @@ fn a_cluster_actor_that_panics_while_nodes_converge_is_restarted_without_a_doubl
     };
     let snap = wait_converged(&state, CONVERGE, |s| s.nodes.len() == 4);
     std::thread::sleep(Duration::from_millis(1_500));
+    // Watched for at least a dozen answers, however fast this machine runs
+    // the CLI (a loaded one took 0.8 s a status): the gaps between them are
+    // what is checked.
+    let watched = Instant::now();
+    while gaps.lock().unwrap().1 <= 10 && watched.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     stop.store(true, Ordering::Relaxed);
     watchers.join().unwrap();
     let log = d.log();
