@@ -786,7 +786,7 @@ fn print_status(
 
 /// Dollars per hour from millionths.
 fn usd_per_hour(micros: u64) -> String {
-    format!("{:.3}", micros as f64 / 1e6)
+    crate::words::usd(micros)
 }
 
 /// The rented machines' line: how many and what they cost together.

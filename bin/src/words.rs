@@ -152,6 +152,11 @@ fn span(secs: u64) -> String {
     }
 }
 
+/// Dollars from millionths, to the tenth of a cent: `1.206`.
+pub(crate) fn usd(micros: u64) -> String {
+    format!("{:.3}", micros as f64 / 1e6)
+}
+
 /// Where the run stands against its budget, in one line (`None` when it
 /// has no budget and rents nothing by the hour): `budget: 0.012 of 0.050 $
 /// spent · 1.206 $/h now · reached in ~2 min, then the run is torn down`.
@@ -160,7 +165,6 @@ pub(crate) fn budget_line(
     spend: Option<&swactor_provisioning::budget::Spend>,
 ) -> Option<String> {
     use swactor_provisioning::budget::{OnBudget, Verdict, verdict};
-    let usd = |m: u64| format!("{:.3}", m as f64 / 1e6);
     match (budget, spend) {
         (None, None) => None,
         (None, Some(s)) if s.spent_micros == 0 && s.usd_per_hour_micros == 0 => None,
@@ -204,7 +208,7 @@ pub(crate) fn foreign_resource(r: &swactor_providers::ForeignResource) -> String
     );
     let cost = r
         .usd_per_hour_micros
-        .map(|m| format!(", {:.3} $/h", m as f64 / 1e6))
+        .map(|m| format!(", {} $/h", usd(m)))
         .unwrap_or_default();
     format!(
         "{} {} ({}, {deployment}{cost})",
@@ -235,7 +239,7 @@ pub(crate) fn foreign_resources(
         listed.push(format!("and {} more", foreign.len() - SHOWN));
     }
     let cost = foreign_cost(foreign)
-        .map(|m| format!(", {:.3} $/h together", m as f64 / 1e6))
+        .map(|m| format!(", {} $/h together", usd(m)))
         .unwrap_or_default();
     format!(
         "run {run} also has {} resource(s) that another deployment made{cost}: {}. This daemon \

@@ -930,7 +930,7 @@ impl VastProvider {
             .map(|(k, v)| (k.clone(), json!(v)))
             .collect();
         env.insert("SWACTOR_LABEL".to_owned(), json!(label));
-        let body = json!({
+        let mut body = json!({
             "client_id": "me",
             "image": params.image,
             "disk": params.disk_gb,
@@ -940,7 +940,6 @@ impl VastProvider {
             "env": env,
             "cancel_unavail": true,
         });
-        let mut body = body;
         if let Some(hash) = &params.template_hash {
             body["template_hash_id"] = json!(hash);
         }

@@ -1078,14 +1078,10 @@ impl World {
     /// per offer, as a single create would answer it) when at least one
     /// committed, else the first refusal as it stands.
     fn create_bulk(&mut self, body: &Value, now: Instant) -> Reply {
-        let ids = match ids_in(body, "ids") {
-            Ok(ids) => ids,
+        let (ids, blob) = match ids_and_rest(body) {
+            Ok(split) => split,
             Err(reply) => return reply,
         };
-        let mut blob = body.clone();
-        if let Some(b) = blob.as_object_mut() {
-            b.remove("ids");
-        }
         let mut contracts = Vec::new();
         let mut results = Vec::new();
         let mut first_refusal = None;
@@ -1123,14 +1119,10 @@ impl World {
 
     /// `PUT /instances/`: the update (`state`, `label`) for each id in `ids`.
     fn update_bulk(&mut self, body: &Value, now: Instant) -> Reply {
-        let ids = match ids_in(body, "ids") {
-            Ok(ids) => ids,
+        let (ids, blob) = match ids_and_rest(body) {
+            Ok(split) => split,
             Err(reply) => return reply,
         };
-        let mut blob = body.clone();
-        if let Some(b) = blob.as_object_mut() {
-            b.remove("ids");
-        }
         let mut done = Vec::new();
         let mut failed = Vec::new();
         let mut first_refusal = None;
@@ -1731,6 +1723,16 @@ fn row(inst: &Instance, now: Instant) -> Value {
 }
 
 /// The ids listed in `body[field]`: 1 to [`BULK_IDS_MAX`] of them, repeats dropped.
+/// A bulk body's `ids`, and the body without them: what each id gets.
+fn ids_and_rest(body: &Value) -> Result<(Vec<u64>, Value), Reply> {
+    let ids = ids_in(body, "ids")?;
+    let mut rest = body.clone();
+    if let Some(b) = rest.as_object_mut() {
+        b.remove("ids");
+    }
+    Ok((ids, rest))
+}
+
 fn ids_in(body: &Value, field: &str) -> Result<Vec<u64>, Reply> {
     let bad = || Reply::invalid_args(format!("{field} must be a list of 1 to {BULK_IDS_MAX} ids"));
     let Some(Value::Array(items)) = body.get(field) else {
