@@ -311,9 +311,12 @@ impl StateDir {
         let kept = match std::fs::read_to_string(&path) {
             Ok(text) => {
                 let id = text.trim().to_owned();
-                swactor_providers::check_deployment(&id)
-                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-                Some(id)
+                match swactor_providers::check_deployment(&id) {
+                    Ok(()) => Some(id),
+                    // The journal's own id wins, and the file is rewritten.
+                    Err(_) if journal.is_some() => None,
+                    Err(e) => anyhow::bail!("{}: {e}", path.display()),
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
@@ -629,7 +632,15 @@ mod tests {
         // A journal from before deployments has none.
         image.meta.deployment = None;
         assert_eq!(state.deployment(Some(&image)).unwrap(), None);
-        // A damaged file is refused, naming it.
+        // A damaged file beside a journal that records an id is rewritten.
+        image.meta.deployment = Some("0123abcd".to_owned());
+        std::fs::write(&file, "not an id\n").unwrap();
+        assert_eq!(
+            state.deployment(Some(&image)).unwrap().as_deref(),
+            Some("0123abcd")
+        );
+        assert_eq!(std::fs::read_to_string(&file).unwrap().trim(), "0123abcd");
+        // Without a journal, a damaged file is refused, naming it.
         std::fs::write(&file, "not an id\n").unwrap();
         let e = state.deployment(None).unwrap_err().to_string();
         assert!(
