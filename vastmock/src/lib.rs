@@ -6,8 +6,8 @@
 //!
 //! | Route | Does |
 //! |---|---|
-//! | `POST /api/v0/bundles/` | search offers: filters (`eq` `neq` `lt` `lte` `gt` `gte` `in` `notin`), `order`, `limit`, `type` |
-//! | `PUT /api/v0/asks/{offer}/` | create (rent): `image`, `disk`, `label`, `onstart`, `runtype`, `env`, `cancel_unavail`, `price` |
+//! | `POST /api/v0/bundles/` | search offers whose listing has not ended: filters (`eq` `neq` `lt` `lte` `gt` `gte` `in` `notin`), `order`, `limit`, `type` |
+//! | `PUT /api/v0/asks/{offer}/` | create (rent): `image`, `disk`, `label`, `onstart`, `runtype`, `env`, `cancel_unavail`, `price`; an ended listing is 404 `no_such_ask` |
 //! | `POST /api/v0/asks/bulk/` | one create per offer in `ids` (≤ 64), same body; `{"success","new_contracts","results"}`, or the first refusal when none committed |
 //! | `GET /api/v0/instances/` | v0 listing `{"instances":[…]}` |
 //! | `PUT /api/v0/instances/` | `{"ids":[…],"state":…}` (or `label`): the update of each; `{"success","updated","failed"}`, or the first refusal when none succeeded |
@@ -37,45 +37,110 @@
 //! `._-/:@`, a tag of letters and digits) is refused with 400
 //! `invalid_args`, before anything is rented.
 //! An instance is `null` (provisioning), then `loading`, then `running`,
-//! with the [`Timings`] of the configuration (computed from the creation
-//! instant whenever the mock is asked; nothing runs in the background).
+//! with the [`Timings`] of the configuration, counted from the creation
+//! instant. The mock's clock moves every instance along every 100 ms, as
+//! the service's hosts do on their own (its container starts, its
+//! `onstart` runs and its exit is seen with nobody asking), and every call
+//! or [`VastMock`] method does the same first, so an answer is never
+//! behind the timings.
 //! Each instance has a machine directory `{state_dir}/machines/{id}`; when
 //! it becomes `running`, an OpenSSH server
 //! ([`swactor_providers::ssh::testing::Sshd`]) starts there on a loopback
-//! port and `ssh_host`/`ssh_port`/`public_ipaddr`/`ports["22/tcp"]` name it.
-//! Its `authorized_keys` holds the account's keys as of the create, plus
+//! port.
+//!
+//! SSH has two ways in, as on the service. Every running instance has a
+//! *proxy*: `ssh_host` is [`PROXY_HOST`] (`localhost`) and `ssh_port` a
+//! loopback port of its own whose connections the mock forwards to the
+//! sshd (a small forwarder on the mock's runtime, listening from the first
+//! boot to the destroy; while the container is down it accepts and closes).
+//! Only an offer with direct ports (`direct_port_count` ≥ 1, 64 unless its
+//! `extra` says otherwise) also gives the *direct* endpoint:
+//! `public_ipaddr` (`127.0.0.1`) and the sshd's own port in
+//! `ports["22/tcp"]`. A running instance on an offer with
+//! `direct_port_count: 0` shows `ports: {}`, so a client that insists on
+//! direct SSH finds none; a stopped one shows `ports: null`. The default
+//! offers all have direct ports (add one without through
+//! [`VastMock::add_offer`]). [`InstanceView::ssh_port`] is the sshd's port
+//! and [`InstanceView::proxy_port`] the proxy's.
+//!
+//! The sshd's `authorized_keys` holds the account's keys as of the create, plus
 //! every OpenSSH public key (`ssh-ed25519 AAAA…`, `ssh-rsa …`, `ecdsa-sha2-…`,
 //! `sk-…`; type and blob, comment dropped) written anywhere in the create's
 //! `onstart` or in an `env` value, plus keys attached later. Commands over
 //! SSH find an `nvidia-smi` (`{dir}/bin`, first on `PATH`) that reports the
 //! offer's GPUs (model, count, memory; its table, `-L` and `--query-gpu`),
-//! so a boot check of `nvidia-smi` passes as on a GPU host. Stopping stops
-//! the sshd (`ports` null); starting again goes through `loading` for
-//! `Timings::restart` and restarts it on the same port; destroying stops it
-//! and removes the directory; the instance then vanishes, or shows
-//! `destroyed` for `Timings::destroyed_visible`. A stopped instance shows
-//! `actual_status` `stopped` (`intended_status` `stopped`); `exited` is a
-//! container that ended on its own ([`Death::Exited`]) or could not be
-//! scheduled. The offer is `rented` (and
-//! not `rentable`) from the create until the destroy. Dropping the [`VastMock`] stops every
-//! sshd.
+//! so a boot check of `nvidia-smi` passes as on a GPU host.
 //!
-//! `ssh_port` is null until the first boot completes, then stays the same
-//! across stops and starts. Account keys added after a create do not reach
+//! At every container start (the first boot, a start after a stop, a
+//! reboot, a bid that wins again) the create's `onstart`, if any, runs with
+//! `bash -c` in the home directory (`{dir}/home`, also `$HOME`), with
+//! `{dir}/bin` first on `PATH` and the create's `env` exported (an object,
+//! or the client's `-e K=V` flags; other flags are not variables). It runs
+//! as a process group of its own, next to the sshd, and is not waited
+//! for: what it writes (stdout and stderr, at most 256 KiB a start, lines
+//! cut at 4 KiB) reaches the instance log as the mock is asked, and so
+//! does its exit. Exiting 0, or running on (a server, `sleep 1000 &`),
+//! leaves the instance `running`; exiting non-zero ends the container:
+//! `actual_status` `exited` (`intended_status` `running`) with a
+//! `status_msg` of `Container exited: onstart exited with status N` (or
+//! `was killed by signal N`), sshd and processes gone, as a container that
+//! ended on its own shows it; a start runs it again. Stopping, rebooting,
+//! destroying and dropping the mock kill its whole group, and every other
+//! process whose working directory is in the machine directory.
+//!
+//! Stopping stops the sshd (`ports` null); starting again goes through
+//! `loading` for `Timings::restart` and restarts it on the same port;
+//! destroying stops it, closes the proxy and removes the directory; the
+//! instance then vanishes, or shows `destroyed` for
+//! `Timings::destroyed_visible`. A stopped instance shows `actual_status`
+//! `stopped` (`intended_status` `stopped`); `exited` is a container that
+//! ended on its own ([`Death::Exited`]), whose `onstart` failed, or that
+//! could not be scheduled. The offer is `rented` (and not `rentable`) from
+//! the create until the destroy. Dropping the [`VastMock`] stops every
+//! sshd, proxy and `onstart`.
+//!
+//! `ssh_port` (the proxy) and the direct port are null until the first
+//! boot completes, then stay the same across stops and starts. Account
+//! keys added after a create do not reach
 //! that instance (the real service says it adds them to current instances;
 //! the mock keeps the create-time set so a provider cannot come to rely on
 //! that); attach a key to one instance instead.
+//!
+//! # Listings and contracts end
+//! An offer's `duration` is the seconds its machine's listing has left: it
+//! ends `duration` after the mock's start (or after [`VastMock::add_offer`]),
+//! 30 days unless the offer's `extra` names a `duration`, and searches show
+//! what is left. An ended listing is not searched, and a create of it is
+//! refused as one of an offer that is not available (404, code 3603);
+//! [`VastMock::offers`] still lists it, not `rentable`, `duration` 0.
+//!
+//! An instance's contract ends with its offer's listing as it was at the
+//! create: its `end_date` (unix seconds) says when. Then its host stops
+//! it, as the service documents for an expired contract: `actual_status`
+//! `stopped` with `intended_status` still `running` (its owner did not ask
+//! for it, as for an outbid instance) and a `status_msg` saying the
+//! contract reached its end date; sshd, `onstart` and processes gone,
+//! `ports` null. It cannot start again (400 `invalid_state`), but can be
+//! destroyed, which frees the offer. `exited` was not chosen: the service
+//! says it stops expired instances, and keeps their data for a while.
+//! [`VastMock::expire_offer`] and [`VastMock::expire`] bring either end
+//! closer.
 //!
 //! # Caveats
 //! - A machine is not a container: SSH commands run on this machine, as
 //!   root, in the machine's home directory (`$HOME`), like any
 //!   [`swactor_providers::ssh::testing::Sshd`] host. `image` is only recorded.
-//! - `onstart` is never run (only read for keys), and `env` is only
-//!   listed in `extra_env`: neither reaches SSH sessions.
+//! - `onstart` runs on this machine, as root (see Instances): a script for
+//!   a real image may fail here for want of what the image has. Keys in it
+//!   are also read at the create, so they log in whatever it does. `env`
+//!   reaches `onstart` and `extra_env`, not SSH sessions.
 //! - The log (`request_logs`) is the mock's account of the container's
 //!   life (`vastmock: container of instance N started from IMAGE …`,
-//!   stopped, rebooting, exited), not a program's output; `daemon_logs`
-//!   answers the same lines. Results stay fetchable for the last 256 results.
+//!   stopped, rebooting, exited, `onstart`'s exit), with `onstart`'s
+//!   output between those lines as the mock read it; `daemon_logs` answers
+//!   the same lines. Results stay fetchable for the last 256 results.
+//! - The proxy is one hop on loopback, not the service's shared proxy
+//!   hosts: it neither throttles nor adds latency.
 //! - One account and one key. Templates, volumes, scheduled jobs and
 //!   billing are not served; neither are `recycle`, `prepay` nor
 //!   `update_template`.
@@ -124,6 +189,7 @@
 //! | `/admin/faults/stuck_loading` | `{"target":T}` | [`VastMock::stuck_loading`] |
 //! | `/admin/faults/boot_failure` | `{"target":T}` | [`VastMock::boot_failure`] |
 //! | `/admin/faults/ssh_never_ready` | `{"target":T}` | [`VastMock::ssh_never_ready`] |
+//! | `/admin/faults/expire` | `{"target":{"id":N}\|{"label":"x"},"in_ms":N}` or `{"offer_id":N,"in_ms":N}` | [`VastMock::expire`], [`VastMock::expire_offer`] |
 //! | `/admin/faults/kill` | `{"target":{"id":N}\|{"label":"x"},"death":"exited"\|"offline"\|"vanished"}` | [`VastMock::kill`] |
 //! | `/admin/faults/ambiguous_create` | `{"kind":{"timeout":{"hold_ms":N}}\|"drop"\|"bad_gateway"\|"malformed","count":K}` | [`VastMock::ambiguous_create`] |
 //! | `/admin/faults/listing_lag` | `{"lag_ms":N}` | [`VastMock::listing_lag`] |
@@ -153,7 +219,7 @@ mod world;
 
 pub use config::{Endpoint, MockConfig, Offer, RateLimits, Timings, default_offers};
 pub use faults::{Ambiguity, Death, Gone, Selector};
-pub use world::InstanceView;
+pub use world::{InstanceView, PROXY_HOST};
 
 use faults::{InstanceFault, SplitMix64};
 use serde_json::{Value, json};
@@ -198,7 +264,8 @@ pub enum StartError {
     Runtime(#[source] std::io::Error),
 }
 
-/// A running mock; stops its server and every instance's sshd when dropped.
+/// A running mock; stops its server and every instance's sshd, proxy and
+/// `onstart` when dropped.
 ///
 /// ```
 /// use std::time::Duration;
@@ -218,8 +285,9 @@ pub enum StartError {
 ///
 /// Every method is synchronous and may be called from any thread, inside a
 /// tokio runtime or not. Methods that look at instances first apply what
-/// time has decided (see the crate doc), which can start an sshd: they may
-/// block for about 100 ms per instance that has just become `running`.
+/// time has decided (see the crate doc), which can start an sshd and an
+/// `onstart` script: they may block for about 100 ms per instance that has
+/// just become `running` (never for the script to finish).
 #[derive(Debug)]
 pub struct VastMock {
     shared: Arc<Shared>,
@@ -280,22 +348,40 @@ impl VastMock {
             .map_err(StartError::Runtime)?;
         let api_key = config.api_key.clone().unwrap_or_else(made_up_key);
         let url = format!("http://{addr}");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(StartError::Runtime)?;
         let shared = Arc::new(Shared::new(World::new(
             &config,
             api_key.clone(),
             machines,
             url.clone(),
+            runtime.handle().clone(),
         )));
         let app = server::router(shared.clone());
+        let clock = shared.clone();
         let (stop, stopped) = tokio::sync::oneshot::channel();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(StartError::Runtime)?;
         let thread = std::thread::Builder::new()
             .name(format!("vastmock-{}", addr.port()))
             .spawn(move || {
                 runtime.block_on(async move {
+                    // The service's own clock: containers start, fail and
+                    // end on time whether or not anyone asks.
+                    tokio::spawn(async move {
+                        let mut tick = tokio::time::interval(CLOCK_TICK);
+                        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        loop {
+                            tick.tick().await;
+                            let shared = clock.clone();
+                            let settled = tokio::task::spawn_blocking(move || {
+                                shared.world().settle(Instant::now());
+                            });
+                            if settled.await.is_err() {
+                                return;
+                            }
+                        }
+                    });
                     match tokio::net::TcpListener::from_std(listener) {
                         Ok(listener) => server::serve(listener, app, stopped).await,
                         Err(e) => eprintln!("swactor-vastmock: cannot serve: {e}"),
@@ -342,13 +428,14 @@ impl VastMock {
     pub fn add_offer(&self, offer: Offer) -> Result<(), InvalidArgument> {
         self.shared
             .world()
-            .add_offer(offer)
+            .add_offer(offer, Instant::now())
             .map_err(InvalidArgument)
     }
 
-    /// Every offer as the search lists it (rented ones included).
+    /// Every offer as the search lists it (rented ones included, and those
+    /// whose listing has ended, with `rentable` false and `duration` 0).
     pub fn offers(&self) -> Vec<Value> {
-        self.shared.world().offers_json()
+        self.shared.world().offers_json(Instant::now())
     }
 
     /// Whether the offer is rented now (`None`: no such offer).
@@ -453,6 +540,31 @@ impl VastMock {
     /// [`Selector::Label`]; others name nothing); returns how many died.
     pub fn kill(&self, target: Selector, death: Death) -> usize {
         self.shared.world().kill(&target, death, Instant::now())
+    }
+
+    /// The listing of `offer_id` ends `after` from now (its `duration` as
+    /// the search shows it counts down to it): from then on searches leave
+    /// it out and a create of it is refused as one of an offer that is not
+    /// available (404). Instances already renting it keep their contracts.
+    ///
+    /// # Errors
+    /// When there is no such offer.
+    pub fn expire_offer(&self, offer_id: u64, after: Duration) -> Result<(), InvalidArgument> {
+        self.shared
+            .world()
+            .expire_offer(offer_id, after, Instant::now())
+            .map_err(InvalidArgument)
+    }
+
+    /// The contracts of the instances `target` names ([`Selector::Id`] or
+    /// [`Selector::Label`]) end `after` from now: their `end_date` says so,
+    /// and once it passes each is stopped by its host (`stopped`, processes
+    /// and SSH gone, see the crate doc) and cannot start again. Returns how
+    /// many.
+    pub fn expire(&self, target: Selector, after: Duration) -> usize {
+        self.shared
+            .world()
+            .expire_instances(&target, after, Instant::now())
     }
 
     /// Outbids the interruptible instances `target` names ([`Selector::Id`]
@@ -566,6 +678,9 @@ impl Drop for VastMock {
     }
 }
 
+/// How often the mock's clock moves every instance along on its own.
+const CLOCK_TICK: Duration = Duration::from_millis(100);
+
 fn made_up_key() -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -611,6 +726,6 @@ pub(crate) fn admin_state(w: &mut World, now: Instant) -> Value {
     w.settle(now);
     let mut state = admin_counters(w);
     state["instances"] = w.views(now).into_iter().map(|v| v.row).collect();
-    state["offers"] = Value::Array(w.offers_json());
+    state["offers"] = Value::Array(w.offers_json(now));
     state
 }

@@ -358,6 +358,16 @@ struct BurstBody {
     count: u32,
 }
 
+/// `{"target": T, "in_ms": N}` (contracts) or `{"offer_id": N, "in_ms": N}` (a listing).
+#[derive(Deserialize)]
+struct ExpireBody {
+    #[serde(default)]
+    target: Option<Selector>,
+    #[serde(default)]
+    offer_id: Option<u64>,
+    in_ms: u64,
+}
+
 #[derive(Deserialize)]
 struct KillBody {
     target: Selector,
@@ -406,8 +416,8 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
     .route(
         "/admin/offers",
         post(|State(s): S, b: Bytes| {
-            admin(s, move |w, _| {
-                w.add_offer(parse::<Offer>(&b)?)?;
+            admin(s, move |w, now| {
+                w.add_offer(parse::<Offer>(&b)?, now)?;
                 ok()
             })
         }),
@@ -567,6 +577,29 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
                     return Err("kill takes an id or a label target".to_owned());
                 }
                 Ok(json!({"success": true, "killed": w.kill(&body.target, body.death, now)}))
+            })
+        }),
+    )
+    .route(
+        "/admin/faults/expire",
+        post(|State(s): S, b: Bytes| {
+            admin(s, move |w, now| {
+                let body: ExpireBody = parse(&b)?;
+                let after = Duration::from_millis(body.in_ms);
+                match (body.target, body.offer_id) {
+                    (Some(Selector::Next(_) | Selector::AllNew), _) => {
+                        Err("expire takes an id or a label target".to_owned())
+                    }
+                    (Some(target), None) => Ok(json!({
+                        "success": true,
+                        "expiring": w.expire_instances(&target, after, now),
+                    })),
+                    (None, Some(offer)) => {
+                        w.expire_offer(offer, after, now)?;
+                        ok()
+                    }
+                    _ => Err("give either target or offer_id".to_owned()),
+                }
             })
         }),
     )

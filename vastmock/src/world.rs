@@ -2,9 +2,12 @@
 //!
 //! Every call takes `now`. Instance status is a function of the creation
 //! instant and `now`; [`World::settle`] (run first by every call) applies
-//! what time has decided since the last call: it starts the sshd of an
-//! instance that has become `running` and forgets destroyed instances whose
-//! grace period is over. No timer runs in the background.
+//! what time has decided since the last call: it ends contracts past their
+//! end, starts the sshd and the `onstart` script of an instance that has
+//! become `running`, reads what the script wrote and whether it exited, and
+//! forgets destroyed instances whose grace period is over. No timer runs in
+//! the background; what does run there is the instance's own: its sshd,
+//! its `onstart` processes and its SSH proxy (see [`crate::machine`]).
 
 use crate::config::{Endpoint, MockConfig, Offer, RateLimits, Timings};
 use crate::faults::{Ambiguity, Death, Faults, Gone, InstanceFault, Selector, SplitMix64, Traits};
@@ -13,6 +16,7 @@ use crate::machine::{Gpus, Machine};
 use serde_json::{Map, Value, json};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The first instance id; ids grow by one.
@@ -37,6 +41,13 @@ const LOG_LINES_MAX: usize = 10_000;
 const LOG_TAIL_DEFAULT: usize = 1000;
 /// Results (logs, command outputs) kept for their URLs; the oldest go first.
 const RESULTS_MAX: usize = 256;
+/// An offer's `duration` (seconds its listing has left at the mock's
+/// start) when its `extra` names none: 30 days.
+const DURATION_DEFAULT_S: f64 = 30.0 * 24.0 * 3600.0;
+/// Where a running instance's SSH proxy is (`ssh_host`); its port is the
+/// instance's `ssh_port`. Not `public_ipaddr`, so that a client can tell
+/// which endpoint it took.
+pub const PROXY_HOST: &str = "localhost";
 
 /// An HTTP answer the server writes, and what it does around it.
 #[derive(Debug, Clone, PartialEq)]
@@ -215,6 +226,11 @@ enum Phase {
     },
     /// Loading ended in an OCI runtime error.
     BootFailed,
+    /// The `onstart` script exited non-zero: the container exited with it.
+    OnstartFailed,
+    /// The contract reached its `end_date`: the host stopped the instance,
+    /// and it cannot start again.
+    Expired,
     Stopped,
     /// An interruptible instance another rental outbid: paused (stopped,
     /// its storage still billed) until its bid wins again.
@@ -239,6 +255,11 @@ struct Instance {
     runtype: Option<String>,
     bid: Option<f64>,
     start_date: f64,
+    /// When the contract ends (its offer's listing end at the create), and
+    /// the same as unix seconds (`end_date`); `None`: never.
+    ends: Option<(Instant, f64)>,
+    /// How the `onstart` script exited, when it failed the container.
+    exit_msg: Option<String>,
     listed_from: Instant,
     traits: Traits,
     phase: Phase,
@@ -262,6 +283,60 @@ impl Instance {
             self.id, self.image, self.offer.num_gpus, self.offer.gpu_name
         )
     }
+
+    /// The container starts (first boot, start, reboot, a bid won): the
+    /// sshd and the proxy, then the `onstart` script.
+    fn start_container(&mut self, real_ssh: bool) {
+        self.phase = Phase::Running;
+        self.exit_msg = None;
+        self.machine
+            .run(&self.authorized, real_ssh && !self.traits.ssh_never_ready);
+        let line = self.started_line();
+        self.note(line);
+        if let Some(script) = self.onstart.clone().filter(|s| !s.trim().is_empty()) {
+            if let Err(e) = self.machine.start_onstart(&script, &self.env) {
+                self.note(format!("vastmock: cannot run onstart: {e}"));
+            } else {
+                self.note("vastmock: running onstart".to_owned());
+            }
+        }
+    }
+
+    /// Reads what the `onstart` run wrote into the log; when it exited
+    /// non-zero, the container exits with it.
+    fn watch_onstart(&mut self) {
+        let news = self.machine.poll_onstart();
+        for line in news.lines {
+            self.note(line);
+        }
+        let Some(exit) = news.exit else {
+            return;
+        };
+        if exit.success() {
+            self.note("vastmock: onstart exited with status 0".to_owned());
+        } else if matches!(self.phase, Phase::Running) {
+            let how = exit_words(exit);
+            self.note(format!("vastmock: container exited: onstart {how}"));
+            self.machine.halt();
+            self.phase = Phase::OnstartFailed;
+            self.exit_msg = Some(format!("Container exited: onstart {how}"));
+        }
+    }
+
+    /// Whether its contract has ended by `now`.
+    fn expired_by(&self, now: Instant) -> bool {
+        self.ends.is_some_and(|(at, _)| now >= at)
+    }
+}
+
+/// "exited with status N" or "was killed by signal N".
+fn exit_words(exit: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (exit.code(), exit.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => format!("was killed by signal {signal}"),
+        (None, None) => "ended".to_owned(),
+    }
 }
 
 /// What the Rust API shows of an instance.
@@ -277,8 +352,18 @@ pub struct InstanceView {
     pub actual_status: Option<String>,
     /// `intended_status` now.
     pub intended_status: String,
-    /// The SSH port it reports (on 127.0.0.1), once it has one.
+    /// Its sshd's port on 127.0.0.1, once it has one: the direct endpoint
+    /// (`ports["22/tcp"]`) when its offer has direct ports. The row's
+    /// `ssh_port` is the proxy, [`InstanceView::proxy_port`].
     pub ssh_port: Option<u16>,
+    /// Its SSH proxy's port on `localhost` (the row's `ssh_host`/`ssh_port`),
+    /// from its first boot on; every instance has one.
+    pub proxy_port: Option<u16>,
+    /// Whether its offer has direct ports (`direct_port_count` ≥ 1), so that
+    /// the row names the sshd's port in `ports["22/tcp"]`.
+    pub direct: bool,
+    /// Its contract's end (`end_date`, unix seconds); `None`: never.
+    pub end_date: Option<f64>,
     /// Whether a real sshd answers on that port now.
     pub ssh_up: bool,
     /// The machine directory (removed at destroy).
@@ -301,6 +386,15 @@ impl InstanceView {
             user: "root".to_owned(),
             host: "127.0.0.1".to_owned(),
             port: self.ssh_port?,
+        })
+    }
+
+    /// `root@localhost:{proxy_port}`: the SSH proxy, once it has one.
+    pub fn proxy_target(&self) -> Option<swactor_providers::ssh::SshTarget> {
+        Some(swactor_providers::ssh::SshTarget {
+            user: "root".to_owned(),
+            host: PROXY_HOST.to_owned(),
+            port: self.proxy_port?,
         })
     }
 }
@@ -328,7 +422,11 @@ pub(crate) struct World {
     rate_limits: RateLimits,
     real_ssh: bool,
     machines_dir: PathBuf,
+    /// The runtime SSH proxies run on.
+    runtime: tokio::runtime::Handle,
     offers: BTreeMap<u64, Offer>,
+    /// offer id → when its listing ends (`None`: never), from its `duration`.
+    listing_ends: HashMap<u64, Option<Instant>>,
     /// offer id → instance id renting it.
     rented: HashMap<u64, u64>,
     instances: BTreeMap<u64, Instance>,
@@ -353,8 +451,10 @@ impl World {
         api_key: String,
         machines_dir: PathBuf,
         base_url: String,
+        runtime: tokio::runtime::Handle,
     ) -> Self {
         let now = unix_now();
+        let start = Instant::now();
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
@@ -364,7 +464,13 @@ impl World {
             rate_limits: config.rate_limits,
             real_ssh: config.real_ssh,
             machines_dir,
+            runtime,
             offers: config.offers.iter().map(|o| (o.id, o.clone())).collect(),
+            listing_ends: config
+                .offers
+                .iter()
+                .map(|o| (o.id, listing_end(o, start)))
+                .collect(),
             rented: HashMap::new(),
             instances: BTreeMap::new(),
             ssh_keys: Vec::new(),
@@ -393,6 +499,15 @@ impl World {
         let visible = self.timings.destroyed_visible;
         let mut purge = Vec::new();
         for inst in self.instances.values_mut() {
+            if inst.expired_by(now)
+                && !matches!(inst.phase, Phase::Expired | Phase::Destroyed { .. })
+            {
+                inst.machine.halt();
+                inst.phase = Phase::Expired;
+                inst.note(
+                    "vastmock: container stopped: the contract reached its end_date".to_owned(),
+                );
+            }
             match inst.phase {
                 Phase::Booting {
                     since,
@@ -403,22 +518,17 @@ impl World {
                         inst.phase = Phase::BootFailed;
                         inst.note(format!("vastmock: {BOOT_FAILURE_MSG}"));
                     } else {
-                        inst.phase = Phase::Running;
-                        inst.machine
-                            .run(&inst.authorized, real_ssh && !inst.traits.ssh_never_ready);
-                        let line = inst.started_line();
-                        inst.note(line);
+                        inst.start_container(real_ssh);
                     }
                 }
                 Phase::Rebooting { since, duration } if now >= since + duration => {
-                    inst.phase = Phase::Running;
-                    inst.machine
-                        .run(&inst.authorized, real_ssh && !inst.traits.ssh_never_ready);
-                    let line = inst.started_line();
-                    inst.note(line);
+                    inst.start_container(real_ssh);
                 }
                 Phase::Destroyed { at } if now >= at + visible => purge.push(inst.id),
                 _ => {}
+            }
+            if matches!(inst.phase, Phase::Running) {
+                inst.watch_onstart();
             }
         }
         for id in purge {
@@ -480,7 +590,7 @@ impl World {
 
     fn answer(&mut self, call: Call, now: Instant) -> Reply {
         match call {
-            Call::Search { body } => self.search(&body),
+            Call::Search { body } => self.search(&body, now),
             Call::Create { offer_id, body } => self.create(offer_id, &body, now),
             Call::ListV0 => Reply::ok(json!({"instances": self.listed(now)})),
             Call::ListV1 { query } => self.list_v1(&query, now),
@@ -529,7 +639,7 @@ impl World {
         }
     }
 
-    fn search(&self, body: &Value) -> Reply {
+    fn search(&self, body: &Value, now: Instant) -> Reply {
         let empty = Map::new();
         let q = match body {
             Value::Object(q) => q,
@@ -555,7 +665,10 @@ impl World {
         // Prices of a search that names the storage to rent include it.
         let storage = q.get("allocated_storage").and_then(as_f64_lenient);
         for offer in self.offers.values() {
-            let mut row = offer.to_json(self.rented.contains_key(&offer.id));
+            // A listing that has ended is not searched.
+            let Some(mut row) = self.offer_row(offer, now) else {
+                continue;
+            };
             if bid {
                 row["dph_total"] = json!(offer.min_bid);
                 row["is_bid"] = json!(true);
@@ -673,6 +786,7 @@ impl World {
             .get(&offer_id)
             .filter(|_| gone != Some(Gone::NotFound))
             .filter(|o| !self.rented.contains_key(&o.id))
+            .filter(|o| !self.listing_ended(o.id, now))
             .cloned()
         else {
             return Reply::json(
@@ -743,6 +857,13 @@ impl World {
             count: offer.num_gpus,
             ram_mib: offer.gpu_ram,
         };
+        // The contract ends with the machine's listing.
+        let ends = self
+            .listing_ends
+            .get(&offer_id)
+            .copied()
+            .flatten()
+            .map(|at| (at, unix_at(at, now)));
         self.rented.insert(offer_id, id);
         self.counters.creates_total += 1;
         *self
@@ -767,11 +888,17 @@ impl World {
                 runtype,
                 bid,
                 start_date: unix_now(),
+                ends,
+                exit_msg: None,
                 listed_from: now + self.faults.listing_lag,
                 traits,
                 phase,
                 authorized,
-                machine: Machine::new(self.machines_dir.join(id.to_string()), gpus),
+                machine: Machine::new(
+                    self.machines_dir.join(id.to_string()),
+                    gpus,
+                    self.runtime.clone(),
+                ),
                 log: VecDeque::new(),
             },
         );
@@ -978,16 +1105,29 @@ impl World {
         if let Some(label) = label {
             inst.label = label;
         }
+        if state == Some("running") && matches!(inst.phase, Phase::Expired) {
+            return Reply::json(
+                400,
+                json!({"success": false, "error": "invalid_state",
+                       "msg": format!("Instance {id} cannot start: its contract has expired.")}),
+            );
+        }
         match state {
             Some("stopped") => {
-                if !matches!(inst.phase, Phase::Unschedulable | Phase::Stopped) {
+                if !matches!(
+                    inst.phase,
+                    Phase::Unschedulable | Phase::Stopped | Phase::Expired
+                ) {
                     inst.phase = Phase::Stopped;
                     inst.note("vastmock: container stopped (instance stopped by user)".to_owned());
                 }
                 inst.machine.halt();
             }
             Some(_) => match inst.phase {
-                Phase::Stopped | Phase::Dead(Death::Exited) | Phase::BootFailed => {
+                Phase::Stopped
+                | Phase::Dead(Death::Exited)
+                | Phase::BootFailed
+                | Phase::OnstartFailed => {
                     inst.phase = Phase::Booting {
                         since: now,
                         provisioning: Duration::ZERO,
@@ -1352,10 +1492,11 @@ impl World {
         Ok(self.add_ssh_key(key.trim().to_owned(), unix_now()).id)
     }
 
-    pub(crate) fn add_offer(&mut self, offer: Offer) -> Result<(), String> {
+    pub(crate) fn add_offer(&mut self, offer: Offer, now: Instant) -> Result<(), String> {
         if self.offers.contains_key(&offer.id) {
             return Err(format!("offer {} exists already", offer.id));
         }
+        self.listing_ends.insert(offer.id, listing_end(&offer, now));
         self.offers.insert(offer.id, offer);
         Ok(())
     }
@@ -1496,11 +1637,76 @@ impl World {
             .map(|_| self.rented.contains_key(&offer_id))
     }
 
-    pub(crate) fn offers_json(&self) -> Vec<Value> {
+    /// Every offer, those whose listing ended included (not rentable,
+    /// `duration` 0).
+    pub(crate) fn offers_json(&self, now: Instant) -> Vec<Value> {
         self.offers
             .values()
-            .map(|o| o.to_json(self.rented.contains_key(&o.id)))
+            .map(|o| {
+                self.offer_row(o, now).unwrap_or_else(|| {
+                    let mut row = o.to_json(self.rented.contains_key(&o.id));
+                    row["rentable"] = json!(false);
+                    row["duration"] = json!(0.0);
+                    row
+                })
+            })
             .collect()
+    }
+
+    /// An offer's search row now: its `duration` is what its listing has
+    /// left; `None` once the listing has ended.
+    fn offer_row(&self, offer: &Offer, now: Instant) -> Option<Value> {
+        let mut row = offer.to_json(self.rented.contains_key(&offer.id));
+        match self.listing_ends.get(&offer.id).copied().flatten() {
+            Some(end) if now >= end => return None,
+            Some(end) => row["duration"] = json!((end - now).as_secs_f64()),
+            None => {}
+        }
+        Some(row)
+    }
+
+    fn listing_ended(&self, offer_id: u64, now: Instant) -> bool {
+        self.listing_ends
+            .get(&offer_id)
+            .copied()
+            .flatten()
+            .is_some_and(|end| now >= end)
+    }
+
+    /// The listing of `offer_id` ends `after` from `now`: it is no longer
+    /// searched nor rented then. Instances already renting it keep their
+    /// contract's end.
+    pub(crate) fn expire_offer(
+        &mut self,
+        offer_id: u64,
+        after: Duration,
+        now: Instant,
+    ) -> Result<(), String> {
+        if !self.offers.contains_key(&offer_id) {
+            return Err(format!("no offer {offer_id}"));
+        }
+        self.listing_ends.insert(offer_id, Some(now + after));
+        Ok(())
+    }
+
+    /// The contracts of the instances `selector` names (`Id` or `Label`,
+    /// destroyed ones aside) end `after` from `now`; returns how many.
+    pub(crate) fn expire_instances(
+        &mut self,
+        selector: &Selector,
+        after: Duration,
+        now: Instant,
+    ) -> usize {
+        let at = now + after;
+        let mut n = 0;
+        for inst in self.instances.values_mut() {
+            if selects(selector, inst) && !matches!(inst.phase, Phase::Destroyed { .. }) {
+                inst.ends = Some((at, unix_at(at, now)));
+                n += 1;
+            }
+        }
+        self.settle(now);
+        n
     }
 
     pub(crate) fn views(&self, now: Instant) -> Vec<InstanceView> {
@@ -1513,6 +1719,9 @@ impl World {
                 actual_status: status(i, now).actual.map(str::to_owned),
                 intended_status: status(i, now).intended.to_owned(),
                 ssh_port: i.machine.port(),
+                proxy_port: i.machine.proxy_port(),
+                direct: direct_ports(&i.offer) > 0,
+                end_date: i.ends.map(|(_, unix)| unix),
                 ssh_up: i.machine.is_up(),
                 dir: i.machine.dir().to_owned(),
                 home: i.machine.home(),
@@ -1624,6 +1833,23 @@ fn status(inst: &Instance, now: Instant) -> Status {
             "Unable to schedule the instance: the machine's resources are no longer available"
                 .to_owned(),
         ),
+        Phase::OnstartFailed => st(
+            Some("exited"),
+            "running",
+            "stopped",
+            "running",
+            inst.exit_msg
+                .clone()
+                .unwrap_or_else(|| "Container exited unexpectedly".to_owned()),
+        ),
+        Phase::Expired => st(
+            Some("stopped"),
+            "running",
+            "stopped",
+            "stopped",
+            "Instance stopped: its contract reached its end date; an expired instance cannot start again"
+                .to_owned(),
+        ),
         Phase::Dead(Death::Exited) => st(
             Some("exited"),
             "running",
@@ -1667,9 +1893,14 @@ fn storage_dph(offer: &Offer, gb: f64) -> f64 {
 fn row(inst: &Instance, now: Instant) -> Value {
     let s = status(inst, now);
     let running = matches!(inst.phase, Phase::Running);
-    let port = inst.machine.port();
-    let ports = match (running, port) {
-        (true, Some(p)) => json!({"22/tcp": [{"HostIp": "0.0.0.0", "HostPort": p.to_string()}]}),
+    let direct = direct_ports(&inst.offer);
+    // Direct SSH (the sshd's own port, mapped) only on a machine with open
+    // ports; a running instance on one without has a port map with no 22.
+    let ports = match (running, inst.machine.port()) {
+        (true, Some(p)) if direct > 0 => {
+            json!({"22/tcp": [{"HostIp": "0.0.0.0", "HostPort": p.to_string()}]})
+        }
+        (true, _) => json!({}),
         _ => Value::Null,
     };
     let o = &inst.offer;
@@ -1693,14 +1924,14 @@ fn row(inst: &Instance, now: Instant) -> Value {
         "onstart": inst.onstart,
         "extra_env": inst.env.iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>(),
         "start_date": inst.start_date,
-        "end_date": Value::Null,
-        "ssh_host": "127.0.0.1",
-        "ssh_port": port,
+        "end_date": inst.ends.map(|(_, unix)| unix),
+        "ssh_host": PROXY_HOST,
+        "ssh_port": inst.machine.proxy_port(),
         "ssh_idx": "",
         "public_ipaddr": "127.0.0.1",
         "local_ipaddrs": "127.0.0.1",
         "ports": ports,
-        "direct_port_count": 64,
+        "direct_port_count": direct,
         "gpu_name": o.gpu_name,
         "num_gpus": o.num_gpus,
         "gpu_ram": o.gpu_ram,
@@ -1939,6 +2170,42 @@ fn as_f64_lenient(v: &Value) -> Option<f64> {
 
 fn as_u64_lenient(v: &Value) -> Option<u64> {
     as_f64_lenient(v).filter(|f| *f >= 0.0).map(|f| f as u64)
+}
+
+/// How many direct ports `offer`'s machine has (`direct_port_count`, 64
+/// unless its `extra` says otherwise).
+fn direct_ports(offer: &Offer) -> u64 {
+    offer
+        .extra
+        .get("direct_port_count")
+        .and_then(as_u64_lenient)
+        .unwrap_or(64)
+}
+
+/// When `offer`'s listing, made at `listed`, ends: after its `duration`
+/// seconds (its `extra`'s, else 30 days); `None` for one too far away to
+/// name.
+fn listing_end(offer: &Offer, listed: Instant) -> Option<Instant> {
+    let secs = offer
+        .extra
+        .get("duration")
+        .and_then(as_f64_lenient)
+        .unwrap_or(DURATION_DEFAULT_S);
+    let secs = secs.max(0.0);
+    if !secs.is_finite() || secs > 100.0 * 365.0 * 24.0 * 3600.0 {
+        return None;
+    }
+    listed.checked_add(Duration::from_secs_f64(secs))
+}
+
+/// `at` as unix seconds, given that it is `now` now.
+fn unix_at(at: Instant, now: Instant) -> f64 {
+    let base = unix_now();
+    if at >= now {
+        base + (at - now).as_secs_f64()
+    } else {
+        base - (now - at).as_secs_f64()
+    }
 }
 
 fn unix_now() -> f64 {

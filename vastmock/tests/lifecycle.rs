@@ -2,10 +2,10 @@
 
 mod common;
 
-use common::{Api, host_port, keypair, ssh, sshds_under};
+use common::{Api, host_port, keypair, proxy, ssh, ssh_to, sshds_under};
 use serde_json::json;
 use std::time::Duration;
-use swactor_vastmock::{MockConfig, Timings, VastMock};
+use swactor_vastmock::{MockConfig, PROXY_HOST, Timings, VastMock};
 
 const OFFER: u64 = 3_100_001;
 
@@ -69,11 +69,14 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
     assert_eq!(offer_row(OFFER)["rentable"], false);
     api.wait_status(id, Some("loading"), Duration::from_secs(5));
     let row = api.wait_status(id, Some("running"), Duration::from_secs(5));
-    assert_eq!(row["ssh_host"], "127.0.0.1");
     assert_eq!(row["public_ipaddr"], "127.0.0.1");
     let port = host_port(&row).expect("ports while running");
-    assert_eq!(row["ssh_port"].as_u64(), Some(u64::from(port)));
     assert_eq!(row["ports"]["22/tcp"][0]["HostIp"], "0.0.0.0");
+    // The proxy is another endpoint of the same sshd.
+    let (proxy_host, proxy_port) = proxy(&row).expect("a proxy while running");
+    assert_eq!(proxy_host, PROXY_HOST);
+    assert_ne!(proxy_port, port);
+    assert_eq!(row["direct_port_count"], 64);
 
     // The account key and the onstart key log in; a stranger's does not.
     let (ok, out) = ssh(&account_key, port, "echo hello; pwd");
@@ -91,6 +94,13 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
         ssh(&onstart_key, port, "true").0,
         "onstart key login failed"
     );
+    let (ok, out) = ssh_to(&account_key, &proxy_host, proxy_port, "pwd");
+    assert!(ok, "login through the proxy failed");
+    assert_eq!(
+        out.trim_end(),
+        view.home.as_ref().unwrap().to_str().unwrap()
+    );
+    assert_eq!(view.proxy_port, Some(proxy_port));
     assert!(!ssh(&stranger_key, port, "true").0, "a stranger logged in");
     assert_eq!(sshds_under(&view.dir), 1);
 
@@ -108,6 +118,10 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
         !ssh(&account_key, port, "true").0,
         "stopped instance answered SSH"
     );
+    assert!(
+        !ssh_to(&account_key, &proxy_host, proxy_port, "true").0,
+        "stopped instance answered SSH through the proxy"
+    );
     assert_eq!(sshds_under(&view.dir), 0);
 
     // Start: loading again, then running on the same port.
@@ -119,6 +133,7 @@ fn an_instance_boots_serves_ssh_to_registered_keys_stops_starts_and_is_destroyed
     assert_eq!(api.show(id)["actual_status"], "loading");
     let row = api.wait_status(id, Some("running"), Duration::from_secs(5));
     assert_eq!(host_port(&row), Some(port));
+    assert_eq!(proxy(&row), Some((proxy_host.clone(), proxy_port)));
     assert!(
         ssh(&account_key, port, "true").0,
         "restarted instance refused SSH"

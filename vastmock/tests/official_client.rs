@@ -265,7 +265,10 @@ fn the_official_cli_searches_creates_shows_labels_stops_starts_and_destroys() {
         .unwrap()
         .parse()
         .unwrap();
-    assert_eq!(shown["ssh_port"], port);
+    // `ssh_host`/`ssh_port` are the proxy, another way to the same sshd.
+    assert_eq!(shown["ssh_host"], "localhost", "{shown}");
+    let proxy_port = shown["ssh_port"].as_u64().unwrap();
+    assert_ne!(proxy_port, u64::from(port), "{shown}");
     assert!(
         ssh(&key, port, "true").0,
         "the key added through the CLI does not log in"
@@ -280,7 +283,7 @@ fn the_official_cli_searches_creates_shows_labels_stops_starts_and_destroys() {
     assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
     assert_eq!(listed[0]["id"], id);
     assert_eq!(listed[0]["extra_env"]["FOO"], "bar");
-    assert_eq!(listed[0]["ssh_port"], port);
+    assert_eq!(listed[0]["ssh_port"], proxy_port);
     let none = cli.raw(&["show", "instances", "--label", "fidelity"]);
     assert_eq!(none, serde_json::json!([]));
 
@@ -669,6 +672,86 @@ fn the_official_cli_reads_logs_executes_changes_the_bid_and_reboots() {
     );
     let (_, _, err) = cli.run_full(false, &["execute", &ids, "ls"]);
     assert!(err.contains("is not running"), "{err}");
+    cli.run(false, &["destroy", "instance", &ids, "-y"]);
+    assert_eq!(mock.live_instances(), 0);
+}
+
+#[test]
+fn the_official_cli_shows_a_proxy_only_instance_and_leaves_its_offer_out_of_direct_searches() {
+    let Some(exe) = cli_or_skip() else {
+        return;
+    };
+    let real_ssh = swactor_providers::ssh::testing::sshd_available();
+    let mock = VastMock::start(MockConfig {
+        real_ssh,
+        ..MockConfig::fast()
+    })
+    .unwrap();
+    let cli = Cli::new(exe, &mock);
+    let (key, public) = keypair(cli.home.path(), "id_ed25519");
+    cli.run(false, &["create", "ssh-key", &public]);
+    let proxy_only = 3_300_001u64;
+    let mut extra = serde_json::Map::new();
+    extra.insert("direct_port_count".into(), serde_json::json!(0));
+    mock.add_offer(Offer {
+        id: proxy_only,
+        machine_id: 77_001,
+        host_id: 7_701,
+        dph_total: 0.1,
+        extra,
+        ..Offer::default()
+    })
+    .unwrap();
+    let search = |query: &str| -> Vec<u64> {
+        let offers = cli.raw(&["search", "offers", query]);
+        offers
+            .as_array()
+            .unwrap_or_else(|| panic!("{offers}"))
+            .iter()
+            .map(|o| o["id"].as_u64().unwrap())
+            .collect()
+    };
+    assert!(search("gpu_name=RTX_4090").contains(&proxy_only));
+    let direct = search("direct_port_count>=1");
+    assert!(!direct.contains(&proxy_only), "{direct:?}");
+    assert!(direct.contains(&3_100_001), "{direct:?}");
+
+    // `--ssh` without `--direct`: the proxy runtype.
+    let created = cli.raw(&[
+        "create",
+        "instance",
+        &proxy_only.to_string(),
+        "--image",
+        "ubuntu:22.04",
+        "--disk",
+        "16",
+        "--ssh",
+    ]);
+    let id = created["new_contract"].as_u64().unwrap();
+    let ids = id.to_string();
+    wait_status(&mock, &[id], "running");
+    let shown = cli.raw(&["show", "instance", &ids]);
+    assert_eq!(shown["image_runtype"], "ssh_proxy", "{shown}");
+    assert_eq!(shown["direct_port_count"], 0, "{shown}");
+    assert_eq!(shown["ssh_host"], "localhost", "{shown}");
+    let port = shown["ssh_port"].as_u64().expect("a proxy port");
+    assert_eq!(
+        shown["ports"],
+        serde_json::json!({}),
+        "no direct port: {shown}"
+    );
+    assert!(shown["end_date"].as_f64().is_some(), "{shown}");
+    assert_eq!(
+        mock.instance(id).unwrap().proxy_port.map(u64::from),
+        Some(port)
+    );
+    // The client's own choice of endpoint: the proxy, for want of a 22.
+    let url = cli.run(false, &["ssh-url", &ids]);
+    assert_eq!(url.trim(), format!("ssh://root@localhost:{port}"));
+    if real_ssh {
+        let (ok, out) = common::ssh_to(&key, "localhost", port as u16, "echo through-proxy");
+        assert!(ok && out == "through-proxy\n", "{out}");
+    }
     cli.run(false, &["destroy", "instance", &ids, "-y"]);
     assert_eq!(mock.live_instances(), 0);
 }

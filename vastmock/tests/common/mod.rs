@@ -155,6 +155,11 @@ pub fn keypair(dir: &Path, name: &str) -> (PathBuf, String) {
 
 /// Runs `command` over `ssh` with `key` on 127.0.0.1:`port`: (success, stdout).
 pub fn ssh(key: &Path, port: u16, command: &str) -> (bool, String) {
+    ssh_to(key, "127.0.0.1", port, command)
+}
+
+/// Runs `command` over `ssh` with `key` on `host`:`port`: (success, stdout).
+pub fn ssh_to(key: &Path, host: &str, port: u16, command: &str) -> (bool, String) {
     let out = Command::new("ssh")
         .args([
             "-i",
@@ -173,7 +178,7 @@ pub fn ssh(key: &Path, port: u16, command: &str) -> (bool, String) {
             "ConnectTimeout=5",
             "-o",
             "LogLevel=ERROR",
-            "root@127.0.0.1",
+            &format!("root@{host}"),
             command,
         ])
         .output()
@@ -182,6 +187,13 @@ pub fn ssh(key: &Path, port: u16, command: &str) -> (bool, String) {
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
     )
+}
+
+/// The SSH proxy an instance row advertises in `ssh_host`/`ssh_port`.
+pub fn proxy(row: &Value) -> Option<(String, u16)> {
+    let host = row["ssh_host"].as_str()?.to_owned();
+    let port = u16::try_from(row["ssh_port"].as_u64()?).ok()?;
+    Some((host, port))
 }
 
 /// The SSH port an instance row advertises in `ports["22/tcp"]`.
