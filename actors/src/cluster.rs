@@ -255,6 +255,18 @@ impl ClusterHandle {
             .send_message(DriverMsg::Swarm(SwarmMsg::Gone(key, silent)));
     }
 
+    /// Tells the cluster what its rented machines have cost so far, as the
+    /// providers count it now (millionths of a dollar); returns the run's
+    /// spend, which the journal keeps and which never goes down (see
+    /// [`swactor_provisioning::Host::handle_spent`]).
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn record_spent(&self, spent_micros: u64) -> Result<u64, ClusterError> {
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Spent(spent_micros, r)))
+            .await
+    }
+
     /// Pauses reconciling: the cluster goes on folding and showing state,
     /// but dispatches nothing new (no node is created, replaced, scaled away
     /// or advanced) until [`ClusterHandle::resume`]; pending operations

@@ -328,6 +328,9 @@ impl DriverState {
             ClusterMsg::Subscribe(reply) => {
                 let _ = reply.send(self.telemetry.subscribe(&self.host, now));
             }
+            ClusterMsg::Spent(spent, reply) => {
+                let _ = reply.send(self.host.handle_spent(spent));
+            }
             ClusterMsg::WaitConverged(reply) => {
                 let ticket = self.ticket();
                 self.waiting.insert(ticket, Waiting::Converged(reply));
@@ -428,6 +431,13 @@ impl DriverState {
                         self.host.handle_collected(&c.key, Err(e), now);
                     }
                 }
+                Output::Probe { key, lease } => {
+                    let lane = self.host.lane_of(key.attempt) as usize;
+                    if !self.send_to_worker(lane, WorkerMsg::Probe(key.clone(), lease)) {
+                        let e = "no executor could ask the provider".to_owned();
+                        self.host.handle_probed(&key, Err(e), now);
+                    }
+                }
                 Output::Folded(_) => {}
                 Output::Reply(ticket, reply) => {
                     // What happened before the answer is published before
@@ -504,6 +514,10 @@ impl DriverState {
             ExecutorReport::Collected(key, outcome) => {
                 self.host
                     .handle_collected(&key, outcome.map_err(|e| e.to_string()), now);
+            }
+            ExecutorReport::Probed(key, paused) => {
+                self.host
+                    .handle_probed(&key, paused.map_err(|e| e.to_string()), now);
             }
         }
         Ok(())

@@ -345,6 +345,18 @@ pub enum ClusterEvent {
         /// Why, while it holds.
         reason: Option<String>,
     },
+    /// An away agent's machine is paused by its provider (an
+    /// interruptible rental outbid): its node is kept until `wait_until`
+    /// in a group that waits (`on_preempt = "wait"`), else lost at its
+    /// grace's end.
+    Preempted {
+        /// Who.
+        key: ResourceKey,
+        /// When waiting ends, if its group waits.
+        wait_until: Option<Timestamp>,
+        /// The cluster's clock when it was learnt.
+        at: Timestamp,
+    },
 }
 
 /// The actions the next pass would take, in a form that prints well.

@@ -45,7 +45,7 @@ use swactor_engine::ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRe
 use swactor_engine::{Clock, run_until, yield_to_others};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources, Provider, ProviderError};
 use swactor_provisioning::{
-    Dispatch, EffectRequest, FailureClass, OperationId, OperationOutcome, OperationResult,
+    Dispatch, EffectRequest, FailureClass, LeaseId, OperationId, OperationOutcome, OperationResult,
     ResourceKey, RunId,
 };
 
@@ -63,6 +63,8 @@ pub enum WorkerMsg {
     List(RunId),
     /// Destroy what an orphaned key holds (cancel its session, then its lease).
     Collect(ResourceKey, OwnedResources),
+    /// Ask whether an away agent's machine is paused by its provider.
+    Probe(ResourceKey, LeaseId),
     /// Test hook: fail this worker as if a provider call had panicked.
     Crash,
 }
@@ -76,6 +78,8 @@ pub enum ExecutorReport {
     Listed(Result<Inventory, ProviderError>),
     /// An orphan was collected (or not).
     Collected(ResourceKey, Result<(), ProviderError>),
+    /// Whether that machine is paused by its provider.
+    Probed(ResourceKey, Result<bool, ProviderError>),
 }
 
 /// What a worker reports back for one operation.
@@ -270,6 +274,13 @@ impl Actor for ExecutorWorker {
                     .args
                     .driver
                     .send_message(ExecutorReport::Collected(key, outcome));
+            }
+            WorkerMsg::Probe(key, lease) => {
+                let paused = state.args.provider.paused(&key, &lease).await;
+                let _ = state
+                    .args
+                    .driver
+                    .send_message(ExecutorReport::Probed(key, paused));
             }
             WorkerMsg::Crash => return Err("executor worker asked to crash".into()),
         }

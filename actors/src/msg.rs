@@ -47,6 +47,10 @@ pub enum ClusterMsg {
     WaitConverged(RpcReplyPort<Generation>),
     /// Shut the cluster down.
     Shutdown(ShutdownMode, RpcReplyPort<ShutdownReport>),
+    /// What the run's rented machines have cost so far, as the providers
+    /// count it now (millionths of a dollar); the reply is the run's spend
+    /// as the journal keeps it (see [`swactor_provisioning::Host::handle_spent`]).
+    Spent(u64, RpcReplyPort<u64>),
     /// Pause (`true`) or resume (`false`) reconciling; the reply (whether
     /// anything changed) comes once the flag is durable.
     Pause(bool, RpcReplyPort<Result<bool, PauseError>>),

@@ -145,6 +145,19 @@ impl Telemetry {
                         at: now,
                     }
                 }
+                HostEvent::Preempted { key, wait_until } => {
+                    tracing::info!(
+                        target: EVENT_LOG_TARGET,
+                        %key,
+                        waits = wait_until.is_some(),
+                        "its machine is paused by its provider (preempted)"
+                    );
+                    ClusterEvent::Preempted {
+                        key,
+                        wait_until,
+                        at: now,
+                    }
+                }
                 HostEvent::Deaf(gap) => {
                     tracing::info!(
                         target: EVENT_LOG_TARGET,
@@ -258,7 +271,11 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         deployment: host.journal_meta().deployment.clone(),
         foreign: Vec::new(),
         budget: host.journal_meta().shape.as_ref().and_then(|s| s.budget),
-        spend: None,
+        // What the journal holds; the daemon adds what its providers count now.
+        spend: (host.spent_micros() > 0).then(|| swactor_provisioning::budget::Spend {
+            spent_micros: host.spent_micros(),
+            usd_per_hour_micros: 0,
+        }),
         in_flight: host.in_flight_count(),
         paused: host.is_paused(),
         holds: host.holds(),

@@ -240,7 +240,14 @@ impl ControlHandler {
                     }
                     snap.rentals = self.rentals(&snap);
                     snap.foreign = self.provider.foreign();
-                    snap.spend = self.vast.as_ref().map(|v| v.spend(&self.run_id));
+                    snap.spend = self.vast.as_ref().map(|v| {
+                        // Never less than the journal holds (the provider's
+                        // own records may have been lost).
+                        let mut spend = v.spend(&self.run_id);
+                        let journaled = snap.spend.map_or(0, |s| s.spent_micros);
+                        spend.spent_micros = spend.spent_micros.max(journaled);
+                        spend
+                    });
                     ControlResponse::Status(snap)
                 })
                 .map_err(|e| self.refused(&e)),

@@ -1218,7 +1218,13 @@ async fn watch_budget(
             warned = None;
             continue;
         };
-        let spend = vast.spend(&run_id);
+        let mut spend = vast.spend(&run_id);
+        // The journal keeps it, and what it keeps is a floor: a provider
+        // that lost its records does not make the run cheaper.
+        match cluster.record_spent(spend.spent_micros).await {
+            Ok(spent) => spend.spent_micros = spent,
+            Err(_) => return,
+        }
         let line = crate::words::budget_line(Some(&budget), Some(&spend)).unwrap_or_default();
         match verdict(&budget, spend) {
             Verdict::Within { left_ms } => {

@@ -422,6 +422,25 @@ pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
                 }
             )
         ),
+        ClusterEvent::Preempted {
+            key,
+            wait_until: Some(until),
+            at,
+        } => format!(
+            "{} {}: its machine is paused by its provider (preempted); kept while it may \
+             resume, replaced unless back {}",
+            key.node,
+            key.attempt,
+            crate::words::until(*until, *at)
+        ),
+        ClusterEvent::Preempted {
+            key,
+            wait_until: None,
+            ..
+        } => format!(
+            "{} {}: its machine is paused by its provider (preempted)",
+            key.node, key.attempt
+        ),
         ClusterEvent::TeardownStarted { generation } => {
             format!("tearing down (generation {})", generation.0)
         }

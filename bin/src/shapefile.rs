@@ -7,8 +7,8 @@ use std::path::Path;
 use swactor_provisioning::budget::{Budget, OnBudget};
 use swactor_provisioning::{
     BootParams, Capacity, ClusterShape, DesiredState, GROUP_COUNT_MAX, Generation, GroupField,
-    GroupShape, NodeLimits, ParamValue, PolicyShape, ProviderShape, Quantity, RunId, ShapeError,
-    SwarmJoin,
+    GroupShape, NodeLimits, ParamValue, PolicyShape, PreemptChoice, ProviderShape, Quantity, RunId,
+    ShapeError, SwarmJoin,
 };
 use toml::Spanned;
 
@@ -100,6 +100,15 @@ pub(crate) struct GroupFile {
     /// or `"40%"` (default: no limit). Changing it replaces no node.
     #[serde(default)]
     pub(crate) max_unhealthy: Option<Quantity>,
+    /// What becomes of a node whose rented machine the provider paused (an
+    /// interruptible Vast.ai instance that was outbid): `"replace"` (the
+    /// default) or `"wait"`. Changing it replaces no node.
+    #[serde(default)]
+    pub(crate) on_preempt: Option<PreemptChoice>,
+    /// With `on_preempt = "wait"`: seconds a paused machine is waited for
+    /// before its node is replaced (default 600).
+    #[serde(default)]
+    pub(crate) preempt_wait_s: Option<u32>,
 }
 
 /// One host of a pool: `"user@host:port"`, or
@@ -270,6 +279,8 @@ impl ShapeFile {
                     max_unavailable: g.max_unavailable,
                     max_surge: g.max_surge,
                     max_unhealthy: g.max_unhealthy,
+                    on_preempt: g.on_preempt,
+                    preempt_wait_s: g.preempt_wait_s,
                 },
             })
             .collect();
@@ -337,6 +348,26 @@ impl ShapeFile {
                     Some(_) => {}
                     None => spend_cap = Some((cap, cut(g.id.as_str()).to_string())),
                 }
+            }
+        }
+        for g in &self.groups {
+            let interruptible = g.provider == "vast"
+                && g.params.get("rental") == Some(&ParamValue::Str("interruptible".to_owned()));
+            match (g.on_preempt, g.preempt_wait_s) {
+                (Some(PreemptChoice::Wait), _) if !interruptible => bail!(
+                    "group {:?}: on_preempt = \"wait\" is for machines a provider pauses and \
+                     resumes, and only vast's interruptible rentals are (`provider = \"vast\"` \
+                     with `params.rental = \"interruptible\"`); drop it or rent interruptible \
+                     machines; nothing was changed",
+                    cut(&g.id)
+                ),
+                (Some(PreemptChoice::Wait), _) | (_, None) => {}
+                (_, Some(_)) => bail!(
+                    "group {:?}: preempt_wait_s is how long on_preempt = \"wait\" waits, and \
+                     on_preempt is not \"wait\" here; set on_preempt = \"wait\" or drop \
+                     preempt_wait_s; nothing was changed",
+                    cut(&g.id)
+                ),
             }
         }
         if shape.budget.is_some()
@@ -776,6 +807,52 @@ mod tests {
         let json = serde_json::to_string(&plain).unwrap();
         assert!(!json.contains("max_"), "{json}");
         assert_eq!(serde_json::from_str::<ClusterShape>(&json).unwrap(), plain);
+    }
+
+    #[test]
+    fn on_preempt_reaches_the_policy_and_is_refused_where_nothing_is_paused() {
+        let group = |policy: &str, params: &str| {
+            format!(
+                "run = \"r\"\n[[group]]\nid = \"g\"\ncount = 1\nprovider = \"vast\"\n\
+                 image = \"pytorch/pytorch:latest\"\n{policy}\n[group.params]\nmax_dph = 1.0\n{params}"
+            )
+        };
+        let bid = "rental = \"interruptible\"\nbid_dph = 0.5\n";
+        let check = |body: &str| ShapeFile::parse(body, "p.toml").unwrap().check(1);
+        let shape = check(&group("on_preempt = \"wait\"\npreempt_wait_s = 90", bid)).unwrap();
+        let policy = shape.groups[0].policy.resolve();
+        assert_eq!(
+            policy.on_preempt,
+            swactor_provisioning::OnPreempt::Wait { wait_s: 90 }
+        );
+        let json = serde_json::to_string(&shape).unwrap();
+        assert!(json.contains("\"on_preempt\":\"wait\""), "{json}");
+        assert_eq!(serde_json::from_str::<ClusterShape>(&json).unwrap(), shape);
+        let shape = check(&group("on_preempt = \"wait\"", bid)).unwrap();
+        assert_eq!(
+            shape.groups[0].policy.resolve().on_preempt.wait_ms(),
+            Some(600_000)
+        );
+        let shape = check(&group("on_preempt = \"replace\"", "")).unwrap();
+        assert_eq!(
+            shape.groups[0].policy.resolve().on_preempt,
+            swactor_provisioning::OnPreempt::Replace
+        );
+        let e = check(&group("on_preempt = \"wait\"", ""))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("interruptible") && e.contains("nothing was changed"),
+            "{e}"
+        );
+        let e = check(&group("preempt_wait_s = 60", bid))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("on_preempt is not \"wait\""), "{e}");
+        let e = ShapeFile::parse(&group("on_preempt = \"later\"", bid), "p.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("on_preempt") || e.contains("later"), "{e}");
     }
 
     #[test]

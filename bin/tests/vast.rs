@@ -1660,3 +1660,204 @@ fn outbid_nodes_are_replaced_and_never_leave_a_paused_instance_beside_the_new_on
         w.mock.live_instances() == 0
     });
 }
+
+/// Issue 30: `on_preempt = "wait"`. Two nodes rented at a bid; their group
+/// waits 12 s for a paused machine, far past its 2 s grace. One instance
+/// is outbid and its bid wins again 6 s later: its agent is started again
+/// by the instance's own `onstart`, rejoins, and the node keeps its
+/// attempt and its machine (nothing rented). The other is outbid and never
+/// resumes: it is kept for the wait, then destroyed and its node rented
+/// elsewhere, never at its grace's end.
+#[test]
+fn a_waiting_group_keeps_a_paused_node_that_resumes_and_replaces_one_that_does_not() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let w = World::new(offers(8, 0.3));
+    let shape = shape_file(
+        w.root(),
+        "wait.toml",
+        "run = \"gpu\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"vast\"\n\
+         image = \"pytorch/pytorch:latest\"\nboot_check = [\"true\"]\nlost_grace_s = 2\n\
+         endpoint_timeout_s = 60\non_preempt = \"wait\"\npreempt_wait_s = 12\n\
+         [group.params]\ngpu_name = \"RTX_4090\"\nmax_dph = 1.0\n\
+         rental = \"interruptible\"\nbid_dph = 0.5\n",
+    );
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let first = w.ready(&d, 2);
+    let ids: Vec<u64> = w
+        .mock
+        .instances()
+        .into_iter()
+        .filter(|i| !i.destroyed)
+        .map(|i| i.id)
+        .collect();
+    assert_eq!(ids.len(), 2);
+
+    // The first comes back.
+    assert_eq!(w.mock.outbid(Selector::Id(ids[0])), 1);
+    let noticed = Instant::now();
+    while !d.log().contains("paused by its provider") {
+        assert!(
+            noticed.elapsed() < Duration::from_secs(20),
+            "the pause not noticed: {}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(6));
+    let paused = w.mock.instance(ids[0]).expect("the paused instance");
+    assert!(!paused.destroyed, "destroyed while waited for: {}", d.log());
+    assert_eq!(w.mock.creates_total(), 2, "{}", d.log());
+    assert_eq!(w.mock.bid_wins(Selector::Id(ids[0])), 1);
+    let back = w.ready(&d, 2);
+    assert_eq!(
+        first
+            .nodes
+            .iter()
+            .map(|n| (n.node, n.attempt))
+            .collect::<Vec<_>>(),
+        back.nodes
+            .iter()
+            .map(|n| (n.node, n.attempt))
+            .collect::<Vec<_>>(),
+        "no node replaced: {}",
+        d.log()
+    );
+    assert_eq!(w.mock.creates_total(), 2, "{}", d.log());
+
+    // The second does not.
+    let outbid_at = Instant::now();
+    assert_eq!(w.mock.outbid(Selector::Id(ids[1])), 1);
+    wait_for(
+        Duration::from_secs(60),
+        "the paused instance destroyed",
+        || w.mock.instance(ids[1]).is_none_or(|i| i.destroyed),
+    );
+    let waited = outbid_at.elapsed();
+    assert!(
+        waited >= Duration::from_secs(12),
+        "replaced after {waited:?}, before the wait's end: {}",
+        d.log()
+    );
+    w.ready(&d, 2);
+    assert_eq!(w.mock.creates_total(), 3, "{}", d.log());
+    w.assert_one_create_per_label();
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+}
+
+/// Issue 30: `ssh = "proxy"`. The two cheapest offers have no open port:
+/// a group that reaches its machines through the service's SSH proxy rents
+/// them and converges through it (their instances show no direct port), and
+/// `down` leaves nothing.
+#[test]
+fn a_proxy_group_rents_machines_without_open_ports_and_converges_through_the_proxy() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let mut all = offers(4, 0.3);
+    for o in &mut all[..2] {
+        o.extra
+            .insert("direct_port_count".into(), serde_json::json!(0));
+    }
+    let w = World::new(all);
+    let shape = w.shape("proxy.toml", 2, "ssh = \"proxy\"\n");
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    w.ready(&d, 2);
+    let live: Vec<_> = w
+        .mock
+        .instances()
+        .into_iter()
+        .filter(|i| !i.destroyed)
+        .collect();
+    assert_eq!(live.len(), 2);
+    for i in &live {
+        assert!([5000, 5001].contains(&i.offer_id), "{}", i.row);
+        assert!(
+            i.row["ports"].get("22/tcp").is_none(),
+            "no direct port: {}",
+            i.row
+        );
+        assert_eq!(i.row["ssh_host"], "localhost", "{}", i.row);
+    }
+    assert_eq!(w.mock.creates_total(), 2, "{}", d.log());
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+}
+
+/// Issue 30: what a run has spent is kept in its journal. Two nodes at
+/// about 3 $/h, one replaced (its rental ended); the daemon is killed and
+/// the provider's own spend records (`vast/spent.json` and every create
+/// record) are deleted. The restarted daemon adopts the instances by label,
+/// and `status` still shows at least what was spent before (less the last
+/// cent, which the journal may not have been told yet); the provider alone
+/// would say 0.
+#[test]
+fn the_spend_survives_the_provider_losing_its_records() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let w = World::new(offers(6, 3.0));
+    let shape = shape_file(
+        w.root(),
+        "spent.toml",
+        "run = \"gpu\"\nbudget_usd = 100.0\n[[group]]\nid = \"w\"\ncount = 2\n\
+         provider = \"vast\"\nimage = \"pytorch/pytorch:latest\"\nboot_check = [\"true\"]\n\
+         [group.params]\ngpu_name = \"RTX_4090\"\nmax_dph = 5.0\n",
+    );
+    let mut d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    w.ready(&d, 2);
+    let o = cli(&w.state(), &["replace", "w-0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "w-0 replaced", || {
+        status(&w.state()).is_some_and(|s| {
+            s.nodes.iter().filter(|n| n.ready).count() == 2
+                && s.nodes
+                    .iter()
+                    .any(|n| n.node.to_string() == "w-0" && n.attempt.0 > 2)
+        })
+    });
+    let spent = |s: &swactor_actors::ClusterSnapshot| s.spend.map_or(0, |s| s.spent_micros);
+    let mut before = 0;
+    wait_for(Duration::from_secs(60), "5 cents spent", || {
+        before = status(&w.state()).map_or(0, |s| spent(&s));
+        before >= 50_000
+    });
+    // Two budget checks (5 s apart) tell the journal.
+    std::thread::sleep(Duration::from_secs(11));
+    before = status(&w.state()).map_or(0, |s| spent(&s)).max(before);
+    d.kill9();
+    drop(d);
+    let vast = w.state().join("vast");
+    std::fs::remove_file(vast.join("spent.json")).expect("the ended rental's cost was kept");
+    std::fs::remove_dir_all(vast.join("leases")).unwrap();
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let after = w.ready(&d, 2);
+    let after = spent(&after).max(status(&w.state()).map_or(0, |s| spent(&s)));
+    assert!(
+        after + swactor_provisioning::SPENT_RECORD_STEP_MICROS * 2 >= before,
+        "spent {before} µ$ before, {after} µ$ after losing the records: {}",
+        d.last_log()
+    );
+    assert_eq!(w.mock.creates_total(), 3, "{}", d.last_log());
+    let o = cli(&w.state(), &["down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(60), "no live instance", || {
+        w.mock.live_instances() == 0
+    });
+}

@@ -256,6 +256,16 @@ pub trait Provider: Send + Sync + 'static {
         )))
     }
 
+    /// Whether the machine of `lease` is paused by the provider itself, so
+    /// that it may resume with its disk and agent (an interruptible rental
+    /// that another bid outranked). Asked when an agent goes away in a
+    /// group that waits for such machines. Providers whose machines are
+    /// never paused say no.
+    async fn paused(&self, key: &ResourceKey, lease: &LeaseId) -> Result<bool, ProviderError> {
+        let _ = (key, lease);
+        Ok(false)
+    }
+
     /// Resources of the run that another deployment made, as the last
     /// [`Provider::list`] saw them: never adopted, destroyed or reused,
     /// only reported. From what the provider already knows: it must not

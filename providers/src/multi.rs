@@ -144,6 +144,10 @@ impl Provider for Providers {
             .await
     }
 
+    async fn paused(&self, key: &ResourceKey, lease: &LeaseId) -> Result<bool, ProviderError> {
+        self.of_lease(lease)?.paused(key, lease).await
+    }
+
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
         let mut all = Inventory::new();
         for p in &self.all {

@@ -225,10 +225,14 @@ const BAD_MACHINES_FILE: &str = "bad_machines.json";
 /// Where what ended rentals cost is kept, under `{state}/vast`.
 const SPENT_FILE: &str = "spent.json";
 
-/// What the run's ended rentals cost: each instance's price from its
-/// create to its destroy.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+/// What the deployment's ended rentals cost: each instance's price from
+/// its create to its destroy.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct Spent {
+    /// The deployment they were rented for: a new deployment (a new
+    /// journal) starts from nothing.
+    #[serde(default)]
+    deployment: Option<String>,
     /// Dollars, in millionths.
     closed_micros: u64,
     /// How many rentals ended.
@@ -360,15 +364,46 @@ fn session_of(instance: u64, key: &ResourceKey, pid: &str) -> SessionId {
     ))
 }
 
-/// The `onstart` script: puts the daemon's key in root's `authorized_keys`.
+/// Whether the service paused `i` though its owner wants it running: an
+/// interruptible instance outbid by another rental is `stopped` with its
+/// intended status still `running`, and resumes when its bid wins again.
+/// A stop its owner asked for says `stopped` in both.
+fn outbid(i: &Instance) -> bool {
+    let is = |s: &Option<String>, v: &str| s.as_deref().map(str::trim) == Some(v);
+    is(&i.actual_status, "stopped") && is(&i.intended_status, "running")
+}
+
+/// The `onstart` script, run by the service at every start of the
+/// container: puts the daemon's key in root's `authorized_keys`, then
+/// starts again the agent a stop ended (a paused interruptible instance
+/// that resumed, a reboot), from the wrapper the daemon left, unless the
+/// daemon cancelled it or it ended by itself. At the first start there is
+/// no wrapper yet and nothing is started.
 fn onstart(public_key: &str) -> String {
     let line = crate::ssh::quote(public_key.trim());
+    let root = remote::ROOT;
     format!(
         "mkdir -p ~/.ssh && chmod 700 ~/.ssh && touch ~/.ssh/authorized_keys && \
          (grep -qxF {line} ~/.ssh/authorized_keys || printf '%s\\n' {line} >> ~/.ssh/authorized_keys) && \
-         chmod 600 ~/.ssh/authorized_keys"
+         chmod 600 ~/.ssh/authorized_keys; \
+         for w in \"$HOME\"/{root}/nodes/*/*/run.sh; do \
+         d=$(dirname \"$w\"); \
+         [ -f \"$w\" ] && [ -f \"$d/{RESUME_CREDENTIALS}\" ] && [ ! -e \"$d/{CANCELLED}\" ] \
+         && [ ! -e \"$d/exit_status\" ] || continue; \
+         (cd \"$d\" && umask 077 && cp -p {RESUME_CREDENTIALS} agent.credentials && rm -f agent.pid \
+         && setsid ./run.sh > /dev/null 2>&1 < /dev/null &); \
+         done; true"
     )
 }
+
+/// A file in an attempt's directory that says the daemon stopped its
+/// agent: a restarted container does not start it again.
+const CANCELLED: &str = "cancelled";
+
+/// A copy of the agent's credentials (owner-only, in root's home of the
+/// instance, gone with the instance) that a restarted container's agent
+/// starts from: the agent takes its own file away when it starts.
+const RESUME_CREDENTIALS: &str = "resume.credentials";
 
 /// Why the access check failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -403,8 +438,12 @@ impl VastProvider {
         let bad_machines = read_bad_machines(&dir.join(BAD_MACHINES_FILE));
         let spent = std::fs::read(dir.join(SPENT_FILE))
             .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_default();
+            .and_then(|b| serde_json::from_slice::<Spent>(&b).ok())
+            .filter(|s| s.deployment == config.deployment)
+            .unwrap_or_else(|| Spent {
+                deployment: config.deployment.clone(),
+                ..Spent::default()
+            });
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
@@ -936,7 +975,7 @@ impl VastProvider {
             "disk": params.disk_gb,
             "label": label,
             "onstart": onstart(&self.shared.identity.public_openssh()),
-            "runtype": "ssh_direct",
+            "runtype": params.ssh.runtype(),
             "env": env,
             "cancel_unavail": true,
         });
@@ -1380,7 +1419,11 @@ impl Provider for VastProvider {
             .run(
                 id,
                 &target,
-                &remote::write_credentials(&dir),
+                &format!(
+                    "{} && cp -p {d}/agent.credentials {d}/{RESUME_CREDENTIALS}",
+                    remote::write_credentials(&dir),
+                    d = crate::ssh::quote(&dir)
+                ),
                 Some(credentials.to_text().as_bytes()),
             )
             .await?;
@@ -1438,7 +1481,11 @@ impl Provider for VastProvider {
             .run(
                 id,
                 &target,
-                &remote::stop_agent(&remote::node_dir(key), grace),
+                &format!(
+                    "touch {}/{CANCELLED} 2>/dev/null; {}",
+                    crate::ssh::quote(&remote::node_dir(key)),
+                    remote::stop_agent(&remote::node_dir(key), grace)
+                ),
                 None,
             )
             .await?;
@@ -1482,6 +1529,19 @@ impl Provider for VastProvider {
         lock(&self.shared.shown).remove(key);
         tracing::info!(%key, instance = id, "destroyed an instance");
         Ok(())
+    }
+
+    async fn paused(&self, key: &ResourceKey, lease: &LeaseId) -> Result<bool, ProviderError> {
+        let id = instance_of(lease)?;
+        let shown = self
+            .show(id)
+            .await
+            .map_err(|e| read_failed(&format!("showing instance {id}"), &e))?;
+        let paused = shown.as_ref().is_some_and(outbid);
+        if paused {
+            tracing::info!(%key, instance = id, "the instance is paused by the service (outbid)");
+        }
+        Ok(paused)
     }
 
     fn foreign(&self) -> Vec<crate::ForeignResource> {
@@ -1636,5 +1696,60 @@ mod tests {
         assert!(s.contains("'ssh-ed25519 AAAA swactor'"));
         assert!(s.contains("grep -qxF"));
         assert!(s.contains("chmod 600 ~/.ssh/authorized_keys"));
+    }
+
+    /// Run the way the service runs it at a container's start: the first
+    /// time it only adds the key; once a wrapper is there it starts it
+    /// again, unless the attempt was cancelled or ended by itself.
+    #[test]
+    fn the_onstart_script_starts_a_stopped_agent_again() {
+        let home = tempfile::tempdir().unwrap();
+        let run = |s: &str| {
+            let out = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(s)
+                .env("HOME", home.path())
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+        };
+        let s = onstart("ssh-ed25519 AAAA swactor");
+        run(&s);
+        let keys = std::fs::read_to_string(home.path().join(".ssh/authorized_keys")).unwrap();
+        assert_eq!(keys, "ssh-ed25519 AAAA swactor\n");
+        let dirs: Vec<_> = ["r/w-0-1", "r/w-1-1", "r/w-2-1"]
+            .iter()
+            .map(|d| home.path().join(remote::ROOT).join("nodes").join(d))
+            .collect();
+        for d in &dirs {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join(RESUME_CREDENTIALS), "creds").unwrap();
+            let wrapper = "#!/bin/sh\ncd \"$(dirname \"$0\")\" || exit 1\necho $$ > agent.pid\necho started > started\n";
+            std::fs::write(d.join("run.sh"), wrapper).unwrap();
+            std::fs::set_permissions(
+                d.join("run.sh"),
+                std::os::unix::fs::PermissionsExt::from_mode(0o700),
+            )
+            .unwrap();
+        }
+        std::fs::write(dirs[1].join(CANCELLED), "").unwrap();
+        std::fs::write(dirs[2].join("exit_status"), "0\n").unwrap();
+        run(&s);
+        let started = |d: &std::path::Path| {
+            (0..50).any(|_| {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                d.join("started").exists()
+            })
+        };
+        assert!(started(&dirs[0]), "the stopped agent is started again");
+        assert_eq!(
+            std::fs::read_to_string(dirs[0].join("agent.credentials")).unwrap(),
+            "creds",
+            "with its credentials"
+        );
+        assert!(!started(&dirs[1]), "a cancelled one is not");
+        assert!(!dirs[2].join("started").exists(), "one that ended is not");
+        let keys = std::fs::read_to_string(home.path().join(".ssh/authorized_keys")).unwrap();
+        assert_eq!(keys, "ssh-ed25519 AAAA swactor\n", "the key is added once");
     }
 }

@@ -33,6 +33,9 @@
 //!    - [`Output::Collect`]: destroy what an orphaned key holds (cancel its
 //!      session, then destroy its lease) and report with
 //!      [`Host::handle_collected`].
+//!    - [`Output::Probe`]: ask the provider whether an away agent's machine
+//!      is paused by the provider and report with [`Host::handle_probed`]
+//!      (not answering only costs the wait: the node is lost at its grace).
 //!    - [`Output::Reply`]: answer the caller who holds that [`Ticket`].
 //!    - [`Output::Folded`]: an input the host fed to the core itself (a join,
 //!      an early observation, a lost agent, an operation of a crashed
@@ -384,7 +387,22 @@ pub struct JournalMeta {
     /// resources carry no deployment).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deployment: Option<String>,
+    /// Dollars (in millionths) this deployment's rented machines had cost
+    /// when last recorded ([`Host::handle_spent`]): a floor for what it has
+    /// spent that outlives the provider's own records. 0 in journals
+    /// written before it existed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub spent_micros: u64,
 }
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The least rise in what a run has spent that is written to its journal
+/// (a cent): a price runs on continuously, and a write per reading would
+/// be a write every few seconds for nothing.
+pub const SPENT_RECORD_STEP_MICROS: u64 = 10_000;
 
 /// Which attempt a slot holds, which template it was made from, and whether
 /// its lease was ever seen created.
@@ -473,6 +491,7 @@ impl JournalImage {
                 paused: false,
                 retired: Vec::new(),
                 deployment: None,
+                spent_micros: 0,
             },
             slots: NodeTable::new(),
         }
@@ -682,6 +701,17 @@ pub enum Output {
     Pass(Pass),
     /// Destroy an orphan's resources.
     Collect(CollectRequest),
+    /// Ask the provider whether the machine of this attempt, whose agent
+    /// went away, was paused by the provider itself (an interruptible
+    /// rental that was outbid); call [`Host::handle_probed`] with the
+    /// answer. Asked only for a group that waits for paused machines
+    /// ([`OnPreempt::Wait`](crate::OnPreempt::Wait)).
+    Probe {
+        /// The attempt.
+        key: ResourceKey,
+        /// Its machine.
+        lease: LeaseId,
+    },
     /// A fold the host made itself; nothing to do.
     Folded(HostFold),
     /// Answer a ticket.
@@ -734,6 +764,15 @@ pub enum HostEvent {
         key: ResourceKey,
         /// When its grace ends.
         grace_until: Timestamp,
+    },
+    /// The provider paused an away agent's machine (see [`Output::Probe`]):
+    /// its node is kept until `wait_until`, or lost at its grace's end as
+    /// usual when its group replaces paused machines (`None`).
+    Preempted {
+        /// The agent.
+        key: ResourceKey,
+        /// When waiting for the machine ends.
+        wait_until: Option<Timestamp>,
     },
     /// A node changed.
     NodeChanged(LogicalNodeId),
@@ -860,6 +899,11 @@ pub const REPLACED_BY_OPERATOR: &str = "replaced by the operator";
 /// The reason an attempt fails when its joined agent stayed away past its
 /// grace (counted only while the host was listening).
 pub const AWAY_PAST_GRACE: &str = "its agent stayed away past its grace";
+
+/// Why a node is failed whose machine its provider paused and did not
+/// resume within its group's `preempt_wait_s` (nor its agent's grace).
+pub const PAUSED_PAST_WAIT: &str =
+    "its machine was paused by its provider (preempted) and did not resume in time";
 
 /// Why a host could not be built.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -1061,6 +1105,9 @@ pub struct Host<C: Reconciler> {
     history: NodeTable<Attempts>,
     /// Away agents whose grace ended while their group's breaker was tripped.
     held_lost: BTreeSet<LogicalNodeId>,
+    /// Attempts whose machine the provider was found to have paused, and
+    /// since when; forgotten when the agent is back or the attempt ends.
+    preempted: BTreeMap<LogicalNodeId, (NodeAttemptId, Timestamp)>,
     /// What each group holds back, as last announced.
     holds: BTreeMap<(GroupId, HoldKind), String>,
     /// No group's breaker was tripped when last told to the core.
@@ -1072,6 +1119,9 @@ pub struct Host<C: Reconciler> {
     deaf: Option<DeafGap>,
     /// Starved time reported in all ([`Host::handle_starved`]).
     starved_ms: u64,
+    /// The most the run was said to have spent ([`Host::handle_spent`]);
+    /// the journal holds it once it is a cent past what it holds.
+    spent_micros: u64,
 }
 
 impl<C: Reconciler> Host<C> {
@@ -1145,6 +1195,8 @@ impl<C: Reconciler> Host<C> {
             digests: Vec::new(),
             history: NodeTable::new(),
             held_lost: BTreeSet::new(),
+            preempted: BTreeMap::new(),
+            spent_micros: 0,
             holds: BTreeMap::new(),
             tripped_none: true,
             last_input: None,
@@ -1925,6 +1977,99 @@ impl<C: Reconciler> Host<C> {
             let last_heard = Timestamp::from_millis(now.as_millis().saturating_sub(silent_ms));
             let since = last_heard.max(self.listening_since());
             self.start_grace(&key.node, key.attempt, since, 0);
+        }
+    }
+
+    /// What the run's rented machines have cost so far, as its providers
+    /// count it now (`spent_micros`, millionths of a dollar). The larger of
+    /// that and what the journal holds is the run's spend
+    /// ([`Host::spent_micros`]), so a provider that lost its own records
+    /// (a state file deleted, rentals adopted without their create) never
+    /// makes the run look cheaper than it was. It is written to the journal
+    /// once it has risen [`SPENT_RECORD_STEP_MICROS`] past what the journal
+    /// holds. Returns the run's spend.
+    pub fn handle_spent(&mut self, spent_micros: u64) -> u64 {
+        self.spent_micros = self.spent_micros.max(spent_micros);
+        if self.spent_micros
+            >= self
+                .meta
+                .spent_micros
+                .saturating_add(SPENT_RECORD_STEP_MICROS)
+        {
+            self.meta.spent_micros = self.spent_micros;
+            self.meta_dirty = true;
+        }
+        self.spent_micros()
+    }
+
+    /// What the run has spent as far as this host knows: the most it was
+    /// told ([`Host::handle_spent`]) or its journal holds.
+    pub fn spent_micros(&self) -> u64 {
+        self.spent_micros.max(self.meta.spent_micros)
+    }
+
+    /// The provider's answer to [`Output::Probe`]: whether the machine of
+    /// `key`'s attempt is paused by the provider (`Ok(true)`), and so may
+    /// resume. A paused machine of a group that waits keeps its node until
+    /// the wait, counted from `now`, ends (or its agent's grace, if later);
+    /// an agent back before then keeps the node as any rejoin does. An
+    /// answer for an attempt that is no longer away is noted for when it
+    /// is; an error keeps the grace as it is, and says so.
+    pub fn handle_probed(
+        &mut self,
+        key: &ResourceKey,
+        paused: Result<bool, String>,
+        now: Timestamp,
+    ) {
+        self.heard(now);
+        let Some(n) = self.core.state().nodes.get(&key.node) else {
+            return;
+        };
+        if n.attempt != key.attempt || n.intent != Intent::Active {
+            return;
+        }
+        match paused {
+            Err(e) => {
+                self.events.push_back(HostEvent::Warning(format!(
+                    "could not learn whether {key}'s machine was paused by its provider: {e}; \
+                     it is lost at its grace's end"
+                )));
+            }
+            Ok(false) => {
+                if self
+                    .preempted
+                    .get(&key.node)
+                    .is_some_and(|(a, _)| *a == key.attempt)
+                {
+                    self.preempted.remove(&key.node);
+                }
+            }
+            Ok(true) => {
+                let since = match self.preempted.get(&key.node) {
+                    Some((a, since)) if *a == key.attempt => *since,
+                    _ => now,
+                };
+                self.preempted.insert(key.node, (key.attempt, since));
+                let wait_until = self.preempt_until(&key.node, key.attempt);
+                if let (Some(paused), Some(Link::Away { attempt, until })) =
+                    (wait_until, self.links.get(&key.node).copied())
+                    && attempt == key.attempt
+                    && !self.held_lost.contains(&key.node)
+                    && paused > until
+                {
+                    self.set_link(
+                        &key.node,
+                        Link::Away {
+                            attempt,
+                            until: paused,
+                        },
+                    );
+                }
+                self.events.push_back(HostEvent::Preempted {
+                    key: key.clone(),
+                    wait_until,
+                });
+            }
         }
     }
 
@@ -2718,8 +2863,14 @@ impl<C: Reconciler> Host<C> {
 
     fn set_link(&mut self, node: &LogicalNodeId, link: Link) {
         self.clear_link(node);
-        if let Link::Away { until, .. } = link {
-            self.graces.insert((until, *node));
+        match link {
+            Link::Away { until, .. } => {
+                self.graces.insert((until, *node));
+            }
+            Link::Connected(_) => {
+                // Back: whatever paused its machine is over.
+                self.preempted.remove(node);
+            }
         }
         self.links.insert(*node, link);
     }
@@ -2729,6 +2880,23 @@ impl<C: Reconciler> Host<C> {
             self.graces.remove(&(until, *node));
             self.held_lost.remove(node);
         }
+    }
+
+    /// How long `node`'s group waits for a machine its provider paused
+    /// (`None`: it does not).
+    fn preempt_wait_ms(&self, node: &LogicalNodeId) -> Option<u64> {
+        self.core
+            .desired()
+            .group(&node.group)
+            .and_then(|g| g.policy.on_preempt.wait_ms())
+    }
+
+    /// The end of the wait for `node`'s paused machine, if this attempt's
+    /// machine was found paused and its group waits.
+    fn preempt_until(&self, node: &LogicalNodeId, attempt: NodeAttemptId) -> Option<Timestamp> {
+        let (a, since) = self.preempted.get(node).copied()?;
+        (a == attempt).then_some(())?;
+        Some(since.saturating_add_ms(self.preempt_wait_ms(node)?))
     }
 
     fn start_grace(
@@ -2745,14 +2913,28 @@ impl<C: Reconciler> Host<C> {
             return;
         }
         let grace = n.template.join.lost_grace_ms().max(at_least_ms);
-        let until = now.saturating_add_ms(grace);
+        let lease = n.record.lease.clone();
+        let mut until = now.saturating_add_ms(grace);
+        if let Some(paused) = self.preempt_until(node, attempt) {
+            until = until.max(paused);
+        }
         self.set_link(node, Link::Away { attempt, until });
+        let key = ResourceKey {
+            run_id: self.meta.run_id.clone(),
+            node: *node,
+            attempt,
+        };
+        if let Some(lease) = lease
+            && self.preempt_wait_ms(node).is_some()
+        {
+            // Whether its machine was paused decides how long it is kept.
+            self.outputs.push_back(Output::Probe {
+                key: key.clone(),
+                lease,
+            });
+        }
         self.events.push_back(HostEvent::AgentDisconnected {
-            key: ResourceKey {
-                run_id: self.meta.run_id.clone(),
-                node: *node,
-                attempt,
-            },
+            key,
             grace_until: until,
         });
     }
@@ -2778,7 +2960,10 @@ impl<C: Reconciler> Host<C> {
             let Some(Link::Away { attempt, .. }) = self.links.remove(&node) else {
                 continue;
             };
-            let reason = AWAY_PAST_GRACE.to_owned();
+            let reason = match self.preempted.remove(&node) {
+                Some((a, _)) if a == attempt => PAUSED_PAST_WAIT.to_owned(),
+                _ => AWAY_PAST_GRACE.to_owned(),
+            };
             self.todo.push_back(Todo::AgentLost(node, attempt, reason));
         }
     }

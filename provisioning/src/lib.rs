@@ -59,8 +59,9 @@ pub use host::{
     AWAY_PAST_GRACE, ApplyError, AttemptRecord, Capacity, CollectRequest, DEPARTED_HISTORY_MAX,
     DeafGap, EARLY_OBSERVATIONS_MAX, GroupHold, HeldBy, HoldKind, Host, HostConfig, HostError,
     HostEvent, HostFold, JOURNAL_FORMAT, JoinRefused, JournalDelta, JournalImage, JournalMeta,
-    Link, Listed, Liveness, NextStep, Output, PauseError, REPLACED_BY_OPERATOR, ReplaceError,
-    Reply, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
+    Link, Listed, Liveness, NextStep, Output, PAUSED_PAST_WAIT, PauseError, REPLACED_BY_OPERATOR,
+    ReplaceError, Reply, SPENT_RECORD_STEP_MICROS, ShutdownMode, ShutdownReport, SlotRecord,
+    Ticket,
 };
 pub use id::{
     GROUP_NAMES_MAX, Generation, GroupId, ID_LEN_MAX, IdError, IdString, LeaseId, LogicalNodeId,
@@ -72,11 +73,11 @@ pub use observe::{
     BOOT_CHECK_REPORT_MARGIN_MS, BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass,
     Folded, OperationOutcome, OperationResult, stall_during_boot_check_ms,
 };
-pub use rollout::{Breaker, GroupPolicy, PERCENT_MAX, Quantity};
+pub use rollout::{Breaker, GroupPolicy, OnPreempt, PERCENT_MAX, Quantity};
 pub use shape::{
     BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupField,
-    GroupShape, LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, PolicyShape, ProviderShape,
-    SHAPE_NODES_MAX, ShapeError, SwarmJoin, same_template,
+    GroupShape, LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, PolicyShape, PreemptChoice,
+    ProviderShape, SHAPE_NODES_MAX, ShapeError, SwarmJoin, same_template,
 };
 pub use state::{
     AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord,

@@ -123,6 +123,10 @@ pub struct GroupPolicy {
     /// or their agent disconnected), lost nodes are not replaced until the
     /// group recovers; `None` for no limit (the default).
     pub max_unhealthy: Option<Quantity>,
+    /// What becomes of a node whose machine the provider paused (an
+    /// interruptible rental that was outbid). Default: replaced, as any
+    /// node whose agent stays away.
+    pub on_preempt: OnPreempt,
 }
 
 impl Default for GroupPolicy {
@@ -131,6 +135,37 @@ impl Default for GroupPolicy {
             max_unavailable: Quantity::Count(1),
             max_surge: Quantity::Count(0),
             max_unhealthy: None,
+            on_preempt: OnPreempt::Replace,
+        }
+    }
+}
+
+/// What a group does with a node whose machine its provider paused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum OnPreempt {
+    /// The node is lost like any node whose agent stays away past its
+    /// grace: its paused machine is destroyed and another one made.
+    Replace,
+    /// The node keeps its machine for up to this many seconds from when
+    /// the pause was seen (its agent's grace, if longer): a machine that
+    /// resumes in time brings its agent back and nothing is replaced.
+    Wait {
+        /// Seconds to wait.
+        wait_s: u32,
+    },
+}
+
+impl OnPreempt {
+    /// The wait default for `on_preempt = "wait"` without
+    /// `preempt_wait_s`: ten minutes.
+    pub const WAIT_DEFAULT_S: u32 = 600;
+
+    /// How long a paused machine is waited for, in milliseconds; `None`
+    /// when it is not.
+    pub fn wait_ms(self) -> Option<u64> {
+        match self {
+            Self::Replace => None,
+            Self::Wait { wait_s } => Some(u64::from(wait_s) * 1000),
         }
     }
 }
@@ -209,6 +244,7 @@ mod tests {
             max_unavailable: u,
             max_surge: s,
             max_unhealthy: None,
+            on_preempt: OnPreempt::Replace,
         };
         let q = p(Quantity::Percent(25), Quantity::Percent(25));
         assert_eq!(q.max_unavailable_of(10), 2);

@@ -1,7 +1,7 @@
 //! Desired state: the declared cluster shape, its validation and its expansion into slots.
 
 use crate::id::{Generation, GroupId, IdError, LogicalNodeId, RunId, validate_id};
-use crate::rollout::{GroupPolicy, PERCENT_MAX, Quantity};
+use crate::rollout::{GroupPolicy, OnPreempt, PERCENT_MAX, Quantity};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -80,6 +80,24 @@ pub struct PolicyShape {
     /// (default: no limit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_unhealthy: Option<Quantity>,
+    /// What a node whose machine the provider paused becomes (default:
+    /// replaced).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_preempt: Option<PreemptChoice>,
+    /// With [`PreemptChoice::Wait`], seconds a paused machine is waited for
+    /// (default [`OnPreempt::WAIT_DEFAULT_S`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preempt_wait_s: Option<u32>,
+}
+
+/// `on_preempt` as written in a shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PreemptChoice {
+    /// Replace the node (the default).
+    Replace,
+    /// Wait for the machine to resume, up to `preempt_wait_s`.
+    Wait,
 }
 
 impl PolicyShape {
@@ -90,6 +108,12 @@ impl PolicyShape {
             max_unavailable: self.max_unavailable.unwrap_or(d.max_unavailable),
             max_surge: self.max_surge.unwrap_or(d.max_surge),
             max_unhealthy: self.max_unhealthy,
+            on_preempt: match self.on_preempt {
+                Some(PreemptChoice::Wait) => OnPreempt::Wait {
+                    wait_s: self.preempt_wait_s.unwrap_or(OnPreempt::WAIT_DEFAULT_S),
+                },
+                Some(PreemptChoice::Replace) | None => OnPreempt::Replace,
+            },
         }
     }
 }

@@ -33,7 +33,11 @@ fn pump(
                 }
                 Output::List => h.handle_inventory(Ok(listed.to_vec()), now),
                 Output::Pass(pass) => round.extend(pass.dispatches),
-                Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
+                Output::Collect(_)
+                | Output::Probe { .. }
+                | Output::Folded(_)
+                | Output::Reply(..)
+                | Output::Stop => {}
             }
         }
         if round.is_empty() {

@@ -258,6 +258,8 @@ fn replacement_reason(last_error: Option<&str>) -> &'static str {
     };
     if error.contains(swactor_provisioning::REPLACED_BY_OPERATOR) {
         "operator"
+    } else if error.contains(swactor_provisioning::PAUSED_PAST_WAIT) {
+        "preempted"
     } else if error.contains("agent") {
         "agent_lost"
     } else if error.contains("timed out") || error.contains("deadline") || error.contains("within")
@@ -650,6 +652,13 @@ impl Provider for Metered {
         }
         let r = self.inner.list(run_id).await;
         self.record("list", started, &r);
+        r
+    }
+
+    async fn paused(&self, key: &ResourceKey, lease: &LeaseId) -> Result<bool, ProviderError> {
+        let started = Instant::now();
+        let r = self.inner.paused(key, lease).await;
+        self.record("paused", started, &r);
         r
     }
 

@@ -47,7 +47,49 @@ pub const KNOWN_PARAMS: &[&str] = &[
     "template_hash",
     "rental",
     "bid_dph",
+    "ssh",
 ];
+
+/// How the daemon reaches a group's machines over SSH (`ssh = "direct" | "proxy"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SshMode {
+    /// The machine's public address and the host port mapped to the
+    /// container's 22: only machines with open ports (`direct_port_count`)
+    /// are rented, and only that endpoint is used. The default.
+    Direct,
+    /// The service's SSH proxy (`ssh_host`/`ssh_port`), which every
+    /// instance has: machines without open ports are rented too. Every
+    /// byte goes through the service's proxy host, a hop the service runs
+    /// and may throttle.
+    Proxy,
+}
+
+impl SshMode {
+    /// The create's `runtype` that asks for this kind of SSH, as the
+    /// official client sends it (`--ssh --direct`, `--ssh`).
+    pub(crate) fn runtype(self) -> &'static str {
+        match self {
+            SshMode::Direct => "ssh_direc ssh_proxy",
+            SshMode::Proxy => "ssh_proxy",
+        }
+    }
+
+    /// The mode an instance was created with, read from its
+    /// `image_runtype`: direct when it names `ssh_direc` (or the older
+    /// `ssh_direct`), proxy when it names `ssh_proxy` alone; `None` when it
+    /// names neither (a template's, or a row without the field).
+    pub(crate) fn of_row(v: &Value) -> Option<Self> {
+        let runtype = v.get("image_runtype").and_then(Value::as_str)?;
+        let words = || runtype.split_whitespace();
+        if words().any(|w| w == "ssh_direc" || w == "ssh_direct") {
+            Some(SshMode::Direct)
+        } else if words().any(|w| w == "ssh_proxy") {
+            Some(SshMode::Proxy)
+        } else {
+            None
+        }
+    }
+}
 
 /// A group's offer query and limits, read from its template.
 #[derive(Clone, Debug, PartialEq)]
@@ -86,6 +128,9 @@ pub(crate) struct GroupParams {
     /// the price bid per machine and hour, storage aside. Another rental
     /// that bids more (or rents on demand) pauses the instance.
     pub(crate) bid_dph: Option<f64>,
+    /// How the daemon reaches the machines: directly (machines with open
+    /// ports only) or through the service's SSH proxy.
+    pub(crate) ssh: SshMode,
 }
 
 fn number(name: &str, v: &ParamValue) -> Result<f64, String> {
@@ -255,6 +300,17 @@ impl GroupParams {
                 ));
             }
         };
+        let ssh = match params.get("ssh") {
+            None => SshMode::Direct,
+            Some(ParamValue::Str(m)) if m == "direct" => SshMode::Direct,
+            Some(ParamValue::Str(m)) if m == "proxy" => SshMode::Proxy,
+            Some(other) => {
+                return Err(format!(
+                    "`ssh` is \"direct\" (the default: machines with open ports, reached on them) \
+                     or \"proxy\" (any machine, reached through the service's SSH proxy), not {other}"
+                ));
+            }
+        };
         if bid_dph.is_none() && params.contains_key("bid_dph") {
             return Err("`bid_dph` is for `rental = \"interruptible\"` only".to_owned());
         }
@@ -281,6 +337,7 @@ impl GroupParams {
             min_duration_h,
             template_hash,
             bid_dph,
+            ssh,
         })
     }
 
@@ -310,10 +367,10 @@ impl GroupParams {
     /// The body of `POST /bundles/`: rentable on-demand offers that fit,
     /// cheapest first. Prices are asked for with the group's disk
     /// (`allocated_storage`), so `dph_total` holds the storage the rental
-    /// pays for, and `max_dph` and the spend cap count it. Only machines
-    /// with open ports (`direct_port_count`): the daemon reaches its agents
-    /// over direct SSH, and a machine without one may never serve it while
-    /// it bills.
+    /// pays for, and `max_dph` and the spend cap count it. With direct SSH
+    /// (the default), only machines with open ports (`direct_port_count`):
+    /// a machine without one could never serve the daemon while it bills.
+    /// Through the proxy, any machine: every instance has a proxy endpoint.
     pub(crate) fn offer_query(&self) -> Value {
         let mut q = json!({
             "rentable": {"eq": true},
@@ -321,12 +378,14 @@ impl GroupParams {
             "num_gpus": {"eq": self.num_gpus},
             "dph_total": {"lte": self.max_dph},
             "disk_space": {"gte": self.disk_gb},
-            "direct_port_count": {"gte": 1},
             "allocated_storage": self.disk_gb,
             "order": [["dph_total", "asc"]],
             "type": "on-demand",
             "limit": OFFERS_LIMIT,
         });
+        if self.ssh == SshMode::Direct {
+            q["direct_port_count"] = json!({"gte": 1});
+        }
         if self.bid_dph.is_some() {
             // Offers priced at their minimum bid; those this bid cannot win
             // are left out once listed (see [`Self::can_win`]).
@@ -393,7 +452,10 @@ impl GroupParams {
         if let Some(h) = self.min_duration_h {
             parts.push(format!("rentable for ≥ {h} h"));
         }
-        parts.push("with open ports".to_owned());
+        parts.push(match self.ssh {
+            SshMode::Direct => "with open ports".to_owned(),
+            SshMode::Proxy => "reached through the SSH proxy".to_owned(),
+        });
         if !self.external {
             parts.push("not external".to_owned());
         }
@@ -557,7 +619,9 @@ pub(crate) struct Instance {
     pub(crate) label: Option<String>,
     /// The service's last word on it.
     pub(crate) status_msg: Option<String>,
-    /// The SSH endpoint, once it has one.
+    /// The SSH endpoint, once it has one: the one its `image_runtype`
+    /// asks for (see [`SshMode::of_row`] and [`ssh_endpoint_for`]), else
+    /// the direct port, else the proxy ([`ssh_endpoint`]).
     pub(crate) ssh: Option<(String, u16)>,
     /// The machine it runs on.
     pub(crate) machine_id: Option<u64>,
@@ -568,22 +632,38 @@ pub(crate) struct Instance {
 /// The SSH endpoint of an instance: the machine's public address with the
 /// port mapped to the container's 22, else the service's SSH proxy.
 pub(crate) fn ssh_endpoint(v: &Value) -> Option<(String, u16)> {
-    let direct = (|| {
-        let ip = v.get("public_ipaddr").and_then(as_str)?.trim();
-        let port = v
-            .get("ports")?
-            .get("22/tcp")?
-            .as_array()?
-            .first()?
-            .get("HostPort")?;
-        let port = u16::try_from(as_u64(port)?).ok()?;
-        (!ip.is_empty() && port != 0).then(|| (ip.to_owned(), port))
-    })();
-    direct.or_else(|| {
-        let host = v.get("ssh_host").and_then(as_str)?.trim();
-        let port = u16::try_from(as_u64(v.get("ssh_port")?)?).ok()?;
-        (!host.is_empty() && port != 0).then(|| (host.to_owned(), port))
-    })
+    direct_endpoint(v).or_else(|| proxy_endpoint(v))
+}
+
+/// The SSH endpoint of an instance for `mode`, and no other: the direct
+/// one ([`direct_endpoint`]) or the proxy ([`proxy_endpoint`]).
+pub(crate) fn ssh_endpoint_for(v: &Value, mode: SshMode) -> Option<(String, u16)> {
+    match mode {
+        SshMode::Direct => direct_endpoint(v),
+        SshMode::Proxy => proxy_endpoint(v),
+    }
+}
+
+/// The machine's public address and the host port mapped to the
+/// container's 22 (`ports["22/tcp"]`), which only a machine with open
+/// ports has.
+pub(crate) fn direct_endpoint(v: &Value) -> Option<(String, u16)> {
+    let ip = v.get("public_ipaddr").and_then(as_str)?.trim();
+    let port = v
+        .get("ports")?
+        .get("22/tcp")?
+        .as_array()?
+        .first()?
+        .get("HostPort")?;
+    let port = u16::try_from(as_u64(port)?).ok()?;
+    (!ip.is_empty() && port != 0).then(|| (ip.to_owned(), port))
+}
+
+/// The service's SSH proxy for the instance (`ssh_host`/`ssh_port`).
+pub(crate) fn proxy_endpoint(v: &Value) -> Option<(String, u16)> {
+    let host = v.get("ssh_host").and_then(as_str)?.trim();
+    let port = u16::try_from(as_u64(v.get("ssh_port")?)?).ok()?;
+    (!host.is_empty() && port != 0).then(|| (host.to_owned(), port))
 }
 
 /// One instance from its JSON object; `None` without an id.
@@ -595,7 +675,10 @@ pub(crate) fn parse_instance(v: &Value) -> Option<Instance> {
         intended_status: s("intended_status"),
         label: s("label"),
         status_msg: s("status_msg"),
-        ssh: ssh_endpoint(v),
+        ssh: match SshMode::of_row(v) {
+            Some(mode) => ssh_endpoint_for(v, mode),
+            None => ssh_endpoint(v),
+        },
         machine_id: v.get("machine_id").and_then(as_u64),
         dph_total: v.get("dph_total").and_then(as_f64),
     })
@@ -1153,6 +1236,90 @@ mod tests {
         assert_eq!(ssh_endpoint(&numeric), Some(("127.0.0.1".into(), 2222)));
         assert_eq!(ssh_endpoint(&json!({"ports": {}, "ssh_port": "x"})), None);
         assert_eq!(ssh_endpoint(&json!({"ssh_host": "h", "ssh_port": 0})), None);
+    }
+
+    #[test]
+    fn the_ssh_endpoint_follows_the_runtype_the_instance_was_created_with() {
+        let both = |runtype: Value| {
+            json!({"id": 1, "image_runtype": runtype, "public_ipaddr": "203.0.113.5",
+                   "ports": {"22/tcp": [{"HostIp": "0.0.0.0", "HostPort": "20000"}]},
+                   "ssh_host": "ssh4.vast.ai", "ssh_port": 31000})
+        };
+        let direct = Some(("203.0.113.5".to_owned(), 20000));
+        let proxy = Some(("ssh4.vast.ai".to_owned(), 31000));
+        assert_eq!(instance(both(json!("ssh_direc ssh_proxy"))).ssh, direct);
+        assert_eq!(instance(both(json!("ssh_direct"))).ssh, direct);
+        assert_eq!(instance(both(json!("ssh_proxy"))).ssh, proxy);
+        assert_eq!(instance(both(json!("jupyter_proxy ssh_proxy"))).ssh, proxy);
+        // A runtype that says neither: direct, else the proxy.
+        assert_eq!(instance(both(Value::Null)).ssh, direct);
+        assert_eq!(instance(both(json!("args"))).ssh, direct);
+        // A machine without open ports: `ports` has no 22.
+        let proxy_only = json!({"id": 2, "actual_status": "running", "public_ipaddr": "203.0.113.5",
+                                "ports": {}, "ssh_host": "ssh4.vast.ai", "ssh_port": 31001});
+        assert_eq!(ssh_endpoint_for(&proxy_only, SshMode::Direct), None);
+        assert_eq!(
+            ssh_endpoint_for(&proxy_only, SshMode::Proxy),
+            Some(("ssh4.vast.ai".to_owned(), 31001))
+        );
+        // Direct was asked for: the proxy is not taken instead.
+        let mut asked_direct = proxy_only.clone();
+        asked_direct["image_runtype"] = json!(SshMode::Direct.runtype());
+        assert_eq!(instance(asked_direct.clone()).ssh, None);
+        assert!(matches!(
+            health(&instance(asked_direct)),
+            Health::Pending(_)
+        ));
+        let mut asked_proxy = proxy_only;
+        asked_proxy["image_runtype"] = json!(SshMode::Proxy.runtype());
+        assert_eq!(
+            health(&instance(asked_proxy)),
+            Health::Running("ssh4.vast.ai".into(), 31001)
+        );
+    }
+
+    #[test]
+    fn the_ssh_param_is_direct_by_default_and_proxy_drops_the_open_port_filter() {
+        let of = |extra: &[(&str, ParamValue)]| {
+            let mut params = vec![("max_dph", ParamValue::Float(0.5))];
+            params.extend(extra.iter().cloned());
+            GroupParams::of(&template(&params, Some("img")))
+        };
+        let default = of(&[]).unwrap();
+        assert_eq!(default.ssh, SshMode::Direct);
+        assert_eq!(
+            default.offer_query()["direct_port_count"],
+            json!({"gte": 1})
+        );
+        assert!(default.describe().contains("with open ports"));
+        let direct = of(&[("ssh", ParamValue::Str("direct".into()))]).unwrap();
+        assert_eq!(direct, default);
+        let proxy = of(&[("ssh", ParamValue::Str("proxy".into()))]).unwrap();
+        assert_eq!(proxy.ssh, SshMode::Proxy);
+        let q = proxy.offer_query();
+        assert!(q.get("direct_port_count").is_none(), "{q}");
+        // Everything else is asked as before.
+        let mut without = default.offer_query();
+        without.as_object_mut().unwrap().remove("direct_port_count");
+        assert_eq!(q, without);
+        assert!(proxy.describe().contains("through the SSH proxy"));
+        assert!(!proxy.describe().contains("open ports"));
+        assert_eq!(SshMode::Direct.runtype(), "ssh_direc ssh_proxy");
+        assert_eq!(SshMode::Proxy.runtype(), "ssh_proxy");
+        for bad in [
+            ParamValue::Str("ssh_proxy".into()),
+            ParamValue::Str("Direct".into()),
+            ParamValue::Bool(true),
+        ] {
+            let e = of(&[("ssh", bad.clone())]).unwrap_err();
+            assert!(
+                e.starts_with("`ssh` is \"direct\" (the default") && e.contains("\"proxy\""),
+                "{bad}: {e}"
+            );
+        }
+        assert!(KNOWN_PARAMS.contains(&"ssh"));
+        let unknown = of(&[("sssh", ParamValue::Str("proxy".into()))]).unwrap_err();
+        assert!(unknown.contains("bid_dph, ssh)"), "{unknown}");
     }
 
     #[test]

@@ -77,7 +77,11 @@ pub fn drain_host(h: &mut Host<Driver>, now: Timestamp) -> Vec<Dispatch> {
             Output::Persist(delta) => h.handle_persisted(delta.seq),
             Output::List => h.handle_inventory(Ok(Vec::new()), now),
             Output::Pass(pass) => out.extend(pass.dispatches),
-            Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
+            Output::Collect(_)
+            | Output::Probe { .. }
+            | Output::Folded(_)
+            | Output::Reply(..)
+            | Output::Stop => {}
         }
     }
     out

@@ -389,6 +389,8 @@ pub fn budget_policy(max_unavailable: u8, max_unhealthy: Option<u8>) -> PolicySh
             1 => Quantity::Count(1),
             _ => Quantity::Percent(50),
         }),
+        on_preempt: None,
+        preempt_wait_s: None,
     }
 }
 
@@ -622,6 +624,9 @@ impl<R: Reconciler> World<R> {
                 }
                 HostOutput::List => self.list_inventory(),
                 HostOutput::Collect(request) => self.collect(&request),
+                // The kit's provider never pauses a machine (and its
+                // groups do not wait for paused ones).
+                HostOutput::Probe { key, .. } => self.host.handle_probed(&key, Ok(false), self.now),
                 HostOutput::Folded(fold) => self.record_fold(&fold),
                 HostOutput::Reply(_, reply) => match reply {
                     Reply::Applied(Ok(update)) => self.oracle.acknowledged(update.generation()),
