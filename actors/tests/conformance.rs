@@ -262,7 +262,13 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
             Input::ResubmitOld { .. } => {}
             // Budgets and partitions are judged pass by pass in the host's
             // own battery; through the actor they are left out.
-            Input::Budget { .. } | Input::MassAgentLoss { .. } | Input::AgentsReturn => {}
+            // So are paused machines (the fake provider never pauses one,
+            // and the actors only carry the host's probe to it).
+            Input::Budget { .. }
+            | Input::MassAgentLoss { .. }
+            | Input::AgentsReturn
+            | Input::Preempt { .. }
+            | Input::PreemptPolicy { .. } => {}
             // Pausing through the actor; the oracle here checks states (its
             // pass-by-pass pause checks run in the host's own battery).
             Input::Pause => {

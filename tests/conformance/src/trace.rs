@@ -178,8 +178,25 @@ pub enum Input {
         /// How many agents, at most.
         count: u8,
     },
-    /// The partition heals: every away agent rejoins.
+    /// The partition heals: every away agent rejoins (and every paused
+    /// machine resumes).
     AgentsReturn,
+    /// The provider pauses the machine of a node whose agent is connected
+    /// (an interruptible rental outbid): its agent goes silent with it,
+    /// and the provider says the machine is paused when asked.
+    Preempt {
+        /// Which node, modulo the number of connected ones.
+        pick: u8,
+    },
+    /// Set what group `group` does with paused machines (a new generation,
+    /// same templates): wait `wait_s` seconds for one to resume, or (with
+    /// `None`) replace its node at its grace's end.
+    PreemptPolicy {
+        /// Which group (0 or 1).
+        group: u8,
+        /// Seconds to wait, if it waits.
+        wait_s: Option<u8>,
+    },
     /// The host is shut down: leaving every node running for the next host
     /// (`keep`), which starts at once, or tearing everything down, after
     /// which a new host starts with the current shape as its next generation.
@@ -303,6 +320,9 @@ pub fn input(mode: Mode) -> BoxedStrategy<Input> {
         ),
         2 => (0u8..2, 1u8..=3).prop_map(|(group, count)| Input::MassAgentLoss { group, count }),
         1 => Just(Input::AgentsReturn),
+        2 => any::<u8>().prop_map(|pick| Input::Preempt { pick }),
+        2 => (0u8..2, proptest::option::weighted(0.8, 1u8..30))
+            .prop_map(|(group, wait_s)| Input::PreemptPolicy { group, wait_s }),
     ]
     .boxed()
 }

@@ -26,8 +26,8 @@ use swactor_provisioning::{
     AWAY_PAST_GRACE, BOOT_CHECK_REPORT_MARGIN_MS, BootParams, BootstrapEvent, ClusterShape,
     CollectRequest, Driver, Folded, Generation, GroupShape, Host, HostConfig, HostFold,
     JournalImage, Link, Liveness, LogicalNodeId, NodeAttemptId, NodeLimits, OperationTimeouts,
-    Output as HostOutput, PolicyShape, ProviderShape, Quantity, ReconcilerConfig, Reply,
-    ResourceKey, RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp,
+    Output as HostOutput, PAUSED_PAST_WAIT, PolicyShape, PreemptChoice, ProviderShape, Quantity,
+    ReconcilerConfig, Reply, ResourceKey, RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp,
 };
 
 /// The run every world drives.
@@ -247,6 +247,11 @@ pub struct World<R: Reconciler = Driver> {
     policies: [PolicyShape; 2],
     /// Agents the world cut off (they are really silent), with when.
     cut: BTreeMap<LogicalNodeId, (NodeAttemptId, Timestamp)>,
+    /// Machines the provider paused, by slot: the attempt, and until when
+    /// the host must keep its node (when the machine was paused, plus the
+    /// group's wait as the world set it then; `None` in a group that
+    /// replaced paused machines then).
+    paused: BTreeMap<LogicalNodeId, (NodeAttemptId, Option<Timestamp>)>,
     /// Stretches in which no host listened: host pauses, crash downtime.
     unheard: Vec<(Timestamp, Timestamp)>,
     /// Live agents whose connection a host pause dropped, and when each
@@ -443,6 +448,7 @@ impl<R: Reconciler> World<R> {
             teardowns: Vec::new(),
             policies: [PolicyShape::default(); 2],
             cut: BTreeMap::new(),
+            paused: BTreeMap::new(),
             unheard: Vec::new(),
             rejoins: Vec::new(),
         };
@@ -624,9 +630,7 @@ impl<R: Reconciler> World<R> {
                 }
                 HostOutput::List => self.list_inventory(),
                 HostOutput::Collect(request) => self.collect(&request),
-                // The kit's provider never pauses a machine (and its
-                // groups do not wait for paused ones).
-                HostOutput::Probe { key, .. } => self.host.handle_probed(&key, Ok(false), self.now),
+                HostOutput::Probe { key, .. } => self.probed(&key),
                 HostOutput::Folded(fold) => self.record_fold(&fold),
                 HostOutput::Reply(_, reply) => match reply {
                     Reply::Applied(Ok(update)) => self.oracle.acknowledged(update.generation()),
@@ -727,8 +731,11 @@ impl<R: Reconciler> World<R> {
                 folded,
                 reason,
             } => {
-                if reason == AWAY_PAST_GRACE && *folded == Folded::Applied {
+                if (reason == AWAY_PAST_GRACE || reason == PAUSED_PAST_WAIT)
+                    && *folded == Folded::Applied
+                {
                     self.check_blame(node, *attempt);
+                    self.check_paused_wait(node, *attempt);
                 }
                 self.record(StepEvent::AgentLost {
                     node,
@@ -782,6 +789,38 @@ impl<R: Reconciler> World<R> {
         }
     }
 
+    /// The provider answers the host's question: whether the machine of
+    /// `key` is paused.
+    fn probed(&mut self, key: &ResourceKey) {
+        let paused = self
+            .paused
+            .get(&key.node)
+            .is_some_and(|(a, _)| *a == key.attempt);
+        self.host.handle_probed(key, Ok(paused), self.now);
+    }
+
+    /// A node is being failed for its silence: if its machine is paused
+    /// and the host was told so in a group that waits, the wait must be
+    /// over (see [`Invariant::PausedMachineKeptForItsWait`]).
+    fn check_paused_wait(&mut self, node: &LogicalNodeId, attempt: NodeAttemptId) {
+        let Some((a, until)) = self.paused.remove(node) else {
+            return;
+        };
+        if let Some(until) = until
+            && a == attempt
+            && self.now < until
+        {
+            self.oracle.report(
+                Invariant::PausedMachineKeptForItsWait,
+                Some(node),
+                format!(
+                    "{node}/{attempt} failed at {} though its machine is paused and its group waits until {until}",
+                    self.now
+                ),
+            );
+        }
+    }
+
     /// The world cuts off the agent of `key` (it stays silent until the
     /// partition heals).
     fn cut_off(&mut self, key: &ResourceKey) {
@@ -794,7 +833,15 @@ impl<R: Reconciler> World<R> {
             None => false,
         };
         if joined {
-            self.cut.insert(key.node, (key.attempt, self.now));
+            // One a pause dropped has been silent since the host was back
+            // (it was to dial again, and now never will): the host owes it
+            // a whole grace from then, not from now.
+            let since = self
+                .rejoins
+                .iter()
+                .find(|(_, k)| k == key)
+                .map_or(self.now, |(at, _)| Timestamp(at.0 - PAUSE_REJOIN_MS));
+            self.cut.insert(key.node, (key.attempt, since));
         }
         self.rejoins.retain(|(_, k)| k != key);
     }
@@ -1188,7 +1235,13 @@ impl<R: Reconciler> World<R> {
                 max_unhealthy,
             } => {
                 let mut policies = self.policies;
-                policies[usize::from(group % 2)] = budget_policy(max_unavailable, max_unhealthy);
+                let g = usize::from(group % 2);
+                // Budgets only: what the group does with paused machines stays.
+                policies[g] = PolicyShape {
+                    on_preempt: policies[g].on_preempt,
+                    preempt_wait_s: policies[g].preempt_wait_s,
+                    ..budget_policy(max_unavailable, max_unhealthy)
+                };
                 let generation = self.generation + 1;
                 let shape = shape_with(generation, &self.groups, &policies);
                 self.offer(&shape);
@@ -1224,6 +1277,55 @@ impl<R: Reconciler> World<R> {
                 }
             }
             Input::AgentsReturn => self.agents_return(),
+            Input::Preempt { pick } => {
+                let connected: Vec<ResourceKey> = self
+                    .host
+                    .core()
+                    .state()
+                    .nodes
+                    .iter()
+                    .filter(|(id, n)| self.host.link(id) == Some(Link::Connected(n.attempt)))
+                    .map(|(id, n)| ResourceKey {
+                        run_id: RunId::new(RUN),
+                        node: *id,
+                        attempt: n.attempt,
+                    })
+                    .collect();
+                if !connected.is_empty() {
+                    let key = connected[usize::from(pick) % connected.len()].clone();
+                    // The host is owed the group's whole wait from now:
+                    // it learns of the pause as the agent's silence is
+                    // noticed, at once here.
+                    let group = GROUPS.iter().position(|g| *g == key.node.group.as_str());
+                    let wait = group.and_then(|g| self.policies[g].resolve().on_preempt.wait_ms());
+                    let until = wait.map(|w| self.now.saturating_add_ms(w));
+                    self.paused.insert(key.node, (key.attempt, until));
+                    self.cut_off(&key);
+                    self.host.handle_agent_gone(&key, 0, self.now);
+                }
+            }
+            Input::PreemptPolicy { group, wait_s } => {
+                let g = usize::from(group % 2);
+                let mut policies = self.policies;
+                policies[g].on_preempt = wait_s.map(|_| PreemptChoice::Wait);
+                policies[g].preempt_wait_s = wait_s.map(u32::from);
+                let generation = self.generation + 1;
+                let shape = shape_with(generation, &self.groups, &policies);
+                self.offer(&shape);
+                if self.host.shutting_down().is_none() {
+                    if policies[g] != self.policies[g] {
+                        // The host keeps what it promised under the old
+                        // policy; the world stops holding it to it.
+                        for (node, entry) in &mut self.paused {
+                            if node.group.as_str() == GROUPS[g] {
+                                entry.1 = None;
+                            }
+                        }
+                    }
+                    self.policies = policies;
+                    self.generation = generation;
+                }
+            }
             Input::Shutdown { keep } => {
                 let mode = if keep {
                     ShutdownMode::Keep
@@ -1258,6 +1360,8 @@ impl<R: Reconciler> World<R> {
             .collect();
         for key in away {
             self.cut.remove(&key.node);
+            // A paused machine resumes with its agent.
+            self.paused.remove(&key.node);
             self.rejoins.retain(|(_, k)| *k != key);
             let outcome = self.host.handle_agent_joined(&key, self.now);
             self.record(StepEvent::AgentJoined {

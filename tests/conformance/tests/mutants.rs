@@ -64,9 +64,13 @@ enum Mutation {
     /// listened, and ignores the gaps it is told of: a host that stops
     /// hears nobody, and blames its agents for the silence.
     BlameAgentsForDeafGaps,
+    /// Drops what a shape says about paused machines: every group replaces
+    /// them at their grace's end, even one that waits for them.
+    IgnoreOnPreempt,
 }
 
-const ALL: [Mutation; 19] = [
+const ALL: [Mutation; 20] = [
+    Mutation::IgnoreOnPreempt,
     Mutation::BlameAgentsForDeafGaps,
     Mutation::IgnoreRolloutBudget,
     Mutation::IgnoreSurge,
@@ -197,6 +201,14 @@ impl Reconciler for Mutant {
             Mutation::ExtraSurge => Some((None, Some(Quantity::Percent(100)))),
             _ => None,
         };
+        if self.mutation == Mutation::IgnoreOnPreempt {
+            let mut given = shape.clone();
+            for g in &mut given.groups {
+                g.policy.on_preempt = None;
+                g.policy.preempt_wait_s = None;
+            }
+            return self.inner.update_desired(&given);
+        }
         if let Some((max_unavailable, max_surge)) = budget {
             let mut given = shape.clone();
             for g in &mut given.groups {
