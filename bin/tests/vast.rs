@@ -548,6 +548,27 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
         let e = p.lookup_endpoint(&k4, &g4.lease).await.unwrap_err();
         assert!(matches!(&e, ProviderError::Gone(_)), "{e}");
         p.destroy_lease(&k4, &g4.lease).await.unwrap();
+        // Frozen by its host: the GPU is held and billed, nothing runs.
+        let k6 = key("w-0", 6);
+        let g6 = p.create_lease(&k6, &t).await.unwrap();
+        settle(&p, &k6, &g6.lease, Duration::from_secs(10))
+            .await
+            .unwrap();
+        w.mock
+            .kill(Selector::Id(instance_id(&g6.lease)), Death::Frozen);
+        let shown = w.mock.instance(instance_id(&g6.lease)).unwrap();
+        assert_eq!(
+            shown.actual_status.as_deref(),
+            Some("frozen"),
+            "{}",
+            shown.row
+        );
+        let e = p.lookup_endpoint(&k6, &g6.lease).await.unwrap_err();
+        assert!(
+            matches!(&e, ProviderError::Gone(m) if m.contains("frozen")),
+            "{e}"
+        );
+        p.destroy_lease(&k6, &g6.lease).await.unwrap();
     });
     w.assert_one_create_per_label();
     assert_eq!(w.mock.live_instances(), 0);

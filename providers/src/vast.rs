@@ -364,13 +364,18 @@ fn session_of(instance: u64, key: &ResourceKey, pid: &str) -> SessionId {
     ))
 }
 
-/// Whether the service paused `i` though its owner wants it running: an
-/// interruptible instance outbid by another rental is `stopped` with its
-/// intended status still `running`, and resumes when its bid wins again.
-/// A stop its owner asked for says `stopped` in both.
-fn outbid(i: &Instance) -> bool {
+/// Whether the service paused `i` though its owner wants it running, and
+/// it may resume: an interruptible instance outbid by another rental is
+/// `stopped` with its intended status still `running`, and resumes when
+/// its bid wins again. A stop its owner asked for says `stopped` in both;
+/// an instance whose contract ended (`end_date` before `now_s`) is stopped
+/// for good; an on-demand one is never outbid.
+fn outbid(i: &Instance, now_s: f64) -> bool {
     let is = |s: &Option<String>, v: &str| s.as_deref().map(str::trim) == Some(v);
-    is(&i.actual_status, "stopped") && is(&i.intended_status, "running")
+    i.is_bid
+        && is(&i.actual_status, "stopped")
+        && is(&i.intended_status, "running")
+        && i.end_date.is_none_or(|end| end > now_s)
 }
 
 /// The `onstart` script, run by the service at every start of the
@@ -832,6 +837,8 @@ impl VastProvider {
                     ssh: None,
                     machine_id: Some(record.machine),
                     dph_total: Some(record.dph),
+                    is_bid: false,
+                    end_date: None,
                 })),
                 Ok(_) => {
                     self.forget_record(key);
@@ -1537,7 +1544,8 @@ impl Provider for VastProvider {
             .show(id)
             .await
             .map_err(|e| read_failed(&format!("showing instance {id}"), &e))?;
-        let paused = shown.as_ref().is_some_and(outbid);
+        let now_s = now_ms() as f64 / 1000.0;
+        let paused = shown.as_ref().is_some_and(|i| outbid(i, now_s));
         if paused {
             tracing::info!(%key, instance = id, "the instance is paused by the service (outbid)");
         }
@@ -1688,6 +1696,31 @@ mod tests {
         assert_eq!(session_of(42, &key, "77").0, "vast:42#gpu-0-a3#pid77");
         assert_eq!(bracket("::1"), "[::1]");
         assert_eq!(bracket("127.0.0.1"), "127.0.0.1");
+    }
+
+    #[test]
+    fn only_an_outbid_bid_instance_within_its_contract_is_paused() {
+        let row = |extra: serde_json::Value| {
+            let mut v = json!({"id": 7, "actual_status": "stopped", "intended_status": "running",
+                               "is_bid": true, "end_date": 2000.0});
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            model::parse_instance(&v).unwrap()
+        };
+        assert!(outbid(&row(json!({})), 1000.0));
+        assert!(outbid(&row(json!({"end_date": null})), 1000.0));
+        assert!(!outbid(&row(json!({})), 2500.0), "its contract ended");
+        assert!(!outbid(&row(json!({"is_bid": false})), 1000.0), "on demand");
+        assert!(
+            !outbid(&row(json!({"intended_status": "stopped"})), 1000.0),
+            "stopped by its owner"
+        );
+        assert!(
+            !outbid(&row(json!({"actual_status": "exited"})), 1000.0),
+            "ended by itself"
+        );
+        assert!(!outbid(&row(json!({"actual_status": "running"})), 1000.0));
     }
 
     #[test]

@@ -41,6 +41,9 @@ pub enum Death {
     Exited,
     /// `actual_status` `offline` (the host stopped reporting).
     Offline,
+    /// `actual_status` `frozen`: the host holds the GPU (and bills for
+    /// it) but the container runs nothing; it does not come back by itself.
+    Frozen,
     /// Gone from every listing and show, as if destroyed by someone else.
     Vanished,
 }

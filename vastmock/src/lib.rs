@@ -95,7 +95,11 @@
 //! `Timings::destroyed_visible`. A stopped instance shows `actual_status`
 //! `stopped` (`intended_status` `stopped`); `exited` is a container that
 //! ended on its own ([`Death::Exited`]), whose `onstart` failed, or that
-//! could not be scheduled. The offer is `rented` (and not `rentable`) from
+//! could not be scheduled; `offline` a host that stopped reporting
+//! ([`Death::Offline`]); `frozen` a host that holds the GPU, bills for
+//! it and runs nothing ([`Death::Frozen`]); an outbid interruptible one
+//! is `stopped` with `intended_status` `running` until its bid wins
+//! again. The offer is `rented` (and not `rentable`) from
 //! the create until the destroy. Dropping the [`VastMock`] stops every
 //! sshd, proxy and `onstart`.
 //!
@@ -190,7 +194,7 @@
 //! | `/admin/faults/boot_failure` | `{"target":T}` | [`VastMock::boot_failure`] |
 //! | `/admin/faults/ssh_never_ready` | `{"target":T}` | [`VastMock::ssh_never_ready`] |
 //! | `/admin/faults/expire` | `{"target":{"id":N}\|{"label":"x"},"in_ms":N}` or `{"offer_id":N,"in_ms":N}` | [`VastMock::expire`], [`VastMock::expire_offer`] |
-//! | `/admin/faults/kill` | `{"target":{"id":N}\|{"label":"x"},"death":"exited"\|"offline"\|"vanished"}` | [`VastMock::kill`] |
+//! | `/admin/faults/kill` | `{"target":{"id":N}\|{"label":"x"},"death":"exited"\|"offline"\|"frozen"\|"vanished"}` | [`VastMock::kill`] |
 //! | `/admin/faults/ambiguous_create` | `{"kind":{"timeout":{"hold_ms":N}}\|"drop"\|"bad_gateway"\|"malformed","count":K}` | [`VastMock::ambiguous_create`] |
 //! | `/admin/faults/listing_lag` | `{"lag_ms":N}` | [`VastMock::listing_lag`] |
 //! | `/admin/faults/flaky_destroy` | `{"count":K,"status":500}` | [`VastMock::flaky_destroy`] |

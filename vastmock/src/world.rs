@@ -1563,12 +1563,13 @@ impl World {
         for &id in &ids {
             match death {
                 Death::Vanished => self.end_instance(id, now, false),
-                Death::Exited | Death::Offline => {
+                Death::Exited | Death::Offline | Death::Frozen => {
                     if let Some(inst) = self.instances.get_mut(&id) {
                         inst.machine.halt();
                         inst.phase = Phase::Dead(death);
                         inst.note(match death {
                             Death::Exited => "vastmock: container exited unexpectedly".to_owned(),
+                            Death::Frozen => "vastmock: container frozen by its host".to_owned(),
                             _ => "vastmock: machine offline: no heartbeat".to_owned(),
                         });
                     }
@@ -1856,6 +1857,13 @@ fn status(inst: &Instance, now: Instant) -> Status {
             "stopped",
             "running",
             "Container exited unexpectedly".to_owned(),
+        ),
+        Phase::Dead(Death::Frozen) => st(
+            Some("frozen"),
+            "running",
+            "stopped",
+            "running",
+            "Instance frozen by its host: the GPU is held, nothing runs".to_owned(),
         ),
         Phase::Dead(_) => st(
             Some("offline"),

@@ -627,6 +627,10 @@ pub(crate) struct Instance {
     pub(crate) machine_id: Option<u64>,
     /// Dollars per hour.
     pub(crate) dph_total: Option<f64>,
+    /// Rented at a bid (interruptible): another rental may pause it.
+    pub(crate) is_bid: bool,
+    /// When its contract ends (seconds since the Unix epoch), if it does.
+    pub(crate) end_date: Option<f64>,
 }
 
 /// The SSH endpoint of an instance: the machine's public address with the
@@ -681,6 +685,8 @@ pub(crate) fn parse_instance(v: &Value) -> Option<Instance> {
         },
         machine_id: v.get("machine_id").and_then(as_u64),
         dph_total: v.get("dph_total").and_then(as_f64),
+        is_bid: v.get("is_bid").and_then(Value::as_bool).unwrap_or(false),
+        end_date: v.get("end_date").and_then(as_f64),
     })
 }
 
