@@ -258,11 +258,14 @@ impl ClusterHandle {
     /// Tells the cluster what its rented machines have cost so far, as the
     /// providers count it now (millionths of a dollar); returns the run's
     /// spend, which the journal keeps and which never goes down (see
-    /// [`swactor_provisioning::Host::handle_spent`]).
+    /// [`swactor_provisioning::Host::handle_spent`]), with its budget.
     ///
     /// # Errors
     /// The cluster is gone.
-    pub async fn record_spent(&self, spent_micros: u64) -> Result<u64, ClusterError> {
+    pub async fn record_spent(
+        &self,
+        spent_micros: u64,
+    ) -> Result<crate::msg::SpentView, ClusterError> {
         self.call(|r| DriverMsg::Cluster(ClusterMsg::Spent(spent_micros, r)))
             .await
     }

@@ -329,7 +329,18 @@ impl DriverState {
                 let _ = reply.send(self.telemetry.subscribe(&self.host, now));
             }
             ClusterMsg::Spent(spent, reply) => {
-                let _ = reply.send(self.host.handle_spent(spent));
+                let spent_micros = self.host.handle_spent(spent);
+                let _ = reply.send(crate::msg::SpentView {
+                    spent_micros,
+                    budget: self
+                        .host
+                        .journal_meta()
+                        .shape
+                        .as_ref()
+                        .and_then(|s| s.budget),
+                    paused: self.host.is_paused(),
+                    shutting_down: self.host.shutting_down().is_some(),
+                });
             }
             ClusterMsg::WaitConverged(reply) => {
                 let ticket = self.ticket();

@@ -24,6 +24,21 @@ use tokio::sync::broadcast;
 
 use crate::config::ClusterConfig;
 
+/// The run's spend and what it is held against, without a whole snapshot
+/// (see [`ClusterMsg::Spent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpentView {
+    /// What the run has spent, in millionths of a dollar: the larger of
+    /// what its providers count and what its journal keeps.
+    pub spent_micros: u64,
+    /// The shape's budget, if it sets one.
+    pub budget: Option<swactor_provisioning::budget::Budget>,
+    /// Reconciling is paused.
+    pub paused: bool,
+    /// A shutdown (teardown or keep) is under way.
+    pub shutting_down: bool,
+}
+
 /// What any actor may ask of a cluster.
 pub enum ClusterMsg {
     /// Offer a new desired shape; the reply comes once an accepted shape is durable.
@@ -49,8 +64,9 @@ pub enum ClusterMsg {
     Shutdown(ShutdownMode, RpcReplyPort<ShutdownReport>),
     /// What the run's rented machines have cost so far, as the providers
     /// count it now (millionths of a dollar); the reply is the run's spend
-    /// as the journal keeps it (see [`swactor_provisioning::Host::handle_spent`]).
-    Spent(u64, RpcReplyPort<u64>),
+    /// as the journal keeps it (see [`swactor_provisioning::Host::handle_spent`])
+    /// and what it is held against.
+    Spent(u64, RpcReplyPort<SpentView>),
     /// Pause (`true`) or resume (`false`) reconciling; the reply (whether
     /// anything changed) comes once the flag is durable.
     Pause(bool, RpcReplyPort<Result<bool, PauseError>>),

@@ -295,7 +295,7 @@ impl ControlHandler {
                     i.offer.to_string()
                 },
                 machine: i.machine.to_string(),
-                usd_per_hour_micros: (i.dph.max(0.0) * 1e6).round() as u64,
+                usd_per_hour_micros: swactor_provisioning::budget::usd_micros(i.dph),
                 status: i.status,
             })
             .collect()

@@ -1211,20 +1211,17 @@ async fn watch_budget(
     let mut torn_down = false;
     loop {
         tokio::time::sleep(BUDGET_CHECK).await;
-        let Ok(snap) = cluster.snapshot().await else {
-            return;
-        };
-        let Some(budget) = snap.budget else {
-            warned = None;
-            continue;
-        };
         let mut spend = vast.spend(&run_id);
         // The journal keeps it, and what it keeps is a floor: a provider
         // that lost its records does not make the run cheaper.
-        match cluster.record_spent(spend.spent_micros).await {
-            Ok(spent) => spend.spent_micros = spent,
-            Err(_) => return,
-        }
+        let Ok(held) = cluster.record_spent(spend.spent_micros).await else {
+            return;
+        };
+        spend.spent_micros = held.spent_micros;
+        let Some(budget) = held.budget else {
+            warned = None;
+            continue;
+        };
         let line = crate::words::budget_line(Some(&budget), Some(&spend)).unwrap_or_default();
         match verdict(&budget, spend) {
             Verdict::Within { left_ms } => {
@@ -1241,7 +1238,7 @@ async fn watch_budget(
                     let (reply, _) = oneshot::channel();
                     let _ = down.send((false, false, reply)).await;
                 }
-                OnBudget::Pause if !snap.paused && snap.shutting_down.is_none() => {
+                OnBudget::Pause if !held.paused && !held.shutting_down => {
                     eprintln!("swactor: {line}; pausing the run (raise budget_usd to go on)");
                     if let Err(e) = cluster.pause().await {
                         eprintln!("swactor: could not pause the run at its budget: {e}");

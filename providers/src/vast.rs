@@ -241,7 +241,7 @@ struct Spent {
 
 /// What `dph` dollars per hour cost over `lasted`, in millionths of a dollar.
 fn cost_micros(dph: f64, lasted: Duration) -> u64 {
-    (dph.max(0.0) * 1e6 * lasted.as_secs_f64() / 3600.0).round() as u64
+    swactor_provisioning::budget::usd_micros(dph * lasted.as_secs_f64() / 3600.0)
 }
 
 /// A machine to skip: until when (ms since the Unix epoch, wall clock, as
@@ -711,7 +711,9 @@ impl VastProvider {
                         resource: format!("instance {}", i.id),
                         deployment: deployment.map(str::to_owned),
                         key: format!("{}/{}", key.node, key.attempt),
-                        usd_per_hour_micros: i.dph_total.map(|d| (d.max(0.0) * 1e6).round() as u64),
+                        usd_per_hour_micros: i
+                            .dph_total
+                            .map(swactor_provisioning::budget::usd_micros),
                     });
                     return None;
                 }

@@ -86,6 +86,13 @@ impl Budget {
     }
 }
 
+/// `usd` dollars in millionths: negative and NaN amounts are 0, huge
+/// ones saturate.
+pub fn usd_micros(usd: f64) -> u64 {
+    // `as` saturates and maps NaN to 0.
+    (usd.max(0.0) * MICROS).round() as u64
+}
+
 /// What a run has cost and costs, as its providers account for it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Spend {
@@ -155,6 +162,16 @@ mod tests {
             spent_micros: (spent_usd * 1e6) as u64,
             usd_per_hour_micros: (usd_per_hour * 1e6) as u64,
         }
+    }
+
+    #[test]
+    fn dollars_become_millionths_never_negative() {
+        assert_eq!(usd_micros(1.25), 1_250_000);
+        assert_eq!(usd_micros(0.000_000_4), 0);
+        assert_eq!(usd_micros(0.000_000_6), 1);
+        assert_eq!(usd_micros(-3.0), 0);
+        assert_eq!(usd_micros(f64::NAN), 0);
+        assert_eq!(usd_micros(f64::INFINITY), u64::MAX);
     }
 
     #[test]
