@@ -2012,9 +2012,10 @@ impl<C: Reconciler> Host<C> {
     /// `key`'s attempt is paused by the provider (`Ok(true)`), and so may
     /// resume. A paused machine of a group that waits keeps its node until
     /// the wait, counted from `now`, ends (or its agent's grace, if later);
-    /// an agent back before then keeps the node as any rejoin does. An
-    /// answer for an attempt that is no longer away is noted for when it
-    /// is; an error keeps the grace as it is, and says so.
+    /// an agent back before then keeps the node as any rejoin does. A
+    /// "paused" for an agent that is back already (or was never away) is
+    /// stale and ignored: its machine runs. An error keeps the grace as it
+    /// is, and says so.
     pub fn handle_probed(
         &mut self,
         key: &ResourceKey,
@@ -2045,6 +2046,13 @@ impl<C: Reconciler> Host<C> {
                 }
             }
             Ok(true) => {
+                let away = matches!(
+                    self.links.get(&key.node),
+                    Some(Link::Away { attempt, .. }) if *attempt == key.attempt
+                );
+                if !away {
+                    return;
+                }
                 let since = match self.preempted.get(&key.node) {
                     Some((a, since)) if *a == key.attempt => *since,
                     _ => now,

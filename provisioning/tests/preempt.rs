@@ -229,6 +229,31 @@ fn an_answer_about_an_older_attempt_changes_nothing() {
 }
 
 #[test]
+fn a_paused_answer_for_an_agent_already_back_is_not_held_against_a_later_loss() {
+    let mut h = converged(group_with(1, Some(PreemptChoice::Wait), Some(600)));
+    let mut probes = Vec::new();
+    let w0 = key(&h, "w-0");
+    h.handle_agent_gone(&w0, 0, t(1_000));
+    pump(&mut h, &mut probes, t(1_000));
+    // Back before the provider answered: the answer is stale.
+    h.handle_agent_joined(&w0, t(1_100)).unwrap();
+    events(&mut h);
+    h.handle_probed(&w0, Ok(true), t(1_200));
+    assert!(events(&mut h).is_empty());
+    // Lost later for another reason (the provider says it runs): judged
+    // by its grace alone, not by a pause that is over.
+    h.handle_agent_gone(&w0, 0, t(20_000));
+    pump(&mut h, &mut probes, t(20_000));
+    h.handle_probed(&w0, Ok(false), t(20_000));
+    match h.link(&w0.node) {
+        Some(Link::Away { until, .. }) => assert_eq!(until, t(25_000)),
+        other => panic!("{other:?}"),
+    }
+    let log = listen(&mut h, &mut probes, t(60_000));
+    assert_eq!(creates(&log), 1, "{log:?}");
+}
+
+#[test]
 fn the_policy_is_read_from_the_shape_and_changing_it_replaces_nothing() {
     let mut h = converged(group_with(2, None, None));
     let before: Vec<_> = ["w-0", "w-1"].iter().map(|n| key(&h, n)).collect();
