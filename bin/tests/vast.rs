@@ -171,6 +171,15 @@ impl World {
         )
     }
 
+    /// `swactor down` succeeds, and within a minute no instance is live.
+    fn down(&self) {
+        let o = cli(&self.state(), &["down"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        wait_for(Duration::from_secs(60), "no live instance", || {
+            self.mock.live_instances() == 0
+        });
+    }
+
     /// At most one create per label, ever.
     fn assert_one_create_per_label(&self) {
         let twice: BTreeMap<String, u64> = self
@@ -982,11 +991,7 @@ fn under_the_services_own_rate_limits_the_paced_daemon_converges() {
         started.elapsed().as_secs_f64()
     );
     w.assert_one_create_per_label();
-    let o = cli(&w.state(), &["down"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    wait_for(Duration::from_secs(60), "no live instance", || {
-        w.mock.live_instances() == 0
-    });
+    w.down();
     assert_eq!(w.mock.creates_total(), 2);
 }
 
@@ -1006,11 +1011,7 @@ fn random_5xx_on_every_route_end_converged_without_a_second_rental() {
     })
     .unwrap_or_else(|last| panic!("not converged: {last:#?}\n{}", d.log()));
     w.assert_one_create_per_label();
-    let o = cli(&w.state(), &["down"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    wait_for(Duration::from_secs(60), "no live instance", || {
-        w.mock.live_instances() == 0
-    });
+    w.down();
     w.assert_one_create_per_label();
     assert_no_key(&d.log(), w.mock.api_key());
 }
@@ -1234,11 +1235,7 @@ fn ten_restarts_replace_no_healthy_vast_node() {
         );
     }
     assert_eq!(w.mock.live_instances(), 10);
-    let o = cli(&w.state(), &["down"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    wait_for(Duration::from_secs(60), "no live instance", || {
-        w.mock.live_instances() == 0
-    });
+    w.down();
 }
 
 /// A 429 burst and answers cut off mid-JSON, more than one read retries,
@@ -1370,11 +1367,7 @@ fn the_example_converges_on_the_default_mock_as_written() {
         String::from_utf8_lossy(&out.stdout).trim(),
         "NVIDIA RTX 4090, 24564 MiB"
     );
-    let o = cli(&w.state(), &["down"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    wait_for(Duration::from_secs(60), "no live instance", || {
-        w.mock.live_instances() == 0
-    });
+    w.down();
 }
 
 /// Issue 30, fix 2: two daemons with the same run on one account, each with
@@ -1675,11 +1668,7 @@ fn outbid_nodes_are_replaced_and_never_leave_a_paused_instance_beside_the_new_on
     assert!(replaced >= 1, "{:#?}", last.nodes);
     assert_eq!(w.mock.creates_total(), 4 + outbids, "{}", d.log());
     w.assert_one_create_per_label();
-    let o = cli(&w.state(), &["down"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    wait_for(Duration::from_secs(60), "no live instance", || {
-        w.mock.live_instances() == 0
-    });
+    w.down();
 }
 
 /// Issue 30: `on_preempt = "wait"`. Two nodes rented at a bid; their group
@@ -1766,11 +1755,7 @@ fn a_waiting_group_keeps_a_paused_node_that_resumes_and_replaces_one_that_does_n
     w.ready(&d, 2);
     assert_eq!(w.mock.creates_total(), 3, "{}", d.log());
     w.assert_one_create_per_label();
-    let o = cli(&w.state(), &["down"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    wait_for(Duration::from_secs(60), "no live instance", || {
-        w.mock.live_instances() == 0
-    });
+    w.down();
 }
 
 /// Issue 30: `ssh = "proxy"`. The two cheapest offers have no open port:
@@ -1810,11 +1795,7 @@ fn a_proxy_group_rents_machines_without_open_ports_and_converges_through_the_pro
         assert_eq!(i.row["ssh_host"], "localhost", "{}", i.row);
     }
     assert_eq!(w.mock.creates_total(), 2, "{}", d.log());
-    let o = cli(&w.state(), &["down"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    wait_for(Duration::from_secs(60), "no live instance", || {
-        w.mock.live_instances() == 0
-    });
+    w.down();
 }
 
 /// Issue 30: what a run has spent is kept in its journal. Two nodes at
@@ -1876,9 +1857,5 @@ fn the_spend_survives_the_provider_losing_its_records() {
         d.last_log()
     );
     assert_eq!(w.mock.creates_total(), 3, "{}", d.last_log());
-    let o = cli(&w.state(), &["down"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    wait_for(Duration::from_secs(60), "no live instance", || {
-        w.mock.live_instances() == 0
-    });
+    w.down();
 }

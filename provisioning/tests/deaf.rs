@@ -22,44 +22,8 @@ fn pump(
     listed: &[Listed],
     now: Timestamp,
 ) -> Vec<Dispatch> {
-    let mut log = Vec::new();
-    for _ in 0..64 {
-        let mut round = Vec::new();
-        while let Some(o) = h.poll_output(now) {
-            match o {
-                Output::Persist(delta) => {
-                    journal.apply(&delta);
-                    h.handle_persisted(delta.seq);
-                }
-                Output::List => h.handle_inventory(Ok(listed.to_vec()), now),
-                Output::Pass(pass) => round.extend(pass.dispatches),
-                Output::Collect(_)
-                | Output::Probe { .. }
-                | Output::Folded(_)
-                | Output::Reply(..)
-                | Output::Stop => {}
-            }
-        }
-        if round.is_empty() {
-            break;
-        }
-        for d in &round {
-            let _ = h.handle_result(success(d), now).unwrap();
-            if d.request.kind() == EffectKind::StartBootstrap {
-                h.handle_agent_joined(&d.key, now).unwrap();
-                let n = &h.core().state().nodes[&d.key.node];
-                let obs = BootstrapObservation {
-                    node: d.key.node,
-                    attempt: n.attempt,
-                    session: n.record.session.clone().expect("a live session"),
-                    event: BootstrapEvent::Stage(BootstrapStage::Converged),
-                };
-                let _ = h.handle_bootstrap(obs, now).unwrap();
-            }
-        }
-        log.extend(round);
-    }
-    log
+    // No group here waits for paused machines: nothing is probed.
+    pump_host(h, Some(journal), listed, &mut Vec::new(), now)
 }
 
 fn key(h: &Host<Driver>, node: &str) -> ResourceKey {

@@ -28,38 +28,7 @@ fn pump(
     probes: &mut Vec<(ResourceKey, LeaseId)>,
     now: Timestamp,
 ) -> Vec<Dispatch> {
-    let mut log = Vec::new();
-    for _ in 0..64 {
-        let mut round = Vec::new();
-        while let Some(o) = h.poll_output(now) {
-            match o {
-                Output::Persist(delta) => h.handle_persisted(delta.seq),
-                Output::List => h.handle_inventory(Ok(Vec::new()), now),
-                Output::Pass(pass) => round.extend(pass.dispatches),
-                Output::Probe { key, lease } => probes.push((key, lease)),
-                Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
-            }
-        }
-        if round.is_empty() {
-            break;
-        }
-        for d in &round {
-            let _ = h.handle_result(success(d), now).unwrap();
-            if d.request.kind() == EffectKind::StartBootstrap {
-                h.handle_agent_joined(&d.key, now).unwrap();
-                let n = &h.core().state().nodes[&d.key.node];
-                let obs = BootstrapObservation {
-                    node: d.key.node,
-                    attempt: n.attempt,
-                    session: n.record.session.clone().expect("a live session"),
-                    event: BootstrapEvent::Stage(BootstrapStage::Converged),
-                };
-                let _ = h.handle_bootstrap(obs, now).unwrap();
-            }
-        }
-        log.extend(round);
-    }
-    log
+    pump_host(h, None, &[], probes, now)
 }
 
 /// Wakes the host as a listening daemon's timer would, up to `until`, with

@@ -184,3 +184,55 @@ pub fn converge(d: &mut Driver, now: Timestamp) {
     }
     assert!(d.is_converged(), "did not converge: {:#?}", d.state());
 }
+
+/// Runs a host's outputs at `now` with a well-behaved provider, until
+/// nothing more is dispatched: writes are durable at once (and kept in
+/// `journal`, if given), the inventory is `listed`, every dispatch
+/// succeeds, and a started bootstrap's agent joins and converges. Each
+/// probe the host asks for is pushed onto `probes`, unanswered. Returns
+/// the dispatches, in order.
+pub fn pump_host(
+    h: &mut Host<Driver>,
+    mut journal: Option<&mut JournalImage>,
+    listed: &[Listed],
+    probes: &mut Vec<(ResourceKey, LeaseId)>,
+    now: Timestamp,
+) -> Vec<Dispatch> {
+    let mut log = Vec::new();
+    for _ in 0..64 {
+        let mut round = Vec::new();
+        while let Some(o) = h.poll_output(now) {
+            match o {
+                Output::Persist(delta) => {
+                    if let Some(j) = journal.as_deref_mut() {
+                        j.apply(&delta);
+                    }
+                    h.handle_persisted(delta.seq);
+                }
+                Output::List => h.handle_inventory(Ok(listed.to_vec()), now),
+                Output::Pass(pass) => round.extend(pass.dispatches),
+                Output::Probe { key, lease } => probes.push((key, lease)),
+                Output::Collect(_) | Output::Folded(_) | Output::Reply(..) | Output::Stop => {}
+            }
+        }
+        if round.is_empty() {
+            break;
+        }
+        for d in &round {
+            let _ = h.handle_result(success(d), now).unwrap();
+            if d.request.kind() == EffectKind::StartBootstrap {
+                h.handle_agent_joined(&d.key, now).unwrap();
+                let n = &h.core().state().nodes[&d.key.node];
+                let obs = BootstrapObservation {
+                    node: d.key.node,
+                    attempt: n.attempt,
+                    session: n.record.session.clone().expect("a live session"),
+                    event: BootstrapEvent::Stage(BootstrapStage::Converged),
+                };
+                let _ = h.handle_bootstrap(obs, now).unwrap();
+            }
+        }
+        log.extend(round);
+    }
+    log
+}
