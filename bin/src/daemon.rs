@@ -66,8 +66,9 @@ pub(crate) struct UpOptions {
 /// # Errors
 /// Bad input (shape, state directory) or a failure to start.
 pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
+    let swarm = SwarmRuntime::new()?;
     let mut endpoints = Vec::new();
-    let outcome = run(opts, &mut endpoints).await;
+    let outcome = run(opts, swarm.handle(), &mut endpoints).await;
     if outcome.is_err() {
         // A start refused once the endpoints are bound (a provider that
         // cannot start, a shape refused) closes them: dropped open, iroh
@@ -83,9 +84,50 @@ pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
 /// How long a refused start waits for its endpoint to close.
 const ENDPOINT_CLOSE_MAX: Duration = Duration::from_secs(3);
 
+/// The runtime the agents' endpoint runs on: one thread of its own, apart
+/// from the one the driver, the CLI's endpoint and the web surface share.
+/// Every connection attempt on the swarm protocols (whose ticket every
+/// agent's command line shows) is taken, refused or shaken hands with
+/// there, so a flood of them costs the daemon at most that thread and never
+/// queues the driver's or the CLI's work behind it.
+struct SwarmRuntime(Option<tokio::runtime::Runtime>);
+
+impl SwarmRuntime {
+    fn new() -> Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("swactor-swarm")
+            .enable_all()
+            .build()
+            .context("cannot start the agents' runtime")?;
+        Ok(Self(Some(runtime)))
+    }
+
+    fn handle(&self) -> tokio::runtime::Handle {
+        self.0
+            .as_ref()
+            .map(|rt| rt.handle().clone())
+            .expect("the runtime lives until dropped")
+    }
+}
+
+impl Drop for SwarmRuntime {
+    fn drop(&mut self) {
+        // Dropped from async code: its tasks are cancelled without waiting
+        // (the endpoint was closed before).
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
 /// [`up`]; puts the daemon's endpoint in `bound` as soon as it is bound, for
-/// `up` to close if this fails.
-async fn run(opts: UpOptions, bound: &mut Vec<swactor_engine::iroh::Endpoint>) -> Result<i32> {
+/// `up` to close if this fails. The agents' endpoint runs on `swarm`.
+async fn run(
+    opts: UpOptions,
+    swarm: tokio::runtime::Handle,
+    bound: &mut Vec<swactor_engine::iroh::Endpoint>,
+) -> Result<i32> {
     let started = std::time::Instant::now();
     // Everything the user could have got wrong is checked before anything starts.
     // Addresses given now win; without any, those of the last daemon of
@@ -190,7 +232,15 @@ async fn run(opts: UpOptions, bound: &mut Vec<swactor_engine::iroh::Endpoint>) -
     // refused before the endpoint starts, with nothing else to say.
     let http_listener = crate::http::bind(&state, opts.http).await?;
     let http_token = crate::http::token(&state)?;
-    let endpoint = bind_daemon_endpoint(&state, listen).await?;
+    // Bound on the agents' runtime: the endpoint's own tasks (its socket,
+    // its handshakes) run there.
+    let endpoint = {
+        let state = state.clone();
+        swarm
+            .spawn(async move { bind_daemon_endpoint(&state, listen).await })
+            .await
+            .context("the agents' runtime stopped")??
+    };
     bound.push(endpoint.clone());
     // The CLI's own endpoint, on a socket of its own: a flood of handshakes
     // on the agents' endpoint (whose ticket every agent's command line
@@ -375,6 +425,9 @@ async fn run(opts: UpOptions, bound: &mut Vec<swactor_engine::iroh::Endpoint>) -
     };
     // Connections that have not joined yet (swarm and jobs together).
     let pre_auth = swactor_engine::net::PreAuth::new(pre_auth_max());
+    // The router's accept loop and every handler it starts run on the
+    // agents' runtime too.
+    let on_swarm = swarm.enter();
     let router = GuardedRouterBuilder::new(endpoint.clone())
         .serve(
             ALPN_SWARM,
@@ -402,6 +455,7 @@ async fn run(opts: UpOptions, bound: &mut Vec<swactor_engine::iroh::Endpoint>) -
         // bounded share of its time; joined agents' links are never counted.
         .handshake_rate(None, handshake_rate(agents_rate(fleet)))
         .spawn();
+    drop(on_swarm);
     // The CLI's protocols, on the CLI's endpoint, rationed on their own.
     let control_router = GuardedRouterBuilder::new(control_endpoint.clone())
         .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
