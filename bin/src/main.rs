@@ -522,3 +522,17 @@ fn closed_pipe(e: &anyhow::Error) -> bool {
                 == Some(std::io::ErrorKind::BrokenPipe)
     })
 }
+
+#[cfg(test)]
+mod allocator_tests {
+    /// The build's jemalloc carries the tuning `.cargo/config.toml` gives
+    /// it (`JEMALLOC_SYS_WITH_MALLOC_CONF`): built without it, a flood's
+    /// memory stays pinned in thread caches and arenas.
+    #[test]
+    fn the_allocator_is_built_to_give_memory_back() {
+        use tikv_jemalloc_ctl::opt;
+        assert_eq!(opt::narenas::read().unwrap(), 1, "one arena");
+        assert!(!opt::tcache::read().unwrap(), "no thread caches");
+        assert!(opt::background_thread::read().unwrap(), "a purging thread");
+    }
+}

@@ -681,13 +681,31 @@ async fn flood(
     (made, attempts - made)
 }
 
+/// The daemon's allocator as `/metrics` has it: bytes of live objects and
+/// bytes resident.
+fn allocator(state: &Path) -> (u64, u64) {
+    let (_, metrics) = web_get(state, "/metrics");
+    let read = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in /metrics"))
+    };
+    (
+        read("swactor_allocator_allocated_bytes "),
+        read("swactor_allocator_resident_bytes "),
+    )
+}
+
 /// Issue 29's three-flood battery (opt-in: `SWACTOR_FLOOD=1`; it takes
-/// about two minutes and saturates the machine). Three floods of 5,000
+/// about three minutes and saturates the machine). Three floods of 5,000
 /// connections each on the swarm protocol, side by side, announcing
 /// 64 MiB frames: no joined agent is replaced, `status` answers throughout,
 /// and the daemon's memory returns once the flood is over. Prints its
-/// figures; `SWACTOR_FLOOD_ATTEMPTS` sets the attempts per flood, and
-/// `SWACTOR_FLOOD_WATCH_S` how long memory is watched after it (60 s).
+/// figures; `SWACTOR_FLOOD_ATTEMPTS` sets the attempts per flood,
+/// `SWACTOR_FLOOD_WARMUP_S` how long `status` is polled before the level
+/// before the flood is read (60 s), and `SWACTOR_FLOOD_WATCH_S` how long
+/// memory is watched after it (60 s).
 #[test]
 fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
     if std::env::var_os("SWACTOR_FLOOD").is_none() {
@@ -715,8 +733,6 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
         s.nodes.iter().filter(|n| n.ready).count() == 4
     });
     let pid = d.child.as_ref().unwrap().id();
-    std::thread::sleep(Duration::from_secs(2));
-    let rss_before = status_kib(pid, "VmRSS:");
     let addr = ticket_of(&state).addr().clone();
 
     // `status` every 250 ms while the floods run: the slowest answer, and
@@ -742,6 +758,17 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
             (slowest, failed, asked, peak_rss)
         })
     };
+    // The level before the flood is the one the daemon settles at under
+    // the same `status` polling (without a flood it climbs about 2 MB over
+    // its first minute, then holds): read once that has run for
+    // `SWACTOR_FLOOD_WARMUP_S` (60 s).
+    let warmup: u64 = std::env::var("SWACTOR_FLOOD_WARMUP_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    std::thread::sleep(Duration::from_secs(warmup));
+    let rss_before = status_kib(pid, "VmRSS:");
+    let alloc_before = allocator(&state);
     let started = std::time::Instant::now();
     let floods: Vec<_> = (0..3)
         .map(|_| {
@@ -770,6 +797,11 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
         let rss = status_kib(pid, "VmRSS:");
         if at == 60 {
             rss_minute = rss;
+            eprintln!(
+                "allocator (live, resident bytes): {alloc_before:?} before the flood, {:?} a \
+                 minute after",
+                allocator(&state)
+            );
         }
         samples.push((at, rss));
     }

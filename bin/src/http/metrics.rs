@@ -116,6 +116,7 @@ impl Metrics {
         registry.register_collector(Box::new(SnapshotCollector {
             scraped: scraped.clone(),
         }));
+        registry.register_collector(Box::new(AllocatorCollector));
         Arc::new(Self {
             registry,
             scraped,
@@ -302,6 +303,42 @@ pub(crate) fn stage_label(stage: swactor_provisioning::NodeStage) -> String {
 /// The group of a node id (`worker` of `worker-3`).
 pub(crate) fn group_of(node: &LogicalNodeId) -> String {
     node.group.as_str().to_owned()
+}
+
+/// The daemon's allocator (jemalloc), read at scrape time: what it holds
+/// for live objects against what of it is resident, so a memory rise can be
+/// told apart as live state or as pages not yet handed back.
+#[derive(Debug)]
+struct AllocatorCollector;
+
+impl prometheus_client::collector::Collector for AllocatorCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use tikv_jemalloc_ctl::{epoch, stats};
+        // The statistics are cached until the epoch moves on.
+        if epoch::advance().is_err() {
+            return Ok(());
+        }
+        let read = [
+            (
+                "swactor_allocator_allocated_bytes",
+                "Bytes the daemon's live objects take (jemalloc's stats.allocated)",
+                stats::allocated::read(),
+            ),
+            (
+                "swactor_allocator_resident_bytes",
+                "Bytes of the allocator's pages resident in memory, metadata included \
+                 (jemalloc's stats.resident)",
+                stats::resident::read(),
+            ),
+        ];
+        for (name, help, value) in read {
+            if let Ok(v) = value {
+                let v = i64::try_from(v).unwrap_or(i64::MAX);
+                gauge(&mut encoder, name, help, &[(Labels::new(), v)])?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Encodes what a scrape read, at scrape time.
