@@ -364,6 +364,13 @@ async fn run(
     // endpoint and the host both discount it).
     let starvation = swactor_engine::Starvation::new();
     let _measuring = AbortOnDrop(starvation.measure());
+    // The agents' runtime too: heartbeats are read there, and a flood (or
+    // the machine's other work) that keeps its one thread busy leaves them
+    // unread however loud the agents are.
+    let _measuring_swarm = {
+        let _on_swarm = swarm.enter();
+        AbortOnDrop(starvation.measure())
+    };
     let _handshakes = AbortOnDrop(tokio::spawn(crate::handshakes::summarise()));
     let mut config = ClusterConfig::new(run_id.clone());
     config.starvation = Some(starvation.clone());

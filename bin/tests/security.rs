@@ -742,7 +742,7 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
         let (stop, state) = (stop.clone(), state.clone());
         std::thread::spawn(move || {
             let (mut slowest, mut failed, mut asked) = (Duration::ZERO, 0, 0);
-            let mut peak_rss = 0;
+            let (mut peak_rss, mut peak_alloc) = (0, (0, 0));
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let started = std::time::Instant::now();
                 let o = cli(&state, &["status"]);
@@ -753,8 +753,11 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
                     eprintln!("status failed: {}", stderr(&o));
                 }
                 peak_rss = peak_rss.max(status_kib(pid, "VmRSS:"));
+                let (live, resident) = allocator(&state);
+                peak_alloc = (peak_alloc.0.max(live), peak_alloc.1.max(resident));
                 std::thread::sleep(Duration::from_millis(250));
             }
+            eprintln!("allocator at its peak (live, resident bytes): {peak_alloc:?}");
             (slowest, failed, asked, peak_rss)
         })
     };

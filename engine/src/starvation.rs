@@ -9,17 +9,31 @@
 //! (the swarm endpoint, the cluster host) subtracts what was added meanwhile:
 //! silence the daemon could not have heard is nobody's fault.
 //!
+//! One measure may watch several runtimes (the daemon runs its agents'
+//! endpoint on a runtime of its own): each gets its measuring task, and a
+//! stretch in which any of them was starved is counted once, however many
+//! of them were starved in it (a machine asleep starves them all at once).
+//!
 //! The figure is a running total in milliseconds, read without a lock; a
 //! reader keeps the total it last saw and takes the difference.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
-/// The running total of time the runtime was seen starved (shared; cheap to
+/// The running total of time a runtime was seen starved (shared; cheap to
 /// clone).
 #[derive(Clone, Debug, Default)]
-pub struct Starvation(Arc<AtomicU64>);
+pub struct Starvation(Arc<Measured>);
+
+#[derive(Debug, Default)]
+struct Measured {
+    /// Milliseconds counted so far.
+    total_ms: AtomicU64,
+    /// The end of the latest stretch counted: what of a later one falls
+    /// before it was counted already.
+    counted_to: Mutex<Option<Instant>>,
+}
 
 impl Starvation {
     /// How often the measuring task asks to be woken.
@@ -34,22 +48,43 @@ impl Starvation {
 
     /// Milliseconds counted so far.
     pub fn total_ms(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+        self.0.total_ms.load(Ordering::Relaxed)
     }
 
     /// Counts `late` as starved if it is more than [`Self::COUNTED_MIN`];
-    /// the measuring task's own step, public for tests that starve a
-    /// runtime on purpose.
+    /// for tests that starve a runtime on purpose (it is not merged with
+    /// what the measuring tasks count).
     pub fn count(&self, late: Duration) {
         if late > Self::COUNTED_MIN {
-            let ms = u64::try_from(late.as_millis()).unwrap_or(u64::MAX);
-            self.0.fetch_add(ms, Ordering::Relaxed);
+            self.add(late);
         }
+    }
+
+    /// Counts a wake-up due at `due` that came at `woke`, if later than
+    /// [`Self::COUNTED_MIN`]: the part of it no stretch counted before
+    /// covers. The measuring tasks' own step.
+    pub fn count_between(&self, due: Instant, woke: Instant) {
+        if woke.saturating_duration_since(due) <= Self::COUNTED_MIN {
+            return;
+        }
+        let mut counted_to = self
+            .0
+            .counted_to
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let from = counted_to.map_or(due, |to| to.max(due));
+        *counted_to = Some(counted_to.map_or(woke, |to| to.max(woke)));
+        self.add(woke.saturating_duration_since(from));
+    }
+
+    fn add(&self, late: Duration) {
+        let ms = u64::try_from(late.as_millis()).unwrap_or(u64::MAX);
+        self.0.total_ms.fetch_add(ms, Ordering::Relaxed);
     }
 
     /// Measures the current tokio runtime from now on, every
     /// [`Self::PERIOD`], until the returned task is aborted or the runtime
-    /// ends.
+    /// ends. Called once on each runtime to watch.
     pub fn measure(&self) -> tokio::task::JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
@@ -57,7 +92,7 @@ impl Starvation {
             loop {
                 tokio::time::sleep_until(due).await;
                 let woke = tokio::time::Instant::now();
-                me.count(woke.saturating_duration_since(due));
+                me.count_between(due.into_std(), woke.into_std());
                 due = woke + Self::PERIOD;
             }
         })
@@ -77,6 +112,26 @@ mod tests {
         s.count(Duration::from_millis(250));
         s.clone().count(Duration::from_secs(2));
         assert_eq!(s.total_ms(), 2_250, "clones share the total");
+    }
+
+    #[test]
+    fn a_stretch_two_runtimes_were_starved_in_is_counted_once() {
+        let s = Starvation::new();
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        // Both asleep for the same 10 s: counted once.
+        s.count_between(t, t + ms(10_000));
+        s.count_between(t + ms(5), t + ms(10_020));
+        assert_eq!(s.total_ms(), 10_020);
+        // One starved alone later: counted whole.
+        s.count_between(t + ms(11_000), t + ms(11_500));
+        assert_eq!(s.total_ms(), 10_520);
+        // Overlapping the end of the last one: only what is new.
+        s.count_between(t + ms(11_400), t + ms(11_700));
+        assert_eq!(s.total_ms(), 10_720);
+        // Noise is still noise.
+        s.count_between(t + ms(12_000), t + ms(12_030));
+        assert_eq!(s.total_ms(), 10_720);
     }
 
     #[test]
