@@ -30,10 +30,14 @@ pub struct Starvation(Arc<Measured>);
 struct Measured {
     /// Milliseconds counted so far.
     total_ms: AtomicU64,
-    /// The end of the latest stretch counted: what of a later one falls
-    /// before it was counted already.
-    counted_to: Mutex<Option<Instant>>,
+    /// The latest stretches counted (disjoint, in order, at most
+    /// [`COUNTED_KEPT`]): what of a new one they cover was counted already.
+    counted: Mutex<Vec<(Instant, Instant)>>,
 }
+
+/// Stretches kept to tell what a new one overlaps: a runtime late across
+/// more than this many of the others' stretches is counted a little short.
+const COUNTED_KEPT: usize = 64;
 
 impl Starvation {
     /// How often the measuring task asks to be woken.
@@ -67,14 +71,31 @@ impl Starvation {
         if woke.saturating_duration_since(due) <= Self::COUNTED_MIN {
             return;
         }
-        let mut counted_to = self
+        let mut counted = self
             .0
-            .counted_to
+            .counted
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let from = counted_to.map_or(due, |to| to.max(due));
-        *counted_to = Some(counted_to.map_or(woke, |to| to.max(woke)));
-        self.add(woke.saturating_duration_since(from));
+        let overlap: Duration = counted
+            .iter()
+            .map(|&(from, to)| to.min(woke).saturating_duration_since(from.max(due)))
+            .sum();
+        self.add(woke.saturating_duration_since(due).saturating_sub(overlap));
+        // Kept merged: the new stretch swallows those it overlaps.
+        let (mut from, mut to) = (due, woke);
+        counted.retain(|&(f, t)| {
+            let apart = t < from || f > to;
+            if !apart {
+                from = from.min(f);
+                to = to.max(t);
+            }
+            apart
+        });
+        let at = counted.partition_point(|&(f, _)| f < from);
+        counted.insert(at, (from, to));
+        if counted.len() > COUNTED_KEPT {
+            counted.remove(0);
+        }
     }
 
     fn add(&self, late: Duration) {
@@ -129,9 +150,14 @@ mod tests {
         // Overlapping the end of the last one: only what is new.
         s.count_between(t + ms(11_400), t + ms(11_700));
         assert_eq!(s.total_ms(), 10_720);
+        // One runtime's short stretch told first, then another's long one
+        // around it: the long one's whole length, the short one once.
+        s.count_between(t + ms(20_000), t + ms(20_100));
+        s.count_between(t + ms(15_000), t + ms(25_000));
+        assert_eq!(s.total_ms(), 20_720);
         // Noise is still noise.
         s.count_between(t + ms(12_000), t + ms(12_030));
-        assert_eq!(s.total_ms(), 10_720);
+        assert_eq!(s.total_ms(), 20_720);
     }
 
     #[test]
