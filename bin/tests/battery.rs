@@ -522,10 +522,7 @@ fn battery(kind: &'static str) {
     let seeds: Vec<u64> = match std::env::var("SWACTOR_PROCESS_SEED") {
         Ok(s) => vec![s.parse().expect("SWACTOR_PROCESS_SEED is a number")],
         Err(_) => {
-            let n = std::env::var("SWACTOR_PROCESS_SEEDS")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(16);
+            let n = env_or("SWACTOR_PROCESS_SEEDS", 16);
             (0..n).collect()
         }
     };

@@ -477,12 +477,8 @@ fn tail(text: &str, lines: usize) -> String {
 
 #[test]
 fn a_daemon_killed_at_any_moment_restarts_into_one_agent_per_slot_and_no_orphans() {
-    let cycles: u32 = std::env::var("SWACTOR_CRASH_CYCLES")
-        .ok()
-        .map_or(8, |s| s.parse().expect("SWACTOR_CRASH_CYCLES is a number"));
-    let seed: u64 = std::env::var("SWACTOR_CRASH_SEED")
-        .ok()
-        .map_or(1, |s| s.parse().expect("SWACTOR_CRASH_SEED is a number"));
+    let cycles: u32 = env_or("SWACTOR_CRASH_CYCLES", 8);
+    let seed: u64 = env_or("SWACTOR_CRASH_SEED", 1);
     let started = Instant::now();
     let mut rng = Rng(seed);
     let tmp = tempfile::tempdir().unwrap();

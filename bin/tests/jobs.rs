@@ -1155,10 +1155,7 @@ fn running_is_on_record_before_start_is_sent_and_a_timeout_counts_time_used_befo
 /// (opt-in: 200 debug agents take a few minutes on two cores).
 #[test]
 fn a_workspace_reaches_every_node_of_a_wide_fleet_at_once() {
-    let n: usize = std::env::var("SWACTOR_WIDE_NODES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(24);
+    let n: usize = env_or("SWACTOR_WIDE_NODES", 24);
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     let state = root.join("state");

@@ -712,10 +712,7 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
         eprintln!("skipped: set SWACTOR_FLOOD=1 to run the three-flood battery");
         return;
     }
-    let attempts: usize = std::env::var("SWACTOR_FLOOD_ATTEMPTS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5_000);
+    let attempts: usize = env_or("SWACTOR_FLOOD_ATTEMPTS", 5_000);
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     // The default grace (no lost_grace_s): what a user runs.
@@ -765,10 +762,7 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
     // the same `status` polling (without a flood it climbs about 2 MB over
     // its first minute, then holds): read once that has run for
     // `SWACTOR_FLOOD_WARMUP_S` (60 s).
-    let warmup: u64 = std::env::var("SWACTOR_FLOOD_WARMUP_S")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(60);
+    let warmup: u64 = env_or("SWACTOR_FLOOD_WARMUP_S", 60);
     std::thread::sleep(Duration::from_secs(warmup));
     let rss_before = status_kib(pid, "VmRSS:");
     let alloc_before = allocator(&state);
@@ -788,11 +782,7 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
     let rss_end = status_kib(pid, "VmRSS:");
     // RSS every 15 s after the flood, for `SWACTOR_FLOOD_WATCH_S` (at least
     // the minute the mark is about); the mark is read at 60 s.
-    let watch: u64 = std::env::var("SWACTOR_FLOOD_WATCH_S")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(60)
-        .max(60);
+    let watch: u64 = env_or("SWACTOR_FLOOD_WATCH_S", 60_u64).max(60);
     let mut samples = Vec::new();
     let mut rss_minute = 0;
     for at in (15..=watch).step_by(15) {

@@ -109,10 +109,7 @@ fn a_daemon_stopped_for_many_graces_replaces_no_live_agent() {
 
 #[test]
 fn joins_racing_restarts_are_never_refused_for_a_node_the_journal_holds() {
-    let races: usize = std::env::var("SWACTOR_RESTART_RACES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(12);
+    let races: usize = env_or("SWACTOR_RESTART_RACES", 12);
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let file = shape_file(tmp.path(), "race.toml", &shape("race", 3));

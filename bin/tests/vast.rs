@@ -1100,14 +1100,8 @@ fn inject(w: &World, rng: &mut Rng, seed: u64) -> String {
 
 /// Seeds to run: `SWACTOR_VAST_SEEDS` (default 16), from `SWACTOR_VAST_SEED0`.
 fn seeds() -> std::ops::Range<u64> {
-    let n = std::env::var("SWACTOR_VAST_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(16);
-    let first = std::env::var("SWACTOR_VAST_SEED0")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1);
+    let n = env_or("SWACTOR_VAST_SEEDS", 16);
+    let first = env_or("SWACTOR_VAST_SEED0", 1);
     first..first + n
 }
 
@@ -1194,10 +1188,7 @@ fn ten_restarts_replace_no_healthy_vast_node() {
     if !swactor_providers::ssh::testing::sshd_available() {
         return;
     }
-    let restarts: u32 = std::env::var("SWACTOR_VAST_RESTARTS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10);
+    let restarts: u32 = env_or("SWACTOR_VAST_RESTARTS", 10);
     let w = World::new(offers(12, 0.3));
     let shape = w.shape("ten.toml", 10, "");
     let mut d = w
@@ -1590,14 +1581,8 @@ fn outbid_nodes_are_replaced_and_never_leave_a_paused_instance_beside_the_new_on
     if !swactor_providers::ssh::testing::sshd_available() {
         return;
     }
-    let outbids: u64 = std::env::var("SWACTOR_VAST_OUTBIDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
-    let seed: u64 = std::env::var("SWACTOR_VAST_OUTBID_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(7);
+    let outbids: u64 = env_or("SWACTOR_VAST_OUTBIDS", 4);
+    let seed: u64 = env_or("SWACTOR_VAST_OUTBID_SEED", 7);
     let w = World::new(offers(12, 0.3));
     let shape = w.shape("bid.toml", 4, "rental = \"interruptible\"\nbid_dph = 0.5\n");
     let d = w

@@ -12,6 +12,18 @@ pub mod docker;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_swactor");
 
+/// The test knob `name` from the environment, or `default` when it is
+/// unset. A value that does not parse stops the test with the knob named,
+/// so a typo never runs the default silently.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(value) => value
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value:?} is not a valid value for this knob")),
+        Err(_) => default,
+    }
+}
+
 /// A shape file with `workers` workers (and optionally a coordinator).
 pub fn shape_file(dir: &Path, name: &str, body: &str) -> PathBuf {
     let path = dir.join(name);
