@@ -1,7 +1,9 @@
 //! Which peers may use a protocol, and the router that enforces it per ALPN.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
 
 use iroh::endpoint::{Accepting, Connection};
 use iroh::protocol::{AcceptError, IncomingFilterOutcome, ProtocolHandler, Router};
@@ -89,6 +91,76 @@ pub struct NotAllowed {
     pub alpn: String,
 }
 
+/// How long a peer whose first packet was admitted has to finish its
+/// handshake, by default: as long as a dialler of ours waits for one
+/// ([`NetConfig`](super::NetConfig)'s `connect_timeout`), so no handshake
+/// one of ours still waits on is cut. Without a deadline, a handshake its
+/// peer abandoned (a flood's attempt that gave up, a peer that never sends
+/// its last flight) keeps its connection's state, some 100 KB, until QUIC's
+/// idle timeout, 30 s by default.
+pub const HANDSHAKE_FINISH_DEADLINE: Duration = Duration::from_secs(10);
+
+/// A peer did not finish its handshake in time; the connection was dropped.
+#[derive(Debug, thiserror::Error)]
+#[error("the peer did not finish its handshake within {deadline:?}")]
+pub struct HandshakeTooSlow {
+    /// The deadline it missed.
+    pub deadline: Duration,
+}
+
+/// How many handshakes a guarded router has admitted and not yet finished
+/// (or dropped); a shared reader.
+#[derive(Clone, Debug, Default)]
+pub struct HandshakesUnderWay(Arc<AtomicUsize>);
+
+impl HandshakesUnderWay {
+    /// The count now.
+    #[must_use]
+    pub fn count(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn enter(&self) -> UnderWay<'_> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        UnderWay(&self.0)
+    }
+}
+
+/// One handshake under way, until dropped.
+struct UnderWay<'a>(&'a AtomicUsize);
+
+impl Drop for UnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What every protocol of one router shares about handshakes.
+#[derive(Debug)]
+struct Handshakes {
+    under_way: HandshakesUnderWay,
+    /// The finish deadline, in nanoseconds (settable on the builder after
+    /// protocols are registered).
+    deadline_nanos: AtomicU64,
+}
+
+impl Handshakes {
+    fn new() -> Self {
+        Self {
+            under_way: HandshakesUnderWay::default(),
+            deadline_nanos: AtomicU64::new(nanos(HANDSHAKE_FINISH_DEADLINE)),
+        }
+    }
+
+    fn deadline(&self) -> Duration {
+        Duration::from_nanos(self.deadline_nanos.load(Ordering::Relaxed))
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// Wraps a handler so only allowlisted peers, within the caps, reach it.
 #[derive(Debug)]
 struct Guarded<H> {
@@ -96,6 +168,7 @@ struct Guarded<H> {
     allowlist: Allowlist,
     slots: Slots,
     refusals: Arc<Mutex<RefusalLog>>,
+    handshakes: Arc<Handshakes>,
     inner: H,
 }
 
@@ -186,8 +259,15 @@ async fn flush_refusal_summaries(log: Arc<Mutex<RefusalLog>>, alpn: String) {
 impl<H: ProtocolHandler> ProtocolHandler for Guarded<H> {
     async fn on_accepting(&self, accepting: Accepting) -> Result<Connection, AcceptError> {
         // Finish the handshake here rather than in the inner handler so that
-        // no 0-RTT data can reach it before the peer's identity is checked.
-        Ok(accepting.await?)
+        // no 0-RTT data can reach it before the peer's identity is checked;
+        // within the deadline, so an abandoned handshake does not hold its
+        // state until the idle timeout (dropping it closes the connection).
+        let _under_way = self.handshakes.under_way.enter();
+        let deadline = self.handshakes.deadline();
+        match tokio::time::timeout(deadline, accepting).await {
+            Ok(connection) => Ok(connection?),
+            Err(_) => Err(AcceptError::from_err(HandshakeTooSlow { deadline })),
+        }
     }
 
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
@@ -232,13 +312,17 @@ impl<H: ProtocolHandler> ProtocolHandler for Guarded<H> {
 /// # Caveats
 /// The caps count connections from the end of the TLS handshake until the
 /// handler returns; how many handshakes start is bounded by
-/// [`GuardedRouterBuilder::handshake_rate`] where one is set, the ones in
-/// progress by QUIC's idle timeout and iroh's limit on pending
-/// connections, and a failed handshake is still logged by iroh's router.
+/// [`GuardedRouterBuilder::handshake_rate`] where one is set, and how long
+/// each may take by [`GuardedRouterBuilder::handshake_deadline`] (from the
+/// moment its protocol is known; reading that is bounded only by QUIC's
+/// idle timeout), so handshakes under way are at most the rate's burst
+/// plus its rate times the deadline. A failed handshake is still logged by
+/// iroh's router.
 #[derive(Debug)]
 pub struct GuardedRouterBuilder {
     inner: iroh::protocol::RouterBuilder,
     rates: Vec<RateClass>,
+    handshakes: Arc<Handshakes>,
 }
 
 /// A handshake budget for some protocols (`None`: the others).
@@ -256,7 +340,33 @@ impl GuardedRouterBuilder {
         Self {
             inner: Router::builder(endpoint),
             rates: Vec::new(),
+            handshakes: Arc::new(Handshakes::new()),
         }
+    }
+
+    /// Drops a connection whose handshake has not finished within
+    /// `deadline` of its protocol being known, on every protocol
+    /// ([`HANDSHAKE_FINISH_DEADLINE`] unless set).
+    ///
+    /// # Panics
+    /// If `deadline` is zero: deadlines are chosen in code, so that is a
+    /// programming error.
+    #[must_use]
+    pub fn handshake_deadline(self, deadline: Duration) -> Self {
+        assert!(
+            !deadline.is_zero(),
+            "a zero handshake deadline admits nothing"
+        );
+        self.handshakes
+            .deadline_nanos
+            .store(nanos(deadline), Ordering::Relaxed);
+        self
+    }
+
+    /// A reader of how many handshakes are under way on this router.
+    #[must_use]
+    pub fn handshakes_under_way(&self) -> HandshakesUnderWay {
+        self.handshakes.under_way.clone()
     }
 
     /// Serves `alpn` with `handler` for peers on `allowlist`, with the
@@ -301,11 +411,13 @@ impl GuardedRouterBuilder {
             allowlist,
             slots: Slots::new(&limits),
             refusals: Arc::new(Mutex::new(RefusalLog::new(limits.refusal_log_interval))),
+            handshakes: Arc::clone(&self.handshakes),
             inner: handler,
         };
         Self {
             inner: self.inner.accept(alpn, guarded),
             rates: self.rates,
+            handshakes: self.handshakes,
         }
     }
 

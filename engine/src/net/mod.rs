@@ -17,7 +17,10 @@ use iroh::endpoint::{
 };
 use iroh::{Endpoint, EndpointAddr, RelayMode, SecretKey};
 
-pub use allowlist::{Allowlist, GuardedRouterBuilder, NotAllowed};
+pub use allowlist::{
+    Allowlist, GuardedRouterBuilder, HANDSHAKE_FINISH_DEADLINE, HandshakeTooSlow,
+    HandshakesUnderWay, NotAllowed,
+};
 pub use frame::{
     FRAME_HEADER_LEN, FrameError, RECV_CHUNK_LEN_MAX_BYTES, RECV_FIRST_CHUNK_LEN_BYTES,
     encode_frame, recv_frame, reset_stream, send_frame,

@@ -501,3 +501,92 @@ async fn attempts_past_the_handshake_rate_are_refused_before_the_handshake() {
     client.close().await;
     server.shutdown().await.unwrap();
 }
+
+/// A loopback UDP relay for one client in front of `server`: it passes the
+/// client's packets only until the server first answers, and every packet
+/// of the server's. The client's handshake starts and never finishes, as
+/// when a peer gives up or never sends its last flight.
+async fn stalling_relay(server: std::net::SocketAddr) -> std::net::SocketAddr {
+    use std::net::{Ipv4Addr, SocketAddr};
+    let socket = tokio::net::UdpSocket::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+        .await
+        .unwrap();
+    let addr = socket.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65_536];
+        let (mut client, mut answered) = (None, false);
+        while let Ok((len, from)) = socket.recv_from(&mut buf).await {
+            if from == server {
+                answered = true;
+                if let Some(client) = client {
+                    let _ = socket.send_to(&buf[..len], client).await;
+                }
+            } else {
+                client = Some(from);
+                if !answered {
+                    let _ = socket.send_to(&buf[..len], server).await;
+                }
+            }
+        }
+    });
+    addr
+}
+
+/// Issue 29: a handshake its peer abandons is dropped at the router's
+/// finish deadline, not kept until QUIC's idle timeout (30 s here), so a
+/// flood's abandoned attempts do not pile up; other peers are served.
+#[tokio::test]
+async fn a_handshake_left_unfinished_is_dropped_at_the_deadline() {
+    use std::net::IpAddr;
+    use swactor_engine::net::HANDSHAKE_FINISH_DEADLINE;
+    // No dialler of ours waits longer than the default deadline gives.
+    assert!(HANDSHAKE_FINISH_DEADLINE >= NetConfig::default().connect_timeout);
+
+    let deadline = Duration::from_millis(1_500);
+    let builder = GuardedRouterBuilder::new(endpoint().await)
+        .serve(ALPN_SWARM, Allowlist::open(), greeter())
+        .handshake_deadline(deadline);
+    let under_way = builder.handshakes_under_way();
+    let server = builder.spawn();
+    let addr = server.endpoint().addr();
+    let direct = *addr
+        .ip_addrs()
+        .find(|a| a.ip() == IpAddr::from(std::net::Ipv4Addr::LOCALHOST))
+        .expect("the server listens on 127.0.0.1");
+    let relay = stalling_relay(direct).await;
+
+    let client = endpoint().await;
+    let stalled = tokio::spawn({
+        let client = client.clone();
+        let via_relay = EndpointAddr::new(addr.id).with_ip_addr(relay);
+        async move { connect(&client, via_relay, ALPN_SWARM, Duration::from_secs(20)).await }
+    });
+    crate::eventually(DIAL, "the stalled handshake to start", || {
+        under_way.count() == 1
+    })
+    .await;
+    let started = Instant::now();
+    // Another peer is served meanwhile.
+    let other = endpoint().await;
+    let (_conn, outcome) = dial_and_greet(&other, &addr, ALPN_SWARM).await;
+    assert_eq!(outcome.as_deref(), Ok("hi"));
+    assert_eq!(
+        under_way.count(),
+        1,
+        "only the stalled handshake is under way"
+    );
+
+    crate::eventually(
+        deadline + Duration::from_secs(3),
+        "the stalled handshake to be dropped",
+        || under_way.count() == 0,
+    )
+    .await;
+    let dropped_after = started.elapsed();
+    eprintln!("the stalled handshake was dropped {dropped_after:?} after it was seen");
+    assert!(dropped_after <= deadline + Duration::from_secs(1));
+    stalled.abort();
+    client.close().await;
+    other.close().await;
+    server.shutdown().await.unwrap();
+}
