@@ -24,7 +24,7 @@ use swactor_provisioning::{
 
 /// How long the agent's connection to its daemon may hear nothing before it
 /// is taken for dead and the agent dials again.
-const AGENT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+pub(crate) const AGENT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Options of `swactor agent`.
 #[derive(Debug, clap::Args)]

@@ -25,6 +25,16 @@ use swactor_provisioning::ResourceKey;
 /// How often a connected agent's join is asserted again.
 const JOIN_REASSERT: Duration = Duration::from_secs(3);
 
+// After a daemon restart, an agent first notices that its old link died
+// (its idle timeout), then is taken as joined here (a join is asserted
+// again at most every `JOIN_REASSERT`). Both must fit in the rejoin window
+// the host gives it, or a live node would be replaced on every restart.
+const _: () = assert!(
+    crate::agent::AGENT_IDLE_TIMEOUT.as_millis() + JOIN_REASSERT.as_millis()
+        < swactor_provisioning::DEFAULT_REJOIN_WINDOW_MS as u128,
+    "the rejoin window must outlast the agent's idle timeout and a join reassert"
+);
+
 /// Largest heartbeat or reply frame (a heartbeat is a counter).
 const SMALL_FRAME_LEN_MAX_BYTES: usize = 64;
 

@@ -139,6 +139,10 @@ pub struct HostConfig {
     pub deployment: Option<String>,
 }
 
+/// The rejoin window a host gives by default
+/// ([`HostConfig::rejoin_window_ms`]).
+pub const DEFAULT_REJOIN_WINDOW_MS: u64 = 15_000;
+
 impl Default for HostConfig {
     fn default() -> Self {
         Self {
@@ -149,7 +153,7 @@ impl Default for HostConfig {
             capacities: Vec::new(),
             visibility_window_ms: 60_000,
             sweep_interval_ms: 300_000,
-            rejoin_window_ms: 15_000,
+            rejoin_window_ms: DEFAULT_REJOIN_WINDOW_MS,
             adopt_unrecorded: false,
             deployment: None,
         }
