@@ -96,8 +96,8 @@ pub struct NotAllowed {
 /// ([`NetConfig`](super::NetConfig)'s `connect_timeout`), so no handshake
 /// one of ours still waits on is cut. Without a deadline, a handshake its
 /// peer abandoned (a flood's attempt that gave up, a peer that never sends
-/// its last flight) keeps its connection's state, some 100 KB, until QUIC's
-/// idle timeout, 30 s by default.
+/// its last flight) keeps its connection's state until QUIC's idle
+/// timeout, 30 s by default.
 pub const HANDSHAKE_FINISH_DEADLINE: Duration = Duration::from_secs(10);
 
 /// A peer did not finish its handshake in time; the connection was dropped.
