@@ -21,10 +21,11 @@ pub struct TimerFired<K> {
     pub generation: u64,
 }
 
-/// A shared count of timer tasks that are still alive.
+/// A shared count of things still alive: timer tasks, telemetry
+/// subscribers, a router's handshakes under way.
 ///
-/// Tasks decrement it when their future is dropped, including on abort, so
-/// it proves that cancelled timers really released their tasks.
+/// Each holds a guard that decrements it when dropped, including on abort,
+/// so for timers it proves that cancelled ones really released their tasks.
 #[derive(Clone, Debug, Default)]
 pub struct TaskGauge(Arc<AtomicUsize>);
 

@@ -1,7 +1,7 @@
 //! Which peers may use a protocol, and the router that enforces it per ALPN.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -12,6 +12,7 @@ use iroh::{Endpoint, EndpointId};
 use super::codes;
 use super::limits::{Limits, Refusal, RefusalLog, Slots};
 use super::rate::{Bucket, HandshakeRate};
+use crate::timers::TaskGauge;
 
 #[derive(Debug)]
 enum Rule {
@@ -108,37 +109,11 @@ pub struct HandshakeTooSlow {
     pub deadline: Duration,
 }
 
-/// How many handshakes a guarded router has admitted and not yet finished
-/// (or dropped); a shared reader.
-#[derive(Clone, Debug, Default)]
-pub struct HandshakesUnderWay(Arc<AtomicUsize>);
-
-impl HandshakesUnderWay {
-    /// The count now.
-    #[must_use]
-    pub fn count(&self) -> usize {
-        self.0.load(Ordering::Relaxed)
-    }
-
-    fn enter(&self) -> UnderWay<'_> {
-        self.0.fetch_add(1, Ordering::Relaxed);
-        UnderWay(&self.0)
-    }
-}
-
-/// One handshake under way, until dropped.
-struct UnderWay<'a>(&'a AtomicUsize);
-
-impl Drop for UnderWay<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 /// What every protocol of one router shares about handshakes.
 #[derive(Debug)]
 struct Handshakes {
-    under_way: HandshakesUnderWay,
+    /// Handshakes admitted and not yet finished (or dropped).
+    under_way: TaskGauge,
     /// The finish deadline, in nanoseconds (settable on the builder after
     /// protocols are registered).
     deadline_nanos: AtomicU64,
@@ -147,7 +122,7 @@ struct Handshakes {
 impl Handshakes {
     fn new() -> Self {
         Self {
-            under_way: HandshakesUnderWay::default(),
+            under_way: TaskGauge::default(),
             deadline_nanos: AtomicU64::new(nanos(HANDSHAKE_FINISH_DEADLINE)),
         }
     }
@@ -365,7 +340,7 @@ impl GuardedRouterBuilder {
 
     /// A reader of how many handshakes are under way on this router.
     #[must_use]
-    pub fn handshakes_under_way(&self) -> HandshakesUnderWay {
+    pub fn handshakes_under_way(&self) -> TaskGauge {
         self.handshakes.under_way.clone()
     }
 

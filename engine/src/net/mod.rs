@@ -18,8 +18,7 @@ use iroh::endpoint::{
 use iroh::{Endpoint, EndpointAddr, RelayMode, SecretKey};
 
 pub use allowlist::{
-    Allowlist, GuardedRouterBuilder, HANDSHAKE_FINISH_DEADLINE, HandshakeTooSlow,
-    HandshakesUnderWay, NotAllowed,
+    Allowlist, GuardedRouterBuilder, HANDSHAKE_FINISH_DEADLINE, HandshakeTooSlow, NotAllowed,
 };
 pub use frame::{
     FRAME_HEADER_LEN, FrameError, RECV_CHUNK_LEN_MAX_BYTES, RECV_FIRST_CHUNK_LEN_BYTES,

@@ -562,7 +562,7 @@ async fn a_handshake_left_unfinished_is_dropped_at_the_deadline() {
         async move { connect(&client, via_relay, ALPN_SWARM, Duration::from_secs(20)).await }
     });
     crate::eventually(DIAL, "the stalled handshake to start", || {
-        under_way.count() == 1
+        under_way.get() == 1
     })
     .await;
     let started = Instant::now();
@@ -571,7 +571,7 @@ async fn a_handshake_left_unfinished_is_dropped_at_the_deadline() {
     let (_conn, outcome) = dial_and_greet(&other, &addr, ALPN_SWARM).await;
     assert_eq!(outcome.as_deref(), Ok("hi"));
     assert_eq!(
-        under_way.count(),
+        under_way.get(),
         1,
         "only the stalled handshake is under way"
     );
@@ -579,7 +579,7 @@ async fn a_handshake_left_unfinished_is_dropped_at_the_deadline() {
     crate::eventually(
         deadline + Duration::from_secs(3),
         "the stalled handshake to be dropped",
-        || under_way.count() == 0,
+        || under_way.get() == 0,
     )
     .await;
     let dropped_after = started.elapsed();
