@@ -73,6 +73,7 @@ pub use on_demand::DockerOnDemand;
 pub use options::{CPUS_MAX, MEMORY_MB_MAX, MEMORY_MB_MIN, MOUNTS_MAX, check_template};
 
 use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
+use crate::kit::{KeyGuard, KeyLocks, Sessions};
 use crate::lock;
 use crate::{
     AgentLogSource, BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider,
@@ -92,14 +93,12 @@ use futures_util::StreamExt;
 use options::NodeOptions;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use swactor_provisioning::{
     LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, NodeTemplate, ResourceKey, RunId,
     SessionId, validate_id,
 };
-use tokio::sync::oneshot;
 
 /// Default of [`DockerConfig::stop_grace`].
 pub const STOP_GRACE_DEFAULT: Duration = Duration::from_secs(5);
@@ -271,16 +270,6 @@ pub enum DockerError {
     },
 }
 
-/// A bootstrap session this provider streams.
-struct SessionEntry {
-    /// Distinguishes successive streams of one session.
-    stream: u64,
-    /// Dropping it ends the current stream's follower.
-    _stop: oneshot::Sender<()>,
-    /// Set when the provider stops the container on purpose.
-    cancelled: Arc<AtomicBool>,
-}
-
 struct Shared {
     config: DockerConfig,
     docker: Docker,
@@ -288,10 +277,10 @@ struct Shared {
     host: String,
     /// The agent image's tag, once built or found.
     image: tokio::sync::OnceCell<String>,
-    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
-    next_stream: AtomicU64,
+    /// Open session streams.
+    sessions: Sessions<()>,
     /// Serialises the calls for one container.
-    key_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    key_locks: KeyLocks<String>,
     /// The engine's id of each container seen, by name, for statuses.
     ids: Mutex<HashMap<String, String>>,
     /// The run's containers of other deployments, as last listed.
@@ -353,9 +342,8 @@ impl DockerProvider {
                 docker,
                 host,
                 image: tokio::sync::OnceCell::new(),
-                sessions: Mutex::new(HashMap::new()),
-                next_stream: AtomicU64::new(0),
-                key_locks: Mutex::new(HashMap::new()),
+                sessions: Sessions::new(),
+                key_locks: KeyLocks::new(),
                 ids: Mutex::new(HashMap::new()),
                 foreign: Mutex::new(Vec::new()),
             }),
@@ -531,22 +519,8 @@ impl DockerProvider {
         Ok(name)
     }
 
-    async fn lock_key(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = lock(&self.shared.key_locks)
-            .entry(name.to_owned())
-            .or_default()
-            .clone();
-        lock.lock_owned().await
-    }
-
-    /// Forgets `name`'s lock once no other call holds or awaits it. Call it
-    /// while still holding the guard: the count below includes it.
-    fn release_key(&self, name: &str) {
-        let mut locks = lock(&self.shared.key_locks);
-        // One reference is the map's, one the caller's guard.
-        if locks.get(name).is_some_and(|l| Arc::strong_count(l) <= 2) {
-            locks.remove(name);
-        }
+    async fn lock_key(&self, name: &str) -> KeyGuard<'_, String> {
+        self.shared.key_locks.lock(&name.to_owned()).await
     }
 
     fn definite(&self, what: String, e: &EngineError) -> ProviderError {
@@ -741,38 +715,20 @@ impl DockerProvider {
     /// Opens a stream for `session` of container `name`, replacing (ending) any earlier one.
     fn open_stream(&self, session: &SessionId, name: &str, started_at: &str) -> BootstrapSession {
         let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
-        let (stop, stop_rx) = oneshot::channel();
-        let stream = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
-        let cancelled = {
-            let mut sessions = lock(&self.shared.sessions);
-            // Dropping the old entry's `stop` ends the older stream.
-            let cancelled = sessions
-                .remove(session)
-                .map_or_else(|| Arc::new(AtomicBool::new(false)), |old| old.cancelled);
-            sessions.insert(
-                session.clone(),
-                SessionEntry {
-                    stream,
-                    _stop: stop,
-                    cancelled: cancelled.clone(),
-                },
-            );
-            cancelled
-        };
+        let opened = self.shared.sessions.open(session, false, |_| ());
         let follower = follow::Follow {
             docker: self.shared.docker.clone(),
             name: name.to_owned(),
             session: session.clone(),
             started_at: started_at.to_owned(),
-            cancelled,
+            cancelled: opened.cancelled,
             tx,
-            stop: stop_rx,
+            stop: opened.stop,
         };
-        let weak = Arc::downgrade(&self.shared);
-        let id = session.clone();
+        let registration = opened.registration;
         tokio::spawn(async move {
             follower.run().await;
-            forget_stream(&weak, &id, stream);
+            drop(registration);
         });
         BootstrapSession {
             session: session.clone(),
@@ -784,22 +740,9 @@ impl DockerProvider {
     /// their streams close rather than report a loss.
     fn mark_cancelled(&self, name: &str) {
         let prefix = format!("docker:{name}#");
-        for (id, entry) in lock(&self.shared.sessions).iter() {
-            if id.0.starts_with(&prefix) {
-                entry.cancelled.store(true, Ordering::SeqCst);
-            }
-        }
-    }
-}
-
-/// Removes `session`'s entry if it still belongs to stream `stream`.
-fn forget_stream(shared: &Weak<Shared>, session: &SessionId, stream: u64) {
-    let Some(shared) = shared.upgrade() else {
-        return;
-    };
-    let mut sessions = lock(&shared.sessions);
-    if sessions.get(session).is_some_and(|e| e.stream == stream) {
-        sessions.remove(session);
+        self.shared
+            .sessions
+            .mark_cancelled_where(|id| id.0.starts_with(&prefix));
     }
 }
 
@@ -958,7 +901,6 @@ impl Provider for DockerProvider {
             }
         }
         .await;
-        self.release_key(&name);
         drop(guard);
         result
     }
@@ -1110,7 +1052,6 @@ impl Provider for DockerProvider {
             }
         }
         .await;
-        self.release_key(&name);
         drop(guard);
         result
     }
@@ -1256,6 +1197,77 @@ impl Provider for DockerProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every session ever started leaves nothing in the provider's maps
+    /// once its stream has ended. Runs against the local engine, following
+    /// containers that do not exist (each stream ends at the engine's 404).
+    #[tokio::test]
+    async fn ten_thousand_sessions_leave_no_entry_and_no_lock_behind() {
+        const SESSIONS: u32 = 10_000;
+        const BATCH: u32 = 500;
+        let config = DockerConfig {
+            daemon_ticket: "t".to_owned(),
+            token_secret: [1; 32],
+            ..DockerConfig::new("/bin/true")
+        };
+        let p = match DockerProvider::connect(config).await {
+            Ok(p) => p,
+            Err(e @ DockerError::EngineUnreachable { .. }) => {
+                assert!(
+                    std::env::var("SWACTOR_REQUIRE_DOCKER").as_deref() != Ok("1"),
+                    "SWACTOR_REQUIRE_DOCKER=1 but no Docker engine answers: {e}"
+                );
+                eprintln!("skipped: no Docker engine answers ({e})");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let mut most = 0;
+        for batch in 0..SESSIONS / BATCH {
+            let mut streams = Vec::new();
+            for i in batch * BATCH..(batch + 1) * BATCH {
+                // No container of this name exists: the engine says so.
+                let name = format!("swactor-kit-test-absent-{i}");
+                let _guard = p.lock_key(&name).await;
+                let session = SessionId::from(format!("docker:{name}#t"));
+                let stream = p.open_stream(&session, &name, "2026-01-01T00:00:00Z");
+                let cancel = i % 10 == 0;
+                if cancel {
+                    p.mark_cancelled(&name);
+                }
+                streams.push((cancel, name, stream));
+            }
+            most = most.max(p.shared.sessions.len());
+            for (cancel, name, mut s) in streams {
+                let mut last = None;
+                while let Some(event) = s.events.recv().await {
+                    last = Some(event);
+                }
+                let expected = if cancel {
+                    swactor_provisioning::BootstrapEvent::Closed
+                } else {
+                    swactor_provisioning::BootstrapEvent::Failed {
+                        stage: swactor_provisioning::BootstrapStage::AgentLost,
+                        reason: format!("container {name} was removed"),
+                    }
+                };
+                assert_eq!(last, Some(expected));
+            }
+        }
+        assert!(
+            most <= BATCH as usize,
+            "{most} entries for {BATCH} live streams"
+        );
+        // A stream's entry goes when its task ends, just after its last event.
+        for _ in 0..200 {
+            if p.shared.sessions.len() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(p.shared.sessions.len(), 0);
+        assert_eq!(p.shared.key_locks.len(), 0);
+    }
 
     #[test]
     fn the_listing_lag_is_as_long_as_the_wait_for_a_reserved_name() {

@@ -87,36 +87,34 @@
 
 mod logs;
 mod os;
-mod protocol;
 mod tail;
 
+pub use crate::kit::{AGENT_LINE_PREFIX, format_agent_line, parse_agent_line};
 pub use logs::{
     AgentLog, LOG_ATTEMPTS_KEPT, LOG_KEEP_BYTES, LOG_RUN_BYTES_MAX, agent_logs, kept_log_path,
 };
-pub use protocol::{AGENT_LINE_PREFIX, format_agent_line, parse_agent_line};
 
 use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
 use std::os::unix::fs::DirBuilderExt;
 
+use crate::kit::{KeyGuard, KeyLocks, RecentOutput, Sessions};
 use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
 use async_trait::async_trait;
 use os::{AgentIdentity, Leader};
 use rustix::process::Signal;
-use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use swactor_provisioning::{
     LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, NodeTemplate, ResourceKey, RunId,
     SessionId, validate_id,
 };
 use tail::{Exit, Tail};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 /// Default of [`ProcessConfig::term_grace`].
 pub const TERM_GRACE_DEFAULT: Duration = Duration::from_secs(5);
@@ -297,36 +295,19 @@ pub enum ProcessError {
 /// Publishes a spawned agent's exit status once its reaper has waited for it.
 type ExitWatch = watch::Receiver<Option<String>>;
 
-/// A bootstrap session this provider streams.
-struct SessionEntry {
-    /// Distinguishes successive streams of one session.
-    stream: u64,
-    /// Dropping it ends the current stream's tail.
-    _stop: oneshot::Sender<()>,
-    /// The agent's exit status, when this process spawned it.
-    exit: Option<ExitWatch>,
-    /// Set when the provider stops the agent on purpose.
-    cancelled: Arc<AtomicBool>,
-}
-
 struct Shared {
     config: ProcessConfig,
     /// The canonical (absolute) `{state_dir}/nodes`.
     nodes_dir: PathBuf,
     /// The canonical state directory.
     state_dir: PathBuf,
-    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
-    next_stream: AtomicU64,
+    /// Open session streams, with the agent's exit status when this
+    /// process spawned it.
+    sessions: Sessions<Option<ExitWatch>>,
     /// Serialises the calls for one node directory.
-    key_locks: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    key_locks: KeyLocks<PathBuf>,
     /// Keeps destroyed leases' logs.
     logs: logs::LogKeeper,
-}
-
-impl Shared {
-    fn sessions(&self) -> MutexGuard<'_, HashMap<SessionId, SessionEntry>> {
-        crate::lock(&self.sessions)
-    }
 }
 
 /// The local process provider. Cheap to clone; clones share state.
@@ -374,9 +355,8 @@ impl ProcessProvider {
                 config,
                 nodes_dir,
                 state_dir,
-                sessions: Mutex::new(HashMap::new()),
-                next_stream: AtomicU64::new(0),
-                key_locks: Mutex::new(HashMap::new()),
+                sessions: Sessions::new(),
+                key_locks: KeyLocks::new(),
                 logs: logs::LogKeeper::default(),
             }),
         })
@@ -412,43 +392,8 @@ impl ProcessProvider {
         Ok(dir)
     }
 
-    async fn lock_key(&self, dir: &Path) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = self
-            .shared
-            .key_locks
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(dir.to_path_buf())
-            .or_default()
-            .clone();
-        lock.lock_owned().await
-    }
-
-    /// `dir`'s lock, if no call holds it now.
-    fn try_lock_key(&self, dir: &Path) -> Option<tokio::sync::OwnedMutexGuard<()>> {
-        let lock = self
-            .shared
-            .key_locks
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(dir.to_path_buf())
-            .or_default()
-            .clone();
-        lock.try_lock_owned().ok()
-    }
-
-    /// Forgets `dir`'s lock once no other call holds or awaits it. Call it
-    /// while still holding the guard: the count below includes it.
-    fn release_key(&self, dir: &Path) {
-        let mut locks = self
-            .shared
-            .key_locks
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        // One reference is the map's, one the caller's guard.
-        if locks.get(dir).is_some_and(|l| Arc::strong_count(l) <= 2) {
-            locks.remove(dir);
-        }
+    async fn lock_key(&self, dir: &Path) -> KeyGuard<'_, PathBuf> {
+        self.shared.key_locks.lock(&dir.to_path_buf()).await
     }
 
     fn endpoint(dir: &Path) -> NodeEndpoint {
@@ -555,45 +500,29 @@ impl ProcessProvider {
         spawned: Option<ExitWatch>,
     ) -> BootstrapSession {
         let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
-        let (stop, stop_rx) = oneshot::channel();
-        let stream = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
-        let (exit, cancelled) = {
-            let mut sessions = self.shared.sessions();
-            let (exit, cancelled) = match (spawned, sessions.remove(session)) {
-                (Some(exit), _) => (Some(exit), Arc::new(AtomicBool::new(false))),
-                // Dropping the old entry's `stop` ends the older stream.
-                (None, Some(old)) => (old.exit, old.cancelled),
-                (None, None) => (None, Arc::new(AtomicBool::new(false))),
-            };
-            sessions.insert(
-                session.clone(),
-                SessionEntry {
-                    stream,
-                    _stop: stop,
-                    exit: exit.clone(),
-                    cancelled: cancelled.clone(),
-                },
-            );
-            (exit, cancelled)
-        };
+        // A freshly spawned agent has its own exit watch; a stream that
+        // follows the same agent again keeps the one it had.
+        let opened = self
+            .shared
+            .sessions
+            .open(session, spawned.is_some(), |old| spawned.or(old.flatten()));
         let tail = Tail {
             session: session.clone(),
             log: dir.join(LOG_FILE),
-            exit: match exit {
+            exit: match opened.extra {
                 Some(rx) => Exit::Child(rx),
                 None => Exit::Adopted { pid, who },
             },
-            cancelled,
+            cancelled: opened.cancelled,
             poll: self.shared.config.log_poll_interval,
             tx,
-            stop: stop_rx,
-            recent: std::collections::VecDeque::new(),
+            stop: opened.stop,
+            recent: RecentOutput::default(),
         };
-        let weak = Arc::downgrade(&self.shared);
-        let id = session.clone();
+        let registration = opened.registration;
         tokio::spawn(async move {
             tail.run().await;
-            forget_stream(&weak, &id, stream);
+            drop(registration);
         });
         BootstrapSession {
             session: session.clone(),
@@ -603,9 +532,7 @@ impl ProcessProvider {
 
     /// Marks `session` as stopped on purpose, so its stream closes rather than reports a loss.
     fn mark_cancelled(&self, session: &SessionId) {
-        if let Some(entry) = self.shared.sessions().get(session) {
-            entry.cancelled.store(true, Ordering::SeqCst);
-        }
+        self.shared.sessions.mark_cancelled(session);
     }
 
     /// Stops the agent `pid` of `who` and everything in its group.
@@ -670,7 +597,7 @@ impl ProcessProvider {
     /// Records a searched-out agent in `dir`, unless a call holds the
     /// directory (that call settles the file itself).
     fn record_found(&self, dir: &Path, who: &AgentIdentity, pid: i32) {
-        let Some(guard) = self.try_lock_key(dir) else {
+        let Some(_guard) = self.shared.key_locks.try_lock(&dir.to_path_buf()) else {
             return;
         };
         // Checked again under the lock: a call may have stopped the agent
@@ -678,8 +605,6 @@ impl ProcessProvider {
         if os::leader(pid, who) == Leader::Ours {
             record_pid(dir, pid);
         }
-        self.release_key(dir);
-        drop(guard);
     }
 }
 
@@ -748,17 +673,6 @@ fn record_pid(dir: &Path, pid: i32) {
     let path = dir.join(PID_FILE);
     if let Err(e) = write_atomically(&path, format!("{pid}\n").as_bytes()) {
         tracing::warn!(path = %path.display(), pid, error = %e, "cannot record the agent pid; later calls will search for it");
-    }
-}
-
-/// Removes `session`'s entry if it still belongs to stream `stream`.
-fn forget_stream(shared: &Weak<Shared>, session: &SessionId, stream: u64) {
-    let Some(shared) = shared.upgrade() else {
-        return;
-    };
-    let mut sessions = shared.sessions();
-    if sessions.get(session).is_some_and(|e| e.stream == stream) {
-        sessions.remove(session);
     }
 }
 
@@ -1128,7 +1042,6 @@ impl Provider for ProcessProvider {
             // Fails harmlessly while other nodes of the run remain.
             let _ = fs::remove_dir(run_dir);
         }
-        self.release_key(&dir);
         drop(guard);
         tracing::debug!(%key, dir = %dir.display(), "destroyed a node directory");
         Ok(())
@@ -1233,6 +1146,7 @@ impl Provider for ProcessProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use swactor_provisioning::{BootstrapEvent, BootstrapStage};
 
     #[test]
     fn directory_names_map_back_to_their_keys() {
@@ -1266,17 +1180,77 @@ mod tests {
             async move { drop(p.lock_key(Path::new("/n/r/w-0-a1")).await) }
         });
         tokio::task::yield_now().await;
-        // A call that ends forgets the lock only if nobody else wants it;
+        assert!(!waiter.is_finished());
+        assert_eq!(p.shared.key_locks.len(), 1);
+        // The lock is forgotten only once nobody holds or awaits it:
         // otherwise a third call would get a fresh lock while the waiter
         // holds the old one.
-        p.release_key(dir);
-        assert!(p.shared.key_locks.lock().unwrap().contains_key(dir));
         drop(guard);
         waiter.await.unwrap();
-        let guard = p.lock_key(dir).await;
-        p.release_key(dir);
-        drop(guard);
-        assert!(p.shared.key_locks.lock().unwrap().is_empty());
+        assert_eq!(p.shared.key_locks.len(), 0);
+    }
+
+    /// Every session ever started leaves nothing in the provider's maps
+    /// once its stream has ended: neither its entry nor its key's lock.
+    #[tokio::test]
+    async fn ten_thousand_sessions_leave_no_entry_and_no_lock_behind() {
+        const SESSIONS: u32 = 10_000;
+        const BATCH: u32 = 500;
+        let state = tempfile::tempdir().unwrap();
+        let p = ProcessProvider::new(ProcessConfig {
+            agent_program: "/bin/true".into(),
+            daemon_ticket: "t".to_owned(),
+            token_secret: [1; 32],
+            ..ProcessConfig::new(state.path())
+        })
+        .unwrap();
+        let dir = state.path().join("agent");
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join(LOG_FILE), "booting\n").unwrap();
+        let key = ResourceKey {
+            run_id: RunId::new("r"),
+            node: LogicalNodeId::parse("w-0").unwrap(),
+            attempt: NodeAttemptId(1),
+        };
+        let who = AgentIdentity::new(&key, &dir);
+        let mut most = 0;
+        for batch in 0..SESSIONS / BATCH {
+            let mut streams = Vec::new();
+            for i in batch * BATCH..(batch + 1) * BATCH {
+                let _guard = p.lock_key(&dir.join(i.to_string())).await;
+                // An agent that already exited: its stream ends at once.
+                let (_tx, exit) = watch::channel(Some("exited with code 3".to_owned()));
+                let session = SessionId::from(format!("{}#pid{i}", dir.display()));
+                streams.push(p.open_stream(&session, &dir, 1, who.clone(), Some(exit)));
+            }
+            most = most.max(p.shared.sessions.len());
+            for mut s in streams {
+                let mut last = None;
+                while let Some(event) = s.events.recv().await {
+                    last = Some(event);
+                }
+                assert_eq!(
+                    last,
+                    Some(BootstrapEvent::Failed {
+                        stage: BootstrapStage::AgentLost,
+                        reason: "agent exited with code 3; its last output: booting".to_owned(),
+                    })
+                );
+            }
+        }
+        assert!(
+            most <= BATCH as usize,
+            "{most} entries for {BATCH} live streams"
+        );
+        // A stream's entry goes when its task ends, just after its last event.
+        for _ in 0..200 {
+            if p.shared.sessions.len() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(p.shared.sessions.len(), 0);
+        assert_eq!(p.shared.key_locks.len(), 0);
     }
 
     #[test]

@@ -34,9 +34,11 @@ mod target;
 #[cfg(feature = "ssh-testing")]
 pub mod testing;
 
+#[cfg(test)]
+pub(crate) use hosts::relay_tests;
 pub use hosts::{SshHostsConfig, SshHostsProvider, UNREACHABLE_GIVE_UP_DEFAULT, check_template};
 #[cfg(feature = "vast")]
-pub(crate) use hosts::{private_dirs, read_agent_log, relay, write_durably};
+pub(crate) use hosts::{private_dirs, read_agent_log, start_relay, write_durably};
 pub use identity::{KEY_COMMENT, KEY_FILE, PUBLIC_KEY_FILE, SshIdentity};
 pub use known_hosts::KnownHosts;
 pub use quote::{command_line, quote};

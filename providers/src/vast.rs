@@ -62,11 +62,12 @@ pub use model::KNOWN_PARAMS;
 use self::api::{Api, ApiError, Endpoint};
 use self::model::{CreateFailure, GroupParams, Health, Instance, Offer};
 use crate::credentials::AgentCredentials;
+use crate::kit::{KeyGuard, KeyLocks, Sessions};
 use crate::lock;
 use crate::ssh::remote;
 use crate::ssh::{
     ConnectOptions, KnownHosts, SshError, SshIdentity, SshSession, SshTarget, private_dirs,
-    read_agent_log, relay, write_durably,
+    read_agent_log, start_relay, write_durably,
 };
 use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
 use async_trait::async_trait;
@@ -74,14 +75,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use swactor_provisioning::{
     LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, NodeTemplate, ResourceKey, RunId,
     SessionId,
 };
-use tokio::sync::oneshot;
 
 /// The service's address when `VAST_URL` is not set.
 pub const DEFAULT_URL: &str = "https://console.vast.ai";
@@ -89,8 +88,6 @@ pub const DEFAULT_URL: &str = "https://console.vast.ai";
 pub const LISTING_LAG_DEFAULT: Duration = Duration::from_secs(60);
 /// Most listing pages read (25 instances each).
 const LIST_PAGES_MAX: usize = 400;
-/// Events buffered per session stream.
-const STREAM_BUFFER_LEN: usize = 64;
 /// How long a search's offers are reused by later creates.
 const OFFERS_FRESH: Duration = Duration::from_secs(10);
 /// The user the daemon logs in as.
@@ -215,11 +212,6 @@ pub struct InstanceInfo {
     pub status: String,
 }
 
-struct SessionEntry {
-    cancelled: Arc<AtomicBool>,
-    _stop: oneshot::Sender<()>,
-}
-
 /// Where the machines to skip are kept, under `{state}/vast`.
 const BAD_MACHINES_FILE: &str = "bad_machines.json";
 /// Where what ended rentals cost is kept, under `{state}/vast`.
@@ -289,12 +281,14 @@ struct Shared {
     /// The SSH endpoint of each instance, once running.
     endpoints: Mutex<HashMap<u64, String>>,
     connections: Mutex<HashMap<u64, SshSession>>,
-    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
+    /// Open session streams.
+    sessions: Sessions<()>,
     /// What status shows, by key.
     shown: Mutex<BTreeMap<ResourceKey, InstanceInfo>>,
     /// The run's instances of other deployments, as last listed.
     foreign: Mutex<Vec<crate::ForeignResource>>,
-    key_locks: Mutex<HashMap<ResourceKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// Serialises the calls for one key.
+    key_locks: KeyLocks<ResourceKey>,
     /// Recent searches, by query: when, and the offers still untried.
     offers: Mutex<HashMap<String, (Instant, Vec<Offer>)>>,
     /// Held from the spend check to the create's answer.
@@ -460,10 +454,10 @@ impl VastProvider {
                 first_seen: Mutex::new(HashMap::new()),
                 endpoints: Mutex::new(HashMap::new()),
                 connections: Mutex::new(HashMap::new()),
-                sessions: Mutex::new(HashMap::new()),
+                sessions: Sessions::new(),
                 shown: Mutex::new(BTreeMap::new()),
                 foreign: Mutex::new(Vec::new()),
-                key_locks: Mutex::new(HashMap::new()),
+                key_locks: KeyLocks::new(),
                 offers: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
                 binary: tokio::sync::OnceCell::new(),
@@ -521,12 +515,8 @@ impl VastProvider {
         lock(&self.shared.shown).insert(key.clone(), info);
     }
 
-    async fn lock_key(&self, key: &ResourceKey) -> tokio::sync::OwnedMutexGuard<()> {
-        let m = lock(&self.shared.key_locks)
-            .entry(key.clone())
-            .or_default()
-            .clone();
-        m.lock_owned().await
+    async fn lock_key(&self, key: &ResourceKey) -> KeyGuard<'_, ResourceKey> {
+        self.shared.key_locks.lock(key).await
     }
 
     fn record_path(&self, key: &ResourceKey) -> PathBuf {
@@ -1174,30 +1164,12 @@ impl VastProvider {
         let lines = ssh
             .exec_lines(&remote::follow(&remote::node_dir(key)))
             .await?;
-        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
-        let (stop, stop_rx) = oneshot::channel();
-        let cancelled = Arc::new(AtomicBool::new(false));
-        if let Some(old) = lock(&self.shared.sessions).insert(
-            session.clone(),
-            SessionEntry {
-                cancelled: cancelled.clone(),
-                _stop: stop,
-            },
-        ) && old.cancelled.load(Ordering::SeqCst)
-        {
-            cancelled.store(true, Ordering::SeqCst);
-        }
-        tokio::spawn(relay(
-            lines,
-            tx,
-            stop_rx,
-            cancelled,
-            format!("instance {id} ({target})"),
-        ));
-        Ok(BootstrapSession {
+        Ok(start_relay(
+            &self.shared.sessions,
             session,
-            events: rx,
-        })
+            lines,
+            format!("instance {id} ({target})"),
+        ))
     }
 
     /// How long `id` has been loading, for its load timeout.
@@ -1478,9 +1450,7 @@ impl Provider for VastProvider {
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| definite(format!("{} is not a vast session", session.0)))?;
         let _guard = self.lock_key(key).await;
-        if let Some(e) = lock(&self.shared.sessions).get(session) {
-            e.cancelled.store(true, Ordering::SeqCst);
-        }
+        self.shared.sessions.mark_cancelled(session);
         // Nothing runs on an instance that is not running.
         let Some(target) = self.target_of(id).await? else {
             return Ok(());
@@ -1684,6 +1654,28 @@ impl Provider for VastProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn ten_thousand_sessions_leave_no_entry_and_no_lock_behind() {
+        let state = tempfile::tempdir().unwrap();
+        // Never dialled: the sessions are fed from the test.
+        let config = VastConfig::new(
+            state.path(),
+            "/bin/true",
+            "http://127.0.0.1:9",
+            ApiKey::new("k").unwrap(),
+        );
+        let p = VastProvider::new(config).unwrap();
+        let locks = &p.shared.key_locks;
+        let most =
+            crate::ssh::relay_tests::relay_sessions(&p.shared.sessions, 10_000, |key| async move {
+                locks.lock(&key).await
+            })
+            .await;
+        assert!(most <= 500, "{most} entries for 500 live streams");
+        assert_eq!(p.shared.sessions.len(), 0);
+        assert_eq!(p.shared.key_locks.len(), 0);
+    }
 
     #[test]
     fn leases_and_sessions_name_their_instance() {

@@ -1,12 +1,11 @@
 //! Follows a container's log from its latest start and turns the agent's
 //! protocol lines into a session stream.
 
-use crate::process::parse_agent_line;
+use crate::kit::{RecentOutput, parse_agent_line};
 use bollard::Docker;
 use bollard::container::LogOutput;
 use bollard::query_parameters::LogsOptions;
 use futures_util::StreamExt;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -15,10 +14,6 @@ use tokio::sync::oneshot;
 
 /// Longest agent output line kept; longer ones cannot be protocol lines and are skipped.
 const LINE_LEN_MAX: usize = 64 * 1024;
-/// Lines of the agent's own output quoted when it exits unannounced.
-const RECENT_LINES_MAX: usize = 5;
-/// Characters kept of each quoted line.
-const RECENT_LINE_CHARS_MAX: usize = 300;
 /// Times a broken log stream of a running container is opened again.
 const REOPENS_MAX: u32 = 10;
 /// Pause before opening a broken log stream again.
@@ -79,7 +74,7 @@ struct Reading {
     /// The agent announced its failure.
     failed: bool,
     /// The last lines of the agent's own output.
-    recent: VecDeque<String>,
+    recent: RecentOutput,
 }
 
 impl Follow {
@@ -277,7 +272,7 @@ impl Follow {
             }
             None => {
                 tracing::debug!(session = %self.session.0, line, "agent output");
-                remember(&mut reading.recent, line);
+                reading.recent.remember(line);
                 Ok(())
             }
         }
@@ -299,33 +294,13 @@ impl Follow {
     }
 }
 
-/// Keeps `line` among the recent output, trimmed and cut.
-fn remember(recent: &mut VecDeque<String>, line: &str) {
-    let plain: String = line
-        .chars()
-        .filter(|c| !c.is_control() || *c == '\t')
-        .collect();
-    let plain = plain.trim();
-    if plain.is_empty() {
-        return;
-    }
-    let mut kept: String = plain.chars().take(RECENT_LINE_CHARS_MAX).collect();
-    if kept.len() < plain.len() {
-        kept.push('…');
-    }
-    if recent.len() == RECENT_LINES_MAX {
-        recent.pop_front();
-    }
-    recent.push_back(kept);
-}
-
 /// Why a container's stream ends in a failure: its exit code, whether the
 /// kernel killed it for memory, and what it last wrote.
 pub(super) fn exit_reason(
     name: &str,
     code: i64,
     oom_killed: bool,
-    recent: &VecDeque<String>,
+    recent: &RecentOutput,
 ) -> String {
     let oom = if oom_killed {
         " (OOMKilled: it ran out of its memory limit; raise `memory_mb`)"
@@ -337,14 +312,7 @@ pub(super) fn exit_reason(
         |_| format!("exited with code {code}"),
         |code| crate::exit::Ended::from_shell(code).clause(),
     );
-    if recent.is_empty() {
-        return format!("container {name} {ended}{oom} (it wrote nothing else)");
-    }
-    let last: Vec<&str> = recent.iter().map(String::as_str).collect();
-    format!(
-        "container {name} {ended}{oom}; its last output: {}",
-        last.join(" | ")
-    )
+    format!("container {name} {ended}{oom}{}", recent.clause())
 }
 
 #[cfg(test)]
@@ -370,13 +338,13 @@ mod tests {
 
     #[test]
     fn an_exit_reason_names_the_code_the_oom_kill_and_the_last_output() {
-        let mut recent = VecDeque::new();
+        let mut recent = RecentOutput::default();
         assert_eq!(
             exit_reason("c", 137, true, &recent),
             "container c was killed by signal 9 (SIGKILL) (OOMKilled: it ran out of its memory limit; raise `memory_mb`) (it wrote nothing else)"
         );
-        remember(&mut recent, "error: \u{1b}unexpected argument\r");
-        remember(&mut recent, "  ");
+        recent.remember("error: \u{1b}[1munexpected\u{1b}[0m argument\r");
+        recent.remember("  ");
         assert_eq!(
             exit_reason("c", 2, false, &recent),
             "container c exited with code 2; its last output: error: unexpected argument"

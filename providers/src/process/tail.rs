@@ -1,8 +1,7 @@
 //! Follows an agent's log from its first byte and turns protocol lines into a session stream.
 
 use super::os::{self, AgentIdentity};
-use super::protocol::parse_agent_line;
-use std::collections::VecDeque;
+use crate::kit::{RecentOutput, parse_agent_line};
 use std::fs::File;
 use std::io::{self, Read};
 use std::path::PathBuf;
@@ -16,10 +15,6 @@ use tokio::sync::{oneshot, watch};
 const LINE_LEN_MAX: usize = 64 * 1024;
 /// Bytes read from the log per read call.
 const READ_CHUNK_LEN: usize = 64 * 1024;
-/// Lines of the agent's own output (not protocol lines) quoted when it exits unannounced.
-const RECENT_LINES_MAX: usize = 5;
-/// Characters kept of each quoted line.
-const RECENT_LINE_CHARS_MAX: usize = 300;
 
 /// How a tail learns that the agent exited.
 pub(super) enum Exit {
@@ -88,7 +83,7 @@ pub(super) struct Tail {
     pub(super) stop: oneshot::Receiver<()>,
     /// The last lines of the agent's own output, for the reason of an exit
     /// it did not announce (a crash, an argument it refused).
-    pub(super) recent: VecDeque<String>,
+    pub(super) recent: RecentOutput,
 }
 
 /// Why a tail ended without finishing its stream.
@@ -157,38 +152,17 @@ impl Tail {
                     }
                     None => {
                         tracing::debug!(session = %self.session.0, line, "agent output");
-                        self.remember(&line);
+                        self.recent.remember(&line);
                     }
                 }
             }
         }
     }
 
-    /// Keeps `line` among the recent output, without terminal escapes and cut.
-    fn remember(&mut self, line: &str) {
-        let plain = strip_escapes(line);
-        let plain = plain.trim();
-        if plain.is_empty() {
-            return;
-        }
-        let mut kept: String = plain.chars().take(RECENT_LINE_CHARS_MAX).collect();
-        if kept.len() < plain.len() {
-            kept.push('…');
-        }
-        if self.recent.len() == RECENT_LINES_MAX {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(kept);
-    }
-
     /// Why the agent's stream ends in a failure: how it ended (a clause of
     /// [`crate::exit::Ended`]) and what it last wrote.
     fn exit_reason(&self, status: &str) -> String {
-        if self.recent.is_empty() {
-            return format!("agent {status} (it wrote nothing else)");
-        }
-        let last: Vec<&str> = self.recent.iter().map(String::as_str).collect();
-        format!("agent {status}; its last output: {}", last.join(" | "))
+        format!("agent {status}{}", self.recent.clause())
     }
 
     async fn send(&mut self, event: BootstrapEvent) -> Result<(), Stopped> {
@@ -197,31 +171,6 @@ impl Tail {
             _ = &mut self.stop => Err(Stopped),
         }
     }
-}
-
-/// `line` without ANSI escape sequences (colours, cursor moves).
-fn strip_escapes(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c != '\u{1b}' {
-            if !c.is_control() || c == '\t' {
-                out.push(c);
-            }
-            continue;
-        }
-        // CSI: ESC [ parameters… final byte in @..~; other escapes: one more char.
-        if chars.next_if_eq(&'[').is_some() {
-            for c in chars.by_ref() {
-                if ('@'..='~').contains(&c) {
-                    break;
-                }
-            }
-        } else {
-            chars.next();
-        }
-    }
-    out
 }
 
 /// Reads a growing file line by line, keeping at most one partial line.
@@ -315,14 +264,5 @@ mod tests {
         assert_eq!(reader.read_lines(false).unwrap(), ["two"]);
         assert!(reader.read_lines(false).unwrap().is_empty());
         assert_eq!(reader.read_lines(true).unwrap(), ["three"]);
-    }
-
-    #[test]
-    fn escapes_and_control_characters_are_stripped_from_quoted_output() {
-        assert_eq!(
-            strip_escapes("\u{1b}[2m2026\u{1b}[0m \u{1b}[31mERROR\u{1b}[0m boom\r"),
-            "2026 ERROR boom"
-        );
-        assert_eq!(strip_escapes("plain\tline"), "plain\tline");
     }
 }

@@ -40,12 +40,12 @@
 use super::remote::{self, ALIVE_MARKER, EXIT_MARKER};
 use super::{ConnectOptions, KnownHosts, RemoteLine, SshError, SshIdentity, SshSession, SshTarget};
 use crate::credentials::AgentCredentials;
+use crate::kit::{KeyGuard, KeyLocks, RecentOutput, Sessions, parse_agent_line};
 use crate::lock;
-use crate::process::parse_agent_line;
 use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -61,8 +61,6 @@ use tokio::sync::oneshot;
 pub const UNREACHABLE_GIVE_UP_DEFAULT: Duration = Duration::from_secs(60);
 /// How often abandoned attempts are looked after.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
-/// Lines of the agent's own output quoted when it exits unannounced.
-const RECENT_LINES_MAX: usize = 5;
 /// Events buffered per session stream.
 const STREAM_BUFFER_LEN: usize = 64;
 
@@ -305,13 +303,6 @@ fn expand_home(path: &str) -> PathBuf {
     }
 }
 
-struct SessionEntry {
-    /// Set before the provider stops the agent on purpose.
-    cancelled: Arc<AtomicBool>,
-    /// Dropping it ends the stream's follower.
-    _stop: oneshot::Sender<()>,
-}
-
 struct Shared {
     config: SshHostsConfig,
     /// `{state}/ssh`.
@@ -325,9 +316,10 @@ struct Shared {
     connections: Mutex<HashMap<String, SshSession>>,
     /// Since when each host has not answered.
     unreachable_since: Mutex<HashMap<String, Instant>>,
-    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
+    /// Open session streams.
+    sessions: Sessions<()>,
     /// Serialises the calls for one key.
-    key_locks: Mutex<HashMap<ResourceKey, Arc<tokio::sync::Mutex<()>>>>,
+    key_locks: KeyLocks<ResourceKey>,
     /// The agent binary and its sha256, read on first use.
     binary: tokio::sync::OnceCell<(Arc<Vec<u8>>, String)>,
     /// The run's hosts claimed by other deployments, as last listed.
@@ -366,8 +358,8 @@ impl SshHostsProvider {
             hosts: Mutex::new(BTreeMap::new()),
             connections: Mutex::new(HashMap::new()),
             unreachable_since: Mutex::new(HashMap::new()),
-            sessions: Mutex::new(HashMap::new()),
-            key_locks: Mutex::new(HashMap::new()),
+            sessions: Sessions::new(),
+            key_locks: KeyLocks::new(),
             foreign: Mutex::new(Vec::new()),
             binary: tokio::sync::OnceCell::new(),
         });
@@ -513,12 +505,8 @@ impl SshHostsProvider {
             .is_some_and(|since| since.elapsed() >= limit)
     }
 
-    async fn lock_key(&self, key: &ResourceKey) -> tokio::sync::OwnedMutexGuard<()> {
-        let m = lock(&self.shared.key_locks)
-            .entry(key.clone())
-            .or_default()
-            .clone();
-        m.lock_owned().await
+    async fn lock_key(&self, key: &ResourceKey) -> KeyGuard<'_, ResourceKey> {
+        self.shared.key_locks.lock(key).await
     }
 
     fn record_path(&self, key: &ResourceKey) -> PathBuf {
@@ -767,9 +755,7 @@ impl SshHostsProvider {
     }
 
     fn mark_cancelled(&self, session: &SessionId) {
-        if let Some(e) = lock(&self.shared.sessions).get(session) {
-            e.cancelled.store(true, Ordering::SeqCst);
-        }
+        self.shared.sessions.mark_cancelled(session);
     }
 
     /// A session stream that follows `key`'s agent on `host`.
@@ -784,26 +770,12 @@ impl SshHostsProvider {
             .exec_lines(&remote::follow(&remote::node_dir(key)))
             .await
             .map_err(ProviderError::from)?;
-        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
-        let (stop, stop_rx) = oneshot::channel();
-        let cancelled = Arc::new(AtomicBool::new(false));
-        if let Some(old) = lock(&self.shared.sessions).insert(
-            session.clone(),
-            SessionEntry {
-                cancelled: cancelled.clone(),
-                _stop: stop,
-            },
-        ) {
-            // A newer stream replaces the older one; keep what it knew.
-            if old.cancelled.load(Ordering::SeqCst) {
-                cancelled.store(true, Ordering::SeqCst);
-            }
-        }
-        tokio::spawn(relay(lines, tx, stop_rx, cancelled, host.target.clone()));
-        Ok(BootstrapSession {
+        Ok(start_relay(
+            &self.shared.sessions,
             session,
-            events: rx,
-        })
+            lines,
+            host.target.clone(),
+        ))
     }
 }
 
@@ -841,15 +813,38 @@ pub(crate) fn write_durably(path: &Path, value: &impl Serialize) -> Result<(), P
     write().map_err(|e| ProviderError::Definite(format!("cannot record {}: {e}", path.display())))
 }
 
+/// Registers a stream for `session` and relays a remote follow's `lines`
+/// into it until the agent ends, the connection ends or a newer stream
+/// replaces it; the stream's entry is forgotten then. `target` names the
+/// machine in messages.
+pub(crate) fn start_relay(
+    sessions: &Sessions<()>,
+    session: SessionId,
+    lines: super::RemoteLines,
+    target: String,
+) -> BootstrapSession {
+    let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
+    let opened = sessions.open(&session, false, |_| ());
+    let registration = opened.registration;
+    tokio::spawn(async move {
+        relay(lines, tx, opened.stop, opened.cancelled, target).await;
+        drop(registration);
+    });
+    BootstrapSession {
+        session,
+        events: rx,
+    }
+}
+
 /// Forwards a remote follow's lines as bootstrap events.
-pub(crate) async fn relay(
+async fn relay(
     mut lines: super::RemoteLines,
     tx: swactor_engine::stream::Sender<BootstrapEvent>,
     mut stop: oneshot::Receiver<()>,
     cancelled: Arc<AtomicBool>,
     target: String,
 ) {
-    let mut recent: VecDeque<String> = VecDeque::new();
+    let mut recent = RecentOutput::default();
     let mut failed = false;
     loop {
         let line = tokio::select! {
@@ -863,14 +858,7 @@ pub(crate) async fn relay(
                     let last = if failed || cancelled.load(Ordering::SeqCst) || status == "gone" {
                         BootstrapEvent::Closed
                     } else {
-                        let said = if recent.is_empty() {
-                            " (it wrote nothing else)".to_owned()
-                        } else {
-                            format!(
-                                "; its last output: {}",
-                                recent.iter().cloned().collect::<Vec<_>>().join(" | ")
-                            )
-                        };
+                        let said = recent.clause();
                         // The shell's `$?`: a code, or 128 + the signal that
                         // ended the agent.
                         let how = match status.parse::<i32>() {
@@ -897,13 +885,13 @@ pub(crate) async fn relay(
                         event
                     }
                     None => {
-                        remember(&mut recent, &text);
+                        recent.remember(&text);
                         continue;
                     }
                 }
             }
             Some(RemoteLine::Stderr(text)) => {
-                remember(&mut recent, &text);
+                recent.remember(&text);
                 continue;
             }
             // The connection ended before the agent did: the stream ends;
@@ -995,17 +983,6 @@ pub(crate) async fn read_agent_log(
         }
     });
     Ok(crate::AgentLogSource::Remote(rx))
-}
-
-fn remember(recent: &mut VecDeque<String>, line: &str) {
-    let line = line.trim();
-    if line.is_empty() {
-        return;
-    }
-    if recent.len() == RECENT_LINES_MAX {
-        recent.pop_front();
-    }
-    recent.push_back(line.chars().take(300).collect());
 }
 
 /// Every few seconds, cleans what abandoned attempts left on hosts that
@@ -1482,5 +1459,97 @@ impl Provider for SshHostsProvider {
 
     fn owns_session(&self, session: &SessionId) -> bool {
         session.0.starts_with("ssh:")
+    }
+}
+
+/// Shared by the ssh and vast providers' tests: sessions relayed through a
+/// provider's registry, the way `follow` opens them.
+#[cfg(test)]
+pub(crate) mod relay_tests {
+    use super::*;
+    use std::future::Future;
+    use swactor_provisioning::{BootstrapStage, LogicalNodeId, NodeAttemptId, RunId};
+    use tokio::sync::mpsc;
+
+    /// Relays `n` sessions, each opened while holding its key's lock from
+    /// `lock_key`, ending every tenth by a cancel and the others by an agent
+    /// that exits; checks each stream's last event and returns the most
+    /// entries the registry held at once.
+    pub(crate) async fn relay_sessions<G, F: Future<Output = G>>(
+        sessions: &Sessions<()>,
+        n: u32,
+        lock_key: impl Fn(ResourceKey) -> F,
+    ) -> usize {
+        const BATCH: u32 = 500;
+        let mut most = 0;
+        for batch in 0..n.div_ceil(BATCH) {
+            let mut streams = Vec::new();
+            for i in batch * BATCH..((batch + 1) * BATCH).min(n) {
+                let key = ResourceKey {
+                    run_id: RunId::new("r"),
+                    node: LogicalNodeId::parse("w-0").unwrap(),
+                    attempt: NodeAttemptId(u64::from(i) + 1),
+                };
+                let _guard = lock_key(key.clone()).await;
+                let (tx, rx) = mpsc::channel(4);
+                let session = SessionId::from(format!("test:{key}#{i}"));
+                let stream = start_relay(
+                    sessions,
+                    session.clone(),
+                    super::super::RemoteLines { lines: rx },
+                    "host-x".to_owned(),
+                );
+                let cancel = i % 10 == 0;
+                if cancel {
+                    assert!(sessions.mark_cancelled(&session));
+                }
+                tx.send(RemoteLine::Stdout("booting".to_owned()))
+                    .await
+                    .unwrap();
+                tx.send(RemoteLine::Stdout(format!("{EXIT_MARKER}3")))
+                    .await
+                    .unwrap();
+                streams.push((cancel, stream));
+            }
+            most = most.max(sessions.len());
+            for (cancel, mut s) in streams {
+                let mut last = None;
+                while let Some(event) = s.events.recv().await {
+                    last = Some(event);
+                }
+                let expected = if cancel {
+                    BootstrapEvent::Closed
+                } else {
+                    BootstrapEvent::Failed {
+                        stage: BootstrapStage::AgentLost,
+                        reason: "the agent on host-x exited with code 3; its last output: booting"
+                            .to_owned(),
+                    }
+                };
+                assert_eq!(last, Some(expected));
+            }
+        }
+        // An entry goes when its task ends, just after the stream's last event.
+        for _ in 0..200 {
+            if sessions.len() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        most
+    }
+
+    #[tokio::test]
+    async fn ten_thousand_sessions_leave_no_entry_and_no_lock_behind() {
+        let state = tempfile::tempdir().unwrap();
+        let p = SshHostsProvider::new(SshHostsConfig::new(state.path(), "/bin/true")).unwrap();
+        let locks = &p.shared.key_locks;
+        let most = relay_sessions(&p.shared.sessions, 10_000, |key| async move {
+            locks.lock(&key).await
+        })
+        .await;
+        assert!(most <= 500, "{most} entries for 500 live streams");
+        assert_eq!(p.shared.sessions.len(), 0);
+        assert_eq!(p.shared.key_locks.len(), 0);
     }
 }

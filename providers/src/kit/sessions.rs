@@ -1,0 +1,219 @@
+//! The bootstrap sessions a provider streams: at most one live stream per
+//! session, each forgotten when it ends.
+
+use crate::lock;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use swactor_provisioning::SessionId;
+use tokio::sync::oneshot;
+
+/// The registry of a provider's open session streams.
+///
+/// `E` is what a provider keeps per session besides the kit's own fields
+/// (the process provider: the agent's exit watch).
+///
+/// # Guarantees
+/// - Opening a stream for a session ends its older stream, if any.
+/// - A session's entry is gone once its newest stream's task ends (its
+///   [`Registration`] is dropped): the registry holds only live streams.
+/// - "Stopped on purpose" set on a session carries to the session's newer
+///   streams, unless the newer stream follows a freshly started agent.
+pub(crate) struct Sessions<E> {
+    inner: Arc<Mutex<Inner<E>>>,
+}
+
+struct Inner<E> {
+    next_stream: u64,
+    map: HashMap<SessionId, Entry<E>>,
+}
+
+struct Entry<E> {
+    /// Tells successive streams of one session apart.
+    stream: u64,
+    /// Dropping it ends the stream's task.
+    _stop: oneshot::Sender<()>,
+    /// Set when the provider stops the agent on purpose.
+    cancelled: Arc<AtomicBool>,
+    extra: E,
+}
+
+/// What a new stream's task needs.
+pub(crate) struct Opened<E> {
+    /// Resolves (with an error) when a newer stream replaces this one or the
+    /// provider is dropped.
+    pub(crate) stop: oneshot::Receiver<()>,
+    /// The session's "stopped on purpose" mark.
+    pub(crate) cancelled: Arc<AtomicBool>,
+    /// The provider's own per-session state, as chosen for this stream.
+    pub(crate) extra: E,
+    /// Forgets the entry when dropped: move it into the stream's task.
+    pub(crate) registration: Registration<E>,
+}
+
+/// Removes its stream's entry when dropped, unless a newer stream of the
+/// session replaced it.
+pub(crate) struct Registration<E> {
+    inner: Weak<Mutex<Inner<E>>>,
+    session: SessionId,
+    stream: u64,
+}
+
+impl<E> Drop for Registration<E> {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.upgrade() else {
+            return;
+        };
+        let mut inner = lock(&inner);
+        if inner
+            .map
+            .get(&self.session)
+            .is_some_and(|e| e.stream == self.stream)
+        {
+            inner.map.remove(&self.session);
+        }
+    }
+}
+
+impl<E: Clone> Sessions<E> {
+    pub(crate) fn new() -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Inner {
+                next_stream: 0,
+                map: HashMap::new(),
+            })),
+        }
+    }
+
+    /// Registers a new stream for `session`, ending the older one.
+    ///
+    /// `extra` chooses the provider's state for the new stream from the
+    /// older stream's, if any. `fresh` says the stream follows an agent just
+    /// started: an older "stopped on purpose" mark does not apply to it.
+    pub(crate) fn open(
+        &self,
+        session: &SessionId,
+        fresh: bool,
+        extra: impl FnOnce(Option<E>) -> E,
+    ) -> Opened<E> {
+        let (stop, stop_rx) = oneshot::channel();
+        let mut inner = lock(&self.inner);
+        let stream = inner.next_stream;
+        inner.next_stream += 1;
+        // Dropping the old entry's `stop` ends the older stream.
+        let old = inner.map.remove(session);
+        let (cancelled, extra) = match old {
+            Some(old) if !fresh => (old.cancelled, extra(Some(old.extra))),
+            Some(old) => (Arc::new(AtomicBool::new(false)), extra(Some(old.extra))),
+            None => (Arc::new(AtomicBool::new(false)), extra(None)),
+        };
+        inner.map.insert(
+            session.clone(),
+            Entry {
+                stream,
+                _stop: stop,
+                cancelled: cancelled.clone(),
+                extra: extra.clone(),
+            },
+        );
+        Opened {
+            stop: stop_rx,
+            cancelled,
+            extra,
+            registration: Registration {
+                inner: Arc::downgrade(&self.inner),
+                session: session.clone(),
+                stream,
+            },
+        }
+    }
+
+    /// Marks `session` as stopped on purpose, so its stream closes rather
+    /// than reports a loss. False when no stream of it is open.
+    pub(crate) fn mark_cancelled(&self, session: &SessionId) -> bool {
+        lock(&self.inner).map.get(session).is_some_and(|e| {
+            e.cancelled.store(true, Ordering::SeqCst);
+            true
+        })
+    }
+
+    /// Marks every open session that `which` picks as stopped on purpose.
+    pub(crate) fn mark_cancelled_where(&self, which: impl Fn(&SessionId) -> bool) {
+        for (id, entry) in &lock(&self.inner).map {
+            if which(id) {
+                entry.cancelled.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// How many sessions have a live stream.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        lock(&self.inner).map.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(i: u32) -> SessionId {
+        SessionId::from(format!("test:{i}#1"))
+    }
+
+    #[test]
+    fn a_newer_stream_ends_the_older_and_outlives_its_registration() {
+        let sessions = Sessions::<u32>::new();
+        let mut first = sessions.open(&id(1), true, |old| old.unwrap_or(0) + 1);
+        assert_eq!(first.extra, 1);
+        assert!(sessions.mark_cancelled(&id(1)));
+        let second = sessions.open(&id(1), false, |old| old.unwrap_or(0) + 1);
+        assert_eq!(second.extra, 2, "the provider's state carries over");
+        assert!(
+            second.cancelled.load(Ordering::SeqCst),
+            "the mark carries to a stream of the same agent"
+        );
+        assert!(
+            matches!(
+                first.stop.try_recv(),
+                Err(oneshot::error::TryRecvError::Closed)
+            ),
+            "the older stream is told to end"
+        );
+        // The older stream's task ends: the newer entry stays.
+        drop(first.registration);
+        assert_eq!(sessions.len(), 1);
+        let third = sessions.open(&id(1), true, |_| 0);
+        assert!(
+            !third.cancelled.load(Ordering::SeqCst),
+            "a freshly started agent is not stopped"
+        );
+        drop(second);
+        assert_eq!(sessions.len(), 1);
+        drop(third.registration);
+        assert_eq!(sessions.len(), 0);
+        assert!(!sessions.mark_cancelled(&id(1)));
+    }
+
+    #[test]
+    fn ten_thousand_sessions_leave_nothing_behind() {
+        let sessions = Sessions::<()>::new();
+        let mut live = Vec::new();
+        for i in 0..10_000 {
+            live.push(sessions.open(&id(i), true, |_| ()));
+            // Some sessions are reopened, as a restarted follow does.
+            if i % 3 == 0 {
+                live.push(sessions.open(&id(i), false, |_| ()));
+            }
+        }
+        assert_eq!(sessions.len(), 10_000);
+        sessions.mark_cancelled_where(|s| s.0.ends_with("7#1"));
+        let marked = live
+            .iter()
+            .filter(|o| o.cancelled.load(Ordering::SeqCst))
+            .count();
+        assert!(marked >= 1_000, "{marked}");
+        drop(live);
+        assert_eq!(sessions.len(), 0);
+    }
+}
