@@ -2,9 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 use swactor_provisioning::{
-    AttemptRecord, BootstrapStage, ClusterState, DriverStats, EffectKind, Generation, GroupHold,
-    HoldKind, Intent, LadderRow, LeaseId, Link, LogicalNodeId, NextStep, NodeAttemptId, NodeStage,
-    OperationId, Plan, ResourceKey, ShapeDiff, ShutdownMode, Timestamp,
+    AttemptRecord, BootstrapStage, ClusterState, DriverStats, EffectKind, FailureCause, Generation,
+    GroupHold, HoldKind, Intent, LadderRow, LeaseId, Link, LogicalNodeId, NextStep, NodeAttemptId,
+    NodeStage, OperationId, Plan, ResourceKey, ShapeDiff, ShutdownMode, Timestamp,
 };
 
 /// Whether a node's agent is connected to this daemon.
@@ -40,6 +40,10 @@ pub struct NodeSummary {
     pub failures: u32,
     /// The last error, if any.
     pub last_error: Option<String>,
+    /// What kind of trouble the last error was, as the core recorded it
+    /// with the error.
+    #[serde(default)]
+    pub last_cause: Option<FailureCause>,
     /// When the next retry (or restart) may happen, if the node is backing off.
     pub next_retry_at: Option<Timestamp>,
     /// Its agent's connection to this daemon.
@@ -79,6 +83,7 @@ impl NodeSummary {
             pending: n.pending.as_ref().map(|p| p.effect),
             failures: n.retry.consecutive_failures,
             last_error: n.record.last_error().map(str::to_owned),
+            last_cause: n.record.last_cause(),
             next_retry_at: n.retry.next_effect_at.or(n.record.restart_at),
             agent,
             lease: n.record.lease.clone(),

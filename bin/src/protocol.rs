@@ -449,6 +449,7 @@ mod tests {
                 pending: Some(swactor_provisioning::EffectKind::DestroyLease),
                 failures: 7,
                 last_error: Some(error.clone()),
+                last_cause: Some(swactor_provisioning::FailureCause::Failure),
                 next_retry_at: Some(Timestamp::from_millis(123_456_789)),
                 agent: AgentLink::Away {
                     grace_until: Timestamp::from_millis(123_456_789),

@@ -544,6 +544,7 @@ mod tests {
             pending: None,
             failures: 0,
             last_error: None,
+            last_cause: None,
             next_retry_at: None,
             agent: AgentLink::NotJoined,
             lease: None,

@@ -9,7 +9,7 @@ use crate::id::{GroupId, LogicalNodeId, NodeAttemptId, OperationId};
 use crate::observe::{BootstrapObservation, Folded, OperationResult};
 use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState};
-use crate::state::ClusterState;
+use crate::state::{ClusterState, FailureCause};
 use crate::time::Timestamp;
 use std::collections::BTreeSet;
 
@@ -60,6 +60,7 @@ pub trait Reconciler {
         &mut self,
         node: &LogicalNodeId,
         attempt: NodeAttemptId,
+        cause: FailureCause,
         reason: &str,
         now: Timestamp,
     ) -> Folded;
@@ -176,10 +177,11 @@ impl Reconciler for Driver {
         &mut self,
         node: &LogicalNodeId,
         attempt: NodeAttemptId,
+        cause: FailureCause,
         reason: &str,
         now: Timestamp,
     ) -> Folded {
-        Driver::handle_agent_lost(self, node, attempt, reason, now)
+        Driver::handle_agent_lost(self, node, attempt, cause, reason, now)
     }
     fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
         Driver::handle_timeout(self, now)

@@ -36,7 +36,9 @@ use crate::observe::{
 };
 use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState, NodeTemplate, ShapeError, same_template};
-use crate::state::{ClusterState, EffectKind, Intent, ManagedNode, NodeStage, PendingOperation};
+use crate::state::{
+    ClusterState, EffectKind, FailureCause, Intent, ManagedNode, NodeStage, PendingOperation,
+};
 use crate::time::{DeadlineOverflow, Timestamp, earliest};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -959,17 +961,20 @@ impl Driver {
     }
 
     /// A joined agent is gone (its process exited, or it stayed disconnected
-    /// past its group's grace period): fails the attempt so it is replaced.
-    /// Inputs for a superseded attempt, or a node that is not active, are discarded.
+    /// past its group's grace period), or the host fails the attempt for
+    /// another reason of its own (`cause` says which): fails the attempt so
+    /// it is replaced. Inputs for a superseded attempt, or a node that is not
+    /// active, are discarded.
     pub fn handle_agent_lost(
         &mut self,
         node: &LogicalNodeId,
         attempt: NodeAttemptId,
+        cause: FailureCause,
         reason: &str,
         now: Timestamp,
     ) -> Folded {
         let folded = match self.state.nodes.get_mut(node) {
-            Some(n) => fold_agent_lost(n, attempt, reason.to_owned(), now),
+            Some(n) => fold_agent_lost(n, attempt, cause, reason.to_owned(), now),
             None => Folded::Discarded(DiscardReason::UnknownNode),
         };
         self.count(node, folded)
@@ -1436,7 +1441,7 @@ impl Driver {
                     node.record.ready = true;
                     node.record.resuming = false;
                     node.record.bootstrap_deadline = None;
-                    node.record.set_last_error(None);
+                    node.record.clear_last_error();
                     node.retry.consecutive_failures = 0;
                     node.retry.inherited_failures = 0;
                     node.retry.next_effect_at = None;

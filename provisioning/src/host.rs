@@ -82,7 +82,7 @@ use crate::observe::{
 };
 use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState, NodeTemplate};
-use crate::state::{EffectKind, Intent, NodeStage};
+use crate::state::{EffectKind, FailureCause, Intent, NodeStage};
 use crate::time::{Timestamp, earliest};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -235,6 +235,9 @@ pub struct AttemptRecord {
     pub failed_reason: Option<String>,
     /// The last error of any kind.
     pub last_error: Option<String>,
+    /// What kind of trouble `last_error` was.
+    #[serde(default)]
+    pub last_cause: Option<FailureCause>,
 }
 
 /// A slot's attempts as the host keeps them: the latest inline (most slots
@@ -330,6 +333,7 @@ impl When {
 struct Notes {
     failed_reason: Option<String>,
     last_error: Option<String>,
+    last_cause: Option<FailureCause>,
 }
 
 impl Kept {
@@ -344,6 +348,7 @@ impl Kept {
             bootstrap: self.bootstrap,
             failed_reason: notes.and_then(|n| n.failed_reason.clone()),
             last_error: notes.and_then(|n| n.last_error.clone()),
+            last_cause: notes.and_then(|n| n.last_cause),
         }
     }
 
@@ -353,6 +358,10 @@ impl Kept {
 
     fn last_error(&self) -> Option<&str> {
         self.notes.as_deref()?.last_error.as_deref()
+    }
+
+    fn last_cause(&self) -> Option<FailureCause> {
+        self.notes.as_deref()?.last_cause
     }
 
     fn notes(&mut self) -> &mut Notes {
@@ -1027,7 +1036,7 @@ enum Todo {
     Observe(BootstrapObservation),
     FeedJoin(LogicalNodeId),
     LaneLost(OperationId, LogicalNodeId),
-    AgentLost(LogicalNodeId, NodeAttemptId, String),
+    AgentLost(LogicalNodeId, NodeAttemptId, FailureCause, String),
 }
 
 /// An attempt the journal names that a listing does not hold.
@@ -2127,6 +2136,7 @@ impl<C: Reconciler> Host<C> {
         self.todo.push_back(Todo::AgentLost(
             *node,
             attempt,
+            FailureCause::Operator,
             REPLACED_BY_OPERATOR.to_owned(),
         ));
         // Durable before it is acknowledged: the slot's record says so, and
@@ -2408,6 +2418,9 @@ impl<C: Reconciler> Host<C> {
             Some(e) if r.last_error() != Some(e) => r.notes().last_error = Some(e.to_owned()),
             None if r.last_error().is_some() => r.notes().last_error = None,
             _ => {}
+        }
+        if r.last_cause() != n.record.last_cause() {
+            r.notes().last_cause = n.record.last_cause();
         }
         if n.record.stage == NodeStage::Destroyed {
             r.ended_at.set_once(now);
@@ -2823,8 +2836,10 @@ impl<C: Reconciler> Host<C> {
                 }
                 Some(HostFold::Result { result, folded })
             }
-            Todo::AgentLost(node, attempt, reason) => {
-                let folded = self.core.handle_agent_lost(&node, attempt, &reason, now);
+            Todo::AgentLost(node, attempt, cause, reason) => {
+                let folded = self
+                    .core
+                    .handle_agent_lost(&node, attempt, cause, &reason, now);
                 if folded == Folded::Applied {
                     self.warn(format!("{node}: {reason}; replacing it"));
                     self.node_changed(&node, now);
@@ -2972,11 +2987,12 @@ impl<C: Reconciler> Host<C> {
             let Some(Link::Away { attempt, .. }) = self.links.remove(&node) else {
                 continue;
             };
-            let reason = match self.preempted.remove(&node) {
-                Some((a, _)) if a == attempt => PAUSED_PAST_WAIT.to_owned(),
-                _ => AWAY_PAST_GRACE.to_owned(),
+            let (cause, reason) = match self.preempted.remove(&node) {
+                Some((a, _)) if a == attempt => (FailureCause::Preempted, PAUSED_PAST_WAIT),
+                _ => (FailureCause::AgentLost, AWAY_PAST_GRACE),
             };
-            self.todo.push_back(Todo::AgentLost(node, attempt, reason));
+            self.todo
+                .push_back(Todo::AgentLost(node, attempt, cause, reason.to_owned()));
         }
     }
 

@@ -80,7 +80,7 @@ pub use shape::{
     ProviderShape, SHAPE_NODES_MAX, ShapeError, SwarmJoin, same_template,
 };
 pub use state::{
-    AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, Intent, ManagedNode, NodeRecord,
-    NodeStage, PendingOperation, RetryState, Trouble,
+    AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, FailureCause, Intent, ManagedNode,
+    NodeRecord, NodeStage, PendingOperation, RetryState, Trouble,
 };
 pub use time::{DeadlineOverflow, Timestamp};

@@ -8,7 +8,7 @@
 
 use crate::config::ReconcilerConfig;
 use crate::id::{LeaseId, LogicalNodeId, NodeAttemptId, NodeEndpoint, OperationId, SessionId};
-use crate::state::{BootstrapStage, EffectKind, Intent, ManagedNode, NodeStage};
+use crate::state::{BootstrapStage, EffectKind, FailureCause, Intent, ManagedNode, NodeStage};
 use crate::time::{DeadlineOverflow, Timestamp};
 use serde::{Deserialize, Serialize};
 
@@ -153,6 +153,9 @@ pub fn fold_result(
     };
     let kind = pending.effect;
     let cleanup = pending.cleanup;
+    // An outcome left unknown once the operation's deadline has passed (the
+    // host's own expiry, or an executor giving up at it) is a timeout.
+    let expired = pending.deadline <= now;
     // An operation the active attempt dispatched, failing after the node
     // began deleting, says nothing about the cleanup: it must not delay it.
     let interrupted = node.intent == Intent::Deleting && !pending.cleanup;
@@ -163,7 +166,12 @@ pub fn fold_result(
 
     match (kind, outcome) {
         (_, OperationOutcome::Failed { class, reason }) => {
-            rec.set_last_error(Some(format!("{kind:?}: {reason}")));
+            let cause = if class == FailureClass::Ambiguous && expired {
+                FailureCause::Timeout
+            } else {
+                FailureCause::Failure
+            };
+            rec.set_last_error(cause, format!("{kind:?}: {reason}"));
             let attempt_fails = node.intent == Intent::Active
                 && match class {
                     FailureClass::Definite => kind == EffectKind::StartBootstrap,
@@ -232,7 +240,7 @@ pub fn fold_result(
             if node.intent == Intent::Active && rec.endpoint_deadline.is_some_and(|at| at <= now) {
                 let waited = node.template.limits.endpoint_timeout_s;
                 let reason = format!("the endpoint was not ready within {waited} s");
-                rec.set_last_error(Some(reason.clone()));
+                rec.set_last_error(FailureCause::Timeout, reason.clone());
                 node.retry.consecutive_failures = failures_after;
                 fail_attempt(node, reason, now);
                 return Ok(Folded::Applied);
@@ -264,7 +272,7 @@ pub fn fold_result(
     // longer the node's last word. An attempt that failed, or is leaving,
     // keeps the error it failed with for people to read.
     if !cleanup && node.intent == Intent::Active && rec.stage != NodeStage::Failed {
-        rec.set_last_error(None);
+        rec.clear_last_error();
     }
     node.pending = None;
     node.retry.next_effect_at = None;
@@ -349,8 +357,15 @@ pub fn fold_bootstrap(
         }
     };
     if let Some((stage, reason)) = failure {
+        // The stream's own word that the agent is gone (it exited, its
+        // machine or container went away) is a lost agent.
+        let cause = if stage == BootstrapStage::AgentLost {
+            FailureCause::AgentLost
+        } else {
+            FailureCause::Failure
+        };
         rec.bootstrap = Some(stage);
-        rec.set_last_error(Some(reason.clone()));
+        rec.set_last_error(cause, reason.clone());
         if live {
             node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
             fail_attempt(node, reason, now);
@@ -401,7 +416,8 @@ pub fn fold_bootstrap_stall(node: &mut ManagedNode, now: Timestamp) -> bool {
             None => "the bootstrap made no progress before its deadline".to_owned(),
         };
         node.record.bootstrap = Some(BootstrapStage::AgentLost);
-        node.record.set_last_error(Some(reason.clone()));
+        node.record
+            .set_last_error(FailureCause::Timeout, reason.clone());
         node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
         fail_attempt(node, reason, now);
     }
@@ -409,11 +425,14 @@ pub fn fold_bootstrap_stall(node: &mut ManagedNode, now: Timestamp) -> bool {
 }
 
 /// Folds the loss of a joined agent (it exited, or stayed disconnected past
-/// its grace period): the attempt fails and is replaced. An extension of the
-/// specification for node health; see `docs/node-health.md`.
+/// its grace period), or another failure the host decides on (an operator's
+/// replace, a paused machine past its wait): the attempt fails, with `cause`
+/// and `reason` as its last error, and is replaced. An extension of
+/// the specification for node health; see `docs/node-health.md`.
 pub fn fold_agent_lost(
     node: &mut ManagedNode,
     attempt: NodeAttemptId,
+    cause: FailureCause,
     reason: String,
     now: Timestamp,
 ) -> Folded {
@@ -425,7 +444,7 @@ pub fn fold_agent_lost(
         return Folded::Discarded(DiscardReason::NotActive);
     }
     node.record.bootstrap = Some(BootstrapStage::AgentLost);
-    node.record.set_last_error(Some(reason.clone()));
+    node.record.set_last_error(cause, reason.clone());
     node.retry.consecutive_failures = node.retry.consecutive_failures.saturating_add(1);
     fail_attempt(node, reason, now);
     Folded::Applied

@@ -267,9 +267,26 @@ impl NodeRecord {
         self.trouble.as_ref()?.last_error.as_deref()
     }
 
-    /// Records the most recent error (`None` clears it).
-    pub fn set_last_error(&mut self, error: Option<String>) {
-        self.edit_trouble(|t| t.last_error = error);
+    /// What kind of trouble the most recent error was, decided where it was
+    /// recorded; set exactly when [`NodeRecord::last_error`] is.
+    pub fn last_cause(&self) -> Option<FailureCause> {
+        self.trouble.as_ref()?.last_cause
+    }
+
+    /// Records the most recent error and what kind of trouble it was.
+    pub fn set_last_error(&mut self, cause: FailureCause, error: String) {
+        self.edit_trouble(|t| {
+            t.last_error = Some(error);
+            t.last_cause = Some(cause);
+        });
+    }
+
+    /// Forgets the most recent error: the attempt got past it.
+    pub fn clear_last_error(&mut self) {
+        self.edit_trouble(|t| {
+            t.last_error = None;
+            t.last_cause = None;
+        });
     }
 
     /// Records that the attempt failed at `at`, and why.
@@ -299,6 +316,26 @@ pub struct Trouble {
     pub failed_at: Option<Timestamp>,
     /// The most recent error of any kind, for people to read.
     pub last_error: Option<String>,
+    /// What kind of trouble `last_error` was (absent in states written
+    /// before it was recorded).
+    #[serde(default)]
+    pub last_cause: Option<FailureCause>,
+}
+
+/// What kind of trouble an attempt's last error was, decided by the fold
+/// that recorded it (never read back from its text).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum FailureCause {
+    /// Its agent was lost: its stream reported it gone, or it stayed away past its grace.
+    AgentLost,
+    /// Something the attempt waited for did not happen before its deadline.
+    Timeout,
+    /// An operator asked for the attempt to be replaced.
+    Operator,
+    /// Its provider paused its machine, which did not resume within its group's wait.
+    Preempted,
+    /// Any other failure: a provider's error, a failed bootstrap step.
+    Failure,
 }
 
 impl Default for NodeRecord {

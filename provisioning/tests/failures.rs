@@ -366,19 +366,37 @@ fn a_lost_agent_fails_only_the_current_active_attempt() {
     let attempt = node(&d).attempt;
     let stale = NodeAttemptId(attempt.0 - 1);
     assert_eq!(
-        d.handle_agent_lost(&node_id("w-0"), stale, "gone", t(1)),
+        d.handle_agent_lost(
+            &node_id("w-0"),
+            stale,
+            FailureCause::AgentLost,
+            "gone",
+            t(1)
+        ),
         Folded::Discarded(DiscardReason::SupersededAttempt)
     );
     assert!(d.is_converged());
     assert_eq!(
-        d.handle_agent_lost(&node_id("w-0"), attempt, "disconnected for 5s", t(1)),
+        d.handle_agent_lost(
+            &node_id("w-0"),
+            attempt,
+            FailureCause::AgentLost,
+            "disconnected for 5s",
+            t(1)
+        ),
         Folded::Applied
     );
     assert_eq!(node(&d).record.stage, NodeStage::Failed);
     assert_eq!(node(&d).record.bootstrap, Some(BootstrapStage::AgentLost));
     // A second report changes nothing.
     assert_eq!(
-        d.handle_agent_lost(&node_id("w-0"), attempt, "again", t(2)),
+        d.handle_agent_lost(
+            &node_id("w-0"),
+            attempt,
+            FailureCause::AgentLost,
+            "again",
+            t(2)
+        ),
         Folded::Discarded(DiscardReason::NotActive)
     );
     assert_eq!(node(&d).retry.consecutive_failures, 1);

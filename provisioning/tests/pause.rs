@@ -70,7 +70,13 @@ fn a_failed_attempt_is_cleaned_up_while_paused_but_not_replaced() {
     let first = d.state().nodes[&node_id("w-1")].attempt;
     d.set_paused(true);
     assert_eq!(
-        d.handle_agent_lost(&node_id("w-1"), first, "killed", t(10)),
+        d.handle_agent_lost(
+            &node_id("w-1"),
+            first,
+            FailureCause::AgentLost,
+            "killed",
+            t(10)
+        ),
         Folded::Applied
     );
     // Cancel, then destroy: the failed attempt leaks nothing.

@@ -270,7 +270,13 @@ fn a_tripped_breaker_holds_a_failed_slots_restart_but_never_a_new_template() {
     d.update_desired(&shape(1, vec![group("w", 2)])).unwrap();
     converge(&mut d, t(0));
     let attempt = d.state().nodes[&node_id("w-0")].attempt;
-    let _ = d.handle_agent_lost(&node_id("w-0"), attempt, "gone", t(1));
+    let _ = d.handle_agent_lost(
+        &node_id("w-0"),
+        attempt,
+        FailureCause::AgentLost,
+        "gone",
+        t(1),
+    );
     d.set_tripped([GroupId::new("w")].into_iter().collect());
     settle(&mut d, t(1));
     assert_eq!(

@@ -17,7 +17,7 @@ use swactor_providers::{
     BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait,
 };
 use swactor_provisioning::{
-    LeaseId, LogicalNodeId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
+    FailureCause, LeaseId, LogicalNodeId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
 };
 
 /// Label sets: a list of (name, value) pairs.
@@ -62,8 +62,9 @@ pub(crate) struct Scraped {
 /// What the event stream has taught the metrics so far.
 #[derive(Debug, Default)]
 struct EventState {
-    /// Each node's attempt and last error, to tell a replacement and why.
-    nodes: BTreeMap<LogicalNodeId, (u64, Option<String>, bool)>,
+    /// Each node's attempt, what kind of trouble its last error was, and
+    /// whether it is ready: to tell a replacement and why.
+    nodes: BTreeMap<LogicalNodeId, (u64, Option<FailureCause>, bool)>,
     /// Generations accepted and not yet converged, with when.
     accepted: BTreeMap<u64, Instant>,
     /// How long the last convergence took, and of which generation.
@@ -180,10 +181,10 @@ impl Metrics {
             ClusterEvent::Node(n) => {
                 let mut events = self.lock_events();
                 let entry = node_entry(n);
-                if let Some((attempt, error, _)) = events.nodes.get(&n.node)
+                if let Some((attempt, cause, _)) = events.nodes.get(&n.node)
                     && *attempt < n.attempt.0
                 {
-                    let reason = replacement_reason(error.as_deref());
+                    let reason = replacement_reason(*cause);
                     self.replacements
                         .get_or_create(&vec![("reason", reason.to_owned())])
                         .inc();
@@ -248,26 +249,21 @@ impl Metrics {
     }
 }
 
-fn node_entry(n: &NodeSummary) -> (u64, Option<String>, bool) {
-    (n.attempt.0, n.last_error.clone(), n.ready)
+fn node_entry(n: &NodeSummary) -> (u64, Option<FailureCause>, bool) {
+    (n.attempt.0, n.last_cause, n.ready)
 }
 
-/// Why a slot got a new attempt, in a few fixed words (a label value).
-fn replacement_reason(last_error: Option<&str>) -> &'static str {
-    let Some(error) = last_error else {
-        return "shape_change";
-    };
-    if error.contains(swactor_provisioning::REPLACED_BY_OPERATOR) {
-        "operator"
-    } else if error.contains(swactor_provisioning::PAUSED_PAST_WAIT) {
-        "preempted"
-    } else if error.contains("agent") {
-        "agent_lost"
-    } else if error.contains("timed out") || error.contains("deadline") || error.contains("within")
-    {
-        "timeout"
-    } else {
-        "failure"
+/// Why a slot got a new attempt, in a few fixed words (a label value),
+/// from the cause the core recorded with its previous attempt's last
+/// error; none means its template changed.
+fn replacement_reason(last_cause: Option<FailureCause>) -> &'static str {
+    match last_cause {
+        None => "shape_change",
+        Some(FailureCause::Operator) => "operator",
+        Some(FailureCause::Preempted) => "preempted",
+        Some(FailureCause::AgentLost) => "agent_lost",
+        Some(FailureCause::Timeout) => "timeout",
+        Some(FailureCause::Failure) => "failure",
     }
 }
 
@@ -748,14 +744,67 @@ mod tests {
         );
         assert_eq!(stage_label(NodeStage::New), "new");
         assert_eq!(replacement_reason(None), "shape_change");
-        assert_eq!(
-            replacement_reason(Some(swactor_provisioning::REPLACED_BY_OPERATOR)),
-            "operator"
-        );
-        assert_eq!(
-            replacement_reason(Some("its agent stayed away past its grace")),
-            "agent_lost"
-        );
-        assert_eq!(replacement_reason(Some("boot check exited 1")), "failure");
+        let labels = [
+            (FailureCause::Operator, "operator"),
+            (FailureCause::Preempted, "preempted"),
+            (FailureCause::AgentLost, "agent_lost"),
+            (FailureCause::Timeout, "timeout"),
+            (FailureCause::Failure, "failure"),
+        ];
+        for (cause, label) in labels {
+            assert_eq!(replacement_reason(Some(cause)), label, "{cause:?}");
+        }
+    }
+
+    fn summary(attempt: u64, cause: Option<FailureCause>, error: &str) -> NodeSummary {
+        NodeSummary {
+            node: LogicalNodeId::parse("w-0").unwrap(),
+            attempt: swactor_provisioning::NodeAttemptId(attempt),
+            stage: NodeStage::Failed,
+            intent: swactor_provisioning::Intent::Active,
+            ready: false,
+            pending: None,
+            failures: 1,
+            last_error: cause.map(|_| error.to_owned()),
+            last_cause: cause,
+            next_retry_at: None,
+            agent: swactor_actors::AgentLink::NotJoined,
+            lease: None,
+            resource: None,
+            next: swactor_provisioning::NextStep::Nothing,
+        }
+    }
+
+    fn replaced(metrics: &Metrics, reason: &str) -> u64 {
+        metrics
+            .replacements
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .get()
+    }
+
+    #[test]
+    fn a_replacement_is_counted_by_the_cause_of_its_previous_attempt_not_its_wording() {
+        let metrics = Metrics::new();
+        // The wording says "agent" and "timed out"; the cause says operator.
+        let steps = [
+            (1, Some(FailureCause::Operator), "the agent timed out"),
+            (2, Some(FailureCause::AgentLost), "boot check exited 1"),
+            (3, Some(FailureCause::Timeout), "replaced by the operator"),
+            (4, None, ""),
+            (5, Some(FailureCause::Failure), "its agent stayed away"),
+            (6, Some(FailureCause::Preempted), ""),
+            (7, None, ""),
+        ];
+        for (attempt, cause, error) in steps {
+            metrics.observe(&ClusterEvent::Node(summary(attempt, cause, error)));
+        }
+        for label in ["operator", "agent_lost", "timeout", "failure", "preempted"] {
+            assert_eq!(replaced(&metrics, label), 1, "{label}");
+        }
+        // Attempt 4 had no error, so attempt 5 came from a new template.
+        assert_eq!(replaced(&metrics, "shape_change"), 1);
+        // The same attempt seen again is not a replacement.
+        metrics.observe(&ClusterEvent::Node(summary(7, None, "")));
+        assert_eq!(replaced(&metrics, "failure"), 1);
     }
 }

@@ -10,10 +10,10 @@ use swactor_conformance::battery::{BatteryConfig, run_battery};
 use swactor_conformance::{Factory, Mode, RUN, Reconciler, WorldConfig};
 use swactor_provisioning::{
     AdoptEntry, Adoption, BootstrapObservation, Breaker, ClusterShape, ClusterState, DesiredState,
-    DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, FailureClass, Folded,
-    Generation, GroupId, LogicalNodeId, NodeAttemptId, NodeStage, OperationId, OperationOutcome,
-    OperationResult, Pass, Plan, Quantity, ReconcilerConfig, RolloutStatus, RunId, Timestamp,
-    UpdateError,
+    DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, FailureCause,
+    FailureClass, Folded, Generation, GroupId, LogicalNodeId, NodeAttemptId, NodeStage,
+    OperationId, OperationOutcome, OperationResult, Pass, Plan, Quantity, ReconcilerConfig,
+    RolloutStatus, RunId, Timestamp, UpdateError,
 };
 
 /// One way to break the driver.
@@ -318,10 +318,12 @@ impl Reconciler for Mutant {
         &mut self,
         node: &LogicalNodeId,
         attempt: NodeAttemptId,
+        cause: FailureCause,
         reason: &str,
         now: Timestamp,
     ) -> Folded {
-        self.inner.handle_agent_lost(node, attempt, reason, now)
+        self.inner
+            .handle_agent_lost(node, attempt, cause, reason, now)
     }
 
     fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
