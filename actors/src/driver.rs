@@ -392,7 +392,7 @@ impl DriverState {
                         journal
                             .commit(&delta)
                             .await
-                            .map_err(|e| format!("the journal cannot be written: {e}"))?;
+                            .map_err(|e| swactor_engine::error_chain(&e))?;
                     }
                     self.host.handle_persisted(delta.seq);
                 }

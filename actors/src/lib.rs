@@ -83,7 +83,7 @@ pub use events::{
     Rental,
 };
 pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
-pub use journal::{JournalStore, MemoryJournal};
+pub use journal::{CommitError, JournalStore, MemoryJournal};
 pub use msg::{
     ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, SpentView, Subscription, SwarmMsg,
     SwarmRef, TimerKey,

@@ -3,7 +3,7 @@
 use anyhow::{Context, Result, bail};
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
-use swactor_actors::JournalStore;
+use swactor_actors::{CommitError, JournalStore};
 use swactor_engine::journal::{Journal, JournalBatch, JournalContents};
 use swactor_providers::async_trait;
 use swactor_provisioning::{
@@ -118,7 +118,7 @@ impl DaemonJournal {
 
 #[async_trait]
 impl JournalStore for DaemonJournal {
-    async fn commit(&self, delta: &JournalDelta) -> Result<(), String> {
+    async fn commit(&self, delta: &JournalDelta) -> Result<(), CommitError> {
         let batch = JournalBatch {
             meta: delta.meta.clone(),
             put: delta
@@ -130,8 +130,8 @@ impl JournalStore for DaemonJournal {
         };
         if let Err(e) = self.journal.commit(batch).await {
             let failure = swactor_engine::error_chain(&e);
-            self.health.failed(failure.clone());
-            return Err(failure);
+            self.health.failed(failure);
+            return Err(CommitError::new(e));
         }
         self.health.succeeded();
         // Mirrored only once durable.
