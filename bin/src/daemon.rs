@@ -29,7 +29,9 @@ use swactor_providers::docker::{DockerConfig, DockerOnDemand};
 use swactor_providers::process::{ProcessConfig, ProcessProvider};
 use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
 use swactor_providers::vast::{ApiKey, Pacing, VastConfig, VastProvider};
-use swactor_provisioning::{Generation, JournalImage, RunId, Unrecorded};
+use swactor_provisioning::{
+    Generation, JournalImage, RunId, StartDecision, StartRefusal, Unrecorded,
+};
 use tokio::sync::{mpsc, oneshot};
 
 /// Options of `swactor up`.
@@ -716,7 +718,8 @@ enum StartWhat {
 }
 
 impl Start {
-    /// Decides what `swactor up [SHAPE]` means for this state directory.
+    /// What `swactor up [SHAPE]` means for this state directory, as
+    /// [`swactor_provisioning::decide_start`] decides it, in words.
     ///
     /// # Errors
     /// A shape of another run than the journal's, or nothing to resume.
@@ -725,75 +728,82 @@ impl Start {
         file: Option<&ShapeFile>,
         dir: &Path,
     ) -> Result<Self> {
-        let Some(image) = journal else {
-            let Some(file) = file else {
-                return Err(nothing_to_resume(dir));
-            };
-            return Ok(Self {
-                run_id: file.run_id(),
-                what: StartWhat::Apply(file.clone()),
-                note: format!("starting run {} from {}", file.run_id(), dir.display()),
-            });
-        };
-        let meta = &image.meta;
-        let run_id = meta.run_id.clone();
-        let generation = meta.shape.as_ref().map_or(0, |s| s.generation.0);
-        let paused = if meta.paused {
-            "; it is paused: nothing new is dispatched until `swactor resume`"
-        } else {
-            ""
-        };
-        if let Some(file) = file {
-            if file.run_id() != run_id {
-                let theirs = crate::words::cut(file.run_id().as_str());
-                anyhow::bail!(
-                    "{} belongs to run {run_id:?}, and the shape is for run {theirs:?}; a \
-                     state directory's run never changes. Use another --state-dir for run \
-                     {theirs:?}; nothing was started",
-                    dir.display(),
-                );
+        let shape_run = file.map(ShapeFile::run_id);
+        let decision = swactor_provisioning::decide_start(journal, shape_run.as_ref())
+            .map_err(|refusal| start_refused(&refusal, dir))?;
+        let run_id = decision.run_id().clone();
+        let paused_note = |paused: bool| {
+            if paused {
+                "; it is paused: nothing new is dispatched until `swactor resume`"
+            } else {
+                ""
             }
-            return Ok(Self {
-                run_id,
-                what: StartWhat::Apply(file.clone()),
-                note: format!(
-                    "resuming run {} at generation {generation} from its journal; \
-                     the shape is offered as the next generation{paused}",
-                    meta.run_id
-                ),
-            });
-        }
-        if meta.tearing_down {
-            return Ok(Self {
-                run_id,
-                what: StartWhat::FinishTeardown,
-                note: format!(
-                    "the last daemon of run {} was tearing its cluster down when it \
-                     stopped; finishing the teardown",
-                    meta.run_id
-                ),
-            });
-        }
-        let desired = meta.shape.as_ref().map_or(0, |s| {
-            s.groups.iter().map(|g| u64::from(g.count)).sum::<u64>()
-        });
-        if meta.shape.is_none() || (desired == 0 && image.slots.is_empty()) {
-            anyhow::bail!(
-                "there is nothing to resume in {}: run {} has no nodes (its cluster was \
-                 torn down at generation {generation}). Give a shape to start it again",
-                dir.display(),
-                meta.run_id
-            );
-        }
-        Ok(Self {
-            run_id,
-            what: StartWhat::Resume,
-            note: format!(
-                "resuming run {} at generation {generation} ({desired} node(s)) from its \
-                 journal{paused}",
-                meta.run_id
+        };
+        // The core applies a shape only when it was given one.
+        let apply = || StartWhat::Apply(file.cloned().expect("a shape to apply"));
+        let (what, note) = match decision {
+            StartDecision::New { run_id } => (
+                apply(),
+                format!("starting run {run_id} from {}", dir.display()),
             ),
-        })
+            StartDecision::Offer {
+                run_id,
+                generation,
+                paused,
+            } => (
+                apply(),
+                format!(
+                    "resuming run {run_id} at generation {} from its journal; \
+                     the shape is offered as the next generation{}",
+                    generation.0,
+                    paused_note(paused)
+                ),
+            ),
+            StartDecision::FinishTeardown { run_id } => (
+                StartWhat::FinishTeardown,
+                format!(
+                    "the last daemon of run {run_id} was tearing its cluster down when it \
+                     stopped; finishing the teardown"
+                ),
+            ),
+            StartDecision::Resume {
+                run_id,
+                generation,
+                desired,
+                paused,
+            } => (
+                StartWhat::Resume,
+                format!(
+                    "resuming run {run_id} at generation {} ({desired} node(s)) from its \
+                     journal{}",
+                    generation.0,
+                    paused_note(paused)
+                ),
+            ),
+        };
+        Ok(Self { run_id, what, note })
+    }
+}
+
+/// Says why a start was refused, naming the state directory `dir`.
+fn start_refused(refusal: &StartRefusal, dir: &Path) -> anyhow::Error {
+    match refusal {
+        StartRefusal::NoJournal => nothing_to_resume(dir),
+        StartRefusal::OtherRun { journal, shape } => {
+            let theirs = crate::words::cut(shape.as_str());
+            anyhow::anyhow!(
+                "{} belongs to run {journal:?}, and the shape is for run {theirs:?}; a \
+                 state directory's run never changes. Use another --state-dir for run \
+                 {theirs:?}; nothing was started",
+                dir.display(),
+            )
+        }
+        StartRefusal::TornDown { run_id, generation } => anyhow::anyhow!(
+            "there is nothing to resume in {}: run {run_id} has no nodes (its cluster was \
+             torn down at generation {}). Give a shape to start it again",
+            dir.display(),
+            generation.0
+        ),
     }
 }
 

@@ -39,6 +39,7 @@ pub mod observe;
 mod policy_probe;
 mod rollout;
 mod shape;
+mod start;
 mod state;
 mod time;
 
@@ -79,6 +80,7 @@ pub use shape::{
     GroupShape, LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, PolicyShape, PreemptChoice,
     ProviderShape, SHAPE_NODES_MAX, ShapeError, SwarmJoin, same_template,
 };
+pub use start::{StartDecision, StartRefusal, decide_start};
 pub use state::{
     AmbiguousCreate, BootstrapStage, ClusterState, EffectKind, FailureCause, Intent, ManagedNode,
     NodeRecord, NodeStage, PendingOperation, RetryState, Trouble,
