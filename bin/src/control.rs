@@ -8,15 +8,15 @@ use crate::words::{cut, cut_long_words};
 use std::sync::Arc;
 use std::time::Duration;
 use swactor_actors::{
-    AgentLink, ApplyError, ClusterError, ClusterHandle, DriverView, NodeSummary, ShutdownReport,
+    AgentLink, ApplyError, ClusterError, ClusterHandle, NodeSummary, ShutdownReport,
 };
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{HANDSHAKE_DEADLINE, accept_first_frame, send_frame};
 use swactor_providers::{Provider, Providers};
 use swactor_provisioning::{
-    Change, ClusterShape, DesiredState, DesiredUpdate, Intent, LogicalNodeId, NodeStage,
-    ReplaceError, RunId, UpdateError, same_template,
+    ClusterShape, DesiredUpdate, Intent, LogicalNodeId, ReplaceError, RunId, UpdateError,
+    every_change,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -129,31 +129,6 @@ pub(crate) async fn apply_file(
 /// away, or it is leaving.
 fn under_way(n: &NodeSummary) -> bool {
     !n.ready || n.intent == Intent::Deleting || matches!(n.agent, AgentLink::Away { .. })
-}
-
-/// Every slot `next` changes on `view`, in slot order, by the rule of
-/// [`swactor_provisioning::diff`] (which counts them all but names only the
-/// first [`ShapeDiff::EXAMPLES_MAX`]): a desired slot without a node is
-/// created, a node of another template than its slot's is replaced, and a
-/// node of a slot no longer desired is destroyed unless it is down already.
-fn every_change(view: &DriverView, next: &DesiredState) -> Vec<(LogicalNodeId, Change)> {
-    let mut out = Vec::new();
-    for (id, node) in &view.state.nodes {
-        match next.slot(id) {
-            Some(t) if !same_template(t, &node.template) => out.push((*id, Change::Replace)),
-            None if node.record.stage != NodeStage::Destroyed => {
-                out.push((*id, Change::Destroy));
-            }
-            _ => {}
-        }
-    }
-    for spec in next.specs() {
-        if !view.state.nodes.contains_key(&spec.node) {
-            out.push((spec.node, Change::Create));
-        }
-    }
-    out.sort_by_key(|a| a.0);
-    out
 }
 
 #[derive(Debug, Clone)]
@@ -340,8 +315,8 @@ impl ControlHandler {
         if all && total > changes.len() as u64 {
             let inspected = self.cluster.inspect().await.map_err(|e| self.refused(&e))?;
             let every = match next {
-                Some(Ok(next)) => every_change(&inspected, &next),
-                _ => every_change(&inspected, &inspected.desired),
+                Some(Ok(next)) => every_change(&inspected.state, &next),
+                _ => every_change(&inspected.state, &inspected.desired),
             };
             // The core's counts are the truth; the full listing is used
             // only when it agrees with them.

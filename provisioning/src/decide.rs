@@ -954,12 +954,18 @@ impl ShapeDiff {
     }
 
     pub(crate) fn note(&mut self, node: &LogicalNodeId, change: Change) {
+        self.note_keeping(node, change, Self::EXAMPLES_MAX);
+    }
+
+    /// Counts `change` of `node`, and names it while fewer than
+    /// `examples_max` are named.
+    fn note_keeping(&mut self, node: &LogicalNodeId, change: Change, examples_max: usize) {
         match change {
             Change::Create => self.create += 1,
             Change::Replace => self.replace += 1,
             Change::Destroy => self.destroy += 1,
         }
-        if self.examples.len() < Self::EXAMPLES_MAX {
+        if self.examples.len() < examples_max {
             self.examples.push((*node, change));
         }
     }
@@ -968,6 +974,18 @@ impl ShapeDiff {
 /// What `desired` changes about `state`, slot by slot. Nodes already being
 /// deleted are not counted: this change does not cause their end.
 pub fn diff(state: &ClusterState, desired: &DesiredState) -> ShapeDiff {
+    diff_keeping(state, desired, ShapeDiff::EXAMPLES_MAX)
+}
+
+/// Every slot `desired` changes about `state`, in slot order: the whole
+/// list of which [`diff`] names only the first [`ShapeDiff::EXAMPLES_MAX`],
+/// by the same rule, so it agrees with that diff's counts.
+pub fn every_change(state: &ClusterState, desired: &DesiredState) -> Vec<(LogicalNodeId, Change)> {
+    diff_keeping(state, desired, usize::MAX).examples
+}
+
+/// [`diff`], naming the first `examples_max` changed slots.
+fn diff_keeping(state: &ClusterState, desired: &DesiredState, examples_max: usize) -> ShapeDiff {
     let mut d = ShapeDiff::default();
     walk(
         state,
@@ -980,14 +998,13 @@ pub fn diff(state: &ClusterState, desired: &DesiredState) -> ShapeDiff {
             let active = node.is_some_and(|n| {
                 n.intent == Intent::Active && n.record.stage != NodeStage::Destroyed
             });
+            let mut note = |change| d.note_keeping(id, change, examples_max);
             match (node, desired.slot(id)) {
-                (None, Some(_)) => d.note(id, Change::Create),
+                (None, Some(_)) => note(Change::Create),
                 // A node of another template, even one already down, comes back
                 // with the new one.
-                (Some(n), Some(t)) if !same_template(t, &n.template) => d.note(id, Change::Replace),
-                (Some(n), None) if n.record.stage != NodeStage::Destroyed => {
-                    d.note(id, Change::Destroy)
-                }
+                (Some(n), Some(t)) if !same_template(t, &n.template) => note(Change::Replace),
+                (Some(n), None) if n.record.stage != NodeStage::Destroyed => note(Change::Destroy),
                 (Some(_), Some(_)) if active => d.unchanged += 1,
                 _ => {}
             }

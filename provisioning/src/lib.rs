@@ -48,9 +48,9 @@ pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
 pub use core::Reconciler;
 pub use decide::{
     Change, DeleteReason, LadderRow, NodeAction, NodeDecision, Plan, PlannedAction, RolloutGates,
-    RolloutStatus, RolloutStop, ShapeDiff, allowed_while_paused, breaker, diff, group_status,
-    is_converged, reconcile, reconcile_node, reconcile_node_gated, reconcile_node_paused,
-    reconcile_paused, reconcile_with, rollout_holds, surge,
+    RolloutStatus, RolloutStop, ShapeDiff, allowed_while_paused, breaker, diff, every_change,
+    group_status, is_converged, reconcile, reconcile_node, reconcile_node_gated,
+    reconcile_node_paused, reconcile_paused, reconcile_with, rollout_holds, surge,
 };
 pub use driver::{
     AdoptEntry, Adoption, DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest,
