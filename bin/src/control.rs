@@ -15,8 +15,8 @@ use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{HANDSHAKE_DEADLINE, accept_first_frame, send_frame};
 use swactor_providers::{Provider, Providers};
 use swactor_provisioning::{
-    ClusterShape, DesiredUpdate, Intent, LogicalNodeId, ReplaceError, RunId, UpdateError,
-    every_change,
+    CapacityBasis, ClusterShape, DesiredUpdate, Intent, LogicalNodeId, ReplaceError, RunId,
+    UpdateError, every_change,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -39,8 +39,8 @@ pub(crate) fn refusal(e: &ClusterError) -> String {
             nodes,
             surge,
             capacity,
-            basis,
-        }) if basis.contains("`capacity`") => format!(
+            basis: CapacityBasis::Shape,
+        }) => format!(
             "the shape asks for {nodes} nodes{surge}, more than its own `capacity` of \
              {capacity}; nothing was changed"
         ),
@@ -48,7 +48,7 @@ pub(crate) fn refusal(e: &ClusterError) -> String {
             nodes,
             surge,
             capacity,
-            basis,
+            basis: CapacityBasis::Provider(basis),
         }) => format!(
             "the shape asks for {nodes} nodes{surge}, but {basis} allows at most {capacity}; \
              nothing was changed (a top-level `capacity = N` in the shape allows more)"

@@ -950,9 +950,9 @@ mod tests {
         };
         let shape = ShapeFile::parse(&body(8), "x").unwrap().check(1).unwrap();
         let e = capacity_refusal(&shape, None, &[]).unwrap();
-        assert!(
-            e.contains("8 nodes") && e.contains("`capacity` of 5"),
-            "{e}"
+        assert_eq!(
+            e,
+            "the shape asks for 8 nodes, more than its own `capacity` of 5; nothing was changed"
         );
         let ten = ShapeFile::parse(&body(10), "x").unwrap().check(1).unwrap();
         assert_eq!(
@@ -981,6 +981,18 @@ mod tests {
             e,
             "the shape asks for 100000 nodes, but this machine's memory allows at most 300; \
              nothing was changed (a top-level `capacity = N` in the shape allows more)"
+        );
+        // A provider's estimate is said as one, whatever its description
+        // mentions.
+        let described = Capacity {
+            basis: "the `capacity` file of this test".to_owned(),
+            ..memory.clone()
+        };
+        let e = capacity_refusal(&shape, None, &[described]).unwrap();
+        assert_eq!(
+            e,
+            "the shape asks for 100000 nodes, but the `capacity` file of this test allows at \
+             most 300; nothing was changed (a top-level `capacity = N` in the shape allows more)"
         );
         // The shape's own capacity goes past the estimate on purpose.
         let own = ShapeFile::parse(&body("capacity = 200000\n"), "x")

@@ -1,6 +1,6 @@
 //! Whether a shape fits: under its own `capacity`, or under the providers' estimates.
 
-use crate::host::{ApplyError, Capacity};
+use crate::host::{ApplyError, Capacity, CapacityBasis};
 use crate::shape::{ClusterShape, DesiredState};
 
 /// Refuses `shape` when it would grow the cluster, from `current`, past the
@@ -36,7 +36,7 @@ pub fn check_capacity(
             })
             .fold((0, 0), |(n, s), (gn, gs)| (n + gn + gs, s + gs))
     };
-    let refuse = |(nodes, surge): (u64, u64), now: u64, capacity: u64, basis: &str| {
+    let refuse = |(nodes, surge): (u64, u64), now: u64, capacity: u64, basis: CapacityBasis| {
         (nodes > capacity && nodes > now).then(|| ApplyError::OverCapacity {
             nodes,
             surge: if surge > 0 {
@@ -45,7 +45,7 @@ pub fn check_capacity(
                 String::new()
             },
             capacity,
-            basis: basis.to_owned(),
+            basis,
         })
     };
     if let Some(capacity) = shape.capacity {
@@ -54,7 +54,7 @@ pub fn check_capacity(
             peak(&next, None),
             peak(current, None).0,
             capacity,
-            "the shape's `capacity`",
+            CapacityBasis::Shape,
         ) {
             Some(e) => Err(e),
             None => Ok(()),
@@ -62,7 +62,8 @@ pub fn check_capacity(
     }
     for c in capacities {
         let now = peak(current, Some(c.kind.as_str())).0;
-        if let Some(e) = refuse(peak(&next, Some(c.kind.as_str())), now, c.nodes, &c.basis) {
+        let basis = CapacityBasis::Provider(c.basis.clone());
+        if let Some(e) = refuse(peak(&next, Some(c.kind.as_str())), now, c.nodes, basis) {
             return Err(e);
         }
     }
@@ -94,8 +95,9 @@ mod tests {
                 ApplyError::OverCapacity {
                     nodes: 10,
                     capacity: 4,
+                    basis: CapacityBasis::Provider(basis),
                     ..
-                }
+                } if basis == "this test's memory"
             ),
             "{e}"
         );
@@ -111,5 +113,52 @@ mod tests {
         let now = shape(1, vec![group("w", 12)]).validate().unwrap();
         big.capacity = None;
         assert_eq!(check_capacity(&big, &now, &[local(4)]), Ok(()));
+    }
+
+    #[test]
+    fn a_refusal_says_whether_the_limit_is_the_shapes_own_or_a_providers() {
+        let none = DesiredState::empty(RunId::new("run"), Generation(0));
+        let mut big = shape(1, vec![group("w", 10)]);
+        big.capacity = Some(6);
+        let own = check_capacity(&big, &none, &[local(20)]).unwrap_err();
+        assert!(
+            matches!(
+                &own,
+                ApplyError::OverCapacity {
+                    nodes: 10,
+                    capacity: 6,
+                    basis: CapacityBasis::Shape,
+                    ..
+                }
+            ),
+            "{own}"
+        );
+        // The words the error has always had.
+        assert_eq!(
+            own.to_string(),
+            "the shape asks for 10 nodes, but the shape's `capacity` allows at most 6; nothing \
+             was changed (set `capacity` in the shape to override)"
+        );
+        // A provider's description is its own, whatever it mentions.
+        big.capacity = None;
+        let described = Capacity {
+            basis: "the `capacity` of this test".to_owned(),
+            ..local(4)
+        };
+        let theirs = check_capacity(&big, &none, &[described]).unwrap_err();
+        assert_eq!(
+            theirs,
+            ApplyError::OverCapacity {
+                nodes: 10,
+                surge: String::new(),
+                capacity: 4,
+                basis: CapacityBasis::Provider("the `capacity` of this test".to_owned()),
+            }
+        );
+        assert_eq!(
+            theirs.to_string(),
+            "the shape asks for 10 nodes, but the `capacity` of this test allows at most 4; \
+             nothing was changed (set `capacity` in the shape to override)"
+        );
     }
 }

@@ -57,12 +57,12 @@ pub use driver::{
     Pass, PassStats, UpdateError,
 };
 pub use host::{
-    AWAY_PAST_GRACE, ApplyError, AttemptRecord, Capacity, CollectRequest, DEFAULT_REJOIN_WINDOW_MS,
-    DEPARTED_HISTORY_MAX, DeafGap, EARLY_OBSERVATIONS_MAX, GroupHold, HeldBy, HoldKind, Host,
-    HostConfig, HostError, HostEvent, HostFold, JOURNAL_FORMAT, JoinRefused, JournalDelta,
-    JournalImage, JournalMeta, Link, Listed, Liveness, NextStep, Output, PAUSED_PAST_WAIT,
-    PauseError, REPLACED_BY_OPERATOR, ReplaceError, Reply, SPENT_RECORD_STEP_MICROS, ShutdownMode,
-    ShutdownReport, SlotRecord, Ticket,
+    AWAY_PAST_GRACE, ApplyError, AttemptRecord, Capacity, CapacityBasis, CollectRequest,
+    DEFAULT_REJOIN_WINDOW_MS, DEPARTED_HISTORY_MAX, DeafGap, EARLY_OBSERVATIONS_MAX, GroupHold,
+    HeldBy, HoldKind, Host, HostConfig, HostError, HostEvent, HostFold, JOURNAL_FORMAT,
+    JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness, NextStep, Output,
+    PAUSED_PAST_WAIT, PauseError, REPLACED_BY_OPERATOR, ReplaceError, Reply,
+    SPENT_RECORD_STEP_MICROS, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
 };
 pub use id::{
     GROUP_NAMES_MAX, Generation, GroupId, ID_LEN_MAX, IdError, IdString, LeaseId, LogicalNodeId,
