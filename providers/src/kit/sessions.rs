@@ -138,6 +138,7 @@ impl<E: Clone> Sessions<E> {
     }
 
     /// Marks every open session that `which` picks as stopped on purpose.
+    #[cfg(any(test, feature = "docker"))]
     pub(crate) fn mark_cancelled_where(&self, which: impl Fn(&SessionId) -> bool) {
         for (id, entry) in &lock(&self.inner).map {
             if which(id) {
