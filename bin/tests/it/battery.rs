@@ -15,7 +15,7 @@
 //! `SWACTOR_PROCESS_SEEDS` sets how many seeds run per provider (default
 //! 16); `SWACTOR_PROCESS_SEED` replays one seed alone.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::BTreeMap;

@@ -5,7 +5,7 @@
 //! Real daemons and agents, as in e2e.rs; a pseudo-terminal comes from
 //! util-linux's `script`.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::io::Write;

@@ -11,7 +11,7 @@
 //! `SWACTOR_CRASH_CYCLES` sets how many cycles run (default 8; the full run is
 //! 50); `SWACTOR_CRASH_SEED` picks the seed (default 1).
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::{BTreeMap, BTreeSet};

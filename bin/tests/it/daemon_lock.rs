@@ -1,7 +1,7 @@
 //! One daemon per state directory: racing `swactor up`s, `down` releasing the
 //! directory, and a killed holder that does not keep it.
 
-mod common;
+use crate::common;
 
 use common::{BIN, Daemon, cli, kill9, shape_file, stderr, wait_for, workers};
 use std::path::{Path, PathBuf};

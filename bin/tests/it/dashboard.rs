@@ -2,7 +2,7 @@
 //! headless chromium driven over the DevTools protocol, `/metrics` against
 //! `status --json`, refused requests, and a load of pages and scrapes.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::io::{Read, Write};

@@ -4,7 +4,7 @@
 //! Each test uses a run of its own and removes that run's containers when it
 //! ends, pass or fail. See `common/docker.rs` for what happens without an engine.
 
-mod common;
+use crate::common;
 
 use common::docker::{
     Container, agent_binary, by_slot, containers, docker, docker_shape, engine_up, remove_run,

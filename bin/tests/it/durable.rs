@@ -8,7 +8,7 @@
 //! needs root and a loop device: without them the tests say so and skip,
 //! unless `SWACTOR_REQUIRE_LOOP=1` (CI), where that fails.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::path::{Path, PathBuf};

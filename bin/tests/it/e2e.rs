@@ -1,6 +1,6 @@
 //! The real binary, real agent processes, real iroh connections on loopback.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::time::{Duration, Instant};

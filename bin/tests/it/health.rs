@@ -2,7 +2,7 @@
 //! checks that hang, agents that exit, agents that freeze, templates fixed
 //! while their nodes back off.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::path::Path;

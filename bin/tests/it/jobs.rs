@@ -2,7 +2,7 @@
 //! hosts when an OpenSSH server is installed), `swactor run` as a user
 //! types it, iroh on loopback.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::Value;

@@ -1,6 +1,6 @@
 //! `swactor pause` and `swactor resume` with real daemons and agent processes.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::BTreeSet;

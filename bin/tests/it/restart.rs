@@ -1,7 +1,7 @@
 //! Starting a daemon again on a state directory: what its journal makes it
 //! adopt, replace, refuse, and never reuse.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::{BTreeMap, BTreeSet};

@@ -1,6 +1,6 @@
 //! Rolling replacement and the remediation breaker with real daemons and agent processes.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::BTreeMap;

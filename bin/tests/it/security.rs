@@ -1,7 +1,7 @@
 //! Attacks on a running daemon, as another local user or a peer on the
 //! network would try them, and the errors a user sees when a key is wrong.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde::{Deserialize, Serialize};

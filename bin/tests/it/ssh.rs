@@ -7,7 +7,7 @@
 //! (the hosts are this machine), except in the test that uploads the real
 //! binary.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::BTreeMap;

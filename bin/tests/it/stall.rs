@@ -8,7 +8,7 @@
 //! `SWACTOR_RESTART_RACES=N` sets the start-up race's restarts (CI: 12; the
 //! issue's figure is 50).
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::BTreeMap;

@@ -5,7 +5,7 @@
 //! The panics are injected through `SWACTOR_FAULT_DRIVER_PANICS=N@MS`, a
 //! fault only debug builds of the daemon honour.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::process::{Command, Stdio};

@@ -9,7 +9,7 @@
 //! small script running this build's `swactor` (the instances are this
 //! machine).
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::BTreeMap;

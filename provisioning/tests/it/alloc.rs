@@ -3,7 +3,7 @@
 //! global allocator and counts what the measured closure allocates on its
 //! own thread.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -1,6 +1,6 @@
 //! A burst of results costs one pass: triggers collapse into the queued pass.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -3,7 +3,7 @@
 //! defers the joins of the attempts the journal holds instead of refusing
 //! them; a daemon restarted while paused re-attaches its running nodes.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

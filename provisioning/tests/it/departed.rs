@@ -2,7 +2,7 @@
 //! and one that was let go is not made again, empty, when the slot's
 //! departure is seen afterwards.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

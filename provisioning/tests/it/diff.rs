@@ -1,6 +1,6 @@
 //! What a shape changes on a cluster: the counted diff and the full listing agree.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -1,6 +1,6 @@
 //! Driver core: revision contract, trigger semantics, pending-before-dispatch, limits.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -3,7 +3,7 @@
 //! attempt can end is driven through a host here, and the cause kept with
 //! the replaced attempt (or the live node) is checked.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -1,6 +1,6 @@
 //! One test per row of the failure-classification table, plus backoff bookkeeping.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -1,6 +1,6 @@
 //! One test per row of the decision ladder, named as sentences, plus a golden table.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::fmt::Write as _;

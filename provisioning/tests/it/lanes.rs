@@ -1,7 +1,7 @@
 //! An executor lane that crashes: every operation it held that its node
 //! still waits on folds as ambiguous, and nothing of the other lanes moves.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -2,7 +2,7 @@
 //! paused`, `replaced unless it is back in 3 s`); these tests hold each
 //! announcement against what the host then does.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

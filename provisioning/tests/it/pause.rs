@@ -1,7 +1,7 @@
 //! Pausing: a paused driver folds everything but dispatches nothing new;
 //! cleanup of what already failed or is being deleted still finishes.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -2,7 +2,7 @@
 //! about only in a group that waits for it, kept for the group's wait when
 //! the provider says it is paused, and lost at its grace's end otherwise.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

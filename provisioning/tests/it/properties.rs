@@ -1,6 +1,6 @@
 //! Property tests over random traces of shape updates, results, observations and time.
 
-mod common;
+use crate::common;
 
 use common::*;
 use proptest::prelude::*;

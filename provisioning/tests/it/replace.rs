@@ -2,7 +2,7 @@
 //! that says so, goes through the normal cleanup ladder (cancel, destroy),
 //! and only then does a new attempt start; never two live attempts.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

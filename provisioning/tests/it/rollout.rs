@@ -2,7 +2,7 @@
 //! group's `max_unavailable`, in slot order, and a failing replacement
 //! stops the rollout until a fixed template is applied.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

@@ -2,7 +2,7 @@
 //! it is written once it has risen a cent, and a host started from the
 //! journal starts from it.
 
-mod common;
+use crate::common;
 
 use common::*;
 use swactor_provisioning::*;

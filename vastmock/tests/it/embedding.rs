@@ -1,6 +1,6 @@
 //! The mock as a process (the `swactor-vastmock` binary) and inside a test's own tokio runtime.
 
-mod common;
+use crate::common;
 
 use common::{Api, sshds_under};
 use serde_json::json;

@@ -1,6 +1,6 @@
 //! Each fault knob shows its effect over real HTTP (Rust API and admin routes).
 
-mod common;
+use crate::common;
 
 use common::{Api, host_port};
 use serde_json::{Value, json};

@@ -1,6 +1,6 @@
 //! An instance's life over real HTTP, with a real sshd: create, boot, SSH login, stop, start, destroy; and the bulk calls.
 
-mod common;
+use crate::common;
 
 use common::{Api, host_port, keypair, proxy, ssh, ssh_to, sshds_under};
 use serde_json::json;

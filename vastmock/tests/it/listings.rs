@@ -1,6 +1,6 @@
 //! Listings, shows, searches, errors and authentication over real HTTP.
 
-mod common;
+use crate::common;
 
 use common::Api;
 use serde_json::{Value, json};

@@ -9,7 +9,7 @@
 //! commands are the mock's own). Rate limits are off here, except in the
 //! test of paging under the default limits and of the 429 messages.
 
-mod common;
+use crate::common;
 
 use common::{keypair, ssh};
 use serde_json::Value;

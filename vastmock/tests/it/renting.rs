@@ -1,6 +1,6 @@
 //! Renting as the service does it: `onstart` runs at every container start, SSH through a proxy (and directly only on machines with open ports), listings and contracts that end.
 
-mod common;
+use crate::common;
 
 use common::{Api, host_port, keypair, proxy, ssh, ssh_to};
 use serde_json::{Value, json};

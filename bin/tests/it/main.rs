@@ -1,0 +1,23 @@
+//! The crate's integration tests, gathered into one binary so that they
+//! link once and share the test threads.
+
+mod common;
+mod battery;
+mod cli;
+mod crash;
+mod daemon_lock;
+mod dashboard;
+mod docker;
+mod durable;
+mod e2e;
+mod health;
+mod jobs;
+mod pause;
+mod restart;
+mod rollout;
+mod scripts;
+mod security;
+mod ssh;
+mod stall;
+mod supervision;
+mod vast;

@@ -1,0 +1,21 @@
+//! The crate's integration tests, gathered into one binary so that they
+//! link once and share the test threads.
+
+mod common;
+mod alloc;
+mod burst;
+mod deaf;
+mod departed;
+mod diff;
+mod driver;
+mod failure_cause;
+mod failures;
+mod ladder;
+mod lanes;
+mod next_step;
+mod pause;
+mod preempt;
+mod properties;
+mod replace;
+mod rollout;
+mod spent;

@@ -1,0 +1,10 @@
+//! The crate's integration tests, gathered into one binary so that they
+//! link once and share the test threads.
+
+mod common;
+mod embedding;
+mod faults;
+mod lifecycle;
+mod listings;
+mod official_client;
+mod renting;
