@@ -220,6 +220,16 @@ impl ClusterHandle {
             .await
     }
 
+    /// Waits until the provider's inventory and the journal are adopted, so
+    /// that a shape offered next is judged against what really runs.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn adopted(&self) -> Result<(), ClusterError> {
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::WaitAdopted(r)))
+            .await
+    }
+
     /// Asks whether an agent presenting `key` may join: only the node's
     /// current, active attempt may (a superseded attempt's agent is refused).
     ///

@@ -36,6 +36,7 @@ use swactor_provisioning::{
 enum Waiting {
     Apply(RpcReplyPort<Result<DesiredUpdate, ApplyError>>),
     Converged(RpcReplyPort<Generation>),
+    Adopted(RpcReplyPort<()>),
     Shutdown(RpcReplyPort<ShutdownReport>),
     Pause(RpcReplyPort<Result<bool, PauseError>>),
     Replace(RpcReplyPort<Result<NodeAttemptId, ReplaceError>>),
@@ -347,6 +348,11 @@ impl DriverState {
                 self.waiting.insert(ticket, Waiting::Converged(reply));
                 self.host.handle_wait_converged(ticket);
             }
+            ClusterMsg::WaitAdopted(reply) => {
+                let ticket = self.ticket();
+                self.waiting.insert(ticket, Waiting::Adopted(reply));
+                self.host.handle_wait_adopted(ticket);
+            }
             ClusterMsg::Shutdown(mode, reply) => {
                 let ticket = self.ticket();
                 self.waiting.insert(ticket, Waiting::Shutdown(reply));
@@ -491,6 +497,9 @@ impl DriverState {
             }
             (Some(Waiting::Converged(port)), Reply::Converged(g)) => {
                 let _ = port.send(g);
+            }
+            (Some(Waiting::Adopted(port)), Reply::Adopted) => {
+                let _ = port.send(());
             }
             (Some(Waiting::Shutdown(port)), Reply::Shutdown(report)) => {
                 let _ = port.send(report);

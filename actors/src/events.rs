@@ -78,8 +78,7 @@ impl NodeSummary {
             attempt: n.attempt,
             stage: n.record.stage,
             intent: n.intent,
-            // A node whose agent is away may be gone: not ready until it is back.
-            ready: n.is_ready() && !matches!(agent, AgentLink::Away { .. }),
+            ready: Link::shows_ready(link, n),
             pending: n.pending.as_ref().map(|p| p.effect),
             failures: n.retry.consecutive_failures,
             last_error: n.record.last_error().map(str::to_owned),

@@ -60,6 +60,9 @@ pub enum ClusterMsg {
     /// Reply once converged on the current desired generation (or not at all
     /// if the cluster stops first: the port is dropped).
     WaitConverged(RpcReplyPort<Generation>),
+    /// Reply once the provider's inventory and the journal are adopted (or
+    /// not at all if the cluster stops first: the port is dropped).
+    WaitAdopted(RpcReplyPort<()>),
     /// Shut the cluster down.
     Shutdown(ShutdownMode, RpcReplyPort<ShutdownReport>),
     /// What the run's rented machines have cost so far, as the providers

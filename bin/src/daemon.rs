@@ -816,6 +816,10 @@ fn nothing_to_resume(dir: &Path) -> anyhow::Error {
     )
 }
 
+/// Longest a start waits for the earlier nodes' adoption before it offers
+/// its shape.
+const ADOPTION_WAIT_MAX: Duration = Duration::from_secs(30);
+
 /// `up SHAPE`: once the earlier daemon's nodes are adopted, applies the
 /// shape (its plan was shown before the daemon started), with the same rules
 /// as `apply`.
@@ -825,9 +829,14 @@ async fn offer_on_start(
     journal: &crate::journal::JournalHealth,
     file: &ShapeFile,
 ) -> Result<()> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !cluster.snapshot().await?.inventory_read && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    // A provider that cannot list for this long does not hold the shape
+    // back for ever: the host judges it against what it knows then.
+    match tokio::time::timeout(ADOPTION_WAIT_MAX, cluster.adopted()).await {
+        Ok(adopted) => adopted?,
+        Err(_) => tracing::warn!(
+            "the earlier nodes were not adopted within {} s; offering the shape anyway",
+            ADOPTION_WAIT_MAX.as_secs()
+        ),
     }
     match apply_file(cluster, run_id, journal, file).await {
         Ok((generation, true)) => eprintln!("swactor: applied generation {generation}"),

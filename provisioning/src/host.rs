@@ -82,7 +82,7 @@ use crate::observe::{
 };
 use crate::rollout::Breaker;
 use crate::shape::{ClusterShape, DesiredState, NodeTemplate};
-use crate::state::{EffectKind, FailureCause, Intent, NodeStage};
+use crate::state::{EffectKind, FailureCause, Intent, ManagedNode, NodeStage};
 use crate::time::{Timestamp, earliest};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -679,6 +679,8 @@ pub enum Reply {
     Applied(Result<DesiredUpdate, ApplyError>),
     /// The cluster converged on this generation.
     Converged(Generation),
+    /// The provider's inventory and the journal are adopted.
+    Adopted,
     /// The pause (`true`) or resume (`false`) asked for is durable, or why
     /// it was refused.
     Paused(Result<bool, PauseError>),
@@ -973,6 +975,18 @@ pub enum Link {
     },
 }
 
+impl Link {
+    /// Whether `node` counts as ready for people and tools, given its agent
+    /// link (`None`: its agent never joined this host): its attempt is ready
+    /// and that attempt's agent is not away, since an agent that went away
+    /// may be gone. Every view (`status`, `watch`, the dashboard, metrics)
+    /// reads readiness from here.
+    pub fn shows_ready(link: Option<Link>, node: &ManagedNode) -> bool {
+        let away = matches!(link, Some(Link::Away { attempt, .. }) if attempt == node.attempt);
+        node.is_ready() && !away
+    }
+}
+
 /// What happens next to a node, and when, as [`Host::next_step`] tells it:
 /// the one answer `status`, `describe`, `watch`, `plan`, `up`'s table and
 /// the dashboard all give, so no view promises a retry that will not come.
@@ -1127,6 +1141,8 @@ pub struct Host<C: Reconciler> {
     outputs: VecDeque<Output>,
     events: VecDeque<HostEvent>,
     waiters: Vec<Ticket>,
+    /// Waiting for the adoption ([`Host::handle_wait_adopted`]).
+    adopt_waiters: Vec<Ticket>,
     shutdown: Option<Shutdown>,
     converged_reported: Option<Generation>,
     /// The node that kept the last convergence check from passing: the next
@@ -1220,6 +1236,7 @@ impl<C: Reconciler> Host<C> {
             outputs: VecDeque::new(),
             events: VecDeque::new(),
             waiters: Vec::new(),
+            adopt_waiters: Vec::new(),
             shutdown: None,
             converged_reported: None,
             converged_hint: None,
@@ -1758,6 +1775,21 @@ impl<C: Reconciler> Host<C> {
                 .push_back(Output::Reply(ticket, Reply::Converged(generation)));
         } else {
             self.waiters.push(ticket);
+        }
+    }
+
+    /// Asks to be told once the provider's inventory and the journal have
+    /// been adopted (see [`Host::adopted`]): a start that offers a shape
+    /// waits for it, so the shape is judged against what really runs.
+    pub fn handle_wait_adopted(&mut self, ticket: Ticket) {
+        if self.stopped {
+            self.outputs
+                .push_back(Output::Reply(ticket, Reply::Stopped));
+        } else if self.adopted() {
+            self.outputs
+                .push_back(Output::Reply(ticket, Reply::Adopted));
+        } else {
+            self.adopt_waiters.push(ticket);
         }
     }
 
@@ -2480,7 +2512,8 @@ impl<C: Reconciler> Host<C> {
     }
 
     fn stop(&mut self) {
-        for t in std::mem::take(&mut self.waiters) {
+        let waiting = std::mem::take(&mut self.waiters);
+        for t in waiting.into_iter().chain(std::mem::take(&mut self.adopt_waiters)) {
             self.outputs.push_back(Output::Reply(t, Reply::Stopped));
         }
         self.outputs.push_back(Output::Stop);
@@ -3372,6 +3405,9 @@ impl<C: Reconciler> Host<C> {
             orphans: report.orphans,
             foreign: report.foreign,
         });
+        for t in std::mem::take(&mut self.adopt_waiters) {
+            self.outputs.push_back(Output::Reply(t, Reply::Adopted));
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! link once and share the test threads.
 
 mod common;
+mod adoption;
 mod alloc;
 mod burst;
 mod deaf;
@@ -16,6 +17,7 @@ mod next_step;
 mod pause;
 mod preempt;
 mod properties;
+mod readiness;
 mod replace;
 mod rollout;
 mod spent;
