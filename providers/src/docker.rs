@@ -1259,13 +1259,7 @@ mod tests {
             "{most} entries for {BATCH} live streams"
         );
         // A stream's entry goes when its task ends, just after its last event.
-        for _ in 0..200 {
-            if p.shared.sessions.len() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(p.shared.sessions.len(), 0);
+        assert_eq!(p.shared.sessions.settled_len().await, 0);
         assert_eq!(p.shared.key_locks.len(), 0);
     }
 

@@ -1163,16 +1163,21 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_key_lock_is_kept_while_another_call_waits_for_it() {
-        let state = tempfile::tempdir().unwrap();
-        let p = ProcessProvider::new(ProcessConfig {
+    /// A provider over `state` whose agent is never started.
+    fn provider(state: &Path) -> ProcessProvider {
+        ProcessProvider::new(ProcessConfig {
             agent_program: "/bin/true".into(),
             daemon_ticket: "t".to_owned(),
             token_secret: [1; 32],
-            ..ProcessConfig::new(state.path())
+            ..ProcessConfig::new(state)
         })
-        .unwrap();
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_key_lock_is_kept_while_another_call_waits_for_it() {
+        let state = tempfile::tempdir().unwrap();
+        let p = provider(state.path());
         let dir = Path::new("/n/r/w-0-a1");
         let guard = p.lock_key(dir).await;
         let waiter = tokio::spawn({
@@ -1197,13 +1202,7 @@ mod tests {
         const SESSIONS: u32 = 10_000;
         const BATCH: u32 = 500;
         let state = tempfile::tempdir().unwrap();
-        let p = ProcessProvider::new(ProcessConfig {
-            agent_program: "/bin/true".into(),
-            daemon_ticket: "t".to_owned(),
-            token_secret: [1; 32],
-            ..ProcessConfig::new(state.path())
-        })
-        .unwrap();
+        let p = provider(state.path());
         let dir = state.path().join("agent");
         fs::create_dir_all(&dir).unwrap();
         fs::write(dir.join(LOG_FILE), "booting\n").unwrap();
@@ -1243,13 +1242,7 @@ mod tests {
             "{most} entries for {BATCH} live streams"
         );
         // A stream's entry goes when its task ends, just after its last event.
-        for _ in 0..200 {
-            if p.shared.sessions.len() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(p.shared.sessions.len(), 0);
+        assert_eq!(p.shared.sessions.settled_len().await, 0);
         assert_eq!(p.shared.key_locks.len(), 0);
     }
 

@@ -1673,7 +1673,7 @@ mod tests {
             })
             .await;
         assert!(most <= 500, "{most} entries for 500 live streams");
-        assert_eq!(p.shared.sessions.len(), 0);
+        assert_eq!(p.shared.sessions.settled_len().await, 0);
         assert_eq!(p.shared.key_locks.len(), 0);
     }
 

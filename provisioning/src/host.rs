@@ -2513,7 +2513,10 @@ impl<C: Reconciler> Host<C> {
 
     fn stop(&mut self) {
         let waiting = std::mem::take(&mut self.waiters);
-        for t in waiting.into_iter().chain(std::mem::take(&mut self.adopt_waiters)) {
+        for t in waiting
+            .into_iter()
+            .chain(std::mem::take(&mut self.adopt_waiters))
+        {
             self.outputs.push_back(Output::Reply(t, Reply::Stopped));
         }
         self.outputs.push_back(Output::Stop);

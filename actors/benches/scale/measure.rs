@@ -1,5 +1,5 @@
 //! The measurements of the `scale` benchmark, shared with the test that runs
-//! it at a tiny size (`actors/tests/scale.rs`).
+//! it at a tiny size (`actors/tests/it/scale.rs`).
 //!
 //! Every figure comes from one cold run per size: a fresh cluster (real
 //! driver actor, executor workers and bootstrap observers) on a fresh

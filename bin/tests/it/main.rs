@@ -1,9 +1,9 @@
 //! The crate's integration tests, gathered into one binary so that they
 //! link once and share the test threads.
 
-mod common;
 mod battery;
 mod cli;
+mod common;
 mod crash;
 mod daemon_lock;
 mod dashboard;

@@ -152,6 +152,19 @@ impl<E: Clone> Sessions<E> {
     pub(crate) fn len(&self) -> usize {
         lock(&self.inner).map.len()
     }
+
+    /// [`Self::len`] once it stops falling, waiting up to two seconds: a
+    /// stream's entry goes when its task ends, just after its last event.
+    #[cfg(test)]
+    pub(crate) async fn settled_len(&self) -> usize {
+        for _ in 0..200 {
+            if self.len() == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        self.len()
+    }
 }
 
 #[cfg(test)]

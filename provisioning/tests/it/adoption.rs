@@ -51,11 +51,12 @@ fn a_restarted_host_answers_only_after_the_journals_nodes_are_listed() {
     first
         .handle_apply(&shape(1, vec![group("w", 1)]), Ticket(1), t(0))
         .unwrap();
-    let created: Vec<ResourceKey> = pump_host(&mut first, Some(&mut journal), &[], &mut Vec::new(), t(0))
-        .into_iter()
-        .filter(|d| d.request.kind() == EffectKind::CreateLease)
-        .map(|d| d.key)
-        .collect();
+    let created: Vec<ResourceKey> =
+        pump_host(&mut first, Some(&mut journal), &[], &mut Vec::new(), t(0))
+            .into_iter()
+            .filter(|d| d.request.kind() == EffectKind::CreateLease)
+            .map(|d| d.key)
+            .collect();
     assert_eq!(created.len(), 1);
 
     // The next daemon's host waits for the listing of that node.

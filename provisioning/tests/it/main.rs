@@ -1,10 +1,10 @@
 //! The crate's integration tests, gathered into one binary so that they
 //! link once and share the test threads.
 
-mod common;
 mod adoption;
 mod alloc;
 mod burst;
+mod common;
 mod deaf;
 mod departed;
 mod diff;

@@ -3,7 +3,7 @@
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
-#[path = "../benches/scale/measure.rs"]
+#[path = "../../benches/scale/measure.rs"]
 #[allow(dead_code)]
 mod measure;
 
