@@ -6,10 +6,10 @@
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
 #[path = "../../examples/embed.rs"]
-mod embed;
+mod example;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_cluster_converges_two_generations_applied_by_a_sibling_actor() {
-    let converged = embed::run().await.expect("the example runs");
+    let converged = example::run().await.expect("the example runs");
     assert_eq!(converged, [(1, 3), (2, 5)]);
 }
