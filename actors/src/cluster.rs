@@ -161,6 +161,19 @@ impl ClusterHandle {
             .await??)
     }
 
+    /// Offers `shape` as the next generation, whatever generation it
+    /// carries: unchanged if its content is the current shape's, else one
+    /// above the current generation. The cluster picks the generation, so
+    /// no other apply can take it in between.
+    ///
+    /// # Errors
+    /// As [`ClusterHandle::apply`].
+    pub async fn apply_next(&self, shape: ClusterShape) -> Result<DesiredUpdate, ClusterError> {
+        Ok(self
+            .call(|r| DriverMsg::Cluster(ClusterMsg::ApplyNext(shape, r)))
+            .await??)
+    }
+
     /// The actions the next pass would take if `shape` were applied (or, for
     /// `None`, on the current shape). Applies nothing.
     ///

@@ -316,6 +316,11 @@ impl DriverState {
                 self.waiting.insert(ticket, Waiting::Apply(reply));
                 let _ = self.host.handle_apply(&shape, ticket, now);
             }
+            ClusterMsg::ApplyNext(shape, reply) => {
+                let ticket = self.ticket();
+                self.waiting.insert(ticket, Waiting::Apply(reply));
+                let _ = self.host.handle_apply_next(&shape, ticket, now);
+            }
             ClusterMsg::Plan(shape, reply) => {
                 let plan = self.host.plan(shape.as_ref(), now);
                 let _ = reply.send(plan.map(PlanView::from));

@@ -60,6 +60,12 @@ pub enum ClusterMsg {
     /// Reply once converged on the current desired generation (or not at all
     /// if the cluster stops first: the port is dropped).
     WaitConverged(RpcReplyPort<Generation>),
+    /// Offer a shape as the next generation, whatever generation it carries
+    /// (see [`swactor_provisioning::Host::handle_apply_next`]).
+    ApplyNext(
+        ClusterShape,
+        RpcReplyPort<Result<DesiredUpdate, ApplyError>>,
+    ),
     /// Reply once the provider's inventory and the journal are adopted (or
     /// not at all if the cluster stops first: the port is dropped).
     WaitAdopted(RpcReplyPort<()>),

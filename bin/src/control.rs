@@ -95,33 +95,21 @@ pub(crate) async fn apply_file(
     journal: &JournalHealth,
     file: &ShapeFile,
 ) -> std::result::Result<(u64, bool), String> {
-    let refusal = |e: &ClusterError| refusal_in(e, journal);
     if let Some(refused) = other_run(file, run_id) {
         return Err(refused);
     }
-    let current = cluster
-        .snapshot()
-        .await
-        .map_err(|e| refusal(&e))?
-        .generation
-        .0;
     let shape_at = |g| file.check(g).map_err(|e| format!("{e:#}"));
-    let try_apply = |shape: ClusterShape| async move { cluster.apply(shape).await };
-    let first = if file.generation.is_some() {
-        shape_at(0)?
+    // A file without a generation is offered as the next one: the cluster
+    // picks it, so an apply from elsewhere cannot take it in between.
+    let outcome = if file.generation.is_some() {
+        cluster.apply(shape_at(0)?).await
     } else {
-        shape_at(current.max(1))?
+        cluster.apply_next(shape_at(1)?).await
     };
-    match try_apply(first).await {
+    match outcome {
         Ok(DesiredUpdate::Accepted(g)) => Ok((g.0, true)),
         Ok(DesiredUpdate::Unchanged(g)) => Ok((g.0, false)),
-        Err(ClusterError::Apply(ApplyError::Update(UpdateError::SameGenerationChanged {
-            ..
-        }))) if file.generation.is_none() => match try_apply(shape_at(current + 1)?).await {
-            Ok(DesiredUpdate::Accepted(g) | DesiredUpdate::Unchanged(g)) => Ok((g.0, true)),
-            Err(e) => Err(refusal(&e)),
-        },
-        Err(e) => Err(refusal(&e)),
+        Err(e) => Err(refusal_in(&e, journal)),
     }
 }
 

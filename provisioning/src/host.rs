@@ -1719,6 +1719,35 @@ impl<C: Reconciler> Host<C> {
         outcome
     }
 
+    /// Offers `shape` as the next generation, whatever generation it
+    /// carries: a shape with the current shape's content is
+    /// [`DesiredUpdate::Unchanged`] at the current generation, any other is
+    /// offered at the current generation plus one (at least 1), as
+    /// [`Host::handle_apply`] would take it. The generation is read and the
+    /// shape offered in one step, so no other apply can come between them.
+    ///
+    /// # Errors
+    /// As [`Host::handle_apply`].
+    pub fn handle_apply_next(
+        &mut self,
+        shape: &ClusterShape,
+        ticket: Ticket,
+        now: Timestamp,
+    ) -> Result<DesiredUpdate, ApplyError> {
+        let current = self.core.desired().generation;
+        let same = current.0 > 0
+            && shape
+                .validate()
+                .is_ok_and(|next| next.same_content(self.core.desired()));
+        let mut next = shape.clone();
+        next.generation = if same {
+            current
+        } else {
+            Generation(current.0.saturating_add(1))
+        };
+        self.handle_apply(&next, ticket, now)
+    }
+
     /// Pauses (`paused`) or resumes reconciling. Returns whether that changed
     /// anything; the [`Reply::Paused`] for `ticket` follows once the flag is
     /// durable, so a daemon killed after the reply comes back as it was left.

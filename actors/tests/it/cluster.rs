@@ -141,6 +141,36 @@ async fn a_cluster_converges_over_the_fake_provider_and_teardown_leaves_it_empty
     );
 }
 
+/// Applies without a generation, from two callers at once, each get a
+/// generation of their own: the cluster picks it as it applies.
+#[tokio::test(start_paused = true)]
+async fn shapes_applied_as_the_next_generation_at_once_each_get_their_own() {
+    let p = fake(50);
+    let c = Cluster::start(config(), Arc::new(p.clone())).await.unwrap();
+    assert_eq!(
+        c.apply_next(shape(0, 2)).await.unwrap(),
+        DesiredUpdate::Accepted(Generation(1))
+    );
+    let (a, b) = tokio::join!(c.apply_next(shape(0, 3)), c.apply_next(shape(0, 4)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let (second, third) = (
+        DesiredUpdate::Accepted(Generation(2)),
+        DesiredUpdate::Accepted(Generation(3)),
+    );
+    assert!(
+        (a == second && b == third) || (a == third && b == second),
+        "{a:?} {b:?}"
+    );
+    // The shape that got the later generation is the current one: the same
+    // content again changes nothing.
+    let current = if a == third { 3 } else { 4 };
+    assert_eq!(
+        c.apply_next(shape(0, current)).await.unwrap(),
+        DesiredUpdate::Unchanged(Generation(3))
+    );
+    c.shutdown(ShutdownMode::Teardown).await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn bad_shapes_are_refused_and_change_nothing() {
     let p = fake(0);

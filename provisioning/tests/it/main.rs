@@ -3,6 +3,7 @@
 
 mod adoption;
 mod alloc;
+mod apply_next;
 mod burst;
 mod common;
 mod deaf;
