@@ -174,10 +174,14 @@ async fn run(
     // A fresh state directory: the whole shape is new, and whether to go
     // ahead is settled before the directory is even made.
     let fresh = !opts.state_dir.join("journal.redb").exists();
-    if fresh && file.is_none() {
-        // Refused before anything is made: a mistyped --state-dir is left
-        // as it was (or absent).
-        return Err(nothing_to_resume(&opts.state_dir));
+    if fresh {
+        // The core's start decision without a journal, asked before
+        // anything is made: a mistyped --state-dir is left as it was (or
+        // absent). With a journal, it is asked once the journal is read.
+        let shape_run = file.as_ref().map(ShapeFile::run_id);
+        if let Err(refusal) = swactor_provisioning::decide_start(None, shape_run.as_ref()) {
+            return Err(start_refused(&refusal, &opts.state_dir));
+        }
     }
     if !fresh && let Some(choice) = opts.unrecorded {
         anyhow::bail!(
@@ -740,10 +744,14 @@ impl Start {
             }
         };
         // The core applies a shape only when it was given one.
-        let apply = || StartWhat::Apply(file.cloned().expect("a shape to apply"));
+        let apply = || {
+            file.cloned()
+                .map(StartWhat::Apply)
+                .context("the start decision applies a shape, but none was given")
+        };
         let (what, note) = match decision {
             StartDecision::New { run_id } => (
-                apply(),
+                apply()?,
                 format!("starting run {run_id} from {}", dir.display()),
             ),
             StartDecision::Offer {
@@ -751,7 +759,7 @@ impl Start {
                 generation,
                 paused,
             } => (
-                apply(),
+                apply()?,
                 format!(
                     "resuming run {run_id} at generation {} from its journal; \
                      the shape is offered as the next generation{}",
@@ -788,7 +796,11 @@ impl Start {
 /// Says why a start was refused, naming the state directory `dir`.
 fn start_refused(refusal: &StartRefusal, dir: &Path) -> anyhow::Error {
     match refusal {
-        StartRefusal::NoJournal => nothing_to_resume(dir),
+        StartRefusal::NoJournal => anyhow::anyhow!(
+            "there is nothing to resume in {}: no daemon has run here yet. Give a shape, e.g. \
+             `swactor up examples/local.toml`",
+            dir.display()
+        ),
         StartRefusal::OtherRun { journal, shape } => {
             let theirs = crate::words::cut(shape.as_str());
             anyhow::anyhow!(
@@ -805,15 +817,6 @@ fn start_refused(refusal: &StartRefusal, dir: &Path) -> anyhow::Error {
             generation.0
         ),
     }
-}
-
-/// Why `up` without a shape cannot start in `dir`: no daemon has run there.
-fn nothing_to_resume(dir: &Path) -> anyhow::Error {
-    anyhow::anyhow!(
-        "there is nothing to resume in {}: no daemon has run here yet. Give a shape, e.g. \
-         `swactor up examples/local.toml`",
-        dir.display()
-    )
 }
 
 /// Longest a start waits for the earlier nodes' adoption before it offers
