@@ -1100,6 +1100,15 @@ impl Driver {
             let insert = matches!(planned.action, NodeAction::Insert { .. });
             match self.apply(planned.node, planned.action, now) {
                 Ok(Some(d)) => {
+                    debug_assert_eq!(
+                        self.state
+                            .nodes
+                            .get(&id)
+                            .and_then(|n| n.pending.as_ref())
+                            .map(|p| p.id),
+                        Some(d.op),
+                        "a dispatch is recorded pending on its node before it leaves"
+                    );
                     // The node now waits on its operation's deadline.
                     self.eval.set_wake(&id, Some(d.deadline));
                     requeue_at = earliest(requeue_at, Some(d.deadline));
@@ -1470,6 +1479,11 @@ impl Driver {
         let deadline = now
             .checked_add_ms(timeout)
             .map_err(|source| DriverError::Deadline { node: id, source })?;
+        debug_assert!(
+            node.pending.is_none(),
+            "{id}: one operation at a time, and {:?} is still pending",
+            node.pending.as_ref().map(|p| p.id)
+        );
         let seq = node.next_op_seq;
         let next_seq = seq
             .checked_add(1)

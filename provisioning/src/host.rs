@@ -292,6 +292,14 @@ impl Attempts {
     }
 }
 
+// Size budgets, checked when the crate is built: a kept attempt within a
+// cache line, and a slot's attempts with one of them inline.
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    assert!(std::mem::size_of::<Kept>() <= 48);
+    assert!(std::mem::size_of::<Attempts>() <= 56);
+};
+
 /// An [`AttemptRecord`] with its two texts boxed together (an attempt that
 /// never failed nor erred has neither) and its instants a word each: 48
 /// bytes instead of 104.
@@ -1898,6 +1906,12 @@ impl<C: Reconciler> Host<C> {
 
     /// A delta was made durable.
     pub fn handle_persisted(&mut self, seq: u64) {
+        debug_assert_eq!(
+            self.awaiting,
+            Some(seq),
+            "only the delta the host awaits can be made durable"
+        );
+        debug_assert!(seq < self.next_seq, "delta {seq} was never issued");
         if self.awaiting == Some(seq) {
             self.awaiting = None;
         }
@@ -2376,6 +2390,9 @@ impl<C: Reconciler> Host<C> {
     // ----- outputs -----
 
     /// The next output. See the module docs for what each one MUST cause.
+    ///
+    /// Only one [`Output::Persist`] is out at a time: nothing more comes
+    /// until [`Host::handle_persisted`] is told of it.
     pub fn poll_output(&mut self, now: Timestamp) -> Option<Output> {
         self.heard(now);
         loop {
@@ -3454,7 +3471,7 @@ impl fmt::Display for Link {
 
 #[cfg(test)]
 mod tests {
-    use super::{Attempts, Kept, Liveness, When};
+    use super::{Attempts, Liveness, When};
     use crate::id::NodeAttemptId;
     use crate::state::NodeStage;
     use crate::time::Timestamp;
@@ -3498,12 +3515,6 @@ mod tests {
         let mut late = When::NOT_YET;
         late.set_once(Timestamp(u64::MAX));
         assert_eq!(late.get(), Some(Timestamp(u64::MAX - 1)), "set, one less");
-    }
-
-    #[test]
-    fn a_kept_attempt_is_a_cache_line_and_a_slot_holds_one_inline() {
-        assert!(size_of::<Kept>() <= 48, "{}", size_of::<Kept>());
-        assert!(size_of::<Attempts>() <= 56, "{}", size_of::<Attempts>());
     }
 
     #[test]

@@ -260,6 +260,15 @@ pub struct LogicalNodeId {
     pub index: u32,
 }
 
+// Size budgets, checked when the crate is built: a group id is one
+// pointer, and a slot id (with its `None`) two words.
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    assert!(std::mem::size_of::<GroupId>() == 8);
+    assert!(std::mem::size_of::<LogicalNodeId>() == 16);
+    assert!(std::mem::size_of::<Option<LogicalNodeId>>() == 16);
+};
+
 impl LogicalNodeId {
     /// The slot `index` of `group`.
     pub fn new(group: GroupId, index: u32) -> Self {
@@ -467,9 +476,6 @@ mod tests {
             "hashed by the text"
         );
         assert_eq!(format!("{a} {a:?}"), "interned-a GroupId(\"interned-a\")");
-        assert_eq!(std::mem::size_of::<GroupId>(), 8);
-        assert_eq!(std::mem::size_of::<LogicalNodeId>(), 16);
-        assert_eq!(std::mem::size_of::<Option<LogicalNodeId>>(), 16);
     }
 
     #[test]

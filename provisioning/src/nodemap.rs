@@ -28,6 +28,19 @@ pub const DENSE_INDEX_MAX: u32 = 1 << 18;
 #[derive(Clone)]
 struct Entry<V>(LogicalNodeId, V);
 
+// Size budgets, checked when the crate is built: a table entry costs its
+// key and value only, and a slot of the cluster state is four cache lines
+// (the walk's speed depends on it; see `ManagedNode`'s padding).
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    use std::mem::size_of;
+    assert!(size_of::<LogicalNodeId>() == 16);
+    assert!(size_of::<Option<(u64, u64)>>() == 24);
+    assert!(size_of::<Option<Entry<(u64, u64)>>>() == 32);
+    assert!(size_of::<Option<crate::host::SlotRecord>>() == 24);
+    assert!(size_of::<Option<Entry<crate::state::ManagedNode>>>() == 256);
+};
+
 /// One group's slots, each holding an `E` (a [`NodeMap`] keeps the key in
 /// it, a [`NodeTable`] only the value).
 #[derive(Clone)]
@@ -917,24 +930,6 @@ mod tests {
         assert!(
             table.inner.groups.iter().all(|g| !g.is_empty()),
             "an emptied group goes"
-        );
-    }
-
-    #[test]
-    fn a_table_entry_is_smaller_than_a_map_entry_by_the_key() {
-        use std::mem::size_of;
-        assert_eq!(size_of::<LogicalNodeId>(), 16);
-        assert_eq!(size_of::<Option<(u64, u64)>>(), 24);
-        assert_eq!(size_of::<Option<Entry<(u64, u64)>>>(), 32);
-        assert_eq!(size_of::<Option<crate::host::SlotRecord>>(), 24);
-    }
-
-    #[test]
-    fn a_slot_of_the_state_is_four_cache_lines() {
-        // See `ManagedNode`'s padding: the walk's speed depends on it.
-        assert_eq!(
-            std::mem::size_of::<Option<Entry<crate::state::ManagedNode>>>(),
-            256
         );
     }
 }

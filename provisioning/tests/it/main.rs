@@ -6,6 +6,7 @@ mod alloc;
 mod apply_next;
 mod burst;
 mod common;
+mod contracts;
 mod deaf;
 mod departed;
 mod diff;
