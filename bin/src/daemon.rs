@@ -441,7 +441,7 @@ async fn run(
     // The router's accept loop and every handler it starts run on the
     // agents' runtime too.
     let on_swarm = swarm.enter();
-    let router = GuardedRouterBuilder::new(endpoint.clone())
+    let swarm_router = GuardedRouterBuilder::new(endpoint.clone())
         .serve(
             ALPN_SWARM,
             Allowlist::open(),
@@ -466,15 +466,20 @@ async fn run(
         .serve_with_limits(iroh_blobs::ALPN, blobs_allowed, Limits::LINKED, blobs)
         // New handshakes are rationed, so a flood costs the daemon a
         // bounded share of its time; joined agents' links are never counted.
-        .handshake_rate(None, handshake_rate(agents_rate(fleet)))
-        .spawn();
+        .handshake_rate(None, handshake_rate(agents_rate(fleet)));
+    let swarm_handshakes = swarm_router.handshakes_under_way();
+    let router = swarm_router.spawn();
     drop(on_swarm);
     // The CLI's protocols, on the CLI's endpoint, rationed on their own.
     let control_router = GuardedRouterBuilder::new(control_endpoint.clone())
         .serve(ALPN_CONTROL, cli_allowed.clone(), control.clone())
         .serve(ALPN_TELEMETRY, cli_allowed.clone(), telemetry.clone())
-        .handshake_rate(None, handshake_rate(HandshakeRate::DEFAULT))
-        .spawn();
+        .handshake_rate(None, handshake_rate(HandshakeRate::DEFAULT));
+    metrics.watch_handshakes(vec![
+        ("swarm", swarm_handshakes),
+        ("control", control_router.handshakes_under_way()),
+    ]);
+    let control_router = control_router.spawn();
     let router = Routers {
         swarm: router,
         control: control_router,

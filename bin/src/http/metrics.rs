@@ -2,8 +2,9 @@
 //! what the event stream counts, and what the provider calls take.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
+use swactor_engine::TaskGauge;
 
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -40,6 +41,8 @@ pub(crate) struct Metrics {
     control_requests: Family<Labels, Histogram>,
     events: Mutex<EventState>,
     encoding: Mutex<()>,
+    /// Each endpoint's handshakes under way, once its router runs.
+    handshakes: Arc<OnceLock<Vec<(&'static str, TaskGauge)>>>,
 }
 
 /// What one scrape read from the daemon, for the collector to encode.
@@ -118,6 +121,10 @@ impl Metrics {
             scraped: scraped.clone(),
         }));
         registry.register_collector(Box::new(AllocatorCollector));
+        let handshakes = Arc::new(OnceLock::new());
+        registry.register_collector(Box::new(HandshakeCollector {
+            gauges: handshakes.clone(),
+        }));
         Arc::new(Self {
             registry,
             scraped,
@@ -128,6 +135,7 @@ impl Metrics {
             control_requests,
             events: Mutex::new(EventState::default()),
             encoding: Mutex::new(()),
+            handshakes,
         })
     }
 
@@ -166,6 +174,12 @@ impl Metrics {
     }
 
     /// Counts what one event says.
+    /// Exports each endpoint's handshakes under way from now on (the first
+    /// call wins: a daemon starts its routers once).
+    pub(crate) fn watch_handshakes(&self, gauges: Vec<(&'static str, TaskGauge)>) {
+        let _ = self.handshakes.set(gauges);
+    }
+
     pub(crate) fn observe(&self, event: &ClusterEvent) {
         match event {
             ClusterEvent::Pass {
@@ -306,6 +320,34 @@ pub(crate) fn group_of(node: &LogicalNodeId) -> String {
 /// told apart as live state or as pages not yet handed back.
 #[derive(Debug)]
 struct AllocatorCollector;
+
+/// Reads each endpoint's handshakes under way at scrape time.
+#[derive(Debug)]
+struct HandshakeCollector {
+    gauges: Arc<OnceLock<Vec<(&'static str, TaskGauge)>>>,
+}
+
+impl prometheus_client::collector::Collector for HandshakeCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(gauges) = self.gauges.get() else {
+            return Ok(());
+        };
+        let values: Vec<(Labels, i64)> = gauges
+            .iter()
+            .map(|(endpoint, g)| {
+                let v = i64::try_from(g.get()).unwrap_or(i64::MAX);
+                (vec![("endpoint", (*endpoint).to_owned())], v)
+            })
+            .collect();
+        gauge(
+            &mut encoder,
+            "swactor_handshakes_under_way",
+            "Connections whose handshake has started and not yet finished, by endpoint \
+             (each is dropped at the handshake deadline)",
+            &values,
+        )
+    }
+}
 
 impl prometheus_client::collector::Collector for AllocatorCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {

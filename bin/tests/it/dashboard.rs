@@ -479,6 +479,18 @@ fn metrics_match_status_and_bad_requests_change_nothing() {
         metric(&m, "swactor_executor_queue_depth", &[]),
         Some(s.in_flight as f64)
     );
+    // Both endpoints' handshakes are exported; none is under way at rest.
+    for endpoint in ["swarm", "control"] {
+        assert_eq!(
+            metric(
+                &m,
+                "swactor_handshakes_under_way",
+                &[("endpoint", endpoint)]
+            ),
+            Some(0.0),
+            "{endpoint}"
+        );
+    }
     let by_stage: f64 = m
         .samples
         .iter()
