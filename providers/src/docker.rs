@@ -125,8 +125,6 @@ pub const AGENT_PATH: &str = "/swactor/swactor-agent";
 const AGENT_DIR: &str = "/swactor";
 /// The engine's default Unix socket, used when `DOCKER_HOST` is not set.
 const DEFAULT_SOCKET: &str = "unix:///var/run/docker.sock";
-/// Observations buffered per session stream; the follower waits for the reader beyond that.
-const STREAM_BUFFER_LEN: usize = 64;
 /// How often, and how many times, a create that found its name taken looks
 /// for the container that took it.
 const ADOPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
@@ -714,26 +712,23 @@ impl DockerProvider {
 
     /// Opens a stream for `session` of container `name`, replacing (ending) any earlier one.
     fn open_stream(&self, session: &SessionId, name: &str, started_at: &str) -> BootstrapSession {
-        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
-        let opened = self.shared.sessions.open(session, false, |_| ());
-        let follower = follow::Follow {
-            docker: self.shared.docker.clone(),
-            name: name.to_owned(),
-            session: session.clone(),
-            started_at: started_at.to_owned(),
-            cancelled: opened.cancelled,
-            tx,
-            stop: opened.stop,
-        };
-        let registration = opened.registration;
-        tokio::spawn(async move {
-            follower.run().await;
-            drop(registration);
-        });
-        BootstrapSession {
-            session: session.clone(),
-            events: rx,
-        }
+        self.shared.sessions.stream(
+            session,
+            false,
+            |_| (),
+            |s| {
+                follow::Follow {
+                    docker: self.shared.docker.clone(),
+                    name: name.to_owned(),
+                    session: session.clone(),
+                    started_at: started_at.to_owned(),
+                    cancelled: s.cancelled,
+                    tx: s.tx,
+                    stop: s.stop,
+                }
+                .run()
+            },
+        )
     }
 
     /// Marks every session of container `name` as stopped on purpose, so
@@ -1203,8 +1198,6 @@ mod tests {
     /// containers that do not exist (each stream ends at the engine's 404).
     #[tokio::test]
     async fn ten_thousand_sessions_leave_no_entry_and_no_lock_behind() {
-        const SESSIONS: u32 = 10_000;
-        const BATCH: u32 = 500;
         let config = DockerConfig {
             daemon_ticket: "t".to_owned(),
             token_secret: [1; 32],
@@ -1222,28 +1215,16 @@ mod tests {
             }
             Err(e) => panic!("{e}"),
         };
-        let mut most = 0;
-        for batch in 0..SESSIONS / BATCH {
-            let mut streams = Vec::new();
-            for i in batch * BATCH..(batch + 1) * BATCH {
+        p.shared
+            .sessions
+            .run_to_their_end(10_000, async |i| {
                 // No container of this name exists: the engine says so.
                 let name = format!("swactor-kit-test-absent-{i}");
                 let _guard = p.lock_key(&name).await;
                 let session = SessionId::from(format!("docker:{name}#t"));
                 let stream = p.open_stream(&session, &name, "2026-01-01T00:00:00Z");
-                let cancel = i % 10 == 0;
-                if cancel {
+                let ended = if i % 10 == 0 {
                     p.mark_cancelled(&name);
-                }
-                streams.push((cancel, name, stream));
-            }
-            most = most.max(p.shared.sessions.len());
-            for (cancel, name, mut s) in streams {
-                let mut last = None;
-                while let Some(event) = s.events.recv().await {
-                    last = Some(event);
-                }
-                let expected = if cancel {
                     swactor_provisioning::BootstrapEvent::Closed
                 } else {
                     swactor_provisioning::BootstrapEvent::Failed {
@@ -1251,15 +1232,9 @@ mod tests {
                         reason: format!("container {name} was removed"),
                     }
                 };
-                assert_eq!(last, Some(expected));
-            }
-        }
-        assert!(
-            most <= BATCH as usize,
-            "{most} entries for {BATCH} live streams"
-        );
-        // A stream's entry goes when its task ends, just after its last event.
-        assert_eq!(p.shared.sessions.settled_len().await, 0);
+                (stream, ended)
+            })
+            .await;
         assert_eq!(p.shared.key_locks.len(), 0);
     }
 

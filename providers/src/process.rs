@@ -166,8 +166,6 @@ pub fn machine_capacity() -> Option<swactor_provisioning::Capacity> {
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How often a stop checks whether the group is gone.
 const STOP_POLL: Duration = Duration::from_millis(10);
-/// Observations buffered per session stream; the log tail waits for the reader beyond that.
-const STREAM_BUFFER_LEN: usize = 64;
 
 const IDENTITY_FILE: &str = "identity.json";
 const PID_FILE: &str = "agent.pid";
@@ -499,35 +497,28 @@ impl ProcessProvider {
         who: AgentIdentity,
         spawned: Option<ExitWatch>,
     ) -> BootstrapSession {
-        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
+        let log = dir.join(LOG_FILE);
+        let poll = self.shared.config.log_poll_interval;
         // A freshly spawned agent has its own exit watch; a stream that
         // follows the same agent again keeps the one it had.
-        let opened = self
-            .shared
-            .sessions
-            .open(session, spawned.is_some(), |old| spawned.or(old.flatten()));
-        let tail = Tail {
-            session: session.clone(),
-            log: dir.join(LOG_FILE),
-            exit: match opened.extra {
-                Some(rx) => Exit::Child(rx),
-                None => Exit::Adopted { pid, who },
-            },
-            cancelled: opened.cancelled,
-            poll: self.shared.config.log_poll_interval,
-            tx,
-            stop: opened.stop,
-            recent: RecentOutput::default(),
-        };
-        let registration = opened.registration;
-        tokio::spawn(async move {
-            tail.run().await;
-            drop(registration);
-        });
-        BootstrapSession {
-            session: session.clone(),
-            events: rx,
-        }
+        let fresh = spawned.is_some();
+        let exit = |old: Option<Option<ExitWatch>>| spawned.or(old.flatten());
+        self.shared.sessions.stream(session, fresh, exit, |s| {
+            Tail {
+                session: session.clone(),
+                log,
+                exit: match s.extra {
+                    Some(rx) => Exit::Child(rx),
+                    None => Exit::Adopted { pid, who },
+                },
+                cancelled: s.cancelled,
+                poll,
+                tx: s.tx,
+                stop: s.stop,
+                recent: RecentOutput::default(),
+            }
+            .run()
+        })
     }
 
     /// Marks `session` as stopped on purpose, so its stream closes rather than reports a loss.
@@ -1199,8 +1190,6 @@ mod tests {
     /// once its stream has ended: neither its entry nor its key's lock.
     #[tokio::test]
     async fn ten_thousand_sessions_leave_no_entry_and_no_lock_behind() {
-        const SESSIONS: u32 = 10_000;
-        const BATCH: u32 = 500;
         let state = tempfile::tempdir().unwrap();
         let p = provider(state.path());
         let dir = state.path().join("agent");
@@ -1212,37 +1201,21 @@ mod tests {
             attempt: NodeAttemptId(1),
         };
         let who = AgentIdentity::new(&key, &dir);
-        let mut most = 0;
-        for batch in 0..SESSIONS / BATCH {
-            let mut streams = Vec::new();
-            for i in batch * BATCH..(batch + 1) * BATCH {
+        let ended = BootstrapEvent::Failed {
+            stage: BootstrapStage::AgentLost,
+            reason: "agent exited with code 3; its last output: booting".to_owned(),
+        };
+        p.shared
+            .sessions
+            .run_to_their_end(10_000, async |i| {
                 let _guard = p.lock_key(&dir.join(i.to_string())).await;
                 // An agent that already exited: its stream ends at once.
                 let (_tx, exit) = watch::channel(Some("exited with code 3".to_owned()));
                 let session = SessionId::from(format!("{}#pid{i}", dir.display()));
-                streams.push(p.open_stream(&session, &dir, 1, who.clone(), Some(exit)));
-            }
-            most = most.max(p.shared.sessions.len());
-            for mut s in streams {
-                let mut last = None;
-                while let Some(event) = s.events.recv().await {
-                    last = Some(event);
-                }
-                assert_eq!(
-                    last,
-                    Some(BootstrapEvent::Failed {
-                        stage: BootstrapStage::AgentLost,
-                        reason: "agent exited with code 3; its last output: booting".to_owned(),
-                    })
-                );
-            }
-        }
-        assert!(
-            most <= BATCH as usize,
-            "{most} entries for {BATCH} live streams"
-        );
-        // A stream's entry goes when its task ends, just after its last event.
-        assert_eq!(p.shared.sessions.settled_len().await, 0);
+                let stream = p.open_stream(&session, &dir, 1, who.clone(), Some(exit));
+                (stream, ended.clone())
+            })
+            .await;
         assert_eq!(p.shared.key_locks.len(), 0);
     }
 

@@ -1666,15 +1666,8 @@ mod tests {
             ApiKey::new("k").unwrap(),
         );
         let p = VastProvider::new(config).unwrap();
-        let locks = &p.shared.key_locks;
-        let most =
-            crate::ssh::relay_tests::relay_sessions(&p.shared.sessions, 10_000, |key| async move {
-                locks.lock(&key).await
-            })
+        crate::ssh::relay_tests::relay_sessions(&p.shared.sessions, &p.shared.key_locks, 10_000)
             .await;
-        assert!(most <= 500, "{most} entries for 500 live streams");
-        assert_eq!(p.shared.sessions.settled_len().await, 0);
-        assert_eq!(p.shared.key_locks.len(), 0);
     }
 
     #[test]

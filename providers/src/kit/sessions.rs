@@ -1,12 +1,17 @@
 //! The bootstrap sessions a provider streams: at most one live stream per
 //! session, each forgotten when it ends.
 
-use crate::lock;
+use crate::{BootstrapSession, lock};
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use swactor_provisioning::SessionId;
+use swactor_provisioning::{BootstrapEvent, SessionId};
 use tokio::sync::oneshot;
+
+/// Events buffered per session stream; a stream's task waits for the
+/// reader beyond that.
+const STREAM_BUFFER_LEN: usize = 64;
 
 /// The registry of a provider's open session streams.
 ///
@@ -38,8 +43,8 @@ struct Entry<E> {
     extra: E,
 }
 
-/// What a new stream's task needs.
-pub(crate) struct Opened<E> {
+/// What a stream's task is handed by [`Sessions::stream`].
+pub(crate) struct Stream<E> {
     /// Resolves (with an error) when a newer stream replaces this one or the
     /// provider is dropped.
     pub(crate) stop: oneshot::Receiver<()>,
@@ -47,13 +52,22 @@ pub(crate) struct Opened<E> {
     pub(crate) cancelled: Arc<AtomicBool>,
     /// The provider's own per-session state, as chosen for this stream.
     pub(crate) extra: E,
-    /// Forgets the entry when dropped: move it into the stream's task.
-    pub(crate) registration: Registration<E>,
+    /// Where the task sends the session's events.
+    pub(crate) tx: swactor_engine::stream::Sender<BootstrapEvent>,
+}
+
+/// What a new stream's task needs.
+struct Opened<E> {
+    stop: oneshot::Receiver<()>,
+    cancelled: Arc<AtomicBool>,
+    extra: E,
+    /// Forgets the entry when dropped: moved into the stream's task.
+    registration: Registration<E>,
 }
 
 /// Removes its stream's entry when dropped, unless a newer stream of the
 /// session replaced it.
-pub(crate) struct Registration<E> {
+struct Registration<E> {
     inner: Weak<Mutex<Inner<E>>>,
     session: SessionId,
     stream: u64,
@@ -75,7 +89,7 @@ impl<E> Drop for Registration<E> {
     }
 }
 
-impl<E: Clone> Sessions<E> {
+impl<E: Clone + Send + 'static> Sessions<E> {
     pub(crate) fn new() -> Self {
         Self {
             inner: Arc::new(Mutex::new(Inner {
@@ -85,12 +99,45 @@ impl<E: Clone> Sessions<E> {
         }
     }
 
-    /// Registers a new stream for `session`, ending the older one.
+    /// Starts a new stream for `session`, ending the older one: `follow`
+    /// makes the task that sends its events, which runs until it ends by
+    /// itself; the session's entry is forgotten then.
     ///
     /// `extra` chooses the provider's state for the new stream from the
     /// older stream's, if any. `fresh` says the stream follows an agent just
     /// started: an older "stopped on purpose" mark does not apply to it.
-    pub(crate) fn open(
+    pub(crate) fn stream<Fut>(
+        &self,
+        session: &SessionId,
+        fresh: bool,
+        extra: impl FnOnce(Option<E>) -> E,
+        follow: impl FnOnce(Stream<E>) -> Fut,
+    ) -> BootstrapSession
+    where
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
+        let opened = self.open(session, fresh, extra);
+        let task = follow(Stream {
+            stop: opened.stop,
+            cancelled: opened.cancelled,
+            extra: opened.extra,
+            tx,
+        });
+        let registration = opened.registration;
+        tokio::spawn(async move {
+            task.await;
+            drop(registration);
+        });
+        BootstrapSession {
+            session: session.clone(),
+            events: rx,
+        }
+    }
+
+    /// Registers a new stream for `session`, ending the older one (see
+    /// [`Self::stream`]).
+    fn open(
         &self,
         session: &SessionId,
         fresh: bool,
@@ -164,6 +211,40 @@ impl<E: Clone> Sessions<E> {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         self.len()
+    }
+
+    /// For each provider's test that `n` sessions leave nothing behind:
+    /// opens them with `open` (which gives each stream and the last event
+    /// it must end with) in batches, reads every stream to its end, and
+    /// checks the registry never held more than a batch and is empty after.
+    #[cfg(test)]
+    pub(crate) async fn run_to_their_end(
+        &self,
+        n: u32,
+        mut open: impl AsyncFnMut(u32) -> (BootstrapSession, BootstrapEvent),
+    ) {
+        const BATCH: u32 = 500;
+        let mut most = 0;
+        for batch in 0..n.div_ceil(BATCH) {
+            let mut streams = Vec::new();
+            for i in batch * BATCH..((batch + 1) * BATCH).min(n) {
+                streams.push(open(i).await);
+            }
+            most = most.max(self.len());
+            for (mut s, expected) in streams {
+                let mut last = None;
+                while let Some(event) = s.events.recv().await {
+                    last = Some(event);
+                }
+                assert_eq!(last, Some(expected), "{}", s.session.0);
+            }
+        }
+        assert!(
+            most <= BATCH as usize,
+            "{most} entries for {BATCH} live streams"
+        );
+        // A stream's entry goes when its task ends, just after its last event.
+        assert_eq!(self.settled_len().await, 0);
     }
 }
 

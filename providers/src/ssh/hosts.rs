@@ -61,8 +61,6 @@ use tokio::sync::oneshot;
 pub const UNREACHABLE_GIVE_UP_DEFAULT: Duration = Duration::from_secs(60);
 /// How often abandoned attempts are looked after.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
-/// Events buffered per session stream.
-const STREAM_BUFFER_LEN: usize = 64;
 
 /// Settings of an [`SshHostsProvider`].
 #[derive(Clone, Debug)]
@@ -823,17 +821,12 @@ pub(crate) fn start_relay(
     lines: super::RemoteLines,
     target: String,
 ) -> BootstrapSession {
-    let (tx, rx) = swactor_engine::stream::channel(STREAM_BUFFER_LEN);
-    let opened = sessions.open(&session, false, |_| ());
-    let registration = opened.registration;
-    tokio::spawn(async move {
-        relay(lines, tx, opened.stop, opened.cancelled, target).await;
-        drop(registration);
-    });
-    BootstrapSession {
-        session,
-        events: rx,
-    }
+    sessions.stream(
+        &session,
+        false,
+        |_| (),
+        |s| relay(lines, s.tx, s.stop, s.cancelled, target),
+    )
 }
 
 /// Forwards a remote follow's lines as bootstrap events.
@@ -1467,30 +1460,25 @@ impl Provider for SshHostsProvider {
 #[cfg(test)]
 pub(crate) mod relay_tests {
     use super::*;
-    use std::future::Future;
     use swactor_provisioning::{BootstrapStage, LogicalNodeId, NodeAttemptId, RunId};
     use tokio::sync::mpsc;
 
-    /// Relays `n` sessions, each opened while holding its key's lock from
-    /// `lock_key`, ending every tenth by a cancel and the others by an agent
-    /// that exits; checks each stream's last event and returns the most
-    /// entries the registry held at once.
-    pub(crate) async fn relay_sessions<G, F: Future<Output = G>>(
+    /// Relays `n` sessions to their end ([`Sessions::run_to_their_end`]),
+    /// each opened while holding its key's lock from `locks`: every tenth is
+    /// cancelled, the others end with an agent that exits.
+    pub(crate) async fn relay_sessions(
         sessions: &Sessions<()>,
+        locks: &KeyLocks<ResourceKey>,
         n: u32,
-        lock_key: impl Fn(ResourceKey) -> F,
-    ) -> usize {
-        const BATCH: u32 = 500;
-        let mut most = 0;
-        for batch in 0..n.div_ceil(BATCH) {
-            let mut streams = Vec::new();
-            for i in batch * BATCH..((batch + 1) * BATCH).min(n) {
+    ) {
+        sessions
+            .run_to_their_end(n, async |i| {
                 let key = ResourceKey {
                     run_id: RunId::new("r"),
                     node: LogicalNodeId::parse("w-0").unwrap(),
                     attempt: NodeAttemptId(u64::from(i) + 1),
                 };
-                let _guard = lock_key(key.clone()).await;
+                let _guard = locks.lock(&key).await;
                 let (tx, rx) = mpsc::channel(4);
                 let session = SessionId::from(format!("test:{key}#{i}"));
                 let stream = start_relay(
@@ -1509,15 +1497,7 @@ pub(crate) mod relay_tests {
                 tx.send(RemoteLine::Stdout(format!("{EXIT_MARKER}3")))
                     .await
                     .unwrap();
-                streams.push((cancel, stream));
-            }
-            most = most.max(sessions.len());
-            for (cancel, mut s) in streams {
-                let mut last = None;
-                while let Some(event) = s.events.recv().await {
-                    last = Some(event);
-                }
-                let expected = if cancel {
+                let ended = if cancel {
                     BootstrapEvent::Closed
                 } else {
                     BootstrapEvent::Failed {
@@ -1526,24 +1506,16 @@ pub(crate) mod relay_tests {
                             .to_owned(),
                     }
                 };
-                assert_eq!(last, Some(expected));
-            }
-        }
-        most
+                (stream, ended)
+            })
+            .await;
+        assert_eq!(locks.len(), 0);
     }
 
     #[tokio::test]
     async fn ten_thousand_sessions_leave_no_entry_and_no_lock_behind() {
         let state = tempfile::tempdir().unwrap();
         let p = SshHostsProvider::new(SshHostsConfig::new(state.path(), "/bin/true")).unwrap();
-        let locks = &p.shared.key_locks;
-        let most = relay_sessions(&p.shared.sessions, 10_000, |key| async move {
-            locks.lock(&key).await
-        })
-        .await;
-        assert!(most <= 500, "{most} entries for 500 live streams");
-        // An entry goes when its task ends, just after the stream's last event.
-        assert_eq!(p.shared.sessions.settled_len().await, 0);
-        assert_eq!(p.shared.key_locks.len(), 0);
+        relay_sessions(&p.shared.sessions, &p.shared.key_locks, 10_000).await;
     }
 }
