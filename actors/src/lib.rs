@@ -57,7 +57,7 @@
 //! }
 //! ```
 //!
-//! `examples/embed.rs` is the whole story: a sibling actor applies shapes
+//! `examples/cluster.rs` is the whole story: a sibling actor applies shapes
 //! through its [`ClusterRef`] and a subscriber follows the telemetry over
 //! iroh. Children only send typed messages back; the host alone decides.
 //! This crate is a policy crate: its `clippy.toml` forbids spawning tasks,

@@ -15,24 +15,13 @@
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-mod agent;
-mod agentbin;
 mod client;
-mod control;
-mod daemon;
-mod guard;
-mod handshakes;
-mod http;
 mod jobs;
-mod journal;
 mod logs;
-mod progress;
-mod protocol;
-mod shapefile;
-mod state;
-mod swarm;
-mod term;
-mod words;
+
+use swactor_daemon::{
+    agent, control, daemon, guard, handshakes, progress, protocol, shapefile, state, term, words,
+};
 
 use clap::{Parser, Subcommand};
 use std::io::IsTerminal;
@@ -269,7 +258,7 @@ resume`.",
 Output lines are prefixed by their node. The exit code is the worst of the
 runs' exit codes. Outputs go to ./outputs/JOB/NODE/. Ctrl-C cancels the job on
 every node (its process group is killed).")]
-    Run(jobs::cli::RunArgs),
+    Run(jobs::RunArgs),
     /// List the jobs.
     #[command(after_help = "Examples:
   swactor jobs                 id, state, runs and command of every job
@@ -325,7 +314,7 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("job-exec") {
         let parent = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
         let argv = args.get(5..).unwrap_or_default();
-        std::process::exit(jobs::agent::exec(parent, argv));
+        std::process::exit(swactor_daemon::jobs::agent::exec(parent, argv));
     }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -478,16 +467,16 @@ fn main() {
                 };
                 logs::logs(&state_dir, &opts).await
             }
-            Command::Run(args) => jobs::cli::run(&state_dir, args).await,
-            Command::Jobs { json } => jobs::cli::list(&state_dir, json).await.map(|()| 0),
+            Command::Run(args) => jobs::run(&state_dir, args).await,
+            Command::Jobs { json } => jobs::list(&state_dir, json).await.map(|()| 0),
             Command::Job(JobCommand::Logs { id, node }) => {
-                jobs::cli::logs(&state_dir, &id, node).await.map(|()| 0)
+                jobs::logs(&state_dir, &id, node).await.map(|()| 0)
             }
             Command::Job(JobCommand::Outputs { id }) => {
-                jobs::cli::outputs(&state_dir, &id).await.map(|()| 0)
+                jobs::outputs(&state_dir, &id).await.map(|()| 0)
             }
             Command::Job(JobCommand::Cancel { id }) => {
-                jobs::cli::cancel(&state_dir, &id).await.map(|()| 0)
+                jobs::cancel(&state_dir, &id).await.map(|()| 0)
             }
             Command::Agent(opts) => agent::run(opts).await,
         }

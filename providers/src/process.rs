@@ -693,7 +693,7 @@ fn reap(mut child: std::process::Child, pid: i32) -> Option<ExitWatch> {
         .stack_size(256 * 1024)
         .spawn(move || {
             let status = match child.wait() {
-                Ok(status) => crate::exit::Ended::of(&status).clause(),
+                Ok(status) => crate::exit::of(&status).clause(),
                 Err(e) => format!("ended with an unknown status ({e})"),
             };
             let _ = tx.send(Some(status));

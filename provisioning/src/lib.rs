@@ -30,6 +30,7 @@ mod config;
 mod core;
 mod decide;
 mod driver;
+pub mod exit;
 mod host;
 mod id;
 mod lost;

@@ -1,36 +1,41 @@
 #!/usr/bin/env bash
-# Proves that swactor-provisioning's clippy.toml bites inside the crate itself:
-# builds it with `--cfg swactor_policy_probe` (which compiles
-# provisioning/src/policy_probe.rs) and checks that clippy rejects every
-# marked line, while the normal build (checked by .ci/run) stays clean.
+# Proves that the policy crates' clippy.toml bites inside each crate itself
+# (swactor-provisioning, the reconciler's core, and swactor-jobs, the jobs
+# core): builds each with `--cfg swactor_policy_probe` (which compiles its
+# src/policy_probe.rs) and checks that clippy rejects every marked line,
+# while the normal build (checked by .ci/run) stays clean.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}/policy-probe"
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-if RUSTFLAGS="--cfg swactor_policy_probe" cargo clippy -p swactor-provisioning --lib -- -D warnings >"$out" 2>&1; then
-    cat "$out"
-    echo "FAIL: clippy accepted provisioning with forbidden calls in it"
-    exit 1
-fi
-fail=0
-probe=provisioning/src/policy_probe.rs
-while IFS= read -r line; do
-    n=${line%%:*}
-    name=${line##*PROBE: }
-    if grep -qE "^ *--> $probe:$n:[0-9]+|^ *$n \| .*PROBE: $name" "$out"; then
-        echo "ok   $name (line $n) rejected"
-    else
-        echo "FAIL $name (line $n) was not rejected"
+probe_crate() {
+    local dir=$1 package=$2
+    if RUSTFLAGS="--cfg swactor_policy_probe" cargo clippy -p "$package" --lib -- -D warnings >"$out" 2>&1; then
+        cat "$out"
+        echo "FAIL: clippy accepted $package with forbidden calls in it"
+        exit 1
+    fi
+    local fail=0 probe=$dir/src/policy_probe.rs line n name
+    while IFS= read -r line; do
+        n=${line%%:*}
+        name=${line##*PROBE: }
+        if grep -qE "^ *--> $probe:$n:[0-9]+|^ *$n \| .*PROBE: $name" "$out"; then
+            echo "ok   $package: $name (line $n) rejected"
+        else
+            echo "FAIL $package: $name (line $n) was not rejected"
+            fail=1
+        fi
+    done < <(grep -n "PROBE: " "$probe" | grep -v "^[0-9]*://!")
+    if ! grep -q "disallowed" "$out"; then
+        echo "FAIL: no disallowed-methods/types diagnostics at all for $package"
         fail=1
     fi
-done < <(grep -n "PROBE: " "$probe" | grep -v "^[0-9]*://!")
-if ! grep -q "disallowed" "$out"; then
-    echo "FAIL: no disallowed-methods/types diagnostics at all"
-    fail=1
-fi
-if [ "$fail" -ne 0 ]; then
-    cat "$out"
-    exit 1
-fi
-echo "provisioning policy probe: PASS"
+    if [ "$fail" -ne 0 ]; then
+        cat "$out"
+        exit 1
+    fi
+    echo "$package policy probe: PASS"
+}
+probe_crate provisioning swactor-provisioning
+probe_crate jobs swactor-jobs

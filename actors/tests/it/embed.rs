@@ -5,7 +5,7 @@
 // The policy binds the library; a test owns its runtime and real time (iroh).
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
-#[path = "../../examples/embed.rs"]
+#[path = "../../examples/cluster.rs"]
 mod example;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

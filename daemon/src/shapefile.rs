@@ -6,125 +6,127 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use swactor_provisioning::budget::{Budget, OnBudget};
 use swactor_provisioning::{
-    BootParams, Capacity, ClusterShape, DesiredState, GROUP_COUNT_MAX, Generation, GroupField,
-    GroupShape, NodeLimits, ParamValue, PolicyShape, PreemptChoice, ProviderShape, Quantity, RunId,
-    ShapeError, SwarmJoin,
+    BootParams, Capacity, CapacityBasis, ClusterShape, DesiredState, GROUP_COUNT_MAX, Generation,
+    GroupField, GroupShape, NodeLimits, ParamValue, PolicyShape, PreemptChoice, ProviderShape,
+    Quantity, RunId, ShapeError, SwarmJoin, UpdateError,
 };
 use toml::Spanned;
 
-use crate::words::cut;
+use crate::words::{cut, cut_long_words};
+use swactor_actors::{ApplyError, ClusterError};
 
 /// Provider kinds whose groups list the hosts their nodes go to.
-pub(crate) const PLACED_ON_HOSTS: &[&str] = &["ssh"];
+pub const PLACED_ON_HOSTS: &[&str] = &["ssh"];
 
 /// Provider kinds this daemon can drive.
-pub(crate) const SUPPORTED_PROVIDERS: &[&str] = &["process", "ssh", "docker", "vast"];
+pub const SUPPORTED_PROVIDERS: &[&str] = &["process", "ssh", "docker", "vast"];
 
 /// A shape as written in a file: the generation is optional (the daemon
 /// assigns the next one on apply, as a Kubernetes API server does).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct ShapeFile {
+pub struct ShapeFile {
     /// The run; required ([`ShapeFile::check`] refuses a file without one),
     /// optional here so that its absence gets a message of its own.
     #[serde(default)]
-    pub(crate) run: Option<String>,
+    pub run: Option<String>,
     /// An explicit generation, if the author wants one.
     #[serde(default)]
-    pub(crate) generation: Option<u64>,
+    pub generation: Option<u64>,
     /// The most nodes this shape may hold, overriding the provider's own
     /// estimate (e.g. this machine's memory for local processes).
     #[serde(default)]
-    pub(crate) capacity: Option<u64>,
+    pub capacity: Option<u64>,
     /// Dollars the run may spend on rented machines (Vast.ai), storage
     /// included; at the budget the run is torn down, or paused.
     #[serde(default)]
-    pub(crate) budget_usd: Option<f64>,
+    pub budget_usd: Option<f64>,
     /// What reaching `budget_usd` does: `"down"` (the default) or `"pause"`.
     #[serde(default)]
-    pub(crate) on_budget: Option<String>,
+    pub on_budget: Option<String>,
     /// The node groups.
     #[serde(default, rename = "group")]
-    pub(crate) groups: Vec<GroupFile>,
+    pub groups: Vec<GroupFile>,
 }
 
 /// One group as written in a file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct GroupFile {
+pub struct GroupFile {
     /// Group id; nodes are named `{id}-{index}`.
-    pub(crate) id: String,
+    pub id: String,
     /// How many nodes.
-    pub(crate) count: u32,
+    pub count: u32,
     /// The provider kind (`process`).
-    pub(crate) provider: String,
+    pub provider: String,
     /// Provider parameters.
     #[serde(default)]
-    pub(crate) params: BTreeMap<String, ParamValue>,
+    pub params: BTreeMap<String, ParamValue>,
     /// The role (`worker` by default); recorded with the template.
     #[serde(default)]
-    pub(crate) role: Option<String>,
+    pub role: Option<String>,
     /// A command the agent runs to check the node is fit, as argv.
     #[serde(default)]
-    pub(crate) boot_check: Vec<String>,
+    pub boot_check: Vec<String>,
     /// A machine image, for providers that take one.
     #[serde(default)]
-    pub(crate) image: Option<String>,
+    pub image: Option<String>,
     /// Environment for the agent.
     #[serde(default)]
-    pub(crate) env: BTreeMap<String, String>,
+    pub env: BTreeMap<String, String>,
     /// Tags recorded with the template (nothing acts on them yet).
     #[serde(default)]
-    pub(crate) tags: BTreeSet<String>,
+    pub tags: BTreeSet<String>,
     /// Seconds a joined agent may be gone before its node is replaced.
     #[serde(default)]
-    pub(crate) lost_grace_s: Option<f64>,
+    pub lost_grace_s: Option<f64>,
     /// Seconds a leased machine may take to report a reachable endpoint.
     #[serde(default)]
-    pub(crate) endpoint_timeout_s: Option<f64>,
+    pub endpoint_timeout_s: Option<f64>,
     /// Seconds the boot check may run before the agent stops it.
     #[serde(default)]
-    pub(crate) boot_timeout_s: Option<f64>,
+    pub boot_timeout_s: Option<f64>,
     /// Where nodes may be placed (`ssh`: the pool's hosts, `user@host:port`,
     /// each maybe with labels). Changing it moves no node already placed.
     #[serde(default)]
-    pub(crate) hosts: Vec<HostEntry>,
+    pub hosts: Vec<HostEntry>,
     /// Most nodes a template change may have unavailable at once: a count
     /// or `"25%"` (default 1). Changing it replaces no node.
     #[serde(default)]
-    pub(crate) max_unavailable: Option<Quantity>,
+    pub max_unavailable: Option<Quantity>,
     /// Extra nodes a rollout may make; only 0 is supported.
     #[serde(default)]
-    pub(crate) max_surge: Option<Quantity>,
+    pub max_surge: Option<Quantity>,
     /// Most unhealthy nodes before lost ones stop being replaced: a count
     /// or `"40%"` (default: no limit). Changing it replaces no node.
     #[serde(default)]
-    pub(crate) max_unhealthy: Option<Quantity>,
+    pub max_unhealthy: Option<Quantity>,
     /// What becomes of a node whose rented machine the provider paused (an
     /// interruptible Vast.ai instance that was outbid): `"replace"` (the
     /// default) or `"wait"`. Changing it replaces no node.
     #[serde(default)]
-    pub(crate) on_preempt: Option<PreemptChoice>,
+    pub on_preempt: Option<PreemptChoice>,
     /// With `on_preempt = "wait"`: seconds a paused machine is waited for
     /// before its node is replaced (default 600).
     #[serde(default)]
-    pub(crate) preempt_wait_s: Option<u32>,
+    pub preempt_wait_s: Option<u32>,
 }
 
 /// One host of a pool: `"user@host:port"`, or
 /// `{ host = "user@host:port", labels = ["gpu", …] }`.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(untagged)]
-pub(crate) enum HostEntry {
+pub enum HostEntry {
     /// A host without labels.
     Plain(String),
     /// A host with labels, handed to its agents in `SWACTOR_HOST_LABELS`.
     Labelled(LabelledHost),
 }
 
+/// A host of an `ssh` group's `hosts`, with the labels its agents get.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct LabelledHost {
+pub struct LabelledHost {
     host: String,
     #[serde(default)]
     labels: Vec<String>,
@@ -180,7 +182,7 @@ impl ShapeFile {
     ///
     /// # Errors
     /// Malformed TOML, an unknown key or a value of the wrong type.
-    pub(crate) fn parse(text: &str, origin: &str) -> Result<Self> {
+    pub fn parse(text: &str, origin: &str) -> Result<Self> {
         toml::from_str(text).map_err(|e| {
             let (line, col) = e.span().map(|s| line_col(text, s.start)).unwrap_or((0, 0));
             let message =
@@ -195,7 +197,7 @@ impl ShapeFile {
     ///
     /// # Errors
     /// The file cannot be read or parsed.
-    pub(crate) fn load(path: &Path) -> Result<Self> {
+    pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read the shape file {}", path.display()))?;
         Self::parse(&text, &path.display().to_string())
@@ -203,7 +205,7 @@ impl ShapeFile {
 
     /// The run this file is for (empty when it names none, which
     /// [`ShapeFile::check`] refuses).
-    pub(crate) fn run_id(&self) -> RunId {
+    pub fn run_id(&self) -> RunId {
         RunId::new(self.run.clone().unwrap_or_default())
     }
 
@@ -211,7 +213,7 @@ impl ShapeFile {
     ///
     /// # Errors
     /// A provider kind this daemon cannot drive.
-    pub(crate) fn to_shape(&self, generation: u64) -> Result<ClusterShape> {
+    pub fn to_shape(&self, generation: u64) -> Result<ClusterShape> {
         let budget = match (self.budget_usd, self.on_budget.as_deref()) {
             (None, None) => None,
             (None, Some(_)) => bail!(
@@ -307,7 +309,7 @@ impl ShapeFile {
     /// # Errors
     /// The first of those that fails, in words that name the field; nothing
     /// was changed.
-    pub(crate) fn check(&self, generation: u64) -> Result<ClusterShape> {
+    pub fn check(&self, generation: u64) -> Result<ClusterShape> {
         if self.run.is_none() {
             bail!(
                 "the shape names no run: add a top-level `run = \"NAME\"` (a daemon serves \
@@ -402,10 +404,42 @@ impl ShapeFile {
 /// report them ([`swactor_providers::Provider::capacity`]). Only `process`
 /// sets one (this machine's memory); the others leave the limit to the
 /// shape's own `capacity`.
-pub(crate) fn offline_capacities() -> Vec<Capacity> {
+pub fn offline_capacities() -> Vec<Capacity> {
     swactor_providers::process::machine_capacity()
         .into_iter()
         .collect()
+}
+
+/// A refusal from the cluster in words: an over-capacity shape names its
+/// numbers, ids echoed back are cut.
+pub fn refusal(e: &ClusterError) -> String {
+    match e {
+        ClusterError::Apply(ApplyError::OverCapacity {
+            nodes,
+            surge,
+            capacity,
+            basis: CapacityBasis::Shape,
+        }) => format!(
+            "the shape asks for {nodes} nodes{surge}, more than its own `capacity` of \
+             {capacity}; nothing was changed"
+        ),
+        ClusterError::Apply(ApplyError::OverCapacity {
+            nodes,
+            surge,
+            capacity,
+            basis: CapacityBasis::Provider(basis),
+        }) => format!(
+            "the shape asks for {nodes} nodes{surge}, but {basis} allows at most {capacity}; \
+             nothing was changed (a top-level `capacity = N` in the shape allows more)"
+        ),
+        ClusterError::Apply(ApplyError::Update(UpdateError::Invalid(e))) => {
+            format!(
+                "the shape is invalid: {}; nothing was changed",
+                shape_error(e)
+            )
+        }
+        other => cut_long_words(&other.to_string()),
+    }
 }
 
 /// The refusal, if `shape` would grow a cluster that holds `current` (a
@@ -413,7 +447,7 @@ pub(crate) fn offline_capacities() -> Vec<Capacity> {
 /// past one of `capacities`: the check a running daemon makes of every
 /// shape ([`swactor_provisioning::check_capacity`]), in the words it
 /// answers with. A shape may always shrink.
-pub(crate) fn capacity_refusal(
+pub fn capacity_refusal(
     shape: &ClusterShape,
     current: Option<&ClusterShape>,
     capacities: &[Capacity],
@@ -422,9 +456,7 @@ pub(crate) fn capacity_refusal(
         .and_then(|s| s.validate().ok())
         .unwrap_or_else(|| DesiredState::empty(shape.run_id.clone(), Generation(0)));
     let refused = swactor_provisioning::check_capacity(shape, &now, capacities).err()?;
-    Some(crate::control::refusal(
-        &swactor_actors::ClusterError::Apply(refused),
-    ))
+    Some(refusal(&swactor_actors::ClusterError::Apply(refused)))
 }
 
 /// A group as messages name it: `group "worker"`, or by its place in the
@@ -468,7 +500,7 @@ fn file_key(field: &GroupField) -> String {
 
 /// A shape error in the shape file's words: a group by its id, a field by
 /// its key in the file, any value it echoes cut to a readable length.
-pub(crate) fn shape_error(e: &ShapeError) -> String {
+pub fn shape_error(e: &ShapeError) -> String {
     match e {
         ShapeError::RunId { value, source } => format!("run {:?} {source}", cut(value)),
         ShapeError::GroupId {

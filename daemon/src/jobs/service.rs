@@ -18,7 +18,7 @@ use crate::protocol::JoinRequest;
 use crate::words::sizes_compared;
 use anyhow::Context;
 use iroh_blobs::api::TempTag;
-use serde::{Deserialize, Serialize};
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -34,7 +34,11 @@ use swactor_engine::{BlockingConfig, BlockingPool, Clock, run_until};
 use swactor_provisioning::Intent;
 use tokio::sync::{broadcast, watch};
 
-use super::machine::{Change, Stop};
+use super::machine::Stop;
+use swactor_jobs::admission::{Candidate, check_busy, choose_targets};
+pub use swactor_jobs::record::{
+    JobEvent, JobRecord, JobSpec, JobState, OutputFile, RunRecord, Targets,
+};
 
 /// Events of a job kept for a follower that falls behind.
 const EVENTS_KEPT: usize = 4096;
@@ -45,22 +49,15 @@ const WORKSPACE_READS_MAX: usize = 2;
 /// How long a request may wait for a job actor to answer.
 pub(crate) const ACTOR_CALL_WAIT: Duration = Duration::from_secs(60);
 
-/// Refuses when a node of `targets` already has as many runs under way as it may.
+/// Refuses when a node of `targets` already has as many runs under way as
+/// it may (decided in the jobs core).
 fn busy(jobs: &BTreeMap<u64, Entry>, targets: &[(String, u64)], max: usize) -> Result<(), String> {
-    for (node, _) in targets {
-        let busy = jobs
-            .values()
-            .flat_map(|e| e.record.runs.iter())
-            .filter(|r| &r.node == node && !r.state.is_final())
-            .count();
-        if busy >= max {
-            return Err(format!(
-                "{node} already has {busy} run(s) under way, the most one node may have \
-                 (SWACTOR_JOB_RUNS_PER_NODE_MAX={max}); nothing was started"
-            ));
-        }
-    }
-    Ok(())
+    check_busy(
+        jobs.values().flat_map(|e| e.record.runs.iter()),
+        targets,
+        max,
+    )
+    .map_err(|r| r.to_string())
 }
 
 /// What the jobs journal says it holds, and its format. Fields added since
@@ -105,275 +102,6 @@ impl JobLimits {
             reattach_wait: Duration::from_secs(get("SWACTOR_JOB_REATTACH_S", 15)?),
         })
     }
-}
-
-/// Where a job or a run is.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
-#[serde(rename_all = "lowercase")]
-pub(crate) enum JobState {
-    /// Accepted, nothing sent yet.
-    Queued,
-    /// The workspace is on its way.
-    Shipping,
-    /// The command runs (or was asked to start).
-    Running,
-    /// It exited 0 and its outputs were collected.
-    Succeeded,
-    /// It exited non-zero, could not start, timed out, or its outputs could not be collected.
-    Failed,
-    /// Cancelled by `swactor job cancel` or Ctrl-C.
-    Cancelled,
-    /// Its node went away while it ran.
-    Lost,
-}
-
-impl JobState {
-    /// Whether nothing more happens to it.
-    pub(crate) fn is_final(self) -> bool {
-        matches!(
-            self,
-            Self::Succeeded | Self::Failed | Self::Cancelled | Self::Lost
-        )
-    }
-
-    /// The state's word.
-    pub(crate) fn word(self) -> &'static str {
-        match self {
-            Self::Queued => "queued",
-            Self::Shipping => "shipping",
-            Self::Running => "running",
-            Self::Succeeded => "succeeded",
-            Self::Failed => "failed",
-            Self::Cancelled => "cancelled",
-            Self::Lost => "lost",
-        }
-    }
-}
-
-/// A collected output file, as the daemon verified and kept it.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub(crate) struct OutputFile {
-    /// Path relative to the workspace (and to `<outputs_dir>/<node>/`).
-    pub(crate) path: String,
-    /// Length in bytes.
-    pub(crate) len: u64,
-    /// BLAKE3 of its bytes, in hex; the daemon checked the bytes against it.
-    pub(crate) blake3: String,
-}
-
-/// One run of a job: a node's attempt, and what became of it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct RunRecord {
-    /// The node.
-    pub(crate) node: String,
-    /// The attempt of the node the run was meant for.
-    pub(crate) attempt: u64,
-    /// Where it is.
-    pub(crate) state: JobState,
-    /// The exit code (128 + signal when a signal ended it).
-    pub(crate) exit_code: Option<i32>,
-    /// Why it failed, was lost or cancelled.
-    pub(crate) error: Option<String>,
-    /// Workspace bytes sent to the node for this run.
-    pub(crate) shipped_bytes: u64,
-    /// Chunks sent to the node for this run.
-    pub(crate) shipped_chunks: u64,
-    /// Chunks of the workspace.
-    pub(crate) chunks: u64,
-    /// Output files collected.
-    pub(crate) output_files: u64,
-    /// Output bytes collected.
-    pub(crate) output_bytes: u64,
-    /// The output files collected, each with its verified hash.
-    #[serde(default)]
-    pub(crate) collected: Vec<OutputFile>,
-    /// When it ended, in ms since the Unix epoch.
-    #[serde(default)]
-    pub(crate) ended_unix_ms: Option<u64>,
-}
-
-/// A job as the journal keeps it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct JobRecord {
-    /// `job-N`.
-    pub(crate) id: String,
-    /// The command.
-    pub(crate) argv: Vec<String>,
-    /// Extra environment.
-    pub(crate) env: Vec<(String, String)>,
-    /// The workspace directory, as given.
-    pub(crate) workspace: Option<String>,
-    /// Output globs.
-    pub(crate) outputs: Vec<String>,
-    /// The timeout in seconds.
-    pub(crate) timeout_s: Option<f64>,
-    /// When it was accepted, in ms since the Unix epoch.
-    pub(crate) created_unix_ms: u64,
-    /// Files in the workspace.
-    pub(crate) workspace_files: u64,
-    /// Bytes in the workspace.
-    pub(crate) workspace_bytes: u64,
-    /// Where the collected outputs are: `<dir>/<node>/…`.
-    pub(crate) outputs_dir: String,
-    /// Why it was cancelled or stopped, once it was.
-    pub(crate) cancelled: Option<String>,
-    /// The stop itself, recorded before any run is told, so a restarted
-    /// daemon carries it out.
-    #[serde(default)]
-    pub(crate) stop: Option<Stop>,
-    /// Its runs.
-    pub(crate) runs: Vec<RunRecord>,
-}
-
-impl JobRecord {
-    /// The job's state: its runs' while any is under way, else the worst outcome.
-    pub(crate) fn state(&self) -> JobState {
-        if let Some(under_way) = self
-            .runs
-            .iter()
-            .map(|r| r.state)
-            .filter(|s| !s.is_final())
-            .max()
-        {
-            return under_way;
-        }
-        self.runs
-            .iter()
-            .map(|r| r.state)
-            .max()
-            .unwrap_or(JobState::Succeeded)
-    }
-
-    /// The exit code `swactor run` ends with: the worst run's (1 for a
-    /// run that failed without one).
-    pub(crate) fn exit_code(&self) -> i32 {
-        self.runs
-            .iter()
-            .map(|r| match (r.state, r.exit_code) {
-                (JobState::Succeeded, _) => 0,
-                (_, Some(c)) if c != 0 => c,
-                _ => 1,
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Applies `change` to run `idx` at `now_unix_ms`; returns the event
-    /// that tells followers about it, if any. A change to a run that already
-    /// ended is ignored: a final state is never overwritten.
-    pub(crate) fn apply(
-        &mut self,
-        idx: usize,
-        change: &Change,
-        now_unix_ms: u64,
-    ) -> Option<JobEvent> {
-        let of = self.runs.first().map_or(0, |r| r.chunks);
-        let run = self.runs.get_mut(idx)?;
-        if run.state.is_final() {
-            return None;
-        }
-        match change {
-            Change::Shipping => {
-                run.state = JobState::Shipping;
-                None
-            }
-            Change::Shipped { bytes, chunks } => {
-                run.shipped_bytes = *bytes;
-                run.shipped_chunks = *chunks;
-                Some(JobEvent::Shipped {
-                    node: run.node.clone(),
-                    bytes: *bytes,
-                    chunks: *chunks,
-                    of,
-                })
-            }
-            Change::Running => {
-                run.state = JobState::Running;
-                None
-            }
-            Change::Finished(outcome) => {
-                debug_assert!(outcome.state.is_final(), "{outcome:?}");
-                run.state = outcome.state;
-                run.exit_code = outcome.exit_code;
-                run.error.clone_from(&outcome.error);
-                run.output_files = outcome.collected.len() as u64;
-                run.output_bytes = outcome.collected.iter().map(|f| f.len).sum();
-                run.collected.clone_from(&outcome.collected);
-                run.ended_unix_ms = Some(now_unix_ms);
-                Some(JobEvent::Finished(run.clone()))
-            }
-        }
-    }
-}
-
-/// Which nodes a job is for.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum Targets {
-    /// Every ready node.
-    All,
-    /// Every ready node of these groups.
-    Groups(Vec<String>),
-    /// These nodes, each of which must be ready.
-    Nodes(Vec<String>),
-}
-
-/// A job as `swactor run` asks for it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct JobSpec {
-    /// Where it runs.
-    pub(crate) targets: Targets,
-    /// The workspace directory (absolute), if any.
-    pub(crate) workspace: Option<PathBuf>,
-    /// Output globs.
-    pub(crate) outputs: Vec<String>,
-    /// Seconds before the job is stopped.
-    pub(crate) timeout_s: Option<f64>,
-    /// Extra environment.
-    pub(crate) env: Vec<(String, String)>,
-    /// The command.
-    pub(crate) argv: Vec<String>,
-}
-
-/// What `swactor run` is told as a job goes.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum JobEvent {
-    /// The job was accepted.
-    Accepted {
-        /// Its id.
-        job: String,
-        /// The nodes it runs on.
-        nodes: Vec<String>,
-        /// Nodes left out because they are not ready.
-        skipped: Vec<String>,
-        /// Files in the workspace.
-        workspace_files: u64,
-        /// Bytes in the workspace.
-        workspace_bytes: u64,
-    },
-    /// A node has the workspace.
-    Shipped {
-        /// The node.
-        node: String,
-        /// Bytes sent.
-        bytes: u64,
-        /// Chunks sent.
-        chunks: u64,
-        /// Chunks of the workspace.
-        of: u64,
-    },
-    /// Output of a node.
-    Output {
-        /// The node.
-        node: String,
-        /// From stderr (else stdout).
-        stderr: bool,
-        /// The text.
-        text: String,
-    },
-    /// A run ended.
-    Finished(RunRecord),
-    /// The job ended.
-    Done(JobRecord),
 }
 
 #[derive(Debug)]
@@ -841,69 +569,23 @@ impl JobService {
             .snapshot()
             .await
             .map_err(|e| format!("cannot read the cluster: {e}"))?;
-        let usable = |n: &swactor_actors::NodeSummary| n.ready && n.intent != Intent::Deleting;
-        let mut chosen = Vec::new();
-        let mut skipped = Vec::new();
-        match targets {
-            Targets::Nodes(names) => {
-                for name in names {
-                    let Some(n) = snap.nodes.iter().find(|n| n.node.to_string() == *name) else {
-                        let known: Vec<String> =
-                            snap.nodes.iter().map(|n| n.node.to_string()).collect();
-                        return Err(format!(
-                            "there is no node {name:?} in this cluster (its nodes: {}); nothing was started",
-                            if known.is_empty() {
-                                "none".to_owned()
-                            } else {
-                                known.join(", ")
-                            }
-                        ));
-                    };
-                    if !usable(n) {
-                        return Err(format!(
-                            "{name} is not ready (it is {}); a job runs on ready nodes only; nothing was started",
-                            crate::words::state_word(n)
-                        ));
-                    }
-                    if !chosen.iter().any(|(c, _)| c == name) {
-                        chosen.push((name.clone(), n.attempt.0));
-                    }
-                }
-            }
-            Targets::All | Targets::Groups(_) => {
-                if let Targets::Groups(groups) = targets {
-                    for g in groups {
-                        if !snap.nodes.iter().any(|n| n.node.group.as_str() == g) {
-                            return Err(format!(
-                                "there is no group {g:?} with nodes in this cluster; nothing was started"
-                            ));
-                        }
-                    }
-                }
-                for n in &snap.nodes {
-                    if let Targets::Groups(groups) = targets
-                        && !groups.iter().any(|g| n.node.group.as_str() == g)
-                    {
-                        continue;
-                    }
-                    if usable(n) {
-                        chosen.push((n.node.to_string(), n.attempt.0));
-                    } else {
-                        skipped.push(n.node.to_string());
-                    }
-                }
-                if chosen.is_empty() {
-                    return Err(format!(
-                        "no node is ready to run a job{}; nothing was started",
-                        if skipped.is_empty() {
-                            String::new()
-                        } else {
-                            format!(" (not ready: {})", skipped.join(", "))
-                        }
-                    ));
-                }
-            }
-        }
+        let candidates: Vec<Candidate> = snap
+            .nodes
+            .iter()
+            .map(|n| Candidate {
+                node: n.node,
+                attempt: n.attempt,
+                usable: n.ready && n.intent != Intent::Deleting,
+                state: crate::words::state_word(n).to_owned(),
+            })
+            .collect();
+        let picked = choose_targets(targets, &candidates).map_err(|r| r.to_string())?;
+        let chosen: Vec<(String, u64)> = picked
+            .nodes
+            .iter()
+            .map(|(node, attempt)| (node.to_string(), attempt.0))
+            .collect();
+        let skipped: Vec<String> = picked.skipped.iter().map(ToString::to_string).collect();
         // A ready node's agent may still be dialing its jobs link.
         for (node, attempt) in &chosen {
             if self
@@ -1209,131 +891,6 @@ impl ProtocolHandler for JobsHandler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jobs::machine::Outcome;
-
-    fn run(state: JobState, exit_code: Option<i32>) -> RunRecord {
-        RunRecord {
-            node: "worker-0".to_owned(),
-            attempt: 1,
-            state,
-            exit_code,
-            error: None,
-            shipped_bytes: 0,
-            shipped_chunks: 0,
-            chunks: 0,
-            output_files: 0,
-            output_bytes: 0,
-            collected: Vec::new(),
-            ended_unix_ms: None,
-        }
-    }
-
-    fn job(runs: Vec<RunRecord>) -> JobRecord {
-        JobRecord {
-            id: "job-1".to_owned(),
-            argv: vec!["true".to_owned()],
-            env: Vec::new(),
-            workspace: None,
-            outputs: Vec::new(),
-            timeout_s: None,
-            created_unix_ms: 0,
-            workspace_files: 0,
-            workspace_bytes: 0,
-            outputs_dir: String::new(),
-            cancelled: None,
-            stop: None,
-            runs,
-        }
-    }
-
-    #[test]
-    fn a_final_state_is_applied_once_and_never_overwritten() {
-        let mut j = job(vec![run(JobState::Queued, None)]);
-        assert!(j.apply(0, &Change::Shipping, 5).is_none());
-        assert_eq!(j.runs[0].state, JobState::Shipping);
-        let shipped = j.apply(
-            0,
-            &Change::Shipped {
-                bytes: 6,
-                chunks: 1,
-            },
-            5,
-        );
-        assert!(matches!(shipped, Some(JobEvent::Shipped { bytes: 6, .. })));
-        assert!(j.apply(0, &Change::Running, 5).is_none());
-        assert_eq!(j.state(), JobState::Running);
-        let file = OutputFile {
-            path: "out.txt".to_owned(),
-            len: 3,
-            blake3: "ab".to_owned(),
-        };
-        let done = Outcome {
-            state: JobState::Succeeded,
-            exit_code: Some(0),
-            error: None,
-            collected: vec![file.clone()],
-        };
-        assert!(matches!(
-            j.apply(0, &Change::Finished(done), 5),
-            Some(JobEvent::Finished(_))
-        ));
-        assert_eq!((j.runs[0].output_files, j.runs[0].output_bytes), (1, 3));
-        assert_eq!(j.runs[0].collected, [file]);
-        assert_eq!(j.runs[0].ended_unix_ms, Some(5));
-        // A late change (e.g. from a run actor that crashed after it was
-        // recorded) leaves the final state alone.
-        let crashed = Outcome::fail(JobState::Failed, "crashed");
-        assert!(j.apply(0, &Change::Finished(crashed), 5).is_none());
-        assert!(j.apply(0, &Change::Running, 5).is_none());
-        assert_eq!(j.runs[0].state, JobState::Succeeded);
-        assert!(j.apply(7, &Change::Running, 5).is_none());
-    }
-
-    #[test]
-    fn a_record_written_before_the_new_fields_still_reads() {
-        let mut v = serde_json::to_value(job(vec![run(JobState::Running, None)])).unwrap();
-        v.as_object_mut().unwrap().remove("stop");
-        v["runs"][0].as_object_mut().unwrap().remove("collected");
-        let back: JobRecord = serde_json::from_value(v).unwrap();
-        assert!(back.stop.is_none() && back.runs[0].collected.is_empty());
-    }
-
-    #[test]
-    fn a_job_is_as_far_as_its_runs_under_way_then_as_bad_as_its_worst() {
-        use JobState::*;
-        let j = job(vec![
-            run(Succeeded, Some(0)),
-            run(Running, None),
-            run(Shipping, None),
-        ]);
-        assert_eq!(j.state(), Running);
-        let j = job(vec![
-            run(Succeeded, Some(0)),
-            run(Failed, Some(3)),
-            run(Lost, None),
-        ]);
-        assert_eq!(j.state(), Lost);
-        let j = job(vec![run(Succeeded, Some(0)), run(Succeeded, Some(0))]);
-        assert_eq!(j.state(), Succeeded);
-    }
-
-    #[test]
-    fn the_exit_code_is_the_worst_runs() {
-        use JobState::*;
-        let j = job(vec![
-            run(Succeeded, Some(0)),
-            run(Failed, Some(3)),
-            run(Failed, Some(7)),
-        ]);
-        assert_eq!(j.exit_code(), 7);
-        // A run that failed without a code (lost, refused) counts as 1.
-        let j = job(vec![run(Succeeded, Some(0)), run(Lost, None)]);
-        assert_eq!(j.exit_code(), 1);
-        // A run that exited 0 but whose outputs failed is still a failure.
-        let j = job(vec![run(Failed, Some(0))]);
-        assert_eq!(j.exit_code(), 1);
-        assert_eq!(job(vec![run(Succeeded, Some(0))]).exit_code(), 0);
-    }
 
     #[test]
     fn a_workspace_is_cut_into_named_chunks_and_an_oversized_one_is_refused() {

@@ -28,33 +28,33 @@ pub(crate) const AGENT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Options of `swactor agent`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct AgentOptions {
+pub struct AgentOptions {
     /// The run.
     #[arg(long)]
-    pub(crate) run: String,
+    pub run: String,
     /// The node (slot) this agent serves.
     #[arg(long)]
-    pub(crate) node: String,
+    pub node: String,
     /// The attempt it was started for.
     #[arg(long)]
-    pub(crate) attempt: u64,
+    pub attempt: u64,
     /// The daemon's ticket.
     #[arg(long)]
-    pub(crate) daemon: String,
+    pub daemon: String,
     /// A file holding this (run, node, attempt)'s join token and key, readable
     /// by its owner only; the agent reads it and removes it.
     #[arg(long)]
-    pub(crate) credentials: PathBuf,
+    pub credentials: PathBuf,
     /// The node directory.
     #[arg(long)]
-    pub(crate) dir: PathBuf,
+    pub dir: PathBuf,
     /// One argument of the boot check command (repeat, in order; any value,
     /// including one starting with `-`: write `--boot-check=-c`).
     #[arg(long = "boot-check", allow_hyphen_values = true)]
-    pub(crate) boot_check: Vec<String>,
+    pub boot_check: Vec<String>,
     /// Seconds the boot check may run before it is stopped and the attempt fails.
     #[arg(long, default_value_t = 300.0)]
-    pub(crate) boot_timeout_s: f64,
+    pub boot_timeout_s: f64,
 }
 
 fn report(event: &BootstrapEvent) {
@@ -89,7 +89,7 @@ fn bind_addr_for(daemon: &EndpointAddr) -> SocketAddr {
 ///
 /// # Errors
 /// Only for errors that happen before the agent can report anything.
-pub(crate) async fn run(opts: AgentOptions) -> Result<i32> {
+pub async fn run(opts: AgentOptions) -> Result<i32> {
     let node = LogicalNodeId::parse(&opts.node).context("--node is not a valid node id")?;
     let key = ResourceKey {
         run_id: RunId::new(opts.run.clone()),
@@ -352,7 +352,7 @@ async fn boot_check(argv: &[String], timeout_s: f64) -> Result<(), String> {
         Ok(status) if status.success() => Ok(()),
         Ok(status) => Err(format!(
             "boot check `{cmd}` {}{said}",
-            swactor_providers::exit::Ended::of(&status).clause()
+            swactor_providers::exit::of(&status).clause()
         )),
         Err(e) => Err(format!("boot check `{cmd}` could not be waited for: {e}")),
     }

@@ -15,10 +15,10 @@
 //! - Controls go through the control protocol's own handler
 //!   ([`ControlHandler::answer`]), so they follow the same rules as the CLI.
 
-mod metrics;
 mod page;
 
-pub(crate) use metrics::{Metered, Metrics};
+use crate::metrics;
+pub(crate) use crate::metrics::{Metered, Metrics};
 
 use crate::control::ControlHandler;
 use crate::protocol::{ControlRequest, ControlResponse};
@@ -958,7 +958,7 @@ async fn scale(web: &Web, group: &str, count: u32, yes: bool) -> Response {
     if !yes {
         let plan = match web.control.cluster.plan(Some(shape.clone())).await {
             Ok(plan) => plan,
-            Err(e) => return refuse(StatusCode::BAD_REQUEST, &crate::control::refusal(&e)),
+            Err(e) => return refuse(StatusCode::BAD_REQUEST, &crate::shapefile::refusal(&e)),
         };
         if let Some(why) = crate::guard::reason_to_ask(&plan.diff) {
             let why = why.replacen("this shape", &format!("scaling {group} to {count}"), 1);
@@ -986,7 +986,7 @@ async fn scale(web: &Web, group: &str, count: u32, yes: bool) -> Response {
             e @ ClusterError::Apply(
                 ApplyError::OverCapacity { .. } | ApplyError::Update(UpdateError::Invalid(_)),
             ),
-        ) => refuse(StatusCode::BAD_REQUEST, &crate::control::refusal(&e)),
+        ) => refuse(StatusCode::BAD_REQUEST, &crate::shapefile::refusal(&e)),
         Err(e @ ClusterError::NotRunning) => {
             refuse(StatusCode::SERVICE_UNAVAILABLE, &web.control.refused(&e))
         }
@@ -994,7 +994,7 @@ async fn scale(web: &Web, group: &str, count: u32, yes: bool) -> Response {
             StatusCode::CONFLICT,
             &format!(
                 "{} (the shape may have changed meanwhile: try again)",
-                crate::control::refusal(&e)
+                crate::shapefile::refusal(&e)
             ),
         ),
     }

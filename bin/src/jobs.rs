@@ -1,12 +1,12 @@
 //! `swactor run`, `swactor jobs` and `swactor job …`: the CLI's side of jobs.
 
-use super::service::{JobEvent, JobRecord, JobSpec, JobState, Targets};
 use crate::client::{Client, with_client};
 use crate::protocol::{ControlRequest, ControlResponse};
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use swactor_daemon::jobs::service::{JobEvent, JobRecord, JobSpec, JobState, Targets};
 
 /// Options of `swactor run`.
 #[derive(Debug, clap::Args)]
@@ -284,8 +284,8 @@ fn copy_outputs(job: &JobRecord) -> Result<Option<PathBuf>> {
     for run in job.runs.iter().filter(|r| r.output_files > 0) {
         let src = from.join(&run.node);
         let dst = into.join(&run.node);
-        for (rel, path) in
-            super::walk(&src).with_context(|| format!("cannot read {}", src.display()))?
+        for (rel, path) in swactor_daemon::jobs::walk(&src)
+            .with_context(|| format!("cannot read {}", src.display()))?
         {
             let to = dst.join(&rel);
             if let Some(parent) = to.parent() {

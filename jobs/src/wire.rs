@@ -1,52 +1,27 @@
-//! Jobs: run a command on the cluster's nodes over `swactor/jobs/0`.
-//!
-//! The daemon side turns a `swactor run` into one job with one run per
-//! (node, attempt): [`service`] takes requests and keeps the jobs' records,
-//! [`runner`] holds the actors that drive them, and [`machine`] decides, as
-//! plain data, what a run does next; [`blobs`] serves workspace chunks to
-//! the agents over iroh-blobs. The agent side ([`agent`]) fetches the
-//! chunks it lacks into its chunk store, materialises workspaces, runs
-//! commands in their own process group and keeps each run's output and
-//! exit status on disk until the daemon collects them. The wire types, the workspace manifest and the
-//! output log format live here, shared by both. `docs/jobs.md` tells the
-//! whole story.
-//!
-//! ```text
-//! JobsActor                    one per daemon; records a job whose actor failed
-//!  └── JobActor  job-N         owns the job's record and its timeout timer
-//!       └── RunActor (N, node) ships, starts, follows, collects one run
-//!            └── Forwarder     the agent's log and exit, as messages
-//! ```
-
-pub(crate) mod agent;
-pub(crate) mod blobs;
-pub(crate) mod cli;
-pub(crate) mod machine;
-pub(crate) mod runner;
-pub(crate) mod service;
+//! The jobs protocol's wire types (`swactor/jobs/0`), the workspace
+//! manifest and the output log format, shared by the daemon and the agent.
 
 use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
 
 /// ALPN of the jobs protocol, dialled by each agent to its daemon.
-pub(crate) const ALPN_JOBS: &[u8] = b"swactor/jobs/0";
+pub const ALPN_JOBS: &[u8] = b"swactor/jobs/0";
 
 /// A BLAKE3 hash: the name of a chunk.
-pub(crate) type Hash = [u8; 32];
+pub type Hash = [u8; 32];
 
 /// Largest chunk of a workspace file; files are cut into chunks of this
 /// size, each shipped and stored under its own hash.
-pub(crate) const CHUNK_LEN: usize = 1 << 20;
+pub const CHUNK_LEN: usize = 1 << 20;
 
 /// Largest frame on the jobs protocol: a start request's manifest of
 /// chunk hashes, or a piece of output, plus envelope.
-pub(crate) const JOBS_FRAME_LEN_MAX: usize = CHUNK_LEN + 64 * 1024;
+pub const JOBS_FRAME_LEN_MAX: usize = CHUNK_LEN + 64 * 1024;
 
 /// Largest piece of output or of an output file in one frame.
-pub(crate) const DATA_PIECE_LEN: usize = 256 * 1024;
+pub const DATA_PIECE_LEN: usize = 256 * 1024;
 
 /// Hex of a hash, for names and messages.
-pub(crate) fn hex(hash: &Hash) -> String {
+pub fn hex(hash: &Hash) -> String {
     use std::fmt::Write;
     hash.iter().fold(String::with_capacity(64), |mut s, b| {
         let _ = write!(s, "{b:02x}");
@@ -57,19 +32,19 @@ pub(crate) fn hex(hash: &Hash) -> String {
 /// One file of a workspace: where it goes, whether it is executable, and
 /// its content as a list of chunk hashes.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub(crate) struct FileEntry {
+pub struct FileEntry {
     /// Relative path, `/`-separated, no `..`.
-    pub(crate) path: String,
+    pub path: String,
     /// Whether any execute bit is set.
-    pub(crate) executable: bool,
+    pub executable: bool,
     /// Length in bytes.
-    pub(crate) len: u64,
+    pub len: u64,
     /// The chunks, in order.
-    pub(crate) chunks: Vec<Hash>,
+    pub chunks: Vec<Hash>,
 }
 
 /// Whether `path` is a safe relative path: no root, no `..`, nothing empty.
-pub(crate) fn safe_relative(path: &str) -> bool {
+pub fn safe_relative(path: &str) -> bool {
     !path.is_empty()
         && !path.starts_with('/')
         && path
@@ -81,9 +56,9 @@ pub(crate) fn safe_relative(path: &str) -> bool {
 /// names the attempt it is meant for; an agent refuses one for another
 /// attempt.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum ToAgent {
+pub enum ToAgent {
     /// Fetch the chunks of these that the agent lacks from the daemon's
-    /// blob provider ([`blobs`]), each verified as it arrives.
+    /// blob provider (iroh-blobs), each verified as it arrives.
     Fetch {
         /// The attempt the request is for.
         attempt: u64,
@@ -141,23 +116,23 @@ pub(crate) enum ToAgent {
 
 /// How a run ended.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub(crate) struct ExitInfo {
+pub struct ExitInfo {
     /// The exit code, when it exited.
-    pub(crate) code: Option<i32>,
+    pub code: Option<i32>,
     /// The signal that ended it, when one did.
-    pub(crate) signal: Option<i32>,
+    pub signal: Option<i32>,
 }
 
 impl ExitInfo {
     /// The exit code a shell would report: the code, or 128 + the signal.
-    pub(crate) fn shell_code(self) -> i32 {
+    pub fn shell_code(self) -> i32 {
         self.code.or(self.signal.map(|s| 128 + s)).unwrap_or(1)
     }
 }
 
 /// An agent's answer (one or many per request).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub(crate) enum FromAgent {
+pub enum FromAgent {
     /// One more chunk was fetched, verified and stored.
     Stored,
     /// Every chunk the agent lacked is stored; this much was fetched.
@@ -200,7 +175,7 @@ pub(crate) enum FromAgent {
 
 /// Which stream a piece of output came from.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub(crate) enum Stream {
+pub enum Stream {
     /// Standard output.
     Stdout,
     /// Standard error.
@@ -211,19 +186,19 @@ pub(crate) enum Stream {
 /// `u32` length, then the bytes. The agent writes its log this way and the
 /// daemon keeps the same bytes, so an offset means the same on both.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct LogRecord {
+pub struct LogRecord {
     /// The stream.
-    pub(crate) stream: Stream,
+    pub stream: Stream,
     /// The bytes.
-    pub(crate) data: Vec<u8>,
+    pub data: Vec<u8>,
 }
 
 /// Bytes in front of a log record's data.
-pub(crate) const LOG_HEADER_LEN: usize = 5;
+pub const LOG_HEADER_LEN: usize = 5;
 
 impl LogRecord {
     /// The record's encoding.
-    pub(crate) fn encode(stream: Stream, data: &[u8]) -> Vec<u8> {
+    pub fn encode(stream: Stream, data: &[u8]) -> Vec<u8> {
         let mut out = Vec::with_capacity(LOG_HEADER_LEN + data.len());
         out.push(match stream {
             Stream::Stdout => 1,
@@ -236,7 +211,7 @@ impl LogRecord {
 
     /// Splits `bytes` into whole records; returns them and how many bytes
     /// they took (a torn record at the end is left out).
-    pub(crate) fn decode_all(bytes: &[u8]) -> (Vec<LogRecord>, usize) {
+    pub fn decode_all(bytes: &[u8]) -> (Vec<LogRecord>, usize) {
         let mut records = Vec::new();
         let mut at = 0;
         while let Some(header) = bytes.get(at..at + LOG_HEADER_LEN) {
@@ -262,7 +237,7 @@ impl LogRecord {
 /// Whether `name` matches the glob `pattern`: `*` any run of characters
 /// but `/`, `?` one such character, `**` as a whole component any number
 /// of components.
-pub(crate) fn glob_match(pattern: &str, name: &str) -> bool {
+pub fn glob_match(pattern: &str, name: &str) -> bool {
     let pat: Vec<&str> = pattern.split('/').filter(|p| !p.is_empty()).collect();
     let parts: Vec<&str> = name.split('/').collect();
     match_parts(&pat, &parts)
@@ -288,32 +263,6 @@ fn match_one(pat: &[u8], s: &[u8]) -> bool {
         Some((b'?', rest)) => !s.is_empty() && match_one(rest, &s[1..]),
         Some((c, rest)) => s.first() == Some(c) && match_one(rest, &s[1..]),
     }
-}
-
-/// Every regular file under `root`, as sorted relative `/`-separated paths
-/// (symbolic links and other special files are left out).
-pub(crate) fn walk(root: &Path) -> std::io::Result<Vec<(String, PathBuf)>> {
-    let mut out = Vec::new();
-    let mut stack = vec![(String::new(), root.to_path_buf())];
-    while let Some((rel, dir)) = stack.pop() {
-        for entry in std::fs::read_dir(&dir)? {
-            let entry = entry?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let child_rel = if rel.is_empty() {
-                name
-            } else {
-                format!("{rel}/{name}")
-            };
-            let kind = entry.file_type()?;
-            if kind.is_dir() {
-                stack.push((child_rel, entry.path()));
-            } else if kind.is_file() {
-                out.push((child_rel, entry.path()));
-            }
-        }
-    }
-    out.sort();
-    Ok(out)
 }
 
 #[cfg(test)]

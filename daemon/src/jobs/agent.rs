@@ -812,7 +812,7 @@ async fn cancel(run: &Run) {
 /// `swactor job-exec --parent PID -- CMD ARGS…`: becomes CMD, dying with
 /// the agent `PID`. Returns only when CMD could not be started: the exit
 /// code to end with (127 not found, 126 not runnable).
-pub(crate) fn exec(parent: u32, argv: &[String]) -> i32 {
+pub fn exec(parent: u32, argv: &[String]) -> i32 {
     use std::os::unix::process::CommandExt;
     // A run outlives neither its agent nor a kill of it.
     let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));

@@ -1,7 +1,7 @@
 //! What a run does next, decided as data: no clock, no I/O, no actors.
 //!
 //! [`RunMachine`] is the state machine of one (job, node) run. Its driver
-//! (the run actor in [`super::runner`]) feeds it what happened with
+//! (the daemon's run actor) feeds it what happened with
 //! [`RunMachine::handle`] and drains what to do with
 //! [`RunMachine::poll_action`], in this order:
 //!
@@ -19,19 +19,19 @@
 //! The job-level decisions live here too: how much of a timeout is left
 //! ([`timeout_left`]), and how a [`Stop`] turns into a run's outcome.
 
-use super::ExitInfo;
-use super::service::{JobState, OutputFile};
+use crate::record::{JobState, OutputFile};
+use crate::wire::ExitInfo;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::time::Duration;
 
 /// How many times in a row a log stream may break while its link stays up
 /// before the run is given up as `lost`.
-pub(crate) const ATTACH_BREAKS_MAX: u32 = 5;
+pub const ATTACH_BREAKS_MAX: u32 = 5;
 
 /// Why a job was stopped before its runs ended on their own.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum Stop {
+pub enum Stop {
     /// `swactor job cancel`, or Ctrl-C on `swactor run`.
     Cancelled,
     /// The job's `--timeout` passed; the text says after how long.
@@ -41,7 +41,7 @@ pub(crate) enum Stop {
 impl Stop {
     /// What a stopped run became: a cancelled one is `cancelled`, a timed-out
     /// one `failed` with 124 (as `timeout(1)` exits).
-    pub(crate) fn outcome(&self, when: &str) -> Outcome {
+    pub fn outcome(&self, when: &str) -> Outcome {
         match self {
             Self::Cancelled => Outcome::fail(JobState::Cancelled, format!("cancelled {when}")),
             Self::TimedOut(why) => Outcome {
@@ -56,20 +56,20 @@ impl Stop {
 
 /// How a run ended, as its record keeps it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Outcome {
+pub struct Outcome {
     /// A final state.
-    pub(crate) state: JobState,
+    pub state: JobState,
     /// The exit code (128 + signal when a signal ended it).
-    pub(crate) exit_code: Option<i32>,
+    pub exit_code: Option<i32>,
     /// Why it failed, was lost or cancelled.
-    pub(crate) error: Option<String>,
+    pub error: Option<String>,
     /// The output files collected, each with its verified hash.
-    pub(crate) collected: Vec<OutputFile>,
+    pub collected: Vec<OutputFile>,
 }
 
 impl Outcome {
     /// A run that ended in `state` for `error`, without an exit code.
-    pub(crate) fn fail(state: JobState, error: impl Into<String>) -> Self {
+    pub fn fail(state: JobState, error: impl Into<String>) -> Self {
         Self {
             state,
             exit_code: None,
@@ -79,7 +79,7 @@ impl Outcome {
     }
 
     /// A run whose command exited as `exit` and whose outputs are `collected`.
-    pub(crate) fn exited(exit: ExitInfo, collected: Vec<OutputFile>) -> Self {
+    pub fn exited(exit: ExitInfo, collected: Vec<OutputFile>) -> Self {
         let code = exit.shell_code();
         Self {
             state: if code == 0 {
@@ -90,8 +90,9 @@ impl Outcome {
             exit_code: Some(code),
             // The code is the shell's (128 + a signal), for exit codes;
             // the words say which it was.
-            error: (code != 0)
-                .then(|| swactor_providers::exit::Ended::new(exit.code, exit.signal).to_string()),
+            error: (code != 0).then(|| {
+                swactor_provisioning::exit::Ended::new(exit.code, exit.signal).to_string()
+            }),
             collected,
         }
     }
@@ -99,7 +100,7 @@ impl Outcome {
 
 /// A change to a run's record.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Change {
+pub enum Change {
     /// The workspace is about to be shipped.
     Shipping,
     /// The node has the workspace; this much was sent.
@@ -118,7 +119,7 @@ pub(crate) enum Change {
 /// What the driver must do; each one describes I/O, none performs it.
 #[must_use]
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Action {
+pub enum Action {
     /// Write this change to the journal, and wait until it is durable.
     Record(Change),
     /// Ask the node which chunks it lacks and send them; answer
@@ -153,7 +154,7 @@ pub(crate) enum Action {
 
 /// Something that happened to a run.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Event {
+pub enum Event {
     /// The node has the workspace.
     Shipped {
         /// Bytes sent.
@@ -221,20 +222,20 @@ enum Phase {
 
 /// The facts about a run that its decisions depend on.
 #[derive(Clone, Debug)]
-pub(crate) struct RunFacts {
+pub struct RunFacts {
     /// The node.
-    pub(crate) node: String,
+    pub node: String,
     /// The attempt of the node the run is for.
-    pub(crate) attempt: u64,
+    pub attempt: u64,
     /// Whether the job declared outputs to collect.
-    pub(crate) wants_outputs: bool,
+    pub wants_outputs: bool,
     /// How long a run waits for its link to come back.
-    pub(crate) reattach_wait: Duration,
+    pub reattach_wait: Duration,
 }
 
 /// The state machine of one run; see the module doc for how to drive it.
 #[derive(Debug)]
-pub(crate) struct RunMachine {
+pub struct RunMachine {
     facts: RunFacts,
     phase: Phase,
     stop: Option<Stop>,
@@ -248,7 +249,7 @@ pub(crate) struct RunMachine {
 impl RunMachine {
     /// A run whose record says `recorded`; `has_workspace` when this daemon
     /// accepted the job and holds its workspace (a resumed job does not).
-    pub(crate) fn new(facts: RunFacts, recorded: JobState, has_workspace: bool) -> Self {
+    pub fn new(facts: RunFacts, recorded: JobState, has_workspace: bool) -> Self {
         let mut m = Self {
             facts,
             phase: Phase::Finished,
@@ -280,13 +281,13 @@ impl RunMachine {
     }
 
     /// The next thing to do, oldest first; `None` when nothing is left.
-    pub(crate) fn poll_action(&mut self) -> Option<Action> {
+    pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
     }
 
     /// Whether the run's final state is decided.
     #[cfg(test)]
-    pub(crate) fn is_finished(&self) -> bool {
+    pub fn is_finished(&self) -> bool {
         self.phase == Phase::Finished
     }
 
@@ -311,7 +312,7 @@ impl RunMachine {
     }
 
     /// Folds in what happened; the actions it calls for are queued.
-    pub(crate) fn handle(&mut self, event: Event) {
+    pub fn handle(&mut self, event: Event) {
         let node = self.facts.node.clone();
         match (self.phase.clone(), event) {
             (Phase::Finished, _) => {}
@@ -436,7 +437,7 @@ impl RunMachine {
 /// How much of a job's `timeout_s` is left at `now_unix_ms` for a job
 /// accepted at `created_unix_ms`: the time already used counts, including
 /// time the daemon was down. `None` without a timeout.
-pub(crate) fn timeout_left(
+pub fn timeout_left(
     timeout_s: Option<f64>,
     created_unix_ms: u64,
     now_unix_ms: u64,

@@ -17,7 +17,7 @@ use swactor_provisioning::{
 /// grace period to come back), `failed` (the attempt failed; it is cleaned
 /// up, then retried), `restarting` (waiting to start the next attempt),
 /// `deleting` and `deleted` (the node is being removed or replaced).
-pub(crate) fn state_word(n: &NodeSummary) -> &'static str {
+pub fn state_word(n: &NodeSummary) -> &'static str {
     if n.intent == Intent::Deleting {
         // A failed attempt is cleaned up like any deleted one; its failure,
         // counted until the slot is next ready, is what people need to see.
@@ -38,7 +38,7 @@ pub(crate) fn state_word(n: &NodeSummary) -> &'static str {
 }
 
 /// The word for a stage of an attempt that is not (or no longer) ready.
-pub(crate) fn stage_word(stage: NodeStage) -> &'static str {
+pub fn stage_word(stage: NodeStage) -> &'static str {
     match stage {
         NodeStage::New | NodeStage::LeaseRequested | NodeStage::LeaseCreated => "creating",
         NodeStage::EndpointKnown | NodeStage::BootstrapRunning => "booting",
@@ -53,7 +53,7 @@ pub(crate) fn stage_word(stage: NodeStage) -> &'static str {
 /// [`state_word`] with what happens next, as the daemon's core says it
 /// ([`NextStep`]): `failed, retrying in 12 s`, `restarting in 3 s`,
 /// `disconnected (grace for 4 s more)`, `failed, held: paused`.
-pub(crate) fn state_text(n: &NodeSummary, now: Timestamp) -> String {
+pub fn state_text(n: &NodeSummary, now: Timestamp) -> String {
     let word = state_word(n);
     match n.next {
         NextStep::LostAt { at, replaced } => {
@@ -80,7 +80,7 @@ pub(crate) fn state_text(n: &NodeSummary, now: Timestamp) -> String {
 
 /// What comes next, for one column or one fact: `in 12 s`, `now`, `held:
 /// paused`, or `-` when nothing is waited for.
-pub(crate) fn next_words(next: NextStep, now: Timestamp) -> String {
+pub fn next_words(next: NextStep, now: Timestamp) -> String {
     match next {
         NextStep::RetryAt(at) => until(at, now),
         NextStep::Held(by) => format!("held: {by}"),
@@ -99,7 +99,7 @@ pub(crate) fn next_words(next: NextStep, now: Timestamp) -> String {
 
 /// The STATE column, next to a RETRY column: the word, and for a
 /// disconnected agent the grace it has left.
-pub(crate) fn state_cell(n: &NodeSummary, now: Timestamp) -> String {
+pub fn state_cell(n: &NodeSummary, now: Timestamp) -> String {
     match state_word(n) {
         "disconnected" => state_text(n, now),
         word => word.to_owned(),
@@ -107,7 +107,7 @@ pub(crate) fn state_cell(n: &NodeSummary, now: Timestamp) -> String {
 }
 
 /// The RETRY column: `in 12 s`, `now`, `held: paused`, or `-`.
-pub(crate) fn retry_cell(n: &NodeSummary, now: Timestamp) -> String {
+pub fn retry_cell(n: &NodeSummary, now: Timestamp) -> String {
     match n.next {
         NextStep::RetryAt(_) | NextStep::Held(_) => next_words(n.next, now),
         _ => "-".to_owned(),
@@ -115,7 +115,7 @@ pub(crate) fn retry_cell(n: &NodeSummary, now: Timestamp) -> String {
 }
 
 /// `in 12 s` for a moment ahead of `now`, `now` for one already due.
-pub(crate) fn until(at: Timestamp, now: Timestamp) -> String {
+pub fn until(at: Timestamp, now: Timestamp) -> String {
     if at <= now {
         "now".to_owned()
     } else {
@@ -124,7 +124,7 @@ pub(crate) fn until(at: Timestamp, now: Timestamp) -> String {
 }
 
 /// `3 min ago` for a moment before `now`.
-pub(crate) fn ago(at: Timestamp, now: Timestamp) -> String {
+pub fn ago(at: Timestamp, now: Timestamp) -> String {
     let ms = now.saturating_since(at);
     if ms < 1_000 {
         "just now".to_owned()
@@ -134,7 +134,7 @@ pub(crate) fn ago(at: Timestamp, now: Timestamp) -> String {
 }
 
 /// A span rounded up to whole units (a wait of 0.2 s is "1 s", never "0 s").
-pub(crate) fn span_up(ms: u64) -> String {
+pub fn span_up(ms: u64) -> String {
     span(ms.div_ceil(1_000))
 }
 
@@ -153,14 +153,14 @@ fn span(secs: u64) -> String {
 }
 
 /// Dollars from millionths, to the tenth of a cent: `1.206`.
-pub(crate) fn usd(micros: u64) -> String {
+pub fn usd(micros: u64) -> String {
     format!("{:.3}", micros as f64 / 1e6)
 }
 
 /// Where the run stands against its budget, in one line (`None` when it
 /// has no budget and rents nothing by the hour): `budget: 0.012 of 0.050 $
 /// spent · 1.206 $/h now · reached in ~2 min, then the run is torn down`.
-pub(crate) fn budget_line(
+pub fn budget_line(
     budget: Option<&swactor_provisioning::budget::Budget>,
     spend: Option<&swactor_provisioning::budget::Spend>,
 ) -> Option<String> {
@@ -201,7 +201,7 @@ pub(crate) fn budget_line(
 
 /// One resource of another deployment, in a few words: `vast instance 12
 /// (gpu-0/a3, deployment 0a1b2c3d, 0.420 $/h)`.
-pub(crate) fn foreign_resource(r: &swactor_providers::ForeignResource) -> String {
+pub fn foreign_resource(r: &swactor_providers::ForeignResource) -> String {
     let deployment = r.deployment.as_deref().map_or_else(
         || "made before deployments were recorded".to_owned(),
         |d| format!("deployment {d}"),
@@ -218,7 +218,7 @@ pub(crate) fn foreign_resource(r: &swactor_providers::ForeignResource) -> String
 
 /// What the resources of other deployments cost together, in millionths of
 /// a dollar per hour; `None` when no provider priced any.
-pub(crate) fn foreign_cost(foreign: &[swactor_providers::ForeignResource]) -> Option<u64> {
+pub fn foreign_cost(foreign: &[swactor_providers::ForeignResource]) -> Option<u64> {
     let mut priced = foreign
         .iter()
         .filter_map(|r| r.usd_per_hour_micros)
@@ -229,7 +229,7 @@ pub(crate) fn foreign_cost(foreign: &[swactor_providers::ForeignResource]) -> Op
 
 /// What a daemon says of its run's resources that another deployment made:
 /// how many, what they cost, the first few, and that they are left alone.
-pub(crate) fn foreign_resources(
+pub fn foreign_resources(
     run: &swactor_provisioning::RunId,
     foreign: &[swactor_providers::ForeignResource],
 ) -> String {
@@ -252,7 +252,7 @@ pub(crate) fn foreign_resources(
 }
 
 /// What a provider effect does, for people.
-pub(crate) fn effect_words(effect: EffectKind) -> &'static str {
+pub fn effect_words(effect: EffectKind) -> &'static str {
     match effect {
         EffectKind::CreateLease => "leasing a machine",
         EffectKind::LookupEndpoint => "looking up its address",
@@ -265,7 +265,7 @@ pub(crate) fn effect_words(effect: EffectKind) -> &'static str {
 /// An operation's outcome as the daemon reports it (`lease X`, `Definite
 /// failure: …`), in the words of this vocabulary; text it does not know is
 /// kept as it is.
-pub(crate) fn outcome_words(outcome: &str) -> String {
+pub fn outcome_words(outcome: &str) -> String {
     const KNOWN: &[(&str, &str)] = &[
         ("Definite failure: ", "failed: "),
         (
@@ -289,7 +289,7 @@ pub(crate) fn outcome_words(outcome: &str) -> String {
 }
 
 /// The last thing an attempt's bootstrap reported, for people.
-pub(crate) fn bootstrap_words(stage: BootstrapStage) -> &'static str {
+pub fn bootstrap_words(stage: BootstrapStage) -> &'static str {
     match stage {
         BootstrapStage::SshConnect => "connecting to the machine",
         BootstrapStage::BootCheck => "running the boot check",
@@ -305,7 +305,7 @@ pub(crate) fn bootstrap_words(stage: BootstrapStage) -> &'static str {
 }
 
 /// How a slot changes under a new shape.
-pub(crate) fn change_word(change: Change) -> &'static str {
+pub fn change_word(change: Change) -> &'static str {
     match change {
         Change::Create => "create",
         Change::Replace => "replace",
@@ -321,7 +321,7 @@ const ID_CUT_TO_CHARS: usize = 40;
 /// `id` itself, or for a very long one its first 40 characters and its length:
 /// `aaaa… (5000 characters)`. Node ids are at most 74 characters, so no valid
 /// id is ever cut.
-pub(crate) fn cut(id: &str) -> String {
+pub fn cut(id: &str) -> String {
     let count = id.chars().count();
     if count <= ID_SHOWN_MAX_CHARS {
         id.to_owned()
@@ -334,7 +334,7 @@ pub(crate) fn cut(id: &str) -> String {
 /// Any run of more than [`LONG_WORD_MAX_CHARS`] non-blank characters in
 /// `text`, cut as [`cut`] does: the last guard before an error reaches the
 /// terminal, for values echoed by code this crate does not format.
-pub(crate) fn cut_long_words(text: &str) -> String {
+pub fn cut_long_words(text: &str) -> String {
     let mut out = String::with_capacity(text.len().min(4_096));
     let mut word = String::new();
     let flush = |word: &mut String, out: &mut String| {
@@ -362,12 +362,12 @@ pub(crate) fn cut_long_words(text: &str) -> String {
 const LONG_WORD_MAX_CHARS: usize = 400;
 
 /// The wall-clock time now, as `HH:MM:SS` in local time.
-pub(crate) fn clock() -> String {
+pub fn clock() -> String {
     chrono::Local::now().format("%H:%M:%S").to_string()
 }
 
 /// [`clock`] at `at_ms` (milliseconds since the Unix epoch), e.g. an event's stamp.
-pub(crate) fn clock_at(at_ms: u64) -> String {
+pub fn clock_at(at_ms: u64) -> String {
     i64::try_from(at_ms)
         .ok()
         .and_then(chrono::DateTime::from_timestamp_millis)
@@ -382,7 +382,7 @@ pub(crate) fn clock_at(at_ms: u64) -> String {
 const NAMES_SHOWN: usize = 20;
 
 /// `a, b, c` — or for a long list its first names and `… and 99980 more`.
-pub(crate) fn names<T: std::fmt::Display>(list: &[T]) -> String {
+pub fn names<T: std::fmt::Display>(list: &[T]) -> String {
     let mut text = list
         .iter()
         .take(NAMES_SHOWN)
@@ -396,7 +396,7 @@ pub(crate) fn names<T: std::fmt::Display>(list: &[T]) -> String {
 }
 
 /// `1 node` or `3 nodes`.
-pub(crate) fn nodes(n: u64) -> String {
+pub fn nodes(n: u64) -> String {
     if n == 1 {
         "1 node".to_owned()
     } else {
@@ -407,7 +407,7 @@ pub(crate) fn nodes(n: u64) -> String {
 /// The cluster in a word or two, as `status` heads it and `status --json`
 /// gives it (`state`): `tearing down`, `stopping` (a daemon leaving its
 /// nodes running), `paused`, `converged` or `converging`.
-pub(crate) fn cluster_state(s: &ClusterSnapshot) -> &'static str {
+pub fn cluster_state(s: &ClusterSnapshot) -> &'static str {
     match s.shutting_down {
         Some(ShutdownMode::Teardown) => "tearing down",
         Some(ShutdownMode::Keep) => "stopping",
@@ -418,7 +418,7 @@ pub(crate) fn cluster_state(s: &ClusterSnapshot) -> &'static str {
 }
 
 /// The nodes a `down --keep` had no machine of to keep.
-pub(crate) fn without_machine<T: std::fmt::Display>(list: &[T]) -> String {
+pub fn without_machine<T: std::fmt::Display>(list: &[T]) -> String {
     format!(
         "{} node(s) had no machine to keep (failed and cleaned up, or not created yet): {}; \
          the next `swactor up` starts them",
@@ -429,7 +429,7 @@ pub(crate) fn without_machine<T: std::fmt::Display>(list: &[T]) -> String {
 
 /// A size for people, in decimal units: `1 byte`, `6 bytes`, `1.2 kB`,
 /// `3.4 MB`, `5.0 GB`.
-pub(crate) fn size_words(bytes: u64) -> String {
+pub fn size_words(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["kB", "MB", "GB", "TB", "PB", "EB"];
     match bytes {
         1 => return "1 byte".to_owned(),
@@ -450,7 +450,7 @@ pub(crate) fn size_words(bytes: u64) -> String {
 /// Two sizes a message compares (`2.0 MB, more than the limit of 1.0 MB`):
 /// when they would read alike, each with its exact count of bytes, so a
 /// size is never said to be past a limit that reads the same.
-pub(crate) fn sizes_compared(size: u64, limit: u64) -> (String, String) {
+pub fn sizes_compared(size: u64, limit: u64) -> (String, String) {
     let (a, b) = (size_words(size), size_words(limit));
     if a == b && size != limit {
         (

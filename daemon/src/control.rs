@@ -3,20 +3,17 @@
 use crate::guard::CHANGES_SHOWN;
 use crate::journal::JournalHealth;
 use crate::protocol::{AgentLogPiece, ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
-use crate::shapefile::{ShapeFile, shape_error};
+use crate::shapefile::{ShapeFile, refusal};
 use crate::words::{cut, cut_long_words};
 use std::sync::Arc;
 use std::time::Duration;
-use swactor_actors::{
-    AgentLink, ApplyError, ClusterError, ClusterHandle, NodeSummary, ShutdownReport,
-};
+use swactor_actors::{AgentLink, ClusterError, ClusterHandle, NodeSummary, ShutdownReport};
 use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{HANDSHAKE_DEADLINE, accept_first_frame, send_frame};
 use swactor_providers::{Provider, Providers};
 use swactor_provisioning::{
-    CapacityBasis, ClusterShape, DesiredUpdate, Intent, LogicalNodeId, ReplaceError, RunId,
-    UpdateError, every_change,
+    ClusterShape, DesiredUpdate, Intent, LogicalNodeId, ReplaceError, RunId, every_change,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -30,38 +27,6 @@ pub(crate) type DownRequest = (bool, bool, oneshot::Sender<DownReport>);
 /// What a `down` did: the cluster's shutdown report, and with `purge`, each
 /// remote host and why it could not be purged if it could not.
 pub(crate) type DownReport = (ShutdownReport, Vec<(String, Option<String>)>);
-
-/// A refusal from the cluster in words: an over-capacity shape names its
-/// numbers, ids echoed back are cut.
-pub(crate) fn refusal(e: &ClusterError) -> String {
-    match e {
-        ClusterError::Apply(ApplyError::OverCapacity {
-            nodes,
-            surge,
-            capacity,
-            basis: CapacityBasis::Shape,
-        }) => format!(
-            "the shape asks for {nodes} nodes{surge}, more than its own `capacity` of \
-             {capacity}; nothing was changed"
-        ),
-        ClusterError::Apply(ApplyError::OverCapacity {
-            nodes,
-            surge,
-            capacity,
-            basis: CapacityBasis::Provider(basis),
-        }) => format!(
-            "the shape asks for {nodes} nodes{surge}, but {basis} allows at most {capacity}; \
-             nothing was changed (a top-level `capacity = N` in the shape allows more)"
-        ),
-        ClusterError::Apply(ApplyError::Update(UpdateError::Invalid(e))) => {
-            format!(
-                "the shape is invalid: {}; nothing was changed",
-                shape_error(e)
-            )
-        }
-        other => cut_long_words(&other.to_string()),
-    }
-}
 
 /// [`refusal`], unless the cluster is gone because its journal could not be
 /// written: then that is the reason, and the request was not recorded.
@@ -137,7 +102,7 @@ pub(crate) struct ControlHandler {
     /// Whether the journal's writes are failing (a refusal then says so).
     pub(crate) journal: JournalHealth,
     /// Where the time taken to answer each request is counted.
-    pub(crate) metrics: Arc<crate::http::Metrics>,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl ControlHandler {
@@ -391,7 +356,7 @@ impl ControlHandler {
 }
 
 /// The refusal of a node id that is not one.
-pub(crate) fn not_a_node_id(node: &str) -> String {
+pub fn not_a_node_id(node: &str) -> String {
     format!(
         "{:?} is not a node id; nodes are named GROUP-INDEX, e.g. worker-0",
         cut(node)

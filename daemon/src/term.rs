@@ -13,12 +13,12 @@ fn size_of(fd: impl std::os::fd::AsFd + IsTerminal) -> Option<(usize, usize)> {
 }
 
 /// Columns and rows of the terminal on stderr, if it is one.
-pub(crate) fn stderr_size() -> Option<(usize, usize)> {
+pub fn stderr_size() -> Option<(usize, usize)> {
     size_of(std::io::stderr())
 }
 
 /// Columns of the terminal on stdout, if it is one.
-pub(crate) fn stdout_width() -> Option<usize> {
+pub fn stdout_width() -> Option<usize> {
     size_of(std::io::stdout()).map(|(cols, _)| cols)
 }
 
@@ -30,11 +30,11 @@ static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicB
 /// dropped, so a command goes on as it would have (an `apply` applies, a
 /// refusal is refused) and its exit code says how it went, not that
 /// nobody read the end of its output.
-pub(crate) struct Stdout;
+pub struct Stdout;
 
 impl Stdout {
     /// Whether the reader has gone.
-    pub(crate) fn closed() -> bool {
+    pub fn closed() -> bool {
         STDOUT_CLOSED.load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -76,14 +76,14 @@ const LAST_COLUMN_MIN_CHARS: usize = 24;
 /// a terminal `width` columns wide (`None`: no terminal, nothing is cut or
 /// wrapped). Fixed columns are padded to their widest cell; the free text is
 /// wrapped, never cut, so every line fits and none wraps on its own.
-pub(crate) struct Table {
+pub struct Table {
     header: Vec<&'static str>,
     rows: Vec<(Vec<String>, String)>,
 }
 
 impl Table {
     /// A table with these column titles (the last one titles the free text).
-    pub(crate) fn new(header: &[&'static str]) -> Self {
+    pub fn new(header: &[&'static str]) -> Self {
         Self {
             header: header.to_vec(),
             rows: Vec::new(),
@@ -91,12 +91,12 @@ impl Table {
     }
 
     /// Adds a row: the fixed cells, then the free text.
-    pub(crate) fn row(&mut self, cells: Vec<String>, text: String) {
+    pub fn row(&mut self, cells: Vec<String>, text: String) {
         self.rows.push((cells, text));
     }
 
     /// The lines of the table, header first, each row's lines together.
-    pub(crate) fn render(&self, width: Option<usize>) -> Vec<Vec<String>> {
+    pub fn render(&self, width: Option<usize>) -> Vec<Vec<String>> {
         let fixed = self.header.len().saturating_sub(1);
         let mut widths: Vec<usize> = self.header[..fixed].iter().map(|h| h.len()).collect();
         for (cells, _) in &self.rows {
@@ -172,7 +172,7 @@ fn fit(lines: Vec<String>, width: Option<usize>) -> Vec<String> {
 
 /// `text` in lines of at most `width` characters, broken between words where
 /// it can be and inside a word longer than a line. Nothing is dropped.
-pub(crate) fn wrap(text: &str, width: usize) -> Vec<String> {
+pub fn wrap(text: &str, width: usize) -> Vec<String> {
     let width = width.max(1);
     let mut lines = Vec::new();
     for paragraph in text.lines() {
@@ -212,7 +212,7 @@ pub(crate) fn wrap(text: &str, width: usize) -> Vec<String> {
 ///
 /// # Errors
 /// Stdin is not a terminal, or it could not be read.
-pub(crate) async fn confirm(question: String) -> Result<bool> {
+pub async fn confirm(question: String) -> Result<bool> {
     if !std::io::stdin().is_terminal() {
         bail!(
             "this needs a confirmation and stdin is not a terminal; pass --yes to go ahead \

@@ -13,11 +13,11 @@ use swactor_provisioning::{Change, LogicalNodeId, ResourceKey, ShapeDiff, Timest
 /// some 40 MiB as JSON and fits (see the test
 /// `a_status_of_a_hundred_thousand_nodes_fits_a_frame`). A larger answer is
 /// refused by the daemon with a message saying so.
-pub(crate) const FRAME_LEN_MAX: usize = 64 * 1024 * 1024;
+pub const FRAME_LEN_MAX: usize = 64 * 1024 * 1024;
 
 /// A request from the CLI to the daemon.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum ControlRequest {
+pub enum ControlRequest {
     /// Apply a shape file (generation optional).
     Apply(crate::shapefile::ShapeFile),
     /// What a shape file would change, or what the current shape still has to do.
@@ -48,7 +48,7 @@ pub(crate) enum ControlRequest {
     },
     /// Run a job; the answer is a stream of [`ControlResponse::Job`] events
     /// ending with its `Done` (or one `Error`).
-    Run(crate::jobs::service::JobSpec),
+    Run(swactor_jobs::record::JobSpec),
     /// Every job.
     Jobs,
     /// A job's recorded output, of one node or all.
@@ -76,7 +76,7 @@ pub(crate) enum ControlRequest {
 
 impl ControlRequest {
     /// Its kind, for metrics and logs (no argument of it).
-    pub(crate) fn kind(&self) -> &'static str {
+    pub fn kind(&self) -> &'static str {
         match self {
             Self::Apply(_) => "apply",
             Self::Plan { .. } => "plan",
@@ -97,7 +97,7 @@ impl ControlRequest {
 
 /// One piece of the answer to [`ControlRequest::AgentLog`].
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum AgentLogPiece {
+pub enum AgentLogPiece {
     /// The daemon sends no log: it is in the state directory (a `process`
     /// node's, or the kept end of an ended attempt's), where the CLI reads
     /// it. The only piece.
@@ -122,7 +122,7 @@ pub(crate) enum AgentLogPiece {
 
 /// The daemon's answer.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum ControlResponse {
+pub enum ControlResponse {
     /// The shape was accepted (`changed` is false for an identical resubmission).
     Applied {
         /// The generation now desired.
@@ -168,9 +168,9 @@ pub(crate) enum ControlResponse {
         purged: Vec<(String, Option<String>)>,
     },
     /// One event of a job (the answers to `Run`).
-    Job(crate::jobs::service::JobEvent),
+    Job(swactor_jobs::record::JobEvent),
     /// Every job.
-    Jobs(Vec<crate::jobs::service::JobRecord>),
+    Jobs(Vec<swactor_jobs::record::JobRecord>),
     /// A job's output as (node, from stderr, text) pieces.
     JobLogs(Vec<(String, bool, String)>),
     /// The job is being cancelled on these nodes.
@@ -189,40 +189,40 @@ pub(crate) enum ControlResponse {
 /// What a shape would change, per node, and what the cluster still has to
 /// do whatever the shape.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct PlanReport {
+pub struct PlanReport {
     /// The generation the shape would be applied as; `None` for the current shape.
-    pub(crate) generation: Option<u64>,
+    pub generation: Option<u64>,
     /// The generation desired now.
-    pub(crate) current: u64,
+    pub current: u64,
     /// How many nodes it creates, replaces, destroys and leaves (its
     /// `examples` are empty: see `changes`).
-    pub(crate) diff: ShapeDiff,
+    pub diff: ShapeDiff,
     /// Changed nodes in slot order: the first [`crate::guard::CHANGES_SHOWN`],
     /// or every one when all were asked for.
-    pub(crate) changes: Vec<(LogicalNodeId, Change)>,
+    pub changes: Vec<(LogicalNodeId, Change)>,
     /// Nodes not ready now (starting, failing, disconnected, leaving), listed
     /// as many as `changes` are.
-    pub(crate) under_way: Vec<NodeSummary>,
+    pub under_way: Vec<NodeSummary>,
     /// How many nodes are not ready now.
-    pub(crate) under_way_total: u64,
+    pub under_way_total: u64,
     /// Leftover resources still being collected.
-    pub(crate) orphans: usize,
+    pub orphans: usize,
     /// Whether the cluster is converged on its current shape.
-    pub(crate) converged: bool,
+    pub converged: bool,
     /// The cluster's clock, to read the nodes' times against.
-    pub(crate) now: Timestamp,
+    pub now: Timestamp,
     /// The shape changes no node but does change where new nodes may go
     /// (an `ssh` group's hosts or their labels): applying it makes a new
     /// generation.
     #[serde(default)]
-    pub(crate) placement_only: bool,
+    pub placement_only: bool,
 }
 
 impl PlanReport {
     /// Whether the daemon has anything to do: the shape changes a node, or
     /// the cluster is not converged yet (a node waits to restart, a leftover
     /// is being collected).
-    pub(crate) fn has_work(&self) -> bool {
+    pub fn has_work(&self) -> bool {
         crate::guard::changed(&self.diff) > 0
             || self.placement_only
             || self.under_way_total > 0
@@ -233,11 +233,11 @@ impl PlanReport {
 /// An agent asking to join the swarm, or to open its jobs link: the first
 /// frame either protocol reads from a peer it does not trust yet.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct JoinRequest {
+pub struct JoinRequest {
     /// The (run, node, attempt) the agent was started for.
-    pub(crate) key: JoinKey,
+    pub key: JoinKey,
     /// The token the daemon derived for that key.
-    pub(crate) token: String,
+    pub token: String,
 }
 
 /// A resource key as plain text, the way a join request carries it. It
@@ -246,18 +246,18 @@ pub(crate) struct JoinRequest {
 /// sends is interned (group names are kept for the life of the process).
 /// Encoded exactly like a `ResourceKey`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct JoinKey {
+pub struct JoinKey {
     /// The run id.
-    pub(crate) run_id: String,
+    pub run_id: String,
     /// The node id, `GROUP-INDEX`.
-    pub(crate) node: String,
+    pub node: String,
     /// The attempt number.
-    pub(crate) attempt: u64,
+    pub attempt: u64,
 }
 
 impl JoinKey {
     /// The text form of `key`.
-    pub(crate) fn of(key: &ResourceKey) -> Self {
+    pub fn of(key: &ResourceKey) -> Self {
         Self {
             run_id: key.run_id.to_string(),
             node: key.node.to_string(),
@@ -266,7 +266,7 @@ impl JoinKey {
     }
 
     /// The key as `ResourceKey`'s `Display` spells it (what tokens are derived from).
-    pub(crate) fn text(&self) -> String {
+    pub fn text(&self) -> String {
         // The attempt spelled by its own `Display`, as the key spells it.
         let attempt = swactor_provisioning::NodeAttemptId(self.attempt);
         format!("{}/{}/{attempt}", self.run_id, self.node)
@@ -275,7 +275,7 @@ impl JoinKey {
 
 impl JoinRequest {
     /// The request for `key`'s agent, holding `token`.
-    pub(crate) fn new(key: &ResourceKey, token: String) -> Self {
+    pub fn new(key: &ResourceKey, token: String) -> Self {
         Self {
             key: JoinKey::of(key),
             token,
@@ -285,7 +285,7 @@ impl JoinRequest {
     /// The key, if the peer is that key's agent: it connected as the iroh
     /// identity `secret` derives for the key and sent the key's token.
     /// Otherwise the refusal to tell it.
-    pub(crate) fn verify(
+    pub fn verify(
         &self,
         secret: &[u8; 32],
         remote: swactor_engine::iroh::EndpointId,
@@ -311,7 +311,7 @@ impl JoinRequest {
 
 /// The daemon's answer to a join.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum JoinReply {
+pub enum JoinReply {
     /// Joined; keep the connection and send a heartbeat every `heartbeat_ms`.
     Welcome {
         /// The interval the daemon expects heartbeats at.
@@ -326,7 +326,7 @@ pub(crate) enum JoinReply {
 
 /// A heartbeat from a joined agent.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct Heartbeat(pub u64);
+pub struct Heartbeat(pub u64);
 
 #[cfg(test)]
 mod tests {

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 /// The running progress display.
-pub(crate) struct Progress {
+pub struct Progress {
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
     lines: mpsc::UnboundedSender<String>,
@@ -25,7 +25,7 @@ impl Progress {
     ///
     /// # Errors
     /// The cluster is gone.
-    pub(crate) async fn start(cluster: &ClusterHandle) -> Result<Self> {
+    pub async fn start(cluster: &ClusterHandle) -> Result<Self> {
         let sub = cluster.subscribe().await?;
         let (stop, mut stopped) = oneshot::channel();
         let (lines, mut said) = mpsc::unbounded_channel::<String>();
@@ -89,7 +89,7 @@ impl Progress {
     /// Prints a line of the daemon's own above the table (printing it
     /// directly would let the next redraw erase it, and leave part of the
     /// table behind).
-    pub(crate) fn say(&self, text: impl Into<String>) {
+    pub fn say(&self, text: impl Into<String>) {
         if let Err(unsent) = self.lines.send(text.into()) {
             // The display has ended: nothing is drawn to get in the way.
             eprintln!("{}", unsent.0);
@@ -97,12 +97,12 @@ impl Progress {
     }
 
     /// Lets queued events reach the screen.
-    pub(crate) async fn flush(&self) {
+    pub async fn flush(&self) {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 
     /// Stops the display.
-    pub(crate) async fn stop(mut self) {
+    pub async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -329,7 +329,7 @@ impl View {
 
 /// One line for the events about adoption, collection, agents and teardown;
 /// `None` for the others.
-pub(crate) fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
+pub fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
     let keys = |keys: &[swactor_provisioning::ResourceKey]| {
         let keys: Vec<String> = keys
             .iter()

@@ -18,17 +18,17 @@ use std::path::{Path, PathBuf};
 
 /// The file remote hosts run as their agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct AgentBinary {
+pub struct AgentBinary {
     /// Where it is.
-    pub(crate) path: PathBuf,
+    pub path: PathBuf,
     /// Whether it needs no dynamic loader (a static or static-pie binary).
-    pub(crate) static_linked: bool,
+    pub static_linked: bool,
     /// How it was found, for messages.
-    pub(crate) found: &'static str,
+    pub found: &'static str,
 }
 
 /// Name of the static agent next to the swactor executable.
-pub(crate) const STATIC_AGENT_NAME: &str = "swactor-agent";
+pub const STATIC_AGENT_NAME: &str = "swactor-agent";
 
 impl AgentBinary {
     /// Finds the agent binary (see the module docs).
@@ -36,7 +36,7 @@ impl AgentBinary {
     /// # Errors
     /// The configured path is missing or not a regular file, or no binary
     /// can be found at all.
-    pub(crate) fn find(configured: Option<&Path>) -> Result<Self> {
+    pub fn find(configured: Option<&Path>) -> Result<Self> {
         if let Some(path) = configured {
             let meta = std::fs::metadata(path).with_context(|| {
                 format!(
@@ -70,7 +70,7 @@ impl AgentBinary {
     }
 
     /// A warning for a binary that needs a dynamic loader, if this is one.
-    pub(crate) fn warning(&self) -> Option<String> {
+    pub fn warning(&self) -> Option<String> {
         (!self.static_linked).then(|| {
             format!(
                 "remote hosts will run {} ({}), which is dynamically linked: it runs only \

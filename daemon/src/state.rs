@@ -13,15 +13,15 @@ use swactor_engine::iroh::SecretKey;
 use swactor_engine::net::{EndpointTicket, load_or_create_secret_key};
 
 /// Environment variable naming the state directory.
-pub(crate) const STATE_DIR_ENV: &str = "SWACTOR_STATE_DIR";
+pub const STATE_DIR_ENV: &str = "SWACTOR_STATE_DIR";
 /// Where the daemon's listen and advertised addresses are kept.
-pub(crate) const NETWORK_FILE: &str = "daemon.network";
+pub const NETWORK_FILE: &str = "daemon.network";
 /// The deployment the journal is, kept beside it: what a lost journal leaves.
-pub(crate) const DEPLOYMENT_FILE: &str = "deployment";
+pub const DEPLOYMENT_FILE: &str = "deployment";
 /// Where the agent binary named with `--agent-binary` is kept.
-pub(crate) const AGENT_BINARY_FILE: &str = "daemon.agent-binary";
+pub const AGENT_BINARY_FILE: &str = "daemon.agent-binary";
 /// The state directory used when none is given.
-pub(crate) const DEFAULT_STATE_DIR: &str = ".swactor";
+pub const DEFAULT_STATE_DIR: &str = ".swactor";
 
 /// Makes an existing state directory its owner's alone (0700), or says why
 /// it cannot be: one that other users may enter or list would show them job
@@ -62,7 +62,7 @@ fn make_private(path: &Path) -> Result<()> {
 
 /// Paths inside one state directory.
 #[derive(Clone, Debug)]
-pub(crate) struct StateDir {
+pub struct StateDir {
     root: PathBuf,
 }
 
@@ -70,7 +70,7 @@ impl StateDir {
     /// The directory named by `--state-dir`, `$SWACTOR_STATE_DIR`, or the
     /// default. An empty variable counts as unset, as an empty `--state-dir`
     /// does: an empty path names no directory.
-    pub(crate) fn path_from(arg: Option<PathBuf>) -> PathBuf {
+    pub fn path_from(arg: Option<PathBuf>) -> PathBuf {
         arg.filter(|p| !p.as_os_str().is_empty())
             .or_else(|| {
                 std::env::var_os(STATE_DIR_ENV)
@@ -87,7 +87,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The parent is missing or the directory cannot be created.
-    pub(crate) fn create(path: PathBuf) -> Result<Self> {
+    pub fn create(path: PathBuf) -> Result<Self> {
         // Only its user may enter it: it holds keys, the token secret and the journal.
         let made = {
             use std::os::unix::fs::DirBuilderExt;
@@ -128,7 +128,7 @@ impl StateDir {
     /// token secret, the journal, job logs and workspaces, and a job's
     /// output may quote a secret it was given. Nothing in it is meant for
     /// other users.
-    pub(crate) fn private_files_from_now_on() {
+    pub fn private_files_from_now_on() {
         let _ = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
     }
 
@@ -136,7 +136,7 @@ impl StateDir {
     ///
     /// # Errors
     /// It does not exist.
-    pub(crate) fn open(path: PathBuf) -> Result<Self> {
+    pub fn open(path: PathBuf) -> Result<Self> {
         if !path.is_dir() {
             bail!(
                 "there is no state directory at {}: start a daemon with `swactor up` first, \
@@ -149,7 +149,7 @@ impl StateDir {
     }
 
     /// The directory.
-    pub(crate) fn root(&self) -> &Path {
+    pub fn root(&self) -> &Path {
         &self.root
     }
 
@@ -157,7 +157,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The key file cannot be read or created.
-    pub(crate) fn daemon_key(&self) -> Result<SecretKey> {
+    pub fn daemon_key(&self) -> Result<SecretKey> {
         let path = self.root.join("daemon.key");
         load_or_create_secret_key(&path).with_context(|| format!("daemon key {}", path.display()))
     }
@@ -166,7 +166,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The key file cannot be read or created.
-    pub(crate) fn control_key(&self) -> Result<SecretKey> {
+    pub fn control_key(&self) -> Result<SecretKey> {
         let path = self.root.join("control.key");
         load_or_create_secret_key(&path).with_context(|| format!("control key {}", path.display()))
     }
@@ -175,7 +175,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The key file cannot be read or created.
-    pub(crate) fn cli_key(&self) -> Result<SecretKey> {
+    pub fn cli_key(&self) -> Result<SecretKey> {
         let path = self.root.join("cli.key");
         load_or_create_secret_key(&path).with_context(|| format!("CLI key {}", path.display()))
     }
@@ -188,12 +188,12 @@ impl StateDir {
     ///
     /// # Errors
     /// The file cannot be written.
-    pub(crate) fn write_ticket(&self, ticket: &EndpointTicket) -> Result<()> {
+    pub fn write_ticket(&self, ticket: &EndpointTicket) -> Result<()> {
         write_atomic(&self.ticket_path(), ticket.to_string().as_bytes(), 0o600)
     }
 
     /// Removes the ticket (the daemon is stopping).
-    pub(crate) fn remove_ticket(&self) {
+    pub fn remove_ticket(&self) {
         let _ = std::fs::remove_file(self.ticket_path());
     }
 
@@ -201,7 +201,7 @@ impl StateDir {
     ///
     /// # Errors
     /// No daemon has published one, or it is malformed.
-    pub(crate) fn read_ticket(&self) -> Result<EndpointTicket> {
+    pub fn read_ticket(&self) -> Result<EndpointTicket> {
         let path = self.ticket_path();
         let text = std::fs::read_to_string(&path).map_err(|_| {
             anyhow::anyhow!(
@@ -216,7 +216,7 @@ impl StateDir {
     }
 
     /// The UDP port the daemon used last, so a restarted daemon is found by its agents.
-    pub(crate) fn saved_port(&self) -> Option<u16> {
+    pub fn saved_port(&self) -> Option<u16> {
         std::fs::read_to_string(self.root.join("daemon.port"))
             .ok()?
             .trim()
@@ -228,7 +228,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The file cannot be written.
-    pub(crate) fn save_port(&self, port: u16) -> Result<()> {
+    pub fn save_port(&self, port: u16) -> Result<()> {
         write_atomic(
             &self.root.join("daemon.port"),
             port.to_string().as_bytes(),
@@ -240,7 +240,7 @@ impl StateDir {
     /// (`--listen`, `--advertise`), if they were saved and can be read.
     /// Read from a path, since `up` settles its addresses before it makes
     /// the directory.
-    pub(crate) fn saved_network(root: &Path) -> Option<(IpAddr, Option<IpAddr>)> {
+    pub fn saved_network(root: &Path) -> Option<(IpAddr, Option<IpAddr>)> {
         let text = std::fs::read_to_string(root.join(NETWORK_FILE)).ok()?;
         let mut listen = None;
         let mut advertise = None;
@@ -260,7 +260,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The file cannot be written.
-    pub(crate) fn save_network(&self, listen: IpAddr, advertise: Option<IpAddr>) -> Result<()> {
+    pub fn save_network(&self, listen: IpAddr, advertise: Option<IpAddr>) -> Result<()> {
         let mut text = format!("listen={listen}\n");
         if let Some(ip) = advertise {
             text.push_str(&format!("advertise={ip}\n"));
@@ -271,7 +271,7 @@ impl StateDir {
     /// The agent binary the last daemon was told to use (`--agent-binary`
     /// or `$SWACTOR_AGENT_BINARY`), as an absolute path, if it was saved.
     /// Read from a path, as [`Self::saved_network`] is.
-    pub(crate) fn saved_agent_binary(root: &Path) -> Option<PathBuf> {
+    pub fn saved_agent_binary(root: &Path) -> Option<PathBuf> {
         use std::os::unix::ffi::OsStringExt;
         let bytes = std::fs::read(root.join(AGENT_BINARY_FILE)).ok()?;
         let path = PathBuf::from(std::ffi::OsString::from_vec(bytes));
@@ -283,7 +283,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The file cannot be written.
-    pub(crate) fn save_agent_binary(&self, path: &Path) -> Result<()> {
+    pub fn save_agent_binary(&self, path: &Path) -> Result<()> {
         use std::os::unix::ffi::OsStrExt;
         write_atomic(
             &self.root.join(AGENT_BINARY_FILE),
@@ -303,7 +303,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The file cannot be read or written, or holds no deployment id.
-    pub(crate) fn deployment(
+    pub fn deployment(
         &self,
         journal: Option<&swactor_provisioning::JournalImage>,
     ) -> Result<Option<String>> {
@@ -347,7 +347,7 @@ impl StateDir {
     ///
     /// # Errors
     /// The file cannot be read or created, or has the wrong size.
-    pub(crate) fn token_secret(&self) -> Result<[u8; 32]> {
+    pub fn token_secret(&self) -> Result<[u8; 32]> {
         let path = self.root.join("token.secret");
         if !path.exists() {
             let mut secret = [0u8; 32];
@@ -369,7 +369,7 @@ impl StateDir {
     // Unused until the daemon opens its journal (daemon.rs is being rewritten
     // for that separately); remove this allow then.
     #[allow(dead_code)]
-    pub(crate) fn journal_path(&self) -> PathBuf {
+    pub fn journal_path(&self) -> PathBuf {
         self.root.join("journal.redb")
     }
 
@@ -384,7 +384,7 @@ impl StateDir {
     /// # Errors
     /// Another daemon holds the lock (the message names its pid when it can
     /// be read), or the lock file cannot be opened or written.
-    pub(crate) fn lock(&self) -> Result<DaemonLock> {
+    pub fn lock(&self) -> Result<DaemonLock> {
         let path = self.lock_path();
         // The directory itself is locked first: a lock file deleted by hand
         // (or replaced) cannot let a second daemon in, or hide the running
@@ -443,7 +443,7 @@ impl StateDir {
     /// Whether a daemon ever ran on this directory (its lock file exists).
     /// A directory without one may still hold a ticket copied from a daemon
     /// that runs elsewhere.
-    pub(crate) fn has_lock_file(&self) -> bool {
+    pub fn has_lock_file(&self) -> bool {
         self.lock_path().exists()
     }
 
@@ -451,7 +451,7 @@ impl StateDir {
     ///
     /// Probes with a non-blocking shared lock on its own file description,
     /// released at once when it succeeds.
-    pub(crate) fn running_daemon(&self) -> Option<DaemonHolder> {
+    pub fn running_daemon(&self) -> Option<DaemonHolder> {
         let path = self.lock_path();
         // The directory's lock is the daemon's, whatever became of its lock
         // file; the file's is looked at too, for a daemon of an older build.
@@ -493,7 +493,7 @@ const PID_WAIT_MAX: Duration = Duration::from_millis(500);
 /// The daemon's hold on its state directory; dropping it (or the process
 /// ending) releases the directory.
 #[derive(Debug)]
-pub(crate) struct DaemonLock {
+pub struct DaemonLock {
     /// Opened with `O_CLOEXEC` (std's default), so agents the daemon starts
     /// do not inherit the lock and keep it after the daemon exits.
     file: File,
@@ -512,9 +512,9 @@ impl Drop for DaemonLock {
 
 /// A daemon holding a state directory's lock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct DaemonHolder {
+pub struct DaemonHolder {
     /// Its pid, when the lock file names a live process.
-    pub(crate) pid: Option<u32>,
+    pub pid: Option<u32>,
 }
 
 impl fmt::Display for DaemonHolder {
@@ -562,7 +562,7 @@ fn is_alive(pid: u32) -> bool {
 ///
 /// # Errors
 /// Any I/O error, naming the path.
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut f = std::fs::OpenOptions::new()

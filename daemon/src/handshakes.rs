@@ -12,11 +12,11 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 /// How often counted handshakes are summed up (and how long a spell is).
-pub(crate) const SUMMARY_EVERY: Duration = Duration::from_secs(10);
+pub const SUMMARY_EVERY: Duration = Duration::from_secs(10);
 
 /// The process's count of failed handshakes.
 #[derive(Debug, Default)]
-pub(crate) struct FailedHandshakes {
+pub struct FailedHandshakes {
     /// Counted since the last summary (not shown one by one).
     counted: AtomicU64,
     /// When one was last shown.
@@ -25,19 +25,19 @@ pub(crate) struct FailedHandshakes {
 
 impl FailedHandshakes {
     /// The process's one count.
-    pub(crate) fn global() -> &'static Self {
+    pub fn global() -> &'static Self {
         static ONE: OnceLock<FailedHandshakes> = OnceLock::new();
         ONE.get_or_init(Self::default)
     }
 
     /// Whether `meta` is iroh's line for a failed incoming handshake.
-    pub(crate) fn is_one(meta: &tracing::Metadata<'_>) -> bool {
+    pub fn is_one(meta: &tracing::Metadata<'_>) -> bool {
         meta.target() == "iroh::protocol" && *meta.level() == tracing::Level::WARN
     }
 
     /// True for the first failure of a quiet spell (it is shown); counts
     /// the others.
-    pub(crate) fn first_of_a_spell(&self) -> bool {
+    pub fn first_of_a_spell(&self) -> bool {
         let mut shown = self.shown_at.lock().unwrap_or_else(PoisonError::into_inner);
         if shown.is_some_and(|at| at.elapsed() < SUMMARY_EVERY) {
             self.counted.fetch_add(1, Ordering::Relaxed);
@@ -48,14 +48,14 @@ impl FailedHandshakes {
     }
 
     /// Takes the count since the last call.
-    pub(crate) fn take(&self) -> u64 {
+    pub fn take(&self) -> u64 {
         self.counted.swap(0, Ordering::Relaxed)
     }
 }
 
 /// Says, every [`SUMMARY_EVERY`], how many failed handshakes were counted
 /// and not shown; for as long as the daemon runs.
-pub(crate) async fn summarise() {
+pub async fn summarise() {
     let mut tick = tokio::time::interval(SUMMARY_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -11,7 +11,7 @@
 //! the cluster's telemetry on an iroh endpoint; [`run`] subscribes to it over
 //! loopback and waits for each generation to converge.
 //!
-//! Run it: `cargo run -p swactor-actors --example embed`.
+//! Run it: `cargo run -p swactor-actors --example cluster`.
 
 // An application, not the policy crate: it owns its runtime, clock and endpoint.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]

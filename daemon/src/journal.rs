@@ -16,7 +16,7 @@ const KIND: &str = "swactor-cluster";
 /// The journal file of one state directory, with a copy in memory of what
 /// it holds (a cluster restarted in this process resumes from it).
 #[derive(Clone, Debug)]
-pub(crate) struct DaemonJournal {
+pub struct DaemonJournal {
     journal: Journal,
     image: Arc<Mutex<Option<JournalImage>>>,
     health: JournalHealth,
@@ -26,11 +26,11 @@ pub(crate) struct DaemonJournal {
 /// such a failure, dropping what it was asked, and whoever asked is told
 /// this rather than only that the cluster is gone.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct JournalHealth(Arc<Mutex<Option<String>>>);
+pub struct JournalHealth(Arc<Mutex<Option<String>>>);
 
 impl JournalHealth {
     /// The last write's error, unless a write has succeeded since.
-    pub(crate) fn failure(&self) -> Option<String> {
+    pub fn failure(&self) -> Option<String> {
         self.0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -58,7 +58,7 @@ impl DaemonJournal {
     /// # Errors
     /// The file is corrupt, of another kind, of a newer format, or held by
     /// another process; the error names the file and nothing is changed.
-    pub(crate) fn open(path: &Path) -> Result<(Self, Option<JournalImage>)> {
+    pub fn open(path: &Path) -> Result<(Self, Option<JournalImage>)> {
         let (journal, contents): (Journal, JournalContents<JournalMeta, SlotRecord>) =
             Journal::open(path, KIND, JOURNAL_FORMAT).with_context(|| {
                 format!(
@@ -111,7 +111,7 @@ impl DaemonJournal {
     }
 
     /// Whether its writes are failing, for those who explain refusals.
-    pub(crate) fn health(&self) -> JournalHealth {
+    pub fn health(&self) -> JournalHealth {
         self.health.clone()
     }
 }

@@ -36,38 +36,38 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Options of `swactor up`.
 #[derive(Debug)]
-pub(crate) struct UpOptions {
+pub struct UpOptions {
     /// The shape to converge on, if any.
-    pub(crate) shape: Option<PathBuf>,
+    pub shape: Option<PathBuf>,
     /// The state directory.
-    pub(crate) state_dir: PathBuf,
+    pub state_dir: PathBuf,
     /// Exit once converged.
-    pub(crate) until_converged: bool,
+    pub until_converged: bool,
     /// How long to wait for convergence.
-    pub(crate) timeout: Duration,
+    pub timeout: Duration,
     /// Leave nodes running on exit.
-    pub(crate) keep: bool,
+    pub keep: bool,
     /// Apply the shape without asking, whatever it changes.
-    pub(crate) yes: bool,
+    pub yes: bool,
     /// The address to listen on (default loopback).
-    pub(crate) listen: Option<IpAddr>,
+    pub listen: Option<IpAddr>,
     /// The address remote agents dial (default: `listen`).
-    pub(crate) advertise: Option<IpAddr>,
+    pub advertise: Option<IpAddr>,
     /// The binary remote hosts run as their agent.
-    pub(crate) agent_binary: Option<PathBuf>,
+    pub agent_binary: Option<PathBuf>,
     /// Where the web surface (dashboard, metrics) listens; default: the
     /// address the last daemon used, else a free port on 127.0.0.1.
-    pub(crate) http: Option<SocketAddr>,
+    pub http: Option<SocketAddr>,
     /// `--adopt` or `--fresh`: what to do with an earlier run's resources
     /// when the journal was lost.
-    pub(crate) unrecorded: Option<Unrecorded>,
+    pub unrecorded: Option<Unrecorded>,
 }
 
 /// Runs the daemon until it is told to stop. Returns the process exit code.
 ///
 /// # Errors
 /// Bad input (shape, state directory) or a failure to start.
-pub(crate) async fn up(opts: UpOptions) -> Result<i32> {
+pub async fn up(opts: UpOptions) -> Result<i32> {
     let swarm = SwarmRuntime::new()?;
     let mut endpoints = Vec::new();
     let outcome = run(opts, swarm.handle(), &mut endpoints).await;
@@ -253,7 +253,7 @@ async fn run(
     // shows) never queues the CLI's handshake behind it.
     let control_endpoint = bind_control_endpoint(&state, listen).await?;
     bound.push(control_endpoint.clone());
-    let metrics = crate::http::Metrics::new();
+    let metrics = crate::metrics::Metrics::new();
     let ticket = EndpointTicket::new(control_endpoint.addr());
     let swarm_ticket = EndpointTicket::new(endpoint.addr());
     // What agents are given: the advertised address, on the bound port.

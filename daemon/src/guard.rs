@@ -8,13 +8,13 @@ use swactor_provisioning::{Change, ClusterShape, JournalImage, LogicalNodeId, Sh
 
 /// A shape that adds more nodes than this at once is confirmed first, like
 /// one that destroys or replaces any: it is where a typo in `count` costs money.
-pub(crate) const ASK_ABOVE_NEW_NODES: u64 = 20;
+pub const ASK_ABOVE_NEW_NODES: u64 = 20;
 
 /// How many changed nodes `plan`, `apply` and `up` list by default.
-pub(crate) const CHANGES_SHOWN: usize = 20;
+pub const CHANGES_SHOWN: usize = 20;
 
 /// `plan: 2 to create, 0 to replace, 1 to destroy, 3 unchanged`.
-pub(crate) fn summary(diff: &ShapeDiff) -> String {
+pub fn summary(diff: &ShapeDiff) -> String {
     format!(
         "plan: {} to create, {} to replace, {} to destroy, {} unchanged",
         diff.create, diff.replace, diff.destroy, diff.unchanged
@@ -23,7 +23,7 @@ pub(crate) fn summary(diff: &ShapeDiff) -> String {
 
 /// One line per listed change (`  destroy  worker-4`), then how many are not
 /// listed, if any.
-pub(crate) fn listing(changes: &[(LogicalNodeId, Change)], total: u64) -> Vec<String> {
+pub fn listing(changes: &[(LogicalNodeId, Change)], total: u64) -> Vec<String> {
     let mut lines: Vec<String> = changes
         .iter()
         .map(|(node, change)| format!("  {:<8} {node}", change_word(*change)))
@@ -38,7 +38,7 @@ pub(crate) fn listing(changes: &[(LogicalNodeId, Change)], total: u64) -> Vec<St
 }
 
 /// Why a change needs a confirmation, or `None` when it does not.
-pub(crate) fn reason_to_ask(diff: &ShapeDiff) -> Option<String> {
+pub fn reason_to_ask(diff: &ShapeDiff) -> Option<String> {
     let mut why = Vec::new();
     if diff.destroy > 0 {
         why.push(format!("destroys {}", nodes(diff.destroy)));
@@ -60,7 +60,7 @@ pub(crate) fn reason_to_ask(diff: &ShapeDiff) -> Option<String> {
 /// # Errors
 /// The answer was no, or there is no terminal to ask on (the message names
 /// `--yes`); nothing was changed.
-pub(crate) async fn ask(diff: &ShapeDiff, yes: bool) -> Result<()> {
+pub async fn ask(diff: &ShapeDiff, yes: bool) -> Result<()> {
     let Some(why) = reason_to_ask(diff) else {
         return Ok(());
     };
@@ -83,7 +83,7 @@ pub(crate) async fn ask(diff: &ShapeDiff, yes: bool) -> Result<()> {
 /// What `shape` would change on a cluster whose journal is `image` (none: a
 /// fresh state directory), worked out before any daemon starts; the core
 /// decides it (`JournalImage::diff`).
-pub(crate) fn diff_from_journal(image: Option<&JournalImage>, shape: &ClusterShape) -> ShapeDiff {
+pub fn diff_from_journal(image: Option<&JournalImage>, shape: &ClusterShape) -> ShapeDiff {
     let Ok(next) = shape.validate() else {
         // Checked before this is called; an invalid shape changes nothing.
         return ShapeDiff::default();
@@ -95,12 +95,12 @@ pub(crate) fn diff_from_journal(image: Option<&JournalImage>, shape: &ClusterSha
 }
 
 /// The listed changes of `diff`, as names and changes, at most `limit`.
-pub(crate) fn examples(diff: &ShapeDiff, limit: usize) -> Vec<(LogicalNodeId, Change)> {
+pub fn examples(diff: &ShapeDiff, limit: usize) -> Vec<(LogicalNodeId, Change)> {
     diff.examples.iter().take(limit).cloned().collect()
 }
 
 /// Changed nodes in all.
-pub(crate) fn changed(diff: &ShapeDiff) -> u64 {
+pub fn changed(diff: &ShapeDiff) -> u64 {
     diff.create + diff.replace + diff.destroy
 }
 

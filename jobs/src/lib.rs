@@ -1,0 +1,19 @@
+//! Swactor's jobs core: every decision about a job, as plain data.
+//!
+//! Like `swactor-provisioning`, this crate holds no clock, does no I/O and
+//! starts nothing: its `clippy.toml` is the same policy list, and time is an
+//! argument. The daemon's job actors drive it and perform what it decides.
+//!
+//! ```text
+//! admission  whether a job may start, and on which nodes
+//! machine    what one (job, node) run does next, and how a job's timeout runs
+//! record     the records of jobs and runs, and what `swactor run` is told
+//! wire       swactor/jobs/0 frames, the workspace manifest, the output log
+//! ```
+
+pub mod admission;
+pub mod machine;
+#[cfg(swactor_policy_probe)]
+mod policy_probe;
+pub mod record;
+pub mod wire;

@@ -1,0 +1,400 @@
+//! The records of jobs and runs, as the daemon keeps them in `jobs.redb`
+//! and shows them, and what `swactor run` asks for and is told.
+
+use crate::machine::{Change, Stop};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Where a job or a run is.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    /// Accepted, nothing sent yet.
+    Queued,
+    /// The workspace is on its way.
+    Shipping,
+    /// The command runs (or was asked to start).
+    Running,
+    /// It exited 0 and its outputs were collected.
+    Succeeded,
+    /// It exited non-zero, could not start, timed out, or its outputs could not be collected.
+    Failed,
+    /// Cancelled by `swactor job cancel` or Ctrl-C.
+    Cancelled,
+    /// Its node went away while it ran.
+    Lost,
+}
+
+impl JobState {
+    /// Whether nothing more happens to it.
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            Self::Succeeded | Self::Failed | Self::Cancelled | Self::Lost
+        )
+    }
+
+    /// The state's word.
+    pub fn word(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Shipping => "shipping",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+            Self::Lost => "lost",
+        }
+    }
+}
+
+/// A collected output file, as the daemon verified and kept it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OutputFile {
+    /// Path relative to the workspace (and to `<outputs_dir>/<node>/`).
+    pub path: String,
+    /// Length in bytes.
+    pub len: u64,
+    /// BLAKE3 of its bytes, in hex; the daemon checked the bytes against it.
+    pub blake3: String,
+}
+
+/// One run of a job: a node's attempt, and what became of it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// The node.
+    pub node: String,
+    /// The attempt of the node the run was meant for.
+    pub attempt: u64,
+    /// Where it is.
+    pub state: JobState,
+    /// The exit code (128 + signal when a signal ended it).
+    pub exit_code: Option<i32>,
+    /// Why it failed, was lost or cancelled.
+    pub error: Option<String>,
+    /// Workspace bytes sent to the node for this run.
+    pub shipped_bytes: u64,
+    /// Chunks sent to the node for this run.
+    pub shipped_chunks: u64,
+    /// Chunks of the workspace.
+    pub chunks: u64,
+    /// Output files collected.
+    pub output_files: u64,
+    /// Output bytes collected.
+    pub output_bytes: u64,
+    /// The output files collected, each with its verified hash.
+    #[serde(default)]
+    pub collected: Vec<OutputFile>,
+    /// When it ended, in ms since the Unix epoch.
+    #[serde(default)]
+    pub ended_unix_ms: Option<u64>,
+}
+
+/// A job as the journal keeps it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JobRecord {
+    /// `job-N`.
+    pub id: String,
+    /// The command.
+    pub argv: Vec<String>,
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+    /// The workspace directory, as given.
+    pub workspace: Option<String>,
+    /// Output globs.
+    pub outputs: Vec<String>,
+    /// The timeout in seconds.
+    pub timeout_s: Option<f64>,
+    /// When it was accepted, in ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// Files in the workspace.
+    pub workspace_files: u64,
+    /// Bytes in the workspace.
+    pub workspace_bytes: u64,
+    /// Where the collected outputs are: `<dir>/<node>/…`.
+    pub outputs_dir: String,
+    /// Why it was cancelled or stopped, once it was.
+    pub cancelled: Option<String>,
+    /// The stop itself, recorded before any run is told, so a restarted
+    /// daemon carries it out.
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    /// Its runs.
+    pub runs: Vec<RunRecord>,
+}
+
+impl JobRecord {
+    /// The job's state: its runs' while any is under way, else the worst outcome.
+    pub fn state(&self) -> JobState {
+        if let Some(under_way) = self
+            .runs
+            .iter()
+            .map(|r| r.state)
+            .filter(|s| !s.is_final())
+            .max()
+        {
+            return under_way;
+        }
+        self.runs
+            .iter()
+            .map(|r| r.state)
+            .max()
+            .unwrap_or(JobState::Succeeded)
+    }
+
+    /// The exit code `swactor run` ends with: the worst run's (1 for a
+    /// run that failed without one).
+    pub fn exit_code(&self) -> i32 {
+        self.runs
+            .iter()
+            .map(|r| match (r.state, r.exit_code) {
+                (JobState::Succeeded, _) => 0,
+                (_, Some(c)) if c != 0 => c,
+                _ => 1,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Applies `change` to run `idx` at `now_unix_ms`; returns the event
+    /// that tells followers about it, if any. A change to a run that already
+    /// ended is ignored: a final state is never overwritten.
+    pub fn apply(&mut self, idx: usize, change: &Change, now_unix_ms: u64) -> Option<JobEvent> {
+        let of = self.runs.first().map_or(0, |r| r.chunks);
+        let run = self.runs.get_mut(idx)?;
+        if run.state.is_final() {
+            return None;
+        }
+        match change {
+            Change::Shipping => {
+                run.state = JobState::Shipping;
+                None
+            }
+            Change::Shipped { bytes, chunks } => {
+                run.shipped_bytes = *bytes;
+                run.shipped_chunks = *chunks;
+                Some(JobEvent::Shipped {
+                    node: run.node.clone(),
+                    bytes: *bytes,
+                    chunks: *chunks,
+                    of,
+                })
+            }
+            Change::Running => {
+                run.state = JobState::Running;
+                None
+            }
+            Change::Finished(outcome) => {
+                debug_assert!(outcome.state.is_final(), "{outcome:?}");
+                run.state = outcome.state;
+                run.exit_code = outcome.exit_code;
+                run.error.clone_from(&outcome.error);
+                run.output_files = outcome.collected.len() as u64;
+                run.output_bytes = outcome.collected.iter().map(|f| f.len).sum();
+                run.collected.clone_from(&outcome.collected);
+                run.ended_unix_ms = Some(now_unix_ms);
+                Some(JobEvent::Finished(run.clone()))
+            }
+        }
+    }
+}
+
+/// Which nodes a job is for.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Targets {
+    /// Every ready node.
+    All,
+    /// Every ready node of these groups.
+    Groups(Vec<String>),
+    /// These nodes, each of which must be ready.
+    Nodes(Vec<String>),
+}
+
+/// A job as `swactor run` asks for it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JobSpec {
+    /// Where it runs.
+    pub targets: Targets,
+    /// The workspace directory (absolute), if any.
+    pub workspace: Option<PathBuf>,
+    /// Output globs.
+    pub outputs: Vec<String>,
+    /// Seconds before the job is stopped.
+    pub timeout_s: Option<f64>,
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+    /// The command.
+    pub argv: Vec<String>,
+}
+
+/// What `swactor run` is told as a job goes.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum JobEvent {
+    /// The job was accepted.
+    Accepted {
+        /// Its id.
+        job: String,
+        /// The nodes it runs on.
+        nodes: Vec<String>,
+        /// Nodes left out because they are not ready.
+        skipped: Vec<String>,
+        /// Files in the workspace.
+        workspace_files: u64,
+        /// Bytes in the workspace.
+        workspace_bytes: u64,
+    },
+    /// A node has the workspace.
+    Shipped {
+        /// The node.
+        node: String,
+        /// Bytes sent.
+        bytes: u64,
+        /// Chunks sent.
+        chunks: u64,
+        /// Chunks of the workspace.
+        of: u64,
+    },
+    /// Output of a node.
+    Output {
+        /// The node.
+        node: String,
+        /// From stderr (else stdout).
+        stderr: bool,
+        /// The text.
+        text: String,
+    },
+    /// A run ended.
+    Finished(RunRecord),
+    /// The job ended.
+    Done(JobRecord),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::Outcome;
+
+    fn run(state: JobState, exit_code: Option<i32>) -> RunRecord {
+        RunRecord {
+            node: "worker-0".to_owned(),
+            attempt: 1,
+            state,
+            exit_code,
+            error: None,
+            shipped_bytes: 0,
+            shipped_chunks: 0,
+            chunks: 0,
+            output_files: 0,
+            output_bytes: 0,
+            collected: Vec::new(),
+            ended_unix_ms: None,
+        }
+    }
+
+    fn job(runs: Vec<RunRecord>) -> JobRecord {
+        JobRecord {
+            id: "job-1".to_owned(),
+            argv: vec!["true".to_owned()],
+            env: Vec::new(),
+            workspace: None,
+            outputs: Vec::new(),
+            timeout_s: None,
+            created_unix_ms: 0,
+            workspace_files: 0,
+            workspace_bytes: 0,
+            outputs_dir: String::new(),
+            cancelled: None,
+            stop: None,
+            runs,
+        }
+    }
+
+    #[test]
+    fn a_final_state_is_applied_once_and_never_overwritten() {
+        let mut j = job(vec![run(JobState::Queued, None)]);
+        assert!(j.apply(0, &Change::Shipping, 5).is_none());
+        assert_eq!(j.runs[0].state, JobState::Shipping);
+        let shipped = j.apply(
+            0,
+            &Change::Shipped {
+                bytes: 6,
+                chunks: 1,
+            },
+            5,
+        );
+        assert!(matches!(shipped, Some(JobEvent::Shipped { bytes: 6, .. })));
+        assert!(j.apply(0, &Change::Running, 5).is_none());
+        assert_eq!(j.state(), JobState::Running);
+        let file = OutputFile {
+            path: "out.txt".to_owned(),
+            len: 3,
+            blake3: "ab".to_owned(),
+        };
+        let done = Outcome {
+            state: JobState::Succeeded,
+            exit_code: Some(0),
+            error: None,
+            collected: vec![file.clone()],
+        };
+        assert!(matches!(
+            j.apply(0, &Change::Finished(done), 5),
+            Some(JobEvent::Finished(_))
+        ));
+        assert_eq!((j.runs[0].output_files, j.runs[0].output_bytes), (1, 3));
+        assert_eq!(j.runs[0].collected, [file]);
+        assert_eq!(j.runs[0].ended_unix_ms, Some(5));
+        // A late change (e.g. from a run actor that crashed after it was
+        // recorded) leaves the final state alone.
+        let crashed = Outcome::fail(JobState::Failed, "crashed");
+        assert!(j.apply(0, &Change::Finished(crashed), 5).is_none());
+        assert!(j.apply(0, &Change::Running, 5).is_none());
+        assert_eq!(j.runs[0].state, JobState::Succeeded);
+        assert!(j.apply(7, &Change::Running, 5).is_none());
+    }
+
+    #[test]
+    fn a_record_written_before_the_new_fields_still_reads() {
+        let mut v = serde_json::to_value(job(vec![run(JobState::Running, None)])).unwrap();
+        v.as_object_mut().unwrap().remove("stop");
+        v["runs"][0].as_object_mut().unwrap().remove("collected");
+        let back: JobRecord = serde_json::from_value(v).unwrap();
+        assert!(back.stop.is_none() && back.runs[0].collected.is_empty());
+    }
+
+    #[test]
+    fn a_job_is_as_far_as_its_runs_under_way_then_as_bad_as_its_worst() {
+        use JobState::*;
+        let j = job(vec![
+            run(Succeeded, Some(0)),
+            run(Running, None),
+            run(Shipping, None),
+        ]);
+        assert_eq!(j.state(), Running);
+        let j = job(vec![
+            run(Succeeded, Some(0)),
+            run(Failed, Some(3)),
+            run(Lost, None),
+        ]);
+        assert_eq!(j.state(), Lost);
+        let j = job(vec![run(Succeeded, Some(0)), run(Succeeded, Some(0))]);
+        assert_eq!(j.state(), Succeeded);
+    }
+
+    #[test]
+    fn the_exit_code_is_the_worst_runs() {
+        use JobState::*;
+        let j = job(vec![
+            run(Succeeded, Some(0)),
+            run(Failed, Some(3)),
+            run(Failed, Some(7)),
+        ]);
+        assert_eq!(j.exit_code(), 7);
+        // A run that failed without a code (lost, refused) counts as 1.
+        let j = job(vec![run(Succeeded, Some(0)), run(Lost, None)]);
+        assert_eq!(j.exit_code(), 1);
+        // A run that exited 0 but whose outputs failed is still a failure.
+        let j = job(vec![run(Failed, Some(0))]);
+        assert_eq!(j.exit_code(), 1);
+        assert_eq!(job(vec![run(Succeeded, Some(0))]).exit_code(), 0);
+    }
+}
