@@ -66,6 +66,8 @@ pub struct DriverState {
     messages: u64,
     /// The starved total last told to the host.
     starved_seen_ms: u64,
+    /// The sequence number of the last delta committed to the journal.
+    last_persisted: Option<u64>,
 }
 
 /// A node's followed session: what its events are folded as, and the
@@ -127,6 +129,7 @@ impl Actor for DriverActor {
             clock,
             timers,
             armed: None,
+            last_persisted: None,
             workers,
             journal,
             observers: NodeTable::new(),
@@ -406,6 +409,11 @@ impl DriverState {
                             .map_err(|e| swactor_engine::error_chain(&e))?;
                     }
                     self.host.handle_persisted(delta.seq);
+                    debug_assert!(
+                        self.last_persisted.is_none_or(|last| delta.seq > last),
+                        "journal deltas are committed in sequence, each once"
+                    );
+                    self.last_persisted = Some(delta.seq);
                 }
                 Output::Pass(pass) => {
                     // A pass's operations for a worker go in the pass's
@@ -665,6 +673,11 @@ impl DriverState {
             }
             self.armed = next;
         }
+        debug_assert_eq!(
+            self.armed,
+            self.host.poll_timeout(),
+            "the one engine timer is armed at the host's earliest deadline"
+        );
         if self.telemetry.dirty && !self.timers.is_armed(&TimerKey::Snapshot) {
             let every = self.config.snapshot_refresh;
             self.timers.arm_after(TimerKey::Snapshot, every);
@@ -724,9 +737,20 @@ fn into_batches<T>(
         b.push(item);
         left[lane] -= 1;
         if b.len() == *size {
+            debug_assert!(
+                b.len() <= max,
+                "a batch never exceeds the most a message carries"
+            );
             batch(lane, std::mem::take(b));
         }
     }
+    // Every batch was sized to what its lane had left, so none is left
+    // half-filled: no operation is held back from its worker.
+    debug_assert!(
+        open.iter().all(|(b, _)| b.is_empty()),
+        "every operation of a pass is sent in the pass"
+    );
+    debug_assert!(left.iter().all(|&n| n == 0), "every item was counted once");
 }
 
 #[cfg(test)]

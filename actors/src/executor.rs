@@ -244,6 +244,10 @@ impl Actor for ExecutorWorker {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             WorkerMsg::Execute(batch) => {
+                debug_assert!(
+                    !batch.is_empty() && batch.len() <= BATCH_MAX,
+                    "the driver sends batches of 1..=BATCH_MAX operations"
+                );
                 state.outbox.reserve(batch.len());
                 for dispatch in batch {
                     state.execute(dispatch).await;

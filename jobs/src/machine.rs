@@ -292,10 +292,24 @@ impl RunMachine {
     }
 
     fn act(&mut self, action: Action) {
+        // After `Done` the driver stops; nothing queued after it would run.
+        debug_assert!(
+            !matches!(self.actions.back(), Some(Action::Done)),
+            "nothing is queued after Done"
+        );
         self.actions.push_back(action);
     }
 
     fn finish(&mut self, outcome: Outcome) {
+        debug_assert!(
+            self.phase != Phase::Finished,
+            "a run's final state is decided once"
+        );
+        debug_assert!(
+            outcome.state.is_final(),
+            "a run finishes in a final state, not {:?}",
+            outcome.state
+        );
         self.phase = Phase::Finished;
         self.act(Action::Record(Change::Finished(outcome)));
         self.act(Action::Forget);

@@ -46,7 +46,7 @@ use swactor_engine::iroh::endpoint::{Connection, RecvStream, SendStream};
 use swactor_engine::net::{recv_frame, send_frame};
 use swactor_engine::ractor::rpc::CallResult;
 use swactor_engine::ractor::{
-    Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
+    Actor, ActorId, ActorProcessingErr, ActorRef, DerivedActorRef, RpcReplyPort, SupervisionEvent,
 };
 use swactor_engine::{Forwarder, TimerFired, Timers, run_until};
 use tokio::io::AsyncWriteExt;
@@ -215,18 +215,40 @@ pub(crate) struct JobArgs {
 /// What a job actor is told.
 pub(crate) enum JobMsg {
     /// A run's change to record; answered once it is durable.
-    Record {
-        /// Which run.
-        idx: usize,
-        /// The change.
-        change: Change,
-        /// Told once the change is in the journal (or why it is not).
-        reply: RpcReplyPort<Result<(), String>>,
-    },
+    Record(RecordRun),
     /// Stop the job: cancel, or its timeout.
     Stop(Stop),
     /// A timer fired.
     Timer(TimerFired<JobTimer>),
+}
+
+/// What a run actor may ask of its job actor, and all it may: record a
+/// change to its run. A run actor holds a ref derived for this message
+/// only, so it cannot stop the job or fire its timers.
+pub(crate) struct RecordRun {
+    /// Which run.
+    idx: usize,
+    /// The change.
+    change: Change,
+    /// Told once the change is in the journal (or why it is not).
+    reply: RpcReplyPort<Result<(), String>>,
+}
+
+impl From<RecordRun> for JobMsg {
+    fn from(record: RecordRun) -> Self {
+        Self::Record(record)
+    }
+}
+
+impl TryFrom<JobMsg> for RecordRun {
+    type Error = JobMsg;
+
+    fn try_from(msg: JobMsg) -> Result<Self, JobMsg> {
+        match msg {
+            JobMsg::Record(record) => Ok(record),
+            other => Err(other),
+        }
+    }
 }
 
 impl From<TimerFired<JobTimer>> for JobMsg {
@@ -291,7 +313,7 @@ impl Actor for JobActor {
             }
             let args = RunArgs {
                 shared: st.shared.clone(),
-                job: myself.clone(),
+                job: myself.get_derived(),
                 seq,
                 idx,
                 job_id: st.record.id.clone(),
@@ -341,7 +363,7 @@ impl Actor for JobActor {
         st: &mut JobActorState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            JobMsg::Record { idx, change, reply } => {
+            JobMsg::Record(RecordRun { idx, change, reply }) => {
                 let _ = reply.send(st.record_change(idx, &change).await);
             }
             JobMsg::Stop(stop) => st.stop(stop).await,
@@ -451,7 +473,7 @@ impl JobActorState {
 /// What a run actor starts from.
 pub(crate) struct RunArgs {
     shared: Arc<Shared>,
-    job: ActorRef<JobMsg>,
+    job: DerivedActorRef<RecordRun>,
     seq: u64,
     idx: usize,
     job_id: String,
@@ -720,20 +742,28 @@ impl RunActorState {
     /// Has the job actor record `change`; returns once it is durable.
     async fn record(&self, change: Change) -> Result<(), ActorProcessingErr> {
         let idx = self.a.idx;
-        let answer = self
-            .a
-            .job
-            .call(
-                |reply| JobMsg::Record { idx, change, reply },
-                Some(ACTOR_CALL_WAIT),
-            )
-            .await;
+        let (reply, answer) = swactor_engine::ractor::concurrency::oneshot();
+        let sent = self.a.job.send_message(RecordRun {
+            idx,
+            change,
+            reply: reply.into(),
+        });
+        let answer = match sent {
+            Ok(()) => tokio::time::timeout(ACTOR_CALL_WAIT, answer)
+                .await
+                .map_or(CallResult::Timeout, |got| {
+                    got.map_or(CallResult::SenderError, CallResult::Success)
+                }),
+            Err(_) => CallResult::SenderError,
+        };
         match answer {
-            Ok(CallResult::Success(Ok(()))) => Ok(()),
+            CallResult::Success(Ok(())) => Ok(()),
             // Nothing after this may happen: the run actor fails, and its job
             // records (or tries to) the run as failed.
-            Ok(CallResult::Success(Err(e))) => Err(e.into()),
-            Ok(_) | Err(_) => Err("the job's actor did not record the run's state".into()),
+            CallResult::Success(Err(e)) => Err(e.into()),
+            CallResult::Timeout | CallResult::SenderError => {
+                Err("the job's actor did not record the run's state".into())
+            }
         }
     }
 
