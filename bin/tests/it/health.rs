@@ -179,7 +179,7 @@ fn an_agent_silent_for_less_than_its_grace_comes_back_on_the_same_link() {
         &[],
         &[(
             "SWACTOR_LOG",
-            "warn,swactor::swarm=info,swactor::agent=info",
+            "warn,swactor_daemon::swarm=info,swactor_daemon::agent=info",
         )],
     )
     .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));

@@ -451,7 +451,7 @@ fn links_are_held_only_by_the_current_attempt_and_only_once() {
         &state,
         Some(&shape),
         &[],
-        &[("SWACTOR_LOG", "warn,swactor::swarm=debug")],
+        &[("SWACTOR_LOG", "warn,swactor_daemon::swarm=debug")],
     )
     .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
     let snap = wait_converged(&state, Duration::from_secs(60), |s| {

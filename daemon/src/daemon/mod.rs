@@ -1,0 +1,620 @@
+//! `swactor up`: the daemon, in the foreground.
+//!
+//! This file runs a start from end to end ([`up`]) and serves until told to
+//! stop; `start` holds what is checked and decided before anything starts,
+//! `fleet` makes the providers, and `serve` binds the endpoints and starts
+//! the protocols.
+
+use crate::agentbin::AgentBinary;
+use crate::control::{ControlHandler, DownRequest, apply_file};
+use crate::journal::DaemonJournal;
+use crate::progress::Progress;
+use crate::protocol::FRAME_LEN_MAX;
+use crate::shapefile::ShapeFile;
+use crate::state::StateDir;
+use crate::swarm::{RefusalLog, SwarmHandler};
+use anyhow::{Context, Result};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use swactor_actors::{
+    Cluster, ClusterConfig, ClusterEvent, ClusterHandle, ClusterSnapshot, ShutdownMode,
+    ShutdownReport, SupervisorArgs, SupervisorExit,
+};
+use swactor_engine::RestartPolicy;
+use swactor_engine::net::{
+    ALPN_CONTROL, ALPN_SWARM, ALPN_TELEMETRY, Allowlist, EndpointTicket, GuardedRouterBuilder,
+    HandshakeRate, Limits, NetConfig, bind_endpoint,
+};
+use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
+use swactor_providers::Provider;
+use swactor_providers::Providers;
+use swactor_providers::docker::{DockerConfig, DockerOnDemand};
+use swactor_providers::process::{ProcessConfig, ProcessProvider};
+use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
+use swactor_providers::vast::{ApiKey, Pacing, VastConfig, VastProvider};
+use swactor_provisioning::{
+    Generation, JournalImage, RunId, StartDecision, StartRefusal, Unrecorded,
+};
+use tokio::sync::{mpsc, oneshot};
+
+mod fleet;
+mod serve;
+mod start;
+
+use fleet::*;
+use serve::*;
+use start::*;
+
+/// Options of `swactor up`.
+#[derive(Debug)]
+pub struct UpOptions {
+    /// The shape to converge on, if any.
+    pub shape: Option<PathBuf>,
+    /// The state directory.
+    pub state_dir: PathBuf,
+    /// Exit once converged.
+    pub until_converged: bool,
+    /// How long to wait for convergence.
+    pub timeout: Duration,
+    /// Leave nodes running on exit.
+    pub keep: bool,
+    /// Apply the shape without asking, whatever it changes.
+    pub yes: bool,
+    /// The address to listen on (default loopback).
+    pub listen: Option<IpAddr>,
+    /// The address remote agents dial (default: `listen`).
+    pub advertise: Option<IpAddr>,
+    /// The binary remote hosts run as their agent.
+    pub agent_binary: Option<PathBuf>,
+    /// Where the web surface (dashboard, metrics) listens; default: the
+    /// address the last daemon used, else a free port on 127.0.0.1.
+    pub http: Option<SocketAddr>,
+    /// `--adopt` or `--fresh`: what to do with an earlier run's resources
+    /// when the journal was lost.
+    pub unrecorded: Option<Unrecorded>,
+}
+
+/// Runs the daemon until it is told to stop. Returns the process exit code.
+///
+/// # Errors
+/// Bad input (shape, state directory) or a failure to start.
+pub async fn up(opts: UpOptions) -> Result<i32> {
+    let swarm = SwarmRuntime::new()?;
+    let mut endpoints = Vec::new();
+    let outcome = run(opts, swarm.handle(), &mut endpoints).await;
+    if outcome.is_err() {
+        // A start refused once the endpoints are bound (a provider that
+        // cannot start, a shape refused) closes them: dropped open, iroh
+        // would log an ERROR of its own below the line that says what was
+        // wrong.
+        for endpoint in endpoints {
+            let _ = tokio::time::timeout(ENDPOINT_CLOSE_MAX, endpoint.close()).await;
+        }
+    }
+    outcome
+}
+
+/// How long a refused start waits for its endpoint to close.
+const ENDPOINT_CLOSE_MAX: Duration = Duration::from_secs(3);
+
+/// The runtime the agents' endpoint runs on: one thread of its own, apart
+/// from the one the driver, the CLI's endpoint and the web surface share.
+/// Every connection attempt on the swarm protocols (whose ticket every
+/// agent's command line shows) is taken, refused or shaken hands with
+/// there, so a flood of them costs the daemon at most that thread and never
+/// queues the driver's or the CLI's work behind it.
+struct SwarmRuntime(Option<tokio::runtime::Runtime>);
+
+impl SwarmRuntime {
+    fn new() -> Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("swactor-swarm")
+            .enable_all()
+            .build()
+            .context("cannot start the agents' runtime")?;
+        Ok(Self(Some(runtime)))
+    }
+
+    fn handle(&self) -> tokio::runtime::Handle {
+        self.0
+            .as_ref()
+            .map(|rt| rt.handle().clone())
+            .expect("the runtime lives until dropped")
+    }
+}
+
+impl Drop for SwarmRuntime {
+    fn drop(&mut self) {
+        // Dropped from async code: its tasks are cancelled without waiting
+        // (the endpoint was closed before).
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// [`up`]; puts the daemon's endpoint in `bound` as soon as it is bound, for
+/// `up` to close if this fails. The agents' endpoint runs on `swarm`.
+///
+/// In order: everything the user could have got wrong is checked
+/// ([`Preflight`]); the state directory is locked and its journal read; the
+/// endpoints are bound; the providers are made; the cluster, the jobs and
+/// the protocols start; then the daemon serves until it is told to stop
+/// ([`serve_until_stopped`]).
+async fn run(
+    opts: UpOptions,
+    swarm: tokio::runtime::Handle,
+    bound: &mut Vec<swactor_engine::iroh::Endpoint>,
+) -> Result<i32> {
+    let started = std::time::Instant::now();
+    let (listen, advertise) = network(&opts)?;
+    let mut pre = Preflight::check(&opts).await?;
+    let state = StateDir::create(opts.state_dir.clone())?;
+    // The CLI may send SIGHUP to the pid in the lock as soon as it is there
+    // (a CLI that finds no ticket yet asks for it): catch it from before
+    // then, or its default action would end the daemon.
+    let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("cannot catch SIGHUP")?;
+    // One daemon per state directory, taken before anything else is touched.
+    let _lock = state.lock()?;
+    let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
+    let journal_health = journal.health();
+    let start = Start::decide(resume.as_ref(), pre.file.as_ref(), state.root())?;
+    // Which deployment this journal is: every resource a provider makes
+    // carries it, and one of the run that carries another is left alone.
+    let deployment = state.deployment(resume.as_ref())?;
+    if let Some(shape) = pre.checked.as_ref().filter(|_| !pre.fresh) {
+        confirm_start(resume.as_ref(), shape, opts.yes).await?;
+    }
+    let run_id = start.run_id.clone();
+
+    // The web surface first: an --http address that cannot be bound is
+    // refused before the endpoint starts, with nothing else to say.
+    let http_listener = crate::http::bind(&state, opts.http).await?;
+    let http_token = crate::http::token(&state)?;
+    let endpoints = Endpoints::bind(&state, &swarm, listen, advertise, bound).await?;
+    state.save_network(listen, advertise)?;
+    if let Some(path) = &pre.keep_agent_binary {
+        state.save_agent_binary(path)?;
+    }
+    let cli_id = state.cli_key()?.public();
+    let secret = token_secret(&state, resume.as_ref())?;
+    let metrics = crate::metrics::Metrics::new();
+    let vast_key = pre.vast_key.take();
+    let agents = Agents {
+        binary: &pre.agent_binary,
+        ticket: &endpoints.agent_ticket,
+        secret,
+        deployment: deployment.as_deref(),
+    };
+    let made = make_providers(
+        &state,
+        &agents,
+        resume.as_ref(),
+        (pre.file.as_ref(), vast_key),
+        &metrics,
+    )
+    .await?;
+    let provider = made.provider.clone();
+    // A new journal for a run whose resources the provider still lists:
+    // refused unless told what to do with them.
+    if pre.fresh && opts.unrecorded.is_none() {
+        check_unrecorded(&provider, &run_id, std::mem::take(&mut pre.traces)).await?;
+    }
+    let publisher = telemetry_publisher(&state, &pre.ndjson, &run_id).await?;
+    let telemetry = publisher.handler();
+
+    // The daemon measures how long its own event loop leaves work waiting:
+    // silence it could not hear is held against no agent (the swarm
+    // endpoint and the host both discount it).
+    let starvation = swactor_engine::Starvation::new();
+    let _measuring = AbortOnDrop(starvation.measure());
+    // The agents' runtime too: heartbeats are read there, and a flood (or
+    // the machine's other work) that keeps its one thread busy leaves them
+    // unread however loud the agents are.
+    let _measuring_swarm = {
+        let _on_swarm = swarm.enter();
+        AbortOnDrop(starvation.measure())
+    };
+    let _handshakes = AbortOnDrop(tokio::spawn(crate::handshakes::summarise()));
+    let mut config = ClusterConfig::new(run_id.clone());
+    config.starvation = Some(starvation.clone());
+    config.adopt_unrecorded = opts.unrecorded == Some(Unrecorded::Adopt);
+    config.deployment.clone_from(&deployment);
+    config.visibility_window = made.visibility_window;
+    config.capacities = provider.capacities();
+    // The cluster actor is restarted from the journal if it fails; the
+    // journal image it resumes from is the one just read.
+    drop(resume);
+    let (cluster, exit_rx) = start_cluster(config, provider.clone(), publisher, journal).await?;
+
+    // Jobs, resumed from jobs.redb: a job actor for every job with runs
+    // under way follows them again.
+    let jobs = crate::jobs::service::JobService::open(
+        state.root(),
+        cluster.clone(),
+        secret,
+        crate::jobs::service::JobLimits::from_env()?,
+    )
+    .await?;
+    let (down_tx, down_rx) = mpsc::channel::<DownRequest>(4);
+    // What the run's rentals cost, against its budget: acted on here.
+    let _budget = made.vast.clone().map(|v| {
+        AbortOnDrop(tokio::spawn(watch_budget(
+            cluster.clone(),
+            v,
+            run_id.clone(),
+            down_tx.clone(),
+        )))
+    });
+    let (started_tx, started_rx) = tokio::sync::watch::channel(false);
+    // One allowlist for the CLI's protocols, so a reloaded key applies to both.
+    let cli_allowed = Allowlist::only([cli_id]);
+    let control = ControlHandler {
+        cluster: cluster.clone(),
+        run_id: run_id.clone(),
+        down: down_tx,
+        started: started_rx,
+        provider: provider.clone(),
+        vast: made.vast.clone(),
+        jobs: jobs.clone(),
+        journal: journal_health.clone(),
+        metrics: metrics.clone(),
+    };
+    let swarm_handler = SwarmHandler {
+        cluster: cluster.clone(),
+        secret,
+        refusals: RefusalLog::default(),
+        starvation,
+        sessions: crate::swarm::Sessions::default(),
+        pre_auth: swactor_engine::net::PreAuth::new(pre_auth_max()),
+    };
+    let router = serve_protocols(
+        &endpoints,
+        &swarm,
+        swarm_handler,
+        &jobs,
+        made.fleet,
+        (control.clone(), telemetry.clone(), cli_allowed.clone()),
+        &metrics,
+    );
+    let http_addr = http_listener.local_addr()?;
+    crate::http::serve(
+        http_listener,
+        Arc::new(crate::http::Web {
+            control,
+            telemetry,
+            metrics,
+            token: http_token.clone(),
+            state_dir: state.root().to_path_buf(),
+            addr: http_addr,
+        }),
+    );
+    state.write_ticket(&endpoints.cli_ticket)?;
+    reload_on_hangup(
+        hangups,
+        state.clone(),
+        endpoints.cli_ticket.clone(),
+        cli_allowed,
+        cli_id,
+    );
+    eprintln!(
+        "swactor: daemon for run {run_id} on {} (state {})",
+        endpoints.swarm.addr().id.fmt_short(),
+        state.root().display()
+    );
+    eprintln!("swactor: dashboard at http://{http_addr}/?token={http_token}");
+    eprintln!("swactor: {}", start.note);
+    let finish_teardown = match &start.what {
+        StartWhat::Apply(file) => {
+            if let Err(e) = offer_on_start(&cluster, &run_id, &journal_health, file).await {
+                // The shape was refused (e.g. over capacity): stop as if this
+                // `up` had never run, leaving what an earlier daemon left.
+                let _ = cluster.shutdown(ShutdownMode::Keep).await;
+                state.remove_ticket();
+                router.shutdown().await;
+                return Err(e);
+            }
+            false
+        }
+        StartWhat::Resume => false,
+        StartWhat::FinishTeardown => true,
+    };
+    // CLI applies and plans held back while the start shape was offered go now.
+    started_tx.send_replace(true);
+    let running = Running {
+        cluster,
+        state,
+        router,
+        ssh: made.ssh,
+        exit: exit_rx,
+        down: down_rx,
+        started,
+    };
+    serve_until_stopped(running, &opts, finish_teardown).await
+}
+
+/// Starts the cluster under its supervisor, which restarts it from the
+/// journal if it fails; the receiver is told when the supervisor gives up.
+async fn start_cluster(
+    config: ClusterConfig,
+    provider: Arc<Providers>,
+    publisher: TelemetryPublisher<ClusterSnapshot, ClusterEvent>,
+    journal: DaemonJournal,
+) -> Result<(ClusterHandle, oneshot::Receiver<SupervisorExit>)> {
+    let (exit_tx, exit_rx) = oneshot::channel();
+    let args = SupervisorArgs {
+        config,
+        provider,
+        publisher: Some(Arc::new(publisher)),
+        journal: Arc::new(journal),
+        restarts: CLUSTER_RESTARTS,
+        on_exit: Some(exit_tx),
+    };
+    let cluster = Cluster::supervised(args, None)
+        .await
+        .context("cannot start the cluster")?;
+    #[cfg(debug_assertions)]
+    inject_faults(&cluster);
+    Ok((cluster, exit_rx))
+}
+
+/// What a started daemon holds while it serves.
+struct Running {
+    cluster: ClusterHandle,
+    state: StateDir,
+    router: Routers,
+    ssh: SshHostsProvider,
+    /// Told when the cluster actor's supervisor gives up.
+    exit: oneshot::Receiver<SupervisorExit>,
+    /// `down` requests from the CLI (and from the budget watch).
+    down: mpsc::Receiver<DownRequest>,
+    started: std::time::Instant,
+}
+
+/// Serves until converged (`--until-converged`), a signal or a `down`, then
+/// stops the cluster as asked (teardown, or keep) and closes the endpoints.
+/// Returns the process exit code.
+async fn serve_until_stopped(
+    mut running: Running,
+    opts: &UpOptions,
+    finish_teardown: bool,
+) -> Result<i32> {
+    let cluster = &running.cluster;
+    let progress = Progress::start(cluster).await?;
+    let mut code = 0;
+    let mut keep = opts.keep;
+    let mut down_reply = None;
+    let mut purge = false;
+    if finish_teardown {
+        keep = false;
+    } else if opts.until_converged {
+        let converged =
+            tokio::time::timeout(opts.timeout, wait_converged(cluster, &mut running.exit));
+        match converged.await {
+            Ok(Ok(generation)) => {
+                progress.flush().await;
+                progress.say(format!(
+                    "swactor: converged on generation {} in {:.1} s (daemon peak memory {})",
+                    generation.0,
+                    running.started.elapsed().as_secs_f64(),
+                    peak_memory()
+                ));
+            }
+            Ok(Err(e)) => {
+                progress.say(format!("swactor: the cluster stopped: {e}"));
+                code = 1;
+            }
+            Err(_) => {
+                progress.flush().await;
+                progress.say(format!(
+                    "swactor: not converged within {:?}; still waiting on:",
+                    opts.timeout
+                ));
+                if let Ok(snap) = cluster.snapshot().await {
+                    for n in snap.nodes.iter().filter(|n| !n.ready) {
+                        let err = n.last_error.as_deref().unwrap_or("no error reported");
+                        let state = crate::words::state_text(n, snap.now);
+                        progress.say(format!("  {} ({}, {state}): {err}", n.node, n.attempt));
+                    }
+                }
+                code = 1;
+            }
+        }
+    } else {
+        tokio::select! {
+            _ = shutdown_signal() => progress.say("\nswactor: stopping"),
+            Some((k, p, reply)) = running.down.recv() => {
+                keep = k;
+                purge = p;
+                down_reply = Some(reply);
+            }
+            exit = &mut running.exit => {
+                progress.stop().await;
+                return Ok(gave_up(exit.ok(), &running.state, running.router).await);
+            }
+        }
+    }
+    let Running {
+        cluster,
+        state,
+        router,
+        ssh,
+        ..
+    } = running;
+    let mode = if keep {
+        ShutdownMode::Keep
+    } else {
+        ShutdownMode::Teardown
+    };
+    if mode == ShutdownMode::Teardown {
+        progress.say("swactor: tearing down");
+    }
+    let report = cluster.shutdown(mode).await.context("shutdown failed")?;
+    progress.stop().await;
+    print_report(&report);
+    let mut purged = Vec::new();
+    if purge && mode == ShutdownMode::Teardown {
+        for (host, done) in ssh.purge().await {
+            match &done {
+                Ok(()) => eprintln!("swactor: purged {host}"),
+                Err(e) => eprintln!("swactor: could not purge {host}: {e}"),
+            }
+            purged.push((host, done.err()));
+        }
+    }
+    if let Some(reply) = down_reply {
+        let _ = reply.send((report, purged));
+        // Let the control handler deliver the answer before the endpoint closes.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    state.remove_ticket();
+    router.shutdown().await;
+    Ok(code)
+}
+
+/// How often the cluster actor may fail, and be restarted from its journal,
+/// before the daemon gives up (and leaves every node running).
+const CLUSTER_RESTARTS: RestartPolicy = RestartPolicy {
+    restarts_max: 3,
+    window: Duration::from_secs(60),
+};
+
+/// Waits for convergence across restarts of the cluster actor (a waiter
+/// that was with a failed actor is asked again of its successor).
+async fn wait_converged(
+    cluster: &ClusterHandle,
+    exit: &mut oneshot::Receiver<SupervisorExit>,
+) -> Result<Generation, String> {
+    loop {
+        tokio::select! {
+            got = cluster.converged() => match got {
+                Ok(generation) => return Ok(generation),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            },
+            exit = &mut *exit => {
+                return Err(match exit {
+                    Ok(SupervisorExit::GaveUp { reason }) => reason,
+                    _ => "the cluster stopped".to_owned(),
+                });
+            }
+        }
+    }
+}
+
+/// The cluster actor failed past its restart budget: the daemon stops and
+/// leaves every node running, so the next `swactor up` adopts them.
+async fn gave_up(exit: Option<SupervisorExit>, state: &StateDir, router: Routers) -> i32 {
+    let reason = match exit {
+        Some(SupervisorExit::GaveUp { reason }) => reason,
+        Some(SupervisorExit::Stopped) | None => "the cluster stopped unexpectedly".to_owned(),
+    };
+    eprintln!(
+        "swactor: the cluster actor kept failing ({reason}); the daemon stops and leaves \
+         every node running. `swactor up` adopts them again; `swactor status` will not \
+         answer until then"
+    );
+    state.remove_ticket();
+    router.shutdown().await;
+    3
+}
+
+/// Debug builds only: `SWACTOR_FAULT_DRIVER_PANICS=N@MS` makes the cluster
+/// actor panic N times, MS milliseconds apart, for tests of its supervision.
+#[cfg(debug_assertions)]
+fn inject_faults(cluster: &ClusterHandle) {
+    let Some((count, every_ms)) = std::env::var("SWACTOR_FAULT_DRIVER_PANICS")
+        .ok()
+        .and_then(|v| {
+            let (n, ms) = v.split_once('@')?;
+            Some((n.parse::<u32>().ok()?, ms.parse::<u64>().ok()?))
+        })
+    else {
+        return;
+    };
+    let actor = cluster.actor().clone();
+    tokio::spawn(async move {
+        for _ in 0..count {
+            tokio::time::sleep(Duration::from_millis(every_ms)).await;
+            tracing::warn!("injecting a panic into the cluster actor");
+            let _ = actor.send_message(swactor_actors::DriverMsg::InjectPanic);
+        }
+    });
+}
+
+/// The daemon's peak resident memory, from `/proc/self/status`.
+fn peak_memory() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .map(|l| l[6..].trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+fn print_report(report: &ShutdownReport) {
+    use crate::words::names;
+    if !report.destroyed.is_empty() {
+        eprintln!(
+            "swactor: destroyed {} node(s): {}",
+            report.destroyed.len(),
+            names(&report.destroyed)
+        );
+    }
+    if !report.kept.is_empty() {
+        eprintln!(
+            "swactor: kept {} node(s) running for the next `swactor up`: {}",
+            report.kept.len(),
+            names(&report.kept)
+        );
+    }
+    if !report.without_machine.is_empty() {
+        eprintln!(
+            "swactor: {}",
+            crate::words::without_machine(&report.without_machine)
+        );
+    }
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Aborts a task when dropped (the daemon's own helpers end with it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{HandshakeRate, agents_rate};
+
+    #[test]
+    fn the_agents_handshake_budget_follows_the_fleet() {
+        assert_eq!(agents_rate(0), HandshakeRate::DEFAULT);
+        assert_eq!(agents_rate(4), HandshakeRate::DEFAULT);
+        // 1,000 nodes: their 2,000 links in one burst, stragglers at 200/s.
+        assert_eq!(
+            agents_rate(1_000),
+            HandshakeRate {
+                per_second: 200,
+                burst: 2_020
+            }
+        );
+        assert!(agents_rate(usize::MAX).is_valid());
+    }
+}

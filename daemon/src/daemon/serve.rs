@@ -1,0 +1,339 @@
+//! The daemon's endpoints, routers and protocols, its telemetry publisher,
+//! and the rates and caps its handshakes are held to.
+
+use super::*;
+
+/// The daemon's two endpoints and the tickets that name them.
+pub(super) struct Endpoints {
+    /// The agents' endpoint (swarm, jobs, blobs), on the agents' runtime.
+    pub(super) swarm: swactor_engine::iroh::Endpoint,
+    /// The CLI's endpoint (control, telemetry), on a socket of its own.
+    pub(super) control: swactor_engine::iroh::Endpoint,
+    /// What the CLI is given (`daemon.ticket`).
+    pub(super) cli_ticket: EndpointTicket,
+    /// What agents are given: the advertised address, on the bound port.
+    pub(super) agent_ticket: EndpointTicket,
+}
+
+impl Endpoints {
+    /// Binds both; each is put in `bound` as soon as it is.
+    pub(super) async fn bind(
+        state: &StateDir,
+        swarm: &tokio::runtime::Handle,
+        listen: IpAddr,
+        advertise: Option<IpAddr>,
+        bound: &mut Vec<swactor_engine::iroh::Endpoint>,
+    ) -> Result<Self> {
+        // Bound on the agents' runtime: the endpoint's own tasks (its socket,
+        // its handshakes) run there.
+        let endpoint = {
+            let state = state.clone();
+            swarm
+                .spawn(async move { bind_daemon_endpoint(&state, listen).await })
+                .await
+                .context("the agents' runtime stopped")??
+        };
+        bound.push(endpoint.clone());
+        // The CLI's own endpoint, on a socket of its own: a flood of handshakes
+        // on the agents' endpoint (whose ticket every agent's command line
+        // shows) never queues the CLI's handshake behind it.
+        let control = bind_control_endpoint(state, listen).await?;
+        bound.push(control.clone());
+        let cli_ticket = EndpointTicket::new(control.addr());
+        let agent_ticket = match (advertise, endpoint.bound_sockets().first()) {
+            (Some(ip), Some(bound)) => EndpointTicket::new(
+                swactor_engine::iroh::EndpointAddr::new(endpoint.id())
+                    .with_ip_addr(SocketAddr::new(ip, bound.port())),
+            ),
+            _ => EndpointTicket::new(endpoint.addr()),
+        };
+        Ok(Self {
+            swarm: endpoint,
+            control,
+            cli_ticket,
+            agent_ticket,
+        })
+    }
+}
+
+/// The telemetry publisher: `watch`, the dashboard and `telemetry.ndjson`.
+pub(super) async fn telemetry_publisher(
+    state: &StateDir,
+    ndjson: &NdjsonConfig,
+    run_id: &RunId,
+) -> Result<TelemetryPublisher<ClusterSnapshot, ClusterEvent>> {
+    let empty = ClusterSnapshot::empty(run_id.to_string());
+    let sink = NdjsonSink::open(state.root(), ndjson)
+        .await
+        .context("cannot open telemetry.ndjson")?;
+    // A snapshot of 100,000 nodes is several MiB; the engine's default
+    // frame (1 MiB) would leave `watch` with a stale one.
+    let telemetry_config = TelemetryConfig {
+        frame_len_max: FRAME_LEN_MAX,
+        ..TelemetryConfig::default()
+    };
+    Ok(TelemetryPublisher::new(telemetry_config, &empty)
+        .context("cannot start telemetry")?
+        .with_ndjson(sink))
+}
+
+/// Starts both routers: the agents' protocols (swarm, jobs, blobs) on the
+/// agents' endpoint and runtime, the CLI's (control, telemetry) on its own.
+pub(super) fn serve_protocols(
+    endpoints: &Endpoints,
+    swarm: &tokio::runtime::Handle,
+    swarm_handler: SwarmHandler,
+    jobs: &crate::jobs::service::JobService,
+    fleet: usize,
+    (control, telemetry, cli_allowed): (
+        ControlHandler,
+        swactor_engine::telemetry::TelemetryHandler,
+        Allowlist,
+    ),
+    metrics: &crate::metrics::Metrics,
+) -> Routers {
+    let (blobs_allowed, blobs) = jobs.blobs();
+    // Connections that have not joined yet (swarm and jobs together).
+    let pre_auth = swarm_handler.pre_auth.clone();
+    // The router's accept loop and every handler it starts run on the
+    // agents' runtime too.
+    let on_swarm = swarm.enter();
+    let swarm_router = GuardedRouterBuilder::new(endpoints.swarm.clone())
+        .serve(ALPN_SWARM, Allowlist::open(), swarm_handler)
+        // Agents dial in for jobs as for the swarm; each link is checked
+        // like a join.
+        .serve(
+            crate::jobs::ALPN_JOBS,
+            Allowlist::open(),
+            jobs.handler(pre_auth),
+        )
+        // Workspaces: only the keys of agents with a jobs link may connect,
+        // and each fetches only the chunks of the run it ships.
+        .serve_with_limits(iroh_blobs::ALPN, blobs_allowed, Limits::LINKED, blobs)
+        // New handshakes are rationed, so a flood costs the daemon a
+        // bounded share of its time; joined agents' links are never counted.
+        .handshake_rate(None, handshake_rate(agents_rate(fleet)));
+    let swarm_handshakes = swarm_router.handshakes_under_way();
+    let router = swarm_router.spawn();
+    drop(on_swarm);
+    // The CLI's protocols, on the CLI's endpoint, rationed on their own.
+    let control_router = GuardedRouterBuilder::new(endpoints.control.clone())
+        .serve(ALPN_CONTROL, cli_allowed.clone(), control)
+        .serve(ALPN_TELEMETRY, cli_allowed, telemetry)
+        .handshake_rate(None, handshake_rate(HandshakeRate::DEFAULT));
+    metrics.watch_handshakes(vec![
+        ("swarm", swarm_handshakes),
+        ("control", control_router.handshakes_under_way()),
+    ]);
+    Routers {
+        swarm: router,
+        control: control_router.spawn(),
+    }
+}
+
+/// On SIGHUP (sent by the CLI of the daemon's own user when it lost the
+/// ticket or its key), writes the ticket again and lets the CLI key now in the
+/// state directory in, in place of the old one.
+/// A SIGHUP received while the daemon was starting is served once it runs.
+pub(super) fn reload_on_hangup(
+    mut hangups: tokio::signal::unix::Signal,
+    state: StateDir,
+    ticket: EndpointTicket,
+    allowed: Allowlist,
+    mut cli: swactor_engine::iroh::EndpointId,
+) {
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            if let Err(e) = state.write_ticket(&ticket) {
+                tracing::warn!(%e, "cannot write the ticket again");
+            }
+            match state.cli_key() {
+                Ok(key) if key.public() != cli => {
+                    allowed.allow(key.public());
+                    allowed.revoke(&cli);
+                    cli = key.public();
+                    eprintln!(
+                        "swactor: reloaded the CLI key; the previous one is refused from now on"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(%e, "cannot read the CLI key"),
+            }
+        }
+    });
+}
+
+/// Largest `telemetry.ndjson` before it is rotated, in bytes.
+pub(super) const TELEMETRY_FILE_BYTES_MAX: &str = "SWACTOR_TELEMETRY_FILE_BYTES_MAX";
+/// The smallest rotation size accepted.
+pub(super) const TELEMETRY_FILE_BYTES_MIN: u64 = 4096;
+/// Rotated `telemetry.ndjson.N` files kept.
+pub(super) const TELEMETRY_FILES_KEPT: &str = "SWACTOR_TELEMETRY_FILES_KEPT";
+
+/// The NDJSON sink's settings: the defaults, or what
+/// `SWACTOR_TELEMETRY_FILE_BYTES_MAX` and `SWACTOR_TELEMETRY_FILES_KEPT` say.
+pub(super) fn ndjson_config() -> Result<NdjsonConfig> {
+    let mut config = NdjsonConfig::default();
+    let number = |name: &str| -> Result<Option<u64>> {
+        match std::env::var(name) {
+            Err(_) => Ok(None),
+            Ok(v) => v.trim().parse().map(Some).with_context(|| {
+                format!("{name}={v:?} is not a whole number; nothing was started")
+            }),
+        }
+    };
+    if let Some(bytes) = number(TELEMETRY_FILE_BYTES_MAX)? {
+        config.file_len_max = bytes;
+    }
+    if let Some(kept) = number(TELEMETRY_FILES_KEPT)? {
+        config.files_kept = usize::try_from(kept).unwrap_or(usize::MAX);
+    }
+    if config.file_len_max < TELEMETRY_FILE_BYTES_MIN {
+        anyhow::bail!(
+            "{TELEMETRY_FILE_BYTES_MAX}={} is too small: a file holds at least \
+             {TELEMETRY_FILE_BYTES_MIN} bytes; nothing was started",
+            config.file_len_max
+        );
+    }
+    // A line longer than a whole file is dropped (and counted), not written.
+    config.line_len_max = config
+        .line_len_max
+        .min(usize::try_from(config.file_len_max).unwrap_or(usize::MAX));
+    config.validate().map_err(|e| {
+        anyhow::anyhow!("{e} ({TELEMETRY_FILES_KEPT} is at most 1000); nothing was started")
+    })?;
+    Ok(config)
+}
+
+/// Seconds from an environment variable, if set.
+pub(super) fn env_seconds(name: &str) -> Result<Option<Duration>> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(v) => {
+            let s: f64 = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s >= 0.0)
+                .with_context(|| format!("{name}={v:?} is not a number of seconds"))?;
+            Ok(Some(Duration::from_secs_f64(s)))
+        }
+    }
+}
+
+/// Binds loopback on the port used last time, so agents of a previous daemon
+/// (which kept running) find this one again.
+pub(super) async fn bind_daemon_endpoint(
+    state: &StateDir,
+    listen: IpAddr,
+) -> Result<swactor_engine::iroh::Endpoint> {
+    let key = state.daemon_key()?;
+    let mut config = NetConfig {
+        frame_len_max: FRAME_LEN_MAX,
+        // Every protocol here is one request stream a peer opens (swarm,
+        // control) or one stream the daemon opens (telemetry).
+        incoming_bidi_streams_max: Some(1),
+        incoming_uni_streams_max: Some(0),
+        ..NetConfig::default()
+    };
+    if let Some(port) = state.saved_port() {
+        config.bind_addr = SocketAddr::new(listen, port);
+        match bind_endpoint(&config, key.clone()).await {
+            Ok(ep) => return Ok(ep),
+            Err(e) => tracing::warn!(%e, port, "the previous port is taken; binding a new one"),
+        }
+        config.bind_addr = SocketAddr::new(listen, 0);
+    } else {
+        config.bind_addr = SocketAddr::new(listen, 0);
+    }
+    let ep = bind_endpoint(&config, key)
+        .await
+        .context("cannot bind the daemon's endpoint")?;
+    if let Some(port) = ep.bound_sockets().first().map(SocketAddr::port) {
+        state.save_port(port)?;
+    }
+    Ok(ep)
+}
+
+/// The daemon's two routers: the agents' protocols on the swarm endpoint,
+/// the CLI's on the control endpoint.
+pub(super) struct Routers {
+    pub(super) swarm: swactor_engine::iroh::protocol::Router,
+    pub(super) control: swactor_engine::iroh::protocol::Router,
+}
+
+impl Routers {
+    /// Closes both endpoints.
+    pub(super) async fn shutdown(self) {
+        let (a, b) = tokio::join!(self.control.shutdown(), self.swarm.shutdown());
+        let _ = (a, b);
+    }
+}
+
+/// Binds the CLI's endpoint (`control/0`, `telemetry/0`) on `listen`, with
+/// a key of its own (`control.key`), on a port the system picks: the CLI
+/// finds it in `daemon.ticket`.
+pub(super) async fn bind_control_endpoint(
+    state: &StateDir,
+    listen: IpAddr,
+) -> Result<swactor_engine::iroh::Endpoint> {
+    let config = NetConfig {
+        frame_len_max: FRAME_LEN_MAX,
+        incoming_bidi_streams_max: Some(1),
+        incoming_uni_streams_max: Some(0),
+        bind_addr: SocketAddr::new(listen, 0),
+        ..NetConfig::default()
+    };
+    bind_endpoint(&config, state.control_key()?)
+        .await
+        .context("cannot bind the daemon's control endpoint")
+}
+
+/// How many connections may wait to join at once: [`PreAuth::DEFAULT_MAX`],
+/// or, in debug builds only, `SWACTOR_FAULT_PREAUTH_MAX` (a test's flood
+/// reaches a small cap on a slow machine).
+///
+/// [`PreAuth::DEFAULT_MAX`]: swactor_engine::net::PreAuth::DEFAULT_MAX
+pub(super) fn pre_auth_max() -> usize {
+    #[cfg(debug_assertions)]
+    if let Some(n) = std::env::var("SWACTOR_FAULT_PREAUTH_MAX")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| *n > 0)
+    {
+        return n;
+    }
+    swactor_engine::net::PreAuth::DEFAULT_MAX
+}
+
+/// The agents' handshake budget for a run of `fleet` nodes: the default,
+/// or enough for every agent's two links (swarm and jobs) in one burst and
+/// their stragglers within the rejoin window, whichever is larger. A flood
+/// gets no more than the fleet itself may need.
+pub(super) fn agents_rate(fleet: usize) -> HandshakeRate {
+    let links = u32::try_from(fleet.saturating_mul(2)).unwrap_or(u32::MAX);
+    HandshakeRate {
+        per_second: HandshakeRate::DEFAULT.per_second.max(links / 10),
+        burst: HandshakeRate::DEFAULT.burst.max(links.saturating_add(20)),
+    }
+}
+
+/// `rate`, or, in debug builds only, `SWACTOR_FAULT_HANDSHAKE_RATE=
+/// PER_SECOND/BURST` (a flood test measures other budgets with it).
+pub(super) fn handshake_rate(rate: HandshakeRate) -> HandshakeRate {
+    #[cfg(debug_assertions)]
+    if let Some((per_second, burst)) =
+        std::env::var("SWACTOR_FAULT_HANDSHAKE_RATE")
+            .ok()
+            .and_then(|v| {
+                let (a, b) = v.split_once('/')?;
+                Some((a.parse().ok()?, b.parse().ok()?))
+            })
+    {
+        let given = HandshakeRate { per_second, burst };
+        if given.is_valid() {
+            return given;
+        }
+    }
+    rate
+}
