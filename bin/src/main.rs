@@ -311,10 +311,8 @@ fn main() {
     // `swactor job-exec --parent PID -- CMD…`: how an agent starts a run;
     // it becomes CMD before anything else starts (no runtime, no threads).
     let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("job-exec") {
-        let parent = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
-        let argv = args.get(5..).unwrap_or_default();
-        std::process::exit(swactor_daemon::jobs::agent::exec(parent, argv));
+    if let Some(code) = swactor_daemon::jobs::agent::exec_if_asked(&args) {
+        std::process::exit(code);
     }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

@@ -49,10 +49,8 @@ boot_check = ["true"]
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     // How an agent starts a job's command; it must come first (no runtime).
-    if args.get(1).map(String::as_str) == Some("job-exec") {
-        let parent = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
-        let argv = args.get(5..).unwrap_or_default();
-        std::process::exit(swactor_daemon::jobs::agent::exec(parent, argv));
+    if let Some(code) = swactor_daemon::jobs::agent::exec_if_asked(&args) {
+        std::process::exit(code);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -302,8 +302,11 @@ impl RunMachine {
 
     fn finish(&mut self, outcome: Outcome) {
         debug_assert!(
-            self.phase != Phase::Finished,
-            "a run's final state is decided once"
+            !self
+                .actions
+                .iter()
+                .any(|a| matches!(a, Action::Record(Change::Finished(_)))),
+            "a run's final state is recorded once"
         );
         debug_assert!(
             outcome.state.is_final(),

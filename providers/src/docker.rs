@@ -60,6 +60,10 @@
 //!   read the uploaded files: they are copied with the container user's ids.
 //! - Calls for one container are serialised within one provider (and its
 //!   clones); two daemons on one engine could still race a start.
+//!
+//! Over 1,000 lines in one file because the contract's methods share the
+//! container names, labels and per-key locks; options, follow and the image
+//! build already live in `docker/`.
 
 #![cfg(all(target_os = "linux", feature = "docker"))]
 

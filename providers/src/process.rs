@@ -82,6 +82,10 @@
 //! - The provider polls (the log, adopted pids, a stopping group) with tokio
 //!   timers in real time; under tokio's paused time those polls would spin.
 //! - File operations are synchronous: they touch one small local directory.
+//!
+//! Over 1,000 lines in one file because the contract's methods share the
+//! node directory layout and the session kit; tails, signals and the agent
+//! protocol already live in `process/`.
 
 #![cfg(all(target_os = "linux", feature = "process"))]
 

@@ -19,6 +19,10 @@
 //! Trigger semantics are those of a single-key work queue: triggers while a
 //! pass is queued collapse into it; a trigger while a pass runs (between
 //! `poll_pass` and `finish_pass`) guarantees exactly one follow-up pass.
+//!
+//! Over 1,000 lines in one file on purpose: the driver core is the sole
+//! writer of the cluster state, and every write is kept in one place to
+//! audit.
 
 use crate::config::{ConfigError, ReconcilerConfig};
 use crate::decide::{

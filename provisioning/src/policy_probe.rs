@@ -1,9 +1,10 @@
 //! Deliberate policy violations, compiled only under `--cfg swactor_policy_probe`.
 //!
-//! `tests/policy/provisioning-probe.sh` builds this crate with that cfg and
-//! asserts that clippy rejects every line marked `PROBE:` below, proving that
-//! the crate's `clippy.toml` really forbids these paths here. Never enabled in
-//! a normal build.
+//! `tests/policy/provisioning-probe.sh` builds this crate, and `swactor-jobs`
+//! (which compiles this same file), with that cfg and asserts that clippy
+//! rejects every line marked `PROBE:` below, proving that each crate's
+//! `clippy.toml` really forbids these paths there. Never enabled in a normal
+//! build.
 #![allow(dead_code, unused_imports, missing_docs, unreachable_pub)]
 
 use std::thread::spawn as go;

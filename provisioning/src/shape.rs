@@ -1,4 +1,7 @@
 //! Desired state: the declared cluster shape, its validation and its expansion into slots.
+//!
+//! Over 1,000 lines in one file because each shape type keeps its validation
+//! rule next to it.
 
 use crate::id::{Generation, GroupId, IdError, LogicalNodeId, RunId, validate_id};
 use crate::rollout::{GroupPolicy, OnPreempt, PERCENT_MAX, Quantity};

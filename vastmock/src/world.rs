@@ -8,6 +8,10 @@
 //! forgets destroyed instances whose grace period is over. No timer runs in
 //! the background; what does run there is the instance's own: its sshd,
 //! its `onstart` processes and its SSH proxy (see [`crate::machine`]).
+//!
+//! One file of over 1,000 lines: every call settles and reads the same private
+//! state (offers, instances, keys, counters), and a split would only move
+//! that state's fields behind accessors.
 
 use crate::config::{Endpoint, MockConfig, Offer, RateLimits, Timings};
 use crate::faults::{Ambiguity, Death, Faults, Gone, InstanceFault, Selector, SplitMix64, Traits};

@@ -1,6 +1,9 @@
 //! The daemon's web surface with real process nodes: the dashboard in a real
 //! headless chromium driven over the DevTools protocol, `/metrics` against
 //! `status --json`, refused requests, and a load of pages and scrapes.
+//!
+//! Over 1,000 lines in one file: one subject's end-to-end tests, sharing its
+//! helpers (the browser driver among them).
 
 use crate::common;
 

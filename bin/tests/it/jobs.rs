@@ -1,6 +1,9 @@
 //! Jobs end to end: a real daemon, real agents (local processes, and SSH
 //! hosts when an OpenSSH server is installed), `swactor run` as a user
 //! types it, iroh on loopback.
+//!
+//! Over 1,000 lines in one file: one subject's end-to-end tests, sharing its
+//! helpers.
 
 use crate::common;
 

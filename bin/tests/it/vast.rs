@@ -8,6 +8,9 @@
 //! and what is live at the end. The agent binary uploaded to instances is a
 //! small script running this build's `swactor` (the instances are this
 //! machine).
+//!
+//! Over 1,000 lines in one file: one subject's end-to-end tests, sharing the
+//! mock's set-up helpers.
 
 use crate::common;
 

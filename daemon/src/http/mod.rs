@@ -14,6 +14,10 @@
 //!   when malformed); a refused request changes nothing.
 //! - Controls go through the control protocol's own handler
 //!   ([`ControlHandler::answer`]), so they follow the same rules as the CLI.
+//!
+//! About 1,000 lines in one file because every route shares the token check,
+//! the connection caps and the refusal helpers; the page and the metrics
+//! live apart.
 
 mod page;
 

@@ -809,10 +809,24 @@ async fn cancel(run: &Run) {
     let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|p| p.end.is_some())).await;
 }
 
+/// When `args` (the process's own) say `job-exec --parent PID -- CMD…`,
+/// becomes CMD ([`exec`]) and returns the code to exit with if it could
+/// not; `None` for any other command line. The agent starts each run this
+/// way, so `swactor` and any program that embeds the daemon ask this first
+/// thing in `main`, before a runtime or a thread starts.
+pub fn exec_if_asked(args: &[String]) -> Option<i32> {
+    if args.get(1).map(String::as_str) != Some("job-exec") {
+        return None;
+    }
+    let parent = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
+    let argv = args.get(5..).unwrap_or_default();
+    Some(exec(parent, argv))
+}
+
 /// `swactor job-exec --parent PID -- CMD ARGS…`: becomes CMD, dying with
 /// the agent `PID`. Returns only when CMD could not be started: the exit
 /// code to end with (127 not found, 126 not runnable).
-pub fn exec(parent: u32, argv: &[String]) -> i32 {
+fn exec(parent: u32, argv: &[String]) -> i32 {
     use std::os::unix::process::CommandExt;
     // A run outlives neither its agent nor a kill of it.
     let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));

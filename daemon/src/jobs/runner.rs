@@ -30,6 +30,10 @@
 //! the journal; its agent is asked to kill the run's process group. A job
 //! actor that fails takes its run actors with it, and the supervisor records
 //! its unfinished runs as `failed` the same way. The daemon goes on either way.
+//!
+//! Over 1,000 lines in one file because a run actor's handlers mirror the run
+//! machine's actions one for one, and its job actor is the only writer of
+//! the records they change; the decisions themselves are in `swactor-jobs`.
 
 use super::blobs::Grant;
 use super::machine::{Action, Change, Event, Outcome, RunFacts, RunMachine, Stop, timeout_left};

@@ -36,6 +36,10 @@
 //!   and from its records) is asked for its claim; a claim of the run is a
 //!   lease, and its running agent a session. A host that does not answer is
 //!   left out of the listing.
+//!
+//! Over 1,000 lines in one file because every contract method takes the
+//! same claims-and-leases state under one lock; the SSH client itself lives
+//! apart in `ssh/`.
 
 use super::remote::{self, ALIVE_MARKER, EXIT_MARKER};
 use super::{ConnectOptions, KnownHosts, RemoteLine, SshError, SshIdentity, SshSession, SshTarget};

@@ -47,6 +47,9 @@
 //! are stored once behind a small hash index, a session's log is eight
 //! one-byte codes, and the schedule is a bucket per instant; a model of
 //! 100,000 converged nodes holds about 200 bytes per node.
+//!
+//! Over 1,000 lines in one file: one fault model per provider operation,
+//! all over one shared state of leases and sessions.
 
 use crate::rng::SimRng;
 use std::collections::BTreeMap;

@@ -13,6 +13,9 @@
 //! state and the provider's ground truth through [`ProviderView`]. It knows
 //! nothing about how the driver decides, so it can judge a mutated driver, or
 //! real actors over a real executor, the same way.
+//!
+//! Over 1,000 lines in one file: its checkers are split by kind within it,
+//! and they share one ledger of what was observed.
 
 use crate::backend::{FakeBackend, KeyStats};
 use crate::executor::FakeExecutor;

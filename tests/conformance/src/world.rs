@@ -14,6 +14,9 @@
 //! The host's core sits behind the [`Reconciler`] trait, which [`Driver`]
 //! implements; a test can wrap a driver to break it on purpose and check
 //! that the oracle notices.
+//!
+//! Over 1,000 lines in one file because it is one calling order (the
+//! daemon's) written once; split, the order would be spread over files.
 
 use crate::backend::{BackendConfig, FakeBackend, ProviderFault};
 use crate::executor::{ExecutorConfig, FakeExecutor, Output, Submitted};

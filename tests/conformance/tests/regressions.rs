@@ -1,4 +1,7 @@
 //! Known bugs from the wild, each a named scenario over the fake provider, plus fault-coverage scenarios.
+//!
+//! Over 1,000 lines in one file: one named scenario per known bug, each
+//! short, sharing the same few helpers.
 
 use swactor_conformance::{
     DeliveryFault, FakeExecutor, Input, Invariant, Mode, ProviderFault, World, WorldConfig,

@@ -1,0 +1,336 @@
+//! `status` and `describe`: the cluster and one node, as tables and text.
+
+use super::*;
+
+/// `swactor status [--json]`.
+///
+/// # Errors
+/// An unreachable daemon.
+pub(crate) async fn status(state_dir: &Path, json: bool) -> Result<()> {
+    let answer = one(state_dir, ControlRequest::Status).await?;
+    let ControlResponse::Status(snap) = answer else {
+        return Err(unexpected(&answer));
+    };
+    let mut out = Out::new();
+    if json {
+        /// The snapshot with the cluster's state in a word first, as the
+        /// headline says it (`converging`, `converged`, `paused`, `tearing
+        /// down`, `stopping`).
+        #[derive(serde::Serialize)]
+        struct WithState<'a> {
+            state: &'static str,
+            #[serde(flatten)]
+            snapshot: &'a ClusterSnapshot,
+        }
+        let with_state = WithState {
+            state: crate::words::cluster_state(&snap),
+            snapshot: &snap,
+        };
+        serde_json::to_writer_pretty(&mut out.0, &with_state)?;
+        out.line("")?;
+    } else {
+        print_status(&mut out, &snap, stdout_width(), "")?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// The first line of a status: the run, the generation, how many nodes are
+/// ready, and how many are in each other state.
+pub(super) fn status_headline(s: &ClusterSnapshot) -> String {
+    let ready = s.nodes.iter().filter(|n| state_word(n) == "ready").count();
+    let mut line = format!(
+        "run {} · generation {} · {ready}/{} ready",
+        s.run_id, s.generation.0, s.desired_nodes
+    );
+    let mut others: BTreeMap<&str, usize> = BTreeMap::new();
+    for n in &s.nodes {
+        let word = state_word(n);
+        if word != "ready" {
+            *others.entry(word).or_default() += 1;
+        }
+    }
+    for (word, count) in others {
+        line.push_str(&format!(" · {count} {word}"));
+    }
+    if s.orphans > 0 {
+        line.push_str(&format!(" · collecting {} leftover(s)", s.orphans));
+    }
+    // The same word `status --json` gives as its `state`; `paused` has a
+    // longer form of its own below.
+    match crate::words::cluster_state(s) {
+        "converging" => {}
+        "paused" if s.converged => line.push_str(" · converged"),
+        "paused" => {}
+        word => {
+            line.push_str(" · ");
+            line.push_str(word);
+        }
+    }
+    if s.paused {
+        line.push_str(" · paused (`swactor resume` to go on)");
+    }
+    line
+}
+
+/// The status table: one row per node, its state in the common vocabulary.
+///
+/// A `RESOURCE` column (what the provider says of each node's lease: a
+/// container id, say) is shown when any node has something there.
+pub(super) fn status_table(s: &ClusterSnapshot) -> Table {
+    let resources = s.nodes.iter().any(|n| n.resource.is_some());
+    let mut headers = vec!["NODE", "ATTEMPT", "STATE"];
+    if resources {
+        headers.push("RESOURCE");
+    }
+    headers.extend(["FAILS", "RETRY", "LAST ERROR"]);
+    let mut table = Table::new(&headers);
+    for n in &s.nodes {
+        let mut cells = vec![
+            n.node.to_string(),
+            n.attempt.to_string(),
+            state_cell(n, s.now),
+        ];
+        if resources {
+            cells.push(n.resource.clone().unwrap_or_else(|| "-".to_owned()));
+        }
+        cells.extend([n.failures.to_string(), retry_cell(n, s.now)]);
+        table.row(cells, n.last_error.clone().unwrap_or_default());
+    }
+    table
+}
+
+/// Prints a status, each line after `prefix`, fitted to `width` columns if given.
+pub(super) fn print_status(
+    out: &mut Out,
+    s: &ClusterSnapshot,
+    width: Option<usize>,
+    prefix: &str,
+) -> std::io::Result<()> {
+    out.line(format_args!("{prefix}{}", status_headline(s)))?;
+    for h in &s.holds {
+        out.line(format_args!("{prefix}group {}: {}", h.group, h.reason))?;
+    }
+    let width = width.map(|w| w.saturating_sub(prefix.chars().count() + 1));
+    for line in status_table(s).render(width).into_iter().flatten() {
+        out.line(format_args!("{prefix}{line}"))?;
+    }
+    if !s.rentals.is_empty() {
+        out.line(format_args!("{prefix}{}", rentals_headline(s)))?;
+        for line in rentals_table(s).render(width).into_iter().flatten() {
+            out.line(format_args!("{prefix}{line}"))?;
+        }
+    }
+    if let Some(line) = crate::words::budget_line(s.budget.as_ref(), s.spend.as_ref()) {
+        out.line(format_args!("{prefix}{line}"))?;
+    }
+    if !s.foreign.is_empty() {
+        let cost = crate::words::foreign_cost(&s.foreign)
+            .map(|m| format!(" · {} $/h", usd_per_hour(m)))
+            .unwrap_or_default();
+        let ours = s.deployment.as_deref().map_or_else(
+            || "this daemon's journal predates deployments".to_owned(),
+            |d| format!("this daemon is deployment {d}"),
+        );
+        out.line(format_args!(
+            "{prefix}foreign: {} resource(s) of run {} made by another deployment{cost} \
+             ({ours}; it never adopts or destroys them):",
+            s.foreign.len(),
+            s.run_id
+        ))?;
+        for r in &s.foreign {
+            out.line(format_args!(
+                "{prefix}  {}",
+                crate::words::foreign_resource(r)
+            ))?;
+        }
+    }
+    Ok(())
+}
+
+/// Dollars per hour from millionths.
+pub(super) fn usd_per_hour(micros: u64) -> String {
+    crate::words::usd(micros)
+}
+
+/// The rented machines' line: how many and what they cost together.
+pub(super) fn rentals_headline(s: &ClusterSnapshot) -> String {
+    let total: u64 = s.rentals.iter().map(|r| r.usd_per_hour_micros).sum();
+    format!(
+        "rented machines: {} · {} $/h in all",
+        s.rentals.len(),
+        usd_per_hour(total)
+    )
+}
+
+/// One row per rented machine: where it was rented and what it costs.
+pub(super) fn rentals_table(s: &ClusterSnapshot) -> Table {
+    let mut table = Table::new(&[
+        "NODE",
+        "ATTEMPT",
+        "PROVIDER",
+        "INSTANCE",
+        "OFFER",
+        "MACHINE",
+        "$/H",
+        "LAST SEEN",
+    ]);
+    for r in &s.rentals {
+        table.row(
+            vec![
+                r.node.to_string(),
+                r.attempt.to_string(),
+                r.provider.clone(),
+                r.instance.clone(),
+                if r.offer.is_empty() {
+                    "?".to_owned()
+                } else {
+                    r.offer.clone()
+                },
+                r.machine.clone(),
+                usd_per_hour(r.usd_per_hour_micros),
+            ],
+            r.status.clone(),
+        );
+    }
+    table
+}
+
+/// `swactor describe NODE`: one node in depth.
+///
+/// # Errors
+/// Not a node id, a node the daemon does not know, or an unreachable daemon.
+pub(crate) async fn describe(state_dir: &Path, node: &str) -> Result<()> {
+    if LogicalNodeId::parse(node).is_none() {
+        bail!("{}", crate::control::not_a_node_id(node));
+    }
+    let answer = one(state_dir, ControlRequest::Describe(node.to_owned())).await?;
+    let ControlResponse::Described(d) = answer else {
+        return Err(unexpected(&answer));
+    };
+    let mut out = Out::new();
+    print_description(&mut out, &d, stdout_width())?;
+    out.flush()?;
+    Ok(())
+}
+
+pub(super) fn print_description(
+    out: &mut Out,
+    d: &NodeDescription,
+    width: Option<usize>,
+) -> std::io::Result<()> {
+    let now = d.now;
+    let mut facts: Vec<(&str, String)> = Vec::new();
+    match &d.summary {
+        Some(n) => {
+            facts.push(("state", state_text(n, now)));
+            let failures = match n.failures {
+                0 => String::new(),
+                1 => " (1 failure since it was last ready)".to_owned(),
+                f => format!(" ({f} failures since it was last ready)"),
+            };
+            facts.push(("attempt", format!("{}{failures}", n.attempt)));
+            if matches!(n.next, NextStep::RetryAt(_) | NextStep::Held(_)) {
+                facts.push(("next retry", next_words(n.next, now)));
+            }
+            facts.push((
+                "agent",
+                match n.agent {
+                    AgentLink::Connected => "connected".to_owned(),
+                    AgentLink::NotJoined => "not joined to this daemon".to_owned(),
+                    AgentLink::Away { .. } => format!("disconnected; {}", next_words(n.next, now)),
+                },
+            ));
+            if let Some(p) = n.pending {
+                facts.push(("doing", effect_words(p).to_owned()));
+            }
+        }
+        None => facts.push(("state", "no node (the slot is empty)".to_owned())),
+    }
+    facts.push((
+        "desired",
+        if d.desired {
+            "yes: the current shape wants this slot".to_owned()
+        } else {
+            "no: the current shape does not want this slot".to_owned()
+        },
+    ));
+    facts.push((
+        "lease",
+        d.lease.clone().unwrap_or_else(|| "none".to_owned()),
+    ));
+    if let Some(b) = d.bootstrap {
+        facts.push(("bootstrap", bootstrap_words(b).to_owned()));
+    }
+    if let Some(r) = &d.failed_reason {
+        facts.push(("failed", r.clone()));
+    }
+    if let Some(e) = d.summary.as_ref().and_then(|n| n.last_error.clone()) {
+        facts.push(("last error", e));
+    }
+    out.line(d.node)?;
+    let mut table = Table::new(&["", ""]);
+    for (k, v) in facts {
+        table.row(vec![k.to_owned()], v);
+    }
+    for line in table.render(width).into_iter().skip(1).flatten() {
+        out.line(line)?;
+    }
+    if d.attempts.is_empty() {
+        return Ok(());
+    }
+    out.line("attempts, oldest first:")?;
+    let mut table = Table::new(&[
+        "ATTEMPT",
+        "STARTED",
+        "READY",
+        "ENDED",
+        "OUTCOME",
+        "REASON / LAST ERROR",
+    ]);
+    let current = d.summary.as_ref().map(|n| n.attempt);
+    for a in &d.attempts {
+        let outcome = if a.failed_reason.is_some() {
+            "failed"
+        } else if a.ended_at.is_some() {
+            "ended"
+        } else if Some(a.attempt) == current {
+            d.summary.as_ref().map_or("", state_word)
+        } else {
+            stage_word(a.stage)
+        };
+        let mut why: Vec<String> = Vec::new();
+        if let Some(r) = &a.failed_reason {
+            why.push(r.clone());
+        }
+        if let Some(e) = &a.last_error
+            && a.failed_reason.as_ref() != Some(e)
+        {
+            why.push(e.clone());
+        }
+        if why.is_empty()
+            && let Some(b) = a.bootstrap
+        {
+            why.push(bootstrap_words(b).to_owned());
+        }
+        let when = |t: Option<Timestamp>| t.map_or_else(|| "-".to_owned(), |t| ago(t, now));
+        table.row(
+            vec![
+                a.attempt.to_string(),
+                ago(a.started_at, now),
+                when(a.ready_at),
+                when(a.ended_at),
+                outcome.to_owned(),
+            ],
+            why.join("; "),
+        );
+    }
+    for line in table.render(width).into_iter().flatten() {
+        out.line(line)?;
+    }
+    out.line(format_args!(
+        "agent logs: `swactor logs {}` (`--attempt N` for an earlier attempt aN)",
+        d.node
+    ))?;
+    Ok(())
+}
