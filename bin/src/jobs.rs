@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use swactor_daemon::jobs::service::{JobEvent, JobRecord, JobSpec, JobState, Targets};
+use swactor_provisioning::LogicalNodeId;
 
 /// Options of `swactor run`.
 #[derive(Debug, clap::Args)]
@@ -190,10 +191,10 @@ async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
                 eprintln!(
                     "swactor: {id} on {} node(s): {}{ws}",
                     nodes.len(),
-                    nodes.join(", ")
+                    joined(&nodes)
                 );
                 if !skipped.is_empty() {
-                    eprintln!("swactor: not ready, left out: {}", skipped.join(", "));
+                    eprintln!("swactor: not ready, left out: {}", joined(&skipped));
                 }
                 job = Some(id);
             }
@@ -214,7 +215,9 @@ async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
                     );
                 }
             }
-            JobEvent::Output { node, stderr, text } => lines.add(&node, stderr, &text)?,
+            JobEvent::Output { node, stderr, text } => {
+                lines.add(&node.to_string(), stderr, &text)?;
+            }
             JobEvent::Finished(run) => {
                 if run.state != JobState::Succeeded {
                     let why = run.error.clone().unwrap_or_default();
@@ -253,17 +256,17 @@ fn summary(job: &JobRecord, cancelled: bool) {
         .map(|(s, n)| format!("{n} {}", s.word()))
         .collect();
     if cancelled {
-        let nodes: Vec<&str> = job
+        let nodes: Vec<LogicalNodeId> = job
             .runs
             .iter()
             .filter(|r| r.state == JobState::Cancelled)
-            .map(|r| r.node.as_str())
+            .map(|r| r.node)
             .collect();
         eprintln!(
             "swactor: {} cancelled on {} node(s) ({}); their process groups were killed",
             job.id,
             nodes.len(),
-            nodes.join(", ")
+            joined(&nodes)
         );
     }
     eprintln!(
@@ -282,8 +285,8 @@ fn copy_outputs(job: &JobRecord) -> Result<Option<PathBuf>> {
     let into = PathBuf::from("outputs").join(&job.id);
     let from = PathBuf::from(&job.outputs_dir);
     for run in job.runs.iter().filter(|r| r.output_files > 0) {
-        let src = from.join(&run.node);
-        let dst = into.join(&run.node);
+        let src = from.join(run.node.to_string());
+        let dst = into.join(run.node.to_string());
         for (rel, path) in swactor_daemon::jobs::walk(&src)
             .with_context(|| format!("cannot read {}", src.display()))?
         {
@@ -353,7 +356,7 @@ pub(crate) async fn logs(state_dir: &Path, id: &str, node: Option<String>) -> Re
     .await?;
     let mut lines = Lines::default();
     for (node, stderr, text) in pieces {
-        lines.add(&node, stderr, &text)?;
+        lines.add(&node.to_string(), stderr, &text)?;
     }
     lines.flush()?;
     Ok(())
@@ -400,10 +403,19 @@ pub(crate) async fn cancel(state_dir: &Path, id: &str) -> Result<()> {
             eprintln!(
                 "swactor: cancelling {job} on {} node(s) ({}): their process groups are killed",
                 nodes.len(),
-                nodes.join(", ")
+                joined(&nodes)
             );
         }
         other => return Err(crate::client::unexpected(&other)),
     }
     Ok(())
+}
+
+/// Every node of `nodes`, in order, comma-separated.
+fn joined(nodes: &[LogicalNodeId]) -> String {
+    nodes
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }

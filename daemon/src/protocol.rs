@@ -172,13 +172,13 @@ pub enum ControlResponse {
     /// Every job.
     Jobs(Vec<swactor_jobs::record::JobRecord>),
     /// A job's output as (node, from stderr, text) pieces.
-    JobLogs(Vec<(String, bool, String)>),
+    JobLogs(Vec<(LogicalNodeId, bool, String)>),
     /// The job is being cancelled on these nodes.
     JobCancelled {
         /// The job.
         job: String,
         /// The nodes it still ran on.
-        nodes: Vec<String>,
+        nodes: Vec<LogicalNodeId>,
     },
     /// A piece of a node's agent log (the answers to `AgentLog`).
     AgentLog(AgentLogPiece),

@@ -64,7 +64,7 @@ pub enum Refusal {
     /// A chosen node already has as many runs under way as one may.
     Busy {
         /// The node.
-        node: String,
+        node: LogicalNodeId,
         /// Its runs under way.
         busy: usize,
         /// The most one node may have.
@@ -188,17 +188,17 @@ pub fn choose_targets(targets: &Targets, candidates: &[Candidate]) -> Result<Cho
 /// [`Refusal::Busy`] for the first such node.
 pub fn check_busy<'a>(
     runs: impl Iterator<Item = &'a RunRecord> + Clone,
-    targets: &[(String, u64)],
+    targets: &[(LogicalNodeId, NodeAttemptId)],
     max: usize,
 ) -> Result<(), Refusal> {
     for (node, _) in targets {
         let busy = runs
             .clone()
-            .filter(|r| &r.node == node && !r.state.is_final())
+            .filter(|r| r.node == *node && !r.state.is_final())
             .count();
         if busy >= max {
             return Err(Refusal::Busy {
-                node: node.clone(),
+                node: *node,
                 busy,
                 max,
             });
@@ -316,9 +316,9 @@ mod tests {
         assert!(none.to_string().contains("its nodes: none"));
     }
 
-    fn run(node: &str, state: JobState) -> RunRecord {
+    fn run(node: LogicalNodeId, state: JobState) -> RunRecord {
         RunRecord {
-            node: node.to_owned(),
+            node,
             attempt: 1,
             state,
             exit_code: None,
@@ -336,21 +336,21 @@ mod tests {
     #[test]
     fn a_node_at_its_run_limit_is_busy_and_finished_runs_do_not_count() {
         let runs = [
-            run("worker-0", JobState::Running),
-            run("worker-0", JobState::Shipping),
-            run("worker-0", JobState::Succeeded),
-            run("worker-1", JobState::Running),
+            run(node("worker", 0), JobState::Running),
+            run(node("worker", 0), JobState::Shipping),
+            run(node("worker", 0), JobState::Succeeded),
+            run(node("worker", 1), JobState::Running),
         ];
-        let targets = |n: &str| vec![(n.to_owned(), 1)];
-        assert_eq!(check_busy(runs.iter(), &targets("worker-0"), 3), Ok(()));
+        let targets = |index: u32| vec![(node("worker", index), NodeAttemptId(1))];
+        assert_eq!(check_busy(runs.iter(), &targets(0), 3), Ok(()));
         assert_eq!(
-            check_busy(runs.iter(), &targets("worker-0"), 2),
+            check_busy(runs.iter(), &targets(0), 2),
             Err(Refusal::Busy {
-                node: "worker-0".to_owned(),
+                node: node("worker", 0),
                 busy: 2,
                 max: 2
             })
         );
-        assert_eq!(check_busy(runs.iter(), &targets("worker-2"), 1), Ok(()));
+        assert_eq!(check_busy(runs.iter(), &targets(2), 1), Ok(()));
     }
 }

@@ -24,6 +24,7 @@ use crate::wire::ExitInfo;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::time::Duration;
+use swactor_provisioning::LogicalNodeId;
 
 /// How many times in a row a log stream may break while its link stays up
 /// before the run is given up as `lost`.
@@ -224,7 +225,7 @@ enum Phase {
 #[derive(Clone, Debug)]
 pub struct RunFacts {
     /// The node.
-    pub node: String,
+    pub node: LogicalNodeId,
     /// The attempt of the node the run is for.
     pub attempt: u64,
     /// Whether the job declared outputs to collect.
@@ -330,7 +331,7 @@ impl RunMachine {
 
     /// Folds in what happened; the actions it calls for are queued.
     pub fn handle(&mut self, event: Event) {
-        let node = self.facts.node.clone();
+        let node = self.facts.node;
         match (self.phase.clone(), event) {
             (Phase::Finished, _) => {}
             (_, Event::Stop(why)) => {
@@ -471,7 +472,7 @@ mod tests {
 
     fn facts(wants_outputs: bool) -> RunFacts {
         RunFacts {
-            node: "worker-0".to_owned(),
+            node: LogicalNodeId::parse("worker-0").unwrap(),
             attempt: 3,
             wants_outputs,
             reattach_wait: Duration::from_secs(15),

@@ -4,6 +4,7 @@
 use crate::machine::{Change, Stop};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+use swactor_provisioning::LogicalNodeId;
 
 /// Where a job or a run is.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
@@ -62,8 +63,8 @@ pub struct OutputFile {
 /// One run of a job: a node's attempt, and what became of it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RunRecord {
-    /// The node.
-    pub node: String,
+    /// The node (written as its id, `worker-3`, as a string was before).
+    pub node: LogicalNodeId,
     /// The attempt of the node the run was meant for.
     pub attempt: u64,
     /// Where it is.
@@ -174,7 +175,7 @@ impl JobRecord {
                 run.shipped_bytes = *bytes;
                 run.shipped_chunks = *chunks;
                 Some(JobEvent::Shipped {
-                    node: run.node.clone(),
+                    node: run.node,
                     bytes: *bytes,
                     chunks: *chunks,
                     of,
@@ -235,9 +236,9 @@ pub enum JobEvent {
         /// Its id.
         job: String,
         /// The nodes it runs on.
-        nodes: Vec<String>,
+        nodes: Vec<LogicalNodeId>,
         /// Nodes left out because they are not ready.
-        skipped: Vec<String>,
+        skipped: Vec<LogicalNodeId>,
         /// Files in the workspace.
         workspace_files: u64,
         /// Bytes in the workspace.
@@ -246,7 +247,7 @@ pub enum JobEvent {
     /// A node has the workspace.
     Shipped {
         /// The node.
-        node: String,
+        node: LogicalNodeId,
         /// Bytes sent.
         bytes: u64,
         /// Chunks sent.
@@ -257,7 +258,7 @@ pub enum JobEvent {
     /// Output of a node.
     Output {
         /// The node.
-        node: String,
+        node: LogicalNodeId,
         /// From stderr (else stdout).
         stderr: bool,
         /// The text.
@@ -276,7 +277,7 @@ mod tests {
 
     fn run(state: JobState, exit_code: Option<i32>) -> RunRecord {
         RunRecord {
-            node: "worker-0".to_owned(),
+            node: LogicalNodeId::parse("worker-0").unwrap(),
             attempt: 1,
             state,
             exit_code,

@@ -53,6 +53,7 @@ use swactor_engine::ractor::{
     Actor, ActorId, ActorProcessingErr, ActorRef, DerivedActorRef, RpcReplyPort, SupervisionEvent,
 };
 use swactor_engine::{Forwarder, TimerFired, Timers, run_until};
+use swactor_provisioning::LogicalNodeId;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -190,7 +191,7 @@ async fn fail_unfinished(shared: &Shared, seq: u64, why: &str) {
 /// Asks `run`'s agent to kill it and drop what it kept, as far as it can be
 /// reached; for runs whose actor is gone.
 async fn abandon(shared: &Shared, job: &str, run: &RunRecord) {
-    let Some(conn) = shared.links.get(&run.node, run.attempt) else {
+    let Some(conn) = shared.links.get(run.node, run.attempt) else {
         return;
     };
     let (attempt, job) = (run.attempt, job.to_owned());
@@ -562,13 +563,13 @@ impl Actor for RunActor {
         myself: ActorRef<RunMsg>,
         a: RunArgs,
     ) -> Result<RunActorState, ActorProcessingErr> {
-        let log_path = a.shared.log_path(&a.job_id, &a.run.node);
+        let log_path = a.shared.log_path(&a.job_id, a.run.node);
         // This daemon's copy of the log starts over: the agent has all of it.
         let log = tokio::fs::File::create(&log_path)
             .await
             .map_err(|e| format!("cannot write {}: {e}", log_path.display()))?;
         let facts = RunFacts {
-            node: a.run.node.clone(),
+            node: a.run.node,
             attempt: a.run.attempt,
             wants_outputs: !a.globs.is_empty(),
             reattach_wait: a.shared.limits.reattach_wait,
@@ -576,7 +577,7 @@ impl Actor for RunActor {
         let machine = RunMachine::new(facts, a.run.state, a.workspace.is_some());
         a.shared
             .links
-            .watch(&a.run.node, a.run.attempt, myself.clone());
+            .watch(a.run.node, a.run.attempt, myself.clone());
         myself.send_message(RunMsg::Begin)?;
         Ok(RunActorState {
             timers: Timers::new(myself),
@@ -634,8 +635,8 @@ impl Actor for RunActor {
 }
 
 impl RunActorState {
-    fn node(&self) -> &str {
-        &self.a.run.node
+    fn node(&self) -> LogicalNodeId {
+        self.a.run.node
     }
 
     fn attempt(&self) -> u64 {
@@ -958,7 +959,7 @@ impl RunActorState {
     /// Keeps a piece of log and tells followers the records it completes.
     async fn log_piece(&mut self, bytes: &[u8]) -> Result<(), ActorProcessingErr> {
         if let Some(node) = &self.a.shared.faults.run_panics_on
-            && node == self.node()
+            && *node == self.node().to_string()
         {
             panic!("SWACTOR_FAULT_RUN_PANICS_ON={node}: a run actor panics on its first log");
         }
@@ -975,7 +976,7 @@ impl RunActorState {
             self.a.shared.emit(
                 self.a.seq,
                 JobEvent::Output {
-                    node: self.node().to_owned(),
+                    node: self.node(),
                     stderr: rec.stream == Stream::Stderr,
                     text: String::from_utf8_lossy(&rec.data).into_owned(),
                 },
@@ -995,7 +996,7 @@ impl RunActorState {
             .ok()?
             .ok()?;
         let (node, attempt) = (self.node(), self.attempt());
-        let n = snap.nodes.iter().find(|n| n.node.to_string() == node)?;
+        let n = snap.nodes.iter().find(|n| n.node == node)?;
         (n.attempt.0 > attempt).then(|| {
             format!(
                 "{node} attempt {attempt} was replaced by attempt {}",
@@ -1013,7 +1014,7 @@ impl RunActorState {
             .dir
             .join(&self.a.job_id)
             .join("outputs")
-            .join(self.node());
+            .join(self.node().to_string());
         let _ = tokio::fs::remove_dir_all(&into).await;
         let req = ToAgent::Collect {
             attempt: self.attempt(),
@@ -1156,7 +1157,7 @@ impl Incoming {
             .map_err(|e| format!("cannot write {}: {e}", self.part.display()))
     }
 
-    async fn finish(mut self, node: &str) -> Result<OutputFile, String> {
+    async fn finish(mut self, node: LogicalNodeId) -> Result<OutputFile, String> {
         let actual = *self.hasher.finalize().as_bytes();
         let written = self
             .file

@@ -31,7 +31,7 @@ use swactor_engine::net::{Allowlist, PreAuth};
 use swactor_engine::net::{FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, accept_first_frame};
 use swactor_engine::ractor::{Actor, ActorId, ActorRef, rpc::CallResult};
 use swactor_engine::{BlockingConfig, BlockingPool, Clock, run_until};
-use swactor_provisioning::Intent;
+use swactor_provisioning::{Intent, LogicalNodeId, NodeAttemptId};
 use tokio::sync::{broadcast, watch};
 
 use super::machine::Stop;
@@ -51,7 +51,11 @@ pub(crate) const ACTOR_CALL_WAIT: Duration = Duration::from_secs(60);
 
 /// Refuses when a node of `targets` already has as many runs under way as
 /// it may (decided in the jobs core).
-fn busy(jobs: &BTreeMap<u64, Entry>, targets: &[(String, u64)], max: usize) -> Result<(), String> {
+fn busy(
+    jobs: &BTreeMap<u64, Entry>,
+    targets: &[(LogicalNodeId, NodeAttemptId)],
+    max: usize,
+) -> Result<(), String> {
     check_busy(
         jobs.values().flat_map(|e| e.record.runs.iter()),
         targets,
@@ -212,7 +216,7 @@ impl Shared {
     }
 
     /// Where the daemon keeps the log of `job` on `node`.
-    pub(crate) fn log_path(&self, job: &str, node: &str) -> PathBuf {
+    pub(crate) fn log_path(&self, job: &str, node: LogicalNodeId) -> PathBuf {
         self.dir.join(job).join(format!("{node}.log"))
     }
 }
@@ -383,11 +387,11 @@ impl JobService {
         &self,
         id: &str,
         node: Option<&str>,
-    ) -> Result<Vec<(String, bool, String)>, String> {
+    ) -> Result<Vec<(LogicalNodeId, bool, String)>, String> {
         let seq = self.find(id)?;
         let record = self.shared.record(seq).ok_or("gone")?;
         if let Some(n) = node
-            && !record.runs.iter().any(|r| r.node == n)
+            && !record.runs.iter().any(|r| r.node.to_string() == n)
         {
             return Err(format!("job {} did not run on {n}", record.id));
         }
@@ -395,14 +399,14 @@ impl JobService {
         for run in record
             .runs
             .iter()
-            .filter(|r| node.is_none_or(|n| n == r.node))
+            .filter(|r| node.is_none_or(|n| r.node.to_string() == n))
         {
-            let bytes = tokio::fs::read(self.shared.log_path(&record.id, &run.node))
+            let bytes = tokio::fs::read(self.shared.log_path(&record.id, run.node))
                 .await
                 .unwrap_or_default();
             for rec in LogRecord::decode_all(&bytes).0 {
                 out.push((
-                    run.node.clone(),
+                    run.node,
                     rec.stream == Stream::Stderr,
                     String::from_utf8_lossy(&rec.data).into_owned(),
                 ));
@@ -412,16 +416,16 @@ impl JobService {
     }
 
     /// Cancels job `id` on every node it still runs on; returns the job and those nodes.
-    pub(crate) fn cancel(&self, id: &str) -> Result<(String, Vec<String>), String> {
+    pub(crate) fn cancel(&self, id: &str) -> Result<(String, Vec<LogicalNodeId>), String> {
         let seq = self.find(id)?;
         let jobs = self.shared.jobs();
         let entry = jobs.get(&seq).ok_or_else(|| format!("no job {id:?}"))?;
-        let nodes: Vec<String> = entry
+        let nodes: Vec<LogicalNodeId> = entry
             .record
             .runs
             .iter()
             .filter(|r| !r.state.is_final())
-            .map(|r| r.node.clone())
+            .map(|r| r.node)
             .collect();
         if !nodes.is_empty()
             && let Some(actor) = &entry.actor
@@ -504,8 +508,8 @@ impl JobService {
                 runs: targets
                     .iter()
                     .map(|(node, attempt)| RunRecord {
-                        node: node.clone(),
-                        attempt: *attempt,
+                        node: *node,
+                        attempt: attempt.0,
                         state: JobState::Queued,
                         exit_code: None,
                         error: None,
@@ -544,7 +548,7 @@ impl JobService {
         }
         let accepted = JobEvent::Accepted {
             job: id,
-            nodes: targets.iter().map(|(n, _)| n.clone()).collect(),
+            nodes: targets.iter().map(|(n, _)| *n).collect(),
             skipped,
             workspace_files: record.workspace_files,
             workspace_bytes: record.workspace_bytes,
@@ -562,7 +566,7 @@ impl JobService {
     async fn targets(
         &self,
         targets: &Targets,
-    ) -> Result<(Vec<(String, u64)>, Vec<String>), String> {
+    ) -> Result<(Vec<(LogicalNodeId, NodeAttemptId)>, Vec<LogicalNodeId>), String> {
         let snap = self
             .shared
             .cluster
@@ -580,18 +584,13 @@ impl JobService {
             })
             .collect();
         let picked = choose_targets(targets, &candidates).map_err(|r| r.to_string())?;
-        let chosen: Vec<(String, u64)> = picked
-            .nodes
-            .iter()
-            .map(|(node, attempt)| (node.to_string(), attempt.0))
-            .collect();
-        let skipped: Vec<String> = picked.skipped.iter().map(ToString::to_string).collect();
+        let (chosen, skipped) = (picked.nodes, picked.skipped);
         // A ready node's agent may still be dialing its jobs link.
         for (node, attempt) in &chosen {
             if self
                 .shared
                 .links
-                .wait(&self.shared.clock, node, *attempt, Duration::from_secs(5))
+                .wait(&self.shared.clock, *node, attempt.0, Duration::from_secs(5))
                 .await
                 .is_none()
             {
@@ -699,13 +698,13 @@ pub(crate) struct Links {
 
 #[derive(Debug, Default)]
 struct LinksInner {
-    conns: HashMap<(String, u64), Connection>,
+    conns: HashMap<(LogicalNodeId, u64), Connection>,
     watchers: Vec<Watcher>,
 }
 
 #[derive(Debug)]
 struct Watcher {
-    node: String,
+    node: LogicalNodeId,
     attempt: u64,
     actor: ActorRef<RunMsg>,
 }
@@ -724,18 +723,18 @@ impl Links {
     }
 
     /// The live link of (node, attempt).
-    pub(crate) fn get(&self, node: &str, attempt: u64) -> Option<Connection> {
+    pub(crate) fn get(&self, node: LogicalNodeId, attempt: u64) -> Option<Connection> {
         self.lock()
             .conns
-            .get(&(node.to_owned(), attempt))
+            .get(&(node, attempt))
             .filter(|c| c.close_reason().is_none())
             .cloned()
     }
 
     /// Tells `actor` about links of `node` from now on.
-    pub(crate) fn watch(&self, node: &str, attempt: u64, actor: ActorRef<RunMsg>) {
+    pub(crate) fn watch(&self, node: LogicalNodeId, attempt: u64, actor: ActorRef<RunMsg>) {
         self.lock().watchers.push(Watcher {
-            node: node.to_owned(),
+            node,
             attempt,
             actor,
         });
@@ -749,9 +748,9 @@ impl Links {
     /// Records `conn` as the link of (node, attempt); false, changing
     /// nothing, if that attempt has a live link already (a link replaces
     /// another only once the other is gone).
-    fn up(&self, node: &str, attempt: u64, conn: Connection) -> bool {
+    fn up(&self, node: LogicalNodeId, attempt: u64, conn: Connection) -> bool {
         let mut inner = self.lock();
-        let key = (node.to_owned(), attempt);
+        let key = (node, attempt);
         if inner
             .conns
             .get(&key)
@@ -781,9 +780,9 @@ impl Links {
         true
     }
 
-    fn down(&self, node: &str, attempt: u64, conn: &Connection) {
+    fn down(&self, node: LogicalNodeId, attempt: u64, conn: &Connection) {
         let mut inner = self.lock();
-        let key = (node.to_owned(), attempt);
+        let key = (node, attempt);
         if inner
             .conns
             .get(&key)
@@ -800,7 +799,7 @@ impl Links {
     pub(crate) async fn wait(
         &self,
         clock: &Clock,
-        node: &str,
+        node: LogicalNodeId,
         attempt: u64,
         wait: Duration,
     ) -> Option<Connection> {
@@ -871,10 +870,10 @@ impl ProtocolHandler for JobsHandler {
                 return Ok(());
             }
         }
-        let (node, attempt) = (key.node.to_string(), key.attempt.0);
+        let (node, attempt) = (key.node, key.attempt.0);
         // One link per attempt: a second one, while the first is up, is
         // refused and changes nothing of the first.
-        if !self.0.links.up(&node, attempt, conn.clone()) {
+        if !self.0.links.up(node, attempt, conn.clone()) {
             tracing::warn!(%node, attempt, "a second jobs link for an attempt was refused");
             conn.close(1u32.into(), b"this attempt is linked already");
             return Ok(());
@@ -882,7 +881,7 @@ impl ProtocolHandler for JobsHandler {
         drop(unchecked);
         tracing::info!(%node, attempt, "jobs link up");
         conn.closed().await;
-        self.0.links.down(&node, attempt, &conn);
+        self.0.links.down(node, attempt, &conn);
         tracing::info!(%node, attempt, "jobs link down");
         Ok(())
     }
