@@ -1,7 +1,7 @@
 //! The records of jobs and runs, as the daemon keeps them in `jobs.redb`
 //! and shows them, and what `swactor run` asks for and is told.
 
-use crate::machine::{Change, Stop};
+use crate::wire::ExitInfo;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use swactor_provisioning::LogicalNodeId;
@@ -270,10 +270,96 @@ pub enum JobEvent {
     Done(JobRecord),
 }
 
+/// Why a job was stopped before its runs ended on their own.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Stop {
+    /// `swactor job cancel`, or Ctrl-C on `swactor run`.
+    Cancelled,
+    /// The job's `--timeout` passed; the text says after how long.
+    TimedOut(String),
+}
+
+impl Stop {
+    /// What a stopped run became: a cancelled one is `cancelled`, a timed-out
+    /// one `failed` with 124 (as `timeout(1)` exits).
+    pub fn outcome(&self, when: &str) -> Outcome {
+        match self {
+            Self::Cancelled => Outcome::fail(JobState::Cancelled, format!("cancelled {when}")),
+            Self::TimedOut(why) => Outcome {
+                state: JobState::Failed,
+                exit_code: Some(124),
+                error: Some(why.clone()),
+                collected: Vec::new(),
+            },
+        }
+    }
+}
+
+/// How a run ended, as its record keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// A final state.
+    pub state: JobState,
+    /// The exit code (128 + signal when a signal ended it).
+    pub exit_code: Option<i32>,
+    /// Why it failed, was lost or cancelled.
+    pub error: Option<String>,
+    /// The output files collected, each with its verified hash.
+    pub collected: Vec<OutputFile>,
+}
+
+impl Outcome {
+    /// A run that ended in `state` for `error`, without an exit code.
+    pub fn fail(state: JobState, error: impl Into<String>) -> Self {
+        Self {
+            state,
+            exit_code: None,
+            error: Some(error.into()),
+            collected: Vec::new(),
+        }
+    }
+
+    /// A run whose command exited as `exit` and whose outputs are `collected`.
+    pub fn exited(exit: ExitInfo, collected: Vec<OutputFile>) -> Self {
+        let code = exit.shell_code();
+        Self {
+            state: if code == 0 {
+                JobState::Succeeded
+            } else {
+                JobState::Failed
+            },
+            exit_code: Some(code),
+            // The code is the shell's (128 + a signal), for exit codes;
+            // the words say which it was.
+            error: (code != 0).then(|| {
+                swactor_provisioning::exit::Ended::new(exit.code, exit.signal).to_string()
+            }),
+            collected,
+        }
+    }
+}
+
+/// A change to a run's record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// The workspace is about to be shipped.
+    Shipping,
+    /// The node has the workspace; this much was sent.
+    Shipped {
+        /// Bytes sent.
+        bytes: u64,
+        /// Chunks sent.
+        chunks: u64,
+    },
+    /// The start request is about to be sent.
+    Running,
+    /// The run ended.
+    Finished(Outcome),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::machine::Outcome;
 
     fn run(state: JobState, exit_code: Option<i32>) -> RunRecord {
         RunRecord {
