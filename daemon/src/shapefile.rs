@@ -456,7 +456,9 @@ pub fn capacity_refusal(
         .and_then(|s| s.validate().ok())
         .unwrap_or_else(|| DesiredState::empty(shape.run_id.clone(), Generation(0)));
     let refused = swactor_provisioning::check_capacity(shape, &now, capacities).err()?;
-    Some(refusal(&swactor_actors::ClusterError::Apply(refused)))
+    Some(refusal(&swactor_actors::ClusterError::Apply(
+        refused.into(),
+    )))
 }
 
 /// A group as messages name it: `group "worker"`, or by its place in the

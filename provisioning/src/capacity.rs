@@ -1,7 +1,53 @@
 //! Whether a shape fits: under its own `capacity`, or under the providers' estimates.
 
-use crate::host::{ApplyError, Capacity, CapacityBasis};
 use crate::shape::{ClusterShape, DesiredState};
+use serde::{Deserialize, Serialize};
+
+/// How many nodes a provider can hold, and on what the estimate rests.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    /// The provider kind (`process`, ...) whose groups it limits.
+    pub kind: String,
+    /// The most nodes.
+    pub nodes: u64,
+    /// Where the number comes from, for people (e.g. "this machine's
+    /// 7.5 GiB of free memory at 64 MiB per agent").
+    pub basis: String,
+}
+
+/// On what the limit of an [`OverCapacity`] rests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CapacityBasis {
+    /// The shape's own top-level `capacity`, which overrides every
+    /// provider's estimate.
+    Shape,
+    /// A provider's estimate, as its [`Capacity::basis`] describes it.
+    Provider(String),
+}
+
+impl std::fmt::Display for CapacityBasis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Shape => f.write_str("the shape's `capacity`"),
+            Self::Provider(basis) => f.write_str(basis),
+        }
+    }
+}
+
+/// A shape refused by [`check_capacity`], with its numbers; the host
+/// answers it as `ApplyError::OverCapacity` (`From` turns one into the
+/// other).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverCapacity {
+    /// Nodes the shape asks for at most (surge slots of a rollout included).
+    pub nodes: u64,
+    /// How the surge adds to `nodes`, said for people (empty without one).
+    pub surge: String,
+    /// The most allowed.
+    pub capacity: u64,
+    /// On what that rests.
+    pub basis: CapacityBasis,
+}
 
 /// Refuses `shape` when it would grow the cluster, from `current`, past the
 /// shape's own `capacity` or, without one, past any of `capacities` (each
@@ -14,13 +60,13 @@ use crate::shape::{ClusterShape, DesiredState};
 /// `current` for a new cluster), to refuse the same shapes earlier.
 ///
 /// # Errors
-/// [`ApplyError::OverCapacity`], naming the numbers. A shape that does not
+/// [`OverCapacity`], naming the numbers. A shape that does not
 /// validate is not refused here: validation says why, more clearly.
 pub fn check_capacity(
     shape: &ClusterShape,
     current: &DesiredState,
     capacities: &[Capacity],
-) -> Result<(), ApplyError> {
+) -> Result<(), OverCapacity> {
     let Ok(next) = shape.validate() else {
         return Ok(());
     };
@@ -37,7 +83,7 @@ pub fn check_capacity(
             .fold((0, 0), |(n, s), (gn, gs)| (n + gn + gs, s + gs))
     };
     let refuse = |(nodes, surge): (u64, u64), now: u64, capacity: u64, basis: CapacityBasis| {
-        (nodes > capacity && nodes > now).then(|| ApplyError::OverCapacity {
+        (nodes > capacity && nodes > now).then(|| OverCapacity {
             nodes,
             surge: if surge > 0 {
                 format!(" (counting up to {surge} surge node(s) of a rollout)")
@@ -73,6 +119,7 @@ pub fn check_capacity(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::ApplyError;
     use crate::id::{Generation, RunId};
     use crate::shape::tests::{group, shape};
 
@@ -88,7 +135,7 @@ mod tests {
     fn a_new_cluster_past_a_providers_estimate_is_refused_and_its_own_capacity_wins() {
         let none = DesiredState::empty(RunId::new("run"), Generation(0));
         let mut big = shape(1, vec![group("w", 10)]);
-        let e = check_capacity(&big, &none, &[local(4)]).unwrap_err();
+        let e = ApplyError::from(check_capacity(&big, &none, &[local(4)]).unwrap_err());
         assert!(
             matches!(
                 &e,
@@ -120,7 +167,7 @@ mod tests {
         let none = DesiredState::empty(RunId::new("run"), Generation(0));
         let mut big = shape(1, vec![group("w", 10)]);
         big.capacity = Some(6);
-        let own = check_capacity(&big, &none, &[local(20)]).unwrap_err();
+        let own = ApplyError::from(check_capacity(&big, &none, &[local(20)]).unwrap_err());
         assert!(
             matches!(
                 &own,
@@ -145,7 +192,7 @@ mod tests {
             basis: "the `capacity` of this test".to_owned(),
             ..local(4)
         };
-        let theirs = check_capacity(&big, &none, &[described]).unwrap_err();
+        let theirs = ApplyError::from(check_capacity(&big, &none, &[described]).unwrap_err());
         assert_eq!(
             theirs,
             ApplyError::OverCapacity {

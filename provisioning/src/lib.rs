@@ -44,7 +44,7 @@ mod start;
 mod state;
 mod time;
 
-pub use capacity::check_capacity;
+pub use capacity::{OverCapacity, check_capacity};
 pub use config::{ConfigError, OperationTimeouts, ReconcilerConfig};
 pub use core::Reconciler;
 pub use decide::{

@@ -26,19 +26,17 @@ pub const DENSE_INDEX_MAX: u32 = 1 << 18;
 /// value's first fields (which `ManagedNode` keeps hot) from one cache line.
 #[repr(C)]
 #[derive(Clone)]
-struct Entry<V>(LogicalNodeId, V);
+pub(crate) struct Entry<V>(LogicalNodeId, V);
 
 // Size budgets, checked when the crate is built: a table entry costs its
-// key and value only, and a slot of the cluster state is four cache lines
-// (the walk's speed depends on it; see `ManagedNode`'s padding).
+// key and value only (the budgets of the values stored in tables sit next
+// to their types: `ManagedNode`, `SlotRecord`).
 #[cfg(target_pointer_width = "64")]
 const _: () = {
     use std::mem::size_of;
     assert!(size_of::<LogicalNodeId>() == 16);
     assert!(size_of::<Option<(u64, u64)>>() == 24);
     assert!(size_of::<Option<Entry<(u64, u64)>>>() == 32);
-    assert!(size_of::<Option<crate::host::SlotRecord>>() == 24);
-    assert!(size_of::<Option<Entry<crate::state::ManagedNode>>>() == 256);
 };
 
 /// One group's slots, each holding an `E` (a [`NodeMap`] keeps the key in

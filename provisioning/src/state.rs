@@ -375,6 +375,12 @@ pub struct ManagedNode {
     _pad: u64,
 }
 
+// Size budget, checked when the crate is built: a slot of the cluster state,
+// with its key in a node table, is four cache lines (the walk's speed
+// depends on it; see the padding above).
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Option<crate::nodemap::Entry<ManagedNode>>>() == 256);
+
 impl ManagedNode {
     /// A fresh attempt for a slot.
     pub fn new(

@@ -82,21 +82,13 @@ pub enum ApplyError {
     },
 }
 
-/// On what the limit of an [`ApplyError::OverCapacity`] rests.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum CapacityBasis {
-    /// The shape's own top-level `capacity`, which overrides every
-    /// provider's estimate.
-    Shape,
-    /// A provider's estimate, as its [`Capacity::basis`] describes it.
-    Provider(String),
-}
-
-impl std::fmt::Display for CapacityBasis {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Shape => f.write_str("the shape's `capacity`"),
-            Self::Provider(basis) => f.write_str(basis),
+impl From<OverCapacity> for ApplyError {
+    fn from(o: OverCapacity) -> Self {
+        Self::OverCapacity {
+            nodes: o.nodes,
+            surge: o.surge,
+            capacity: o.capacity,
+            basis: o.basis,
         }
     }
 }

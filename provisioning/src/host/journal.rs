@@ -76,6 +76,11 @@ pub struct SlotRecord {
     pub replace: bool,
 }
 
+// Size budget, checked when the crate is built: a slot's record (and its
+// `None`) is three words.
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Option<SlotRecord>>() == 24);
+
 /// Everything a journal holds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JournalImage {

@@ -105,6 +105,8 @@ mod journal;
 mod output;
 mod records;
 
+use crate::capacity::OverCapacity;
+pub use crate::capacity::{Capacity, CapacityBasis};
 pub use io::*;
 pub use journal::*;
 
@@ -222,18 +224,6 @@ impl Liveness {
 
 /// Slots without a node whose attempt history is still kept for people.
 pub const DEPARTED_HISTORY_MAX: usize = 256;
-
-/// How many nodes a provider can hold, and on what the estimate rests.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Capacity {
-    /// The provider kind (`process`, ...) whose groups it limits.
-    pub kind: String,
-    /// The most nodes.
-    pub nodes: u64,
-    /// Where the number comes from, for people (e.g. "this machine's
-    /// 7.5 GiB of free memory at 64 MiB per agent").
-    pub basis: String,
-}
 
 /// One attempt of a slot, as people look back at it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -771,6 +761,7 @@ impl<C: Reconciler> Host<C> {
             return Ok(());
         }
         crate::capacity::check_capacity(shape, self.core.desired(), &self.config.capacities)
+            .map_err(ApplyError::from)
     }
 
     /// The earliest instant the host needs waking: the core's deadline, a
