@@ -242,35 +242,51 @@ impl RunMachine {
         self.act(Action::Attach);
     }
 
-    /// Folds in what happened; the actions it calls for are queued.
+    /// Folds in what happened; the actions it calls for are queued. A stop
+    /// and a failed cancel count in every phase; anything else is read by
+    /// the phase the run is in, and one out of place (a link that came up
+    /// while attached, a timer that fired after the link came back) does
+    /// nothing.
     pub fn handle(&mut self, event: Event) {
-        let node = self.facts.node;
         match (self.phase.clone(), event) {
             (Phase::Finished, _) => {}
-            (_, Event::Stop(why)) => {
-                if self.stop.is_some() {
-                    return;
-                }
-                self.stop = Some(why.clone());
-                match self.phase {
-                    // Nothing started yet: nothing to kill.
-                    Phase::Shipping => self.finish(why.outcome("before it started")),
-                    Phase::Attached => {
-                        self.cancel_sent = true;
-                        self.act(Action::Cancel);
-                    }
-                    // Sent once the start is answered or the link is back; a
-                    // command that already exited is collected as it ended.
-                    Phase::Starting | Phase::Away | Phase::Collecting(_) | Phase::Finished => {}
-                }
+            (_, Event::Stop(why)) => self.on_stop(why),
+            (_, Event::CancelFailed) => self.cancel_sent = false,
+            (Phase::Shipping, event) => self.while_shipping(event),
+            (Phase::Starting, event) => self.while_starting(event),
+            (Phase::Attached, event) => self.while_attached(event),
+            (Phase::Away, event) => self.while_away(event),
+            (Phase::Collecting(exit), event) => self.while_collecting(exit, event),
+        }
+    }
+
+    fn on_stop(&mut self, why: Stop) {
+        if self.stop.is_some() {
+            return;
+        }
+        self.stop = Some(why.clone());
+        match self.phase {
+            // Nothing started yet: nothing to kill.
+            Phase::Shipping => self.finish(why.outcome("before it started")),
+            Phase::Attached => {
+                self.cancel_sent = true;
+                self.act(Action::Cancel);
             }
-            (Phase::Shipping, Event::Shipped { bytes, chunks }) => {
+            // Sent once the start is answered or the link is back; a
+            // command that already exited is collected as it ended.
+            Phase::Starting | Phase::Away | Phase::Collecting(_) | Phase::Finished => {}
+        }
+    }
+
+    fn while_shipping(&mut self, event: Event) {
+        match event {
+            Event::Shipped { bytes, chunks } => {
                 self.act(Action::Record(Change::Shipped { bytes, chunks }));
                 self.phase = Phase::Starting;
                 self.act(Action::Record(Change::Running));
                 self.act(Action::Start);
             }
-            (Phase::Shipping, Event::ShipFailed { error, lost }) => {
+            Event::ShipFailed { error, lost } => {
                 let state = if lost {
                     JobState::Lost
                 } else {
@@ -278,18 +294,29 @@ impl RunMachine {
                 };
                 self.finish(Outcome::fail(state, error));
             }
-            (Phase::Starting, Event::Started) => self.attach(),
-            (Phase::Starting, Event::StartRefused(e)) => self.finish(Outcome {
+            _ => {}
+        }
+    }
+
+    fn while_starting(&mut self, event: Event) {
+        match event {
+            Event::Started => self.attach(),
+            Event::StartRefused(e) => self.finish(Outcome {
                 state: JobState::Failed,
                 exit_code: Some(127),
                 error: Some(e),
                 collected: Vec::new(),
             }),
-            (Phase::Starting, Event::StartLost(e)) => {
-                self.finish(Outcome::fail(JobState::Lost, e));
-            }
-            (Phase::Attached, Event::Log) => self.breaks = 0,
-            (Phase::Attached, Event::Exit(exit)) => match self.stop.clone() {
+            Event::StartLost(e) => self.finish(Outcome::fail(JobState::Lost, e)),
+            _ => {}
+        }
+    }
+
+    fn while_attached(&mut self, event: Event) {
+        let node = self.facts.node;
+        match event {
+            Event::Log => self.breaks = 0,
+            Event::Exit(exit) => match self.stop.clone() {
                 Some(why) => {
                     let mut outcome = why.outcome("while it ran");
                     // A cancelled run shows how it was killed.
@@ -304,17 +331,17 @@ impl RunMachine {
                 }
                 None => self.finish(Outcome::exited(exit, Vec::new())),
             },
-            (Phase::Attached, Event::Unknown) => self.finish(Outcome::fail(
+            Event::Unknown => self.finish(Outcome::fail(
                 JobState::Failed,
                 format!(
                     "{node} has no record of this run: the daemon stopped before the run \
                      started, so nothing ran"
                 ),
             )),
-            (Phase::Attached, Event::Died(e) | Event::Refused(e)) => {
+            Event::Died(e) | Event::Refused(e) => {
                 self.finish(Outcome::fail(JobState::Lost, e));
             }
-            (Phase::Attached, Event::AttachBroke(e)) => {
+            Event::AttachBroke(e) => {
                 self.breaks += 1;
                 if self.breaks >= ATTACH_BREAKS_MAX {
                     self.finish(Outcome::fail(
@@ -330,37 +357,45 @@ impl RunMachine {
                     self.act(Action::CheckLink);
                 }
             }
-            (_, Event::CancelFailed) => self.cancel_sent = false,
-            (Phase::Away, Event::LinkUp) => {
+            _ => {}
+        }
+    }
+
+    fn while_away(&mut self, event: Event) {
+        match event {
+            Event::LinkUp => {
                 self.act(Action::DisarmReattach);
                 self.attach();
             }
-            (Phase::Away, Event::Superseded(why)) => {
+            Event::Superseded(why) => {
                 self.finish(Outcome::fail(
                     JobState::Lost,
                     format!("{why} while the run ran"),
                 ));
             }
-            (Phase::Away, Event::ReattachExpired) => self.finish(Outcome::fail(
+            Event::ReattachExpired => self.finish(Outcome::fail(
                 JobState::Lost,
                 format!(
-                    "the agent of {node} attempt {} did not come back within {} s",
+                    "the agent of {} attempt {} did not come back within {} s",
+                    self.facts.node,
                     self.facts.attempt,
                     self.facts.reattach_wait.as_secs()
                 ),
             )),
-            (Phase::Collecting(exit), Event::Collected(files)) => {
-                self.finish(Outcome::exited(exit, files));
-            }
-            (Phase::Collecting(exit), Event::CollectFailed(e)) => self.finish(Outcome {
+            _ => {}
+        }
+    }
+
+    fn while_collecting(&mut self, exit: ExitInfo, event: Event) {
+        match event {
+            Event::Collected(files) => self.finish(Outcome::exited(exit, files)),
+            Event::CollectFailed(e) => self.finish(Outcome {
                 state: JobState::Failed,
                 exit_code: Some(exit.shell_code()),
                 error: Some(e),
                 collected: Vec::new(),
             }),
-            // Late or out of place (a link that came up while attached, a
-            // timer that fired after the link came back): nothing to do.
-            (_, _) => {}
+            _ => {}
         }
     }
 }
