@@ -141,8 +141,18 @@ impl<C: Reconciler> Host<C> {
             self.record_unrecorded(&held);
         }
         let mut keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
+        let presumed_gone = self.judge_unlisted(&mut keys);
+        let entries = self.adoption_entries(keys, &held);
+        let report = self.core.adopt(entries, self.meta.epoch << 32);
+        self.take_adopted(report, &held, presumed_gone, now);
+    }
+
+    /// Judges the attempts the journal names that the listing does not
+    /// hold: the ones worth a re-issued create join `keys`, the others are
+    /// presumed gone (returned, and their slots dropped).
+    fn judge_unlisted(&mut self, keys: &mut BTreeSet<ResourceKey>) -> Vec<ResourceKey> {
         let mut presumed_gone = Vec::new();
-        let listed_keys: BTreeSet<ResourceKey> = held.keys().cloned().collect();
+        let listed_keys: BTreeSet<ResourceKey> = keys.clone();
         for Unlisted {
             key,
             created,
@@ -180,6 +190,17 @@ impl<C: Reconciler> Host<C> {
         if !presumed_gone.is_empty() && !self.relisted {
             self.verify = true;
         }
+        presumed_gone
+    }
+
+    /// What the core is asked to adopt for `keys`: each key's template
+    /// (the one its record names, if still known), what the listing holds
+    /// for it, and its recorded failures.
+    fn adoption_entries(
+        &mut self,
+        keys: BTreeSet<ResourceKey>,
+        held: &BTreeMap<ResourceKey, (Option<LeaseId>, Option<SessionId>)>,
+    ) -> Vec<AdoptEntry> {
         // Templates slots may run, by digest, each shared by Arc: the older
         // ones the journal kept, and the desired ones (a slot of one group
         // may run what another group wants now).
@@ -220,7 +241,19 @@ impl<C: Reconciler> Host<C> {
                 failures,
             });
         }
-        let report = self.core.adopt(entries, self.meta.epoch << 32);
+        entries
+    }
+
+    /// Takes the core's adoption report: records what was adopted, queues
+    /// the orphans' collection, warns of other runs' resources, schedules
+    /// the first sweep and answers whoever waited for the adoption.
+    fn take_adopted(
+        &mut self,
+        report: crate::driver::Adoption,
+        held: &BTreeMap<ResourceKey, (Option<LeaseId>, Option<SessionId>)>,
+        presumed_gone: Vec<ResourceKey>,
+        now: Timestamp,
+    ) {
         for key in &report.adopted {
             self.record_slot(&key.node);
             if held.get(key).is_some_and(|(lease, _)| lease.is_some()) {
