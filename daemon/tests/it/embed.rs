@@ -5,7 +5,6 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
 use swactor_daemon::journal::DaemonJournal;
 
 /// The example's binary: `cargo test` builds examples next to the test
@@ -30,7 +29,6 @@ fn example() -> PathBuf {
 fn an_embedding_program_runs_a_daemon_that_real_agents_join_and_that_persists() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
-    let started = Instant::now();
     let out = Command::new(example())
         .arg(&state)
         .output()
@@ -42,7 +40,6 @@ fn an_embedding_program_runs_a_daemon_that_real_agents_join_and_that_persists() 
         "the example failed ({:?}):\n{stdout}\n{stderr}",
         out.status
     );
-    assert!(started.elapsed() < Duration::from_secs(120));
     // Both agents joined: the daemon saw the cluster converge with them.
     assert!(
         stderr.contains("converged: generation 1, 2 node(s) ready")
