@@ -20,7 +20,7 @@ pub struct Candidate {
     /// Whether a job may run there now (ready, and not being deleted).
     pub usable: bool,
     /// How its state reads to a person, for a refusal.
-    pub state: String,
+    pub state: &'static str,
 }
 
 /// The nodes a job runs on, and those its targets covered but left out.
@@ -49,7 +49,7 @@ pub enum Refusal {
         /// The node.
         node: LogicalNodeId,
         /// How its state reads.
-        state: String,
+        state: &'static str,
     },
     /// A group named with `--group` has no node in the cluster.
     NoSuchGroup {
@@ -141,7 +141,7 @@ pub fn choose_targets(targets: &Targets, candidates: &[Candidate]) -> Result<Cho
                 if !c.usable {
                     return Err(Refusal::NotReady {
                         node: c.node,
-                        state: c.state.clone(),
+                        state: c.state,
                     });
                 }
                 if !chosen.nodes.iter().any(|(n, _)| *n == c.node) {
@@ -222,7 +222,7 @@ mod tests {
             node: node(group, index),
             attempt: NodeAttemptId(u64::from(index) + 10),
             usable,
-            state: if usable { "ready" } else { "booting" }.to_owned(),
+            state: if usable { "ready" } else { "booting" },
         }
     }
 
@@ -300,7 +300,7 @@ mod tests {
             not_ready,
             Refusal::NotReady {
                 node: node("worker", 1),
-                state: "booting".to_owned()
+                state: "booting"
             }
         );
         let missing = choose_targets(&names(&["worker-9"]), &cluster()).unwrap_err();

@@ -580,7 +580,7 @@ impl JobService {
                 node: n.node,
                 attempt: n.attempt,
                 usable: n.ready && n.intent != Intent::Deleting,
-                state: crate::words::state_word(n).to_owned(),
+                state: crate::words::state_word(n),
             })
             .collect();
         let picked = choose_targets(targets, &candidates).map_err(|r| r.to_string())?;
