@@ -694,108 +694,9 @@ impl ClusterShape {
         let mut total = 0u64;
         let mut groups = Vec::with_capacity(self.groups.len());
         for (index, g) in self.groups.iter().enumerate() {
-            validate_id(&g.id).map_err(|source| ShapeError::GroupId {
-                index,
-                value: g.id.clone(),
-                source,
-            })?;
-            if let Some(&first) = seen.get(g.id.as_str()) {
-                return Err(ShapeError::DuplicateGroup {
-                    index,
-                    first,
-                    id: g.id.clone(),
-                });
-            }
-            seen.insert(&g.id, index);
-            if let Some(r) = g.run_id.as_ref().filter(|r| **r != self.run_id) {
-                return Err(ShapeError::ForeignGroup {
-                    index,
-                    group_run: r.as_str().to_owned(),
-                    run: self.run_id.as_str().to_owned(),
-                });
-            }
-            let id = || g.id.clone();
-            if g.count > GROUP_COUNT_MAX {
-                return Err(ShapeError::CountTooLarge {
-                    index,
-                    id: id(),
-                    count: g.count,
-                });
-            }
+            self.check_group_identity(index, g, &mut seen)?;
+            groups.push(g.validate_at(index)?);
             total += u64::from(g.count);
-            let empty = |field| ShapeError::EmptyField {
-                index,
-                id: id(),
-                field,
-            };
-            if g.provider.kind.is_empty() {
-                return Err(empty(GroupField::ProviderKind));
-            }
-            if g.role.is_empty() {
-                return Err(empty(GroupField::Role));
-            }
-            let bad_number = |field, value: f64, range| ShapeError::BadNumber {
-                index,
-                id: id(),
-                field,
-                value: value.to_string(),
-                range,
-            };
-            for (k, v) in &g.provider.params {
-                check_param(k.clone(), v, &|path, f| {
-                    bad_number(GroupField::Param(path), f, "")
-                })?;
-            }
-            for (k, v) in &g.provider.placement {
-                check_param(k.clone(), v, &|path, f| {
-                    bad_number(GroupField::Placement(path), f, "")
-                })?;
-            }
-            let grace = g.join.lost_grace_s;
-            if !grace.is_finite() || grace < 0.0 {
-                return Err(bad_number(GroupField::LostGraceS, grace, " >= 0"));
-            }
-            let endpoint_timeout = g.limits.endpoint_timeout_s;
-            if !endpoint_timeout.is_finite() || endpoint_timeout <= 0.0 {
-                return Err(bad_number(
-                    GroupField::EndpointTimeoutS,
-                    endpoint_timeout,
-                    " > 0",
-                ));
-            }
-            let boot_timeout = g.limits.boot_timeout_s;
-            if !boot_timeout.is_finite() || boot_timeout <= 0.0 {
-                return Err(bad_number(GroupField::BootTimeoutS, boot_timeout, " > 0"));
-            }
-            let policy = [
-                (GroupField::MaxUnavailable, g.policy.max_unavailable),
-                (GroupField::MaxSurge, g.policy.max_surge),
-                (GroupField::MaxUnhealthy, g.policy.max_unhealthy),
-            ];
-            for (field, q) in policy {
-                if let Some(Quantity::Percent(p)) = q
-                    && p > PERCENT_MAX
-                {
-                    return Err(ShapeError::BadPercent {
-                        index,
-                        id: id(),
-                        field,
-                        value: format!("{p}%"),
-                    });
-                }
-            }
-            groups.push(DesiredGroup {
-                id: GroupId::new(&g.id),
-                count: g.count,
-                policy: g.policy.resolve(),
-                template: Arc::new(NodeTemplate {
-                    provider: g.provider.clone(),
-                    boot: g.boot.clone(),
-                    role: g.role.clone(),
-                    join: g.join.clone(),
-                    limits: g.limits.clone(),
-                }),
-            });
         }
         if total > SHAPE_NODES_MAX {
             return Err(ShapeError::TooManyNodes { total });
@@ -806,6 +707,135 @@ impl ClusterShape {
             generation: self.generation,
             groups,
         })
+    }
+
+    /// Refuses a malformed group id, one an earlier group has (`seen`), or another run's group.
+    fn check_group_identity<'a>(
+        &self,
+        index: usize,
+        g: &'a GroupShape,
+        seen: &mut BTreeMap<&'a str, usize>,
+    ) -> Result<(), ShapeError> {
+        validate_id(&g.id).map_err(|source| ShapeError::GroupId {
+            index,
+            value: g.id.clone(),
+            source,
+        })?;
+        if let Some(&first) = seen.get(g.id.as_str()) {
+            return Err(ShapeError::DuplicateGroup {
+                index,
+                first,
+                id: g.id.clone(),
+            });
+        }
+        seen.insert(&g.id, index);
+        if let Some(r) = g.run_id.as_ref().filter(|r| **r != self.run_id) {
+            return Err(ShapeError::ForeignGroup {
+                index,
+                group_run: r.as_str().to_owned(),
+                run: self.run_id.as_str().to_owned(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl GroupShape {
+    /// Validates this group, the shape's `index`th, and expands it into the decider's form.
+    fn validate_at(&self, index: usize) -> Result<DesiredGroup, ShapeError> {
+        let id = || self.id.clone();
+        if self.count > GROUP_COUNT_MAX {
+            return Err(ShapeError::CountTooLarge {
+                index,
+                id: id(),
+                count: self.count,
+            });
+        }
+        let empty = |field| ShapeError::EmptyField {
+            index,
+            id: id(),
+            field,
+        };
+        if self.provider.kind.is_empty() {
+            return Err(empty(GroupField::ProviderKind));
+        }
+        if self.role.is_empty() {
+            return Err(empty(GroupField::Role));
+        }
+        self.check_numbers(index)?;
+        self.check_percents(index)?;
+        Ok(DesiredGroup {
+            id: GroupId::new(&self.id),
+            count: self.count,
+            policy: self.policy.resolve(),
+            template: Arc::new(NodeTemplate {
+                provider: self.provider.clone(),
+                boot: self.boot.clone(),
+                role: self.role.clone(),
+                join: self.join.clone(),
+                limits: self.limits.clone(),
+            }),
+        })
+    }
+
+    /// Refuses a non-finite parameter or placement number, and a grace or timeout out of range.
+    fn check_numbers(&self, index: usize) -> Result<(), ShapeError> {
+        let bad_number = |field, value: f64, range| ShapeError::BadNumber {
+            index,
+            id: self.id.clone(),
+            field,
+            value: value.to_string(),
+            range,
+        };
+        for (k, v) in &self.provider.params {
+            check_param(k.clone(), v, &|path, f| {
+                bad_number(GroupField::Param(path), f, "")
+            })?;
+        }
+        for (k, v) in &self.provider.placement {
+            check_param(k.clone(), v, &|path, f| {
+                bad_number(GroupField::Placement(path), f, "")
+            })?;
+        }
+        let grace = self.join.lost_grace_s;
+        if !grace.is_finite() || grace < 0.0 {
+            return Err(bad_number(GroupField::LostGraceS, grace, " >= 0"));
+        }
+        let endpoint_timeout = self.limits.endpoint_timeout_s;
+        if !endpoint_timeout.is_finite() || endpoint_timeout <= 0.0 {
+            return Err(bad_number(
+                GroupField::EndpointTimeoutS,
+                endpoint_timeout,
+                " > 0",
+            ));
+        }
+        let boot_timeout = self.limits.boot_timeout_s;
+        if !boot_timeout.is_finite() || boot_timeout <= 0.0 {
+            return Err(bad_number(GroupField::BootTimeoutS, boot_timeout, " > 0"));
+        }
+        Ok(())
+    }
+
+    /// Refuses a policy percentage above [`PERCENT_MAX`].
+    fn check_percents(&self, index: usize) -> Result<(), ShapeError> {
+        let policy = [
+            (GroupField::MaxUnavailable, self.policy.max_unavailable),
+            (GroupField::MaxSurge, self.policy.max_surge),
+            (GroupField::MaxUnhealthy, self.policy.max_unhealthy),
+        ];
+        for (field, q) in policy {
+            if let Some(Quantity::Percent(p)) = q
+                && p > PERCENT_MAX
+            {
+                return Err(ShapeError::BadPercent {
+                    index,
+                    id: self.id.clone(),
+                    field,
+                    value: format!("{p}%"),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
