@@ -224,24 +224,8 @@ pub fn reconcile_node(
     let rec = &node.record;
 
     if rec.stage == NodeStage::Destroyed {
-        // Row 1.
-        let Some(template) = desired else {
-            return NodeDecision::act(R::ReapDestroyed, NodeAction::Reap);
-        };
-        // Row 2 / row 3. The backoff was earned by the node's own template:
-        // once the slot wants another one (say, the broken one was fixed),
-        // the restart is due at once.
-        return match rec.restart_at {
-            Some(at) if at > now && same_template(template, &node.template) => {
-                NodeDecision::wait(R::AwaitRestartBackoff, Some(at))
-            }
-            _ => NodeDecision::act(
-                R::RestartDestroyed,
-                NodeAction::Restart {
-                    template: template.clone(),
-                },
-            ),
-        };
+        // Rows 1-3.
+        return reconcile_destroyed(node, desired, now);
     }
 
     // Row 4.
@@ -265,23 +249,70 @@ pub fn reconcile_node(
     let backoff = node.retry.next_effect_at.filter(|at| *at > now);
 
     if node.intent == Intent::Deleting {
-        // Rows 6-8 dispatch effects; each waits out a running backoff first.
-        let effect = if let Some(create) = rec.ambiguous {
-            Some((R::AdoptAmbiguousCreate, create.effect()))
-        } else if rec.session.is_some() {
-            Some((R::CancelBootstrap, EffectKind::CancelBootstrap))
-        } else if rec.lease.is_some() {
-            Some((R::DestroyLease, EffectKind::DestroyLease))
-        } else {
-            None
-        };
-        return match (effect, backoff) {
-            (Some(_), Some(at)) => NodeDecision::wait(R::AwaitRetryBackoff, Some(at)),
-            (Some((row, kind)), None) => NodeDecision::act(row, NodeAction::Dispatch(kind)),
-            // Row 9.
-            (None, _) => NodeDecision::act(R::MarkDestroyed, NodeAction::MarkDestroyed),
-        };
+        // Rows 6-9.
+        return reconcile_deleting(node, backoff);
     }
+
+    // Rows 10-16.
+    reconcile_active(node, backoff)
+}
+
+/// Rows 1-3 of [`reconcile_node`], for a node whose stage is Destroyed.
+fn reconcile_destroyed(
+    node: &ManagedNode,
+    desired: Option<&Arc<NodeTemplate>>,
+    now: Timestamp,
+) -> NodeDecision {
+    use LadderRow as R;
+    let rec = &node.record;
+
+    // Row 1.
+    let Some(template) = desired else {
+        return NodeDecision::act(R::ReapDestroyed, NodeAction::Reap);
+    };
+    // Row 2 / row 3. The backoff was earned by the node's own template:
+    // once the slot wants another one (say, the broken one was fixed),
+    // the restart is due at once.
+    match rec.restart_at {
+        Some(at) if at > now && same_template(template, &node.template) => {
+            NodeDecision::wait(R::AwaitRestartBackoff, Some(at))
+        }
+        _ => NodeDecision::act(
+            R::RestartDestroyed,
+            NodeAction::Restart {
+                template: template.clone(),
+            },
+        ),
+    }
+}
+
+/// Rows 6-9 of [`reconcile_node`], for a Deleting node with no pending operation.
+fn reconcile_deleting(node: &ManagedNode, backoff: Option<Timestamp>) -> NodeDecision {
+    use LadderRow as R;
+    let rec = &node.record;
+
+    // Rows 6-8 dispatch effects; each waits out a running backoff first.
+    let effect = if let Some(create) = rec.ambiguous {
+        Some((R::AdoptAmbiguousCreate, create.effect()))
+    } else if rec.session.is_some() {
+        Some((R::CancelBootstrap, EffectKind::CancelBootstrap))
+    } else if rec.lease.is_some() {
+        Some((R::DestroyLease, EffectKind::DestroyLease))
+    } else {
+        None
+    };
+    match (effect, backoff) {
+        (Some(_), Some(at)) => NodeDecision::wait(R::AwaitRetryBackoff, Some(at)),
+        (Some((row, kind)), None) => NodeDecision::act(row, NodeAction::Dispatch(kind)),
+        // Row 9.
+        (None, _) => NodeDecision::act(R::MarkDestroyed, NodeAction::MarkDestroyed),
+    }
+}
+
+/// Rows 10-16 of [`reconcile_node`], for an Active node that keeps its slot.
+fn reconcile_active(node: &ManagedNode, backoff: Option<Timestamp>) -> NodeDecision {
+    use LadderRow as R;
+    let rec = &node.record;
 
     // Row 10.
     if let Some(at) = backoff {
