@@ -149,6 +149,25 @@ fn both(
 /// The API under `/api/v0` (and `/api/v1/instances`) plus `/admin`.
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let mut r: Router<Arc<Shared>> = Router::new();
+    r = offer_routes(r);
+    r = instance_action_routes(r);
+    r = results_route(r);
+    r = instance_routes(r);
+    r = account_routes(r);
+    r = admin_routes(r);
+    r.fallback(|| async {
+        (
+            StatusCode::NOT_FOUND,
+            axum::Json(
+                json!({"success": false, "error": "not_found", "msg": "No such API route."}),
+            ),
+        )
+    })
+    .with_state(shared)
+}
+
+/// Routes that search offers and rent them.
+fn offer_routes(mut r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
     r = both(
         r,
         "/api/v0/bundles",
@@ -173,6 +192,11 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             api(ctx, call).await
         }),
     );
+    r
+}
+
+/// Routes that change instances in bulk, or reboot, rebid, log or command one.
+fn instance_action_routes(mut r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
     r = both(
         r,
         "/api/v0/instances",
@@ -217,8 +241,11 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             api(ctx, call).await
         }),
     );
-    // Where `result_url`s point (logs, command outputs): no key, like the
-    // storage links the real service hands out.
+    r
+}
+
+/// Where `result_url`s point (logs, command outputs): no key, like the real storage links.
+fn results_route(mut r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
     r = r.route(
         "/results/{token}",
         get(|State(s): State<Arc<Shared>>, Path(token): Path<String>| async move {
@@ -238,6 +265,11 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             }
         }),
     );
+    r
+}
+
+/// Routes that list instances, and show, change, destroy or attach a key to one.
+fn instance_routes(mut r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
     r = both(
         r,
         "/api/v1/instances",
@@ -271,6 +303,11 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             api(ctx, call).await
         }),
     );
+    r
+}
+
+/// Routes of the account: its SSH keys and its user.
+fn account_routes(mut r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
     r = both(
         r,
         "/api/v0/ssh",
@@ -293,16 +330,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         "/api/v0/users/current",
         get(|ctx: Ctx| async move { api(ctx, Ok(Call::CurrentUser)).await }),
     );
-    r = admin_routes(r);
-    r.fallback(|| async {
-        (
-            StatusCode::NOT_FOUND,
-            axum::Json(
-                json!({"success": false, "error": "not_found", "msg": "No such API route."}),
-            ),
-        )
-    })
-    .with_state(shared)
+    r
 }
 
 // ---- admin ------------------------------------------------------------------
@@ -403,7 +431,16 @@ fn ok() -> Result<Value, String> {
     Ok(json!({"success": true}))
 }
 
+/// The admin API: read and set up the world, and inject faults.
 fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
+    let r = admin_setup_routes(r);
+    let r = admin_api_fault_routes(r);
+    let r = admin_instance_fault_routes(r);
+    admin_answer_fault_routes(r)
+}
+
+/// Admin routes that read the world, or set up its offers, keys, rates and timings.
+fn admin_setup_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
     type S = State<Arc<Shared>>;
     r.route(
         "/admin/state",
@@ -464,7 +501,12 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
             })
         }),
     )
-    .route(
+}
+
+/// Admin routes of faults in how the API treats offers and rate limits.
+fn admin_api_fault_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
+    type S = State<Arc<Shared>>;
+    r.route(
         "/admin/faults/offer_gone",
         post(|State(s): S, b: Bytes| {
             admin(s, move |w, _| {
@@ -523,7 +565,12 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
             })
         }),
     )
-    .route(
+}
+
+/// Admin routes of faults of instances: slow, stuck or failed boots, deaths, expiries.
+fn admin_instance_fault_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
+    type S = State<Arc<Shared>>;
+    r.route(
         "/admin/faults/slow_loading",
         post(|State(s): S, b: Bytes| {
             admin(s, move |w, now| {
@@ -603,7 +650,12 @@ fn admin_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
             })
         }),
     )
-    .route(
+}
+
+/// Admin routes of faults in answers (creates, listings, destroys, 5xx), and clearing faults.
+fn admin_answer_fault_routes(r: Router<Arc<Shared>>) -> Router<Arc<Shared>> {
+    type S = State<Arc<Shared>>;
+    r.route(
         "/admin/faults/ambiguous_create",
         post(|State(s): S, b: Bytes| {
             admin(s, move |w, _| {

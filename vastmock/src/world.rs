@@ -727,64 +727,28 @@ impl World {
     /// A create: the instance made and `{"success":true,"new_contract":id}`,
     /// or the refusal.
     fn commit_create(&mut self, offer_id: u64, body: &Value, now: Instant) -> Reply {
-        let Value::Object(b) = body else {
-            return Reply::invalid_args("the request body must be a JSON object");
-        };
-        let image = b.get("image").and_then(Value::as_str).unwrap_or("").trim();
-        let template = b.get("template_hash_id").and_then(Value::as_str);
-        if image.is_empty() && template.is_none() {
-            return Reply::invalid_args("image or template_hash_id is required");
-        }
-        if !image.is_empty() && !is_image_reference(image) {
-            return Reply::invalid_args(format!(
-                "invalid image {image:?}: an image reference is lowercase letters, digits and ._-/:@"
-            ));
-        }
-        let disk = match b.get("disk") {
-            None | Some(Value::Null) => 10.0,
-            Some(v) => match as_f64_lenient(v) {
-                Some(d) => d,
-                None => return Reply::invalid_args(format!("disk must be a number, got {v}")),
-            },
-        };
-        if disk < DISK_MIN_GB {
-            return Reply::invalid_args(format!(
-                "disk must be at least {DISK_MIN_GB} GB, got {disk}"
-            ));
-        }
-        let label = match b.get("label") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(l)) if l.chars().count() <= LABEL_LEN_MAX => Some(l.clone()),
-            Some(Value::String(_)) => {
-                return Reply::invalid_args(format!(
-                    "label must be at most {LABEL_LEN_MAX} characters"
-                ));
-            }
-            Some(v) => return Reply::invalid_args(format!("label must be a string, got {v}")),
-        };
-        let env = match parse_env(b.get("env")) {
-            Ok(env) => env,
-            Err(msg) => return Reply::invalid_args(msg),
-        };
-        let onstart = b.get("onstart").and_then(Value::as_str).map(str::to_owned);
-        let runtype = b.get("runtype").and_then(Value::as_str).map(str::to_owned);
-        let cancel_unavail = b
-            .get("cancel_unavail")
-            .is_some_and(|v| v.as_bool() == Some(true));
-        let bid = match b.get("price") {
-            None | Some(Value::Null) => None,
-            Some(v) => match as_f64_lenient(v) {
-                Some(p) if p > 0.0 => Some(p),
-                _ => {
-                    return Reply::json(
-                        400,
-                        json!({"success": false, "error": "invalid_price",
-                               "msg": format!("invalid bid price {v}")}),
-                    );
-                }
-            },
+        let req = match parse_create(body) {
+            Ok(req) => req,
+            Err(reply) => return reply,
         };
         let gone = self.faults.offers_gone.get(&offer_id).copied();
+        let offer = match self.create_offer(offer_id, &req, gone, now) {
+            Ok(offer) => offer,
+            Err(reply) => return reply,
+        };
+        let id = self.commit_instance(offer_id, offer, req, gone, now);
+        Reply::ok(json!({"success": true, "new_contract": id}))
+    }
+
+    /// The offer `req` may rent, or the refusal (offer gone, bid too low, too little disk).
+    fn create_offer(
+        &self,
+        offer_id: u64,
+        req: &CreateRequest<'_>,
+        gone: Option<Gone>,
+        now: Instant,
+    ) -> Result<Offer, Reply> {
+        let (disk, bid, cancel_unavail) = (req.disk, req.bid, req.cancel_unavail);
         let Some(offer) = self
             .offers
             .get(&offer_id)
@@ -793,7 +757,7 @@ impl World {
             .filter(|o| !self.listing_ended(o.id, now))
             .cloned()
         else {
-            return Reply::json(
+            return Err(Reply::json(
                 404,
                 json!({
                     "success": false,
@@ -801,10 +765,10 @@ impl World {
                     "msg": format!("error 404/3603: no_such_ask Instance type by id {offer_id} is not available."),
                     "ask_id": offer_id,
                 }),
-            );
+            ));
         };
         if gone == Some(Gone::Unavailable) && cancel_unavail {
-            return Reply::json(
+            return Err(Reply::json(
                 410,
                 json!({
                     "success": false,
@@ -812,40 +776,49 @@ impl World {
                     "msg": format!("error 410/3907: no_such_ask Instance type by id {offer_id} is no longer available."),
                     "ask_id": offer_id,
                 }),
-            );
+            ));
         }
         if let Some(price) = bid
             && price < offer.min_bid
         {
-            return Reply::json(
+            return Err(Reply::json(
                 400,
                 json!({"success": false, "error": "invalid_price",
                        "msg": format!("bid price {price} is below the minimum bid {} for ask {offer_id}", offer.min_bid)}),
-            );
-        }
-        if disk > offer.disk_space {
-            return Reply::invalid_args(format!(
-                "disk {disk} GB exceeds the {} GB available on ask {offer_id}",
-                offer.disk_space
             ));
         }
+        if disk > offer.disk_space {
+            return Err(Reply::invalid_args(format!(
+                "disk {disk} GB exceeds the {} GB available on ask {offer_id}",
+                offer.disk_space
+            )));
+        }
+        Ok(offer)
+    }
 
-        // Commit.
+    /// Makes the instance a checked create asks for on `offer`; its id.
+    fn commit_instance(
+        &mut self,
+        offer_id: u64,
+        offer: Offer,
+        req: CreateRequest<'_>,
+        gone: Option<Gone>,
+        now: Instant,
+    ) -> u64 {
+        let CreateRequest {
+            image,
+            template,
+            disk,
+            label,
+            env,
+            onstart,
+            runtype,
+            bid,
+            ..
+        } = req;
         let id = self.next_instance_id;
         self.next_instance_id += 1;
-        let mut authorized: Vec<String> =
-            self.ssh_keys.iter().map(|k| k.public_key.clone()).collect();
-        for text in onstart
-            .iter()
-            .map(String::as_str)
-            .chain(env.iter().map(|(_, v)| v.as_str()))
-        {
-            for key in keys_in(text) {
-                if !authorized.contains(&key) && authorized.len() < KEYS_MAX {
-                    authorized.push(key);
-                }
-            }
-        }
+        let authorized = self.authorized_keys(onstart.as_deref(), &env);
         let traits = self.faults.traits_for_new(label.as_deref());
         let phase = if gone == Some(Gone::Unavailable) {
             Phase::Unschedulable
@@ -906,7 +879,24 @@ impl World {
                 log: VecDeque::new(),
             },
         );
-        Reply::ok(json!({"success": true, "new_contract": id}))
+        id
+    }
+
+    /// The keys an instance authorizes: the account's, then those in `onstart` and `env`.
+    fn authorized_keys(&self, onstart: Option<&str>, env: &[(String, String)]) -> Vec<String> {
+        let mut authorized: Vec<String> =
+            self.ssh_keys.iter().map(|k| k.public_key.clone()).collect();
+        for text in onstart
+            .into_iter()
+            .chain(env.iter().map(|(_, v)| v.as_str()))
+        {
+            for key in keys_in(text) {
+                if !authorized.contains(&key) && authorized.len() < KEYS_MAX {
+                    authorized.push(key);
+                }
+            }
+        }
+        authorized
     }
 
     /// What the caller of a committed create sees: `reply`, or the next
@@ -993,24 +983,9 @@ impl World {
         // Tokens: `id:N` resumes after instance N when ordered by id alone
         // (robust to destroys between pages); `at:N` is an offset otherwise.
         let by_id = order.len() == 1 && order[0].0 == "id";
-        let start = match query.get("after_token").map(|s| s.trim().trim_matches('"')) {
-            None | Some("") | Some("null") => 0,
-            Some(t) => {
-                if let Some(last) = t.strip_prefix("id:").and_then(|n| n.parse::<u64>().ok()) {
-                    let desc = order.first().is_some_and(|o| o.1);
-                    rows.iter()
-                        .position(|r| {
-                            let id = r.get("id").and_then(Value::as_u64).unwrap_or(0);
-                            if desc { id < last } else { id > last }
-                        })
-                        .unwrap_or(rows.len())
-                } else if let Some(at) = t.strip_prefix("at:").and_then(|n| n.parse::<usize>().ok())
-                {
-                    at.min(rows.len())
-                } else {
-                    return Reply::invalid_args(format!("bad after_token: {t}"));
-                }
-            }
+        let start = match page_start(query, &order, &rows) {
+            Ok(start) => start,
+            Err(reply) => return reply,
         };
         let page: Vec<Value> = rows[start..].iter().take(limit).cloned().collect();
         let end = start + page.len();
@@ -1028,21 +1003,7 @@ impl World {
         } else {
             Value::Null
         };
-        let page: Vec<Value> = match &cols {
-            None => page,
-            Some(cols) => page
-                .into_iter()
-                .map(|r| {
-                    let mut out = Map::new();
-                    for c in cols.iter().map(String::as_str).chain(["id"]) {
-                        if let Some(v) = r.get(c) {
-                            out.insert(c.to_owned(), v.clone());
-                        }
-                    }
-                    Value::Object(out)
-                })
-                .collect(),
-        };
+        let page = select_cols(page, cols.as_deref());
         Reply::ok(json!({
             "instances": page,
             "next_token": next_token,
@@ -1769,32 +1730,33 @@ struct Status {
     msg: String,
 }
 
+impl Status {
+    /// The fields in the order the API names them.
+    fn new(
+        actual: Option<&'static str>,
+        intended: &'static str,
+        cur: &'static str,
+        next: &'static str,
+        msg: String,
+    ) -> Self {
+        Self {
+            actual,
+            intended,
+            cur,
+            next,
+            msg,
+        }
+    }
+}
+
 fn status(inst: &Instance, now: Instant) -> Status {
-    let st = |actual, intended, cur, next, msg: String| Status {
-        actual,
-        intended,
-        cur,
-        next,
-        msg,
-    };
+    let st = Status::new;
     match inst.phase {
         Phase::Booting {
             since,
             provisioning,
             ..
-        } => {
-            if now < since + provisioning {
-                st(None, "running", "stopped", "running", String::new())
-            } else {
-                st(
-                    Some("loading"),
-                    "running",
-                    "running",
-                    "running",
-                    format!("Pulling image {}: downloading layers", inst.image),
-                )
-            }
-        }
+        } => booting_status(inst, since, provisioning, now),
         Phase::Running => st(
             Some("running"),
             "running",
@@ -1855,33 +1817,57 @@ fn status(inst: &Instance, now: Instant) -> Status {
             "Instance stopped: its contract reached its end date; an expired instance cannot start again"
                 .to_owned(),
         ),
-        Phase::Dead(Death::Exited) => st(
-            Some("exited"),
-            "running",
-            "stopped",
-            "running",
-            "Container exited unexpectedly".to_owned(),
-        ),
-        Phase::Dead(Death::Frozen) => st(
-            Some("frozen"),
-            "running",
-            "stopped",
-            "running",
-            "Instance frozen by its host: the GPU is held, nothing runs".to_owned(),
-        ),
-        Phase::Dead(_) => st(
-            Some("offline"),
-            "running",
-            "unknown",
-            "running",
-            "Machine is offline: no heartbeat".to_owned(),
-        ),
+        Phase::Dead(death) => dead_status(death),
         Phase::Destroyed { .. } => st(
             Some("destroyed"),
             "destroyed",
             "destroyed",
             "destroyed",
             "Instance destroyed".to_owned(),
+        ),
+    }
+}
+
+/// The status of a booting instance: none while provisioned, then loading its image.
+fn booting_status(inst: &Instance, since: Instant, provisioning: Duration, now: Instant) -> Status {
+    let st = Status::new;
+    if now < since + provisioning {
+        st(None, "running", "stopped", "running", String::new())
+    } else {
+        st(
+            Some("loading"),
+            "running",
+            "running",
+            "running",
+            format!("Pulling image {}: downloading layers", inst.image),
+        )
+    }
+}
+
+/// The status of an instance that died as `death` says.
+fn dead_status(death: Death) -> Status {
+    let st = Status::new;
+    match death {
+        Death::Exited => st(
+            Some("exited"),
+            "running",
+            "stopped",
+            "running",
+            "Container exited unexpectedly".to_owned(),
+        ),
+        Death::Frozen => st(
+            Some("frozen"),
+            "running",
+            "stopped",
+            "running",
+            "Instance frozen by its host: the GPU is held, nothing runs".to_owned(),
+        ),
+        _ => st(
+            Some("offline"),
+            "running",
+            "unknown",
+            "running",
+            "Machine is offline: no heartbeat".to_owned(),
         ),
     }
 }
@@ -2070,6 +2056,101 @@ fn key_row(key: &SshKey) -> Value {
     })
 }
 
+/// The fields of a create's body, each checked on its own.
+struct CreateRequest<'a> {
+    image: &'a str,
+    template: Option<&'a str>,
+    disk: f64,
+    label: Option<String>,
+    env: Vec<(String, String)>,
+    onstart: Option<String>,
+    runtype: Option<String>,
+    cancel_unavail: bool,
+    bid: Option<f64>,
+}
+
+/// Reads a create's body, or refuses its first bad field.
+fn parse_create(body: &Value) -> Result<CreateRequest<'_>, Reply> {
+    let Value::Object(b) = body else {
+        return Err(Reply::invalid_args(
+            "the request body must be a JSON object",
+        ));
+    };
+    let image = b.get("image").and_then(Value::as_str).unwrap_or("").trim();
+    let template = b.get("template_hash_id").and_then(Value::as_str);
+    if image.is_empty() && template.is_none() {
+        return Err(Reply::invalid_args("image or template_hash_id is required"));
+    }
+    if !image.is_empty() && !is_image_reference(image) {
+        return Err(Reply::invalid_args(format!(
+            "invalid image {image:?}: an image reference is lowercase letters, digits and ._-/:@"
+        )));
+    }
+    let disk = match b.get("disk") {
+        None | Some(Value::Null) => 10.0,
+        Some(v) => match as_f64_lenient(v) {
+            Some(d) => d,
+            None => {
+                return Err(Reply::invalid_args(format!(
+                    "disk must be a number, got {v}"
+                )));
+            }
+        },
+    };
+    if disk < DISK_MIN_GB {
+        return Err(Reply::invalid_args(format!(
+            "disk must be at least {DISK_MIN_GB} GB, got {disk}"
+        )));
+    }
+    let label = match b.get("label") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(l)) if l.chars().count() <= LABEL_LEN_MAX => Some(l.clone()),
+        Some(Value::String(_)) => {
+            return Err(Reply::invalid_args(format!(
+                "label must be at most {LABEL_LEN_MAX} characters"
+            )));
+        }
+        Some(v) => {
+            return Err(Reply::invalid_args(format!(
+                "label must be a string, got {v}"
+            )));
+        }
+    };
+    let env = match parse_env(b.get("env")) {
+        Ok(env) => env,
+        Err(msg) => return Err(Reply::invalid_args(msg)),
+    };
+    let onstart = b.get("onstart").and_then(Value::as_str).map(str::to_owned);
+    let runtype = b.get("runtype").and_then(Value::as_str).map(str::to_owned);
+    let cancel_unavail = b
+        .get("cancel_unavail")
+        .is_some_and(|v| v.as_bool() == Some(true));
+    let bid = match b.get("price") {
+        None | Some(Value::Null) => None,
+        Some(v) => match as_f64_lenient(v) {
+            Some(p) if p > 0.0 => Some(p),
+            _ => {
+                return Err(Reply::json(
+                    400,
+                    json!({"success": false, "error": "invalid_price",
+                           "msg": format!("invalid bid price {v}")}),
+                ));
+            }
+        },
+    };
+    Ok(CreateRequest {
+        image,
+        template,
+        disk,
+        label,
+        env,
+        onstart,
+        runtype,
+        cancel_unavail,
+        bid,
+    })
+}
+
 /// `env` as the API takes it: an object, or the client's docker-flag string
 /// (`-e K=V -p 8080:8080`), in which `-e` pairs are kept and other flags
 /// become keys with value `"1"`, as the official client does.
@@ -2170,6 +2251,52 @@ fn parse_order_by(s: &str) -> Option<Vec<(String, bool)>> {
             Some((col.to_owned(), dir.eq_ignore_ascii_case("desc")))
         })
         .collect()
+}
+
+/// Where a listing's page starts in `rows` by its `after_token`, or the refusal of a bad token.
+fn page_start(
+    query: &HashMap<String, String>,
+    order: &[(String, bool)],
+    rows: &[Value],
+) -> Result<usize, Reply> {
+    match query.get("after_token").map(|s| s.trim().trim_matches('"')) {
+        None | Some("") | Some("null") => Ok(0),
+        Some(t) => {
+            if let Some(last) = t.strip_prefix("id:").and_then(|n| n.parse::<u64>().ok()) {
+                let desc = order.first().is_some_and(|o| o.1);
+                Ok(rows
+                    .iter()
+                    .position(|r| {
+                        let id = r.get("id").and_then(Value::as_u64).unwrap_or(0);
+                        if desc { id < last } else { id > last }
+                    })
+                    .unwrap_or(rows.len()))
+            } else if let Some(at) = t.strip_prefix("at:").and_then(|n| n.parse::<usize>().ok()) {
+                Ok(at.min(rows.len()))
+            } else {
+                Err(Reply::invalid_args(format!("bad after_token: {t}")))
+            }
+        }
+    }
+}
+
+/// `page` with only the columns `cols` names (and `id`), or all of them without `cols`.
+fn select_cols(page: Vec<Value>, cols: Option<&[String]>) -> Vec<Value> {
+    match cols {
+        None => page,
+        Some(cols) => page
+            .into_iter()
+            .map(|r| {
+                let mut out = Map::new();
+                for c in cols.iter().map(String::as_str).chain(["id"]) {
+                    if let Some(v) = r.get(c) {
+                        out.insert(c.to_owned(), v.clone());
+                    }
+                }
+                Value::Object(out)
+            })
+            .collect(),
+    }
 }
 
 fn as_f64_lenient(v: &Value) -> Option<f64> {
