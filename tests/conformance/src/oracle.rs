@@ -824,84 +824,16 @@ impl Oracle {
         after: &Snapshot,
         provider: &dyn ProviderView,
     ) {
-        let (b, a) = (&before.state, &after.state);
-        let now = after.now;
+        let b = &before.state;
         match event {
             StepEvent::Update { shape, outcome } => {
                 self.check_update(shape, outcome, before, after)
             }
             StepEvent::Result { result, folded } => {
-                let Ok(folded) = folded else {
-                    return self.fail(
-                        Invariant::DriverErrorFree,
-                        &result.node,
-                        format!("{folded:?}"),
-                    );
-                };
-                let node_before = b.nodes.get(&result.node);
-                let current = node_before
-                    .and_then(|n| n.pending.as_ref())
-                    .is_some_and(|p| p.id == result.op);
-                // A result that is the host's first input after a deaf gap
-                // moves the node's stall deadlines by the gap (the host
-                // does that for every node, before folding anything):
-                // then only the fold itself is judged.
-                let deafened = after.deaf != before.deaf;
-                if !current {
-                    if *folded == Folded::Applied
-                        || (!deafened && node_before != a.nodes.get(&result.node))
-                    {
-                        self.fail(
-                            Invariant::SupersededResultsDiscarded,
-                            &result.node,
-                            format!("a result for {} that is not the pending operation was folded ({folded:?})", result.op),
-                        );
-                    }
-                    return;
-                }
-                let (Some(nb), Some(na)) = (node_before, a.nodes.get(&result.node)) else {
-                    return;
-                };
-                self.check_result_fold(result, nb, na, now);
-                if *folded == Folded::Applied {
-                    self.check_ladder_on_result(result, nb, na, now);
-                }
+                self.observe_result(result, folded, before, after)
             }
             StepEvent::Observation { obs, folded } => {
-                let Ok(folded) = folded else {
-                    return self.fail(Invariant::DriverErrorFree, &obs.node, format!("{folded:?}"));
-                };
-                let node_before = b.nodes.get(&obs.node);
-                let live = node_before.is_some_and(|n| {
-                    n.attempt == obs.attempt && n.record.session.as_ref() == Some(&obs.session)
-                });
-                if live && *folded == Folded::Applied {
-                    let who = (obs.node, obs.attempt);
-                    match obs.event {
-                        BootstrapEvent::SwactorJoined => {
-                            self.joined.insert(who);
-                        }
-                        BootstrapEvent::Stage(BootstrapStage::Converged) => {
-                            self.converged.insert(who);
-                        }
-                        _ => {}
-                    }
-                }
-                if let (true, Some(nb), Some(na)) = (live, node_before, a.nodes.get(&obs.node)) {
-                    self.check_observation_fold(obs, nb, na, now);
-                }
-                if !live && (*folded == Folded::Applied || node_before != a.nodes.get(&obs.node)) {
-                    self.fail(
-                        Invariant::SupersededObservationsDiscarded,
-                        &obs.node,
-                        format!(
-                            "an observation of {}/{} was folded though the node runs {:?}",
-                            obs.attempt,
-                            obs.session.0,
-                            node_before.map(|n| (n.attempt, n.record.session.clone()))
-                        ),
-                    );
-                }
+                self.observe_observation(obs, folded, before, after)
             }
             StepEvent::SubmitFailed { dispatch, folded } => {
                 if let Err(e) = folded {
@@ -912,128 +844,20 @@ impl Oracle {
                     );
                 }
             }
-            StepEvent::Timeout { folded } => {
-                if let Err(e) = folded {
-                    self.report(Invariant::DriverErrorFree, None, format!("{e:?}"));
-                }
-                // A deaf gap noticed at this very step moved every stall
-                // deadline still running at its start on by its length.
-                let gap = after.deaf.filter(|_| after.deaf != before.deaf);
-                for (id, nb) in &b.nodes {
-                    let Some(na) = a.nodes.get(id) else { continue };
-                    if nb.pending.is_none() {
-                        let rb = &nb.record;
-                        let deadline = rb.bootstrap_deadline.map(|t| match gap {
-                            Some(g) if t > g.from => t.saturating_add_ms(g.len_ms()),
-                            _ => t,
-                        });
-                        let should_stall = nb.intent == Intent::Active
-                            && rb.session.is_some()
-                            && !rb.ready
-                            && rb.stage != NodeStage::Failed
-                            && deadline.is_some_and(|t| t <= now);
-                        let stalled =
-                            rb.stage != NodeStage::Failed && na.record.stage == NodeStage::Failed;
-                        let counted = na.retry.consecutive_failures
-                            == nb.retry.consecutive_failures.saturating_add(1);
-                        if should_stall != stalled || (stalled && !counted) {
-                            self.fail(
-                                Invariant::BootstrapFactsClassified,
-                                id,
-                                format!("stall deadline {:?} at {now}: should fail {should_stall}, failed {stalled}", rb.bootstrap_deadline),
-                            );
-                        }
-                    }
-                    let Some(p) = &nb.pending else { continue };
-                    if p.deadline > now || na.pending.is_some() {
-                        continue;
-                    }
-                    // An expired operation folds as an ambiguous failure
-                    // (one an active attempt left behind when it began
-                    // deleting counts nothing and delays nothing).
-                    let interrupted = nb.intent == Intent::Deleting && !p.cleanup;
-                    let expected = nb.retry.consecutive_failures + u32::from(!interrupted);
-                    if na.retry.consecutive_failures != expected {
-                        self.fail(
-                            Invariant::BackoffWithinFloorAndCap,
-                            id,
-                            "an expired operation did not count as a failure",
-                        );
-                    }
-                    if p.effect.creates() && na.record.ambiguous != p.effect.as_create() {
-                        self.fail(
-                            Invariant::AmbiguousCreateAdoptedBeforeDestruction,
-                            id,
-                            format!("an expired {:?} was not remembered as ambiguous", p.effect),
-                        );
-                    }
-                    if interrupted {
-                        if na.retry.next_effect_at != nb.retry.next_effect_at {
-                            self.fail(
-                                Invariant::AttemptFailureCleansUpImmediately,
-                                id,
-                                "an operation the deleting node's cleanup did not send delayed its cleanup",
-                            );
-                        }
-                    } else {
-                        self.check_backoff(id, na, now);
-                    }
-                }
-            }
+            StepEvent::Timeout { folded } => self.observe_timeout(folded, before, after),
             StepEvent::Tick => {}
             StepEvent::AgentLost {
                 node,
                 attempt,
                 folded,
-            } => {
-                let nb = b.nodes.get(node);
-                let live = nb.is_some_and(|n| {
-                    n.attempt == attempt
-                        && n.intent == Intent::Active
-                        && !matches!(n.record.stage, NodeStage::Failed | NodeStage::Destroyed)
-                });
-                let (Some(nb), Some(na)) = (nb, a.nodes.get(node)) else {
-                    return;
-                };
-                let ok = if live {
-                    folded == Folded::Applied
-                        && na.record.stage == NodeStage::Failed
-                        && !na.record.ready
-                        && na.retry.consecutive_failures
-                            == nb.retry.consecutive_failures.saturating_add(1)
-                        && na.retry.next_effect_at.is_none()
-                } else {
-                    folded != Folded::Applied && na == nb
-                };
-                if !ok {
-                    self.fail(
-                        Invariant::BootstrapFactsClassified,
-                        node,
-                        format!("agent lost for {attempt} (live: {live}) answered {folded:?}; stage {:?} -> {:?}", nb.record.stage, na.record.stage),
-                    );
-                }
-            }
+            } => self.observe_agent_lost(node, attempt, folded, before, after),
             StepEvent::Pass { pass, durable } => {
                 self.check_pass(pass, before, after, provider);
                 self.check_durable(pass, durable);
             }
             StepEvent::Inventory | StepEvent::Shutdown { .. } | StepEvent::Pause { .. } => {}
             StepEvent::AgentJoined { key, outcome } => {
-                let current = b.nodes.get(&key.node).is_some_and(|n| {
-                    n.attempt == key.attempt
-                        && n.intent == Intent::Active
-                        && !matches!(n.record.stage, NodeStage::Failed | NodeStage::Destroyed)
-                });
-                // As for results: a join that is the host's first input
-                // after a deaf gap moves stall deadlines by the gap.
-                let deafened = after.deaf != before.deaf;
-                if current != outcome.is_ok() || (outcome.is_err() && b != a && !deafened) {
-                    self.fail(
-                        Invariant::SupersededObservationsDiscarded,
-                        &key.node,
-                        format!("the join of {key} (current: {current}) was answered {outcome:?}"),
-                    );
-                }
+                self.observe_agent_joined(key, outcome, before, after)
             }
             StepEvent::Collect { request, .. } => {
                 let key = &request.key;
@@ -1048,33 +872,271 @@ impl Oracle {
                     );
                 }
             }
-            StepEvent::Restart { durable } => {
-                self.joined.clear();
-                self.converged.clear();
-                let last = self.attempts_seen.last_key_value().map(|(a, n)| (*a, *n));
-                if let Some((used, node)) = last
-                    && a.next_attempt <= used.0
-                {
-                    self.fail(
-                        Invariant::AcknowledgedShapesSurviveRestarts,
-                        &node,
-                        format!(
-                            "the new host would hand out attempt {} again (journal reserves {})",
-                            a.next_attempt, durable.meta.attempts_reserved
-                        ),
-                    );
+            StepEvent::Restart { durable } => self.observe_restart(durable, after),
+        }
+    }
+
+    /// A result: folded only when it answers the pending operation, and folded right.
+    fn observe_result(
+        &mut self,
+        result: &OperationResult,
+        folded: &Result<Folded, DriverError>,
+        before: &Snapshot,
+        after: &Snapshot,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let now = after.now;
+        let Ok(folded) = folded else {
+            return self.fail(
+                Invariant::DriverErrorFree,
+                &result.node,
+                format!("{folded:?}"),
+            );
+        };
+        let node_before = b.nodes.get(&result.node);
+        let current = node_before
+            .and_then(|n| n.pending.as_ref())
+            .is_some_and(|p| p.id == result.op);
+        // A result that is the host's first input after a deaf gap
+        // moves the node's stall deadlines by the gap (the host
+        // does that for every node, before folding anything):
+        // then only the fold itself is judged.
+        let deafened = after.deaf != before.deaf;
+        if !current {
+            if *folded == Folded::Applied || (!deafened && node_before != a.nodes.get(&result.node))
+            {
+                self.fail(
+                    Invariant::SupersededResultsDiscarded,
+                    &result.node,
+                    format!(
+                        "a result for {} that is not the pending operation was folded ({folded:?})",
+                        result.op
+                    ),
+                );
+            }
+            return;
+        }
+        let (Some(nb), Some(na)) = (node_before, a.nodes.get(&result.node)) else {
+            return;
+        };
+        self.check_result_fold(result, nb, na, now);
+        if *folded == Folded::Applied {
+            self.check_ladder_on_result(result, nb, na, now);
+        }
+    }
+
+    /// An observation: folded only when it is of the live session, and folded right.
+    fn observe_observation(
+        &mut self,
+        obs: &BootstrapObservation,
+        folded: &Result<Folded, DriverError>,
+        before: &Snapshot,
+        after: &Snapshot,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let now = after.now;
+        let Ok(folded) = folded else {
+            return self.fail(Invariant::DriverErrorFree, &obs.node, format!("{folded:?}"));
+        };
+        let node_before = b.nodes.get(&obs.node);
+        let live = node_before.is_some_and(|n| {
+            n.attempt == obs.attempt && n.record.session.as_ref() == Some(&obs.session)
+        });
+        if live && *folded == Folded::Applied {
+            let who = (obs.node, obs.attempt);
+            match obs.event {
+                BootstrapEvent::SwactorJoined => {
+                    self.joined.insert(who);
                 }
-                if after.desired.generation < self.acked {
-                    self.report(
-                        Invariant::AcknowledgedShapesSurviveRestarts,
-                        None,
-                        format!(
-                            "generation {} was acknowledged, the new host desires {}",
-                            self.acked, after.desired.generation
-                        ),
+                BootstrapEvent::Stage(BootstrapStage::Converged) => {
+                    self.converged.insert(who);
+                }
+                _ => {}
+            }
+        }
+        if let (true, Some(nb), Some(na)) = (live, node_before, a.nodes.get(&obs.node)) {
+            self.check_observation_fold(obs, nb, na, now);
+        }
+        if !live && (*folded == Folded::Applied || node_before != a.nodes.get(&obs.node)) {
+            self.fail(
+                Invariant::SupersededObservationsDiscarded,
+                &obs.node,
+                format!(
+                    "an observation of {}/{} was folded though the node runs {:?}",
+                    obs.attempt,
+                    obs.session.0,
+                    node_before.map(|n| (n.attempt, n.record.session.clone()))
+                ),
+            );
+        }
+    }
+
+    /// Served timers: due stall deadlines fail attempts; expired operations fail as ambiguous.
+    fn observe_timeout(
+        &mut self,
+        folded: &Result<usize, DriverError>,
+        before: &Snapshot,
+        after: &Snapshot,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let now = after.now;
+        if let Err(e) = folded {
+            self.report(Invariant::DriverErrorFree, None, format!("{e:?}"));
+        }
+        // A deaf gap noticed at this very step moved every stall
+        // deadline still running at its start on by its length.
+        let gap = after.deaf.filter(|_| after.deaf != before.deaf);
+        for (id, nb) in &b.nodes {
+            let Some(na) = a.nodes.get(id) else { continue };
+            if nb.pending.is_none() {
+                let rb = &nb.record;
+                let deadline = rb.bootstrap_deadline.map(|t| match gap {
+                    Some(g) if t > g.from => t.saturating_add_ms(g.len_ms()),
+                    _ => t,
+                });
+                let should_stall = nb.intent == Intent::Active
+                    && rb.session.is_some()
+                    && !rb.ready
+                    && rb.stage != NodeStage::Failed
+                    && deadline.is_some_and(|t| t <= now);
+                let stalled = rb.stage != NodeStage::Failed && na.record.stage == NodeStage::Failed;
+                let counted = na.retry.consecutive_failures
+                    == nb.retry.consecutive_failures.saturating_add(1);
+                if should_stall != stalled || (stalled && !counted) {
+                    self.fail(
+                        Invariant::BootstrapFactsClassified,
+                        id,
+                        format!("stall deadline {:?} at {now}: should fail {should_stall}, failed {stalled}", rb.bootstrap_deadline),
                     );
                 }
             }
+            let Some(p) = &nb.pending else { continue };
+            if p.deadline > now || na.pending.is_some() {
+                continue;
+            }
+            // An expired operation folds as an ambiguous failure
+            // (one an active attempt left behind when it began
+            // deleting counts nothing and delays nothing).
+            let interrupted = nb.intent == Intent::Deleting && !p.cleanup;
+            let expected = nb.retry.consecutive_failures + u32::from(!interrupted);
+            if na.retry.consecutive_failures != expected {
+                self.fail(
+                    Invariant::BackoffWithinFloorAndCap,
+                    id,
+                    "an expired operation did not count as a failure",
+                );
+            }
+            if p.effect.creates() && na.record.ambiguous != p.effect.as_create() {
+                self.fail(
+                    Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                    id,
+                    format!("an expired {:?} was not remembered as ambiguous", p.effect),
+                );
+            }
+            if interrupted {
+                if na.retry.next_effect_at != nb.retry.next_effect_at {
+                    self.fail(
+                        Invariant::AttemptFailureCleansUpImmediately,
+                        id,
+                        "an operation the deleting node's cleanup did not send delayed its cleanup",
+                    );
+                }
+            } else {
+                self.check_backoff(id, na, now);
+            }
+        }
+    }
+
+    /// A lost agent: it fails its attempt when that is live, and changes nothing otherwise.
+    fn observe_agent_lost(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        folded: Folded,
+        before: &Snapshot,
+        after: &Snapshot,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let nb = b.nodes.get(node);
+        let live = nb.is_some_and(|n| {
+            n.attempt == attempt
+                && n.intent == Intent::Active
+                && !matches!(n.record.stage, NodeStage::Failed | NodeStage::Destroyed)
+        });
+        let (Some(nb), Some(na)) = (nb, a.nodes.get(node)) else {
+            return;
+        };
+        let ok = if live {
+            folded == Folded::Applied
+                && na.record.stage == NodeStage::Failed
+                && !na.record.ready
+                && na.retry.consecutive_failures == nb.retry.consecutive_failures.saturating_add(1)
+                && na.retry.next_effect_at.is_none()
+        } else {
+            folded != Folded::Applied && na == nb
+        };
+        if !ok {
+            self.fail(
+                Invariant::BootstrapFactsClassified,
+                node,
+                format!("agent lost for {attempt} (live: {live}) answered {folded:?}; stage {:?} -> {:?}", nb.record.stage, na.record.stage),
+            );
+        }
+    }
+
+    /// A join: accepted exactly when of the current attempt; refused, it changes nothing.
+    fn observe_agent_joined(
+        &mut self,
+        key: &ResourceKey,
+        outcome: &Result<Liveness, JoinRefused>,
+        before: &Snapshot,
+        after: &Snapshot,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let current = b.nodes.get(&key.node).is_some_and(|n| {
+            n.attempt == key.attempt
+                && n.intent == Intent::Active
+                && !matches!(n.record.stage, NodeStage::Failed | NodeStage::Destroyed)
+        });
+        // As for results: a join that is the host's first input
+        // after a deaf gap moves stall deadlines by the gap.
+        let deafened = after.deaf != before.deaf;
+        if current != outcome.is_ok() || (outcome.is_err() && b != a && !deafened) {
+            self.fail(
+                Invariant::SupersededObservationsDiscarded,
+                &key.node,
+                format!("the join of {key} (current: {current}) was answered {outcome:?}"),
+            );
+        }
+    }
+
+    /// A new host: it reuses no attempt id and keeps every acknowledged generation.
+    fn observe_restart(&mut self, durable: &JournalImage, after: &Snapshot) {
+        let a = &after.state;
+        self.joined.clear();
+        self.converged.clear();
+        let last = self.attempts_seen.last_key_value().map(|(a, n)| (*a, *n));
+        if let Some((used, node)) = last
+            && a.next_attempt <= used.0
+        {
+            self.fail(
+                Invariant::AcknowledgedShapesSurviveRestarts,
+                &node,
+                format!(
+                    "the new host would hand out attempt {} again (journal reserves {})",
+                    a.next_attempt, durable.meta.attempts_reserved
+                ),
+            );
+        }
+        if after.desired.generation < self.acked {
+            self.report(
+                Invariant::AcknowledgedShapesSurviveRestarts,
+                None,
+                format!(
+                    "generation {} was acknowledged, the new host desires {}",
+                    self.acked, after.desired.generation
+                ),
+            );
         }
     }
 
@@ -1252,54 +1314,62 @@ impl Oracle {
             OperationOutcome::Failed { .. }
                 if nb.intent == Intent::Deleting
                     && nb.pending.as_ref().is_some_and(|p| !p.cleanup) => {}
-            OperationOutcome::Failed { .. } => {
-                if na.retry.consecutive_failures != nb.retry.consecutive_failures.saturating_add(1)
-                {
-                    self.fail(
-                        Invariant::BackoffWithinFloorAndCap,
-                        node,
-                        "a failed operation did not count as a failure",
-                    );
-                }
-                if matches!(
-                    kind,
-                    Some(EffectKind::CancelBootstrap | EffectKind::DestroyLease)
-                ) && (na.record.session != nb.record.session
-                    || na.record.lease != nb.record.lease)
-                {
-                    self.fail(
-                        Invariant::FailedCleanupKeepsLiveFacts,
-                        node,
-                        format!("a failed {kind:?} dropped the facts it failed to clean"),
-                    );
-                }
-                if na.record.stage == NodeStage::Failed && nb.record.stage != NodeStage::Failed {
-                    if na.retry.next_effect_at.is_some() {
-                        self.fail(
-                            Invariant::AttemptFailureCleansUpImmediately,
-                            node,
-                            "a failed attempt's cleanup waits for backoff",
-                        );
-                    }
-                } else {
-                    self.check_backoff(node, na, now);
-                }
-                // An unresolved CreateLease may hold a machine; only a success
-                // resolves it. (A session dies with its lease, so a dropped
-                // StartBootstrap ambiguity is made safe by the DestroyLease.)
-                if let (Some(k), Some(prev)) = (kind, nb.record.ambiguous)
-                    && k == prev.effect()
-                    && k == EffectKind::CreateLease
-                    && na.record.ambiguous.is_none()
-                {
-                    self.fail(
-                        Invariant::AmbiguousCreateAdoptedBeforeDestruction,
-                        node,
-                        format!("a failed re-issue of an ambiguous {k:?} forgot the ambiguity before it was adopted"),
-                    );
-                }
-            }
+            OperationOutcome::Failed { .. } => self.check_failed_fold(node, kind, nb, na, now),
             _ => {}
+        }
+    }
+
+    /// A failure's fold: it counts, keeps uncleaned facts, cleans up or backs off, keeps ambiguity.
+    fn check_failed_fold(
+        &mut self,
+        node: &LogicalNodeId,
+        kind: Option<EffectKind>,
+        nb: &ManagedNode,
+        na: &ManagedNode,
+        now: Timestamp,
+    ) {
+        if na.retry.consecutive_failures != nb.retry.consecutive_failures.saturating_add(1) {
+            self.fail(
+                Invariant::BackoffWithinFloorAndCap,
+                node,
+                "a failed operation did not count as a failure",
+            );
+        }
+        if matches!(
+            kind,
+            Some(EffectKind::CancelBootstrap | EffectKind::DestroyLease)
+        ) && (na.record.session != nb.record.session || na.record.lease != nb.record.lease)
+        {
+            self.fail(
+                Invariant::FailedCleanupKeepsLiveFacts,
+                node,
+                format!("a failed {kind:?} dropped the facts it failed to clean"),
+            );
+        }
+        if na.record.stage == NodeStage::Failed && nb.record.stage != NodeStage::Failed {
+            if na.retry.next_effect_at.is_some() {
+                self.fail(
+                    Invariant::AttemptFailureCleansUpImmediately,
+                    node,
+                    "a failed attempt's cleanup waits for backoff",
+                );
+            }
+        } else {
+            self.check_backoff(node, na, now);
+        }
+        // An unresolved CreateLease may hold a machine; only a success
+        // resolves it. (A session dies with its lease, so a dropped
+        // StartBootstrap ambiguity is made safe by the DestroyLease.)
+        if let (Some(k), Some(prev)) = (kind, nb.record.ambiguous)
+            && k == prev.effect()
+            && k == EffectKind::CreateLease
+            && na.record.ambiguous.is_none()
+        {
+            self.fail(
+                Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                node,
+                format!("a failed re-issue of an ambiguous {k:?} forgot the ambiguity before it was adopted"),
+            );
         }
     }
 
@@ -1335,151 +1405,186 @@ impl Oracle {
         after: &Snapshot,
         provider: &dyn ProviderView,
     ) {
-        let (b, a) = (&before.state, &after.state);
-        let now = after.now;
         for e in &pass.errors {
             self.report(Invariant::DriverErrorFree, None, format!("pass error: {e}"));
         }
         let mut dispatched = BTreeSet::new();
         for d in &pass.dispatches {
-            let id = &d.key.node;
-            let kind = d.request.kind();
-            if !dispatched.insert(*id) {
-                self.fail(
-                    Invariant::OnePendingOperationPerNode,
-                    id,
-                    "two dispatches in one pass",
-                );
-            }
-            let Some(na) = a.nodes.get(id) else {
-                self.fail(
-                    Invariant::EffectsRecordedPendingBeforeDispatch,
-                    id,
-                    "dispatch for a node the driver does not hold",
-                );
-                continue;
-            };
-            let nb = b.nodes.get(id);
-            if let Some(p) = nb.and_then(|n| n.pending.as_ref()) {
-                self.fail(
-                    Invariant::OnePendingOperationPerNode,
-                    id,
-                    format!("{} dispatched while {} was pending", d.op, p.id),
-                );
-            }
-            let recorded = na.pending.as_ref().is_some_and(|p| {
-                p.id == d.op
-                    && p.effect == kind
-                    && p.deadline == d.deadline
-                    && p.dispatched_at == now
-            });
-            let deadline_ok =
-                now.0.checked_add(timeout_of(&self.config, kind)) == Some(d.deadline.0);
-            if !recorded || !deadline_ok {
-                self.fail(
-                    Invariant::EffectsRecordedPendingBeforeDispatch,
-                    id,
-                    format!(
-                        "{} ({kind:?}) is not the recorded pending operation {:?}",
-                        d.op, na.pending
-                    ),
-                );
-            }
-            if d.key.run_id != a.run_id || d.key.attempt != na.attempt || d.op.attempt != na.attempt
-            {
-                self.fail(
-                    Invariant::DispatchCarriesCurrentIdentity,
-                    id,
-                    format!(
-                        "dispatch keyed {} / {} for attempt {}",
-                        d.key, d.op, na.attempt
-                    ),
-                );
-            }
-            if !self.ops_seen.insert(d.op) {
-                self.fail(
-                    Invariant::OperationIdsNeverReused,
-                    id,
-                    format!("{} dispatched twice", d.op),
-                );
-            }
-            let Some(nb) = nb else { continue };
-            let stage = if kind == EffectKind::CreateLease && nb.record.stage == NodeStage::New {
-                NodeStage::LeaseRequested
-            } else {
-                nb.record.stage
-            };
-            if na.record.stage != stage {
-                self.fail(
-                    Invariant::StageLadderFollowsFacts,
-                    id,
-                    format!(
-                        "{kind:?} dispatched moved {:?} to {:?}",
-                        nb.record.stage, na.record.stage
-                    ),
-                );
-            }
-            if let Some(at) = nb.retry.next_effect_at.filter(|at| *at > now) {
-                self.fail(
-                    Invariant::BackoffWithinFloorAndCap,
-                    id,
-                    format!("{kind:?} dispatched at {now}, before its backoff ends at {at}"),
-                );
-            }
-            // Cleanup effects: order, adoption first, own resources only.
-            let destructive =
-                matches!(kind, EffectKind::CancelBootstrap | EffectKind::DestroyLease);
-            if destructive && nb.intent != Intent::Deleting {
-                self.fail(
-                    Invariant::CleanupOrderCancelDestroyMark,
-                    id,
-                    format!("{kind:?} for an Active attempt"),
-                );
-            }
-            if destructive && nb.record.ambiguous.is_some() {
-                self.fail(
-                    Invariant::AmbiguousCreateAdoptedBeforeDestruction,
-                    id,
-                    format!(
-                        "{kind:?} while an ambiguous {:?} is unresolved",
-                        nb.record.ambiguous
-                    ),
-                );
-            }
-            if kind == EffectKind::DestroyLease && nb.record.session.is_some() {
-                self.fail(
-                    Invariant::CleanupOrderCancelDestroyMark,
-                    id,
-                    "DestroyLease while a session is live",
-                );
-            }
-            let target_owner = match &d.request {
-                EffectRequest::CancelBootstrap { session } => {
-                    provider.session_owner(session).map(|(k, _)| k.clone())
-                }
-                EffectRequest::DestroyLease { lease, .. }
-                | EffectRequest::LookupEndpoint { lease } => {
-                    provider.lease_owner(lease).map(|(k, _)| k.clone())
-                }
-                EffectRequest::StartBootstrap { lease, .. } => {
-                    provider.lease_owner(lease).map(|(k, _)| k.clone())
-                }
-                EffectRequest::CreateLease { .. } => None,
-            };
-            if let Some(owner) = target_owner
-                && (owner.node != *id || owner.attempt != na.attempt)
-            {
-                self.fail(
-                    Invariant::CleanupTargetsOwnResources,
-                    id,
-                    format!(
-                        "{kind:?} of attempt {} targets a resource of {owner}",
-                        na.attempt
-                    ),
-                );
-            }
+            self.check_dispatch(d, &mut dispatched, before, after, provider);
         }
-        // Deletions: only undesired, drifted or failed attempts; failed ones at once.
+        self.check_pass_deletions(before, after);
+    }
+
+    /// One dispatch of a pass: alone, recorded pending, current identity, fresh operation id.
+    fn check_dispatch(
+        &mut self,
+        d: &Dispatch,
+        dispatched: &mut BTreeSet<LogicalNodeId>,
+        before: &Snapshot,
+        after: &Snapshot,
+        provider: &dyn ProviderView,
+    ) {
+        let (b, a) = (&before.state, &after.state);
+        let now = after.now;
+        let id = &d.key.node;
+        let kind = d.request.kind();
+        if !dispatched.insert(*id) {
+            self.fail(
+                Invariant::OnePendingOperationPerNode,
+                id,
+                "two dispatches in one pass",
+            );
+        }
+        let Some(na) = a.nodes.get(id) else {
+            self.fail(
+                Invariant::EffectsRecordedPendingBeforeDispatch,
+                id,
+                "dispatch for a node the driver does not hold",
+            );
+            return;
+        };
+        let nb = b.nodes.get(id);
+        if let Some(p) = nb.and_then(|n| n.pending.as_ref()) {
+            self.fail(
+                Invariant::OnePendingOperationPerNode,
+                id,
+                format!("{} dispatched while {} was pending", d.op, p.id),
+            );
+        }
+        let recorded = na.pending.as_ref().is_some_and(|p| {
+            p.id == d.op && p.effect == kind && p.deadline == d.deadline && p.dispatched_at == now
+        });
+        let deadline_ok = now.0.checked_add(timeout_of(&self.config, kind)) == Some(d.deadline.0);
+        if !recorded || !deadline_ok {
+            self.fail(
+                Invariant::EffectsRecordedPendingBeforeDispatch,
+                id,
+                format!(
+                    "{} ({kind:?}) is not the recorded pending operation {:?}",
+                    d.op, na.pending
+                ),
+            );
+        }
+        if d.key.run_id != a.run_id || d.key.attempt != na.attempt || d.op.attempt != na.attempt {
+            self.fail(
+                Invariant::DispatchCarriesCurrentIdentity,
+                id,
+                format!(
+                    "dispatch keyed {} / {} for attempt {}",
+                    d.key, d.op, na.attempt
+                ),
+            );
+        }
+        if !self.ops_seen.insert(d.op) {
+            self.fail(
+                Invariant::OperationIdsNeverReused,
+                id,
+                format!("{} dispatched twice", d.op),
+            );
+        }
+        let Some(nb) = nb else { return };
+        self.check_dispatch_ladder(d, nb, na, now);
+        self.check_dispatch_targets(d, nb, na, provider);
+    }
+
+    /// A dispatch moves its node's stage only as its kind says, and never before its backoff ends.
+    fn check_dispatch_ladder(
+        &mut self,
+        d: &Dispatch,
+        nb: &ManagedNode,
+        na: &ManagedNode,
+        now: Timestamp,
+    ) {
+        let id = &d.key.node;
+        let kind = d.request.kind();
+        let stage = if kind == EffectKind::CreateLease && nb.record.stage == NodeStage::New {
+            NodeStage::LeaseRequested
+        } else {
+            nb.record.stage
+        };
+        if na.record.stage != stage {
+            self.fail(
+                Invariant::StageLadderFollowsFacts,
+                id,
+                format!(
+                    "{kind:?} dispatched moved {:?} to {:?}",
+                    nb.record.stage, na.record.stage
+                ),
+            );
+        }
+        if let Some(at) = nb.retry.next_effect_at.filter(|at| *at > now) {
+            self.fail(
+                Invariant::BackoffWithinFloorAndCap,
+                id,
+                format!("{kind:?} dispatched at {now}, before its backoff ends at {at}"),
+            );
+        }
+    }
+
+    /// Cleanup effects: order, adoption first, own resources only.
+    fn check_dispatch_targets(
+        &mut self,
+        d: &Dispatch,
+        nb: &ManagedNode,
+        na: &ManagedNode,
+        provider: &dyn ProviderView,
+    ) {
+        let id = &d.key.node;
+        let kind = d.request.kind();
+        let destructive = matches!(kind, EffectKind::CancelBootstrap | EffectKind::DestroyLease);
+        if destructive && nb.intent != Intent::Deleting {
+            self.fail(
+                Invariant::CleanupOrderCancelDestroyMark,
+                id,
+                format!("{kind:?} for an Active attempt"),
+            );
+        }
+        if destructive && nb.record.ambiguous.is_some() {
+            self.fail(
+                Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                id,
+                format!(
+                    "{kind:?} while an ambiguous {:?} is unresolved",
+                    nb.record.ambiguous
+                ),
+            );
+        }
+        if kind == EffectKind::DestroyLease && nb.record.session.is_some() {
+            self.fail(
+                Invariant::CleanupOrderCancelDestroyMark,
+                id,
+                "DestroyLease while a session is live",
+            );
+        }
+        let target_owner = match &d.request {
+            EffectRequest::CancelBootstrap { session } => {
+                provider.session_owner(session).map(|(k, _)| k.clone())
+            }
+            EffectRequest::DestroyLease { lease, .. } | EffectRequest::LookupEndpoint { lease } => {
+                provider.lease_owner(lease).map(|(k, _)| k.clone())
+            }
+            EffectRequest::StartBootstrap { lease, .. } => {
+                provider.lease_owner(lease).map(|(k, _)| k.clone())
+            }
+            EffectRequest::CreateLease { .. } => None,
+        };
+        if let Some(owner) = target_owner
+            && (owner.node != *id || owner.attempt != na.attempt)
+        {
+            self.fail(
+                Invariant::CleanupTargetsOwnResources,
+                id,
+                format!(
+                    "{kind:?} of attempt {} targets a resource of {owner}",
+                    na.attempt
+                ),
+            );
+        }
+    }
+
+    /// Deletions: only undesired, drifted or failed attempts; failed ones at once.
+    fn check_pass_deletions(&mut self, before: &Snapshot, after: &Snapshot) {
+        let (b, a) = (&before.state, &after.state);
         for (id, nb) in &b.nodes {
             let Some(na) = a.nodes.get(id) else { continue };
             if nb.intent != Intent::Active || nb.record.stage == NodeStage::Destroyed {
@@ -1554,147 +1659,190 @@ impl Oracle {
             let nb = b.nodes.get(id);
             let new_attempt = nb.is_none_or(|nb| nb.attempt != na.attempt);
             let adopted = matches!(event, StepEvent::Inventory) && nb.is_none();
-            if new_attempt && adopted {
-                // Adoption takes over an attempt an earlier host handed out.
-                if self.attempts_seen.get(&na.attempt) != Some(id) {
-                    self.fail(
-                        Invariant::AttemptIdsNeverReused,
-                        id,
-                        format!(
-                            "adopted attempt {}, which was never handed out for this slot (seen for {:?})",
-                            na.attempt,
-                            self.attempts_seen.get(&na.attempt)
-                        ),
-                    );
-                }
-            } else if new_attempt {
-                if let Some(owner) = self.attempts_seen.insert(na.attempt, *id) {
-                    self.fail(
-                        Invariant::AttemptIdsNeverReused,
-                        id,
-                        format!("attempt {} was already used by {owner}", na.attempt),
-                    );
-                }
-                if !matches!(event, StepEvent::Pass { .. }) {
-                    self.fail(
-                        Invariant::ReplacementOnlyAfterFullCleanup,
-                        id,
-                        "a new attempt appeared outside a pass",
-                    );
-                }
+            if new_attempt {
+                self.check_new_attempt(event, id, na, adopted);
             }
             if let (Some(nb), true) = (nb, new_attempt) {
                 // A replacement in place.
-                let rec = &nb.record;
-                let clean = rec.stage == NodeStage::Destroyed
-                    && rec.lease.is_none()
-                    && rec.session.is_none()
-                    && nb.pending.is_none();
-                // The backoff holds only while the slot wants the same template.
-                let changed = wanted(&before.state, &before.desired, id)
-                    .is_some_and(|d| !same_template(d, &nb.template));
-                let due = changed || rec.restart_at.is_none_or(|t| t <= now);
-                if !clean || !due {
-                    self.fail(
-                        Invariant::ReplacementOnlyAfterFullCleanup,
-                        id,
-                        format!(
-                            "attempt {} replaced {} at {now} (stage {:?}, restart_at {:?})",
-                            na.attempt, nb.attempt, rec.stage, rec.restart_at
-                        ),
-                    );
-                }
-                if na.retry.consecutive_failures != nb.retry.consecutive_failures {
-                    self.fail(
-                        Invariant::FailuresCarryIntoReplacement,
-                        id,
-                        format!(
-                            "{} failures became {}",
-                            nb.retry.consecutive_failures, na.retry.consecutive_failures
-                        ),
-                    );
-                }
+                self.check_replacement(id, na, nb, before, now);
             }
             let Some(nb) = nb.filter(|nb| nb.attempt == na.attempt) else {
                 continue;
             };
-            let who = (*id, na.attempt);
-            if na.is_ready()
-                && !nb.is_ready()
-                && !(self.joined.contains(&who) && self.converged.contains(&who))
-            {
-                self.fail(
-                    Invariant::ReadyOnlyAfterJoinAndConvergence,
-                    id,
-                    format!(
-                        "attempt {} became ready (joined reported: {}, converged reported: {})",
-                        na.attempt,
-                        self.joined.contains(&who),
-                        self.converged.contains(&who)
-                    ),
-                );
-            }
-            if na.is_ready() && !nb.is_ready() && na.retry.consecutive_failures != 0 {
-                self.fail(
-                    Invariant::ReadyResetsFailures,
-                    id,
-                    format!(
-                        "ready with {} failures on record",
-                        na.retry.consecutive_failures
-                    ),
-                );
-            }
+            self.check_readiness(id, na, nb);
             if na.record.stage == NodeStage::Destroyed && nb.record.stage != NodeStage::Destroyed {
-                let rb = &nb.record;
-                if rb.lease.is_some() || rb.session.is_some() || nb.pending.is_some() {
-                    self.fail(
-                        Invariant::CleanupOrderCancelDestroyMark,
-                        id,
-                        "marked destroyed while a lease, session or operation remained",
-                    );
-                }
-                if rb.ambiguous.is_some() {
-                    self.fail(
-                        Invariant::AmbiguousCreateAdoptedBeforeDestruction,
-                        id,
-                        format!(
-                            "marked destroyed with an unresolved ambiguous {:?}",
-                            rb.ambiguous
-                        ),
-                    );
-                }
-                let key = ResourceKey {
-                    run_id: a.run_id.clone(),
-                    node: *id,
-                    attempt: na.attempt,
-                };
-                let live = provider.live_keys().iter().filter(|k| **k == key).count();
-                let running = provider.in_flight(id, na.attempt);
-                if live > 0 || running > 0 {
-                    self.fail(
-                        Invariant::DestroyedAttemptLeaksNothing,
-                        id,
-                        format!("attempt {} marked destroyed while the provider holds {live} live resource(s) and runs {running} operation(s) for it", na.attempt),
-                    );
-                }
-                let delay = na.record.restart_at.map(|t| t.saturating_since(now));
-                let (lo, hi) = backoff_window(&self.config, na.retry.consecutive_failures);
-                if !delay.is_some_and(|d| (lo..=hi).contains(&d)) {
-                    self.fail(
-                        Invariant::BackoffWithinFloorAndCap,
-                        id,
-                        format!(
-                            "restart in {delay:?} ms after {} failures; window is [{lo}, {hi}]",
-                            na.retry.consecutive_failures
-                        ),
-                    );
-                }
+                self.check_marked_destroyed(id, na, nb, after, provider);
             }
         }
     }
 
+    /// A new attempt: adopted, one handed out for the slot; made, a fresh id in a pass.
+    fn check_new_attempt(
+        &mut self,
+        event: StepEvent<'_>,
+        id: &LogicalNodeId,
+        na: &ManagedNode,
+        adopted: bool,
+    ) {
+        if adopted {
+            // Adoption takes over an attempt an earlier host handed out.
+            if self.attempts_seen.get(&na.attempt) != Some(id) {
+                self.fail(
+                    Invariant::AttemptIdsNeverReused,
+                    id,
+                    format!(
+                        "adopted attempt {}, which was never handed out for this slot (seen for {:?})",
+                        na.attempt,
+                        self.attempts_seen.get(&na.attempt)
+                    ),
+                );
+            }
+        } else {
+            if let Some(owner) = self.attempts_seen.insert(na.attempt, *id) {
+                self.fail(
+                    Invariant::AttemptIdsNeverReused,
+                    id,
+                    format!("attempt {} was already used by {owner}", na.attempt),
+                );
+            }
+            if !matches!(event, StepEvent::Pass { .. }) {
+                self.fail(
+                    Invariant::ReplacementOnlyAfterFullCleanup,
+                    id,
+                    "a new attempt appeared outside a pass",
+                );
+            }
+        }
+    }
+
+    /// A replacement in place: only of a cleaned-up attempt due to restart; failures carry over.
+    fn check_replacement(
+        &mut self,
+        id: &LogicalNodeId,
+        na: &ManagedNode,
+        nb: &ManagedNode,
+        before: &Snapshot,
+        now: Timestamp,
+    ) {
+        let rec = &nb.record;
+        let clean = rec.stage == NodeStage::Destroyed
+            && rec.lease.is_none()
+            && rec.session.is_none()
+            && nb.pending.is_none();
+        // The backoff holds only while the slot wants the same template.
+        let changed = wanted(&before.state, &before.desired, id)
+            .is_some_and(|d| !same_template(d, &nb.template));
+        let due = changed || rec.restart_at.is_none_or(|t| t <= now);
+        if !clean || !due {
+            self.fail(
+                Invariant::ReplacementOnlyAfterFullCleanup,
+                id,
+                format!(
+                    "attempt {} replaced {} at {now} (stage {:?}, restart_at {:?})",
+                    na.attempt, nb.attempt, rec.stage, rec.restart_at
+                ),
+            );
+        }
+        if na.retry.consecutive_failures != nb.retry.consecutive_failures {
+            self.fail(
+                Invariant::FailuresCarryIntoReplacement,
+                id,
+                format!(
+                    "{} failures became {}",
+                    nb.retry.consecutive_failures, na.retry.consecutive_failures
+                ),
+            );
+        }
+    }
+
+    /// An attempt becomes ready only after it joined and converged, and with no failures.
+    fn check_readiness(&mut self, id: &LogicalNodeId, na: &ManagedNode, nb: &ManagedNode) {
+        let who = (*id, na.attempt);
+        if na.is_ready()
+            && !nb.is_ready()
+            && !(self.joined.contains(&who) && self.converged.contains(&who))
+        {
+            self.fail(
+                Invariant::ReadyOnlyAfterJoinAndConvergence,
+                id,
+                format!(
+                    "attempt {} became ready (joined reported: {}, converged reported: {})",
+                    na.attempt,
+                    self.joined.contains(&who),
+                    self.converged.contains(&who)
+                ),
+            );
+        }
+        if na.is_ready() && !nb.is_ready() && na.retry.consecutive_failures != 0 {
+            self.fail(
+                Invariant::ReadyResetsFailures,
+                id,
+                format!(
+                    "ready with {} failures on record",
+                    na.retry.consecutive_failures
+                ),
+            );
+        }
+    }
+
+    /// An attempt marked destroyed holds and leaks nothing, and restarts within the backoff.
+    fn check_marked_destroyed(
+        &mut self,
+        id: &LogicalNodeId,
+        na: &ManagedNode,
+        nb: &ManagedNode,
+        after: &Snapshot,
+        provider: &dyn ProviderView,
+    ) {
+        let a = &after.state;
+        let now = after.now;
+        let rb = &nb.record;
+        if rb.lease.is_some() || rb.session.is_some() || nb.pending.is_some() {
+            self.fail(
+                Invariant::CleanupOrderCancelDestroyMark,
+                id,
+                "marked destroyed while a lease, session or operation remained",
+            );
+        }
+        if rb.ambiguous.is_some() {
+            self.fail(
+                Invariant::AmbiguousCreateAdoptedBeforeDestruction,
+                id,
+                format!(
+                    "marked destroyed with an unresolved ambiguous {:?}",
+                    rb.ambiguous
+                ),
+            );
+        }
+        let key = ResourceKey {
+            run_id: a.run_id.clone(),
+            node: *id,
+            attempt: na.attempt,
+        };
+        let live = provider.live_keys().iter().filter(|k| **k == key).count();
+        let running = provider.in_flight(id, na.attempt);
+        if live > 0 || running > 0 {
+            self.fail(
+                Invariant::DestroyedAttemptLeaksNothing,
+                id,
+                format!("attempt {} marked destroyed while the provider holds {live} live resource(s) and runs {running} operation(s) for it", na.attempt),
+            );
+        }
+        let delay = na.record.restart_at.map(|t| t.saturating_since(now));
+        let (lo, hi) = backoff_window(&self.config, na.retry.consecutive_failures);
+        if !delay.is_some_and(|d| (lo..=hi).contains(&d)) {
+            self.fail(
+                Invariant::BackoffWithinFloorAndCap,
+                id,
+                format!(
+                    "restart in {delay:?} ms after {} failures; window is [{lo}, {hi}]",
+                    na.retry.consecutive_failures
+                ),
+            );
+        }
+    }
+
     fn observe_counters(&mut self, event: StepEvent<'_>, before: &Snapshot, after: &Snapshot) {
-        let inv = Invariant::DriverCountersMatchWhatHappened;
         let t = &mut self.tally;
         let mut count = |f: &Result<Folded, DriverError>| match f {
             Ok(Folded::Applied) => t.folded += 1,
@@ -1706,32 +1854,7 @@ impl Oracle {
             | StepEvent::Observation { folded, .. }
             | StepEvent::SubmitFailed { folded, .. } => count(folded),
             StepEvent::AgentLost { folded, .. } => count(&Ok(folded)),
-            StepEvent::Timeout { folded } => {
-                let (b, a) = (&before.state, &after.state);
-                let mut expired = 0u64;
-                let mut changed = 0usize;
-                for (id, nb) in &b.nodes {
-                    let Some(na) = a.nodes.get(id).filter(|na| na.attempt == nb.attempt) else {
-                        continue;
-                    };
-                    let exp = nb.pending.as_ref().is_some_and(|p| p.deadline <= after.now)
-                        && na.pending.is_none();
-                    let stalled = nb.record.stage != NodeStage::Failed
-                        && na.record.stage == NodeStage::Failed;
-                    expired += u64::from(exp);
-                    changed += usize::from(exp || stalled);
-                }
-                self.tally.expired += expired;
-                if let Ok(n) = folded
-                    && *n != changed
-                {
-                    self.report(
-                        inv,
-                        None,
-                        format!("handle_timeout said {n} folded; {changed} nodes changed"),
-                    );
-                }
-            }
+            StepEvent::Timeout { folded } => self.count_expired(folded, before, after),
             StepEvent::Restart { .. } => {
                 // A new host, a new driver: its counters start over.
                 self.tally = after.stats;
@@ -1742,52 +1865,95 @@ impl Oracle {
             | StepEvent::Collect { .. }
             | StepEvent::Shutdown { .. }
             | StepEvent::Pause { .. } => {}
-            StepEvent::Pass { pass, .. } => {
-                self.tally.passes += 1;
-                self.tally.dispatched += pass.dispatches.len() as u64;
-                let (b, a) = (&before.state, &after.state);
-                let mut transitioned: Vec<&LogicalNodeId> = a
-                    .nodes
-                    .iter()
-                    .filter(|(id, na)| match b.nodes.get(id) {
-                        None => true,
-                        Some(nb) => {
-                            nb.attempt != na.attempt
-                                || nb.intent != na.intent
-                                || (na.record.stage == NodeStage::Destroyed)
-                                    != (nb.record.stage == NodeStage::Destroyed)
-                                || (na.record.ready && !nb.record.ready)
-                        }
-                    })
-                    .map(|(id, _)| id)
-                    .chain(b.nodes.keys().filter(|id| !a.nodes.contains_key(id)))
-                    .collect();
-                transitioned.sort();
-                let st = &pass.stats;
-                let ok = pass.number == self.tally.passes
-                    && st.nodes == b.nodes.len()
-                    && st.dispatched == pass.dispatches.len()
-                    && st.errors == pass.errors.len()
-                    && st.transitions == transitioned.len();
-                if !ok {
-                    self.report(
-                        inv,
-                        None,
-                        format!(
-                            "pass {} with stats {st:?} ({} dispatches, {} errors, {} nodes before, {} transitions seen)",
-                            pass.number,
-                            pass.dispatches.len(),
-                            pass.errors.len(),
-                            b.nodes.len(),
-                            transitioned.len()
-                        ),
-                    );
-                }
-            }
+            StepEvent::Pass { pass, .. } => self.count_pass(pass, before, after),
             StepEvent::Update { .. } | StepEvent::Tick => {}
         }
-        // Work-queue semantics: every folded input and every served timer
-        // queues a pass; a discarded input queues nothing; draining empties it.
+        self.check_pass_queued(event, before, after);
+        self.check_tally(after);
+    }
+
+    /// Tallies a timeout's expired operations; its folded count must match the nodes changed.
+    fn count_expired(
+        &mut self,
+        folded: &Result<usize, DriverError>,
+        before: &Snapshot,
+        after: &Snapshot,
+    ) {
+        let inv = Invariant::DriverCountersMatchWhatHappened;
+        let (b, a) = (&before.state, &after.state);
+        let mut expired = 0u64;
+        let mut changed = 0usize;
+        for (id, nb) in &b.nodes {
+            let Some(na) = a.nodes.get(id).filter(|na| na.attempt == nb.attempt) else {
+                continue;
+            };
+            let exp = nb.pending.as_ref().is_some_and(|p| p.deadline <= after.now)
+                && na.pending.is_none();
+            let stalled =
+                nb.record.stage != NodeStage::Failed && na.record.stage == NodeStage::Failed;
+            expired += u64::from(exp);
+            changed += usize::from(exp || stalled);
+        }
+        self.tally.expired += expired;
+        if let Ok(n) = folded
+            && *n != changed
+        {
+            self.report(
+                inv,
+                None,
+                format!("handle_timeout said {n} folded; {changed} nodes changed"),
+            );
+        }
+    }
+
+    /// Tallies a pass, and checks its stats against what it did.
+    fn count_pass(&mut self, pass: &Pass, before: &Snapshot, after: &Snapshot) {
+        let inv = Invariant::DriverCountersMatchWhatHappened;
+        self.tally.passes += 1;
+        self.tally.dispatched += pass.dispatches.len() as u64;
+        let (b, a) = (&before.state, &after.state);
+        let mut transitioned: Vec<&LogicalNodeId> = a
+            .nodes
+            .iter()
+            .filter(|(id, na)| match b.nodes.get(id) {
+                None => true,
+                Some(nb) => {
+                    nb.attempt != na.attempt
+                        || nb.intent != na.intent
+                        || (na.record.stage == NodeStage::Destroyed)
+                            != (nb.record.stage == NodeStage::Destroyed)
+                        || (na.record.ready && !nb.record.ready)
+                }
+            })
+            .map(|(id, _)| id)
+            .chain(b.nodes.keys().filter(|id| !a.nodes.contains_key(id)))
+            .collect();
+        transitioned.sort();
+        let st = &pass.stats;
+        let ok = pass.number == self.tally.passes
+            && st.nodes == b.nodes.len()
+            && st.dispatched == pass.dispatches.len()
+            && st.errors == pass.errors.len()
+            && st.transitions == transitioned.len();
+        if !ok {
+            self.report(
+                inv,
+                None,
+                format!(
+                    "pass {} with stats {st:?} ({} dispatches, {} errors, {} nodes before, {} transitions seen)",
+                    pass.number,
+                    pass.dispatches.len(),
+                    pass.errors.len(),
+                    b.nodes.len(),
+                    transitioned.len()
+                ),
+            );
+        }
+    }
+
+    /// Work-queue semantics: a folded input or served timer queues a pass, a discarded one not.
+    fn check_pass_queued(&mut self, event: StepEvent<'_>, before: &Snapshot, after: &Snapshot) {
+        let inv = Invariant::DriverCountersMatchWhatHappened;
         let queued_ok = match (before.pass_queued, after.pass_queued) {
             (Some(was), Some(is)) => match event {
                 StepEvent::Result { folded, .. } | StepEvent::Observation { folded, .. } => {
@@ -1826,6 +1992,11 @@ impl Oracle {
                 ),
             );
         }
+    }
+
+    /// The driver's counters equal the tally; a drift is reported once.
+    fn check_tally(&mut self, after: &Snapshot) {
+        let inv = Invariant::DriverCountersMatchWhatHappened;
         let (got, want) = (&after.stats, &self.tally);
         let same = got.passes == want.passes
             && got.dispatched == want.dispatched
@@ -2388,54 +2559,7 @@ impl Oracle {
     pub fn check(&mut self, after: &Snapshot, provider: &dyn ProviderView) {
         let a = &after.state;
         for (id, n) in &a.nodes {
-            let rec = &n.record;
-            if rec.stage == NodeStage::Destroyed
-                && (rec.lease.is_some()
-                    || rec.session.is_some()
-                    || rec.endpoint.is_some()
-                    || rec.ambiguous.is_some()
-                    || n.pending.is_some())
-            {
-                self.fail(
-                    Invariant::DestroyedNodeHoldsNothing,
-                    id,
-                    format!("{rec:?} pending {:?}", n.pending),
-                );
-            }
-            // A stall deadline only ever guards a live, unready, active stream.
-            if rec.bootstrap_deadline.is_some()
-                && !(n.intent == Intent::Active
-                    && rec.session.is_some()
-                    && !rec.ready
-                    && rec.stage != NodeStage::Failed
-                    && n.pending.is_none())
-            {
-                self.fail(
-                    Invariant::BootstrapFactsClassified,
-                    id,
-                    format!("a stall deadline outside a live bootstrap: {rec:?}"),
-                );
-            }
-            let lease_owner = rec
-                .lease
-                .as_ref()
-                .map(|l| provider.lease_owner(l).map(|(k, _)| k.clone()));
-            let session_owner = rec
-                .session
-                .as_ref()
-                .map(|s| provider.session_owner(s).map(|(k, _)| k.clone()));
-            for owner in [lease_owner, session_owner].into_iter().flatten() {
-                let ok = owner.as_ref().is_some_and(|k| {
-                    k.node == *id && k.attempt == n.attempt && k.run_id == a.run_id
-                });
-                if !ok {
-                    self.fail(
-                        Invariant::FactsBelongToCurrentAttempt,
-                        id,
-                        format!("attempt {} holds a resource made for {owner:?}", n.attempt),
-                    );
-                }
-            }
+            self.check_node(id, n, a, provider);
         }
         for (key, stats) in provider.key_stats() {
             if stats.leases_created > 1 || stats.live_leases > 1 || stats.open_sessions > 1 {
@@ -2467,38 +2591,102 @@ impl Oracle {
             );
         }
         if converged {
-            for (id, n) in &a.nodes {
-                let made_from = n
-                    .record
-                    .lease
-                    .as_ref()
-                    .and_then(|l| provider.lease_template(l));
-                let wanted = after.desired.slot(id);
-                if let (Some(made), Some(wanted)) = (made_from, wanted)
-                    && *made != **wanted
-                {
-                    self.fail(
-                        Invariant::ConvergedNodesRunDesiredTemplate,
-                        id,
-                        format!(
-                            "converged, but attempt {}'s machine was made from {:?}, not the desired {:?}",
-                            n.attempt, made.boot, wanted.boot
-                        ),
-                    );
-                }
+            self.check_converged(after, provider);
+        }
+    }
+
+    /// One node on its own: holdings when destroyed, its stall deadline, its facts' owners.
+    fn check_node(
+        &mut self,
+        id: &LogicalNodeId,
+        n: &ManagedNode,
+        a: &ClusterState,
+        provider: &dyn ProviderView,
+    ) {
+        let rec = &n.record;
+        if rec.stage == NodeStage::Destroyed
+            && (rec.lease.is_some()
+                || rec.session.is_some()
+                || rec.endpoint.is_some()
+                || rec.ambiguous.is_some()
+                || n.pending.is_some())
+        {
+            self.fail(
+                Invariant::DestroyedNodeHoldsNothing,
+                id,
+                format!("{rec:?} pending {:?}", n.pending),
+            );
+        }
+        // A stall deadline only ever guards a live, unready, active stream.
+        if rec.bootstrap_deadline.is_some()
+            && !(n.intent == Intent::Active
+                && rec.session.is_some()
+                && !rec.ready
+                && rec.stage != NodeStage::Failed
+                && n.pending.is_none())
+        {
+            self.fail(
+                Invariant::BootstrapFactsClassified,
+                id,
+                format!("a stall deadline outside a live bootstrap: {rec:?}"),
+            );
+        }
+        let lease_owner = rec
+            .lease
+            .as_ref()
+            .map(|l| provider.lease_owner(l).map(|(k, _)| k.clone()));
+        let session_owner = rec
+            .session
+            .as_ref()
+            .map(|s| provider.session_owner(s).map(|(k, _)| k.clone()));
+        for owner in [lease_owner, session_owner].into_iter().flatten() {
+            let ok = owner
+                .as_ref()
+                .is_some_and(|k| k.node == *id && k.attempt == n.attempt && k.run_id == a.run_id);
+            if !ok {
+                self.fail(
+                    Invariant::FactsBelongToCurrentAttempt,
+                    id,
+                    format!("attempt {} holds a resource made for {owner:?}", n.attempt),
+                );
             }
-            for key in provider.live_keys() {
-                let owned = key.run_id == a.run_id
-                    && a.nodes
-                        .get(&key.node)
-                        .is_some_and(|n| n.attempt == key.attempt);
-                if !owned {
-                    self.fail(
-                        Invariant::ConvergedLeaksNothing,
-                        &key.node,
-                        format!("converged, but the provider still holds a resource of {key}"),
-                    );
-                }
+        }
+    }
+
+    /// A converged cluster runs the desired templates and leaks nothing.
+    fn check_converged(&mut self, after: &Snapshot, provider: &dyn ProviderView) {
+        let a = &after.state;
+        for (id, n) in &a.nodes {
+            let made_from = n
+                .record
+                .lease
+                .as_ref()
+                .and_then(|l| provider.lease_template(l));
+            let wanted = after.desired.slot(id);
+            if let (Some(made), Some(wanted)) = (made_from, wanted)
+                && *made != **wanted
+            {
+                self.fail(
+                    Invariant::ConvergedNodesRunDesiredTemplate,
+                    id,
+                    format!(
+                        "converged, but attempt {}'s machine was made from {:?}, not the desired {:?}",
+                        n.attempt, made.boot, wanted.boot
+                    ),
+                );
+            }
+        }
+        for key in provider.live_keys() {
+            let owned = key.run_id == a.run_id
+                && a.nodes
+                    .get(&key.node)
+                    .is_some_and(|n| n.attempt == key.attempt);
+            if !owned {
+                self.fail(
+                    Invariant::ConvergedLeaksNothing,
+                    &key.node,
+                    format!("converged, but the provider still holds a resource of {key}"),
+                );
             }
         }
     }

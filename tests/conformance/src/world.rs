@@ -299,6 +299,23 @@ pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
     shape_with(generation, groups, &[PolicyShape::default(); 2])
 }
 
+/// The backend fault that a trace's provider-fault input arms.
+fn provider_fault(f: ProviderFaultInput) -> ProviderFault {
+    match f {
+        ProviderFaultInput::Refuse(kind) => ProviderFault::Refuse { kind },
+        ProviderFaultInput::EndpointNeverReady => ProviderFault::EndpointNeverReady,
+        ProviderFaultInput::EndpointSlow(ms) => ProviderFault::EndpointSlow {
+            delay_ms: u64::from(ms),
+        },
+        ProviderFaultInput::BootstrapFailsAt(stage) => ProviderFault::BootstrapFailsAt { stage },
+        ProviderFaultInput::LoseObservations(mask) => ProviderFault::LoseObservations { mask },
+        ProviderFaultInput::CloseAfterConverge => ProviderFault::CloseAfterConverge,
+        ProviderFaultInput::Invisible(ms) => ProviderFault::Invisible {
+            lag_ms: u64::from(ms),
+        },
+    }
+}
+
 /// The shape with the given group counts, template variants and budgets.
 pub fn shape_with(
     generation: u64,
@@ -1087,50 +1104,13 @@ impl<R: Reconciler> World<R> {
                 count,
                 variant,
                 skip,
-            } => {
-                let mut groups = self.groups;
-                groups[usize::from(group % 2)] = (count, variant);
-                let generation = self.generation + 1 + u64::from(skip);
-                let shape = shape_with(generation, &groups, &self.policies);
-                self.offer(&shape);
-                if self.host.shutting_down().is_none() {
-                    self.groups = groups;
-                    self.generation = generation;
-                }
-            }
+            } => self.apply_shape(group, count, variant, skip),
             Input::Resubmit => {
                 let shape = shape_with(self.generation, &self.groups, &self.policies);
                 self.offer(&shape);
             }
             Input::Invalid(kind) => {
-                let mut groups = self.groups;
-                let shape = match kind {
-                    InvalidUpdate::GenerationRegression => {
-                        groups[0].0 = (groups[0].0 + 1) % 4;
-                        shape_with(self.generation.saturating_sub(1), &groups, &self.policies)
-                    }
-                    InvalidUpdate::SameGenerationChange => {
-                        groups[1].1 = (groups[1].1 + 1) % 3;
-                        shape_with(self.generation, &groups, &self.policies)
-                    }
-                    InvalidUpdate::WrongRun => {
-                        let mut s = shape_with(self.generation + 1, &groups, &self.policies);
-                        s.run_id = RunId::new("another-run");
-                        s
-                    }
-                    InvalidUpdate::Malformed => {
-                        let mut s = shape_with(self.generation + 1, &groups, &self.policies);
-                        s.groups[0].id = "Alpha".to_owned();
-                        s
-                    }
-                    InvalidUpdate::OverCapacity => {
-                        // One more node than the shape's own capacity allows.
-                        groups[0].0 += 1;
-                        let mut s = shape_with(self.generation + 1, &groups, &self.policies);
-                        s.capacity = Some(s.node_count().saturating_sub(1));
-                        s
-                    }
-                };
+                let shape = self.invalid_shape(kind);
                 self.offer(&shape);
             }
             Input::Advance { ms } => {
@@ -1150,76 +1130,12 @@ impl<R: Reconciler> World<R> {
                 self.host_paused(u64::from(ms));
             }
             Input::LoseTimerOnce => self.timer_lost = true,
-            Input::Provider(f) => {
-                let fault = match f {
-                    ProviderFaultInput::Refuse(kind) => ProviderFault::Refuse { kind },
-                    ProviderFaultInput::EndpointNeverReady => ProviderFault::EndpointNeverReady,
-                    ProviderFaultInput::EndpointSlow(ms) => ProviderFault::EndpointSlow {
-                        delay_ms: u64::from(ms),
-                    },
-                    ProviderFaultInput::BootstrapFailsAt(stage) => {
-                        ProviderFault::BootstrapFailsAt { stage }
-                    }
-                    ProviderFaultInput::LoseObservations(mask) => {
-                        ProviderFault::LoseObservations { mask }
-                    }
-                    ProviderFaultInput::CloseAfterConverge => ProviderFault::CloseAfterConverge,
-                    ProviderFaultInput::Invisible(ms) => ProviderFault::Invisible {
-                        lag_ms: u64::from(ms),
-                    },
-                };
-                self.exec.backend_mut().arm(fault);
-            }
+            Input::Provider(f) => self.exec.backend_mut().arm(provider_fault(f)),
             Input::Delivery { kind, ref fault } => self.exec.arm(kind, fault.clone()),
             Input::AbortNextPass { keep, report } => self.abort = Some((keep, report)),
-            Input::DeleteOutOfBand { pick } => {
-                // Only machines whose bootstrap stream is open: that stream is
-                // the one channel through which the core can learn of the loss
-                // of a ready node (see the crate README, "gaps").
-                let candidates: Vec<_> = self
-                    .exec
-                    .backend()
-                    .sessions()
-                    .values()
-                    .filter(|s| s.open)
-                    .map(|s| s.lease.clone())
-                    .collect();
-                if !candidates.is_empty() {
-                    let lease = candidates[usize::from(pick) % candidates.len()].clone();
-                    let now = self.now;
-                    self.exec.backend_mut().delete_out_of_band(&lease, now);
-                }
-            }
-            Input::AgentLost { pick, stale } => {
-                // The swarm connection of a node's agent drops and never
-                // comes back; its grace runs out and the node is replaced.
-                let nodes = &self.host.core().state().nodes;
-                if !nodes.is_empty() {
-                    let (id, n) = nodes
-                        .iter()
-                        .nth(usize::from(pick) % nodes.len())
-                        .expect("index is in range");
-                    let key = ResourceKey {
-                        run_id: RunId::new(RUN),
-                        node: *id,
-                        attempt: NodeAttemptId(n.attempt.0 - u64::from(stale)),
-                    };
-                    self.cut_off(&key);
-                    self.host.handle_agent_gone(&key, 0, self.now);
-                }
-            }
-            Input::ResubmitOld { pick } => {
-                if !self.submitted.is_empty() {
-                    let d = self.submitted[usize::from(pick) % self.submitted.len()].clone();
-                    if self.exec.submit(&d, self.now) == Submitted::Conflict {
-                        self.oracle.report(
-                            Invariant::OperationIdsNeverReused,
-                            Some(&d.key.node),
-                            format!("{} was submitted with two different requests", d.op),
-                        );
-                    }
-                }
-            }
+            Input::DeleteOutOfBand { pick } => self.apply_delete_out_of_band(pick),
+            Input::AgentLost { pick, stale } => self.apply_agent_lost(pick, stale),
+            Input::ResubmitOld { pick } => self.apply_resubmit_old(pick),
             Input::HostCrash {
                 at_persist,
                 down_ms,
@@ -1236,111 +1152,224 @@ impl<R: Reconciler> World<R> {
                 group,
                 max_unavailable,
                 max_unhealthy,
-            } => {
-                let mut policies = self.policies;
-                let g = usize::from(group % 2);
-                // Budgets only: what the group does with paused machines stays.
-                policies[g] = PolicyShape {
-                    on_preempt: policies[g].on_preempt,
-                    preempt_wait_s: policies[g].preempt_wait_s,
-                    ..budget_policy(max_unavailable, max_unhealthy)
-                };
-                let generation = self.generation + 1;
-                let shape = shape_with(generation, &self.groups, &policies);
-                self.offer(&shape);
-                if self.host.shutting_down().is_none() {
-                    self.policies = policies;
-                    self.generation = generation;
-                }
-            }
-            Input::MassAgentLoss { group, count } => {
-                // A partition cuts `count` of the group's connected agents
-                // off at once (their machines keep running).
-                let group = GROUPS[usize::from(group % 2)];
-                let cut: Vec<ResourceKey> = self
-                    .host
-                    .core()
-                    .state()
-                    .nodes
-                    .iter()
-                    .filter(|(id, n)| {
-                        id.group.as_str() == group
-                            && self.host.link(id) == Some(Link::Connected(n.attempt))
-                    })
-                    .take(usize::from(count))
-                    .map(|(id, n)| ResourceKey {
-                        run_id: RunId::new(RUN),
-                        node: *id,
-                        attempt: n.attempt,
-                    })
-                    .collect();
-                for key in &cut {
-                    self.cut_off(key);
-                    self.host.handle_agent_gone(key, 0, self.now);
-                }
-            }
+            } => self.apply_budget(group, max_unavailable, max_unhealthy),
+            Input::MassAgentLoss { group, count } => self.apply_mass_agent_loss(group, count),
             Input::AgentsReturn => self.agents_return(),
-            Input::Preempt { pick } => {
-                let connected: Vec<ResourceKey> = self
-                    .host
-                    .core()
-                    .state()
-                    .nodes
-                    .iter()
-                    .filter(|(id, n)| self.host.link(id) == Some(Link::Connected(n.attempt)))
-                    .map(|(id, n)| ResourceKey {
-                        run_id: RunId::new(RUN),
-                        node: *id,
-                        attempt: n.attempt,
-                    })
-                    .collect();
-                if !connected.is_empty() {
-                    let key = connected[usize::from(pick) % connected.len()].clone();
-                    // The host is owed the group's whole wait from now:
-                    // it learns of the pause as the agent's silence is
-                    // noticed, at once here.
-                    let group = GROUPS.iter().position(|g| *g == key.node.group.as_str());
-                    let wait = group.and_then(|g| self.policies[g].resolve().on_preempt.wait_ms());
-                    let until = wait.map(|w| self.now.saturating_add_ms(w));
-                    self.paused.insert(key.node, (key.attempt, until));
-                    self.cut_off(&key);
-                    self.host.handle_agent_gone(&key, 0, self.now);
-                }
-            }
-            Input::PreemptPolicy { group, wait_s } => {
-                let g = usize::from(group % 2);
-                let mut policies = self.policies;
-                policies[g].on_preempt = wait_s.map(|_| PreemptChoice::Wait);
-                policies[g].preempt_wait_s = wait_s.map(u32::from);
-                let generation = self.generation + 1;
-                let shape = shape_with(generation, &self.groups, &policies);
-                self.offer(&shape);
-                if self.host.shutting_down().is_none() {
-                    if policies[g] != self.policies[g] {
-                        // The host keeps what it promised under the old
-                        // policy; the world stops holding it to it.
-                        for (node, entry) in &mut self.paused {
-                            if node.group.as_str() == GROUPS[g] {
-                                entry.1 = None;
-                            }
-                        }
-                    }
-                    self.policies = policies;
-                    self.generation = generation;
-                }
-            }
-            Input::Shutdown { keep } => {
-                let mode = if keep {
-                    ShutdownMode::Keep
-                } else {
-                    ShutdownMode::Teardown
-                };
-                let ticket = self.ticket();
-                self.host.handle_shutdown(mode, ticket, self.now);
-                self.record(StepEvent::Shutdown { mode });
-            }
+            Input::Preempt { pick } => self.apply_preempt(pick),
+            Input::PreemptPolicy { group, wait_s } => self.apply_preempt_policy(group, wait_s),
+            Input::Shutdown { keep } => self.apply_shutdown(keep),
         }
         self.settle();
+    }
+
+    /// Offers a new shape: `count` nodes of template `variant` for `group`, `skip` generations on.
+    fn apply_shape(&mut self, group: u8, count: u8, variant: u8, skip: u8) {
+        let mut groups = self.groups;
+        groups[usize::from(group % 2)] = (count, variant);
+        let generation = self.generation + 1 + u64::from(skip);
+        let shape = shape_with(generation, &groups, &self.policies);
+        self.offer(&shape);
+        if self.host.shutting_down().is_none() {
+            self.groups = groups;
+            self.generation = generation;
+        }
+    }
+
+    /// The shape an invalid update of `kind` offers: the current one, broken.
+    fn invalid_shape(&self, kind: InvalidUpdate) -> ClusterShape {
+        let mut groups = self.groups;
+        match kind {
+            InvalidUpdate::GenerationRegression => {
+                groups[0].0 = (groups[0].0 + 1) % 4;
+                shape_with(self.generation.saturating_sub(1), &groups, &self.policies)
+            }
+            InvalidUpdate::SameGenerationChange => {
+                groups[1].1 = (groups[1].1 + 1) % 3;
+                shape_with(self.generation, &groups, &self.policies)
+            }
+            InvalidUpdate::WrongRun => {
+                let mut s = shape_with(self.generation + 1, &groups, &self.policies);
+                s.run_id = RunId::new("another-run");
+                s
+            }
+            InvalidUpdate::Malformed => {
+                let mut s = shape_with(self.generation + 1, &groups, &self.policies);
+                s.groups[0].id = "Alpha".to_owned();
+                s
+            }
+            InvalidUpdate::OverCapacity => {
+                // One more node than the shape's own capacity allows.
+                groups[0].0 += 1;
+                let mut s = shape_with(self.generation + 1, &groups, &self.policies);
+                s.capacity = Some(s.node_count().saturating_sub(1));
+                s
+            }
+        }
+    }
+
+    /// Deletes the `pick`th machine with an open bootstrap stream behind the host's back.
+    fn apply_delete_out_of_band(&mut self, pick: u8) {
+        // Only machines whose bootstrap stream is open: that stream is
+        // the one channel through which the core can learn of the loss
+        // of a ready node (see the crate README, "gaps").
+        let candidates: Vec<_> = self
+            .exec
+            .backend()
+            .sessions()
+            .values()
+            .filter(|s| s.open)
+            .map(|s| s.lease.clone())
+            .collect();
+        if !candidates.is_empty() {
+            let lease = candidates[usize::from(pick) % candidates.len()].clone();
+            let now = self.now;
+            self.exec.backend_mut().delete_out_of_band(&lease, now);
+        }
+    }
+
+    /// Loses the agent of the `pick`th node for good (`stale`: of the attempt before).
+    fn apply_agent_lost(&mut self, pick: u8, stale: bool) {
+        // The swarm connection of a node's agent drops and never
+        // comes back; its grace runs out and the node is replaced.
+        let nodes = &self.host.core().state().nodes;
+        if !nodes.is_empty() {
+            let (id, n) = nodes
+                .iter()
+                .nth(usize::from(pick) % nodes.len())
+                .expect("index is in range");
+            let key = ResourceKey {
+                run_id: RunId::new(RUN),
+                node: *id,
+                attempt: NodeAttemptId(n.attempt.0 - u64::from(stale)),
+            };
+            self.cut_off(&key);
+            self.host.handle_agent_gone(&key, 0, self.now);
+        }
+    }
+
+    /// Submits the `pick`th earlier dispatch again; its operation id must name the same request.
+    fn apply_resubmit_old(&mut self, pick: u8) {
+        if !self.submitted.is_empty() {
+            let d = self.submitted[usize::from(pick) % self.submitted.len()].clone();
+            if self.exec.submit(&d, self.now) == Submitted::Conflict {
+                self.oracle.report(
+                    Invariant::OperationIdsNeverReused,
+                    Some(&d.key.node),
+                    format!("{} was submitted with two different requests", d.op),
+                );
+            }
+        }
+    }
+
+    /// Offers new budgets for `group`, keeping what it does with paused machines.
+    fn apply_budget(&mut self, group: u8, max_unavailable: u8, max_unhealthy: Option<u8>) {
+        let mut policies = self.policies;
+        let g = usize::from(group % 2);
+        // Budgets only: what the group does with paused machines stays.
+        policies[g] = PolicyShape {
+            on_preempt: policies[g].on_preempt,
+            preempt_wait_s: policies[g].preempt_wait_s,
+            ..budget_policy(max_unavailable, max_unhealthy)
+        };
+        let generation = self.generation + 1;
+        let shape = shape_with(generation, &self.groups, &policies);
+        self.offer(&shape);
+        if self.host.shutting_down().is_none() {
+            self.policies = policies;
+            self.generation = generation;
+        }
+    }
+
+    /// Cuts `count` of `group`'s connected agents off at once.
+    fn apply_mass_agent_loss(&mut self, group: u8, count: u8) {
+        // A partition cuts `count` of the group's connected agents
+        // off at once (their machines keep running).
+        let group = GROUPS[usize::from(group % 2)];
+        let cut: Vec<ResourceKey> = self
+            .host
+            .core()
+            .state()
+            .nodes
+            .iter()
+            .filter(|(id, n)| {
+                id.group.as_str() == group && self.host.link(id) == Some(Link::Connected(n.attempt))
+            })
+            .take(usize::from(count))
+            .map(|(id, n)| ResourceKey {
+                run_id: RunId::new(RUN),
+                node: *id,
+                attempt: n.attempt,
+            })
+            .collect();
+        for key in &cut {
+            self.cut_off(key);
+            self.host.handle_agent_gone(key, 0, self.now);
+        }
+    }
+
+    /// Pauses the machine of the `pick`th connected node, as its provider preempts it.
+    fn apply_preempt(&mut self, pick: u8) {
+        let connected: Vec<ResourceKey> = self
+            .host
+            .core()
+            .state()
+            .nodes
+            .iter()
+            .filter(|(id, n)| self.host.link(id) == Some(Link::Connected(n.attempt)))
+            .map(|(id, n)| ResourceKey {
+                run_id: RunId::new(RUN),
+                node: *id,
+                attempt: n.attempt,
+            })
+            .collect();
+        if !connected.is_empty() {
+            let key = connected[usize::from(pick) % connected.len()].clone();
+            // The host is owed the group's whole wait from now:
+            // it learns of the pause as the agent's silence is
+            // noticed, at once here.
+            let group = GROUPS.iter().position(|g| *g == key.node.group.as_str());
+            let wait = group.and_then(|g| self.policies[g].resolve().on_preempt.wait_ms());
+            let until = wait.map(|w| self.now.saturating_add_ms(w));
+            self.paused.insert(key.node, (key.attempt, until));
+            self.cut_off(&key);
+            self.host.handle_agent_gone(&key, 0, self.now);
+        }
+    }
+
+    /// Offers a new preemption policy for `group`: wait `wait_s`, or not at all.
+    fn apply_preempt_policy(&mut self, group: u8, wait_s: Option<u8>) {
+        let g = usize::from(group % 2);
+        let mut policies = self.policies;
+        policies[g].on_preempt = wait_s.map(|_| PreemptChoice::Wait);
+        policies[g].preempt_wait_s = wait_s.map(u32::from);
+        let generation = self.generation + 1;
+        let shape = shape_with(generation, &self.groups, &policies);
+        self.offer(&shape);
+        if self.host.shutting_down().is_none() {
+            if policies[g] != self.policies[g] {
+                // The host keeps what it promised under the old
+                // policy; the world stops holding it to it.
+                for (node, entry) in &mut self.paused {
+                    if node.group.as_str() == GROUPS[g] {
+                        entry.1 = None;
+                    }
+                }
+            }
+            self.policies = policies;
+            self.generation = generation;
+        }
+    }
+
+    /// Shuts the host down, keeping its nodes or tearing them down.
+    fn apply_shutdown(&mut self, keep: bool) {
+        let mode = if keep {
+            ShutdownMode::Keep
+        } else {
+            ShutdownMode::Teardown
+        };
+        let ticket = self.ticket();
+        self.host.handle_shutdown(mode, ticket, self.now);
+        self.record(StepEvent::Shutdown { mode });
     }
 
     /// The partition heals: every agent away from the host (its grace
