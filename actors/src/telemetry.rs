@@ -4,7 +4,10 @@ use crate::events::{ClusterEvent, ClusterSnapshot, NodeDescription, NodeSummary}
 use crate::msg::Subscription;
 use std::sync::Arc;
 use swactor_engine::telemetry::TelemetryPublisher;
-use swactor_provisioning::{Host, HostEvent, LogicalNodeId, NextStep, Reconciler, Timestamp};
+use swactor_provisioning::{
+    DeafGap, GroupId, HoldKind, Host, HostEvent, LogicalNodeId, NextStep, PassStats, Reconciler,
+    ResourceKey, Timestamp,
+};
 use tokio::sync::broadcast;
 
 /// The target of the log lines that say again what an event already says (a
@@ -76,128 +79,89 @@ impl Telemetry {
     /// Publishes everything the host has to say.
     pub(crate) fn drain<C: Reconciler>(&mut self, host: &mut Host<C>, now: Timestamp) {
         while let Some(event) = host.poll_event() {
-            let event = match event {
-                HostEvent::NodeChanged(node) => match summary(host, &node, now) {
-                    Some(summary) => ClusterEvent::Node(summary),
-                    None => ClusterEvent::Removed { node },
-                },
-                HostEvent::Warning(message) => {
-                    self.warn(message);
-                    continue;
+            if let Some(event) = self.translate(host, event, now) {
+                self.publish(event);
+            }
+        }
+    }
+
+    /// What subscribers hear of the host's `event`; `None` for a warning, published already.
+    fn translate<C: Reconciler>(
+        &mut self,
+        host: &Host<C>,
+        event: HostEvent,
+        now: Timestamp,
+    ) -> Option<ClusterEvent> {
+        let event = match event {
+            HostEvent::NodeChanged(node) => match summary(host, &node, now) {
+                Some(summary) => ClusterEvent::Node(summary),
+                None => ClusterEvent::Removed { node },
+            },
+            HostEvent::Warning(message) => {
+                self.warn(message);
+                return None;
+            }
+            HostEvent::ShapeAccepted { generation, nodes } => {
+                ClusterEvent::ShapeAccepted { generation, nodes }
+            }
+            HostEvent::Dispatched { node, op, effect } => {
+                ClusterEvent::Dispatched { node, op, effect }
+            }
+            HostEvent::Pass { number, stats } => self.pass_event(number, stats),
+            HostEvent::Converged { generation, nodes } => {
+                self.refresh(host, now);
+                ClusterEvent::Converged { generation, nodes }
+            }
+            HostEvent::Adopted {
+                adopted,
+                drifted,
+                orphans,
+                presumed_gone,
+                foreign: _,
+            } => adopted_event(adopted, drifted, orphans, presumed_gone),
+            HostEvent::Swept { orphans } => ClusterEvent::Swept { orphans },
+            HostEvent::Collected { key, error } => ClusterEvent::Collected { key, error },
+            HostEvent::AgentJoined(key) => ClusterEvent::AgentJoined { key },
+            HostEvent::AgentDisconnected { key, grace_until } => {
+                let replaced = matches!(
+                    host.next_step(&key.node, now),
+                    Some(NextStep::LostAt { replaced: true, .. })
+                );
+                ClusterEvent::AgentDisconnected {
+                    key,
+                    grace_until,
+                    replaced,
+                    at: now,
                 }
-                HostEvent::ShapeAccepted { generation, nodes } => {
-                    ClusterEvent::ShapeAccepted { generation, nodes }
-                }
-                HostEvent::Dispatched { node, op, effect } => {
-                    ClusterEvent::Dispatched { node, op, effect }
-                }
-                HostEvent::Pass { number, stats } => ClusterEvent::Pass {
-                    number,
-                    nodes: stats.nodes,
-                    transitions: stats.transitions,
-                    dispatched: stats.dispatched,
-                    duration_us: self
-                        .pass_us
-                        .iter()
-                        .find(|(n, _)| *n == number)
-                        .map_or(0, |(_, us)| *us),
-                },
-                HostEvent::Converged { generation, nodes } => {
-                    self.refresh(host, now);
-                    ClusterEvent::Converged { generation, nodes }
-                }
-                HostEvent::Adopted {
-                    adopted,
-                    drifted,
-                    orphans,
-                    presumed_gone,
-                    foreign: _,
-                } => {
-                    if !adopted.is_empty() || !orphans.is_empty() {
-                        tracing::info!(
-                            target: EVENT_LOG_TARGET,
-                            adopted = adopted.len(),
-                            drifted = drifted.len(),
-                            orphans = orphans.len(),
-                            presumed_gone = presumed_gone.len(),
-                            "adopted what an earlier daemon left"
-                        );
-                    }
-                    ClusterEvent::Adopted {
-                        adopted,
-                        drifted,
-                        orphans,
-                        presumed_gone,
-                    }
-                }
-                HostEvent::Swept { orphans } => ClusterEvent::Swept { orphans },
-                HostEvent::Collected { key, error } => ClusterEvent::Collected { key, error },
-                HostEvent::AgentJoined(key) => ClusterEvent::AgentJoined { key },
-                HostEvent::AgentDisconnected { key, grace_until } => {
-                    let replaced = matches!(
-                        host.next_step(&key.node, now),
-                        Some(NextStep::LostAt { replaced: true, .. })
-                    );
-                    ClusterEvent::AgentDisconnected {
-                        key,
-                        grace_until,
-                        replaced,
-                        at: now,
-                    }
-                }
-                HostEvent::Preempted { key, wait_until } => {
-                    tracing::info!(
-                        target: EVENT_LOG_TARGET,
-                        %key,
-                        waits = wait_until.is_some(),
-                        "its machine is paused by its provider (preempted)"
-                    );
-                    ClusterEvent::Preempted {
-                        key,
-                        wait_until,
-                        at: now,
-                    }
-                }
-                HostEvent::Deaf(gap) => {
-                    tracing::info!(
-                        target: EVENT_LOG_TARGET,
-                        unheard_ms = gap.len_ms(),
-                        agents = gap.agents,
-                        "the daemon was not listening; every agent gets its grace again"
-                    );
-                    ClusterEvent::Deaf {
-                        from: gap.from,
-                        to: gap.to,
-                        agents: gap.agents,
-                    }
-                }
-                HostEvent::Paused => ClusterEvent::Paused,
-                HostEvent::Resumed { by_teardown } => ClusterEvent::Resumed { by_teardown },
-                HostEvent::TeardownStarted { generation } => {
-                    ClusterEvent::TeardownStarted { generation }
-                }
-                HostEvent::Hold {
-                    group,
-                    kind,
-                    reason,
-                } => {
-                    match &reason {
-                        Some(r) => tracing::warn!(target: EVENT_LOG_TARGET, group = %group, "{r}"),
-                        None => tracing::info!(
-                            target: EVENT_LOG_TARGET,
-                            group = %group,
-                            ?kind,
-                            "no longer held"
-                        ),
-                    }
-                    ClusterEvent::Hold {
-                        group: group.to_string(),
-                        kind,
-                        reason,
-                    }
-                }
-            };
-            self.publish(event);
+            }
+            HostEvent::Preempted { key, wait_until } => preempted_event(key, wait_until, now),
+            HostEvent::Deaf(gap) => deaf_event(&gap),
+            HostEvent::Paused => ClusterEvent::Paused,
+            HostEvent::Resumed { by_teardown } => ClusterEvent::Resumed { by_teardown },
+            HostEvent::TeardownStarted { generation } => {
+                ClusterEvent::TeardownStarted { generation }
+            }
+            HostEvent::Hold {
+                group,
+                kind,
+                reason,
+            } => hold_event(group, kind, reason),
+        };
+        Some(event)
+    }
+
+    /// Pass `number`'s event, with how long it took if that is still known (else 0).
+    fn pass_event(&self, number: u64, stats: PassStats) -> ClusterEvent {
+        ClusterEvent::Pass {
+            number,
+            nodes: stats.nodes,
+            transitions: stats.transitions,
+            dispatched: stats.dispatched,
+            duration_us: self
+                .pass_us
+                .iter()
+                .find(|(n, _)| *n == number)
+                .map_or(0, |(_, us)| *us),
         }
     }
 
@@ -211,6 +175,83 @@ impl Telemetry {
             tracing::warn!(%e, "telemetry snapshot could not be published");
         }
         self.dirty = false;
+    }
+}
+
+/// The adoption's event, logged too when it took over or found anything.
+fn adopted_event(
+    adopted: Vec<ResourceKey>,
+    drifted: Vec<ResourceKey>,
+    orphans: Vec<ResourceKey>,
+    presumed_gone: Vec<ResourceKey>,
+) -> ClusterEvent {
+    if !adopted.is_empty() || !orphans.is_empty() {
+        tracing::info!(
+            target: EVENT_LOG_TARGET,
+            adopted = adopted.len(),
+            drifted = drifted.len(),
+            orphans = orphans.len(),
+            presumed_gone = presumed_gone.len(),
+            "adopted what an earlier daemon left"
+        );
+    }
+    ClusterEvent::Adopted {
+        adopted,
+        drifted,
+        orphans,
+        presumed_gone,
+    }
+}
+
+/// The event of `key`'s machine paused by its provider, logged too.
+fn preempted_event(
+    key: ResourceKey,
+    wait_until: Option<Timestamp>,
+    now: Timestamp,
+) -> ClusterEvent {
+    tracing::info!(
+        target: EVENT_LOG_TARGET,
+        %key,
+        waits = wait_until.is_some(),
+        "its machine is paused by its provider (preempted)"
+    );
+    ClusterEvent::Preempted {
+        key,
+        wait_until,
+        at: now,
+    }
+}
+
+/// The event of a time the daemon was not listening, logged too.
+fn deaf_event(gap: &DeafGap) -> ClusterEvent {
+    tracing::info!(
+        target: EVENT_LOG_TARGET,
+        unheard_ms = gap.len_ms(),
+        agents = gap.agents,
+        "the daemon was not listening; every agent gets its grace again"
+    );
+    ClusterEvent::Deaf {
+        from: gap.from,
+        to: gap.to,
+        agents: gap.agents,
+    }
+}
+
+/// The event of `group`'s hold set (with its `reason`) or lifted, logged too.
+fn hold_event(group: GroupId, kind: HoldKind, reason: Option<String>) -> ClusterEvent {
+    match &reason {
+        Some(r) => tracing::warn!(target: EVENT_LOG_TARGET, group = %group, "{r}"),
+        None => tracing::info!(
+            target: EVENT_LOG_TARGET,
+            group = %group,
+            ?kind,
+            "no longer held"
+        ),
+    }
+    ClusterEvent::Hold {
+        group: group.to_string(),
+        kind,
+        reason,
     }
 }
 
