@@ -28,8 +28,9 @@ use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Starvation, Timers}
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, DesiredUpdate, Dispatch, Driver, Folded,
-    Generation, Host, Listed, LogicalNodeId, NodeAttemptId, NodeTable, OperationOutcome, Output,
-    PauseError, ReplaceError, Reply, SessionId, ShutdownReport, Ticket, Timestamp,
+    Generation, Host, JournalDelta, Listed, LogicalNodeId, NodeAttemptId, NodeTable,
+    OperationOutcome, Output, Pass, PauseError, ReplaceError, Reply, SessionId, ShutdownReport,
+    Ticket, Timestamp,
 };
 
 /// A caller waiting for the host's [`Reply`] to its ticket.
@@ -173,95 +174,20 @@ impl Actor for DriverActor {
         st.messages += 1;
         // Time the daemon measured itself starved since the last message is
         // told to the host before anything it may have delayed.
-        if let Some(starvation) = &st.config.starvation {
-            let total = starvation.total_ms();
-            if total > st.starved_seen_ms {
-                let starved = total - st.starved_seen_ms;
-                st.starved_seen_ms = total;
-                st.host.handle_starved(starved, now);
-            }
-        }
+        st.tell_starved(now);
         match msg {
             DriverMsg::Cluster(msg) => st.public(msg, now),
-            DriverMsg::Swarm(SwarmMsg::Join(key, reply)) => {
-                let _ = reply.send(st.host.handle_agent_joined(&key, now));
-            }
-            DriverMsg::Swarm(SwarmMsg::Check(key, reply)) => {
-                let _ = reply.send(st.host.join_verdict(&key).map(|_| ()));
-            }
-            DriverMsg::Swarm(SwarmMsg::Gone(key, silent)) => {
-                let silent_ms = u64::try_from(silent.as_millis()).unwrap_or(u64::MAX);
-                st.host.handle_agent_gone(&key, silent_ms, now);
-            }
+            DriverMsg::Swarm(msg) => st.swarm(msg, now),
             DriverMsg::Inspect(reply) => {
-                let core = st.host.core();
-                let _ = reply.send(DriverView {
-                    now,
-                    state: core.state().clone(),
-                    desired: core.desired().clone(),
-                    timer: core.poll_timeout(),
-                    converged: st.host.is_converged(),
-                    settled: st.host.settled(),
-                    agents_away: st.host.agents_away(),
-                    stats: core.stats(),
-                    shape: st.host.journal_meta().shape.clone(),
-                    messages: st.messages,
-                    deaf: st.host.last_deaf_gap(),
-                });
+                let _ = reply.send(st.view(now));
             }
             DriverMsg::Executor(report) => st.reported(report, now)?,
-            DriverMsg::Observed(batch) => {
-                // In slot order, and within a slot in the order received (a
-                // session's own order stays): a large batch then walks the
-                // nodes' memory front to back instead of in the order the
-                // sessions happened to report. The sort moves small (slot,
-                // position) pairs; each observation is moved once.
-                let mut order: Vec<(LogicalNodeId, usize)> =
-                    batch.iter().enumerate().map(|(i, o)| (o.node, i)).collect();
-                order.sort();
-                let mut batch: Vec<Option<Observed>> = batch.into_iter().map(Some).collect();
-                for (_, i) in order {
-                    let Some(Observed {
-                        node,
-                        observer,
-                        event,
-                    }) = batch[i].take()
-                    else {
-                        continue;
-                    };
-                    // What an observer read before it was stopped is not
-                    // wanted: its session is no longer the node's (or is
-                    // followed afresh, from the start of its log).
-                    let Some(f) = st.observers.get(&node).filter(|f| f.number == observer) else {
-                        continue;
-                    };
-                    let obs = BootstrapObservation {
-                        node,
-                        attempt: f.attempt,
-                        session: f.session.clone(),
-                        event,
-                    };
-                    if obs.event == BootstrapEvent::Closed {
-                        // The stream ended and its observer with it.
-                        st.observers.remove(&node);
-                    }
-                    let _ = st.host.handle_bootstrap(obs, now)?;
-                }
-            }
+            DriverMsg::Observed(batch) => st.observed(batch, now)?,
             DriverMsg::Timer(fired) => {
                 if !st.timers.accept(&fired) {
                     return Ok(());
                 }
-                match fired.key {
-                    TimerKey::Requeue => {
-                        st.armed = None;
-                        if let Err(e) = st.host.handle_timeout(now) {
-                            st.telemetry.warn(e.to_string());
-                        }
-                    }
-                    TimerKey::Tick => st.host.handle_tick(now),
-                    TimerKey::Snapshot => st.telemetry.refresh(&st.host, now),
-                }
+                st.timer(fired.key, now);
             }
             DriverMsg::Drive => {
                 st.drive_queued = false;
@@ -386,6 +312,107 @@ impl DriverState {
         }
     }
 
+    /// Tells the host how long the daemon was starved since it was last told.
+    fn tell_starved(&mut self, now: Timestamp) {
+        if let Some(starvation) = &self.config.starvation {
+            let total = starvation.total_ms();
+            if total > self.starved_seen_ms {
+                let starved = total - self.starved_seen_ms;
+                self.starved_seen_ms = total;
+                self.host.handle_starved(starved, now);
+            }
+        }
+    }
+
+    /// Folds what the swarm says of an agent, answering a join or a check.
+    fn swarm(&mut self, msg: SwarmMsg, now: Timestamp) {
+        match msg {
+            SwarmMsg::Join(key, reply) => {
+                let _ = reply.send(self.host.handle_agent_joined(&key, now));
+            }
+            SwarmMsg::Check(key, reply) => {
+                let _ = reply.send(self.host.join_verdict(&key).map(|_| ()));
+            }
+            SwarmMsg::Gone(key, silent) => {
+                let silent_ms = u64::try_from(silent.as_millis()).unwrap_or(u64::MAX);
+                self.host.handle_agent_gone(&key, silent_ms, now);
+            }
+        }
+    }
+
+    /// The driver as [`DriverMsg::Inspect`] shows it.
+    fn view(&self, now: Timestamp) -> DriverView {
+        let core = self.host.core();
+        DriverView {
+            now,
+            state: core.state().clone(),
+            desired: core.desired().clone(),
+            timer: core.poll_timeout(),
+            converged: self.host.is_converged(),
+            settled: self.host.settled(),
+            agents_away: self.host.agents_away(),
+            stats: core.stats(),
+            shape: self.host.journal_meta().shape.clone(),
+            messages: self.messages,
+            deaf: self.host.last_deaf_gap(),
+        }
+    }
+
+    /// Folds the sessions' observations, skipping those of stopped observers.
+    fn observed(&mut self, batch: Vec<Observed>, now: Timestamp) -> Result<(), ActorProcessingErr> {
+        // In slot order, and within a slot in the order received (a
+        // session's own order stays): a large batch then walks the
+        // nodes' memory front to back instead of in the order the
+        // sessions happened to report. The sort moves small (slot,
+        // position) pairs; each observation is moved once.
+        let mut order: Vec<(LogicalNodeId, usize)> =
+            batch.iter().enumerate().map(|(i, o)| (o.node, i)).collect();
+        order.sort();
+        let mut batch: Vec<Option<Observed>> = batch.into_iter().map(Some).collect();
+        for (_, i) in order {
+            let Some(Observed {
+                node,
+                observer,
+                event,
+            }) = batch[i].take()
+            else {
+                continue;
+            };
+            // What an observer read before it was stopped is not
+            // wanted: its session is no longer the node's (or is
+            // followed afresh, from the start of its log).
+            let Some(f) = self.observers.get(&node).filter(|f| f.number == observer) else {
+                continue;
+            };
+            let obs = BootstrapObservation {
+                node,
+                attempt: f.attempt,
+                session: f.session.clone(),
+                event,
+            };
+            if obs.event == BootstrapEvent::Closed {
+                // The stream ended and its observer with it.
+                self.observers.remove(&node);
+            }
+            let _ = self.host.handle_bootstrap(obs, now)?;
+        }
+        Ok(())
+    }
+
+    /// Acts on an accepted timer: the host's deadline, its tick, or a snapshot refresh.
+    fn timer(&mut self, key: TimerKey, now: Timestamp) {
+        match key {
+            TimerKey::Requeue => {
+                self.armed = None;
+                if let Err(e) = self.host.handle_timeout(now) {
+                    self.telemetry.warn(e.to_string());
+                }
+            }
+            TimerKey::Tick => self.host.handle_tick(now),
+            TimerKey::Snapshot => self.telemetry.refresh(&self.host, now),
+        }
+    }
+
     /// Drains the host's outputs and routes them; re-arms the one timer.
     async fn drive(&mut self, myself: &ActorRef<DriverMsg>) -> Result<(), ActorProcessingErr> {
         let now = self.now();
@@ -399,50 +426,8 @@ impl DriverState {
                 self.telemetry.pass_took(pass.number, took);
             }
             match out {
-                Output::Persist(delta) => {
-                    if let Some(journal) = &self.journal {
-                        // Acting on intent that is not on record could double-create
-                        // after a crash: a journal that fails stops the cluster.
-                        journal
-                            .commit(&delta)
-                            .await
-                            .map_err(|e| swactor_engine::error_chain(&e))?;
-                    }
-                    self.host.handle_persisted(delta.seq);
-                    debug_assert!(
-                        self.last_persisted.is_none_or(|last| delta.seq > last),
-                        "journal deltas are committed in sequence, each once"
-                    );
-                    self.last_persisted = Some(delta.seq);
-                }
-                Output::Pass(pass) => {
-                    // A pass's operations for a worker go in the pass's
-                    // order, in messages of at most `BATCH_MAX`.
-                    let host = &self.host;
-                    let mut batches = Vec::new();
-                    into_batches(
-                        pass.dispatches,
-                        |d| host.lane_of(d.op.attempt) as usize,
-                        BATCH_MAX,
-                        |lane, batch| batches.push((lane, batch)),
-                    );
-                    for (lane, batch) in batches {
-                        if let Err(batch) = self.send_batch(lane, batch) {
-                            let reason = "no executor could take it";
-                            for d in batch {
-                                let _ = self.host.handle_submit_failed(
-                                    &d.key.node,
-                                    d.op,
-                                    reason,
-                                    now,
-                                )?;
-                            }
-                        }
-                    }
-                    for node in &pass.transitioned {
-                        self.drop_stale_observer(node);
-                    }
-                }
+                Output::Persist(delta) => self.persist(delta).await?,
+                Output::Pass(pass) => self.dispatch_pass(pass, now)?,
                 Output::List => {
                     let run = self.config.run_id.clone();
                     if !self.send_to_worker(0, WorkerMsg::List(run)) {
@@ -489,6 +474,53 @@ impl DriverState {
         }
         self.telemetry.drain(&mut self.host, now);
         self.rearm(now);
+        Ok(())
+    }
+
+    /// Commits `delta` to the journal, if there is one, and tells the host it is durable.
+    async fn persist(&mut self, delta: JournalDelta) -> Result<(), ActorProcessingErr> {
+        if let Some(journal) = &self.journal {
+            // Acting on intent that is not on record could double-create
+            // after a crash: a journal that fails stops the cluster.
+            journal
+                .commit(&delta)
+                .await
+                .map_err(|e| swactor_engine::error_chain(&e))?;
+        }
+        self.host.handle_persisted(delta.seq);
+        debug_assert!(
+            self.last_persisted.is_none_or(|last| delta.seq > last),
+            "journal deltas are committed in sequence, each once"
+        );
+        self.last_persisted = Some(delta.seq);
+        Ok(())
+    }
+
+    /// Sends a pass's operations to their workers, fails those none takes, drops stale observers.
+    fn dispatch_pass(&mut self, pass: Pass, now: Timestamp) -> Result<(), ActorProcessingErr> {
+        // A pass's operations for a worker go in the pass's
+        // order, in messages of at most `BATCH_MAX`.
+        let host = &self.host;
+        let mut batches = Vec::new();
+        into_batches(
+            pass.dispatches,
+            |d| host.lane_of(d.op.attempt) as usize,
+            BATCH_MAX,
+            |lane, batch| batches.push((lane, batch)),
+        );
+        for (lane, batch) in batches {
+            if let Err(batch) = self.send_batch(lane, batch) {
+                let reason = "no executor could take it";
+                for d in batch {
+                    let _ = self
+                        .host
+                        .handle_submit_failed(&d.key.node, d.op, reason, now)?;
+                }
+            }
+        }
+        for node in &pass.transitioned {
+            self.drop_stale_observer(node);
+        }
         Ok(())
     }
 
