@@ -417,197 +417,224 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
         let Some(s) = guard.as_ref() else {
             return Ok(());
         };
-        let snap = &s.snapshot;
         let e = &mut encoder;
-        let mut by_stage: BTreeMap<(String, String), i64> = BTreeMap::new();
-        let mut ready: BTreeMap<String, i64> = BTreeMap::new();
-        for n in &snap.nodes {
-            let group = group_of(&n.node);
-            *by_stage
-                .entry((group.clone(), stage_label(n.stage)))
-                .or_default() += 1;
-            *ready.entry(group).or_default() += i64::from(n.ready);
-        }
-        for g in s.desired.keys() {
-            ready.entry(g.clone()).or_default();
-        }
-        let stages: Vec<(Labels, i64)> = by_stage
-            .into_iter()
-            .map(|((g, st), v)| (vec![("group", g), ("stage", st)], v))
-            .collect();
-        gauge(e, "swactor_nodes", "Nodes by group and stage.", &stages)?;
-        let ready_v: Vec<(Labels, i64)> = ready
-            .iter()
-            .map(|(g, v)| (vec![("group", g.clone())], *v))
-            .collect();
-        gauge(
-            e,
-            "swactor_group_ready_nodes",
-            "Ready nodes per group.",
-            &ready_v,
-        )?;
-        let desired_v: Vec<(Labels, i64)> = s
-            .desired
-            .iter()
-            .map(|(g, v)| {
-                (
-                    vec![("group", g.clone())],
-                    i64::try_from(*v).unwrap_or(i64::MAX),
-                )
-            })
-            .collect();
-        gauge(
-            e,
-            "swactor_group_desired_nodes",
-            "Desired nodes per group.",
-            &desired_v,
-        )?;
-        let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        let ready_total = snap.nodes.iter().filter(|n| n.ready).count() as i64;
-        gauge(
-            e,
-            "swactor_ready_nodes",
-            "Ready nodes.",
-            &[(vec![], ready_total)],
-        )?;
-        gauge(
-            e,
-            "swactor_desired_nodes",
-            "Slots of the desired shape.",
-            &[(vec![], int(snap.desired_nodes))],
-        )?;
-        gauge(
-            e,
-            "swactor_generation",
-            "The desired generation.",
-            &[(vec![], int(snap.generation.0))],
-        )?;
-        gauge(
-            e,
-            "swactor_converged",
-            "1 when converged on the desired generation.",
-            &[(vec![], i64::from(snap.converged))],
-        )?;
-        gauge(
-            e,
-            "swactor_paused",
-            "1 while reconciling is paused.",
-            &[(vec![], i64::from(snap.paused))],
-        )?;
-        let holds: Vec<(Labels, i64)> = snap
-            .holds
-            .iter()
-            .map(|h| {
-                let kind = match h.kind {
-                    swactor_provisioning::HoldKind::Rollout => "rollout",
-                    swactor_provisioning::HoldKind::Remediation => "remediation",
-                };
-                (
-                    vec![("group", h.group.to_string()), ("kind", kind.to_owned())],
-                    1,
-                )
-            })
-            .collect();
-        gauge(
-            e,
-            "swactor_group_held",
-            "1 while a group holds back: a rollout waiting on its budget or stopped \
-             (kind=rollout), or remediation paused by its breaker (kind=remediation).",
-            &holds,
-        )?;
-        gauge(
-            e,
-            "swactor_orphans",
-            "Leftover resources being collected.",
-            &[(vec![], snap.orphans as i64)],
-        )?;
-        gauge(
-            e,
-            "swactor_executor_queue_depth",
-            "Operations handed to the executor whose results have not come back.",
-            &[(vec![], snap.in_flight as i64)],
-        )?;
-        gauge(
-            e,
-            "swactor_telemetry_subscribers",
-            "Telemetry subscribers (swactor watch, dashboard pages).",
-            &[(vec![], s.subscribers as i64)],
-        )?;
-        counter(
-            e,
-            "swactor_passes",
-            "Reconcile passes run by the cluster's driver.",
-            snap.stats.passes,
-        )?;
-        counter(
-            e,
-            "swactor_dispatched_operations",
-            "Operations the driver dispatched (its lifetime counter; swactor_dispatches_total \
-             has them by effect).",
-            snap.stats.dispatched,
-        )?;
-        // From the same counters as the total, read at the same moment: the
-        // kinds add up to it at every scrape, and every kind has its series
-        // from 0 (a resumed daemon's first lookups included, which come
-        // before anything could follow the events).
-        let mut by_effect = e.encode_descriptor(
-            "swactor_dispatches",
-            "Operations the driver dispatched, by effect kind (they add up to \
-             swactor_dispatched_operations_total).",
-            None,
-            MetricType::Counter,
-        )?;
-        for kind in swactor_provisioning::EffectKind::ALL {
-            let labels: Labels = vec![("effect", effect_label(kind).to_owned())];
-            ConstCounter::new(snap.stats.dispatched_of(kind))
-                .encode(by_effect.encode_family(&labels)?)?;
-        }
-        if let Some((generation, took)) = s.convergence {
-            gauge(
-                e,
-                "swactor_last_convergence_seconds",
-                "How long the last converged generation took, from its acceptance.",
-                &[(
-                    vec![("generation", generation.to_string())],
-                    took.as_secs_f64(),
-                )],
-            )?;
-        }
-        let mut price: BTreeMap<String, u64> =
-            s.priced.iter().map(|p| ((*p).to_owned(), 0)).collect();
-        for r in &snap.rentals {
-            *price.entry(r.provider.clone()).or_default() += r.usd_per_hour_micros;
-        }
-        if !price.is_empty() {
-            let values: Vec<(Labels, f64)> = price
-                .into_iter()
-                .map(|(p, micros)| (vec![("provider", p)], micros as f64 / 1e6))
-                .collect();
-            gauge(
-                e,
-                "swactor_cluster_usd_per_hour",
-                "What the rented machines of the current attempts cost, in dollars per hour.",
-                &values,
-            )?;
-        }
-        if let Some(spend) = snap.spend {
-            gauge(
-                e,
-                "swactor_run_spent_usd",
-                "What the run's rented machines have cost so far, ended rentals included, in dollars.",
-                &[(Vec::new(), spend.spent_micros as f64 / 1e6)],
-            )?;
-        }
-        if let Some(budget) = snap.budget {
-            gauge(
-                e,
-                "swactor_run_budget_usd",
-                "The run's dollar budget (budget_usd).",
-                &[(Vec::new(), budget.usd_micros as f64 / 1e6)],
-            )?;
-        }
-        Ok(())
+        encode_groups(e, s)?;
+        encode_cluster_state(e, s)?;
+        encode_activity(e, s)?;
+        encode_costs(e, s)
     }
+}
+
+/// Encodes the per-group families: nodes by stage, ready and desired nodes.
+fn encode_groups(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
+    let snap = &s.snapshot;
+    let mut by_stage: BTreeMap<(String, String), i64> = BTreeMap::new();
+    let mut ready: BTreeMap<String, i64> = BTreeMap::new();
+    for n in &snap.nodes {
+        let group = group_of(&n.node);
+        *by_stage
+            .entry((group.clone(), stage_label(n.stage)))
+            .or_default() += 1;
+        *ready.entry(group).or_default() += i64::from(n.ready);
+    }
+    for g in s.desired.keys() {
+        ready.entry(g.clone()).or_default();
+    }
+    let stages: Vec<(Labels, i64)> = by_stage
+        .into_iter()
+        .map(|((g, st), v)| (vec![("group", g), ("stage", st)], v))
+        .collect();
+    gauge(e, "swactor_nodes", "Nodes by group and stage.", &stages)?;
+    let ready_v: Vec<(Labels, i64)> = ready
+        .iter()
+        .map(|(g, v)| (vec![("group", g.clone())], *v))
+        .collect();
+    gauge(
+        e,
+        "swactor_group_ready_nodes",
+        "Ready nodes per group.",
+        &ready_v,
+    )?;
+    let desired_v: Vec<(Labels, i64)> = s
+        .desired
+        .iter()
+        .map(|(g, v)| {
+            (
+                vec![("group", g.clone())],
+                i64::try_from(*v).unwrap_or(i64::MAX),
+            )
+        })
+        .collect();
+    gauge(
+        e,
+        "swactor_group_desired_nodes",
+        "Desired nodes per group.",
+        &desired_v,
+    )
+}
+
+/// Encodes the cluster-wide state: node counts, generation, convergence,
+/// pause and the groups' holds.
+fn encode_cluster_state(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
+    let snap = &s.snapshot;
+    let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    let ready_total = snap.nodes.iter().filter(|n| n.ready).count() as i64;
+    gauge(
+        e,
+        "swactor_ready_nodes",
+        "Ready nodes.",
+        &[(vec![], ready_total)],
+    )?;
+    gauge(
+        e,
+        "swactor_desired_nodes",
+        "Slots of the desired shape.",
+        &[(vec![], int(snap.desired_nodes))],
+    )?;
+    gauge(
+        e,
+        "swactor_generation",
+        "The desired generation.",
+        &[(vec![], int(snap.generation.0))],
+    )?;
+    gauge(
+        e,
+        "swactor_converged",
+        "1 when converged on the desired generation.",
+        &[(vec![], i64::from(snap.converged))],
+    )?;
+    gauge(
+        e,
+        "swactor_paused",
+        "1 while reconciling is paused.",
+        &[(vec![], i64::from(snap.paused))],
+    )?;
+    let holds: Vec<(Labels, i64)> = snap
+        .holds
+        .iter()
+        .map(|h| {
+            let kind = match h.kind {
+                swactor_provisioning::HoldKind::Rollout => "rollout",
+                swactor_provisioning::HoldKind::Remediation => "remediation",
+            };
+            (
+                vec![("group", h.group.to_string()), ("kind", kind.to_owned())],
+                1,
+            )
+        })
+        .collect();
+    gauge(
+        e,
+        "swactor_group_held",
+        "1 while a group holds back: a rollout waiting on its budget or stopped \
+         (kind=rollout), or remediation paused by its breaker (kind=remediation).",
+        &holds,
+    )
+}
+
+/// Encodes what the daemon is working through and has done: orphans, the
+/// executor's queue, subscribers, passes, dispatches and the last
+/// convergence's duration.
+fn encode_activity(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
+    let snap = &s.snapshot;
+    gauge(
+        e,
+        "swactor_orphans",
+        "Leftover resources being collected.",
+        &[(vec![], snap.orphans as i64)],
+    )?;
+    gauge(
+        e,
+        "swactor_executor_queue_depth",
+        "Operations handed to the executor whose results have not come back.",
+        &[(vec![], snap.in_flight as i64)],
+    )?;
+    gauge(
+        e,
+        "swactor_telemetry_subscribers",
+        "Telemetry subscribers (swactor watch, dashboard pages).",
+        &[(vec![], s.subscribers as i64)],
+    )?;
+    counter(
+        e,
+        "swactor_passes",
+        "Reconcile passes run by the cluster's driver.",
+        snap.stats.passes,
+    )?;
+    counter(
+        e,
+        "swactor_dispatched_operations",
+        "Operations the driver dispatched (its lifetime counter; swactor_dispatches_total \
+         has them by effect).",
+        snap.stats.dispatched,
+    )?;
+    // From the same counters as the total, read at the same moment: the
+    // kinds add up to it at every scrape, and every kind has its series
+    // from 0 (a resumed daemon's first lookups included, which come
+    // before anything could follow the events).
+    let mut by_effect = e.encode_descriptor(
+        "swactor_dispatches",
+        "Operations the driver dispatched, by effect kind (they add up to \
+         swactor_dispatched_operations_total).",
+        None,
+        MetricType::Counter,
+    )?;
+    for kind in swactor_provisioning::EffectKind::ALL {
+        let labels: Labels = vec![("effect", effect_label(kind).to_owned())];
+        ConstCounter::new(snap.stats.dispatched_of(kind))
+            .encode(by_effect.encode_family(&labels)?)?;
+    }
+    if let Some((generation, took)) = s.convergence {
+        gauge(
+            e,
+            "swactor_last_convergence_seconds",
+            "How long the last converged generation took, from its acceptance.",
+            &[(
+                vec![("generation", generation.to_string())],
+                took.as_secs_f64(),
+            )],
+        )?;
+    }
+    Ok(())
+}
+
+/// Encodes what the run costs: the rentals' hourly price, the spend so far
+/// and the budget.
+fn encode_costs(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
+    let snap = &s.snapshot;
+    let mut price: BTreeMap<String, u64> = s.priced.iter().map(|p| ((*p).to_owned(), 0)).collect();
+    for r in &snap.rentals {
+        *price.entry(r.provider.clone()).or_default() += r.usd_per_hour_micros;
+    }
+    if !price.is_empty() {
+        let values: Vec<(Labels, f64)> = price
+            .into_iter()
+            .map(|(p, micros)| (vec![("provider", p)], micros as f64 / 1e6))
+            .collect();
+        gauge(
+            e,
+            "swactor_cluster_usd_per_hour",
+            "What the rented machines of the current attempts cost, in dollars per hour.",
+            &values,
+        )?;
+    }
+    if let Some(spend) = snap.spend {
+        gauge(
+            e,
+            "swactor_run_spent_usd",
+            "What the run's rented machines have cost so far, ended rentals included, in dollars.",
+            &[(Vec::new(), spend.spent_micros as f64 / 1e6)],
+        )?;
+    }
+    if let Some(budget) = snap.budget {
+        gauge(
+            e,
+            "swactor_run_budget_usd",
+            "The run's dollar budget (budget_usd).",
+            &[(Vec::new(), budget.usd_micros as f64 / 1e6)],
+        )?;
+    }
+    Ok(())
 }
 
 /// A provider whose every call is timed and whose failures are counted.
