@@ -8,19 +8,19 @@
 
 use crate::protocol::{Heartbeat, JoinReply, JoinRequest};
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use swactor_actors::ClusterHandle;
 use swactor_engine::Starvation;
-use swactor_engine::iroh::endpoint::Connection;
+use swactor_engine::iroh::endpoint::{Connection, RecvStream, SendStream};
 use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
-use swactor_engine::net::PreAuth;
 use swactor_engine::net::{
-    FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, REFUSAL_LOG_INTERVAL, accept_first_frame,
-    recv_frame, send_frame,
+    FIRST_FRAME_LEN_MAX_BYTES, FrameError, HANDSHAKE_DEADLINE, PreAuth, PreAuthSlot,
+    REFUSAL_LOG_INTERVAL, accept_first_frame, recv_frame, send_frame,
 };
-use swactor_provisioning::ResourceKey;
+use swactor_provisioning::{Liveness, ResourceKey};
 
 /// How often a connected agent's join is asserted again.
 const JOIN_REASSERT: Duration = Duration::from_secs(3);
@@ -55,18 +55,7 @@ impl ProtocolHandler for SwarmHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
         // Strangers are bounded apart from joined agents: a connection
         // holds a pre-authentication place until its join has a verdict.
-        let Some(unjoined) = self.pre_auth.try_enter() else {
-            conn.close(
-                swactor_engine::net::codes::CLOSE_BUSY,
-                b"too many unauthenticated connections",
-            );
-            self.refusals.refused(
-                "(an unauthenticated peer)",
-                &format!(
-                    "{} connections are waiting to join already, the most",
-                    self.pre_auth.max()
-                ),
-            );
+        let Some(unjoined) = self.enter_unjoined(&conn) else {
             return Ok(());
         };
         // Closes the connection itself when the peer is slow, silent or too big.
@@ -85,34 +74,96 @@ impl ProtocolHandler for SwarmHandler {
             Ok(key) => self.sessions.claim(key),
             Err(_) => None,
         };
-        // (reason, whether the agent should ask again)
-        let verdict = match (&checked, &session) {
-            (Err(reason), _) => Err(((*reason).to_owned(), false)),
-            (Ok(key), None) => Err((
-                format!("the agent of {key} is connected on another link"),
-                true,
-            )),
-            (Ok(key), Some(_)) => match self.cluster.agent_join(key.clone()).await {
-                Ok(v) => v.map_err(|e| (e.to_string(), e.is_transient())),
-                // The cluster actor is restarting from its journal, or the
-                // daemon is going away: not a verdict on the attempt.
-                Err(e) => Err((e.to_string(), true)),
-            },
-        };
+        let verdict = self.admit(&checked, session.is_some()).await;
         let _session = SessionGuard {
             sessions: &self.sessions,
             key: checked.as_ref().ok().cloned(),
             session: session.clone(),
         };
-        let reply = match &verdict {
+        let sent = self.answer(&mut send, &join, &verdict).await;
+        drop(unjoined);
+        let (key, liveness, session) = match (sent, checked, verdict, session) {
+            (Ok(()), Ok(key), Ok(liveness), Some(session)) => (key, liveness, session),
+            _ => {
+                let _ = send.finish();
+                let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
+                return Ok(());
+            }
+        };
+        self.serve(&conn, &mut recv, key, &liveness, &session).await;
+        Ok(())
+    }
+}
+
+/// A join's verdict: the agent's liveness, or why not and whether the agent
+/// should ask again.
+type Verdict = Result<Liveness, (String, bool)>;
+
+/// What waiting for an agent's next frame came to.
+enum Waited {
+    /// A frame came (or the stream ended or broke).
+    Frame(Result<Option<Heartbeat>, FrameError>),
+    /// The agent was silent past the window.
+    Silent,
+    /// Another link of the same attempt's agent took over.
+    Superseded,
+}
+
+impl SwarmHandler {
+    /// Takes a pre-authentication place for `conn`, or closes it and logs
+    /// the refusal when all are taken.
+    fn enter_unjoined(&self, conn: &Connection) -> Option<PreAuthSlot> {
+        let Some(unjoined) = self.pre_auth.try_enter() else {
+            conn.close(
+                swactor_engine::net::codes::CLOSE_BUSY,
+                b"too many unauthenticated connections",
+            );
+            self.refusals.refused(
+                "(an unauthenticated peer)",
+                &format!(
+                    "{} connections are waiting to join already, the most",
+                    self.pre_auth.max()
+                ),
+            );
+            return None;
+        };
+        Some(unjoined)
+    }
+
+    /// Decides a checked join: refused, deferred, or welcomed by the cluster.
+    async fn admit(&self, checked: &Result<ResourceKey, &'static str>, claimed: bool) -> Verdict {
+        // (reason, whether the agent should ask again)
+        match (checked, claimed) {
+            (Err(reason), _) => Err(((*reason).to_owned(), false)),
+            (Ok(key), false) => Err((
+                format!("the agent of {key} is connected on another link"),
+                true,
+            )),
+            (Ok(key), true) => match self.cluster.agent_join(key.clone()).await {
+                Ok(v) => v.map_err(|e| (e.to_string(), e.is_transient())),
+                // The cluster actor is restarting from its journal, or the
+                // daemon is going away: not a verdict on the attempt.
+                Err(e) => Err((e.to_string(), true)),
+            },
+        }
+    }
+
+    /// Sends the verdict to the agent and logs a refusal or a deferral.
+    async fn answer(
+        &self,
+        send: &mut SendStream,
+        join: &JoinRequest,
+        verdict: &Verdict,
+    ) -> Result<(), FrameError> {
+        let reply = match verdict {
             Ok(liveness) => JoinReply::Welcome {
                 heartbeat_ms: liveness.heartbeat_ms,
             },
             Err((reason, true)) => JoinReply::NotYet(reason.clone()),
             Err((reason, false)) => JoinReply::Refused(reason.clone()),
         };
-        let sent = send_frame(&mut send, &reply, SMALL_FRAME_LEN_MAX_BYTES).await;
-        match &verdict {
+        let sent = send_frame(send, &reply, SMALL_FRAME_LEN_MAX_BYTES).await;
+        match verdict {
             Err((reason, false)) => {
                 // The key is the peer's own unchecked text: escaped, so it
                 // cannot forge log lines.
@@ -124,15 +175,19 @@ impl ProtocolHandler for SwarmHandler {
             }
             Ok(_) => {}
         }
-        drop(unjoined);
-        let (key, liveness, session) = match (sent, checked, verdict, session) {
-            (Ok(()), Ok(key), Ok(liveness), Some(session)) => (key, liveness, session),
-            _ => {
-                let _ = send.finish();
-                let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
-                return Ok(());
-            }
-        };
+        sent
+    }
+
+    /// Serves a joined agent: follows its heartbeats, tells the cluster when
+    /// it goes silent or comes back, and asserts its join again now and then.
+    async fn serve(
+        &self,
+        conn: &Connection,
+        recv: &mut RecvStream,
+        key: ResourceKey,
+        liveness: &Liveness,
+        session: &Session,
+    ) {
         // Silent this long, the agent is taken for gone; its grace is
         // counted from its last heartbeat.
         let silence = Duration::from_millis(liveness.silence_ms);
@@ -152,29 +207,19 @@ impl ProtocolHandler for SwarmHandler {
         let mut away = false;
         let kept = silence + Duration::from_millis(liveness.lost_grace_ms);
         loop {
-            let next = recv_frame::<Heartbeat, _>(&mut recv, SMALL_FRAME_LEN_MAX_BYTES);
+            let next = recv_frame::<Heartbeat, _>(recv, SMALL_FRAME_LEN_MAX_BYTES);
             tokio::pin!(next);
             // Only silence the daemon could have heard counts: time it was
             // starved (or stopped) since the last heartbeat moves the
             // deadline on, and so does a wake-up that itself came late.
             let window = if away { kept } else { silence };
-            let frame = loop {
-                let deadline = heard.deadline(window);
-                let waited = tokio::select! {
-                    waited = tokio::time::timeout_at(deadline.into(), &mut next) => waited,
-                    // Another link of this attempt's agent joined while
-                    // this one was silent: it carries the agent from now on.
-                    () = session.superseded.notified() => {
-                        tracing::info!(%key, "agent joined on a new link; closing its silent one");
-                        conn.close(0u32.into(), b"superseded");
-                        return Ok(());
-                    }
-                };
-                match waited {
-                    Ok(frame) => break Some(frame),
-                    Err(_) if heard.woken_late(deadline) => {}
-                    Err(_) if heard.deadline(window) > deadline => {}
-                    Err(_) => break None,
+            let frame = match next_frame(&mut heard, window, next, session).await {
+                Waited::Frame(frame) => Some(frame),
+                Waited::Silent => None,
+                Waited::Superseded => {
+                    tracing::info!(%key, "agent joined on a new link; closing its silent one");
+                    conn.close(0u32.into(), b"superseded");
+                    return;
                 }
             };
             match frame {
@@ -196,7 +241,7 @@ impl ProtocolHandler for SwarmHandler {
                         self.cluster.agent_gone(key, silent);
                     }
                     conn.close(0u32.into(), b"silent");
-                    return Ok(());
+                    return;
                 }
             }
             // Heard: an agent that was away is back, on the same link, if
@@ -206,21 +251,61 @@ impl ProtocolHandler for SwarmHandler {
                 continue;
             }
             asserted = Instant::now();
-            match self.cluster.agent_join(key.clone()).await {
-                Ok(Err(refusal)) => {
-                    tracing::info!(%key, %refusal, "dropping an agent no longer wanted");
-                    conn.close(1u32.into(), b"no longer wanted");
-                    return Ok(());
-                }
-                Ok(Ok(_)) if away => {
-                    tracing::info!(%key, "agent heard again on its link");
-                    away = false;
-                    session.away.store(false, Ordering::Relaxed);
-                }
-                // Welcomed again; or the cluster is restarting (asked again
-                // at the next assert).
-                Ok(Ok(_)) | Err(_) => {}
+            if !self.reassert(conn, &key, &mut away, session).await {
+                return;
             }
+        }
+    }
+
+    /// Asserts a heard agent's join again; false when its attempt is no
+    /// longer wanted (its connection is then closed).
+    async fn reassert(
+        &self,
+        conn: &Connection,
+        key: &ResourceKey,
+        away: &mut bool,
+        session: &Session,
+    ) -> bool {
+        match self.cluster.agent_join(key.clone()).await {
+            Ok(Err(refusal)) => {
+                tracing::info!(%key, %refusal, "dropping an agent no longer wanted");
+                conn.close(1u32.into(), b"no longer wanted");
+                return false;
+            }
+            Ok(Ok(_)) if *away => {
+                tracing::info!(%key, "agent heard again on its link");
+                *away = false;
+                session.away.store(false, Ordering::Relaxed);
+            }
+            // Welcomed again; or the cluster is restarting (asked again
+            // at the next assert).
+            Ok(Ok(_)) | Err(_) => {}
+        }
+        true
+    }
+}
+
+/// Waits for `next` until the agent has been silent for `window` of
+/// listening time, or until another link of its attempt takes over.
+async fn next_frame(
+    heard: &mut Heard,
+    window: Duration,
+    mut next: Pin<&mut impl Future<Output = Result<Option<Heartbeat>, FrameError>>>,
+    session: &Session,
+) -> Waited {
+    loop {
+        let deadline = heard.deadline(window);
+        let waited = tokio::select! {
+            waited = tokio::time::timeout_at(deadline.into(), &mut next) => waited,
+            // Another link of this attempt's agent joined while
+            // this one was silent: it carries the agent from now on.
+            () = session.superseded.notified() => return Waited::Superseded,
+        };
+        match waited {
+            Ok(frame) => return Waited::Frame(frame),
+            Err(_) if heard.woken_late(deadline) => {}
+            Err(_) if heard.deadline(window) > deadline => {}
+            Err(_) => return Waited::Silent,
         }
     }
 }
