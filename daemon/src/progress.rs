@@ -330,52 +330,18 @@ impl View {
 /// One line for the events about adoption, collection, agents and teardown;
 /// `None` for the others.
 pub fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
-    let keys = |keys: &[swactor_provisioning::ResourceKey]| {
-        let keys: Vec<String> = keys
-            .iter()
-            .map(|k| format!("{} {}", k.node, k.attempt))
-            .collect();
-        crate::words::names(&keys)
-    };
     Some(match e {
         ClusterEvent::Adopted {
             adopted,
             drifted,
             orphans,
             presumed_gone,
-        } => {
-            if adopted.is_empty() && orphans.is_empty() && presumed_gone.is_empty() {
-                return None;
-            }
-            let mut line = format!("adopted {} node(s) left running", adopted.len());
-            if !drifted.is_empty() {
-                line.push_str(&format!(
-                    "; {} made from another template will be replaced ({})",
-                    drifted.len(),
-                    keys(drifted)
-                ));
-            }
-            if !orphans.is_empty() {
-                line.push_str(&format!(
-                    "; collecting {} leftover(s) ({})",
-                    orphans.len(),
-                    keys(orphans)
-                ));
-            }
-            if !presumed_gone.is_empty() {
-                line.push_str(&format!(
-                    "; {} on record are gone ({})",
-                    presumed_gone.len(),
-                    keys(presumed_gone)
-                ));
-            }
-            line
-        }
+        } => return adopted_note(adopted, drifted, orphans, presumed_gone),
         ClusterEvent::Swept { orphans } => {
             format!(
                 "found {} leftover(s) to collect: {}",
                 orphans.len(),
-                keys(orphans)
+                key_names(orphans)
             )
         }
         ClusterEvent::Collected { key, error: None } => {
@@ -404,43 +370,12 @@ pub fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
             grace_until,
             replaced,
             at,
-        } => format!(
-            "{} {}: agent disconnected; {}",
-            key.node,
-            key.attempt,
-            crate::words::next_words(
-                swactor_provisioning::NextStep::LostAt {
-                    at: *grace_until,
-                    replaced: *replaced,
-                },
-                // The grace as it stood when the daemon noticed: a
-                // viewer's clock (from a snapshot that may be old) is not.
-                if *at > Timestamp::from_millis(0) {
-                    *at
-                } else {
-                    now
-                }
-            )
-        ),
+        } => disconnected_note(key, *grace_until, *replaced, *at, now),
         ClusterEvent::Preempted {
             key,
-            wait_until: Some(until),
+            wait_until,
             at,
-        } => format!(
-            "{} {}: its machine is paused by its provider (preempted); kept while it may \
-             resume, replaced unless back {}",
-            key.node,
-            key.attempt,
-            crate::words::until(*until, *at)
-        ),
-        ClusterEvent::Preempted {
-            key,
-            wait_until: None,
-            ..
-        } => format!(
-            "{} {}: its machine is paused by its provider (preempted)",
-            key.node, key.attempt
-        ),
+        } => preempted_note(key, *wait_until, *at),
         ClusterEvent::TeardownStarted { generation } => {
             format!("tearing down (generation {})", generation.0)
         }
@@ -453,21 +388,116 @@ pub fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
         }
         ClusterEvent::Hold {
             group,
-            reason: Some(reason),
-            ..
-        } => format!("group {group}: {reason}"),
-        ClusterEvent::Hold {
-            group,
-            kind: HoldKind::Rollout,
-            reason: None,
-        } => format!("group {group}: the rollout is no longer held"),
-        ClusterEvent::Hold {
-            group,
-            kind: HoldKind::Remediation,
-            reason: None,
-        } => format!("group {group}: remediation resumed (back within max_unhealthy)"),
+            kind,
+            reason,
+        } => hold_note(group, *kind, reason.as_deref()),
         _ => return None,
     })
+}
+
+/// The attempts named by `keys`, as `worker-0 a3, worker-1 a1`.
+fn key_names(keys: &[swactor_provisioning::ResourceKey]) -> String {
+    let keys: Vec<String> = keys
+        .iter()
+        .map(|k| format!("{} {}", k.node, k.attempt))
+        .collect();
+    crate::words::names(&keys)
+}
+
+/// The line for an adoption after a start; `None` when nothing was found.
+fn adopted_note(
+    adopted: &[swactor_provisioning::ResourceKey],
+    drifted: &[swactor_provisioning::ResourceKey],
+    orphans: &[swactor_provisioning::ResourceKey],
+    presumed_gone: &[swactor_provisioning::ResourceKey],
+) -> Option<String> {
+    if adopted.is_empty() && orphans.is_empty() && presumed_gone.is_empty() {
+        return None;
+    }
+    let mut line = format!("adopted {} node(s) left running", adopted.len());
+    if !drifted.is_empty() {
+        line.push_str(&format!(
+            "; {} made from another template will be replaced ({})",
+            drifted.len(),
+            key_names(drifted)
+        ));
+    }
+    if !orphans.is_empty() {
+        line.push_str(&format!(
+            "; collecting {} leftover(s) ({})",
+            orphans.len(),
+            key_names(orphans)
+        ));
+    }
+    if !presumed_gone.is_empty() {
+        line.push_str(&format!(
+            "; {} on record are gone ({})",
+            presumed_gone.len(),
+            key_names(presumed_gone)
+        ));
+    }
+    Some(line)
+}
+
+/// The line for an agent that went away, its grace told from when the
+/// daemon noticed (`at`), or from `now` when the event does not say.
+fn disconnected_note(
+    key: &swactor_provisioning::ResourceKey,
+    grace_until: Timestamp,
+    replaced: bool,
+    at: Timestamp,
+    now: Timestamp,
+) -> String {
+    format!(
+        "{} {}: agent disconnected; {}",
+        key.node,
+        key.attempt,
+        crate::words::next_words(
+            swactor_provisioning::NextStep::LostAt {
+                at: grace_until,
+                replaced,
+            },
+            // The grace as it stood when the daemon noticed: a
+            // viewer's clock (from a snapshot that may be old) is not.
+            if at > Timestamp::from_millis(0) {
+                at
+            } else {
+                now
+            }
+        )
+    )
+}
+
+/// The line for an away agent whose machine its provider paused.
+fn preempted_note(
+    key: &swactor_provisioning::ResourceKey,
+    wait_until: Option<Timestamp>,
+    at: Timestamp,
+) -> String {
+    match wait_until {
+        Some(until) => format!(
+            "{} {}: its machine is paused by its provider (preempted); kept while it may \
+             resume, replaced unless back {}",
+            key.node,
+            key.attempt,
+            crate::words::until(until, at)
+        ),
+        None => format!(
+            "{} {}: its machine is paused by its provider (preempted)",
+            key.node, key.attempt
+        ),
+    }
+}
+
+/// The line for a group that began, changed or stopped holding something back.
+fn hold_note(group: &str, kind: HoldKind, reason: Option<&str>) -> String {
+    match (kind, reason) {
+        (_, Some(reason)) => format!("group {group}: {reason}"),
+        (HoldKind::Rollout, None) => format!("group {group}: the rollout is no longer held"),
+        (HoldKind::Remediation, None) => {
+            format!("group {group}: remediation resumed (back within max_unhealthy)")
+        }
+    }
 }
 
 #[cfg(test)]
