@@ -107,10 +107,37 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     }
 
     report(&BootstrapEvent::Stage(BootstrapStage::SwactorStart));
+    let (ticket, credentials, endpoint) = match bind_for_daemon(&opts).await {
+        Ok(bound) => bound,
+        Err(code) => return Ok(code),
+    };
+
+    report(&BootstrapEvent::Stage(BootstrapStage::Join));
+    let join = JoinRequest::new(&key, credentials.token.clone());
+    let joined_tx = start_jobs_link(&opts, &endpoint, &ticket, &join);
+    // From here on SIGTERM is caught (tokio keeps the handler for the life
+    // of the process), so it must be listened for in every wait below: in a
+    // session, and between sessions while the daemon is away.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot listen for SIGTERM")?;
+    let code = stay_joined(&endpoint, &ticket, &join, &joined_tx, &mut term).await;
+    // A close waits for connections to finish closing, and a dial still
+    // pending to a daemon that is gone would hold it for seconds: a
+    // stopping agent does not wait that long.
+    let _ = tokio::time::timeout(Duration::from_millis(300), endpoint.close()).await;
+    Ok(code)
+}
+
+/// Reads the daemon's ticket and this attempt's credentials, and binds the
+/// agent's endpoint with its key. `Err` is the exit code, its failure
+/// reported.
+async fn bind_for_daemon(
+    opts: &AgentOptions,
+) -> Result<(EndpointTicket, AgentCredentials, Endpoint), i32> {
     let ticket: EndpointTicket = match opts.daemon.parse() {
         Ok(t) => t,
         Err(e) => {
-            return Ok(fail(
+            return Err(fail(
                 BootstrapStage::SwactorStartFailed,
                 format!("bad daemon ticket: {e}"),
             ));
@@ -121,7 +148,7 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     let credentials = match AgentCredentials::take_file(&opts.credentials) {
         Ok(c) => c,
         Err(e) => {
-            return Ok(fail(
+            return Err(fail(
                 BootstrapStage::SwactorStartFailed,
                 format!("cannot take the agent's credentials: {e}"),
             ));
@@ -143,39 +170,53 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     {
         Ok(ep) => ep,
         Err(e) => {
-            return Ok(fail(
+            return Err(fail(
                 BootstrapStage::SwactorStartFailed,
                 format!("cannot bind: {e}"),
             ));
         }
     };
+    Ok((ticket, credentials, endpoint))
+}
 
-    report(&BootstrapEvent::Stage(BootstrapStage::Join));
-    let join = JoinRequest::new(&key, credentials.token.clone());
+/// Starts the jobs link, which waits for the first join; the returned
+/// sender is told when the agent has joined.
+fn start_jobs_link(
+    opts: &AgentOptions,
+    endpoint: &Endpoint,
+    ticket: &EndpointTicket,
+    join: &JoinRequest,
+) -> tokio::sync::watch::Sender<bool> {
     // The jobs link: the daemon sends runs over a connection this agent
     // dials, for as long as the agent lives. It is dialled once the agent
     // has joined, so a hundred agents starting at once do not make their
     // joins wait behind twice as many handshakes.
     let (joined_tx, mut joined_rx) = tokio::sync::watch::channel(false);
     let jobs = crate::jobs::agent::AgentJobs::new(&opts.dir, opts.node.clone(), opts.attempt);
-    {
-        let (endpoint, ticket, join) = (endpoint.clone(), ticket.clone(), join.clone());
-        tokio::spawn(async move {
-            if joined_rx.wait_for(|j| *j).await.is_ok() {
-                jobs.serve(endpoint, ticket, join).await;
-            }
-        });
-    }
+    let (endpoint, ticket, join) = (endpoint.clone(), ticket.clone(), join.clone());
+    tokio::spawn(async move {
+        if joined_rx.wait_for(|j| *j).await.is_ok() {
+            jobs.serve(endpoint, ticket, join).await;
+        }
+    });
+    joined_tx
+}
+
+/// Keeps the agent joined, one session after another, until its join is
+/// refused, the daemon stays out of reach before the first join, or
+/// SIGTERM. Returns the exit code.
+async fn stay_joined(
+    endpoint: &Endpoint,
+    ticket: &EndpointTicket,
+    join: &JoinRequest,
+    joined_tx: &tokio::sync::watch::Sender<bool>,
+    term: &mut tokio::signal::unix::Signal,
+) -> i32 {
     let mut joined_once = false;
     let mut failures = 0u32;
-    // From here on SIGTERM is caught (tokio keeps the handler for the life
-    // of the process), so it must be listened for in every wait below: in a
-    // session, and between sessions while the daemon is away.
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("cannot listen for SIGTERM")?;
-    let code = loop {
+    loop {
         let outcome = tokio::select! {
-            outcome = session(&endpoint, &ticket, &join, &mut joined_once, &joined_tx) => outcome,
+            outcome = session(endpoint, ticket, join, &mut joined_once, joined_tx) => outcome,
             _ = term.recv() => Session::Stopped,
         };
         match outcome {
@@ -216,12 +257,7 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
             }
             Session::Stopped => break 0,
         }
-    };
-    // A close waits for connections to finish closing, and a dial still
-    // pending to a daemon that is gone would hold it for seconds: a
-    // stopping agent does not wait that long.
-    let _ = tokio::time::timeout(Duration::from_millis(300), endpoint.close()).await;
-    Ok(code)
+    }
 }
 
 enum Session {
