@@ -445,95 +445,14 @@ impl JobService {
         &self,
         spec: JobSpec,
     ) -> Result<(u64, broadcast::Receiver<JobEvent>, JobEvent), String> {
-        if spec.argv.is_empty() {
-            return Err(
-                "no command: write it after `--`, e.g. `swactor run --all -- hostname`".to_owned(),
-            );
-        }
-        if let Some(t) = spec.timeout_s
-            && !(t.is_finite() && t > 0.0)
-        {
-            return Err(format!(
-                "--timeout must be a positive number of seconds, got {t}"
-            ));
-        }
-        for glob in &spec.outputs {
-            if glob.starts_with('/') || glob.split('/').any(|p| p == "..") {
-                return Err(format!(
-                    "--output {glob:?} must be relative to the workspace, without `..`"
-                ));
-            }
-        }
+        check_spec(&spec)?;
         let (targets, skipped) = self.targets(&spec.targets).await?;
         let limits = self.shared.limits;
         // Checked now, before the workspace is read, and again as the job is
         // recorded (another job may have started meanwhile).
         busy(&self.shared.jobs(), &targets, limits.runs_per_node_max)?;
-        let workspace = match &spec.workspace {
-            None => Workspace::default(),
-            Some(dir) => {
-                let dir = dir.clone();
-                let max = limits.workspace_max_bytes;
-                let mut ws = self
-                    .shared
-                    .blocking
-                    .call(move |_| read_workspace(&dir, max))
-                    .await
-                    .map_err(|e| format!("cannot read the workspace: {e}"))??;
-                ws.tags = self.shared.blobs.import(&ws).await?;
-                ws
-            }
-        };
-        // The number is taken and the job entered under one lock, so two
-        // jobs submitted at once never share a number or overrun a node.
-        let (seq, id, record, rx) = {
-            let mut jobs = self.shared.jobs();
-            busy(&jobs, &targets, limits.runs_per_node_max)?;
-            let seq = jobs.keys().next_back().copied().unwrap_or(0) + 1;
-            let id = format!("job-{seq}");
-            let outputs_dir = self.shared.dir.join(&id).join("outputs");
-            let record = JobRecord {
-                id: id.clone(),
-                argv: spec.argv.clone(),
-                env: spec.env.clone(),
-                workspace: spec.workspace.as_ref().map(|p| p.display().to_string()),
-                outputs: spec.outputs.clone(),
-                timeout_s: spec.timeout_s,
-                created_unix_ms: now_ms(),
-                workspace_files: workspace.manifest.len() as u64,
-                workspace_bytes: workspace.bytes,
-                outputs_dir: outputs_dir.display().to_string(),
-                cancelled: None,
-                stop: None,
-                runs: targets
-                    .iter()
-                    .map(|(node, attempt)| RunRecord {
-                        node: *node,
-                        attempt: attempt.0,
-                        state: JobState::Queued,
-                        exit_code: None,
-                        error: None,
-                        shipped_bytes: 0,
-                        shipped_chunks: 0,
-                        chunks: workspace.order.len() as u64,
-                        output_files: 0,
-                        output_bytes: 0,
-                        collected: Vec::new(),
-                        ended_unix_ms: None,
-                    })
-                    .collect(),
-            };
-            let (events, rx) = broadcast::channel(EVENTS_KEPT);
-            jobs.insert(
-                seq,
-                Entry {
-                    record: record.clone(),
-                    events,
-                    actor: None,
-                },
-            );
-            (seq, id, record, rx)
-        };
+        let workspace = self.load_workspace(spec.workspace.as_ref()).await?;
+        let (seq, id, record, rx) = self.enter(&spec, &targets, &workspace)?;
         let forget = || {
             self.shared.jobs().remove(&seq);
         };
@@ -560,6 +479,55 @@ impl JobService {
             return Err(format!("{e:#}"));
         }
         Ok((seq, rx, accepted))
+    }
+
+    /// Reads the job's workspace, if it ships one, and imports its chunks
+    /// into the blob store.
+    async fn load_workspace(&self, dir: Option<&PathBuf>) -> Result<Workspace, String> {
+        let workspace = match dir {
+            None => Workspace::default(),
+            Some(dir) => {
+                let dir = dir.clone();
+                let max = self.shared.limits.workspace_max_bytes;
+                let mut ws = self
+                    .shared
+                    .blocking
+                    .call(move |_| read_workspace(&dir, max))
+                    .await
+                    .map_err(|e| format!("cannot read the workspace: {e}"))??;
+                ws.tags = self.shared.blobs.import(&ws).await?;
+                ws
+            }
+        };
+        Ok(workspace)
+    }
+
+    /// Numbers the job and enters it as queued on `targets`, returning its
+    /// number, id, record and events.
+    fn enter(
+        &self,
+        spec: &JobSpec,
+        targets: &[(LogicalNodeId, NodeAttemptId)],
+        workspace: &Workspace,
+    ) -> Result<(u64, String, JobRecord, broadcast::Receiver<JobEvent>), String> {
+        // The number is taken and the job entered under one lock, so two
+        // jobs submitted at once never share a number or overrun a node.
+        let mut jobs = self.shared.jobs();
+        busy(&jobs, targets, self.shared.limits.runs_per_node_max)?;
+        let seq = jobs.keys().next_back().copied().unwrap_or(0) + 1;
+        let id = format!("job-{seq}");
+        let outputs_dir = self.shared.dir.join(&id).join("outputs");
+        let record = job_record(&id, spec, targets, workspace, &outputs_dir);
+        let (events, rx) = broadcast::channel(EVENTS_KEPT);
+        jobs.insert(
+            seq,
+            Entry {
+                record: record.clone(),
+                events,
+                actor: None,
+            },
+        );
+        Ok((seq, id, record, rx))
     }
 
     /// The (node, attempt)s a job is for, and the nodes left out.
@@ -600,6 +568,72 @@ impl JobService {
             }
         }
         Ok((chosen, skipped))
+    }
+}
+
+/// Refuses a job without a command, with a timeout that is not a positive
+/// number, or with an output glob that leaves the workspace.
+fn check_spec(spec: &JobSpec) -> Result<(), String> {
+    if spec.argv.is_empty() {
+        return Err(
+            "no command: write it after `--`, e.g. `swactor run --all -- hostname`".to_owned(),
+        );
+    }
+    if let Some(t) = spec.timeout_s
+        && !(t.is_finite() && t > 0.0)
+    {
+        return Err(format!(
+            "--timeout must be a positive number of seconds, got {t}"
+        ));
+    }
+    for glob in &spec.outputs {
+        if glob.starts_with('/') || glob.split('/').any(|p| p == "..") {
+            return Err(format!(
+                "--output {glob:?} must be relative to the workspace, without `..`"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A new job's record: every run queued, nothing shipped yet.
+fn job_record(
+    id: &str,
+    spec: &JobSpec,
+    targets: &[(LogicalNodeId, NodeAttemptId)],
+    workspace: &Workspace,
+    outputs_dir: &Path,
+) -> JobRecord {
+    JobRecord {
+        id: id.to_owned(),
+        argv: spec.argv.clone(),
+        env: spec.env.clone(),
+        workspace: spec.workspace.as_ref().map(|p| p.display().to_string()),
+        outputs: spec.outputs.clone(),
+        timeout_s: spec.timeout_s,
+        created_unix_ms: now_ms(),
+        workspace_files: workspace.manifest.len() as u64,
+        workspace_bytes: workspace.bytes,
+        outputs_dir: outputs_dir.display().to_string(),
+        cancelled: None,
+        stop: None,
+        runs: targets
+            .iter()
+            .map(|(node, attempt)| RunRecord {
+                node: *node,
+                attempt: attempt.0,
+                state: JobState::Queued,
+                exit_code: None,
+                error: None,
+                shipped_bytes: 0,
+                shipped_chunks: 0,
+                chunks: workspace.order.len() as u64,
+                output_files: 0,
+                output_bytes: 0,
+                collected: Vec::new(),
+                ended_unix_ms: None,
+            })
+            .collect(),
     }
 }
 
