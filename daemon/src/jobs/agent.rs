@@ -525,6 +525,8 @@ impl AgentJobs {
         Ok(())
     }
 
+    /// Starts `argv` in `ws` as run `job`, its output logged to `dir/log`
+    /// and its exit recorded in `dir` when it ends.
     async fn spawn(
         &self,
         job: &str,
@@ -533,6 +535,45 @@ impl AgentJobs {
         argv: &[String],
         env: &[(String, String)],
     ) -> Result<Arc<Run>, String> {
+        let mut command = self.run_command(job, ws, argv, env)?;
+        let mut child = command
+            .spawn()
+            .map_err(|e| format!("cannot start the run on {}: {e}", self.inner.node))?;
+        let pgid = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .ok_or("the run's process has no id")?;
+        let log_path = dir.join("log");
+        let log = tokio::fs::File::create(&log_path)
+            .await
+            .map_err(|e| format!("cannot make {}: {e}", log_path.display()))?;
+        let (progress, _) = watch::channel(Progress::default());
+        let run = Arc::new(Run {
+            dir: dir.to_path_buf(),
+            pgid: Some(pgid),
+            progress,
+        });
+        let (tx, rx) = mpsc::channel::<(Stream, Vec<u8>)>(64);
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(pump(out, Stream::Stdout, tx.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(pump(err, Stream::Stderr, tx.clone()));
+        }
+        drop(tx);
+        tokio::spawn(log_until_exit(child, log, rx, run.clone()));
+        Ok(run)
+    }
+
+    /// The command that starts run `job`: `argv` in `ws` (through this
+    /// binary's `job-exec` when wrapped), in a process group of its own.
+    fn run_command(
+        &self,
+        job: &str,
+        ws: &Path,
+        argv: &[String],
+        env: &[(String, String)],
+    ) -> Result<tokio::process::Command, String> {
         // This very binary, even if the file was replaced since it started.
         let exe = if Path::new("/proc/self/exe").exists() {
             PathBuf::from("/proc/self/exe")
@@ -553,7 +594,7 @@ impl AgentJobs {
             c.args(&argv[1..]);
             c
         };
-        let mut child = command
+        command
             .current_dir(ws)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("SWACTOR_JOB", job)
@@ -563,70 +604,8 @@ impl AgentJobs {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             // Its own process group, so a cancel kills all it started.
-            .process_group(0)
-            .spawn()
-            .map_err(|e| format!("cannot start the run on {}: {e}", self.inner.node))?;
-        let pgid = child
-            .id()
-            .and_then(|id| i32::try_from(id).ok())
-            .ok_or("the run's process has no id")?;
-        let log_path = dir.join("log");
-        let mut log = tokio::fs::File::create(&log_path)
-            .await
-            .map_err(|e| format!("cannot make {}: {e}", log_path.display()))?;
-        let (progress, _) = watch::channel(Progress::default());
-        let run = Arc::new(Run {
-            dir: dir.to_path_buf(),
-            pgid: Some(pgid),
-            progress,
-        });
-        let (tx, mut rx) = mpsc::channel::<(Stream, Vec<u8>)>(64);
-        if let Some(out) = child.stdout.take() {
-            tokio::spawn(pump(out, Stream::Stdout, tx.clone()));
-        }
-        if let Some(err) = child.stderr.take() {
-            tokio::spawn(pump(err, Stream::Stderr, tx.clone()));
-        }
-        drop(tx);
-        let watcher = run.clone();
-        tokio::spawn(async move {
-            let mut len = 0u64;
-            while let Some((stream, data)) = rx.recv().await {
-                let record = LogRecord::encode(stream, &data);
-                if log.write_all(&record).await.is_err() {
-                    break;
-                }
-                let _ = log.flush().await;
-                len += record.len() as u64;
-                watcher.progress.send_modify(|p| p.log_len = len);
-            }
-            let status = child.wait().await;
-            let exit = match status {
-                Ok(s) => {
-                    use std::os::unix::process::ExitStatusExt;
-                    ExitInfo {
-                        code: s.code(),
-                        signal: s.signal(),
-                    }
-                }
-                Err(_) => ExitInfo {
-                    code: None,
-                    signal: None,
-                },
-            };
-            // On disk before anyone is told, so what a daemon was told
-            // survives this agent.
-            let dir = watcher.dir.clone();
-            match tokio::task::spawn_blocking(move || write_exit(&dir, exit)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(%e, "cannot record a run's exit"),
-                Err(e) => tracing::warn!(%e, "cannot record a run's exit"),
-            }
-            watcher
-                .progress
-                .send_modify(|p| p.end = Some(End::Exited(exit)));
-        });
-        Ok(run)
+            .process_group(0);
+        Ok(command)
     }
 
     async fn collect<W: AsyncWrite + Unpin + Send>(
@@ -776,6 +755,51 @@ impl AgentJobs {
             }
         }
     }
+}
+
+/// Writes a run's output to its log as it comes, then records how the run
+/// exited: on disk, then in its progress.
+async fn log_until_exit(
+    mut child: tokio::process::Child,
+    mut log: tokio::fs::File,
+    mut rx: mpsc::Receiver<(Stream, Vec<u8>)>,
+    watcher: Arc<Run>,
+) {
+    let mut len = 0u64;
+    while let Some((stream, data)) = rx.recv().await {
+        let record = LogRecord::encode(stream, &data);
+        if log.write_all(&record).await.is_err() {
+            break;
+        }
+        let _ = log.flush().await;
+        len += record.len() as u64;
+        watcher.progress.send_modify(|p| p.log_len = len);
+    }
+    let status = child.wait().await;
+    let exit = match status {
+        Ok(s) => {
+            use std::os::unix::process::ExitStatusExt;
+            ExitInfo {
+                code: s.code(),
+                signal: s.signal(),
+            }
+        }
+        Err(_) => ExitInfo {
+            code: None,
+            signal: None,
+        },
+    };
+    // On disk before anyone is told, so what a daemon was told
+    // survives this agent.
+    let dir = watcher.dir.clone();
+    match tokio::task::spawn_blocking(move || write_exit(&dir, exit)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(%e, "cannot record a run's exit"),
+        Err(e) => tracing::warn!(%e, "cannot record a run's exit"),
+    }
+    watcher
+        .progress
+        .send_modify(|p| p.end = Some(End::Exited(exit)));
 }
 
 /// Reads `pipe` into `tx` until it ends.
