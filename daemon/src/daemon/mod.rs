@@ -150,8 +150,104 @@ async fn run(
     bound: &mut Vec<swactor_engine::iroh::Endpoint>,
 ) -> Result<i32> {
     let started = std::time::Instant::now();
-    let (listen, advertise) = network(&opts)?;
-    let mut pre = Preflight::check(&opts).await?;
+    // The lock is released last, once everything else has stopped.
+    let (_lock, mut opened, read) = open(&opts).await?;
+    let run_id = opened.start.run_id.clone();
+    let (prepared, publisher) =
+        prepare(&opts, &swarm, bound, &mut opened, read.resume.as_ref()).await?;
+    let provider = prepared.made.provider.clone();
+
+    let (starvation, _measuring) = measure_starvation(&swarm);
+    let _handshakes = AbortOnDrop(tokio::spawn(crate::handshakes::summarise()));
+    let mut config = ClusterConfig::new(run_id.clone());
+    config.starvation = Some(starvation.clone());
+    config.adopt_unrecorded = opts.unrecorded == Some(Unrecorded::Adopt);
+    config.deployment.clone_from(&opened.deployment);
+    config.visibility_window = prepared.made.visibility_window;
+    config.capacities = provider.capacities();
+    // The cluster actor is restarted from the journal if it fails; the
+    // journal image it resumes from is the one just read.
+    drop(read.resume);
+    let (cluster, exit_rx) =
+        start_cluster(config, provider.clone(), publisher, read.journal).await?;
+
+    // Jobs, resumed from jobs.redb: a job actor for every job with runs
+    // under way follows them again.
+    let jobs = crate::jobs::service::JobService::open(
+        opened.state.root(),
+        cluster.clone(),
+        prepared.secret,
+        crate::jobs::service::JobLimits::from_env()?,
+    )
+    .await?;
+    let (down_tx, down_rx) = mpsc::channel::<DownRequest>(4);
+    // What the run's rentals cost, against its budget: acted on here.
+    let _budget = prepared.made.vast.clone().map(|v| {
+        AbortOnDrop(tokio::spawn(watch_budget(
+            cluster.clone(),
+            v,
+            run_id.clone(),
+            down_tx.clone(),
+        )))
+    });
+    let (started_tx, started_rx) = tokio::sync::watch::channel(false);
+    let control = ControlHandler {
+        cluster: cluster.clone(),
+        run_id: run_id.clone(),
+        down: down_tx,
+        started: started_rx,
+        provider: provider.clone(),
+        vast: prepared.made.vast.clone(),
+        jobs: jobs.clone(),
+        journal: opened.journal_health.clone(),
+        metrics: prepared.metrics.clone(),
+    };
+    let swarm_handler = SwarmHandler {
+        cluster: cluster.clone(),
+        secret: prepared.secret,
+        refusals: RefusalLog::default(),
+        starvation,
+        sessions: crate::swarm::Sessions::default(),
+        pre_auth: swactor_engine::net::PreAuth::new(pre_auth_max()),
+    };
+    let core = Core {
+        cluster,
+        exit: exit_rx,
+        down: down_rx,
+        jobs,
+        control,
+        swarm_handler,
+        started_tx,
+    };
+    listen_and_serve(&opts, &swarm, started, opened, prepared, core).await
+}
+
+/// What a start checked, read and decided before anything was bound.
+struct Opened {
+    listen: IpAddr,
+    advertise: Option<IpAddr>,
+    pre: Preflight,
+    state: StateDir,
+    /// SIGHUP, caught from before the lock names this daemon's pid.
+    hangups: tokio::signal::unix::Signal,
+    journal_health: crate::journal::JournalHealth,
+    start: Start,
+    deployment: Option<String>,
+}
+
+/// The journal as [`open`] read it.
+struct ReadJournal {
+    journal: DaemonJournal,
+    /// The image the cluster resumes from, if there was a journal.
+    resume: Option<JournalImage>,
+}
+
+/// Checks everything the user could have got wrong, locks the state
+/// directory, reads its journal and decides how to start; returns the lock,
+/// to be held until the daemon has stopped.
+async fn open(opts: &UpOptions) -> Result<(crate::state::DaemonLock, Opened, ReadJournal)> {
+    let (listen, advertise) = network(opts)?;
+    let pre = Preflight::check(opts).await?;
     let state = StateDir::create(opts.state_dir.clone())?;
     // The CLI may send SIGHUP to the pid in the lock as soon as it is there
     // (a CLI that finds no ticket yet asks for it): catch it from before
@@ -159,7 +255,7 @@ async fn run(
     let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .context("cannot catch SIGHUP")?;
     // One daemon per state directory, taken before anything else is touched.
-    let _lock = state.lock()?;
+    let lock = state.lock()?;
     let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
     let journal_health = journal.health();
     let start = Start::decide(resume.as_ref(), pre.file.as_ref(), state.root())?;
@@ -169,125 +265,164 @@ async fn run(
     if let Some(shape) = pre.checked.as_ref().filter(|_| !pre.fresh) {
         confirm_start(resume.as_ref(), shape, opts.yes).await?;
     }
-    let run_id = start.run_id.clone();
+    let opened = Opened {
+        listen,
+        advertise,
+        pre,
+        state,
+        hangups,
+        journal_health,
+        start,
+        deployment,
+    };
+    Ok((lock, opened, ReadJournal { journal, resume }))
+}
 
+/// What [`prepare`] bound and made: the daemon's surfaces, not served yet,
+/// and its providers.
+struct Prepared {
+    http_listener: tokio::net::TcpListener,
+    http_token: String,
+    endpoints: Endpoints,
+    /// The CLI's key: the only one the CLI's protocols accept.
+    cli_id: swactor_engine::iroh::EndpointId,
+    /// The secret the agents' join tokens are derived with.
+    secret: [u8; 32],
+    metrics: Arc<crate::metrics::Metrics>,
+    made: MadeProviders,
+    telemetry: swactor_engine::telemetry::TelemetryHandler,
+}
+
+/// Binds the web surface and the endpoints, keeps what the next daemon
+/// reads of them, and makes the providers and the telemetry publisher.
+async fn prepare(
+    opts: &UpOptions,
+    swarm: &tokio::runtime::Handle,
+    bound: &mut Vec<swactor_engine::iroh::Endpoint>,
+    opened: &mut Opened,
+    resume: Option<&JournalImage>,
+) -> Result<(Prepared, TelemetryPublisher<ClusterSnapshot, ClusterEvent>)> {
+    let state = &opened.state;
+    let run_id = &opened.start.run_id;
     // The web surface first: an --http address that cannot be bound is
     // refused before the endpoint starts, with nothing else to say.
-    let http_listener = crate::http::bind(&state, opts.http).await?;
-    let http_token = crate::http::token(&state)?;
-    let endpoints = Endpoints::bind(&state, &swarm, listen, advertise, bound).await?;
-    state.save_network(listen, advertise)?;
-    if let Some(path) = &pre.keep_agent_binary {
+    let http_listener = crate::http::bind(state, opts.http).await?;
+    let http_token = crate::http::token(state)?;
+    let endpoints = Endpoints::bind(state, swarm, opened.listen, opened.advertise, bound).await?;
+    state.save_network(opened.listen, opened.advertise)?;
+    if let Some(path) = &opened.pre.keep_agent_binary {
         state.save_agent_binary(path)?;
     }
     let cli_id = state.cli_key()?.public();
-    let secret = token_secret(&state, resume.as_ref())?;
+    let secret = token_secret(state, resume)?;
     let metrics = crate::metrics::Metrics::new();
-    let vast_key = pre.vast_key.take();
+    let vast_key = opened.pre.vast_key.take();
     let agents = Agents {
-        binary: &pre.agent_binary,
+        binary: &opened.pre.agent_binary,
         ticket: &endpoints.agent_ticket,
         secret,
-        deployment: deployment.as_deref(),
+        deployment: opened.deployment.as_deref(),
     };
     let made = make_providers(
-        &state,
+        state,
         &agents,
-        resume.as_ref(),
-        (pre.file.as_ref(), vast_key),
+        resume,
+        (opened.pre.file.as_ref(), vast_key),
         &metrics,
     )
     .await?;
-    let provider = made.provider.clone();
     // A new journal for a run whose resources the provider still lists:
     // refused unless told what to do with them.
-    if pre.fresh && opts.unrecorded.is_none() {
-        check_unrecorded(&provider, &run_id, std::mem::take(&mut pre.traces)).await?;
+    if opened.pre.fresh && opts.unrecorded.is_none() {
+        let traces = std::mem::take(&mut opened.pre.traces);
+        check_unrecorded(&made.provider, run_id, traces).await?;
     }
-    let publisher = telemetry_publisher(&state, &pre.ndjson, &run_id).await?;
+    let publisher = telemetry_publisher(state, &opened.pre.ndjson, run_id).await?;
     let telemetry = publisher.handler();
+    let prepared = Prepared {
+        http_listener,
+        http_token,
+        endpoints,
+        cli_id,
+        secret,
+        metrics,
+        made,
+        telemetry,
+    };
+    Ok((prepared, publisher))
+}
 
+/// Starts the daemon's measures of its own starvation; they stop when the
+/// returned guards are dropped.
+fn measure_starvation(
+    swarm: &tokio::runtime::Handle,
+) -> (swactor_engine::Starvation, [AbortOnDrop; 2]) {
     // The daemon measures how long its own event loop leaves work waiting:
     // silence it could not hear is held against no agent (the swarm
     // endpoint and the host both discount it).
     let starvation = swactor_engine::Starvation::new();
-    let _measuring = AbortOnDrop(starvation.measure());
+    let measuring = AbortOnDrop(starvation.measure());
     // The agents' runtime too: heartbeats are read there, and a flood (or
     // the machine's other work) that keeps its one thread busy leaves them
     // unread however loud the agents are.
-    let _measuring_swarm = {
+    let measuring_swarm = {
         let _on_swarm = swarm.enter();
         AbortOnDrop(starvation.measure())
     };
-    let _handshakes = AbortOnDrop(tokio::spawn(crate::handshakes::summarise()));
-    let mut config = ClusterConfig::new(run_id.clone());
-    config.starvation = Some(starvation.clone());
-    config.adopt_unrecorded = opts.unrecorded == Some(Unrecorded::Adopt);
-    config.deployment.clone_from(&deployment);
-    config.visibility_window = made.visibility_window;
-    config.capacities = provider.capacities();
-    // The cluster actor is restarted from the journal if it fails; the
-    // journal image it resumes from is the one just read.
-    drop(resume);
-    let (cluster, exit_rx) = start_cluster(config, provider.clone(), publisher, journal).await?;
+    (starvation, [measuring_swarm, measuring])
+}
 
-    // Jobs, resumed from jobs.redb: a job actor for every job with runs
-    // under way follows them again.
-    let jobs = crate::jobs::service::JobService::open(
-        state.root(),
-        cluster.clone(),
-        secret,
-        crate::jobs::service::JobLimits::from_env()?,
-    )
-    .await?;
-    let (down_tx, down_rx) = mpsc::channel::<DownRequest>(4);
-    // What the run's rentals cost, against its budget: acted on here.
-    let _budget = made.vast.clone().map(|v| {
-        AbortOnDrop(tokio::spawn(watch_budget(
-            cluster.clone(),
-            v,
-            run_id.clone(),
-            down_tx.clone(),
-        )))
-    });
-    let (started_tx, started_rx) = tokio::sync::watch::channel(false);
+/// The started cluster and jobs, and the handlers of the protocols served
+/// on them.
+struct Core {
+    cluster: ClusterHandle,
+    /// Told when the cluster actor's supervisor gives up.
+    exit: oneshot::Receiver<SupervisorExit>,
+    /// `down` requests from the CLI (and from the budget watch).
+    down: mpsc::Receiver<DownRequest>,
+    jobs: crate::jobs::service::JobService,
+    control: ControlHandler,
+    swarm_handler: SwarmHandler,
+    /// Told once the start's shape has been offered.
+    started_tx: tokio::sync::watch::Sender<bool>,
+}
+
+/// Serves the protocols and the web surface, says where the daemon is,
+/// offers the start's shape, then serves until the daemon is told to stop.
+async fn listen_and_serve(
+    opts: &UpOptions,
+    swarm: &tokio::runtime::Handle,
+    started: std::time::Instant,
+    opened: Opened,
+    prepared: Prepared,
+    core: Core,
+) -> Result<i32> {
+    let state = opened.state;
+    let run_id = &opened.start.run_id;
+    let endpoints = &prepared.endpoints;
+    let http_token = &prepared.http_token;
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.
-    let cli_allowed = Allowlist::only([cli_id]);
-    let control = ControlHandler {
-        cluster: cluster.clone(),
-        run_id: run_id.clone(),
-        down: down_tx,
-        started: started_rx,
-        provider: provider.clone(),
-        vast: made.vast.clone(),
-        jobs: jobs.clone(),
-        journal: journal_health.clone(),
-        metrics: metrics.clone(),
-    };
-    let swarm_handler = SwarmHandler {
-        cluster: cluster.clone(),
-        secret,
-        refusals: RefusalLog::default(),
-        starvation,
-        sessions: crate::swarm::Sessions::default(),
-        pre_auth: swactor_engine::net::PreAuth::new(pre_auth_max()),
-    };
+    let cli_allowed = Allowlist::only([prepared.cli_id]);
     let router = serve_protocols(
-        &endpoints,
-        &swarm,
-        swarm_handler,
-        &jobs,
-        made.fleet,
-        (control.clone(), telemetry.clone(), cli_allowed.clone()),
-        &metrics,
+        endpoints,
+        swarm,
+        core.swarm_handler,
+        &core.jobs,
+        prepared.made.fleet,
+        (
+            core.control.clone(),
+            prepared.telemetry.clone(),
+            cli_allowed.clone(),
+        ),
+        &prepared.metrics,
     );
-    let http_addr = http_listener.local_addr()?;
+    let http_addr = prepared.http_listener.local_addr()?;
     crate::http::serve(
-        http_listener,
+        prepared.http_listener,
         Arc::new(crate::http::Web {
-            control,
-            telemetry,
-            metrics,
+            control: core.control,
+            telemetry: prepared.telemetry,
+            metrics: prepared.metrics,
             token: http_token.clone(),
             state_dir: state.root().to_path_buf(),
             addr: http_addr,
@@ -295,11 +430,11 @@ async fn run(
     );
     state.write_ticket(&endpoints.cli_ticket)?;
     reload_on_hangup(
-        hangups,
+        opened.hangups,
         state.clone(),
         endpoints.cli_ticket.clone(),
         cli_allowed,
-        cli_id,
+        prepared.cli_id,
     );
     eprintln!(
         "swactor: daemon for run {run_id} on {} (state {})",
@@ -307,10 +442,11 @@ async fn run(
         state.root().display()
     );
     eprintln!("swactor: dashboard at http://{http_addr}/?token={http_token}");
-    eprintln!("swactor: {}", start.note);
-    let finish_teardown = match &start.what {
+    eprintln!("swactor: {}", opened.start.note);
+    let cluster = core.cluster;
+    let finish_teardown = match &opened.start.what {
         StartWhat::Apply(file) => {
-            if let Err(e) = offer_on_start(&cluster, &run_id, &journal_health, file).await {
+            if let Err(e) = offer_on_start(&cluster, run_id, &opened.journal_health, file).await {
                 // The shape was refused (e.g. over capacity): stop as if this
                 // `up` had never run, leaving what an earlier daemon left.
                 let _ = cluster.shutdown(ShutdownMode::Keep).await;
@@ -324,17 +460,17 @@ async fn run(
         StartWhat::FinishTeardown => true,
     };
     // CLI applies and plans held back while the start shape was offered go now.
-    started_tx.send_replace(true);
+    core.started_tx.send_replace(true);
     let running = Running {
         cluster,
         state,
         router,
-        ssh: made.ssh,
-        exit: exit_rx,
-        down: down_rx,
+        ssh: prepared.made.ssh,
+        exit: core.exit,
+        down: core.down,
         started,
     };
-    serve_until_stopped(running, &opts, finish_teardown).await
+    serve_until_stopped(running, opts, finish_teardown).await
 }
 
 /// Starts the cluster under its supervisor, which restarts it from the
