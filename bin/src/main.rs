@@ -323,48 +323,7 @@ fn main() {
             std::process::exit(if e.use_stderr() { 1 } else { 0 });
         }
     };
-    // The CLI's own messages say what went wrong with a request; what iroh
-    // logs about the same connection (e.g. an endpoint dropped while a dial
-    // to a stopped daemon was still pending) would only repeat it in its
-    // own terms. The daemon and the agent keep iroh's warnings.
-    let default_filter = match cli.command {
-        Command::Up { .. } | Command::Agent(_) => "warn",
-        _ => "warn,iroh=off",
-    };
-    let mut filter = tracing_subscriber::EnvFilter::try_from_env("SWACTOR_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    // `up` shows every warning, hold and adoption of its cluster in its own
-    // words (its progress lines, from the event stream): the cluster's log
-    // lines that say the same again are kept off this terminal, whatever
-    // SWACTOR_LOG asks for. `swactor watch` and telemetry.ndjson have them.
-    if let Command::Up { .. } = cli.command
-        && let Ok(off) = format!("{}=off", swactor_actors::EVENT_LOG_TARGET).parse()
-    {
-        filter = filter.add_directive(off);
-    }
-    {
-        use tracing_subscriber::Layer;
-        use tracing_subscriber::layer::SubscriberExt;
-        use tracing_subscriber::util::SubscriberInitExt;
-        // Peers whose handshakes fail are logged by iroh one line each:
-        // the first of a quiet spell is shown, the rest are counted and
-        // summed up (see `handshakes`).
-        let handshakes = handshakes::FailedHandshakes::global();
-        // Asked at every event (a FilterFn would be asked once per callsite).
-        let shown = tracing_subscriber::filter::DynFilterFn::new(move |meta, _| {
-            !handshakes::FailedHandshakes::is_one(meta) || handshakes.first_of_a_spell()
-        });
-        tracing_subscriber::registry()
-            .with(
-                tracing_subscriber::fmt::layer()
-                    .with_writer(std::io::stderr)
-                    // Colours for people; none in a log file or a pipe.
-                    .with_ansi(std::io::stderr().is_terminal())
-                    .with_filter(shown)
-                    .with_filter(filter),
-            )
-            .init();
-    }
+    init_logging(&cli.command);
     // The daemon (and what it starts) and `ssh-key` write only into the
     // state directory, which is nobody else's.
     if matches!(cli.command, Command::Up { .. } | Command::SshKey) {
@@ -381,104 +340,7 @@ fn main() {
         }
     };
     let state_dir = state::StateDir::path_from(cli.state_dir);
-    let outcome = runtime.block_on(async move {
-        match cli.command {
-            Command::Up {
-                shape,
-                until_converged,
-                timeout,
-                keep,
-                yes,
-                listen,
-                advertise,
-                agent_binary,
-                http,
-                adopt,
-                fresh,
-            } => {
-                let timeout = timeout.unwrap_or(UP_TIMEOUT_DEFAULT_S);
-                if !timeout.is_finite() || timeout <= 0.0 {
-                    anyhow::bail!("--timeout must be a positive number of seconds, not {timeout}");
-                }
-                daemon::up(daemon::UpOptions {
-                    shape,
-                    state_dir,
-                    listen,
-                    advertise,
-                    agent_binary,
-                    http,
-                    until_converged,
-                    timeout: Duration::from_secs_f64(timeout),
-                    keep,
-                    yes,
-                    unrecorded: match (adopt, fresh) {
-                        (true, _) => Some(swactor_provisioning::Unrecorded::Adopt),
-                        (_, true) => Some(swactor_provisioning::Unrecorded::Fresh),
-                        _ => None,
-                    },
-                })
-                .await
-            }
-            Command::Apply { shape, yes } => {
-                client::apply(&state_dir, &shape, yes).await.map(|()| 0)
-            }
-            Command::Plan {
-                shape,
-                all,
-                detailed_exitcode,
-            } => {
-                let work = client::plan(&state_dir, shape.as_deref(), all).await?;
-                Ok(if detailed_exitcode && work { 2 } else { 0 })
-            }
-            Command::Validate { shape } => client::validate(&shape).map(|()| 0),
-            Command::Status { json } => client::status(&state_dir, json).await.map(|()| 0),
-            Command::Describe { node } => client::describe(&state_dir, &node).await.map(|()| 0),
-            Command::Watch => client::watch(&state_dir).await.map(|()| 0),
-            Command::SshKey => {
-                let state = state::StateDir::create(state_dir)?;
-                let identity = swactor_providers::ssh::SshIdentity::load_or_generate(
-                    &state.root().join("ssh"),
-                )?;
-                use std::io::Write;
-                writeln!(term::Stdout, "{}", identity.public_openssh())?;
-                Ok(0)
-            }
-            Command::Pause => client::pause(&state_dir, true).await.map(|()| 0),
-            Command::Resume => client::pause(&state_dir, false).await.map(|()| 0),
-            Command::Replace { node } => client::replace(&state_dir, &node).await.map(|()| 0),
-            Command::Down {
-                keep,
-                purge,
-                yes: _,
-            } => client::down(&state_dir, keep, purge).await.map(|()| 0),
-            Command::Logs {
-                node,
-                attempt,
-                run,
-                follow,
-            } => {
-                let opts = logs::LogsOptions {
-                    node,
-                    attempt,
-                    run,
-                    follow,
-                };
-                logs::logs(&state_dir, &opts).await
-            }
-            Command::Run(args) => jobs::run(&state_dir, args).await,
-            Command::Jobs { json } => jobs::list(&state_dir, json).await.map(|()| 0),
-            Command::Job(JobCommand::Logs { id, node }) => {
-                jobs::logs(&state_dir, &id, node).await.map(|()| 0)
-            }
-            Command::Job(JobCommand::Outputs { id }) => {
-                jobs::outputs(&state_dir, &id).await.map(|()| 0)
-            }
-            Command::Job(JobCommand::Cancel { id }) => {
-                jobs::cancel(&state_dir, &id).await.map(|()| 0)
-            }
-            Command::Agent(opts) => agent::run(opts).await,
-        }
-    });
+    let outcome = runtime.block_on(run_command(cli.command, state_dir));
     // Ending the runtime here stops any task still draining.
     drop(runtime);
     match outcome {
@@ -495,6 +357,160 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// Logs to stderr, filtered by `SWACTOR_LOG` and by what `command` shows in
+/// its own words.
+fn init_logging(command: &Command) {
+    // The CLI's own messages say what went wrong with a request; what iroh
+    // logs about the same connection (e.g. an endpoint dropped while a dial
+    // to a stopped daemon was still pending) would only repeat it in its
+    // own terms. The daemon and the agent keep iroh's warnings.
+    let default_filter = match command {
+        Command::Up { .. } | Command::Agent(_) => "warn",
+        _ => "warn,iroh=off",
+    };
+    let mut filter = tracing_subscriber::EnvFilter::try_from_env("SWACTOR_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    // `up` shows every warning, hold and adoption of its cluster in its own
+    // words (its progress lines, from the event stream): the cluster's log
+    // lines that say the same again are kept off this terminal, whatever
+    // SWACTOR_LOG asks for. `swactor watch` and telemetry.ndjson have them.
+    if let Command::Up { .. } = command
+        && let Ok(off) = format!("{}=off", swactor_actors::EVENT_LOG_TARGET).parse()
+    {
+        filter = filter.add_directive(off);
+    }
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    // Peers whose handshakes fail are logged by iroh one line each:
+    // the first of a quiet spell is shown, the rest are counted and
+    // summed up (see `handshakes`).
+    let handshakes = handshakes::FailedHandshakes::global();
+    // Asked at every event (a FilterFn would be asked once per callsite).
+    let shown = tracing_subscriber::filter::DynFilterFn::new(move |meta, _| {
+        !handshakes::FailedHandshakes::is_one(meta) || handshakes.first_of_a_spell()
+    });
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                // Colours for people; none in a log file or a pipe.
+                .with_ansi(std::io::stderr().is_terminal())
+                .with_filter(shown)
+                .with_filter(filter),
+        )
+        .init();
+}
+
+/// Runs one command to its end; returns the process exit code.
+async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32> {
+    match command {
+        Command::Up {
+            shape,
+            until_converged,
+            timeout,
+            keep,
+            yes,
+            listen,
+            advertise,
+            agent_binary,
+            http,
+            adopt,
+            fresh,
+        } => {
+            daemon::up(daemon::UpOptions {
+                shape,
+                state_dir,
+                listen,
+                advertise,
+                agent_binary,
+                http,
+                until_converged,
+                timeout: up_timeout(timeout)?,
+                keep,
+                yes,
+                unrecorded: unrecorded(adopt, fresh),
+            })
+            .await
+        }
+        Command::Apply { shape, yes } => client::apply(&state_dir, &shape, yes).await.map(|()| 0),
+        Command::Plan {
+            shape,
+            all,
+            detailed_exitcode,
+        } => {
+            let work = client::plan(&state_dir, shape.as_deref(), all).await?;
+            Ok(if detailed_exitcode && work { 2 } else { 0 })
+        }
+        Command::Validate { shape } => client::validate(&shape).map(|()| 0),
+        Command::Status { json } => client::status(&state_dir, json).await.map(|()| 0),
+        Command::Describe { node } => client::describe(&state_dir, &node).await.map(|()| 0),
+        Command::Watch => client::watch(&state_dir).await.map(|()| 0),
+        Command::SshKey => ssh_key(state_dir),
+        Command::Pause => client::pause(&state_dir, true).await.map(|()| 0),
+        Command::Resume => client::pause(&state_dir, false).await.map(|()| 0),
+        Command::Replace { node } => client::replace(&state_dir, &node).await.map(|()| 0),
+        Command::Down {
+            keep,
+            purge,
+            yes: _,
+        } => client::down(&state_dir, keep, purge).await.map(|()| 0),
+        Command::Logs {
+            node,
+            attempt,
+            run,
+            follow,
+        } => {
+            let opts = logs::LogsOptions {
+                node,
+                attempt,
+                run,
+                follow,
+            };
+            logs::logs(&state_dir, &opts).await
+        }
+        Command::Run(args) => jobs::run(&state_dir, args).await,
+        Command::Jobs { json } => jobs::list(&state_dir, json).await.map(|()| 0),
+        Command::Job(JobCommand::Logs { id, node }) => {
+            jobs::logs(&state_dir, &id, node).await.map(|()| 0)
+        }
+        Command::Job(JobCommand::Outputs { id }) => {
+            jobs::outputs(&state_dir, &id).await.map(|()| 0)
+        }
+        Command::Job(JobCommand::Cancel { id }) => jobs::cancel(&state_dir, &id).await.map(|()| 0),
+        Command::Agent(opts) => agent::run(opts).await,
+    }
+}
+
+/// How long `up --until-converged` waits: `--timeout`, or its default.
+fn up_timeout(timeout: Option<f64>) -> anyhow::Result<Duration> {
+    let timeout = timeout.unwrap_or(UP_TIMEOUT_DEFAULT_S);
+    if !timeout.is_finite() || timeout <= 0.0 {
+        anyhow::bail!("--timeout must be a positive number of seconds, not {timeout}");
+    }
+    Ok(Duration::from_secs_f64(timeout))
+}
+
+/// What `up --adopt` or `--fresh` asks of an earlier run's resources.
+fn unrecorded(adopt: bool, fresh: bool) -> Option<swactor_provisioning::Unrecorded> {
+    match (adopt, fresh) {
+        (true, _) => Some(swactor_provisioning::Unrecorded::Adopt),
+        (_, true) => Some(swactor_provisioning::Unrecorded::Fresh),
+        _ => None,
+    }
+}
+
+/// `swactor ssh-key`: prints the public key of the state directory's SSH
+/// identity, made on first use.
+fn ssh_key(state_dir: PathBuf) -> anyhow::Result<i32> {
+    let state = state::StateDir::create(state_dir)?;
+    let identity =
+        swactor_providers::ssh::SshIdentity::load_or_generate(&state.root().join("ssh"))?;
+    use std::io::Write;
+    writeln!(term::Stdout, "{}", identity.public_openssh())?;
+    Ok(0)
 }
 
 /// Whether `e` comes from writing to a pipe whose reader is gone.
