@@ -214,11 +214,30 @@ pub(crate) async fn describe(state_dir: &Path, node: &str) -> Result<()> {
     Ok(())
 }
 
+/// Prints what the daemon says of one node: its facts, then its last
+/// attempts.
 pub(super) fn print_description(
     out: &mut Out,
     d: &NodeDescription,
     width: Option<usize>,
 ) -> std::io::Result<()> {
+    let facts = node_facts(d);
+    out.line(d.node)?;
+    let mut table = Table::new(&["", ""]);
+    for (k, v) in facts {
+        table.row(vec![k.to_owned()], v);
+    }
+    for line in table.render(width).into_iter().skip(1).flatten() {
+        out.line(line)?;
+    }
+    if d.attempts.is_empty() {
+        return Ok(());
+    }
+    print_attempts(out, d, width)
+}
+
+/// What `describe` says of a node, as (name, value) rows.
+fn node_facts(d: &NodeDescription) -> Vec<(&'static str, String)> {
     let now = d.now;
     let mut facts: Vec<(&str, String)> = Vec::new();
     match &d.summary {
@@ -268,17 +287,13 @@ pub(super) fn print_description(
     if let Some(e) = d.summary.as_ref().and_then(|n| n.last_error.clone()) {
         facts.push(("last error", e));
     }
-    out.line(d.node)?;
-    let mut table = Table::new(&["", ""]);
-    for (k, v) in facts {
-        table.row(vec![k.to_owned()], v);
-    }
-    for line in table.render(width).into_iter().skip(1).flatten() {
-        out.line(line)?;
-    }
-    if d.attempts.is_empty() {
-        return Ok(());
-    }
+    facts
+}
+
+/// Prints a node's last attempts as a table, oldest first, and where their
+/// agents' logs are.
+fn print_attempts(out: &mut Out, d: &NodeDescription, width: Option<usize>) -> std::io::Result<()> {
+    let now = d.now;
     out.line("attempts, oldest first:")?;
     let mut table = Table::new(&[
         "ATTEMPT",
@@ -299,20 +314,6 @@ pub(super) fn print_description(
         } else {
             stage_word(a.stage)
         };
-        let mut why: Vec<String> = Vec::new();
-        if let Some(r) = &a.failed_reason {
-            why.push(r.clone());
-        }
-        if let Some(e) = &a.last_error
-            && a.failed_reason.as_ref() != Some(e)
-        {
-            why.push(e.clone());
-        }
-        if why.is_empty()
-            && let Some(b) = a.bootstrap
-        {
-            why.push(bootstrap_words(b).to_owned());
-        }
         let when = |t: Option<Timestamp>| t.map_or_else(|| "-".to_owned(), |t| ago(t, now));
         table.row(
             vec![
@@ -322,7 +323,7 @@ pub(super) fn print_description(
                 when(a.ended_at),
                 outcome.to_owned(),
             ],
-            why.join("; "),
+            attempt_why(a),
         );
     }
     for line in table.render(width).into_iter().flatten() {
@@ -333,4 +334,24 @@ pub(super) fn print_description(
         d.node
     ))?;
     Ok(())
+}
+
+/// Why an attempt ended or what it last said: its failure, its last error
+/// if that differs, else its bootstrap stage.
+fn attempt_why(a: &swactor_provisioning::AttemptRecord) -> String {
+    let mut why: Vec<String> = Vec::new();
+    if let Some(r) = &a.failed_reason {
+        why.push(r.clone());
+    }
+    if let Some(e) = &a.last_error
+        && a.failed_reason.as_ref() != Some(e)
+    {
+        why.push(e.clone());
+    }
+    if why.is_empty()
+        && let Some(b) = a.bootstrap
+    {
+        why.push(bootstrap_words(b).to_owned());
+    }
+    why.join("; ")
 }
