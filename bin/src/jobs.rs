@@ -128,6 +128,9 @@ pub(crate) async fn run(state_dir: &Path, args: RunArgs) -> Result<i32> {
     with_client(state_dir, async |c| follow_run(c, spec).await).await
 }
 
+/// Follows a submitted job until it is done, showing its events and
+/// cancelling it on Ctrl-C; returns the worst exit code of its runs (130
+/// when it was cancelled).
 async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
     let (conn, mut recv) = client.stream(&ControlRequest::Run(spec)).await?;
     let mut lines = Lines::default();
@@ -140,91 +143,13 @@ async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
             next = crate::client::recv_answer(&mut recv) => next,
             _ = &mut interrupted, if !cancelling => {
                 cancelling = true;
-                match &job {
-                    Some(id) => {
-                        eprintln!("swactor: Ctrl-C: cancelling {id} on every node…");
-                        match client.ask(ControlRequest::JobCancel(id.clone())).await {
-                            Ok(_) => {}
-                            Err(e) => eprintln!("swactor: cannot cancel {id}: {e:#}"),
-                        }
-                    }
-                    None => bail!("interrupted before the daemon accepted the job"),
-                }
+                cancel_on_interrupt(client, job.as_deref()).await?;
                 continue;
             }
         };
-        let event = match next {
-            Ok(Some(ControlResponse::Job(ev))) => ev,
-            Ok(Some(ControlResponse::Error(e))) => bail!("{}", crate::words::cut_long_words(&e)),
-            Ok(Some(other)) => return Err(crate::client::unexpected(&other)),
-            Ok(None) | Err(_) => {
-                lines.flush()?;
-                let why = match next {
-                    Err(e) => format!(" ({e:#})"),
-                    _ => " (it ended the stream)".to_owned(),
-                };
-                match &job {
-                    Some(id) => bail!(
-                        "lost contact with the daemon{why}; {id} goes on without this CLI \
-                         (`swactor jobs`, `swactor job logs {id}`, `swactor job outputs {id}`)"
-                    ),
-                    None => bail!("lost contact with the daemon{why} before it accepted the job"),
-                }
-            }
-        };
-        match event {
-            JobEvent::Accepted {
-                job: id,
-                nodes,
-                skipped,
-                workspace_files,
-                workspace_bytes,
-            } => {
-                let ws = if workspace_files > 0 {
-                    format!(
-                        ", workspace of {workspace_files} file(s), {}",
-                        crate::words::size_words(workspace_bytes)
-                    )
-                } else {
-                    String::new()
-                };
-                eprintln!(
-                    "swactor: {id} on {} node(s): {}{ws}",
-                    nodes.len(),
-                    joined(&nodes)
-                );
-                if !skipped.is_empty() {
-                    eprintln!("swactor: not ready, left out: {}", joined(&skipped));
-                }
-                job = Some(id);
-            }
-            JobEvent::Shipped {
-                node,
-                bytes,
-                chunks,
-                of,
-            } => {
-                if chunks == 0 && of > 0 {
-                    eprintln!(
-                        "swactor: [{node}] workspace already there ({of} chunk(s)); nothing sent"
-                    );
-                } else if of > 0 {
-                    eprintln!(
-                        "swactor: [{node}] workspace shipped: sent {chunks} of {of} chunk(s), {}",
-                        crate::words::size_words(bytes)
-                    );
-                }
-            }
-            JobEvent::Output { node, stderr, text } => {
-                lines.add(&node.to_string(), stderr, &text)?;
-            }
-            JobEvent::Finished(run) => {
-                if run.state != JobState::Succeeded {
-                    let why = run.error.clone().unwrap_or_default();
-                    eprintln!("swactor: [{}] {}: {why}", run.node, run.state.word());
-                }
-            }
-            JobEvent::Done(record) => break record,
+        let event = job_event(next, &mut lines, job.as_deref())?;
+        if let Some(record) = show_event(event, &mut lines, &mut job)? {
+            break record;
         }
     };
     lines.flush()?;
@@ -241,6 +166,114 @@ async fn follow_run(client: &Client, spec: JobSpec) -> Result<i32> {
             done.exit_code()
         },
     )
+}
+
+/// Ctrl-C: asks the daemon to cancel `job` on every node; an error when the
+/// daemon has not accepted the job yet.
+async fn cancel_on_interrupt(client: &Client, job: Option<&str>) -> Result<()> {
+    match job {
+        Some(id) => {
+            eprintln!("swactor: Ctrl-C: cancelling {id} on every node…");
+            match client.ask(ControlRequest::JobCancel(id.to_owned())).await {
+                Ok(_) => {}
+                Err(e) => eprintln!("swactor: cannot cancel {id}: {e:#}"),
+            }
+        }
+        None => bail!("interrupted before the daemon accepted the job"),
+    }
+    Ok(())
+}
+
+/// The job event in the daemon's next answer; an error for any other
+/// answer, and when the stream ends or breaks (the output so far shown).
+fn job_event(
+    next: Result<Option<ControlResponse>>,
+    lines: &mut Lines,
+    job: Option<&str>,
+) -> Result<JobEvent> {
+    match next {
+        Ok(Some(ControlResponse::Job(ev))) => Ok(ev),
+        Ok(Some(ControlResponse::Error(e))) => bail!("{}", crate::words::cut_long_words(&e)),
+        Ok(Some(other)) => Err(crate::client::unexpected(&other)),
+        Ok(None) | Err(_) => {
+            lines.flush()?;
+            let why = match next {
+                Err(e) => format!(" ({e:#})"),
+                _ => " (it ended the stream)".to_owned(),
+            };
+            match job {
+                Some(id) => bail!(
+                    "lost contact with the daemon{why}; {id} goes on without this CLI \
+                     (`swactor jobs`, `swactor job logs {id}`, `swactor job outputs {id}`)"
+                ),
+                None => bail!("lost contact with the daemon{why} before it accepted the job"),
+            }
+        }
+    }
+}
+
+/// Shows one event of a followed job; returns the job's record once it is
+/// done.
+fn show_event(
+    event: JobEvent,
+    lines: &mut Lines,
+    job: &mut Option<String>,
+) -> Result<Option<JobRecord>> {
+    match event {
+        JobEvent::Accepted {
+            job: id,
+            nodes,
+            skipped,
+            workspace_files,
+            workspace_bytes,
+        } => {
+            let ws = if workspace_files > 0 {
+                format!(
+                    ", workspace of {workspace_files} file(s), {}",
+                    crate::words::size_words(workspace_bytes)
+                )
+            } else {
+                String::new()
+            };
+            eprintln!(
+                "swactor: {id} on {} node(s): {}{ws}",
+                nodes.len(),
+                joined(&nodes)
+            );
+            if !skipped.is_empty() {
+                eprintln!("swactor: not ready, left out: {}", joined(&skipped));
+            }
+            *job = Some(id);
+        }
+        JobEvent::Shipped {
+            node,
+            bytes,
+            chunks,
+            of,
+        } => {
+            if chunks == 0 && of > 0 {
+                eprintln!(
+                    "swactor: [{node}] workspace already there ({of} chunk(s)); nothing sent"
+                );
+            } else if of > 0 {
+                eprintln!(
+                    "swactor: [{node}] workspace shipped: sent {chunks} of {of} chunk(s), {}",
+                    crate::words::size_words(bytes)
+                );
+            }
+        }
+        JobEvent::Output { node, stderr, text } => {
+            lines.add(&node.to_string(), stderr, &text)?;
+        }
+        JobEvent::Finished(run) => {
+            if run.state != JobState::Succeeded {
+                let why = run.error.clone().unwrap_or_default();
+                eprintln!("swactor: [{}] {}: {why}", run.node, run.state.word());
+            }
+        }
+        JobEvent::Done(record) => return Ok(Some(record)),
+    }
+    Ok(None)
 }
 
 fn summary(job: &JobRecord, cancelled: bool) {
