@@ -736,6 +736,8 @@ fn describe(outcome: &OperationOutcome) -> String {
         OperationOutcome::BootstrapCancelled => "bootstrap cancelled".to_owned(),
         OperationOutcome::LeaseDestroyed => "lease destroyed".to_owned(),
         OperationOutcome::Failed { class, reason } => format!("{class:?} failure: {reason}"),
+        OperationOutcome::BootstrapGivenUp { reason } => format!("bootstrap given up: {reason}"),
+        OperationOutcome::LeaseGivenUp { reason } => format!("lease given up: {reason}"),
     }
 }
 

@@ -296,6 +296,15 @@ pub enum ClusterEvent {
         /// Why the try failed.
         error: Option<String>,
     },
+    /// A provider gave up releasing a session or lease whose machine did
+    /// not answer for too long: it may still hold that machine until the
+    /// provider cleans it up.
+    GivenUp {
+        /// What was given up.
+        key: ResourceKey,
+        /// Where and why.
+        reason: String,
+    },
     /// An agent joined this daemon.
     AgentJoined {
         /// Who.

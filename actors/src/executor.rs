@@ -46,7 +46,7 @@ use swactor_engine::{Clock, run_until, yield_to_others};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources, Provider, ProviderError};
 use swactor_provisioning::{
     Dispatch, EffectRequest, FailureClass, LeaseId, OperationId, OperationOutcome, OperationResult,
-    ResourceKey, RunId,
+    Release, ResourceKey, RunId,
 };
 
 /// The most operations the driver hands a worker in one message. A large
@@ -77,7 +77,7 @@ pub enum ExecutorReport {
     /// The provider's inventory, for adoption and sweeps.
     Listed(Result<Inventory, ProviderError>),
     /// An orphan was collected (or not).
-    Collected(ResourceKey, Result<(), ProviderError>),
+    Collected(ResourceKey, Result<Release, ProviderError>),
     /// Whether that machine is paused by its provider.
     Probed(ResourceKey, Result<bool, ProviderError>),
 }
@@ -267,12 +267,22 @@ impl Actor for ExecutorWorker {
             }
             WorkerMsg::Collect(key, owned) => {
                 let p = &state.args.provider;
-                let mut outcome = Ok(());
+                let mut outcome = Ok(Release::Done);
                 if let Some(session) = &owned.session {
                     outcome = p.cancel_bootstrap(&key, session).await;
                 }
-                if let (Ok(()), Some(lease)) = (&outcome, &owned.lease) {
-                    outcome = p.destroy_lease(&key, lease).await;
+                if let (Ok(cancelled), Some(lease)) = (&outcome, &owned.lease) {
+                    // A session given up leaves its lease to destroy; the
+                    // collection is given up if either release was.
+                    let cancelled = cancelled.clone();
+                    outcome = p.destroy_lease(&key, lease).await.map(|destroyed| {
+                        match (destroyed, cancelled) {
+                            (Release::Done, Release::Done) => Release::Done,
+                            (Release::GivenUp(why), _) | (_, Release::GivenUp(why)) => {
+                                Release::GivenUp(why)
+                            }
+                        }
+                    });
                 }
                 let _ = state
                     .args
@@ -380,17 +390,19 @@ impl WorkerState {
 
 fn failed(e: ProviderError) -> OperationOutcome {
     match e {
-        ProviderError::Definite(reason) => OperationOutcome::Failed {
+        // The host keeps the words for people; the kind is counted where
+        // the error is seen (`/metrics`).
+        ProviderError::Definite(fault) => OperationOutcome::Failed {
             class: FailureClass::Definite,
-            reason,
+            reason: fault.to_string(),
         },
-        ProviderError::Ambiguous(reason) => OperationOutcome::Failed {
+        ProviderError::Ambiguous(fault) => OperationOutcome::Failed {
             class: FailureClass::Ambiguous,
-            reason,
+            reason: fault.to_string(),
         },
-        ProviderError::Gone(reason) => OperationOutcome::Failed {
+        ProviderError::Gone(fault) => OperationOutcome::Failed {
             class: FailureClass::LeaseGone,
-            reason,
+            reason: fault.to_string(),
         },
         // Only a lookup may say "not ready"; from anything else it means the
         // provider is confused, and nothing can be promised about the effect.
@@ -432,7 +444,7 @@ async fn run(p: &dyn Provider, d: &Dispatch) -> (OperationOutcome, Option<Bootst
         },
         EffectRequest::CancelBootstrap { session } => {
             match p.cancel_bootstrap(key, session).await {
-                Ok(()) => (OperationOutcome::BootstrapCancelled, None),
+                Ok(release) => (OperationOutcome::cancelled(release), None),
                 Err(e) => (failed(e), None),
             }
         }
@@ -445,7 +457,7 @@ async fn run(p: &dyn Provider, d: &Dispatch) -> (OperationOutcome, Option<Bootst
                 None => p.destroy_lease(key, lease).await,
             };
             match destroyed {
-                Ok(()) => (OperationOutcome::LeaseDestroyed, None),
+                Ok(release) => (OperationOutcome::destroyed(release), None),
                 Err(e) => (failed(e), None),
             }
         }

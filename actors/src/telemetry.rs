@@ -121,6 +121,7 @@ impl Telemetry {
             } => adopted_event(adopted, drifted, orphans, presumed_gone),
             HostEvent::Swept { orphans } => ClusterEvent::Swept { orphans },
             HostEvent::Collected { key, error } => ClusterEvent::Collected { key, error },
+            HostEvent::GivenUp { key, reason } => ClusterEvent::GivenUp { key, reason },
             HostEvent::AgentJoined(key) => ClusterEvent::AgentJoined { key },
             HostEvent::AgentDisconnected { key, grace_until } => {
                 let replaced = matches!(

@@ -15,7 +15,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use swactor_actors::{ClusterEvent, ClusterSnapshot, NodeSummary};
 use swactor_providers::{
-    BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait,
+    BootstrapSession, FaultKind, Inventory, LeaseGrant, Provider, ProviderError, Release,
+    async_trait,
 };
 use swactor_provisioning::{
     FailureCause, LeaseId, LogicalNodeId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
@@ -36,6 +37,7 @@ pub(crate) struct Metrics {
     scraped: Arc<Mutex<Option<Scraped>>>,
     provider_calls: Family<Labels, Histogram>,
     provider_failures: Family<Labels, Counter>,
+    given_up: Family<Labels, Counter>,
     replacements: Family<Labels, Counter>,
     pass_duration: Histogram,
     control_requests: Family<Labels, Histogram>,
@@ -92,8 +94,15 @@ impl Metrics {
         let provider_failures = Family::<Labels, Counter>::default();
         registry.register(
             "swactor_provider_call_failures",
-            "Provider calls that failed, by provider, call and failure class",
+            "Provider calls that failed, by provider, call, failure class and kind of fault",
             provider_failures.clone(),
+        );
+        let given_up = Family::<Labels, Counter>::default();
+        registry.register(
+            "swactor_releases_given_up",
+            "Sessions and leases a provider gave up releasing since the daemon started, because \
+             their machine did not answer for too long (they may hold it until cleaned up)",
+            given_up.clone(),
         );
         let replacements = Family::<Labels, Counter>::default();
         registry.register(
@@ -130,6 +139,7 @@ impl Metrics {
             scraped,
             provider_calls,
             provider_failures,
+            given_up,
             replacements,
             pass_duration,
             control_requests,
@@ -208,6 +218,9 @@ impl Metrics {
             ClusterEvent::Removed { node } => {
                 self.lock_events().nodes.remove(node);
             }
+            ClusterEvent::GivenUp { .. } => {
+                self.given_up.get_or_create(&Vec::new()).inc();
+            }
             ClusterEvent::ShapeAccepted { generation, .. }
             | ClusterEvent::TeardownStarted { generation } => {
                 let mut events = self.lock_events();
@@ -249,18 +262,31 @@ impl Metrics {
         provider: &'static str,
         call: &'static str,
         took: Duration,
-        failed: Option<&'static str>,
+        failed: Option<(&'static str, &'static str)>,
     ) {
         let labels = vec![("provider", provider.to_owned()), ("call", call.to_owned())];
         self.provider_calls
             .get_or_create(&labels)
             .observe(took.as_secs_f64());
-        if let Some(class) = failed {
+        if let Some((class, kind)) = failed {
             let mut labels = labels;
             labels.push(("class", class.to_owned()));
+            labels.push(("kind", kind.to_owned()));
             self.provider_failures.get_or_create(&labels).inc();
         }
     }
+}
+
+/// A failed call's class and kind of fault, as label values.
+fn failure_labels(e: &ProviderError) -> (&'static str, &'static str) {
+    let class = match e {
+        ProviderError::Definite(_) => "definite",
+        ProviderError::Ambiguous(_) => "ambiguous",
+        ProviderError::NotReady => "not_ready",
+        ProviderError::Gone(_) => "gone",
+    };
+    // A probe's "not yet" is no fault: its kind says so.
+    (class, e.kind().map_or("none", FaultKind::word))
 }
 
 fn node_entry(n: &NodeSummary) -> (u64, Option<FailureCause>, bool) {
@@ -649,12 +675,7 @@ impl Metered {
     }
 
     fn record<T>(&self, call: &'static str, started: Instant, result: &Result<T, ProviderError>) {
-        let failed = result.as_ref().err().map(|e| match e {
-            ProviderError::Definite(_) => "definite",
-            ProviderError::Ambiguous(_) => "ambiguous",
-            ProviderError::NotReady => "not_ready",
-            ProviderError::Gone(_) => "gone",
-        });
+        let failed = result.as_ref().err().map(failure_labels);
         self.metrics
             .call(self.inner.kind(), call, started.elapsed(), failed);
     }
@@ -714,14 +735,18 @@ impl Provider for Metered {
         &self,
         key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         let started = Instant::now();
         let r = self.inner.cancel_bootstrap(key, session).await;
         self.record("cancel_bootstrap", started, &r);
         r
     }
 
-    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+    async fn destroy_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<Release, ProviderError> {
         let started = Instant::now();
         let r = self.inner.destroy_lease(key, lease).await;
         self.record("destroy_lease", started, &r);
@@ -733,7 +758,7 @@ impl Provider for Metered {
         key: &ResourceKey,
         lease: &LeaseId,
         reason: &str,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         let started = Instant::now();
         let r = self.inner.destroy_failed_lease(key, lease, reason).await;
         self.record("destroy_lease", started, &r);
@@ -875,5 +900,48 @@ mod tests {
         // The same attempt seen again is not a replacement.
         metrics.observe(&ClusterEvent::Node(summary(7, None, "")));
         assert_eq!(replaced(&metrics, "failure"), 1);
+    }
+
+    #[test]
+    fn a_failed_call_is_counted_by_its_class_and_kind_not_its_words() {
+        let metrics = Metrics::new();
+        let e = ProviderError::definite(FaultKind::NoCapacity, "the unreachable host is full");
+        assert_eq!(failure_labels(&e), ("definite", "no_capacity"));
+        assert_eq!(
+            failure_labels(&ProviderError::NotReady),
+            ("not_ready", "none")
+        );
+        metrics.call(
+            "vast",
+            "create_lease",
+            Duration::ZERO,
+            Some(failure_labels(&e)),
+        );
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &metrics.registry);
+        assert!(
+            out.contains(
+                "swactor_provider_call_failures_total{provider=\"vast\",call=\"create_lease\",\
+                 class=\"definite\",kind=\"no_capacity\"} 1"
+            ),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn a_release_given_up_is_counted() {
+        let metrics = Metrics::new();
+        let key = swactor_provisioning::ResourceKey {
+            run_id: swactor_provisioning::RunId::new("r"),
+            node: LogicalNodeId::parse("w-0").unwrap(),
+            attempt: swactor_provisioning::NodeAttemptId(1),
+        };
+        for _ in 0..2 {
+            metrics.observe(&ClusterEvent::GivenUp {
+                key: key.clone(),
+                reason: "h1 has not answered".to_owned(),
+            });
+        }
+        assert_eq!(metrics.given_up.get_or_create(&Vec::new()).get(), 2);
     }
 }

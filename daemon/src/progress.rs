@@ -354,6 +354,9 @@ pub fn note(e: &ClusterEvent, now: Timestamp) -> Option<String> {
             "could not collect leftover {} {} yet ({e}); retrying",
             key.node, key.attempt
         ),
+        ClusterEvent::GivenUp { key, reason } => {
+            format!("gave up releasing {} {}: {reason}", key.node, key.attempt)
+        }
         ClusterEvent::AgentJoined { .. } => return None,
         ClusterEvent::Deaf { from, to, agents } => {
             let secs = to.as_millis().saturating_sub(from.as_millis()) as f64 / 1000.0;
@@ -516,6 +519,24 @@ mod tests {
             replaced,
             at: Timestamp::from_millis(at),
         }
+    }
+
+    #[test]
+    fn a_release_given_up_is_a_line_that_says_where_and_why() {
+        let e = ClusterEvent::GivenUp {
+            key: ResourceKey {
+                run_id: RunId::new("r"),
+                node: LogicalNodeId::parse("worker-0").unwrap(),
+                attempt: NodeAttemptId(7),
+            },
+            reason: "h1 has not answered for 60s (unreachable_give_up_s)".to_owned(),
+        };
+        assert_eq!(
+            note(&e, Timestamp::from_millis(0)).as_deref(),
+            Some(
+                "gave up releasing worker-0 a7: h1 has not answered for 60s (unreachable_give_up_s)"
+            )
+        );
     }
 
     /// Issue 28, Why 6: `tearing down (generation 2)` was followed by a

@@ -76,11 +76,12 @@ pub use on_demand::DockerOnDemand;
 
 pub use options::{CPUS_MAX, MEMORY_MB_MAX, MEMORY_MB_MIN, MOUNTS_MAX, check_template};
 
+use crate::Release;
 use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
 use crate::kit::{KeyGuard, KeyLocks, Sessions};
 use crate::lock;
 use crate::{
-    AgentLogSource, BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider,
+    AgentLogSource, BootstrapSession, FaultKind, Inventory, LeaseGrant, OwnedResources, Provider,
     ProviderError,
 };
 use async_trait::async_trait;
@@ -420,10 +421,13 @@ impl DockerProvider {
             match step {
                 Ok(info) => {
                     if let Some(detail) = info.error_detail {
-                        return Err(ProviderError::Definite(format!(
-                            "building the agent image {tag} failed: {}",
-                            detail.message.unwrap_or_default()
-                        )));
+                        return Err(ProviderError::definite(
+                            FaultKind::Service,
+                            format!(
+                                "building the agent image {tag} failed: {}",
+                                detail.message.unwrap_or_default()
+                            ),
+                        ));
                     }
                     if let Some(line) = info
                         .stream
@@ -484,15 +488,26 @@ impl DockerProvider {
             move || std::fs::read(path)
         })
         .await
-        .map_err(|e| ProviderError::Definite(format!("cannot read the agent binary: {e}")))?;
+        .map_err(|e| {
+            ProviderError::definite(
+                FaultKind::Local,
+                format!("cannot read the agent binary: {e}"),
+            )
+        })?;
         let binary = read.map_err(|e| {
-            ProviderError::Definite(format!("cannot read agent binary {}: {e}", path.display()))
+            ProviderError::definite(
+                FaultKind::Local,
+                format!("cannot read agent binary {}: {e}", path.display()),
+            )
         })?;
         if elf_interpreter(&binary) {
-            return Err(ProviderError::Definite(format!(
-                "agent binary {} is dynamically linked; a container needs a static one (scripts/build-static-agent.sh)",
-                path.display()
-            )));
+            return Err(ProviderError::definite(
+                FaultKind::Invalid,
+                format!(
+                    "agent binary {} is dynamically linked; a container needs a static one (scripts/build-static-agent.sh)",
+                    path.display()
+                ),
+            ));
         }
         Ok(binary)
     }
@@ -502,7 +517,10 @@ impl DockerProvider {
         validate_id(key.run_id.as_str())
             .and_then(|()| validate_id(key.node.group.as_str()))
             .map_err(|e| {
-                ProviderError::Definite(format!("key {key} cannot name a container: {e}"))
+                ProviderError::definite(
+                    FaultKind::Invalid,
+                    format!("key {key} cannot name a container: {e}"),
+                )
             })?;
         let name = Self::container_name_in(key, self.shared.config.deployment.as_deref());
         let lease = LeaseId::from(format!("docker:{name}"));
@@ -513,10 +531,13 @@ impl DockerProvider {
     fn locate_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<String, ProviderError> {
         let (name, expected) = self.locate(key)?;
         if *lease != expected {
-            return Err(ProviderError::Definite(format!(
-                "lease {} is not key {key}'s (that is {})",
-                lease.0, expected.0
-            )));
+            return Err(ProviderError::definite(
+                FaultKind::NotOurs,
+                format!(
+                    "lease {} is not key {key}'s (that is {})",
+                    lease.0, expected.0
+                ),
+            ));
         }
         Ok(name)
     }
@@ -526,7 +547,7 @@ impl DockerProvider {
     }
 
     fn definite(&self, what: String, e: &EngineError) -> ProviderError {
-        ProviderError::Definite(format!("{what}: {}", self.describe(e)))
+        ProviderError::definite(engine_kind(e), format!("{what}: {}", self.describe(e)))
     }
 
     /// A failed change: definite when the engine refused it (a 4xx answer),
@@ -534,7 +555,7 @@ impl DockerProvider {
     fn refused_or_unknown(&self, what: String, e: &EngineError) -> ProviderError {
         match status(e) {
             Some(400..=499) => self.definite(what, e),
-            _ => ProviderError::Ambiguous(format!("{what}: {}", self.describe(e))),
+            _ => ProviderError::ambiguous(engine_kind(e), format!("{what}: {}", self.describe(e))),
         }
     }
 
@@ -570,18 +591,25 @@ impl DockerProvider {
                         Ok(Some(c))
                     }
                     Some(Some((found, deployment))) if found == *key => {
-                        Err(ProviderError::Definite(format!(
-                            "container {name} belongs to {}, not to this daemon's {}",
-                            deployment_words(deployment.as_deref()),
-                            deployment_words(ours)
-                        )))
+                        Err(ProviderError::definite(
+                            FaultKind::NotOurs,
+                            format!(
+                                "container {name} belongs to {}, not to this daemon's {}",
+                                deployment_words(deployment.as_deref()),
+                                deployment_words(ours)
+                            ),
+                        ))
                     }
-                    Some(Some((found, _))) => Err(ProviderError::Definite(format!(
-                        "container {name} belongs to {found}, not {key}"
-                    ))),
-                    _ => Err(ProviderError::Definite(format!(
-                        "container {name} exists but was not made by swactor for {key} (its labels do not say so)"
-                    ))),
+                    Some(Some((found, _))) => Err(ProviderError::definite(
+                        FaultKind::NotOurs,
+                        format!("container {name} belongs to {found}, not {key}"),
+                    )),
+                    _ => Err(ProviderError::definite(
+                        FaultKind::NotOurs,
+                        format!(
+                            "container {name} exists but was not made by swactor for {key} (its labels do not say so)"
+                        ),
+                    )),
                 }
             }
             Err(e) if status(&e) == Some(404) => {
@@ -746,6 +774,17 @@ impl DockerProvider {
 }
 
 /// The engine's HTTP status for an error it answered with.
+/// What kind of fault an engine error is: no answer, a refusal, or the
+/// engine's own failure.
+fn engine_kind(e: &EngineError) -> FaultKind {
+    match status(e) {
+        None => FaultKind::Unreachable,
+        Some(404) => FaultKind::Deleted,
+        Some(400..=499) => FaultKind::Refused,
+        Some(_) => FaultKind::Service,
+    }
+}
+
 fn status(e: &EngineError) -> Option<u16> {
     match e {
         EngineError::DockerResponseServerError { status_code, .. } => Some(*status_code),
@@ -840,7 +879,9 @@ impl Provider for DockerProvider {
         key: &ResourceKey,
         template: &NodeTemplate,
     ) -> Result<LeaseGrant, ProviderError> {
-        let bad = |why: String| ProviderError::Definite(format!("docker provider: {why}"));
+        let bad = |why: String| {
+            ProviderError::definite(FaultKind::Invalid, format!("docker provider: {why}"))
+        };
         let options = NodeOptions::parse(template).map_err(bad)?;
         options.check_host().map_err(bad)?;
         let (name, lease) = self.locate(key)?;
@@ -891,7 +932,7 @@ impl Provider for DockerProvider {
                         }
                         tokio::time::sleep(ADOPT_POLL_INTERVAL).await;
                     }
-                    Err(ProviderError::Ambiguous(format!(
+                    Err(ProviderError::ambiguous(FaultKind::Unconfirmed, format!(
                         "container {name} is being made by another call and did not appear: {}",
                         self.describe(&e)
                     )))
@@ -912,9 +953,10 @@ impl Provider for DockerProvider {
         let name = self.locate_lease(key, lease)?;
         match self.inspect(key, &name).await? {
             Some(_) => Ok(NodeEndpoint::from(format!("docker:{name}"))),
-            None => Err(ProviderError::Gone(format!(
-                "container {name} does not exist"
-            ))),
+            None => Err(ProviderError::gone(
+                FaultKind::Deleted,
+                format!("container {name} does not exist"),
+            )),
         }
     }
 
@@ -926,13 +968,15 @@ impl Provider for DockerProvider {
         template: &NodeTemplate,
     ) -> Result<BootstrapSession, ProviderError> {
         let name = self.locate_lease(key, lease)?;
-        let options = NodeOptions::parse(template)
-            .map_err(|why| ProviderError::Definite(format!("docker provider: {why}")))?;
+        let options = NodeOptions::parse(template).map_err(|why| {
+            ProviderError::definite(FaultKind::Invalid, format!("docker provider: {why}"))
+        })?;
         let _guard = self.lock_key(&name).await;
         let Some(container) = self.inspect(key, &name).await? else {
-            return Err(ProviderError::Gone(format!(
-                "container {name} does not exist"
-            )));
+            return Err(ProviderError::gone(
+                FaultKind::Deleted,
+                format!("container {name} does not exist"),
+            ));
         };
         if is_running(&container) {
             let started = started_at(&container);
@@ -952,18 +996,19 @@ impl Provider for DockerProvider {
                     Ok(self.open_stream(&session_id(lease, &started), &name, &started))
                 }
                 Ok(_) => Err(self.definite(format!("cannot start container {name}"), &e)),
-                Err(_) => Err(ProviderError::Ambiguous(format!(
-                    "cannot start container {name}: {}",
-                    self.describe(&e)
-                ))),
+                Err(_) => Err(ProviderError::ambiguous(
+                    engine_kind(&e),
+                    format!("cannot start container {name}: {}", self.describe(&e)),
+                )),
             };
         }
         let container = match self.inspect(key, &name).await? {
             Some(c) => c,
             None => {
-                return Err(ProviderError::Gone(format!(
-                    "container {name} was removed as it started"
-                )));
+                return Err(ProviderError::gone(
+                    FaultKind::Deleted,
+                    format!("container {name} was removed as it started"),
+                ));
             }
         };
         let started = started_at(&container);
@@ -976,26 +1021,26 @@ impl Provider for DockerProvider {
         &self,
         key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         let (name, lease) = self.locate(key)?;
         let Some(started) = session
             .0
             .strip_prefix(lease.as_str())
             .and_then(|rest| rest.strip_prefix('#'))
         else {
-            return Err(ProviderError::Definite(format!(
-                "session {} is not a session of key {key}",
-                session.0
-            )));
+            return Err(ProviderError::definite(
+                FaultKind::NotOurs,
+                format!("session {} is not a session of key {key}", session.0),
+            ));
         };
         let _guard = self.lock_key(&name).await;
         self.mark_cancelled(&name);
         let Some(container) = self.inspect(key, &name).await? else {
-            return Ok(());
+            return Ok(Release::Done);
         };
         // A later start is another session, which this cancel must not end.
         if !is_running(&container) || started_at(&container) != started {
-            return Ok(());
+            return Ok(Release::Done);
         }
         let grace = i32::try_from(self.shared.config.stop_grace.as_secs()).unwrap_or(i32::MAX);
         let options = StopContainerOptions {
@@ -1008,13 +1053,17 @@ impl Provider for DockerProvider {
             .stop_container(&name, Some(options))
             .await
         {
-            Ok(()) => Ok(()),
-            Err(e) if status(&e) == Some(404) => Ok(()),
+            Ok(()) => Ok(Release::Done),
+            Err(e) if status(&e) == Some(404) => Ok(Release::Done),
             Err(e) => Err(self.refused_or_unknown(format!("cannot stop container {name}"), &e)),
         }
     }
 
-    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+    async fn destroy_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<Release, ProviderError> {
         let name = self.locate_lease(key, lease)?;
         let guard = self.lock_key(&name).await;
         let result = async {
@@ -1044,20 +1093,23 @@ impl Provider for DockerProvider {
                     Ok(())
                 }
                 // 409: a removal is already under way; the retry sees it done.
-                Err(e) => Err(ProviderError::Ambiguous(format!(
-                    "cannot remove container {name}: {}",
-                    self.describe(&e)
-                ))),
+                Err(e) => Err(ProviderError::ambiguous(
+                    engine_kind(&e),
+                    format!("cannot remove container {name}: {}", self.describe(&e)),
+                )),
             }
         }
         .await;
         drop(guard);
-        result
+        result.map(|()| Release::Done)
     }
 
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
         validate_id(run_id.as_str()).map_err(|e| {
-            ProviderError::Definite(format!("run {run_id} cannot name containers: {e}"))
+            ProviderError::definite(
+                FaultKind::Invalid,
+                format!("run {run_id} cannot name containers: {e}"),
+            )
         })?;
         let options = ListContainersOptions {
             all: true,
@@ -1134,9 +1186,10 @@ impl Provider for DockerProvider {
     ) -> Result<AgentLogSource, ProviderError> {
         let name = self.locate_lease(key, lease)?;
         if self.inspect(key, &name).await?.is_none() {
-            return Err(ProviderError::Gone(format!(
-                "container {name} no longer exists, and its log went with it"
-            )));
+            return Err(ProviderError::gone(
+                FaultKind::Deleted,
+                format!("container {name} no longer exists, and its log went with it"),
+            ));
         }
         // The whole log, every start of the container included: what
         // `docker logs` shows.

@@ -11,6 +11,8 @@
 //! visibility), plus [`FakeProvider::arm_lost_result`] (the call takes effect
 //! but its reply is lost: an ambiguous outcome) and out-of-band deletion.
 
+use crate::FaultKind;
+use crate::Release;
 use crate::{BootstrapEvents, BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError};
 use async_trait::async_trait;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -210,9 +212,10 @@ impl FakeProvider {
         drop(st);
         self.shared.wake.notify_one();
         match lost {
-            Some(_) => Err(ProviderError::Ambiguous(format!(
-                "reply to {kind:?} was lost"
-            ))),
+            Some(_) => Err(ProviderError::ambiguous(
+                FaultKind::Unconfirmed,
+                format!("reply to {kind:?} was lost"),
+            )),
             None => Ok(out),
         }
     }
@@ -224,8 +227,9 @@ impl FakeProvider {
 fn classify(e: swactor_conformance::ProviderError) -> ProviderError {
     use swactor_conformance::ProviderError as Model;
     match e {
-        Model::Refused(_) | Model::UnknownKind(_) => ProviderError::Definite(e.to_string()),
-        Model::NoSuchLease(_) => ProviderError::Gone(e.to_string()),
+        Model::Refused(_) => ProviderError::definite(FaultKind::Refused, e.to_string()),
+        Model::UnknownKind(_) => ProviderError::definite(FaultKind::Invalid, e.to_string()),
+        Model::NoSuchLease(_) => ProviderError::gone(FaultKind::Deleted, e.to_string()),
     }
 }
 
@@ -303,9 +307,12 @@ impl Provider for FakeProvider {
         &self,
         _key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         self.call(EffectKind::CancelBootstrap, |st, now| {
-            st.backend.cancel_bootstrap(session, now).map_err(classify)
+            st.backend
+                .cancel_bootstrap(session, now)
+                .map(|()| Release::Done)
+                .map_err(classify)
         })
         .await
     }
@@ -314,9 +321,12 @@ impl Provider for FakeProvider {
         &self,
         _key: &ResourceKey,
         lease: &LeaseId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         self.call(EffectKind::DestroyLease, |st, now| {
-            st.backend.destroy_lease(lease, now).map_err(classify)
+            st.backend
+                .destroy_lease(lease, now)
+                .map(|()| Release::Done)
+                .map_err(classify)
         })
         .await
     }
@@ -497,10 +507,11 @@ mod tests {
                     if let Ok(g) = &r {
                         leases.push(g.lease.clone());
                     }
-                    let _ = write!(d, "create {r:?}");
+                    let _ = write!(d, "create {}", as_recorded(&r));
                 }
                 15..=24 => {
-                    let _ = write!(d, "lookup {:?}", p.lookup_endpoint(&k, &lease).await);
+                    let r = p.lookup_endpoint(&k, &lease).await;
+                    let _ = write!(d, "lookup {}", as_recorded(&r));
                 }
                 25..=39 => {
                     let endpoint = NodeEndpoint::from("ssh://x");
@@ -511,22 +522,25 @@ mod tests {
                             streams.push((s.session, Some(s.events)));
                         }
                         Err(e) => {
-                            let _ = write!(d, "start {e:?}");
+                            let _ = write!(d, "start {}", recorded_error(&e));
                         }
                     }
                 }
                 40..=44 => {
                     let s = sessions[below(&mut rng, sessions.len())].clone();
-                    let _ = write!(d, "cancel {:?}", p.cancel_bootstrap(&k, &s).await);
+                    let r = p.cancel_bootstrap(&k, &s).await;
+                    let _ = write!(d, "cancel {}", as_recorded(&r));
                 }
                 45..=49 => {
-                    let _ = write!(d, "destroy {:?}", p.destroy_lease(&k, &lease).await);
+                    let r = p.destroy_lease(&k, &lease).await;
+                    let _ = write!(d, "destroy {}", as_recorded(&r));
                 }
                 50..=52 => {
                     let _ = write!(d, "oob {}", p.delete_out_of_band(&k));
                 }
                 53..=55 => {
-                    let _ = write!(d, "list {:?}", p.list(&k.run_id).await);
+                    let r = p.list(&k.run_id).await;
+                    let _ = write!(d, "list {}", as_recorded(&r));
                 }
                 56..=61 => {
                     let fault = match rng.range(0, 6) {
@@ -597,9 +611,34 @@ mod tests {
         }
         let _ = write!(d, "dropped {}", p.observations_dropped());
         for run in &runs {
-            let _ = write!(d, "list {:?}", p.list(run).await);
+            let r = p.list(run).await;
+            let _ = write!(d, "list {}", as_recorded(&r));
         }
         d.value()
+    }
+
+    /// `r` in the words the digests were recorded with, before errors carried
+    /// a [`crate::Fault`] and releases a [`Release`]: the answers are the
+    /// same, only their types grew.
+    fn as_recorded<T: std::fmt::Debug + 'static>(r: &Result<T, ProviderError>) -> String {
+        match r {
+            Ok(v)
+                if (v as &dyn std::any::Any).downcast_ref::<Release>() == Some(&Release::Done) =>
+            {
+                "Ok(())".to_owned()
+            }
+            Ok(v) => format!("Ok({v:?})"),
+            Err(e) => format!("Err({})", recorded_error(e)),
+        }
+    }
+
+    fn recorded_error(e: &ProviderError) -> String {
+        match e {
+            ProviderError::Definite(f) => format!("Definite({:?})", f.message()),
+            ProviderError::Ambiguous(f) => format!("Ambiguous({:?})", f.message()),
+            ProviderError::Gone(f) => format!("Gone({:?})", f.message()),
+            ProviderError::NotReady => "NotReady".to_owned(),
+        }
     }
 
     /// The provider around the model must answer, deliver and end streams

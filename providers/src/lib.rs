@@ -38,6 +38,9 @@ pub use multi::Providers;
 
 /// Implementors of [`Provider`] use this attribute on their `impl` blocks.
 pub use async_trait::async_trait;
+/// How a release ended; the core's own type, re-exported for providers.
+pub use swactor_provisioning::Release;
+
 use std::collections::BTreeMap;
 use swactor_provisioning::{
     BootstrapEvent, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
@@ -50,15 +53,17 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// How a provider call failed.
+/// How a provider call failed: the class (whether the call may have had
+/// its effect) is what the host decides on; the [`Fault`] inside says what
+/// went wrong, as a [`FaultKind`] to branch on and in words for people.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {
     /// The call certainly had no effect.
     #[error("{0}")]
-    Definite(String),
+    Definite(Fault),
     /// The call may or may not have had its effect.
     #[error("outcome unknown: {0}")]
-    Ambiguous(String),
+    Ambiguous(Fault),
     /// Lookup only: the lease exists but its endpoint is not ready yet.
     #[error("endpoint not ready yet")]
     NotReady,
@@ -68,7 +73,188 @@ pub enum ProviderError {
     /// behind its creates must not say this while a new lease may still be
     /// invisible.
     #[error("the lease is gone: {0}")]
-    Gone(String),
+    Gone(Fault),
+}
+
+impl ProviderError {
+    /// A failure that certainly had no effect.
+    pub fn definite(kind: FaultKind, message: impl Into<String>) -> Self {
+        Self::Definite(Fault::new(kind, message))
+    }
+
+    /// A failure that may have had its effect.
+    pub fn ambiguous(kind: FaultKind, message: impl Into<String>) -> Self {
+        Self::Ambiguous(Fault::new(kind, message))
+    }
+
+    /// The lease the call named is gone.
+    pub fn gone(kind: FaultKind, message: impl Into<String>) -> Self {
+        Self::Gone(Fault::new(kind, message))
+    }
+
+    /// The fault, for every class but [`ProviderError::NotReady`].
+    pub fn fault(&self) -> Option<&Fault> {
+        match self {
+            Self::Definite(f) | Self::Ambiguous(f) | Self::Gone(f) => Some(f),
+            Self::NotReady => None,
+        }
+    }
+
+    /// What kind of fault it was; `None` for [`ProviderError::NotReady`],
+    /// which is a probe's answer rather than a fault.
+    pub fn kind(&self) -> Option<FaultKind> {
+        self.fault().map(Fault::kind)
+    }
+}
+
+/// What went wrong in a provider call.
+///
+/// Its words are complete: when it was made from another error
+/// ([`Fault::caused_by`]), they already include that error's, so a
+/// [`ProviderError`] prints once and names no source of its own. The
+/// underlying error stays reachable, typed, through
+/// [`std::error::Error::source`] on the fault itself.
+#[derive(Clone, Debug)]
+pub struct Fault {
+    kind: FaultKind,
+    message: String,
+    source: Option<std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl Fault {
+    /// A fault of `kind`, in `message`'s words.
+    pub fn new(kind: FaultKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A fault of `kind` that `source` caused; the words are `what: source`.
+    pub fn caused_by(
+        kind: FaultKind,
+        what: impl std::fmt::Display,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            kind,
+            message: format!("{what}: {source}"),
+            source: Some(std::sync::Arc::new(source)),
+        }
+    }
+
+    /// A fault of `kind` in `message`'s words, which already say what
+    /// `source` does.
+    pub fn with_source(
+        kind: FaultKind,
+        message: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: Some(std::sync::Arc::new(source)),
+        }
+    }
+
+    /// What kind of fault it is.
+    pub fn kind(&self) -> FaultKind {
+        self.kind
+    }
+
+    /// The fault in words.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Fault {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Two faults are the same when their kind and words are: the source is
+/// what the words already say, and errors have no equality of their own.
+impl PartialEq for Fault {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.message == other.message
+    }
+}
+
+impl Eq for Fault {}
+
+/// What kind of thing went wrong in a provider call: what code and tests
+/// branch on, and what `/metrics` counts provider errors by. The words of
+/// the [`Fault`] say the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum FaultKind {
+    /// The request cannot be served as written: a template, setting, key,
+    /// id or binary the provider cannot use. It fails again until changed.
+    Invalid,
+    /// The resource named exists but is not this call's to use: another
+    /// key's, another deployment's, or not made by swactor.
+    NotOurs,
+    /// No room: no free host, no rentable offer, a machine already taken.
+    NoCapacity,
+    /// Credentials or trust were refused: an API key, an SSH key, a host
+    /// key that changed or is unknown.
+    Denied,
+    /// The provider asked for fewer requests.
+    RateLimited,
+    /// The provider refused the request as it stands.
+    Refused,
+    /// The provider or the host did not answer, or the connection broke.
+    Unreachable,
+    /// The provider's service failed, or answered something unusable.
+    Service,
+    /// This machine's own files or processes failed.
+    Local,
+    /// The node's agent would not stop.
+    Unstoppable,
+    /// A change whose result could not be confirmed: a lost reply, a started
+    /// agent that recorded no pid, an earlier create of unknown outcome.
+    Unconfirmed,
+    /// The resource does not exist (any more): deleted out of band, or
+    /// never made.
+    Deleted,
+    /// The machine will never serve: a failed boot, an instance that
+    /// exited, went offline, was frozen or stopped.
+    MachineFailed,
+    /// The machine was not ready within its group's load timeout.
+    LoadTimeout,
+}
+
+impl FaultKind {
+    /// The kind as one lowercase word, as `/metrics` labels it.
+    pub fn word(self) -> &'static str {
+        match self {
+            Self::Invalid => "invalid",
+            Self::NotOurs => "not_ours",
+            Self::NoCapacity => "no_capacity",
+            Self::Denied => "denied",
+            Self::RateLimited => "rate_limited",
+            Self::Refused => "refused",
+            Self::Unreachable => "unreachable",
+            Self::Service => "service",
+            Self::Local => "local",
+            Self::Unstoppable => "unstoppable",
+            Self::Unconfirmed => "unconfirmed",
+            Self::Deleted => "deleted",
+            Self::MachineFailed => "machine_failed",
+            Self::LoadTimeout => "load_timeout",
+        }
+    }
 }
 
 /// A lease the provider made or adopted.
@@ -191,15 +377,25 @@ pub trait Provider: Send + Sync + 'static {
         template: &NodeTemplate,
     ) -> Result<BootstrapSession, ProviderError>;
 
-    /// Stops a bootstrap session; already gone is success.
+    /// Stops a bootstrap session; already gone is success. A provider that
+    /// cannot reach the session's machine for longer than it waits may give
+    /// it up instead ([`Release::GivenUp`]), and must stop it once the
+    /// machine answers.
     async fn cancel_bootstrap(
         &self,
         key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError>;
+    ) -> Result<Release, ProviderError>;
 
-    /// Releases a lease; already gone is success.
-    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError>;
+    /// Releases a lease; already gone is success. A provider that cannot
+    /// reach the lease's machine for longer than it waits may give it up
+    /// instead ([`Release::GivenUp`]), and must release it once the machine
+    /// answers; it then no longer lists it.
+    async fn destroy_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<Release, ProviderError>;
 
     /// Releases the lease of an attempt that failed, for `reason`: a
     /// provider that chooses machines may avoid this one for a while. By
@@ -209,7 +405,7 @@ pub trait Provider: Send + Sync + 'static {
         key: &ResourceKey,
         lease: &LeaseId,
         reason: &str,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         let _ = reason;
         self.destroy_lease(key, lease).await
     }
@@ -251,10 +447,13 @@ pub trait Provider: Send + Sync + 'static {
         follow: bool,
     ) -> Result<AgentLogSource, ProviderError> {
         let _ = (key, lease, follow);
-        Err(ProviderError::Definite(format!(
-            "the {} provider keeps no agent log that can be read",
-            self.kind()
-        )))
+        Err(ProviderError::definite(
+            FaultKind::Invalid,
+            format!(
+                "the {} provider keeps no agent log that can be read",
+                self.kind()
+            ),
+        ))
     }
 
     /// Whether the machine of `lease` is paused by the provider itself, so
@@ -287,5 +486,81 @@ pub trait Provider: Send + Sync + 'static {
     fn owns_session(&self, session: &SessionId) -> bool {
         let _ = session;
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn a_fault_prints_once_and_keeps_its_source_typed() {
+        let io = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied");
+        let e = ProviderError::Definite(Fault::caused_by(FaultKind::Local, "cannot open x", io));
+        assert_eq!(e.to_string(), "cannot open x: denied");
+        assert_eq!(e.kind(), Some(FaultKind::Local));
+        // The error names no source of its own, so a chain prints it once.
+        assert!(e.source().is_none());
+        let source = e
+            .fault()
+            .unwrap()
+            .source()
+            .expect("the fault keeps its source");
+        let io = source.downcast_ref::<std::io::Error>().unwrap();
+        assert_eq!(io.kind(), std::io::ErrorKind::PermissionDenied);
+    }
+
+    #[test]
+    fn each_class_words_its_fault_as_before() {
+        let gone = ProviderError::gone(FaultKind::Deleted, "container c does not exist");
+        assert_eq!(
+            gone.to_string(),
+            "the lease is gone: container c does not exist"
+        );
+        let unknown = ProviderError::ambiguous(FaultKind::Unreachable, "no answer");
+        assert_eq!(unknown.to_string(), "outcome unknown: no answer");
+        assert_eq!(ProviderError::NotReady.kind(), None);
+        assert!(ProviderError::NotReady.fault().is_none());
+    }
+
+    #[test]
+    fn faults_are_equal_by_kind_and_words() {
+        let io = || std::io::Error::other("x");
+        assert_eq!(
+            Fault::caused_by(FaultKind::Local, "a", io()),
+            Fault::new(FaultKind::Local, "a: x")
+        );
+        assert_ne!(
+            Fault::new(FaultKind::Local, "a"),
+            Fault::new(FaultKind::Refused, "a")
+        );
+    }
+
+    #[test]
+    fn every_kind_has_its_own_metric_word() {
+        let kinds = [
+            FaultKind::Invalid,
+            FaultKind::NotOurs,
+            FaultKind::NoCapacity,
+            FaultKind::Denied,
+            FaultKind::RateLimited,
+            FaultKind::Refused,
+            FaultKind::Unreachable,
+            FaultKind::Service,
+            FaultKind::Local,
+            FaultKind::Unstoppable,
+            FaultKind::Unconfirmed,
+            FaultKind::Deleted,
+            FaultKind::MachineFailed,
+            FaultKind::LoadTimeout,
+        ];
+        let words: std::collections::BTreeSet<&str> = kinds.iter().map(|k| k.word()).collect();
+        assert_eq!(words.len(), kinds.len());
+        assert!(
+            words
+                .iter()
+                .all(|w| w.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'))
+        );
     }
 }

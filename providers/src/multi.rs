@@ -6,8 +6,10 @@
 //! ([`Provider::owns_lease`], [`Provider::owns_session`]); a listing is the
 //! union of every provider's.
 
+use crate::Release;
 use crate::{
-    AgentLogSource, BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait,
+    AgentLogSource, BootstrapSession, FaultKind, Inventory, LeaseGrant, Provider, ProviderError,
+    async_trait,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,10 +61,13 @@ impl Providers {
 
     fn of_kind(&self, kind: &str) -> Result<&Arc<dyn Provider>, ProviderError> {
         self.all.iter().find(|p| p.kind() == kind).ok_or_else(|| {
-            ProviderError::Definite(format!(
-                "this daemon cannot drive provider {kind:?}; it drives: {}",
-                self.kinds().join(", ")
-            ))
+            ProviderError::definite(
+                FaultKind::Invalid,
+                format!(
+                    "this daemon cannot drive provider {kind:?}; it drives: {}",
+                    self.kinds().join(", ")
+                ),
+            )
         })
     }
 
@@ -70,7 +75,12 @@ impl Providers {
         self.all
             .iter()
             .find(|p| p.owns_lease(lease))
-            .ok_or_else(|| ProviderError::Definite(format!("no provider owns lease {}", lease.0)))
+            .ok_or_else(|| {
+                ProviderError::definite(
+                    FaultKind::Invalid,
+                    format!("no provider owns lease {}", lease.0),
+                )
+            })
     }
 
     fn of_session(&self, session: &SessionId) -> Result<&Arc<dyn Provider>, ProviderError> {
@@ -78,7 +88,10 @@ impl Providers {
             .iter()
             .find(|p| p.owns_session(session))
             .ok_or_else(|| {
-                ProviderError::Definite(format!("no provider owns session {}", session.0))
+                ProviderError::definite(
+                    FaultKind::Invalid,
+                    format!("no provider owns session {}", session.0),
+                )
             })
     }
 }
@@ -123,13 +136,17 @@ impl Provider for Providers {
         &self,
         key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         self.of_session(session)?
             .cancel_bootstrap(key, session)
             .await
     }
 
-    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+    async fn destroy_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<Release, ProviderError> {
         self.of_lease(lease)?.destroy_lease(key, lease).await
     }
 
@@ -138,7 +155,7 @@ impl Provider for Providers {
         key: &ResourceKey,
         lease: &LeaseId,
         reason: &str,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         self.of_lease(lease)?
             .destroy_failed_lease(key, lease, reason)
             .await
@@ -270,13 +287,17 @@ mod tests {
             &self,
             _: &ResourceKey,
             _: &SessionId,
-        ) -> Result<(), ProviderError> {
+        ) -> Result<Release, ProviderError> {
             self.saw("cancel");
-            Ok(())
+            Ok(Release::Done)
         }
-        async fn destroy_lease(&self, _: &ResourceKey, _: &LeaseId) -> Result<(), ProviderError> {
+        async fn destroy_lease(
+            &self,
+            _: &ResourceKey,
+            _: &LeaseId,
+        ) -> Result<Release, ProviderError> {
             self.saw("destroy");
-            Ok(())
+            Ok(Release::Done)
         }
         async fn list(&self, run: &RunId) -> Result<Inventory, ProviderError> {
             self.saw("list");
@@ -354,6 +375,7 @@ mod tests {
             .create_lease(&key, &template("gamma"))
             .await
             .unwrap_err();
+        assert_eq!(err.kind(), Some(FaultKind::Invalid), "{err:?}");
         assert!(err.to_string().contains("drives: alpha, beta"), "{err}");
         assert!(
             all.destroy_lease(&key, &LeaseId::from("gamma:lease"))

@@ -98,11 +98,13 @@ pub use logs::{
     AgentLog, LOG_ATTEMPTS_KEPT, LOG_KEEP_BYTES, LOG_RUN_BYTES_MAX, agent_logs, kept_log_path,
 };
 
+use crate::Release;
 use crate::credentials::{AgentCredentials, CREDENTIALS_FILE};
 use std::os::unix::fs::DirBuilderExt;
 
 use crate::kit::{KeyGuard, KeyLocks, RecentOutput, Sessions};
 use crate::{BootstrapSession, Inventory, LeaseGrant, OwnedResources, Provider, ProviderError};
+use crate::{Fault, FaultKind};
 use async_trait::async_trait;
 use os::{AgentIdentity, Leader};
 use rustix::process::Signal;
@@ -378,7 +380,12 @@ impl ProcessProvider {
     fn locate(&self, key: &ResourceKey) -> Result<(PathBuf, LeaseId), ProviderError> {
         validate_id(key.run_id.as_str())
             .and_then(|()| validate_id(key.node.group.as_str()))
-            .map_err(|e| ProviderError::Definite(format!("key {key} cannot name a lease: {e}")))?;
+            .map_err(|e| {
+                ProviderError::definite(
+                    FaultKind::Invalid,
+                    format!("key {key} cannot name a lease: {e}"),
+                )
+            })?;
         Ok((self.node_dir(key), LeaseId::from(lease_path(key))))
     }
 
@@ -386,10 +393,13 @@ impl ProcessProvider {
     fn locate_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<PathBuf, ProviderError> {
         let (dir, expected) = self.locate(key)?;
         if *lease != expected {
-            return Err(ProviderError::Definite(format!(
-                "lease {} is not key {key}'s (that is {})",
-                lease.0, expected.0
-            )));
+            return Err(ProviderError::definite(
+                FaultKind::NotOurs,
+                format!(
+                    "lease {} is not key {key}'s (that is {})",
+                    lease.0, expected.0
+                ),
+            ));
         }
         Ok(dir)
     }
@@ -422,7 +432,7 @@ impl ProcessProvider {
             Err(e) => {
                 return Err(definite(
                     format!("cannot set aside {}", log_path.display()),
-                    &e,
+                    e,
                 ));
             }
         }
@@ -430,16 +440,16 @@ impl ProcessProvider {
             .create(true)
             .append(true)
             .open(&log_path)
-            .map_err(|e| definite(format!("cannot open {}", log_path.display()), &e))?;
+            .map_err(|e| definite(format!("cannot open {}", log_path.display()), e))?;
         let stdout = log
             .try_clone()
-            .map_err(|e| definite(format!("cannot share {}", log_path.display()), &e))?;
+            .map_err(|e| definite(format!("cannot share {}", log_path.display()), e))?;
         // The secrets go in a file only this user can read, never on the
         // command line; the agent takes it (reads and removes it).
         let credentials = dir.join(CREDENTIALS_FILE);
         AgentCredentials::derive(&config.token_secret, key)
             .write_file(&credentials)
-            .map_err(|e| definite(format!("cannot write {}", credentials.display()), &e))?;
+            .map_err(|e| definite(format!("cannot write {}", credentials.display()), e))?;
         let mut cmd = Command::new(&config.agent_program);
         cmd.args(&config.agent_args)
             .arg("--run")
@@ -476,7 +486,7 @@ impl ProcessProvider {
         let mut child = cmd.spawn().map_err(|e| {
             definite(
                 format!("cannot start agent {}", config.agent_program.display()),
-                &e,
+                e,
             )
         })?;
         let pid = i32::try_from(child.id()).map_err(|_| {
@@ -484,7 +494,10 @@ impl ProcessProvider {
             // the child could not be stopped, so kill it through the handle.
             let _ = child.kill();
             let _ = child.wait();
-            ProviderError::Definite(format!("agent pid {} is out of range", child.id()))
+            ProviderError::definite(
+                FaultKind::Local,
+                format!("agent pid {} is out of range", child.id()),
+            )
         })?;
         let exit = reap(child, pid);
         // Only a hint: an agent without it is found by a search.
@@ -541,7 +554,7 @@ impl ProcessProvider {
         match os::signal_group(pid, Signal::TERM) {
             Ok(true) => {}
             Ok(false) => return Ok(()),
-            Err(e) => return Err(definite(format!("cannot signal agent group {pid}"), &e)),
+            Err(e) => return Err(definite(format!("cannot signal agent group {pid}"), e)),
         }
         // A stopped (SIGSTOP, frozen) agent would hold SIGTERM pending until
         // SIGKILL: let it run to act on it.
@@ -554,17 +567,19 @@ impl ProcessProvider {
             Ok(true) => {}
             Ok(false) => return Ok(()),
             Err(e) => {
-                return Err(ProviderError::Ambiguous(format!(
-                    "agent group {pid} ignored SIGTERM and cannot be sent SIGKILL: {e}"
-                )));
+                return Err(ProviderError::ambiguous(
+                    FaultKind::Unstoppable,
+                    format!("agent group {pid} ignored SIGTERM and cannot be sent SIGKILL: {e}"),
+                ));
             }
         }
         if wait_group_gone(pid, KILL_WAIT).await {
             return Ok(());
         }
-        Err(ProviderError::Ambiguous(format!(
-            "agent group {pid} still runs {KILL_WAIT:?} after SIGKILL"
-        )))
+        Err(ProviderError::ambiguous(
+            FaultKind::Unstoppable,
+            format!("agent group {pid} still runs {KILL_WAIT:?} after SIGKILL"),
+        ))
     }
 
     /// The live agent of `dir`: the one `agent.pid` names, or else the
@@ -659,7 +674,7 @@ fn may_have_started(dir: &Path) -> bool {
 
 /// The running agents of each identity, from one pass over `/proc` (see [`os::scan_agents`]).
 fn search(who: &[&AgentIdentity]) -> Result<Vec<Vec<i32>>, ProviderError> {
-    os::scan_agents(who).map_err(|e| definite("cannot search /proc for agents".to_owned(), &e))
+    os::scan_agents(who).map_err(|e| definite("cannot search /proc for agents".to_owned(), e))
 }
 
 /// Writes `pid` to `dir`'s `agent.pid`. A failure is only logged: the file is
@@ -750,8 +765,9 @@ fn key_from_dir_name(run: &RunId, name: &str) -> Option<ResourceKey> {
     })
 }
 
-fn definite(what: String, e: &io::Error) -> ProviderError {
-    ProviderError::Definite(format!("{what}: {e}"))
+/// A local file or process call that failed and changed nothing.
+fn definite(what: String, e: io::Error) -> ProviderError {
+    ProviderError::Definite(Fault::caused_by(FaultKind::Local, what, e))
 }
 
 /// What a node directory holds.
@@ -776,13 +792,13 @@ fn read_identity(dir: &Path, key: &ResourceKey) -> Result<Identity, ProviderErro
             )));
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Identity::Absent),
-        Err(e) => return Err(definite(format!("cannot inspect {}", dir.display()), &e)),
+        Err(e) => return Err(definite(format!("cannot inspect {}", dir.display()), e)),
     }
     let path = dir.join(IDENTITY_FILE);
     let raw = match fs::read(&path) {
         Ok(raw) => raw,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Identity::Incomplete),
-        Err(e) => return Err(definite(format!("cannot read {}", path.display()), &e)),
+        Err(e) => return Err(definite(format!("cannot read {}", path.display()), e)),
     };
     Ok(match serde_json::from_slice::<ResourceKey>(&raw) {
         Ok(found) if found == *key => Identity::Ours,
@@ -814,7 +830,7 @@ fn read_pid(dir: &Path) -> Result<Option<i32>, ProviderError> {
     let raw = match fs::read_to_string(&path) {
         Ok(raw) => raw,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(definite(format!("cannot read {}", path.display()), &e)),
+        Err(e) => return Err(definite(format!("cannot read {}", path.display()), e)),
     };
     match raw.trim().parse::<i32>() {
         Ok(pid) if pid > 1 => Ok(Some(pid)),
@@ -845,17 +861,16 @@ impl Provider for ProcessProvider {
         match read_identity(&dir, key)? {
             Identity::Ours => return Ok(grant),
             Identity::Foreign(why) => {
-                return Err(ProviderError::Definite(format!(
-                    "cannot lease {}: {why}",
-                    dir.display()
-                )));
+                return Err(ProviderError::definite(
+                    FaultKind::NotOurs,
+                    format!("cannot lease {}: {why}", dir.display()),
+                ));
             }
             Identity::Incomplete => {
                 // An earlier create made the directory but not its identity;
                 // finishing it is adopting it.
-                write_identity(&dir, key).map_err(|e| {
-                    definite(format!("cannot complete lease {}", dir.display()), &e)
-                })?;
+                write_identity(&dir, key)
+                    .map_err(|e| definite(format!("cannot complete lease {}", dir.display()), e))?;
                 return Ok(grant);
             }
             Identity::Absent => {}
@@ -866,7 +881,7 @@ impl Provider for ProcessProvider {
         let mut made = Err(io::ErrorKind::NotFound.into());
         for _ in 0..2 {
             fs::create_dir_all(parent)
-                .map_err(|e| definite(format!("cannot create {}", parent.display()), &e))?;
+                .map_err(|e| definite(format!("cannot create {}", parent.display()), e))?;
             // Only this user may enter a node directory: it holds the
             // agent's credentials while the agent starts.
             made = std::fs::DirBuilder::new().mode(0o700).create(&dir);
@@ -880,13 +895,16 @@ impl Provider for ProcessProvider {
                 // Made concurrently by another process on this state directory.
                 return match read_identity(&dir, key)? {
                     Identity::Ours | Identity::Incomplete => Ok(grant),
-                    _ => Err(ProviderError::Definite(format!(
-                        "cannot lease {}: it appeared with another identity",
-                        dir.display()
-                    ))),
+                    _ => Err(ProviderError::definite(
+                        FaultKind::NotOurs,
+                        format!(
+                            "cannot lease {}: it appeared with another identity",
+                            dir.display()
+                        ),
+                    )),
                 };
             }
-            Err(e) => return Err(definite(format!("cannot create {}", dir.display()), &e)),
+            Err(e) => return Err(definite(format!("cannot create {}", dir.display()), e)),
         }
         if let Err(e) = write_identity(&dir, key) {
             return Err(match fs::remove_dir_all(&dir) {
@@ -895,12 +913,15 @@ impl Provider for ProcessProvider {
                         "cannot write the identity of {} (removed it again)",
                         dir.display()
                     ),
-                    &e,
+                    e,
                 ),
-                Err(_) => ProviderError::Ambiguous(format!(
-                    "created {} but cannot write its identity: {e}",
-                    dir.display()
-                )),
+                Err(_) => ProviderError::ambiguous(
+                    FaultKind::Unconfirmed,
+                    format!(
+                        "created {} but cannot write its identity: {e}",
+                        dir.display()
+                    ),
+                ),
             });
         }
         tracing::debug!(%key, dir = %dir.display(), "leased a node directory");
@@ -915,14 +936,14 @@ impl Provider for ProcessProvider {
         let dir = self.locate_lease(key, lease)?;
         match read_identity(&dir, key)? {
             Identity::Ours | Identity::Incomplete => Ok(Self::endpoint(&dir)),
-            Identity::Absent => Err(ProviderError::Gone(format!(
-                "{} does not exist",
-                dir.display()
-            ))),
-            Identity::Foreign(why) => Err(ProviderError::Definite(format!(
-                "lease {} is not key {key}'s: {why}",
-                lease.0
-            ))),
+            Identity::Absent => Err(ProviderError::gone(
+                FaultKind::Deleted,
+                format!("{} does not exist", dir.display()),
+            )),
+            Identity::Foreign(why) => Err(ProviderError::definite(
+                FaultKind::NotOurs,
+                format!("lease {} is not key {key}'s: {why}", lease.0),
+            )),
         }
     }
 
@@ -938,16 +959,16 @@ impl Provider for ProcessProvider {
         match read_identity(&dir, key)? {
             Identity::Ours | Identity::Incomplete => {}
             Identity::Absent => {
-                return Err(ProviderError::Gone(format!(
-                    "{} does not exist",
-                    dir.display()
-                )));
+                return Err(ProviderError::gone(
+                    FaultKind::Deleted,
+                    format!("{} does not exist", dir.display()),
+                ));
             }
             Identity::Foreign(why) => {
-                return Err(ProviderError::Definite(format!(
-                    "lease {} is not key {key}'s: {why}",
-                    lease.0
-                )));
+                return Err(ProviderError::definite(
+                    FaultKind::NotOurs,
+                    format!("lease {} is not key {key}'s: {why}", lease.0),
+                ));
             }
         }
         let who = AgentIdentity::new(key, &dir);
@@ -977,27 +998,33 @@ impl Provider for ProcessProvider {
         &self,
         key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         let (dir, lease) = self.locate(key)?;
         let Some(pid) = session_pid(&lease, session) else {
-            return Err(ProviderError::Definite(format!(
-                "session {} is not a session of key {key}",
-                session.0
-            )));
+            return Err(ProviderError::definite(
+                FaultKind::NotOurs,
+                format!("session {} is not a session of key {key}", session.0),
+            ));
         };
         let _guard = self.lock_key(&dir).await;
         self.mark_cancelled(session);
-        self.stop_agent(pid, &AgentIdentity::new(key, &dir)).await
+        self.stop_agent(pid, &AgentIdentity::new(key, &dir))
+            .await
+            .map(|()| Release::Done)
     }
 
-    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+    async fn destroy_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<Release, ProviderError> {
         let dir = self.locate_lease(key, lease)?;
         let guard = self.lock_key(&dir).await;
         if let Identity::Foreign(why) = read_identity(&dir, key)? {
-            return Err(ProviderError::Definite(format!(
-                "will not remove {}: {why}",
-                dir.display()
-            )));
+            return Err(ProviderError::definite(
+                FaultKind::NotOurs,
+                format!("will not remove {}: {why}", dir.display()),
+            ));
         }
         // An agent left running would outlive its directory and could never
         // be found again, so every agent of the identity goes first, found by
@@ -1027,9 +1054,10 @@ impl Provider for ProcessProvider {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => {
-                return Err(ProviderError::Ambiguous(format!(
-                    "cannot remove {}: {e}",
-                    dir.display()
+                return Err(ProviderError::Ambiguous(Fault::caused_by(
+                    FaultKind::Local,
+                    format_args!("cannot remove {}", dir.display()),
+                    e,
                 )));
             }
         }
@@ -1039,7 +1067,7 @@ impl Provider for ProcessProvider {
         }
         drop(guard);
         tracing::debug!(%key, dir = %dir.display(), "destroyed a node directory");
-        Ok(())
+        Ok(Release::Done)
     }
 
     async fn agent_log(
@@ -1066,20 +1094,23 @@ impl Provider for ProcessProvider {
 
     async fn list(&self, run_id: &RunId) -> Result<Inventory, ProviderError> {
         validate_id(run_id.as_str()).map_err(|e| {
-            ProviderError::Definite(format!("run {run_id} cannot name leases: {e}"))
+            ProviderError::definite(
+                FaultKind::Invalid,
+                format!("run {run_id} cannot name leases: {e}"),
+            )
         })?;
         let run_dir = self.shared.nodes_dir.join(run_id.as_str());
         let entries = match fs::read_dir(&run_dir) {
             Ok(entries) => entries,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Inventory::new()),
-            Err(e) => return Err(definite(format!("cannot list {}", run_dir.display()), &e)),
+            Err(e) => return Err(definite(format!("cannot list {}", run_dir.display()), e)),
         };
         // Read every directory first, so one search of `/proc` serves all
         // whose pid file does not name a live agent.
         let mut nodes = Vec::new();
         for entry in entries {
             let entry =
-                entry.map_err(|e| definite(format!("cannot list {}", run_dir.display()), &e))?;
+                entry.map_err(|e| definite(format!("cannot list {}", run_dir.display()), e))?;
             let name = entry.file_name();
             let Some(key) = name.to_str().and_then(|n| key_from_dir_name(run_id, n)) else {
                 tracing::warn!(path = %entry.path().display(), "ignoring an entry that is not a node directory");

@@ -162,6 +162,19 @@ pub enum SshError {
 }
 
 impl SshError {
+    /// What kind of provider fault the error is.
+    pub fn fault_kind(&self) -> crate::FaultKind {
+        use crate::FaultKind;
+        match self {
+            Self::Auth { .. } | Self::HostKeyChanged { .. } | Self::UnknownHost { .. } => {
+                FaultKind::Denied
+            }
+            Self::Key { .. } => FaultKind::Local,
+            Self::Remote { .. } => FaultKind::Refused,
+            Self::NotReady { .. } | Self::Broken { .. } => FaultKind::Unreachable,
+        }
+    }
+
     /// Whether the error will repeat until someone changes the configuration
     /// (a refused key, a changed or unknown host key, a bad local file) or
     /// certainly left nothing done ([`SshError::Remote`]); `false` for a host
@@ -185,10 +198,19 @@ impl SshError {
 /// [`crate::ProviderError::Definite`] (see [`SshError::is_definite`]).
 impl From<SshError> for crate::ProviderError {
     fn from(err: SshError) -> Self {
-        if err.is_definite() {
-            Self::Definite(err.to_string())
+        let definite = err.is_definite();
+        let fault = crate::Fault::from(err);
+        if definite {
+            Self::Definite(fault)
         } else {
-            Self::Ambiguous(err.to_string())
+            Self::Ambiguous(fault)
         }
+    }
+}
+
+/// The error's own words, its kind, and the error as the source.
+impl From<SshError> for crate::Fault {
+    fn from(err: SshError) -> Self {
+        crate::Fault::with_source(err.fault_kind(), err.to_string(), err)
     }
 }

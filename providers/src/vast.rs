@@ -65,6 +65,8 @@ pub use model::KNOWN_PARAMS;
 
 use self::api::{Api, ApiError, Endpoint};
 use self::model::{CreateFailure, GroupParams, Health, Instance, Offer};
+use crate::FaultKind;
+use crate::Release;
 use crate::credentials::AgentCredentials;
 use crate::kit::{KeyGuard, KeyLocks, Sessions};
 use crate::lock;
@@ -328,8 +330,8 @@ pub fn spend_cap_of(template: &NodeTemplate) -> Option<f64> {
     GroupParams::of(template).ok()?.spend_cap_dph
 }
 
-fn definite(what: impl std::fmt::Display) -> ProviderError {
-    ProviderError::Definite(format!("vast: {what}"))
+fn definite(kind: FaultKind, what: impl std::fmt::Display) -> ProviderError {
+    ProviderError::definite(kind, format!("vast: {what}"))
 }
 
 /// A read's failure: definite (it changed nothing), worded.
@@ -340,7 +342,22 @@ fn read_failed(what: &str, e: &ApiError) -> ProviderError {
         } => " (the API key was refused: check VAST_API_KEY)",
         _ => "",
     };
-    definite(format!("{what}: {e}{hint}"))
+    definite(api_kind(e), format!("{what}: {e}{hint}"))
+}
+
+/// What kind of fault an API error is.
+fn api_kind(e: &ApiError) -> FaultKind {
+    match e {
+        ApiError::Status {
+            status: 401 | 403, ..
+        } => FaultKind::Denied,
+        ApiError::Status { status: 429, .. } => FaultKind::RateLimited,
+        ApiError::Status {
+            status: 400..=499, ..
+        } => FaultKind::Refused,
+        ApiError::Status { .. } | ApiError::Malformed(_) => FaultKind::Service,
+        ApiError::Unsent(_) | ApiError::Lost(_) => FaultKind::Unreachable,
+    }
 }
 
 fn lease_of(id: u64) -> LeaseId {
@@ -352,7 +369,12 @@ fn instance_of(lease: &LeaseId) -> Result<u64, ProviderError> {
         .0
         .strip_prefix("vast:")
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| definite(format!("{} is not a vast lease", lease.0)))
+        .ok_or_else(|| {
+            definite(
+                FaultKind::Invalid,
+                format!("{} is not a vast lease", lease.0),
+            )
+        })
 }
 
 fn session_of(instance: u64, key: &ResourceKey, pid: &str) -> SessionId {
@@ -752,22 +774,29 @@ impl VastProvider {
                 if body.get("success").and_then(serde_json::Value::as_bool) == Some(false)
                     && !model::destroy_absent(200, &body.to_string()) =>
             {
-                return Err(ProviderError::Ambiguous(format!(
-                    "vast: destroying instance {id}: {}",
-                    model::message_of(&body)
-                )));
+                return Err(ProviderError::ambiguous(
+                    FaultKind::Service,
+                    format!(
+                        "vast: destroying instance {id}: {}",
+                        model::message_of(&body)
+                    ),
+                ));
             }
             Ok(_) => {}
             Err(ApiError::Status { status, body }) if model::destroy_absent(status, &body) => {}
             // Refused before anything was done.
             Err(e @ (ApiError::Status { status: ..500, .. } | ApiError::Unsent(_))) => {
-                return Err(definite(format!("destroying instance {id}: {e}")));
+                return Err(definite(
+                    api_kind(&e),
+                    format!("destroying instance {id}: {e}"),
+                ));
             }
             // A 5xx or a lost answer: it may be destroyed; the core retries.
             Err(e) => {
-                return Err(ProviderError::Ambiguous(format!(
-                    "vast: destroying instance {id}: {e}"
-                )));
+                return Err(ProviderError::ambiguous(
+                    api_kind(&e),
+                    format!("vast: destroying instance {id}: {e}"),
+                ));
             }
         }
         self.forget_instance(id);
@@ -847,12 +876,15 @@ impl VastProvider {
             };
         }
         if record.age() < lag {
-            return Err(ProviderError::Ambiguous(format!(
-                "vast: an earlier create for {label} (offer {}) has an unknown outcome; it is looked for by label for {}s before another machine is rented ({}s so far)",
-                record.offer,
-                lag.as_secs(),
-                record.age().as_secs()
-            )));
+            return Err(ProviderError::ambiguous(
+                FaultKind::Unconfirmed,
+                format!(
+                    "vast: an earlier create for {label} (offer {}) has an unknown outcome; it is looked for by label for {}s before another machine is rented ({}s so far)",
+                    record.offer,
+                    lag.as_secs(),
+                    record.age().as_secs()
+                ),
+            ));
         }
         tracing::info!(%key, "an earlier create with an unknown outcome never showed up; renting anew");
         self.forget_record(key);
@@ -909,7 +941,7 @@ impl VastProvider {
             )
             .await
             .map_err(|e| read_failed("searching offers", &e))?;
-        let mut offers = model::parse_offers(&body).map_err(definite)?;
+        let mut offers = model::parse_offers(&body).map_err(|e| definite(FaultKind::Invalid, e))?;
         // The service filters too; a price or size it ignored must not slip
         // through. Each offer is priced as it will be rented (a bid's own).
         offers.retain(|o| params.can_win(o));
@@ -945,25 +977,29 @@ impl VastProvider {
             }
             !bad
         }) else {
-            return Err(definite(if total == 0 {
-                format!(
-                    "no capacity: no offer matches ({}); retried later",
-                    params.describe()
-                )
-            } else {
-                format!(
-                    "no capacity: the {total} matching offer(s) are on machines that just failed ({}); retried later",
-                    skipped
-                        .iter()
-                        .map(u64::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            }));
+            return Err(definite(
+                FaultKind::NoCapacity,
+                if total == 0 {
+                    format!(
+                        "no capacity: no offer matches ({}); retried later",
+                        params.describe()
+                    )
+                } else {
+                    format!(
+                        "no capacity: the {total} matching offer(s) are on machines that just failed ({}); retried later",
+                        skipped
+                            .iter()
+                            .map(u64::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                },
+            ));
         };
         if let Some(cap) = params.spend_cap_dph {
             let live = self.run_spend(&key.run_id).await?;
-            model::check_spend(cap, &live, offer.dph_total).map_err(definite)?;
+            model::check_spend(cap, &live, offer.dph_total)
+                .map_err(|e| definite(FaultKind::Invalid, e))?;
         }
         let mut env: serde_json::Map<String, serde_json::Value> = template
             .boot
@@ -1040,9 +1076,12 @@ impl VastProvider {
                     })
                 }
                 // A success status without the instance: it may exist.
-                Err(e) => Err(ProviderError::Ambiguous(format!(
-                    "vast: renting {where_}: {e}; the label is looked for before renting again"
-                ))),
+                Err(e) => Err(ProviderError::ambiguous(
+                    FaultKind::Unconfirmed,
+                    format!(
+                        "vast: renting {where_}: {e}; the label is looked for before renting again"
+                    ),
+                )),
             },
             Err(ApiError::Status { status, body }) => {
                 let failure = model::classify_create(status, &body);
@@ -1052,31 +1091,46 @@ impl VastProvider {
                 Err(match failure {
                     CreateFailure::Capacity(m) => {
                         self.mark_bad(Some(offer.machine_id), &m);
-                        definite(format!(
-                            "no capacity: {where_} cannot be rented: {m}; the next try uses another offer"
-                        ))
+                        definite(
+                            FaultKind::NoCapacity,
+                            format!(
+                                "no capacity: {where_} cannot be rented: {m}; the next try uses another offer"
+                            ),
+                        )
                     }
-                    CreateFailure::Refused(m) => {
-                        definite(format!("the service refused to rent {where_}: {m}"))
-                    }
-                    CreateFailure::Auth(m) => definite(format!(
-                        "the service refused the API key: {m}; check VAST_API_KEY"
-                    )),
-                    CreateFailure::RateLimited(m) => {
-                        definite(format!("rate limited while renting {where_}: {m}"))
-                    }
-                    CreateFailure::Unknown(m) => ProviderError::Ambiguous(format!(
-                        "vast: renting {where_}: {m}; the label is looked for before renting again"
-                    )),
+                    CreateFailure::Refused(m) => definite(
+                        FaultKind::Refused,
+                        format!("the service refused to rent {where_}: {m}"),
+                    ),
+                    CreateFailure::Auth(m) => definite(
+                        FaultKind::Denied,
+                        format!("the service refused the API key: {m}; check VAST_API_KEY"),
+                    ),
+                    CreateFailure::RateLimited(m) => definite(
+                        FaultKind::RateLimited,
+                        format!("rate limited while renting {where_}: {m}"),
+                    ),
+                    CreateFailure::Unknown(m) => ProviderError::ambiguous(
+                        FaultKind::Unconfirmed,
+                        format!(
+                            "vast: renting {where_}: {m}; the label is looked for before renting again"
+                        ),
+                    ),
                 })
             }
             Err(e @ ApiError::Unsent(_)) => {
                 self.forget_record(key);
-                Err(definite(format!("renting {where_}: {e}")))
+                Err(definite(
+                    FaultKind::Unreachable,
+                    format!("renting {where_}: {e}"),
+                ))
             }
-            Err(e) => Err(ProviderError::Ambiguous(format!(
-                "vast: renting {where_}: {e}; the label is looked for before renting again"
-            ))),
+            Err(e) => Err(ProviderError::ambiguous(
+                FaultKind::Unconfirmed,
+                format!(
+                    "vast: renting {where_}: {e}; the label is looked for before renting again"
+                ),
+            )),
         }
     }
 
@@ -1141,10 +1195,13 @@ impl VastProvider {
             .binary
             .get_or_try_init(|| async move {
                 let bytes = tokio::fs::read(&path).await.map_err(|e| {
-                    definite(format!(
-                        "cannot read the agent binary {} to upload it: {e}",
-                        path.display()
-                    ))
+                    definite(
+                        FaultKind::Local,
+                        format!(
+                            "cannot read the agent binary {} to upload it: {e}",
+                            path.display()
+                        ),
+                    )
                 })?;
                 use sha2::Digest;
                 let sha: String = sha2::Sha256::digest(&bytes)
@@ -1199,17 +1256,21 @@ impl VastProvider {
             .as_ref()
             .is_some_and(|r| r.age() < self.shared.config.listing_lag);
         match self.show(id).await {
-            Ok(None) if !recent => {
-                ProviderError::Gone(format!("instance {id} no longer exists ({err})"))
-            }
+            Ok(None) if !recent => ProviderError::gone(
+                FaultKind::Deleted,
+                format!("instance {id} no longer exists ({err})"),
+            ),
             Ok(Some(i)) => match model::health(&i) {
                 Health::Failed(why) => {
                     self.mark_bad(i.machine_id, &why);
-                    ProviderError::Gone(format!(
-                        "{why}; it is destroyed and the node goes to another offer"
-                    ))
+                    ProviderError::gone(
+                        FaultKind::MachineFailed,
+                        format!("{why}; it is destroyed and the node goes to another offer"),
+                    )
                 }
-                Health::Destroyed => ProviderError::Gone(format!("instance {id} was destroyed")),
+                Health::Destroyed => {
+                    ProviderError::gone(FaultKind::Deleted, format!("instance {id} was destroyed"))
+                }
                 _ => err.into(),
             },
             _ => err.into(),
@@ -1237,7 +1298,7 @@ impl VastProvider {
                 limit.as_secs()
             );
             self.mark_bad(i.machine_id, &why);
-            return Err(ProviderError::Gone(why));
+            return Err(ProviderError::gone(FaultKind::LoadTimeout, why));
         }
         Err(ProviderError::NotReady)
     }
@@ -1263,14 +1324,17 @@ impl Provider for VastProvider {
         key: &ResourceKey,
         template: &NodeTemplate,
     ) -> Result<LeaseGrant, ProviderError> {
-        let params = GroupParams::of(template).map_err(definite)?;
+        let params = GroupParams::of(template).map_err(|e| definite(FaultKind::Invalid, e))?;
         let _guard = self.lock_key(key).await;
         let label = model::label_of(key, self.shared.config.deployment.as_deref());
         if label.len() > model::LABEL_LEN_MAX {
-            return Err(definite(format!(
-                "the label {label:?} is longer than the service's {} characters; use a shorter run or group id",
-                model::LABEL_LEN_MAX
-            )));
+            return Err(definite(
+                FaultKind::Invalid,
+                format!(
+                    "the label {label:?} is longer than the service's {} characters; use a shorter run or group id",
+                    model::LABEL_LEN_MAX
+                ),
+            ));
         }
         if let Some(i) = self.adopt(key, &label).await? {
             tracing::debug!(%key, instance = i.id, "adopted an instance by its label");
@@ -1323,9 +1387,10 @@ impl Provider for VastProvider {
             {
                 return Err(ProviderError::NotReady);
             }
-            return Err(ProviderError::Gone(format!(
-                "instance {id} no longer exists"
-            )));
+            return Err(ProviderError::gone(
+                FaultKind::Deleted,
+                format!("instance {id} no longer exists"),
+            ));
         };
         self.remember_shown(key, &i, record.as_ref());
         match model::health(&i) {
@@ -1346,7 +1411,7 @@ impl Provider for VastProvider {
                         record.as_ref(),
                         &format!("running, but SSH is not ready ({e})"),
                     ),
-                    Err(e) => Err(definite(format!("instance {id}: {e}"))),
+                    Err(e) => Err(definite(e.fault_kind(), format!("instance {id}: {e}"))),
                 }
             }
             Health::Pending(status) => {
@@ -1354,11 +1419,15 @@ impl Provider for VastProvider {
             }
             Health::Failed(why) => {
                 self.mark_bad(i.machine_id, &why);
-                Err(ProviderError::Gone(format!(
-                    "{why}; it is destroyed and the node goes to another offer"
-                )))
+                Err(ProviderError::gone(
+                    FaultKind::MachineFailed,
+                    format!("{why}; it is destroyed and the node goes to another offer"),
+                ))
             }
-            Health::Destroyed => Err(ProviderError::Gone(format!("instance {id} was destroyed"))),
+            Health::Destroyed => Err(ProviderError::gone(
+                FaultKind::Deleted,
+                format!("instance {id} was destroyed"),
+            )),
         }
     }
 
@@ -1372,7 +1441,12 @@ impl Provider for VastProvider {
         let id = instance_of(lease)?;
         let target = match endpoint.0.strip_prefix("ssh:") {
             Some(t) => t.to_owned(),
-            None => return Err(definite(format!("{} is not an SSH endpoint", endpoint.0))),
+            None => {
+                return Err(definite(
+                    FaultKind::Invalid,
+                    format!("{} is not an SSH endpoint", endpoint.0),
+                ));
+            }
         };
         let _guard = self.lock_key(key).await;
         let dir = remote::node_dir(key);
@@ -1413,10 +1487,13 @@ impl Provider for VastProvider {
             )
             .await?;
         if !out.success() {
-            return Err(definite(format!(
-                "cannot write the agent's credentials on instance {id}: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+            return Err(definite(
+                FaultKind::Refused,
+                format!(
+                    "cannot write the agent's credentials on instance {id}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
         }
         let wrapper = remote::wrapper(
             key,
@@ -1432,10 +1509,13 @@ impl Provider for VastProvider {
         let out = self.run(id, &target, &remote::launch(&dir), None).await?;
         let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         if pid.is_empty() || !pid.chars().all(|c| c.is_ascii_digit()) {
-            return Err(ProviderError::Ambiguous(format!(
-                "vast: started the agent on instance {id} but it did not record its pid: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+            return Err(ProviderError::ambiguous(
+                FaultKind::Unconfirmed,
+                format!(
+                    "vast: started the agent on instance {id} but it did not record its pid: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
         }
         tracing::debug!(%key, instance = id, pid, "started an agent");
         self.follow(id, &target, key, session_of(id, key, &pid))
@@ -1446,18 +1526,23 @@ impl Provider for VastProvider {
         &self,
         key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         let id: u64 = session
             .0
             .strip_prefix("vast:")
             .and_then(|s| s.split('#').next())
             .and_then(|s| s.parse().ok())
-            .ok_or_else(|| definite(format!("{} is not a vast session", session.0)))?;
+            .ok_or_else(|| {
+                definite(
+                    FaultKind::Invalid,
+                    format!("{} is not a vast session", session.0),
+                )
+            })?;
         let _guard = self.lock_key(key).await;
         self.shared.sessions.mark_cancelled(session);
         // Nothing runs on an instance that is not running.
         let Some(target) = self.target_of(id).await? else {
-            return Ok(());
+            return Ok(Release::Done);
         };
         let grace = self.shared.config.term_grace.as_secs().max(1);
         let out = self
@@ -1473,11 +1558,12 @@ impl Provider for VastProvider {
             )
             .await?;
         if String::from_utf8_lossy(&out.stdout).trim() == "stuck" {
-            return Err(ProviderError::Ambiguous(format!(
-                "vast: the agent of {key} on instance {id} outlived SIGKILL"
-            )));
+            return Err(ProviderError::ambiguous(
+                FaultKind::Unstoppable,
+                format!("vast: the agent of {key} on instance {id} outlived SIGKILL"),
+            ));
         }
-        Ok(())
+        Ok(Release::Done)
     }
 
     /// Its machine is skipped by later creates, whatever the reason: an
@@ -1487,7 +1573,7 @@ impl Provider for VastProvider {
         key: &ResourceKey,
         lease: &LeaseId,
         reason: &str,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         let id = instance_of(lease)?;
         let shown = lock(&self.shared.shown)
             .get(key)
@@ -1502,7 +1588,11 @@ impl Provider for VastProvider {
         self.destroy_lease(key, lease).await
     }
 
-    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+    async fn destroy_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<Release, ProviderError> {
         let id = instance_of(lease)?;
         let _guard = self.lock_key(key).await;
         self.destroy(id).await?;
@@ -1511,7 +1601,7 @@ impl Provider for VastProvider {
         }
         lock(&self.shared.shown).remove(key);
         tracing::info!(%key, instance = id, "destroyed an instance");
-        Ok(())
+        Ok(Release::Done)
     }
 
     async fn paused(&self, key: &ResourceKey, lease: &LeaseId) -> Result<bool, ProviderError> {
@@ -1637,10 +1727,13 @@ impl Provider for VastProvider {
     ) -> Result<crate::AgentLogSource, ProviderError> {
         let id = instance_of(lease)?;
         let Some(target) = self.target_of(id).await? else {
-            return Err(definite(format!(
-                "vast: instance {id} is not running (or not serving SSH), so its agent log \
+            return Err(definite(
+                FaultKind::Invalid,
+                format!(
+                    "vast: instance {id} is not running (or not serving SSH), so its agent log \
                  cannot be read"
-            )));
+                ),
+            ));
         };
         let ssh = self.connect(id, &target).await?;
         read_agent_log(&ssh, key, follow, format!("instance {id} ({target})")).await

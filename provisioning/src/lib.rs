@@ -73,7 +73,7 @@ pub use lost::{LostJournal, Traces, Unrecorded, without_journal};
 pub use nodemap::{DENSE_INDEX_MAX, GroupEntries, NodeMap, NodeTable};
 pub use observe::{
     BOOT_CHECK_REPORT_MARGIN_MS, BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass,
-    Folded, OperationOutcome, OperationResult, stall_during_boot_check_ms,
+    Folded, OperationOutcome, OperationResult, Release, stall_during_boot_check_ms,
 };
 pub use rollout::{Breaker, GroupPolicy, OnPreempt, PERCENT_MAX, Quantity};
 pub use shape::{

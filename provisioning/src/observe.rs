@@ -27,6 +27,19 @@ pub enum FailureClass {
     LeaseGone,
 }
 
+/// How a release (a session stopped, a lease destroyed) ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Release {
+    /// Released, or there was nothing left to release.
+    Done,
+    /// The provider stopped trying without releasing it, because the
+    /// machine it is on has not answered for longer than the provider
+    /// waits. The slot no longer counts it, and the provider releases it
+    /// when the machine answers again; until then it may still hold the
+    /// machine. The words say which machine and why.
+    GivenUp(String),
+}
+
 /// What an executed operation reported.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum OperationOutcome {
@@ -60,6 +73,44 @@ pub enum OperationOutcome {
         /// What went wrong, for people to read.
         reason: String,
     },
+    /// CancelBootstrap gave the session up unstopped ([`Release::GivenUp`]):
+    /// for the slot it is over, as after [`OperationOutcome::BootstrapCancelled`].
+    BootstrapGivenUp {
+        /// Where and why, for people to read.
+        reason: String,
+    },
+    /// DestroyLease gave the lease up unreleased ([`Release::GivenUp`]): for
+    /// the slot it is over, as after [`OperationOutcome::LeaseDestroyed`].
+    LeaseGivenUp {
+        /// Where and why, for people to read.
+        reason: String,
+    },
+}
+
+impl OperationOutcome {
+    /// The outcome of a CancelBootstrap that ended as `release` says.
+    pub fn cancelled(release: Release) -> Self {
+        match release {
+            Release::Done => Self::BootstrapCancelled,
+            Release::GivenUp(reason) => Self::BootstrapGivenUp { reason },
+        }
+    }
+
+    /// The outcome of a DestroyLease that ended as `release` says.
+    pub fn destroyed(release: Release) -> Self {
+        match release {
+            Release::Done => Self::LeaseDestroyed,
+            Release::GivenUp(reason) => Self::LeaseGivenUp { reason },
+        }
+    }
+
+    /// Why the release this outcome reports was given up, if it was.
+    pub fn given_up(&self) -> Option<&str> {
+        match self {
+            Self::BootstrapGivenUp { reason } | Self::LeaseGivenUp { reason } => Some(reason),
+            _ => None,
+        }
+    }
 }
 
 /// The result of one dispatched operation.
@@ -257,11 +308,17 @@ pub fn fold_result(
                 rec.bootstrap_deadline = Some(stall_at);
             }
         }
-        (EffectKind::CancelBootstrap, OperationOutcome::BootstrapCancelled) => {
+        (
+            EffectKind::CancelBootstrap,
+            OperationOutcome::BootstrapCancelled | OperationOutcome::BootstrapGivenUp { .. },
+        ) => {
             rec.session = None;
             rec.bootstrap_deadline = None;
         }
-        (EffectKind::DestroyLease, OperationOutcome::LeaseDestroyed) => {
+        (
+            EffectKind::DestroyLease,
+            OperationOutcome::LeaseDestroyed | OperationOutcome::LeaseGivenUp { .. },
+        ) => {
             rec.lease = None;
             rec.endpoint = None;
         }

@@ -295,10 +295,14 @@ impl Provider for Crashing {
     ) -> Result<BootstrapSession, ProviderError> {
         self.inner.start_bootstrap(k, l, e, t).await
     }
-    async fn cancel_bootstrap(&self, k: &ResourceKey, s: &SessionId) -> Result<(), ProviderError> {
+    async fn cancel_bootstrap(
+        &self,
+        k: &ResourceKey,
+        s: &SessionId,
+    ) -> Result<Release, ProviderError> {
         self.inner.cancel_bootstrap(k, s).await
     }
-    async fn destroy_lease(&self, k: &ResourceKey, l: &LeaseId) -> Result<(), ProviderError> {
+    async fn destroy_lease(&self, k: &ResourceKey, l: &LeaseId) -> Result<Release, ProviderError> {
         self.inner.destroy_lease(k, l).await
     }
     async fn list(&self, r: &RunId) -> Result<Inventory, ProviderError> {

@@ -337,11 +337,15 @@ fn print_attempts(out: &mut Out, d: &NodeDescription, width: Option<usize>) -> s
 }
 
 /// Why an attempt ended or what it last said: its failure, its last error
-/// if that differs, else its bootstrap stage.
+/// if that differs, else its bootstrap stage; and what its provider gave
+/// up rather than released.
 fn attempt_why(a: &swactor_provisioning::AttemptRecord) -> String {
     let mut why: Vec<String> = Vec::new();
     if let Some(r) = &a.failed_reason {
         why.push(r.clone());
+    }
+    if let Some(left) = &a.left_behind {
+        why.push(format!("left behind: {left}"));
     }
     if let Some(e) = &a.last_error
         && a.failed_reason.as_ref() != Some(e)

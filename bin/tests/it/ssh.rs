@@ -329,6 +329,20 @@ fn a_host_that_goes_down_is_given_up_its_node_placed_elsewhere_and_nothing_is_le
     eprintln!("replaced on the other host after {:?}", down.elapsed());
     let now = node(&snap, "w-0").attempt;
     assert_eq!(pool.host_of("w-0", now.0), Some(1 - host));
+    // The old attempt was given up, not destroyed, and people are told:
+    // a line in the daemon's output, and a note in the node's history.
+    let target = pool.hosts[host].target().to_string();
+    let line = format!("gave up releasing w-0 {first}: {target} has not answered");
+    wait_for(Duration::from_secs(10), "the give-up to be told", || {
+        d.log().contains(&line)
+    });
+    let described = cli(&pool.state, &["describe", "w-0"]);
+    let text = stdout(&described);
+    assert!(
+        text.contains("left behind:") && text.contains(&target),
+        "{text}{}",
+        stderr(&described)
+    );
     // The host comes back holding the old claim: it is cleaned, not listed.
     pool.hosts[host].start_again();
     wait_for(

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use swactor_providers::vast::{ApiKey, Pacing, VastConfig, VastProvider};
-use swactor_providers::{Provider, ProviderError};
+use swactor_providers::{FaultKind, Provider, ProviderError, Release};
 use swactor_provisioning::{
     BootParams, LeaseId, LogicalNodeId, NodeAttemptId, NodeLimits, NodeTemplate, ParamValue,
     ProviderShape, ResourceKey, RunId, SwarmJoin,
@@ -395,15 +395,15 @@ fn a_gone_offer_is_a_capacity_failure_and_the_next_create_goes_elsewhere() {
     rt().block_on(async {
         let k = key("w-0", 1);
         let e1 = p.create_lease(&k, &t).await.unwrap_err();
-        assert!(matches!(&e1, ProviderError::Definite(m) if m.contains("no capacity") && m.contains("machine 700")), "{e1}");
+        assert!(matches!(&e1, ProviderError::Definite(m) if m.kind() == FaultKind::NoCapacity && m.message().contains("machine 700")), "{e1}");
         let e2 = p.create_lease(&k, &t).await.unwrap_err();
-        assert!(matches!(&e2, ProviderError::Definite(m) if m.contains("no capacity") && m.contains("machine 701")), "{e2}");
+        assert!(matches!(&e2, ProviderError::Definite(m) if m.kind() == FaultKind::NoCapacity && m.message().contains("machine 701")), "{e2}");
         let g = p.create_lease(&k, &t).await.unwrap();
         let view = w.mock.instance(instance_id(&g.lease)).unwrap();
         assert_eq!(view.offer_id, 5002, "{view:?}");
         // No offer at all: a capacity failure that says what was asked.
         let e3 = p.create_lease(&key("w-1", 2), &t).await.unwrap_err();
-        assert!(matches!(&e3, ProviderError::Definite(m) if m.contains("no capacity")), "{e3}");
+        assert!(matches!(&e3, ProviderError::Definite(m) if m.kind() == FaultKind::NoCapacity && m.message().contains("no capacity")), "{e3}");
         p.destroy_lease(&k, &g.lease).await.unwrap();
     });
     w.assert_one_create_per_label();
@@ -499,7 +499,7 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, ProviderError::Gone(m) if m.contains("failed boot")),
+            matches!(&e, ProviderError::Gone(m) if m.kind() == FaultKind::MachineFailed && m.message().contains("failed boot")),
             "{e}"
         );
         let failed_offer = w.mock.instance(instance_id(&g.lease)).unwrap().offer_id;
@@ -520,7 +520,7 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
             .kill(Selector::Id(instance_id(&g2.lease)), Death::Exited);
         let e = p.lookup_endpoint(&k2, &g2.lease).await.unwrap_err();
         assert!(
-            matches!(&e, ProviderError::Gone(m) if m.contains("exited")),
+            matches!(&e, ProviderError::Gone(m) if m.kind() == FaultKind::MachineFailed && m.message().contains("exited")),
             "{e}"
         );
         p.destroy_lease(&k2, &g2.lease).await.unwrap();
@@ -532,7 +532,7 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, ProviderError::Gone(m) if m.contains("load_timeout_s")),
+            matches!(&e, ProviderError::Gone(m) if m.kind() == FaultKind::LoadTimeout && m.message().contains("load_timeout_s")),
             "{e}"
         );
         p.destroy_lease(&k3, &g3.lease).await.unwrap();
@@ -544,7 +544,7 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, ProviderError::Gone(m) if m.contains("SSH is not ready")),
+            matches!(&e, ProviderError::Gone(m) if m.kind() == FaultKind::LoadTimeout && m.message().contains("SSH is not ready")),
             "{e}"
         );
         p.destroy_lease(&k5, &g5.lease).await.unwrap();
@@ -558,6 +558,7 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
         w.mock
             .kill(Selector::Id(instance_id(&g4.lease)), Death::Vanished);
         let e = p.lookup_endpoint(&k4, &g4.lease).await.unwrap_err();
+        assert_eq!(e.kind(), Some(FaultKind::Deleted), "{e}");
         assert!(matches!(&e, ProviderError::Gone(_)), "{e}");
         p.destroy_lease(&k4, &g4.lease).await.unwrap();
         // Frozen by its host: the GPU is held and billed, nothing runs.
@@ -577,7 +578,7 @@ fn failed_boots_dead_instances_and_stuck_loads_end_the_attempt() {
         );
         let e = p.lookup_endpoint(&k6, &g6.lease).await.unwrap_err();
         assert!(
-            matches!(&e, ProviderError::Gone(m) if m.contains("frozen")),
+            matches!(&e, ProviderError::Gone(m) if m.kind() == FaultKind::MachineFailed && m.message().contains("frozen")),
             "{e}"
         );
         p.destroy_lease(&k6, &g6.lease).await.unwrap();
@@ -611,7 +612,8 @@ fn rate_limits_and_flaky_destroys_are_waited_out_without_a_second_rental() {
         loop {
             tries += 1;
             match p.destroy_lease(&k, &g.lease).await {
-                Ok(()) => break,
+                Ok(Release::Done) => break,
+                Ok(other) => panic!("{other:?}"),
                 Err(e) => assert!(tries < 5, "{e}"),
             }
         }

@@ -9,8 +9,10 @@
 //! engine: there is nothing of the run's to find there.
 
 use super::{DockerConfig, DockerError, DockerProvider};
+use crate::Release;
 use crate::{
-    AgentLogSource, BootstrapSession, Inventory, LeaseGrant, Provider, ProviderError, async_trait,
+    AgentLogSource, BootstrapSession, FaultKind, Inventory, LeaseGrant, Provider, ProviderError,
+    async_trait,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use swactor_provisioning::{LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId};
@@ -55,7 +57,9 @@ impl DockerOnDemand {
         }
         let provider = DockerProvider::connect(self.config.clone())
             .await
-            .map_err(|e| ProviderError::Definite(swactor_engine::error_chain(&e)))?;
+            .map_err(|e| {
+                ProviderError::definite(FaultKind::Unreachable, swactor_engine::error_chain(&e))
+            })?;
         let _ = self.ready.set(provider.clone());
         *connected = Some(provider.clone());
         Ok(provider)
@@ -101,11 +105,15 @@ impl Provider for DockerOnDemand {
         &self,
         key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         self.get().await?.cancel_bootstrap(key, session).await
     }
 
-    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+    async fn destroy_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<Release, ProviderError> {
         self.get().await?.destroy_lease(key, lease).await
     }
 
@@ -180,8 +188,10 @@ mod tests {
         let ProviderError::Definite(text) = err else {
             panic!("expected a definite failure, got {err:?}");
         };
-        assert!(text.contains("no-engine.sock"), "{text}");
-        assert!(text.contains("is dockerd running"), "{text}");
+        assert_eq!(text.kind(), FaultKind::Unreachable, "{text}");
+        // The words name the engine and what to check.
+        assert!(text.message().contains("no-engine.sock"), "{text}");
+        assert!(text.message().contains("is dockerd running"), "{text}");
     }
 
     #[test]

@@ -43,6 +43,8 @@
 
 use super::remote::{self, ALIVE_MARKER, EXIT_MARKER};
 use super::{ConnectOptions, KnownHosts, RemoteLine, SshError, SshIdentity, SshSession, SshTarget};
+use crate::FaultKind;
+use crate::Release;
 use crate::credentials::AgentCredentials;
 use crate::kit::{KeyGuard, KeyLocks, RecentOutput, Sessions, parse_agent_line};
 use crate::lock;
@@ -167,7 +169,9 @@ fn check_label(label: &str) -> Result<(), String> {
 
 impl Group {
     fn of(template: &NodeTemplate) -> Result<Self, ProviderError> {
-        let bad = |what: String| ProviderError::Definite(format!("ssh provider: {what}"));
+        let bad = |what: String| {
+            ProviderError::definite(FaultKind::Invalid, format!("ssh provider: {what}"))
+        };
         let params = &template.provider.params;
         let key = match params.get("key") {
             None => None,
@@ -498,13 +502,28 @@ impl SshHostsProvider {
     /// Whether cleanups on `host` are to be given up: it has not answered
     /// for its give-up time.
     fn given_up(&self, host: &HostAccess) -> bool {
-        let limit = host.give_up_s.map_or(
-            self.shared.config.unreachable_give_up,
-            Duration::from_secs_f64,
-        );
+        let limit = self.give_up_after(host);
         lock(&self.shared.unreachable_since)
             .get(&host.target)
             .is_some_and(|since| since.elapsed() >= limit)
+    }
+
+    /// How long `host` may not answer before cleanups on it are given up.
+    fn give_up_after(&self, host: &HostAccess) -> Duration {
+        host.give_up_s.map_or(
+            self.shared.config.unreachable_give_up,
+            Duration::from_secs_f64,
+        )
+    }
+
+    /// `what` on `host` is given up: the words the host and people get.
+    fn giving_up(&self, host: &HostAccess, what: &str) -> Release {
+        Release::GivenUp(format!(
+            "{} has not answered for {}s (unreachable_give_up_s), so {what} is given up; \
+             it is cleaned up, and the host's claim released, when the host answers again",
+            host.target,
+            self.give_up_after(host).as_secs()
+        ))
     }
 
     async fn lock_key(&self, key: &ResourceKey) -> KeyGuard<'_, ResourceKey> {
@@ -634,15 +653,17 @@ impl SshHostsProvider {
         key: &ResourceKey,
         lease: &LeaseId,
     ) -> Result<HostAccess, ProviderError> {
-        let target = lease
-            .0
-            .strip_prefix("ssh:")
-            .ok_or_else(|| ProviderError::Definite(format!("{} is not an ssh lease", lease.0)))?;
+        let target = lease.0.strip_prefix("ssh:").ok_or_else(|| {
+            ProviderError::definite(
+                FaultKind::Invalid,
+                format!("{} is not an ssh lease", lease.0),
+            )
+        })?;
         if let Some(r) = self.record(key).filter(|r| r.host.target == target) {
             return Ok(r.host);
         }
         lock(&self.shared.hosts).get(target).cloned().ok_or_else(|| {
-            ProviderError::Definite(format!(
+            ProviderError::definite(FaultKind::Invalid, format!(
                 "no shape this daemon knows lists the host {target} (its key and trust settings are unknown)"
             ))
         })
@@ -694,10 +715,13 @@ impl SshHostsProvider {
             .binary
             .get_or_try_init(|| async move {
                 let bytes = tokio::fs::read(&path).await.map_err(|e| {
-                    ProviderError::Definite(format!(
-                        "cannot read the agent binary {} to upload it: {e}",
-                        path.display()
-                    ))
+                    ProviderError::definite(
+                        FaultKind::Local,
+                        format!(
+                            "cannot read the agent binary {} to upload it: {e}",
+                            path.display()
+                        ),
+                    )
                 })?;
                 use sha2::Digest;
                 let sha: String = sha2::Sha256::digest(&bytes)
@@ -812,7 +836,12 @@ pub(crate) fn write_durably(path: &Path, value: &impl Serialize) -> Result<(), P
         }
         Ok(())
     };
-    write().map_err(|e| ProviderError::Definite(format!("cannot record {}: {e}", path.display())))
+    write().map_err(|e| {
+        ProviderError::definite(
+            FaultKind::Local,
+            format!("cannot record {}: {e}", path.display()),
+        )
+    })
 }
 
 /// Registers a stream for `session` and relays a remote follow's `lines`
@@ -1114,9 +1143,12 @@ impl Provider for SshHostsProvider {
                     self.abandon(key, &record.host)?;
                 }
                 Err(e) => {
-                    return Err(ProviderError::Ambiguous(format!(
-                        "{e}; it may hold this node's claim from an earlier try, so no other host is claimed until it answers"
-                    )));
+                    return Err(ProviderError::ambiguous(
+                        FaultKind::Unreachable,
+                        format!(
+                            "{e}; it may hold this node's claim from an earlier try, so no other host is claimed until it answers"
+                        ),
+                    ));
                 }
             }
         }
@@ -1161,19 +1193,17 @@ impl Provider for SshHostsProvider {
                     });
                 }
                 Err(e) => {
-                    return Err(ProviderError::Ambiguous(format!(
-                        "claiming {} for {key}: {e}",
-                        host.target
-                    )));
+                    return Err(ProviderError::ambiguous(
+                        FaultKind::Unreachable,
+                        format!("claiming {} for {key}: {e}", host.target),
+                    ));
                 }
             }
         }
-        Err(ProviderError::Definite(no_free_host(
-            group.hosts.len(),
-            &taken,
-            &away,
-            &unusable,
-        )))
+        Err(ProviderError::definite(
+            FaultKind::NoCapacity,
+            no_free_host(group.hosts.len(), &taken, &away, &unusable),
+        ))
     }
 
     async fn lookup_endpoint(
@@ -1191,10 +1221,10 @@ impl Provider for SshHostsProvider {
         if claim.lines().next().map(str::trim)
             != Some(remote::claim_line(key, self.deployment()).as_str())
         {
-            return Err(ProviderError::Gone(format!(
-                "{} no longer holds the claim of {key}",
-                host.target
-            )));
+            return Err(ProviderError::gone(
+                FaultKind::Deleted,
+                format!("{} no longer holds the claim of {key}", host.target),
+            ));
         }
         Ok(NodeEndpoint::from(format!("ssh:{}", host.target)))
     }
@@ -1222,10 +1252,10 @@ impl Provider for SshHostsProvider {
             .map(str::trim)
             != Some(remote::claim_line(key, self.deployment()).as_str())
         {
-            return Err(ProviderError::Gone(format!(
-                "{} no longer holds the claim of {key}",
-                host.target
-            )));
+            return Err(ProviderError::gone(
+                FaultKind::Deleted,
+                format!("{} no longer holds the claim of {key}", host.target),
+            ));
         }
         let (bytes, sha) = self.agent_binary().await?;
         let binary = remote::binary_path(&sha);
@@ -1246,11 +1276,14 @@ impl Provider for SshHostsProvider {
             )
             .await?;
         if !out.success() {
-            return Err(ProviderError::Definite(format!(
-                "cannot write the agent's credentials on {}: {}",
-                host.target,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+            return Err(ProviderError::definite(
+                FaultKind::Refused,
+                format!(
+                    "cannot write the agent's credentials on {}: {}",
+                    host.target,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
         }
         let group = Group::of(template)?;
         let wrapper = remote::wrapper(
@@ -1267,11 +1300,14 @@ impl Provider for SshHostsProvider {
         let out = self.run(&host, &remote::launch(&dir)).await?;
         let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         if pid.is_empty() || !pid.chars().all(|c| c.is_ascii_digit()) {
-            return Err(ProviderError::Ambiguous(format!(
-                "started the agent on {} but it did not record its pid: {}",
-                host.target,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+            return Err(ProviderError::ambiguous(
+                FaultKind::Unconfirmed,
+                format!(
+                    "started the agent on {} but it did not record its pid: {}",
+                    host.target,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
         }
         tracing::debug!(%key, host = %host.target, pid, "started an agent");
         self.follow(&host, key, session_of(&host, key, &pid)).await
@@ -1281,13 +1317,16 @@ impl Provider for SshHostsProvider {
         &self,
         key: &ResourceKey,
         session: &SessionId,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<Release, ProviderError> {
         let target = session
             .0
             .strip_prefix("ssh:")
             .and_then(|s| s.split('#').next())
             .ok_or_else(|| {
-                ProviderError::Definite(format!("{} is not an ssh session", session.0))
+                ProviderError::definite(
+                    FaultKind::Invalid,
+                    format!("{} is not an ssh session", session.0),
+                )
             })?;
         let host = self.host_of_lease(key, &LeaseId::from(format!("ssh:{target}")))?;
         let _guard = self.lock_key(key).await;
@@ -1302,31 +1341,36 @@ impl Provider for SshHostsProvider {
             .await
         {
             Ok(out) if String::from_utf8_lossy(&out.stdout).trim() == "stuck" => {
-                Err(ProviderError::Ambiguous(format!(
-                    "the agent of {key} on {target} outlived SIGKILL"
-                )))
+                Err(ProviderError::ambiguous(
+                    FaultKind::Unstoppable,
+                    format!("the agent of {key} on {target} outlived SIGKILL"),
+                ))
             }
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(Release::Done),
             Err(e) if !e.is_definite() && self.given_up(&host) => {
                 tracing::warn!(%key, host = %target, "the host has not answered for too long; its agent is left for when it is back");
-                Ok(())
+                Ok(self.giving_up(&host, &format!("stopping the agent of {key}")))
             }
             Err(e) => Err(e.into()),
         }
     }
 
-    async fn destroy_lease(&self, key: &ResourceKey, lease: &LeaseId) -> Result<(), ProviderError> {
+    async fn destroy_lease(
+        &self,
+        key: &ResourceKey,
+        lease: &LeaseId,
+    ) -> Result<Release, ProviderError> {
         let host = self.host_of_lease(key, lease)?;
         let _guard = self.lock_key(key).await;
         match self.clean(&host, key).await {
             Ok(()) => {
                 self.forget_record(key);
-                Ok(())
+                Ok(Release::Done)
             }
             Err(e) if !e.is_definite() && self.given_up(&host) => {
                 tracing::warn!(%key, host = %host.target, error = %e, "the host has not answered for too long; giving its lease up (cleaned when it is back)");
                 self.abandon(key, &host)?;
-                Ok(())
+                Ok(self.giving_up(&host, &format!("the lease of {key}")))
             }
             Err(e) => Err(e.into()),
         }

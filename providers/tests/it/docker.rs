@@ -24,7 +24,7 @@ use swactor_providers::credentials::AgentCredentials;
 use swactor_providers::docker::{
     DockerConfig, DockerError, DockerProvider, LABEL_ATTEMPT, LABEL_GROUP, LABEL_NODE, LABEL_RUN,
 };
-use swactor_providers::{BootstrapEvents, Provider, ProviderError};
+use swactor_providers::{BootstrapEvents, FaultKind, Provider, ProviderError};
 use swactor_provisioning::{
     BootParams, BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, NodeTemplate,
     ParamValue, ProviderShape, ResourceKey, RunId, SwarmJoin,
@@ -553,11 +553,13 @@ async fn a_container_of_another_key_is_never_adopted_or_removed() {
                 &key,
                 &swactor_provisioning::LeaseId::from(format!("docker:{name}")),
             )
-            .await,
+            .await
+            .map(|_| ()),
     ] {
         match result {
             Err(ProviderError::Definite(why)) => {
-                assert!(why.contains("belongs to"), "{why}");
+                assert_eq!(why.kind(), FaultKind::NotOurs, "{why}");
+                assert!(why.message().contains("belongs to"), "{why}");
             }
             other => panic!("{other:?}"),
         }
@@ -580,11 +582,14 @@ async fn an_image_the_engine_lacks_is_a_definite_error() {
     );
     match w.provider.create_lease(&key, &t).await {
         Err(ProviderError::Definite(why)) => {
+            assert_eq!(why.kind(), FaultKind::Invalid, "{why}");
+            // The words tell the user what to do.
             assert!(
-                why.contains("image swactor-test-no-such-image:1 is not on the Docker engine"),
+                why.message()
+                    .contains("image swactor-test-no-such-image:1 is not on the Docker engine"),
                 "{why}"
             );
-            assert!(why.contains("no registry is used"), "{why}");
+            assert!(why.message().contains("no registry is used"), "{why}");
         }
         other => panic!("{other:?}"),
     }
@@ -618,7 +623,11 @@ async fn bad_group_options_are_refused_before_anything_is_made() {
         ),
     ] {
         match w.provider.create_lease(&key, &t).await {
-            Err(ProviderError::Definite(why)) => assert!(why.contains(expected), "{why}"),
+            Err(ProviderError::Definite(why)) => {
+                assert_eq!(why.kind(), FaultKind::Invalid, "{why}");
+                // The words name the option at fault.
+                assert!(why.message().contains(expected), "{why}");
+            }
             other => panic!("{expected}: {other:?}"),
         }
     }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use swactor_providers::ssh::testing::Sshd;
 use swactor_providers::ssh::{SshHostsConfig, SshHostsProvider};
-use swactor_providers::{BootstrapEvents, Provider, ProviderError};
+use swactor_providers::{BootstrapEvents, FaultKind, Provider, ProviderError, Release};
 use swactor_provisioning::{
     BootParams, BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, NodeTemplate,
     ParamValue, ProviderShape, ResourceKey, RunId, SwarmJoin,
@@ -230,6 +230,7 @@ async fn a_host_holds_one_claim_a_retried_create_adopts_it_and_a_full_pool_says_
     let e = p.create_lease(&key("w-1", 2), &t).await.unwrap_err();
     let text = e.to_string();
     assert!(matches!(e, ProviderError::Definite(_)), "{e:?}");
+    assert_eq!(e.kind(), Some(FaultKind::NoCapacity), "{e:?}");
     assert!(
         text.contains("waiting for a free host: 1 of the pool's 1 hosts are claimed")
             && text.contains("r1/w-0/a1"),
@@ -265,6 +266,7 @@ async fn a_host_claimed_by_another_deployment_of_the_run_is_never_adopted_or_rel
         Some("swactor-claim run=r1 node=w-0 attempt=1 deployment=0000000a\n")
     );
     let e = b.create_lease(&k, &t).await.unwrap_err();
+    assert_eq!(e.kind(), Some(FaultKind::NoCapacity), "{e:?}");
     assert!(
         e.to_string().contains("r1/w-0/a1 of deployment 0000000a"),
         "{e}"
@@ -472,9 +474,19 @@ async fn a_host_that_stops_answering_is_given_up_and_cleaned_once_it_is_back() {
     assert!(matches!(e, ProviderError::Ambiguous(_)), "{e:?}");
     assert_eq!(world.claim(1 - host), None);
     // Cleanup fails until the host has been away for its give-up time (2 s).
-    assert!(p.destroy_lease(&k, &grant.lease).await.is_err());
+    let e = p.destroy_lease(&k, &grant.lease).await.unwrap_err();
+    assert_eq!(e.kind(), Some(FaultKind::Unreachable), "{e:?}");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    p.destroy_lease(&k, &grant.lease).await.unwrap();
+    // Then the lease is given up, and the caller is told so, not that it
+    // was destroyed: the host still holds the claim and the agent.
+    match p.destroy_lease(&k, &grant.lease).await.unwrap() {
+        Release::GivenUp(why) => assert!(
+            why.contains(&world.hosts[host].target().to_string())
+                && why.contains("unreachable_give_up_s"),
+            "{why}"
+        ),
+        Release::Done => panic!("a lease on a host that is away was reported destroyed"),
+    }
     // The next attempt goes to the other host.
     let k2 = key("w-0", 2);
     let other = p.create_lease(&k2, &t).await.unwrap();

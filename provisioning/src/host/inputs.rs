@@ -294,10 +294,14 @@ impl<C: Reconciler> Host<C> {
         let node = result.node;
         let started = matches!(result.outcome, OperationOutcome::BootstrapStarted { .. });
         let created = matches!(result.outcome, OperationOutcome::LeaseCreated { .. });
+        let given_up = result.outcome.given_up().map(str::to_owned);
         let attempt = result.op.attempt;
         let folded = self.core.handle_result(result, now)?;
         if folded == Folded::Applied {
             self.node_changed(&node, now);
+            if let Some(reason) = given_up {
+                self.given_up(&node, attempt, reason);
+            }
             if started {
                 self.bootstrap_started(&node);
             }
@@ -628,11 +632,13 @@ impl<C: Reconciler> Host<C> {
         }
     }
 
-    /// An orphan's collection finished (or failed, and is retried after backoff).
+    /// An orphan's collection finished (or failed, and is retried after
+    /// backoff). A collection the provider gave up is over, as a done one
+    /// is, and people are told what may still hold a machine.
     pub fn handle_collected(
         &mut self,
         key: &ResourceKey,
-        outcome: Result<(), String>,
+        outcome: Result<crate::Release, String>,
         now: Timestamp,
     ) {
         self.heard(now);
@@ -640,12 +646,19 @@ impl<C: Reconciler> Host<C> {
             return;
         };
         match outcome {
-            Ok(()) => {
+            Ok(release) => {
                 self.collects.remove(key);
                 self.events.push_back(HostEvent::Collected {
                     key: key.clone(),
                     error: None,
                 });
+                if let crate::Release::GivenUp(reason) = release {
+                    self.given_up_total = self.given_up_total.saturating_add(1);
+                    self.events.push_back(HostEvent::GivenUp {
+                        key: key.clone(),
+                        reason,
+                    });
+                }
             }
             Err(error) => {
                 c.failures = c.failures.saturating_add(1);
@@ -741,6 +754,12 @@ impl<C: Reconciler> Host<C> {
     /// ([`Host::handle_starved`]).
     pub fn starved_ms(&self) -> u64 {
         self.starved_ms
+    }
+
+    /// How many releases providers gave up (see [`HostEvent::GivenUp`])
+    /// since this host started.
+    pub fn given_up_total(&self) -> u64 {
+        self.given_up_total
     }
 
     /// The periodic safety-net tick.

@@ -318,6 +318,15 @@ pub enum HostEvent {
     Deaf(DeafGap),
     /// Something went wrong that people should know about.
     Warning(String),
+    /// A provider gave a release up (see [`crate::Release::GivenUp`]): the
+    /// key's session or lease may still hold a machine until the provider
+    /// cleans it up.
+    GivenUp {
+        /// What was given up.
+        key: ResourceKey,
+        /// Where and why.
+        reason: String,
+    },
 }
 
 /// Why an agent's join was refused.

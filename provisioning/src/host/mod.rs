@@ -247,6 +247,10 @@ pub struct AttemptRecord {
     /// What kind of trouble `last_error` was.
     #[serde(default)]
     pub last_cause: Option<FailureCause>,
+    /// What its provider gave up rather than released, and where: it may
+    /// still hold a machine until the provider cleans it up.
+    #[serde(default)]
+    pub left_behind: Option<String>,
 }
 
 /// A slot's attempts as the host keeps them: the latest inline (most slots
@@ -351,6 +355,7 @@ struct Notes {
     failed_reason: Option<String>,
     last_error: Option<String>,
     last_cause: Option<FailureCause>,
+    left_behind: Option<String>,
 }
 
 impl Kept {
@@ -366,6 +371,7 @@ impl Kept {
             failed_reason: notes.and_then(|n| n.failed_reason.clone()),
             last_error: notes.and_then(|n| n.last_error.clone()),
             last_cause: notes.and_then(|n| n.last_cause),
+            left_behind: notes.and_then(|n| n.left_behind.clone()),
         }
     }
 
@@ -496,6 +502,8 @@ pub struct Host<C: Reconciler> {
     deaf: Option<DeafGap>,
     /// Starved time reported in all ([`Host::handle_starved`]).
     starved_ms: u64,
+    /// Releases a provider gave up ([`HostEvent::GivenUp`]) in this host's life.
+    given_up_total: u64,
     /// The most the run was said to have spent ([`Host::handle_spent`]);
     /// the journal holds it once it is a cent past what it holds.
     spent_micros: u64,
@@ -580,6 +588,7 @@ impl<C: Reconciler> Host<C> {
             last_input: None,
             deaf: None,
             starved_ms: 0,
+            given_up_total: 0,
         })
     }
 

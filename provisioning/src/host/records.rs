@@ -51,6 +51,32 @@ impl<C: Reconciler> Host<C> {
             .collect()
     }
 
+    /// `node`'s `attempt` released something only by giving it up (see
+    /// [`crate::Release::GivenUp`]): people are told, now and in the
+    /// attempt's history, that it may still hold a machine.
+    pub(super) fn given_up(
+        &mut self,
+        node: &LogicalNodeId,
+        attempt: NodeAttemptId,
+        reason: String,
+    ) {
+        if let Some(r) = self
+            .history
+            .get_mut(node)
+            .and_then(|h| h.latest.as_mut())
+            .filter(|r| r.attempt == attempt)
+        {
+            r.notes().left_behind = Some(reason.clone());
+        }
+        self.given_up_total = self.given_up_total.saturating_add(1);
+        let key = ResourceKey {
+            run_id: self.meta.run_id.clone(),
+            node: *node,
+            attempt,
+        };
+        self.events.push_back(HostEvent::GivenUp { key, reason });
+    }
+
     /// A lease of `node`'s `attempt` was seen created: a later host must never make it again.
     pub(super) fn record_created(&mut self, node: &LogicalNodeId, attempt: NodeAttemptId) {
         let Some(r) = self.slots.get_mut(node) else {

@@ -13,6 +13,7 @@ mod diff;
 mod driver;
 mod failure_cause;
 mod failures;
+mod given_up;
 mod ladder;
 mod lanes;
 mod next_step;

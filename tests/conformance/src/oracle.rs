@@ -2154,10 +2154,12 @@ impl Oracle {
                     && ra.session.as_ref() == Some(session)
                     && ra.ambiguous.is_none()
             }
-            OperationOutcome::BootstrapCancelled => {
+            OperationOutcome::BootstrapCancelled | OperationOutcome::BootstrapGivenUp { .. } => {
                 ra.session.is_none() && ra.bootstrap_deadline.is_none()
             }
-            OperationOutcome::LeaseDestroyed => ra.lease.is_none() && ra.endpoint.is_none(),
+            OperationOutcome::LeaseDestroyed | OperationOutcome::LeaseGivenUp { .. } => {
+                ra.lease.is_none() && ra.endpoint.is_none()
+            }
             OperationOutcome::EndpointNotReady | OperationOutcome::Failed { .. } => true,
         };
         let success = !matches!(

@@ -734,6 +734,8 @@ impl<R: Reconciler> World<R> {
             request,
             outcome: &outcome,
         });
+        // The model's backend never gives a release up.
+        let outcome = outcome.map(|()| swactor_provisioning::Release::Done);
         self.host.handle_collected(&request.key, outcome, now);
     }
 
