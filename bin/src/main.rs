@@ -432,6 +432,7 @@ async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32
                 keep,
                 yes,
                 unrecorded: unrecorded(adopt, fresh),
+                providers: Vec::new(),
             })
             .await
         }

@@ -103,6 +103,9 @@ pub(crate) struct ControlHandler {
     pub(crate) journal: JournalHealth,
     /// Where the time taken to answer each request is counted.
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
+    /// The kinds of the providers the embedding program brought: a shape
+    /// sent by the CLI may name them too.
+    pub(crate) more_providers: Vec<&'static str>,
 }
 
 impl ControlHandler {
@@ -122,7 +125,8 @@ impl ControlHandler {
             );
         }
         let result = match req {
-            ControlRequest::Apply(file) => {
+            ControlRequest::Apply(mut file) => {
+                file.allow_providers(&self.more_providers);
                 match apply_file(&self.cluster, &self.run_id, &self.journal, &file).await {
                     Ok((generation, changed)) => {
                         // Said so the caller knows nothing will happen yet.
@@ -154,7 +158,12 @@ impl ControlHandler {
                     changed,
                 })
                 .map_err(|e| self.refused(&e)),
-            ControlRequest::Plan { shape, all } => self.plan(shape, all).await,
+            ControlRequest::Plan { mut shape, all } => {
+                if let Some(f) = &mut shape {
+                    f.allow_providers(&self.more_providers);
+                }
+                self.plan(shape, all).await
+            }
             ControlRequest::Status => self
                 .cluster
                 .snapshot()

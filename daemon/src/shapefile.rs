@@ -47,6 +47,12 @@ pub struct ShapeFile {
     /// The node groups.
     #[serde(default, rename = "group")]
     pub groups: Vec<GroupFile>,
+    /// Provider kinds its groups may name besides the built-in ones: those
+    /// of the providers an embedding program brings
+    /// ([`crate::daemon::EmbeddedProvider`]). Set by the daemon that reads
+    /// the file, never written in it.
+    #[serde(skip)]
+    pub(crate) more_providers: Vec<&'static str>,
 }
 
 /// One group as written in a file.
@@ -203,6 +209,12 @@ impl ShapeFile {
         Self::parse(&text, &path.display().to_string())
     }
 
+    /// Lets its groups name `kinds` too: the providers an embedding program
+    /// brings to the daemon that reads this file.
+    pub(crate) fn allow_providers(&mut self, kinds: &[&'static str]) {
+        self.more_providers = kinds.to_vec();
+    }
+
     /// The run this file is for (empty when it names none, which
     /// [`ShapeFile::check`] refuses).
     pub fn run_id(&self) -> RunId {
@@ -230,12 +242,18 @@ impl ShapeFile {
             }
         };
         for (i, g) in self.groups.iter().enumerate() {
-            if !SUPPORTED_PROVIDERS.contains(&g.provider.as_str()) {
+            let kind = g.provider.as_str();
+            if !SUPPORTED_PROVIDERS.contains(&kind) && !self.more_providers.contains(&kind) {
+                let supported: Vec<&str> = SUPPORTED_PROVIDERS
+                    .iter()
+                    .chain(&self.more_providers)
+                    .copied()
+                    .collect();
                 bail!(
                     "{}: provider {:?} is not one this daemon can drive; supported: {}",
                     group_name(i, Some(&g.id)),
                     cut(&g.provider),
-                    SUPPORTED_PROVIDERS.join(", ")
+                    supported.join(", ")
                 );
             }
             if !g.hosts.is_empty() && !PLACED_ON_HOSTS.contains(&g.provider.as_str()) {
@@ -1198,5 +1216,31 @@ mod tests {
         let e = f.to_shape(1).unwrap_err();
         assert!(e.to_string().contains("\"aws\""), "{e}");
         assert!(e.to_string().contains("supported: process"), "{e}");
+    }
+
+    #[test]
+    fn a_provider_the_embedder_brings_may_be_named_and_is_listed_as_supported() {
+        let body = "run = \"r\"\n[[group]]\nid = \"g\"\ncount = 1\nprovider = \"own\"\n";
+        let mut f = ShapeFile::parse(body, "x").unwrap();
+        let e = f.check(1).unwrap_err().to_string();
+        assert!(
+            e.contains("provider \"own\" is not one this daemon can drive"),
+            "{e}"
+        );
+        f.allow_providers(&["own"]);
+        let shape = f.check(1).unwrap();
+        assert_eq!(shape.groups[0].provider.kind, "own");
+        // Another unknown kind names the embedder's among the supported.
+        let mut other = ShapeFile::parse(&body.replace("\"own\"", "\"aws\""), "x").unwrap();
+        other.allow_providers(&["own"]);
+        let e = other.check(1).unwrap_err().to_string();
+        assert!(
+            e.contains("supported: process, ssh, docker, vast, own"),
+            "{e}"
+        );
+        // The kinds a daemon allows never travel with the file.
+        let sent = serde_json::to_string(&f).unwrap();
+        let got: ShapeFile = serde_json::from_str(&sent).unwrap();
+        assert!(got.more_providers.is_empty());
     }
 }

@@ -22,7 +22,7 @@ pub(super) async fn make_providers(
     agents: &Agents<'_>,
     resume: Option<&JournalImage>,
     (file, vast_key): (Option<&ShapeFile>, Option<ApiKey>),
-    metrics: &Arc<crate::metrics::Metrics>,
+    (metrics, embedded): (&Arc<crate::metrics::Metrics>, Vec<EmbeddedProvider>),
 ) -> Result<MadeProviders> {
     let process = ProcessProvider::new(ProcessConfig {
         agent_program: std::env::current_exe().context("cannot find the swactor executable")?,
@@ -44,6 +44,23 @@ pub(super) async fn make_providers(
         metered(Arc::new(ssh.clone())),
         metered(Arc::new(docker)),
     ];
+    let joining = Joining {
+        ticket: agents.ticket.to_string(),
+        token_secret: agents.secret,
+        deployment: agents.deployment.map(str::to_owned),
+        state_dir: state.root().to_path_buf(),
+    };
+    for p in embedded {
+        let kind = p.kind;
+        let made = (p.make)(&joining)
+            .with_context(|| format!("cannot start the embedded {kind:?} provider"))?;
+        anyhow::ensure!(
+            made.kind() == kind,
+            "the embedded provider declared as {kind:?} says it is {:?}",
+            made.kind()
+        );
+        providers.push(metered(made));
+    }
     let vast = vast_provider(vast_key, state, agents, resume, file).await?;
     // A restarted daemon waits out the listing lag of the providers its
     // shapes use: a Vast.ai key in the environment must not slow down the

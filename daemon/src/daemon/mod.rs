@@ -74,6 +74,45 @@ pub struct UpOptions {
     /// `--adopt` or `--fresh`: what to do with an earlier run's resources
     /// when the journal was lost.
     pub unrecorded: Option<Unrecorded>,
+    /// Providers the embedding program brings, besides the built-in ones
+    /// (the `swactor` binary brings none).
+    pub providers: Vec<EmbeddedProvider>,
+}
+
+/// A provider an embedding program brings to the daemon: groups name it by
+/// `kind` (`provider = "…"` in a shape), as they name the built-in ones.
+pub struct EmbeddedProvider {
+    /// The kind groups name it by; not a built-in kind.
+    pub kind: &'static str,
+    /// Makes it, once the daemon knows what its agents need to join it.
+    /// Called once per start, before the journal's nodes are adopted.
+    pub make: MakeProvider,
+}
+
+/// How an [`EmbeddedProvider`] is made.
+pub type MakeProvider = Box<dyn FnOnce(&Joining) -> Result<Arc<dyn Provider>> + Send>;
+
+impl std::fmt::Debug for EmbeddedProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedProvider")
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a provider needs to start agents that join this daemon: what the
+/// built-in providers are given too.
+#[derive(Clone, Debug)]
+pub struct Joining {
+    /// The ticket an agent dials (`swactor agent --ticket …`).
+    pub ticket: String,
+    /// The secret each attempt's join credentials derive from
+    /// (`swactor_providers::credentials::AgentCredentials::derive`).
+    pub token_secret: [u8; 32],
+    /// The deployment every resource of this journal carries, if any.
+    pub deployment: Option<String>,
+    /// The daemon's state directory; a provider keeps its records under it.
+    pub state_dir: PathBuf,
 }
 
 /// Runs the daemon until it is told to stop. Returns the process exit code.
@@ -150,11 +189,21 @@ async fn run(
     bound: &mut Vec<swactor_engine::iroh::Endpoint>,
 ) -> Result<i32> {
     let started = std::time::Instant::now();
+    let mut opts = opts;
+    let embedded = std::mem::take(&mut opts.providers);
+    let more_providers: Vec<&'static str> = embedded.iter().map(|p| p.kind).collect();
     // The lock is released last, once everything else has stopped.
-    let (_lock, mut opened, read) = open(&opts).await?;
+    let (_lock, mut opened, read) = open(&opts, &more_providers).await?;
     let run_id = opened.start.run_id.clone();
-    let (prepared, publisher) =
-        prepare(&opts, &swarm, bound, &mut opened, read.resume.as_ref()).await?;
+    let (prepared, publisher) = prepare(
+        &opts,
+        &swarm,
+        bound,
+        &mut opened,
+        read.resume.as_ref(),
+        embedded,
+    )
+    .await?;
     let provider = prepared.made.provider.clone();
 
     let (starvation, _measuring) = measure_starvation(&swarm);
@@ -201,6 +250,7 @@ async fn run(
         jobs: jobs.clone(),
         journal: opened.journal_health.clone(),
         metrics: prepared.metrics.clone(),
+        more_providers,
     };
     let swarm_handler = SwarmHandler {
         cluster: cluster.clone(),
@@ -245,9 +295,12 @@ struct ReadJournal {
 /// Checks everything the user could have got wrong, locks the state
 /// directory, reads its journal and decides how to start; returns the lock,
 /// to be held until the daemon has stopped.
-async fn open(opts: &UpOptions) -> Result<(crate::state::DaemonLock, Opened, ReadJournal)> {
+async fn open(
+    opts: &UpOptions,
+    more_providers: &[&'static str],
+) -> Result<(crate::state::DaemonLock, Opened, ReadJournal)> {
     let (listen, advertise) = network(opts)?;
-    let pre = Preflight::check(opts).await?;
+    let pre = Preflight::check(opts, more_providers).await?;
     let state = StateDir::create(opts.state_dir.clone())?;
     // The CLI may send SIGHUP to the pid in the lock as soon as it is there
     // (a CLI that finds no ticket yet asks for it): catch it from before
@@ -301,6 +354,7 @@ async fn prepare(
     bound: &mut Vec<swactor_engine::iroh::Endpoint>,
     opened: &mut Opened,
     resume: Option<&JournalImage>,
+    embedded: Vec<EmbeddedProvider>,
 ) -> Result<(Prepared, TelemetryPublisher<ClusterSnapshot, ClusterEvent>)> {
     let state = &opened.state;
     let run_id = &opened.start.run_id;
@@ -328,7 +382,7 @@ async fn prepare(
         &agents,
         resume,
         (opened.pre.file.as_ref(), vast_key),
-        &metrics,
+        (&metrics, embedded),
     )
     .await?;
     // A new journal for a run whose resources the provider still lists:

@@ -61,9 +61,20 @@ pub(super) struct Preflight {
 }
 
 impl Preflight {
-    pub(super) async fn check(opts: &UpOptions) -> Result<Self> {
+    pub(super) async fn check(opts: &UpOptions, more_providers: &[&'static str]) -> Result<Self> {
         let ndjson = ndjson_config()?;
-        let file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
+        if let Some(kind) = more_providers
+            .iter()
+            .find(|k| crate::shapefile::SUPPORTED_PROVIDERS.contains(k))
+        {
+            anyhow::bail!(
+                "an embedded provider is of kind {kind:?}, which a built-in provider already is"
+            );
+        }
+        let mut file = opts.shape.as_deref().map(ShapeFile::load).transpose()?;
+        if let Some(f) = &mut file {
+            f.allow_providers(more_providers);
+        }
         let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
         // A fresh state directory: the whole shape is new, and whether to go
         // ahead is settled before the directory is even made.

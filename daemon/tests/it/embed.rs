@@ -1,7 +1,8 @@
 //! The embedding example, run as a test: a program that is not `swactor`
-//! starts the daemon through the crate's public API, real agents (the
-//! example itself, started by the local process provider) join it, and the
-//! journal it leaves holds the run.
+//! starts the daemon through the crate's public API with a provider of its
+//! own next to the built-in ones, real agents (the example itself, started
+//! by the local process provider and by the program's own) join it, and
+//! the journal it leaves holds the run.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -47,6 +48,12 @@ fn an_embedding_program_runs_a_daemon_that_real_agents_join_and_that_persists() 
         "no convergence with two joined agents:\n{stdout}\n{stderr}"
     );
     assert!(stdout.contains("embed: the daemon returned 0"), "{stdout}");
+    // The provider the program brought served its group, and its node was
+    // destroyed at the teardown.
+    assert!(
+        stdout.contains("embed: the own provider made 1 lease(s) and destroyed 1"),
+        "{stdout}"
+    );
     // What it persisted, read here independently of the example: the run,
     // the shape of the teardown it finished, the attempts it reserved for
     // the two agents, and no slot left (both were destroyed).
