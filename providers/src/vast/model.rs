@@ -6,6 +6,7 @@
 //! unit tests below feed it bodies shaped like the real service's.
 
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
 use std::time::Duration;
 use swactor_provisioning::{
     LogicalNodeId, NodeAttemptId, NodeTemplate, ParamValue, ResourceKey, RunId,
@@ -141,6 +142,222 @@ fn number(name: &str, v: &ParamValue) -> Result<f64, String> {
     }
 }
 
+/// A group's `[group.params]`, by name.
+type Params = BTreeMap<String, ParamValue>;
+
+/// Refuses a parameter the provider does not know.
+fn check_known(params: &Params) -> Result<(), String> {
+    for name in params.keys() {
+        if !KNOWN_PARAMS.contains(&name.as_str()) {
+            return Err(format!(
+                "unknown parameter `{name}` (known: {})",
+                KNOWN_PARAMS.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The GPU model (`gpu_name`), trimmed; any when absent.
+fn gpu_name(params: &Params) -> Result<Option<String>, String> {
+    match params.get("gpu_name") {
+        None => Ok(None),
+        Some(ParamValue::Str(s)) if !s.trim().is_empty() => Ok(Some(s.trim().to_owned())),
+        Some(other) => Err(format!(
+            "`gpu_name` must be a GPU model such as \"RTX_4090\", not {other}"
+        )),
+    }
+}
+
+/// GPUs per machine (`num_gpus`), 1 to 64; 1 when absent.
+fn num_gpus(params: &Params) -> Result<u32, String> {
+    match params.get("num_gpus") {
+        None => Ok(1),
+        Some(ParamValue::Int(n)) if (1..=64).contains(n) => Ok(*n as u32),
+        Some(other) => Err(format!("`num_gpus` must be 1 to 64, not {other}")),
+    }
+}
+
+/// The number `name`, which must be more than 0 when present.
+fn positive(params: &Params, name: &str) -> Result<Option<f64>, String> {
+    match params.get(name) {
+        None => Ok(None),
+        Some(v) => {
+            let n = number(name, v)?;
+            if n > 0.0 {
+                Ok(Some(n))
+            } else {
+                Err(format!("`{name}` must be more than 0, not {n}"))
+            }
+        }
+    }
+}
+
+/// The least host reliability (`min_reliability`), 0 to 1.
+fn min_reliability(params: &Params) -> Result<Option<f64>, String> {
+    match params.get("min_reliability") {
+        None => Ok(None),
+        Some(v) => {
+            let r = number("min_reliability", v)?;
+            if !(0.0..=1.0).contains(&r) {
+                return Err(format!("`min_reliability` must be 0 to 1, not {r}"));
+            }
+            Ok(Some(r))
+        }
+    }
+}
+
+/// Disk per machine (`disk_gb`), at least the service's minimum.
+fn disk_gb(params: &Params) -> Result<f64, String> {
+    let disk_gb = positive(params, "disk_gb")?.unwrap_or(DISK_GB_DEFAULT);
+    if disk_gb < DISK_GB_MIN {
+        return Err(format!(
+            "`disk_gb` must be at least {DISK_GB_MIN} (the service's minimum), not {disk_gb}"
+        ));
+    }
+    Ok(disk_gb)
+}
+
+/// The container image, named once by `params.image` or the group's `image`.
+fn image(params: &Params, boot_image: Option<&str>) -> Result<String, String> {
+    let image = match (params.get("image"), boot_image) {
+        (Some(ParamValue::Str(s)), None) => s.clone(),
+        (None, Some(s)) => s.to_owned(),
+        (Some(ParamValue::Str(a)), Some(b)) if a == b => a.clone(),
+        (Some(ParamValue::Str(_)), Some(_)) => {
+            return Err(
+                "the group names two different images (`image` and `params.image`); keep one"
+                    .to_owned(),
+            );
+        }
+        (Some(other), _) => return Err(format!("`image` must be a string, not {other}")),
+        (None, None) => {
+            return Err(
+                "the group names no `image` (the container the machines run, e.g. \"pytorch/pytorch:latest\")"
+                    .to_owned(),
+            );
+        }
+    };
+    if image.is_empty()
+        || image.len() > 512
+        || image.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(format!(
+            "`image` {image:?} is not an image name (no spaces, at most 512 characters)"
+        ));
+    }
+    Ok(image)
+}
+
+/// The regions offers must be in (`region`: one string or a list).
+fn regions(params: &Params) -> Result<Vec<String>, String> {
+    match params.get("region") {
+        None => Ok(Vec::new()),
+        Some(ParamValue::Str(s)) if !s.trim().is_empty() => Ok(vec![s.trim().to_owned()]),
+        Some(ParamValue::List(l)) if !l.is_empty() => l
+            .iter()
+            .map(|v| match v {
+                ParamValue::Str(s) if !s.trim().is_empty() => Ok(s.trim().to_owned()),
+                other => Err(format!("every `region` must be a string, not {other}")),
+            })
+            .collect(),
+        Some(other) => Err(format!(
+            "`region` must be a string or a list of strings, not {other}"
+        )),
+    }
+}
+
+/// How long an instance may load (`load_timeout_s`), at most a week.
+fn load_timeout(params: &Params) -> Result<Duration, String> {
+    match positive(params, "load_timeout_s")? {
+        None => Ok(LOAD_TIMEOUT_DEFAULT),
+        Some(s) if s <= 7.0 * 24.0 * 3600.0 => Ok(Duration::from_secs_f64(s)),
+        Some(s) => Err(format!("`load_timeout_s` must be at most a week, not {s}")),
+    }
+}
+
+/// The boolean `name`, `default` when absent.
+fn flag(params: &Params, name: &str, default: bool) -> Result<bool, String> {
+    match params.get(name) {
+        None => Ok(default),
+        Some(ParamValue::Bool(b)) => Ok(*b),
+        Some(other) => Err(format!("`{name}` must be true or false, not {other}")),
+    }
+}
+
+/// The account's template to create from (`template_hash`), letters and digits.
+fn template_hash(params: &Params) -> Result<Option<String>, String> {
+    match params.get("template_hash") {
+        None => Ok(None),
+        Some(ParamValue::Str(s))
+            if !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric()) =>
+        {
+            Ok(Some(s.clone()))
+        }
+        Some(other) => Err(format!(
+            "`template_hash` must be a template's hash (letters and digits), not {other}"
+        )),
+    }
+}
+
+/// The bid of an interruptible rental (`rental`, `bid_dph`), within `max_dph`.
+fn bid_dph(params: &Params, max_dph: f64) -> Result<Option<f64>, String> {
+    match params.get("rental") {
+        None => Ok(None),
+        Some(ParamValue::Str(r)) if r == "on-demand" => Ok(None),
+        Some(ParamValue::Str(r)) if r == "interruptible" => {
+            let bid = positive(params, "bid_dph")?.ok_or_else(|| {
+                "`rental = \"interruptible\"` needs `bid_dph`, the price to bid per machine \
+                 and hour"
+                    .to_owned()
+            })?;
+            if bid > max_dph {
+                return Err(format!(
+                    "`bid_dph` ({bid}) is over `max_dph` ({max_dph}): the bid is what a machine \
+                     costs, storage aside"
+                ));
+            }
+            Ok(Some(bid))
+        }
+        Some(other) => Err(format!(
+            "`rental` is \"on-demand\" (the default) or \"interruptible\", not {other}"
+        )),
+    }
+}
+
+/// How the daemon reaches the machines (`ssh`); direct when absent.
+fn ssh_mode(params: &Params) -> Result<SshMode, String> {
+    match params.get("ssh") {
+        None => Ok(SshMode::Direct),
+        Some(ParamValue::Str(m)) if m == "direct" => Ok(SshMode::Direct),
+        Some(ParamValue::Str(m)) if m == "proxy" => Ok(SshMode::Proxy),
+        Some(other) => Err(format!(
+            "`ssh` is \"direct\" (the default: machines with open ports, reached on them) \
+             or \"proxy\" (any machine, reached through the service's SSH proxy), not {other}"
+        )),
+    }
+}
+
+/// Refuses a `bid_dph` without a bid rental, and a spend cap below `max_dph`.
+fn check_rental_limits(
+    params: &Params,
+    bid_dph: Option<f64>,
+    spend_cap_dph: Option<f64>,
+    max_dph: f64,
+) -> Result<(), String> {
+    if bid_dph.is_none() && params.contains_key("bid_dph") {
+        return Err("`bid_dph` is for `rental = \"interruptible\"` only".to_owned());
+    }
+    if let Some(cap) = spend_cap_dph
+        && cap < max_dph
+    {
+        return Err(format!(
+            "`spend_cap_dph` ({cap}) is below `max_dph` ({max_dph}): no machine could ever be rented"
+        ));
+    }
+    Ok(())
+}
+
 impl GroupParams {
     /// The group's parameters, checked.
     ///
@@ -148,179 +365,26 @@ impl GroupParams {
     /// The first problem, worded for the shape's author.
     pub(crate) fn of(template: &NodeTemplate) -> Result<Self, String> {
         let params = &template.provider.params;
-        for name in params.keys() {
-            if !KNOWN_PARAMS.contains(&name.as_str()) {
-                return Err(format!(
-                    "unknown parameter `{name}` (known: {})",
-                    KNOWN_PARAMS.join(", ")
-                ));
-            }
-        }
-        let gpu_name = match params.get("gpu_name") {
-            None => None,
-            Some(ParamValue::Str(s)) if !s.trim().is_empty() => Some(s.trim().to_owned()),
-            Some(other) => {
-                return Err(format!(
-                    "`gpu_name` must be a GPU model such as \"RTX_4090\", not {other}"
-                ));
-            }
-        };
-        let num_gpus = match params.get("num_gpus") {
-            None => 1,
-            Some(ParamValue::Int(n)) if (1..=64).contains(n) => *n as u32,
-            Some(other) => return Err(format!("`num_gpus` must be 1 to 64, not {other}")),
-        };
-        let positive = |name: &str| -> Result<Option<f64>, String> {
-            match params.get(name) {
-                None => Ok(None),
-                Some(v) => {
-                    let n = number(name, v)?;
-                    if n > 0.0 {
-                        Ok(Some(n))
-                    } else {
-                        Err(format!("`{name}` must be more than 0, not {n}"))
-                    }
-                }
-            }
-        };
-        let max_dph = positive("max_dph")?.ok_or_else(|| {
+        check_known(params)?;
+        let gpu_name = gpu_name(params)?;
+        let num_gpus = num_gpus(params)?;
+        let max_dph = positive(params, "max_dph")?.ok_or_else(|| {
             "`max_dph` (the most a machine may cost per hour, in dollars) is required".to_owned()
         })?;
-        let min_gpu_ram_gb = positive("min_gpu_ram_gb")?;
-        let min_reliability = match params.get("min_reliability") {
-            None => None,
-            Some(v) => {
-                let r = number("min_reliability", v)?;
-                if !(0.0..=1.0).contains(&r) {
-                    return Err(format!("`min_reliability` must be 0 to 1, not {r}"));
-                }
-                Some(r)
-            }
-        };
-        let disk_gb = positive("disk_gb")?.unwrap_or(DISK_GB_DEFAULT);
-        if disk_gb < DISK_GB_MIN {
-            return Err(format!(
-                "`disk_gb` must be at least {DISK_GB_MIN} (the service's minimum), not {disk_gb}"
-            ));
-        }
-        let image = match (params.get("image"), template.boot.image.as_deref()) {
-            (Some(ParamValue::Str(s)), None) => s.clone(),
-            (None, Some(s)) => s.to_owned(),
-            (Some(ParamValue::Str(a)), Some(b)) if a == b => a.clone(),
-            (Some(ParamValue::Str(_)), Some(_)) => {
-                return Err(
-                    "the group names two different images (`image` and `params.image`); keep one"
-                        .to_owned(),
-                );
-            }
-            (Some(other), _) => return Err(format!("`image` must be a string, not {other}")),
-            (None, None) => {
-                return Err(
-                    "the group names no `image` (the container the machines run, e.g. \"pytorch/pytorch:latest\")"
-                        .to_owned(),
-                );
-            }
-        };
-        if image.is_empty()
-            || image.len() > 512
-            || image.chars().any(|c| c.is_whitespace() || c.is_control())
-        {
-            return Err(format!(
-                "`image` {image:?} is not an image name (no spaces, at most 512 characters)"
-            ));
-        }
-        let region = match params.get("region") {
-            None => Vec::new(),
-            Some(ParamValue::Str(s)) if !s.trim().is_empty() => vec![s.trim().to_owned()],
-            Some(ParamValue::List(l)) if !l.is_empty() => l
-                .iter()
-                .map(|v| match v {
-                    ParamValue::Str(s) if !s.trim().is_empty() => Ok(s.trim().to_owned()),
-                    other => Err(format!("every `region` must be a string, not {other}")),
-                })
-                .collect::<Result<_, _>>()?,
-            Some(other) => {
-                return Err(format!(
-                    "`region` must be a string or a list of strings, not {other}"
-                ));
-            }
-        };
-        let load_timeout = match positive("load_timeout_s")? {
-            None => LOAD_TIMEOUT_DEFAULT,
-            Some(s) if s <= 7.0 * 24.0 * 3600.0 => Duration::from_secs_f64(s),
-            Some(s) => return Err(format!("`load_timeout_s` must be at most a week, not {s}")),
-        };
-        let spend_cap_dph = positive("spend_cap_dph")?;
-        let verified = match params.get("verified") {
-            None => true,
-            Some(ParamValue::Bool(b)) => *b,
-            Some(other) => return Err(format!("`verified` must be true or false, not {other}")),
-        };
-        let external = match params.get("external") {
-            None => false,
-            Some(ParamValue::Bool(b)) => *b,
-            Some(other) => return Err(format!("`external` must be true or false, not {other}")),
-        };
-        let min_duration_h = positive("min_duration_h")?;
-        let template_hash = match params.get("template_hash") {
-            None => None,
-            Some(ParamValue::Str(s))
-                if !s.is_empty()
-                    && s.len() <= 128
-                    && s.bytes().all(|b| b.is_ascii_alphanumeric()) =>
-            {
-                Some(s.clone())
-            }
-            Some(other) => {
-                return Err(format!(
-                    "`template_hash` must be a template's hash (letters and digits), not {other}"
-                ));
-            }
-        };
-        let bid_dph = match params.get("rental") {
-            None => None,
-            Some(ParamValue::Str(r)) if r == "on-demand" => None,
-            Some(ParamValue::Str(r)) if r == "interruptible" => {
-                let bid = positive("bid_dph")?.ok_or_else(|| {
-                    "`rental = \"interruptible\"` needs `bid_dph`, the price to bid per machine \
-                     and hour"
-                        .to_owned()
-                })?;
-                if bid > max_dph {
-                    return Err(format!(
-                        "`bid_dph` ({bid}) is over `max_dph` ({max_dph}): the bid is what a machine \
-                         costs, storage aside"
-                    ));
-                }
-                Some(bid)
-            }
-            Some(other) => {
-                return Err(format!(
-                    "`rental` is \"on-demand\" (the default) or \"interruptible\", not {other}"
-                ));
-            }
-        };
-        let ssh = match params.get("ssh") {
-            None => SshMode::Direct,
-            Some(ParamValue::Str(m)) if m == "direct" => SshMode::Direct,
-            Some(ParamValue::Str(m)) if m == "proxy" => SshMode::Proxy,
-            Some(other) => {
-                return Err(format!(
-                    "`ssh` is \"direct\" (the default: machines with open ports, reached on them) \
-                     or \"proxy\" (any machine, reached through the service's SSH proxy), not {other}"
-                ));
-            }
-        };
-        if bid_dph.is_none() && params.contains_key("bid_dph") {
-            return Err("`bid_dph` is for `rental = \"interruptible\"` only".to_owned());
-        }
-        if let Some(cap) = spend_cap_dph
-            && cap < max_dph
-        {
-            return Err(format!(
-                "`spend_cap_dph` ({cap}) is below `max_dph` ({max_dph}): no machine could ever be rented"
-            ));
-        }
+        let min_gpu_ram_gb = positive(params, "min_gpu_ram_gb")?;
+        let min_reliability = min_reliability(params)?;
+        let disk_gb = disk_gb(params)?;
+        let image = image(params, template.boot.image.as_deref())?;
+        let region = regions(params)?;
+        let load_timeout = load_timeout(params)?;
+        let spend_cap_dph = positive(params, "spend_cap_dph")?;
+        let verified = flag(params, "verified", true)?;
+        let external = flag(params, "external", false)?;
+        let min_duration_h = positive(params, "min_duration_h")?;
+        let template_hash = template_hash(params)?;
+        let bid_dph = bid_dph(params, max_dph)?;
+        let ssh = ssh_mode(params)?;
+        check_rental_limits(params, bid_dph, spend_cap_dph, max_dph)?;
         Ok(Self {
             gpu_name,
             num_gpus,
