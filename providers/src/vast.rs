@@ -967,6 +967,43 @@ impl VastProvider {
         params: &GroupParams,
         label: &str,
     ) -> Result<LeaseGrant, ProviderError> {
+        let offer = self.choose_offer(params).await?;
+        if let Some(cap) = params.spend_cap_dph {
+            self.check_spend_cap(&key.run_id, cap, offer.dph_total)
+                .await?;
+        }
+        let body = self.create_body(template, params, label);
+        // Intent first: a crash while the create is in flight finds it.
+        let record = CreateRecord {
+            label: label.to_owned(),
+            offer: offer.id,
+            machine: offer.machine_id,
+            dph: offer.dph_total,
+            sent_ms: now_ms(),
+            instance: None,
+            load_timeout_s: params.load_timeout.as_secs_f64(),
+        };
+        write_durably(&self.record_path(key), &record)?;
+        tracing::info!(%key, offer = offer.id, machine = offer.machine_id, dph = offer.dph_total, gpu = %offer.gpu_name, "renting an instance");
+        // Whatever the answer, this offer is not for the next create.
+        self.offer_taken(offer.id);
+        let answer = self
+            .shared
+            .api
+            .call(
+                Endpoint::Create,
+                reqwest::Method::PUT,
+                &format!("/api/v0/asks/{}/", offer.id),
+                &[],
+                Some(&body),
+            )
+            .await;
+        self.create_answered(key, &offer, record, answer)
+    }
+
+    /// The cheapest offer for `params` on a machine that has not just
+    /// failed; no capacity when there is none.
+    async fn choose_offer(&self, params: &GroupParams) -> Result<Offer, ProviderError> {
         let offers = self.search(params).await?;
         let total = offers.len();
         let mut skipped = Vec::new();
@@ -996,11 +1033,28 @@ impl VastProvider {
                 },
             ));
         };
-        if let Some(cap) = params.spend_cap_dph {
-            let live = self.run_spend(&key.run_id).await?;
-            model::check_spend(cap, &live, offer.dph_total)
-                .map_err(|e| definite(FaultKind::Invalid, e))?;
-        }
+        Ok(offer)
+    }
+
+    /// Refuses an offer at `offer_dph` that would take the run over `cap`.
+    async fn check_spend_cap(
+        &self,
+        run: &RunId,
+        cap: f64,
+        offer_dph: f64,
+    ) -> Result<(), ProviderError> {
+        let live = self.run_spend(run).await?;
+        model::check_spend(cap, &live, offer_dph).map_err(|e| definite(FaultKind::Invalid, e))?;
+        Ok(())
+    }
+
+    /// The body of the create that rents an instance labelled `label`.
+    fn create_body(
+        &self,
+        template: &NodeTemplate,
+        params: &GroupParams,
+        label: &str,
+    ) -> serde_json::Value {
         let mut env: serde_json::Map<String, serde_json::Value> = template
             .boot
             .env
@@ -1025,56 +1079,25 @@ impl VastProvider {
             // An interruptible rental at this bid.
             body["price"] = json!(bid);
         }
-        // Intent first: a crash while the create is in flight finds it.
-        let mut record = CreateRecord {
-            label: label.to_owned(),
-            offer: offer.id,
-            machine: offer.machine_id,
-            dph: offer.dph_total,
-            sent_ms: now_ms(),
-            instance: None,
-            load_timeout_s: params.load_timeout.as_secs_f64(),
-        };
-        write_durably(&self.record_path(key), &record)?;
-        tracing::info!(%key, offer = offer.id, machine = offer.machine_id, dph = offer.dph_total, gpu = %offer.gpu_name, "renting an instance");
-        // Whatever the answer, this offer is not for the next create.
-        self.offer_taken(offer.id);
-        let answer = self
-            .shared
-            .api
-            .call(
-                Endpoint::Create,
-                reqwest::Method::PUT,
-                &format!("/api/v0/asks/{}/", offer.id),
-                &[],
-                Some(&body),
-            )
-            .await;
+        body
+    }
+
+    /// What the service's answer to the create for `key` (on `offer`)
+    /// means: the lease, or why there is none.
+    fn create_answered(
+        &self,
+        key: &ResourceKey,
+        offer: &Offer,
+        record: CreateRecord,
+        answer: Result<serde_json::Value, ApiError>,
+    ) -> Result<LeaseGrant, ProviderError> {
         let where_ = format!(
             "offer {} on machine {} ({} × {}, {:.3} $/h)",
             offer.id, offer.machine_id, offer.num_gpus, offer.gpu_name, offer.dph_total
         );
         match answer {
             Ok(body) => match model::parse_created(&body) {
-                Ok(id) => {
-                    record.instance = Some(id);
-                    write_durably(&self.record_path(key), &record)?;
-                    tracing::info!(%key, instance = id, "rented an instance");
-                    lock(&self.shared.shown).insert(
-                        key.clone(),
-                        InstanceInfo {
-                            instance: id,
-                            offer: offer.id,
-                            machine: offer.machine_id,
-                            dph: offer.dph_total,
-                            status: "being set up".to_owned(),
-                        },
-                    );
-                    Ok(LeaseGrant {
-                        lease: lease_of(id),
-                        endpoint: None,
-                    })
-                }
+                Ok(id) => self.rented(key, offer, record, id),
                 // A success status without the instance: it may exist.
                 Err(e) => Err(ProviderError::ambiguous(
                     FaultKind::Unconfirmed,
@@ -1084,39 +1107,7 @@ impl VastProvider {
                 )),
             },
             Err(ApiError::Status { status, body }) => {
-                let failure = model::classify_create(status, &body);
-                if !matches!(failure, CreateFailure::Unknown(_)) {
-                    self.forget_record(key);
-                }
-                Err(match failure {
-                    CreateFailure::Capacity(m) => {
-                        self.mark_bad(Some(offer.machine_id), &m);
-                        definite(
-                            FaultKind::NoCapacity,
-                            format!(
-                                "no capacity: {where_} cannot be rented: {m}; the next try uses another offer"
-                            ),
-                        )
-                    }
-                    CreateFailure::Refused(m) => definite(
-                        FaultKind::Refused,
-                        format!("the service refused to rent {where_}: {m}"),
-                    ),
-                    CreateFailure::Auth(m) => definite(
-                        FaultKind::Denied,
-                        format!("the service refused the API key: {m}; check VAST_API_KEY"),
-                    ),
-                    CreateFailure::RateLimited(m) => definite(
-                        FaultKind::RateLimited,
-                        format!("rate limited while renting {where_}: {m}"),
-                    ),
-                    CreateFailure::Unknown(m) => ProviderError::ambiguous(
-                        FaultKind::Unconfirmed,
-                        format!(
-                            "vast: renting {where_}: {m}; the label is looked for before renting again"
-                        ),
-                    ),
-                })
+                Err(self.create_refused(key, offer.machine_id, &where_, status, &body))
             }
             Err(e @ ApiError::Unsent(_)) => {
                 self.forget_record(key);
@@ -1131,6 +1122,79 @@ impl VastProvider {
                     "vast: renting {where_}: {e}; the label is looked for before renting again"
                 ),
             )),
+        }
+    }
+
+    /// Records instance `id`, created for `key` on `offer`, and leases it.
+    fn rented(
+        &self,
+        key: &ResourceKey,
+        offer: &Offer,
+        mut record: CreateRecord,
+        id: u64,
+    ) -> Result<LeaseGrant, ProviderError> {
+        record.instance = Some(id);
+        write_durably(&self.record_path(key), &record)?;
+        tracing::info!(%key, instance = id, "rented an instance");
+        lock(&self.shared.shown).insert(
+            key.clone(),
+            InstanceInfo {
+                instance: id,
+                offer: offer.id,
+                machine: offer.machine_id,
+                dph: offer.dph_total,
+                status: "being set up".to_owned(),
+            },
+        );
+        Ok(LeaseGrant {
+            lease: lease_of(id),
+            endpoint: None,
+        })
+    }
+
+    /// The error for a create refused with `status`: the record is
+    /// forgotten unless the refusal leaves the outcome unknown, and a
+    /// machine without capacity is marked bad.
+    fn create_refused(
+        &self,
+        key: &ResourceKey,
+        machine: u64,
+        where_: &str,
+        status: u16,
+        body: &str,
+    ) -> ProviderError {
+        let failure = model::classify_create(status, body);
+        if !matches!(failure, CreateFailure::Unknown(_)) {
+            self.forget_record(key);
+        }
+        match failure {
+            CreateFailure::Capacity(m) => {
+                self.mark_bad(Some(machine), &m);
+                definite(
+                    FaultKind::NoCapacity,
+                    format!(
+                        "no capacity: {where_} cannot be rented: {m}; the next try uses another offer"
+                    ),
+                )
+            }
+            CreateFailure::Refused(m) => definite(
+                FaultKind::Refused,
+                format!("the service refused to rent {where_}: {m}"),
+            ),
+            CreateFailure::Auth(m) => definite(
+                FaultKind::Denied,
+                format!("the service refused the API key: {m}; check VAST_API_KEY"),
+            ),
+            CreateFailure::RateLimited(m) => definite(
+                FaultKind::RateLimited,
+                format!("rate limited while renting {where_}: {m}"),
+            ),
+            CreateFailure::Unknown(m) => ProviderError::ambiguous(
+                FaultKind::Unconfirmed,
+                format!(
+                    "vast: renting {where_}: {m}; the label is looked for before renting again"
+                ),
+            ),
         }
     }
 
