@@ -202,77 +202,131 @@ pub fn fold_result(
     let Some(pending) = node.pending.as_ref().filter(|p| p.id == op) else {
         return Ok(Folded::Discarded(DiscardReason::StaleOperation));
     };
-    let kind = pending.effect;
-    let cleanup = pending.cleanup;
-    // An outcome left unknown once the operation's deadline has passed (the
-    // host's own expiry, or an executor giving up at it) is a timeout.
-    let expired = pending.deadline <= now;
-    // An operation the active attempt dispatched, failing after the node
-    // began deleting, says nothing about the cleanup: it must not delay it.
-    let interrupted = node.intent == Intent::Deleting && !pending.cleanup;
     let failures_after = node.retry.consecutive_failures.saturating_add(1);
-    let backoff_at = now.checked_add_ms(config.backoff_ms(node.attempt, failures_after))?;
-    let endpoint_at = now.checked_add_ms(node.template.limits.endpoint_timeout_ms())?;
-    let rec = &mut node.record;
-
-    match (kind, outcome) {
-        (_, OperationOutcome::Failed { class, reason }) => {
-            let cause = if class == FailureClass::Ambiguous && expired {
-                FailureCause::Timeout
-            } else {
-                FailureCause::Failure
-            };
-            rec.set_last_error(cause, format!("{kind:?}: {reason}"));
-            let attempt_fails = node.intent == Intent::Active
-                && match class {
-                    FailureClass::Definite => kind == EffectKind::StartBootstrap,
-                    FailureClass::LeaseGone => matches!(
-                        kind,
-                        EffectKind::LookupEndpoint | EffectKind::StartBootstrap
-                    ),
-                    FailureClass::Ambiguous => false,
-                };
-            // A definite failure says only that *this* call had no effect: an
-            // earlier ambiguous CreateLease (still running late, or done with
-            // its result lost) may hold a machine, so it stays unresolved until
-            // a re-issue succeeds. A session cannot outlive its lease, so an
-            // unresolved StartBootstrap is made safe by the DestroyLease that
-            // follows and may be dropped (its lease may be gone for good).
-            match class {
-                FailureClass::Ambiguous if kind.creates() => rec.ambiguous = kind.as_create(),
-                FailureClass::Definite | FailureClass::LeaseGone
-                    if kind == EffectKind::StartBootstrap =>
-                {
-                    rec.ambiguous = None
-                }
-                _ => {}
-            }
-            node.pending = None;
-            if interrupted {
-                return Ok(Folded::Applied);
-            }
-            node.retry.consecutive_failures = failures_after;
-            if attempt_fails {
-                // The attempt ends; cleanup starts at once and backoff is
-                // applied to the restart instead.
-                let why = if class == FailureClass::LeaseGone {
-                    format!("the lease is gone: {reason}")
-                } else {
-                    format!("bootstrap could not start: {reason}")
-                };
-                fail_attempt(node, why, now);
-            } else {
-                node.retry.next_effect_at = Some(backoff_at);
-            }
-            return Ok(Folded::Applied);
+    // Every deadline any outcome needs up front (the probe and stall ones
+    // come first in their own folds), so an overflow changes nothing.
+    let facts = ResultFacts {
+        kind: pending.effect,
+        cleanup: pending.cleanup,
+        // An outcome left unknown once the operation's deadline has passed
+        // (the host's own expiry, or an executor giving up at it) is a timeout.
+        expired: pending.deadline <= now,
+        // An operation the active attempt dispatched, failing after the
+        // node began deleting, says nothing about the cleanup: it must not
+        // delay it.
+        interrupted: node.intent == Intent::Deleting && !pending.cleanup,
+        failures_after,
+        backoff_at: now.checked_add_ms(config.backoff_ms(node.attempt, failures_after))?,
+        endpoint_at: now.checked_add_ms(node.template.limits.endpoint_timeout_ms())?,
+    };
+    match outcome {
+        OperationOutcome::Failed { class, reason } => {
+            Ok(fold_failure(node, &facts, class, reason, now))
         }
+        outcome => fold_progress(node, &facts, outcome, config, now),
+    }
+}
+
+/// What [`fold_result`] reads of the pending operation, and the deadlines it
+/// computes, before it changes anything.
+struct ResultFacts {
+    /// The pending operation's effect.
+    kind: EffectKind,
+    /// Whether the operation is part of the cleanup.
+    cleanup: bool,
+    /// Whether the operation's deadline has passed.
+    expired: bool,
+    /// Whether the operation is the active attempt's, and the node is deleting.
+    interrupted: bool,
+    /// The node's consecutive failures, counting this one.
+    failures_after: u32,
+    /// When to retry after a failure.
+    backoff_at: Timestamp,
+    /// When a lease created without its endpoint must have one.
+    endpoint_at: Timestamp,
+}
+
+/// Folds a failed operation: records the error, settles what may have
+/// happened, and schedules the retry or ends the attempt.
+fn fold_failure(
+    node: &mut ManagedNode,
+    facts: &ResultFacts,
+    class: FailureClass,
+    reason: String,
+    now: Timestamp,
+) -> Folded {
+    let kind = facts.kind;
+    let rec = &mut node.record;
+    let cause = if class == FailureClass::Ambiguous && facts.expired {
+        FailureCause::Timeout
+    } else {
+        FailureCause::Failure
+    };
+    rec.set_last_error(cause, format!("{kind:?}: {reason}"));
+    let attempt_fails = node.intent == Intent::Active && failure_ends_attempt(kind, class);
+    // A definite failure says only that *this* call had no effect: an
+    // earlier ambiguous CreateLease (still running late, or done with
+    // its result lost) may hold a machine, so it stays unresolved until
+    // a re-issue succeeds. A session cannot outlive its lease, so an
+    // unresolved StartBootstrap is made safe by the DestroyLease that
+    // follows and may be dropped (its lease may be gone for good).
+    match class {
+        FailureClass::Ambiguous if kind.creates() => rec.ambiguous = kind.as_create(),
+        FailureClass::Definite | FailureClass::LeaseGone if kind == EffectKind::StartBootstrap => {
+            rec.ambiguous = None
+        }
+        _ => {}
+    }
+    node.pending = None;
+    if facts.interrupted {
+        return Folded::Applied;
+    }
+    node.retry.consecutive_failures = facts.failures_after;
+    if attempt_fails {
+        // The attempt ends; cleanup starts at once and backoff is
+        // applied to the restart instead.
+        let why = if class == FailureClass::LeaseGone {
+            format!("the lease is gone: {reason}")
+        } else {
+            format!("bootstrap could not start: {reason}")
+        };
+        fail_attempt(node, why, now);
+    } else {
+        node.retry.next_effect_at = Some(facts.backoff_at);
+    }
+    Folded::Applied
+}
+
+/// Whether a `class` failure of a `kind` operation ends an active attempt.
+fn failure_ends_attempt(kind: EffectKind, class: FailureClass) -> bool {
+    match class {
+        FailureClass::Definite => kind == EffectKind::StartBootstrap,
+        FailureClass::LeaseGone => matches!(
+            kind,
+            EffectKind::LookupEndpoint | EffectKind::StartBootstrap
+        ),
+        FailureClass::Ambiguous => false,
+    }
+}
+
+/// Folds an outcome other than a failure: the node advances if it fits the
+/// pending operation's effect, and is discarded otherwise.
+fn fold_progress(
+    node: &mut ManagedNode,
+    facts: &ResultFacts,
+    outcome: OperationOutcome,
+    config: &ReconcilerConfig,
+    now: Timestamp,
+) -> Result<Folded, DeadlineOverflow> {
+    let rec = &mut node.record;
+    match (facts.kind, outcome) {
         (EffectKind::CreateLease, OperationOutcome::LeaseCreated { lease, endpoint }) => {
             if endpoint.is_some() {
                 rec.stage = NodeStage::EndpointKnown;
                 rec.endpoint_deadline = None;
             } else {
                 rec.stage = NodeStage::LeaseCreated;
-                rec.endpoint_deadline = Some(endpoint_at);
+                rec.endpoint_deadline = Some(facts.endpoint_at);
             }
             rec.lease = Some(lease);
             rec.endpoint = endpoint;
@@ -286,18 +340,7 @@ pub fn fold_result(
             }
         }
         (EffectKind::LookupEndpoint, OperationOutcome::EndpointNotReady) => {
-            let probe_at = now.checked_add_ms(config.probe_interval_ms)?;
-            node.pending = None;
-            if node.intent == Intent::Active && rec.endpoint_deadline.is_some_and(|at| at <= now) {
-                let waited = node.template.limits.endpoint_timeout_s;
-                let reason = format!("the endpoint was not ready within {waited} s");
-                rec.set_last_error(FailureCause::Timeout, reason.clone());
-                node.retry.consecutive_failures = failures_after;
-                fail_attempt(node, reason, now);
-                return Ok(Folded::Applied);
-            }
-            node.retry.next_effect_at = Some(probe_at);
-            return Ok(Folded::Applied);
+            return fold_endpoint_not_ready(node, facts.failures_after, config, now);
         }
         (EffectKind::StartBootstrap, OperationOutcome::BootstrapStarted { session }) => {
             let stall_at = now.checked_add_ms(config.bootstrap_stall_ms)?;
@@ -328,11 +371,34 @@ pub fn fold_result(
     // waited for room, a lookup that failed): the error is over and is no
     // longer the node's last word. An attempt that failed, or is leaving,
     // keeps the error it failed with for people to read.
-    if !cleanup && node.intent == Intent::Active && rec.stage != NodeStage::Failed {
+    if !facts.cleanup && node.intent == Intent::Active && rec.stage != NodeStage::Failed {
         rec.clear_last_error();
     }
     node.pending = None;
     node.retry.next_effect_at = None;
+    Ok(Folded::Applied)
+}
+
+/// Folds a lookup that found no endpoint yet: probe again later, or fail
+/// the attempt once the endpoint deadline has passed.
+fn fold_endpoint_not_ready(
+    node: &mut ManagedNode,
+    failures_after: u32,
+    config: &ReconcilerConfig,
+    now: Timestamp,
+) -> Result<Folded, DeadlineOverflow> {
+    let probe_at = now.checked_add_ms(config.probe_interval_ms)?;
+    node.pending = None;
+    let rec = &mut node.record;
+    if node.intent == Intent::Active && rec.endpoint_deadline.is_some_and(|at| at <= now) {
+        let waited = node.template.limits.endpoint_timeout_s;
+        let reason = format!("the endpoint was not ready within {waited} s");
+        rec.set_last_error(FailureCause::Timeout, reason.clone());
+        node.retry.consecutive_failures = failures_after;
+        fail_attempt(node, reason, now);
+        return Ok(Folded::Applied);
+    }
+    node.retry.next_effect_at = Some(probe_at);
     Ok(Folded::Applied)
 }
 
