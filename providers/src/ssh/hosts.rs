@@ -167,121 +167,172 @@ fn check_label(label: &str) -> Result<(), String> {
     Ok(())
 }
 
-impl Group {
-    fn of(template: &NodeTemplate) -> Result<Self, ProviderError> {
-        let bad = |what: String| {
-            ProviderError::definite(FaultKind::Invalid, format!("ssh provider: {what}"))
+/// A group's `[group.params]`, by name.
+type Params = BTreeMap<String, ParamValue>;
+
+/// The error for a group the provider cannot use.
+fn invalid(what: String) -> ProviderError {
+    ProviderError::definite(FaultKind::Invalid, format!("ssh provider: {what}"))
+}
+
+/// The private key every host of the group is reached with (`key`).
+fn key_param(params: &Params) -> Result<Option<PathBuf>, ProviderError> {
+    match params.get("key") {
+        None => Ok(None),
+        Some(ParamValue::Str(path)) => Ok(Some(expand_home(path))),
+        Some(other) => Err(invalid(format!("`key` must be a file path, not {other}"))),
+    }
+}
+
+/// Whether unknown host keys are recorded on first contact (`trust_on_first_use`).
+fn trust_param(params: &Params) -> Result<bool, ProviderError> {
+    match params.get("trust_on_first_use") {
+        None => Ok(false),
+        Some(ParamValue::Bool(b)) => Ok(*b),
+        Some(other) => Err(invalid(format!(
+            "`trust_on_first_use` must be true or false, not {other}"
+        ))),
+    }
+}
+
+/// Seconds a host may not answer before cleanups on it are given up (`unreachable_give_up_s`).
+fn give_up_param(params: &Params) -> Result<Option<f64>, ProviderError> {
+    match params.get("unreachable_give_up_s") {
+        None => Ok(None),
+        Some(ParamValue::Int(n)) if *n > 0 => Ok(Some(*n as f64)),
+        Some(ParamValue::Float(f)) if *f > 0.0 => Ok(Some(*f)),
+        Some(other) => Err(invalid(format!(
+            "`unreachable_give_up_s` must be a positive number of seconds, not {other}"
+        ))),
+    }
+}
+
+/// Refuses a parameter the provider does not know.
+fn check_known_params(params: &Params) -> Result<(), ProviderError> {
+    for name in params.keys() {
+        if !["key", "trust_on_first_use", "unreachable_give_up_s"].contains(&name.as_str()) {
+            return Err(invalid(format!(
+                "unknown parameter `{name}` (known: key, trust_on_first_use, unreachable_give_up_s)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The targets of the hosts the placement lists (`hosts`), at least one.
+fn host_targets(template: &NodeTemplate) -> Result<Vec<String>, ProviderError> {
+    let listed = match template.provider.placement.get("hosts") {
+        Some(ParamValue::List(list)) => list.as_slice(),
+        None => &[],
+        Some(other) => return Err(invalid(format!("`hosts` must be a list, not {other}"))),
+    };
+    let mut targets = Vec::with_capacity(listed.len());
+    for h in listed {
+        let ParamValue::Str(text) = h else {
+            return Err(invalid(format!("every host must be a string, not {h}")));
         };
-        let params = &template.provider.params;
-        let key = match params.get("key") {
-            None => None,
-            Some(ParamValue::Str(path)) => Some(expand_home(path)),
-            Some(other) => return Err(bad(format!("`key` must be a file path, not {other}"))),
-        };
-        let trust_on_first_use = match params.get("trust_on_first_use") {
-            None => false,
-            Some(ParamValue::Bool(b)) => *b,
-            Some(other) => {
-                return Err(bad(format!(
-                    "`trust_on_first_use` must be true or false, not {other}"
-                )));
-            }
-        };
-        let give_up_s = match params.get("unreachable_give_up_s") {
-            None => None,
-            Some(ParamValue::Int(n)) if *n > 0 => Some(*n as f64),
-            Some(ParamValue::Float(f)) if *f > 0.0 => Some(*f),
-            Some(other) => {
-                return Err(bad(format!(
-                    "`unreachable_give_up_s` must be a positive number of seconds, not {other}"
-                )));
-            }
-        };
-        for name in params.keys() {
-            if !["key", "trust_on_first_use", "unreachable_give_up_s"].contains(&name.as_str()) {
-                return Err(bad(format!(
-                    "unknown parameter `{name}` (known: key, trust_on_first_use, unreachable_give_up_s)"
-                )));
+        let target: SshTarget = text
+            .parse()
+            .map_err(|e| invalid(format!("host {text:?}: {e}")))?;
+        targets.push(target.to_string());
+    }
+    if targets.is_empty() {
+        return Err(invalid(
+            "the group lists no `hosts` (hosts = [\"user@host:port\", …])".to_owned(),
+        ));
+    }
+    Ok(targets)
+}
+
+/// Each host's labels (placement key `labels`, one list per host), by
+/// target; hosts without labels are left out.
+fn host_labels(
+    template: &NodeTemplate,
+    hosts: &[HostAccess],
+) -> Result<BTreeMap<String, Vec<String>>, ProviderError> {
+    let mut labels = BTreeMap::new();
+    match template.provider.placement.get("labels") {
+        None => {}
+        Some(ParamValue::List(per_host)) if per_host.len() == hosts.len() => {
+            for (host, list) in hosts.iter().zip(per_host) {
+                let these = labels_of_host(&host.target, list)?;
+                if !these.is_empty() {
+                    labels.insert(host.target.clone(), these);
+                }
             }
         }
-        let listed = match template.provider.placement.get("hosts") {
-            Some(ParamValue::List(list)) => list.as_slice(),
-            None => &[],
-            Some(other) => return Err(bad(format!("`hosts` must be a list, not {other}"))),
+        Some(other) => {
+            return Err(invalid(format!(
+                "`labels` must be a list of {} lists, one per host, not {other}",
+                hosts.len()
+            )));
+        }
+    }
+    Ok(labels)
+}
+
+/// The labels `list` gives the host `target`, each checked.
+fn labels_of_host(target: &str, list: &ParamValue) -> Result<Vec<String>, ProviderError> {
+    let ParamValue::List(list) = list else {
+        return Err(invalid(format!(
+            "the labels of {target} must be a list, not {list}"
+        )));
+    };
+    let mut these = Vec::with_capacity(list.len());
+    for l in list {
+        let ParamValue::Str(l) = l else {
+            return Err(invalid(format!(
+                "every label of {target} must be a string, not {l}"
+            )));
         };
-        let mut hosts = Vec::with_capacity(listed.len());
-        for h in listed {
-            let ParamValue::Str(text) = h else {
-                return Err(bad(format!("every host must be a string, not {h}")));
-            };
-            let target: SshTarget = text
-                .parse()
-                .map_err(|e| bad(format!("host {text:?}: {e}")))?;
-            hosts.push(HostAccess {
-                target: target.to_string(),
+        check_label(l).map_err(|e| invalid(format!("host {target}: {e}")))?;
+        these.push(l.clone());
+    }
+    if these.len() > LABELS_MAX {
+        return Err(invalid(format!(
+            "host {target} has {} labels, more than {LABELS_MAX}",
+            these.len()
+        )));
+    }
+    Ok(these)
+}
+
+/// Refuses a NUL character in a boot check argument or the environment.
+fn check_no_nul(template: &NodeTemplate) -> Result<(), ProviderError> {
+    if template
+        .boot
+        .boot_check
+        .iter()
+        .chain(template.boot.env.keys())
+        .chain(template.boot.env.values())
+        .any(|a| a.contains('\0'))
+    {
+        return Err(invalid(
+            "a boot check argument or environment value holds a NUL character".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+impl Group {
+    /// The group's hosts and labels, read from `template` and checked.
+    fn of(template: &NodeTemplate) -> Result<Self, ProviderError> {
+        let params = &template.provider.params;
+        let key = key_param(params)?;
+        let trust_on_first_use = trust_param(params)?;
+        let give_up_s = give_up_param(params)?;
+        check_known_params(params)?;
+        let hosts: Vec<HostAccess> = host_targets(template)?
+            .into_iter()
+            .map(|target| HostAccess {
+                target,
                 key: key.clone(),
                 trust_on_first_use,
                 give_up_s,
-            });
-        }
-        if hosts.is_empty() {
-            return Err(bad(
-                "the group lists no `hosts` (hosts = [\"user@host:port\", …])".to_owned(),
-            ));
-        }
-        let mut labels = BTreeMap::new();
-        match template.provider.placement.get("labels") {
-            None => {}
-            Some(ParamValue::List(per_host)) if per_host.len() == hosts.len() => {
-                for (host, list) in hosts.iter().zip(per_host) {
-                    let ParamValue::List(list) = list else {
-                        return Err(bad(format!(
-                            "the labels of {} must be a list, not {list}",
-                            host.target
-                        )));
-                    };
-                    let mut these = Vec::with_capacity(list.len());
-                    for l in list {
-                        let ParamValue::Str(l) = l else {
-                            return Err(bad(format!(
-                                "every label of {} must be a string, not {l}",
-                                host.target
-                            )));
-                        };
-                        check_label(l).map_err(|e| bad(format!("host {}: {e}", host.target)))?;
-                        these.push(l.clone());
-                    }
-                    if these.len() > LABELS_MAX {
-                        return Err(bad(format!(
-                            "host {} has {} labels, more than {LABELS_MAX}",
-                            host.target,
-                            these.len()
-                        )));
-                    }
-                    if !these.is_empty() {
-                        labels.insert(host.target.clone(), these);
-                    }
-                }
-            }
-            Some(other) => {
-                return Err(bad(format!(
-                    "`labels` must be a list of {} lists, one per host, not {other}",
-                    hosts.len()
-                )));
-            }
-        }
-        if template
-            .boot
-            .boot_check
-            .iter()
-            .chain(template.boot.env.keys())
-            .chain(template.boot.env.values())
-            .any(|a| a.contains('\0'))
-        {
-            return Err(bad(
-                "a boot check argument or environment value holds a NUL character".to_owned(),
-            ));
-        }
+            })
+            .collect();
+        let labels = host_labels(template, &hosts)?;
+        check_no_nul(template)?;
         Ok(Self { hosts, labels })
     }
 
