@@ -1,5 +1,6 @@
 //! A group's container settings, read and checked from its template.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use swactor_provisioning::{NodeTemplate, ParamValue};
 
@@ -61,96 +62,12 @@ impl NodeOptions {
     /// The first problem, worded for the shape's author.
     pub(crate) fn parse(template: &NodeTemplate) -> Result<Self, String> {
         let params = &template.provider.params;
-        for name in params.keys() {
-            if !KNOWN_PARAMS.contains(&name.as_str()) {
-                return Err(format!(
-                    "unknown parameter `{name}` (known: {})",
-                    KNOWN_PARAMS.join(", ")
-                ));
-            }
-        }
-        let image = match (params.get("image"), &template.boot.image) {
-            (None, None) => None,
-            (Some(ParamValue::Str(a)), Some(b)) if a != b => {
-                return Err(format!(
-                    "`image` in [group.params] is {a:?} but the group's `image` is {b:?}; \
-                     name the image once"
-                ));
-            }
-            (Some(ParamValue::Str(name)), _) | (None, Some(name)) => Some(check_image(name)?),
-            (Some(other), _) => {
-                return Err(format!("`image` must be an image name, not {other}"));
-            }
-        };
-        let memory_bytes = match params.get("memory_mb") {
-            None => None,
-            Some(ParamValue::Int(mb)) if *mb < MEMORY_MB_MIN => {
-                return Err(format!(
-                    "`memory_mb` is {mb}; under {MEMORY_MB_MIN} MB is refused: the agent alone needs about that much"
-                ));
-            }
-            Some(ParamValue::Int(mb)) if *mb > MEMORY_MB_MAX => {
-                return Err(format!(
-                    "`memory_mb` is {mb}; the most accepted is {MEMORY_MB_MAX}"
-                ));
-            }
-            Some(ParamValue::Int(mb)) => Some(mb * (1 << 20)),
-            Some(other) => {
-                return Err(format!(
-                    "`memory_mb` must be a whole number of megabytes, not {other}"
-                ));
-            }
-        };
-        let nano_cpus = match params.get("cpus") {
-            None => None,
-            Some(value) => {
-                let cpus = match value {
-                    ParamValue::Int(n) => *n as f64,
-                    ParamValue::Float(f) => *f,
-                    other => {
-                        return Err(format!("`cpus` must be a number, not {other}"));
-                    }
-                };
-                // At least a thousandth of a CPU: the engine refuses less.
-                if !(cpus.is_finite() && (0.001..=CPUS_MAX).contains(&cpus)) {
-                    return Err(format!(
-                        "`cpus` is {cpus}; it must be between 0.001 and {CPUS_MAX}"
-                    ));
-                }
-                Some((cpus * 1e9).round() as i64)
-            }
-        };
-        let mounts = match params.get("mounts") {
-            None => Vec::new(),
-            Some(ParamValue::List(list)) if list.len() > MOUNTS_MAX => {
-                return Err(format!(
-                    "`mounts` lists {} mounts; the most accepted is {MOUNTS_MAX}",
-                    list.len()
-                ));
-            }
-            Some(ParamValue::List(list)) => list
-                .iter()
-                .map(|m| match m {
-                    ParamValue::Str(text) => parse_mount(text),
-                    other => Err(format!(
-                        "every mount must be a string \"host:container[:rw]\", not {other}"
-                    )),
-                })
-                .collect::<Result<_, _>>()?,
-            Some(other) => {
-                return Err(format!(
-                    "`mounts` must be a list of \"host:container[:rw]\", not {other}"
-                ));
-            }
-        };
-        let mut env = Vec::with_capacity(template.boot.env.len());
-        for (name, value) in &template.boot.env {
-            check_env_name(name)?;
-            if value.contains('\0') {
-                return Err(format!("environment variable {name} holds a NUL character"));
-            }
-            env.push(format!("{name}={value}"));
-        }
+        check_known(params)?;
+        let image = image_of(params.get("image"), template.boot.image.as_ref())?;
+        let memory_bytes = memory_bytes_of(params.get("memory_mb"))?;
+        let nano_cpus = nano_cpus_of(params.get("cpus"))?;
+        let mounts = mounts_of(params.get("mounts"))?;
+        let env = env_of(template)?;
         if template.boot.boot_check.iter().any(|a| a.contains('\0')) {
             return Err("a boot check argument holds a NUL character".to_owned());
         }
@@ -182,6 +99,106 @@ impl NodeOptions {
 /// The first problem, worded for the shape's author.
 pub fn check_template(template: &NodeTemplate) -> Result<(), String> {
     NodeOptions::parse(template)?.check_host()
+}
+
+/// Refuses a parameter the provider does not know.
+fn check_known(params: &BTreeMap<String, ParamValue>) -> Result<(), String> {
+    for name in params.keys() {
+        if !KNOWN_PARAMS.contains(&name.as_str()) {
+            return Err(format!(
+                "unknown parameter `{name}` (known: {})",
+                KNOWN_PARAMS.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The group's own image, named once by `params.image` or the group's `image`.
+fn image_of(param: Option<&ParamValue>, boot: Option<&String>) -> Result<Option<String>, String> {
+    match (param, boot) {
+        (None, None) => Ok(None),
+        (Some(ParamValue::Str(a)), Some(b)) if a != b => Err(format!(
+            "`image` in [group.params] is {a:?} but the group's `image` is {b:?}; \
+             name the image once"
+        )),
+        (Some(ParamValue::Str(name)), _) | (None, Some(name)) => Ok(Some(check_image(name)?)),
+        (Some(other), _) => Err(format!("`image` must be an image name, not {other}")),
+    }
+}
+
+/// The memory limit in bytes, from `memory_mb`.
+fn memory_bytes_of(param: Option<&ParamValue>) -> Result<Option<i64>, String> {
+    match param {
+        None => Ok(None),
+        Some(ParamValue::Int(mb)) if *mb < MEMORY_MB_MIN => Err(format!(
+            "`memory_mb` is {mb}; under {MEMORY_MB_MIN} MB is refused: the agent alone needs about that much"
+        )),
+        Some(ParamValue::Int(mb)) if *mb > MEMORY_MB_MAX => Err(format!(
+            "`memory_mb` is {mb}; the most accepted is {MEMORY_MB_MAX}"
+        )),
+        Some(ParamValue::Int(mb)) => Ok(Some(mb * (1 << 20))),
+        Some(other) => Err(format!(
+            "`memory_mb` must be a whole number of megabytes, not {other}"
+        )),
+    }
+}
+
+/// The CPU limit in billionths of a CPU, from `cpus`.
+fn nano_cpus_of(param: Option<&ParamValue>) -> Result<Option<i64>, String> {
+    let Some(value) = param else {
+        return Ok(None);
+    };
+    let cpus = match value {
+        ParamValue::Int(n) => *n as f64,
+        ParamValue::Float(f) => *f,
+        other => {
+            return Err(format!("`cpus` must be a number, not {other}"));
+        }
+    };
+    // At least a thousandth of a CPU: the engine refuses less.
+    if !(cpus.is_finite() && (0.001..=CPUS_MAX).contains(&cpus)) {
+        return Err(format!(
+            "`cpus` is {cpus}; it must be between 0.001 and {CPUS_MAX}"
+        ));
+    }
+    Ok(Some((cpus * 1e9).round() as i64))
+}
+
+/// The bind mounts `mounts` lists, at most [`MOUNTS_MAX`].
+fn mounts_of(param: Option<&ParamValue>) -> Result<Vec<BindMount>, String> {
+    match param {
+        None => Ok(Vec::new()),
+        Some(ParamValue::List(list)) if list.len() > MOUNTS_MAX => Err(format!(
+            "`mounts` lists {} mounts; the most accepted is {MOUNTS_MAX}",
+            list.len()
+        )),
+        Some(ParamValue::List(list)) => list
+            .iter()
+            .map(|m| match m {
+                ParamValue::Str(text) => parse_mount(text),
+                other => Err(format!(
+                    "every mount must be a string \"host:container[:rw]\", not {other}"
+                )),
+            })
+            .collect(),
+        Some(other) => Err(format!(
+            "`mounts` must be a list of \"host:container[:rw]\", not {other}"
+        )),
+    }
+}
+
+/// The container's `NAME=value` pairs, from the group's environment.
+fn env_of(template: &NodeTemplate) -> Result<Vec<String>, String> {
+    let mut env = Vec::with_capacity(template.boot.env.len());
+    for (name, value) in &template.boot.env {
+        check_env_name(name)?;
+        if value.contains('\0') {
+            return Err(format!("environment variable {name} holds a NUL character"));
+        }
+        env.push(format!("{name}={value}"));
+    }
+    Ok(env)
 }
 
 fn check_image(name: &str) -> Result<String, String> {
