@@ -9,25 +9,35 @@ use swactor_provisioning::*;
 
 const WHY: &str = "h1 has not answered for 60s (unreachable_give_up_s)";
 
-#[test]
-fn a_given_up_release_frees_the_slot_and_is_told() {
+/// A host whose one node `w-0` was created, looked up and started (its
+/// bootstrap runs), then asked at t=10 to scale to none.
+fn scaling_down_one_started_node() -> Host<Driver> {
     let mut h = Host::new(driver(), HostConfig::default(), None).unwrap();
     h.handle_apply(&shape(1, vec![group("w", 1)]), Ticket(1), t(0))
         .unwrap();
-    // Create, look up and start: the node's bootstrap runs.
     for _ in 0..3 {
         for d in drain_host(&mut h, t(0)) {
             let _ = h.handle_result(success(&d), t(0)).unwrap();
         }
     }
-    let w0 = node_id("w-0");
-    let attempt = h.core().state().nodes[&w0].attempt;
-    assert!(h.core().state().nodes[&w0].record.session.is_some());
+    assert!(
+        h.core().state().nodes[&node_id("w-0")]
+            .record
+            .session
+            .is_some()
+    );
     while h.poll_event().is_some() {}
-
-    // Scaled to none: the session and then the lease are given up.
     h.handle_apply(&shape(2, vec![group("w", 0)]), Ticket(2), t(10))
         .unwrap();
+    h
+}
+
+#[test]
+fn a_given_up_release_frees_the_slot_and_is_told() {
+    let mut h = scaling_down_one_started_node();
+    let w0 = node_id("w-0");
+    let attempt = h.core().state().nodes[&w0].attempt;
+    // Scaled to none: the session and then the lease are given up.
     let mut given_up = Vec::new();
     for _ in 0..4 {
         for d in drain_host(&mut h, t(10)) {
@@ -70,16 +80,7 @@ fn a_given_up_release_frees_the_slot_and_is_told() {
 
 #[test]
 fn a_done_release_leaves_nothing_behind() {
-    let mut h = Host::new(driver(), HostConfig::default(), None).unwrap();
-    h.handle_apply(&shape(1, vec![group("w", 1)]), Ticket(1), t(0))
-        .unwrap();
-    for _ in 0..3 {
-        for d in drain_host(&mut h, t(0)) {
-            let _ = h.handle_result(success(&d), t(0)).unwrap();
-        }
-    }
-    h.handle_apply(&shape(2, vec![group("w", 0)]), Ticket(2), t(10))
-        .unwrap();
+    let mut h = scaling_down_one_started_node();
     for _ in 0..4 {
         for d in drain_host(&mut h, t(10)) {
             let _ = h.handle_result(success(&d), t(10)).unwrap();
