@@ -4,6 +4,10 @@ use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// An offer's storage price unless its `extra` names one: dollars per GB
+/// and month.
+pub(crate) const STORAGE_COST_DEFAULT: f64 = 0.15;
+
 /// How the mock behaves; a plain struct, checked by [`MockConfig::validate`].
 ///
 /// [`MockConfig::default`] is realistic (rate limits as Vast.ai documents
@@ -349,7 +353,7 @@ impl Offer {
             "dlperf_per_dphtotal": 80.0 * f64::from(self.num_gpus) / self.dph_total.max(0.001),
             "total_flops": 80.0 * f64::from(self.num_gpus),
             "duration": 30.0 * 24.0 * 3600.0,
-            "storage_cost": crate::world::STORAGE_COST_DEFAULT,
+            "storage_cost": STORAGE_COST_DEFAULT,
             "vms_enabled": false,
             "hosting_type": 0,
         });

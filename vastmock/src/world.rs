@@ -13,7 +13,7 @@
 //! state (offers, instances, keys, counters), and a split would only move
 //! that state's fields behind accessors.
 
-use crate::config::{Endpoint, MockConfig, Offer, RateLimits, Timings};
+use crate::config::{Endpoint, MockConfig, Offer, RateLimits, STORAGE_COST_DEFAULT, Timings};
 use crate::faults::{Ambiguity, Death, Faults, Gone, InstanceFault, Selector, SplitMix64, Traits};
 use crate::filter;
 use crate::machine::{Gpus, Machine};
@@ -1872,9 +1872,6 @@ fn dead_status(death: Death) -> Status {
     }
 }
 
-/// An offer's storage price unless its `extra` names one: dollars per GB
-/// and month.
-pub(crate) const STORAGE_COST_DEFAULT: f64 = 0.15;
 
 /// What `gb` of storage on `offer` costs per hour: its `storage_cost` is
 /// dollars per GB and month (30 days), as the service quotes it.
