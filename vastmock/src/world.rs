@@ -1872,7 +1872,6 @@ fn dead_status(death: Death) -> Status {
     }
 }
 
-
 /// What `gb` of storage on `offer` costs per hour: its `storage_cost` is
 /// dollars per GB and month (30 days), as the service quotes it.
 fn storage_dph(offer: &Offer, gb: f64) -> f64 {
