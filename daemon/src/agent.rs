@@ -6,11 +6,20 @@
 //! convergence, and then stays connected, sending heartbeats, so the daemon
 //! sees it alive. If the connection drops it rejoins; a refused join (its
 //! attempt was superseded) ends it.
+//!
+//! It also holds its node on a lease ([`Lease`]): the daemon renews it while
+//! it hears the agent, and an agent whose lease has not been renewed for
+//! its group's `orphan_after_s`, on its own clock, takes its daemon for
+//! gone for good and ends its node by itself (it exits, and its job runs
+//! with it), so no machine runs on, or bills, for a controller that is not
+//! coming back.
 
-use crate::protocol::{FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest};
+use crate::protocol::{FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest, Renewal};
 use anyhow::{Context, Result};
+use futures_util::StreamExt as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use swactor_engine::iroh::{Endpoint, EndpointAddr};
 use swactor_engine::net::{
@@ -21,6 +30,7 @@ use swactor_providers::process::format_agent_line;
 use swactor_provisioning::{
     BootstrapEvent, BootstrapStage, LogicalNodeId, NodeAttemptId, ResourceKey, RunId,
 };
+use tokio::time::Instant;
 
 /// How long the agent's connection to its daemon may hear nothing before it
 /// is taken for dead and the agent dials again.
@@ -120,7 +130,11 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     // session, and between sessions while the daemon is away.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("cannot listen for SIGTERM")?;
-    let code = stay_joined(&endpoint, &ticket, &join, &joined_tx, &mut term).await;
+    let lease = Lease::default();
+    let code = tokio::select! {
+        code = stay_joined(&endpoint, &ticket, &join, &joined_tx, &mut term, &lease) => code,
+        window = lease.lapsed() => orphaned(&key, window),
+    };
     // A close waits for connections to finish closing, and a dial still
     // pending to a daemon that is gone would hold it for seconds: a
     // stopping agent does not wait that long.
@@ -211,12 +225,18 @@ async fn stay_joined(
     join: &JoinRequest,
     joined_tx: &tokio::sync::watch::Sender<bool>,
     term: &mut tokio::signal::unix::Signal,
+    lease: &Lease,
 ) -> i32 {
     let mut joined_once = false;
     let mut failures = 0u32;
     loop {
+        let joined = Joined {
+            once: &mut joined_once,
+            tx: joined_tx,
+            lease,
+        };
         let outcome = tokio::select! {
-            outcome = session(endpoint, ticket, join, &mut joined_once, joined_tx) => outcome,
+            outcome = session(endpoint, ticket, join, joined) => outcome,
             _ = term.recv() => Session::Stopped,
         };
         match outcome {
@@ -267,12 +287,19 @@ enum Session {
     Stopped,
 }
 
+/// What a session does once joined: says so the first time, and keeps
+/// the lease.
+struct Joined<'a> {
+    once: &'a mut bool,
+    tx: &'a tokio::sync::watch::Sender<bool>,
+    lease: &'a Lease,
+}
+
 async fn session(
     endpoint: &Endpoint,
     ticket: &EndpointTicket,
     join: &JoinRequest,
-    joined_once: &mut bool,
-    joined: &tokio::sync::watch::Sender<bool>,
+    joined: Joined<'_>,
 ) -> Session {
     let conn = match connect(
         endpoint,
@@ -295,7 +322,11 @@ async fn session(
     // The daemon says how often it wants to hear from this agent (a
     // fraction of the group's grace); never busier than every 50 ms.
     let heartbeat = match recv_frame::<JoinReply, _>(&mut recv, FRAME_LEN_MAX).await {
-        Ok(Some(JoinReply::Welcome { heartbeat_ms })) => {
+        Ok(Some(JoinReply::Welcome {
+            heartbeat_ms,
+            lease_ms,
+        })) => {
+            joined.lease.renew(Some(Duration::from_millis(lease_ms)));
             Duration::from_millis(heartbeat_ms.max(50))
         }
         Ok(Some(JoinReply::Refused(reason))) => return Session::Refused(reason),
@@ -303,20 +334,96 @@ async fn session(
         Ok(None) => return Session::Lost("the daemon closed the stream".to_owned()),
         Err(e) => return Session::Lost(e.to_string()),
     };
-    if !*joined_once {
-        *joined_once = true;
-        joined.send_replace(true);
+    if !*joined.once {
+        *joined.once = true;
+        joined.tx.send_replace(true);
         report(&BootstrapEvent::SwactorJoined);
         report(&BootstrapEvent::Stage(BootstrapStage::Converged));
     }
+    // The daemon's renewals come back on the stream the heartbeats go out
+    // on; a frame half read when a heartbeat is due stays in the stream.
+    let renewals = futures_util::stream::unfold(recv, |mut recv| async move {
+        let frame = recv_frame::<Renewal, _>(&mut recv, FRAME_LEN_MAX).await;
+        Some((frame, recv))
+    });
+    tokio::pin!(renewals);
     let mut n = 0u64;
+    let mut beat_at = Instant::now() + heartbeat;
     loop {
-        tokio::time::sleep(heartbeat).await;
-        n += 1;
-        if let Err(e) = send_frame(&mut send, &Heartbeat(n), FRAME_LEN_MAX).await {
-            return Session::Lost(e.to_string());
+        tokio::select! {
+            () = tokio::time::sleep_until(beat_at) => {
+                beat_at += heartbeat;
+                n += 1;
+                if let Err(e) = send_frame(&mut send, &Heartbeat(n), FRAME_LEN_MAX).await {
+                    return Session::Lost(e.to_string());
+                }
+            }
+            frame = renewals.next() => match frame {
+                Some(Ok(Some(Renewal(_)))) => joined.lease.renew(None),
+                Some(Ok(None)) | None => {
+                    return Session::Lost("the daemon closed the stream".to_owned());
+                }
+                Some(Err(e)) => return Session::Lost(e.to_string()),
+            },
         }
     }
+}
+
+/// The agent's hold on its node: when its daemon last renewed it, and for
+/// how long a renewal holds (`None` until the first join; a zero window
+/// holds for ever). The time is the agent's own monotonic clock: nothing
+/// the daemon's clock says shortens it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Lease(Arc<Mutex<Option<(Instant, Duration)>>>);
+
+impl Lease {
+    /// The daemon renewed it now, for `window` (`None`: the window it had).
+    fn renew(&self, window: Option<Duration>) {
+        let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let window = window.or(held.map(|(_, w)| w)).unwrap_or(Duration::ZERO);
+        *held = Some((Instant::now(), window));
+    }
+
+    /// When it lapses unless renewed; `None` while it holds for ever.
+    fn ends_at(&self) -> Option<Instant> {
+        let held = *self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        held.filter(|(_, w)| !w.is_zero()).map(|(at, w)| at + w)
+    }
+
+    /// Returns, with its window, once it has lapsed; looks again at least
+    /// every second, so a renewal (or a first join) is always seen.
+    async fn lapsed(&self) -> Duration {
+        loop {
+            let now = Instant::now();
+            match self.ends_at() {
+                Some(at) if at <= now => {
+                    let held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+                    return held.map_or(Duration::ZERO, |(_, w)| w);
+                }
+                Some(at) => tokio::time::sleep_until(at.min(now + LEASE_LOOK_EVERY)).await,
+                None => tokio::time::sleep(LEASE_LOOK_EVERY).await,
+            }
+        }
+    }
+}
+
+/// How often a lease with no deadline yet is looked at again.
+const LEASE_LOOK_EVERY: Duration = Duration::from_secs(1);
+
+/// The exit code of an agent that ended its node because its lease lapsed.
+pub const ORPHANED_EXIT: i32 = 3;
+
+/// Ends the node of an agent whose lease lapsed: it says why and exits
+/// (the provider's machine, container or process ends with it, and so do
+/// its job runs).
+fn orphaned(key: &ResourceKey, window: Duration) -> i32 {
+    tracing::warn!(
+        %key,
+        lease_s = window.as_secs(),
+        "the daemon has not renewed this node's lease for its group's orphan_after_s; ending the node"
+    );
+    report(&BootstrapEvent::Stage(BootstrapStage::AgentLost));
+    ORPHANED_EXIT
 }
 
 /// Runs the boot check `argv` for at most `timeout_s`; a check still running

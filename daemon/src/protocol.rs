@@ -316,6 +316,10 @@ pub enum JoinReply {
     Welcome {
         /// The interval the daemon expects heartbeats at.
         heartbeat_ms: u64,
+        /// The agent's lease: once this long has passed on the agent's own
+        /// clock since the daemon last renewed it (this welcome, or a
+        /// [`Renewal`]), the agent ends its node by itself. 0: never.
+        lease_ms: u64,
     },
     /// Refused, with the reason: the agent's attempt is not wanted, it stops.
     Refused(String),
@@ -327,6 +331,11 @@ pub enum JoinReply {
 /// A heartbeat from a joined agent.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct Heartbeat(pub u64);
+
+/// The daemon renewing a joined agent's lease (sent back on the stream the
+/// agent's heartbeats come on); it carries the heartbeat it answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Renewal(pub u64);
 
 #[cfg(test)]
 mod tests {
@@ -367,6 +376,7 @@ mod tests {
             let _ = decode::<JoinRequest>(&bytes, FIRST_FRAME_LEN_MAX_BYTES);
             let _ = decode::<JoinReply>(&bytes, 64);
             let _ = decode::<Heartbeat>(&bytes, 64);
+            let _ = decode::<Renewal>(&bytes, 64);
             // Control: a JSON request inside a frame, and the answer.
             let _ = decode::<String>(&bytes, 1 << 20);
             if let Ok(text) = std::str::from_utf8(&bytes) {

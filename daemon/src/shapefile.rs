@@ -120,6 +120,11 @@ pub struct GroupFile {
     /// before its node is replaced (default 600).
     #[serde(default)]
     pub preempt_wait_s: Option<u32>,
+    /// Seconds a node's agent keeps the node once its daemon has stopped
+    /// renewing its lease, then ends it by itself (default 3600; 0: never).
+    /// Changing it replaces no node.
+    #[serde(default)]
+    pub orphan_after_s: Option<u32>,
 }
 
 /// One host of a pool: `"user@host:port"`, or
@@ -305,6 +310,7 @@ impl ShapeFile {
                     max_unhealthy: g.max_unhealthy,
                     on_preempt: g.on_preempt,
                     preempt_wait_s: g.preempt_wait_s,
+                    orphan_after_s: g.orphan_after_s,
                 },
             })
             .collect();

@@ -6,7 +6,7 @@
 //! it is accepted only from the key derived for that very (run, node,
 //! attempt), with its token. Refusals are logged once, then summarised.
 
-use crate::protocol::{Heartbeat, JoinReply, JoinRequest};
+use crate::protocol::{Heartbeat, JoinReply, JoinRequest, Renewal};
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -90,10 +90,28 @@ impl ProtocolHandler for SwarmHandler {
                 return Ok(());
             }
         };
-        self.serve(&conn, &mut recv, key, &liveness, &session).await;
+        let mut link = Link {
+            conn: &conn,
+            send: &mut send,
+            recv: &mut recv,
+        };
+        self.serve(&mut link, key, &liveness, &session).await;
         Ok(())
     }
 }
+
+/// A joined agent's link: its connection, and the stream its heartbeats
+/// come on and its lease's renewals go back on.
+struct Link<'a> {
+    conn: &'a Connection,
+    send: &'a mut SendStream,
+    recv: &'a mut RecvStream,
+}
+
+/// How long a renewal may wait to be sent: one the agent does not read in
+/// time is dropped (the next heartbeat brings another), so an agent that
+/// stops reading never holds up the daemon's reading of its heartbeats.
+const RENEWAL_SEND_MAX: Duration = Duration::from_millis(200);
 
 /// A join's verdict: the agent's liveness, or why not and whether the agent
 /// should ask again.
@@ -158,6 +176,7 @@ impl SwarmHandler {
         let reply = match verdict {
             Ok(liveness) => JoinReply::Welcome {
                 heartbeat_ms: liveness.heartbeat_ms,
+                lease_ms: liveness.lease_ms,
             },
             Err((reason, true)) => JoinReply::NotYet(reason.clone()),
             Err((reason, false)) => JoinReply::Refused(reason.clone()),
@@ -182,12 +201,16 @@ impl SwarmHandler {
     /// it goes silent or comes back, and asserts its join again now and then.
     async fn serve(
         &self,
-        conn: &Connection,
-        recv: &mut RecvStream,
+        link: &mut Link<'_>,
         key: ResourceKey,
         liveness: &Liveness,
         session: &Session,
     ) {
+        let conn = link.conn;
+        // The welcome was the lease's first renewal; the next one answers
+        // the first heartbeat heard `renew_every` later.
+        let renew_every = Duration::from_millis(liveness.renew_every_ms);
+        let mut renewed = Instant::now();
         // Silent this long, the agent is taken for gone; its grace is
         // counted from its last heartbeat.
         let silence = Duration::from_millis(liveness.silence_ms);
@@ -207,7 +230,7 @@ impl SwarmHandler {
         let mut away = false;
         let kept = silence + Duration::from_millis(liveness.lost_grace_ms);
         loop {
-            let next = recv_frame::<Heartbeat, _>(recv, SMALL_FRAME_LEN_MAX_BYTES);
+            let next = recv_frame::<Heartbeat, _>(&mut *link.recv, SMALL_FRAME_LEN_MAX_BYTES);
             tokio::pin!(next);
             // Only silence the daemon could have heard counts: time it was
             // starved (or stopped) since the last heartbeat moves the
@@ -223,7 +246,13 @@ impl SwarmHandler {
                 }
             };
             match frame {
-                Some(Ok(Some(Heartbeat(_)))) => heard = Heard::now(&self.starvation),
+                Some(Ok(Some(Heartbeat(n)))) => {
+                    heard = Heard::now(&self.starvation);
+                    if liveness.renew_every_ms > 0 && renewed.elapsed() >= renew_every {
+                        renewed = Instant::now();
+                        renew(link.send, &key, n).await;
+                    }
+                }
                 // Silent for the first time: disconnected, grace running.
                 None if !away => {
                     away = true;
@@ -282,6 +311,19 @@ impl SwarmHandler {
             Ok(Ok(_)) | Err(_) => {}
         }
         true
+    }
+}
+
+/// Renews `key`'s lease, answering its heartbeat `n`; a renewal that
+/// cannot be sent at once is dropped.
+async fn renew(send: &mut SendStream, key: &ResourceKey, n: u64) {
+    let sent = tokio::time::timeout(
+        RENEWAL_SEND_MAX,
+        send_frame(send, &Renewal(n), SMALL_FRAME_LEN_MAX_BYTES),
+    )
+    .await;
+    if !matches!(sent, Ok(Ok(()))) {
+        tracing::debug!(%key, "a lease renewal could not be sent; the next heartbeat brings another");
     }
 }
 

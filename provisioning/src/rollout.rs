@@ -127,6 +127,10 @@ pub struct GroupPolicy {
     /// interruptible rental that was outbid). Default: replaced, as any
     /// node whose agent stays away.
     pub on_preempt: OnPreempt,
+    /// Seconds a joined agent keeps its node without its lease being
+    /// renewed by the daemon; past them it ends the node by itself (the
+    /// dead-man's switch). 0: never. Default [`GroupPolicy::ORPHAN_AFTER_DEFAULT_S`].
+    pub orphan_after_s: u32,
 }
 
 impl Default for GroupPolicy {
@@ -136,6 +140,7 @@ impl Default for GroupPolicy {
             max_surge: Quantity::Count(0),
             max_unhealthy: None,
             on_preempt: OnPreempt::Replace,
+            orphan_after_s: Self::ORPHAN_AFTER_DEFAULT_S,
         }
     }
 }
@@ -171,6 +176,11 @@ impl OnPreempt {
 }
 
 impl GroupPolicy {
+    /// How long an agent keeps its node without a renewed lease, by
+    /// default: an hour, enough for a laptop's lid to be closed and opened
+    /// again, short enough that a machine lost for good bills an hour.
+    pub const ORPHAN_AFTER_DEFAULT_S: u32 = 3_600;
+
     /// `max_unavailable` for a group of `count` slots: a percentage rounds
     /// down, and the result is at least 1 unless the group may surge (then
     /// 0 is kept: the rollout moves by adding nodes first, as Kubernetes
@@ -245,6 +255,7 @@ mod tests {
             max_surge: s,
             max_unhealthy: None,
             on_preempt: OnPreempt::Replace,
+            orphan_after_s: GroupPolicy::ORPHAN_AFTER_DEFAULT_S,
         };
         let q = p(Quantity::Percent(25), Quantity::Percent(25));
         assert_eq!(q.max_unavailable_of(10), 2);

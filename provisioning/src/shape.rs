@@ -91,6 +91,10 @@ pub struct PolicyShape {
     /// (default [`OnPreempt::WAIT_DEFAULT_S`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preempt_wait_s: Option<u32>,
+    /// Seconds an agent keeps its node once its daemon stops renewing its
+    /// lease (default [`GroupPolicy::ORPHAN_AFTER_DEFAULT_S`]; 0: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub orphan_after_s: Option<u32>,
 }
 
 /// `on_preempt` as written in a shape.
@@ -117,6 +121,7 @@ impl PolicyShape {
                 },
                 Some(PreemptChoice::Replace) | None => OnPreempt::Replace,
             },
+            orphan_after_s: self.orphan_after_s.unwrap_or(d.orphan_after_s),
         }
     }
 }

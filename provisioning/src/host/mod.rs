@@ -199,6 +199,15 @@ pub struct Liveness {
     /// again on it.
     #[serde(default)]
     pub lost_grace_ms: u64,
+    /// The agent's lease: how long it keeps its node once the daemon stops
+    /// renewing it (0: for ever). Counted by the agent on its own clock
+    /// from the last renewal it received.
+    #[serde(default)]
+    pub lease_ms: u64,
+    /// How often the daemon renews the lease: at the first heartbeat heard
+    /// this long after the last renewal (0: never, for a lease of 0).
+    #[serde(default)]
+    pub renew_every_ms: u64,
 }
 
 impl Liveness {
@@ -221,6 +230,34 @@ impl Liveness {
             heartbeat_ms: silence_ms / Self::BEATS_PER_SILENCE,
             silence_ms,
             lost_grace_ms,
+            lease_ms: 0,
+            renew_every_ms: 0,
+        }
+    }
+
+    /// Renewals per lease: a few lost or late ones never let a lease lapse
+    /// while the daemon runs.
+    pub const RENEWALS_PER_LEASE: u64 = 5;
+    /// The most time between renewals, however long the lease: a restarted
+    /// daemon's first renewal is never far off.
+    pub const RENEW_EVERY_MAX_MS: u64 = 60_000;
+
+    /// This liveness with a lease of `orphan_after_s` (0: none). Renewals
+    /// ride on heartbeats, so they are never more frequent than those.
+    pub fn with_lease(self, orphan_after_s: u32) -> Self {
+        let lease_ms = u64::from(orphan_after_s) * 1_000;
+        let renew_every_ms = if lease_ms == 0 {
+            0
+        } else {
+            (lease_ms / Self::RENEWALS_PER_LEASE)
+                .min(Self::RENEW_EVERY_MAX_MS)
+                .max(self.heartbeat_ms)
+        };
+        debug_assert_eq!(lease_ms == 0, renew_every_ms == 0, "a lease is renewed");
+        Self {
+            lease_ms,
+            renew_every_ms,
+            ..self
         }
     }
 }
@@ -1043,5 +1080,28 @@ mod tests {
         assert_eq!((l.silence_ms, l.heartbeat_ms), (1_000, 250));
         let l = Liveness::for_grace(u64::MAX);
         assert_eq!(l.silence_ms, Liveness::SILENCE_MAX_MS);
+    }
+
+    #[test]
+    fn a_lease_is_renewed_five_times_per_lease_at_most_a_minute_apart_never_faster_than_beats() {
+        let beats = Liveness::for_grace(5_000);
+        let l = beats.with_lease(3_600);
+        assert_eq!((l.lease_ms, l.renew_every_ms), (3_600_000, 60_000));
+        let l = beats.with_lease(5);
+        assert_eq!((l.lease_ms, l.renew_every_ms), (5_000, 1_000));
+        // A lease shorter than a few beats is renewed at every beat.
+        let l = beats.with_lease(1);
+        assert_eq!((l.lease_ms, l.renew_every_ms), (1_000, 500));
+        let l = beats.with_lease(0);
+        assert_eq!(
+            (l.lease_ms, l.renew_every_ms),
+            (0, 0),
+            "no lease, no renewal"
+        );
+        assert_eq!(
+            (l.heartbeat_ms, l.silence_ms),
+            (beats.heartbeat_ms, beats.silence_ms),
+            "a lease changes nothing of the heartbeats"
+        );
     }
 }

@@ -16,6 +16,7 @@ mod failures;
 mod given_up;
 mod ladder;
 mod lanes;
+mod lease;
 mod next_step;
 mod pause;
 mod preempt;
