@@ -53,6 +53,12 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Environment variables that hold an account's credentials on the
+/// daemon's machine (the Vast.ai API key). No provider passes them on to a
+/// node: a local agent, which otherwise inherits the daemon's environment,
+/// starts without them.
+pub const ACCOUNT_ENV: &[&str] = &["VAST_API_KEY"];
+
 /// How a provider call failed: the class (whether the call may have had
 /// its effect) is what the host decides on; the [`Fault`] inside says what
 /// went wrong, as a [`FaultKind`] to branch on and in words for people.

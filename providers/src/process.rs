@@ -475,6 +475,11 @@ impl ProcessProvider {
             "--boot-timeout-s={}",
             template.limits.boot_timeout_s
         ));
+        // Everything of the daemon's environment but the account's keys;
+        // the group's own variables on top.
+        for secret in crate::ACCOUNT_ENV {
+            cmd.env_remove(secret);
+        }
         cmd.envs(&template.boot.env)
             .current_dir(dir)
             .stdin(Stdio::null())

@@ -106,3 +106,88 @@ fn a_daemon_back_within_the_lease_adopts_every_node_and_makes_none() {
     }
     assert_eq!(one_agent_each(&state), held, "the same agents, all alive");
 }
+
+/// Whether `hay` holds `needle` (bytes).
+fn holds(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Every file under `dir`, read whole.
+fn files_under(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            out.extend(files_under(&path));
+        } else if let Ok(bytes) = std::fs::read(&path) {
+            out.push((path, bytes));
+        }
+    }
+    out
+}
+
+#[test]
+fn no_account_key_and_no_daemon_secret_reach_a_local_node() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape_file(tmp.path(), "two.toml", &workers("no-keys", 2));
+    // The daemon has the account's key in its environment, as a user who
+    // rents on Vast.ai has; nothing here rents, and nothing dials out (the
+    // service's address is a closed loopback port).
+    let key = format!("vastkey-{}", std::process::id());
+    let _d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[("VAST_API_KEY", &key), ("VAST_URL", "http://127.0.0.1:9")],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.len() == 2 && s.nodes.iter().all(|n| n.ready)
+    });
+    let secret = std::fs::read(state.join("token.secret")).unwrap();
+    assert_eq!(secret.len(), 32);
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let forbidden: [(&str, &[u8]); 3] = [
+        ("the Vast.ai API key", key.as_bytes()),
+        ("the daemon's token secret", &secret),
+        ("the daemon's token secret in hex", hex.as_bytes()),
+    ];
+    let agents = one_agent_each(&state);
+    assert_eq!(agents.len(), 2);
+    for (id, pid) in &agents {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        for (what, bytes) in forbidden {
+            assert!(
+                !holds(&environ, bytes),
+                "{what} is in the environment of {id:?}"
+            );
+            assert!(!holds(&argv, bytes), "{what} is in the arguments of {id:?}");
+        }
+    }
+    for dir in node_dirs(&state) {
+        for (path, bytes) in files_under(&dir) {
+            for (what, needle) in forbidden {
+                assert!(!holds(&bytes, needle), "{what} is in {}", path.display());
+            }
+        }
+    }
+    // A job sees what its agent sees.
+    let o = std::process::Command::new(BIN)
+        .arg("run")
+        .arg("--state-dir")
+        .arg(&state)
+        .args(["--all", "--", "env"])
+        .current_dir(tmp.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("SWACTOR_NODE="), "{out}");
+    assert!(!out.contains(&key), "a job sees the account key:\n{out}");
+}

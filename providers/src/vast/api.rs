@@ -173,7 +173,7 @@ impl ApiKey {
     /// No key in any of them, in words that name all three.
     pub fn from_env() -> Result<Self, String> {
         Self::find(
-            std::env::var("VAST_API_KEY").ok().as_deref(),
+            std::env::var(crate::ACCOUNT_ENV[0]).ok().as_deref(),
             std::env::var_os("HOME")
                 .map(std::path::PathBuf::from)
                 .as_deref(),
