@@ -411,7 +411,7 @@ impl Lease {
 const LEASE_LOOK_EVERY: Duration = Duration::from_secs(1);
 
 /// The exit code of an agent that ended its node because its lease lapsed.
-pub const ORPHANED_EXIT: i32 = 3;
+pub use swactor_providers::ORPHANED_EXIT;
 
 /// Ends the node of an agent whose lease lapsed: it says why and exits
 /// (the provider's machine, container or process ends with it, and so do

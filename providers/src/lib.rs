@@ -59,6 +59,11 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// starts without them.
 pub const ACCOUNT_ENV: &[&str] = &["VAST_API_KEY"];
 
+/// The exit status of an agent that ended its node by itself because its
+/// daemon renewed nothing for a whole lease (the group's `orphan_after_s`):
+/// what a provider's own wrapper looks for to clean up after it.
+pub const ORPHANED_EXIT: i32 = 3;
+
 /// How a provider call failed: the class (whether the call may have had
 /// its effect) is what the host decides on; the [`Fault`] inside says what
 /// went wrong, as a [`FaultKind`] to branch on and in words for people.

@@ -1564,7 +1564,7 @@ impl Provider for VastProvider {
             &binary,
             &self.shared.config.daemon_ticket,
             template,
-            &[],
+            (&[], self.shared.config.deployment.as_deref()),
         );
         self.connect(id, &target)
             .await?

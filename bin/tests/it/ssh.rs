@@ -366,6 +366,61 @@ fn a_host_that_goes_down_is_given_up_its_node_placed_elsewhere_and_nothing_is_le
 }
 
 #[test]
+fn hosts_whose_daemon_is_gone_for_good_are_freed_by_their_agents_once_the_lease_lapses() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let pool = Pool::new(2);
+    let shape = pool.shape("two.toml", 2, &[0, 1], "");
+    // The lease is a group field: it goes before the group's params.
+    let body = std::fs::read_to_string(&shape)
+        .unwrap()
+        .replace("[group.params]", "orphan_after_s = 5\n[group.params]");
+    std::fs::write(&shape, body).unwrap();
+    let mut d = pool.up(&shape);
+    let snap = wait_converged(&pool.state, CONVERGE, |s| {
+        s.nodes.len() == 2 && s.nodes.iter().all(|n| n.ready)
+    });
+    one_agent_per_node(&pool, &snap);
+    assert!(pool.claim(0).is_some() && pool.claim(1).is_some());
+    d.kill9();
+    let killed = Instant::now();
+    wait_for(
+        Duration::from_secs(5 + 3),
+        "both hosts free, with no agent and no attempt directory",
+        || {
+            (0..2).all(|h| {
+                pool.claim(h).is_none()
+                    && pool.agents_on(h).is_empty()
+                    && std::fs::read_dir(pool.home(h).join(".swactor/nodes/ssh"))
+                        .map_or(true, |mut e| e.next().is_none())
+            })
+        },
+    );
+    let freed = killed.elapsed();
+    eprintln!("both hosts free {freed:?} after the daemon was killed");
+    assert!(
+        freed >= Duration::from_secs(3),
+        "freed before the lease could lapse: {freed:?}"
+    );
+    // A daemon started afterwards finds both hosts free and makes each node
+    // once more.
+    let mut d = pool.up_with(None, &pool.agent);
+    let after = wait_converged(&pool.state, CONVERGE, |s| {
+        s.nodes.len() == 2
+            && s.nodes.iter().all(|n| {
+                n.ready
+                    && snap
+                        .nodes
+                        .iter()
+                        .any(|b| b.node == n.node && b.attempt != n.attempt)
+            })
+    });
+    one_agent_per_node(&pool, &after);
+    down_leaves_nothing(&pool, &mut d, false);
+}
+
+#[test]
 fn a_changed_host_key_is_refused_naming_the_host_and_both_fingerprints() {
     if !swactor_providers::ssh::testing::sshd_available() {
         return;

@@ -212,12 +212,20 @@ pub(crate) fn write_credentials(dir: &str) -> String {
 /// The wrapper script that runs the agent of `key` from `binary` (a path
 /// relative to the login directory), with the group's `env` and the host's
 /// `labels`, space-separated, in `SWACTOR_HOST_LABELS`.
+use crate::ORPHANED_EXIT as ORPHANED_STATUS;
+
+/// The attempt's `run.sh`: starts the agent, records its pid and, once it
+/// exits, its status. An agent that ended its node for a lapsed lease
+/// ([`crate::ORPHANED_EXIT`]) had no daemon to clean up after it: the wrapper
+/// then releases the host's claim, if this attempt (of `deployment`) holds
+/// it, and removes the attempt's directory, so a later daemon finds the
+/// host free and nothing left of the node.
 pub(crate) fn wrapper(
     key: &ResourceKey,
     binary: &str,
     daemon_ticket: &str,
     template: &NodeTemplate,
-    labels: &[String],
+    (labels, deployment): (&[String], Option<&str>),
 ) -> String {
     let mut argv: Vec<String> = vec![
         "agent".into(),
@@ -259,9 +267,17 @@ pub(crate) fn wrapper(
          cd \"$(dirname \"$0\")\" || exit 1\n\
          echo $$ > agent.pid.tmp && mv agent.pid.tmp agent.pid\n\
          {env}\"$HOME\"/{binary} {args} --credentials \"$PWD/agent.credentials\" --dir \"$PWD\" >> agent.log 2>&1 < /dev/null\n\
-         echo $? > exit_status\n",
+         s=$?\n\
+         if [ $s -eq {ORPHANED_STATUS} ]; then\n\
+         \x20 # The node ended itself: its daemon renewed nothing for a whole lease.\n\
+         \x20 cd \"$HOME\" && {release}; rm -rf {dir}\n\
+         \x20 exit $s\n\
+         fi\n\
+         echo $s > exit_status\n",
         binary = quote(binary),
         args = args.join(" "),
+        release = release(key, deployment),
+        dir = quote(&node_dir(key)),
     )
 }
 
@@ -360,6 +376,96 @@ mod tests {
         assert_eq!(
             binary_path("0123456789abcdef0123"),
             ".swactor/bin/swactor-0123456789abcdef"
+        );
+    }
+
+    fn template() -> NodeTemplate {
+        NodeTemplate {
+            provider: swactor_provisioning::ProviderShape {
+                kind: "ssh".to_owned(),
+                params: Default::default(),
+                placement: Default::default(),
+            },
+            boot: swactor_provisioning::BootParams::default(),
+            role: "worker".to_owned(),
+            join: swactor_provisioning::SwarmJoin::default(),
+            limits: Default::default(),
+        }
+    }
+
+    /// Runs `key`'s wrapper in a home of its own, with an "agent" that
+    /// exits with `status`, the host claimed by `claim`; returns the home.
+    fn run_wrapper(status: i32, claim: &str) -> tempfile::TempDir {
+        let home = tempfile::tempdir().unwrap();
+        let dir = home.path().join(node_dir(&key()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(home.path().join(ROOT).join("claim"), format!("{claim}\n")).unwrap();
+        let agent = home.path().join("agent.sh");
+        std::fs::write(&agent, format!("#!/bin/sh\nexit {status}\n")).unwrap();
+        let run = dir.join("run.sh");
+        let script = wrapper(
+            &key(),
+            "agent.sh",
+            "ticket",
+            &template(),
+            (&[], Some("0a1b2c3d")),
+        );
+        std::fs::write(&run, script).unwrap();
+        for f in [&agent, &run] {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let out = std::process::Command::new("sh")
+            .arg(&run)
+            .env("HOME", home.path())
+            .current_dir(home.path())
+            .output()
+            .unwrap();
+        // The wrapper passes an ended node's status on; otherwise it ends
+        // well once the status is written.
+        let expected = if status == crate::ORPHANED_EXIT {
+            status
+        } else {
+            0
+        };
+        assert_eq!(out.status.code(), Some(expected), "{out:?}");
+        home
+    }
+
+    #[test]
+    fn an_agent_that_ended_its_node_leaves_its_host_free_and_nothing_behind() {
+        let ours = claim_line(&key(), Some("0a1b2c3d"));
+        let home = run_wrapper(crate::ORPHANED_EXIT, &ours);
+        assert!(
+            !home.path().join(ROOT).join("claim").exists(),
+            "the claim is released"
+        );
+        assert!(
+            !home.path().join(node_dir(&key())).exists(),
+            "the attempt's directory is gone"
+        );
+        // A claim another deployment holds is left alone, even then.
+        let theirs = claim_line(&key(), Some("ffffffff"));
+        let home = run_wrapper(crate::ORPHANED_EXIT, &theirs);
+        let claim = std::fs::read_to_string(home.path().join(ROOT).join("claim")).unwrap();
+        assert_eq!(claim.trim(), theirs);
+        assert!(!home.path().join(node_dir(&key())).exists());
+    }
+
+    #[test]
+    fn an_agent_that_exits_otherwise_leaves_its_status_for_the_daemon() {
+        let ours = claim_line(&key(), Some("0a1b2c3d"));
+        let home = run_wrapper(1, &ours);
+        let dir = home.path().join(node_dir(&key()));
+        assert_eq!(
+            std::fs::read_to_string(dir.join("exit_status"))
+                .unwrap()
+                .trim(),
+            "1"
+        );
+        assert!(
+            home.path().join(ROOT).join("claim").exists(),
+            "the daemon releases it"
         );
     }
 }
