@@ -60,6 +60,11 @@ pub struct NodeSummary {
     /// words its waits from this.
     #[serde(default)]
     pub next: NextStep,
+    /// Seconds its agent keeps the node once its daemon stops renewing its
+    /// lease (the group's `orphan_after_s`); 0: for ever. The host fills it
+    /// in.
+    #[serde(default)]
+    pub orphan_after_s: u32,
 }
 
 impl NodeSummary {
@@ -88,6 +93,7 @@ impl NodeSummary {
             lease: n.record.lease.clone(),
             resource: None,
             next: NextStep::Nothing,
+            orphan_after_s: 0,
         })
     }
 }

@@ -263,6 +263,7 @@ fn summary<C: Reconciler>(
 ) -> Option<NodeSummary> {
     let mut summary = NodeSummary::of(node, host.core().state(), host.link(node))?;
     summary.next = host.next_step(node, now).unwrap_or_default();
+    summary.orphan_after_s = host.orphan_after_s(node);
     Some(summary)
 }
 

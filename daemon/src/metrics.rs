@@ -866,6 +866,7 @@ mod tests {
             lease: None,
             resource: None,
             next: swactor_provisioning::NextStep::Nothing,
+            orphan_after_s: 3_600,
         }
     }
 

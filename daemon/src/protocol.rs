@@ -474,6 +474,7 @@ mod tests {
                     at: Timestamp::from_millis(123_456_789),
                     replaced: true,
                 },
+                orphan_after_s: u32::MAX,
             })
             .collect();
         let snap = ClusterSnapshot {

@@ -138,6 +138,22 @@ pub fn span_up(ms: u64) -> String {
     span(ms.div_ceil(1_000))
 }
 
+/// What a node's agent does if its daemon goes for good (its group's
+/// `orphan_after_s`): `ends itself 60 min after its daemon stops renewing
+/// its lease (renewed while connected)`.
+pub fn orphan_words(n: &NodeSummary) -> String {
+    if n.orphan_after_s == 0 {
+        return "never ends itself (orphan_after_s = 0)".to_owned();
+    }
+    let after = span(u64::from(n.orphan_after_s));
+    let renewed = match n.agent {
+        AgentLink::Connected => "renewed while connected",
+        AgentLink::Away { .. } => "not renewed while its agent is away",
+        AgentLink::NotJoined => "given when its agent joins",
+    };
+    format!("ends itself {after} after its daemon stops renewing its lease ({renewed})")
+}
+
 /// A span rounded down to whole units.
 fn span_down(ms: u64) -> String {
     span(ms / 1_000)
@@ -534,6 +550,24 @@ mod tests {
         );
     }
 
+    #[test]
+    fn an_orphaned_node_is_said_to_end_itself_after_its_groups_lease() {
+        let mut n = node(NodeStage::Dormant);
+        n.agent = AgentLink::Connected;
+        assert_eq!(
+            orphan_words(&n),
+            "ends itself 60 min after its daemon stops renewing its lease (renewed while connected)"
+        );
+        n.orphan_after_s = 5;
+        n.agent = AgentLink::NotJoined;
+        assert_eq!(
+            orphan_words(&n),
+            "ends itself 5 s after its daemon stops renewing its lease (given when its agent joins)"
+        );
+        n.orphan_after_s = 0;
+        assert_eq!(orphan_words(&n), "never ends itself (orphan_after_s = 0)");
+    }
+
     fn node(stage: NodeStage) -> NodeSummary {
         NodeSummary {
             node: LogicalNodeId::parse("worker-1").unwrap(),
@@ -550,6 +584,7 @@ mod tests {
             lease: None,
             resource: None,
             next: NextStep::Nothing,
+            orphan_after_s: 3_600,
         }
     }
 

@@ -7,8 +7,8 @@ use crate::shapefile::{ShapeFile, capacity_refusal, offline_capacities};
 use crate::state::{DaemonHolder, StateDir};
 use crate::term::{Table, stdout_width};
 use crate::words::{
-    ago, bootstrap_words, clock, cut_long_words, effect_words, next_words, nodes, retry_cell,
-    stage_word, state_cell, state_text, state_word,
+    ago, bootstrap_words, clock, cut_long_words, effect_words, next_words, nodes, orphan_words,
+    retry_cell, stage_word, state_cell, state_text, state_word,
 };
 use anyhow::{Context, Result, bail};
 use std::collections::{BTreeMap, HashMap};

@@ -263,6 +263,7 @@ fn node_facts(d: &NodeDescription) -> Vec<(&'static str, String)> {
             if let Some(p) = n.pending {
                 facts.push(("doing", effect_words(p).to_owned()));
             }
+            facts.push(("if orphaned", orphan_words(n)));
         }
         None => facts.push(("state", "no node (the slot is empty)".to_owned())),
     }

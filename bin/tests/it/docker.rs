@@ -270,6 +270,52 @@ fn a_daemon_killed_at_any_point_adopts_its_containers_instead_of_making_more() {
 }
 
 #[test]
+fn containers_whose_daemon_is_gone_for_good_stop_once_their_lease_lapses() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("orphan");
+    let body = docker_shape(&w.run, 2, "orphan_after_s = 5\n");
+    w.up(&body);
+    let before = w.converged(2);
+    assert!(containers(&w.run).iter().all(|c| c.state == "running"));
+    w.daemon.as_mut().unwrap().kill9();
+    let killed = Instant::now();
+    wait_for(
+        Duration::from_secs(5 + 3),
+        "every container to stop",
+        || {
+            let cs = containers(&w.run);
+            cs.len() == 2 && cs.iter().all(|c| c.state != "running")
+        },
+    );
+    let stopped = killed.elapsed();
+    assert!(
+        stopped >= Duration::from_secs(3),
+        "stopped before the lease could lapse: {stopped:?}"
+    );
+    // A daemon started afterwards brings each node back once, one running
+    // container per slot (a stopped container is its node's lease: it is
+    // started again, as after any agent that exited).
+    w.up(&body);
+    let watcher = slot_watcher(&w.run);
+    let after = w.converged(2);
+    let live = one_per_slot(&w.run);
+    for n in &after.nodes {
+        let c = &live[&n.node.to_string()];
+        assert_eq!(
+            (c.attempt, c.state.as_str()),
+            (n.attempt.0, "running"),
+            "{live:#?}"
+        );
+    }
+    assert_eq!(attempts(&before).len(), 2);
+    let (doubles, count) = watcher.stop();
+    assert_eq!(count, 0, "two containers for one slot: {doubles:#?}");
+    w.down();
+}
+
+#[test]
 fn changed_environment_replaces_each_container_after_its_cleanup() {
     if !engine_up() {
         return;

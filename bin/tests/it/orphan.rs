@@ -105,6 +105,14 @@ fn a_daemon_back_within_the_lease_adopts_every_node_and_makes_none() {
         );
     }
     assert_eq!(one_agent_each(&state), held, "the same agents, all alive");
+    // What a node does if its daemon goes is shown with it.
+    let o = cli(&state, &["describe", "worker-0"]);
+    let text = stdout(&o);
+    assert!(
+        text.contains("ends itself 5 s after its daemon stops renewing its lease"),
+        "{text}{}",
+        stderr(&o)
+    );
 }
 
 /// Whether `hay` holds `needle` (bytes).

@@ -4,6 +4,19 @@
 use super::*;
 
 impl<C: Reconciler> Host<C> {
+    /// The lease `node`'s agent holds its node on (its group's
+    /// `orphan_after_s`; the default for a group no longer desired): it
+    /// ends the node itself that long after its daemon stops renewing it.
+    /// 0: never.
+    pub fn orphan_after_s(&self, node: &LogicalNodeId) -> u32 {
+        self.core
+            .desired()
+            .group(&node.group)
+            .map_or(crate::GroupPolicy::ORPHAN_AFTER_DEFAULT_S, |g| {
+                g.policy.orphan_after_s
+            })
+    }
+
     /// How long `node`'s group waits for a machine its provider paused
     /// (`None`: it does not).
     pub(super) fn preempt_wait_ms(&self, node: &LogicalNodeId) -> Option<u64> {

@@ -436,13 +436,7 @@ impl<C: Reconciler> Host<C> {
         {
             return Err(JoinRefused::NotActive(key.node));
         }
-        let orphan_after_s = self
-            .core
-            .desired()
-            .group(&key.node.group)
-            .map_or(crate::GroupPolicy::ORPHAN_AFTER_DEFAULT_S, |g| {
-                g.policy.orphan_after_s
-            });
+        let orphan_after_s = self.orphan_after_s(&key.node);
         Ok(Liveness::for_grace(node.template.join.lost_grace_ms()).with_lease(orphan_after_s))
     }
 
