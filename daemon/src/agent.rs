@@ -124,7 +124,7 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
 
     report(&BootstrapEvent::Stage(BootstrapStage::Join));
     let join = JoinRequest::new(&key, credentials.token.clone());
-    let joined_tx = start_jobs_link(&opts, &endpoint, &ticket, &join);
+    let (joined_tx, jobs) = start_jobs_link(&opts, &endpoint, &ticket, &join);
     // From here on SIGTERM is caught (tokio keeps the handler for the life
     // of the process), so it must be listened for in every wait below: in a
     // session, and between sessions while the daemon is away.
@@ -133,7 +133,7 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     let lease = Lease::default();
     let code = tokio::select! {
         code = stay_joined(&endpoint, &ticket, &join, &joined_tx, &mut term, &lease) => code,
-        window = lease.lapsed() => orphaned(&key, window),
+        window = lease.lapsed(|| jobs.running()) => orphaned(&key, window),
     };
     // A close waits for connections to finish closing, and a dial still
     // pending to a daemon that is gone would hold it for seconds: a
@@ -200,7 +200,10 @@ fn start_jobs_link(
     endpoint: &Endpoint,
     ticket: &EndpointTicket,
     join: &JoinRequest,
-) -> tokio::sync::watch::Sender<bool> {
+) -> (
+    tokio::sync::watch::Sender<bool>,
+    crate::jobs::agent::AgentJobs,
+) {
     // The jobs link: the daemon sends runs over a connection this agent
     // dials, for as long as the agent lives. It is dialled once the agent
     // has joined, so a hundred agents starting at once do not make their
@@ -208,12 +211,13 @@ fn start_jobs_link(
     let (joined_tx, mut joined_rx) = tokio::sync::watch::channel(false);
     let jobs = crate::jobs::agent::AgentJobs::new(&opts.dir, opts.node.clone(), opts.attempt);
     let (endpoint, ticket, join) = (endpoint.clone(), ticket.clone(), join.clone());
+    let served = jobs.clone();
     tokio::spawn(async move {
         if joined_rx.wait_for(|j| *j).await.is_ok() {
-            jobs.serve(endpoint, ticket, join).await;
+            served.serve(endpoint, ticket, join).await;
         }
     });
-    joined_tx
+    (joined_tx, jobs)
 }
 
 /// Keeps the agent joined, one session after another, until its join is
@@ -325,8 +329,12 @@ async fn session(
         Ok(Some(JoinReply::Welcome {
             heartbeat_ms,
             lease_ms,
+            lease_waits_for_jobs,
         })) => {
-            joined.lease.renew(Some(Duration::from_millis(lease_ms)));
+            joined.lease.renew(Some((
+                Duration::from_millis(lease_ms),
+                lease_waits_for_jobs,
+            )));
             Duration::from_millis(heartbeat_ms.max(50))
         }
         Ok(Some(JoinReply::Refused(reason))) => return Session::Refused(reason),
@@ -369,36 +377,60 @@ async fn session(
     }
 }
 
-/// The agent's hold on its node: when its daemon last renewed it, and for
-/// how long a renewal holds (`None` until the first join; a zero window
-/// holds for ever). The time is the agent's own monotonic clock: nothing
-/// the daemon's clock says shortens it.
+/// The agent's hold on its node: when its daemon last renewed it, for how
+/// long a renewal holds (a zero window holds for ever), and whether a job
+/// the node runs holds it too; `None` until the first join. The time is
+/// the agent's own monotonic clock: nothing the daemon's clock says
+/// shortens it.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Lease(Arc<Mutex<Option<(Instant, Duration)>>>);
+pub(crate) struct Lease(Arc<Mutex<Option<Held>>>);
+
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    renewed: Instant,
+    window: Duration,
+    waits_for_jobs: bool,
+}
 
 impl Lease {
-    /// The daemon renewed it now, for `window` (`None`: the window it had).
-    fn renew(&self, window: Option<Duration>) {
+    /// The daemon renewed it now, on `terms` (its window, and whether it
+    /// waits for jobs; `None`: the terms it had).
+    fn renew(&self, terms: Option<(Duration, bool)>) {
         let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let window = window.or(held.map(|(_, w)| w)).unwrap_or(Duration::ZERO);
-        *held = Some((Instant::now(), window));
+        let (window, waits_for_jobs) = terms
+            .or(held.map(|h| (h.window, h.waits_for_jobs)))
+            .unwrap_or((Duration::ZERO, false));
+        *held = Some(Held {
+            renewed: Instant::now(),
+            window,
+            waits_for_jobs,
+        });
     }
 
     /// When it lapses unless renewed; `None` while it holds for ever.
     fn ends_at(&self) -> Option<Instant> {
         let held = *self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        held.filter(|(_, w)| !w.is_zero()).map(|(at, w)| at + w)
+        held.filter(|h| !h.window.is_zero())
+            .map(|h| h.renewed + h.window)
+    }
+
+    fn held(&self) -> Option<Held> {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Returns, with its window, once it has lapsed; looks again at least
-    /// every second, so a renewal (or a first join) is always seen.
-    async fn lapsed(&self) -> Duration {
+    /// every second, so a renewal (or a first join) is always seen. While
+    /// `busy` (a job runs) and the lease waits for jobs, it counts as
+    /// renewed: it then lapses a whole window after the last job ended.
+    async fn lapsed(&self, busy: impl Fn() -> bool) -> Duration {
         loop {
             let now = Instant::now();
+            if self.held().is_some_and(|h| h.waits_for_jobs) && busy() {
+                self.renew(None);
+            }
             match self.ends_at() {
                 Some(at) if at <= now => {
-                    let held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-                    return held.map_or(Duration::ZERO, |(_, w)| w);
+                    return self.held().map_or(Duration::ZERO, |h| h.window);
                 }
                 Some(at) => tokio::time::sleep_until(at.min(now + LEASE_LOOK_EVERY)).await,
                 None => tokio::time::sleep(LEASE_LOOK_EVERY).await,

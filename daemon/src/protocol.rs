@@ -320,6 +320,10 @@ pub enum JoinReply {
         /// clock since the daemon last renewed it (this welcome, or a
         /// [`Renewal`]), the agent ends its node by itself. 0: never.
         lease_ms: u64,
+        /// Whether the lease waits for a job the node runs (the group's
+        /// `orphan_policy = "idle"`): it then counts from the later of the
+        /// last renewal and the end of the last job.
+        lease_waits_for_jobs: bool,
     },
     /// Refused, with the reason: the agent's attempt is not wanted, it stops.
     Refused(String),

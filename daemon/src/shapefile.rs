@@ -125,6 +125,11 @@ pub struct GroupFile {
     /// Changing it replaces no node.
     #[serde(default)]
     pub orphan_after_s: Option<u32>,
+    /// `"always"` (the default): the lease counts from the last renewal;
+    /// `"idle"`: a node running a job waits for it to end and counts from
+    /// then. Changing it replaces no node.
+    #[serde(default)]
+    pub orphan_policy: Option<swactor_provisioning::OrphanPolicy>,
 }
 
 /// One host of a pool: `"user@host:port"`, or
@@ -311,6 +316,7 @@ impl ShapeFile {
                     on_preempt: g.on_preempt,
                     preempt_wait_s: g.preempt_wait_s,
                     orphan_after_s: g.orphan_after_s,
+                    orphan_policy: g.orphan_policy,
                 },
             })
             .collect();
@@ -1226,6 +1232,39 @@ mod tests {
         let e = f.to_shape(1).unwrap_err();
         assert!(e.to_string().contains("\"aws\""), "{e}");
         assert!(e.to_string().contains("supported: process"), "{e}");
+    }
+
+    #[test]
+    fn a_groups_orphan_lease_is_read_and_a_bad_policy_is_refused() {
+        let body = |extra: &str| {
+            format!(
+                "run = \"r\"\n[[group]]\nid = \"g\"\ncount = 1\nprovider = \"process\"\n{extra}"
+            )
+        };
+        let shape = ShapeFile::parse(
+            &body("orphan_after_s = 30\norphan_policy = \"idle\"\n"),
+            "x",
+        )
+        .unwrap()
+        .check(1)
+        .unwrap();
+        let policy = shape.groups[0].policy.resolve();
+        assert_eq!(policy.orphan_after_s, 30);
+        assert_eq!(
+            policy.orphan_policy,
+            swactor_provisioning::OrphanPolicy::Idle
+        );
+        let shape = ShapeFile::parse(&body(""), "x").unwrap().check(1).unwrap();
+        let policy = shape.groups[0].policy.resolve();
+        assert_eq!(policy.orphan_after_s, 3_600, "an hour by default");
+        assert_eq!(
+            policy.orphan_policy,
+            swactor_provisioning::OrphanPolicy::Always
+        );
+        let e = ShapeFile::parse(&body("orphan_policy = \"later\"\n"), "x").unwrap_err();
+        assert!(e.to_string().contains("orphan_policy"), "{e}");
+        let e = ShapeFile::parse(&body("orphan_after_s = -1\n"), "x").unwrap_err();
+        assert!(e.to_string().contains("orphan_after_s"), "{e}");
     }
 
     #[test]

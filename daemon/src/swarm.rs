@@ -177,6 +177,7 @@ impl SwarmHandler {
             Ok(liveness) => JoinReply::Welcome {
                 heartbeat_ms: liveness.heartbeat_ms,
                 lease_ms: liveness.lease_ms,
+                lease_waits_for_jobs: liveness.lease_waits_for_jobs,
             },
             Err((reason, true)) => JoinReply::NotYet(reason.clone()),
             Err((reason, false)) => JoinReply::Refused(reason.clone()),

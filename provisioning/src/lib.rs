@@ -75,7 +75,7 @@ pub use observe::{
     BOOT_CHECK_REPORT_MARGIN_MS, BootstrapEvent, BootstrapObservation, DiscardReason, FailureClass,
     Folded, OperationOutcome, OperationResult, Release, stall_during_boot_check_ms,
 };
-pub use rollout::{Breaker, GroupPolicy, OnPreempt, PERCENT_MAX, Quantity};
+pub use rollout::{Breaker, GroupPolicy, OnPreempt, OrphanPolicy, PERCENT_MAX, Quantity};
 pub use shape::{
     BootParams, ClusterShape, DesiredGroup, DesiredState, GROUP_COUNT_MAX, GROUPS_MAX, GroupField,
     GroupShape, LogicalNodeSpec, NodeLimits, NodeTemplate, ParamValue, PolicyShape, PreemptChoice,

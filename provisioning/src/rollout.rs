@@ -131,6 +131,22 @@ pub struct GroupPolicy {
     /// renewed by the daemon; past them it ends the node by itself (the
     /// dead-man's switch). 0: never. Default [`GroupPolicy::ORPHAN_AFTER_DEFAULT_S`].
     pub orphan_after_s: u32,
+    /// Whether a node running a job waits for it before its lease counts
+    /// ([`OrphanPolicy::Idle`]) or not (the default).
+    pub orphan_policy: OrphanPolicy,
+}
+
+/// When an orphaned node's lease counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OrphanPolicy {
+    /// From the last renewal, job or no job (the default): no machine
+    /// outlives its controller by more than the lease.
+    #[default]
+    Always,
+    /// From the last renewal or the end of the last job, whichever is
+    /// later: a run under way is not cut off by a lost controller.
+    Idle,
 }
 
 impl Default for GroupPolicy {
@@ -141,6 +157,7 @@ impl Default for GroupPolicy {
             max_unhealthy: None,
             on_preempt: OnPreempt::Replace,
             orphan_after_s: Self::ORPHAN_AFTER_DEFAULT_S,
+            orphan_policy: OrphanPolicy::Always,
         }
     }
 }
@@ -256,6 +273,7 @@ mod tests {
             max_unhealthy: None,
             on_preempt: OnPreempt::Replace,
             orphan_after_s: GroupPolicy::ORPHAN_AFTER_DEFAULT_S,
+            orphan_policy: OrphanPolicy::Always,
         };
         let q = p(Quantity::Percent(25), Quantity::Percent(25));
         assert_eq!(q.max_unavailable_of(10), 2);

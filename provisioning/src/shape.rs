@@ -95,6 +95,10 @@ pub struct PolicyShape {
     /// lease (default [`GroupPolicy::ORPHAN_AFTER_DEFAULT_S`]; 0: never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub orphan_after_s: Option<u32>,
+    /// Whether a node running a job waits for it before its lease counts
+    /// (default [`crate::OrphanPolicy::Always`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub orphan_policy: Option<crate::OrphanPolicy>,
 }
 
 /// `on_preempt` as written in a shape.
@@ -122,6 +126,7 @@ impl PolicyShape {
                 Some(PreemptChoice::Replace) | None => OnPreempt::Replace,
             },
             orphan_after_s: self.orphan_after_s.unwrap_or(d.orphan_after_s),
+            orphan_policy: self.orphan_policy.unwrap_or(d.orphan_policy),
         }
     }
 }

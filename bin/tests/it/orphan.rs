@@ -199,3 +199,75 @@ fn no_account_key_and_no_daemon_secret_reach_a_local_node() {
     assert!(out.contains("SWACTOR_NODE="), "{out}");
     assert!(!out.contains(&key), "a job sees the account key:\n{out}");
 }
+
+#[test]
+fn with_orphan_policy_idle_a_node_running_a_job_outlives_its_lease_until_the_job_ends() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let body = format!(
+        "{}orphan_after_s = 3\norphan_policy = \"idle\"\n",
+        workers("orphan-idle", 2)
+    );
+    let shape = shape_file(tmp.path(), "idle.toml", &body);
+    let mut d = Daemon::start(&state, &shape);
+    wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.len() == 2 && s.nodes.iter().all(|n| n.ready)
+    });
+    let held = one_agent_each(&state);
+    // A 10 s job on worker-0 only; worker-1 is idle.
+    let mut job = std::process::Command::new(BIN)
+        .arg("run")
+        .arg("--state-dir")
+        .arg(&state)
+        .args(["--nodes", "worker-0", "--", "sleep", "10"])
+        .current_dir(tmp.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = |node: &str| {
+        held.iter()
+            .find(|((n, _), _)| n == node)
+            .map(|(_, p)| *p)
+            .unwrap()
+    };
+    let (busy, idle) = (pid("worker-0"), pid("worker-1"));
+    // The job has started once its command runs under the busy agent.
+    let sleeping = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .any(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == b"sleep\x0010\x00"))
+    };
+    let asked = Instant::now();
+    while !sleeping() {
+        assert!(
+            asked.elapsed() < Duration::from_secs(20),
+            "the job did not start: {}",
+            std::fs::read_to_string(tmp.path().join("job.err")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let started = Instant::now();
+    d.kill9();
+    let killed = Instant::now();
+    // The idle node ends within its lease and margin; the busy one does not.
+    wait_for(Duration::from_secs(3 + 3), "the idle node to end", || {
+        !alive(idle)
+    });
+    assert!(alive(busy), "the node running a job ended with its lease");
+    // The job ends 10 s after it started; its node ends one lease later.
+    wait_for(
+        (Duration::from_secs(10 + 3 + 3)).saturating_sub(started.elapsed()),
+        "the busy node to end after its job",
+        || !alive(busy),
+    );
+    let busy_for = killed.elapsed();
+    assert!(
+        busy_for >= Duration::from_secs(8),
+        "the busy node ended {busy_for:?} after its daemon, before its job could end"
+    );
+    let _ = job.kill();
+    let _ = job.wait();
+}

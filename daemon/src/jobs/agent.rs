@@ -139,6 +139,17 @@ struct Inner {
 }
 
 impl AgentJobs {
+    /// Whether a run's command is running now.
+    pub(crate) fn running(&self) -> bool {
+        let runs = self
+            .inner
+            .runs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        runs.values()
+            .any(|r| r.pgid.is_some() && r.progress.borrow().end.is_none())
+    }
+
     /// The jobs of the agent of (`node`, `attempt`), kept under `node_dir`,
     /// with every run an earlier agent left there.
     pub(crate) fn new(node_dir: &Path, node: String, attempt: u64) -> Self {

@@ -9,11 +9,17 @@ impl<C: Reconciler> Host<C> {
     /// ends the node itself that long after its daemon stops renewing it.
     /// 0: never.
     pub fn orphan_after_s(&self, node: &LogicalNodeId) -> u32 {
+        self.orphan_lease(node).0
+    }
+
+    /// `node`'s lease and whether it waits for the node's jobs.
+    pub(super) fn orphan_lease(&self, node: &LogicalNodeId) -> (u32, crate::OrphanPolicy) {
+        let d = crate::GroupPolicy::default();
         self.core
             .desired()
             .group(&node.group)
-            .map_or(crate::GroupPolicy::ORPHAN_AFTER_DEFAULT_S, |g| {
-                g.policy.orphan_after_s
+            .map_or((d.orphan_after_s, d.orphan_policy), |g| {
+                (g.policy.orphan_after_s, g.policy.orphan_policy)
             })
     }
 

@@ -436,8 +436,9 @@ impl<C: Reconciler> Host<C> {
         {
             return Err(JoinRefused::NotActive(key.node));
         }
-        let orphan_after_s = self.orphan_after_s(&key.node);
-        Ok(Liveness::for_grace(node.template.join.lost_grace_ms()).with_lease(orphan_after_s))
+        let (orphan_after_s, policy) = self.orphan_lease(&key.node);
+        Ok(Liveness::for_grace(node.template.join.lost_grace_ms())
+            .with_lease(orphan_after_s, policy))
     }
 
     /// The agent of `key` disconnected, having last been heard `silent_ms`

@@ -208,6 +208,10 @@ pub struct Liveness {
     /// this long after the last renewal (0: never, for a lease of 0).
     #[serde(default)]
     pub renew_every_ms: u64,
+    /// Whether the lease waits for a job the node runs: it then counts from
+    /// the later of the last renewal and the end of the last job.
+    #[serde(default)]
+    pub lease_waits_for_jobs: bool,
 }
 
 impl Liveness {
@@ -232,6 +236,7 @@ impl Liveness {
             lost_grace_ms,
             lease_ms: 0,
             renew_every_ms: 0,
+            lease_waits_for_jobs: false,
         }
     }
 
@@ -244,7 +249,7 @@ impl Liveness {
 
     /// This liveness with a lease of `orphan_after_s` (0: none). Renewals
     /// ride on heartbeats, so they are never more frequent than those.
-    pub fn with_lease(self, orphan_after_s: u32) -> Self {
+    pub fn with_lease(self, orphan_after_s: u32, policy: crate::OrphanPolicy) -> Self {
         let lease_ms = u64::from(orphan_after_s) * 1_000;
         let renew_every_ms = if lease_ms == 0 {
             0
@@ -257,6 +262,7 @@ impl Liveness {
         Self {
             lease_ms,
             renew_every_ms,
+            lease_waits_for_jobs: policy == crate::OrphanPolicy::Idle,
             ..self
         }
     }
@@ -1085,14 +1091,14 @@ mod tests {
     #[test]
     fn a_lease_is_renewed_five_times_per_lease_at_most_a_minute_apart_never_faster_than_beats() {
         let beats = Liveness::for_grace(5_000);
-        let l = beats.with_lease(3_600);
+        let l = beats.with_lease(3_600, crate::OrphanPolicy::Always);
         assert_eq!((l.lease_ms, l.renew_every_ms), (3_600_000, 60_000));
-        let l = beats.with_lease(5);
+        let l = beats.with_lease(5, crate::OrphanPolicy::Always);
         assert_eq!((l.lease_ms, l.renew_every_ms), (5_000, 1_000));
         // A lease shorter than a few beats is renewed at every beat.
-        let l = beats.with_lease(1);
+        let l = beats.with_lease(1, crate::OrphanPolicy::Always);
         assert_eq!((l.lease_ms, l.renew_every_ms), (1_000, 500));
-        let l = beats.with_lease(0);
+        let l = beats.with_lease(0, crate::OrphanPolicy::Always);
         assert_eq!(
             (l.lease_ms, l.renew_every_ms),
             (0, 0),
@@ -1102,6 +1108,12 @@ mod tests {
             (l.heartbeat_ms, l.silence_ms),
             (beats.heartbeat_ms, beats.silence_ms),
             "a lease changes nothing of the heartbeats"
+        );
+        assert!(!l.lease_waits_for_jobs);
+        assert!(
+            beats
+                .with_lease(5, crate::OrphanPolicy::Idle)
+                .lease_waits_for_jobs
         );
     }
 }

@@ -417,6 +417,7 @@ pub fn budget_policy(max_unavailable: u8, max_unhealthy: Option<u8>) -> PolicySh
         on_preempt: None,
         preempt_wait_s: None,
         orphan_after_s: None,
+        orphan_policy: None,
     }
 }
 
