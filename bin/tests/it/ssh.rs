@@ -421,6 +421,73 @@ fn hosts_whose_daemon_is_gone_for_good_are_freed_by_their_agents_once_the_lease_
 }
 
 #[test]
+fn no_account_key_and_no_daemon_secret_reach_an_ssh_host() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    let pool = Pool::new(1);
+    let shape = pool.shape("one.toml", 1, &[0], "");
+    let key = format!("vastkey-{}", std::process::id());
+    let agent = pool.agent.to_str().unwrap().to_owned();
+    let _d = Daemon::spawn_env(
+        &pool.state,
+        Some(&shape),
+        &["--agent-binary", &agent],
+        &[("VAST_API_KEY", &key), ("VAST_URL", "http://127.0.0.1:9")],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    wait_converged(&pool.state, CONVERGE, |s| {
+        s.nodes.len() == 1 && s.nodes.iter().all(|n| n.ready)
+    });
+    let secret = std::fs::read(pool.state.join("token.secret")).unwrap();
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let holds = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+    let agents = pool.agents_on(0);
+    assert_eq!(agents.len(), 1, "{agents:?}");
+    for pid in agents.values().flatten() {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        for (what, needle) in [
+            ("the account key", key.as_bytes()),
+            ("the daemon's secret", &secret[..]),
+            ("the daemon's secret in hex", hex.as_bytes()),
+        ] {
+            assert!(
+                !holds(&environ, needle),
+                "{what} is in the agent's environment"
+            );
+            assert!(!holds(&argv, needle), "{what} is in the agent's arguments");
+        }
+    }
+    // Nor in anything the host keeps for the node.
+    let mut stack = vec![pool.home(0).join(".swactor/nodes")];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if let Ok(bytes) = std::fs::read(&path) {
+                assert!(
+                    !holds(&bytes, key.as_bytes()),
+                    "the account key is in {}",
+                    path.display()
+                );
+                assert!(
+                    !holds(&bytes, &secret),
+                    "the daemon's secret is in {}",
+                    path.display()
+                );
+                assert!(
+                    !holds(&bytes, hex.as_bytes()),
+                    "the daemon's secret is in {}",
+                    path.display()
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn a_changed_host_key_is_refused_naming_the_host_and_both_fingerprints() {
     if !swactor_providers::ssh::testing::sshd_available() {
         return;
