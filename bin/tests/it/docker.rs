@@ -316,6 +316,47 @@ fn containers_whose_daemon_is_gone_for_good_stop_once_their_lease_lapses() {
 }
 
 #[test]
+fn no_account_key_and_no_daemon_secret_reach_a_container() {
+    if !engine_up() {
+        return;
+    }
+    let mut w = World::new("nokeys");
+    let f = w.file(&docker_shape(&w.run, 2, ""));
+    // The daemon has the account's key in its environment; nothing rents,
+    // and nothing dials out (the service's address is a closed loopback port).
+    let key = format!("vastkey-{}", std::process::id());
+    let agent = agent_binary();
+    let d = Daemon::spawn_env(
+        &w.state,
+        Some(&f),
+        &["--agent-binary", agent.to_str().unwrap()],
+        &[("VAST_API_KEY", &key), ("VAST_URL", "http://127.0.0.1:9")],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    w.daemon = Some(d);
+    w.converged(2);
+    let secret = std::fs::read(w.state.join("token.secret")).unwrap();
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    for c in one_per_slot(&w.run).values() {
+        let o = docker(&["inspect", "-f", "{{json .Config}}", &c.id]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let config = String::from_utf8_lossy(&o.stdout);
+        assert!(config.contains("swactor"), "{config}");
+        assert!(
+            !config.contains(&key),
+            "the account key is in {}: {config}",
+            c.name
+        );
+        assert!(
+            !config.contains(&hex),
+            "the daemon's secret is in {}: {config}",
+            c.name
+        );
+    }
+    w.down();
+}
+
+#[test]
 fn changed_environment_replaces_each_container_after_its_cleanup() {
     if !engine_up() {
         return;
