@@ -115,28 +115,6 @@ fn a_daemon_back_within_the_lease_adopts_every_node_and_makes_none() {
     );
 }
 
-/// Whether `hay` holds `needle` (bytes).
-fn holds(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
-}
-
-/// Every file under `dir`, read whole.
-fn files_under(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
-    let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return out;
-    };
-    for e in entries.flatten() {
-        let path = e.path();
-        if path.is_dir() {
-            out.extend(files_under(&path));
-        } else if let Ok(bytes) = std::fs::read(&path) {
-            out.push((path, bytes));
-        }
-    }
-    out
-}
-
 #[test]
 fn no_account_key_and_no_daemon_secret_reach_a_local_node() {
     let tmp = tempfile::tempdir().unwrap();

@@ -441,7 +441,6 @@ fn no_account_key_and_no_daemon_secret_reach_an_ssh_host() {
     });
     let secret = std::fs::read(pool.state.join("token.secret")).unwrap();
     let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
-    let holds = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
     let agents = pool.agents_on(0);
     assert_eq!(agents.len(), 1, "{agents:?}");
     for pid in agents.values().flatten() {
@@ -460,30 +459,22 @@ fn no_account_key_and_no_daemon_secret_reach_an_ssh_host() {
         }
     }
     // Nor in anything the host keeps for the node.
-    let mut stack = vec![pool.home(0).join(".swactor/nodes")];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let path = e.path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if let Ok(bytes) = std::fs::read(&path) {
-                assert!(
-                    !holds(&bytes, key.as_bytes()),
-                    "the account key is in {}",
-                    path.display()
-                );
-                assert!(
-                    !holds(&bytes, &secret),
-                    "the daemon's secret is in {}",
-                    path.display()
-                );
-                assert!(
-                    !holds(&bytes, hex.as_bytes()),
-                    "the daemon's secret is in {}",
-                    path.display()
-                );
-            }
-        }
+    for (path, bytes) in files_under(&pool.home(0).join(".swactor/nodes")) {
+        assert!(
+            !holds(&bytes, key.as_bytes()),
+            "the account key is in {}",
+            path.display()
+        );
+        assert!(
+            !holds(&bytes, &secret),
+            "the daemon's secret is in {}",
+            path.display()
+        );
+        assert!(
+            !holds(&bytes, hex.as_bytes()),
+            "the daemon's secret is in {}",
+            path.display()
+        );
     }
 }
 

@@ -623,3 +623,25 @@ pub fn bearer(token: &str) -> String {
 pub fn get(addr: std::net::SocketAddr, token: &str, path: &str) -> (u16, String) {
     http(addr, "GET", path, &[("Authorization", &bearer(token))], b"")
 }
+
+/// Whether `hay` holds `needle` (bytes).
+pub fn holds(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Every file under `dir`, read whole.
+pub fn files_under(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            out.extend(files_under(&path));
+        } else if let Ok(bytes) = std::fs::read(&path) {
+            out.push((path, bytes));
+        }
+    }
+    out
+}
