@@ -24,9 +24,9 @@ use swactor_actors::{
     Cluster, ClusterConfig, ClusterHandle, DriverArgs, MemoryJournal, ShutdownMode, WorkerMsg,
 };
 use swactor_conformance::battery::trace_for_seed;
-use swactor_conformance::trace::{InvalidUpdate, ProviderFaultInput};
+use swactor_conformance::trace::InvalidUpdate;
 use swactor_conformance::{
-    BackendConfig, FakeBackend, Input, Mode, Oracle, ProviderFault, RUN, Snapshot, shape_of,
+    BackendConfig, FakeBackend, Input, Mode, Oracle, RUN, Snapshot, shape_of,
 };
 use swactor_engine::Clock;
 use swactor_engine::ractor::ActorRef;
@@ -82,22 +82,6 @@ fn crash_a_worker(cluster: &ClusterHandle, pick: usize) {
         .collect();
     if let Some(cell) = workers.get(pick % workers.len().max(1)) {
         let _ = ActorRef::<WorkerMsg>::from(cell.clone()).send_message(WorkerMsg::Crash);
-    }
-}
-
-fn provider_fault(f: ProviderFaultInput) -> ProviderFault {
-    match f {
-        ProviderFaultInput::Refuse(kind) => ProviderFault::Refuse { kind },
-        ProviderFaultInput::EndpointNeverReady => ProviderFault::EndpointNeverReady,
-        ProviderFaultInput::EndpointSlow(ms) => ProviderFault::EndpointSlow {
-            delay_ms: u64::from(ms),
-        },
-        ProviderFaultInput::BootstrapFailsAt(stage) => ProviderFault::BootstrapFailsAt { stage },
-        ProviderFaultInput::LoseObservations(mask) => ProviderFault::LoseObservations { mask },
-        ProviderFaultInput::CloseAfterConverge => ProviderFault::CloseAfterConverge,
-        ProviderFaultInput::Invisible(ms) => ProviderFault::Invisible {
-            lag_ms: u64::from(ms),
-        },
     }
 }
 
@@ -235,7 +219,7 @@ async fn run_seed(mode: Mode, seed: u64) -> Result<(), String> {
                     cluster.agent_gone(key, Duration::ZERO);
                 }
             }
-            Input::Provider(f) => provider.arm(provider_fault(*f)),
+            Input::Provider(f) => provider.arm(f.fault()),
             Input::Delivery { kind, fault } => {
                 use swactor_conformance::DeliveryFault as D;
                 match fault {

@@ -299,20 +299,24 @@ pub fn shape_of(generation: u64, groups: &[(u8, u8); 2]) -> ClusterShape {
     shape_with(generation, groups, &[PolicyShape::default(); 2])
 }
 
-/// The backend fault that a trace's provider-fault input arms.
-fn provider_fault(f: ProviderFaultInput) -> ProviderFault {
-    match f {
-        ProviderFaultInput::Refuse(kind) => ProviderFault::Refuse { kind },
-        ProviderFaultInput::EndpointNeverReady => ProviderFault::EndpointNeverReady,
-        ProviderFaultInput::EndpointSlow(ms) => ProviderFault::EndpointSlow {
-            delay_ms: u64::from(ms),
-        },
-        ProviderFaultInput::BootstrapFailsAt(stage) => ProviderFault::BootstrapFailsAt { stage },
-        ProviderFaultInput::LoseObservations(mask) => ProviderFault::LoseObservations { mask },
-        ProviderFaultInput::CloseAfterConverge => ProviderFault::CloseAfterConverge,
-        ProviderFaultInput::Invisible(ms) => ProviderFault::Invisible {
-            lag_ms: u64::from(ms),
-        },
+impl ProviderFaultInput {
+    /// The backend fault this provider-fault input arms.
+    pub fn fault(self) -> ProviderFault {
+        match self {
+            ProviderFaultInput::Refuse(kind) => ProviderFault::Refuse { kind },
+            ProviderFaultInput::EndpointNeverReady => ProviderFault::EndpointNeverReady,
+            ProviderFaultInput::EndpointSlow(ms) => ProviderFault::EndpointSlow {
+                delay_ms: u64::from(ms),
+            },
+            ProviderFaultInput::BootstrapFailsAt(stage) => {
+                ProviderFault::BootstrapFailsAt { stage }
+            }
+            ProviderFaultInput::LoseObservations(mask) => ProviderFault::LoseObservations { mask },
+            ProviderFaultInput::CloseAfterConverge => ProviderFault::CloseAfterConverge,
+            ProviderFaultInput::Invisible(ms) => ProviderFault::Invisible {
+                lag_ms: u64::from(ms),
+            },
+        }
     }
 }
 
@@ -1134,7 +1138,7 @@ impl<R: Reconciler> World<R> {
                 self.host_paused(u64::from(ms));
             }
             Input::LoseTimerOnce => self.timer_lost = true,
-            Input::Provider(f) => self.exec.backend_mut().arm(provider_fault(f)),
+            Input::Provider(f) => self.exec.backend_mut().arm(f.fault()),
             Input::Delivery { kind, ref fault } => self.exec.arm(kind, fault.clone()),
             Input::AbortNextPass { keep, report } => self.abort = Some((keep, report)),
             Input::DeleteOutOfBand { pick } => self.apply_delete_out_of_band(pick),
