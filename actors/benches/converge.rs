@@ -44,6 +44,7 @@ fn shape(n: u32) -> ClusterShape {
         }],
         capacity: None,
         budget: None,
+        lifetime: Default::default(),
     }
 }
 

@@ -133,6 +133,7 @@ fn shape(generation: u64, count: u32) -> ClusterShape {
         }],
         capacity: None,
         budget: None,
+        lifetime: Default::default(),
     }
 }
 

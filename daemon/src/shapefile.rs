@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use swactor_provisioning::budget::{Budget, OnBudget};
+use swactor_provisioning::lifetime::Lifetime;
 use swactor_provisioning::{
     BootParams, Capacity, CapacityBasis, ClusterShape, DesiredState, GROUP_COUNT_MAX, Generation,
     GroupField, GroupShape, NodeLimits, ParamValue, PolicyShape, PreemptChoice, ProviderShape,
@@ -48,6 +49,16 @@ pub struct ShapeFile {
     /// What reaching `budget_usd` does: `"down"` (the default) or `"pause"`.
     #[serde(default)]
     pub on_budget: Option<String>,
+    /// Seconds after the apply that sets it at which the run tears itself
+    /// down (0 or absent: never); every later apply that sets it starts
+    /// it again.
+    #[serde(default)]
+    pub max_lifetime_s: Option<f64>,
+    /// Seconds with no job running after which the run tears itself down
+    /// (0 or absent: never), counted from the later of the last apply and
+    /// the end of the last job.
+    #[serde(default)]
+    pub idle_teardown_s: Option<f64>,
     /// The node groups.
     #[serde(default, rename = "group")]
     pub groups: Vec<GroupFile>,
@@ -255,6 +266,8 @@ impl ShapeFile {
                 Some(Budget::of_usd(usd, on).map_err(anyhow::Error::msg)?)
             }
         };
+        let lifetime = Lifetime::of_seconds(self.max_lifetime_s, self.idle_teardown_s)
+            .map_err(anyhow::Error::msg)?;
         for (i, g) in self.groups.iter().enumerate() {
             let kind = g.provider.as_str();
             if !SUPPORTED_PROVIDERS.contains(&kind) && !self.more_providers.contains(&kind) {
@@ -326,6 +339,7 @@ impl ShapeFile {
             groups,
             capacity: self.capacity,
             budget,
+            lifetime,
         })
     }
 }
@@ -962,6 +976,54 @@ mod tests {
             "run = \"r\"\nbudget_usd = 5.0\n[[group]]\nid = \"w\"\ncount = 1\nprovider = \"process\"\n",
         );
         assert!(e.contains("rents") && e.contains("no vast group"), "{e}");
+    }
+
+    #[test]
+    fn lifetimes_reach_the_shape_and_bad_ones_are_refused_in_words() {
+        let process = "[[group]]\nid = \"w\"\ncount = 1\nprovider = \"process\"\n";
+        let check = |top: &str| {
+            ShapeFile::parse(&format!("run = \"r\"\n{top}\n{process}"), "l.toml")
+                .map_err(|e| e.to_string())
+                .and_then(|f| f.check(1).map_err(|e| format!("{e:#}")))
+        };
+        let shape = check("max_lifetime_s = 7200\nidle_teardown_s = 600").unwrap();
+        assert_eq!(
+            shape.lifetime,
+            Lifetime {
+                max_lifetime_s: 7_200,
+                idle_teardown_s: 600
+            }
+        );
+        // Kept as JSON in the journal; a shape without them writes none.
+        let json = serde_json::to_string(&shape).unwrap();
+        assert!(json.contains("\"max_lifetime_s\":7200"), "{json}");
+        assert_eq!(serde_json::from_str::<ClusterShape>(&json).unwrap(), shape);
+        let plain = check("").unwrap();
+        assert!(plain.lifetime.is_off());
+        assert!(!serde_json::to_string(&plain).unwrap().contains("lifetime"));
+        // Written as a float, 0 (off), or idle on a run that runs no job yet.
+        assert_eq!(
+            check("max_lifetime_s = 60.0")
+                .unwrap()
+                .lifetime
+                .max_lifetime_s,
+            60
+        );
+        assert!(check("max_lifetime_s = 0").unwrap().lifetime.is_off());
+        assert!(check("idle_teardown_s = 30").is_ok());
+        for (bad, field) in [
+            ("max_lifetime_s = -5", "max_lifetime_s = -5"),
+            ("idle_teardown_s = 1.5", "idle_teardown_s = 1.5"),
+            ("max_lifetime_s = 1e9", "max_lifetime_s = 1000000000"),
+        ] {
+            let e = check(bad).unwrap_err();
+            assert!(
+                e.contains(field) && e.contains("whole number of seconds"),
+                "{bad}: {e}"
+            );
+        }
+        let e = check("max_lifetime_s = \"2h\"").unwrap_err();
+        assert!(e.contains("max_lifetime_s"), "{e}");
     }
 
     #[test]

@@ -343,6 +343,7 @@ mod tests {
             }],
             capacity: None,
             budget: None,
+            lifetime: Default::default(),
         };
         let desired = shape.validate().unwrap();
         (*desired.groups[0].template).clone()

@@ -33,6 +33,7 @@ fn shape(generation: u64, n: u32) -> ClusterShape {
         groups,
         capacity: None,
         budget: None,
+        lifetime: Default::default(),
     }
 }
 

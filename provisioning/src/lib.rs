@@ -33,6 +33,7 @@ mod driver;
 pub mod exit;
 mod host;
 mod id;
+pub mod lifetime;
 mod lost;
 mod nodemap;
 pub mod observe;

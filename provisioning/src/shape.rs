@@ -35,6 +35,11 @@ pub struct ClusterShape {
     /// no node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<crate::budget::Budget>,
+    /// How long the run may live: torn down a set time after the apply
+    /// that sets it, or after a set time with no job running (see
+    /// [`crate::lifetime`]); off by default. Changing it replaces no node.
+    #[serde(default, skip_serializing_if = "crate::lifetime::Lifetime::is_off")]
+    pub lifetime: crate::lifetime::Lifetime,
 }
 
 /// A set of identical slots.
@@ -895,6 +900,7 @@ pub(crate) mod tests {
             groups,
             capacity: None,
             budget: None,
+            lifetime: Default::default(),
         }
     }
 

@@ -35,6 +35,7 @@ fn shape(generation: u64, workers: u32) -> ClusterShape {
         }],
         capacity: None,
         budget: None,
+        lifetime: Default::default(),
     }
 }
 

@@ -46,6 +46,12 @@ impl<C: Reconciler> Host<C> {
     /// Offers a shape. Returns the decision at once; the [`Reply`] for
     /// `ticket` follows once an accepted shape is durable.
     ///
+    /// A shape with the current content is [`DesiredUpdate::Unchanged`],
+    /// but the run-wide settings it carries (budget, capacity, lifetimes)
+    /// are kept, and one that sets a lifetime re-arms it from the wall
+    /// clock last handed in ([`Host::handle_wall_clock`]), durably before
+    /// the reply, as an accepted one does.
+    ///
     /// # Errors
     /// The shape is refused (the same error is replied).
     pub fn handle_apply(
@@ -83,6 +89,11 @@ impl<C: Reconciler> Host<C> {
                 nodes: self.core.desired().node_count(),
             });
             self.adopt_if_ready(now);
+        } else if let Ok(DesiredUpdate::Unchanged(_)) = outcome {
+            self.keep_run_settings(shape);
+        }
+        if outcome.is_ok() {
+            self.arm_lifetime(shape, now);
         }
         self.flush_delta();
         self.outputs
@@ -236,6 +247,7 @@ impl<C: Reconciler> Host<C> {
                     groups: Vec::new(),
                     capacity: None,
                     budget: None,
+                    lifetime: Default::default(),
                 };
                 if let Err(e) = self.core.update_desired(&empty) {
                     // Unreachable: an empty shape of this run at a higher

@@ -40,6 +40,15 @@ pub struct JournalMeta {
     /// written before it existed.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub spent_micros: u64,
+    /// What the run's lifetimes count from ([`Host::handle_lifetime`]):
+    /// wall-clock instants, so a restarted daemon keeps the deadlines.
+    /// Absent (nothing known) in journals written before lifetimes existed.
+    #[serde(default, skip_serializing_if = "is_unanchored")]
+    pub lifetime: crate::lifetime::Anchors,
+}
+
+fn is_unanchored(a: &crate::lifetime::Anchors) -> bool {
+    *a == crate::lifetime::Anchors::default()
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -144,6 +153,7 @@ impl JournalImage {
                 retired: Vec::new(),
                 deployment: None,
                 spent_micros: 0,
+                lifetime: Default::default(),
             },
             slots: NodeTable::new(),
         }

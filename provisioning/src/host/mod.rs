@@ -71,8 +71,9 @@
 //! This file holds the host's state, its construction and what can be asked
 //! of it; each concern of the `impl` lives in a file of its own: `inputs`
 //! (every `handle_*`), `output` (`poll_output` and the passes), `records`
-//! (journal deltas), `adoption` (inventories, sweeps, orphans) and `graces`
-//! (away and preempted nodes, group holds). `io` and `journal` hold the
+//! (journal deltas), `adoption` (inventories, sweeps, orphans), `graces`
+//! (away and preempted nodes, group holds) and `lifetimes` (the run's
+//! `max_lifetime_s` and `idle_teardown_s`). `io` and `journal` hold the
 //! types of the interface and of the durable records.
 //!
 //! Over 1,000 lines in one file with its tests: the code is under 1,000
@@ -105,6 +106,7 @@ mod graces;
 mod inputs;
 mod io;
 mod journal;
+mod lifetimes;
 mod output;
 mod records;
 
@@ -553,6 +555,11 @@ pub struct Host<C: Reconciler> {
     /// The most the run was said to have spent ([`Host::handle_spent`]);
     /// the journal holds it once it is a cent past what it holds.
     spent_micros: u64,
+    /// The last wall-clock reading handed in, in ms since the Unix epoch,
+    /// and the instant it was read at ([`Host::handle_wall_clock`]).
+    wall: Option<(Timestamp, u64)>,
+    /// A job was running at the last lifetime check ([`Host::handle_lifetime`]).
+    jobs_running: bool,
 }
 
 impl<C: Reconciler> Host<C> {
@@ -629,6 +636,8 @@ impl<C: Reconciler> Host<C> {
             held_lost: BTreeSet::new(),
             preempted: BTreeMap::new(),
             spent_micros: 0,
+            wall: None,
+            jobs_running: false,
             holds: BTreeMap::new(),
             tripped_none: true,
             last_input: None,

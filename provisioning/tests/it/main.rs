@@ -17,6 +17,7 @@ mod given_up;
 mod ladder;
 mod lanes;
 mod lease;
+mod lifetime;
 mod next_step;
 mod pause;
 mod preempt;

@@ -360,6 +360,7 @@ pub fn shape_with(
             .collect(),
         capacity: None,
         budget: None,
+        lifetime: Default::default(),
     }
 }
 

@@ -34,6 +34,7 @@ pub fn shape(generation: u64, groups: Vec<GroupShape>) -> ClusterShape {
         groups,
         capacity: None,
         budget: None,
+        lifetime: Default::default(),
     }
 }
 
