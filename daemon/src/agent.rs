@@ -65,6 +65,15 @@ pub struct AgentOptions {
     /// Seconds the boot check may run before it is stopped and the attempt fails.
     #[arg(long, default_value_t = 300.0)]
     pub boot_timeout_s: f64,
+    /// On a Vast.ai instance: the service URL the agent destroys its own
+    /// instance through, with the instance's own key, if its lease lapses.
+    #[arg(long)]
+    pub vast_url: Option<String>,
+    /// On a Vast.ai instance: where the create's `onstart` copied the
+    /// instance's id and own key (a relative path is taken from `$HOME`);
+    /// `CONTAINER_ID` and `CONTAINER_API_KEY` in the environment come first.
+    #[arg(long, default_value = swactor_providers::vast::INSTANCE_FILE)]
+    pub vast_instance_file: PathBuf,
 }
 
 fn report(event: &BootstrapEvent) {
@@ -133,7 +142,11 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     let lease = Lease::default();
     let code = tokio::select! {
         code = stay_joined(&endpoint, &ticket, &join, &joined_tx, &mut term, &lease) => code,
-        window = lease.lapsed(|| jobs.running()) => orphaned(&key, window),
+        window = lease.lapsed(|| jobs.running()) => {
+            let code = orphaned(&key, window);
+            end_own_instance(&opts).await;
+            code
+        }
     };
     // A close waits for connections to finish closing, and a dial still
     // pending to a daemon that is gone would hold it for seconds: a
@@ -456,6 +469,42 @@ fn orphaned(key: &ResourceKey, window: Duration) -> i32 {
     );
     report(&BootstrapEvent::Stage(BootstrapStage::AgentLost));
     ORPHANED_EXIT
+}
+
+/// On a Vast.ai instance (`--vast-url` given), destroys the instance the
+/// agent runs on with that instance's own key, so the rental stops billing
+/// with no daemon left to stop it. Says what it did, or why it could not:
+/// then the instance runs on until someone destroys it.
+async fn end_own_instance(opts: &AgentOptions) {
+    use swactor_providers::vast::OwnInstance;
+    let Some(url) = &opts.vast_url else {
+        return;
+    };
+    let file = match std::env::var_os("HOME") {
+        Some(home) if opts.vast_instance_file.is_relative() => {
+            PathBuf::from(home).join(&opts.vast_instance_file)
+        }
+        _ => opts.vast_instance_file.clone(),
+    };
+    let own = match OwnInstance::find(&file) {
+        Ok(own) => own,
+        Err(e) => {
+            tracing::error!(
+                "cannot destroy this instance: {e}; it runs (and bills) until someone destroys it"
+            );
+            return;
+        }
+    };
+    match own.destroy(url).await {
+        Ok(()) => tracing::warn!(
+            instance = own.id,
+            "destroyed this instance with its own key"
+        ),
+        Err(e) => tracing::error!(
+            instance = own.id,
+            "{e}; it runs (and bills) until someone destroys it"
+        ),
+    }
 }
 
 /// Runs the boot check `argv` for at most `timeout_s`; a check still running

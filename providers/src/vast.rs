@@ -59,9 +59,11 @@
 
 mod api;
 mod model;
+mod own;
 
 pub use api::{ApiKey, Pacing};
 pub use model::KNOWN_PARAMS;
+pub use own::{INSTANCE_FILE, OwnInstance};
 
 use self::api::{Api, ApiError, Endpoint};
 use self::model::{CreateFailure, GroupParams, Health, Instance, Offer};
@@ -399,7 +401,10 @@ fn outbid(i: &Instance, now_s: f64) -> bool {
 }
 
 /// The `onstart` script, run by the service at every start of the
-/// container: puts the daemon's key in root's `authorized_keys`, then
+/// container: puts the daemon's key in root's `authorized_keys`, copies
+/// the instance's own id and key from the container's environment to
+/// [`INSTANCE_FILE`] (owner-only; SSH sessions do not see that
+/// environment, and the agent needs them to end its own instance), then
 /// starts again the agent a stop ended (a paused interruptible instance
 /// that resumed, a reboot), from the wrapper the daemon left, unless the
 /// daemon cancelled it or it ended by itself. At the first start there is
@@ -411,13 +416,18 @@ fn onstart(public_key: &str) -> String {
         "mkdir -p ~/.ssh && chmod 700 ~/.ssh && touch ~/.ssh/authorized_keys && \
          (grep -qxF {line} ~/.ssh/authorized_keys || printf '%s\\n' {line} >> ~/.ssh/authorized_keys) && \
          chmod 600 ~/.ssh/authorized_keys; \
+         if [ -n \"${{CONTAINER_ID:-}}\" ] && [ -n \"${{CONTAINER_API_KEY:-}}\" ]; then \
+         (umask 077 && mkdir -p ~/{root} && \
+         printf 'CONTAINER_ID=%s\\nCONTAINER_API_KEY=%s\\n' \"$CONTAINER_ID\" \"$CONTAINER_API_KEY\" > ~/{own_file}.tmp && \
+         mv ~/{own_file}.tmp ~/{own_file}); fi; \
          for w in \"$HOME\"/{root}/nodes/*/*/run.sh; do \
          d=$(dirname \"$w\"); \
          [ -f \"$w\" ] && [ -f \"$d/{RESUME_CREDENTIALS}\" ] && [ ! -e \"$d/{CANCELLED}\" ] \
          && [ ! -e \"$d/exit_status\" ] || continue; \
          (cd \"$d\" && umask 077 && cp -p {RESUME_CREDENTIALS} agent.credentials && rm -f agent.pid \
          && setsid ./run.sh > /dev/null 2>&1 < /dev/null &); \
-         done; true"
+         done; true",
+        own_file = INSTANCE_FILE,
     )
 }
 
@@ -1559,12 +1569,18 @@ impl Provider for VastProvider {
                 ),
             ));
         }
+        // The agent ends its own instance, with the instance's own key,
+        // if its lease lapses (see [`own`]).
+        let end_own = [
+            format!("--vast-url={}", self.shared.api.base()),
+            format!("--vast-instance-file={}", own::INSTANCE_FILE),
+        ];
         let wrapper = remote::wrapper(
             key,
             &binary,
             &self.shared.config.daemon_ticket,
             template,
-            (&[], self.shared.config.deployment.as_deref()),
+            (&[], self.shared.config.deployment.as_deref(), &end_own),
         );
         self.connect(id, &target)
             .await?
@@ -1882,6 +1898,36 @@ mod tests {
     /// Run the way the service runs it at a container's start: the first
     /// time it only adds the key; once a wrapper is there it starts it
     /// again, unless the attempt was cancelled or ended by itself.
+    #[test]
+    fn the_onstart_script_keeps_the_instances_own_key_for_its_agent_only() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let home = tempfile::tempdir().unwrap();
+        let run = |env: &[(&str, &str)]| {
+            let out = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(onstart("ssh-ed25519 AAAA swactor"))
+                .env("HOME", home.path())
+                .env_remove("CONTAINER_ID")
+                .env_remove("CONTAINER_API_KEY")
+                .envs(env.iter().copied())
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+        };
+        let file = home.path().join(INSTANCE_FILE);
+        run(&[]);
+        assert!(!file.exists(), "no key from the service, no file");
+        run(&[("CONTAINER_ID", "77"), ("CONTAINER_API_KEY", "k3y")]);
+        assert_eq!(
+            std::fs::read_to_string(&file).unwrap(),
+            "CONTAINER_ID=77\nCONTAINER_API_KEY=k3y\n"
+        );
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "readable by its owner only");
+        let own = OwnInstance::find(&file).unwrap();
+        assert_eq!(own.id, 77);
+    }
+
     #[test]
     fn the_onstart_script_starts_a_stopped_agent_again() {
         let home = tempfile::tempdir().unwrap();

@@ -1849,3 +1849,163 @@ fn the_spend_survives_the_provider_losing_its_records() {
     assert_eq!(w.mock.creates_total(), 3, "{}", d.last_log());
     w.down();
 }
+
+/// The dead-man's switch on Vast.ai: with the daemon back within the
+/// lease nothing changes; with it gone for good, every instance destroys
+/// itself with its own restricted key (never the account's), and a daemon
+/// started afterwards rents each slot exactly once more. No agent ever
+/// holds the account key: not in its environment, arguments or files.
+#[test]
+fn instances_of_a_daemon_gone_for_good_destroy_themselves_with_their_own_keys() {
+    if !swactor_providers::ssh::testing::sshd_available() {
+        return;
+    }
+    const LEASE: Duration = Duration::from_secs(5);
+    const MARGIN: Duration = Duration::from_secs(3);
+    let w = World::new(offers(6, 0.3));
+    let shape = shape_file(
+        w.root(),
+        "orphan.toml",
+        "run = \"gpu\"\n[[group]]\nid = \"w\"\ncount = 2\nprovider = \"vast\"\n\
+         image = \"pytorch/pytorch:latest\"\nboot_check = [\"true\"]\nlost_grace_s = 2\n\
+         endpoint_timeout_s = 60\norphan_after_s = 5\n\
+         [group.params]\ngpu_name = \"RTX_4090\"\nmax_dph = 1.0\n",
+    );
+    let mut d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    let before = w.ready(&d, 2);
+    let mut ids: Vec<u64> = before
+        .rentals
+        .iter()
+        .map(|r| r.instance.parse().unwrap())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids.len(), 2, "{:#?}", before.rentals);
+    assert_no_account_key_on_instances(&w, &ids);
+
+    // Back within the lease: every instance kept, nothing rented.
+    d.kill9();
+    let killed = Instant::now();
+    drop(d);
+    std::thread::sleep(Duration::from_secs(2));
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    std::thread::sleep((LEASE + MARGIN).saturating_sub(killed.elapsed()));
+    let after = w.ready(&d, 2);
+    assert_eq!(w.mock.creates_total(), 2, "{}", d.log());
+    assert!(w.mock.destroys().is_empty(), "{:?}", w.mock.destroys());
+    for n in &after.nodes {
+        let old = before.nodes.iter().find(|b| b.node == n.node).unwrap();
+        assert_eq!(
+            n.attempt, old.attempt,
+            "{}: adopted, not made again",
+            n.node
+        );
+    }
+
+    // Gone for good: each instance ends itself, with its own key.
+    let mut d = d;
+    d.kill9();
+    let killed = Instant::now();
+    let log = d.log();
+    drop(d);
+    std::thread::sleep(LEASE - Duration::from_millis(1_500));
+    assert_eq!(
+        w.mock.live_instances(),
+        2,
+        "an instance ended before its lease"
+    );
+    wait_for(
+        (LEASE + MARGIN).saturating_sub(killed.elapsed()),
+        "every instance to destroy itself",
+        || w.mock.live_instances() == 0,
+    );
+    eprintln!(
+        "every instance gone {:?} after the daemon",
+        killed.elapsed()
+    );
+    let mut by: Vec<_> = w
+        .mock
+        .destroys()
+        .into_iter()
+        .map(|d| (d.instance, d.by))
+        .collect();
+    by.sort_by_key(|(id, _)| *id);
+    let own: Vec<_> = ids
+        .iter()
+        .map(|id| (*id, swactor_vastmock::KeyUse::Instance(*id)))
+        .collect();
+    assert_eq!(by, own, "each destroyed by its own key");
+    wait_for(Duration::from_secs(5), "no agent left", || {
+        w.agents().is_empty()
+    });
+
+    // A daemon started afterwards rents each slot once more.
+    let d = w
+        .up(&shape, &w.env())
+        .unwrap_or_else(|e| panic!("{}", e.log));
+    w.ready(&d, 2);
+    assert_eq!(w.mock.creates_total(), 4, "{}", d.log());
+    assert_eq!(w.mock.live_instances(), 2);
+    w.assert_one_create_per_label();
+    w.down();
+    assert_no_key(&format!("{log}{}", d.log()), w.mock.api_key());
+}
+
+/// Neither the account key nor another instance's own key is in any agent's
+/// environment or arguments, or in any file on the instances; each
+/// instance's own key is where its agent will look for it.
+fn assert_no_account_key_on_instances(w: &World, ids: &[u64]) {
+    let account = w.mock.api_key().to_owned();
+    let agents = w.agents();
+    assert_eq!(agents.len(), ids.len(), "one agent per instance");
+    for pid in agents {
+        for what in ["environ", "cmdline"] {
+            let bytes = std::fs::read(format!("/proc/{pid}/{what}")).unwrap();
+            assert!(
+                !holds(&bytes, account.as_bytes()),
+                "the account key is in agent {pid}'s {what}"
+            );
+        }
+    }
+    for id in ids {
+        let dir = w.mock.state_dir().join("machines").join(id.to_string());
+        let own = w
+            .mock
+            .instance_key(*id)
+            .expect("a live instance has its own key");
+        // `onstart` runs beside the sshd, so it may still be writing.
+        let file = dir
+            .join("home")
+            .join(swactor_providers::vast::INSTANCE_FILE);
+        wait_for(Duration::from_secs(10), "onstart to keep the key", || {
+            file.exists()
+        });
+        let kept = std::fs::read_to_string(&file).unwrap();
+        assert_eq!(
+            kept,
+            format!("CONTAINER_ID={id}\nCONTAINER_API_KEY={own}\n")
+        );
+        let others: Vec<String> = ids
+            .iter()
+            .filter(|o| *o != id)
+            .filter_map(|o| w.mock.instance_key(*o))
+            .collect();
+        for (path, bytes) in files_under(&dir) {
+            assert!(
+                !holds(&bytes, account.as_bytes()),
+                "the account key is in {}",
+                path.display()
+            );
+            for other in &others {
+                assert!(
+                    !holds(&bytes, other.as_bytes()),
+                    "another instance's key is in {}",
+                    path.display()
+                );
+            }
+        }
+    }
+}

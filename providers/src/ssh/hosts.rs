@@ -1342,7 +1342,7 @@ impl Provider for SshHostsProvider {
             &binary,
             &self.shared.config.daemon_ticket,
             template,
-            (group.labels_of(&host.target), self.deployment()),
+            (group.labels_of(&host.target), self.deployment(), &[]),
         );
         self.connect(&host)
             .await?

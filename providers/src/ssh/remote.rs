@@ -219,13 +219,15 @@ use crate::ORPHANED_EXIT as ORPHANED_STATUS;
 /// ([`crate::ORPHANED_EXIT`]) had no daemon to clean up after it: the wrapper
 /// then releases the host's claim, if this attempt (of `deployment`) holds
 /// it, and removes the attempt's directory, so a later daemon finds the
-/// host free and nothing left of the node.
+/// host free and nothing left of the node. `extra` are more agent
+/// arguments, from the provider (the vast provider's way for the agent to
+/// end its own instance).
 pub(crate) fn wrapper(
     key: &ResourceKey,
     binary: &str,
     daemon_ticket: &str,
     template: &NodeTemplate,
-    (labels, deployment): (&[String], Option<&str>),
+    (labels, deployment, extra): (&[String], Option<&str>, &[String]),
 ) -> String {
     let mut argv: Vec<String> = vec![
         "agent".into(),
@@ -246,6 +248,7 @@ pub(crate) fn wrapper(
         "--boot-timeout-s={}",
         template.limits.boot_timeout_s
     ));
+    argv.extend(extra.iter().cloned());
     let args: Vec<String> = argv.iter().map(|a| quote(a)).collect();
     let mut env: Vec<String> = template
         .boot
@@ -408,7 +411,7 @@ mod tests {
             "agent.sh",
             "ticket",
             &template(),
-            (&[], Some("0a1b2c3d")),
+            (&[], Some("0a1b2c3d"), &[]),
         );
         std::fs::write(&run, script).unwrap();
         for f in [&agent, &run] {
