@@ -10,13 +10,13 @@
 //! | `PUT /api/v0/asks/{offer}/` | create (rent): `image`, `disk`, `label`, `onstart`, `runtype`, `env`, `cancel_unavail`, `price`; an ended listing is 404 `no_such_ask` |
 //! | `POST /api/v0/asks/bulk/` | one create per offer in `ids` (≤ 64), same body; `{"success","new_contracts","results"}`, or the first refusal when none committed |
 //! | `GET /api/v0/instances/` | v0 listing `{"instances":[…]}` |
-//! | `PUT /api/v0/instances/` | `{"ids":[…],"state":…}` (or `label`): the update of each; `{"success","updated","failed"}`, or the first refusal when none succeeded |
-//! | `DELETE /api/v0/instances/` | `{"instance_ids":[…]}`: destroys those that exist; `{"success","destroyed","not_found"}`, 404 when none did |
+//! | `PUT /api/v0/instances/` | `{"ids":[…],"state":…}` (or `label`): the update of each; `{"success","updated","failed"}`, or the first refusal when none succeeded. An instance's own key: `state` of its own id only |
+//! | `DELETE /api/v0/instances/` | `{"instance_ids":[…]}`: destroys those that exist; `{"success","destroyed","not_found"}`, 404 when none did. An instance's own key: its own id only |
 //! | `GET /api/v1/instances/` | v1 listing: `select_filters`, `order_by`, `limit` (≤ 25), `after_token`, `select_cols`; `next_token`, `total_instances`, `label_counts` |
 //! | `GET /api/v0/instances/filters/` | distinct status/verification/GPU combinations (the CLI asks) |
 //! | `GET /api/v0/instances/{id}/` | show; `{"instances": null}` when absent |
-//! | `PUT /api/v0/instances/{id}/` | `{"label": …}` and/or `{"state": "stopped" \| "running"}` |
-//! | `DELETE /api/v0/instances/{id}/` | destroy |
+//! | `PUT /api/v0/instances/{id}/` | `{"label": …}` and/or `{"state": "stopped" \| "running"}`; an instance's own key: `{"state": …}` alone, of its own id |
+//! | `DELETE /api/v0/instances/{id}/` | destroy; also with the instance's own key |
 //! | `PUT /api/v0/instances/reboot/{id}/` | a running instance is `rebooting` (sshd down, its processes ended) for `Timings::restart`, then `running` on the same port; else 400 `invalid_state` |
 //! | `PUT /api/v0/instances/bid_price/{id}/` | `{"price":P}` for an interruptible instance (created with a `price`): `dph_total` becomes P; no price: `min_bid`; under `min_bid`: 400 `invalid_price`; on-demand: 400 |
 //! | `PUT /api/v0/instances/request_logs/{id}/` | `{"tail","filter"}`: the instance's log at a `result_url` |
@@ -27,8 +27,10 @@
 //! | `GET /api/v0/users/current/` | a fixed user (the CLI asks to learn its role) |
 //!
 //! Every `/api` route works with and without its trailing slash. Authentication
-//! is `Authorization: Bearer KEY` or `?api_key=KEY`; a missing or wrong key
-//! gets 401 `{"success":false,"error":"auth_error","msg":"Invalid user key"}`.
+//! is `Authorization: Bearer KEY` or `?api_key=KEY`, with the account's key
+//! or an instance's own key (see below); a missing or wrong key (a
+//! destroyed instance's among them) gets 401
+//! `{"success":false,"error":"auth_error","msg":"Invalid user key"}`.
 //! The base URL ([`VastMock::url`], no trailing slash) works as `VAST_URL`
 //! for the official client and for a client appending `/api/v0/...`.
 //!
@@ -75,7 +77,9 @@
 //! reboot, a bid that wins again) the create's `onstart`, if any, runs with
 //! `bash -c` in the home directory (`{dir}/home`, also `$HOME`), with
 //! `{dir}/bin` first on `PATH` and the create's `env` exported (an object,
-//! or the client's `-e K=V` flags; other flags are not variables). It runs
+//! or the client's `-e K=V` flags; other flags are not variables), and
+//! with `CONTAINER_ID` (the instance's id) and `CONTAINER_API_KEY` (its
+//! own key), which win over `env` entries of those names. It runs
 //! as a process group of its own, next to the sshd, and is not waited
 //! for: what it writes (stdout and stderr, at most 256 KiB a start, lines
 //! cut at 4 KiB) reaches the instance log as the mock is asked, and so
@@ -109,6 +113,26 @@
 //! that instance (the real service says it adds them to current instances;
 //! the mock keeps the create-time set so a provider cannot come to rely on
 //! that); attach a key to one instance instead.
+//!
+//! # An instance's own key
+//! As the service does, each create (single or bulk) gives the new
+//! instance a key of its own: 64 random hex digits from the system's
+//! generator, unlike the account's key and every other instance's. Its
+//! container sees it as `CONTAINER_API_KEY`, with `CONTAINER_ID`, at every
+//! start (see Instances); [`VastMock::instance_key`] tells it to a test.
+//! The key may start, stop or destroy that one instance and nothing else:
+//! `DELETE /api/v0/instances/{own}/`, `PUT /api/v0/instances/{own}/` with
+//! a body of `{"state":"stopped"|"running"}` alone, and the bulk
+//! `PUT /api/v0/instances/` (`ids` and `state` alone) and
+//! `DELETE /api/v0/instances/` when every id they list is its own. Any
+//! other call with it (another instance, a label, a search, a create, a
+//! listing, a show, a reboot, logs, SSH keys, the user, …) gets 403
+//! `{"success":false,"error":"permission_denied","msg":"Permission denied: this key may only start, stop or destroy instance N"}`
+//! and changes nothing; a bulk call that lists another id with its own is
+//! refused whole. Once the instance is destroyed the key is unknown (401).
+//! Every successful destroy, with the key that made it ([`KeyUse`]), is
+//! in [`VastMock::destroys`], and a stderr line names the instance and
+//! the kind of key (never the key).
 //!
 //! # Listings and contracts end
 //! An offer's `duration` is the seconds its machine's listing has left: it
@@ -145,9 +169,12 @@
 //!   the same lines. Results stay fetchable for the last 256 results.
 //! - The proxy is one hop on loopback, not the service's shared proxy
 //!   hosts: it neither throttles nor adds latency.
-//! - One account and one key. Templates, volumes, scheduled jobs and
-//!   billing are not served; neither are `recycle`, `prepay` nor
-//!   `update_template`.
+//! - One account with one key, and a key of its own per instance.
+//!   Templates, volumes, scheduled jobs and billing are not served;
+//!   neither are `recycle`, `prepay` nor `update_template`.
+//! - `CONTAINER_ID` and `CONTAINER_API_KEY`, like `env`, reach `onstart`
+//!   only, not SSH sessions: an `onstart` that wants them there copies
+//!   them to a file.
 //! - Nothing is persisted: a restarted binary starts empty (leftover
 //!   machine directories in a given `--state-dir` are not adopted).
 //!
@@ -175,8 +202,9 @@
 //! takes the burst away. A bulk call counts as one call.
 //!
 //! # Order of checks
-//! Authentication, then a pending 429 burst, then the rate limit, then a
-//! random 5xx (which changes nothing), then the call itself.
+//! Authentication (401), then what an instance's own key may do (403),
+//! then a pending 429 burst, then the rate limit, then a random 5xx (which
+//! changes nothing), then the call itself.
 //!
 //! # Fault knobs
 //! Each knob is a method of [`VastMock`] and an admin route (`POST`, JSON
@@ -218,11 +246,13 @@ mod config;
 mod faults;
 mod filter;
 mod machine;
+mod restricted;
 mod server;
 mod world;
 
 pub use config::{Endpoint, MockConfig, Offer, RateLimits, Timings, default_offers};
 pub use faults::{Ambiguity, Death, Gone, Selector};
+pub use restricted::{Destroy, KeyUse};
 pub use world::{InstanceView, PROXY_HOST};
 
 use faults::{InstanceFault, SplitMix64};
@@ -665,6 +695,20 @@ impl VastMock {
     /// One instance now.
     pub fn instance(&self, id: u64) -> Option<InstanceView> {
         self.instances().into_iter().find(|i| i.id == id)
+    }
+
+    /// The restricted key of instance `id` (its `CONTAINER_API_KEY`: it may
+    /// start, stop or destroy that instance and nothing else), while the
+    /// instance exists and is not destroyed.
+    pub fn instance_key(&self, id: u64) -> Option<String> {
+        self.shared.world().instance_key(id)
+    }
+
+    /// Every successful destroy (single or bulk, through the API), oldest
+    /// first, with the key that made it; the last 10,000 are kept. Kills
+    /// ([`VastMock::kill`]) are not destroys.
+    pub fn destroys(&self) -> Vec<Destroy> {
+        self.shared.world().destroys()
     }
 }
 

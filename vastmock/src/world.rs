@@ -17,6 +17,7 @@ use crate::config::{Endpoint, MockConfig, Offer, RateLimits, STORAGE_COST_DEFAUL
 use crate::faults::{Ambiguity, Death, Faults, Gone, InstanceFault, Selector, SplitMix64, Traits};
 use crate::filter;
 use crate::machine::{Gpus, Machine};
+use crate::restricted::{self, Destroy, KeyUse};
 use serde_json::{Map, Value, json};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -45,6 +46,8 @@ const LOG_LINES_MAX: usize = 10_000;
 const LOG_TAIL_DEFAULT: usize = 1000;
 /// Results (logs, command outputs) kept for their URLs; the oldest go first.
 const RESULTS_MAX: usize = 256;
+/// Destroys the destroy log keeps; the oldest go first.
+const DESTROYS_MAX: usize = 10_000;
 /// An offer's `duration` (seconds its listing has left at the mock's
 /// start) when its `extra` names none: 30 days.
 const DURATION_DEFAULT_S: f64 = 30.0 * 24.0 * 3600.0;
@@ -268,6 +271,9 @@ struct Instance {
     traits: Traits,
     phase: Phase,
     authorized: Vec<String>,
+    /// Its restricted key (`CONTAINER_API_KEY`): it may start, stop or
+    /// destroy this instance and nothing else.
+    key: String,
     machine: Machine,
     /// What `request_logs` answers: the container's life, as the mock saw it.
     log: VecDeque<String>,
@@ -298,12 +304,27 @@ impl Instance {
         let line = self.started_line();
         self.note(line);
         if let Some(script) = self.onstart.clone().filter(|s| !s.trim().is_empty()) {
-            if let Err(e) = self.machine.start_onstart(&script, &self.env) {
+            if let Err(e) = self.machine.start_onstart(&script, &self.container_env()) {
                 self.note(format!("vastmock: cannot run onstart: {e}"));
             } else {
                 self.note("vastmock: running onstart".to_owned());
             }
         }
+    }
+
+    /// The container's environment: the create's `env`, then `CONTAINER_ID`
+    /// and `CONTAINER_API_KEY`, which win over entries of the same name.
+    fn container_env(&self) -> Vec<(String, String)> {
+        const OWN: [&str; 2] = ["CONTAINER_ID", "CONTAINER_API_KEY"];
+        let mut env: Vec<(String, String)> = self
+            .env
+            .iter()
+            .filter(|(k, _)| !OWN.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        env.push((OWN[0].to_owned(), self.id.to_string()));
+        env.push((OWN[1].to_owned(), self.key.clone()));
+        env
     }
 
     /// Reads what the `onstart` run wrote into the log; when it exited
@@ -447,6 +468,10 @@ pub(crate) struct World {
     /// Results by token, oldest first.
     results: VecDeque<(String, String)>,
     tokens: SplitMix64,
+    /// Every successful destroy, oldest first (at most [`DESTROYS_MAX`]).
+    destroys: VecDeque<Destroy>,
+    /// Makes restricted keys only when the system's generator cannot.
+    key_fallback: SplitMix64,
 }
 
 impl World {
@@ -489,6 +514,8 @@ impl World {
             base_url,
             results: VecDeque::new(),
             tokens: SplitMix64::new(seed ^ 0x5eed),
+            destroys: VecDeque::new(),
+            key_fallback: SplitMix64::new(seed.rotate_left(17) ^ u64::from(std::process::id())),
         };
         for key in &config.ssh_keys {
             world.add_ssh_key(key.clone(), now);
@@ -540,14 +567,35 @@ impl World {
         }
     }
 
+    /// Which key `key` is: the account's, or the restricted key of an
+    /// instance that is not destroyed; `None` for any other (or none).
+    fn key_use(&self, key: Option<&str>) -> Option<KeyUse> {
+        let key = key?;
+        if key == self.api_key {
+            return Some(KeyUse::Account);
+        }
+        self.instances
+            .values()
+            .find(|i| i.key == key && !matches!(i.phase, Phase::Destroyed { .. }))
+            .map(|i| KeyUse::Instance(i.id))
+    }
+
     /// Answers an API call presenting `key` (`None`: no key given).
     pub(crate) fn handle(&mut self, key: Option<&str>, call: Call, now: Instant) -> Reply {
-        let Some(key) = key.filter(|k| *k == self.api_key) else {
+        // A destroyed instance's key is no key: it is `Destroyed` from the
+        // destroy on, so no settling is needed to see it.
+        let Some(by) = self.key_use(key) else {
             return Reply::json(
                 401,
                 json!({"success": false, "error": "auth_error", "msg": "Invalid user key"}),
             );
         };
+        if let KeyUse::Instance(own) = by
+            && !restricted::allows(own, &call)
+        {
+            return restricted::permission_denied(own);
+        }
+        let key = key.unwrap_or_default();
         self.settle(now);
         if let Some(endpoint) = call.endpoint() {
             let interval = self.rate_limits.interval(endpoint);
@@ -579,7 +627,7 @@ impl World {
             }
         }
         let endpoint = call.endpoint();
-        let reply = self.answer(call, now);
+        let reply = self.answer(call, by, now);
         match endpoint {
             Some(e) if reply.status == 200 && reply.after == After::Respond => {
                 if self.faults.take_malformed(e) {
@@ -592,7 +640,7 @@ impl World {
         }
     }
 
-    fn answer(&mut self, call: Call, now: Instant) -> Reply {
+    fn answer(&mut self, call: Call, by: KeyUse, now: Instant) -> Reply {
         match call {
             Call::Search { body } => self.search(&body, now),
             Call::Create { offer_id, body } => self.create(offer_id, &body, now),
@@ -606,10 +654,10 @@ impl World {
                 Reply::ok(json!({ "instances": row }))
             }
             Call::Update { id, body } => self.update(id, &body, now),
-            Call::Destroy { id } => self.destroy(id, now),
+            Call::Destroy { id } => self.destroy(id, by, now),
             Call::CreateBulk { body } => self.create_bulk(&body, now),
             Call::UpdateBulk { body } => self.update_bulk(&body, now),
-            Call::DestroyBulk { body } => self.destroy_bulk(&body, now),
+            Call::DestroyBulk { body } => self.destroy_bulk(&body, by, now),
             Call::Reboot { id } => self.reboot(id, now),
             Call::ChangeBid { id, body } => self.change_bid(id, &body),
             Call::Logs { id, body } => self.logs(id, &body),
@@ -819,6 +867,7 @@ impl World {
         let id = self.next_instance_id;
         self.next_instance_id += 1;
         let authorized = self.authorized_keys(onstart.as_deref(), &env);
+        let key = self.new_instance_key();
         let traits = self.faults.traits_for_new(label.as_deref());
         let phase = if gone == Some(Gone::Unavailable) {
             Phase::Unschedulable
@@ -871,6 +920,7 @@ impl World {
                 traits,
                 phase,
                 authorized,
+                key,
                 machine: Machine::new(
                     self.machines_dir.join(id.to_string()),
                     gpus,
@@ -880,6 +930,17 @@ impl World {
             },
         );
         id
+    }
+
+    /// A restricted key for a new instance: random, and unlike the
+    /// account's and every other instance's (those in their grace period too).
+    fn new_instance_key(&mut self) -> String {
+        loop {
+            let key = restricted::new_key(&mut self.key_fallback);
+            if key != self.api_key && self.instances.values().all(|i| i.key != key) {
+                return key;
+            }
+        }
     }
 
     /// The keys an instance authorizes: the account's, then those in `onstart` and `env`.
@@ -1112,7 +1173,7 @@ impl World {
         Reply::ok(json!({"success": true}))
     }
 
-    fn destroy(&mut self, id: u64, now: Instant) -> Reply {
+    fn destroy(&mut self, id: u64, by: KeyUse, now: Instant) -> Reply {
         if self.faults.flaky_destroys > 0 {
             self.faults.flaky_destroys -= 1;
             return Reply::server_error(self.faults.flaky_destroy_status);
@@ -1128,7 +1189,17 @@ impl World {
             );
         }
         self.end_instance(id, now, true);
+        self.log_destroy(Destroy { instance: id, by });
         Reply::ok(json!({"success": true}))
+    }
+
+    /// Records a destroy in the log, and tells of it on stderr.
+    fn log_destroy(&mut self, destroy: Destroy) {
+        eprintln!("{}", destroy.line());
+        if self.destroys.len() >= DESTROYS_MAX {
+            self.destroys.pop_front();
+        }
+        self.destroys.push_back(destroy);
     }
 
     /// Destroys an instance: frees its offer, stops its sshd, removes its
@@ -1251,7 +1322,7 @@ impl World {
     }
 
     /// `DELETE /instances/`: destroys each id in `instance_ids` that exists.
-    fn destroy_bulk(&mut self, body: &Value, now: Instant) -> Reply {
+    fn destroy_bulk(&mut self, body: &Value, by: KeyUse, now: Instant) -> Reply {
         let ids = match ids_in(body, "instance_ids") {
             Ok(ids) => ids,
             Err(reply) => return reply,
@@ -1268,6 +1339,7 @@ impl World {
                 .is_some_and(|i| !matches!(i.phase, Phase::Destroyed { .. }));
             if exists {
                 self.end_instance(id, now, true);
+                self.log_destroy(Destroy { instance: id, by });
                 done.push(id);
             } else {
                 missing.push(id);
@@ -1584,6 +1656,19 @@ impl World {
         }
         self.settle(now);
         n
+    }
+
+    /// Every successful destroy, oldest first.
+    pub(crate) fn destroys(&self) -> Vec<Destroy> {
+        self.destroys.iter().copied().collect()
+    }
+
+    /// The restricted key of instance `id`, while it is not destroyed.
+    pub(crate) fn instance_key(&self, id: u64) -> Option<String> {
+        self.instances
+            .get(&id)
+            .filter(|i| !matches!(i.phase, Phase::Destroyed { .. }))
+            .map(|i| i.key.clone())
     }
 
     pub(crate) fn counters(&self) -> Counters {

@@ -4,6 +4,7 @@
 mod common;
 mod embedding;
 mod faults;
+mod instance_key;
 mod lifecycle;
 mod listings;
 mod official_client;

@@ -16,7 +16,9 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use swactor_vastmock::{Endpoint, MockConfig, Offer, RateLimits, Timings, VastMock};
+use swactor_vastmock::{
+    Destroy, Endpoint, KeyUse, MockConfig, Offer, RateLimits, Timings, VastMock,
+};
 
 /// The CLI, or `None` (the test is skipped) when there is none and
 /// `SWACTOR_REQUIRE_VASTAI` is not `1`.
@@ -754,4 +756,135 @@ fn the_official_cli_shows_a_proxy_only_instance_and_leaves_its_offer_out_of_dire
     }
     cli.run(false, &["destroy", "instance", &ids, "-y"]);
     assert_eq!(mock.live_instances(), 0);
+}
+
+#[test]
+fn the_official_cli_with_an_instance_key_stops_starts_and_destroys_its_own_instance_only() {
+    let Some(exe) = cli_or_skip() else {
+        return;
+    };
+    let mock = mock_without_ssh(None);
+    let account = Cli::new(exe.clone(), &mock);
+    // `a` is destroyed with its key by `destroy instance`, `c` with its own
+    // by `destroy instances`; `b` is the other instance neither may touch.
+    let mut ids = Vec::new();
+    for offer in ["3100001", "3100003", "3100004"] {
+        let created = account.raw(&[
+            "create",
+            "instance",
+            offer,
+            "--image",
+            "ubuntu:22.04",
+            "--disk",
+            "16",
+            "--label",
+            "mine",
+        ]);
+        ids.push(created["new_contract"].as_u64().unwrap());
+    }
+    let (a, b, c) = (ids[0], ids[1], ids[2]);
+    wait_status(&mock, &ids, "running");
+    let with_key_of = |id: u64| Cli {
+        key: mock.instance_key(id).expect("a live instance's key"),
+        ..Cli::new(exe.clone(), &mock)
+    };
+    let own = with_key_of(a);
+    let (sa, sb) = (a.to_string(), b.to_string());
+
+    // Refused: 1.9.1 prints `Failed with error 403: {msg}` on stderr (and
+    // exits 0, as for every HTTP error), `--raw` a JSON error.
+    let denied = format!(
+        "Failed with error 403: Permission denied: this key may only start, stop or destroy instance {a}"
+    );
+    let refused: [&[&str]; 8] = [
+        &["destroy", "instance", &sb, "-y"],
+        &["stop", "instance", &sb],
+        &["search", "offers"],
+        &["show", "instances"],
+        &["show", "instance", &sa],
+        &["label", "instance", &sa, "renamed"],
+        &["reboot", "instance", &sa],
+        &[
+            "create",
+            "instance",
+            "3100005",
+            "--image",
+            "ubuntu:22.04",
+            "--disk",
+            "16",
+        ],
+    ];
+    for args in refused {
+        let (_, out, err) = own.run_full(false, args);
+        assert!(err.contains(&denied), "vastai {args:?}:\n{out}\n{err}");
+        assert!(!out.contains("instance"), "vastai {args:?}:\n{out}");
+    }
+    let (_, _, err) = own.run_full(true, &["destroy", "instance", &sb, "-y"]);
+    let error: Value = serde_json::from_str(err.trim())
+        .unwrap_or_else(|e| panic!("not a JSON error ({e}): {err}"));
+    assert_eq!(error["status_code"], 403, "{err}");
+    // The bulk form listing another id is refused whole: 1.9.1 retries it
+    // (printing the HTTP error and `retrying in …` on stdout), then gives up.
+    let (_, out, _) = own.run_full(false, &["destroy", "instances", &sa, &sb, "-y"]);
+    assert!(out.contains("403 Client Error: Forbidden"), "{out}");
+    assert!(!out.contains("destroying instance"), "{out}");
+    assert_eq!(live_ids(&mock), ids);
+    for id in &ids {
+        let v = mock.instance(*id).unwrap();
+        assert_eq!(v.actual_status.as_deref(), Some("running"));
+        assert_eq!(v.label.as_deref(), Some("mine"));
+    }
+    assert_eq!(mock.creates_total(), 3);
+    assert!(mock.destroys().is_empty());
+
+    // Its own instance: stop, start, destroy.
+    let out = own.run(false, &["stop", "instance", &sa]);
+    assert!(out.contains(&format!("stopping instance {a}.")), "{out}");
+    assert_eq!(
+        mock.instance(a).unwrap().actual_status.as_deref(),
+        Some("stopped")
+    );
+    let out = own.run(false, &["start", "instance", &sa]);
+    assert!(out.contains(&format!("starting instance {a}.")), "{out}");
+    wait_status(&mock, &[a], "running");
+    let out = own.run(false, &["destroy", "instance", &sa, "-y"]);
+    assert!(out.contains(&format!("destroying instance {a}.")), "{out}");
+    assert!(mock.instance(a).is_none());
+    // Gone with it: the client's 401.
+    let (_, _, err) = own.run_full(false, &["stop", "instance", &sa]);
+    assert!(
+        err.contains("Failed with error 401: Invalid user key"),
+        "{err}"
+    );
+
+    // The bulk forms with its own id alone pass.
+    let own_c = with_key_of(c);
+    let sc = c.to_string();
+    let out = own_c.run(false, &["stop", "instances", &sc]);
+    assert!(out.contains(&format!("stopping instance [{c}].")), "{out}");
+    let out = own_c.run(false, &["destroy", "instances", &sc, "-y"]);
+    assert!(
+        out.contains(&format!("destroying instance [{c}].")),
+        "{out}"
+    );
+
+    account.run(false, &["destroy", "instance", &sb, "-y"]);
+    assert_eq!(mock.live_instances(), 0);
+    assert_eq!(
+        mock.destroys(),
+        [
+            Destroy {
+                instance: a,
+                by: KeyUse::Instance(a)
+            },
+            Destroy {
+                instance: c,
+                by: KeyUse::Instance(c)
+            },
+            Destroy {
+                instance: b,
+                by: KeyUse::Account
+            },
+        ]
+    );
 }
