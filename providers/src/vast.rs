@@ -46,6 +46,11 @@
 //!   the same instance is refused.
 //! - **Destroy**: `DELETE`; 404, "not found" and an instance that no longer
 //!   shows are success.
+//! - **Orphaned**: the `onstart` script keeps the instance's own key (the
+//!   service's `CONTAINER_API_KEY`, good for that instance only) where the
+//!   agent finds it, and the agent, given the service's URL, destroys its
+//!   own instance with it if its lease lapses ([`OwnInstance`]). The
+//!   account key never reaches the instance.
 //! - **List**: every instance whose label names the run (paged through the
 //!   v1 listing), plus instances created but not listed yet.
 //!
