@@ -278,7 +278,34 @@ fn containers_whose_daemon_is_gone_for_good_stop_once_their_lease_lapses() {
     let body = docker_shape(&w.run, 2, "orphan_after_s = 5\n");
     w.up(&body);
     let before = w.converged(2);
-    assert!(containers(&w.run).iter().all(|c| c.state == "running"));
+    let running = |w: &World| {
+        let mut cs: Vec<(String, u64)> = containers(&w.run)
+            .into_iter()
+            .filter(|c| c.state == "running")
+            .map(|c| (c.id, c.attempt))
+            .collect();
+        cs.sort();
+        cs
+    };
+    let held = running(&w);
+    assert_eq!(held.len(), 2);
+
+    // Back within the lease: every node adopted, the same containers
+    // running, nothing made.
+    w.daemon.as_mut().unwrap().kill9();
+    let killed = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    w.up(&body);
+    std::thread::sleep(Duration::from_secs(5 + 3).saturating_sub(killed.elapsed()));
+    let back = w.converged(2);
+    assert_eq!(
+        attempts(&back),
+        attempts(&before),
+        "adopted, not made again"
+    );
+    assert_eq!(running(&w), held, "the same containers, all running");
+
+    // Gone for good: each container ends with its agent.
     w.daemon.as_mut().unwrap().kill9();
     let killed = Instant::now();
     wait_for(

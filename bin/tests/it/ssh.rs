@@ -382,7 +382,31 @@ fn hosts_whose_daemon_is_gone_for_good_are_freed_by_their_agents_once_the_lease_
         s.nodes.len() == 2 && s.nodes.iter().all(|n| n.ready)
     });
     one_agent_per_node(&pool, &snap);
-    assert!(pool.claim(0).is_some() && pool.claim(1).is_some());
+    let claims = (pool.claim(0), pool.claim(1));
+    assert!(claims.0.is_some() && claims.1.is_some());
+    let agents = pool.all_agents();
+
+    // Back within the lease: every node adopted, the same agents, the same
+    // claims, nothing made.
+    d.kill9();
+    let killed = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    let mut d = pool.up(&shape);
+    std::thread::sleep(Duration::from_secs(5 + 3).saturating_sub(killed.elapsed()));
+    let back = wait_converged(&pool.state, CONVERGE, |s| {
+        s.nodes.len() == 2 && s.nodes.iter().all(|n| n.ready)
+    });
+    for n in &back.nodes {
+        assert_eq!(
+            node(&snap, &n.node.to_string()).attempt,
+            n.attempt,
+            "{back:#?}"
+        );
+    }
+    assert_eq!(pool.all_agents(), agents, "the same agents");
+    assert_eq!((pool.claim(0), pool.claim(1)), claims, "the same claims");
+
+    // Gone for good: each agent frees its host.
     d.kill9();
     let killed = Instant::now();
     wait_for(
