@@ -14,21 +14,20 @@ use serde::{Deserialize, Serialize};
 pub const SECONDS_MAX: u64 = 366 * 86_400;
 
 /// How long a run may live, as its shape sets it. 0 is off.
+///
+/// No field is ever skipped when serialized: it travels inside telemetry
+/// snapshots, whose postcard frames carry no field names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lifetime {
     /// Seconds after the last apply that sets it at which the run is torn
     /// down.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default)]
     pub max_lifetime_s: u64,
     /// Seconds with no job running after which the run is torn down,
     /// counted from the later of the last apply and the end of the last
     /// job.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default)]
     pub idle_teardown_s: u64,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
 
 impl Lifetime {
@@ -388,8 +387,7 @@ mod tests {
             assert!(e.contains("whole number of seconds"), "{e}");
         }
         assert!(Lifetime::of_seconds(Some(SECONDS_MAX as f64), None).is_ok());
-        // Kept as JSON in the journal's shape: off leaves no trace.
-        assert_eq!(serde_json::to_string(&Lifetime::default()).unwrap(), "{}");
+        // The journal's anchors, as JSON: nothing known leaves no trace.
         assert_eq!(serde_json::to_string(&Anchors::default()).unwrap(), "{}");
     }
 
