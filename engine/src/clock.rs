@@ -110,6 +110,17 @@ impl Clock {
         self.to_ms(self.now())
     }
 
+    /// The system's wall clock, in milliseconds since the Unix epoch (`0`
+    /// for a clock set before it): for deadlines that must outlive the
+    /// process, which the monotonic epoch does not. It does not follow
+    /// paused test time, and it may jump when the system clock is set.
+    #[must_use]
+    pub fn wall_ms(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
     /// Milliseconds from the epoch to `at` (rounded down; `0` before the epoch).
     #[must_use]
     pub fn to_ms(&self, at: EngineInstant) -> u64 {
