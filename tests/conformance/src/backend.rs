@@ -1077,6 +1077,11 @@ impl FakeBackend {
         self.armed.push(fault);
     }
 
+    /// The faults armed and not consumed yet, in the order they were armed.
+    pub fn armed(&self) -> &[ProviderFault] {
+        &self.armed
+    }
+
     /// Stops all faults: disarms pending ones, makes never-ready endpoints
     /// ready at `now`, and lets open sessions finish their script cleanly
     /// (no further losses or scripted failures). Out-of-band damage already

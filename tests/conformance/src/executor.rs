@@ -218,6 +218,11 @@ impl FakeExecutor {
         self.armed.push(ArmedDelivery { kind, fault });
     }
 
+    /// The delivery faults armed and not consumed yet.
+    pub fn armed(&self) -> &[ArmedDelivery] {
+        &self.armed
+    }
+
     /// Stops all faults from here on: disarms delivery faults, switches to
     /// `fair` delivery, and heals the backend. Operations already submitted keep
     /// the fault they drew (a late completion stays late).

@@ -17,6 +17,9 @@
 //!   unreliable way back (lost, ambiguous, late, delayed, duplicated results).
 //! - [`World`] steps a [`Reconciler`] and the executor in virtual time, feeding
 //!   every step to the [`Oracle`], whose [`Invariant`]s name the guarantees.
+//! - [`lease`] holds every joined agent's lease as the daemon renews it; an
+//!   agent whose lease lapses ends its node, and a restarted host is held to
+//!   what it owes the nodes it finds.
 //! - [`trace`] generates inputs; [`battery`] runs seeded, shrinking batteries.
 //!
 //! See `README.md` beside this crate for the fault model, the fair-tail bound,
@@ -26,6 +29,7 @@ mod backend;
 pub mod battery;
 mod digest;
 mod executor;
+pub mod lease;
 mod oracle;
 mod rng;
 pub mod trace;
@@ -40,6 +44,7 @@ pub use digest::Digest;
 pub use executor::{
     ArmedDelivery, DeliveryFault, ExecutorConfig, ExecutorStats, FakeExecutor, Output, Submitted,
 };
+pub use lease::{AgentLeases, LeaseStats, Renewals};
 pub use oracle::{
     Invariant, Oracle, ProviderView, Snapshot, StepEvent, Violation, backoff_window,
     earliest_waiting_deadline, independently_converged,
@@ -47,7 +52,7 @@ pub use oracle::{
 pub use rng::SimRng;
 pub use trace::{Input, Mode, Trace};
 pub use world::{
-    BOOT_TIMEOUT_MS, Factory, GRACE_MS, GROUPS, RUN, Reconciler, RunReport, SWEEP_MS, TailBound,
-    TailReport, World, WorldConfig, budget_policy, groups_of, host_config, policies_of, run_trace,
-    run_trace_with, shape_of, shape_with,
+    BOOT_TIMEOUT_MS, Factory, GRACE_MS, GROUPS, RUN, Reconciler, RunReport, SHORT_LEASE_S,
+    SWEEP_MS, TailBound, TailReport, World, WorldConfig, budget_policy, groups_of, host_config,
+    policies_of, run_trace, run_trace_with, shape_of, shape_with,
 };

@@ -160,11 +160,29 @@ pub enum Invariant {
     /// first learnt of the pause; a machine that resumes (its agent back)
     /// keeps its node.
     PausedMachineKeptForItsWait,
+    /// A joined agent is welcomed with its group's `orphan_after_s` and a
+    /// renewal period shorter than it, and its lease lapses (its agent
+    /// ends its node) only when it has gone a whole lease without a
+    /// renewal, in which no listening host held a link to it for as long as
+    /// a renewal period: the daemon was down, paused, or had lost or cut
+    /// the agent off.
+    LeaseEndOnlyWhenUnrenewed,
+    /// A host restarted with every fault quiet adopts each node that was
+    /// ready, with its agent linked, when the last host went, for as long
+    /// as that agent is alive: it creates no other attempt for its slot,
+    /// re-issues no create its listing showed a lease for, and neither
+    /// cancels, destroys nor collects it (until an input that could touch
+    /// the slot).
+    BackWithinWindowCreatesNothing,
+    /// After such a restart, each of those slots whose lease lapsed (its
+    /// agent ended its node) gets exactly one new attempt: never a second,
+    /// and by the end of the fair tail one.
+    LapsedSlotsMadeOnceMore,
 }
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 45] = [
+    pub const ALL: [Invariant; 48] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -210,6 +228,9 @@ impl Invariant {
         Self::BreakerHoldsWhenOverLimit,
         Self::NoAgentBlamedForHostSilence,
         Self::PausedMachineKeptForItsWait,
+        Self::LeaseEndOnlyWhenUnrenewed,
+        Self::BackWithinWindowCreatesNothing,
+        Self::LapsedSlotsMadeOnceMore,
     ];
 
     /// The invariant's name, as messages print it.
@@ -266,6 +287,9 @@ impl Invariant {
             Self::BreakerHoldsWhenOverLimit => "breaker_holds_when_over_limit",
             Self::NoAgentBlamedForHostSilence => "no_agent_blamed_for_host_silence",
             Self::PausedMachineKeptForItsWait => "paused_machine_kept_for_its_wait",
+            Self::LeaseEndOnlyWhenUnrenewed => "lease_end_only_when_unrenewed",
+            Self::BackWithinWindowCreatesNothing => "back_within_window_creates_nothing",
+            Self::LapsedSlotsMadeOnceMore => "lapsed_slots_made_once_more",
         }
     }
 }

@@ -20,6 +20,7 @@
 
 use crate::backend::{BackendConfig, FakeBackend, ProviderFault};
 use crate::executor::{ExecutorConfig, FakeExecutor, Output, Submitted};
+use crate::lease::{AgentLeases, Lapse, Renewals, Wrong};
 use crate::oracle::{Invariant, Oracle, Snapshot, StepEvent, independently_converged};
 use crate::trace::{Input, InvalidUpdate, LATE_EXTRA_MAX_MS, Mode, ProviderFaultInput, Trace};
 use std::collections::BTreeMap;
@@ -27,10 +28,11 @@ use std::rc::Rc;
 pub use swactor_provisioning::Reconciler;
 use swactor_provisioning::{
     AWAY_PAST_GRACE, BOOT_CHECK_REPORT_MARGIN_MS, BootParams, BootstrapEvent, ClusterShape,
-    CollectRequest, Driver, Folded, Generation, GroupShape, Host, HostConfig, HostFold,
-    JournalImage, Link, Liveness, LogicalNodeId, NodeAttemptId, NodeLimits, OperationTimeouts,
-    Output as HostOutput, PAUSED_PAST_WAIT, PolicyShape, PreemptChoice, ProviderShape, Quantity,
-    ReconcilerConfig, Reply, ResourceKey, RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp,
+    CollectRequest, Driver, Folded, Generation, GroupPolicy, GroupShape, Host, HostConfig,
+    HostFold, Intent, JournalImage, Link, Liveness, LogicalNodeId, NodeAttemptId, NodeLimits,
+    OperationTimeouts, Output as HostOutput, PAUSED_PAST_WAIT, PolicyShape, PreemptChoice,
+    ProviderShape, Quantity, ReconcilerConfig, Reply, ResourceKey, RunId, ShutdownMode, SwarmJoin,
+    Ticket, Timestamp, same_template,
 };
 
 /// The run every world drives.
@@ -57,6 +59,13 @@ pub struct WorldConfig {
     /// (results, observations, and then its timer) before draining passes,
     /// instead of draining after each.
     pub batch_deliveries: bool,
+    /// The `orphan_after_s` of the world's groups (`None`: the shapes leave
+    /// it out, and agents hold their nodes for the default hour, longer
+    /// than any generated trace runs). See [`crate::lease`].
+    pub orphan_after_s: Option<u32>,
+    /// How the world's daemon renews leases: as the host says, except in
+    /// tests that break it on purpose.
+    pub renewals: Renewals,
 }
 
 impl WorldConfig {
@@ -99,7 +108,25 @@ impl WorldConfig {
             passes_per_instant_max: 32,
             initial: [(2, 0), (1, 0)],
             batch_deliveries: mode == Mode::Adversarial,
+            orphan_after_s: None,
+            renewals: Renewals::AsTold,
         }
+    }
+
+    /// The configuration the lease battery uses for `mode`: the battery's,
+    /// with groups whose agents end their nodes [`SHORT_LEASE_S`] after
+    /// their daemon stops renewing them.
+    pub fn with_short_leases(mode: Mode) -> Self {
+        Self {
+            orphan_after_s: Some(SHORT_LEASE_S),
+            ..Self::for_mode(mode)
+        }
+    }
+
+    /// The lease the world's groups give their agents, in seconds.
+    pub fn lease_s(&self) -> u32 {
+        self.orphan_after_s
+            .unwrap_or(GroupPolicy::ORPHAN_AFTER_DEFAULT_S)
     }
 
     /// The bound the fair tail must converge within; see [`TailBound`].
@@ -196,6 +223,12 @@ pub struct TailReport {
 /// The grace of a disconnected agent in the world's shapes.
 pub const GRACE_MS: u64 = 5_000;
 
+/// The lease of the lease battery's groups: four graces, long enough for
+/// a restarted host to adopt and relink its agents (a listing, a second
+/// one a visibility window later, a lookup and a start), short enough for
+/// a trace to outlast it.
+pub const SHORT_LEASE_S: u32 = 20;
+
 /// The world's host settings: one executor lane, joins proven only by the
 /// swarm (the world turns a stream's join into a live join, as a real agent
 /// joins its daemon).
@@ -260,10 +293,23 @@ pub struct World<R: Reconciler = Driver> {
     /// Live agents whose connection a host pause dropped, and when each
     /// is back (it dials again, as a real agent does).
     rejoins: Vec<(Timestamp, ResourceKey)>,
+    /// Every joined agent's lease.
+    leases: AgentLeases,
 }
 
 /// How soon an agent whose connection a host pause dropped joins again.
 const PAUSE_REJOIN_MS: u64 = 500;
+
+/// Whether a host hears its agents while virtual time passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hearing {
+    /// A host runs and listens.
+    Listening,
+    /// The host is paused: it runs, but hears nothing and renews nothing.
+    Paused,
+    /// No host runs (a crash's downtime).
+    Down,
+}
 
 fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
     let core = host.core();
@@ -453,6 +499,11 @@ impl<R: Reconciler> World<R> {
         let exec = FakeExecutor::new(backend, config.executor.clone(), seed);
         let host = Host::new(make(), host_config(), None).expect("a fresh core makes a host");
         let snapshot = snapshot(&host, Timestamp(0));
+        let policies = [PolicyShape {
+            orphan_after_s: config.orphan_after_s,
+            ..PolicyShape::default()
+        }; 2];
+        let leases = AgentLeases::new(config.renewals);
         let mut world = Self {
             make,
             host,
@@ -473,11 +524,12 @@ impl<R: Reconciler> World<R> {
             restarts: 0,
             next_shape: None,
             teardowns: Vec::new(),
-            policies: [PolicyShape::default(); 2],
+            policies,
             cut: BTreeMap::new(),
             paused: BTreeMap::new(),
             unheard: Vec::new(),
             rejoins: Vec::new(),
+            leases,
         };
         world.oracle.begin_input("initial shape".to_owned());
         world.generation = 1;
@@ -520,6 +572,11 @@ impl<R: Reconciler> World<R> {
     /// The oracle.
     pub fn oracle(&self) -> &Oracle {
         &self.oracle
+    }
+
+    /// The agents' leases.
+    pub fn leases(&self) -> &AgentLeases {
+        &self.leases
     }
 
     /// The oracle, for reporting harness-level violations.
@@ -568,6 +625,31 @@ impl<R: Reconciler> World<R> {
         self.oracle
             .observe(event, &self.snapshot, &after, &self.exec);
         self.snapshot = after;
+        self.judge_comeback();
+    }
+
+    /// What a restarted host owes the nodes it found, after every step
+    /// (see [`crate::lease`]).
+    fn judge_comeback(&mut self) {
+        let core = self.host.core();
+        let wanted = |n: &LogicalNodeId| core.desired().slot(n).cloned();
+        let backend = self.exec.backend();
+        let made = |n: &LogicalNodeId, since: Timestamp| machines_made(backend, n, since);
+        let mut wrong = self.leases.judge_made(&wanted, &made);
+        if self.host.adopted() {
+            let adopted_as = |n: &LogicalNodeId| {
+                let node = core.state().nodes.get(n)?;
+                Some((node.attempt, node.intent))
+            };
+            wrong.extend(self.leases.judge_adoption(&wanted, &adopted_as));
+        }
+        self.report_all(wrong);
+    }
+
+    fn report_all(&mut self, wrong: Vec<Wrong>) {
+        for (invariant, node, detail) in wrong {
+            self.oracle.report(invariant, Some(&node), detail);
+        }
     }
 
     fn ticket(&mut self) -> Ticket {
@@ -588,6 +670,7 @@ impl<R: Reconciler> World<R> {
     /// Tells the host what the provider holds for the run (as a new host's first input).
     fn list_inventory(&mut self) {
         let listed = self.exec.backend().list(&RunId::new(RUN), self.now);
+        self.leases.listed(&listed);
         self.host.handle_inventory(Ok(listed), self.now);
         self.record(StepEvent::Inventory);
     }
@@ -609,11 +692,7 @@ impl<R: Reconciler> World<R> {
                     node: obs.node,
                     attempt: obs.attempt,
                 };
-                let outcome = self.host.handle_agent_joined(&key, self.now);
-                self.record(StepEvent::AgentJoined {
-                    key: &key,
-                    outcome: &outcome,
-                });
+                self.join(&key);
             }
             Output::Observation(obs) => {
                 let folded = self.host.handle_bootstrap(obs.clone(), self.now);
@@ -623,6 +702,27 @@ impl<R: Reconciler> World<R> {
                 });
             }
         }
+    }
+
+    /// The agent of `key` joins the host; a welcome renews its lease. An
+    /// agent that ended its node when its lease lapsed is gone: it never
+    /// dials again.
+    fn join(&mut self, key: &ResourceKey) {
+        if self.leases.ended(key) {
+            return;
+        }
+        let outcome = self.host.handle_agent_joined(key, self.now);
+        if let Ok(liveness) = &outcome {
+            let window_s = self.config.lease_s();
+            if let Some(detail) = self.leases.welcomed(key, liveness, window_s, self.now) {
+                let inv = Invariant::LeaseEndOnlyWhenUnrenewed;
+                self.oracle.report(inv, Some(&key.node), detail);
+            }
+        }
+        self.record(StepEvent::AgentJoined {
+            key,
+            outcome: &outcome,
+        });
     }
 
     /// Drains the host's outputs at `now`: commits journal writes (or crashes
@@ -650,6 +750,10 @@ impl<R: Reconciler> World<R> {
                         pass: &pass,
                         durable: &durable,
                     });
+                    let core = self.host.core();
+                    let wanted = |n: &LogicalNodeId| core.desired().slot(n).cloned();
+                    let wrong = self.leases.judge_pass(&pass, &wanted);
+                    self.report_all(wrong);
                     self.submit(&pass);
                     if passes > self.config.passes_per_instant_max {
                         break;
@@ -726,6 +830,9 @@ impl<R: Reconciler> World<R> {
     /// Collects an orphan at once, the way an executor would: cancel its
     /// session, then destroy its lease; a refused call is retried by the host.
     fn collect(&mut self, request: &CollectRequest) {
+        if let Some(wrong) = self.leases.judge_collect(request) {
+            self.report_all(vec![wrong]);
+        }
         let now = self.now;
         let backend = self.exec.backend_mut();
         let mut outcome = Ok(());
@@ -880,7 +987,7 @@ impl<R: Reconciler> World<R> {
     /// endpoint does when it wakes) and dials again shortly.
     fn host_paused(&mut self, ms: u64) {
         let from = self.now;
-        self.now = Timestamp(self.now.0 + ms);
+        self.pass_time(Timestamp(self.now.0 + ms), Hearing::Paused);
         self.unheard.push((from, self.now));
         if ms <= Liveness::for_grace(GRACE_MS).silence_ms {
             return;
@@ -922,26 +1029,129 @@ impl<R: Reconciler> World<R> {
             if self.cut.contains_key(&key.node) {
                 continue;
             }
-            let outcome = self.host.handle_agent_joined(&key, now);
-            self.record(StepEvent::AgentJoined {
-                key: &key,
-                outcome: &outcome,
-            });
+            self.join(&key);
         }
     }
 
     /// Kills the host (as `kill -9` would): its executor and streams die
     /// with it; after `down_ms` a new host starts from the journal.
     fn crash(&mut self, down_ms: u16) {
+        self.host_going();
         self.exec.crash(self.now);
         let from = self.now;
-        self.now = Timestamp(self.now.0 + u64::from(down_ms));
+        self.pass_time(Timestamp(self.now.0 + u64::from(down_ms)), Hearing::Down);
         self.unheard.push((from, self.now));
         self.start_host("crashed");
     }
 
+    /// Lets virtual time pass to `to` while the host is `hearing`: the
+    /// daemon renews the leases of the agents a listening host is linked
+    /// to, and agents whose lease lapses end their nodes.
+    fn pass_time(&mut self, to: Timestamp, hearing: Hearing) {
+        let from = self.now;
+        let (host, paused) = (&self.host, &self.paused);
+        let backend = self.exec.backend();
+        // The daemon renews whom its host holds connected: an agent cut off
+        // is away from it once the host hears of the cut, and one whose
+        // session a restarted host replays joins again (the world passes on
+        // every join a stream reports).
+        let linked = |k: &ResourceKey| host.link(&k.node) == Some(Link::Connected(k.attempt));
+        // A machine the provider paused stops its agent with it; one that
+        // resumes starts a fresh agent, which joins for a lease of its own.
+        let running = |k: &ResourceKey| {
+            backend.live_lease(k).is_some()
+                && paused.get(&k.node).is_none_or(|(a, _)| *a != k.attempt)
+        };
+        let listening = hearing == Hearing::Listening;
+        let lapses = self.leases.advance(from, to, listening, linked, running);
+        self.now = to;
+        for lapse in lapses {
+            self.lapse(&lapse, hearing != Hearing::Down);
+        }
+    }
+
+    /// The agent of `lapse` ends its node: its machine disappears (deleted
+    /// behind the host's back, as a Vast.ai instance its agent destroys),
+    /// and a host that is up (`host_up`) stops hearing from it.
+    fn lapse(&mut self, lapse: &Lapse, host_up: bool) {
+        let key = &lapse.key;
+        if let Some(detail) = &lapse.wrong {
+            let inv = Invariant::LeaseEndOnlyWhenUnrenewed;
+            self.oracle.report(inv, Some(&key.node), detail.clone());
+        }
+        if let Some(lease) = self.exec.backend().live_lease(key) {
+            let now = self.now;
+            self.exec.backend_mut().delete_out_of_band(&lease, now);
+        }
+        self.rejoins.retain(|(_, k)| k != key);
+        let link = self.host.link(&key.node);
+        let names = match link {
+            Some(Link::Connected(a)) => a == key.attempt,
+            Some(Link::Away { attempt, .. }) => attempt == key.attempt,
+            None => false,
+        };
+        if !host_up || !names {
+            return;
+        }
+        // Silent for real from now on: a host that fails the node for it
+        // owes it a whole grace from here (see `check_blame`).
+        let since = self.now;
+        let cut = self.cut.entry(key.node).or_insert((key.attempt, since));
+        if cut.0 < key.attempt {
+            *cut = (key.attempt, since);
+        }
+        if link == Some(Link::Connected(key.attempt)) {
+            self.host.handle_agent_gone(key, 0, self.now);
+        }
+    }
+
+    /// The host goes (killed, or stopped keeping its nodes): the slots
+    /// whose node is ready, idle and of its desired template, with their
+    /// agent linked, are held to what a host back within their lease owes
+    /// them, if no fault that could touch them is armed (see
+    /// [`crate::lease`]).
+    fn host_going(&mut self) {
+        // Faults that touch only new leases leave running nodes alone.
+        let quiet = self.exec.armed().is_empty()
+            && self.exec.backend().armed().iter().all(|f| {
+                matches!(
+                    f,
+                    ProviderFault::EndpointNeverReady
+                        | ProviderFault::EndpointSlow { .. }
+                        | ProviderFault::Invisible { .. }
+                )
+            });
+        let core = self.host.core();
+        let keep = core
+            .state()
+            .nodes
+            .iter()
+            .filter_map(|(id, n)| {
+                let template = core.desired().slot(id)?;
+                let key = ResourceKey {
+                    run_id: RunId::new(RUN),
+                    node: *id,
+                    attempt: n.attempt,
+                };
+                let idle = n.pending.is_none() && self.exec.in_flight(id, n.attempt) == 0;
+                let kept = n.intent == Intent::Active
+                    && n.is_ready()
+                    && idle
+                    && same_template(template, &n.template)
+                    && self.host.link(id) == Some(Link::Connected(n.attempt))
+                    && !self.cut.contains_key(id)
+                    && !self.paused.contains_key(id);
+                kept.then(|| (key, template.clone()))
+            })
+            .collect();
+        let tearing_down = self.host.shutting_down() == Some(ShutdownMode::Teardown)
+            || self.durable.meta.tearing_down;
+        self.leases.host_going(quiet && !tearing_down, keep);
+    }
+
     /// A host stopped on its own (a shutdown finished): start the next one.
     fn host_stopped(&mut self) {
+        self.host_going();
         // A daemon that stops takes its executor with it.
         self.exec.crash(self.now);
         let tore_down = self
@@ -981,6 +1191,10 @@ impl<R: Reconciler> World<R> {
             }
         };
         self.host = host;
+        // A host started on another shape, or to finish a teardown, owes
+        // the nodes it finds nothing of the kind.
+        let as_before = self.next_shape.is_none() && !self.durable.meta.tearing_down;
+        self.leases.host_started(as_before);
         let durable = self.durable.clone();
         self.record(StepEvent::Restart { durable: &durable });
         if self.durable.meta.tearing_down && self.next_shape.is_none() {
@@ -1041,7 +1255,10 @@ impl<R: Reconciler> World<R> {
                 .is_some_and(|t| t <= self.now);
             self.host.handle_tick(self.now);
             self.record(StepEvent::Tick);
-            if self.drain() == 0 && core_due {
+            // A host killed at the journal write its tick led to took the
+            // pass with it; the next host owes nothing for that tick.
+            let restarts = self.restarts;
+            if self.drain() == 0 && core_due && self.restarts == restarts {
                 self.oracle.report(
                     Invariant::RequeueAtEarliestWaitingDeadline,
                     None,
@@ -1054,10 +1271,17 @@ impl<R: Reconciler> World<R> {
             let folded = self.host.handle_timeout(self.now);
             self.record(StepEvent::Timeout { folded: &folded });
         }
+        let restarts = self.restarts;
         self.drain();
         // A timer that fired and was served must move into the future;
-        // otherwise the host would spin on it.
-        if let Some(t) = self.host.poll_timeout().filter(|t| fired && *t <= self.now) {
+        // otherwise the host would spin on it. (A host killed meanwhile
+        // served nothing; its successor's timer is its own.)
+        let served = fired && self.restarts == restarts;
+        if let Some(t) = self
+            .host
+            .poll_timeout()
+            .filter(|t| served && *t <= self.now)
+        {
             self.oracle.report(
                 Invariant::RequeueAtEarliestWaitingDeadline,
                 None,
@@ -1075,10 +1299,23 @@ impl<R: Reconciler> World<R> {
     /// The earliest wake-up of any party.
     pub fn next_wake(&self) -> Option<Timestamp> {
         let rejoin = self.rejoins.iter().map(|(at, _)| *at).min();
-        [self.host.poll_timeout(), self.exec.next_wake(), rejoin]
-            .into_iter()
-            .flatten()
-            .min()
+        // With the default hour-long lease nothing lapses in a trace; its
+        // lapses are no wake-ups, so such worlds step exactly as they did
+        // before leases were modelled (a lapse would be seen at the next
+        // step after it).
+        let lapse = self
+            .config
+            .orphan_after_s
+            .and_then(|_| self.leases.next_lapse());
+        [
+            self.host.poll_timeout(),
+            self.exec.next_wake(),
+            rejoin,
+            lapse,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Advances to the earliest wake-up and runs it. False when nothing is left to wake.
@@ -1087,7 +1324,8 @@ impl<R: Reconciler> World<R> {
             return false;
         };
         // A timer in the past was already run; never go back, never stall.
-        self.now = at.max(Timestamp(self.now.0 + u64::from(at <= self.now)));
+        let to = at.max(Timestamp(self.now.0 + u64::from(at <= self.now)));
+        self.pass_time(to, Hearing::Listening);
         self.settle();
         true
     }
@@ -1098,7 +1336,7 @@ impl<R: Reconciler> World<R> {
             self.step();
         }
         if target > self.now {
-            self.now = target;
+            self.pass_time(target, Hearing::Listening);
             self.settle();
         }
     }
@@ -1107,6 +1345,19 @@ impl<R: Reconciler> World<R> {
     pub fn apply(&mut self, input: &Input) {
         self.oracle
             .begin_input(format!("{input:?} at {}", self.now));
+        // Inputs that only let time pass, or that no running node feels,
+        // keep what a restarted host owes the nodes it found.
+        let quiet = matches!(
+            input,
+            Input::Advance { .. }
+                | Input::Step
+                | Input::Tick
+                | Input::HostPause { .. }
+                | Input::LoseTimerOnce
+                | Input::Resubmit
+                | Input::Invalid(_)
+        );
+        self.leases.input(quiet);
         match *input {
             Input::Shape {
                 group,
@@ -1274,10 +1525,12 @@ impl<R: Reconciler> World<R> {
     fn apply_budget(&mut self, group: u8, max_unavailable: u8, max_unhealthy: Option<u8>) {
         let mut policies = self.policies;
         let g = usize::from(group % 2);
-        // Budgets only: what the group does with paused machines stays.
+        // Budgets only: what the group does with paused machines, and
+        // its lease, stay.
         policies[g] = PolicyShape {
             on_preempt: policies[g].on_preempt,
             preempt_wait_s: policies[g].preempt_wait_s,
+            orphan_after_s: policies[g].orphan_after_s,
             ..budget_policy(max_unavailable, max_unhealthy)
         };
         let generation = self.generation + 1;
@@ -1384,6 +1637,7 @@ impl<R: Reconciler> World<R> {
     /// The partition heals: every agent away from the host (its grace
     /// running or held by a breaker) rejoins, as its machine still runs.
     pub fn agents_return(&mut self) {
+        self.leases.input(false);
         let away: Vec<ResourceKey> = self
             .host
             .core()
@@ -1398,17 +1652,15 @@ impl<R: Reconciler> World<R> {
                 }),
                 _ => None,
             })
+            // An agent that ended its node is gone for good.
+            .filter(|key| !self.leases.ended(key))
             .collect();
         for key in away {
             self.cut.remove(&key.node);
             // A paused machine resumes with its agent.
             self.paused.remove(&key.node);
             self.rejoins.retain(|(_, k)| *k != key);
-            let outcome = self.host.handle_agent_joined(&key, self.now);
-            self.record(StepEvent::AgentJoined {
-                key: &key,
-                outcome: &outcome,
-            });
+            self.join(&key);
         }
     }
 
@@ -1428,6 +1680,7 @@ impl<R: Reconciler> World<R> {
     pub fn restart_with(&mut self, groups: [(u8, u8); 2]) {
         self.oracle
             .begin_input(format!("restart with {groups:?} at {}", self.now));
+        self.leases.input(false);
         self.next_shape = Some(groups);
         let ticket = self.ticket();
         self.host
@@ -1447,6 +1700,7 @@ impl<R: Reconciler> World<R> {
             "crash, then restart with {groups:?} at {}",
             self.now
         ));
+        self.leases.input(false);
         self.next_shape = Some(groups);
         self.crash(down_ms);
         self.settle();
@@ -1587,8 +1841,29 @@ impl<R: Reconciler> World<R> {
         self.run_until(settle_until);
         let after = snapshot(&self.host, self.now);
         self.oracle.finish(&after, &self.exec);
+        let core = self.host.core();
+        let wanted = |n: &LogicalNodeId| core.desired().slot(n).cloned();
+        let backend = self.exec.backend();
+        let made = |n: &LogicalNodeId, since: Timestamp| machines_made(backend, n, since);
+        let wrong = self.leases.judge_end(&wanted, &made);
+        self.report_all(wrong);
         report
     }
+}
+
+/// The attempts of the machines the provider made for slot `node` at or
+/// after `since`, in the order it made them.
+fn machines_made(
+    backend: &FakeBackend,
+    node: &LogicalNodeId,
+    since: Timestamp,
+) -> Vec<NodeAttemptId> {
+    backend
+        .leases()
+        .values()
+        .filter(|l| l.key.node == *node && l.created_at >= since)
+        .map(|l| l.key.attempt)
+        .collect()
 }
 
 /// What running one trace produced.
@@ -1602,6 +1877,8 @@ pub struct RunReport {
     pub digest: String,
     /// Steps the oracle saw.
     pub steps: u64,
+    /// What the agents' leases did.
+    pub leases: crate::lease::LeaseStats,
 }
 
 /// Runs `trace` through a world whose hosts wrap cores `make` returns: the
@@ -1624,6 +1901,7 @@ pub fn run_trace_with<R: Reconciler>(
         tail,
         digest: world.digest(),
         steps: world.oracle().steps(),
+        leases: world.leases().stats(),
     }
 }
 
