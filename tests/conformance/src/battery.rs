@@ -10,20 +10,77 @@
 //! ```
 //!
 //! Environment variables: `SWACTOR_CONFORMANCE_SEEDS` (seeds per mode, default
-//! 256), `SWACTOR_FIRST_SEED` (first seed, default 0), `SWACTOR_SEED` (run only
-//! this seed), `SWACTOR_MODE` (`in-order` or `adversarial`: only this mode),
-//! `SWACTOR_REGRESSIONS_FILE` (record and replay failing seeds elsewhere),
-//! `SWACTOR_SHRINK=0` (report a failing seed without shrinking it, e.g. under
-//! `cargo mutants`, where only detection matters).
+//! 256), `SWACTOR_LEASE_SEEDS` (seeds per mode of the lease suite, default a
+//! quarter of the former), `SWACTOR_FIRST_SEED` (first seed, default 0),
+//! `SWACTOR_SEED` (run only this seed), `SWACTOR_MODE` (`in-order` or
+//! `adversarial`: only this mode), `SWACTOR_REGRESSIONS_FILE` (record and
+//! replay failing seeds elsewhere), `SWACTOR_SHRINK=0` (report a failing seed
+//! without shrinking it, e.g. under `cargo mutants`, where only detection
+//! matters).
+//!
+//! Two suites share the machinery: the battery's own ([`Suite::Base`]), and
+//! one whose groups hold short leases ([`Suite::Leases`]).
 
 use crate::oracle::{Invariant, Violation};
-use crate::trace::{Mode, Trace, trace};
+use crate::trace::{Mode, Trace, lease_trace, trace};
 use crate::world::{Factory, Reconciler, RunReport, WorldConfig, run_trace_with};
+use proptest::strategy::{BoxedStrategy, Strategy};
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
 use std::path::PathBuf;
 
 /// Seeds per mode when `SWACTOR_CONFORMANCE_SEEDS` is unset.
 pub const DEFAULT_SEEDS: u64 = 256;
+
+/// Which world a battery runs its traces in, and which alphabet it draws
+/// them from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Suite {
+    /// The battery's world ([`WorldConfig::for_mode`], where agents hold
+    /// their nodes for the default hour) and alphabet ([`trace`]).
+    Base,
+    /// Groups whose agents end their nodes a short lease after their daemon
+    /// stops renewing it ([`WorldConfig::with_short_leases`]), and host
+    /// crashes on both sides of that lease ([`lease_trace`]).
+    Leases,
+}
+
+impl Suite {
+    /// The world configuration for `mode`.
+    pub fn world(self, mode: Mode) -> WorldConfig {
+        match self {
+            Self::Base => WorldConfig::for_mode(mode),
+            Self::Leases => WorldConfig::with_short_leases(mode),
+        }
+    }
+
+    /// The traces for `mode`.
+    pub fn traces(self, mode: Mode) -> BoxedStrategy<Trace> {
+        match self {
+            Self::Base => trace(mode).boxed(),
+            Self::Leases => {
+                let lease_ms = u64::from(self.world(mode).lease_s()) * 1_000;
+                lease_trace(mode, lease_ms).boxed()
+            }
+        }
+    }
+
+    /// What a regression file records a seed of `mode` of this suite
+    /// under: the mode's name, prefixed `leases-` for the lease suite.
+    pub fn label(self, mode: Mode) -> String {
+        match self {
+            Self::Base => mode.name().to_owned(),
+            Self::Leases => format!("leases-{}", mode.name()),
+        }
+    }
+
+    /// The `cargo test` filter that runs this suite's battery.
+    fn filter(self) -> &'static str {
+        match self {
+            Self::Base => "every_invariant_holds_under",
+            Self::Leases => "short_leases",
+        }
+    }
+}
 
 /// Which seeds to run.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +93,23 @@ pub struct BatteryConfig {
     pub replay_check: bool,
     /// Where failing seeds are recorded and replayed from, if anywhere.
     pub regressions: Option<PathBuf>,
+}
+
+impl BatteryConfig {
+    /// The configuration the environment asks for, for `suite`: the lease
+    /// suite runs `SWACTOR_LEASE_SEEDS` seeds per mode, by default a
+    /// quarter of the base battery's count (at least one).
+    pub fn for_suite(suite: Suite) -> Self {
+        let mut config = Self::from_env();
+        if suite == Suite::Leases && env_u64("SWACTOR_SEED").is_none() {
+            let first = env_u64("SWACTOR_FIRST_SEED").unwrap_or(0);
+            let count = env_u64("SWACTOR_LEASE_SEEDS").unwrap_or_else(|| {
+                (env_u64("SWACTOR_CONFORMANCE_SEEDS").unwrap_or(DEFAULT_SEEDS) / 4).max(1)
+            });
+            config.seeds = (first..first + count).collect();
+        }
+        config
+    }
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -85,6 +159,11 @@ pub fn default_regressions_file() -> PathBuf {
 
 /// Seeds recorded for `mode` in a regression file (`<mode> <seed> # note` lines).
 pub fn recorded_seeds(path: &std::path::Path, mode: Mode) -> Vec<u64> {
+    recorded_seeds_of(path, &Suite::Base.label(mode))
+}
+
+/// Seeds recorded under `label` (see [`Suite::label`]) in a regression file.
+pub fn recorded_seeds_of(path: &std::path::Path, label: &str) -> Vec<u64> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Vec::new();
     };
@@ -92,14 +171,14 @@ pub fn recorded_seeds(path: &std::path::Path, mode: Mode) -> Vec<u64> {
         .filter_map(|line| {
             let line = line.split('#').next()?.trim();
             let (m, seed) = line.split_once(' ')?;
-            (Mode::parse(m)? == mode).then_some(())?;
+            (m == label).then_some(())?;
             seed.trim().parse().ok()
         })
         .collect()
 }
 
-fn record_seed(path: &std::path::Path, mode: Mode, seed: u64, headline: &str) {
-    if recorded_seeds(path, mode).contains(&seed) {
+fn record_seed(path: &std::path::Path, label: &str, seed: u64, headline: &str) {
+    if recorded_seeds_of(path, label).contains(&seed) {
         return;
     }
     let mut text = std::fs::read_to_string(path).unwrap_or_else(|_| {
@@ -108,7 +187,7 @@ fn record_seed(path: &std::path::Path, mode: Mode, seed: u64, headline: &str) {
             .to_owned()
     });
     let headline: String = headline.chars().take(200).collect();
-    text.push_str(&format!("{} {seed} # {headline}\n", mode.name()));
+    text.push_str(&format!("{label} {seed} # {headline}\n"));
     // Failing to record must not hide the failure itself, which is reported anyway.
     let _ = std::fs::write(path, text);
 }
@@ -116,6 +195,8 @@ fn record_seed(path: &std::path::Path, mode: Mode, seed: u64, headline: &str) {
 /// One seed that failed, with its minimal trace.
 #[derive(Clone, Debug)]
 pub struct SeedFailure {
+    /// The suite.
+    pub suite: Suite,
     /// The mode.
     pub mode: Mode,
     /// The seed.
@@ -130,11 +211,12 @@ impl std::fmt::Display for SeedFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "{} seed {} failed (replay: SWACTOR_MODE={} SWACTOR_SEED={} cargo test -p swactor-conformance --test battery)",
-            self.mode.name(),
+            "{} seed {} failed (replay: SWACTOR_MODE={} SWACTOR_SEED={} cargo test -p swactor-conformance --test battery {})",
+            self.suite.label(self.mode),
             self.seed,
             self.mode.name(),
-            self.seed
+            self.seed,
+            self.suite.filter(),
         )?;
         writeln!(f, "{}", self.message)?;
         writeln!(
@@ -163,9 +245,15 @@ fn seed_rng(seed: u64) -> TestRng {
 
 /// The trace seed `seed` of `mode` names (without running it).
 pub fn trace_for_seed(mode: Mode, seed: u64) -> Trace {
-    use proptest::strategy::{Strategy, ValueTree};
+    suite_trace_for_seed(Suite::Base, mode, seed)
+}
+
+/// The trace seed `seed` of `mode` names in `suite` (without running it).
+pub fn suite_trace_for_seed(suite: Suite, mode: Mode, seed: u64) -> Trace {
+    use proptest::strategy::ValueTree;
     let mut runner = TestRunner::new_with_rng(Config::default(), seed_rng(seed));
-    trace(mode)
+    suite
+        .traces(mode)
         .new_tree(&mut runner)
         .expect("trace strategies never reject")
         .current()
@@ -213,7 +301,18 @@ pub fn check_seed<R: Reconciler>(
     seed: u64,
     battery: &BatteryConfig,
 ) -> Result<(), SeedFailure> {
-    let config = WorldConfig::for_mode(mode);
+    check_suite_seed(make, Suite::Base, mode, seed, battery)
+}
+
+/// As [`check_seed`], for a seed of `suite`.
+pub fn check_suite_seed<R: Reconciler>(
+    make: &Factory<R>,
+    suite: Suite,
+    mode: Mode,
+    seed: u64,
+    battery: &BatteryConfig,
+) -> Result<(), SeedFailure> {
+    let config = suite.world(mode);
     let runner_config = Config {
         cases: 1,
         failure_persistence: None,
@@ -223,7 +322,7 @@ pub fn check_seed<R: Reconciler>(
         ..Config::default()
     };
     let mut runner = TestRunner::new_with_rng(runner_config, seed_rng(seed));
-    let result = runner.run(&trace(mode), |t| {
+    let result = runner.run(&suite.traces(mode), |t| {
         judge(make, &config, &t, battery.replay_check)
             .map(|_| ())
             .map_err(TestCaseError::fail)
@@ -231,15 +330,17 @@ pub fn check_seed<R: Reconciler>(
     match result {
         Ok(()) => Ok(()),
         Err(TestError::Fail(reason, minimal)) => Err(SeedFailure {
+            suite,
             mode,
             seed,
             minimal,
             message: reason.to_string(),
         }),
         Err(TestError::Abort(reason)) => Err(SeedFailure {
+            suite,
             mode,
             seed,
-            minimal: trace_for_seed(mode, seed),
+            minimal: suite_trace_for_seed(suite, mode, seed),
             message: format!("proptest aborted: {reason}"),
         }),
     }
@@ -262,11 +363,23 @@ pub fn run_battery<R: Reconciler>(
     battery: &BatteryConfig,
     stop_at_first: bool,
 ) -> BatteryReport {
+    run_suite(make, Suite::Base, mode, battery, stop_at_first)
+}
+
+/// As [`run_battery`], for `suite`.
+pub fn run_suite<R: Reconciler>(
+    make: &Factory<R>,
+    suite: Suite,
+    mode: Mode,
+    battery: &BatteryConfig,
+    stop_at_first: bool,
+) -> BatteryReport {
     let mut report = BatteryReport::default();
+    let label = suite.label(mode);
     let recorded = battery
         .regressions
         .as_deref()
-        .map(|p| recorded_seeds(p, mode))
+        .map(|p| recorded_seeds_of(p, &label))
         .unwrap_or_default();
     let total = battery.seeds.len() as u64;
     for seed in recorded.into_iter().chain(battery.seeds.iter().copied()) {
@@ -274,16 +387,15 @@ pub fn run_battery<R: Reconciler>(
         // Long runs say how far they got; the default battery stays quiet.
         if total >= 10_000 && report.seeds_run % 10_000 == 0 {
             eprintln!(
-                "{}: {} seeds, {} failed",
-                mode.name(),
+                "{label}: {} seeds, {} failed",
                 report.seeds_run,
                 report.failures.len()
             );
         }
-        if let Err(failure) = check_seed(make, mode, seed, battery) {
+        if let Err(failure) = check_suite_seed(make, suite, mode, seed, battery) {
             if let Some(path) = &battery.regressions {
                 let headline = failure.message.lines().next().unwrap_or_default();
-                record_seed(path, mode, seed, headline);
+                record_seed(path, &label, seed, headline);
             }
             report.failures.push(failure);
             if stop_at_first {

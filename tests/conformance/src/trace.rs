@@ -338,3 +338,35 @@ pub fn trace(mode: Mode) -> impl Strategy<Value = Trace> {
     )
         .prop_map(move |(seed, inputs)| Trace { mode, seed, inputs })
 }
+
+/// A host crash (killed at once or at its next journal write) on either
+/// side of a lease of `lease_ms`: back within half of it, so every agent it
+/// was linked to is renewed in time by the next host, or down for longer
+/// than all of it, so every one of them ends its node meanwhile.
+///
+/// These are [`Input::HostCrash`]es: a new input kind would be one more arm
+/// in every exhaustive match over [`Input`], the actor harness's included.
+pub fn crash_around(lease_ms: u64) -> BoxedStrategy<Input> {
+    let ms = |v: u64| u16::try_from(v).unwrap_or(u16::MAX);
+    let within = ms(lease_ms / 4)..ms(lease_ms / 2);
+    let beyond = ms(lease_ms + 1)..ms(lease_ms * 2);
+    let crash = |down: std::ops::Range<u16>| {
+        (any::<bool>(), down).prop_map(|(at_persist, down_ms)| Input::HostCrash {
+            at_persist,
+            down_ms,
+        })
+    };
+    prop_oneof![crash(within), crash(beyond)].boxed()
+}
+
+/// A whole trace for `mode` in a world whose leases last `lease_ms`: the
+/// alphabet of [`input`], with host crashes on both sides of the lease
+/// ([`crash_around`]) about one input in thirteen.
+pub fn lease_trace(mode: Mode, lease_ms: u64) -> impl Strategy<Value = Trace> {
+    let input = prop_oneof![12 => input(mode), 1 => crash_around(lease_ms)];
+    (
+        any::<u64>(),
+        proptest::collection::vec(input, TRACE_LEN.0..=TRACE_LEN.1),
+    )
+        .prop_map(move |(seed, inputs)| Trace { mode, seed, inputs })
+}
