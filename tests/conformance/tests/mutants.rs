@@ -6,8 +6,10 @@
 
 use std::collections::BTreeMap;
 use std::rc::Rc;
-use swactor_conformance::battery::{BatteryConfig, run_battery};
-use swactor_conformance::{Factory, Mode, RUN, Reconciler, WorldConfig};
+use swactor_conformance::battery::{BatteryConfig, Suite, run_battery, suite_trace_for_seed};
+use swactor_conformance::{
+    Factory, Invariant, Mode, RUN, Reconciler, Renewals, SHORT_LEASE_S, WorldConfig, run_trace_with,
+};
 use swactor_provisioning::{
     AdoptEntry, Adoption, BootstrapObservation, Breaker, ClusterShape, ClusterState, DesiredState,
     DesiredUpdate, Dispatch, Driver, DriverError, DriverStats, EffectRequest, FailureCause,
@@ -67,6 +69,14 @@ enum Mutation {
     /// Drops what a shape says about paused machines: every group replaces
     /// them at their grace's end, even one that waits for them.
     IgnoreOnPreempt,
+    /// A restarted host's core is shown the journal's attempts without the
+    /// leases the provider listed, so it creates each again (the provider
+    /// finds it by its key: nothing is made twice, but every live node is
+    /// created anew instead of adopted).
+    AdoptIgnoringListedLeases,
+    /// A restarted host's core ignores the inventory and the journal: it
+    /// starts every slot afresh beside the running nodes.
+    AdoptNothing,
 }
 
 const ALL: [Mutation; 20] = [
@@ -268,12 +278,22 @@ impl Reconciler for Mutant {
     }
 
     fn adopt(&mut self, mut entries: Vec<AdoptEntry>, op_seq_base: u64) -> Adoption {
-        if self.mutation == Mutation::AdoptDriftedAsCurrent {
-            for e in &mut entries {
-                if let Some(t) = self.inner.desired().slot(&e.key.node) {
-                    e.template = Some(t.clone());
+        match self.mutation {
+            Mutation::AdoptDriftedAsCurrent => {
+                for e in &mut entries {
+                    if let Some(t) = self.inner.desired().slot(&e.key.node) {
+                        e.template = Some(t.clone());
+                    }
                 }
             }
+            Mutation::AdoptIgnoringListedLeases => {
+                for e in &mut entries {
+                    e.lease = None;
+                    e.session = None;
+                }
+            }
+            Mutation::AdoptNothing => entries.clear(),
+            _ => {}
         }
         self.inner.adopt(entries, op_seq_base)
     }
@@ -480,4 +500,95 @@ fn the_mutation_wrapper_mutating_nothing_passes_the_battery() {
         let report = run_battery(&make, mode, &battery, true);
         assert!(report.failures.is_empty(), "{}", report.failures[0]);
     }
+}
+
+/// A world of the lease suite around mutants of `mutation`, whose daemon
+/// renews as `renewals` says.
+fn lease_world(
+    mode: Mode,
+    mutation: Mutation,
+    renewals: Renewals,
+) -> (Factory<Mutant>, WorldConfig) {
+    let make: Factory<Mutant> = Rc::new(move || Mutant::new(mutation, mode));
+    let config = WorldConfig {
+        renewals,
+        ..Suite::Leases.world(mode)
+    };
+    (make, config)
+}
+
+/// Runs the lease-suite seeds (both modes) against `mutation` with
+/// `renewals` until one fails first with `until` (never, for `None`);
+/// returns that seed, and how many seeds before it failed, by the
+/// invariant each failure names first.
+fn lease_catches(
+    mutation: Mutation,
+    renewals: Renewals,
+    until: Option<Invariant>,
+) -> (Option<(Mode, u64)>, BTreeMap<Invariant, u64>) {
+    let seeds = BatteryConfig::for_suite(Suite::Leases).seeds;
+    let mut caught = BTreeMap::new();
+    for mode in Mode::ALL {
+        let (make, config) = lease_world(mode, mutation, renewals);
+        for &seed in &seeds {
+            let trace = suite_trace_for_seed(Suite::Leases, mode, seed);
+            let report = run_trace_with(&make, &config, &trace);
+            let Some(v) = report.violations.first() else {
+                continue;
+            };
+            if Some(v.invariant) == until {
+                println!(
+                    "{mutation:?} {renewals:?}: caught by {} seed {seed}: {v}",
+                    mode.name()
+                );
+                return (Some((mode, seed)), caught);
+            }
+            *caught.entry(v.invariant).or_default() += 1;
+        }
+    }
+    (None, caught)
+}
+
+#[test]
+fn the_lease_invariants_catch_a_daemon_that_renews_late_and_a_host_that_creates_anew() {
+    // Each breakage must be the first thing the oracle reports on some
+    // seed of the lease suite: other guarantees may notice it too.
+    let lease_ms = u64::from(SHORT_LEASE_S) * 1_000;
+    let honest = Renewals::AsTold;
+    let unrenewed = Invariant::LeaseEndOnlyWhenUnrenewed;
+    let nothing_new = Invariant::BackWithinWindowCreatesNothing;
+    let cases = [
+        // A daemon that welcomes agents and never renews their leases.
+        (
+            Mutation::Nothing,
+            Renewals::Every { ms: u64::MAX },
+            unrenewed,
+        ),
+        // One that renews, but only every lease and a half.
+        (
+            Mutation::Nothing,
+            Renewals::Every {
+                ms: lease_ms * 3 / 2,
+            },
+            unrenewed,
+        ),
+        (Mutation::AdoptIgnoringListedLeases, honest, nothing_new),
+        (Mutation::AdoptNothing, honest, nothing_new),
+    ];
+    let mut missed = Vec::new();
+    for (mutation, renewals, expected) in cases {
+        let (first, before) = lease_catches(mutation, renewals, Some(expected));
+        if first.is_none() {
+            missed.push(format!(
+                "{mutation:?} {renewals:?}: {expected} never first (first violations: {before:?})"
+            ));
+        }
+    }
+    assert!(missed.is_empty(), "{}", missed.join("\n"));
+}
+
+#[test]
+fn the_honest_driver_and_daemon_pass_the_lease_suite_behind_the_wrapper() {
+    let (_, caught) = lease_catches(Mutation::Nothing, Renewals::AsTold, None);
+    assert!(caught.is_empty(), "{caught:?}");
 }
