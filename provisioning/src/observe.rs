@@ -173,6 +173,10 @@ pub enum DiscardReason {
     /// A stream's report that the agent joined: only a live connection to
     /// the host proves that (see `Host::handle_bootstrap`).
     NotLive,
+    /// Not folded yet: earlier reports of the same node wait to be folded
+    /// (they came before its StartBootstrap result), and this one is folded
+    /// after them, in order, as the host's own fold (`Output::Folded`).
+    Queued,
 }
 
 /// What folding an input did.

@@ -380,6 +380,17 @@ impl<C: Reconciler> Host<C> {
                 return Ok(Folded::Discarded(DiscardReason::NotLive));
             }
         }
+        // What the node's stream said before its StartBootstrap result came
+        // is folded first: a replayed log can arrive in one batch with the
+        // result, and its stage must never go back.
+        if self
+            .todo
+            .iter()
+            .any(|t| matches!(t, Todo::Observe(o) if o.node == obs.node))
+        {
+            self.todo.push_back(Todo::Observe(obs));
+            return Ok(Folded::Discarded(DiscardReason::Queued));
+        }
         let folded = self.core.handle_bootstrap(&obs, now)?;
         match folded {
             Folded::Applied => self.node_changed(&obs.node, now),

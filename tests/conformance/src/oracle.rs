@@ -963,6 +963,18 @@ impl Oracle {
             return self.fail(Invariant::DriverErrorFree, &obs.node, format!("{folded:?}"));
         };
         let node_before = b.nodes.get(&obs.node);
+        if *folded == Folded::Discarded(swactor_provisioning::DiscardReason::Queued) {
+            // Queued behind the node's earlier reports: judged when the host
+            // folds it (its own fold, in order); until then nothing changes.
+            if node_before != a.nodes.get(&obs.node) {
+                self.fail(
+                    Invariant::BootstrapFactsClassified,
+                    &obs.node,
+                    format!("{:?}: queued, yet the node changed", obs.event),
+                );
+            }
+            return;
+        }
         let live = node_before.is_some_and(|n| {
             n.attempt == obs.attempt && n.record.session.as_ref() == Some(&obs.session)
         });
@@ -1870,6 +1882,8 @@ impl Oracle {
         let t = &mut self.tally;
         let mut count = |f: &Result<Folded, DriverError>| match f {
             Ok(Folded::Applied) => t.folded += 1,
+            // Held by the host, never shown to the driver (yet).
+            Ok(Folded::Discarded(swactor_provisioning::DiscardReason::Queued)) => {}
             Ok(Folded::Discarded(_)) => t.discarded += 1,
             Err(_) => {}
         };

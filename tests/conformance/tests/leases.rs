@@ -184,9 +184,10 @@ fn invariant_names_are_unique() {
 /// result is in) is folded after the later ones. The stream's last stage
 /// goes back from Converged to SshConnect, the node waits for a Converged
 /// that already came, stalls, and is replaced although its agent is alive
-/// and joined. Only a batching host (adversarial mode) meets it.
+/// and joined. Only a batching host (adversarial mode) meets it. Fixed:
+/// a report of a node whose earlier reports still wait is queued behind
+/// them (`DiscardReason::Queued`) and folded in order.
 #[test]
-#[ignore = "host bug: an early bootstrap line is folded after later ones (provisioning/src/host/output.rs, bootstrap_started)"]
 fn a_node_whose_replayed_log_arrives_with_its_start_result_is_kept() {
     use swactor_conformance::trace::Trace;
     let inputs = vec![
