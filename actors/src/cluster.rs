@@ -293,6 +293,27 @@ impl ClusterHandle {
             .await
     }
 
+    /// Checks the run's lifetimes at wall-clock `wall_ms` (ms since the
+    /// Unix epoch), with a job running or none; the cluster's journal
+    /// records what the deadlines count from when that changed (see
+    /// [`swactor_provisioning::Host::handle_lifetime`]). The caller tears
+    /// the run down when the reply says a deadline has come.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn check_lifetime(
+        &self,
+        wall_ms: u64,
+        jobs_running: bool,
+    ) -> Result<crate::msg::LifetimeView, ClusterError> {
+        let check = crate::msg::LifetimeCheck {
+            wall_ms,
+            jobs_running,
+        };
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Lifetime(check, r)))
+            .await
+    }
+
     /// Pauses reconciling: the cluster goes on folding and showing state,
     /// but dispatches nothing new (no node is created, replaced, scaled away
     /// or advanced) until [`ClusterHandle::resume`]; pending operations

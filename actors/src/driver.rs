@@ -146,6 +146,7 @@ impl Actor for DriverActor {
         };
         if let Some(shape) = state.config.initial_shape.clone() {
             let (ticket, now) = (state.ticket(), state.now());
+            state.host.handle_wall_clock(state.clock.wall_ms(), now);
             state.host.handle_apply(&shape, ticket, now)?;
         }
         state.queue_drive(&myself);
@@ -243,12 +244,24 @@ impl DriverState {
             ClusterMsg::Apply(shape, reply) => {
                 let ticket = self.ticket();
                 self.waiting.insert(ticket, Waiting::Apply(reply));
+                // An apply that sets a lifetime counts from its wall clock.
+                self.host.handle_wall_clock(self.clock.wall_ms(), now);
                 let _ = self.host.handle_apply(&shape, ticket, now);
             }
             ClusterMsg::ApplyNext(shape, reply) => {
                 let ticket = self.ticket();
                 self.waiting.insert(ticket, Waiting::Apply(reply));
+                self.host.handle_wall_clock(self.clock.wall_ms(), now);
                 let _ = self.host.handle_apply_next(&shape, ticket, now);
+            }
+            ClusterMsg::Lifetime(check, reply) => {
+                let status = self
+                    .host
+                    .handle_lifetime(check.wall_ms, check.jobs_running, now);
+                let _ = reply.send(crate::msg::LifetimeView {
+                    status,
+                    shutting_down: self.host.shutting_down().is_some(),
+                });
             }
             ClusterMsg::Plan(shape, reply) => {
                 let plan = self.host.plan(shape.as_ref(), now);

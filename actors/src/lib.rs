@@ -85,8 +85,8 @@ pub use events::{
 pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 pub use journal::{CommitError, JournalStore, MemoryJournal};
 pub use msg::{
-    ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, SpentView, Subscription, SwarmMsg,
-    SwarmRef, TimerKey,
+    ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, LifetimeCheck, LifetimeView,
+    SpentView, Subscription, SwarmMsg, SwarmRef, TimerKey,
 };
 pub use observer::{Observations, Observed, Observer, ObserverTag, Observers, observers};
 pub use supervisor::{ClusterSupervisor, SupervisorArgs, SupervisorExit, SupervisorState};

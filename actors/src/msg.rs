@@ -39,6 +39,25 @@ pub struct SpentView {
     pub shutting_down: bool,
 }
 
+/// A check of the run's lifetimes (see [`ClusterMsg::Lifetime`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LifetimeCheck {
+    /// The wall clock, in ms since the Unix epoch, as the caller read it.
+    pub wall_ms: u64,
+    /// A job runs on some node (submitted and not ended).
+    pub jobs_running: bool,
+}
+
+/// Where the run stands against its lifetimes (see [`ClusterMsg::Lifetime`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LifetimeView {
+    /// The verdict and what views say beside it; `None` when the shape
+    /// sets no lifetime.
+    pub status: Option<swactor_provisioning::lifetime::Status>,
+    /// A shutdown (teardown or keep) is under way.
+    pub shutting_down: bool,
+}
+
 /// What any actor may ask of a cluster.
 pub enum ClusterMsg {
     /// Offer a new desired shape; the reply comes once an accepted shape is durable.
@@ -76,6 +95,11 @@ pub enum ClusterMsg {
     /// as the journal keeps it (see [`swactor_provisioning::Host::handle_spent`])
     /// and what it is held against.
     Spent(u64, RpcReplyPort<SpentView>),
+    /// A check of the run's lifetimes at the caller's wall clock: the
+    /// journal records what changed (see
+    /// [`swactor_provisioning::Host::handle_lifetime`]); the reply says
+    /// whether a deadline has come.
+    Lifetime(LifetimeCheck, RpcReplyPort<LifetimeView>),
     /// Pause (`true`) or resume (`false`) reconciling; the reply (whether
     /// anything changed) comes once the flag is durable.
     Pause(bool, RpcReplyPort<Result<bool, PauseError>>),
