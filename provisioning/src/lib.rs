@@ -62,8 +62,8 @@ pub use host::{
     AWAY_PAST_GRACE, ApplyError, AttemptRecord, Capacity, CapacityBasis, CollectRequest,
     DEFAULT_REJOIN_WINDOW_MS, DEPARTED_HISTORY_MAX, DeafGap, EARLY_OBSERVATIONS_MAX, GroupHold,
     HeldBy, HoldKind, Host, HostConfig, HostError, HostEvent, HostFold, JOURNAL_FORMAT,
-    JoinRefused, JournalDelta, JournalImage, JournalMeta, Link, Listed, Liveness, NextStep, Output,
-    PAUSED_PAST_WAIT, PauseError, REPLACED_BY_OPERATOR, ReplaceError, Reply,
+    JoinRefused, JournalDelta, JournalImage, JournalMeta, Leadership, Link, Listed, Liveness,
+    NextStep, Output, PAUSED_PAST_WAIT, PauseError, REPLACED_BY_OPERATOR, ReplaceError, Reply,
     SPENT_RECORD_STEP_MICROS, ShutdownMode, ShutdownReport, SlotRecord, Ticket,
 };
 pub use id::{

@@ -479,6 +479,19 @@ impl<C: Reconciler> Host<C> {
         }
     }
 
+    /// The replica layer's word on this host's leadership: how long it may
+    /// act ([`Leadership`]). A host whose leadership lapsed folds its inputs
+    /// as usual but writes and dispatches nothing (no journal write, pass,
+    /// listing, collection or probe leaves it) until told of a later
+    /// instant; then it goes on where it stopped.
+    pub fn handle_leadership(&mut self, leadership: Leadership, now: Timestamp) {
+        self.heard(now);
+        self.leadership = leadership;
+        if leadership.holds_at(now) {
+            self.lapse_said = false;
+        }
+    }
+
     /// What the run's rented machines have cost so far, as its providers
     /// count it now (`spent_micros`, millionths of a dollar). The larger of
     /// that and what the journal holds is the run's spend

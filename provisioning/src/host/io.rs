@@ -211,6 +211,15 @@ pub enum Output {
     Stop,
 }
 
+impl Output {
+    /// Whether carrying it out acts on the world or the journal (a write,
+    /// a dispatch, a listing, a collection, a probe), which a host that does
+    /// not lead holds back; a reply, a fold's report or the stop do not.
+    pub fn acts(&self) -> bool {
+        !matches!(self, Self::Folded(_) | Self::Reply(..) | Self::Stop)
+    }
+}
+
 /// Something worth telling people about.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HostEvent {

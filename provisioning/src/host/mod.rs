@@ -560,6 +560,36 @@ pub struct Host<C: Reconciler> {
     wall: Option<(Timestamp, u64)>,
     /// A job was running at the last lifetime check ([`Host::handle_lifetime`]).
     jobs_running: bool,
+    /// How long this host may act ([`Host::handle_leadership`]).
+    leadership: Leadership,
+    /// The leadership lapsed and that was said ([`HostEvent::Warning`]).
+    lapse_said: bool,
+}
+
+/// How long a host may act on the world: write its journal, dispatch,
+/// list, collect or probe. A daemon alone on its journal always may; one of
+/// several replicas sharing a journal may only while it holds the
+/// leadership, which the replica layer renews and tells the host
+/// ([`Host::handle_leadership`]). The instant is on the host's own clock,
+/// and the replica layer sets it short of when another replica could lead,
+/// so a host that stops acting at it never acts beside a new leader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leadership {
+    /// Alone on its journal: always.
+    Always,
+    /// Held until this instant (exclusive); from then on the host dispatches
+    /// nothing and writes nothing until told of a later one.
+    Until(Timestamp),
+}
+
+impl Leadership {
+    /// Whether a host may act at `now`.
+    pub fn holds_at(self, now: Timestamp) -> bool {
+        match self {
+            Self::Always => true,
+            Self::Until(until) => now < until,
+        }
+    }
 }
 
 impl<C: Reconciler> Host<C> {
@@ -638,6 +668,8 @@ impl<C: Reconciler> Host<C> {
             spent_micros: 0,
             wall: None,
             jobs_running: false,
+            leadership: Leadership::Always,
+            lapse_said: false,
             holds: BTreeMap::new(),
             tripped_none: true,
             last_input: None,

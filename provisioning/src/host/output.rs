@@ -14,6 +14,10 @@ impl<C: Reconciler> Host<C> {
             if self.awaiting.is_some() {
                 return None;
             }
+            let leads = self.leads(now);
+            if !leads && self.outputs.front().is_some_and(Output::acts) {
+                return None;
+            }
             if let Some(out) = self.outputs.pop_front() {
                 match &out {
                     Output::Persist(delta) => self.awaiting = Some(delta.seq),
@@ -31,6 +35,10 @@ impl<C: Reconciler> Host<C> {
                     return Some(Output::Folded(fold));
                 }
                 continue;
+            }
+            if !leads {
+                // Folds go on (they change no machine); what acts waits.
+                return None;
             }
             if self.flush_delta() {
                 continue;
@@ -58,6 +66,22 @@ impl<C: Reconciler> Host<C> {
                 return None;
             }
         }
+    }
+
+    /// Whether the host may act at `now` (write its journal, dispatch,
+    /// list, collect, probe): always, unless the replica layer bounded it
+    /// ([`Host::handle_leadership`]). Says so, once, when it lapses.
+    pub fn leads(&mut self, now: Timestamp) -> bool {
+        let leads = self.leadership.holds_at(now);
+        if !leads && !self.lapse_said {
+            self.lapse_said = true;
+            self.warn(
+                "this daemon's leadership was not renewed in time: it writes and dispatches \
+                 nothing until it is (another replica may lead meanwhile)"
+                    .to_owned(),
+            );
+        }
+        leads
     }
 
     // ----- internals -----

@@ -16,6 +16,7 @@ mod failures;
 mod given_up;
 mod ladder;
 mod lanes;
+mod leadership;
 mod lease;
 mod lifetime;
 mod next_step;
