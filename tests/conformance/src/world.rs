@@ -295,6 +295,9 @@ pub struct World<R: Reconciler = Driver> {
     rejoins: Vec<(Timestamp, ResourceKey)>,
     /// Every joined agent's lease.
     leases: AgentLeases,
+    /// Journal writes committed since [`World::take_committed`] last took
+    /// them (read by tests that replay them into real journal stores).
+    committed: Vec<swactor_provisioning::JournalDelta>,
 }
 
 /// How soon an agent whose connection a host pause dropped joins again.
@@ -530,6 +533,7 @@ impl<R: Reconciler> World<R> {
             unheard: Vec::new(),
             rejoins: Vec::new(),
             leases,
+            committed: Vec::new(),
         };
         world.oracle.begin_input("initial shape".to_owned());
         world.generation = 1;
@@ -552,6 +556,13 @@ impl<R: Reconciler> World<R> {
     /// The journal as committed so far.
     pub fn journal(&self) -> &JournalImage {
         &self.durable
+    }
+
+    /// The journal writes committed since the last call, in commit order
+    /// (the first call also returns those of the initial shape): applied
+    /// in order to [`JournalImage::new`]`(RUN)`, they make [`World::journal`].
+    pub fn take_committed(&mut self) -> Vec<swactor_provisioning::JournalDelta> {
+        std::mem::take(&mut self.committed)
     }
 
     /// Hosts started after the first (crashes and shutdowns).
@@ -741,6 +752,7 @@ impl<R: Reconciler> World<R> {
                     }
                     self.durable.apply(&delta);
                     self.host.handle_persisted(delta.seq);
+                    self.committed.push(delta);
                 }
                 HostOutput::Pass(pass) => {
                     passes += 1;
