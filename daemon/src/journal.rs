@@ -1,4 +1,8 @@
-//! The daemon's journal: the cluster host's durable records in `journal.redb`.
+//! The daemon's journal: the cluster host's durable records in `journal.redb`
+//! (or in etcd: [`etcd`]).
+
+pub mod etcd;
+pub use etcd::{EtcdArgs, EtcdJournal};
 
 use anyhow::{Context, Result, bail};
 use std::path::Path;

@@ -4,7 +4,8 @@
 //! measure of how long the runtime itself left ready work waiting, actor
 //! timers whose late firings are filtered by generation, supervision with a
 //! restart budget that escalates, a bounded and cancellable pool for blocking
-//! calls, a durable journal of intent on redb (fsynced, one writer per file),
+//! calls, a durable journal of intent on redb (fsynced, one writer per file)
+//! or in etcd (one fenced transaction per commit),
 //! the iroh endpoint with its persisted identity, tickets, per-protocol
 //! allowlists and size-limited frames, and the telemetry publisher that streams
 //! a snapshot and events to subscribers without ever waiting for them. Policy
@@ -14,6 +15,7 @@
 pub mod blocking;
 pub mod clock;
 pub mod deadline;
+pub mod etcd;
 pub mod forward;
 pub mod journal;
 pub mod net;

@@ -4,3 +4,5 @@
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
 mod embed;
+mod etcd_journal;
+mod journal_model;
