@@ -10,6 +10,7 @@
 
 mod client;
 mod config;
+mod election;
 mod error;
 mod store;
 #[cfg(any(test, feature = "etcd-testing"))]
@@ -24,6 +25,7 @@ pub use config::{
     CACERT_ENV, CALL_TIMEOUT_DEFAULT, CERT_ENV, Credentials, ENDPOINTS_ENV, ENDPOINTS_MAX,
     EtcdConfig, EtcdFlags, KEY_ENV, PASSWORD_ENV, REQUEST_TIMEOUT_DEFAULT, TlsFiles, USER_ENV,
 };
+pub use election::{Election, ElectionConfig, Role};
 pub use error::EtcdError;
 pub use store::{BUCKETS, EtcdStore, EtcdStoreError, Fence, LAYOUT, Limits, bucket_of};
 
