@@ -488,7 +488,7 @@ impl<C: Reconciler> Host<C> {
         self.heard(now);
         self.leadership = leadership;
         if leadership.holds_at(now) {
-            self.lapse_said = false;
+            self.lapsed = false;
         }
     }
 

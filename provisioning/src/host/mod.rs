@@ -562,8 +562,10 @@ pub struct Host<C: Reconciler> {
     jobs_running: bool,
     /// How long this host may act ([`Host::handle_leadership`]).
     leadership: Leadership,
-    /// The leadership lapsed and that was said ([`HostEvent::Warning`]).
-    lapse_said: bool,
+    /// The leadership was found lapsed and no later bound has come: that
+    /// was said ([`HostEvent::Warning`]), and no deadline but the
+    /// listening watch is reported (nothing due can be served meanwhile).
+    lapsed: bool,
 }
 
 /// How long a host may act on the world: write its journal, dispatch,
@@ -669,7 +671,7 @@ impl<C: Reconciler> Host<C> {
             wall: None,
             jobs_running: false,
             leadership: Leadership::Always,
-            lapse_said: false,
+            lapsed: false,
             holds: BTreeMap::new(),
             tripped_none: true,
             last_input: None,
@@ -864,10 +866,16 @@ impl<C: Reconciler> Host<C> {
     /// grace end, an orphan's retry, and, while it holds any node or agent,
     /// a watch [`ReconcilerConfig::listen_watch_ms`] after its last input
     /// (so that a gap longer than [`ReconcilerConfig::listen_gap_ms`] means
-    /// the daemon was not listening; see [`Host::last_deaf_gap`]).
+    /// the daemon was not listening; see [`Host::last_deaf_gap`]). While its
+    /// leadership is lapsed ([`Host::handle_leadership`]), only that watch.
     pub fn poll_timeout(&self) -> Option<Timestamp> {
         if self.stopped {
             return None;
+        }
+        if self.lapsed {
+            // Not leading: a due deadline would only wake the daemon in a
+            // loop; what is due is served once a later bound comes.
+            return self.watch_at();
         }
         let grace = self.graces.first().map(|(at, _)| *at);
         let collect = self.collects.values().filter_map(|c| c.due).min();

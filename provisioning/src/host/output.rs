@@ -73,8 +73,8 @@ impl<C: Reconciler> Host<C> {
     /// ([`Host::handle_leadership`]). Says so, once, when it lapses.
     pub fn leads(&mut self, now: Timestamp) -> bool {
         let leads = self.leadership.holds_at(now);
-        if !leads && !self.lapse_said {
-            self.lapse_said = true;
+        if !leads && !self.lapsed {
+            self.lapsed = true;
             self.warn(
                 "this daemon's leadership was not renewed in time: it writes and dispatches \
                  nothing until it is (another replica may lead meanwhile)"

@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Environment variables: `SWACTOR_CONFORMANCE_SEEDS` (seeds per mode, default
-//! 256), `SWACTOR_LEASE_SEEDS` (seeds per mode of the lease suite, default a
+//! 256), `SWACTOR_LEASE_SEEDS` (seeds per mode of the lease and leadership suites, default a
 //! quarter of the former), `SWACTOR_FIRST_SEED` (first seed, default 0),
 //! `SWACTOR_SEED` (run only this seed), `SWACTOR_MODE` (`in-order` or
 //! `adversarial`: only this mode), `SWACTOR_REGRESSIONS_FILE` (record and
@@ -42,6 +42,10 @@ pub enum Suite {
     /// stops renewing it ([`WorldConfig::with_short_leases`]), and host
     /// crashes on both sides of that lease ([`lease_trace`]).
     Leases,
+    /// A host that leads on a short election lease, renewed while it runs
+    /// ([`WorldConfig::with_leadership`]), with the battery's alphabet: its
+    /// host pauses freeze the leader for less and for more than the lease.
+    Leadership,
 }
 
 impl Suite {
@@ -50,13 +54,14 @@ impl Suite {
         match self {
             Self::Base => WorldConfig::for_mode(mode),
             Self::Leases => WorldConfig::with_short_leases(mode),
+            Self::Leadership => WorldConfig::with_leadership(mode),
         }
     }
 
     /// The traces for `mode`.
     pub fn traces(self, mode: Mode) -> BoxedStrategy<Trace> {
         match self {
-            Self::Base => trace(mode).boxed(),
+            Self::Base | Self::Leadership => trace(mode).boxed(),
             Self::Leases => {
                 let lease_ms = u64::from(self.world(mode).lease_s()) * 1_000;
                 lease_trace(mode, lease_ms).boxed()
@@ -70,6 +75,7 @@ impl Suite {
         match self {
             Self::Base => mode.name().to_owned(),
             Self::Leases => format!("leases-{}", mode.name()),
+            Self::Leadership => format!("leader-{}", mode.name()),
         }
     }
 
@@ -78,6 +84,7 @@ impl Suite {
         match self {
             Self::Base => "every_invariant_holds_under",
             Self::Leases => "short_leases",
+            Self::Leadership => "leadership_lease",
         }
     }
 }
@@ -101,7 +108,7 @@ impl BatteryConfig {
     /// quarter of the base battery's count (at least one).
     pub fn for_suite(suite: Suite) -> Self {
         let mut config = Self::from_env();
-        if suite == Suite::Leases && env_u64("SWACTOR_SEED").is_none() {
+        if suite != Suite::Base && env_u64("SWACTOR_SEED").is_none() {
             let first = env_u64("SWACTOR_FIRST_SEED").unwrap_or(0);
             let count = env_u64("SWACTOR_LEASE_SEEDS").unwrap_or_else(|| {
                 (env_u64("SWACTOR_CONFORMANCE_SEEDS").unwrap_or(DEFAULT_SEEDS) / 4).max(1)

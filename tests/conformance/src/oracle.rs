@@ -178,11 +178,15 @@ pub enum Invariant {
     /// agent ended its node) gets exactly one new attempt: never a second,
     /// and by the end of the fair tail one.
     LapsedSlotsMadeOnceMore,
+    /// A host that leads on an election lease hands out nothing that acts
+    /// (a journal write, a pass, a listing, a collection, a probe) at or
+    /// past the bound its last renewal gave it (`Host::handle_leadership`).
+    NothingActsPastLeadership,
 }
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 48] = [
+    pub const ALL: [Invariant; 49] = [
         Self::DeterministicReplay,
         Self::DriverErrorFree,
         Self::AttemptIdsNeverReused,
@@ -231,6 +235,7 @@ impl Invariant {
         Self::LeaseEndOnlyWhenUnrenewed,
         Self::BackWithinWindowCreatesNothing,
         Self::LapsedSlotsMadeOnceMore,
+        Self::NothingActsPastLeadership,
     ];
 
     /// The invariant's name, as messages print it.
@@ -290,6 +295,7 @@ impl Invariant {
             Self::LeaseEndOnlyWhenUnrenewed => "lease_end_only_when_unrenewed",
             Self::BackWithinWindowCreatesNothing => "back_within_window_creates_nothing",
             Self::LapsedSlotsMadeOnceMore => "lapsed_slots_made_once_more",
+            Self::NothingActsPastLeadership => "nothing_acts_past_leadership",
         }
     }
 }

@@ -29,10 +29,10 @@ pub use swactor_provisioning::Reconciler;
 use swactor_provisioning::{
     AWAY_PAST_GRACE, BOOT_CHECK_REPORT_MARGIN_MS, BootParams, BootstrapEvent, ClusterShape,
     CollectRequest, Driver, Folded, Generation, GroupPolicy, GroupShape, Host, HostConfig,
-    HostFold, Intent, JournalImage, Link, Liveness, LogicalNodeId, NodeAttemptId, NodeLimits,
-    OperationTimeouts, Output as HostOutput, PAUSED_PAST_WAIT, PolicyShape, PreemptChoice,
-    ProviderShape, Quantity, ReconcilerConfig, Reply, ResourceKey, RunId, ShutdownMode, SwarmJoin,
-    Ticket, Timestamp, same_template,
+    HostFold, Intent, JournalImage, Leadership, Link, Liveness, LogicalNodeId, NodeAttemptId,
+    NodeLimits, OperationTimeouts, Output as HostOutput, PAUSED_PAST_WAIT, PolicyShape,
+    PreemptChoice, ProviderShape, Quantity, ReconcilerConfig, Reply, ResourceKey, RunId,
+    ShutdownMode, SwarmJoin, Ticket, Timestamp, same_template,
 };
 
 /// The run every world drives.
@@ -66,6 +66,47 @@ pub struct WorldConfig {
     /// How the world's daemon renews leases: as the host says, except in
     /// tests that break it on purpose.
     pub renewals: Renewals,
+    /// With `Some(ms)`, the host is one of several replicas and leads on an
+    /// election lease of `ms` (see [`LeaderLease`]); `None`: it is alone on
+    /// its journal and always may act.
+    pub leadership_ms: Option<u64>,
+    /// Whether the election tells the host its bound (always, except in
+    /// the test that breaks it on purpose: a host never told acts on).
+    pub tell_leadership: bool,
+}
+
+/// The world's election, as the daemon's `Election` on etcd would answer:
+/// it grants the host's leadership on a lease of `lease_ms`, renewed every
+/// third of it while the host runs; the host may act until a lease less a
+/// margin ([`LEADERSHIP_MARGIN_MS`]) after the last renewal. A host frozen
+/// (a host pause) past the whole lease wakes deposed: another replica
+/// leads, which the world models as a new host started from the journal,
+/// as a takeover is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LeaderLease {
+    lease_ms: u64,
+    /// When the last renewal was sent (and answered).
+    renewed: Timestamp,
+}
+
+/// How much sooner than its election lease could end a leader stops acting.
+pub const LEADERSHIP_MARGIN_MS: u64 = 500;
+
+/// The election lease of the leadership suite's worlds.
+pub const LEADERSHIP_LEASE_MS: u64 = 3_000;
+
+impl LeaderLease {
+    fn until(self) -> Timestamp {
+        Timestamp(self.renewed.0 + self.lease_ms - LEADERSHIP_MARGIN_MS)
+    }
+
+    fn renew_at(self) -> Timestamp {
+        Timestamp(self.renewed.0 + self.lease_ms / 3)
+    }
+
+    fn expired_at(self, now: Timestamp) -> bool {
+        now.0 >= self.renewed.0 + self.lease_ms
+    }
 }
 
 impl WorldConfig {
@@ -110,6 +151,18 @@ impl WorldConfig {
             batch_deliveries: mode == Mode::Adversarial,
             orphan_after_s: None,
             renewals: Renewals::AsTold,
+            leadership_ms: None,
+            tell_leadership: true,
+        }
+    }
+
+    /// The configuration the leadership suite uses for `mode`: the
+    /// battery's, with a host that leads on an election lease of
+    /// [`LEADERSHIP_LEASE_MS`], so that host pauses fall on both sides of it.
+    pub fn with_leadership(mode: Mode) -> Self {
+        Self {
+            leadership_ms: Some(LEADERSHIP_LEASE_MS),
+            ..Self::for_mode(mode)
         }
     }
 
@@ -298,6 +351,9 @@ pub struct World<R: Reconciler = Driver> {
     /// Journal writes committed since [`World::take_committed`] last took
     /// them (read by tests that replay them into real journal stores).
     committed: Vec<swactor_provisioning::JournalDelta>,
+    /// The host's leadership, when the world runs an election
+    /// ([`WorldConfig::leadership_ms`]).
+    lead: Option<LeaderLease>,
 }
 
 /// How soon an agent whose connection a host pause dropped joins again.
@@ -534,7 +590,9 @@ impl<R: Reconciler> World<R> {
             rejoins: Vec::new(),
             leases,
             committed: Vec::new(),
+            lead: None,
         };
+        world.grant_leadership();
         world.oracle.begin_input("initial shape".to_owned());
         world.generation = 1;
         let shape = shape_with(1, &world.groups, &world.policies);
@@ -742,6 +800,18 @@ impl<R: Reconciler> World<R> {
     fn drain(&mut self) -> usize {
         let mut passes = 0;
         while let Some(out) = self.host.poll_output(self.now) {
+            if let Some(lead) = self.lead.filter(|l| out.acts() && self.now >= l.until()) {
+                self.oracle.report(
+                    Invariant::NothingActsPastLeadership,
+                    None,
+                    format!(
+                        "{} handed out at {} though its leadership ended at {}",
+                        output_name(&out),
+                        self.now,
+                        lead.until()
+                    ),
+                );
+            }
             match out {
                 HostOutput::Persist(delta) => {
                     if let Some(down_ms) = self.crash_at_persist.take() {
@@ -1203,6 +1273,7 @@ impl<R: Reconciler> World<R> {
             }
         };
         self.host = host;
+        self.grant_leadership();
         // A host started on another shape, or to finish a teardown, owes
         // the nodes it finds nothing of the kind.
         let as_before = self.next_shape.is_none() && !self.durable.meta.tearing_down;
@@ -1246,6 +1317,59 @@ impl<R: Reconciler> World<R> {
 
     /// Runs everything due at `now`: deliveries, the host's timer, passes.
     fn settle(&mut self) {
+        self.settle_once();
+        // The election renews after the host has drained what woke it (so
+        // a leader that wakes past its bound is seen acting on nothing);
+        // renewed, the host goes on at once.
+        if self.renew_leadership() {
+            self.settle_once();
+        }
+    }
+
+    /// Grants a new host its leadership, when the world runs an election.
+    fn grant_leadership(&mut self) {
+        let Some(lease_ms) = self.config.leadership_ms else {
+            return;
+        };
+        let lead = LeaderLease {
+            lease_ms,
+            renewed: self.now,
+        };
+        self.lead = Some(lead);
+        if self.config.tell_leadership {
+            self.host
+                .handle_leadership(Leadership::Until(lead.until()), self.now);
+        }
+    }
+
+    /// Renews the leadership when due: the host leads on, or, when its
+    /// lease ran out while it was frozen, another replica takes over (a new
+    /// host from the journal). Whether the host was told anything.
+    fn renew_leadership(&mut self) -> bool {
+        let Some(lead) = self.lead.filter(|l| l.renew_at() <= self.now) else {
+            return false;
+        };
+        if lead.expired_at(self.now) {
+            // Deposed: what the old leader had under way may still land,
+            // as after a crash; the new leader starts from the journal.
+            self.host_going();
+            self.exec.crash(self.now);
+            self.start_host("lost its leadership");
+            return true;
+        }
+        let lead = LeaderLease {
+            renewed: self.now,
+            ..lead
+        };
+        self.lead = Some(lead);
+        if self.config.tell_leadership {
+            self.host
+                .handle_leadership(Leadership::Until(lead.until()), self.now);
+        }
+        true
+    }
+
+    fn settle_once(&mut self) {
         self.rejoin_due();
         for output in self.exec.poll(self.now) {
             self.deliver(output);
@@ -1270,7 +1394,9 @@ impl<R: Reconciler> World<R> {
             // A host killed at the journal write its tick led to took the
             // pass with it; the next host owes nothing for that tick.
             let restarts = self.restarts;
-            if self.drain() == 0 && core_due && self.restarts == restarts {
+            // A host past its leadership owes no pass until renewed.
+            let leads = self.lead.is_none_or(|l| self.now < l.until());
+            if self.drain() == 0 && core_due && self.restarts == restarts && leads {
                 self.oracle.report(
                     Invariant::RequeueAtEarliestWaitingDeadline,
                     None,
@@ -1324,6 +1450,7 @@ impl<R: Reconciler> World<R> {
             self.exec.next_wake(),
             rejoin,
             lapse,
+            self.lead.map(LeaderLease::renew_at),
         ]
         .into_iter()
         .flatten()
@@ -1925,4 +2052,18 @@ pub fn run_trace(config: &WorldConfig, trace: &Trace) -> RunReport {
             .expect("the world's reconciler config is valid")
     };
     run_trace_with(&(Rc::new(make) as Factory<Driver>), config, trace)
+}
+
+/// An output's name, for reports.
+fn output_name(out: &HostOutput) -> &'static str {
+    match out {
+        HostOutput::Persist(_) => "a journal write",
+        HostOutput::List => "a listing",
+        HostOutput::Pass(_) => "a pass",
+        HostOutput::Collect(_) => "a collection",
+        HostOutput::Probe { .. } => "a probe",
+        HostOutput::Folded(_) => "a fold",
+        HostOutput::Reply(..) => "a reply",
+        HostOutput::Stop => "the stop",
+    }
 }

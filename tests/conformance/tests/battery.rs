@@ -44,3 +44,13 @@ fn every_invariant_holds_with_short_leases_under_in_order_delivery() {
 fn every_invariant_holds_with_short_leases_under_adversarial_delivery() {
     battery(Suite::Leases, Mode::Adversarial);
 }
+
+#[test]
+fn every_invariant_holds_with_a_leadership_lease_under_in_order_delivery() {
+    battery(Suite::Leadership, Mode::InOrder);
+}
+
+#[test]
+fn every_invariant_holds_with_a_leadership_lease_under_adversarial_delivery() {
+    battery(Suite::Leadership, Mode::Adversarial);
+}

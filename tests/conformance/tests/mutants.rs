@@ -592,3 +592,43 @@ fn the_honest_driver_and_daemon_pass_the_lease_suite_behind_the_wrapper() {
     let (_, caught) = lease_catches(Mutation::Nothing, Renewals::AsTold, None);
     assert!(caught.is_empty(), "{caught:?}");
 }
+
+/// The first violation of each seed of the leadership suite, in a world
+/// whose election tells the host its bound (`tell`) or not.
+fn leadership_catches(tell: bool) -> (Option<(Mode, u64)>, BTreeMap<Invariant, u64>) {
+    let seeds = BatteryConfig::for_suite(Suite::Leadership).seeds;
+    let mut caught = BTreeMap::new();
+    for mode in Mode::ALL {
+        let config = WorldConfig {
+            tell_leadership: tell,
+            ..Suite::Leadership.world(mode)
+        };
+        let c = config.reconciler.clone();
+        let make: Factory<Driver> =
+            Rc::new(move || Driver::new(RunId::new(RUN), c.clone()).expect("valid config"));
+        for &seed in &seeds {
+            let trace = suite_trace_for_seed(Suite::Leadership, mode, seed);
+            let report = run_trace_with(&make, &config, &trace);
+            let Some(v) = report.violations.first() else {
+                continue;
+            };
+            if v.invariant == Invariant::NothingActsPastLeadership {
+                println!("caught by {} seed {seed}: {v}", mode.name());
+                return (Some((mode, seed)), caught);
+            }
+            *caught.entry(v.invariant).or_default() += 1;
+        }
+    }
+    (None, caught)
+}
+
+#[test]
+fn a_host_never_told_its_leadership_bound_is_caught_acting_past_it() {
+    let (first, before) = leadership_catches(false);
+    assert!(
+        first.is_some(),
+        "nothing_acts_past_leadership never first (first violations: {before:?})"
+    );
+    let (first, caught) = leadership_catches(true);
+    assert!(first.is_none() && caught.is_empty(), "{caught:?}");
+}
