@@ -151,6 +151,13 @@ pub struct ClusterSnapshot {
     /// rents by the hour), empty in the cluster's own snapshots.
     #[serde(default)]
     pub spend: Option<swactor_provisioning::budget::Spend>,
+    /// When the run tears itself down (its shape's `max_lifetime_s` or
+    /// `idle_teardown_s`), as of the snapshot; `None` when it sets neither,
+    /// or before the daemon's first check. (Never skipped when empty:
+    /// postcard frames have no field names, so a skipped field would shift
+    /// every later one.)
+    #[serde(default)]
+    pub lifetime: Option<swactor_provisioning::lifetime::Status>,
     /// Reconciling is paused (`swactor pause`): state is folded and shown,
     /// nothing new is dispatched.
     #[serde(default)]
@@ -186,6 +193,7 @@ impl ClusterSnapshot {
             foreign: Vec::new(),
             budget: None,
             spend: None,
+            lifetime: None,
             paused: false,
             holds: Vec::new(),
             in_flight: 0,

@@ -319,6 +319,7 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
             spent_micros: host.spent_micros(),
             usd_per_hour_micros: 0,
         }),
+        lifetime: host.lifetime_status(now),
         in_flight: host.in_flight_count(),
         paused: host.is_paused(),
         holds: host.holds(),

@@ -625,7 +625,7 @@ fn encode_activity(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fm
 }
 
 /// Encodes what the run costs: the rentals' hourly price, the spend so far
-/// and the budget.
+/// and the budget; and how long it has left to live.
 fn encode_costs(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
     let snap = &s.snapshot;
     let mut price: BTreeMap<String, u64> = s.priced.iter().map(|p| ((*p).to_owned(), 0)).collect();
@@ -658,6 +658,22 @@ fn encode_costs(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::
             "swactor_run_budget_usd",
             "The run's dollar budget (budget_usd).",
             &[(Vec::new(), budget.usd_micros as f64 / 1e6)],
+        )?;
+    }
+    if let Some(swactor_provisioning::lifetime::Status {
+        verdict: swactor_provisioning::lifetime::Verdict::Within { left_ms, which },
+        ..
+    }) = snap.lifetime
+    {
+        gauge(
+            e,
+            "swactor_run_lifetime_left_seconds",
+            "Seconds until the run tears itself down, by the setting whose deadline \
+             comes first (max_lifetime_s or idle_teardown_s).",
+            &[(
+                vec![("setting", which.field().to_owned())],
+                left_ms as f64 / 1e3,
+            )],
         )?;
     }
     Ok(())

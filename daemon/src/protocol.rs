@@ -498,6 +498,7 @@ mod tests {
             foreign: Vec::new(),
             budget: None,
             spend: None,
+            lifetime: None,
             in_flight: 0,
             paused: false,
             holds: Vec::new(),
@@ -526,7 +527,8 @@ mod tests {
     }
 
     #[test]
-    fn holds_and_hold_events_survive_the_telemetry_encoding() {
+    fn holds_lifetimes_and_hold_events_survive_the_telemetry_encoding() {
+        use swactor_provisioning::lifetime::{Lifetime, Status, Verdict, Which};
         use swactor_provisioning::{GroupHold, GroupId, HoldKind};
         let snap = ClusterSnapshot {
             run_id: "r".to_owned(),
@@ -545,6 +547,18 @@ mod tests {
             foreign: Vec::new(),
             budget: None,
             spend: None,
+            // One lifetime set and one off: postcard keeps both.
+            lifetime: Some(Status {
+                lifetime: Lifetime {
+                    max_lifetime_s: 7_200,
+                    idle_teardown_s: 0,
+                },
+                verdict: Verdict::Within {
+                    left_ms: 60_000,
+                    which: Which::MaxLifetime,
+                },
+                idle_ms: None,
+            }),
             paused: false,
             in_flight: 2,
             holds: vec![GroupHold {

@@ -215,6 +215,79 @@ pub fn budget_line(
     }
 }
 
+/// A span in hours and minutes where a lifetime needs them: `45 s`,
+/// `12 min`, `2 h 10 min`, `3 d 4 h`; rounded down (`up` rounds up).
+fn span_fine(secs: u64, up: bool) -> String {
+    let (unit, small) = match secs {
+        0..120 => return format!("{secs} s"),
+        120..7_200 => (60, 0),
+        7_200..172_800 => (3_600, 60),
+        _ => (86_400, 3_600),
+    };
+    let step = if small == 0 { unit } else { small };
+    let secs = if up {
+        secs.div_ceil(step) * step
+    } else {
+        secs / step * step
+    };
+    let (big, rest) = (secs / unit, secs % unit);
+    let big_word = match unit {
+        60 => "min",
+        3_600 => "h",
+        _ => "d",
+    };
+    match (rest, small) {
+        (0, _) | (_, 0) => format!("{big} {big_word}"),
+        (rest, 60) => format!("{big} {big_word} {} min", rest / 60),
+        (rest, _) => format!("{big} {big_word} {} h", rest / 3_600),
+    }
+}
+
+/// A lifetime as a shape sets it: `max_lifetime_s (2 h)`.
+pub fn lifetime_setting(
+    lifetime: &swactor_provisioning::lifetime::Lifetime,
+    which: swactor_provisioning::lifetime::Which,
+) -> String {
+    format!(
+        "{} ({})",
+        which.field(),
+        span_fine(lifetime.seconds(which), false)
+    )
+}
+
+/// When the run tears itself down, in one line: `tears down in 2 h 10 min
+/// (max_lifetime_s)`, `tears down in 25 min (idle_teardown_s: idle 5
+/// min)`, `no idle teardown while a job runs (idle_teardown_s: 30 min)`,
+/// or `tearing down: max_lifetime_s (2 h) reached`.
+pub fn lifetime_line(s: &swactor_provisioning::lifetime::Status) -> String {
+    use swactor_provisioning::lifetime::{Verdict, Which};
+    match s.verdict {
+        Verdict::Reached(which) => {
+            format!(
+                "tearing down: {} reached",
+                lifetime_setting(&s.lifetime, which)
+            )
+        }
+        Verdict::Within { left_ms, which } => {
+            let idle = match (which, s.idle_ms) {
+                (Which::IdleTeardown, Some(ms)) => {
+                    format!(": idle {}", span_fine(ms / 1_000, false))
+                }
+                _ => String::new(),
+            };
+            format!(
+                "tears down in {} ({}{idle})",
+                span_fine(left_ms.div_ceil(1_000), true),
+                which.field()
+            )
+        }
+        Verdict::Unbounded => format!(
+            "no idle teardown while a job runs (idle_teardown_s: {})",
+            span_fine(s.lifetime.idle_teardown_s, false)
+        ),
+    }
+}
+
 /// One resource of another deployment, in a few words: `vast instance 12
 /// (gpu-0/a3, deployment 0a1b2c3d, 0.420 $/h)`.
 pub fn foreign_resource(r: &swactor_providers::ForeignResource) -> String {
@@ -516,6 +589,50 @@ mod tests {
                 .unwrap()
                 .starts_with("spent: 12.346 $")
         );
+    }
+
+    #[test]
+    fn the_lifetime_line_says_when_the_run_ends_and_why() {
+        use swactor_provisioning::lifetime::{Lifetime, Status, Verdict, Which};
+        let l = Lifetime {
+            max_lifetime_s: 7_200,
+            idle_teardown_s: 1_800,
+        };
+        let at = |verdict, idle_ms| {
+            lifetime_line(&Status {
+                lifetime: l,
+                verdict,
+                idle_ms,
+            })
+        };
+        let within = |left_ms, which| Verdict::Within { left_ms, which };
+        assert_eq!(
+            at(within(7_800_000, Which::MaxLifetime), None),
+            "tears down in 2 h 10 min (max_lifetime_s)"
+        );
+        assert_eq!(
+            at(within(7_199_001, Which::MaxLifetime), None),
+            "tears down in 2 h (max_lifetime_s)"
+        );
+        assert_eq!(
+            at(within(1_500_000, Which::IdleTeardown), Some(300_000)),
+            "tears down in 25 min (idle_teardown_s: idle 5 min)"
+        );
+        assert_eq!(
+            at(within(5_500, Which::MaxLifetime), None),
+            "tears down in 6 s (max_lifetime_s)"
+        );
+        assert_eq!(
+            at(Verdict::Unbounded, None),
+            "no idle teardown while a job runs (idle_teardown_s: 30 min)"
+        );
+        assert_eq!(
+            at(Verdict::Reached(Which::MaxLifetime), None),
+            "tearing down: max_lifetime_s (2 h) reached"
+        );
+        assert_eq!(span_fine(3 * 86_400 + 4 * 3_600 + 5, false), "3 d 4 h");
+        assert_eq!(span_fine(3 * 86_400 + 5, true), "3 d 1 h");
+        assert_eq!(span_fine(119, true), "119 s");
     }
 
     #[test]

@@ -183,6 +183,15 @@ pub(crate) async fn apply(state_dir: &Path, shape: &Path, yes: bool) -> Result<(
             ))?,
             other => return Err(unexpected(&other)),
         }
+        if let Ok(shape) = file.to_shape(1)
+            && shape.lifetime.max_lifetime_s > 0
+        {
+            let which = swactor_provisioning::lifetime::Which::MaxLifetime;
+            out.line(format_args!(
+                "{} counts again from now",
+                crate::words::lifetime_setting(&shape.lifetime, which)
+            ))?;
+        }
         out.flush()?;
         Ok(())
     })

@@ -124,6 +124,12 @@ pub(super) fn print_status(
     if let Some(line) = crate::words::budget_line(s.budget.as_ref(), s.spend.as_ref()) {
         out.line(format_args!("{prefix}{line}"))?;
     }
+    if let Some(lifetime) = &s.lifetime {
+        out.line(format_args!(
+            "{prefix}{}",
+            crate::words::lifetime_line(lifetime)
+        ))?;
+    }
     if !s.foreign.is_empty() {
         let cost = crate::words::foreign_cost(&s.foreign)
             .map(|m| format!(" · {} $/h", usd_per_hour(m)))

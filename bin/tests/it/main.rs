@@ -12,6 +12,7 @@ mod durable;
 mod e2e;
 mod health;
 mod jobs;
+mod lifetime;
 mod orphan;
 mod pause;
 mod restart;

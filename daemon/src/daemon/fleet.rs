@@ -1,5 +1,5 @@
-//! The providers a daemon runs with, made for its run, and the watch over
-//! what its rentals cost.
+//! The providers a daemon runs with, made for its run, and the watches over
+//! what its rentals cost and how long it may live.
 
 use super::*;
 
@@ -356,6 +356,63 @@ pub(super) async fn watch_budget(
                 _ => {}
             },
         }
+    }
+}
+
+/// How often the run's lifetimes are checked: a run is torn down within
+/// this of its deadline.
+pub(super) const LIFETIME_CHECK: Duration = Duration::from_secs(1);
+
+/// Checks the run's lifetimes (`max_lifetime_s`, `idle_teardown_s`) every
+/// [`LIFETIME_CHECK`] against the wall clock and whether a job runs, as
+/// [`swactor_provisioning::lifetime::verdict`] decides in the cluster's
+/// host (which journals what the deadlines count from): says so as the end
+/// nears, and at a deadline tears the run down as `swactor down` does.
+///
+/// The first check waits until the start's own shape has been offered
+/// (`started`): `up SHAPE` on a run past its deadline extends it rather
+/// than tearing it down.
+pub(super) async fn watch_lifetime(
+    cluster: swactor_actors::ClusterHandle,
+    jobs: crate::jobs::service::JobService,
+    mut started: tokio::sync::watch::Receiver<bool>,
+    down: mpsc::Sender<DownRequest>,
+) {
+    use swactor_provisioning::budget::warning_due;
+    use swactor_provisioning::lifetime::Verdict;
+    if started.wait_for(|s| *s).await.is_err() {
+        return;
+    }
+    let mut warned = None;
+    loop {
+        let wall_ms = crate::jobs::service::unix_now_ms();
+        let Ok(view) = cluster.check_lifetime(wall_ms, jobs.any_running()).await else {
+            return;
+        };
+        match view.status {
+            _ if view.shutting_down => return,
+            Some(status) => match status.verdict {
+                Verdict::Reached(which) => {
+                    eprintln!(
+                        "swactor: {} reached; tearing the run down",
+                        crate::words::lifetime_setting(&status.lifetime, which)
+                    );
+                    let (reply, _) = oneshot::channel();
+                    let _ = down.send((false, false, reply)).await;
+                    return;
+                }
+                Verdict::Within { left_ms, .. } => {
+                    let due;
+                    (warned, due) = warning_due(Some(left_ms), warned);
+                    if due {
+                        eprintln!("swactor: {}", crate::words::lifetime_line(&status));
+                    }
+                }
+                Verdict::Unbounded => warned = None,
+            },
+            None => warned = None,
+        }
+        tokio::time::sleep(LIFETIME_CHECK).await;
     }
 }
 

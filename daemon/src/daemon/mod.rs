@@ -240,6 +240,13 @@ async fn run(
         )))
     });
     let (started_tx, started_rx) = tokio::sync::watch::channel(false);
+    // How long the run may live, on every provider: acted on here.
+    let _lifetime = AbortOnDrop(tokio::spawn(watch_lifetime(
+        cluster.clone(),
+        jobs.clone(),
+        started_rx.clone(),
+        down_tx.clone(),
+    )));
     let control = ControlHandler {
         cluster: cluster.clone(),
         run_id: run_id.clone(),
@@ -432,7 +439,7 @@ struct Core {
     cluster: ClusterHandle,
     /// Told when the cluster actor's supervisor gives up.
     exit: oneshot::Receiver<SupervisorExit>,
-    /// `down` requests from the CLI (and from the budget watch).
+    /// `down` requests from the CLI (and from the budget and lifetime watches).
     down: mpsc::Receiver<DownRequest>,
     jobs: crate::jobs::service::JobService,
     control: ControlHandler,
@@ -560,7 +567,7 @@ struct Running {
     ssh: SshHostsProvider,
     /// Told when the cluster actor's supervisor gives up.
     exit: oneshot::Receiver<SupervisorExit>,
-    /// `down` requests from the CLI (and from the budget watch).
+    /// `down` requests from the CLI (and from the budget and lifetime watches).
     down: mpsc::Receiver<DownRequest>,
     started: std::time::Instant,
 }

@@ -328,6 +328,22 @@ pub(super) async fn offer_on_start(
         }
         Err(e) => anyhow::bail!("the shape was refused: {e}"),
     }
+    if let Ok(shape) = file.to_shape(1) {
+        use swactor_provisioning::lifetime::Which;
+        let said = |which| crate::words::lifetime_setting(&shape.lifetime, which);
+        if shape.lifetime.max_lifetime_s > 0 {
+            eprintln!(
+                "swactor: {}: the run tears itself down that long from now",
+                said(Which::MaxLifetime)
+            );
+        }
+        if shape.lifetime.idle_teardown_s > 0 {
+            eprintln!(
+                "swactor: {}: the run tears itself down once no job has run for that long",
+                said(Which::IdleTeardown)
+            );
+        }
+    }
     Ok(())
 }
 

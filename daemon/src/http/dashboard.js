@@ -41,6 +41,20 @@ function span(ms) {
   return (s / 3600).toFixed(1) + ' h';
 }
 
+// A span as `swactor status` gives a lifetime: `45 s`, `12 min`,
+// `2 h 10 min`, `3 d 4 h`; rounded up when `up`, else down.
+function spanFine(secs, up) {
+  secs = Math.max(0, Math.floor(secs));
+  if (secs < 120) return secs + ' s';
+  const [unit, small, word] = secs < 7200 ? [60, 0, 'min'] : secs < 172800 ? [3600, 60, 'h'] : [86400, 3600, 'd'];
+  const step = small || unit;
+  const t = (up ? Math.ceil(secs / step) : Math.floor(secs / step)) * step;
+  const big = Math.floor(t / unit);
+  const rest = t % unit;
+  if (!rest || !small) return `${big} ${word}`;
+  return small === 60 ? `${big} ${word} ${rest / 60} min` : `${big} ${word} ${rest / 3600} h`;
+}
+
 function clock(wallMs) {
   return new Date(wallMs).toLocaleTimeString([], { hour12: false });
 }
@@ -119,6 +133,24 @@ function converged() {
     s.nodes.length === ready && !s.orphans;
 }
 
+// When the run tears itself down (its shape's max_lifetime_s or
+// idle_teardown_s), counted down from the snapshot's reading; '' if never.
+function lifetimeText(s) {
+  const l = s.lifetime;
+  if (!l) return '';
+  const field = (which) => (which === 'MaxLifetime' ? 'max_lifetime_s' : 'idle_teardown_s');
+  const v = l.verdict;
+  if (v === 'Unbounded') {
+    return `no idle teardown while a job runs (idle_teardown_s: ${spanFine(l.lifetime.idle_teardown_s, false)})`;
+  }
+  if (v.Reached) return `tearing down: ${field(v.Reached)} reached`;
+  const since = Math.max(0, Date.now() - S.snapWall);
+  const left = Math.max(0, v.Within.left_ms - since);
+  const idle = v.Within.which === 'IdleTeardown' && l.idle_ms != null
+    ? `: idle ${spanFine((l.idle_ms + since) / 1000, false)}` : '';
+  return `tears down in ${spanFine(Math.ceil(left / 1000), true)} (${field(v.Within.which)}${idle})`;
+}
+
 function headline() {
   const s = S.snap;
   const h = $('headline');
@@ -153,6 +185,8 @@ function headline() {
     text += ` · spent $${(s.spend.spent_micros / 1e6).toFixed(2)}`;
     if (s.budget) text += ` of a $${(s.budget.usd_micros / 1e6).toFixed(2)} budget`;
   }
+  const lifetime = lifetimeText(s);
+  if (lifetime) text += ` · ${lifetime}`;
   const foreign = (s.foreign || []).length;
   if (foreign) text += ` · ${foreign} resource(s) of this run belong to another deployment (see status)`;
   h.textContent = text;
@@ -493,6 +527,9 @@ async function start() {
   connect();
   setInterval(() => { renderNodes(); headline(); }, 1000);
   setInterval(() => { sample(); renderPlot(); }, 10000);
+  // A lifetime's deadline moves with jobs and applies, which no event
+  // tells: read it again now and then.
+  setInterval(() => { if (S.snap.lifetime) refreshSoon(); }, 5000);
 }
 
 start();

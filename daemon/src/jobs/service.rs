@@ -366,6 +366,15 @@ impl JobService {
         )
     }
 
+    /// Whether any job runs: one accepted whose runs have not all ended,
+    /// on any node (what a run's `idle_teardown_s` waits for).
+    pub(crate) fn any_running(&self) -> bool {
+        self.shared
+            .jobs()
+            .values()
+            .any(|e| !e.record.state().is_final())
+    }
+
     /// Every job, oldest first.
     pub(crate) fn list(&self) -> Vec<JobRecord> {
         self.shared
