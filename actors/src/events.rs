@@ -65,6 +65,11 @@ pub struct NodeSummary {
     /// in.
     #[serde(default)]
     pub orphan_after_s: u32,
+    /// How long ago this daemon last renewed the lease of the current
+    /// attempt's agent, when it has. The cluster leaves it empty; the
+    /// daemon, which sends the renewals, fills it in for people.
+    #[serde(default)]
+    pub lease_renewed_ms_ago: Option<u64>,
 }
 
 impl NodeSummary {
@@ -94,6 +99,7 @@ impl NodeSummary {
             resource: None,
             next: NextStep::Nothing,
             orphan_after_s: 0,
+            lease_renewed_ms_ago: None,
         })
     }
 }

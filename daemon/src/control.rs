@@ -106,6 +106,8 @@ pub(crate) struct ControlHandler {
     /// The kinds of the providers the embedding program brought: a shape
     /// sent by the CLI may name them too.
     pub(crate) more_providers: Vec<&'static str>,
+    /// When each node's lease was last renewed.
+    pub(crate) renewals: crate::renewals::Renewals,
 }
 
 impl ControlHandler {
@@ -175,6 +177,7 @@ impl ControlHandler {
                             .as_ref()
                             .and_then(|l| self.provider.describe_lease(l));
                     }
+                    self.renewals.fill(&mut snap.nodes);
                     snap.rentals = self.rentals(&snap);
                     snap.foreign = self.provider.foreign();
                     snap.spend = self.vast.as_ref().map(|v| {
@@ -311,6 +314,7 @@ impl ControlHandler {
             .map_err(|e| self.refused(&e))?
         {
             Some(mut d) => {
+                self.renewals.fill(d.summary.as_mut());
                 // The lease, with what the provider says of it.
                 if let Some(l) = d.lease.take() {
                     let lease = swactor_provisioning::LeaseId::from(l);

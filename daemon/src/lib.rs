@@ -32,6 +32,7 @@ pub mod journal;
 pub mod metrics;
 pub mod progress;
 pub mod protocol;
+pub(crate) mod renewals;
 pub mod shapefile;
 pub mod state;
 pub mod swarm;

@@ -883,6 +883,7 @@ mod tests {
             resource: None,
             next: swactor_provisioning::NextStep::Nothing,
             orphan_after_s: 3_600,
+            lease_renewed_ms_ago: None,
         }
     }
 

@@ -479,6 +479,7 @@ mod tests {
                     replaced: true,
                 },
                 orphan_after_s: u32::MAX,
+                lease_renewed_ms_ago: Some(u64::MAX),
             })
             .collect();
         let snap = ClusterSnapshot {

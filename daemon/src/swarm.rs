@@ -49,6 +49,8 @@ pub(crate) struct SwarmHandler {
     pub(crate) sessions: Sessions,
     /// Connections not joined yet, bounded apart from joined ones.
     pub(crate) pre_auth: PreAuth,
+    /// When each node's lease was last renewed, for the views.
+    pub(crate) renewals: crate::renewals::Renewals,
 }
 
 impl ProtocolHandler for SwarmHandler {
@@ -83,7 +85,11 @@ impl ProtocolHandler for SwarmHandler {
         let sent = self.answer(&mut send, &join, &verdict).await;
         drop(unjoined);
         let (key, liveness, session) = match (sent, checked, verdict, session) {
-            (Ok(()), Ok(key), Ok(liveness), Some(session)) => (key, liveness, session),
+            (Ok(()), Ok(key), Ok(liveness), Some(session)) => {
+                // The welcome is the lease's first renewal.
+                self.renewals.renewed(&key);
+                (key, liveness, session)
+            }
             _ => {
                 let _ = send.finish();
                 let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
@@ -251,7 +257,9 @@ impl SwarmHandler {
                     heard = Heard::now(&self.starvation);
                     if liveness.renew_every_ms > 0 && renewed.elapsed() >= renew_every {
                         renewed = Instant::now();
-                        renew(link.send, &key, n).await;
+                        if renew(link.send, &key, n).await {
+                            self.renewals.renewed(&key);
+                        }
                     }
                 }
                 // Silent for the first time: disconnected, grace running.
@@ -316,16 +324,18 @@ impl SwarmHandler {
 }
 
 /// Renews `key`'s lease, answering its heartbeat `n`; a renewal that
-/// cannot be sent at once is dropped.
-async fn renew(send: &mut SendStream, key: &ResourceKey, n: u64) {
+/// cannot be sent at once is dropped. Whether it was sent.
+async fn renew(send: &mut SendStream, key: &ResourceKey, n: u64) -> bool {
     let sent = tokio::time::timeout(
         RENEWAL_SEND_MAX,
         send_frame(send, &Renewal(n), SMALL_FRAME_LEN_MAX_BYTES),
     )
     .await;
-    if !matches!(sent, Ok(Ok(()))) {
+    let sent = matches!(sent, Ok(Ok(())));
+    if !sent {
         tracing::debug!(%key, "a lease renewal could not be sent; the next heartbeat brings another");
     }
+    sent
 }
 
 /// Waits for `next` until the agent has been silent for `window` of

@@ -139,19 +139,40 @@ pub fn span_up(ms: u64) -> String {
 }
 
 /// What a node's agent does if its daemon goes for good (its group's
-/// `orphan_after_s`): `ends itself 60 min after its daemon stops renewing
-/// its lease (renewed while connected)`.
+/// `orphan_after_s`), after when its lease was last renewed:
+/// `renewed 2 s ago · ends itself 60 min after its daemon stops renewing
+/// its lease`.
 pub fn orphan_words(n: &NodeSummary) -> String {
     if n.orphan_after_s == 0 {
         return "never ends itself (orphan_after_s = 0)".to_owned();
     }
     let after = span(u64::from(n.orphan_after_s));
-    let renewed = match n.agent {
-        AgentLink::Connected => "renewed while connected",
-        AgentLink::Away { .. } => "not renewed while its agent is away",
-        AgentLink::NotJoined => "given when its agent joins",
+    format!(
+        "{} · ends itself {after} after its daemon stops renewing its lease",
+        lease_words(n)
+    )
+}
+
+/// When a node's lease was last renewed, as the daemon that renews it
+/// sees it: `renewed 2 s ago`, `last renewed 40 s ago (its agent is
+/// away)`, `given when its agent joins`.
+pub fn lease_words(n: &NodeSummary) -> String {
+    let ago = |ms: u64| {
+        if ms < 1_000 {
+            "just now".to_owned()
+        } else {
+            format!("{} ago", span_down(ms))
+        }
     };
-    format!("ends itself {after} after its daemon stops renewing its lease ({renewed})")
+    match (n.agent, n.lease_renewed_ms_ago) {
+        (AgentLink::Connected, Some(ms)) => format!("renewed {}", ago(ms)),
+        (AgentLink::Connected, None) => "renewed while connected".to_owned(),
+        (AgentLink::Away { .. }, Some(ms)) => {
+            format!("last renewed {} (its agent is away)", ago(ms))
+        }
+        (AgentLink::Away { .. }, None) => "not renewed while its agent is away".to_owned(),
+        (AgentLink::NotJoined, _) => "given when its agent joins".to_owned(),
+    }
 }
 
 /// A span rounded down to whole units.
@@ -159,7 +180,8 @@ fn span_down(ms: u64) -> String {
     span(ms / 1_000)
 }
 
-fn span(secs: u64) -> String {
+/// A span of whole seconds in the largest unit it fills (`90 s`, `5 min`, `3 h`, `2 d`), rounded down.
+pub fn span(secs: u64) -> String {
     match secs {
         0..120 => format!("{secs} s"),
         120..7_200 => format!("{} min", secs / 60),
@@ -673,13 +695,23 @@ mod tests {
         n.agent = AgentLink::Connected;
         assert_eq!(
             orphan_words(&n),
-            "ends itself 60 min after its daemon stops renewing its lease (renewed while connected)"
+            "renewed while connected · ends itself 60 min after its daemon stops renewing its lease"
         );
+        n.lease_renewed_ms_ago = Some(2_400);
+        assert_eq!(
+            orphan_words(&n),
+            "renewed 2 s ago · ends itself 60 min after its daemon stops renewing its lease"
+        );
+        n.agent = AgentLink::Away {
+            grace_until: Timestamp::from_millis(9_000),
+        };
+        n.lease_renewed_ms_ago = Some(40_000);
+        assert_eq!(lease_words(&n), "last renewed 40 s ago (its agent is away)");
         n.orphan_after_s = 5;
         n.agent = AgentLink::NotJoined;
         assert_eq!(
             orphan_words(&n),
-            "ends itself 5 s after its daemon stops renewing its lease (given when its agent joins)"
+            "given when its agent joins · ends itself 5 s after its daemon stops renewing its lease"
         );
         n.orphan_after_s = 0;
         assert_eq!(orphan_words(&n), "never ends itself (orphan_after_s = 0)");
@@ -702,6 +734,7 @@ mod tests {
             resource: None,
             next: NextStep::Nothing,
             orphan_after_s: 3_600,
+            lease_renewed_ms_ago: None,
         }
     }
 

@@ -79,9 +79,13 @@ pub(super) fn status_headline(s: &ClusterSnapshot) -> String {
 /// container id, say) is shown when any node has something there.
 pub(super) fn status_table(s: &ClusterSnapshot) -> Table {
     let resources = s.nodes.iter().any(|n| n.resource.is_some());
+    let leases = s.nodes.iter().any(|n| n.lease_renewed_ms_ago.is_some());
     let mut headers = vec!["NODE", "ATTEMPT", "STATE"];
     if resources {
         headers.push("RESOURCE");
+    }
+    if leases {
+        headers.push("LEASE");
     }
     headers.extend(["FAILS", "RETRY", "LAST ERROR"]);
     let mut table = Table::new(&headers);
@@ -94,10 +98,39 @@ pub(super) fn status_table(s: &ClusterSnapshot) -> Table {
         if resources {
             cells.push(n.resource.clone().unwrap_or_else(|| "-".to_owned()));
         }
+        if leases {
+            cells.push(match n.lease_renewed_ms_ago {
+                Some(_) => crate::words::lease_words(n),
+                None => "-".to_owned(),
+            });
+        }
         cells.extend([n.failures.to_string(), retry_cell(n, s.now)]);
         table.row(cells, n.last_error.clone().unwrap_or_default());
     }
     table
+}
+
+/// What the nodes do if this daemon goes for good, once for each window
+/// their groups set: `if this daemon goes for good, nodes end themselves
+/// after 60 min without a renewal (orphan_after_s)`.
+pub(super) fn orphan_line(s: &ClusterSnapshot) -> Option<String> {
+    let mut windows: Vec<u32> = s.nodes.iter().map(|n| n.orphan_after_s).collect();
+    windows.sort_unstable();
+    windows.dedup();
+    let said: Vec<String> = windows
+        .iter()
+        .map(|w| match w {
+            0 => "never (orphan_after_s = 0)".to_owned(),
+            w => format!("after {}", crate::words::span(u64::from(*w))),
+        })
+        .collect();
+    (!said.is_empty()).then(|| {
+        format!(
+            "if this daemon goes for good, its nodes end themselves {} without a lease renewal \
+             (orphan_after_s; `swactor describe NODE` for one)",
+            said.join(" or ")
+        )
+    })
 }
 
 /// Prints a status, each line after `prefix`, fitted to `width` columns if given.
@@ -113,6 +146,9 @@ pub(super) fn print_status(
     }
     let width = width.map(|w| w.saturating_sub(prefix.chars().count() + 1));
     for line in status_table(s).render(width).into_iter().flatten() {
+        out.line(format_args!("{prefix}{line}"))?;
+    }
+    if let Some(line) = orphan_line(s) {
         out.line(format_args!("{prefix}{line}"))?;
     }
     if !s.rentals.is_empty() {

@@ -232,6 +232,15 @@ async fn the_dashboard_shows_the_fleet_live_and_its_controls_steer_it() {
     ))
     .await;
     browser::screenshot(&page, &artifacts().join("dashboard.png")).await;
+    // Each node's lease: when it was last renewed, and how long the node
+    // outlives its daemon (the default hour).
+    browser::until(
+        &page,
+        Duration::from_secs(10),
+        "every node's lease shown",
+        "[...document.querySelectorAll('#nodes tbody tr')].filter((r) => /connected · lease renewed \\d+ s ago · ends itself 60 min after its daemon goes/.test(r.innerText)).length === 3",
+    )
+    .await;
 
     // kill -9 an agent: the page shows the node leave and come back with a
     // new attempt, without a reload.
@@ -444,7 +453,16 @@ fn metrics_match_status_and_bad_requests_change_nothing() {
             let (code, text) = get(addr, &token, "/metrics");
             assert_eq!(code, 200, "{text}");
             let after = status(&state)?;
-            (before.stats == after.stats && before.nodes == after.nodes).then_some((text, after))
+            // When each lease was last renewed moves on by itself.
+            let still = |s: &swactor_actors::ClusterSnapshot| {
+                let mut nodes = s.nodes.clone();
+                for n in &mut nodes {
+                    n.lease_renewed_ms_ago = None;
+                }
+                nodes
+            };
+            (before.stats == after.stats && still(&before) == still(&after))
+                .then_some((text, after))
         })
         .expect("a quiet moment to scrape in");
     let m = parse_metrics(&text);

@@ -113,6 +113,32 @@ fn a_daemon_back_within_the_lease_adopts_every_node_and_makes_none() {
         "{text}{}",
         stderr(&o)
     );
+    // When the new daemon last renewed it, in describe and in status.
+    let renewed = |line: &str| {
+        line.split("renewed ")
+            .nth(1)
+            .and_then(|rest| rest.split(" s ago").next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .is_some_and(|s| s <= 2)
+            || line.contains("renewed just now")
+    };
+    let line = text.lines().find(|l| l.contains("if orphaned")).unwrap();
+    assert!(renewed(line), "{line}");
+    let o = cli(&state, &["status"]);
+    let text = stdout(&o);
+    assert!(text.contains("LEASE"), "{text}");
+    let rows: Vec<&str> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("worker-"))
+        .collect();
+    assert_eq!(rows.len(), 3, "{text}");
+    assert!(rows.iter().all(|r| renewed(r)), "{text}");
+    assert!(
+        text.contains(
+            "if this daemon goes for good, its nodes end themselves after 5 s without a lease renewal"
+        ),
+        "{text}"
+    );
 }
 
 #[test]
@@ -248,4 +274,57 @@ fn with_orphan_policy_idle_a_node_running_a_job_outlives_its_lease_until_the_job
     );
     let _ = job.kill();
     let _ = job.wait();
+}
+
+/// A daemon stopped (SIGSTOP: a laptop's sleep) for longer than the lease
+/// wakes to nodes that ended themselves: each slot gets exactly one new
+/// agent, and the daemon says how long it was not listening.
+#[test]
+fn a_daemon_asleep_past_the_lease_brings_each_ended_node_back_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let shape = shape(tmp.path(), "orphan-asleep");
+    let d = Daemon::start(&state, &shape);
+    wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.len() == 3 && s.nodes.iter().all(|n| n.ready)
+    });
+    let held = one_agent_each(&state);
+    let pid = d.pid().expect("the daemon runs");
+    let doubles = Watcher::doubles(&state);
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let stopped = Instant::now();
+    wait_for(
+        LEASE + MARGIN,
+        "every agent to end while the daemon sleeps",
+        || held.values().all(|p| !alive(*p)),
+    );
+    eprintln!(
+        "every agent ended {:?} into the daemon's sleep",
+        stopped.elapsed()
+    );
+    signal("-CONT");
+    let woke = Instant::now();
+    wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.len() == 3 && s.nodes.iter().all(|n| n.ready) && agents(&state).len() == 3
+    });
+    eprintln!("all ready again {:?} after the daemon woke", woke.elapsed());
+    let now = one_agent_each(&state);
+    for (id, pid) in &now {
+        assert!(
+            !held.values().any(|p| p == pid),
+            "{id:?}: the old agent {pid} is back"
+        );
+    }
+    let (found, _) = doubles.stop();
+    assert!(found.is_empty(), "two agents of one slot: {found:?}");
+    let log = d.last_log();
+    assert!(log.contains("the daemon was not listening for"), "{log}");
 }

@@ -247,6 +247,7 @@ async fn run(
         started_rx.clone(),
         down_tx.clone(),
     )));
+    let renewals = crate::renewals::Renewals::default();
     let control = ControlHandler {
         cluster: cluster.clone(),
         run_id: run_id.clone(),
@@ -258,6 +259,7 @@ async fn run(
         journal: opened.journal_health.clone(),
         metrics: prepared.metrics.clone(),
         more_providers,
+        renewals: renewals.clone(),
     };
     let swarm_handler = SwarmHandler {
         cluster: cluster.clone(),
@@ -266,6 +268,7 @@ async fn run(
         starvation,
         sessions: crate::swarm::Sessions::default(),
         pre_auth: swactor_engine::net::PreAuth::new(pre_auth_max()),
+        renewals,
     };
     let core = Core {
         cluster,

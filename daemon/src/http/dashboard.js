@@ -11,6 +11,7 @@ const S = {
   snapWall: 0,         // Date.now() when snap.now was the cluster's clock
   groups: [],          // [{id, desired, ready}]
   away: {},            // node -> wall ms its agent was seen going away
+  renewed: {},         // node -> {attempt, at: wall ms} of its lease's last renewal
   points: [],          // [{at_ms, ready, passes}] for the plot
   lastSeq: 0,
   convergedGen: null,  // the last generation the cluster said it converged on
@@ -74,9 +75,19 @@ function stateWord(n) {
   }
 }
 
+// The lease of a connected agent: when this daemon last renewed it (what
+// the last status answer said, aged since) and how long the node outlives
+// its daemon.
+function leaseWord(n) {
+  const r = S.renewed[n.node];
+  const renewed = r && r.attempt === n.attempt ? ' · lease renewed ' + span(Date.now() - r.at) + ' ago' : '';
+  const ends = n.orphan_after_s ? ' · ends itself ' + spanFine(n.orphan_after_s, false) + ' after its daemon goes' : '';
+  return renewed + ends;
+}
+
 function agentWord(n) {
   if (!n.agent || n.agent === 'NotJoined') return 'not joined';
-  if (n.agent === 'Connected') return 'connected';
+  if (n.agent === 'Connected') return 'connected' + leaseWord(n);
   if (n.agent.Away) {
     const since = S.away[n.node];
     const left = n.agent.Away.grace_until - clusterNow();
@@ -328,6 +339,10 @@ function takeOverview(o) {
   S.snap = o.status;
   S.snapWall = Date.now();
   S.groups = o.groups;
+  // Only a status answer says when leases were renewed; node events do not.
+  for (const n of S.snap.nodes) {
+    if (n.lease_renewed_ms_ago != null) S.renewed[n.node] = { attempt: n.attempt, at: Date.now() - n.lease_renewed_ms_ago };
+  }
 }
 
 let refreshing = null;
@@ -527,9 +542,9 @@ async function start() {
   connect();
   setInterval(() => { renderNodes(); headline(); }, 1000);
   setInterval(() => { sample(); renderPlot(); }, 10000);
-  // A lifetime's deadline moves with jobs and applies, which no event
-  // tells: read it again now and then.
-  setInterval(() => { if (S.snap.lifetime) refreshSoon(); }, 5000);
+  // A lifetime's deadline moves with jobs and applies, and leases are
+  // renewed, which no event tells: read the status again now and then.
+  setInterval(() => refreshSoon(), 5000);
 }
 
 start();
