@@ -139,14 +139,7 @@ impl JournalStore for DaemonJournal {
         }
         self.health.succeeded();
         // Mirrored only once durable.
-        let mut image = self.image.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(meta) = &delta.meta {
-            image
-                .get_or_insert_with(|| JournalImage::new(meta.run_id.clone()))
-                .apply(delta);
-        } else if let Some(image) = image.as_mut() {
-            image.apply(delta);
-        }
+        mirror(&self.image, delta);
         Ok(())
     }
 
@@ -155,5 +148,18 @@ impl JournalStore for DaemonJournal {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+}
+
+/// Applies a durable `delta` to a store's in-memory mirror of what it holds
+/// (made by the first delta that names the run).
+pub(crate) fn mirror(image: &Mutex<Option<JournalImage>>, delta: &JournalDelta) {
+    let mut image = image.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(meta) = &delta.meta {
+        image
+            .get_or_insert_with(|| JournalImage::new(meta.run_id.clone()))
+            .apply(delta);
+    } else if let Some(image) = image.as_mut() {
+        image.apply(delta);
     }
 }

@@ -773,32 +773,15 @@ impl VastProvider {
 
     /// Destroys `id`; absent is success.
     async fn destroy(&self, id: u64) -> Result<(), ProviderError> {
-        let result = self
-            .shared
-            .api
-            .call(
-                Endpoint::Destroy,
-                reqwest::Method::DELETE,
-                &format!("/api/v0/instances/{id}/"),
-                &[],
-                Some(&json!({})),
-            )
-            .await;
-        match result {
-            Ok(body)
-                if body.get("success").and_then(serde_json::Value::as_bool) == Some(false)
-                    && !model::destroy_absent(200, &body.to_string()) =>
-            {
+        match own::destroy_once(&self.shared.api, id).await {
+            Ok(()) => {}
+            // Answered, but not done: it may be destroyed yet; the core retries.
+            Err(ApiError::Status { status: 200, body }) => {
                 return Err(ProviderError::ambiguous(
                     FaultKind::Service,
-                    format!(
-                        "vast: destroying instance {id}: {}",
-                        model::message_of(&body)
-                    ),
+                    format!("vast: destroying instance {id}: {body}"),
                 ));
             }
-            Ok(_) => {}
-            Err(ApiError::Status { status, body }) if model::destroy_absent(status, &body) => {}
             // Refused before anything was done.
             Err(e @ (ApiError::Status { status: ..500, .. } | ApiError::Unsent(_))) => {
                 return Err(definite(

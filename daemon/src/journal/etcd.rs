@@ -185,14 +185,7 @@ impl EtcdJournal {
             return Err(e);
         }
         self.health.succeeded();
-        let mut image = self.image.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(meta) = &delta.meta {
-            image
-                .get_or_insert_with(|| JournalImage::new(meta.run_id.clone()))
-                .apply(delta);
-        } else if let Some(image) = image.as_mut() {
-            image.apply(delta);
-        }
+        super::mirror(&self.image, delta);
         Ok(())
     }
 

@@ -134,8 +134,10 @@ impl OwnInstance {
     }
 }
 
-/// One `DELETE` of instance `id`; an instance already gone is success.
-async fn destroy_once(api: &Api, id: u64) -> Result<(), ApiError> {
+/// One `DELETE` of instance `id` (with whichever key `api` holds); an
+/// instance already gone is success, and an answer that says it was not
+/// destroyed is a status 200 error with the service's words.
+pub(super) async fn destroy_once(api: &Api, id: u64) -> Result<(), ApiError> {
     let path = format!("/api/v0/instances/{id}/");
     let result = api
         .call(
