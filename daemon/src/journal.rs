@@ -123,16 +123,7 @@ impl DaemonJournal {
 #[async_trait]
 impl JournalStore for DaemonJournal {
     async fn commit(&self, delta: &JournalDelta) -> Result<(), CommitError> {
-        let batch = JournalBatch {
-            meta: delta.meta.clone(),
-            put: delta
-                .put
-                .iter()
-                .map(|(node, record)| (node.to_string(), *record))
-                .collect(),
-            delete: delta.remove.iter().map(ToString::to_string).collect(),
-        };
-        if let Err(e) = self.journal.commit(batch).await {
+        if let Err(e) = self.journal.commit(batch_of(delta)).await {
             let failure = swactor_engine::error_chain(&e);
             self.health.failed(failure);
             return Err(CommitError::new(e));
@@ -161,5 +152,18 @@ pub(crate) fn mirror(image: &Mutex<Option<JournalImage>>, delta: &JournalDelta) 
             .apply(delta);
     } else if let Some(image) = image.as_mut() {
         image.apply(delta);
+    }
+}
+
+/// A delta as the stores write it: slots keyed by their node id's text.
+pub(crate) fn batch_of(delta: &JournalDelta) -> JournalBatch<JournalMeta, SlotRecord> {
+    JournalBatch {
+        meta: delta.meta.clone(),
+        put: delta
+            .put
+            .iter()
+            .map(|(node, record)| (node.to_string(), *record))
+            .collect(),
+        delete: delta.remove.iter().map(ToString::to_string).collect(),
     }
 }

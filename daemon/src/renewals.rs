@@ -19,11 +19,12 @@ pub(crate) struct Renewals(Arc<Mutex<HashMap<LogicalNodeId, (NodeAttemptId, Inst
 impl Renewals {
     /// `key`'s lease was renewed just now.
     pub(crate) fn renewed(&self, key: &ResourceKey) {
+        let now = Instant::now();
         let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = map.entry(key.node).or_insert((key.attempt, Instant::now()));
+        let entry = map.entry(key.node).or_insert((key.attempt, now));
         // An older attempt's agent, still connected, never hides the newer's.
         if key.attempt >= entry.0 {
-            *entry = (key.attempt, Instant::now());
+            *entry = (key.attempt, now);
         }
     }
 

@@ -58,14 +58,6 @@ fn processes_with_arg(needle: &str) -> Vec<u32> {
         .collect()
 }
 
-fn signal(pid: u32, sig: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(ok.success(), "kill {sig} {pid}");
-}
-
 /// Issue 11, case 3: `sh -c …` reached the agent as its own options and the
 /// agent failed with a parse error nobody could see.
 #[test]

@@ -291,15 +291,7 @@ fn a_daemon_asleep_past_the_lease_brings_each_ended_node_back_once() {
     let held = one_agent_each(&state);
     let pid = d.pid().expect("the daemon runs");
     let doubles = Watcher::doubles(&state);
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill {sig} {pid}");
-    };
-    signal("-STOP");
+    signal(pid, "-STOP");
     let stopped = Instant::now();
     wait_for(
         LEASE + MARGIN,
@@ -310,7 +302,7 @@ fn a_daemon_asleep_past_the_lease_brings_each_ended_node_back_once() {
         "every agent ended {:?} into the daemon's sleep",
         stopped.elapsed()
     );
-    signal("-CONT");
+    signal(pid, "-CONT");
     let woke = Instant::now();
     wait_converged(&state, Duration::from_secs(60), |s| {
         s.nodes.len() == 3 && s.nodes.iter().all(|n| n.ready) && agents(&state).len() == 3

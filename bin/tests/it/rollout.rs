@@ -38,14 +38,6 @@ fn apply(state: &Path, shape: &Path) -> String {
     stdout(&o)
 }
 
-fn signal(pid: u32, sig: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .expect("run kill");
-    assert!(ok.success(), "kill {sig} {pid}");
-}
-
 /// Samples `status --json` until `done` holds; returns the fewest ready
 /// nodes seen, how many samples showed a node not ready, and the last status.
 fn sample_until(

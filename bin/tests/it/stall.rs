@@ -39,15 +39,6 @@ fn settled(state: &Path, count: usize) -> ClusterSnapshot {
     })
 }
 
-fn signal(pid: u32, sig: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .expect("run kill")
-        .success();
-    assert!(ok, "kill {sig} {pid}");
-}
-
 #[test]
 fn a_daemon_stopped_for_many_graces_replaces_no_live_agent() {
     let tmp = tempfile::tempdir().unwrap();

@@ -13,7 +13,7 @@ use swactor_actors::{CommitError, JournalStore};
 use swactor_engine::etcd::{
     Client, EtcdConfig, EtcdError, EtcdFlags, EtcdStore, EtcdStoreError, Fence, Limits,
 };
-use swactor_engine::journal::{JournalBatch, JournalContents};
+use swactor_engine::journal::JournalContents;
 use swactor_providers::async_trait;
 use swactor_provisioning::{
     JOURNAL_FORMAT, JournalDelta, JournalImage, JournalMeta, LogicalNodeId, NodeTable, RunId,
@@ -171,16 +171,7 @@ impl EtcdJournal {
         delta: &JournalDelta,
         fence: Option<&Fence>,
     ) -> Result<(), EtcdStoreError> {
-        let batch = JournalBatch {
-            meta: delta.meta.clone(),
-            put: delta
-                .put
-                .iter()
-                .map(|(node, record)| (node.to_string(), *record))
-                .collect(),
-            delete: delta.remove.iter().map(ToString::to_string).collect(),
-        };
-        if let Err(e) = self.store.commit(&batch, fence).await {
+        if let Err(e) = self.store.commit(&super::batch_of(delta), fence).await {
             self.health.failed(swactor_engine::error_chain(&e));
             return Err(e);
         }

@@ -645,3 +645,13 @@ pub fn files_under(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> 
     }
     out
 }
+
+/// Sends `sig` (`-STOP`, `-CONT`, …) to `pid` with kill(1); it must succeed.
+pub fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
