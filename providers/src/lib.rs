@@ -26,6 +26,7 @@ pub mod docker;
 pub mod exit;
 #[cfg(feature = "fake")]
 pub mod fake;
+pub mod gate;
 mod kit;
 mod multi;
 pub mod process;

@@ -119,6 +119,13 @@ impl Election {
         self.role.clone()
     }
 
+    /// The id of the lease this replica campaigns with, as it changes
+    /// (`None` between leases): keys this replica keeps only while it
+    /// lives (its address, say) are attached to it.
+    pub fn lease(&self) -> watch::Receiver<Option<i64>> {
+        self.lease.clone()
+    }
+
     /// Stops campaigning without stepping down: the lease is left to
     /// expire, as when the process is killed. For tests.
     pub fn abandon(self) {
