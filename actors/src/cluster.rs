@@ -278,6 +278,15 @@ impl ClusterHandle {
             .send_message(DriverMsg::Swarm(SwarmMsg::Gone(key, silent)));
     }
 
+    /// Tells the cluster its leadership bound
+    /// ([`crate::ClusterConfig::lead`]) moved, so a host that had stopped at
+    /// the old one goes on at once.
+    pub fn leadership_changed(&self) {
+        let _ = self
+            .actor
+            .send_message(DriverMsg::Cluster(ClusterMsg::Leadership));
+    }
+
     /// Tells the cluster what its rented machines have cost so far, as the
     /// providers count it now (millionths of a dollar); returns the run's
     /// spend, which the journal keeps and which never goes down (see

@@ -50,6 +50,10 @@ pub struct ClusterConfig {
     pub adopt_unrecorded: bool,
     /// See [`HostConfig::deployment`]: what a new journal records.
     pub deployment: Option<String>,
+    /// Until when this daemon leads its run, when it shares the journal
+    /// with standbys (`swactor up --etcd`): the host acts on nothing past
+    /// it. `None`: alone on its journal, it always acts.
+    pub lead: Option<swactor_engine::LeadBound>,
 }
 
 impl ClusterConfig {
@@ -81,6 +85,7 @@ impl ClusterConfig {
             starvation: None,
             adopt_unrecorded: host.adopt_unrecorded,
             deployment: host.deployment,
+            lead: None,
         }
     }
 

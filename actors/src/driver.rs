@@ -28,7 +28,7 @@ use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Starvation, Timers}
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, DesiredUpdate, Dispatch, Driver, Folded,
-    Generation, Host, JournalDelta, Listed, LogicalNodeId, NodeAttemptId, NodeTable,
+    Generation, Host, JournalDelta, Leadership, Listed, LogicalNodeId, NodeAttemptId, NodeTable,
     OperationOutcome, Output, Pass, PauseError, ReplaceError, Reply, SessionId, ShutdownReport,
     Ticket, Timestamp,
 };
@@ -69,6 +69,8 @@ pub struct DriverState {
     starved_seen_ms: u64,
     /// The sequence number of the last delta committed to the journal.
     last_persisted: Option<u64>,
+    /// The change number of the leadership bound last told to the host.
+    lead_seen: Option<u64>,
 }
 
 /// A node's followed session: what its events are folded as, and the
@@ -131,6 +133,7 @@ impl Actor for DriverActor {
             timers,
             armed: None,
             last_persisted: None,
+            lead_seen: None,
             workers,
             journal,
             observers: NodeTable::new(),
@@ -144,6 +147,8 @@ impl Actor for DriverActor {
             telemetry: Telemetry::new(config.event_buffer_len, publisher),
             config,
         };
+        let now = state.now();
+        state.tell_leadership(now);
         if let Some(shape) = state.config.initial_shape.clone() {
             let (ticket, now) = (state.ticket(), state.now());
             state.host.handle_wall_clock(state.clock.wall_ms(), now);
@@ -176,6 +181,7 @@ impl Actor for DriverActor {
         // Time the daemon measured itself starved since the last message is
         // told to the host before anything it may have delayed.
         st.tell_starved(now);
+        st.tell_leadership(now);
         match msg {
             DriverMsg::Cluster(msg) => st.public(msg, now),
             DriverMsg::Swarm(msg) => st.swarm(msg, now),
@@ -322,7 +328,26 @@ impl DriverState {
                     }
                 }
             }
+            // Read on every message, this one included.
+            ClusterMsg::Leadership => {}
         }
+    }
+
+    /// Tells the host the leadership bound, when it moved since it was
+    /// last told (a daemon alone on its journal has none: it always leads).
+    fn tell_leadership(&mut self, now: Timestamp) {
+        let Some(lead) = &self.config.lead else {
+            return;
+        };
+        let changes = lead.changes();
+        if self.lead_seen == Some(changes) {
+            return;
+        }
+        self.lead_seen = Some(changes);
+        // Not leading yet, or any more: held until the epoch, so not at all.
+        let until = lead.until().map_or(0, |at| self.clock.to_ms(at));
+        self.host
+            .handle_leadership(Leadership::Until(Timestamp::from_millis(until)), now);
     }
 
     /// Tells the host how long the daemon was starved since it was last told.

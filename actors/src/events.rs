@@ -176,6 +176,33 @@ pub struct ClusterSnapshot {
     /// (the executor's queue depth).
     #[serde(default)]
     pub in_flight: usize,
+    /// Who leads the run and who stands by, when several daemons share it
+    /// (`swactor up --etcd`): filled in by the daemon when it answers a
+    /// status request; `None` for a daemon alone on its journal.
+    #[serde(default)]
+    pub ha: Option<HaStatus>,
+}
+
+/// The daemons of a run that share its journal in etcd: the one that leads
+/// and those that stand by.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HaStatus {
+    /// The leader, as people know it (`host (pid N)`).
+    pub leader: String,
+    /// When it took the lead, wall clock (milliseconds since the Unix epoch).
+    pub leading_since_wall_ms: u64,
+    /// The standbys, as people know them, in the order they registered.
+    pub standbys: Vec<String>,
+    /// How long the leader's etcd lease lives without a renewal.
+    pub lease_ttl_ms: u64,
+    /// How long before its lease could end a leader stops acting.
+    pub margin_ms: u64,
+    /// How long ago, on the leader's clock, its lease was last renewed.
+    pub renewed_ms_ago: u64,
+    /// The etcd members, as given.
+    pub etcd: String,
+    /// Times this replica took the lead since it started.
+    pub terms: u64,
 }
 
 impl ClusterSnapshot {
@@ -203,6 +230,7 @@ impl ClusterSnapshot {
             paused: false,
             holds: Vec::new(),
             in_flight: 0,
+            ha: None,
         }
     }
 }

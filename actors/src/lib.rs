@@ -79,8 +79,8 @@ pub use cluster::{Cluster, ClusterError, ClusterHandle};
 pub use config::ClusterConfig;
 pub use driver::{DriverActor, DriverState};
 pub use events::{
-    AgentLink, ClusterEvent, ClusterSnapshot, NodeDescription, NodeSummary, PlanLine, PlanView,
-    Rental,
+    AgentLink, ClusterEvent, ClusterSnapshot, HaStatus, NodeDescription, NodeSummary, PlanLine,
+    PlanView, Rental,
 };
 pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
 pub use journal::{CommitError, JournalStore, MemoryJournal};

@@ -109,6 +109,9 @@ pub enum ClusterMsg {
         LogicalNodeId,
         RpcReplyPort<Result<swactor_provisioning::NodeAttemptId, ReplaceError>>,
     ),
+    /// The leadership bound ([`crate::ClusterConfig::lead`]) moved: the
+    /// driver reads it again (it also does on every other message).
+    Leadership,
 }
 
 /// What a swarm endpoint tells a cluster about its agents.

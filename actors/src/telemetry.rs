@@ -323,5 +323,6 @@ pub(crate) fn snapshot<C: Reconciler>(host: &Host<C>, now: Timestamp) -> Cluster
         in_flight: host.in_flight_count(),
         paused: host.is_paused(),
         holds: host.holds(),
+        ha: None,
     }
 }
