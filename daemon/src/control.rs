@@ -108,6 +108,8 @@ pub(crate) struct ControlHandler {
     pub(crate) more_providers: Vec<&'static str>,
     /// When each node's lease was last renewed.
     pub(crate) renewals: crate::renewals::Renewals,
+    /// Who leads the run and who stands by (`swactor up --etcd`).
+    pub(crate) ha: crate::replicas::HaView,
 }
 
 impl ControlHandler {
@@ -188,6 +190,9 @@ impl ControlHandler {
                         spend.spent_micros = spend.spent_micros.max(journaled);
                         spend
                     });
+                    // Who leads and who stands by, as the election last
+                    // said (`None` for a daemon alone on its journal).
+                    snap.ha = self.ha.get();
                     ControlResponse::Status(snap)
                 })
                 .map_err(|e| self.refused(&e)),

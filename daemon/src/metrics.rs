@@ -447,7 +447,8 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
         encode_groups(e, s)?;
         encode_cluster_state(e, s)?;
         encode_activity(e, s)?;
-        encode_costs(e, s)
+        encode_costs(e, s)?;
+        encode_ha(e, s)
     }
 }
 
@@ -677,6 +678,71 @@ fn encode_costs(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::
         )?;
     }
     Ok(())
+}
+
+/// Longest label value taken from text from outside (a leader's name).
+const LABEL_TEXT_MAX_CHARS: usize = 128;
+
+/// `text` as a label value: the encoder writes label values as they are,
+/// so a quote, a backslash or a line break in a name that came from etcd
+/// would end the value early or break the line; they are escaped as the
+/// exposition format says, and a very long name is cut.
+fn label_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(LABEL_TEXT_MAX_CHARS) + 8);
+    for c in text.chars().take(LABEL_TEXT_MAX_CHARS) {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c if c.is_control() => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Encodes who leads the run and who stands by, when several daemons share
+/// it (`swactor up --etcd`); nothing for a daemon alone on its journal.
+fn encode_ha(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
+    let Some(ha) = &s.snapshot.ha else {
+        return Ok(());
+    };
+    let secs = |ms: u64| ms as f64 / 1e3;
+    gauge(
+        e,
+        "swactor_ha_leader",
+        "1, labelled with the daemon that leads the run (host and pid), when several \
+         daemons share its journal in etcd.",
+        &[(vec![("leader", label_text(&ha.leader))], 1)],
+    )?;
+    gauge(
+        e,
+        "swactor_ha_standbys",
+        "Daemons standing by to take the run over if its leader goes.",
+        &[(
+            Vec::new(),
+            i64::try_from(ha.standbys.len()).unwrap_or(i64::MAX),
+        )],
+    )?;
+    gauge(
+        e,
+        "swactor_ha_lease_renewed_seconds_ago",
+        "How long ago, on the leader's clock, its etcd lease was last renewed.",
+        &[(Vec::new(), secs(ha.renewed_ms_ago))],
+    )?;
+    gauge(
+        e,
+        "swactor_ha_lease_ttl_seconds",
+        "How long the leader's etcd lease lives without a renewal; the leader stops \
+         acting its margin before that.",
+        &[(Vec::new(), secs(ha.lease_ttl_ms))],
+    )?;
+    counter(
+        e,
+        "swactor_ha_terms",
+        "Times this daemon took the lead since it started.",
+        ha.terms,
+    )
 }
 
 /// A provider whose every call is timed and whose failures are counted.
@@ -944,6 +1010,60 @@ mod tests {
             ),
             "{out}"
         );
+    }
+
+    fn scrape(ha: Option<swactor_actors::HaStatus>) -> String {
+        let mut snapshot = ClusterSnapshot::empty("r");
+        snapshot.ha = ha;
+        Metrics::new().encode(Scraped {
+            snapshot,
+            desired: BTreeMap::new(),
+            subscribers: 0,
+            priced: Vec::new(),
+            convergence: None,
+        })
+    }
+
+    #[test]
+    fn who_leads_is_exported_only_when_daemons_share_the_run() {
+        let alone = scrape(None);
+        assert!(alone.contains("swactor_generation 0"), "{alone}");
+        assert!(!alone.contains("swactor_ha_"), "{alone}");
+        let shared = scrape(Some(swactor_actors::HaStatus {
+            leader: "ctl-a (pid 4242)".to_owned(),
+            leading_since_wall_ms: 1_700_000_000_000,
+            standbys: vec!["ctl-b (pid 77)".to_owned(), "ctl-c (pid 9)".to_owned()],
+            lease_ttl_ms: 10_000,
+            margin_ms: 2_000,
+            renewed_ms_ago: 1_250,
+            etcd: "https://etcd-0:2379".to_owned(),
+            terms: 3,
+        }));
+        for line in [
+            "swactor_ha_leader{leader=\"ctl-a (pid 4242)\"} 1\n",
+            "swactor_ha_standbys 2\n",
+            "swactor_ha_lease_renewed_seconds_ago 1.25\n",
+            "swactor_ha_lease_ttl_seconds 10.0\n",
+            "swactor_ha_terms_total 3\n",
+        ] {
+            assert!(shared.contains(line), "{line} in {shared}");
+        }
+        // Everything else is as it was (but the allocator's figures, which
+        // move between any two scrapes).
+        let read = |text: &str, ha: bool| -> Vec<String> {
+            text.lines()
+                .filter(|l| !l.contains("swactor_allocator_") && (ha || !l.contains("swactor_ha_")))
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(read(&shared, false), read(&alone, true));
+    }
+
+    #[test]
+    fn a_leader_name_cannot_break_out_of_its_label() {
+        assert_eq!(label_text("a\"} 1\nb\\"), "a\\\"} 1\\nb\\\\");
+        assert_eq!(label_text("ctl\u{7}-a"), "ctl-a");
+        assert_eq!(label_text(&"x".repeat(500)).len(), LABEL_TEXT_MAX_CHARS);
     }
 
     #[test]

@@ -362,6 +362,63 @@ pub fn foreign_resources(
     )
 }
 
+/// A span of milliseconds as a lease is read: to the tenth of a second
+/// under a minute (`1.2 s`, `10 s`), in whole units past it.
+fn lease_span(ms: u64) -> String {
+    match ms {
+        0..60_000 if ms.is_multiple_of(1_000) => format!("{} s", ms / 1_000),
+        0..60_000 => format!("{:.1} s", ms as f64 / 1e3),
+        _ => span_down(ms),
+    }
+}
+
+/// Who leads a run that several daemons share (`swactor up --etcd`) and
+/// who would take over, in one line, as of `now_wall_ms` (milliseconds
+/// since the Unix epoch): `leader: ctl-a (pid 4242) since 12:03:04 (5 min
+/// ago) · lease 10 s, renewed 1.2 s ago · standbys: 1 (ctl-b (pid 77))`.
+///
+/// A leader whose last renewal is as old as its lease less its margin has
+/// stopped acting (`docs/ha.md`), and the line says so;
+/// with no standby, it says that nothing takes over.
+pub fn leader_line(ha: &swactor_actors::HaStatus, now_wall_ms: u64) -> String {
+    let mut line = format!("leader: {}", cut(&ha.leader));
+    if ha.leading_since_wall_ms > 0 {
+        let ms = now_wall_ms.saturating_sub(ha.leading_since_wall_ms);
+        let ago = if ms < 1_000 {
+            "just now".to_owned()
+        } else {
+            format!("{} ago", span_down(ms))
+        };
+        line.push_str(&format!(
+            " since {} ({ago})",
+            clock_at(ha.leading_since_wall_ms)
+        ));
+    }
+    line.push_str(&format!(
+        " · lease {}, renewed {} ago",
+        lease_span(ha.lease_ttl_ms),
+        lease_span(ha.renewed_ms_ago)
+    ));
+    let bound_ms = ha.lease_ttl_ms.saturating_sub(ha.margin_ms);
+    if ha.lease_ttl_ms > 0 && ha.renewed_ms_ago >= bound_ms {
+        line.push_str(&format!(
+            " (past lease − margin, {}: it acts on nothing until a renewal is answered)",
+            lease_span(bound_ms)
+        ));
+    }
+    if ha.standbys.is_empty() {
+        line.push_str(" · standbys: none — nothing takes over if the leader's machine is lost");
+    } else {
+        let standbys: Vec<String> = ha.standbys.iter().map(|s| cut(s)).collect();
+        line.push_str(&format!(
+            " · standbys: {} ({})",
+            ha.standbys.len(),
+            names(&standbys)
+        ));
+    }
+    line
+}
+
 /// What a provider effect does, for people.
 pub fn effect_words(effect: EffectKind) -> &'static str {
     match effect {
@@ -577,6 +634,72 @@ pub fn sizes_compared(size: u64, limit: u64) -> (String, String) {
 mod tests {
     use super::*;
     use swactor_provisioning::{LogicalNodeId, NodeAttemptId};
+
+    fn ha(standbys: &[&str]) -> swactor_actors::HaStatus {
+        swactor_actors::HaStatus {
+            leader: "ctl-a (pid 4242)".to_owned(),
+            leading_since_wall_ms: 1_700_000_000_000,
+            standbys: standbys.iter().map(|s| (*s).to_owned()).collect(),
+            lease_ttl_ms: 10_000,
+            margin_ms: 2_000,
+            renewed_ms_ago: 1_234,
+            etcd: "http://127.0.0.1:2379".to_owned(),
+            terms: 1,
+        }
+    }
+
+    #[test]
+    fn the_leader_line_names_the_leader_its_lease_and_who_takes_over() {
+        let since = clock_at(1_700_000_000_000);
+        let five_min_later = 1_700_000_000_000 + 5 * 60_000 + 400;
+        assert_eq!(
+            leader_line(&ha(&["ctl-b (pid 77)"]), five_min_later),
+            format!(
+                "leader: ctl-a (pid 4242) since {since} (5 min ago) · lease 10 s, renewed 1.2 s \
+                 ago · standbys: 1 (ctl-b (pid 77))"
+            )
+        );
+        assert_eq!(
+            leader_line(&ha(&["ctl-b (pid 77)", "ctl-c (pid 9)"]), five_min_later),
+            format!(
+                "leader: ctl-a (pid 4242) since {since} (5 min ago) · lease 10 s, renewed 1.2 s \
+                 ago · standbys: 2 (ctl-b (pid 77), ctl-c (pid 9))"
+            )
+        );
+    }
+
+    #[test]
+    fn the_leader_line_says_when_nothing_takes_over_or_the_leader_stopped_acting() {
+        let alone = leader_line(&ha(&[]), 1_700_000_000_300);
+        assert!(
+            alone.contains("(just now) · lease 10 s, renewed 1.2 s ago · "),
+            "{alone}"
+        );
+        assert!(
+            alone.ends_with(
+                " · standbys: none — nothing takes over if the leader's machine is lost"
+            ),
+            "{alone}"
+        );
+        let mut late = ha(&["ctl-b (pid 77)"]);
+        late.renewed_ms_ago = 8_000;
+        let said = leader_line(&late, 1_700_000_060_000);
+        assert!(
+            said.contains(
+                "renewed 8 s ago (past lease − margin, 8 s: it acts on nothing until a renewal \
+                 is answered) · standbys: 1"
+            ),
+            "{said}"
+        );
+        late.renewed_ms_ago = 7_999;
+        assert!(!leader_line(&late, 1_700_000_060_000).contains("past lease"));
+        // A leader whose start is unknown is named without it.
+        late.leading_since_wall_ms = 0;
+        assert!(leader_line(&late, 1).starts_with("leader: ctl-a (pid 4242) · lease 10 s"));
+        // Names from etcd are cut like any id a message repeats.
+        late.leader = "x".repeat(500);
+        assert!(leader_line(&late, 1).contains("(500 characters)"));
+    }
 
     #[test]
     fn the_budget_line_says_what_is_spent_how_fast_and_when_it_ends() {

@@ -13,26 +13,40 @@ pub(crate) async fn status(state_dir: &Path, json: bool) -> Result<()> {
     };
     let mut out = Out::new();
     if json {
-        /// The snapshot with the cluster's state in a word first, as the
-        /// headline says it (`converging`, `converged`, `paused`, `tearing
-        /// down`, `stopping`).
-        #[derive(serde::Serialize)]
-        struct WithState<'a> {
-            state: &'static str,
-            #[serde(flatten)]
-            snapshot: &'a ClusterSnapshot,
-        }
-        let with_state = WithState {
-            state: crate::words::cluster_state(&snap),
-            snapshot: &snap,
-        };
-        serde_json::to_writer_pretty(&mut out.0, &with_state)?;
-        out.line("")?;
+        out.line(status_json(&snap)?)?;
     } else {
         print_status(&mut out, &snap, stdout_width(), "")?;
     }
     out.flush()?;
     Ok(())
+}
+
+/// What `status --json` prints: the snapshot with the cluster's state in a
+/// word first, as the headline says it (`converging`, `converged`,
+/// `paused`, `tearing down`, `stopping`), and `ha` (who leads) only when
+/// several daemons share the run.
+fn status_json(snap: &ClusterSnapshot) -> serde_json::Result<String> {
+    #[derive(serde::Serialize)]
+    struct WithState<'a> {
+        state: &'static str,
+        #[serde(flatten)]
+        snapshot: &'a ClusterSnapshot,
+    }
+    let with_state = WithState {
+        state: crate::words::cluster_state(snap),
+        snapshot: snap,
+    };
+    let mut text = serde_json::to_string_pretty(&with_state)?;
+    // `ha` cannot be skipped in the type (postcard frames have no field
+    // names), so a daemon alone on its journal would print `"ha": null`,
+    // which it never printed before there were several. It is the
+    // snapshot's last field; a test says so if that changes.
+    if snap.ha.is_none()
+        && let Some(head) = text.strip_suffix(",\n  \"ha\": null\n}")
+    {
+        text = format!("{head}\n}}");
+    }
+    Ok(text)
 }
 
 /// The first line of a status: the run, the generation, how many nodes are
@@ -140,31 +154,38 @@ pub(super) fn print_status(
     width: Option<usize>,
     prefix: &str,
 ) -> std::io::Result<()> {
-    out.line(format_args!("{prefix}{}", status_headline(s)))?;
-    for h in &s.holds {
-        out.line(format_args!("{prefix}group {}: {}", h.group, h.reason))?;
-    }
     let width = width.map(|w| w.saturating_sub(prefix.chars().count() + 1));
-    for line in status_table(s).render(width).into_iter().flatten() {
+    let now_wall_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    for line in status_lines(s, width, now_wall_ms) {
         out.line(format_args!("{prefix}{line}"))?;
     }
-    if let Some(line) = orphan_line(s) {
-        out.line(format_args!("{prefix}{line}"))?;
+    Ok(())
+}
+
+/// The lines of a status, tables fitted to `width` columns if given, as of
+/// `now_wall_ms` (milliseconds since the Unix epoch).
+fn status_lines(s: &ClusterSnapshot, width: Option<usize>, now_wall_ms: u64) -> Vec<String> {
+    let mut lines = vec![status_headline(s)];
+    if let Some(ha) = &s.ha {
+        lines.push(crate::words::leader_line(ha, now_wall_ms));
     }
+    for h in &s.holds {
+        lines.push(format!("group {}: {}", h.group, h.reason));
+    }
+    lines.extend(status_table(s).render(width).into_iter().flatten());
+    lines.extend(orphan_line(s));
     if !s.rentals.is_empty() {
-        out.line(format_args!("{prefix}{}", rentals_headline(s)))?;
-        for line in rentals_table(s).render(width).into_iter().flatten() {
-            out.line(format_args!("{prefix}{line}"))?;
-        }
+        lines.push(rentals_headline(s));
+        lines.extend(rentals_table(s).render(width).into_iter().flatten());
     }
-    if let Some(line) = crate::words::budget_line(s.budget.as_ref(), s.spend.as_ref()) {
-        out.line(format_args!("{prefix}{line}"))?;
-    }
+    lines.extend(crate::words::budget_line(
+        s.budget.as_ref(),
+        s.spend.as_ref(),
+    ));
     if let Some(lifetime) = &s.lifetime {
-        out.line(format_args!(
-            "{prefix}{}",
-            crate::words::lifetime_line(lifetime)
-        ))?;
+        lines.push(crate::words::lifetime_line(lifetime));
     }
     if !s.foreign.is_empty() {
         let cost = crate::words::foreign_cost(&s.foreign)
@@ -174,20 +195,17 @@ pub(super) fn print_status(
             || "this daemon's journal predates deployments".to_owned(),
             |d| format!("this daemon is deployment {d}"),
         );
-        out.line(format_args!(
-            "{prefix}foreign: {} resource(s) of run {} made by another deployment{cost} \
+        lines.push(format!(
+            "foreign: {} resource(s) of run {} made by another deployment{cost} \
              ({ours}; it never adopts or destroys them):",
             s.foreign.len(),
             s.run_id
-        ))?;
+        ));
         for r in &s.foreign {
-            out.line(format_args!(
-                "{prefix}  {}",
-                crate::words::foreign_resource(r)
-            ))?;
+            lines.push(format!("  {}", crate::words::foreign_resource(r)));
         }
     }
-    Ok(())
+    lines
 }
 
 /// Dollars per hour from millionths.
@@ -401,4 +419,112 @@ fn attempt_why(a: &swactor_provisioning::AttemptRecord) -> String {
         why.push(bootstrap_words(b).to_owned());
     }
     why.join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_provisioning::{Intent, NodeAttemptId, NodeStage};
+
+    fn snapshot() -> ClusterSnapshot {
+        let mut s = ClusterSnapshot::empty("r");
+        s.desired_nodes = 1;
+        s.nodes.push(NodeSummary {
+            node: LogicalNodeId::parse("w-0").unwrap(),
+            attempt: NodeAttemptId(1),
+            stage: NodeStage::Dormant,
+            intent: Intent::Active,
+            ready: true,
+            pending: None,
+            failures: 0,
+            last_error: None,
+            last_cause: None,
+            next_retry_at: None,
+            agent: AgentLink::Connected,
+            lease: None,
+            resource: None,
+            next: NextStep::Nothing,
+            orphan_after_s: 3_600,
+            lease_renewed_ms_ago: Some(1_500),
+        });
+        s
+    }
+
+    fn ha(standbys: &[&str]) -> swactor_actors::HaStatus {
+        swactor_actors::HaStatus {
+            leader: "ctl-a (pid 4242)".to_owned(),
+            leading_since_wall_ms: 1_700_000_000_000,
+            standbys: standbys.iter().map(|s| (*s).to_owned()).collect(),
+            lease_ttl_ms: 10_000,
+            margin_ms: 2_000,
+            renewed_ms_ago: 1_200,
+            etcd: "https://etcd-0:2379".to_owned(),
+            terms: 1,
+        }
+    }
+
+    const NOW_MS: u64 = 1_700_000_300_000;
+
+    #[test]
+    fn a_daemon_alone_on_its_journal_prints_its_status_as_before() {
+        assert_eq!(
+            status_lines(&snapshot(), None, NOW_MS),
+            [
+                "run r · generation 0 · 1/1 ready",
+                "  NODE  ATTEMPT  STATE  LEASE            FAILS  RETRY  LAST ERROR",
+                "  w-0   a1       ready  renewed 1 s ago  0      -",
+                "if this daemon goes for good, its nodes end themselves after 60 min without a \
+                 lease renewal (orphan_after_s; `swactor describe NODE` for one)",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_shared_run_names_its_leader_and_standbys_under_the_headline() {
+        let alone = status_lines(&snapshot(), None, NOW_MS);
+        let since = crate::words::clock_at(1_700_000_000_000);
+        for (standbys, said) in [
+            (
+                vec!["ctl-b (pid 77)"],
+                "standbys: 1 (ctl-b (pid 77))".to_owned(),
+            ),
+            (
+                vec![],
+                "standbys: none — nothing takes over if the leader's machine is lost".to_owned(),
+            ),
+        ] {
+            let mut s = snapshot();
+            s.ha = Some(ha(&standbys));
+            let mut lines = status_lines(&s, None, NOW_MS);
+            assert_eq!(
+                lines[1],
+                format!(
+                    "leader: ctl-a (pid 4242) since {since} (5 min ago) · lease 10 s, renewed \
+                     1.2 s ago · {said}"
+                )
+            );
+            lines.remove(1);
+            assert_eq!(lines, alone);
+        }
+    }
+
+    #[test]
+    fn status_json_has_ha_only_when_daemons_share_the_run() {
+        let alone = status_json(&snapshot()).unwrap();
+        let parsed: serde_json::Value = serde_json::from_str(&alone).unwrap();
+        assert!(parsed.get("ha").is_none(), "{alone}");
+        assert!(alone.starts_with("{\n  \"state\": \"converging\",\n  \"run_id\": \"r\","));
+        assert!(
+            alone.ends_with("\n}") && !alone.ends_with(",\n}"),
+            "{alone}"
+        );
+        // Only `ha` goes: the other empty fields are printed as ever.
+        assert!(parsed["lifetime"].is_null() && parsed["spend"].is_null());
+        let mut s = snapshot();
+        s.ha = Some(ha(&["ctl-b (pid 77)"]));
+        let shared: serde_json::Value = serde_json::from_str(&status_json(&s).unwrap()).unwrap();
+        assert_eq!(shared["ha"]["leader"], "ctl-a (pid 4242)");
+        assert_eq!(shared["ha"]["standbys"][0], "ctl-b (pid 77)");
+        assert_eq!(shared["ha"]["renewed_ms_ago"], 1_200);
+    }
 }

@@ -15,6 +15,7 @@ const S = {
   points: [],          // [{at_ms, ready, passes}] for the plot
   lastSeq: 0,
   convergedGen: null,  // the last generation the cluster said it converged on
+  leader: '',          // who leads and who stands by, as the last status answer said; '' for a daemon alone
 };
 
 const $ = (id) => document.getElementById(id);
@@ -202,6 +203,9 @@ function headline() {
   if (foreign) text += ` · ${foreign} resource(s) of this run belong to another deployment (see status)`;
   h.textContent = text;
   h.className = cls;
+  const leader = $('leader');
+  if (leader.textContent !== S.leader) leader.textContent = S.leader;
+  leader.hidden = !S.leader;
   $('generation').textContent = s.generation;
 }
 
@@ -339,6 +343,8 @@ function takeOverview(o) {
   S.snap = o.status;
   S.snapWall = Date.now();
   S.groups = o.groups;
+  // Only daemons that share their run (`swactor up --etcd`) say who leads.
+  S.leader = o.leader || '';
   // Only a status answer says when leases were renewed; node events do not.
   for (const n of S.snap.nodes) {
     if (n.lease_renewed_ms_ago != null) S.renewed[n.node] = { attempt: n.attempt, at: Date.now() - n.lease_renewed_ms_ago };
@@ -399,13 +405,14 @@ function connect() {
   es.addEventListener('snapshot', (e) => {
     const d = JSON.parse(e.data);
     // The publisher's snapshot, then every event after it.
-    // What only a status answer holds (prices, spend, foreign resources)
-    // is kept until the next one.
+    // What only a status answer holds (prices, spend, foreign resources,
+    // who leads) is kept until the next one.
     const kept = S.snap || {};
     S.snap = d.state;
     S.snap.rentals = kept.rentals || [];
     S.snap.spend = kept.spend;
     S.snap.foreign = kept.foreign || [];
+    S.snap.ha = kept.ha;
     S.snapWall = Date.now();
     S.lastSeq = d.seq;
     refreshSoon();

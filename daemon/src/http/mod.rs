@@ -622,7 +622,14 @@ impl Web {
                 json!({ "id": id, "desired": count, "ready": ready })
             })
             .collect();
-        Ok(json!({ "status": snap, "groups": groups, "wall_ms": wall_ms() }))
+        let now_ms = wall_ms();
+        // Who leads, in the words `swactor status` uses; only when several
+        // daemons share the run, so a daemon alone answers as before.
+        let mut overview = json!({ "status": snap, "groups": groups, "wall_ms": now_ms });
+        if let Some(ha) = &snap.ha {
+            overview["leader"] = Value::String(crate::words::leader_line(ha, now_ms));
+        }
+        Ok(overview)
     }
 }
 

@@ -69,8 +69,14 @@ pub(super) fn render(overview: &Value) -> String {
     // The script starts from the same data. A `<` can only be inside a JSON
     // string, where `\u003c` means the same and cannot end the element.
     let initial = overview.to_string().replace('<', "\\u003c");
+    // Who leads, when several daemons share the run (the script keeps it
+    // current); an empty line otherwise, hidden.
+    let leader = esc(&text(&overview["leader"]));
+    let leader_hidden = if leader.is_empty() { " hidden" } else { "" };
     TEMPLATE
         .replace("<!--RUN-->", &esc(&run))
+        .replace("<!--LEADER-->", &leader)
+        .replace("<!--LEADER-HIDDEN-->", leader_hidden)
         .replace("<!--GENERATION-->", &esc(&generation))
         .replace("<!--GROUPS-->", &groups)
         .replace("<!--NODES-->", &nodes)
@@ -99,5 +105,35 @@ mod tests {
             page.matches("</script>").count(),
             TEMPLATE.matches("</script>").count()
         );
+    }
+
+    #[test]
+    fn the_leader_line_shows_only_when_daemons_share_the_run() {
+        let overview = |leader: Option<&str>| {
+            let mut o = serde_json::json!({
+                "status": {"run_id": "r", "generation": 1, "nodes": []},
+                "groups": []
+            });
+            if let Some(l) = leader {
+                o["leader"] = Value::String(l.to_owned());
+            }
+            o
+        };
+        let alone = render(&overview(None));
+        assert!(
+            alone.contains("<div id=\"leader\" class=\"note\" hidden></div>"),
+            "{alone}"
+        );
+        let shared = render(&overview(Some(
+            "leader: ctl-<b> (pid 1) · standbys: none — nothing takes over",
+        )));
+        assert!(
+            shared.contains(
+                "<div id=\"leader\" class=\"note\">leader: ctl-&lt;b&gt; (pid 1) · standbys: \
+                 none — nothing takes over</div>"
+            ),
+            "{shared}"
+        );
+        assert!(!shared.contains("<!--LEADER"));
     }
 }
