@@ -5,7 +5,9 @@
 //! over iroh with a token bound to its (run, node, attempt), reports
 //! convergence, and then stays connected, sending heartbeats, so the daemon
 //! sees it alive. If the connection drops it rejoins; a refused join (its
-//! attempt was superseded) ends it.
+//! attempt was superseded) ends it. When several daemons take turns leading
+//! the run, they share the ticket's identity and each tells the agent where
+//! all of them listen (`DialSet`), so a rejoin finds whichever leads now.
 //!
 //! It also holds its node on a lease ([`Lease`]): the daemon renews it while
 //! it hears the agent, and an agent whose lease has not been renewed for
@@ -14,14 +16,17 @@
 //! with it), so no machine runs on, or bills, for a controller that is not
 //! coming back.
 
-use crate::protocol::{FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest, Renewal};
+use crate::protocol::{
+    FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest, REPLICAS_MAX, Renewal,
+    SWARM_REPLY_LEN_MAX_BYTES,
+};
 use anyhow::{Context, Result};
 use futures_util::StreamExt as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-use swactor_engine::iroh::{Endpoint, EndpointAddr};
+use swactor_engine::iroh::{Endpoint, EndpointAddr, TransportAddr};
 use swactor_engine::net::{
     ALPN_SWARM, EndpointTicket, NetConfig, bind_endpoint, connect, recv_frame, send_frame,
 };
@@ -133,7 +138,8 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
 
     report(&BootstrapEvent::Stage(BootstrapStage::Join));
     let join = JoinRequest::new(&key, credentials.token.clone());
-    let (joined_tx, jobs) = start_jobs_link(&opts, &endpoint, &ticket, &join);
+    let daemons = DialSet::new(ticket.addr());
+    let (joined_tx, jobs) = start_jobs_link(&opts, &endpoint, &daemons, &join);
     // From here on SIGTERM is caught (tokio keeps the handler for the life
     // of the process), so it must be listened for in every wait below: in a
     // session, and between sessions while the daemon is away.
@@ -141,7 +147,7 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
         .context("cannot listen for SIGTERM")?;
     let lease = Lease::default();
     let code = tokio::select! {
-        code = stay_joined(&endpoint, &ticket, &join, &joined_tx, &mut term, &lease) => code,
+        code = stay_joined(&endpoint, &daemons, &join, &joined_tx, &mut term, &lease) => code,
         window = lease.lapsed(|| jobs.running()) => {
             let code = orphaned(&key, window);
             end_own_instance(&opts).await;
@@ -206,12 +212,12 @@ async fn bind_for_daemon(
     Ok((ticket, credentials, endpoint))
 }
 
-/// Starts the jobs link, which waits for the first join; the returned
-/// sender is told when the agent has joined.
+/// Starts the jobs link to `daemons`, which waits for the first join; the
+/// returned sender is told when the agent has joined.
 fn start_jobs_link(
     opts: &AgentOptions,
     endpoint: &Endpoint,
-    ticket: &EndpointTicket,
+    daemons: &DialSet,
     join: &JoinRequest,
 ) -> (
     tokio::sync::watch::Sender<bool>,
@@ -223,11 +229,11 @@ fn start_jobs_link(
     // joins wait behind twice as many handshakes.
     let (joined_tx, mut joined_rx) = tokio::sync::watch::channel(false);
     let jobs = crate::jobs::agent::AgentJobs::new(&opts.dir, opts.node.clone(), opts.attempt);
-    let (endpoint, ticket, join) = (endpoint.clone(), ticket.clone(), join.clone());
+    let (endpoint, daemons, join) = (endpoint.clone(), daemons.clone(), join.clone());
     let served = jobs.clone();
     tokio::spawn(async move {
         if joined_rx.wait_for(|j| *j).await.is_ok() {
-            served.serve(endpoint, ticket, join).await;
+            served.serve(endpoint, daemons, join).await;
         }
     });
     (joined_tx, jobs)
@@ -238,7 +244,7 @@ fn start_jobs_link(
 /// SIGTERM. Returns the exit code.
 async fn stay_joined(
     endpoint: &Endpoint,
-    ticket: &EndpointTicket,
+    daemons: &DialSet,
     join: &JoinRequest,
     joined_tx: &tokio::sync::watch::Sender<bool>,
     term: &mut tokio::signal::unix::Signal,
@@ -253,7 +259,7 @@ async fn stay_joined(
             lease,
         };
         let outcome = tokio::select! {
-            outcome = session(endpoint, ticket, join, joined) => outcome,
+            outcome = session(endpoint, daemons, join, joined) => outcome,
             _ = term.recv() => Session::Stopped,
         };
         match outcome {
@@ -297,6 +303,7 @@ async fn stay_joined(
     }
 }
 
+#[derive(Debug)]
 enum Session {
     Refused(String),
     NotYet(String),
@@ -312,20 +319,16 @@ struct Joined<'a> {
     lease: &'a Lease,
 }
 
+/// One session with whichever of `daemons` answers: a join, then
+/// heartbeats until the link is lost. A welcome and a renewal may name the
+/// run's daemons anew, for the next dial.
 async fn session(
     endpoint: &Endpoint,
-    ticket: &EndpointTicket,
+    daemons: &DialSet,
     join: &JoinRequest,
     joined: Joined<'_>,
 ) -> Session {
-    let conn = match connect(
-        endpoint,
-        ticket.addr().clone(),
-        ALPN_SWARM,
-        Duration::from_secs(5),
-    )
-    .await
-    {
+    let conn = match connect(endpoint, daemons.addr(), ALPN_SWARM, Duration::from_secs(5)).await {
         Ok(c) => c,
         Err(e) => return Session::Lost(e.to_string()),
     };
@@ -338,12 +341,14 @@ async fn session(
     }
     // The daemon says how often it wants to hear from this agent (a
     // fraction of the group's grace); never busier than every 50 ms.
-    let heartbeat = match recv_frame::<JoinReply, _>(&mut recv, FRAME_LEN_MAX).await {
+    let heartbeat = match recv_frame::<JoinReply, _>(&mut recv, SWARM_REPLY_LEN_MAX_BYTES).await {
         Ok(Some(JoinReply::Welcome {
             heartbeat_ms,
             lease_ms,
             lease_waits_for_jobs,
+            replicas,
         })) => {
+            daemons.replace(&replicas);
             joined.lease.renew(Some((
                 Duration::from_millis(lease_ms),
                 lease_waits_for_jobs,
@@ -364,7 +369,7 @@ async fn session(
     // The daemon's renewals come back on the stream the heartbeats go out
     // on; a frame half read when a heartbeat is due stays in the stream.
     let renewals = futures_util::stream::unfold(recv, |mut recv| async move {
-        let frame = recv_frame::<Renewal, _>(&mut recv, FRAME_LEN_MAX).await;
+        let frame = recv_frame::<Renewal, _>(&mut recv, SWARM_REPLY_LEN_MAX_BYTES).await;
         Some((frame, recv))
     });
     tokio::pin!(renewals);
@@ -380,12 +385,72 @@ async fn session(
                 }
             }
             frame = renewals.next() => match frame {
-                Some(Ok(Some(Renewal(_)))) => joined.lease.renew(None),
+                Some(Ok(Some(Renewal { replicas, .. }))) => {
+                    joined.lease.renew(None);
+                    if let Some(replicas) = replicas {
+                        daemons.replace(&replicas);
+                    }
+                }
                 Some(Ok(None)) | None => {
                     return Session::Lost("the daemon closed the stream".to_owned());
                 }
                 Some(Err(e)) => return Session::Lost(e.to_string()),
             },
+        }
+    }
+}
+
+/// Where the agent dials its daemon: the ticket's identity with every
+/// address of the ticket, and those of the run's daemons the latest welcome
+/// or renewal named (all of them answer to the ticket's identity, and only
+/// the one leading listens, so iroh's dial finds it). Shared by the swarm
+/// session and the jobs link; a new list replaces the one before, and the
+/// ticket's own addresses are always kept.
+#[derive(Clone, Debug)]
+pub(crate) struct DialSet {
+    ticket: EndpointAddr,
+    now: Arc<Mutex<EndpointAddr>>,
+}
+
+impl DialSet {
+    /// Just the ticket's addresses.
+    pub(crate) fn new(ticket: &EndpointAddr) -> Self {
+        Self {
+            ticket: ticket.clone(),
+            now: Arc::new(Mutex::new(ticket.clone())),
+        }
+    }
+
+    /// The daemon's identity with every address to try.
+    pub(crate) fn addr(&self) -> EndpointAddr {
+        self.now
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Takes `replicas` for the run's daemons, in place of the list before:
+    /// the first [`REPLICAS_MAX`] (a longer list is cut, with a warning),
+    /// leaving out addresses nobody can be dialled at (an unspecified IP, or
+    /// port 0).
+    pub(crate) fn replace(&self, replicas: &[SocketAddr]) {
+        if replicas.len() > REPLICAS_MAX {
+            tracing::warn!(
+                named = replicas.len(),
+                kept = REPLICAS_MAX,
+                "the daemon named more daemons of the run than an agent keeps; the rest are ignored"
+            );
+        }
+        let dialable = replicas
+            .iter()
+            .take(REPLICAS_MAX)
+            .filter(|a| !a.ip().is_unspecified() && a.port() != 0)
+            .map(|a| TransportAddr::Ip(*a));
+        let addr = self.ticket.clone().with_addrs(dialable);
+        let mut now = self.now.lock().unwrap_or_else(PoisonError::into_inner);
+        if *now != addr {
+            tracing::info!(daemons = ?addr.ip_addrs().collect::<Vec<_>>(), "the run's daemons changed");
+            *now = addr;
         }
     }
 }
@@ -683,6 +748,252 @@ mod tests {
             reason,
             "boot check `sh -c \"kill -TERM $$\"` was killed by signal 15 (SIGTERM)"
         );
+    }
+
+    #[test]
+    fn the_dial_set_keeps_the_tickets_addresses_and_only_the_latest_list_of_daemons() {
+        let ticket = daemon_at(&["127.0.0.1:4000", "[::1]:4000"]);
+        let daemons = DialSet::new(&ticket);
+        assert_eq!(daemons.addr(), ticket);
+        let with =
+            |extra: &[SocketAddr]| extra.iter().fold(ticket.clone(), |a, s| a.with_ip_addr(*s));
+        let at = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        // Merged with the ticket's, once each; nothing undialable.
+        daemons.replace(&[
+            at("127.0.0.2:4001"),
+            at("127.0.0.1:4000"),
+            at("0.0.0.0:4002"),
+            at("[::]:4002"),
+            at("127.0.0.3:0"),
+        ]);
+        assert_eq!(daemons.addr(), with(&[at("127.0.0.2:4001")]));
+        // A list too long: its first sixteen.
+        let many: Vec<SocketAddr> = (1..=20u8)
+            .map(|i| SocketAddr::from(([127, 0, 1, i], 5000)))
+            .collect();
+        daemons.replace(&many);
+        assert_eq!(daemons.addr(), with(&many[..REPLICAS_MAX]));
+        assert_eq!(daemons.addr().ip_addrs().count(), 2 + REPLICAS_MAX);
+        // A later list replaces the earlier one, never the ticket's; a
+        // clone (the jobs link's) sees it too.
+        let jobs = daemons.clone();
+        daemons.replace(&[at("127.0.0.9:4009")]);
+        assert_eq!(jobs.addr(), with(&[at("127.0.0.9:4009")]));
+        daemons.replace(&[]);
+        assert_eq!(jobs.addr(), ticket);
+    }
+
+    /// A daemon of the run while it leads: it welcomes any join naming
+    /// `replicas`, answers the first heartbeat with a renewal naming `then`,
+    /// and says on `events` that it welcomed an agent.
+    #[derive(Debug, Clone)]
+    struct Leader {
+        name: &'static str,
+        replicas: Vec<SocketAddr>,
+        then: Option<Vec<SocketAddr>>,
+        events: tokio::sync::mpsc::UnboundedSender<&'static str>,
+    }
+
+    impl Leader {
+        async fn greet(&self, conn: &swactor_engine::iroh::endpoint::Connection) {
+            let Ok((mut send, mut recv)) = conn.accept_bi().await else {
+                return;
+            };
+            let Ok(Some(_)) = recv_frame::<JoinRequest, _>(&mut recv, FRAME_LEN_MAX).await else {
+                return;
+            };
+            let welcome = JoinReply::Welcome {
+                heartbeat_ms: 50,
+                lease_ms: 0,
+                lease_waits_for_jobs: false,
+                replicas: self.replicas.clone(),
+            };
+            if send_frame(&mut send, &welcome, SWARM_REPLY_LEN_MAX_BYTES)
+                .await
+                .is_err()
+            {
+                return;
+            }
+            let _ = self.events.send(self.name);
+            let mut renewed = false;
+            while let Ok(Some(Heartbeat(n))) = recv_frame::<Heartbeat, _>(&mut recv, 64).await {
+                if !std::mem::replace(&mut renewed, true) {
+                    let renewal = Renewal {
+                        heartbeat: n,
+                        replicas: self.then.clone(),
+                    };
+                    let _ = send_frame(&mut send, &renewal, SWARM_REPLY_LEN_MAX_BYTES).await;
+                }
+            }
+        }
+    }
+
+    /// A leading daemon's endpoint and what serves it.
+    struct Leading {
+        endpoint: Endpoint,
+        serving: tokio::task::JoinHandle<()>,
+    }
+
+    impl Leading {
+        /// Binds a daemon of the run with its shared `key` at `at`, leading.
+        async fn start(key: &SecretKey, at: SocketAddr, leader: Leader) -> Self {
+            let config = NetConfig {
+                bind_addr: at,
+                ..NetConfig::default()
+            };
+            let endpoint = bind_endpoint(&config, key.clone()).await.unwrap();
+            endpoint.set_alpns(vec![ALPN_SWARM.to_vec()]);
+            let ep = endpoint.clone();
+            // Each agent is greeted on a task of its own, which holds no
+            // handle of the endpoint and outlives the accepting.
+            let serving = tokio::spawn(async move {
+                while let Some(incoming) = ep.accept().await {
+                    let Ok(accepting) = incoming.accept() else {
+                        continue;
+                    };
+                    let leader = leader.clone();
+                    tokio::spawn(async move {
+                        if let Ok(conn) = accepting.await {
+                            leader.greet(&conn).await;
+                        }
+                    });
+                }
+            });
+            Self { endpoint, serving }
+        }
+
+        /// Dies as a killed process does: nothing more is sent, not even a
+        /// close, so its agents notice only by their idle timeout.
+        async fn die(self) {
+            self.serving.abort();
+            let _ = self.serving.await;
+            // The last handle of the endpoint: it aborts, before a stream
+            // or a connection could be closed.
+            drop(self.endpoint);
+        }
+
+        /// Stops as a daemon going down does: every connection is closed.
+        async fn stop(self) {
+            self.serving.abort();
+            let _ = self.serving.await;
+            self.endpoint.close().await;
+        }
+    }
+
+    /// A loopback address nothing listens on (now).
+    fn unused_loopback_addr() -> SocketAddr {
+        std::net::UdpSocket::bind("127.0.0.1:0")
+            .and_then(|s| s.local_addr())
+            .unwrap()
+    }
+
+    /// Two daemons of one run, one identity, each on its own loopback
+    /// address, one leading at a time; the agent's ticket names only the
+    /// first, which is killed. Every address dialled is loopback.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_agent_rejoins_the_daemon_of_the_run_that_leads_after_its_own_died() {
+        let run_key = SecretKey::generate();
+        let (a_at, b_at, nobody) = (
+            unused_loopback_addr(),
+            unused_loopback_addr(),
+            unused_loopback_addr(),
+        );
+        let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+        // `a` leads, names `nobody` at first and then only the two of them.
+        let a = Leading::start(
+            &run_key,
+            a_at,
+            Leader {
+                name: "a",
+                replicas: vec![a_at, b_at, nobody],
+                then: Some(vec![a_at, b_at]),
+                events: events_tx.clone(),
+            },
+        )
+        .await;
+        let ticket = a.endpoint.addr();
+        assert_eq!(ticket.ip_addrs().collect::<Vec<_>>(), [&a_at]);
+        let daemons = DialSet::new(&ticket);
+        let agent_config = NetConfig {
+            idle_timeout: Some(AGENT_IDLE_TIMEOUT),
+            ..NetConfig::default()
+        };
+        let agent = bind_endpoint(&agent_config, SecretKey::generate())
+            .await
+            .unwrap();
+        let join = JoinRequest {
+            key: crate::protocol::JoinKey {
+                run_id: "r".to_owned(),
+                node: "w-0".to_owned(),
+                attempt: 1,
+            },
+            token: "t".to_owned(),
+        };
+        let (joined_tx, joined_rx) = tokio::sync::watch::channel(false);
+        let lease = Lease::default();
+        let mut once = false;
+        let both = EndpointAddr::new(run_key.public())
+            .with_ip_addr(a_at)
+            .with_ip_addr(b_at);
+        let settled = |want: EndpointAddr| {
+            let daemons = daemons.clone();
+            async move {
+                while daemons.addr() != want {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        let limit = Duration::from_secs(20);
+
+        // The agent joins `a` and learns of `b`; then `a` is killed.
+        let joined = Joined {
+            once: &mut once,
+            tx: &joined_tx,
+            lease: &lease,
+        };
+        let (first, ()) = tokio::join!(
+            tokio::time::timeout(limit, session(&agent, &daemons, &join, joined)),
+            async {
+                assert_eq!(events.recv().await, Some("a"));
+                tokio::time::timeout(limit, settled(both.clone()))
+                    .await
+                    .expect("a's renewal names the run's daemons anew");
+                a.die().await;
+            }
+        );
+        assert!(matches!(first, Ok(Session::Lost(_))), "{first:?}");
+        assert!(*joined_rx.borrow());
+
+        // `b` leads now, where `a` said it would be: the agent finds it.
+        let b = Leading::start(
+            &run_key,
+            b_at,
+            Leader {
+                name: "b",
+                replicas: vec![a_at, b_at],
+                then: None,
+                events: events_tx,
+            },
+        )
+        .await;
+        let joined = Joined {
+            once: &mut once,
+            tx: &joined_tx,
+            lease: &lease,
+        };
+        let (second, ()) = tokio::join!(
+            tokio::time::timeout(limit, session(&agent, &daemons, &join, joined)),
+            async {
+                let welcomed = tokio::time::timeout(limit, events.recv()).await;
+                assert_eq!(welcomed, Ok(Some("b")));
+                // Its renewals name nothing new: the list stays.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                assert_eq!(daemons.addr(), both);
+                b.stop().await;
+            }
+        );
+        assert!(matches!(second, Ok(Session::Lost(_))), "{second:?}");
+        agent.close().await;
     }
 
     #[test]

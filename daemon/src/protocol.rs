@@ -5,6 +5,7 @@
 //! encoding); swarm messages are plain postcard frames.
 
 use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
 use swactor_actors::{ClusterSnapshot, NodeSummary};
 use swactor_provisioning::{Change, LogicalNodeId, ResourceKey, ShapeDiff, Timestamp};
 
@@ -122,6 +123,8 @@ pub enum AgentLogPiece {
 
 /// The daemon's answer.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+// A status is by far the largest answer, and one is sent per request.
+#[allow(clippy::large_enum_variant)]
 pub enum ControlResponse {
     /// The shape was accepted (`changed` is false for an identical resubmission).
     Applied {
@@ -310,7 +313,7 @@ impl JoinRequest {
 }
 
 /// The daemon's answer to a join.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum JoinReply {
     /// Joined; keep the connection and send a heartbeat every `heartbeat_ms`.
     Welcome {
@@ -324,6 +327,12 @@ pub enum JoinReply {
         /// `orphan_policy = "idle"`): it then counts from the later of the
         /// last renewal and the end of the last job.
         lease_waits_for_jobs: bool,
+        /// Where every daemon of the run listens for agents, this one
+        /// included, when several take turns leading it: they share the
+        /// ticket's identity, so the agent dials them all and whichever
+        /// leads answers. Empty for a daemon alone: the agent dials its
+        /// ticket as before. At most [`REPLICAS_MAX`] are kept.
+        replicas: Vec<SocketAddr>,
     },
     /// Refused, with the reason: the agent's attempt is not wanted, it stops.
     Refused(String),
@@ -337,9 +346,26 @@ pub enum JoinReply {
 pub struct Heartbeat(pub u64);
 
 /// The daemon renewing a joined agent's lease (sent back on the stream the
-/// agent's heartbeats come on); it carries the heartbeat it answers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Renewal(pub u64);
+/// agent's heartbeats come on).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Renewal {
+    /// The heartbeat it answers.
+    pub heartbeat: u64,
+    /// The run's daemons, as in [`JoinReply::Welcome`], when that list
+    /// changed since the agent was last told; it then replaces the one the
+    /// agent had. `None`: no change.
+    pub replicas: Option<Vec<SocketAddr>>,
+}
+
+/// The most daemon addresses a welcome or a renewal carries: a daemon sends
+/// no more, and an agent keeps no more of a longer list.
+pub const REPLICAS_MAX: usize = 16;
+
+/// Largest frame a daemon answers a join or a heartbeat with: a welcome or
+/// a renewal naming [`REPLICAS_MAX`] IPv6 addresses takes under 400 bytes
+/// (see the test `a_welcome_and_a_renewal_with_every_replica_fit_a_reply`),
+/// and the rest leaves room for the reason of a refusal.
+pub const SWARM_REPLY_LEN_MAX_BYTES: usize = 4 * 1024;
 
 #[cfg(test)]
 mod tests {
@@ -364,6 +390,29 @@ mod tests {
             .is_ok()
     }
 
+    /// Decodes `bytes` as one frame of `T` under `limit`.
+    fn decoded<T: serde::de::DeserializeOwned>(bytes: &[u8], limit: usize) -> Option<T> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let mut reader = bytes;
+        runtime
+            .block_on(recv_frame::<T, _>(&mut reader, limit))
+            .ok()
+            .flatten()
+    }
+
+    /// Any address as the wire carries it: an IPv6 one without its flow
+    /// label and scope, which postcard does not encode.
+    fn wire_addr() -> impl Strategy<Value = std::net::SocketAddr> {
+        any::<std::net::SocketAddr>().prop_map(|a| match a {
+            std::net::SocketAddr::V6(v6) => {
+                std::net::SocketAddrV6::new(*v6.ip(), v6.port(), 0, 0).into()
+            }
+            v4 => v4,
+        })
+    }
+
     fn framed(payload: &[u8]) -> Vec<u8> {
         let mut out = (payload.len() as u32).to_be_bytes().to_vec();
         out.extend_from_slice(payload);
@@ -378,9 +427,9 @@ mod tests {
             let bytes = if frame { framed(&raw) } else { raw };
             // Swarm: the join (first frame), the reply, heartbeats.
             let _ = decode::<JoinRequest>(&bytes, FIRST_FRAME_LEN_MAX_BYTES);
-            let _ = decode::<JoinReply>(&bytes, 64);
+            let _ = decode::<JoinReply>(&bytes, SWARM_REPLY_LEN_MAX_BYTES);
             let _ = decode::<Heartbeat>(&bytes, 64);
-            let _ = decode::<Renewal>(&bytes, 64);
+            let _ = decode::<Renewal>(&bytes, SWARM_REPLY_LEN_MAX_BYTES);
             // Control: a JSON request inside a frame, and the answer.
             let _ = decode::<String>(&bytes, 1 << 20);
             if let Ok(text) = std::str::from_utf8(&bytes) {
@@ -410,9 +459,70 @@ mod tests {
         }
     }
 
-    /// A status of 100,000 nodes, each with a 200-character error, as the
-    /// daemon sends it: as a control answer (JSON) and as a telemetry
-    /// snapshot (postcard). Both must fit the frames each side accepts.
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn a_welcome_and_a_renewal_round_trip_with_their_replicas(
+            replicas in proptest::collection::vec(wire_addr(), 0..=REPLICAS_MAX),
+            numbers in any::<(u64, u64, bool)>(),
+            told in any::<bool>(),
+            cut in 1usize..400,
+        ) {
+            let (heartbeat, lease_ms, lease_waits_for_jobs) = numbers;
+            let welcome = JoinReply::Welcome {
+                heartbeat_ms: heartbeat,
+                lease_ms,
+                lease_waits_for_jobs,
+                replicas: replicas.clone(),
+            };
+            let renewal = Renewal {
+                heartbeat,
+                replicas: told.then_some(replicas),
+            };
+            let bytes = encode_frame(&welcome, SWARM_REPLY_LEN_MAX_BYTES).unwrap();
+            prop_assert_eq!(decoded::<JoinReply>(&bytes, SWARM_REPLY_LEN_MAX_BYTES), Some(welcome));
+            if cut < bytes.len() {
+                prop_assert!(!decode::<JoinReply>(&bytes[..cut], SWARM_REPLY_LEN_MAX_BYTES));
+            }
+            let bytes = encode_frame(&renewal, SWARM_REPLY_LEN_MAX_BYTES).unwrap();
+            prop_assert_eq!(decoded::<Renewal>(&bytes, SWARM_REPLY_LEN_MAX_BYTES), Some(renewal));
+            if cut < bytes.len() {
+                prop_assert!(!decode::<Renewal>(&bytes[..cut], SWARM_REPLY_LEN_MAX_BYTES));
+            }
+        }
+    }
+
+    /// The largest welcome and renewal a daemon sends: every number at its
+    /// longest, and [`REPLICAS_MAX`] IPv6 addresses.
+    #[test]
+    fn a_welcome_and_a_renewal_with_every_replica_fit_a_reply() {
+        let replicas: Vec<std::net::SocketAddr> = (0..REPLICAS_MAX)
+            .map(|i| {
+                let ip = std::net::Ipv6Addr::new(0xffff, 0xffff, 0xffff, 0xffff, 0, 0, 0, i as u16);
+                std::net::SocketAddr::from((ip, u16::MAX))
+            })
+            .collect();
+        let welcome = JoinReply::Welcome {
+            heartbeat_ms: u64::MAX,
+            lease_ms: u64::MAX,
+            lease_waits_for_jobs: true,
+            replicas: replicas.clone(),
+        };
+        let renewal = Renewal {
+            heartbeat: u64::MAX,
+            replicas: Some(replicas),
+        };
+        assert!(encode_frame(&welcome, 400).is_ok());
+        assert!(encode_frame(&renewal, 400).is_ok());
+        // A daemon alone adds a byte to each: an empty list, no change.
+        let alone = Renewal {
+            heartbeat: 1,
+            replicas: None,
+        };
+        assert_eq!(encode_frame(&alone, 64).unwrap(), framed(&[1, 0]));
+    }
+
     #[test]
     fn a_join_is_encoded_as_before_and_interns_nothing_until_its_token_checks() {
         use swactor_providers::credentials::AgentCredentials;
@@ -450,6 +560,9 @@ mod tests {
         assert_eq!(GroupId::known("never-joined-group"), None);
     }
 
+    /// A status of 100,000 nodes, each with a 200-character error, as the
+    /// daemon sends it: as a control answer (JSON) and as a telemetry
+    /// snapshot (postcard). Both must fit the frames each side accepts.
     #[test]
     fn a_status_of_a_hundred_thousand_nodes_fits_a_frame() {
         let error = "e".repeat(200);
@@ -503,6 +616,7 @@ mod tests {
             in_flight: 0,
             paused: false,
             holds: Vec::new(),
+            ha: None,
         };
         let json = serde_json::to_string(&ControlResponse::Status(snap.clone())).unwrap();
         assert!(
@@ -567,6 +681,16 @@ mod tests {
                 kind: HoldKind::Remediation,
                 reason: "remediation paused: 4 of 6 unhealthy > max 2".to_owned(),
             }],
+            ha: Some(swactor_actors::HaStatus {
+                leader: "ctl-a (pid 4242)".to_owned(),
+                leading_since_wall_ms: 1_764_000_000_000,
+                standbys: vec!["ctl-b (pid 77)".to_owned()],
+                lease_ttl_ms: 10_000,
+                margin_ms: 2_000,
+                renewed_ms_ago: 1_200,
+                etcd: "http://127.0.0.1:2379".to_owned(),
+                terms: 1,
+            }),
         };
         let frames: [TelemetryFrame<ClusterSnapshot, ClusterEvent>; 2] = [
             TelemetryFrame::Snapshot {

@@ -5,9 +5,16 @@
 //! the engine's handshake deadline and fit its small first-frame limit, and
 //! it is accepted only from the key derived for that very (run, node,
 //! attempt), with its token. Refusals are logged once, then summarised.
+//!
+//! When several daemons take turns leading the run, a welcome names them
+//! all, and a change of that list reaches each joined agent with the
+//! renewal that answers its next heartbeat.
 
-use crate::protocol::{Heartbeat, JoinReply, JoinRequest, Renewal};
+use crate::protocol::{
+    Heartbeat, JoinReply, JoinRequest, REPLICAS_MAX, Renewal, SWARM_REPLY_LEN_MAX_BYTES,
+};
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -21,6 +28,7 @@ use swactor_engine::net::{
     REFUSAL_LOG_INTERVAL, accept_first_frame, recv_frame, send_frame,
 };
 use swactor_provisioning::{Liveness, ResourceKey};
+use tokio::sync::watch;
 
 /// How often a connected agent's join is asserted again.
 const JOIN_REASSERT: Duration = Duration::from_secs(3);
@@ -35,7 +43,7 @@ const _: () = assert!(
     "the rejoin window must outlast the agent's idle timeout and a join reassert"
 );
 
-/// Largest heartbeat or reply frame (a heartbeat is a counter).
+/// Largest heartbeat frame (a heartbeat is a counter).
 const SMALL_FRAME_LEN_MAX_BYTES: usize = 64;
 
 #[derive(Debug, Clone)]
@@ -51,6 +59,9 @@ pub(crate) struct SwarmHandler {
     pub(crate) pre_auth: PreAuth,
     /// When each node's lease was last renewed, for the views.
     pub(crate) renewals: crate::renewals::Renewals,
+    /// Every daemon of the run's agents' address, told to agents so they
+    /// find whichever leads (empty: this daemon alone).
+    pub(crate) replicas: crate::replicas::Replicas,
 }
 
 impl ProtocolHandler for SwarmHandler {
@@ -82,7 +93,11 @@ impl ProtocolHandler for SwarmHandler {
             key: checked.as_ref().ok().cloned(),
             session: session.clone(),
         };
-        let sent = self.answer(&mut send, &join, &verdict).await;
+        // The welcome names the run's daemons as they are now; a later
+        // change goes out with a renewal.
+        let mut replicas = self.replicas.receiver();
+        let told = told(&replicas.borrow_and_update());
+        let sent = self.answer(&mut send, &join, &verdict, told).await;
         drop(unjoined);
         let (key, liveness, session) = match (sent, checked, verdict, session) {
             (Ok(()), Ok(key), Ok(liveness), Some(session)) => {
@@ -101,7 +116,9 @@ impl ProtocolHandler for SwarmHandler {
             send: &mut send,
             recv: &mut recv,
         };
-        self.serve(&mut link, key, &liveness, &session).await;
+        let renewer = Renewer::new(&liveness, replicas, Instant::now());
+        self.serve(&mut link, key, &liveness, &session, renewer)
+            .await;
         Ok(())
     }
 }
@@ -172,23 +189,26 @@ impl SwarmHandler {
         }
     }
 
-    /// Sends the verdict to the agent and logs a refusal or a deferral.
+    /// Sends the verdict to the agent (a welcome names `replicas`) and logs
+    /// a refusal or a deferral.
     async fn answer(
         &self,
         send: &mut SendStream,
         join: &JoinRequest,
         verdict: &Verdict,
+        replicas: Vec<SocketAddr>,
     ) -> Result<(), FrameError> {
         let reply = match verdict {
             Ok(liveness) => JoinReply::Welcome {
                 heartbeat_ms: liveness.heartbeat_ms,
                 lease_ms: liveness.lease_ms,
                 lease_waits_for_jobs: liveness.lease_waits_for_jobs,
+                replicas,
             },
             Err((reason, true)) => JoinReply::NotYet(reason.clone()),
             Err((reason, false)) => JoinReply::Refused(reason.clone()),
         };
-        let sent = send_frame(send, &reply, SMALL_FRAME_LEN_MAX_BYTES).await;
+        let sent = send_frame(send, &reply, SWARM_REPLY_LEN_MAX_BYTES).await;
         match verdict {
             Err((reason, false)) => {
                 // The key is the peer's own unchecked text: escaped, so it
@@ -204,20 +224,18 @@ impl SwarmHandler {
         sent
     }
 
-    /// Serves a joined agent: follows its heartbeats, tells the cluster when
-    /// it goes silent or comes back, and asserts its join again now and then.
+    /// Serves a joined agent: follows its heartbeats, answers them with
+    /// renewals when `renewer` says so, tells the cluster when it goes
+    /// silent or comes back, and asserts its join again now and then.
     async fn serve(
         &self,
         link: &mut Link<'_>,
         key: ResourceKey,
         liveness: &Liveness,
         session: &Session,
+        mut renewer: Renewer,
     ) {
         let conn = link.conn;
-        // The welcome was the lease's first renewal; the next one answers
-        // the first heartbeat heard `renew_every` later.
-        let renew_every = Duration::from_millis(liveness.renew_every_ms);
-        let mut renewed = Instant::now();
         // Silent this long, the agent is taken for gone; its grace is
         // counted from its last heartbeat.
         let silence = Duration::from_millis(liveness.silence_ms);
@@ -255,11 +273,11 @@ impl SwarmHandler {
             match frame {
                 Some(Ok(Some(Heartbeat(n)))) => {
                     heard = Heard::now(&self.starvation);
-                    if liveness.renew_every_ms > 0 && renewed.elapsed() >= renew_every {
-                        renewed = Instant::now();
-                        if renew(link.send, &key, n).await {
-                            self.renewals.renewed(&key);
-                        }
+                    if let Some(renewal) = renewer.handle_heartbeat(n, Instant::now())
+                        && renew(link.send, &key, &renewal).await
+                    {
+                        renewer.handle_sent(&renewal);
+                        self.renewals.renewed(&key);
                     }
                 }
                 // Silent for the first time: disconnected, grace running.
@@ -323,12 +341,82 @@ impl SwarmHandler {
     }
 }
 
-/// Renews `key`'s lease, answering its heartbeat `n`; a renewal that
-/// cannot be sent at once is dropped. Whether it was sent.
-async fn renew(send: &mut SendStream, key: &ResourceKey, n: u64) -> bool {
+/// The first [`REPLICAS_MAX`] of the run's daemons: what an agent is told
+/// (it would keep no more), so a welcome or a renewal always fits its frame.
+fn told(replicas: &[SocketAddr]) -> Vec<SocketAddr> {
+    replicas.iter().take(REPLICAS_MAX).copied().collect()
+}
+
+/// When a joined agent's heartbeat is answered with a renewal of its
+/// lease: the first heartbeat heard `renew_every_ms` after the last
+/// renewal, and the first heard after the run's daemons changed, whose new
+/// list that renewal carries. A renewal only ever answers a heartbeat the
+/// daemon heard, so a new list never keeps alive the lease of an agent it
+/// does not hear. Call [`Self::handle_heartbeat`] for each heartbeat, then
+/// [`Self::handle_sent`] once its renewal is on the agent's stream.
+struct Renewer {
+    /// How long after a renewal the next one is due; `None` for a lease
+    /// that never lapses (renewed only to tell a new list).
+    every: Option<Duration>,
+    /// When the last renewal went out (or was given up).
+    last: Instant,
+    /// The run's daemons, as they change.
+    replicas: watch::Receiver<Vec<SocketAddr>>,
+    /// The list changed since the agent was last told it.
+    untold: bool,
+}
+
+impl Renewer {
+    /// For an agent welcomed at `now` (the welcome was its lease's first
+    /// renewal, and told it the list `replicas` last marked seen).
+    fn new(liveness: &Liveness, replicas: watch::Receiver<Vec<SocketAddr>>, now: Instant) -> Self {
+        Self {
+            every: (liveness.renew_every_ms > 0)
+                .then(|| Duration::from_millis(liveness.renew_every_ms)),
+            last: now,
+            replicas,
+            untold: false,
+        }
+    }
+
+    /// The renewal answering heartbeat `n`, heard at `now`, if one is due.
+    /// A renewal that is due counts as sent whether or not it is (the next
+    /// one is due `renew_every_ms` later); a new list is sent again with
+    /// every heartbeat until one reaches the agent.
+    #[must_use]
+    fn handle_heartbeat(&mut self, n: u64, now: Instant) -> Option<Renewal> {
+        // Every sender gone: the list can change no more.
+        if self.replicas.has_changed().unwrap_or(false) {
+            self.replicas.mark_unchanged();
+            self.untold = true;
+        }
+        let on_time = self
+            .every
+            .is_some_and(|every| now.saturating_duration_since(self.last) >= every);
+        if !on_time && !self.untold {
+            return None;
+        }
+        self.last = now;
+        Some(Renewal {
+            heartbeat: n,
+            replicas: self.untold.then(|| told(&self.replicas.borrow())),
+        })
+    }
+
+    /// `renewal` reached the agent's stream.
+    fn handle_sent(&mut self, renewal: &Renewal) {
+        if renewal.replicas.is_some() {
+            self.untold = false;
+        }
+    }
+}
+
+/// Renews `key`'s lease with `renewal`; a renewal that cannot be sent at
+/// once is dropped. Whether it was sent.
+async fn renew(send: &mut SendStream, key: &ResourceKey, renewal: &Renewal) -> bool {
     let sent = tokio::time::timeout(
         RENEWAL_SEND_MAX,
-        send_frame(send, &Renewal(n), SMALL_FRAME_LEN_MAX_BYTES),
+        send_frame(send, renewal, SWARM_REPLY_LEN_MAX_BYTES),
     )
     .await;
     let sent = matches!(sent, Ok(Ok(())));
@@ -497,5 +585,84 @@ impl RefusalLog {
                 c.last_logged = Some(Instant::now());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use swactor_provisioning::OrphanPolicy;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    /// A renewer for a lease of 10 s (renewed every 2 s) welcomed at `at`,
+    /// with the sender of its list of daemons.
+    fn renewer(at: Instant, lease_s: u32) -> (Renewer, watch::Sender<Vec<SocketAddr>>) {
+        let (tx, mut rx) = watch::channel(vec![addr(1)]);
+        // As the welcome does.
+        assert_eq!(told(&rx.borrow_and_update()), vec![addr(1)]);
+        let liveness = Liveness::for_grace(4_000).with_lease(lease_s, OrphanPolicy::Always);
+        (Renewer::new(&liveness, rx, at), tx)
+    }
+
+    #[test]
+    fn a_renewal_answers_a_heartbeat_on_time_and_names_no_daemon_while_none_changed() {
+        let t0 = Instant::now();
+        let (mut r, _tx) = renewer(t0, 10);
+        assert_eq!(
+            r.handle_heartbeat(1, t0 + Duration::from_millis(1_999)),
+            None
+        );
+        let due = r.handle_heartbeat(2, t0 + Duration::from_secs(2));
+        assert_eq!(
+            due,
+            Some(Renewal {
+                heartbeat: 2,
+                replicas: None
+            })
+        );
+        // Counted from when it was due, sent or not.
+        assert_eq!(r.handle_heartbeat(3, t0 + Duration::from_secs(3)), None);
+        assert!(r.handle_heartbeat(4, t0 + Duration::from_secs(4)).is_some());
+    }
+
+    #[test]
+    fn a_changed_list_of_daemons_answers_the_next_heartbeat_until_it_is_sent() {
+        let t0 = Instant::now();
+        let (mut r, tx) = renewer(t0, 10);
+        let soon = t0 + Duration::from_millis(250);
+        assert_eq!(r.handle_heartbeat(1, soon), None);
+        // Twenty daemons: the agent is told the first sixteen.
+        let many: Vec<SocketAddr> = (1..=20).map(addr).collect();
+        tx.send_replace(many.clone());
+        let first = r.handle_heartbeat(2, soon).unwrap();
+        assert_eq!(first.replicas.as_deref(), Some(&many[..REPLICAS_MAX]));
+        // Not sent: the next heartbeat carries it again, and the latest list.
+        tx.send_replace(vec![addr(2)]);
+        let again = r.handle_heartbeat(3, soon).unwrap();
+        assert_eq!(again.replicas, Some(vec![addr(2)]));
+        r.handle_sent(&again);
+        assert_eq!(r.handle_heartbeat(4, soon), None);
+        // A list set again to what it was is told again too: harmless.
+        tx.send_replace(vec![addr(2)]);
+        assert!(r.handle_heartbeat(5, soon).is_some());
+    }
+
+    #[test]
+    fn a_lease_that_never_lapses_is_renewed_only_to_tell_a_new_list() {
+        let t0 = Instant::now();
+        let (mut r, tx) = renewer(t0, 0);
+        let late = t0 + Duration::from_secs(3_600);
+        assert_eq!(r.handle_heartbeat(1, late), None);
+        tx.send_replace(Vec::new());
+        let told = r.handle_heartbeat(2, late).unwrap();
+        assert_eq!(told.replicas, Some(Vec::new()));
+        r.handle_sent(&told);
+        assert_eq!(r.handle_heartbeat(3, late), None);
+        // The daemon's list going away changes nothing.
+        drop(tx);
+        assert_eq!(r.handle_heartbeat(4, late), None);
     }
 }

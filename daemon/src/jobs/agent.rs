@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use swactor_engine::iroh::endpoint::{Connection, RecvStream, SendStream};
 use swactor_engine::iroh::{Endpoint, EndpointAddr};
-use swactor_engine::net::{EndpointTicket, connect, recv_frame, send_frame};
+use swactor_engine::net::{connect, recv_frame, send_frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 
@@ -184,11 +184,17 @@ impl AgentJobs {
     }
 
     /// Dials the daemon for the jobs protocol and serves its requests, again
-    /// and again while the agent lives.
-    pub(crate) async fn serve(self, endpoint: Endpoint, ticket: EndpointTicket, join: JoinRequest) {
+    /// and again while the agent lives; each dial tries every address of
+    /// `daemons` known then, as the swarm session does.
+    pub(crate) async fn serve(
+        self,
+        endpoint: Endpoint,
+        daemons: crate::agent::DialSet,
+        join: JoinRequest,
+    ) {
         let mut failures = 0u32;
         loop {
-            match self.session(&endpoint, &ticket, &join).await {
+            match self.session(&endpoint, &daemons.addr(), &join).await {
                 Ok(()) => failures = 0,
                 Err(e) => {
                     failures += 1;
@@ -202,23 +208,17 @@ impl AgentJobs {
     async fn session(
         &self,
         endpoint: &Endpoint,
-        ticket: &EndpointTicket,
+        daemon: &EndpointAddr,
         join: &JoinRequest,
     ) -> anyhow::Result<()> {
-        let conn = connect(
-            endpoint,
-            ticket.addr().clone(),
-            ALPN_JOBS,
-            Duration::from_secs(5),
-        )
-        .await?;
+        let conn = connect(endpoint, daemon.clone(), ALPN_JOBS, Duration::from_secs(5)).await?;
         let (mut send, _recv) = conn.open_bi().await?;
         send_frame(&mut send, join, JOBS_FRAME_LEN_MAX).await?;
         let _ = send.finish();
         loop {
             let (send, recv) = conn.accept_bi().await?;
             let me = self.clone();
-            let daemon = (endpoint.clone(), ticket.addr().clone());
+            let daemon = (endpoint.clone(), daemon.clone());
             tokio::spawn(async move {
                 if let Err(e) = me.serve_stream(send, recv, &daemon).await {
                     tracing::debug!(%e, "a jobs request failed");
