@@ -113,6 +113,20 @@ nodes, or creates more than 20 at once, is confirmed on a terminal (or needs
         /// the shape anew.
         #[arg(long)]
         fresh: bool,
+        /// Keep the journal in etcd instead of STATE/journal.redb, and take
+        /// turns on the run with every other daemon started on the same
+        /// etcd and shape: one leads, the others stand by (docs/ha.md).
+        #[command(flatten)]
+        etcd: swactor_daemon::journal::EtcdArgs,
+        /// With --etcd: the key prefix the run's keys live under (e.g.
+        /// /prod), so one etcd serves several deployments.
+        #[arg(long, value_name = "PREFIX", default_value = "")]
+        etcd_prefix: String,
+        /// With --etcd: how long the leader's etcd lease lives without a
+        /// renewal, in seconds (default 10). A standby takes over within
+        /// about this long of the leader's machine being lost.
+        #[arg(long, value_name = "SECONDS")]
+        lease_ttl: Option<f64>,
     },
     /// Offer a new shape to the running daemon (its plan is shown first).
     #[command(after_help = "Examples:
@@ -419,7 +433,11 @@ async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32
             http,
             adopt,
             fresh,
+            etcd,
+            etcd_prefix,
+            lease_ttl,
         } => {
+            let ha = daemon::HaOptions::from_args(&etcd, etcd_prefix, lease_ttl)?;
             daemon::up(daemon::UpOptions {
                 shape,
                 state_dir,
@@ -433,6 +451,7 @@ async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32
                 yes,
                 unrecorded: unrecorded(adopt, fresh),
                 providers: Vec::new(),
+                ha,
             })
             .await
         }

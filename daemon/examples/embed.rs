@@ -248,6 +248,7 @@ async fn embed(state_dir: Option<PathBuf>) -> anyhow::Result<i32> {
         http: None,
         unrecorded: None,
         providers: vec![own_provider(made.clone(), destroyed.clone())],
+        ha: None,
     })
     .await?;
     println!("embed: the daemon returned {code}");

@@ -16,6 +16,7 @@
 //! agent      the node agent: join, liveness, its end of the jobs protocol
 //! shapefile  the TOML shape format, validated into the core's types
 //! guard      what a change destroys or replaces, and asking first
+//! replicas   the daemons of a run shared in etcd: addresses, who leads
 //! state      the state directory: its files, tokens and the daemon lock
 //! words      how states, sizes, times and costs read to a person
 //! ```
@@ -33,6 +34,7 @@ pub mod metrics;
 pub mod progress;
 pub mod protocol;
 pub(crate) mod renewals;
+pub mod replicas;
 pub mod shapefile;
 pub mod state;
 pub mod swarm;

@@ -236,6 +236,28 @@ impl StateDir {
         )
     }
 
+    /// The UDP port the daemon's control endpoint used last, so a CLI
+    /// ticket given out earlier (another replica's, say) still names it.
+    pub fn saved_control_port(&self) -> Option<u16> {
+        std::fs::read_to_string(self.root.join("control.port"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// Remembers the control endpoint's port.
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub fn save_control_port(&self, port: u16) -> Result<()> {
+        write_atomic(
+            &self.root.join("control.port"),
+            port.to_string().as_bytes(),
+            0o600,
+        )
+    }
+
     /// The addresses the last daemon listened on and gave its agents
     /// (`--listen`, `--advertise`), if they were saved and can be read.
     /// Read from a path, since `up` settles its addresses before it makes

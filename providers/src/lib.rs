@@ -55,10 +55,11 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Environment variables that hold an account's credentials on the
-/// daemon's machine (the Vast.ai API key). No provider passes them on to a
+/// daemon's machine (the Vast.ai API key, the etcd credentials of a run
+/// kept in etcd). No provider passes them on to a
 /// node: a local agent, which otherwise inherits the daemon's environment,
 /// starts without them.
-pub const ACCOUNT_ENV: &[&str] = &["VAST_API_KEY"];
+pub const ACCOUNT_ENV: &[&str] = &["VAST_API_KEY", "ETCDCTL_USER", "ETCDCTL_PASSWORD"];
 
 /// The exit status of an agent that ended its node by itself because its
 /// daemon renewed nothing for a whole lease (the group's `orphan_after_s`):

@@ -22,12 +22,12 @@ use swactor_actors::{
     Cluster, ClusterConfig, ClusterEvent, ClusterHandle, ClusterSnapshot, ShutdownMode,
     ShutdownReport, SupervisorArgs, SupervisorExit,
 };
-use swactor_engine::RestartPolicy;
 use swactor_engine::net::{
     ALPN_CONTROL, ALPN_SWARM, ALPN_TELEMETRY, Allowlist, EndpointTicket, GuardedRouterBuilder,
     HandshakeRate, Limits, NetConfig, bind_endpoint,
 };
 use swactor_engine::telemetry::{NdjsonConfig, NdjsonSink, TelemetryConfig, TelemetryPublisher};
+use swactor_engine::{EngineInstant, RestartPolicy};
 use swactor_providers::Provider;
 use swactor_providers::Providers;
 use swactor_providers::docker::{DockerConfig, DockerOnDemand};
@@ -40,10 +40,14 @@ use swactor_provisioning::{
 use tokio::sync::{mpsc, oneshot};
 
 mod fleet;
+mod ha;
 mod serve;
 mod start;
 
+pub use ha::{DEFAULT_LEASE_TTL, HaOptions};
+
 use fleet::*;
+use ha::{GAVE_UP, LOST_LEAD, Term};
 use serve::*;
 use start::*;
 
@@ -77,6 +81,9 @@ pub struct UpOptions {
     /// Providers the embedding program brings, besides the built-in ones
     /// (the `swactor` binary brings none).
     pub providers: Vec<EmbeddedProvider>,
+    /// `--etcd`: the journal in etcd, shared with standby daemons of the
+    /// same run (`None`: `journal.redb`, this daemon alone).
+    pub ha: Option<HaOptions>,
 }
 
 /// A provider an embedding program brings to the daemon: groups name it by
@@ -119,10 +126,19 @@ pub struct Joining {
 ///
 /// # Errors
 /// Bad input (shape, state directory) or a failure to start.
-pub async fn up(opts: UpOptions) -> Result<i32> {
+pub async fn up(mut opts: UpOptions) -> Result<i32> {
+    if let Some(ha) = opts.ha.take() {
+        return ha::up(opts, ha).await;
+    }
+    run(&mut opts, None).await
+}
+
+/// One daemon from start to stop: alone on its journal (`term` is `None`),
+/// or for one term of leadership of a run shared through etcd.
+async fn run(opts: &mut UpOptions, term: Option<Term>) -> Result<i32> {
     let swarm = SwarmRuntime::new()?;
     let mut endpoints = Vec::new();
-    let outcome = run(opts, swarm.handle(), &mut endpoints).await;
+    let outcome = start_and_serve(opts, term, swarm.handle(), &mut endpoints).await;
     if outcome.is_err() {
         // A start refused once the endpoints are bound (a provider that
         // cannot start, a shape refused) closes them: dropped open, iroh
@@ -183,28 +199,39 @@ impl Drop for SwarmRuntime {
 /// endpoints are bound; the providers are made; the cluster, the jobs and
 /// the protocols start; then the daemon serves until it is told to stop
 /// ([`serve_until_stopped`]).
-async fn run(
-    opts: UpOptions,
+async fn start_and_serve(
+    opts: &mut UpOptions,
+    term: Option<Term>,
     swarm: tokio::runtime::Handle,
     bound: &mut Vec<swactor_engine::iroh::Endpoint>,
 ) -> Result<i32> {
     let started = std::time::Instant::now();
-    let mut opts = opts;
     let embedded = std::mem::take(&mut opts.providers);
     let more_providers: Vec<&'static str> = embedded.iter().map(|p| p.kind).collect();
+    let opts = &*opts;
     // The lock is released last, once everything else has stopped.
-    let (_lock, mut opened, read) = open(&opts, &more_providers).await?;
+    let (_lock, mut opened, read) = open(opts, &more_providers, term.as_ref()).await?;
     let run_id = opened.start.run_id.clone();
     let (prepared, publisher) = prepare(
-        &opts,
+        opts,
         &swarm,
         bound,
         &mut opened,
-        read.resume.as_ref(),
+        (read.resume.as_ref(), term.as_ref()),
         embedded,
     )
     .await?;
     let provider = prepared.made.provider.clone();
+    // In a term, every provider call the cluster makes passes the
+    // leadership gate, and the host stops at the same bound.
+    let cluster_provider: Arc<dyn Provider> = match &term {
+        Some(t) => {
+            let gated = swactor_providers::gate::LeaderGated::new(provider.clone(), t.lead.clone());
+            let _ = t.gate.set(gated.counts());
+            Arc::new(gated)
+        }
+        None => provider.clone(),
+    };
 
     let (starvation, _measuring) = measure_starvation(&swarm);
     let _handshakes = AbortOnDrop(tokio::spawn(crate::handshakes::summarise()));
@@ -214,11 +241,16 @@ async fn run(
     config.deployment.clone_from(&opened.deployment);
     config.visibility_window = prepared.made.visibility_window;
     config.capacities = provider.capacities();
+    config.lead = term.as_ref().map(|t| t.lead.clone());
     // The cluster actor is restarted from the journal if it fails; the
     // journal image it resumes from is the one just read.
     drop(read.resume);
     let (cluster, exit_rx) =
-        start_cluster(config, provider.clone(), publisher, read.journal).await?;
+        start_cluster(config, cluster_provider, publisher, read.journal).await?;
+    if let Some(t) = &term {
+        let _ = t.cluster.set(cluster.clone());
+        cluster.leadership_changed();
+    }
 
     // Jobs, resumed from jobs.redb: a job actor for every job with runs
     // under way follows them again.
@@ -260,6 +292,7 @@ async fn run(
         metrics: prepared.metrics.clone(),
         more_providers,
         renewals: renewals.clone(),
+        ha: term.as_ref().map(|t| t.view.clone()).unwrap_or_default(),
     };
     let swarm_handler = SwarmHandler {
         cluster: cluster.clone(),
@@ -269,6 +302,9 @@ async fn run(
         sessions: crate::swarm::Sessions::default(),
         pre_auth: swactor_engine::net::PreAuth::new(pre_auth_max()),
         renewals,
+        replicas: term
+            .as_ref()
+            .map_or_else(crate::replicas::Replicas::none, |t| t.replicas.clone()),
     };
     let core = Core {
         cluster,
@@ -279,7 +315,7 @@ async fn run(
         swarm_handler,
         started_tx,
     };
-    listen_and_serve(&opts, &swarm, started, opened, prepared, core).await
+    listen_and_serve(opts, &swarm, started, (opened, term), prepared, core).await
 }
 
 /// What a start checked, read and decided before anything was bound.
@@ -297,7 +333,7 @@ struct Opened {
 
 /// The journal as [`open`] read it.
 struct ReadJournal {
-    journal: DaemonJournal,
+    journal: Arc<dyn swactor_actors::JournalStore>,
     /// The image the cluster resumes from, if there was a journal.
     resume: Option<JournalImage>,
 }
@@ -308,24 +344,50 @@ struct ReadJournal {
 async fn open(
     opts: &UpOptions,
     more_providers: &[&'static str],
-) -> Result<(crate::state::DaemonLock, Opened, ReadJournal)> {
+    term: Option<&Term>,
+) -> Result<(Option<crate::state::DaemonLock>, Opened, ReadJournal)> {
     let (listen, advertise) = network(opts)?;
-    let pre = Preflight::check(opts, more_providers).await?;
+    let pre = Preflight::check(opts, more_providers, term.map(|t| t.resume.is_none())).await?;
     let state = StateDir::create(opts.state_dir.clone())?;
     // The CLI may send SIGHUP to the pid in the lock as soon as it is there
     // (a CLI that finds no ticket yet asks for it): catch it from before
     // then, or its default action would end the daemon.
     let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .context("cannot catch SIGHUP")?;
-    // One daemon per state directory, taken before anything else is touched.
-    let lock = state.lock()?;
-    let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
-    let journal_health = journal.health();
-    let start = Start::decide(resume.as_ref(), pre.file.as_ref(), state.root())?;
+    let (lock, journal, resume, journal_health): (_, Arc<dyn swactor_actors::JournalStore>, _, _) =
+        match term {
+            // One daemon per state directory, taken before anything else is touched.
+            None => {
+                let lock = state.lock()?;
+                let (journal, resume) = DaemonJournal::open(&state.journal_path())?;
+                let health = journal.health();
+                (Some(lock), Arc::new(journal), resume, health)
+            }
+            // A term: the lock is held for the whole process, the journal was
+            // read from etcd as the term began.
+            Some(t) => (
+                None,
+                Arc::new(t.journal.clone()),
+                t.resume.clone(),
+                t.journal.health(),
+            ),
+        };
+    // With standbys, the shape file is applied only to a run that has
+    // none yet: a takeover resumes what the journal holds (`swactor apply`
+    // changes it).
+    let file = match term {
+        Some(_) if resume.as_ref().is_some_and(|r| r.meta.shape.is_some()) => None,
+        _ => pre.file.as_ref(),
+    };
+    let start = Start::decide(resume.as_ref(), file, state.root())?;
     // Which deployment this journal is: every resource a provider makes
     // carries it, and one of the run that carries another is left alone.
     let deployment = state.deployment(resume.as_ref())?;
-    if let Some(shape) = pre.checked.as_ref().filter(|_| !pre.fresh) {
+    if let Some(shape) = pre
+        .checked
+        .as_ref()
+        .filter(|_| !pre.fresh && file.is_some())
+    {
         confirm_start(resume.as_ref(), shape, opts.yes).await?;
     }
     let opened = Opened {
@@ -363,7 +425,7 @@ async fn prepare(
     swarm: &tokio::runtime::Handle,
     bound: &mut Vec<swactor_engine::iroh::Endpoint>,
     opened: &mut Opened,
-    resume: Option<&JournalImage>,
+    (resume, term): (Option<&JournalImage>, Option<&Term>),
     embedded: Vec<EmbeddedProvider>,
 ) -> Result<(Prepared, TelemetryPublisher<ClusterSnapshot, ClusterEvent>)> {
     let state = &opened.state;
@@ -372,7 +434,14 @@ async fn prepare(
     // refused before the endpoint starts, with nothing else to say.
     let http_listener = crate::http::bind(state, opts.http).await?;
     let http_token = crate::http::token(state)?;
-    let endpoints = Endpoints::bind(state, swarm, opened.listen, opened.advertise, bound).await?;
+    let mut endpoints =
+        Endpoints::bind(state, swarm, opened.listen, opened.advertise, bound).await?;
+    if let Some(t) = term {
+        // Agents and CLIs are given every daemon of the run: whichever
+        // leads answers.
+        endpoints.agent_ticket = t.agent_ticket(endpoints.swarm.id());
+        endpoints.cli_ticket = t.cli_ticket(endpoints.control.id());
+    }
     state.save_network(opened.listen, opened.advertise)?;
     if let Some(path) = &opened.pre.keep_agent_binary {
         state.save_agent_binary(path)?;
@@ -457,7 +526,7 @@ async fn listen_and_serve(
     opts: &UpOptions,
     swarm: &tokio::runtime::Handle,
     started: std::time::Instant,
-    opened: Opened,
+    (opened, term): (Opened, Option<Term>),
     prepared: Prepared,
     core: Core,
 ) -> Result<i32> {
@@ -467,6 +536,8 @@ async fn listen_and_serve(
     let http_token = &prepared.http_token;
     // One allowlist for the CLI's protocols, so a reloaded key applies to both.
     let cli_allowed = Allowlist::only([prepared.cli_id]);
+    // In a term, the CLIs of every daemon of the run are let in.
+    let admitting = term.as_ref().map(|t| t.admit_clis(cli_allowed.clone()));
     let router = serve_protocols(
         endpoints,
         swarm,
@@ -533,6 +604,8 @@ async fn listen_and_serve(
         exit: core.exit,
         down: core.down,
         started,
+        lost: term.as_ref().map(|t| t.lost.clone()),
+        _admitting: admitting,
     };
     serve_until_stopped(running, opts, finish_teardown).await
 }
@@ -541,16 +614,16 @@ async fn listen_and_serve(
 /// journal if it fails; the receiver is told when the supervisor gives up.
 async fn start_cluster(
     config: ClusterConfig,
-    provider: Arc<Providers>,
+    provider: Arc<dyn Provider>,
     publisher: TelemetryPublisher<ClusterSnapshot, ClusterEvent>,
-    journal: DaemonJournal,
+    journal: Arc<dyn swactor_actors::JournalStore>,
 ) -> Result<(ClusterHandle, oneshot::Receiver<SupervisorExit>)> {
     let (exit_tx, exit_rx) = oneshot::channel();
     let args = SupervisorArgs {
         config,
         provider,
         publisher: Some(Arc::new(publisher)),
-        journal: Arc::new(journal),
+        journal,
         restarts: CLUSTER_RESTARTS,
         on_exit: Some(exit_tx),
     };
@@ -573,6 +646,10 @@ struct Running {
     /// `down` requests from the CLI (and from the budget and lifetime watches).
     down: mpsc::Receiver<DownRequest>,
     started: std::time::Instant,
+    /// In a term: becomes true once this daemon no longer leads.
+    lost: Option<tokio::sync::watch::Receiver<bool>>,
+    /// In a term: lets the CLIs of the run's other daemons in.
+    _admitting: Option<AbortOnDrop>,
 }
 
 /// Serves until converged (`--until-converged`), a signal or a `down`, then
@@ -625,8 +702,14 @@ async fn serve_until_stopped(
             }
         }
     } else {
+        let in_term = running.lost.is_some();
         tokio::select! {
-            _ = shutdown_signal() => progress.say("\nswactor: stopping"),
+            _ = shutdown_signal() => {
+                progress.say("\nswactor: stopping");
+                // With standbys, stopping one daemon is not stopping the
+                // run: its nodes are kept for the one that leads next.
+                keep |= in_term;
+            }
             Some((k, p, reply)) = running.down.recv() => {
                 keep = k;
                 purge = p;
@@ -634,7 +717,23 @@ async fn serve_until_stopped(
             }
             exit = &mut running.exit => {
                 progress.stop().await;
-                return Ok(gave_up(exit.ok(), &running.state, running.router).await);
+                let code = gave_up(exit.ok(), &running.state, running.router).await;
+                return Ok(if in_term { GAVE_UP } else { code });
+            }
+            () = lead_lost(running.lost.as_mut()) => {
+                progress.stop().await;
+                let cluster = running.cluster;
+                // The host acts on nothing past the bound: a keep stops it
+                // with nothing to do; a cluster that does not answer is
+                // stopped outright.
+                if tokio::time::timeout(Duration::from_secs(3), cluster.shutdown(ShutdownMode::Keep))
+                    .await
+                    .is_err()
+                {
+                    cluster.actor().stop(Some("no longer leading".to_owned()));
+                }
+                running.router.shutdown().await;
+                return Ok(LOST_LEAD);
             }
         }
     }
@@ -674,6 +773,17 @@ async fn serve_until_stopped(
     state.remove_ticket();
     router.shutdown().await;
     Ok(code)
+}
+
+/// Resolves once `lost` says the term's leadership is lost; never
+/// without a term.
+async fn lead_lost(lost: Option<&mut tokio::sync::watch::Receiver<bool>>) {
+    match lost {
+        Some(lost) => {
+            let _ = lost.wait_for(|lost| *lost).await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// How often the cluster actor may fail, and be restarted from its journal,

@@ -277,16 +277,33 @@ pub(super) async fn bind_control_endpoint(
     state: &StateDir,
     listen: IpAddr,
 ) -> Result<swactor_engine::iroh::Endpoint> {
-    let config = NetConfig {
+    let mut config = NetConfig {
         frame_len_max: FRAME_LEN_MAX,
         incoming_bidi_streams_max: Some(1),
         incoming_uni_streams_max: Some(0),
         bind_addr: SocketAddr::new(listen, 0),
         ..NetConfig::default()
     };
-    bind_endpoint(&config, state.control_key()?)
+    let key = state.control_key()?;
+    // The port of last time, when there is one, so a ticket given out
+    // before (to the CLI of another replica of the run) still reaches it.
+    if let Some(port) = state.saved_control_port() {
+        config.bind_addr = SocketAddr::new(listen, port);
+        match bind_endpoint(&config, key.clone()).await {
+            Ok(ep) => return Ok(ep),
+            Err(e) => {
+                tracing::warn!(%e, port, "the previous control port is taken; binding a new one")
+            }
+        }
+        config.bind_addr = SocketAddr::new(listen, 0);
+    }
+    let ep = bind_endpoint(&config, key)
         .await
-        .context("cannot bind the daemon's control endpoint")
+        .context("cannot bind the daemon's control endpoint")?;
+    if let Some(port) = ep.bound_sockets().first().map(SocketAddr::port) {
+        state.save_control_port(port)?;
+    }
+    Ok(ep)
 }
 
 /// How many connections may wait to join at once: [`PreAuth::DEFAULT_MAX`],

@@ -61,7 +61,14 @@ pub(super) struct Preflight {
 }
 
 impl Preflight {
-    pub(super) async fn check(opts: &UpOptions, more_providers: &[&'static str]) -> Result<Self> {
+    /// `ha_fresh`: in a term of a run shared through etcd, whether its
+    /// journal there is empty (the state directory's files then say
+    /// nothing of the run).
+    pub(super) async fn check(
+        opts: &UpOptions,
+        more_providers: &[&'static str],
+        ha_fresh: Option<bool>,
+    ) -> Result<Self> {
         let ndjson = ndjson_config()?;
         if let Some(kind) = more_providers
             .iter()
@@ -78,7 +85,7 @@ impl Preflight {
         let checked = file.as_ref().map(|f| f.check(1)).transpose()?;
         // A fresh state directory: the whole shape is new, and whether to go
         // ahead is settled before the directory is even made.
-        let fresh = !opts.state_dir.join("journal.redb").exists();
+        let fresh = ha_fresh.unwrap_or_else(|| !opts.state_dir.join("journal.redb").exists());
         if fresh {
             // The core's start decision without a journal, asked before
             // anything is made: a mistyped --state-dir is left as it was (or
@@ -103,7 +110,7 @@ impl Preflight {
         // was lost. Refused here already when the files say so; the provider's
         // listing is looked at once the providers are made.
         let traces = swactor_provisioning::Traces {
-            files: if fresh {
+            files: if fresh && ha_fresh.is_none() {
                 run_traces(&opts.state_dir)
             } else {
                 Vec::new()
