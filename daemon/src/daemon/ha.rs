@@ -273,7 +273,12 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
             advertise.unwrap_or(listen),
             reserve_port(&state, listen, Port::Swarm)?,
         ),
-        control: SocketAddr::new(listen, reserve_port(&state, listen, Port::Control)?),
+        // Dialed from the other replicas' machines too: the advertised
+        // address when there is one, as for agents.
+        control: SocketAddr::new(
+            advertise.unwrap_or(listen),
+            reserve_port(&state, listen, Port::Control)?,
+        ),
         cli_key: state.cli_key()?.public().to_string(),
     };
     let election_config = ha.election(

@@ -315,7 +315,14 @@ async fn start_and_serve(
         swarm_handler,
         started_tx,
     };
-    listen_and_serve(opts, &swarm, started, (opened, term), prepared, core).await
+    let jobs = core.jobs.clone();
+    let in_term = term.is_some();
+    let outcome = listen_and_serve(opts, &swarm, started, (opened, term), prepared, core).await;
+    if in_term {
+        // The next term opens `jobs.redb` again.
+        jobs.stop().await;
+    }
+    outcome
 }
 
 /// What a start checked, read and decided before anything was bound.
@@ -552,7 +559,7 @@ async fn listen_and_serve(
         &prepared.metrics,
     );
     let http_addr = prepared.http_listener.local_addr()?;
-    crate::http::serve(
+    let web = crate::http::serve(
         prepared.http_listener,
         Arc::new(crate::http::Web {
             control: core.control,
@@ -564,7 +571,7 @@ async fn listen_and_serve(
         }),
     );
     state.write_ticket(&endpoints.cli_ticket)?;
-    reload_on_hangup(
+    let reloading = reload_on_hangup(
         opened.hangups,
         state.clone(),
         endpoints.cli_ticket.clone(),
@@ -606,6 +613,7 @@ async fn listen_and_serve(
         started,
         lost: term.as_ref().map(|t| t.lost.clone()),
         _admitting: admitting,
+        _web: (web, reloading),
     };
     serve_until_stopped(running, opts, finish_teardown).await
 }
@@ -650,6 +658,9 @@ struct Running {
     lost: Option<tokio::sync::watch::Receiver<bool>>,
     /// In a term: lets the CLIs of the run's other daemons in.
     _admitting: Option<AbortOnDrop>,
+    /// The dashboard and `/metrics`, and the SIGHUP reloads, served until
+    /// this is dropped.
+    _web: (crate::http::WebServer, AbortOnDrop),
 }
 
 /// Serves until converged (`--until-converged`), a signal or a `down`, then

@@ -141,8 +141,8 @@ pub(super) fn reload_on_hangup(
     ticket: EndpointTicket,
     allowed: Allowlist,
     mut cli: swactor_engine::iroh::EndpointId,
-) {
-    tokio::spawn(async move {
+) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             if let Err(e) = state.write_ticket(&ticket) {
                 tracing::warn!(%e, "cannot write the ticket again");
@@ -160,7 +160,7 @@ pub(super) fn reload_on_hangup(
                 Err(e) => tracing::warn!(%e, "cannot read the CLI key"),
             }
         }
-    });
+    }))
 }
 
 /// Largest `telemetry.ndjson` before it is rotated, in bytes.

@@ -147,7 +147,7 @@ pub(crate) fn token(state: &StateDir) -> Result<String> {
 }
 
 /// Serves `web` on `listener` until the daemon exits.
-pub(crate) fn serve(listener: tokio::net::TcpListener, web: Arc<Web>) {
+pub(crate) fn serve(listener: tokio::net::TcpListener, web: Arc<Web>) -> WebServer {
     let router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/", get(index))
@@ -164,12 +164,27 @@ pub(crate) fn serve(listener: tokio::net::TcpListener, web: Arc<Web>) {
         .route("/api/teardown", post(api_teardown))
         .layer(middleware::from_fn_with_state(web.clone(), guard))
         .with_state(web.clone());
-    tokio::spawn(accept(
-        listener,
-        router,
-        ConnectionLimits::for_this_process(),
-    ));
-    tokio::spawn(follow(web));
+    WebServer([
+        tokio::spawn(accept(
+            listener,
+            router,
+            ConnectionLimits::for_this_process(),
+        )),
+        tokio::spawn(follow(web)),
+    ])
+}
+
+/// The web surface while it serves: dropping it stops accepting, closes
+/// the connections it holds and stops sampling (a daemon whose term of
+/// leadership ended lets go of everything it served with).
+pub(crate) struct WebServer([tokio::task::JoinHandle<()>; 2]);
+
+impl Drop for WebServer {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
 }
 
 /// How many connections the web surface holds at once and how long an idle
@@ -216,9 +231,35 @@ impl ConnectionLimits {
 /// connection is busy, the new one is closed at once and counted. An accept
 /// that fails (out of descriptors) is retried after a pause, so a flood can
 /// neither hold descriptors the daemon needs nor spin the loop.
+/// The connections being served; closed when the accept loop ends.
+#[derive(Default)]
+struct OpenConnections(std::collections::VecDeque<Arc<Connection>>);
+
+impl std::ops::Deref for OpenConnections {
+    type Target = std::collections::VecDeque<Arc<Connection>>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for OpenConnections {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for OpenConnections {
+    fn drop(&mut self) {
+        for c in &self.0 {
+            c.ended.store(true, Ordering::Relaxed);
+            c.close.notify_one();
+        }
+    }
+}
+
 async fn accept(listener: tokio::net::TcpListener, router: Router, limits: ConnectionLimits) {
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.connections_max));
-    let mut open: std::collections::VecDeque<Arc<Connection>> = std::collections::VecDeque::new();
+    let mut open = OpenConnections::default();
     let mut refused = RefusedConnections::default();
     loop {
         let stream = match listener.accept().await {

@@ -258,6 +258,16 @@ fn seq_of(id: &str) -> Option<u64> {
 }
 
 impl JobService {
+    /// Stops the jobs' supervisor and its job actors, which lets go of
+    /// `jobs.redb` once the last handle is dropped (a term of leadership
+    /// that ends; the next one opens it again).
+    pub(crate) async fn stop(&self) {
+        let _ = self
+            .root
+            .stop_and_wait(None, Some(std::time::Duration::from_secs(5)))
+            .await;
+    }
+
     /// Opens `jobs.redb` under `state_root`, starts the jobs' supervisor and
     /// a job actor for every job it says has runs under way.
     ///

@@ -1,0 +1,459 @@
+//! Two daemons on one run, its journal in a 3-member etcd cluster on
+//! loopback, their nodes containers on the real Docker engine (which both
+//! daemons see): one leads, the other stands by and takes over.
+//!
+//! - The battery kills the leader with SIGKILL at a seeded moment (steady,
+//!   mid-scale, mid-rollout, mid-replacement), `SWACTOR_HA_CYCLES` times
+//!   (default 4; the closing figures come from 30): the standby must lead
+//!   within the lease + 5 s and converge; a watcher lists the run's
+//!   containers every 50 ms and fails on any moment a slot has two; the
+//!   killed daemon comes back as the standby. The last cycle kills the
+//!   leader in the middle of `down`: the standby finishes the teardown.
+//! - The frozen leader: SIGSTOP past its lease; the standby takes over and
+//!   converges; after SIGCONT the old leader changes nothing (no container
+//!   made or removed, no journal write) and stands by.
+//! - etcd members lost: one of three during convergence changes nothing;
+//!   all three stop the leader acting within the lease, the nodes keep
+//!   running, and it converges again once etcd is back.
+//!
+//! Without etcd or Docker these tests print one line and pass, unless
+//! `SWACTOR_REQUIRE_ETCD=1` / `SWACTOR_REQUIRE_DOCKER=1` (set by `.ci/run`).
+
+use crate::common;
+
+use common::docker::{
+    agent_binary, by_slot, containers, docker, docker_shape, remove_run, slot_watcher,
+};
+use common::*;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use swactor_engine::etcd::testing::EtcdCluster;
+
+/// The leader's lease in these tests, seconds.
+const TTL_S: u64 = 3;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// Two daemons' state directories on one run and one etcd.
+struct Pair {
+    _tmp: tempfile::TempDir,
+    dir: PathBuf,
+    run: String,
+    etcd: EtcdCluster,
+    states: [PathBuf; 2],
+    daemons: [Option<Daemon>; 2],
+    files: u32,
+}
+
+impl Pair {
+    /// `None` when etcd or Docker is missing (and not required).
+    fn new(name: &str) -> Option<Self> {
+        if !common::docker::engine_up() {
+            return None;
+        }
+        let etcd = EtcdCluster::start(3)?;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let run = format!("ha-{name}-{}", std::process::id());
+        remove_run(&run);
+        Some(Self {
+            states: [dir.join("a"), dir.join("b")],
+            dir,
+            _tmp: tmp,
+            run,
+            etcd,
+            daemons: [None, None],
+            files: 0,
+        })
+    }
+
+    fn file(&mut self, body: &str) -> PathBuf {
+        self.files += 1;
+        shape_file(&self.dir, &format!("s{}.toml", self.files), body)
+    }
+
+    /// Starts daemon `i` on `shape` (it leads or stands by).
+    fn start(&mut self, i: usize, shape: &PathBuf) {
+        let agent = agent_binary();
+        let endpoints = self.etcd.endpoints().join(",");
+        let ttl = TTL_S.to_string();
+        let d = Daemon::spawn_with(
+            &self.states[i],
+            Some(shape),
+            &[
+                "--agent-binary",
+                agent.to_str().unwrap(),
+                "--etcd",
+                &endpoints,
+                "--lease-ttl",
+                &ttl,
+            ],
+        )
+        .unwrap_or_else(|e| panic!("daemon {i} exited ({:?}): {}", e.code, e.log));
+        self.daemons[i] = Some(d);
+    }
+
+    /// How many terms daemon `i` (the last one started on its directory)
+    /// began, and how many it ended.
+    fn terms(&self, i: usize) -> (usize, usize) {
+        let log = self.daemons[i]
+            .as_ref()
+            .map(Daemon::last_log)
+            .unwrap_or_default();
+        (
+            log.matches("swactor: leading run").count(),
+            log.matches("swactor: no longer leading").count(),
+        )
+    }
+
+    fn leads(&self, i: usize) -> bool {
+        let (began, ended) = self.terms(i);
+        self.daemons[i].is_some() && began > ended
+    }
+
+    /// The one that leads, waiting up to `within` for one to.
+    fn leader(&self, within: Duration) -> usize {
+        let start = Instant::now();
+        loop {
+            for i in 0..2 {
+                if self.leads(i) {
+                    return i;
+                }
+            }
+            assert!(
+                start.elapsed() < within,
+                "no daemon leads after {within:?}:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn logs(&self) -> String {
+        (0..2)
+            .map(|i| {
+                format!(
+                    "--- daemon {i}:\n{}",
+                    self.daemons[i]
+                        .as_ref()
+                        .map(Daemon::log)
+                        .unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    /// Converged on `nodes` ready nodes, as the CLI of `state` `i` sees it
+    /// (whichever daemon leads answers).
+    fn converged(&self, i: usize, nodes: usize, within: Duration) {
+        if let Err(last) = try_wait_converged(&self.states[i], within, |s| {
+            s.nodes.len() == nodes && s.nodes.iter().all(|n| n.ready)
+        }) {
+            panic!(
+                "not converged to {nodes} node(s): {last:#?}\ncontainers {:#?}\n{}",
+                containers(&self.run),
+                self.logs()
+            );
+        }
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(d) = self.daemons[i].as_mut() {
+            d.kill9();
+        }
+        self.daemons[i] = None;
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        for d in &mut self.daemons {
+            drop(d.take());
+        }
+        remove_run(&self.run);
+    }
+}
+
+fn shape(run: &str, count: u32, colour: &str) -> String {
+    docker_shape(run, count, &format!("env = {{ COLOUR = \"{colour}\" }}\n"))
+}
+
+/// The containers' ids and states, for "nothing changed".
+fn world(run: &str) -> Vec<(String, String)> {
+    let mut all: Vec<(String, String)> = containers(run)
+        .into_iter()
+        .map(|c| (c.id, c.state))
+        .collect();
+    all.sort();
+    all
+}
+
+#[test]
+fn a_standby_takes_over_a_killed_leader_and_nothing_is_made_twice() {
+    let Some(mut p) = Pair::new("battery") else {
+        return;
+    };
+    let cycles: u64 = std::env::var("SWACTOR_HA_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    let seed: u64 = std::env::var("SWACTOR_HA_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7);
+    let mut rng = Rng(seed);
+    let run = p.run.clone();
+    let first = p.file(&shape(&run, 3, "c0"));
+    p.start(0, &first);
+    assert_eq!(p.leader(Duration::from_secs(10)), 0);
+    p.start(1, &first);
+    p.converged(1, 3, Duration::from_secs(120));
+    let doubles = slot_watcher(&run);
+    let (mut count, mut colour) = (3u32, 0u32);
+    let mut takeovers = Vec::new();
+    for cycle in 0..cycles {
+        let leader = p.leader(Duration::from_secs(10));
+        let standby = 1 - leader;
+        let (began, _) = p.terms(standby);
+        // What is under way when the leader dies.
+        let what = match cycle % 4 {
+            0 => "steady",
+            1 => {
+                count = if count == 3 { 4 } else { 3 };
+                let f = p.file(&shape(&run, count, &format!("c{colour}")));
+                let o = cli(&p.states[leader], &["apply", f.to_str().unwrap(), "--yes"]);
+                assert!(o.status.success(), "apply: {}", stderr(&o));
+                "mid-scale"
+            }
+            2 => {
+                colour += 1;
+                let f = p.file(&shape(&run, count, &format!("c{colour}")));
+                let o = cli(&p.states[leader], &["apply", f.to_str().unwrap(), "--yes"]);
+                assert!(o.status.success(), "apply: {}", stderr(&o));
+                "mid-rollout"
+            }
+            _ => {
+                let victim = containers(&run).into_iter().next().expect("a container");
+                docker(&["rm", "-f", &victim.id]);
+                "mid-replacement"
+            }
+        };
+        std::thread::sleep(Duration::from_millis(rng.below(1_500)));
+        let killed = Instant::now();
+        p.kill(leader);
+        // The standby leads within the lease and 5 s.
+        let within = Duration::from_secs(TTL_S + 5);
+        while p.terms(standby).0 == began {
+            assert!(
+                killed.elapsed() < within,
+                "cycle {cycle} ({what}): the standby did not lead within {within:?}\n{}",
+                p.logs()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let took = killed.elapsed();
+        takeovers.push(took);
+        eprintln!(
+            "ha battery: cycle {cycle} ({what}): daemon {standby} leads {:.2} s after the kill",
+            took.as_secs_f64()
+        );
+        p.converged(standby, count as usize, Duration::from_secs(120));
+        let (found, _) = doubles.found();
+        assert!(
+            found.is_empty(),
+            "cycle {cycle} ({what}): a slot had two containers: {found:#?}\n{}",
+            p.logs()
+        );
+        // One container per slot, of the template now desired.
+        for (slot, cs) in by_slot(&run) {
+            assert_eq!(cs.len(), 1, "slot {slot}: {cs:#?}");
+        }
+        // The killed daemon comes back, standing by.
+        p.start(leader, &first);
+    }
+    // The last leader is killed in the middle of `down`: the standby
+    // finishes the teardown, and both daemons end.
+    let leader = p.leader(Duration::from_secs(10));
+    let standby = 1 - leader;
+    let state = p.states[leader].clone();
+    let down = std::thread::spawn(move || cli(&state, &["down"]));
+    let asked = Instant::now();
+    while !p.daemons[leader]
+        .as_ref()
+        .is_some_and(|d| d.last_log().contains("swactor: tearing down"))
+    {
+        assert!(
+            asked.elapsed() < Duration::from_secs(20),
+            "down never began:\n{}",
+            p.logs()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(rng.below(500)));
+    p.kill(leader);
+    let _ = down.join();
+    let code = p.daemons[standby]
+        .as_mut()
+        .unwrap()
+        .wait_exit(Duration::from_secs(120));
+    assert_eq!(
+        code,
+        Some(0),
+        "the standby did not finish the teardown:\n{}",
+        p.logs()
+    );
+    let left = containers(&run);
+    assert!(left.is_empty(), "left after down: {left:#?}\n{}", p.logs());
+    let (found, times) = doubles.stop();
+    assert!(
+        found.is_empty() && times == 0,
+        "a slot had two containers {times} time(s): {found:#?}"
+    );
+    takeovers.sort();
+    eprintln!(
+        "ha battery: {cycles} takeovers (seed {seed}), min {:.2} s, median {:.2} s, max {:.2} s",
+        takeovers.first().map_or(0.0, Duration::as_secs_f64),
+        takeovers
+            .get(takeovers.len() / 2)
+            .map_or(0.0, Duration::as_secs_f64),
+        takeovers.last().map_or(0.0, Duration::as_secs_f64),
+    );
+}
+
+/// The journal header's revision: it moves with every journal write.
+fn journal_revision(etcd: &EtcdCluster, run: &str) -> i64 {
+    let client = etcd.client();
+    let key = format!("/swactor/v1/{run}/header");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async move { client.get(key).await })
+        .expect("etcd answers")
+        .map_or(0, |kv| kv.mod_revision)
+}
+
+#[test]
+fn a_frozen_leader_wakes_to_change_nothing_and_stands_by() {
+    let Some(mut p) = Pair::new("frozen") else {
+        return;
+    };
+    let run = p.run.clone();
+    let f = p.file(&shape(&run, 2, "c0"));
+    p.start(0, &f);
+    assert_eq!(p.leader(Duration::from_secs(10)), 0);
+    p.start(1, &f);
+    p.converged(1, 2, Duration::from_secs(120));
+    let doubles = slot_watcher(&run);
+    let pid = p.daemons[0].as_ref().unwrap().pid().unwrap();
+    signal(pid, "-STOP");
+    let frozen = Instant::now();
+    while p.terms(1).0 == 0 {
+        assert!(
+            frozen.elapsed() < Duration::from_secs(TTL_S + 5),
+            "the standby did not lead:\n{}",
+            p.logs()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    eprintln!(
+        "ha frozen: the standby leads {:.2} s after the leader froze",
+        frozen.elapsed().as_secs_f64()
+    );
+    // A container lost while the old leader sleeps: the new one replaces it.
+    let victim = containers(&run).into_iter().next().expect("a container");
+    docker(&["rm", "-f", &victim.id]);
+    p.converged(1, 2, Duration::from_secs(120));
+    let before = (world(&run), journal_revision(&p.etcd, &run));
+    signal(pid, "-CONT");
+    let woke = Instant::now();
+    while p.terms(0).1 == 0 {
+        assert!(
+            woke.elapsed() < Duration::from_secs(10),
+            "the old leader did not stand down:\n{}",
+            p.logs()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Time for anything it might still do to show.
+    std::thread::sleep(Duration::from_secs(3));
+    let after = (world(&run), journal_revision(&p.etcd, &run));
+    assert_eq!(
+        before,
+        after,
+        "something changed after the old leader woke:\n{}",
+        p.logs()
+    );
+    let old = p.daemons[0].as_ref().unwrap().last_log();
+    let ended = old
+        .lines()
+        .find(|l| l.contains("no longer leading"))
+        .unwrap()
+        .to_owned();
+    eprintln!("ha frozen: the old leader said: {ended}");
+    assert!(p.leads(1) && !p.leads(0), "{}", p.logs());
+    let (found, times) = doubles.stop();
+    assert!(
+        found.is_empty() && times == 0,
+        "a slot had two containers: {found:#?}"
+    );
+    // It stands by: killing the new leader makes it lead again.
+    p.kill(1);
+    p.leader(Duration::from_secs(TTL_S + 5));
+    p.converged(0, 2, Duration::from_secs(120));
+}
+
+#[test]
+fn etcd_members_lost_change_nothing_or_hold_the_leader_until_they_are_back() {
+    let Some(mut p) = Pair::new("members") else {
+        return;
+    };
+    let run = p.run.clone();
+    let f = p.file(&shape(&run, 3, "c0"));
+    p.start(0, &f);
+    assert_eq!(p.leader(Duration::from_secs(10)), 0);
+    p.start(1, &f);
+    // One member of three lost while the cluster converges: nothing to see.
+    p.etcd.kill(p.etcd.leader().unwrap_or(0));
+    p.converged(1, 3, Duration::from_secs(120));
+    assert_eq!(p.terms(0), (1, 0), "{}", p.logs());
+    assert_eq!(p.terms(1), (0, 0), "{}", p.logs());
+    // All three lost: past the lease the leader acts on nothing (a lost
+    // container is not replaced), its nodes keep running.
+    let ids = world(&run);
+    p.etcd.kill_all();
+    std::thread::sleep(Duration::from_secs(TTL_S));
+    let victim = containers(&run).into_iter().next().expect("a container");
+    docker(&["rm", "-f", &victim.id]);
+    std::thread::sleep(Duration::from_secs(TTL_S + 1));
+    let left = world(&run);
+    assert_eq!(
+        left.len(),
+        ids.len() - 1,
+        "acted without etcd: {left:#?}\n{}",
+        p.logs()
+    );
+    assert!(
+        left.iter().all(|(_, state)| state == "running"),
+        "{left:#?}"
+    );
+    // etcd back: it converges again.
+    p.etcd.restart_all();
+    p.converged(0, 3, Duration::from_secs(120));
+    for (slot, cs) in by_slot(&run) {
+        assert_eq!(cs.len(), 1, "slot {slot}: {cs:#?}");
+    }
+}
