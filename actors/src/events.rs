@@ -186,6 +186,7 @@ pub struct ClusterSnapshot {
 /// The daemons of a run that share its journal in etcd: the one that leads
 /// and those that stand by.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct HaStatus {
     /// The leader, as people know it (`host (pid N)`).
     pub leader: String,
@@ -203,6 +204,12 @@ pub struct HaStatus {
     pub etcd: String,
     /// Times this replica took the lead since it started.
     pub terms: u64,
+    /// Provider calls this term let through its leadership gate.
+    pub provider_calls: u64,
+    /// Provider calls this term's gate refused (picked up past the bound).
+    pub provider_calls_refused: u64,
+    /// Journal commits this term sent to etcd.
+    pub journal_commits: u64,
 }
 
 impl ClusterSnapshot {

@@ -742,6 +742,25 @@ fn encode_ha(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Err
         "swactor_ha_terms",
         "Times this daemon took the lead since it started.",
         ha.terms,
+    )?;
+    counter(
+        e,
+        "swactor_ha_provider_calls",
+        "Provider calls the leader's current term let through its leadership gate.",
+        ha.provider_calls,
+    )?;
+    counter(
+        e,
+        "swactor_ha_provider_calls_refused",
+        "Provider calls the current term's gate refused, unsent, because they were \
+         picked up past the leadership bound.",
+        ha.provider_calls_refused,
+    )?;
+    counter(
+        e,
+        "swactor_ha_journal_commits",
+        "Journal commits the leader's current term sent to etcd.",
+        ha.journal_commits,
     )
 }
 
@@ -1038,6 +1057,9 @@ mod tests {
             renewed_ms_ago: 1_250,
             etcd: "https://etcd-0:2379".to_owned(),
             terms: 3,
+            provider_calls: 12,
+            provider_calls_refused: 1,
+            journal_commits: 7,
         }));
         for line in [
             "swactor_ha_leader{leader=\"ctl-a (pid 4242)\"} 1\n",
@@ -1045,6 +1067,9 @@ mod tests {
             "swactor_ha_lease_renewed_seconds_ago 1.25\n",
             "swactor_ha_lease_ttl_seconds 10.0\n",
             "swactor_ha_terms_total 3\n",
+            "swactor_ha_provider_calls_total 12\n",
+            "swactor_ha_provider_calls_refused_total 1\n",
+            "swactor_ha_journal_commits_total 7\n",
         ] {
             assert!(shared.contains(line), "{line} in {shared}");
         }

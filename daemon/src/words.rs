@@ -645,6 +645,7 @@ mod tests {
             renewed_ms_ago: 1_234,
             etcd: "http://127.0.0.1:2379".to_owned(),
             terms: 1,
+            ..Default::default()
         }
     }
 

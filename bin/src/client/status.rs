@@ -460,6 +460,7 @@ mod tests {
             renewed_ms_ago: 1_200,
             etcd: "https://etcd-0:2379".to_owned(),
             terms: 1,
+            ..Default::default()
         }
     }
 

@@ -25,7 +25,7 @@ use common::docker::{
     agent_binary, by_slot, containers, docker, docker_shape, remove_run, slot_watcher,
 };
 use common::*;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use swactor_engine::etcd::testing::EtcdCluster;
 
@@ -86,7 +86,7 @@ impl Pair {
     }
 
     /// Starts daemon `i` on `shape` (it leads or stands by).
-    fn start(&mut self, i: usize, shape: &PathBuf) {
+    fn start(&mut self, i: usize, shape: &Path) {
         let agent = agent_binary();
         let endpoints = self.etcd.endpoints().join(",");
         let ttl = TTL_S.to_string();
@@ -359,6 +359,12 @@ fn a_frozen_leader_wakes_to_change_nothing_and_stands_by() {
     p.converged(1, 2, Duration::from_secs(120));
     let doubles = slot_watcher(&run);
     let pid = p.daemons[0].as_ref().unwrap().pid().unwrap();
+    // What the leader's term has done so far, by its own counts (a steady
+    // cluster makes no call between this and the freeze).
+    let ha = status(&p.states[0])
+        .and_then(|s| s.ha)
+        .expect("the leader says who leads");
+    assert!(ha.provider_calls > 0 && ha.journal_commits > 0, "{ha:?}");
     signal(pid, "-STOP");
     let frozen = Instant::now();
     while p.terms(1).0 == 0 {
@@ -404,6 +410,13 @@ fn a_frozen_leader_wakes_to_change_nothing_and_stands_by() {
         .unwrap()
         .to_owned();
     eprintln!("ha frozen: the old leader said: {ended}");
+    // Everything it counted, it had counted before it froze: no provider
+    // call, refused or made, and no journal commit since.
+    let said = format!(
+        "{} provider calls made, 0 refused at the bound, {} journal commits sent",
+        ha.provider_calls, ha.journal_commits
+    );
+    assert!(ended.contains(&said), "expected {said:?} in {ended:?}");
     assert!(p.leads(1) && !p.leads(0), "{}", p.logs());
     let (found, times) = doubles.stop();
     assert!(
@@ -456,4 +469,66 @@ fn etcd_members_lost_change_nothing_or_hold_the_leader_until_they_are_back() {
     for (slot, cs) in by_slot(&run) {
         assert_eq!(cs.len(), 1, "slot {slot}: {cs:#?}");
     }
+}
+
+/// `up --etcd` refuses, starting nothing and leaving no state directory,
+/// when etcd does not answer, when the run's groups are local processes,
+/// and when the prefix holds a journal of another kind (left untouched).
+#[test]
+fn a_daemon_that_cannot_share_the_run_starts_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let refused = |shape: &str, endpoints: &str, what: &str| -> String {
+        let f = shape_file(tmp.path(), "s.toml", shape);
+        let state = tmp.path().join("state");
+        let e = Daemon::spawn_with(&state, Some(&f), &["--etcd", endpoints])
+            .err()
+            .unwrap_or_else(|| panic!("{what}: the daemon started"));
+        assert_eq!(e.code, Some(1), "{what}: {}", e.log);
+        assert!(e.log.contains("nothing was started"), "{what}: {}", e.log);
+        assert!(!state.exists(), "{what}: the state directory was made");
+        e.log
+    };
+    // Nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = refused(
+        &docker_shape("ha-gone", 1, ""),
+        &format!("http://127.0.0.1:{port}"),
+        "etcd unreachable",
+    );
+    assert!(
+        log.contains("cannot read run ha-gone's journal in etcd"),
+        "{log}"
+    );
+    let log = refused(
+        "run = \"ha-local\"\n[[group]]\nid = \"w\"\ncount = 1\nprovider = \"process\"\n",
+        &format!("http://127.0.0.1:{port}"),
+        "process nodes",
+    );
+    assert!(log.contains("processes of this machine"), "{log}");
+    let Some(etcd) = EtcdCluster::shared() else {
+        return;
+    };
+    let client = etcd.client();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let run = format!("ha-foreign-{}", std::process::id());
+    let header = format!("/swactor/v1/{run}/header");
+    let foreign = br#"{"kind":"someone-else","format":1}"#.to_vec();
+    runtime
+        .block_on(client.put(&header, &foreign, None))
+        .unwrap();
+    let log = refused(
+        &docker_shape(&run, 1, ""),
+        &etcd.endpoints().join(","),
+        "a foreign journal",
+    );
+    assert!(log.contains(&format!("/swactor/v1/{run}")), "{log}");
+    let kept = runtime.block_on(client.get(&header)).unwrap().unwrap();
+    assert_eq!(kept.value, foreign, "the foreign header was touched");
 }

@@ -129,26 +129,38 @@ pub(super) struct ReplicaRecord {
 /// What a daemon knows of its run's other daemons, as it changes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) struct Peers {
-    /// Every registered daemon, this one included, in key order.
+    /// Every daemon registered now (alive), this one included, in key order.
     pub(super) all: Vec<ReplicaRecord>,
+    /// Every daemon that ever registered, alive or not: a replica that was
+    /// killed and comes back on the same addresses (its state directory
+    /// keeps its ports) is reachable at them, so agents are told of it
+    /// even while it is down. At most [`PEERS_MAX`].
+    pub(super) known: Vec<ReplicaRecord>,
 }
 
 impl Peers {
-    fn swarm(&self, me: &ReplicaRecord) -> Vec<SocketAddr> {
-        let mut addrs = vec![me.swarm];
-        addrs.extend(self.all.iter().map(|r| r.swarm).filter(|a| *a != me.swarm));
+    /// This daemon's address first, then every other daemon's, alive
+    /// first, each once, at most [`PEERS_MAX`].
+    fn addresses(
+        &self,
+        me: &ReplicaRecord,
+        of: impl Fn(&ReplicaRecord) -> SocketAddr,
+    ) -> Vec<SocketAddr> {
+        let mut addrs = vec![of(me)];
+        for a in self.all.iter().chain(&self.known).map(of) {
+            if !addrs.contains(&a) && addrs.len() < PEERS_MAX {
+                addrs.push(a);
+            }
+        }
         addrs
     }
 
+    fn swarm(&self, me: &ReplicaRecord) -> Vec<SocketAddr> {
+        self.addresses(me, |r| r.swarm)
+    }
+
     fn control(&self, me: &ReplicaRecord) -> Vec<SocketAddr> {
-        let mut addrs = vec![me.control];
-        addrs.extend(
-            self.all
-                .iter()
-                .map(|r| r.control)
-                .filter(|a| *a != me.control),
-        );
-        addrs
+        self.addresses(me, |r| r.control)
     }
 }
 
@@ -289,15 +301,10 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
     let (peers_tx, peers) = watch::channel(Peers::default());
     let _following = AbortOnDrop(tokio::spawn(follow_peers(
         client.clone(),
-        format!("{root}/replicas/"),
+        root.clone(),
         peers_tx,
     )));
-    let mut registered = AbortOnDrop(tokio::spawn(register(
-        client.clone(),
-        format!("{root}/replicas/{}", me.cli_key),
-        me.clone(),
-        election.lease(),
-    )));
+    let mut registered = re_register(&client, &root, &me, &election);
     eprintln!(
         "swactor: run {run_id} keeps its journal in etcd at {endpoints}; this daemon is \
          {} (lease {} s)",
@@ -345,16 +352,19 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
         let term = start_term(&election, fence, journal, resume, &peers, &me, &ha, terms);
         let started = std::time::Instant::now();
         let gate = term.gate.clone();
+        let journal = term.journal.clone();
         let outcome = run(&mut opts, Some(term)).await;
         let counts = gate
             .get()
             .map(|c| (c.passed(), c.refused()))
             .unwrap_or_default();
+        let commits = journal.commits_sent();
         match outcome {
             Ok(LOST_LEAD) => {
                 eprintln!(
                     "swactor: no longer leading run {run_id} (after {:.1} s; {} provider calls \
-                     made, {} refused at the bound); every node was left running, standing by",
+                     made, {} refused at the bound, {commits} journal commits sent); every node \
+                     was left running, standing by",
                     started.elapsed().as_secs_f64(),
                     counts.0,
                     counts.1
@@ -402,7 +412,10 @@ fn re_register(
 ) -> AbortOnDrop {
     AbortOnDrop(tokio::spawn(register(
         client.clone(),
-        format!("{root}/replicas/{}", me.cli_key),
+        (
+            format!("{root}/replicas/{}", me.cli_key),
+            format!("{root}/known/{}", me.cli_key),
+        ),
         me.clone(),
         election.lease(),
     )))
@@ -424,6 +437,7 @@ fn start_term(
     let (lost_tx, lost) = watch::channel(false);
     let view = HaView::default();
     let cluster: Arc<OnceLock<ClusterHandle>> = Arc::default();
+    let gate: Arc<OnceLock<Arc<swactor_providers::gate::GateCounts>>> = Arc::default();
     let (replicas_tx, replicas_rx) = watch::channel(peers.borrow().swarm(me));
     let role = election.role();
     let since_wall_ms = wall_ms();
@@ -438,6 +452,8 @@ fn start_term(
         peers: peers.clone(),
         me: me.clone(),
         replicas: replicas_tx,
+        journal: journal.clone(),
+        gate: gate.clone(),
         status: swactor_actors::HaStatus {
             leader: me.name.clone(),
             leading_since_wall_ms: since_wall_ms,
@@ -447,6 +463,7 @@ fn start_term(
             renewed_ms_ago: 0,
             etcd: ha.etcd.endpoints.join(","),
             terms,
+            ..Default::default()
         },
         ttl: ha.lease_ttl,
         margin,
@@ -463,7 +480,7 @@ fn start_term(
         peers: peers.clone(),
         me: me.clone(),
         cluster,
-        gate: Arc::default(),
+        gate,
     }
 }
 
@@ -479,6 +496,8 @@ struct Following {
     peers: watch::Receiver<Peers>,
     me: ReplicaRecord,
     replicas: watch::Sender<Vec<SocketAddr>>,
+    journal: EtcdJournal,
+    gate: Arc<OnceLock<Arc<swactor_providers::gate::GateCounts>>>,
     status: swactor_actors::HaStatus,
     ttl: Duration,
     margin: Duration,
@@ -510,6 +529,11 @@ impl Following {
             .filter(|r| r.cli_key != self.me.cli_key)
             .map(|r| r.name.clone())
             .collect();
+        if let Some(gate) = self.gate.get() {
+            status.provider_calls = gate.passed();
+            status.provider_calls_refused = gate.refused();
+        }
+        status.journal_commits = self.journal.commits_sent();
         status.renewed_ms_ago = held.map_or(u64::MAX, |until| {
             // The bound is the renewal's send time + ttl − margin.
             let renewed = until.checked_sub(self.ttl.saturating_sub(self.margin));
@@ -740,16 +764,21 @@ fn reserve_port(state: &StateDir, listen: IpAddr, which: Port) -> Result<u16> {
 }
 
 /// Keeps this daemon's record under `key`, attached to its election lease
-/// (written again whenever the lease changes).
+/// (written again whenever the lease changes), and once under `known`,
+/// without a lease.
 async fn register(
     client: Client,
-    key: String,
+    (key, known): (String, String),
     me: ReplicaRecord,
     mut lease: watch::Receiver<Option<i64>>,
 ) {
     let Ok(value) = serde_json::to_vec(&me) else {
         return;
     };
+    while let Err(e) = client.put(&known, &value, None).await {
+        tracing::debug!(%e, "cannot record this daemon's addresses yet");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
     loop {
         let id = *lease.borrow_and_update();
         if let Some(id) = id {
@@ -773,19 +802,30 @@ async fn register(
     }
 }
 
-/// Reads the run's registered daemons every second.
-async fn follow_peers(client: Client, prefix: String, peers: watch::Sender<Peers>) {
+/// Reads the run's registered daemons (alive and ever) every second.
+async fn follow_peers(client: Client, root: String, peers: watch::Sender<Peers>) {
+    let read = |prefix: String| {
+        let client = client.clone();
+        async move {
+            let page = client.range(&Range::prefix(prefix)).await.ok()?;
+            Some(
+                page.kvs
+                    .iter()
+                    .filter_map(|kv| serde_json::from_slice(&kv.value).ok())
+                    .take(PEERS_MAX)
+                    .collect::<Vec<ReplicaRecord>>(),
+            )
+        }
+    };
     loop {
-        if let Ok(page) = client.range(&Range::prefix(prefix.clone())).await {
-            let all: Vec<ReplicaRecord> = page
-                .kvs
-                .iter()
-                .filter_map(|kv| serde_json::from_slice(&kv.value).ok())
-                .take(PEERS_MAX)
-                .collect();
+        if let (Some(all), Some(known)) = (
+            read(format!("{root}/replicas/")).await,
+            read(format!("{root}/known/")).await,
+        ) {
+            let now = Peers { all, known };
             peers.send_if_modified(|p| {
-                let changed = p.all != all;
-                p.all = all;
+                let changed = *p != now;
+                *p = now;
                 changed
             });
         }
@@ -837,15 +877,15 @@ mod tests {
         let me = record(4000);
         let peers = Peers {
             all: vec![record(3000), record(4000)],
+            known: vec![record(2000), record(3000)],
         };
-        assert_eq!(
-            peers.swarm(&me),
-            vec![me.swarm, SocketAddr::from(([127, 0, 0, 1], 3000))]
-        );
+        let at = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        // This daemon first, the live ones, then one known but down.
+        assert_eq!(peers.swarm(&me), vec![me.swarm, at(3000), at(2000)]);
         assert_eq!(peers.control(&me)[0], me.control);
         let id = swactor_engine::iroh::SecretKey::generate().public();
         let ticket = ticket_at(id, &peers.swarm(&me));
-        assert_eq!(ticket.addr().ip_addrs().count(), 2);
+        assert_eq!(ticket.addr().ip_addrs().count(), 3);
     }
 
     #[test]

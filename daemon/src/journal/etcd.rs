@@ -78,9 +78,18 @@ pub struct EtcdJournal {
     image: Arc<Mutex<Option<JournalImage>>>,
     health: JournalHealth,
     fence: Arc<Mutex<Option<Fence>>>,
+    /// Commits sent so far (tried, whatever their outcome).
+    sent: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl EtcdJournal {
+    /// How many commits this journal object has sent to etcd (tried,
+    /// landed or not); clones count together.
+    #[must_use]
+    pub fn commits_sent(&self) -> u64 {
+        self.sent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Where the journal of `run` lives under `prefix`: `{prefix}/swactor/v1/{run}`.
     #[must_use]
     pub fn root(prefix: &str, run: &RunId) -> String {
@@ -139,6 +148,7 @@ impl EtcdJournal {
             image: Arc::new(Mutex::new(image.clone())),
             health: JournalHealth::default(),
             fence: Arc::new(Mutex::new(None)),
+            sent: Arc::default(),
         };
         Ok((journal, image))
     }
@@ -171,6 +181,7 @@ impl EtcdJournal {
         delta: &JournalDelta,
         fence: Option<&Fence>,
     ) -> Result<(), EtcdStoreError> {
+        self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Err(e) = self.store.commit(&super::batch_of(delta), fence).await {
             self.health.failed(swactor_engine::error_chain(&e));
             return Err(e);
