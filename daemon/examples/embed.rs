@@ -187,7 +187,7 @@ fn own_provider(made: Arc<AtomicUsize>, destroyed: Arc<AtomicUsize>) -> Embedded
             let inner = ProcessProvider::new(ProcessConfig {
                 agent_program: std::env::current_exe()?,
                 agent_args: vec!["agent".to_owned()],
-                daemon_ticket: joining.ticket.clone(),
+                daemon_ticket: joining.ticket.clone().into(),
                 token_secret: joining.token_secret,
                 ..ProcessConfig::new(root)
             })?;

@@ -138,7 +138,10 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
 
     report(&BootstrapEvent::Stage(BootstrapStage::Join));
     let join = JoinRequest::new(&key, credentials.token.clone());
-    let daemons = DialSet::new(ticket.addr());
+    // The run's daemons as this attempt last heard of them: an agent
+    // started again (its container restarted, say) dials the daemon that
+    // leads now, not only the one its command line names.
+    let daemons = DialSet::new(ticket.addr()).remembered_in(DAEMONS_FILE);
     let (joined_tx, jobs) = start_jobs_link(&opts, &endpoint, &daemons, &join);
     // From here on SIGTERM is caught (tokio keeps the handler for the life
     // of the process), so it must be listened for in every wait below: in a
@@ -410,7 +413,13 @@ async fn session(
 pub(crate) struct DialSet {
     ticket: EndpointAddr,
     now: Arc<Mutex<EndpointAddr>>,
+    /// Where the last list is kept for a later start of this agent.
+    file: Option<std::path::PathBuf>,
 }
+
+/// The file, in the agent's working directory (one per attempt on every
+/// provider), that keeps the run's daemons as the agent last heard of them.
+const DAEMONS_FILE: &str = ".swactor-daemons";
 
 impl DialSet {
     /// Just the ticket's addresses.
@@ -418,7 +427,28 @@ impl DialSet {
         Self {
             ticket: ticket.clone(),
             now: Arc::new(Mutex::new(ticket.clone())),
+            file: None,
         }
+    }
+
+    /// Keeps every later list in `file` (relative to the working
+    /// directory), and takes the list an earlier start of this agent kept
+    /// there, if any. Best effort: a file that cannot be read or written
+    /// leaves the ticket's addresses.
+    pub(crate) fn remembered_in(mut self, file: impl Into<std::path::PathBuf>) -> Self {
+        let file = file.into();
+        if let Ok(text) = std::fs::read_to_string(&file) {
+            let kept: Vec<SocketAddr> = text
+                .lines()
+                .take(REPLICAS_MAX)
+                .filter_map(|l| l.trim().parse().ok())
+                .collect();
+            if !kept.is_empty() {
+                self.replace(&kept);
+            }
+        }
+        self.file = Some(file);
+        self
     }
 
     /// The daemon's identity with every address to try.
@@ -451,6 +481,18 @@ impl DialSet {
         if *now != addr {
             tracing::info!(daemons = ?addr.ip_addrs().collect::<Vec<_>>(), "the run's daemons changed");
             *now = addr;
+            if let Some(file) = &self.file {
+                let text: String = replicas
+                    .iter()
+                    .take(REPLICAS_MAX)
+                    .map(|a| format!("{a}\n"))
+                    .collect();
+                let tmp = file.with_extension("tmp");
+                let kept = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, file));
+                if let Err(e) = kept {
+                    tracing::debug!(%e, "cannot keep the run's daemons for a later start");
+                }
+            }
         }
     }
 }
@@ -994,6 +1036,24 @@ mod tests {
         );
         assert!(matches!(second, Ok(Session::Lost(_))), "{second:?}");
         agent.close().await;
+    }
+
+    #[test]
+    fn an_agent_started_again_dials_the_daemons_it_last_heard_of() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("daemons");
+        let ticket = daemon_at(&["127.0.0.1:4000"]);
+        let first = DialSet::new(&ticket).remembered_in(&file);
+        assert_eq!(first.addr(), ticket);
+        let other: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        first.replace(&["127.0.0.1:4000".parse().unwrap(), other]);
+        // A later start of the same agent (same working directory).
+        let again = DialSet::new(&ticket).remembered_in(&file);
+        let addrs: Vec<SocketAddr> = again.addr().ip_addrs().copied().collect();
+        assert!(addrs.contains(&other), "{addrs:?}");
+        // A damaged file leaves the ticket's addresses.
+        std::fs::write(&file, "not an address\n").unwrap();
+        assert_eq!(DialSet::new(&ticket).remembered_in(&file).addr(), ticket);
     }
 
     #[test]

@@ -151,7 +151,7 @@ pub struct DockerConfig {
     /// Arguments placed before the per-node ones (e.g. `["agent"]`).
     pub agent_args: Vec<String>,
     /// Passed to the agent as `--daemon`: how it reaches this daemon.
-    pub daemon_ticket: String,
+    pub daemon_ticket: crate::DaemonTicket,
     /// The secret agents' credentials derive from (see [`AgentCredentials`]).
     pub token_secret: [u8; 32],
     /// How long a stopping container gets between SIGTERM and SIGKILL.
@@ -176,7 +176,7 @@ impl DockerConfig {
         Self {
             agent_binary: agent_binary.into(),
             agent_args: vec!["agent".to_owned()],
-            daemon_ticket: String::new(),
+            daemon_ticket: crate::DaemonTicket::default(),
             token_secret: [0; 32],
             stop_grace: STOP_GRACE_DEFAULT,
             image_repository: IMAGE_REPOSITORY_DEFAULT.to_owned(),
@@ -637,7 +637,7 @@ impl DockerProvider {
             "--attempt".to_owned(),
             key.attempt.0.to_string(),
             "--daemon".to_owned(),
-            config.daemon_ticket.clone(),
+            config.daemon_ticket.get(),
             "--credentials".to_owned(),
             format!("{AGENT_DIR}/{CREDENTIALS_FILE}"),
             "--dir".to_owned(),
@@ -1256,7 +1256,7 @@ mod tests {
     #[tokio::test]
     async fn ten_thousand_sessions_leave_no_entry_and_no_lock_behind() {
         let config = DockerConfig {
-            daemon_ticket: "t".to_owned(),
+            daemon_ticket: "t".into(),
             token_secret: [1; 32],
             ..DockerConfig::new("/bin/true")
         };

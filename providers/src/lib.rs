@@ -47,6 +47,57 @@ use swactor_provisioning::{
     BootstrapEvent, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
 };
 
+/// The ticket agents are started with (`--daemon`): how they reach their
+/// daemon. Clones share one value, which the daemon may change while it
+/// runs (the run's daemons taking turns through etcd: a new one joins,
+/// and agents made from then on are told of it); each create reads it
+/// then.
+#[derive(Clone, Debug, Default)]
+pub struct DaemonTicket(std::sync::Arc<std::sync::RwLock<String>>);
+
+impl DaemonTicket {
+    /// A ticket holding `text`.
+    pub fn new(text: impl Into<String>) -> Self {
+        Self(std::sync::Arc::new(std::sync::RwLock::new(text.into())))
+    }
+
+    /// The ticket now.
+    pub fn get(&self) -> String {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the ticket for every later create.
+    pub fn set(&self, text: impl Into<String>) {
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = text.into();
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_empty()
+    }
+}
+
+impl From<String> for DaemonTicket {
+    fn from(text: String) -> Self {
+        Self::new(text)
+    }
+}
+
+impl From<&str> for DaemonTicket {
+    fn from(text: &str) -> Self {
+        Self::new(text)
+    }
+}
+
 /// Locks `m`, also after a panic in another holder: every provider keeps
 /// its critical sections to single map or model operations, so a poisoned
 /// lock guards nothing half-done.

@@ -190,7 +190,7 @@ pub struct ProcessConfig {
     /// Arguments placed before the per-node ones (e.g. `["agent"]`).
     pub agent_args: Vec<String>,
     /// Passed to the agent as `--daemon`: how it reaches this daemon.
-    pub daemon_ticket: String,
+    pub daemon_ticket: crate::DaemonTicket,
     /// The secret agents' credentials derive from (see [`AgentCredentials`]).
     pub token_secret: [u8; 32],
     /// How long a stopping agent's group gets between SIGTERM and SIGKILL.
@@ -209,7 +209,7 @@ impl ProcessConfig {
             state_dir: state_dir.into(),
             agent_program: PathBuf::new(),
             agent_args: Vec::new(),
-            daemon_ticket: String::new(),
+            daemon_ticket: crate::DaemonTicket::default(),
             token_secret: [0; 32],
             term_grace: TERM_GRACE_DEFAULT,
             log_poll_interval: LOG_POLL_INTERVAL_DEFAULT,
@@ -459,7 +459,7 @@ impl ProcessProvider {
             .arg("--attempt")
             .arg(key.attempt.0.to_string())
             .arg("--daemon")
-            .arg(&config.daemon_ticket)
+            .arg(config.daemon_ticket.get())
             .arg("--credentials")
             .arg(&credentials)
             .arg("--dir")
@@ -1198,7 +1198,7 @@ mod tests {
     fn provider(state: &Path) -> ProcessProvider {
         ProcessProvider::new(ProcessConfig {
             agent_program: "/bin/true".into(),
-            daemon_ticket: "t".to_owned(),
+            daemon_ticket: "t".into(),
             token_secret: [1; 32],
             ..ProcessConfig::new(state)
         })

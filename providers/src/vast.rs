@@ -115,7 +115,7 @@ pub struct VastConfig {
     /// The swactor binary machines run as their agent.
     pub agent_binary: PathBuf,
     /// Passed to agents as `--daemon`.
-    pub daemon_ticket: String,
+    pub daemon_ticket: crate::DaemonTicket,
     /// The secret agents' credentials derive from.
     pub token_secret: [u8; 32],
     /// The service (`VAST_URL`), e.g. [`DEFAULT_URL`].
@@ -152,7 +152,7 @@ impl VastConfig {
         Self {
             state_dir: state_dir.into(),
             agent_binary: agent_binary.into(),
-            daemon_ticket: String::new(),
+            daemon_ticket: crate::DaemonTicket::default(),
             token_secret: [0; 32],
             url: url.into(),
             key,
@@ -1566,7 +1566,7 @@ impl Provider for VastProvider {
         let wrapper = remote::wrapper(
             key,
             &binary,
-            &self.shared.config.daemon_ticket,
+            &self.shared.config.daemon_ticket.get(),
             template,
             (&[], self.shared.config.deployment.as_deref(), &end_own),
         );

@@ -1021,23 +1021,6 @@ fn random_5xx_on_every_route_end_converged_without_a_second_rental() {
     assert_no_key(&d.log(), w.mock.api_key());
 }
 
-/// A small seeded generator (splitmix64), so a failing seed replays.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// Applies one fault chosen by `rng`; returns its description.
 fn inject(w: &World, rng: &mut Rng, seed: u64) -> String {
     use swactor_vastmock::Endpoint as E;

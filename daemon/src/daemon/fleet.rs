@@ -27,7 +27,7 @@ pub(super) async fn make_providers(
     let process = ProcessProvider::new(ProcessConfig {
         agent_program: std::env::current_exe().context("cannot find the swactor executable")?,
         agent_args: vec!["agent".to_owned()],
-        daemon_ticket: agents.ticket.to_string(),
+        daemon_ticket: agents.ticket.clone(),
         token_secret: agents.secret,
         ..ProcessConfig::new(state.root().to_path_buf())
     })
@@ -45,7 +45,7 @@ pub(super) async fn make_providers(
         metered(Arc::new(docker)),
     ];
     let joining = Joining {
-        ticket: agents.ticket.to_string(),
+        ticket: agents.ticket.get(),
         token_secret: agents.secret,
         deployment: agents.deployment.map(str::to_owned),
         state_dir: state.root().to_path_buf(),
@@ -85,7 +85,9 @@ pub(super) async fn make_providers(
 /// resources carry.
 pub(super) struct Agents<'a> {
     pub(super) binary: &'a AgentBinary,
-    pub(super) ticket: &'a EndpointTicket,
+    /// What agents are started with; in a term of a shared run it follows
+    /// the run's daemons.
+    pub(super) ticket: &'a swactor_providers::DaemonTicket,
     pub(super) secret: [u8; 32],
     pub(super) deployment: Option<&'a str>,
 }
@@ -100,7 +102,7 @@ pub(super) fn ssh_provider(
 ) -> Result<SshHostsProvider> {
     let binary = agents.binary;
     let mut config = SshHostsConfig::new(state.root(), binary.path.clone());
-    config.daemon_ticket = agents.ticket.to_string();
+    config.daemon_ticket = agents.ticket.clone();
     config.token_secret = agents.secret;
     config.deployment = agents.deployment.map(str::to_owned);
     let ssh = SshHostsProvider::new(config).context("cannot start the ssh provider")?;
@@ -150,7 +152,7 @@ pub(super) fn docker_provider(
     file: Option<&ShapeFile>,
 ) -> Result<DockerOnDemand> {
     let config = DockerConfig {
-        daemon_ticket: agents.ticket.to_string(),
+        daemon_ticket: agents.ticket.clone(),
         token_secret: agents.secret,
         deployment: agents.deployment.map(str::to_owned),
         ..DockerConfig::new(agents.binary.path.clone())
@@ -235,7 +237,7 @@ pub(super) async fn vast_provider(
         .unwrap_or_else(|| swactor_providers::vast::DEFAULT_URL.to_owned());
     let binary = agents.binary;
     let mut config = VastConfig::new(state.root(), binary.path.clone(), url, key);
-    config.daemon_ticket = agents.ticket.to_string();
+    config.daemon_ticket = agents.ticket.clone();
     config.token_secret = agents.secret;
     config.deployment = agents.deployment.map(str::to_owned);
     if std::env::var("SWACTOR_VAST_PACING").is_ok_and(|v| v.trim() == "none") {

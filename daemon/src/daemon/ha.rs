@@ -190,6 +190,9 @@ pub(super) struct Term {
     pub(super) cluster: Arc<OnceLock<ClusterHandle>>,
     /// Provider calls let through and refused by this term's gate.
     pub(super) gate: Arc<OnceLock<Arc<swactor_providers::gate::GateCounts>>>,
+    /// The ticket agents made now are started with: every daemon of the
+    /// run, kept up to date as they register.
+    pub(super) ticket: swactor_providers::DaemonTicket,
 }
 
 impl Term {
@@ -349,7 +352,14 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
             "swactor: leading run {run_id} (term {terms}; stood by {:.1} s)",
             waited.elapsed().as_secs_f64()
         );
-        let term = start_term(&election, fence, journal, resume, &peers, &me, &ha, terms);
+        let term = start_term(
+            &election,
+            fence,
+            (journal, resume),
+            (&peers, &me, identity.swarm),
+            &ha,
+            terms,
+        );
         let started = std::time::Instant::now();
         let gate = term.gate.clone();
         let journal = term.journal.clone();
@@ -426,13 +436,18 @@ fn re_register(
 fn start_term(
     election: &Election,
     fence: Fence,
-    journal: EtcdJournal,
-    resume: Option<JournalImage>,
-    peers: &watch::Receiver<Peers>,
-    me: &ReplicaRecord,
+    (journal, resume): (EtcdJournal, Option<JournalImage>),
+    (peers, me, swarm): (
+        &watch::Receiver<Peers>,
+        &ReplicaRecord,
+        swactor_engine::iroh::EndpointId,
+    ),
     ha: &HaOptions,
     terms: u64,
 ) -> Term {
+    let ticket = swactor_providers::DaemonTicket::new(
+        ticket_at(swarm, &peers.borrow().swarm(me)).to_string(),
+    );
     let lead = LeadBound::new();
     let (lost_tx, lost) = watch::channel(false);
     let view = HaView::default();
@@ -452,6 +467,7 @@ fn start_term(
         peers: peers.clone(),
         me: me.clone(),
         replicas: replicas_tx,
+        ticket: (ticket.clone(), swarm),
         journal: journal.clone(),
         gate: gate.clone(),
         status: swactor_actors::HaStatus {
@@ -481,6 +497,7 @@ fn start_term(
         me: me.clone(),
         cluster,
         gate,
+        ticket,
     }
 }
 
@@ -496,6 +513,11 @@ struct Following {
     peers: watch::Receiver<Peers>,
     me: ReplicaRecord,
     replicas: watch::Sender<Vec<SocketAddr>>,
+    /// The agents' ticket, and the identity it names.
+    ticket: (
+        swactor_providers::DaemonTicket,
+        swactor_engine::iroh::EndpointId,
+    ),
     journal: EtcdJournal,
     gate: Arc<OnceLock<Arc<swactor_providers::gate::GateCounts>>>,
     status: swactor_actors::HaStatus,
@@ -516,12 +538,16 @@ impl Following {
             cluster.leadership_changed();
         }
         let peers = self.peers.borrow().clone();
+        let swarm = peers.swarm(&self.me);
         self.replicas.send_if_modified(|addrs| {
-            let now = peers.swarm(&self.me);
-            let changed = *addrs != now;
-            *addrs = now;
+            let changed = *addrs != swarm;
+            addrs.clone_from(&swarm);
             changed
         });
+        // Agents made from now on are told of every daemon known now.
+        self.ticket
+            .0
+            .set(ticket_at(self.ticket.1, &swarm).to_string());
         let mut status = self.status.clone();
         status.standbys = peers
             .all
@@ -613,6 +639,7 @@ async fn stand_by(
 
 /// The public halves of the shared keys.
 struct SharedKeys {
+    swarm: swactor_engine::iroh::EndpointId,
     control: swactor_engine::iroh::EndpointId,
 }
 
@@ -703,6 +730,7 @@ async fn shared_identity(
         0o600,
     )?;
     Ok(SharedKeys {
+        swarm: swarm.public(),
         control: control.public(),
     })
 }

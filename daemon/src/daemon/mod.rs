@@ -446,6 +446,8 @@ async fn prepare(
     if let Some(t) = term {
         // Agents and CLIs are given every daemon of the run: whichever
         // leads answers.
+        t.ticket
+            .set(t.agent_ticket(endpoints.swarm.id()).to_string());
         endpoints.agent_ticket = t.agent_ticket(endpoints.swarm.id());
         endpoints.cli_ticket = t.cli_ticket(endpoints.control.id());
     }
@@ -457,9 +459,14 @@ async fn prepare(
     let secret = token_secret(state, resume)?;
     let metrics = crate::metrics::Metrics::new();
     let vast_key = opened.pre.vast_key.take();
+    // In a term, the ticket follows the run's daemons as they register.
+    let agent_ticket = term.map_or_else(
+        || swactor_providers::DaemonTicket::new(endpoints.agent_ticket.to_string()),
+        |t| t.ticket.clone(),
+    );
     let agents = Agents {
         binary: &opened.pre.agent_binary,
-        ticket: &endpoints.agent_ticket,
+        ticket: &agent_ticket,
         secret,
         deployment: opened.deployment.as_deref(),
     };

@@ -167,7 +167,7 @@ mod tests {
         let binary = dir.join("agent");
         std::fs::write(&binary, b"not run").unwrap();
         DockerConfig {
-            daemon_ticket: "ticket".to_owned(),
+            daemon_ticket: "ticket".into(),
             token_secret: [7; 32],
             docker_host: Some(host.to_owned()),
             ..DockerConfig::new(binary)

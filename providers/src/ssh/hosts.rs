@@ -76,7 +76,7 @@ pub struct SshHostsConfig {
     /// The swactor binary hosts run as their agent.
     pub agent_binary: PathBuf,
     /// Passed to agents as `--daemon`: how they reach the daemon.
-    pub daemon_ticket: String,
+    pub daemon_ticket: crate::DaemonTicket,
     /// The secret agents' credentials derive from.
     pub token_secret: [u8; 32],
     /// How long connecting to a host may take.
@@ -98,7 +98,7 @@ impl SshHostsConfig {
         Self {
             state_dir: state_dir.into(),
             agent_binary: agent_binary.into(),
-            daemon_ticket: String::new(),
+            daemon_ticket: crate::DaemonTicket::default(),
             token_secret: [0; 32],
             connect_timeout: Duration::from_secs(10),
             term_grace: Duration::from_secs(5),
@@ -1340,7 +1340,7 @@ impl Provider for SshHostsProvider {
         let wrapper = remote::wrapper(
             key,
             &binary,
-            &self.shared.config.daemon_ticket,
+            &self.shared.config.daemon_ticket.get(),
             template,
             (group.labels_of(&host.target), self.deployment(), &[]),
         );

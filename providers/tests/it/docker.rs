@@ -119,7 +119,7 @@ impl World {
         }
         let agent = tokio::task::spawn_blocking(agent_binary).await.unwrap();
         let config = tweak(DockerConfig {
-            daemon_ticket: "not-a-ticket".to_owned(),
+            daemon_ticket: "not-a-ticket".to_owned().into(),
             token_secret: SECRET,
             stop_grace: Duration::from_secs(2),
             ..DockerConfig::new(agent)
@@ -355,7 +355,7 @@ async fn a_started_container_streams_the_agent_stages_and_its_failure() {
 #[tokio::test]
 async fn an_agent_takes_its_credentials_and_cancel_stops_its_running_container() {
     let Some(w) = World::with("cancel", |c| DockerConfig {
-        daemon_ticket: dead_ticket(),
+        daemon_ticket: dead_ticket().into(),
         ..c
     })
     .await
@@ -450,7 +450,7 @@ async fn a_retried_create_adopts_the_container_and_list_finds_it() {
     // retries: one container. Unless one sees the other's container first,
     // the later create meets a name in use (409) and adopts.
     let again = DockerProvider::connect(DockerConfig {
-        daemon_ticket: "not-a-ticket".to_owned(),
+        daemon_ticket: "not-a-ticket".to_owned().into(),
         token_secret: SECRET,
         ..DockerConfig::new(agent_binary())
     })
@@ -666,7 +666,7 @@ async fn an_agent_that_exits_unannounced_fails_its_stream_with_the_exit_code() {
 #[tokio::test]
 async fn an_unreachable_engine_is_a_clear_error() {
     let config = DockerConfig {
-        daemon_ticket: "t".to_owned(),
+        daemon_ticket: "t".to_owned().into(),
         token_secret: SECRET,
         docker_host: Some("unix:///nonexistent".to_owned()),
         // Any file will do: the engine is never reached.
@@ -754,7 +754,7 @@ async fn two_providers_building_one_agent_image_at_once_leave_no_untagged_copy()
     let repository = format!("swactor-agent-race-{}", std::process::id());
     let provider = || {
         DockerProvider::connect(DockerConfig {
-            daemon_ticket: "not-a-ticket".to_owned(),
+            daemon_ticket: "not-a-ticket".to_owned().into(),
             token_secret: SECRET,
             image_repository: repository.clone(),
             ..DockerConfig::new(agent.clone())

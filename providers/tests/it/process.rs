@@ -106,7 +106,7 @@ impl World {
         ProcessConfig {
             agent_program: "/bin/sh".into(),
             agent_args: vec![path.to_str().unwrap().to_owned()],
-            daemon_ticket: TICKET.to_owned(),
+            daemon_ticket: TICKET.to_owned().into(),
             token_secret: SECRET,
             log_poll_interval: Duration::from_millis(20),
             ..ProcessConfig::new(self.state_dir())
@@ -886,7 +886,7 @@ fn a_config_left_at_its_unset_values_is_rejected_field_by_field() {
         })
     ));
     let no_ticket = ProcessConfig {
-        daemon_ticket: String::new(),
+        daemon_ticket: Default::default(),
         ..complete.clone()
     };
     assert!(matches!(
