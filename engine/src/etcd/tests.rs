@@ -338,3 +338,180 @@ async fn basic_auth_logs_in_and_logs_in_again_when_its_token_expires() {
         "{words}"
     );
 }
+
+/// Makes a CA, a server certificate for 127.0.0.1 and a client
+/// certificate with `openssl` in `dir`; false when openssl is missing.
+fn make_certificates(dir: &std::path::Path) -> bool {
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl runs");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    if std::process::Command::new("openssl")
+        .arg("version")
+        .output()
+        .is_err()
+    {
+        return false;
+    }
+    let key = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    for ca in ["ca", "other-ca"] {
+        let mut args = vec!["req", "-x509", "-days", "1", "-subj"];
+        let subject = format!("/CN=swactor test {ca}");
+        args.push(&subject);
+        args.extend(key);
+        let (keyout, out) = (format!("{ca}.key"), format!("{ca}.pem"));
+        args.extend(["-keyout", &keyout, "-out", &out]);
+        openssl(&args);
+    }
+    std::fs::write(dir.join("server.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    for (who, cn) in [("server", "/CN=127.0.0.1"), ("client", "/CN=swactor")] {
+        let (keyout, csr, pem, ext) = (
+            format!("{who}.key"),
+            format!("{who}.csr"),
+            format!("{who}.pem"),
+            format!("{who}.ext"),
+        );
+        let mut args = vec!["req", "-new", "-subj", cn];
+        args.extend(key);
+        args.extend(["-keyout", &keyout, "-out", &csr]);
+        openssl(&args);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            &ext,
+            "-out",
+            &pem,
+        ]);
+    }
+    true
+}
+
+/// A member that serves clients over TLS and asks each for a certificate
+/// of its CA: the client reaches it with `--etcd-cacert`, `--etcd-cert`
+/// and `--etcd-key`, and is refused without its certificate or when it
+/// trusts another CA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_with_tls_and_client_certificates_is_reached_only_with_them() {
+    if !super::testing::etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    if !make_certificates(d) {
+        assert!(
+            std::env::var("SWACTOR_REQUIRE_ETCD").as_deref() != Ok("1"),
+            "SWACTOR_REQUIRE_ETCD=1 but openssl is missing"
+        );
+        return;
+    }
+    let ports: Vec<std::net::TcpListener> = (0..2)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let port = |i: usize| ports[i].local_addr().unwrap().port();
+    let (client_url, peer_url) = (
+        format!("https://127.0.0.1:{}", port(0)),
+        format!("http://127.0.0.1:{}", port(1)),
+    );
+    drop(ports);
+    let path = |f: &str| d.join(f).to_str().unwrap().to_owned();
+    let mut etcd = std::process::Command::new("/usr/bin/etcd")
+        .args(["--name", "tls", "--data-dir", &path("data")])
+        .args(["--listen-client-urls", &client_url])
+        .args(["--advertise-client-urls", &client_url])
+        .args(["--listen-peer-urls", &peer_url])
+        .args(["--initial-advertise-peer-urls", &peer_url])
+        .args(["--initial-cluster", &format!("tls={peer_url}")])
+        .args([
+            "--cert-file",
+            &path("server.pem"),
+            "--key-file",
+            &path("server.key"),
+        ])
+        .args(["--client-cert-auth", "--trusted-ca-file", &path("ca.pem")])
+        .args(["--logger", "zap", "--log-level", "warn"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(d.join("etcd.log")).unwrap())
+        .spawn()
+        .expect("etcd starts");
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _kill = Kill(&mut etcd);
+    let client = |tls: TlsFiles| {
+        let mut config = EtcdConfig::new([client_url.clone()]);
+        config.request_timeout = Duration::from_secs(1);
+        config.call_timeout = Duration::from_secs(2);
+        config.tls = Some(tls);
+        Client::new(config).unwrap()
+    };
+    let full = TlsFiles {
+        ca: d.join("ca.pem"),
+        cert: Some(d.join("client.pem")),
+        key: Some(d.join("client.key")),
+    };
+    let with_certificate = client(full.clone());
+    // The member takes a moment to serve.
+    let started = Instant::now();
+    loop {
+        match with_certificate.put("/tls/k", b"v", None).await {
+            Ok(_) => break,
+            Err(e) if started.elapsed() < Duration::from_secs(20) => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!(
+                "no TLS answer: {e}\n{}",
+                std::fs::read_to_string(d.join("etcd.log")).unwrap_or_default()
+            ),
+        }
+    }
+    let kv = with_certificate.get("/tls/k").await.unwrap().unwrap();
+    assert_eq!(kv.value, b"v");
+    let without = client(TlsFiles {
+        cert: None,
+        key: None,
+        ..full.clone()
+    });
+    assert!(
+        without.get("/tls/k").await.is_err(),
+        "a client without a certificate was served"
+    );
+    let other_ca = client(TlsFiles {
+        ca: d.join("other-ca.pem"),
+        ..full
+    });
+    assert!(
+        other_ca.get("/tls/k").await.is_err(),
+        "a client trusting another CA took the member's certificate"
+    );
+}
