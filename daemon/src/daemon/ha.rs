@@ -566,10 +566,15 @@ impl Following {
             renewed.map_or(0, |at| millis(at.elapsed()))
         });
         self.view.set(Some(status));
-        if held.is_none() {
+        // Past the bound by the margin, the lease may have ended in etcd
+        // and another daemon may lead: one that still held the agents'
+        // links (cut off from etcd, not from them) would keep them from
+        // the new leader, which would replace their nodes. The term ends.
+        let over = held.is_none_or(|until| tokio::time::Instant::now() >= until + self.margin);
+        if over {
             self.lost.send_replace(true);
         }
-        held.is_some()
+        !over
     }
 
     async fn run(mut self) {
