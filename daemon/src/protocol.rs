@@ -379,27 +379,26 @@ mod tests {
     use swactor_engine::net::{FIRST_FRAME_LEN_MAX_BYTES, encode_frame, recv_frame};
     use swactor_engine::telemetry::{TelemetryConfig, TelemetryFrame};
 
-    /// Decodes `bytes` as one frame of `T` under `limit`; Ok(None) for a clean end.
-    fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], limit: usize) -> bool {
+    /// Reads `bytes` as one frame of `T` under `limit`; `Ok(None)` for a clean end.
+    fn read<T: serde::de::DeserializeOwned>(
+        bytes: &[u8],
+        limit: usize,
+    ) -> Result<Option<T>, swactor_engine::net::FrameError> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
         let mut reader = bytes;
-        runtime
-            .block_on(recv_frame::<T, _>(&mut reader, limit))
-            .is_ok()
+        runtime.block_on(recv_frame::<T, _>(&mut reader, limit))
+    }
+
+    /// Whether `bytes` read as one frame of `T` under `limit` (a clean end counts).
+    fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], limit: usize) -> bool {
+        read::<T>(bytes, limit).is_ok()
     }
 
     /// Decodes `bytes` as one frame of `T` under `limit`.
     fn decoded<T: serde::de::DeserializeOwned>(bytes: &[u8], limit: usize) -> Option<T> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let mut reader = bytes;
-        runtime
-            .block_on(recv_frame::<T, _>(&mut reader, limit))
-            .ok()
-            .flatten()
+        read::<T>(bytes, limit).ok().flatten()
     }
 
     /// Any address as the wire carries it: an IPv6 one without its flow

@@ -446,9 +446,9 @@ async fn prepare(
     if let Some(t) = term {
         // Agents and CLIs are given every daemon of the run: whichever
         // leads answers.
-        t.ticket
-            .set(t.agent_ticket(endpoints.swarm.id()).to_string());
-        endpoints.agent_ticket = t.agent_ticket(endpoints.swarm.id());
+        let agent_ticket = t.agent_ticket(endpoints.swarm.id());
+        t.ticket.set(agent_ticket.to_string());
+        endpoints.agent_ticket = agent_ticket;
         endpoints.cli_ticket = t.cli_ticket(endpoints.control.id());
     }
     state.save_network(opened.listen, opened.advertise)?;
