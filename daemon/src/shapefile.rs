@@ -141,6 +141,14 @@ pub struct GroupFile {
     /// then. Changing it replaces no node.
     #[serde(default)]
     pub orphan_policy: Option<swactor_provisioning::OrphanPolicy>,
+    /// Jobs one node runs at once (default 1); a job that finds every
+    /// node it may use busy waits in the queue. Changing it replaces no node.
+    #[serde(default)]
+    pub jobs_per_node: Option<u32>,
+    /// GPUs each node has, told to jobs as `SWACTOR_GPUS_PER_NODE` (else
+    /// what each node reports). Changing it replaces no node.
+    #[serde(default)]
+    pub gpus: Option<u32>,
 }
 
 /// One host of a pool: `"user@host:port"`, or
@@ -283,6 +291,12 @@ impl ShapeFile {
                     supported.join(", ")
                 );
             }
+            if g.jobs_per_node == Some(0) {
+                bail!(
+                    "{}: jobs_per_node = 0 would never run a job; it must be at least 1",
+                    group_name(i, Some(&g.id)),
+                );
+            }
             if !g.hosts.is_empty() && !PLACED_ON_HOSTS.contains(&g.provider.as_str()) {
                 bail!(
                     "{}: lists `hosts`, which provider {:?} does not use (only {} does)",
@@ -330,6 +344,8 @@ impl ShapeFile {
                     preempt_wait_s: g.preempt_wait_s,
                     orphan_after_s: g.orphan_after_s,
                     orphan_policy: g.orphan_policy,
+                    jobs_per_node: g.jobs_per_node,
+                    gpus: g.gpus,
                 },
             })
             .collect();

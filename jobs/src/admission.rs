@@ -61,6 +61,8 @@ pub enum Refusal {
         /// The nodes that are not.
         skipped: Vec<LogicalNodeId>,
     },
+    /// A gang of no nodes.
+    NoNodes,
     /// A chosen node already has as many runs under way as one may.
     Busy {
         /// The node.
@@ -106,6 +108,10 @@ impl fmt::Display for Refusal {
                 }
                 write!(f, "; nothing was started")
             }
+            Self::NoNodes => write!(
+                f,
+                "--nodes 0 names no node: a gang takes at least one; nothing was started"
+            ),
             Self::Busy { node, busy, max } => write!(
                 f,
                 "{node} already has {busy} run(s) under way, the most one node may have \
@@ -148,6 +154,20 @@ pub fn choose_targets(targets: &Targets, candidates: &[Candidate]) -> Result<Cho
                     chosen.nodes.push((c.node, c.attempt));
                 }
             }
+        }
+        Targets::Gang { nodes, groups } => {
+            if *nodes == 0 {
+                return Err(Refusal::NoNodes);
+            }
+            if let Some(g) = groups.iter().find(|g| {
+                !candidates
+                    .iter()
+                    .any(|c| c.node.group.as_str() == g.as_str())
+            }) {
+                return Err(Refusal::NoSuchGroup { group: g.clone() });
+            }
+            // Placed when the queue starts it, on the nodes free then.
+            return Ok(chosen);
         }
         Targets::All | Targets::Groups(_) => {
             let in_groups = |c: &Candidate| match targets {
@@ -330,6 +350,8 @@ mod tests {
             output_bytes: 0,
             collected: Vec::new(),
             ended_unix_ms: None,
+            rank: None,
+            node_lost: false,
         }
     }
 

@@ -306,6 +306,7 @@ impl RunMachine {
                 exit_code: Some(127),
                 error: Some(e),
                 collected: Vec::new(),
+                node_lost: false,
             }),
             Event::StartLost(e) => self.finish(Outcome::fail(JobState::Lost, e)),
             _ => {}
@@ -367,11 +368,10 @@ impl RunMachine {
                 self.act(Action::DisarmReattach);
                 self.attach();
             }
+            // The cluster replaced the node: the one loss a gang with
+            // retries left restarts on.
             Event::Superseded(why) => {
-                self.finish(Outcome::fail(
-                    JobState::Lost,
-                    format!("{why} while the run ran"),
-                ));
+                self.finish(Outcome::node_lost(format!("{why} while the run ran")));
             }
             Event::ReattachExpired => self.finish(Outcome::fail(
                 JobState::Lost,
@@ -394,6 +394,7 @@ impl RunMachine {
                 exit_code: Some(exit.shell_code()),
                 error: Some(e),
                 collected: Vec::new(),
+                node_lost: false,
             }),
             _ => {}
         }

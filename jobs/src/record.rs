@@ -89,6 +89,13 @@ pub struct RunRecord {
     /// When it ended, in ms since the Unix epoch.
     #[serde(default)]
     pub ended_unix_ms: Option<u64>,
+    /// Its rank in a gang job (0…N-1, stable for the job).
+    #[serde(default)]
+    pub rank: Option<u32>,
+    /// Whether it ended `lost` because the cluster replaced its node (the
+    /// only loss that restarts a gang with retries left).
+    #[serde(default)]
+    pub node_lost: bool,
 }
 
 /// A job as the journal keeps it.
@@ -122,11 +129,77 @@ pub struct JobRecord {
     pub stop: Option<Stop>,
     /// Its runs.
     pub runs: Vec<RunRecord>,
+    /// What it waits for in the queue; absent for a job recorded before
+    /// the queue existed (its runs were placed when it was accepted).
+    #[serde(default)]
+    pub want: Option<Want>,
+    /// Why it is queued, while it waits without runs.
+    #[serde(default)]
+    pub waiting: Option<String>,
+    /// Its place in the queue: higher first, then the order of submission.
+    #[serde(default)]
+    pub priority: i32,
+    /// A gang job's ranks and restarts.
+    #[serde(default)]
+    pub gang: Option<Gang>,
+    /// The runs of a gang's earlier attempts, one entry per restart.
+    #[serde(default)]
+    pub earlier: Vec<EarlierAttempt>,
+    /// A command run on each node before the job, once per (setup,
+    /// workspace) on a node.
+    #[serde(default)]
+    pub setup: Option<Vec<String>>,
+}
+
+/// What a queued job waits for.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub enum Want {
+    /// A free slot on each of these nodes (`--all`, `--group`, or named nodes).
+    Each(Vec<LogicalNodeId>),
+    /// Any `nodes` ready nodes of `groups` (of the cluster when empty), all at once.
+    Gang {
+        /// How many.
+        nodes: u32,
+        /// Of which groups.
+        groups: Vec<String>,
+    },
+}
+
+/// A gang job's shared facts: what each rank is told.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Gang {
+    /// Ranks (nodes) it takes.
+    pub nodes: u32,
+    /// Restarts it may make after a node is lost (`--retry`).
+    pub retry: u32,
+    /// Restarts made so far (`SWACTOR_RESTART_COUNT`).
+    pub restarts: u32,
+    /// Each rank's address, in rank order, as its agent reported it; empty
+    /// until the ranks were prepared.
+    pub addrs: Vec<String>,
+    /// A free port on rank 0, for the ranks to meet at.
+    pub master_port: u16,
+    /// GPUs each rank has: the group's declared count, else the node's report.
+    pub gpus: Vec<u32>,
+}
+
+/// The runs of one attempt of a gang that was restarted.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct EarlierAttempt {
+    /// Which restart it was (0: the first attempt).
+    pub restart: u32,
+    /// Where its collected outputs are.
+    pub outputs_dir: String,
+    /// Its runs, as they ended.
+    pub runs: Vec<RunRecord>,
 }
 
 impl JobRecord {
     /// The job's state: its runs' while any is under way, else the worst outcome.
     pub fn state(&self) -> JobState {
+        if self.waiting.is_some() {
+            return JobState::Queued;
+        }
         if let Some(under_way) = self
             .runs
             .iter()
@@ -193,6 +266,7 @@ impl JobRecord {
                 run.output_files = outcome.collected.len() as u64;
                 run.output_bytes = outcome.collected.iter().map(|f| f.len).sum();
                 run.collected.clone_from(&outcome.collected);
+                run.node_lost = outcome.node_lost;
                 run.ended_unix_ms = Some(now_unix_ms);
                 Some(JobEvent::Finished(run.clone()))
             }
@@ -209,6 +283,14 @@ pub enum Targets {
     Groups(Vec<String>),
     /// These nodes, each of which must be ready.
     Nodes(Vec<String>),
+    /// `nodes` ready nodes taken together (of `groups`, or of the cluster
+    /// when empty): a gang, whose ranks start together or not at all.
+    Gang {
+        /// How many.
+        nodes: u32,
+        /// Of which groups.
+        groups: Vec<String>,
+    },
 }
 
 /// A job as `swactor run` asks for it.
@@ -226,6 +308,16 @@ pub struct JobSpec {
     pub env: Vec<(String, String)>,
     /// The command.
     pub argv: Vec<String>,
+    /// Its place in the queue (higher first; default 0).
+    #[serde(default)]
+    pub priority: i32,
+    /// Restarts a gang may make after losing a node.
+    #[serde(default)]
+    pub retry: u32,
+    /// A command to run on each node before the job, skipped where it
+    /// already ran with the same workspace.
+    #[serde(default)]
+    pub setup: Option<Vec<String>>,
 }
 
 /// What `swactor run` is told as a job goes.
@@ -243,6 +335,20 @@ pub enum JobEvent {
         workspace_files: u64,
         /// Bytes in the workspace.
         workspace_bytes: u64,
+    },
+    /// The job waits for nodes; the text says for what.
+    Queued {
+        /// Its id.
+        job: String,
+        /// Why it waits.
+        why: String,
+    },
+    /// The job's runs were placed on these nodes (in rank order for a gang).
+    Placed {
+        /// The nodes.
+        nodes: Vec<LogicalNodeId>,
+        /// The restart this placement is (0: the first).
+        restart: u32,
     },
     /// A node has the workspace.
     Shipped {
@@ -277,6 +383,8 @@ pub enum Stop {
     Cancelled,
     /// The job's `--timeout` passed; the text says after how long.
     TimedOut(String),
+    /// Another rank of the gang ended without success; the text says which.
+    Gang(String),
 }
 
 impl Stop {
@@ -290,7 +398,9 @@ impl Stop {
                 exit_code: Some(124),
                 error: Some(why.clone()),
                 collected: Vec::new(),
+                node_lost: false,
             },
+            Self::Gang(why) => Outcome::fail(JobState::Cancelled, format!("stopped {when}: {why}")),
         }
     }
 }
@@ -306,6 +416,8 @@ pub struct Outcome {
     pub error: Option<String>,
     /// The output files collected, each with its verified hash.
     pub collected: Vec<OutputFile>,
+    /// `lost` because the cluster replaced the run's node.
+    pub node_lost: bool,
 }
 
 impl Outcome {
@@ -316,6 +428,15 @@ impl Outcome {
             exit_code: None,
             error: Some(error.into()),
             collected: Vec::new(),
+            node_lost: false,
+        }
+    }
+
+    /// A run that was `lost` because the cluster replaced its node.
+    pub fn node_lost(error: impl Into<String>) -> Self {
+        Self {
+            node_lost: true,
+            ..Self::fail(JobState::Lost, error)
         }
     }
 
@@ -335,6 +456,7 @@ impl Outcome {
                 swactor_provisioning::exit::Ended::new(exit.code, exit.signal).to_string()
             }),
             collected,
+            node_lost: false,
         }
     }
 }
@@ -375,6 +497,8 @@ mod tests {
             output_bytes: 0,
             collected: Vec::new(),
             ended_unix_ms: None,
+            rank: None,
+            node_lost: false,
         }
     }
 
@@ -393,6 +517,12 @@ mod tests {
             cancelled: None,
             stop: None,
             runs,
+            want: None,
+            waiting: None,
+            priority: 0,
+            gang: None,
+            earlier: Vec::new(),
+            setup: None,
         }
     }
 
@@ -422,6 +552,7 @@ mod tests {
             exit_code: Some(0),
             error: None,
             collected: vec![file.clone()],
+            node_lost: false,
         };
         assert!(matches!(
             j.apply(0, &Change::Finished(done), 5),

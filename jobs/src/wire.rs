@@ -112,6 +112,29 @@ pub enum ToAgent {
         /// The job's id.
         job: String,
     },
+    /// Start a shell or one command for `swactor ssh`; once the agent
+    /// answers [`FromAgent::Opened`], the stream carries [`ShellFrame`]s
+    /// both ways until the command exits or the stream goes (which kills it).
+    Shell {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// The command and its arguments; `None` for a login shell.
+        argv: Option<Vec<String>>,
+        /// A pseudo-terminal of (rows, columns) for it; `None` for pipes,
+        /// its stdout and stderr kept apart.
+        pty: Option<(u16, u16)>,
+        /// Extra environment variables (`TERM` for a terminal).
+        env: Vec<(String, String)>,
+    },
+    /// Connect to `127.0.0.1:port` on the node for `swactor forward`; once
+    /// the agent answers [`FromAgent::Opened`], the stream carries the
+    /// connection's bytes both ways, each direction ending on its own.
+    Connect {
+        /// The attempt the request is for.
+        attempt: u64,
+        /// The TCP port on the node's loopback.
+        port: u16,
+    },
 }
 
 /// How a run ended.
@@ -171,6 +194,39 @@ pub enum FromAgent {
     /// The run's process died with an earlier agent of this attempt, before
     /// it could record an exit status; the text says so.
     Died(String),
+    /// A shell or a connection is open: what follows on the stream is its
+    /// traffic (see [`ToAgent::Shell`], [`ToAgent::Connect`]).
+    Opened,
+}
+
+/// Largest piece of a remote shell's input or output in one [`ShellFrame`].
+pub const SHELL_PIECE_LEN: usize = 32 * 1024;
+
+/// Largest [`ShellFrame`] on the wire: a piece plus its envelope.
+pub const SHELL_FRAME_LEN_MAX: usize = SHELL_PIECE_LEN + 64;
+
+/// One frame of a remote shell's stream once it is open. The CLI sends
+/// `Stdin`, `StdinEnd` and `Resize`; the agent sends `Stdout`, `Stderr`
+/// and, last, `Exit`. The daemon relays the bytes without reading them.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub enum ShellFrame {
+    /// Bytes for the command's standard input (or its terminal).
+    Stdin(Vec<u8>),
+    /// The CLI's standard input ended: the command's is closed.
+    StdinEnd,
+    /// The CLI's terminal is now this many rows and columns.
+    Resize {
+        /// Rows.
+        rows: u16,
+        /// Columns.
+        cols: u16,
+    },
+    /// Bytes the command wrote to its standard output (or its terminal).
+    Stdout(Vec<u8>),
+    /// Bytes the command wrote to its standard error (never with a terminal).
+    Stderr(Vec<u8>),
+    /// The command ended; nothing follows.
+    Exit(ExitInfo),
 }
 
 /// Which stream a piece of output came from.

@@ -134,6 +134,17 @@ pub struct GroupPolicy {
     /// Whether a node running a job waits for it before its lease counts
     /// ([`OrphanPolicy::Idle`]) or not (the default).
     pub orphan_policy: OrphanPolicy,
+    /// Jobs one node runs at once (at least 1; default 1). Read by the
+    /// jobs core, never by the reconciler.
+    #[serde(default = "one")]
+    pub jobs_per_node: u32,
+    /// GPUs each node has, when the shape declares them.
+    #[serde(default)]
+    pub gpus: Option<u32>,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// When an orphaned node's lease counts.
@@ -158,6 +169,8 @@ impl Default for GroupPolicy {
             on_preempt: OnPreempt::Replace,
             orphan_after_s: Self::ORPHAN_AFTER_DEFAULT_S,
             orphan_policy: OrphanPolicy::Always,
+            jobs_per_node: 1,
+            gpus: None,
         }
     }
 }
@@ -274,6 +287,8 @@ mod tests {
             on_preempt: OnPreempt::Replace,
             orphan_after_s: GroupPolicy::ORPHAN_AFTER_DEFAULT_S,
             orphan_policy: OrphanPolicy::Always,
+            jobs_per_node: 1,
+            gpus: None,
         };
         let q = p(Quantity::Percent(25), Quantity::Percent(25));
         assert_eq!(q.max_unavailable_of(10), 2);

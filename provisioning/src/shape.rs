@@ -104,6 +104,13 @@ pub struct PolicyShape {
     /// (default [`crate::OrphanPolicy::Always`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub orphan_policy: Option<crate::OrphanPolicy>,
+    /// Jobs one node of the group runs at once (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jobs_per_node: Option<u32>,
+    /// GPUs each node of the group has, as its author declares them (a
+    /// job is told this before what the node reports).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<u32>,
 }
 
 /// `on_preempt` as written in a shape.
@@ -132,6 +139,8 @@ impl PolicyShape {
             },
             orphan_after_s: self.orphan_after_s.unwrap_or(d.orphan_after_s),
             orphan_policy: self.orphan_policy.unwrap_or(d.orphan_policy),
+            jobs_per_node: self.jobs_per_node.unwrap_or(d.jobs_per_node).max(1),
+            gpus: self.gpus,
         }
     }
 }
