@@ -200,6 +200,13 @@ impl JobRecord {
         if self.waiting.is_some() {
             return JobState::Queued;
         }
+        // Ended in the queue, before any run was placed.
+        if self.runs.is_empty() && self.cancelled.is_some() {
+            return match self.stop {
+                Some(Stop::Cancelled) => JobState::Cancelled,
+                _ => JobState::Failed,
+            };
+        }
         if let Some(under_way) = self
             .runs
             .iter()
@@ -219,6 +226,13 @@ impl JobRecord {
     /// The exit code `swactor run` ends with: the worst run's (1 for a
     /// run that failed without one).
     pub fn exit_code(&self) -> i32 {
+        if self.runs.is_empty() && self.cancelled.is_some() {
+            return match self.stop {
+                Some(Stop::TimedOut(_)) => 124,
+                Some(Stop::Cancelled) => 130,
+                _ => 1,
+            };
+        }
         self.runs
             .iter()
             .map(|r| match (r.state, r.exit_code) {

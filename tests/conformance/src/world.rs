@@ -528,6 +528,8 @@ pub fn budget_policy(max_unavailable: u8, max_unhealthy: Option<u8>) -> PolicySh
         preempt_wait_s: None,
         orphan_after_s: None,
         orphan_policy: None,
+        jobs_per_node: None,
+        gpus: None,
     }
 }
 
