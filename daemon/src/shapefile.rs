@@ -1313,6 +1313,32 @@ mod tests {
     }
 
     #[test]
+    fn jobs_per_node_and_gpus_are_read_and_zero_jobs_per_node_is_refused() {
+        let body = |extra: &str| {
+            format!(
+                "run = \"r\"\n[[group]]\nid = \"g\"\ncount = 1\nprovider = \"process\"\n{extra}"
+            )
+        };
+        let shape = ShapeFile::parse(&body("jobs_per_node = 3\ngpus = 8\n"), "x")
+            .unwrap()
+            .check(1)
+            .unwrap();
+        let policy = shape.groups[0].policy.resolve();
+        assert_eq!((policy.jobs_per_node, policy.gpus), (3, Some(8)));
+        let shape = ShapeFile::parse(&body(""), "x").unwrap().check(1).unwrap();
+        let policy = shape.groups[0].policy.resolve();
+        assert_eq!((policy.jobs_per_node, policy.gpus), (1, None));
+        let e = ShapeFile::parse(&body("jobs_per_node = 0\n"), "x")
+            .unwrap()
+            .check(1)
+            .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("jobs_per_node = 0 would never run a job"),
+            "{e:#}"
+        );
+    }
+
+    #[test]
     fn a_groups_orphan_lease_is_read_and_a_bad_policy_is_refused() {
         let body = |extra: &str| {
             format!(
