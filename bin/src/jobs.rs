@@ -15,9 +15,28 @@ pub(crate) struct RunArgs {
     /// Run on every ready node of this group (repeat for more groups).
     #[arg(long, value_name = "G")]
     pub(crate) group: Vec<String>,
-    /// Run on these nodes (each must be ready).
+    /// Run on these nodes (each must be ready); or, given one number N, on
+    /// N ready nodes taken together as a gang (of --group, if given): ranks
+    /// 0…N-1 start together, and one rank's failure stops the others.
     #[arg(long, value_name = "N", num_args = 1..)]
     pub(crate) nodes: Vec<String>,
+    /// Place in the queue: higher starts first (default 0; may be negative).
+    #[arg(
+        long,
+        value_name = "P",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    pub(crate) priority: i32,
+    /// Restarts a gang may make, every rank anew on ready nodes, when the
+    /// cluster replaced one of its nodes (never for an exit code).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) retry: u32,
+    /// A command run on each node before the job (split like a shell
+    /// would); skipped on a node where it already succeeded with the same
+    /// workspace.
+    #[arg(long, value_name = "CMD")]
+    pub(crate) setup: Option<String>,
     /// Run on every ready node.
     #[arg(long)]
     pub(crate) all: bool,
@@ -40,11 +59,27 @@ pub(crate) struct RunArgs {
 }
 
 fn targets(args: &RunArgs) -> Result<Targets> {
+    if let [n] = args.nodes.as_slice()
+        && let Ok(n) = n.parse::<u32>()
+    {
+        if args.all {
+            bail!(
+                "--all and --nodes {n} exclude each other: --nodes {n} takes {n} ready node(s) \
+                 of the cluster, or of --group"
+            );
+        }
+        return Ok(Targets::Gang {
+            nodes: n,
+            groups: args.group.clone(),
+        });
+    }
     let chosen = usize::from(args.all)
         + usize::from(!args.group.is_empty())
         + usize::from(!args.nodes.is_empty());
     match chosen {
-        0 => bail!("say where to run: --all, --group G or --nodes N…"),
+        0 => bail!(
+            "say where to run: --all, --group G, --nodes N (a gang of N nodes) or --nodes NODE…"
+        ),
         1 if args.all => Ok(Targets::All),
         1 if !args.group.is_empty() => Ok(Targets::Groups(args.group.clone())),
         1 => Ok(Targets::Nodes(args.nodes.clone())),
@@ -117,6 +152,13 @@ pub(crate) async fn run(state_dir: &Path, args: RunArgs) -> Result<i32> {
         };
         env.push((k.to_owned(), v.to_owned()));
     }
+    let setup = match &args.setup {
+        None => None,
+        Some(cmd) => match shlex::split(cmd) {
+            Some(argv) if !argv.is_empty() => Some(argv),
+            _ => bail!("--setup {cmd:?} is not a command (unbalanced quotes, or empty)"),
+        },
+    };
     let spec = JobSpec {
         targets,
         workspace,
@@ -124,6 +166,9 @@ pub(crate) async fn run(state_dir: &Path, args: RunArgs) -> Result<i32> {
         timeout_s: args.timeout,
         env,
         argv: args.argv.clone(),
+        priority: args.priority,
+        retry: args.retry,
+        setup,
     };
     with_client(state_dir, async |c| follow_run(c, spec).await).await
 }
@@ -235,15 +280,36 @@ fn show_event(
             } else {
                 String::new()
             };
-            eprintln!(
-                "swactor: {id} on {} node(s): {}{ws}",
-                nodes.len(),
-                joined(&nodes)
-            );
+            if nodes.is_empty() {
+                eprintln!("swactor: {id} accepted{ws}");
+            } else {
+                eprintln!(
+                    "swactor: {id} on {} node(s): {}{ws}",
+                    nodes.len(),
+                    joined(&nodes)
+                );
+            }
             if !skipped.is_empty() {
                 eprintln!("swactor: not ready, left out: {}", joined(&skipped));
             }
             *job = Some(id);
+        }
+        JobEvent::Queued { job: id, why } => eprintln!("swactor: {id} {why}"),
+        JobEvent::Placed { nodes, restart } => {
+            let id = job.clone().unwrap_or_default();
+            if restart > 0 {
+                eprintln!(
+                    "swactor: {id} restart {restart}: every rank anew on {} node(s): {}",
+                    nodes.len(),
+                    joined(&nodes)
+                );
+            } else {
+                eprintln!(
+                    "swactor: {id} started on {} node(s): {}",
+                    nodes.len(),
+                    joined(&nodes)
+                );
+            }
         }
         JobEvent::Shipped {
             node,
@@ -271,7 +337,7 @@ fn show_event(
                 eprintln!("swactor: [{}] {}: {why}", run.node, run.state.word());
             }
         }
-        JobEvent::Done(record) => return Ok(Some(record)),
+        JobEvent::Done(record) => return Ok(Some(*record)),
     }
     Ok(None)
 }
@@ -302,8 +368,19 @@ fn summary(job: &JobRecord, cancelled: bool) {
             joined(&nodes)
         );
     }
+    if job.runs.is_empty() {
+        let why = job.cancelled.as_deref().unwrap_or("no run was placed");
+        eprintln!("swactor: {} {}: {why}", job.id, job.state().word());
+        return;
+    }
+    let restarts = job.gang.as_ref().map_or(0, |g| g.restarts);
+    let restarted = if restarts > 0 {
+        format!(" (after {restarts} restart(s))")
+    } else {
+        String::new()
+    };
     eprintln!(
-        "swactor: {} {}: {}",
+        "swactor: {} {}: {}{restarted}",
         job.id,
         job.state().word(),
         parts.join(", ")
@@ -363,7 +440,18 @@ pub(crate) async fn list(state_dir: &Path, json: bool) -> Result<()> {
             .iter()
             .filter(|r| r.state == JobState::Succeeded)
             .count();
-        let runs = format!("{done}/{} succeeded", j.runs.len());
+        let runs = match &j.waiting {
+            Some(why) => why.strip_prefix("queued: ").unwrap_or(why).to_owned(),
+            None if j.runs.is_empty() => j.cancelled.clone().unwrap_or_default(),
+            None => {
+                let restarts = j.gang.as_ref().map_or(0, |g| g.restarts);
+                if restarts > 0 {
+                    format!("{done}/{} succeeded, restart {restarts}", j.runs.len())
+                } else {
+                    format!("{done}/{} succeeded", j.runs.len())
+                }
+            }
+        };
         writeln!(
             out,
             "{:<10} {:<10} {:<28} {}",

@@ -387,7 +387,7 @@ pub enum JobEvent {
     /// A run ended.
     Finished(RunRecord),
     /// The job ended.
-    Done(JobRecord),
+    Done(Box<JobRecord>),
 }
 
 /// Why a job was stopped before its runs ended on their own.

@@ -232,6 +232,35 @@ async fn the_dashboard_shows_the_fleet_live_and_its_controls_steer_it() {
     ))
     .await;
     browser::screenshot(&page, &artifacts().join("dashboard.png")).await;
+    // A queued job is listed, with why it waits; cancelled, it reads so.
+    let queued = std::process::Command::new(BIN)
+        .arg("--state-dir")
+        .arg(&state)
+        .args(["run", "--nodes", "9", "--", "true"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    browser::until(
+        &page,
+        Duration::from_secs(10),
+        "the queued job listed with its reason",
+        "(() => { const r = document.querySelector('#jobs tr[data-job=\"job-1\"]'); \
+         return !!r && r.dataset.state === 'queued' && r.innerText.includes('needs 9 node(s), 3 free') \
+         && document.querySelector('#jobs-count').textContent.startsWith('1 queued'); })()",
+    )
+    .await;
+    let o = cli(&state, &["job", "cancel", "job-1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let _ = queued.wait_with_output();
+    browser::until(
+        &page,
+        Duration::from_secs(10),
+        "the cancelled job listed as such",
+        "document.querySelector('#jobs tr[data-job=\"job-1\"]')?.dataset.state === 'cancelled'",
+    )
+    .await;
     // Each node's lease: when it was last renewed, and how long the node
     // outlives its daemon (the default hour).
     browser::until(

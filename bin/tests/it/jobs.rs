@@ -161,7 +161,6 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
         &[
             ("SWACTOR_JOB_WORKSPACE_MAX_BYTES", limit.as_str()),
             ("SWACTOR_JOB_OUTPUT_MAX_BYTES", "1000000"),
-            ("SWACTOR_JOB_RUNS_PER_NODE_MAX", "1"),
         ],
     )
     .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
@@ -435,14 +434,25 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
     });
     let remote = pids_in(&pids);
     assert!(remote.iter().all(|p| !gone(*p)), "{remote:?}");
-    // One run per node at a time here: another job on a busy node is refused.
-    let o = run(root, &state, &["--nodes", "worker-0", "--", "true"]);
-    assert_eq!(o.status.code(), Some(1));
-    assert!(
-        stderr(&o).contains("worker-0 already has 1 run(s) under way, the most one node may have (SWACTOR_JOB_RUNS_PER_NODE_MAX=1)"),
-        "{}",
-        stderr(&o)
-    );
+    // One job per node at a time (jobs_per_node defaults to 1): another
+    // job for a busy node waits in the queue, saying why, and runs once
+    // the node is free.
+    let before = jobs(&state).len();
+    let queued = Command::new(BIN)
+        .args(["--state-dir"])
+        .arg(&state)
+        .args(["run", "--nodes", "worker-0", "--", "echo", "after"])
+        .current_dir(root)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let why = "queued: worker-0 runs 1 job(s), as many as it may (jobs_per_node = 1)";
+    wait_for(Duration::from_secs(10), "the second job to wait", || {
+        let all = jobs(&state);
+        all.len() == before + 1 && all.last().unwrap()["waiting"] == why
+    });
     let sent = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
@@ -460,11 +470,15 @@ fn four_nodes_run_ship_only_what_changed_collect_outputs_and_refuse_bad_input() 
         "the cancelled processes to go",
         || remote.iter().all(|p| gone(*p)),
     );
-    let cancelled = jobs(&state).pop().unwrap();
+    let cancelled = jobs(&state)[before - 1].clone();
     assert!(
         run_states(&cancelled).iter().all(|(_, s)| s == "cancelled"),
         "{cancelled}"
     );
+    let o = queued.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains(why), "{}", stderr(&o));
+    assert!(stdout(&o).contains("[worker-0] after"), "{}", stdout(&o));
 }
 
 #[test]

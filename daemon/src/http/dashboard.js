@@ -351,6 +351,41 @@ function takeOverview(o) {
   }
 }
 
+// Jobs: queued ones with why they wait, then what ran; refreshed every 2 s.
+async function refreshJobs() {
+  try {
+    const r = await fetch('/api/jobs', { credentials: 'same-origin' });
+    if (!r.ok) return;
+    const j = await r.json();
+    const body = document.querySelector('#jobs tbody');
+    const count = document.getElementById('jobs-count');
+    count.textContent = j.total === 0 ? '' : `${j.queued} queued · ${j.total} in all`;
+    if (j.jobs.length === 0) {
+      body.innerHTML = '<tr><td colspan="5" class="note">no jobs yet (<code>swactor run --all -- hostname</code> starts one)</td></tr>';
+      return;
+    }
+    body.replaceChildren(...j.jobs.map((job) => {
+      const tr = document.createElement('tr');
+      tr.dataset.job = job.id;
+      tr.dataset.state = job.state;
+      const where = job.gang
+        ? `gang of ${job.gang.nodes}` + (job.gang.restarts ? ` · restart ${job.gang.restarts} of ${job.gang.retry}` : '') + (job.nodes.length ? `: ${job.nodes.join(', ')}` : '')
+        : job.nodes.join(', ');
+      const progress = job.waiting != null ? job.waiting
+        : job.runs === 0 ? (job.ended || '')
+        : `${job.succeeded}/${job.runs} succeeded`;
+      for (const text of [job.id, job.state + (job.priority ? ` (priority ${job.priority})` : ''), where, progress, job.command]) {
+        const td = document.createElement('td');
+        td.textContent = text;
+        tr.appendChild(td);
+      }
+      return tr;
+    }));
+  } catch (e) { /* the event stream reports the connection */ }
+}
+refreshJobs();
+setInterval(refreshJobs, 2000);
+
 let refreshing = null;
 function refreshSoon() {
   if (refreshing) return;

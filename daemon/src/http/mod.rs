@@ -25,6 +25,7 @@ use crate::metrics;
 pub(crate) use crate::metrics::{Metered, Metrics};
 
 use crate::control::ControlHandler;
+use crate::jobs::service::JobState;
 use crate::protocol::{ControlRequest, ControlResponse};
 use crate::state::StateDir;
 use anyhow::{Context, Result};
@@ -156,6 +157,7 @@ pub(crate) fn serve(listener: tokio::net::TcpListener, web: Arc<Web>) -> WebServ
         .route("/events", get(events))
         .route("/api/status", get(api_status))
         .route("/api/history", get(api_history))
+        .route("/api/jobs", get(api_jobs))
         .route("/api/node/{node}", get(api_node))
         .route("/api/scale", post(api_scale))
         .route("/api/replace", post(api_replace))
@@ -734,6 +736,38 @@ async fn api_history(State(web): State<Arc<Web>>) -> Response {
         .map(|(at_ms, ready, passes)| json!({ "at_ms": at_ms, "ready": ready, "passes": passes }))
         .collect();
     ok(json!({ "every_ms": metrics::SAMPLE_EVERY.as_millis() as u64, "points": points }))
+}
+
+/// Jobs shown at most, newest first: the queue and what ran last.
+const JOBS_SHOWN_MAX: usize = 50;
+
+/// The jobs for the dashboard, newest first: each one's state, where it
+/// runs (or why it waits), and how far its runs are.
+async fn api_jobs(State(web): State<Arc<Web>>) -> Response {
+    let jobs = web.control.jobs.list();
+    let total = jobs.len();
+    let queued = jobs.iter().filter(|j| j.waiting.is_some()).count();
+    let shown: Vec<Value> = jobs
+        .iter()
+        .rev()
+        .take(JOBS_SHOWN_MAX)
+        .map(|j| {
+            let succeeded = j.runs.iter().filter(|r| r.state == JobState::Succeeded).count();
+            json!({
+                "id": j.id,
+                "state": j.state().word(),
+                "waiting": j.waiting.as_deref().map(|w| w.strip_prefix("queued: ").unwrap_or(w)),
+                "priority": j.priority,
+                "gang": j.gang.as_ref().map(|g| json!({ "nodes": g.nodes, "restarts": g.restarts, "retry": g.retry })),
+                "nodes": j.runs.iter().map(|r| r.node.to_string()).collect::<Vec<_>>(),
+                "runs": j.runs.len(),
+                "succeeded": succeeded,
+                "ended": j.cancelled,
+                "command": crate::words::cut(&j.argv.join(" ")),
+            })
+        })
+        .collect();
+    ok(json!({ "total": total, "queued": queued, "jobs": shown }))
 }
 
 async fn api_node(State(web): State<Arc<Web>>, UrlPath(node): UrlPath<String>) -> Response {

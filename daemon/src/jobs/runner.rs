@@ -74,7 +74,26 @@ pub(crate) const LOG_PIECES_IN_FLIGHT: usize = 8;
 /// What the jobs' supervisor is asked.
 pub(crate) enum JobsMsg {
     /// Start a job's actor; answers once it runs.
-    Start(JobArgs, RpcReplyPort<Result<(), String>>),
+    Start(Box<JobArgs>, RpcReplyPort<Result<(), String>>),
+    /// Make a pass of the queue: start what may start.
+    Schedule,
+    /// Cancel job `.0` if it waits in the queue; answers whether it did.
+    CancelQueued(u64, RpcReplyPort<Result<bool, String>>),
+    /// A timer fired.
+    Timer(TimerFired<QueueTimer>),
+}
+
+impl From<TimerFired<QueueTimer>> for JobsMsg {
+    fn from(fired: TimerFired<QueueTimer>) -> Self {
+        Self::Timer(fired)
+    }
+}
+
+/// The supervisor's one timer: the earliest timeout of a waiting job.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum QueueTimer {
+    /// A waiting job's `--timeout` may have passed.
+    Timeout,
 }
 
 /// The supervisor of the job actors.
@@ -85,6 +104,59 @@ pub(crate) struct JobsState {
     shared: Arc<Shared>,
     /// Which job each job actor drives.
     jobs: BTreeMap<ActorId, u64>,
+    timers: Timers<QueueTimer, JobsMsg>,
+}
+
+impl JobsState {
+    /// Starts the actor of job `seq`.
+    async fn spawn_job(&mut self, myself: &ActorRef<JobsMsg>, args: JobArgs) -> Result<(), String> {
+        let seq = args.seq;
+        // No name: actor names are process-wide.
+        match Actor::spawn_linked(None, JobActor, args, myself.get_cell()).await {
+            Ok((actor, _)) => {
+                self.jobs.insert(actor.get_id(), seq);
+                self.shared.set_actor(seq, Some(actor));
+                Ok(())
+            }
+            Err(e) => {
+                let why = format!("the job's actor could not start: {e}");
+                fail_unfinished(&self.shared, seq, &why).await;
+                Err(why)
+            }
+        }
+    }
+
+    /// A pass of the queue; then the timer for the earliest timeout of a
+    /// job still waiting.
+    async fn schedule(&mut self, myself: &ActorRef<JobsMsg>) {
+        for (seq, record, workspace) in super::service::pass(&self.shared).await {
+            let args = JobArgs {
+                shared: self.shared.clone(),
+                seq,
+                record,
+                workspace,
+            };
+            if let Err(e) = self.spawn_job(myself, args).await {
+                tracing::error!(job = seq, "{e}");
+            }
+        }
+        let now = unix_now_ms();
+        let next = self
+            .shared
+            .waiting()
+            .iter()
+            .filter_map(|(_, r)| timeout_left(r.timeout_s, r.created_unix_ms, now))
+            .min();
+        match next {
+            Some(left) => {
+                self.timers
+                    .arm_at(QueueTimer::Timeout, self.shared.clock.now() + left);
+            }
+            None => {
+                self.timers.cancel(&QueueTimer::Timeout);
+            }
+        }
+    }
 }
 
 impl Actor for JobsActor {
@@ -94,13 +166,23 @@ impl Actor for JobsActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<JobsMsg>,
+        myself: ActorRef<JobsMsg>,
         shared: Arc<Shared>,
     ) -> Result<JobsState, ActorProcessingErr> {
         Ok(JobsState {
             shared,
             jobs: BTreeMap::new(),
+            timers: Timers::new(myself),
         })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<JobsMsg>,
+        st: &mut JobsState,
+    ) -> Result<(), ActorProcessingErr> {
+        st.timers.cancel_all();
+        Ok(())
     }
 
     async fn handle(
@@ -111,19 +193,22 @@ impl Actor for JobsActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             JobsMsg::Start(args, reply) => {
-                let seq = args.seq;
-                // No name: actor names are process-wide.
-                match Actor::spawn_linked(None, JobActor, args, myself.get_cell()).await {
-                    Ok((actor, _)) => {
-                        st.jobs.insert(actor.get_id(), seq);
-                        st.shared.set_actor(seq, Some(actor));
-                        let _ = reply.send(Ok(()));
-                    }
-                    Err(e) => {
-                        let why = format!("the job's actor could not start: {e}");
-                        fail_unfinished(&st.shared, seq, &why).await;
-                        let _ = reply.send(Err(why));
-                    }
+                let _ = reply.send(st.spawn_job(&myself, *args).await);
+            }
+            JobsMsg::Schedule => st.schedule(&myself).await,
+            JobsMsg::CancelQueued(seq, reply) => {
+                let waits = st.shared.waiting().iter().any(|(s, _)| *s == seq);
+                let ended =
+                    waits && super::service::end_queued(&st.shared, seq, Stop::Cancelled).await;
+                let _ = reply.send(Ok(ended));
+                if ended {
+                    // A job behind it may start now.
+                    st.schedule(&myself).await;
+                }
+            }
+            JobsMsg::Timer(fired) => {
+                if st.timers.accept(&fired) {
+                    st.schedule(&myself).await;
                 }
             }
         }
@@ -141,6 +226,8 @@ impl Actor for JobsActor {
             SupervisionEvent::ActorTerminated(cell, _, _) => {
                 if let Some(seq) = st.jobs.remove(&cell.get_id()) {
                     st.shared.set_actor(seq, None);
+                    // Its nodes are free (or it went back to the queue).
+                    st.shared.ask_schedule();
                 }
             }
             SupervisionEvent::ActorFailed(cell, err) => {
@@ -149,6 +236,7 @@ impl Actor for JobsActor {
                     tracing::error!(job = seq, %err, "a job's actor failed");
                     let why = format!("the daemon's actor for this job failed: {err}");
                     fail_unfinished(&st.shared, seq, &why).await;
+                    st.shared.ask_schedule();
                 }
             }
             _ => {}
@@ -185,7 +273,8 @@ async fn fail_unfinished(shared: &Shared, seq: u64, why: &str) {
     for run in abandoned {
         abandon(shared, &record.id, &run).await;
     }
-    shared.emit(seq, JobEvent::Done(record));
+    shared.drop_workspace(seq);
+    shared.emit(seq, JobEvent::Done(Box::new(record)));
 }
 
 /// Asks `run`'s agent to kill it and drop what it kept, as far as it can be
@@ -280,6 +369,8 @@ pub(crate) struct JobActorState {
     timers: Timers<JobTimer, JobMsg>,
     /// Each live run actor, by id: the run it drives.
     runs: BTreeMap<ActorId, (usize, ActorRef<RunMsg>)>,
+    /// Whether the gang's other ranks were told to stop.
+    gang_stopped: bool,
 }
 
 impl Actor for JobActor {
@@ -310,7 +401,13 @@ impl Actor for JobActor {
             record,
             timers,
             runs: BTreeMap::new(),
+            gang_stopped: false,
         };
+        let restart = st.record.gang.as_ref().map_or(0, |g| g.restarts);
+        let setup = st.record.setup.clone().map(|argv| {
+            let manifest = workspace.as_ref().map_or(&[][..], |w| &w.manifest[..]);
+            super::Setup::new(argv, manifest)
+        });
         for idx in 0..st.record.runs.len() {
             let run = st.record.runs[idx].clone();
             if run.state.is_final() {
@@ -323,10 +420,19 @@ impl Actor for JobActor {
                 idx,
                 job_id: st.record.id.clone(),
                 argv: st.record.argv.clone(),
-                env: st.record.env.clone(),
+                env: st
+                    .record
+                    .env
+                    .iter()
+                    .cloned()
+                    .chain(swactor_jobs::gang::rank_env(&st.record, idx))
+                    .collect(),
                 globs: st.record.outputs.clone(),
+                outputs_dir: st.record.outputs_dir.clone(),
                 run,
                 workspace: workspace.clone(),
+                restart,
+                setup: setup.clone(),
             };
             match Actor::spawn_linked(None, RunActor, args, myself.get_cell()).await {
                 Ok((actor, _)) => {
@@ -346,6 +452,9 @@ impl Actor for JobActor {
         if let Some(stop) = st.record.stop.clone() {
             st.tell_runs(&stop);
         }
+        // A gang rank that ended badly before the last daemon stopped
+        // the others: they are stopped now.
+        st.follow_gang();
         if st.runs.is_empty() {
             st.end(&myself).await;
         }
@@ -433,7 +542,23 @@ impl JobActorState {
         if let Some(event) = event {
             self.shared.emit(self.seq, event);
         }
+        if matches!(change, Change::Finished(_)) {
+            self.follow_gang();
+        }
         Ok(())
+    }
+
+    /// Stops a gang's other ranks once one ended badly (decided in the
+    /// jobs core), once.
+    fn follow_gang(&mut self) {
+        if self.gang_stopped {
+            return;
+        }
+        if let swactor_jobs::gang::Next::StopOthers(why) = swactor_jobs::gang::next(&self.record) {
+            tracing::info!(job = %self.record.id, %why, "stopping the gang's other ranks");
+            self.gang_stopped = true;
+            self.tell_runs(&Stop::Gang(why));
+        }
     }
 
     async fn stop(&mut self, stop: Stop) {
@@ -444,7 +569,7 @@ impl JobActorState {
         let mut next = self.record.clone();
         next.cancelled = Some(match &stop {
             Stop::Cancelled => "cancelled".to_owned(),
-            Stop::TimedOut(why) => why.clone(),
+            Stop::TimedOut(why) | Stop::Gang(why) => why.clone(),
         });
         next.stop = Some(stop.clone());
         // On record before any run is told.
@@ -465,9 +590,42 @@ impl JobActorState {
     /// Every run has ended: the job's end goes on record and to its followers.
     async fn end(&mut self, myself: &ActorRef<JobMsg>) {
         self.timers.cancel_all();
+        if let swactor_jobs::gang::Next::Restart(why) = swactor_jobs::gang::next(&self.record) {
+            // Back to the queue, every rank anew; the runs that ended are
+            // kept as this attempt's.
+            let mut next = self.record.clone();
+            let runs = std::mem::take(&mut next.runs);
+            if let Some(gang) = next.gang.as_mut() {
+                next.earlier.push(swactor_jobs::record::EarlierAttempt {
+                    restart: gang.restarts,
+                    outputs_dir: next.outputs_dir.clone(),
+                    runs,
+                });
+                gang.restarts += 1;
+                gang.addrs.clear();
+            }
+            next.waiting = Some(format!("queued: {why}"));
+            match self.shared.commit(self.seq, &next).await {
+                Ok(()) => {
+                    tracing::info!(job = %self.record.id, %why, "the gang goes back to the queue");
+                    self.shared.emit(
+                        self.seq,
+                        JobEvent::Queued {
+                            job: next.id.clone(),
+                            why: format!("queued: {why}"),
+                        },
+                    );
+                    self.record = next;
+                    myself.stop(None);
+                    return;
+                }
+                Err(e) => tracing::error!("{e}; the gang is not restarted"),
+            }
+        }
         tracing::info!(job = %self.record.id, state = self.record.state().word(), "job ended");
+        self.shared.drop_workspace(self.seq);
         self.shared
-            .emit(self.seq, JobEvent::Done(self.record.clone()));
+            .emit(self.seq, JobEvent::Done(Box::new(self.record.clone())));
         myself.stop(None);
     }
 }
@@ -485,9 +643,15 @@ pub(crate) struct RunArgs {
     argv: Vec<String>,
     env: Vec<(String, String)>,
     globs: Vec<String>,
+    /// Where its collected outputs go: `<outputs_dir>/<node>/`.
+    outputs_dir: String,
     /// The run as the journal has it.
     run: RunRecord,
     workspace: Option<Arc<Workspace>>,
+    /// The gang's restart this run belongs to (0 for other jobs).
+    restart: u32,
+    /// The job's setup, if any.
+    setup: Option<super::Setup>,
 }
 
 /// A frame the agent sent on a log stream, with its place in the window.
@@ -563,7 +727,7 @@ impl Actor for RunActor {
         myself: ActorRef<RunMsg>,
         a: RunArgs,
     ) -> Result<RunActorState, ActorProcessingErr> {
-        let log_path = a.shared.log_path(&a.job_id, a.run.node);
+        let log_path = a.shared.log_path(&a.job_id, a.run.node, a.restart);
         // This daemon's copy of the log starts over: the agent has all of it.
         let log = tokio::fs::File::create(&log_path)
             .await
@@ -875,6 +1039,7 @@ impl RunActorState {
                 .unwrap_or_default(),
             argv: self.a.argv.clone(),
             env: self.a.env.clone(),
+            setup: self.a.setup.clone(),
         };
         match request(&self.a.shared, &conn, &start).await {
             Ok(FromAgent::Started) => Event::Started,
@@ -963,7 +1128,10 @@ impl RunActorState {
         {
             panic!("SWACTOR_FAULT_RUN_PANICS_ON={node}: a run actor panics on its first log");
         }
-        let path = self.a.shared.log_path(&self.a.job_id, self.node());
+        let path = self
+            .a
+            .shared
+            .log_path(&self.a.job_id, self.node(), self.a.restart);
         self.log
             .write_all(bytes)
             .await
@@ -1008,13 +1176,7 @@ impl RunActorState {
     /// Fetches the run's outputs into `<outputs_dir>/<node>/`, checking each
     /// file against the hash the agent sent; nothing is kept on any error.
     async fn collect(&self, conn: &Connection) -> Result<Vec<OutputFile>, String> {
-        let into = self
-            .a
-            .shared
-            .dir
-            .join(&self.a.job_id)
-            .join("outputs")
-            .join(self.node().to_string());
+        let into = Path::new(&self.a.outputs_dir).join(self.node().to_string());
         let _ = tokio::fs::remove_dir_all(&into).await;
         let req = ToAgent::Collect {
             attempt: self.attempt(),
@@ -1212,7 +1374,11 @@ fn frames(recv: RecvStream) -> impl futures_util::Stream<Item = Piece> + Send + 
 }
 
 /// One request, one answer, on a new stream of `conn`, within [`REQUEST_WAIT`].
-async fn request(shared: &Shared, conn: &Connection, req: &ToAgent) -> anyhow::Result<FromAgent> {
+pub(crate) async fn request(
+    shared: &Shared,
+    conn: &Connection,
+    req: &ToAgent,
+) -> anyhow::Result<FromAgent> {
     request_within(shared, conn, req, REQUEST_WAIT).await
 }
 

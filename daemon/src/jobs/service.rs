@@ -13,7 +13,7 @@
 
 use super::blobs::Blobs;
 use super::runner::{JobArgs, JobMsg, JobsActor, JobsMsg, RunMsg};
-use super::{CHUNK_LEN, FileEntry, Hash, LogRecord, Stream, walk};
+use super::{CHUNK_LEN, FileEntry, FromAgent, Hash, LogRecord, Stream, ToAgent, walk};
 use crate::protocol::JoinRequest;
 use crate::words::sizes_compared;
 use anyhow::Context;
@@ -35,9 +35,10 @@ use swactor_provisioning::{Intent, LogicalNodeId, NodeAttemptId};
 use tokio::sync::{broadcast, watch};
 
 use super::machine::Stop;
-use swactor_jobs::admission::{Candidate, check_busy, choose_targets};
+use swactor_jobs::admission::{Candidate, choose_targets};
+use swactor_jobs::queue::{Decision, Slot, Waiting, busy_counts, schedule};
 pub use swactor_jobs::record::{
-    JobEvent, JobRecord, JobSpec, JobState, OutputFile, RunRecord, Targets,
+    Gang, JobEvent, JobRecord, JobSpec, JobState, OutputFile, RunRecord, Targets, Want,
 };
 
 /// Events of a job kept for a follower that falls behind.
@@ -48,21 +49,6 @@ const WORKSPACE_READS_MAX: usize = 2;
 
 /// How long a request may wait for a job actor to answer.
 pub(crate) const ACTOR_CALL_WAIT: Duration = Duration::from_secs(60);
-
-/// Refuses when a node of `targets` already has as many runs under way as
-/// it may (decided in the jobs core).
-fn busy(
-    jobs: &BTreeMap<u64, Entry>,
-    targets: &[(LogicalNodeId, NodeAttemptId)],
-    max: usize,
-) -> Result<(), String> {
-    check_busy(
-        jobs.values().flat_map(|e| e.record.runs.iter()),
-        targets,
-        max,
-    )
-    .map_err(|r| r.to_string())
-}
 
 /// What the jobs journal says it holds, and its format. Fields added since
 /// format 1 default when read, so a journal written before them still opens.
@@ -76,8 +62,8 @@ pub(crate) struct JobLimits {
     pub(crate) workspace_max_bytes: u64,
     /// Largest sum of one run's output files, in bytes.
     pub(crate) output_max_bytes: u64,
-    /// Most runs shipping or running on one node at once.
-    pub(crate) runs_per_node_max: usize,
+    /// Most jobs waiting in the queue at once.
+    pub(crate) queue_max: usize,
     /// How long a run whose agent went away waits for it to come back
     /// before it is `lost`.
     pub(crate) reattach_wait: Duration,
@@ -101,8 +87,7 @@ impl JobLimits {
         Ok(Self {
             workspace_max_bytes: get("SWACTOR_JOB_WORKSPACE_MAX_BYTES", 1 << 30)?,
             output_max_bytes: get("SWACTOR_JOB_OUTPUT_MAX_BYTES", 256 << 20)?,
-            runs_per_node_max: usize::try_from(get("SWACTOR_JOB_RUNS_PER_NODE_MAX", 4)?)
-                .unwrap_or(usize::MAX),
+            queue_max: usize::try_from(get("SWACTOR_JOB_QUEUE_MAX", 256)?).unwrap_or(usize::MAX),
             reattach_wait: Duration::from_secs(get("SWACTOR_JOB_REATTACH_S", 15)?),
         })
     }
@@ -115,6 +100,9 @@ struct Entry {
     events: broadcast::Sender<JobEvent>,
     /// The job's actor while it runs.
     actor: Option<ActorRef<JobMsg>>,
+    /// Its workspace, read when it was accepted, kept while it may still
+    /// start runs (a job resumed by a restarted daemon reads it again).
+    workspace: Option<Arc<Workspace>>,
 }
 
 /// Test hooks of debug builds, read from the daemon's environment; release
@@ -163,6 +151,10 @@ pub(crate) struct Shared {
     pub(crate) faults: Faults,
     jobs: Mutex<BTreeMap<u64, Entry>>,
     blocking: BlockingPool,
+    /// Whether a pass of the queue is asked for and not yet begun.
+    schedule_asked: std::sync::atomic::AtomicBool,
+    /// The jobs' supervisor, which runs the queue's passes.
+    root: std::sync::OnceLock<ActorRef<JobsMsg>>,
 }
 
 impl Shared {
@@ -215,9 +207,78 @@ impl Shared {
         }
     }
 
-    /// Where the daemon keeps the log of `job` on `node`.
-    pub(crate) fn log_path(&self, job: &str, node: LogicalNodeId) -> PathBuf {
-        self.dir.join(job).join(format!("{node}.log"))
+    /// Where the daemon keeps the log of `job` on `node`, for the gang's
+    /// `restart` (0 for the first attempt and for every other job).
+    pub(crate) fn log_path(&self, job: &str, node: LogicalNodeId, restart: u32) -> PathBuf {
+        if restart == 0 {
+            self.dir.join(job).join(format!("{node}.log"))
+        } else {
+            self.dir.join(job).join(format!("{node}.r{restart}.log"))
+        }
+    }
+
+    /// Asks the supervisor for a pass of the queue, unless one is asked
+    /// for already and has not begun.
+    pub(crate) fn ask_schedule(&self) {
+        use std::sync::atomic::Ordering;
+        if self.schedule_asked.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(root) = self.root.get()
+            && root.send_message(JobsMsg::Schedule).is_err()
+        {
+            self.schedule_asked.store(false, Ordering::Release);
+        }
+    }
+
+    /// Takes the ask for a pass (the pass begins now).
+    pub(crate) fn take_schedule_ask(&self) {
+        self.schedule_asked
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The workspace job `seq` keeps, if any.
+    pub(crate) fn workspace(&self, seq: u64) -> Option<Arc<Workspace>> {
+        self.jobs().get(&seq).and_then(|e| e.workspace.clone())
+    }
+
+    /// Drops job `seq`'s workspace (it starts no more runs).
+    pub(crate) fn drop_workspace(&self, seq: u64) {
+        if let Some(e) = self.jobs().get_mut(&seq) {
+            e.workspace = None;
+        }
+    }
+
+    /// Every job that waits in the queue, with its record.
+    pub(crate) fn waiting(&self) -> Vec<(u64, JobRecord)> {
+        self.jobs()
+            .iter()
+            .filter(|(_, e)| e.record.waiting.is_some() && e.actor.is_none())
+            .map(|(seq, e)| (*seq, e.record.clone()))
+            .collect()
+    }
+
+    /// How many jobs each node runs now.
+    pub(crate) fn busy(&self) -> BTreeMap<LogicalNodeId, u32> {
+        let jobs = self.jobs();
+        busy_counts(jobs.values().flat_map(|e| e.record.runs.iter()))
+    }
+
+    /// Updates why job `seq` waits, in memory (it says nothing durable);
+    /// tells its followers when the words changed.
+    pub(crate) fn note_waiting(&self, seq: u64, why: &str) {
+        let mut jobs = self.jobs();
+        let Some(e) = jobs.get_mut(&seq) else {
+            return;
+        };
+        if e.record.waiting.as_deref() == Some(why) {
+            return;
+        }
+        e.record.waiting = Some(why.to_owned());
+        let _ = e.events.send(JobEvent::Queued {
+            job: e.record.id.clone(),
+            why: why.to_owned(),
+        });
     }
 }
 
@@ -301,16 +362,33 @@ impl JobService {
             blocking: BlockingPool::new(&BlockingConfig {
                 concurrency_max: WORKSPACE_READS_MAX,
             })?,
+            schedule_asked: std::sync::atomic::AtomicBool::new(false),
+            root: std::sync::OnceLock::new(),
         });
         let (root, _) = Actor::spawn(None, JobsActor, shared.clone())
             .await
             .context("cannot start the jobs' supervisor")?;
+        let _ = shared.root.set(root.clone());
         let service = Self { shared, root };
         let mut resume = Vec::new();
-        for (key, record) in contents.records {
+        for (key, mut record) in contents.records {
             let Ok(seq) = key.parse::<u64>() else {
                 continue;
             };
+            // Placed, but nothing was sent to any node: back to the queue.
+            if record.want.is_some()
+                && !record.runs.is_empty()
+                && record.runs.iter().all(|r| r.state == JobState::Queued)
+                && record.stop.is_none()
+            {
+                record.runs.clear();
+                record.waiting = Some("back in the queue after a daemon restart".to_owned());
+                service
+                    .shared
+                    .commit(seq, &record)
+                    .await
+                    .map_err(anyhow::Error::msg)?;
+            }
             if record.runs.iter().any(|r| !r.state.is_final()) {
                 resume.push((seq, record.clone()));
             }
@@ -320,6 +398,17 @@ impl JobService {
             tracing::info!(job = %record.id, "following a job the last daemon left running");
             service.start(seq, record, None).await?;
         }
+        // Wake the queue on every change of the cluster and of the agents'
+        // links; the task ends with the cluster or the supervisor.
+        let events = service
+            .shared
+            .cluster
+            .subscribe()
+            .await
+            .context("cannot follow the cluster for the job queue")?
+            .events;
+        tokio::spawn(wake_queue(service.shared.clone(), events));
+        service.shared.ask_schedule();
         Ok(service)
     }
 
@@ -331,12 +420,14 @@ impl JobService {
                 record,
                 events,
                 actor: None,
+                workspace: None,
             },
         );
         rx
     }
 
-    /// Has the supervisor start job `seq`'s actor.
+    /// Has the supervisor start job `seq`'s actor (a job resumed from the
+    /// journal).
     async fn start(
         &self,
         seq: u64,
@@ -351,7 +442,7 @@ impl JobService {
         };
         match self
             .root
-            .call(|reply| JobsMsg::Start(args, reply), Some(ACTOR_CALL_WAIT))
+            .call(|reply| JobsMsg::Start(Box::new(args), reply), Some(ACTOR_CALL_WAIT))
             .await
         {
             Ok(CallResult::Success(Ok(()))) => Ok(()),
@@ -374,6 +465,12 @@ impl JobService {
             self.shared.blobs.allowlist.clone(),
             self.shared.blobs.protocol(),
         )
+    }
+
+    /// The agents' jobs links and the clock to wait for one by (remote
+    /// shells and forwarded connections go over the same links).
+    pub(crate) fn links(&self) -> (&Links, &Clock) {
+        (&self.shared.links, &self.shared.clock)
     }
 
     /// Whether any job runs: one accepted whose runs have not all ended,
@@ -410,17 +507,28 @@ impl JobService {
         let seq = self.find(id)?;
         let record = self.shared.record(seq).ok_or("gone")?;
         if let Some(n) = node
-            && !record.runs.iter().any(|r| r.node.to_string() == n)
+            && !record
+                .runs
+                .iter()
+                .chain(record.earlier.iter().flat_map(|e| e.runs.iter()))
+                .any(|r| r.node.to_string() == n)
         {
             return Err(format!("job {} did not run on {n}", record.id));
         }
         let mut out = Vec::new();
-        for run in record
-            .runs
-            .iter()
-            .filter(|r| node.is_none_or(|n| r.node.to_string() == n))
-        {
-            let bytes = tokio::fs::read(self.shared.log_path(&record.id, run.node))
+        // A restarted gang's earlier attempts first, then the last one.
+        let restarts = record.gang.as_ref().map_or(0, |g| g.restarts);
+        let mut attempts: Vec<(u32, LogicalNodeId)> = Vec::new();
+        for e in &record.earlier {
+            attempts.extend(e.runs.iter().map(|r| (e.restart, r.node)));
+        }
+        attempts.extend(record.runs.iter().map(|r| (restarts, r.node)));
+        for (restart, run_node) in attempts {
+            let run = RunNode { node: run_node };
+            if node.is_some_and(|n| run.node.to_string() != n) {
+                continue;
+            }
+            let bytes = tokio::fs::read(self.shared.log_path(&record.id, run.node, restart))
                 .await
                 .unwrap_or_default();
             for rec in LogRecord::decode_all(&bytes).0 {
@@ -435,8 +543,30 @@ impl JobService {
     }
 
     /// Cancels job `id` on every node it still runs on; returns the job and those nodes.
-    pub(crate) fn cancel(&self, id: &str) -> Result<(String, Vec<LogicalNodeId>), String> {
+    pub(crate) async fn cancel(&self, id: &str) -> Result<(String, Vec<LogicalNodeId>), String> {
         let seq = self.find(id)?;
+        // A job that waits in the queue ends here, before it ever starts.
+        // The supervisor runs the queue's passes: asked there, a cancel
+        // never races a pass that is starting the job.
+        match self
+            .root
+            .call(
+                |reply| JobsMsg::CancelQueued(seq, reply),
+                Some(ACTOR_CALL_WAIT),
+            )
+            .await
+        {
+            Ok(CallResult::Success(Ok(true))) => {
+                let id = self
+                    .shared
+                    .record(seq)
+                    .map_or_else(|| id.to_owned(), |r| r.id);
+                return Ok((id, Vec::new()));
+            }
+            Ok(CallResult::Success(Ok(false))) => {}
+            Ok(CallResult::Success(Err(e))) => return Err(e),
+            Ok(_) | Err(_) => return Err("the jobs' supervisor did not answer".to_owned()),
+        }
         let jobs = self.shared.jobs();
         let entry = jobs.get(&seq).ok_or_else(|| format!("no job {id:?}"))?;
         let nodes: Vec<LogicalNodeId> = entry
@@ -455,8 +585,9 @@ impl JobService {
         Ok((entry.record.id.clone(), nodes))
     }
 
-    /// Accepts a job: checks everything, records it, starts it. Returns its
-    /// number and its events from the start.
+    /// Accepts a job: checks everything, records it as waiting in the
+    /// queue, and asks for a pass of the queue. Returns its number and its
+    /// events from the start.
     ///
     /// # Errors
     /// Anything wrong with the request, in words; nothing was shipped then.
@@ -465,13 +596,43 @@ impl JobService {
         spec: JobSpec,
     ) -> Result<(u64, broadcast::Receiver<JobEvent>, JobEvent), String> {
         check_spec(&spec)?;
-        let (targets, skipped) = self.targets(&spec.targets).await?;
-        let limits = self.shared.limits;
-        // Checked now, before the workspace is read, and again as the job is
-        // recorded (another job may have started meanwhile).
-        busy(&self.shared.jobs(), &targets, limits.runs_per_node_max)?;
+        let (want, skipped) = self.targets(&spec.targets).await?;
+        let queue_max = self.shared.limits.queue_max;
+        let full = |n: usize| {
+            format!(
+                "the job queue holds {n} waiting job(s), the most it may \
+                 (SWACTOR_JOB_QUEUE_MAX={queue_max} on the daemon); nothing was started"
+            )
+        };
+        // Checked now, before the workspace is read, and again as the job
+        // is entered (another may have been entered meanwhile).
+        let n = self.shared.waiting().len();
+        if n >= queue_max {
+            return Err(full(n));
+        }
         let workspace = self.load_workspace(spec.workspace.as_ref()).await?;
-        let (seq, id, record, rx) = self.enter(&spec, &targets, &workspace)?;
+        let (seq, id, record, rx) = {
+            let mut jobs = self.shared.jobs();
+            let n = jobs.values().filter(|e| e.record.waiting.is_some()).count();
+            if n >= queue_max {
+                return Err(full(n));
+            }
+            let seq = jobs.keys().next_back().copied().unwrap_or(0) + 1;
+            let id = format!("job-{seq}");
+            let outputs_dir = self.shared.dir.join(&id).join("outputs");
+            let record = job_record(&id, &spec, want.clone(), &workspace, &outputs_dir);
+            let (events, rx) = broadcast::channel(EVENTS_KEPT);
+            jobs.insert(
+                seq,
+                Entry {
+                    record: record.clone(),
+                    events,
+                    actor: None,
+                    workspace: Some(Arc::new(workspace)),
+                },
+            );
+            (seq, id, record, rx)
+        };
         let forget = || {
             self.shared.jobs().remove(&seq);
         };
@@ -479,81 +640,35 @@ impl JobService {
             forget();
             return Err(format!("cannot make the job's directory: {e}"));
         }
-        // Recorded before anything is sent.
+        // Recorded before anything is sent: a restarted daemon queues it again.
         if let Err(e) = self.shared.commit(seq, &record).await {
             forget();
             return Err(format!("{e}; nothing was started"));
         }
         let accepted = JobEvent::Accepted {
             job: id,
-            nodes: targets.iter().map(|(n, _)| *n).collect(),
+            nodes: match &want {
+                Want::Each(nodes) => nodes.clone(),
+                Want::Gang { .. } => Vec::new(),
+            },
             skipped,
             workspace_files: record.workspace_files,
             workspace_bytes: record.workspace_bytes,
         };
-        let runs = record.runs.len();
-        if let Err(e) = self.start(seq, record, Some(Arc::new(workspace))).await {
-            // On record as queued: a restarted daemon marks it failed.
-            tracing::error!(job = seq, runs, "{e:#}");
-            return Err(format!("{e:#}"));
-        }
+        self.shared.ask_schedule();
         Ok((seq, rx, accepted))
     }
 
     /// Reads the job's workspace, if it ships one, and imports its chunks
     /// into the blob store.
     async fn load_workspace(&self, dir: Option<&PathBuf>) -> Result<Workspace, String> {
-        let workspace = match dir {
-            None => Workspace::default(),
-            Some(dir) => {
-                let dir = dir.clone();
-                let max = self.shared.limits.workspace_max_bytes;
-                let mut ws = self
-                    .shared
-                    .blocking
-                    .call(move |_| read_workspace(&dir, max))
-                    .await
-                    .map_err(|e| format!("cannot read the workspace: {e}"))??;
-                ws.tags = self.shared.blobs.import(&ws).await?;
-                ws
-            }
-        };
-        Ok(workspace)
+        load_workspace(&self.shared, dir).await
     }
 
-    /// Numbers the job and enters it as queued on `targets`, returning its
-    /// number, id, record and events.
-    fn enter(
-        &self,
-        spec: &JobSpec,
-        targets: &[(LogicalNodeId, NodeAttemptId)],
-        workspace: &Workspace,
-    ) -> Result<(u64, String, JobRecord, broadcast::Receiver<JobEvent>), String> {
-        // The number is taken and the job entered under one lock, so two
-        // jobs submitted at once never share a number or overrun a node.
-        let mut jobs = self.shared.jobs();
-        busy(&jobs, targets, self.shared.limits.runs_per_node_max)?;
-        let seq = jobs.keys().next_back().copied().unwrap_or(0) + 1;
-        let id = format!("job-{seq}");
-        let outputs_dir = self.shared.dir.join(&id).join("outputs");
-        let record = job_record(&id, spec, targets, workspace, &outputs_dir);
-        let (events, rx) = broadcast::channel(EVENTS_KEPT);
-        jobs.insert(
-            seq,
-            Entry {
-                record: record.clone(),
-                events,
-                actor: None,
-            },
-        );
-        Ok((seq, id, record, rx))
-    }
-
-    /// The (node, attempt)s a job is for, and the nodes left out.
-    async fn targets(
-        &self,
-        targets: &Targets,
-    ) -> Result<(Vec<(LogicalNodeId, NodeAttemptId)>, Vec<LogicalNodeId>), String> {
+    /// What a job waits for, and the nodes its targets left out (not
+    /// ready at submission). Named nodes must exist and be ready now; a
+    /// gang's groups must exist.
+    async fn targets(&self, targets: &Targets) -> Result<(Want, Vec<LogicalNodeId>), String> {
         let snap = self
             .shared
             .cluster
@@ -571,23 +686,276 @@ impl JobService {
             })
             .collect();
         let picked = choose_targets(targets, &candidates).map_err(|r| r.to_string())?;
-        let (chosen, skipped) = (picked.nodes, picked.skipped);
-        // A ready node's agent may still be dialing its jobs link.
-        for (node, attempt) in &chosen {
-            if self
-                .shared
-                .links
-                .wait(&self.shared.clock, *node, attempt.0, Duration::from_secs(5))
-                .await
-                .is_none()
-            {
-                return Err(format!(
-                    "{node} is ready but its agent has no jobs link to this daemon; nothing was started"
-                ));
+        Ok(match targets {
+            Targets::Gang { nodes, groups } => (
+                Want::Gang {
+                    nodes: *nodes,
+                    groups: groups.clone(),
+                },
+                Vec::new(),
+            ),
+            _ => (
+                Want::Each(picked.nodes.iter().map(|(n, _)| *n).collect()),
+                picked.skipped,
+            ),
+        })
+    }
+}
+
+/// What a pass of the queue found to start: each job placed, its record
+/// (on record already) and its workspace.
+pub(crate) type Placed = (u64, JobRecord, Option<Arc<Workspace>>);
+
+/// One pass of the queue: asks the jobs core which waiting jobs start now
+/// on the cluster as it is, records each placement (and each job that can
+/// never start) before anything is sent, and returns the jobs to start.
+/// Jobs that keep waiting get their reason updated.
+pub(crate) async fn pass(shared: &Arc<Shared>) -> Vec<Placed> {
+    shared.take_schedule_ask();
+    let waiting_jobs = shared.waiting();
+    if waiting_jobs.is_empty() {
+        return Vec::new();
+    }
+    let now = unix_now_ms();
+    let mut placed = Vec::new();
+    let mut waiting = Vec::new();
+    for (seq, record) in &waiting_jobs {
+        // A queued job's timeout counts from its acceptance, too.
+        if swactor_jobs::machine::timeout_left(record.timeout_s, record.created_unix_ms, now)
+            == Some(Duration::ZERO)
+        {
+            let t = record.timeout_s.unwrap_or_default();
+            let why = format!("timed out after {t} s while it waited in the queue");
+            end_queued(shared, *seq, Stop::TimedOut(why)).await;
+            continue;
+        }
+        if let Some(want) = record.want.clone() {
+            waiting.push(Waiting {
+                seq: *seq,
+                priority: record.priority,
+                want,
+            });
+        }
+    }
+    let Ok(view) = shared.cluster.inspect().await else {
+        return placed;
+    };
+    let Ok(snap) = shared.cluster.snapshot().await else {
+        return placed;
+    };
+    let groups: BTreeMap<&str, swactor_provisioning::GroupPolicy> = view
+        .desired
+        .groups
+        .iter()
+        .map(|g| (g.id.as_str(), g.policy))
+        .collect();
+    let busy = shared.busy();
+    let slots: Vec<Slot> = snap
+        .nodes
+        .iter()
+        .map(|n| {
+            let linked = shared.links.get(n.node, n.attempt.0).is_some();
+            let ready = n.ready && n.intent != Intent::Deleting;
+            Slot {
+                node: n.node,
+                attempt: n.attempt,
+                usable: ready && linked,
+                state: if ready && !linked {
+                    "ready, but its agent has not linked for jobs yet"
+                } else {
+                    crate::words::state_word(n)
+                },
+                limit: groups
+                    .get(n.node.group.as_str())
+                    .map_or(1, |p| p.jobs_per_node.max(1)),
+                busy: busy.get(&n.node).copied().unwrap_or(0),
+            }
+        })
+        .collect();
+    for decision in schedule(&waiting, &slots) {
+        match decision {
+            Decision::Wait { seq, why } => shared.note_waiting(seq, &format!("queued: {why}")),
+            Decision::Fail { seq, why } => {
+                let Some(mut record) = shared.record(seq) else {
+                    continue;
+                };
+                record.waiting = None;
+                record.cancelled = Some(why);
+                if let Err(e) = shared.commit(seq, &record).await {
+                    tracing::error!("{e}");
+                }
+                shared.drop_workspace(seq);
+                shared.emit(seq, JobEvent::Done(Box::new(record)));
+            }
+            Decision::Start { seq, nodes } => {
+                let Some(record) = shared.record(seq) else {
+                    continue;
+                };
+                match place(shared, seq, record, &nodes, &groups).await {
+                    Ok(p) => placed.push(p),
+                    Err(why) => shared.note_waiting(seq, &format!("queued: {why}")),
+                }
             }
         }
-        Ok((chosen, skipped))
     }
+    placed
+}
+
+/// Places job `seq` on `nodes`: reads its workspace again if this daemon
+/// does not hold it, asks a gang's ranks for their addresses, records the
+/// runs. Nothing is sent to run before the record is durable.
+async fn place(
+    shared: &Arc<Shared>,
+    seq: u64,
+    mut record: JobRecord,
+    nodes: &[(LogicalNodeId, NodeAttemptId)],
+    groups: &BTreeMap<&str, swactor_provisioning::GroupPolicy>,
+) -> Result<Placed, String> {
+    let workspace = match shared.workspace(seq) {
+        Some(ws) => Some(ws),
+        None => {
+            let dir = record.workspace.as_ref().map(PathBuf::from);
+            let ws = load_workspace(shared, dir.as_ref())
+                .await
+                .map_err(|e| format!("its workspace cannot be read again: {e}"))?;
+            let ws = Arc::new(ws);
+            if let Some(e) = shared.jobs().get_mut(&seq) {
+                e.workspace = Some(ws.clone());
+            }
+            Some(ws)
+        }
+    };
+    let chunks = workspace.as_ref().map_or(0, |w| w.order.len() as u64);
+    if let Some(gang) = record.gang.as_mut() {
+        let asks = nodes.iter().map(|(node, attempt)| async move {
+            let Some(conn) = shared.links.get(*node, attempt.0) else {
+                return Err(format!("{node} has no jobs link any more"));
+            };
+            let req = ToAgent::Prepare { attempt: attempt.0 };
+            match super::runner::request(shared, &conn, &req).await {
+                Ok(FromAgent::Prepared { addr, port, gpus }) => Ok((addr, port, gpus)),
+                Ok(other) => Err(format!("{node} answered {other:?} to prepare")),
+                Err(e) => Err(format!("{node} could not be prepared: {e}")),
+            }
+        });
+        let answers = futures_util::future::join_all(asks).await;
+        let mut addrs = Vec::with_capacity(answers.len());
+        let mut gpus = Vec::with_capacity(answers.len());
+        let mut port = 0;
+        for (rank, (answer, (node, _))) in answers.into_iter().zip(nodes).enumerate() {
+            let (addr, p, reported) = answer?;
+            if rank == 0 {
+                port = p;
+            }
+            addrs.push(addr);
+            gpus.push(
+                groups
+                    .get(node.group.as_str())
+                    .and_then(|g| g.gpus)
+                    .unwrap_or(reported),
+            );
+        }
+        if port == 0 {
+            return Err(format!("{} found no free port", nodes[0].0));
+        }
+        gang.addrs = addrs;
+        gang.master_port = port;
+        gang.gpus = gpus;
+    }
+    let restart = record.gang.as_ref().map_or(0, |g| g.restarts);
+    let outputs = shared.dir.join(&record.id).join(if restart == 0 {
+        "outputs".to_owned()
+    } else {
+        format!("outputs.r{restart}")
+    });
+    record.outputs_dir = outputs.display().to_string();
+    record.runs = placed_runs(&record, nodes, chunks);
+    record.waiting = None;
+    shared.commit(seq, &record).await?;
+    shared.emit(
+        seq,
+        JobEvent::Placed {
+            nodes: nodes.iter().map(|(n, _)| *n).collect(),
+            restart,
+        },
+    );
+    Ok((seq, record, workspace))
+}
+
+/// Ends job `seq`, which waits in the queue, for `stop`: on record, then
+/// told to its followers. False if it no longer waits.
+pub(crate) async fn end_queued(shared: &Shared, seq: u64, stop: Stop) -> bool {
+    let Some(mut record) = shared.record(seq) else {
+        return false;
+    };
+    if record.waiting.is_none() {
+        return false;
+    }
+    record.waiting = None;
+    record.cancelled = Some(match &stop {
+        Stop::Cancelled => "cancelled while it waited in the queue".to_owned(),
+        Stop::TimedOut(why) | Stop::Gang(why) => why.clone(),
+    });
+    record.stop = Some(stop);
+    if let Err(e) = shared.commit(seq, &record).await {
+        tracing::error!("{e}");
+    }
+    shared.drop_workspace(seq);
+    shared.emit(seq, JobEvent::Done(Box::new(record)));
+    true
+}
+
+/// Reads the workspace `dir`, if any, and imports its chunks.
+async fn load_workspace(shared: &Shared, dir: Option<&PathBuf>) -> Result<Workspace, String> {
+    let workspace = match dir {
+        None => Workspace::default(),
+        Some(dir) => {
+            let dir = dir.clone();
+            let max = shared.limits.workspace_max_bytes;
+            let mut ws = shared
+                .blocking
+                .call(move |_| read_workspace(&dir, max))
+                .await
+                .map_err(|e| format!("cannot read the workspace: {e}"))??;
+            ws.tags = shared.blobs.import(&ws).await?;
+            ws
+        }
+    };
+    Ok(workspace)
+}
+
+/// Asks for a pass of the queue on every change of the cluster or of the
+/// agents' jobs links, until either is gone.
+async fn wake_queue(
+    shared: Arc<Shared>,
+    mut events: broadcast::Receiver<swactor_actors::ClusterEvent>,
+) {
+    let mut links = shared.links.changed.subscribe();
+    loop {
+        tokio::select! {
+            got = events.recv() => match got {
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+            got = links.changed() => if got.is_err() { return },
+        }
+        if shared.root.get().is_none_or(|r| {
+            !matches!(
+                r.get_status(),
+                swactor_engine::ractor::ActorStatus::Running
+                    | swactor_engine::ractor::ActorStatus::Starting
+                    | swactor_engine::ractor::ActorStatus::Upgrading
+            )
+        }) {
+            return;
+        }
+        shared.ask_schedule();
+    }
+}
+
+/// A run's node, as the log reader needs it.
+struct RunNode {
+    node: LogicalNodeId,
 }
 
 /// Refuses a job without a command, with a timeout that is not a positive
@@ -605,6 +973,16 @@ fn check_spec(spec: &JobSpec) -> Result<(), String> {
             "--timeout must be a positive number of seconds, got {t}"
         ));
     }
+    if spec.retry > 0 && !matches!(spec.targets, Targets::Gang { .. }) {
+        return Err(
+            "--retry restarts a gang (`--nodes N`) whose node was lost; a job on --all, \
+             --group or named nodes never runs twice"
+                .to_owned(),
+        );
+    }
+    if spec.setup.as_ref().is_some_and(Vec::is_empty) {
+        return Err("--setup needs a command".to_owned());
+    }
     for glob in &spec.outputs {
         if glob.starts_with('/') || glob.split('/').any(|p| p == "..") {
             return Err(format!(
@@ -615,11 +993,11 @@ fn check_spec(spec: &JobSpec) -> Result<(), String> {
     Ok(())
 }
 
-/// A new job's record: every run queued, nothing shipped yet.
+/// A new job's record: waiting in the queue, no run placed yet.
 fn job_record(
     id: &str,
     spec: &JobSpec,
-    targets: &[(LogicalNodeId, NodeAttemptId)],
+    want: Want,
     workspace: &Workspace,
     outputs_dir: &Path,
 ) -> JobRecord {
@@ -636,24 +1014,50 @@ fn job_record(
         outputs_dir: outputs_dir.display().to_string(),
         cancelled: None,
         stop: None,
-        runs: targets
-            .iter()
-            .map(|(node, attempt)| RunRecord {
-                node: *node,
-                attempt: attempt.0,
-                state: JobState::Queued,
-                exit_code: None,
-                error: None,
-                shipped_bytes: 0,
-                shipped_chunks: 0,
-                chunks: workspace.order.len() as u64,
-                output_files: 0,
-                output_bytes: 0,
-                collected: Vec::new(),
-                ended_unix_ms: None,
-            })
-            .collect(),
+        runs: Vec::new(),
+        gang: match &want {
+            Want::Gang { nodes, .. } => Some(Gang {
+                nodes: *nodes,
+                retry: spec.retry,
+                ..Gang::default()
+            }),
+            Want::Each(_) => None,
+        },
+        want: Some(want),
+        waiting: Some("waiting for its first pass of the queue".to_owned()),
+        priority: spec.priority,
+        earlier: Vec::new(),
+        setup: spec.setup.clone(),
     }
+}
+
+/// The runs of a job placed on `nodes` (in rank order for a gang), each
+/// queued, bound to its attempt.
+pub(crate) fn placed_runs(
+    record: &JobRecord,
+    nodes: &[(LogicalNodeId, NodeAttemptId)],
+    chunks: u64,
+) -> Vec<RunRecord> {
+    nodes
+        .iter()
+        .enumerate()
+        .map(|(rank, (node, attempt))| RunRecord {
+            node: *node,
+            attempt: attempt.0,
+            state: JobState::Queued,
+            exit_code: None,
+            error: None,
+            shipped_bytes: 0,
+            shipped_chunks: 0,
+            chunks,
+            output_files: 0,
+            output_bytes: 0,
+            collected: Vec::new(),
+            ended_unix_ms: None,
+            rank: record.gang.as_ref().map(|_| rank as u32),
+            node_lost: false,
+        })
+        .collect()
 }
 
 /// Reads and hashes the workspace `dir`, refusing one over `max` bytes.
@@ -743,8 +1147,9 @@ fn read_workspace(dir: &Path, max: u64) -> Result<Workspace, String> {
 #[derive(Debug)]
 pub(crate) struct Links {
     inner: Mutex<LinksInner>,
-    /// Bumped on every change, for requests that wait for a link.
-    changed: watch::Sender<u64>,
+    /// Bumped on every change, for requests that wait for a link (and the
+    /// queue, which starts jobs only on linked nodes).
+    pub(crate) changed: watch::Sender<u64>,
     /// The blob provider's allowlist.
     blobs: Allowlist,
 }
