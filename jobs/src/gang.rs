@@ -77,6 +77,24 @@ pub fn next(record: &JobRecord) -> Next {
     }
 }
 
+/// Sends a gang back to the queue after [`Next::Restart`]: its runs are
+/// kept as the attempt they were, the restart is counted, the ranks'
+/// addresses are forgotten (the next placement asks again), and the job
+/// waits for `why`.
+pub fn requeue(record: &mut JobRecord, why: &str) {
+    let runs = std::mem::take(&mut record.runs);
+    if let Some(gang) = record.gang.as_mut() {
+        record.earlier.push(crate::record::EarlierAttempt {
+            restart: gang.restarts,
+            outputs_dir: record.outputs_dir.clone(),
+            runs,
+        });
+        gang.restarts += 1;
+        gang.addrs.clear();
+    }
+    record.waiting = Some(format!("queued: {why}"));
+}
+
 /// The environment rank `idx` of a gang starts with (empty for a run of
 /// another job).
 pub fn rank_env(record: &JobRecord, idx: usize) -> Vec<(String, String)> {
@@ -234,6 +252,30 @@ mod tests {
                 gang(1, 0)
             )),
             Next::End
+        );
+    }
+
+    #[test]
+    fn a_requeued_gang_keeps_its_attempt_and_counts_the_restart() {
+        let mut lost = run(1, Lost, None, Some(5));
+        lost.node_lost = true;
+        let mut j = job(vec![run(0, Cancelled, None, Some(6)), lost], gang(2, 0));
+        j.outputs_dir = "/s/jobs/job-3/outputs".to_owned();
+        let Next::Restart(why) = next(&j) else {
+            panic!("{:?}", next(&j))
+        };
+        requeue(&mut j, &why);
+        assert!(j.runs.is_empty());
+        assert_eq!(j.earlier.len(), 1);
+        assert_eq!(j.earlier[0].restart, 0);
+        assert_eq!(j.earlier[0].runs.len(), 2);
+        assert_eq!(j.earlier[0].outputs_dir, "/s/jobs/job-3/outputs");
+        let g = j.gang.as_ref().unwrap();
+        assert_eq!((g.restarts, g.addrs.len()), (1, 0));
+        assert_eq!(j.state(), Queued);
+        assert_eq!(
+            j.waiting.as_deref(),
+            Some(format!("queued: {why}").as_str())
         );
     }
 

@@ -666,3 +666,53 @@ fn torchrun_example_trains_on_a_two_node_gang() {
     }
     assert!(out.contains("[worker-0] step 40: loss"), "{out}");
 }
+
+#[test]
+fn a_daemon_that_dies_before_a_gang_restart_is_on_record_restarts_it_when_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let state = root.join("state");
+    let shape = shape_file(root, "three.toml", &workers("gang-requeue", 3));
+    let fault = [("SWACTOR_FAULT_ABORT_BEFORE_REQUEUE", "1")];
+    let mut d = Daemon::spawn_env(&state, Some(&shape), &[], &fault)
+        .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    wait_converged(&state, READY, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 3
+    });
+    let args = ranksum(&["--nodes", "2", "--retry", "1", "--env", "RANKSUM_HOLD_S=30"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let child = spawn_run(root, &state, &args);
+    wait_for(Duration::from_secs(30), "both ranks' sums", || {
+        stdout(&cli(&state, &["job", "logs", "job-1"]))
+            .matches(": sum 3 (restart 0)")
+            .count()
+            == 2
+    });
+    let r1 = job(&state, "job-1")["runs"][1].clone();
+    let node = r1["node"].as_str().unwrap().to_owned();
+    kill9(agents(&state)[&(node, r1["attempt"].as_u64().unwrap())][0]);
+    // Every rank's end is on record; the daemon dies before the restart is.
+    assert_eq!(
+        d.wait_exit(Duration::from_secs(30)),
+        Some(86),
+        "{}",
+        d.log()
+    );
+    let _ = child.wait_with_output();
+    let _d = Daemon::start(&state, &shape);
+    wait_for(
+        Duration::from_secs(60),
+        "the gang's restart to succeed",
+        || {
+            let j = try_job(&state, "job-1");
+            j["gang"]["restarts"] == 1
+                && j["runs"]
+                    .as_array()
+                    .is_some_and(|r| r.len() == 2 && r.iter().all(|r| r["state"] == "succeeded"))
+        },
+    );
+    let j = job(&state, "job-1");
+    assert_eq!(j["earlier"].as_array().unwrap().len(), 1, "{j}");
+    let logs = stdout(&cli(&state, &["job", "logs", "job-1"]));
+    assert_eq!(logs.matches(": sum 3 (restart 1)").count(), 2, "{logs}");
+}

@@ -593,18 +593,13 @@ impl JobActorState {
         if let swactor_jobs::gang::Next::Restart(why) = swactor_jobs::gang::next(&self.record) {
             // Back to the queue, every rank anew; the runs that ended are
             // kept as this attempt's.
-            let mut next = self.record.clone();
-            let runs = std::mem::take(&mut next.runs);
-            if let Some(gang) = next.gang.as_mut() {
-                next.earlier.push(swactor_jobs::record::EarlierAttempt {
-                    restart: gang.restarts,
-                    outputs_dir: next.outputs_dir.clone(),
-                    runs,
-                });
-                gang.restarts += 1;
-                gang.addrs.clear();
+            if self.shared.faults.abort_before_requeue {
+                // Test hook: every rank's end is on record, the restart is not.
+                eprintln!("swactor: SWACTOR_FAULT_ABORT_BEFORE_REQUEUE: exiting");
+                std::process::exit(86);
             }
-            next.waiting = Some(format!("queued: {why}"));
+            let mut next = self.record.clone();
+            swactor_jobs::gang::requeue(&mut next, &why);
             match self.shared.commit(self.seq, &next).await {
                 Ok(()) => {
                     tracing::info!(job = %self.record.id, %why, "the gang goes back to the queue");
@@ -1383,7 +1378,7 @@ pub(crate) async fn request(
 }
 
 /// One request, one answer, on a new stream of `conn`, within `wait`.
-async fn request_within(
+pub(crate) async fn request_within(
     shared: &Shared,
     conn: &Connection,
     req: &ToAgent,

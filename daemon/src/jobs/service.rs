@@ -47,6 +47,10 @@ const EVENTS_KEPT: usize = 4096;
 /// Workspaces read (and hashed) at once.
 const WORKSPACE_READS_MAX: usize = 2;
 
+/// The longest a gang's rank may take to say its address: the queue's
+/// pass waits for it, and every other waiting job with it.
+const PREPARE_WAIT: Duration = Duration::from_secs(5);
+
 /// How long a request may wait for a job actor to answer.
 pub(crate) const ACTOR_CALL_WAIT: Duration = Duration::from_secs(60);
 
@@ -119,6 +123,9 @@ pub(crate) struct Faults {
     /// `SWACTOR_FAULT_ABORT_AFTER_RUNNING=1`: the daemon exits (code 86) as
     /// soon as a run's `running` is on record, before its start request is sent.
     pub(crate) abort_after_running: bool,
+    /// `SWACTOR_FAULT_ABORT_BEFORE_REQUEUE=1`: the daemon exits (code 86)
+    /// when a gang is to restart, before that is on record.
+    pub(crate) abort_before_requeue: bool,
 }
 
 impl Faults {
@@ -130,6 +137,7 @@ impl Faults {
             tamper_blobs: std::env::var_os("SWACTOR_FAULT_TAMPER_BLOBS").is_some(),
             run_panics_on: std::env::var("SWACTOR_FAULT_RUN_PANICS_ON").ok(),
             abort_after_running: std::env::var_os("SWACTOR_FAULT_ABORT_AFTER_RUNNING").is_some(),
+            abort_before_requeue: std::env::var_os("SWACTOR_FAULT_ABORT_BEFORE_REQUEUE").is_some(),
         }
     }
 }
@@ -389,6 +397,18 @@ impl JobService {
                     .await
                     .map_err(anyhow::Error::msg)?;
             }
+            // Every rank ended and the gang was to restart, but the last
+            // daemon stopped before that was on record: it is now.
+            if record.waiting.is_none()
+                && let swactor_jobs::gang::Next::Restart(why) = swactor_jobs::gang::next(&record)
+            {
+                swactor_jobs::gang::requeue(&mut record, &why);
+                service
+                    .shared
+                    .commit(seq, &record)
+                    .await
+                    .map_err(anyhow::Error::msg)?;
+            }
             if record.runs.iter().any(|r| !r.state.is_final()) {
                 resume.push((seq, record.clone()));
             }
@@ -442,7 +462,10 @@ impl JobService {
         };
         match self
             .root
-            .call(|reply| JobsMsg::Start(Box::new(args), reply), Some(ACTOR_CALL_WAIT))
+            .call(
+                |reply| JobsMsg::Start(Box::new(args), reply),
+                Some(ACTOR_CALL_WAIT),
+            )
             .await
         {
             Ok(CallResult::Success(Ok(()))) => Ok(()),
@@ -832,7 +855,7 @@ async fn place(
                 return Err(format!("{node} has no jobs link any more"));
             };
             let req = ToAgent::Prepare { attempt: attempt.0 };
-            match super::runner::request(shared, &conn, &req).await {
+            match super::runner::request_within(shared, &conn, &req, PREPARE_WAIT).await {
                 Ok(FromAgent::Prepared { addr, port, gpus }) => Ok((addr, port, gpus)),
                 Ok(other) => Err(format!("{node} answered {other:?} to prepare")),
                 Err(e) => Err(format!("{node} could not be prepared: {e}")),
