@@ -18,6 +18,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 mod client;
 mod jobs;
 mod logs;
+mod remote;
 
 use swactor_daemon::{
     agent, control, daemon, guard, handshakes, progress, protocol, shapefile, state, term, words,
@@ -292,6 +293,27 @@ every node (its process group is killed).")]
   swactor job cancel job-3                 kill it on every node it still runs on"
     )]
     Job(JobCommand),
+    /// A shell, or one command, on a node: through the daemon and the
+    /// node's agent, for every provider (no SSH server is involved).
+    #[command(after_help = "Examples:
+  swactor ssh worker-0                         an interactive login shell
+  swactor ssh worker-0 -- uname -a             one command; its exit code is ssh's
+  echo hi | swactor ssh worker-0 -- cat        stdin is forwarded, EOF included
+  swactor ssh -t worker-0 -- top               a command that wants a terminal
+
+Without CMD, and with -t, the command gets a terminal on the node and this
+one is put in raw mode until it ends. Exits with the command's exit code
+(128 + N for a signal), 1 when the node cannot be reached.")]
+    Ssh(remote::SshArgs),
+    /// Forward a local TCP port to a port on a node's 127.0.0.1.
+    #[command(after_help = "Examples:
+  swactor forward worker-0 8000            127.0.0.1:8000 here → worker-0's 127.0.0.1:8000
+  swactor forward worker-0 0:8888          any free local port (printed) → 8888
+
+Every connection is relayed through the daemon and the node's agent until
+Ctrl-C. A connection the node refuses is closed and said on stderr; the
+forward goes on.")]
+    Forward(remote::ForwardArgs),
     /// The node agent (started by providers, not by hand).
     #[command(hide = true)]
     Agent(agent::AgentOptions),
@@ -500,6 +522,8 @@ async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32
             jobs::outputs(&state_dir, &id).await.map(|()| 0)
         }
         Command::Job(JobCommand::Cancel { id }) => jobs::cancel(&state_dir, &id).await.map(|()| 0),
+        Command::Ssh(args) => remote::ssh(&state_dir, args).await,
+        Command::Forward(args) => remote::forward(&state_dir, args).await,
         Command::Agent(opts) => agent::run(opts).await,
     }
 }

@@ -208,10 +208,14 @@ impl ControlHandler {
             ControlRequest::JobCancel(id) => self
                 .jobs
                 .cancel(&id)
+                .await
                 .map(|(job, nodes)| ControlResponse::JobCancelled { job, nodes }),
             ControlRequest::Run(_) => Err("a job is run on a stream of its own".to_owned()),
             ControlRequest::AgentLog { .. } => {
                 Err("an agent log is sent on a stream of its own".to_owned())
+            }
+            ControlRequest::Shell { .. } | ControlRequest::Connect { .. } => {
+                Err("a remote shell or connection runs on a stream of its own".to_owned())
             }
         };
         result.unwrap_or_else(ControlResponse::Error)
@@ -592,10 +596,31 @@ impl ControlHandler {
     }
 }
 
+impl ControlHandler {
+    /// Opens a shell or a connection on a node and relays it (see
+    /// [`crate::jobs::remote`]) until it ends or the CLI goes.
+    async fn remote(
+        &self,
+        open: crate::jobs::remote::Open,
+        send: swactor_engine::iroh::endpoint::SendStream,
+        recv: swactor_engine::iroh::endpoint::RecvStream,
+        conn: &Connection,
+    ) {
+        let (links, clock) = self.jobs.links();
+        let cx = crate::jobs::remote::RelayContext {
+            cluster: &self.cluster,
+            links,
+            clock,
+            run_id: &self.run_id,
+        };
+        crate::jobs::remote::relay(cx, open, send, recv, conn).await;
+    }
+}
+
 impl ProtocolHandler for ControlHandler {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
         // Closes the connection itself when the request is late or too big.
-        let Ok((mut send, _recv, req)) =
+        let Ok((mut send, recv, req)) =
             accept_first_frame::<String>(&conn, REQUEST_LEN_MAX_BYTES, HANDSHAKE_DEADLINE).await
         else {
             return Ok(());
@@ -615,6 +640,22 @@ impl ProtocolHandler for ControlHandler {
             }) => {
                 self.stream_agent_log((node, attempt, run, follow), send, &conn)
                     .await;
+                return Ok(());
+            }
+            Ok(ControlRequest::Shell {
+                node,
+                argv,
+                pty,
+                env,
+            }) => {
+                let request = crate::jobs::remote::ShellRequest { argv, pty, env };
+                let open = crate::jobs::remote::Open::Shell { node, request };
+                self.remote(open, send, recv, &conn).await;
+                return Ok(());
+            }
+            Ok(ControlRequest::Connect { node, port, probe }) => {
+                let open = crate::jobs::remote::Open::Connect { node, port, probe };
+                self.remote(open, send, recv, &conn).await;
                 return Ok(());
             }
             Ok(req) => {

@@ -73,6 +73,30 @@ pub enum ControlRequest {
         /// Go on sending what the agent writes until its attempt ends.
         follow: bool,
     },
+    /// A shell or one command on a node (`swactor ssh`). The answer is
+    /// [`ControlResponse::Remote`] (or one `Error`); then the stream
+    /// carries `swactor_jobs::wire::ShellFrame`s both ways.
+    Shell {
+        /// The node, e.g. `worker-0`.
+        node: String,
+        /// The command and its arguments; `None` for a login shell.
+        argv: Option<Vec<String>>,
+        /// A pseudo-terminal of (rows, columns); `None` for pipes.
+        pty: Option<(u16, u16)>,
+        /// Extra environment variables (`TERM` for a terminal).
+        env: Vec<(String, String)>,
+    },
+    /// One TCP connection to `127.0.0.1:port` on a node (`swactor
+    /// forward`). The answer is [`ControlResponse::Remote`] (or one
+    /// `Error`); then the stream carries the connection's bytes both ways.
+    Connect {
+        /// The node, e.g. `worker-0`.
+        node: String,
+        /// The port on the node's loopback.
+        port: u16,
+        /// Only check that the node can be reached this way; connect nothing.
+        probe: bool,
+    },
 }
 
 impl ControlRequest {
@@ -92,6 +116,8 @@ impl ControlRequest {
             Self::JobLogs { .. } => "job_logs",
             Self::JobCancel(_) => "job_cancel",
             Self::AgentLog { .. } => "agent_log",
+            Self::Shell { .. } => "shell",
+            Self::Connect { .. } => "connect",
         }
     }
 }
@@ -185,6 +211,14 @@ pub enum ControlResponse {
     },
     /// A piece of a node's agent log (the answers to `AgentLog`).
     AgentLog(AgentLogPiece),
+    /// The shell or connection asked for is open on this node's attempt;
+    /// what follows on the stream is its traffic.
+    Remote {
+        /// The node.
+        node: String,
+        /// Its attempt that serves it.
+        attempt: u64,
+    },
     /// The request was refused; nothing changed.
     Error(String),
 }

@@ -294,6 +294,35 @@ impl Client {
     }
 }
 
+impl Client {
+    /// Sends `req` on a connection of its own and returns the connection
+    /// and both halves of its stream, the sending half left open: a remote
+    /// shell or a forwarded connection goes on on it.
+    pub(crate) async fn open_stream(
+        &self,
+        req: &ControlRequest,
+    ) -> Result<(
+        swactor_engine::iroh::endpoint::Connection,
+        swactor_engine::iroh::endpoint::SendStream,
+        swactor_engine::iroh::endpoint::RecvStream,
+    )> {
+        let conn = connect(
+            &self.endpoint,
+            self.ticket.addr().clone(),
+            ALPN_CONTROL,
+            CONNECT_TIMEOUT,
+        )
+        .await
+        .map_err(|e| self.not_running(e))?;
+        let (mut send, recv) = conn.open_bi().await.map_err(|e| self.not_running(e))?;
+        let text = serde_json::to_string(req)?;
+        send_frame(&mut send, &text, FRAME_LEN_MAX)
+            .await
+            .map_err(|e| self.not_running(e))?;
+        Ok((conn, send, recv))
+    }
+}
+
 /// The next answer on a stream from [`Client::stream`]; `None` when it ended.
 pub(crate) async fn recv_answer(
     recv: &mut swactor_engine::iroh::endpoint::RecvStream,
@@ -336,6 +365,7 @@ pub(crate) fn unexpected(answer: &ControlResponse) -> anyhow::Error {
             ControlResponse::JobLogs(_) => "a job's output",
             ControlResponse::JobCancelled { .. } => "a cancel",
             ControlResponse::AgentLog(_) => "a piece of an agent log",
+            ControlResponse::Remote { .. } => "an open shell or connection",
             ControlResponse::Error(_) => "an error",
         }
     )

@@ -16,6 +16,7 @@ mod jobs;
 mod lifetime;
 mod orphan;
 mod pause;
+mod remote;
 mod restart;
 mod rollout;
 mod scripts;

@@ -136,6 +136,8 @@ struct Inner {
     /// Test hook (debug builds): `SWACTOR_FAULT_TAMPER_OUTPUTS=PATH` flips a
     /// byte of the output file PATH as it is sent, after it was hashed.
     tamper_output: Option<String>,
+    /// Its open remote shells and forwarded connections (see [`super::remote`]).
+    sessions: super::remote::Sessions,
 }
 
 impl AgentJobs {
@@ -166,6 +168,7 @@ impl AgentJobs {
                 runs: Mutex::new(runs),
                 exec_wrapper: true,
                 tamper_output,
+                sessions: super::remote::Sessions::default(),
             }),
         }
     }
@@ -242,7 +245,9 @@ impl AgentJobs {
             | ToAgent::Attach { attempt, .. }
             | ToAgent::Collect { attempt, .. }
             | ToAgent::Cancel { attempt, .. }
-            | ToAgent::Forget { attempt, .. } => *attempt,
+            | ToAgent::Forget { attempt, .. }
+            | ToAgent::Shell { attempt, .. }
+            | ToAgent::Connect { attempt, .. } => *attempt,
         };
         if attempt != self.inner.attempt {
             let refused = FromAgent::Refused(format!(
@@ -297,6 +302,17 @@ impl AgentJobs {
             ToAgent::Forget { job, .. } => {
                 self.forget(&job).await;
                 send_frame(&mut send, &FromAgent::Done, JOBS_FRAME_LEN_MAX).await?;
+            }
+            // A session owns its stream to the end.
+            ToAgent::Shell { argv, pty, env, .. } => {
+                let request = super::remote::ShellRequest { argv, pty, env };
+                let (node, sessions) = (&self.inner.node, &self.inner.sessions);
+                return super::remote::serve_shell(sessions, node, attempt, request, send, recv)
+                    .await;
+            }
+            ToAgent::Connect { port, .. } => {
+                let (node, sessions) = (&self.inner.node, &self.inner.sessions);
+                return super::remote::serve_connect(sessions, node, port, send, recv).await;
             }
         }
         let _ = send.finish();
@@ -853,6 +869,10 @@ async fn cancel(run: &Run) {
 /// way, so `swactor` and any program that embeds the daemon ask this first
 /// thing in `main`, before a runtime or a thread starts.
 pub fn exec_if_asked(args: &[String]) -> Option<i32> {
+    // A remote shell with a terminal (`swactor ssh`) starts the same way.
+    if let Some(code) = super::remote::pty_exec_if_asked(args) {
+        return Some(code);
+    }
     if args.get(1).map(String::as_str) != Some("job-exec") {
         return None;
     }

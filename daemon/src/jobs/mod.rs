@@ -4,7 +4,9 @@
 //! (node, attempt): [`service`] takes requests and keeps the jobs' records,
 //! [`runner`] holds the actors that drive them, and [`machine`] decides, as
 //! plain data, what a run does next; [`blobs`] serves workspace chunks to
-//! the agents over iroh-blobs. The agent side ([`agent`]) fetches the
+//! the agents over iroh-blobs; [`remote`] opens shells and forwards TCP
+//! connections on a node over the same links (`swactor ssh`, `swactor
+//! forward`). The agent side ([`agent`]) fetches the
 //! chunks it lacks into its chunk store, materialises workspaces, runs
 //! commands in their own process group and keeps each run's output and
 //! exit status on disk until the daemon collects them. The wire types, the
@@ -21,6 +23,7 @@
 
 pub mod agent;
 pub mod blobs;
+pub mod remote;
 pub mod runner;
 pub mod service;
 
