@@ -270,7 +270,7 @@ async fn session(node: &str, send: SendStream, mut recv: RecvStream, pty: bool) 
     ended
 }
 
-/// LOCAL_PORT[:REMOTE_PORT] as (local, remote).
+/// `LOCAL_PORT[:REMOTE_PORT]` as (local, remote).
 fn parse_ports(spec: &str) -> Result<(u16, u16), String> {
     let port = |p: &str, which: &str| {
         p.parse::<u16>()

@@ -14,13 +14,22 @@ use std::time::{Duration, Instant};
 
 const READY: Duration = Duration::from_secs(60);
 
-/// A daemon with one ready process worker.
+/// A daemon with one ready process worker and a node that never gets
+/// ready (its boot check fails).
 fn one_worker(root: &Path, run: &str) -> (Daemon, std::path::PathBuf) {
     let state = root.join("state");
-    let shape = shape_file(root, "shape.toml", &workers(run, 1));
+    let body = format!(
+        "{}[[group]]\nid = \"broken\"\ncount = 1\nprovider = \"process\"\nboot_check = [\"false\"]\n",
+        workers(run, 1)
+    );
+    let shape = shape_file(root, "shape.toml", &body);
     let d = Daemon::start(&state, &shape);
     wait_for(READY, "worker-0 ready", || {
-        status(&state).is_some_and(|s| s.nodes.iter().any(|n| n.ready))
+        status(&state).is_some_and(|s| {
+            s.nodes
+                .iter()
+                .any(|n| n.ready && n.node.to_string() == "worker-0")
+        })
     });
     (d, state)
 }
@@ -104,6 +113,11 @@ fn ssh_runs_a_command_as_it_runs_here_with_its_exit_code_its_streams_and_stdin()
         "{}",
         stderr(&o)
     );
+    let o = ssh(&state, &["broken-0", "--", "true"]);
+    assert_eq!(o.status.code(), Some(1));
+    let said = stderr(&o);
+    assert!(said.contains("broken-0 is not ready (it is "), "{said}");
+    assert!(said.contains("a remote shell needs a ready node"), "{said}");
     let o = ssh(&state, &["nonsense", "--", "true"]);
     assert!(stderr(&o).contains("is not a node id"), "{}", stderr(&o));
     let o = swactor(&state, &["forward", "worker-9", "0:8000"])

@@ -2,11 +2,11 @@
 //! forward`) over the agents' jobs links.
 //!
 //! No SSH server is involved, so they work on every provider. The CLI asks
-//! the daemon on `swactor/control/0`; the daemon ([`relay`]) checks the node,
+//! the daemon on `swactor/control/0`; the daemon (`relay`) checks the node,
 //! opens a stream on that node's `swactor/jobs/0` link with a
 //! [`ToAgent::Shell`] or [`ToAgent::Connect`] naming the attempt, and once
 //! the agent answers [`FromAgent::Opened`] it copies bytes both ways without
-//! reading them. The agent ([`serve_shell`], [`serve_connect`]) runs the
+//! reading them. The agent (`serve_shell`, `serve_connect`) runs the
 //! command (in a pseudo-terminal when asked) or dials `127.0.0.1:PORT`.
 //!
 //! ```text
