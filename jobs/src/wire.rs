@@ -77,6 +77,9 @@ pub enum ToAgent {
         argv: Vec<String>,
         /// Extra environment variables.
         env: Vec<(String, String)>,
+        /// A command to run first, unless it already ran on this node
+        /// with the same key.
+        setup: Option<Setup>,
     },
     /// Stream the run's output from `offset` of its log, then its exit.
     Attach {
@@ -112,6 +115,12 @@ pub enum ToAgent {
         /// The job's id.
         job: String,
     },
+    /// Say the node's address as its peers reach it, a free TCP port on
+    /// it, and its GPUs: what the ranks of a gang are told.
+    Prepare {
+        /// The attempt the request is for.
+        attempt: u64,
+    },
     /// Start a shell or one command for `swactor ssh`; once the agent
     /// answers [`FromAgent::Opened`], the stream carries [`ShellFrame`]s
     /// both ways until the command exits or the stream goes (which kills it).
@@ -135,6 +144,40 @@ pub enum ToAgent {
         /// The TCP port on the node's loopback.
         port: u16,
     },
+}
+
+/// A job's `--setup`: run before the command on a node, and skipped there
+/// on later runs with the same key.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Setup {
+    /// The command and its arguments.
+    pub argv: Vec<String>,
+    /// BLAKE3 of the setup command and the workspace's manifest, in hex: a
+    /// node that ran this setup to success once skips it.
+    pub key: String,
+}
+
+impl Setup {
+    /// The setup `argv` for a workspace whose manifest is `manifest`.
+    pub fn new(argv: Vec<String>, manifest: &[FileEntry]) -> Self {
+        let mut h = blake3::Hasher::new();
+        for a in &argv {
+            h.update(&(a.len() as u64).to_le_bytes());
+            h.update(a.as_bytes());
+        }
+        for f in manifest {
+            h.update(&(f.path.len() as u64).to_le_bytes());
+            h.update(f.path.as_bytes());
+            h.update(&[u8::from(f.executable)]);
+            for c in &f.chunks {
+                h.update(c);
+            }
+        }
+        Self {
+            argv,
+            key: hex(h.finalize().as_bytes()),
+        }
+    }
 }
 
 /// How a run ended.
@@ -194,6 +237,15 @@ pub enum FromAgent {
     /// The run's process died with an earlier agent of this attempt, before
     /// it could record an exit status; the text says so.
     Died(String),
+    /// The answer to [`ToAgent::Prepare`].
+    Prepared {
+        /// The node's address as the others reach it.
+        addr: String,
+        /// A TCP port that was free on it a moment ago.
+        port: u16,
+        /// GPUs it has (`/dev/nvidia0`, …).
+        gpus: u32,
+    },
     /// A shell or a connection is open: what follows on the stream is its
     /// traffic (see [`ToAgent::Shell`], [`ToAgent::Connect`]).
     Opened,

@@ -30,7 +30,7 @@
 
 use super::{
     ALPN_JOBS, CHUNK_LEN, DATA_PIECE_LEN, ExitInfo, FromAgent, Hash, JOBS_FRAME_LEN_MAX, LogRecord,
-    Stream, ToAgent, glob_match, hex, safe_relative, walk,
+    Setup, Stream, ToAgent, glob_match, hex, safe_relative, walk,
 };
 use crate::protocol::JoinRequest;
 use std::collections::HashMap;
@@ -246,6 +246,7 @@ impl AgentJobs {
             | ToAgent::Collect { attempt, .. }
             | ToAgent::Cancel { attempt, .. }
             | ToAgent::Forget { attempt, .. }
+            | ToAgent::Prepare { attempt }
             | ToAgent::Shell { attempt, .. }
             | ToAgent::Connect { attempt, .. } => *attempt,
         };
@@ -265,9 +266,13 @@ impl AgentJobs {
                 manifest,
                 argv,
                 env,
+                setup,
                 ..
             } => {
-                let answer = match self.start(&job, &manifest, &argv, &env).await {
+                let answer = match self
+                    .start(&job, &manifest, &argv, &env, setup.as_ref())
+                    .await
+                {
                     Ok(()) => FromAgent::Started,
                     Err(e) => FromAgent::Refused(e),
                 };
@@ -302,6 +307,10 @@ impl AgentJobs {
             ToAgent::Forget { job, .. } => {
                 self.forget(&job).await;
                 send_frame(&mut send, &FromAgent::Done, JOBS_FRAME_LEN_MAX).await?;
+            }
+            ToAgent::Prepare { .. } => {
+                let answer = prepared(&daemon.1);
+                send_frame(&mut send, &answer, JOBS_FRAME_LEN_MAX).await?;
             }
             // A session owns its stream to the end.
             ToAgent::Shell { argv, pty, env, .. } => {
@@ -475,6 +484,7 @@ impl AgentJobs {
         manifest: &[super::FileEntry],
         argv: &[String],
         env: &[(String, String)],
+        setup: Option<&Setup>,
     ) -> Result<(), String> {
         if !safe_relative(job) || job.contains('/') {
             return Err(format!("{job:?} is not a job id"));
@@ -493,7 +503,18 @@ impl AgentJobs {
             let _ = tokio::fs::remove_dir_all(&dir).await;
             return Err(e);
         }
-        match self.spawn(job, &dir, &ws, argv, env).await {
+        if let Some(setup) = setup {
+            if setup.argv.is_empty() || !setup.key.bytes().all(|b| b.is_ascii_hexdigit()) {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                return Err("a setup needs a command and a hex key".to_owned());
+            }
+            let setups = self.inner.root.join("setup");
+            if let Err(e) = tokio::fs::create_dir_all(&setups).await {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                return Err(format!("cannot make {}: {e}", setups.display()));
+            }
+        }
+        match self.spawn(job, &dir, &ws, argv, env, setup).await {
             Ok(run) => {
                 self.inner
                     .runs
@@ -564,8 +585,9 @@ impl AgentJobs {
         ws: &Path,
         argv: &[String],
         env: &[(String, String)],
+        setup: Option<&Setup>,
     ) -> Result<Arc<Run>, String> {
-        let mut command = self.run_command(job, ws, argv, env)?;
+        let mut command = self.run_command(job, ws, argv, env, setup)?;
         let mut child = command
             .spawn()
             .map_err(|e| format!("cannot start the run on {}: {e}", self.inner.node))?;
@@ -603,6 +625,7 @@ impl AgentJobs {
         ws: &Path,
         argv: &[String],
         env: &[(String, String)],
+        setup: Option<&Setup>,
     ) -> Result<tokio::process::Command, String> {
         // This very binary, even if the file was replaced since it started.
         let exe = if Path::new("/proc/self/exe").exists() {
@@ -615,9 +638,14 @@ impl AgentJobs {
             let mut c = tokio::process::Command::new(exe);
             c.arg("job-exec")
                 .arg("--parent")
-                .arg(rustix::process::getpid().as_raw_nonzero().to_string())
-                .arg("--")
-                .args(argv);
+                .arg(rustix::process::getpid().as_raw_nonzero().to_string());
+            if let Some(setup) = setup {
+                c.arg("--setup")
+                    .arg(self.inner.root.join("setup").join(&setup.key))
+                    .arg(setup.argv.len().to_string())
+                    .args(&setup.argv);
+            }
+            c.arg("--").args(argv);
             c
         } else {
             let mut c = tokio::process::Command::new(&argv[0]);
@@ -852,6 +880,59 @@ async fn pump(
 }
 
 /// Kills the run's process group and waits briefly for its exit.
+/// This node's answer to [`ToAgent::Prepare`]: its address as the other
+/// ranks reach it (`SWACTOR_NODE_ADDR` from the agent's environment, else
+/// the local address this machine would send from to reach the daemon,
+/// found without sending anything), a TCP port free a moment ago, and the
+/// NVIDIA devices it has.
+fn prepared(daemon: &EndpointAddr) -> FromAgent {
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
+    let from_env = std::env::var("SWACTOR_NODE_ADDR")
+        .ok()
+        .filter(|a| !a.trim().is_empty());
+    let addr = from_env.unwrap_or_else(|| {
+        daemon
+            .ip_addrs()
+            .find_map(|to| {
+                let any: SocketAddr = if to.is_ipv4() {
+                    (Ipv4Addr::UNSPECIFIED, 0).into()
+                } else {
+                    (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+                };
+                // A UDP connect picks the route and the source address; no
+                // packet leaves.
+                let s = UdpSocket::bind(any).ok()?;
+                s.connect(to).ok()?;
+                s.local_addr().ok().map(|a| a.ip())
+            })
+            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+            .to_string()
+    });
+    let bind: SocketAddr = match addr.parse::<IpAddr>() {
+        Ok(ip) if ip.is_loopback() => (ip, 0).into(),
+        Ok(IpAddr::V6(_)) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+        _ => (Ipv4Addr::UNSPECIFIED, 0).into(),
+    };
+    let port = TcpListener::bind(bind)
+        .and_then(|l| l.local_addr())
+        .map_or(0, |a| a.port());
+    let gpus = std::fs::read_dir("/dev").map_or(0, |dir| {
+        dir.flatten()
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.strip_prefix("nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .count()
+    });
+    FromAgent::Prepared {
+        addr,
+        port,
+        gpus: u32::try_from(gpus).unwrap_or(u32::MAX),
+    }
+}
+
 async fn cancel(run: &Run) {
     if run.progress.borrow().end.is_some() {
         return;
@@ -877,14 +958,75 @@ pub fn exec_if_asked(args: &[String]) -> Option<i32> {
         return None;
     }
     let parent = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
-    let argv = args.get(5..).unwrap_or_default();
-    Some(exec(parent, argv))
+    // `--setup MARKER N SETUP…` may come before `--`.
+    let (setup, rest) = if args.get(4).map(String::as_str) == Some("--setup") {
+        let n: usize = args.get(6).and_then(|n| n.parse().ok()).unwrap_or(0);
+        let marker = args.get(5).map(PathBuf::from).unwrap_or_default();
+        let argv = args.get(7..7 + n).unwrap_or_default();
+        (Some((marker, argv)), 7 + n)
+    } else {
+        (None, 4)
+    };
+    if args.get(rest).map(String::as_str) != Some("--") {
+        eprintln!("swactor: job-exec was started with a malformed command line");
+        return Some(2);
+    }
+    let argv = args.get(rest + 1..).unwrap_or_default();
+    Some(exec(parent, setup, argv))
+}
+
+/// Runs a job's setup unless `marker` says it ran to success here before;
+/// `Err` holds the exit code to end the run with.
+fn run_setup(marker: &Path, argv: &[String]) -> Result<(), i32> {
+    if marker.exists() {
+        eprintln!("swactor: setup skipped: it ran on this node with this workspace before");
+        return Ok(());
+    }
+    let Some((program, args)) = argv.split_first() else {
+        return Ok(());
+    };
+    eprintln!("swactor: running setup `{}`", argv.join(" "));
+    let status = match std::process::Command::new(program).args(args).status() {
+        Ok(status) => status,
+        Err(e) => {
+            eprintln!("swactor: cannot run setup `{program}`: {e}");
+            return Err(if e.kind() == std::io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            });
+        }
+    };
+    if !status.success() {
+        use std::os::unix::process::ExitStatusExt;
+        let ended = swactor_provisioning::exit::Ended::new(status.code(), status.signal());
+        eprintln!(
+            "swactor: setup `{}` {ended}; the job did not start",
+            argv.join(" ")
+        );
+        return Err(status
+            .code()
+            .or(status.signal().map(|s| 128 + s))
+            .unwrap_or(1));
+    }
+    // Written whole or not at all: a later run either skips or runs it again.
+    let part = marker.with_extension("part");
+    if std::fs::write(&part, argv.join(" "))
+        .and_then(|()| std::fs::rename(&part, marker))
+        .is_err()
+    {
+        eprintln!(
+            "swactor: setup done, but {} could not be written: it runs again next time",
+            marker.display()
+        );
+    }
+    Ok(())
 }
 
 /// `swactor job-exec --parent PID -- CMD ARGS…`: becomes CMD, dying with
 /// the agent `PID`. Returns only when CMD could not be started: the exit
 /// code to end with (127 not found, 126 not runnable).
-fn exec(parent: u32, argv: &[String]) -> i32 {
+fn exec(parent: u32, setup: Option<(PathBuf, &[String])>, argv: &[String]) -> i32 {
     use std::os::unix::process::CommandExt;
     // A run outlives neither its agent nor a kill of it.
     let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
@@ -897,6 +1039,11 @@ fn exec(parent: u32, argv: &[String]) -> i32 {
         eprintln!("swactor: no command to run");
         return 127;
     };
+    if let Some((marker, setup)) = setup
+        && let Err(code) = run_setup(&marker, setup)
+    {
+        return code;
+    }
     let e = std::process::Command::new(program).args(args).exec();
     eprintln!("swactor: cannot run `{program}`: {e}");
     if e.kind() == std::io::ErrorKind::NotFound {
@@ -1018,7 +1165,7 @@ mod tests {
         let argv: Vec<String> = ["sh", "-c", "echo hello; echo result > out.txt; exit 3"]
             .map(str::to_owned)
             .to_vec();
-        first.start("job-1", &[], &argv, &[]).await.unwrap();
+        first.start("job-1", &[], &argv, &[], None).await.unwrap();
         let run = first.run("job-1").unwrap();
         let mut progress = run.progress.subscribe();
         tokio::time::timeout(
@@ -1110,7 +1257,9 @@ mod tests {
             .await
             .unwrap();
         // And it cannot be started again under the same job.
-        let again = agent.start("job-2", &[], &["true".to_owned()], &[]).await;
+        let again = agent
+            .start("job-2", &[], &["true".to_owned()], &[], None)
+            .await;
         assert!(again.unwrap_err().contains("already runs"));
     }
 
