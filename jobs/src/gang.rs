@@ -185,6 +185,7 @@ mod tests {
             addrs: vec!["10.0.0.1".to_owned(), "10.0.0.2".to_owned()],
             master_port: 29500,
             gpus: vec![8, 4],
+            reattach_s: 0,
         })
     }
 

@@ -181,6 +181,12 @@ pub struct Gang {
     pub master_port: u16,
     /// GPUs each rank has: the group's declared count, else the node's report.
     pub gpus: Vec<u32>,
+    /// Seconds a rank whose agent went away waits for it before it is
+    /// `lost` (at least the daemon's `SWACTOR_JOB_REATTACH_S`): longer than
+    /// its group's `lost_grace_s`, so the cluster decides about the node
+    /// (and a restart can follow) before the rank gives up on it.
+    #[serde(default)]
+    pub reattach_s: u64,
 }
 
 /// The runs of one attempt of a gang that was restarted.

@@ -716,3 +716,54 @@ fn a_daemon_that_dies_before_a_gang_restart_is_on_record_restarts_it_when_back()
     let logs = stdout(&cli(&state, &["job", "logs", "job-1"]));
     assert_eq!(logs.matches(": sum 3 (restart 1)").count(), 2, "{logs}");
 }
+
+#[test]
+fn a_gangs_ranks_wait_longer_than_their_groups_grace_and_a_loss_restarts_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let state = root.join("state");
+    // The group's grace (3 s) is longer than the daemon's reattach wait
+    // (1 s): the gang's ranks wait 3 + 10 s for a link that dropped, so the
+    // cluster decides about a silent node first. (A process node's agent
+    // killed outright is replaced before its link is seen down, so this
+    // run does not reach the case where the longer wait is what saves the
+    // restart; it checks the wait the ranks were given and the restart.)
+    let body = workers("gang-grace", 3).replace("lost_grace_s = 1.0", "lost_grace_s = 3.0");
+    let shape = shape_file(root, "three.toml", &body);
+    let _d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[("SWACTOR_JOB_REATTACH_S", "1")],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    wait_converged(&state, READY, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 3
+    });
+    let args = ranksum(&["--nodes", "2", "--retry", "1", "--env", "RANKSUM_HOLD_S=30"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let child = spawn_run(root, &state, &args);
+    wait_for(Duration::from_secs(30), "both ranks' sums", || {
+        stdout(&cli(&state, &["job", "logs", "job-1"]))
+            .matches(": sum 3 (restart 0)")
+            .count()
+            == 2
+    });
+    let j = job(&state, "job-1");
+    assert_eq!(j["gang"]["reattach_s"], 13, "{j}");
+    let r1 = j["runs"][1].clone();
+    let node = r1["node"].as_str().unwrap().to_owned();
+    kill9(agents(&state)[&(node.clone(), r1["attempt"].as_u64().unwrap())][0]);
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let j = job(&state, "job-1");
+    let lost = j["earlier"][0]["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["node"] == node.as_str())
+        .cloned()
+        .unwrap();
+    assert_eq!(lost["node_lost"], true, "{lost}");
+    assert_eq!(j["gang"]["restarts"], 1);
+}

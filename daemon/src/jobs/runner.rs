@@ -404,6 +404,9 @@ impl Actor for JobActor {
             gang_stopped: false,
         };
         let restart = st.record.gang.as_ref().map_or(0, |g| g.restarts);
+        let reattach_wait = st.shared.limits.reattach_wait.max(Duration::from_secs(
+            st.record.gang.as_ref().map_or(0, |g| g.reattach_s),
+        ));
         let setup = st.record.setup.clone().map(|argv| {
             let manifest = workspace.as_ref().map_or(&[][..], |w| &w.manifest[..]);
             super::Setup::new(argv, manifest)
@@ -433,6 +436,7 @@ impl Actor for JobActor {
                 workspace: workspace.clone(),
                 restart,
                 setup: setup.clone(),
+                reattach_wait,
             };
             match Actor::spawn_linked(None, RunActor, args, myself.get_cell()).await {
                 Ok((actor, _)) => {
@@ -647,6 +651,8 @@ pub(crate) struct RunArgs {
     restart: u32,
     /// The job's setup, if any.
     setup: Option<super::Setup>,
+    /// How long the run waits for its agent to come back.
+    reattach_wait: Duration,
 }
 
 /// A frame the agent sent on a log stream, with its place in the window.
@@ -731,7 +737,7 @@ impl Actor for RunActor {
             node: a.run.node,
             attempt: a.run.attempt,
             wants_outputs: !a.globs.is_empty(),
-            reattach_wait: a.shared.limits.reattach_wait,
+            reattach_wait: a.reattach_wait,
         };
         let machine = RunMachine::new(facts, a.run.state, a.workspace.is_some());
         a.shared
@@ -867,7 +873,7 @@ impl RunActorState {
             }),
             Action::ArmReattach => {
                 if !self.timers.is_armed(&RunTimer::Reattach) {
-                    let wait = self.a.shared.limits.reattach_wait;
+                    let wait = self.a.reattach_wait;
                     self.timers.arm_after(RunTimer::Reattach, wait);
                 }
                 None

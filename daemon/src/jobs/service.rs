@@ -47,6 +47,9 @@ const EVENTS_KEPT: usize = 4096;
 /// Workspaces read (and hashed) at once.
 const WORKSPACE_READS_MAX: usize = 2;
 
+/// Seconds a gang's rank waits for its agent beyond its group's grace.
+const REATTACH_MARGIN_S: u64 = 10;
+
 /// The longest a gang's rank may take to say its address: the queue's
 /// pass waits for it, and every other waiting job with it.
 const PREPARE_WAIT: Duration = Duration::from_secs(5);
@@ -772,6 +775,12 @@ pub(crate) async fn pass(shared: &Arc<Shared>) -> Vec<Placed> {
         .iter()
         .map(|g| (g.id.as_str(), g.policy))
         .collect();
+    let grace: BTreeMap<&str, f64> = view
+        .desired
+        .groups
+        .iter()
+        .map(|g| (g.id.as_str(), g.template.join.lost_grace_s))
+        .collect();
     let busy = shared.busy();
     let slots: Vec<Slot> = snap
         .nodes
@@ -814,7 +823,7 @@ pub(crate) async fn pass(shared: &Arc<Shared>) -> Vec<Placed> {
                 let Some(record) = shared.record(seq) else {
                     continue;
                 };
-                match place(shared, seq, record, &nodes, &groups).await {
+                match place(shared, seq, record, &nodes, &groups, &grace).await {
                     Ok(p) => placed.push(p),
                     Err(why) => shared.note_waiting(seq, &format!("queued: {why}")),
                 }
@@ -833,6 +842,7 @@ async fn place(
     mut record: JobRecord,
     nodes: &[(LogicalNodeId, NodeAttemptId)],
     groups: &BTreeMap<&str, swactor_provisioning::GroupPolicy>,
+    grace: &BTreeMap<&str, f64>,
 ) -> Result<Placed, String> {
     let workspace = match shared.workspace(seq) {
         Some(ws) => Some(ws),
@@ -884,6 +894,12 @@ async fn place(
         gang.addrs = addrs;
         gang.master_port = port;
         gang.gpus = gpus;
+        // Longer than any rank's group grace: the cluster decides whether
+        // a silent node is lost (and replaced) before its rank gives up.
+        gang.reattach_s = nodes
+            .iter()
+            .filter_map(|(node, _)| grace.get(node.group.as_str()))
+            .fold(0u64, |m, g| m.max(g.ceil() as u64 + REATTACH_MARGIN_S));
     }
     let restart = record.gang.as_ref().map_or(0, |g| g.restarts);
     let outputs = shared.dir.join(&record.id).join(if restart == 0 {
