@@ -59,9 +59,16 @@ fn job(state: &Path, id: &str) -> Value {
     j
 }
 
-/// Job `id`, or null while it was not submitted yet.
+/// Job `id`, or null while it was not submitted yet or no daemon answers
+/// (a restarted one may not hold its state directory yet: the ticket its
+/// killed predecessor left says nothing).
 fn try_job(state: &Path, id: &str) -> Value {
-    jobs(state)
+    let o = cli(state, &["jobs", "--json"]);
+    if !o.status.success() {
+        return Value::Null;
+    }
+    serde_json::from_slice::<Vec<Value>>(&o.stdout)
+        .unwrap()
         .into_iter()
         .find(|j| j["id"] == id)
         .unwrap_or(Value::Null)
@@ -700,6 +707,9 @@ fn a_daemon_that_dies_before_a_gang_restart_is_on_record_restarts_it_when_back()
     );
     let _ = child.wait_with_output();
     let _d = Daemon::start(&state, &shape);
+    wait_converged(&state, READY, |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 3
+    });
     wait_for(
         Duration::from_secs(60),
         "the gang's restart to succeed",
