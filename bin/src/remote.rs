@@ -247,13 +247,14 @@ async fn session(node: &str, send: SendStream, mut recv: RecvStream, pty: bool) 
                 Ok(Some(other)) => break Err(anyhow::anyhow!(
                     "{node}'s agent sent {other:?}; are the CLI and the daemon the same version?"
                 )),
+                // No exit status came: exit 1, and say why in words.
                 Ok(None) => break Err(anyhow::anyhow!(
-                    "the session on {node} ended before its command did (the daemon or the \
-                     node's agent went away)"
+                    "the connection to {node} ended before the command's exit status arrived \
+                     (the daemon or the node's agent went away)"
                 )),
-                Err(e) => break Err(anyhow::anyhow!(
-                    "the session on {node} broke off before its command ended: {e}"
-                )),
+                Err(e) => break Err(anyhow::Error::new(e).context(format!(
+                    "the connection to {node} broke off before the command's exit status arrived"
+                ))),
             },
             _ = winch.recv(), if pty => {
                 if let Some(size) = window_size() {

@@ -441,3 +441,178 @@ fn shells_over_the_agents_limit_are_refused_in_words_and_one_that_goes_frees_its
         });
     }
 }
+
+/// Runs `swactor ARGS` with an endless stdin: a thread writes to it until
+/// the CLI exits and the pipe breaks.
+fn run_with_endless_input(state: &Path, args: &[&str]) -> Output {
+    let mut child = swactor(state, args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run swactor");
+    let mut input = child.stdin.take().unwrap();
+    let feeder = std::thread::spawn(move || {
+        let piece = vec![b'y'; 64 * 1024];
+        while input.write_all(&piece).is_ok() {}
+    });
+    let o = child.wait_with_output().unwrap();
+    feeder.join().unwrap();
+    o
+}
+
+/// The lines `seq 1 N` prints.
+fn seq(n: u32) -> String {
+    (1..=n).map(|i| format!("{i}\n")).collect()
+}
+
+#[test]
+fn ssh_gives_the_exit_code_and_all_output_of_a_command_that_ends_before_its_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_d, state) = one_worker(tmp.path(), "remote-early");
+    // The command stops reading while the CLI still sends input, writes
+    // more than the streams hold at once, and exits: the agent stops
+    // taking input while the output and the exit are still on their way.
+    let rounds = env_or("SWACTOR_TEST_SSH_EARLY_ROUNDS", 10u32);
+    let expected = seq(100_000);
+    let mut failed = Vec::new();
+    for round in 0..rounds {
+        let o = run_with_endless_input(
+            &state,
+            &[
+                "ssh",
+                "worker-0",
+                "--",
+                "sh",
+                "-c",
+                "head -c 10 >/dev/null; seq 1 100000; echo err >&2; exit 2",
+            ],
+        );
+        let out = stdout(&o);
+        if o.status.code() != Some(2) || out != expected || stderr(&o) != "err\n" {
+            failed.push(format!(
+                "round {round}: exit {:?}, {} of {} bytes out, stderr {:?}",
+                o.status.code(),
+                out.len(),
+                expected.len(),
+                stderr(&o)
+            ));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {rounds} sessions went wrong:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
+/// Busy loops, one per CPU, killed when dropped.
+struct Load(Vec<Child>);
+
+impl Load {
+    fn start() -> Self {
+        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Self(
+            (0..n.max(2))
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .stdin(Stdio::null())
+                        .spawn()
+                        .unwrap()
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn ssh_gives_every_quick_commands_exit_code_and_streams_on_a_busy_machine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_d, state) = one_worker(tmp.path(), "remote-busy");
+    let rounds = env_or("SWACTOR_TEST_SSH_BUSY_ROUNDS", 100u32);
+    let load = Load::start();
+    let mut failed = Vec::new();
+    for round in 0..rounds {
+        let o = ssh(
+            &state,
+            &[
+                "worker-0",
+                "--",
+                "sh",
+                "-c",
+                "echo out; echo err >&2; exit 2",
+            ],
+        );
+        let got = (o.status.code(), stdout(&o), stderr(&o));
+        if got != (Some(2), "out\n".to_owned(), "err\n".to_owned()) {
+            failed.push(format!("round {round}: {got:?}"));
+        }
+    }
+    drop(load);
+    assert!(
+        failed.is_empty(),
+        "{} of {rounds} sessions went wrong:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
+#[test]
+fn ssh_says_so_when_the_session_ends_without_the_commands_exit_status() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_d, state) = one_worker(tmp.path(), "remote-cut");
+    // The command's parent is the agent (`job-exec` becomes the command).
+    let mut cli = swactor(
+        &state,
+        &[
+            "ssh",
+            "worker-0",
+            "--",
+            "sh",
+            "-c",
+            "echo $PPID; exec sleep 120",
+        ],
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut line = String::new();
+    let mut out = std::io::BufReader::new(cli.stdout.take().unwrap());
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let agent: u32 = line.trim().parse().expect("the agent's pid");
+    signal(agent, "-TERM");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let code = loop {
+        if let Some(s) = cli.try_wait().unwrap() {
+            break s.code();
+        }
+        assert!(Instant::now() < deadline, "the CLI did not end");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut said = String::new();
+    cli.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.starts_with("swactor: ")
+            && said.contains("worker-0")
+            && said.contains("before the command's exit status arrived"),
+        "{said}"
+    );
+}

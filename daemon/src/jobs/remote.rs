@@ -694,23 +694,46 @@ pub(crate) async fn relay(
         let _ = tokio::time::timeout(CLOSE_WAIT, conn.closed()).await;
         return;
     };
-    let piped = {
-        let both =
-            async { tokio::try_join!(pipe(&mut recv, &mut a_send), pipe(&mut a_recv, &mut send)) };
-        tokio::select! {
-            piped = both => piped.map(|_| ()),
-            // The CLI went (Ctrl-C, a signal, an error) while a direction
-            // still waits for the other side to say something.
-            _ = conn.closed() => Err(std::io::Error::other("the CLI went")),
+    // Each direction ends on its own. The agent stops reading a session's
+    // input once its command has exited, while the command's last output
+    // and its exit may still be on their way here: that ends the input
+    // direction only, or the exit would be lost. Only a break of the CLI's
+    // side, or of what comes from the agent, breaks the whole session.
+    let (mut input_over, mut output_over) = (false, false);
+    let broke = {
+        let input = pipe_input(&mut recv, &mut a_send);
+        let output = pipe(&mut a_recv, &mut send);
+        tokio::pin!(input, output);
+        loop {
+            tokio::select! {
+                ended = &mut input, if !input_over => match ended {
+                    Ok(()) => input_over = true,
+                    Err(_) => break true,
+                },
+                ended = &mut output, if !output_over => match ended {
+                    Ok(()) => output_over = true,
+                    Err(_) => break true,
+                },
+                // The CLI went (Ctrl-C, a signal, an error, or it read the
+                // exit and closed) while a direction still waits for its
+                // other side to say something.
+                _ = conn.closed() => break true,
+            }
+            if input_over && output_over {
+                break false;
+            }
         }
     };
-    if piped.is_err() {
+    if broke {
         // Each side hears that the other broke off, never a clean end
-        // (dropped unfinished, a stream would end cleanly).
+        // (dropped unfinished, a stream would end cleanly). Output already
+        // ended cleanly stays so: the CLI may still be reading its end.
         let _ = a_send.reset(0u32.into());
         let _ = a_recv.stop(0u32.into());
-        let _ = send.reset(0u32.into());
         let _ = recv.stop(0u32.into());
+        if !output_over {
+            let _ = send.reset(0u32.into());
+        }
         return;
     }
     // Both directions ended: once the CLI has the last bytes, the
@@ -722,6 +745,32 @@ pub(crate) async fn relay(
 async fn pipe(from: &mut RecvStream, to: &mut SendStream) -> std::io::Result<()> {
     tokio::io::copy(from, to).await?;
     to.finish().map_err(std::io::Error::other)
+}
+
+/// Copies the CLI's side `from` into the agent's `to` until `from` ends,
+/// then ends `to`. When the agent takes no more (it stopped reading: the
+/// command exited, or a forwarded port took no more), stops reading `from`
+/// and ends well: what the agent still sends decides how the session ends.
+/// Only `from` breaking off is an error.
+async fn pipe_input(
+    from: &mut RecvStream,
+    to: &mut SendStream,
+) -> Result<(), swactor_engine::iroh::endpoint::ReadError> {
+    let mut buf = vec![0u8; SHELL_PIECE_LEN];
+    loop {
+        match from.read(&mut buf).await? {
+            None => {
+                let _ = to.finish();
+                return Ok(());
+            }
+            Some(n) => {
+                if to.write_all(&buf[..n]).await.is_err() {
+                    let _ = from.stop(0u32.into());
+                    return Ok(());
+                }
+            }
+        }
+    }
 }
 
 /// The node's (id, attempt) and, unless only probed, the agent's stream,
