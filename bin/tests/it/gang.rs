@@ -47,12 +47,6 @@ fn spawn_run(cwd: &Path, state: &Path, args: &[&str]) -> Child {
         .unwrap()
 }
 
-fn jobs(state: &Path) -> Vec<Value> {
-    let o = cli(state, &["jobs", "--json"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    serde_json::from_slice(&o.stdout).unwrap()
-}
-
 fn job(state: &Path, id: &str) -> Value {
     let j = try_job(state, id);
     assert!(!j.is_null(), "no {id}");

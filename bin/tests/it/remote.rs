@@ -540,8 +540,14 @@ impl Drop for Load {
 fn ssh_gives_every_quick_commands_exit_code_and_streams_on_a_busy_machine() {
     let tmp = tempfile::tempdir().unwrap();
     let (_d, state) = one_worker(tmp.path(), "remote-busy");
-    let rounds = env_or("SWACTOR_TEST_SSH_BUSY_ROUNDS", 100u32);
-    let load = Load::start();
+    // The busy loops would slow every other test running beside this one,
+    // so by default it runs a few rounds without them; setting
+    // SWACTOR_TEST_SSH_BUSY_ROUNDS (e.g. 100) loads the machine as CI's
+    // was when the race showed (the early-input test above shows the cause
+    // without any load).
+    let opted_in = std::env::var_os("SWACTOR_TEST_SSH_BUSY_ROUNDS").is_some();
+    let rounds = env_or("SWACTOR_TEST_SSH_BUSY_ROUNDS", 10u32);
+    let load = opted_in.then(Load::start);
     let mut failed = Vec::new();
     for round in 0..rounds {
         let o = ssh(
