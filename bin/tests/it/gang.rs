@@ -146,7 +146,7 @@ fn a_four_rank_gang_sums_over_tcp_and_two_gangs_on_four_nodes_queue() {
     }
 
     // Two 3-node gangs at once onto 4 nodes: the second waits, then runs.
-    let hold = ranksum(&["--nodes", "3", "--env", "RANKSUM_HOLD_S=3"]);
+    let hold = ranksum(&["--nodes", "3", "--env", "RANKSUM_HOLD_S=6"]);
     let hold: Vec<&str> = hold.iter().map(String::as_str).collect();
     let first = spawn_run(root, &state, &hold);
     wait_for(Duration::from_secs(20), "job-3 to run", || {
@@ -156,7 +156,7 @@ fn a_four_rank_gang_sums_over_tcp_and_two_gangs_on_four_nodes_queue() {
     });
     let second = spawn_run(root, &state, &hold);
     let mut seen_queued = None;
-    wait_for(Duration::from_secs(20), "job-4 to show queued", || {
+    wait_for(Duration::from_secs(30), "job-4 to show queued", || {
         let j = try_job(&state, "job-4");
         seen_queued = j["waiting"].as_str().map(str::to_owned);
         seen_queued
@@ -217,7 +217,7 @@ fn a_four_rank_gang_sums_over_tcp_and_two_gangs_on_four_nodes_queue() {
         .map(|r| r["ended_unix_ms"].as_u64().unwrap())
         .min()
         .unwrap();
-    assert!(start4 >= end3 + 3000, "job-4 ended {start4}, job-3 {end3}");
+    assert!(start4 >= end3 + 6000, "job-4 ended {start4}, job-3 {end3}");
 
     // A queued job can be cancelled, and a gang larger than the cluster
     // waits saying what would let it start.
