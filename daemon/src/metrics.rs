@@ -45,6 +45,8 @@ pub(crate) struct Metrics {
     encoding: Mutex<()>,
     /// Each endpoint's handshakes under way, once its router runs.
     handshakes: Arc<OnceLock<Vec<(&'static str, TaskGauge)>>>,
+    /// The agents' protocols' connection caps, once their router runs.
+    agent_caps: Arc<OnceLock<Vec<(&'static str, swactor_engine::net::ConnectionCap)>>>,
 }
 
 /// What one scrape read from the daemon, for the collector to encode.
@@ -134,6 +136,10 @@ impl Metrics {
         registry.register_collector(Box::new(HandshakeCollector {
             gauges: handshakes.clone(),
         }));
+        let agent_caps = Arc::new(OnceLock::new());
+        registry.register_collector(Box::new(CapCollector {
+            caps: agent_caps.clone(),
+        }));
         Arc::new(Self {
             registry,
             scraped,
@@ -146,6 +152,7 @@ impl Metrics {
             events: Mutex::new(EventState::default()),
             encoding: Mutex::new(()),
             handshakes,
+            agent_caps,
         })
     }
 
@@ -188,6 +195,15 @@ impl Metrics {
     /// call wins: a daemon starts its routers once).
     pub(crate) fn watch_handshakes(&self, gauges: Vec<(&'static str, TaskGauge)>) {
         let _ = self.handshakes.set(gauges);
+    }
+
+    /// Exports the agents' protocols' connection caps from now on (the
+    /// first call wins).
+    pub(crate) fn watch_agent_caps(
+        &self,
+        caps: Vec<(&'static str, swactor_engine::net::ConnectionCap)>,
+    ) {
+        let _ = self.agent_caps.set(caps);
     }
 
     pub(crate) fn observe(&self, event: &ClusterEvent) {
@@ -346,6 +362,34 @@ pub(crate) fn group_of(node: &LogicalNodeId) -> String {
 /// told apart as live state or as pages not yet handed back.
 #[derive(Debug)]
 struct AllocatorCollector;
+
+/// Reads the agents' protocols' connection caps at scrape time.
+#[derive(Debug)]
+struct CapCollector {
+    caps: Arc<OnceLock<Vec<(&'static str, swactor_engine::net::ConnectionCap)>>>,
+}
+
+impl prometheus_client::collector::Collector for CapCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(caps) = self.caps.get() else {
+            return Ok(());
+        };
+        let values: Vec<(Labels, i64)> = caps
+            .iter()
+            .map(|(protocol, c)| {
+                let v = i64::try_from(c.get()).unwrap_or(i64::MAX);
+                (vec![("protocol", (*protocol).to_owned())], v)
+            })
+            .collect();
+        gauge(
+            &mut encoder,
+            "swactor_agent_connections_max",
+            "Most connections each of the agents' protocols serves at once; it follows \
+             the cluster's desired size (a quarter more, at least 4096)",
+            &values,
+        )
+    }
+}
 
 /// Reads each endpoint's handshakes under way at scrape time.
 #[derive(Debug)]

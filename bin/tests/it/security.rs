@@ -851,3 +851,51 @@ fn three_floods_replace_no_agent_and_leave_no_memory_behind() {
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// `swactor_agent_connections_max` for `protocol`, from `/metrics`.
+fn agent_cap(state: &Path, protocol: &str) -> Option<u64> {
+    let (code, text) = web_get(state, "/metrics");
+    assert_eq!(code, 200, "{text}");
+    let prefix = format!("swactor_agent_connections_max{{protocol=\"{protocol}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[test]
+fn the_agents_connection_caps_follow_the_clusters_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let one = shape_file(tmp.path(), "one.toml", &workers("caps", 1));
+    let _d = Daemon::start(&state, &one);
+    wait_converged(&state, Duration::from_secs(60), |s| {
+        s.nodes.iter().filter(|n| n.ready).count() == 1
+    });
+    for p in ["swarm", "jobs", "blobs"] {
+        assert_eq!(agent_cap(&state, p), Some(4096), "{p}");
+    }
+    // 8,000 nodes (paused, so none is made): every agent may join, with a
+    // quarter more for overlaps, on each of the agents' protocols.
+    let o = cli(&state, &["pause"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let big = shape_file(
+        tmp.path(),
+        "big.toml",
+        &format!("capacity = 10000\n{}", workers("caps", 8000)),
+    );
+    let o = cli(&state, &["apply", big.to_str().unwrap(), "--yes"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(10), "the caps to follow", || {
+        ["swarm", "jobs", "blobs"]
+            .iter()
+            .all(|p| agent_cap(&state, p) == Some(10_064))
+    });
+    // Back to one node: the default again.
+    let o = cli(&state, &["apply", one.to_str().unwrap(), "--yes"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for(Duration::from_secs(10), "the caps to come back", || {
+        agent_cap(&state, "swarm") == Some(4096)
+    });
+    let o = cli(&state, &["resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -593,6 +593,11 @@ async fn listen_and_serve(
     eprintln!("swactor: dashboard at http://{http_addr}/?token={http_token}");
     eprintln!("swactor: {}", opened.start.note);
     let cluster = core.cluster;
+    let sizing = AbortOnDrop(tokio::spawn(follow_cluster_size(
+        cluster.clone(),
+        router.agent_caps.clone(),
+        prepared.made.fleet,
+    )));
     let finish_teardown = match &opened.start.what {
         StartWhat::Apply(file) => {
             if let Err(e) = offer_on_start(&cluster, run_id, &opened.journal_health, file).await {
@@ -621,6 +626,7 @@ async fn listen_and_serve(
         lost: term.as_ref().map(|t| t.lost.clone()),
         _admitting: admitting,
         _web: (web, reloading),
+        _sizing: sizing,
     };
     serve_until_stopped(running, opts, finish_teardown).await
 }
@@ -668,6 +674,8 @@ struct Running {
     /// The dashboard and `/metrics`, and the SIGHUP reloads, served until
     /// this is dropped.
     _web: (crate::http::WebServer, AbortOnDrop),
+    /// Moves the agents' protocols' caps with the cluster's size.
+    _sizing: AbortOnDrop,
 }
 
 /// Serves until converged (`--until-converged`), a signal or a `down`, then
@@ -929,7 +937,7 @@ impl Drop for AbortOnDrop {
 
 #[cfg(test)]
 mod tests {
-    use super::{HandshakeRate, agents_rate};
+    use super::{HandshakeRate, agents_cap, agents_rate};
 
     #[test]
     fn the_agents_handshake_budget_follows_the_fleet() {
@@ -944,5 +952,15 @@ mod tests {
             }
         );
         assert!(agents_rate(usize::MAX).is_valid());
+    }
+
+    #[test]
+    fn the_agents_connection_caps_follow_the_cluster_with_headroom() {
+        let open = swactor_engine::net::Limits::OPEN.connections_max;
+        assert_eq!(agents_cap(0), open);
+        assert_eq!(agents_cap(3_000), open, "small clusters keep the default");
+        // 10,000 nodes: every agent joined, plus a quarter for overlaps.
+        assert_eq!(agents_cap(10_000), 12_564);
+        assert_eq!(agents_cap(usize::MAX), usize::MAX);
     }
 }

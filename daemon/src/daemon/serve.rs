@@ -98,22 +98,51 @@ pub(super) fn serve_protocols(
     // The router's accept loop and every handler it starts run on the
     // agents' runtime too.
     let on_swarm = swarm.enter();
+    // Every joined agent holds a swarm connection and a jobs link, so
+    // those caps follow the cluster's size ([`follow_cluster_size`] moves
+    // them on every accepted shape); what a peer that has not joined may
+    // hold is bounded apart, by `pre_auth`.
+    let sized = |limits: Limits| Limits {
+        connections_max: agents_cap(fleet),
+        ..limits
+    };
     let swarm_router = GuardedRouterBuilder::new(endpoints.swarm.clone())
-        .serve(ALPN_SWARM, Allowlist::open(), swarm_handler)
+        .serve_with_limits(
+            ALPN_SWARM,
+            Allowlist::open(),
+            sized(Limits::OPEN),
+            swarm_handler,
+        )
         // Agents dial in for jobs as for the swarm; each link is checked
         // like a join.
-        .serve(
+        .serve_with_limits(
             crate::jobs::ALPN_JOBS,
             Allowlist::open(),
+            sized(Limits::OPEN),
             jobs.handler(pre_auth),
         )
         // Workspaces: only the keys of agents with a jobs link may connect,
         // and each fetches only the chunks of the run it ships.
-        .serve_with_limits(iroh_blobs::ALPN, blobs_allowed, Limits::LINKED, blobs)
+        .serve_with_limits(
+            iroh_blobs::ALPN,
+            blobs_allowed,
+            sized(Limits::LINKED),
+            blobs,
+        )
         // New handshakes are rationed, so a flood costs the daemon a
         // bounded share of its time; joined agents' links are never counted.
         .handshake_rate(None, handshake_rate(agents_rate(fleet)));
     let swarm_handshakes = swarm_router.handshakes_under_way();
+    let named: Vec<(&'static str, swactor_engine::net::ConnectionCap)> = [
+        ("swarm", ALPN_SWARM),
+        ("jobs", crate::jobs::ALPN_JOBS),
+        ("blobs", iroh_blobs::ALPN),
+    ]
+    .iter()
+    .filter_map(|(name, alpn)| swarm_router.connection_cap(alpn).map(|c| (*name, c)))
+    .collect();
+    let agent_caps = named.iter().map(|(_, c)| c.clone()).collect();
+    metrics.watch_agent_caps(named);
     let router = swarm_router.spawn();
     drop(on_swarm);
     // The CLI's protocols, on the CLI's endpoint, rationed on their own.
@@ -128,6 +157,46 @@ pub(super) fn serve_protocols(
     Routers {
         swarm: router,
         control: control_router.spawn(),
+        agent_caps,
+    }
+}
+
+/// The most connections each of the agents' protocols serves at once for a
+/// cluster of `slots` desired nodes: one per joined agent, a quarter more
+/// for replacements that overlap their predecessors and for rollouts, and
+/// never fewer than the engine's default for an open protocol.
+pub(super) fn agents_cap(slots: usize) -> usize {
+    Limits::OPEN
+        .connections_max
+        .max(slots.saturating_add(slots / 4).saturating_add(64))
+}
+
+/// Moves the agents' protocols' caps to every shape the cluster accepts
+/// (never below what the daemon started with), until the cluster is gone.
+pub(super) async fn follow_cluster_size(
+    cluster: ClusterHandle,
+    caps: Vec<swactor_engine::net::ConnectionCap>,
+    fleet: usize,
+) {
+    let Ok(sub) = cluster.subscribe().await else {
+        return;
+    };
+    let set = |slots: usize| {
+        let cap = agents_cap(slots.max(fleet));
+        for c in &caps {
+            c.set(cap);
+        }
+    };
+    set(usize::try_from(sub.snapshot.desired_nodes).unwrap_or(usize::MAX));
+    let mut events = sub.events;
+    loop {
+        match events.recv().await {
+            Ok(ClusterEvent::ShapeAccepted { nodes, .. }) => {
+                set(usize::try_from(nodes).unwrap_or(usize::MAX));
+            }
+            Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        }
     }
 }
 
@@ -260,6 +329,8 @@ pub(super) async fn bind_daemon_endpoint(
 pub(super) struct Routers {
     pub(super) swarm: swactor_engine::iroh::protocol::Router,
     pub(super) control: swactor_engine::iroh::protocol::Router,
+    /// The total caps of the agents' protocols, which follow the cluster's size.
+    pub(super) agent_caps: Vec<swactor_engine::net::ConnectionCap>,
 }
 
 impl Routers {

@@ -10,7 +10,7 @@ use iroh::protocol::{AcceptError, IncomingFilterOutcome, ProtocolHandler, Router
 use iroh::{Endpoint, EndpointId};
 
 use super::codes;
-use super::limits::{Limits, Refusal, RefusalLog, Slots};
+use super::limits::{ConnectionCap, Limits, Refusal, RefusalLog, Slots};
 use super::rate::{Bucket, HandshakeRate};
 use crate::timers::TaskGauge;
 
@@ -298,6 +298,7 @@ pub struct GuardedRouterBuilder {
     inner: iroh::protocol::RouterBuilder,
     rates: Vec<RateClass>,
     handshakes: Arc<Handshakes>,
+    caps: Vec<(&'static [u8], ConnectionCap)>,
 }
 
 /// A handshake budget for some protocols (`None`: the others).
@@ -316,6 +317,7 @@ impl GuardedRouterBuilder {
             inner: Router::builder(endpoint),
             rates: Vec::new(),
             handshakes: Arc::new(Handshakes::new()),
+            caps: Vec::new(),
         }
     }
 
@@ -381,10 +383,13 @@ impl GuardedRouterBuilder {
                 String::from_utf8_lossy(alpn)
             );
         }
+        let slots = Slots::new(&limits);
+        let mut caps = self.caps;
+        caps.push((alpn, slots.cap()));
         let guarded = Guarded {
             alpn,
             allowlist,
-            slots: Slots::new(&limits),
+            slots,
             refusals: Arc::new(Mutex::new(RefusalLog::new(limits.refusal_log_interval))),
             handshakes: Arc::clone(&self.handshakes),
             inner: handler,
@@ -393,7 +398,18 @@ impl GuardedRouterBuilder {
             inner: self.inner.accept(alpn, guarded),
             rates: self.rates,
             handshakes: self.handshakes,
+            caps,
         }
+    }
+
+    /// The handle that moves the total connection cap of `alpn` while the
+    /// router runs; `None` if `alpn` is not served.
+    #[must_use]
+    pub fn connection_cap(&self, alpn: &[u8]) -> Option<ConnectionCap> {
+        self.caps
+            .iter()
+            .find(|(a, _)| *a == alpn)
+            .map(|(_, cap)| cap.clone())
     }
 
     /// Starts at most `rate` new handshakes per second for connections

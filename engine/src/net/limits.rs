@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -142,13 +143,38 @@ struct SlotTable {
     per_peer: HashMap<EndpointId, usize>,
 }
 
+/// The total cap of one served protocol, which its owner may move while
+/// the router runs (the agents' protocols follow the cluster's size). A
+/// lowered cap closes nothing: it refuses new connections until fewer are
+/// served.
+#[derive(Clone, Debug)]
+pub struct ConnectionCap(Arc<AtomicUsize>);
+
+impl ConnectionCap {
+    fn new(max: usize) -> Self {
+        Self(Arc::new(AtomicUsize::new(max)))
+    }
+
+    /// The cap now.
+    #[must_use]
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Sets the cap to `max` (at least 1).
+    pub fn set(&self, max: usize) {
+        self.0.store(max.max(1), Ordering::Relaxed);
+    }
+}
+
 /// The connections one protocol serves now, counted in total and per peer.
 ///
 /// The per-peer map holds only peers with a live connection, so it never
-/// has more than [`Limits::connections_max`] entries.
+/// has more than [`Limits::connections_max`] entries (or the cap it was
+/// moved to).
 #[derive(Clone, Debug)]
 pub(crate) struct Slots {
-    connections_max: usize,
+    connections_max: ConnectionCap,
     connections_per_peer_max: usize,
     table: Arc<Mutex<SlotTable>>,
 }
@@ -156,10 +182,15 @@ pub(crate) struct Slots {
 impl Slots {
     pub(crate) fn new(limits: &Limits) -> Self {
         Self {
-            connections_max: limits.connections_max,
+            connections_max: ConnectionCap::new(limits.connections_max),
             connections_per_peer_max: limits.connections_per_peer_max,
             table: Arc::default(),
         }
+    }
+
+    /// The handle that moves the total cap.
+    pub(crate) fn cap(&self) -> ConnectionCap {
+        self.connections_max.clone()
     }
 
     /// Takes a slot for a connection from `peer`, unless a cap is reached.
@@ -169,7 +200,7 @@ impl Slots {
         if held >= self.connections_per_peer_max {
             return Err(Refusal::PerPeerCap);
         }
-        if table.connections >= self.connections_max {
+        if table.connections >= self.connections_max.get() {
             return Err(Refusal::TotalCap);
         }
         table.connections += 1;
@@ -399,6 +430,29 @@ mod tests {
             table.per_peer.is_empty(),
             "no entry outlives its peer's last slot"
         );
+    }
+
+    #[test]
+    fn a_moved_cap_admits_more_at_once_and_a_lowered_one_closes_nothing() {
+        let slots = Slots::new(&limits(2, 8));
+        let cap = slots.cap();
+        let peer = SecretKey::generate().public();
+        let held: Vec<Slot> = (0..2).map(|_| slots.try_acquire(peer).unwrap()).collect();
+        assert_eq!(slots.try_acquire(peer).unwrap_err(), Refusal::TotalCap);
+        cap.set(4);
+        let more: Vec<Slot> = (0..2).map(|_| slots.try_acquire(peer).unwrap()).collect();
+        assert_eq!(slots.try_acquire(peer).unwrap_err(), Refusal::TotalCap);
+        // Lowered below what is served: those stay, new ones wait.
+        cap.set(1);
+        assert_eq!(slots.connections(), 4);
+        drop(more);
+        assert_eq!(slots.try_acquire(peer).unwrap_err(), Refusal::TotalCap);
+        drop(held);
+        let one = slots.try_acquire(peer).unwrap();
+        assert_eq!(slots.try_acquire(peer).unwrap_err(), Refusal::TotalCap);
+        drop(one);
+        cap.set(0);
+        assert_eq!(cap.get(), 1, "a cap never admits nothing");
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub use handshake::{
     recv_first_frame,
 };
 pub use key::{KeyFileError, load_or_create_secret_key};
-pub use limits::{Limits, LimitsError, PreAuth, PreAuthSlot, REFUSAL_LOG_INTERVAL};
+pub use limits::{ConnectionCap, Limits, LimitsError, PreAuth, PreAuthSlot, REFUSAL_LOG_INTERVAL};
 pub use rate::HandshakeRate;
 pub use ticket::{EndpointTicket, TICKET_LEN_MAX, TICKET_PREFIX, TicketError};
 
