@@ -131,17 +131,27 @@ impl ControlHandler {
         let result = match req {
             ControlRequest::Apply(mut file) => {
                 file.allow_providers(&self.more_providers);
-                match apply_file(&self.cluster, &self.run_id, &self.journal, &file).await {
-                    Ok((generation, changed)) => {
-                        // Said so the caller knows nothing will happen yet.
-                        let paused = self.cluster.snapshot().await.is_ok_and(|s| s.paused);
-                        Ok(ControlResponse::Applied {
-                            generation,
-                            changed,
-                            paused,
-                        })
+                // A run with standbys takes no nodes only this machine sees.
+                let local = self
+                    .ha
+                    .get()
+                    .and_then(|_| crate::daemon::ha::local_group(&file));
+                match local {
+                    Some(why) => Err(format!("{why}; nothing was changed")),
+                    None => {
+                        match apply_file(&self.cluster, &self.run_id, &self.journal, &file).await {
+                            Ok((generation, changed)) => {
+                                // Said so the caller knows nothing will happen yet.
+                                let paused = self.cluster.snapshot().await.is_ok_and(|s| s.paused);
+                                Ok(ControlResponse::Applied {
+                                    generation,
+                                    changed,
+                                    paused,
+                                })
+                            }
+                            Err(e) => Err(e),
+                        }
                     }
-                    Err(e) => Err(e),
                 }
             }
             ControlRequest::Pause => self

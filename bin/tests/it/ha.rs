@@ -345,6 +345,22 @@ fn a_frozen_leader_wakes_to_change_nothing_and_stands_by() {
     assert_eq!(p.leader(Duration::from_secs(10)), 0);
     p.start(1, &f);
     p.converged(1, 2, Duration::from_secs(120));
+    // A group of local processes is refused by a leader too, as by `up`:
+    // the next leader could neither see nor adopt its nodes.
+    let before = status(&p.states[0]).expect("a status").generation;
+    let local = p.file(&format!(
+        "{}[[group]]\nid = \"local\"\ncount = 1\nprovider = \"process\"\n",
+        shape(&run, 2, "c0")
+    ));
+    let o = cli(&p.states[0], &["apply", local.to_str().unwrap(), "--yes"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("group \"local\" runs its nodes as processes of this machine")
+            && stderr(&o).contains("nothing was changed"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(status(&p.states[0]).expect("a status").generation, before);
     let doubles = slot_watcher(&run);
     let pid = p.daemons[0].as_ref().unwrap().pid().unwrap();
     // What the leader's term has done so far, by its own counts (a steady

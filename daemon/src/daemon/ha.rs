@@ -245,16 +245,8 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
         );
     };
     let file = ShapeFile::load(&shape_path)?;
-    // A local process is seen by the daemon of its machine alone: the
-    // next leader would not find it, and would make it again.
-    if let Some(group) = file.groups.iter().find(|g| g.provider == "process") {
-        anyhow::bail!(
-            "group {:?} runs its nodes as processes of this machine, which a daemon on \
-             another machine cannot see or adopt; a run with standbys (--etcd) needs \
-             providers every daemon reaches (docker on a shared engine, ssh hosts, vast); \
-             nothing was started",
-            group.id
-        );
+    if let Some(why) = local_group(&file) {
+        anyhow::bail!("{why}; nothing was started");
     }
     let run_id = file.run_id();
     let client = Client::new(ha.etcd.clone())
@@ -885,6 +877,23 @@ fn wall_ms() -> u64 {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Why `file` cannot run with standbys, if it cannot: a group of local
+/// processes is seen by the daemon of its machine alone, so the next
+/// leader would not find its nodes, and would make them again.
+pub(crate) fn local_group(file: &ShapeFile) -> Option<String> {
+    file.groups
+        .iter()
+        .find(|g| g.provider == "process")
+        .map(|group| {
+            format!(
+                "group {:?} runs its nodes as processes of this machine, which a daemon on \
+             another machine cannot see or adopt; a run with standbys (--etcd) needs \
+             providers every daemon reaches (docker on a shared engine, ssh hosts, vast)",
+                group.id
+            )
+        })
 }
 
 #[cfg(test)]

@@ -40,7 +40,7 @@ use swactor_provisioning::{
 use tokio::sync::{mpsc, oneshot};
 
 mod fleet;
-mod ha;
+pub(crate) mod ha;
 mod serve;
 mod start;
 
