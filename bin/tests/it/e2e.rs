@@ -36,6 +36,64 @@ fn up_until_converged_converges_a_four_node_shape_and_tears_it_down() {
 }
 
 #[test]
+fn up_until_converged_hears_a_down_and_a_signal_before_it_converges() {
+    let tmp = tempfile::tempdir().unwrap();
+    // One group that never becomes ready: the run never converges.
+    let body = format!(
+        "{}[[group]]\nid = \"broken\"\ncount = 1\nprovider = \"process\"\nboot_check = [\"false\"]\n",
+        workers("e2e-until-down", 2)
+    );
+    let shape = shape_file(tmp.path(), "never.toml", &body);
+    for stop in ["down", "SIGINT"] {
+        let state = tmp.path().join(format!("state-{stop}"));
+        let mut up = std::process::Command::new(BIN)
+            .args(["up", "--until-converged", "--timeout", "300", "--yes"])
+            .arg(&shape)
+            .arg("--state-dir")
+            .arg(&state)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for(CONVERGE, "two ready workers", || {
+            status(&state).is_some_and(|s| s.nodes.iter().filter(|n| n.ready).count() == 2)
+        });
+        let asked = Instant::now();
+        if stop == "down" {
+            let o = cli(&state, &["down"]);
+            assert!(o.status.success(), "{}", stderr(&o));
+        } else {
+            let sent = std::process::Command::new("kill")
+                .args(["-INT", &up.id().to_string()])
+                .status()
+                .unwrap();
+            assert!(sent.success());
+        }
+        let code = loop {
+            if let Some(s) = up.try_wait().unwrap() {
+                break s.code();
+            }
+            assert!(
+                asked.elapsed() < Duration::from_secs(30),
+                "{stop}: `up --until-converged` did not stop"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(up.stderr.as_mut().unwrap(), &mut err).unwrap();
+        let want = if stop == "down" { 0 } else { 130 };
+        assert_eq!(code, Some(want), "{stop}: {err}");
+        assert!(err.contains("tearing down"), "{stop}: {err}");
+        assert!(
+            agents(&state).is_empty(),
+            "{stop}: agents left: {:?}",
+            agents(&state)
+        );
+    }
+}
+
+#[test]
 fn a_killed_agent_is_replaced_scale_down_removes_the_highest_and_down_leaves_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");

@@ -697,35 +697,54 @@ async fn serve_until_stopped(
     } else if opts.until_converged {
         let converged =
             tokio::time::timeout(opts.timeout, wait_converged(cluster, &mut running.exit));
-        match converged.await {
-            Ok(Ok(generation)) => {
-                progress.flush().await;
-                progress.say(format!(
-                    "swactor: converged on generation {} in {:.1} s (daemon peak memory {})",
-                    generation.0,
-                    running.started.elapsed().as_secs_f64(),
-                    peak_memory()
-                ));
+        // A signal or a `down` (from the CLI, a budget or a lifetime) is
+        // heard while it waits, not only once it converged.
+        let waited = tokio::select! {
+            got = converged => Some(got),
+            _ = shutdown_signal() => {
+                progress.say("\nswactor: stopping before the cluster converged");
+                code = 130;
+                None
             }
-            Ok(Err(e)) => {
-                progress.say(format!("swactor: the cluster stopped: {e}"));
-                code = 1;
+            Some((k, p, reply)) = running.down.recv() => {
+                keep = k;
+                purge = p;
+                down_reply = Some(reply);
+                None
             }
-            Err(_) => {
-                progress.flush().await;
-                progress.say(format!(
-                    "swactor: not converged within {:?}; still waiting on:",
-                    opts.timeout
-                ));
-                if let Ok(snap) = cluster.snapshot().await {
-                    for n in snap.nodes.iter().filter(|n| !n.ready) {
-                        let err = n.last_error.as_deref().unwrap_or("no error reported");
-                        let state = crate::words::state_text(n, snap.now);
-                        progress.say(format!("  {} ({}, {state}): {err}", n.node, n.attempt));
-                    }
+        };
+        match waited {
+            None => {}
+            Some(converged) => match converged {
+                Ok(Ok(generation)) => {
+                    progress.flush().await;
+                    progress.say(format!(
+                        "swactor: converged on generation {} in {:.1} s (daemon peak memory {})",
+                        generation.0,
+                        running.started.elapsed().as_secs_f64(),
+                        peak_memory()
+                    ));
                 }
-                code = 1;
-            }
+                Ok(Err(e)) => {
+                    progress.say(format!("swactor: the cluster stopped: {e}"));
+                    code = 1;
+                }
+                Err(_) => {
+                    progress.flush().await;
+                    progress.say(format!(
+                        "swactor: not converged within {:?}; still waiting on:",
+                        opts.timeout
+                    ));
+                    if let Ok(snap) = cluster.snapshot().await {
+                        for n in snap.nodes.iter().filter(|n| !n.ready) {
+                            let err = n.last_error.as_deref().unwrap_or("no error reported");
+                            let state = crate::words::state_text(n, snap.now);
+                            progress.say(format!("  {} ({}, {state}): {err}", n.node, n.attempt));
+                        }
+                    }
+                    code = 1;
+                }
+            },
         }
     } else {
         let in_term = running.lost.is_some();
