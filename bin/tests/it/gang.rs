@@ -85,6 +85,34 @@ fn ranksum(extra: &[&str]) -> Vec<String> {
     args
 }
 
+/// Starts job `id`, a 2-rank ranksum gang (with `extra` options) whose
+/// ranks hold 30 s after their sum, waits for both sums, then `kill -9`s
+/// the agent of rank `rank`. Returns the `swactor run` following the job
+/// and the node whose agent was killed.
+fn gang_then_kill(
+    root: &Path,
+    state: &Path,
+    id: &str,
+    extra: &[&str],
+    rank: usize,
+) -> (Child, String) {
+    let mut opts = vec!["--nodes", "2", "--env", "RANKSUM_HOLD_S=30"];
+    opts.extend_from_slice(extra);
+    let args = ranksum(&opts);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let child = spawn_run(root, state, &args);
+    wait_for(Duration::from_secs(30), "both ranks' sums", || {
+        stdout(&cli(state, &["job", "logs", id]))
+            .matches(": sum 3 (restart 0)")
+            .count()
+            == 2
+    });
+    let r = job(state, id)["runs"][rank].clone();
+    let node = r["node"].as_str().unwrap().to_owned();
+    kill9(agents(state)[&(node.clone(), r["attempt"].as_u64().unwrap())][0]);
+    (child, node)
+}
+
 #[test]
 fn a_four_rank_gang_sums_over_tcp_and_two_gangs_on_four_nodes_queue() {
     let tmp = tempfile::tempdir().unwrap();
@@ -245,30 +273,9 @@ fn a_lost_rank_restarts_the_gang_with_retry_and_fails_it_without() {
         s.nodes.iter().filter(|n| n.ready).count() == 3
     });
 
-    let kill_rank = |id: &str, rank: usize| -> String {
-        wait_for(
-            Duration::from_secs(30),
-            "every rank to print its sum",
-            || {
-                let o = cli(&state, &["job", "logs", id]);
-                stdout(&o).matches(": sum 3 (restart 0)").count() == 2
-            },
-        );
-        let j = job(&state, id);
-        let r = &j["runs"][rank];
-        let node = r["node"].as_str().unwrap().to_owned();
-        let attempt = r["attempt"].as_u64().unwrap();
-        let agent = agents(&state)[&(node.clone(), attempt)][0];
-        kill9(agent);
-        node
-    };
-
     // With --retry 1: the gang restarts, every rank anew, and completes.
-    let args = ranksum(&["--nodes", "2", "--retry", "1", "--env", "RANKSUM_HOLD_S=30"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let started = Instant::now();
-    let child = spawn_run(root, &state, &args);
-    let lost = kill_rank("job-1", 1);
+    let (child, lost) = gang_then_kill(root, &state, "job-1", &["--retry", "1"], 1);
     let o = child.wait_with_output().unwrap();
     let (out, err) = (stdout(&o), stderr(&o));
     assert_eq!(o.status.code(), Some(0), "{out}{err}");
@@ -298,10 +305,7 @@ fn a_lost_rank_restarts_the_gang_with_retry_and_fails_it_without() {
     wait_converged(&state, READY, |s| {
         s.nodes.iter().filter(|n| n.ready).count() == 3
     });
-    let args = ranksum(&["--nodes", "2", "--env", "RANKSUM_HOLD_S=30"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let child = spawn_run(root, &state, &args);
-    let lost = kill_rank("job-2", 0);
+    let (child, lost) = gang_then_kill(root, &state, "job-2", &[], 0);
     let o = child.wait_with_output().unwrap();
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
@@ -469,23 +473,15 @@ fn setup_runs_once_per_node_and_workspace_and_a_failing_setup_fails_the_run() {
 
 #[test]
 fn a_two_rank_gang_sums_across_two_docker_containers() {
-    use common::docker::{agent_binary, docker_shape, engine_up, remove_run};
+    use common::docker::{RunContainers, agent_binary, docker_shape, engine_up};
     if !engine_up() {
         return;
-    }
-    /// Removes the run's containers however the test ends.
-    struct Containers(String);
-    impl Drop for Containers {
-        fn drop(&mut self) {
-            remove_run(&self.0);
-        }
     }
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     let state = root.join("state");
     let name = format!("dk-gang-{}", std::process::id());
-    remove_run(&name);
-    let _containers = Containers(name.clone());
+    let _containers = RunContainers::new(&name);
     // The agent image holds only the agent: this machine's Python comes in
     // read-only (no registry here to pull an image with it from).
     let params = "[group.params]\nmounts = [\"/usr:/usr\", \"/lib:/lib\", \"/lib64:/lib64\", \"/bin:/bin\"]\n";
@@ -680,18 +676,7 @@ fn a_daemon_that_dies_before_a_gang_restart_is_on_record_restarts_it_when_back()
     wait_converged(&state, READY, |s| {
         s.nodes.iter().filter(|n| n.ready).count() == 3
     });
-    let args = ranksum(&["--nodes", "2", "--retry", "1", "--env", "RANKSUM_HOLD_S=30"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let child = spawn_run(root, &state, &args);
-    wait_for(Duration::from_secs(30), "both ranks' sums", || {
-        stdout(&cli(&state, &["job", "logs", "job-1"]))
-            .matches(": sum 3 (restart 0)")
-            .count()
-            == 2
-    });
-    let r1 = job(&state, "job-1")["runs"][1].clone();
-    let node = r1["node"].as_str().unwrap().to_owned();
-    kill9(agents(&state)[&(node, r1["attempt"].as_u64().unwrap())][0]);
+    let (child, _) = gang_then_kill(root, &state, "job-1", &["--retry", "1"], 1);
     // Every rank's end is on record; the daemon dies before the restart is.
     assert_eq!(
         d.wait_exit(Duration::from_secs(30)),
@@ -744,20 +729,9 @@ fn a_gangs_ranks_wait_longer_than_their_groups_grace_and_a_loss_restarts_it() {
     wait_converged(&state, READY, |s| {
         s.nodes.iter().filter(|n| n.ready).count() == 3
     });
-    let args = ranksum(&["--nodes", "2", "--retry", "1", "--env", "RANKSUM_HOLD_S=30"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let child = spawn_run(root, &state, &args);
-    wait_for(Duration::from_secs(30), "both ranks' sums", || {
-        stdout(&cli(&state, &["job", "logs", "job-1"]))
-            .matches(": sum 3 (restart 0)")
-            .count()
-            == 2
-    });
+    let (child, node) = gang_then_kill(root, &state, "job-1", &["--retry", "1"], 1);
     let j = job(&state, "job-1");
     assert_eq!(j["gang"]["reattach_s"], 13, "{j}");
-    let r1 = j["runs"][1].clone();
-    let node = r1["node"].as_str().unwrap().to_owned();
-    kill9(agents(&state)[&(node.clone(), r1["attempt"].as_u64().unwrap())][0]);
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let j = job(&state, "job-1");

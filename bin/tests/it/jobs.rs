@@ -796,23 +796,15 @@ fn a_job_runs_on_two_ssh_hosted_nodes() {
 
 #[test]
 fn a_job_runs_in_two_docker_containers() {
-    use common::docker::{agent_binary, docker_shape, engine_up, remove_run};
+    use common::docker::{RunContainers, agent_binary, docker_shape, engine_up};
     if !engine_up() {
         return;
-    }
-    /// Removes the run's containers however the test ends.
-    struct Containers(String);
-    impl Drop for Containers {
-        fn drop(&mut self) {
-            remove_run(&self.0);
-        }
     }
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     let state = root.join("state");
     let name = format!("dk-jobs-{}", std::process::id());
-    remove_run(&name);
-    let _containers = Containers(name.clone());
+    let _containers = RunContainers::new(&name);
     let shape = shape_file(root, "dk.toml", &docker_shape(&name, 2, ""));
     let agent = agent_binary();
     let _d = Daemon::spawn_with(

@@ -162,6 +162,24 @@ pub fn slot_watcher(run: &str) -> Watcher {
     })
 }
 
+/// The containers of a run, removed before the test uses the run's name
+/// and again however the test ends.
+pub struct RunContainers(String);
+
+impl RunContainers {
+    /// Clears `run` of containers a failed earlier test may have left.
+    pub fn new(run: &str) -> Self {
+        remove_run(run);
+        Self(run.to_owned())
+    }
+}
+
+impl Drop for RunContainers {
+    fn drop(&mut self) {
+        remove_run(&self.0);
+    }
+}
+
 /// Removes every container of `run` (a test's cleanup, pass or fail).
 pub fn remove_run(run: &str) {
     let ids: Vec<String> = containers(run).into_iter().map(|c| c.id).collect();
