@@ -338,20 +338,8 @@ mod tests {
 
     fn run(node: LogicalNodeId, state: JobState) -> RunRecord {
         RunRecord {
-            node,
-            attempt: 1,
             state,
-            exit_code: None,
-            error: None,
-            shipped_bytes: 0,
-            shipped_chunks: 0,
-            chunks: 0,
-            output_files: 0,
-            output_bytes: 0,
-            collected: Vec::new(),
-            ended_unix_ms: None,
-            rank: None,
-            node_lost: false,
+            ..RunRecord::placed(node, 1, 0, None)
         }
     }
 

@@ -136,44 +136,23 @@ mod tests {
 
     fn run(i: u32, state: JobState, code: Option<i32>, ended: Option<u64>) -> RunRecord {
         RunRecord {
-            node: LogicalNodeId::parse(&format!("w-{i}")).unwrap(),
-            attempt: 1,
             state,
             exit_code: code,
-            error: None,
-            shipped_bytes: 0,
-            shipped_chunks: 0,
-            chunks: 0,
-            output_files: 0,
-            output_bytes: 0,
-            collected: Vec::new(),
             ended_unix_ms: ended,
-            rank: Some(i),
-            node_lost: false,
+            ..RunRecord::placed(
+                LogicalNodeId::parse(&format!("w-{i}")).unwrap(),
+                1,
+                0,
+                Some(i),
+            )
         }
     }
 
     fn job(runs: Vec<RunRecord>, gang: Option<Gang>) -> JobRecord {
         JobRecord {
             id: "job-3".to_owned(),
-            argv: vec!["true".to_owned()],
-            env: Vec::new(),
-            workspace: None,
-            outputs: Vec::new(),
-            timeout_s: None,
-            created_unix_ms: 0,
-            workspace_files: 0,
-            workspace_bytes: 0,
-            outputs_dir: String::new(),
-            cancelled: None,
-            stop: None,
-            runs,
-            want: None,
-            waiting: None,
-            priority: 0,
             gang,
-            earlier: Vec::new(),
-            setup: None,
+            ..crate::record::test_job(runs)
         }
     }
 

@@ -98,6 +98,29 @@ pub struct RunRecord {
     pub node_lost: bool,
 }
 
+impl RunRecord {
+    /// A run placed on (`node`, `attempt`), queued, of a workspace of
+    /// `chunks` chunks; `rank` for a gang's ranks.
+    pub fn placed(node: LogicalNodeId, attempt: u64, chunks: u64, rank: Option<u32>) -> Self {
+        Self {
+            node,
+            attempt,
+            state: JobState::Queued,
+            exit_code: None,
+            error: None,
+            shipped_bytes: 0,
+            shipped_chunks: 0,
+            chunks,
+            output_files: 0,
+            output_bytes: 0,
+            collected: Vec::new(),
+            ended_unix_ms: None,
+            rank,
+            node_lost: false,
+        }
+    }
+}
+
 /// A job as the journal keeps it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct JobRecord {
@@ -499,51 +522,46 @@ pub enum Change {
     Finished(Outcome),
 }
 
+/// A job of `runs` with nothing else set, for the crate's tests.
+#[cfg(test)]
+pub(crate) fn test_job(runs: Vec<RunRecord>) -> JobRecord {
+    JobRecord {
+        id: "job-1".to_owned(),
+        argv: vec!["true".to_owned()],
+        env: Vec::new(),
+        workspace: None,
+        outputs: Vec::new(),
+        timeout_s: None,
+        created_unix_ms: 0,
+        workspace_files: 0,
+        workspace_bytes: 0,
+        outputs_dir: String::new(),
+        cancelled: None,
+        stop: None,
+        runs,
+        want: None,
+        waiting: None,
+        priority: 0,
+        gang: None,
+        earlier: Vec::new(),
+        setup: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn run(state: JobState, exit_code: Option<i32>) -> RunRecord {
         RunRecord {
-            node: LogicalNodeId::parse("worker-0").unwrap(),
-            attempt: 1,
             state,
             exit_code,
-            error: None,
-            shipped_bytes: 0,
-            shipped_chunks: 0,
-            chunks: 0,
-            output_files: 0,
-            output_bytes: 0,
-            collected: Vec::new(),
-            ended_unix_ms: None,
-            rank: None,
-            node_lost: false,
+            ..RunRecord::placed(LogicalNodeId::parse("worker-0").unwrap(), 1, 0, None)
         }
     }
 
     fn job(runs: Vec<RunRecord>) -> JobRecord {
-        JobRecord {
-            id: "job-1".to_owned(),
-            argv: vec!["true".to_owned()],
-            env: Vec::new(),
-            workspace: None,
-            outputs: Vec::new(),
-            timeout_s: None,
-            created_unix_ms: 0,
-            workspace_files: 0,
-            workspace_bytes: 0,
-            outputs_dir: String::new(),
-            cancelled: None,
-            stop: None,
-            runs,
-            want: None,
-            waiting: None,
-            priority: 0,
-            gang: None,
-            earlier: Vec::new(),
-            setup: None,
-        }
+        test_job(runs)
     }
 
     #[test]

@@ -276,19 +276,7 @@ impl Client {
         swactor_engine::iroh::endpoint::Connection,
         swactor_engine::iroh::endpoint::RecvStream,
     )> {
-        let conn = connect(
-            &self.endpoint,
-            self.ticket.addr().clone(),
-            ALPN_CONTROL,
-            CONNECT_TIMEOUT,
-        )
-        .await
-        .map_err(|e| self.not_running(e))?;
-        let (mut send, recv) = conn.open_bi().await.map_err(|e| self.not_running(e))?;
-        let text = serde_json::to_string(req)?;
-        send_frame(&mut send, &text, FRAME_LEN_MAX)
-            .await
-            .map_err(|e| self.not_running(e))?;
+        let (conn, mut send, recv) = self.open_stream(req).await?;
         let _ = send.finish();
         Ok((conn, recv))
     }

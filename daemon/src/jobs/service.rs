@@ -1080,21 +1080,9 @@ pub(crate) fn placed_runs(
     nodes
         .iter()
         .enumerate()
-        .map(|(rank, (node, attempt))| RunRecord {
-            node: *node,
-            attempt: attempt.0,
-            state: JobState::Queued,
-            exit_code: None,
-            error: None,
-            shipped_bytes: 0,
-            shipped_chunks: 0,
-            chunks,
-            output_files: 0,
-            output_bytes: 0,
-            collected: Vec::new(),
-            ended_unix_ms: None,
-            rank: record.gang.as_ref().map(|_| rank as u32),
-            node_lost: false,
+        .map(|(rank, (node, attempt))| {
+            let rank = record.gang.as_ref().map(|_| rank as u32);
+            RunRecord::placed(*node, attempt.0, chunks, rank)
         })
         .collect()
 }
