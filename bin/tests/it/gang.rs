@@ -28,12 +28,12 @@ fn python() -> &'static str {
 }
 
 /// `swactor run ARGS`, in `cwd`, to its end.
-fn run(cwd: &Path, state: &Path, args: &[&str]) -> Output {
+fn run<S: AsRef<std::ffi::OsStr>>(cwd: &Path, state: &Path, args: &[S]) -> Output {
     spawn_run(cwd, state, args).wait_with_output().unwrap()
 }
 
 /// `swactor run ARGS`, in `cwd`, started.
-fn spawn_run(cwd: &Path, state: &Path, args: &[&str]) -> Child {
+fn spawn_run<S: AsRef<std::ffi::OsStr>>(cwd: &Path, state: &Path, args: &[S]) -> Child {
     Command::new(BIN)
         .arg("--state-dir")
         .arg(state)
@@ -68,6 +68,13 @@ fn try_job(state: &Path, id: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
+/// Waits until `n` nodes are ready.
+fn all_ready(state: &Path, n: usize) {
+    wait_converged(state, READY, |s| {
+        s.nodes.iter().filter(|x| x.ready).count() == n
+    });
+}
+
 /// The sum line every rank of an N-rank ranksum prints.
 fn sums(out: &str, n: u32, restart: u32) -> Vec<String> {
     let total = n * (n + 1) / 2;
@@ -99,7 +106,6 @@ fn gang_then_kill(
     let mut opts = vec!["--nodes", "2", "--env", "RANKSUM_HOLD_S=30"];
     opts.extend_from_slice(extra);
     let args = ranksum(&opts);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let child = spawn_run(root, state, &args);
     wait_for(Duration::from_secs(30), "both ranks' sums", || {
         stdout(&cli(state, &["job", "logs", id]))
@@ -120,13 +126,10 @@ fn a_four_rank_gang_sums_over_tcp_and_two_gangs_on_four_nodes_queue() {
     let state = root.join("state");
     let shape = shape_file(root, "four.toml", &workers("gang-four", 4));
     let _d = Daemon::start(&state, &shape);
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 4
-    });
+    all_ready(&state, 4);
 
     // Four ranks, one per node; each prints the sum of 1+2+3+4.
     let args = ranksum(&["--nodes", "4"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let o = run(root, &state, &args);
     let (out, err) = (stdout(&o), stderr(&o));
     assert_eq!(o.status.code(), Some(0), "{out}{err}");
@@ -175,7 +178,6 @@ fn a_four_rank_gang_sums_over_tcp_and_two_gangs_on_four_nodes_queue() {
 
     // Two 3-node gangs at once onto 4 nodes: the second waits, then runs.
     let hold = ranksum(&["--nodes", "3", "--env", "RANKSUM_HOLD_S=6"]);
-    let hold: Vec<&str> = hold.iter().map(String::as_str).collect();
     let first = spawn_run(root, &state, &hold);
     wait_for(Duration::from_secs(20), "job-3 to run", || {
         try_job(&state, "job-3")["runs"]
@@ -269,9 +271,7 @@ fn a_lost_rank_restarts_the_gang_with_retry_and_fails_it_without() {
     let state = root.join("state");
     let shape = shape_file(root, "three.toml", &workers("gang-retry", 3));
     let _d = Daemon::start(&state, &shape);
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 3
-    });
+    all_ready(&state, 3);
 
     // With --retry 1: the gang restarts, every rank anew, and completes.
     let started = Instant::now();
@@ -302,9 +302,7 @@ fn a_lost_rank_restarts_the_gang_with_retry_and_fails_it_without() {
     );
 
     // Without --retry: the job fails and names the lost node.
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 3
-    });
+    all_ready(&state, 3);
     let (child, lost) = gang_then_kill(root, &state, "job-2", &[], 0);
     let o = child.wait_with_output().unwrap();
     let err = stderr(&o);
@@ -330,9 +328,7 @@ fn a_lost_rank_restarts_the_gang_with_retry_and_fails_it_without() {
 
     // Not a gang: a run that exited 0 before another node was lost stays
     // done and is not run again.
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 3
-    });
+    all_ready(&state, 3);
     let child = spawn_run(
         root,
         &state,
@@ -394,9 +390,7 @@ fn setup_runs_once_per_node_and_workspace_and_a_failing_setup_fails_the_run() {
     let state = root.join("state");
     let shape = shape_file(root, "two.toml", &workers("gang-setup", 2));
     let _d = Daemon::start(&state, &shape);
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    });
+    all_ready(&state, 2);
     let ws = root.join("ws");
     std::fs::create_dir_all(&ws).unwrap();
     std::fs::write(ws.join("data.txt"), "one\n").unwrap();
@@ -493,11 +487,8 @@ fn a_two_rank_gang_sums_across_two_docker_containers() {
         &["--agent-binary", agent.to_str().unwrap()],
     )
     .unwrap_or_else(|e| panic!("the daemon exited ({:?}): {}", e.code, e.log));
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    });
+    all_ready(&state, 2);
     let args = ranksum(&["--nodes", "2"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let o = run(root, &state, &args);
     let (out, err) = (stdout(&o), stderr(&o));
     assert_eq!(o.status.code(), Some(0), "{out}{err}");
@@ -519,9 +510,7 @@ fn a_queued_gang_survives_a_daemon_restart_and_starts_when_its_group_scales_up()
     let state = root.join("state");
     let shape = shape_file(root, "two.toml", &workers("gang-wait", 2));
     let mut d = Daemon::start(&state, &shape);
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    });
+    all_ready(&state, 2);
     let child = spawn_run(
         root,
         &state,
@@ -549,9 +538,7 @@ fn a_queued_gang_survives_a_daemon_restart_and_starts_when_its_group_scales_up()
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let _d = Daemon::start(&state, &shape);
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    });
+    all_ready(&state, 2);
     let j = job(&state, "job-1");
     assert_eq!(j["priority"], 2);
     assert!(j["waiting"].as_str().is_some(), "{j}");
@@ -632,9 +619,7 @@ fn torchrun_example_trains_on_a_two_node_gang() {
     let state = root.join("state");
     let shape = shape_file(root, "two.toml", &workers("gang-torch", 2));
     let _d = Daemon::start(&state, &shape);
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 2
-    });
+    all_ready(&state, 2);
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/torchrun");
     let env = format!("PYTHON={python}");
     let o = run(
@@ -673,9 +658,7 @@ fn a_daemon_that_dies_before_a_gang_restart_is_on_record_restarts_it_when_back()
     let fault = [("SWACTOR_FAULT_ABORT_BEFORE_REQUEUE", "1")];
     let mut d = Daemon::spawn_env(&state, Some(&shape), &[], &fault)
         .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 3
-    });
+    all_ready(&state, 3);
     let (child, _) = gang_then_kill(root, &state, "job-1", &["--retry", "1"], 1);
     // Every rank's end is on record; the daemon dies before the restart is.
     assert_eq!(
@@ -686,9 +669,7 @@ fn a_daemon_that_dies_before_a_gang_restart_is_on_record_restarts_it_when_back()
     );
     let _ = child.wait_with_output();
     let _d = Daemon::start(&state, &shape);
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 3
-    });
+    all_ready(&state, 3);
     wait_for(
         Duration::from_secs(60),
         "the gang's restart to succeed",
@@ -726,9 +707,7 @@ fn a_gangs_ranks_wait_longer_than_their_groups_grace_and_a_loss_restarts_it() {
         &[("SWACTOR_JOB_REATTACH_S", "1")],
     )
     .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
-    wait_converged(&state, READY, |s| {
-        s.nodes.iter().filter(|n| n.ready).count() == 3
-    });
+    all_ready(&state, 3);
     let (child, node) = gang_then_kill(root, &state, "job-1", &["--retry", "1"], 1);
     let j = job(&state, "job-1");
     assert_eq!(j["gang"]["reattach_s"], 13, "{j}");
