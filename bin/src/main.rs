@@ -15,6 +15,7 @@
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+mod bench;
 mod client;
 mod jobs;
 mod logs;
@@ -314,6 +315,9 @@ Every connection is relayed through the daemon and the node's agent until
 Ctrl-C. A connection the node refuses is closed and said on stderr; the
 forward goes on.")]
     Forward(remote::ForwardArgs),
+    /// Measure the real daemon: `bench swarm` joins N simulated agents to it.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
     /// The node agent (started by providers, not by hand).
     #[command(hide = true)]
     Agent(agent::AgentOptions),
@@ -362,7 +366,10 @@ fn main() {
     init_logging(&cli.command);
     // The daemon (and what it starts) and `ssh-key` write only into the
     // state directory, which is nobody else's.
-    if matches!(cli.command, Command::Up { .. } | Command::SshKey) {
+    if matches!(
+        cli.command,
+        Command::Up { .. } | Command::SshKey | Command::Bench(bench::BenchCommand::SwarmDaemon(_))
+    ) {
         state::StateDir::private_files_from_now_on();
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -514,6 +521,10 @@ async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32
             logs::logs(&state_dir, &opts).await
         }
         Command::Run(args) => jobs::run(&state_dir, args).await,
+        Command::Bench(bench::BenchCommand::Swarm(args)) => bench::swarm::swarm(args).await,
+        Command::Bench(bench::BenchCommand::SwarmDaemon(args)) => {
+            bench::swarm::daemon(state_dir, args).await
+        }
         Command::Jobs { json } => jobs::list(&state_dir, json).await.map(|()| 0),
         Command::Job(JobCommand::Logs { id, node }) => {
             jobs::logs(&state_dir, &id, node).await.map(|()| 0)

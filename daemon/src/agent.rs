@@ -24,6 +24,7 @@ use anyhow::{Context, Result};
 use futures_util::StreamExt as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use swactor_engine::iroh::{Endpoint, EndpointAddr, TransportAddr};
@@ -142,15 +143,38 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     // started again (its container restarted, say) dials the daemon that
     // leads now, not only the one its command line names.
     let daemons = DialSet::new(ticket.addr()).remembered_in(DAEMONS_FILE);
-    let (joined_tx, jobs) = start_jobs_link(&opts, &endpoint, &daemons, &join);
+    let (joined_tx, jobs, _link) = start_jobs_link(
+        (&opts.dir, &opts.node, opts.attempt),
+        &endpoint,
+        &daemons,
+        &join,
+    );
     // From here on SIGTERM is caught (tokio keeps the handler for the life
     // of the process), so it must be listened for in every wait below: in a
     // session, and between sessions while the daemon is away.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("cannot listen for SIGTERM")?;
     let lease = Lease::default();
+    let frames = AtomicU64::new(0);
+    let unpaused = AtomicBool::new(false);
+    let agent = Agent {
+        endpoint: &endpoint,
+        daemons: &daemons,
+        join: &join,
+        joined_tx: &joined_tx,
+        lease: &lease,
+        announce: &|| {
+            report(&BootstrapEvent::SwactorJoined);
+            report(&BootstrapEvent::Stage(BootstrapStage::Converged));
+        },
+        frames: &frames,
+        beats_paused: &unpaused,
+    };
     let code = tokio::select! {
-        code = stay_joined(&endpoint, &daemons, &join, &joined_tx, &mut term, &lease) => code,
+        ended = stay_joined(&agent, &mut term) => match ended {
+            Ended::Stopped => 0,
+            Ended::Failed(stage, reason) => fail(stage, reason),
+        },
         window = lease.lapsed(|| jobs.running()) => {
             let code = orphaned(&key, window);
             end_own_instance(&opts).await;
@@ -162,6 +186,75 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     // stopping agent does not wait that long.
     let _ = tokio::time::timeout(Duration::from_millis(300), endpoint.close()).await;
     Ok(code)
+}
+
+/// A simulated agent, for `swactor bench swarm`: what a real agent does
+/// once its boot check passed (its endpoint with the attempt's own key, the
+/// key-bound join, heartbeats, renewals, rejoins and the jobs link), in the
+/// caller's process, without stdout reports or a lease that ends it.
+#[derive(Debug)]
+pub struct Simulated {
+    /// The attempt it serves.
+    pub key: ResourceKey,
+    /// The daemon's ticket.
+    pub ticket: String,
+    /// The attempt's join token and key.
+    pub credentials: AgentCredentials,
+    /// Its node directory (job workspaces; none is made until a job runs).
+    pub dir: PathBuf,
+    /// While set, it sends no heartbeat: frozen, as the daemon sees it.
+    pub frozen: Arc<AtomicBool>,
+}
+
+/// Runs a simulated agent until `stop` says so or its join is refused for
+/// good; `joined` is called at its first join, `frames` counts the frames
+/// it sends and receives once joined.
+///
+/// # Errors
+/// Why it ended by itself, in words.
+pub async fn simulate(
+    agent: Simulated,
+    frames: &AtomicU64,
+    joined: &(dyn Fn() + Sync),
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), String> {
+    let ticket: EndpointTicket = agent
+        .ticket
+        .parse()
+        .map_err(|e| format!("bad daemon ticket: {e}"))?;
+    let endpoint = bind_endpoint(&net_config(&ticket), agent.credentials.iroh_key())
+        .await
+        .map_err(|e| format!("cannot bind: {e}"))?;
+    let join = JoinRequest::new(&agent.key, agent.credentials.token.clone());
+    let daemons = DialSet::new(ticket.addr());
+    let node = agent.key.node.to_string();
+    let (joined_tx, _jobs, link) = start_jobs_link(
+        (&agent.dir, &node, agent.key.attempt.0),
+        &endpoint,
+        &daemons,
+        &join,
+    );
+    let lease = Lease::default();
+    let ended = stay_joined(
+        &Agent {
+            endpoint: &endpoint,
+            daemons: &daemons,
+            join: &join,
+            joined_tx: &joined_tx,
+            lease: &lease,
+            announce: joined,
+            frames,
+            beats_paused: &agent.frozen,
+        },
+        &mut stop,
+    )
+    .await;
+    link.abort();
+    let _ = tokio::time::timeout(Duration::from_millis(300), endpoint.close()).await;
+    match ended {
+        Ended::Stopped => Ok(()),
+        Ended::Failed(stage, reason) => Err(format!("{stage:?}: {reason}")),
+    }
 }
 
 /// Reads the daemon's ticket and this attempt's credentials, and binds the
@@ -191,19 +284,7 @@ async fn bind_for_daemon(
         }
     };
     let secret = credentials.iroh_key();
-    let endpoint = match bind_endpoint(
-        &NetConfig {
-            bind_addr: bind_addr_for(ticket.addr()),
-            frame_len_max: FRAME_LEN_MAX,
-            // A daemon that died is noticed within seconds, so the agent
-            // finds its successor well within the rejoin window.
-            idle_timeout: Some(AGENT_IDLE_TIMEOUT),
-            ..NetConfig::default()
-        },
-        secret,
-    )
-    .await
-    {
+    let endpoint = match bind_endpoint(&net_config(&ticket), secret).await {
         Ok(ep) => ep,
         Err(e) => {
             return Err(fail(
@@ -215,55 +296,108 @@ async fn bind_for_daemon(
     Ok((ticket, credentials, endpoint))
 }
 
+/// How an agent's endpoint is bound to dial the daemon `ticket` names.
+fn net_config(ticket: &EndpointTicket) -> NetConfig {
+    NetConfig {
+        bind_addr: bind_addr_for(ticket.addr()),
+        frame_len_max: FRAME_LEN_MAX,
+        // A daemon that died is noticed within seconds, so the agent
+        // finds its successor well within the rejoin window.
+        idle_timeout: Some(AGENT_IDLE_TIMEOUT),
+        ..NetConfig::default()
+    }
+}
+
 /// Starts the jobs link to `daemons`, which waits for the first join; the
 /// returned sender is told when the agent has joined.
 fn start_jobs_link(
-    opts: &AgentOptions,
+    (dir, node, attempt): (&std::path::Path, &str, u64),
     endpoint: &Endpoint,
     daemons: &DialSet,
     join: &JoinRequest,
 ) -> (
     tokio::sync::watch::Sender<bool>,
     crate::jobs::agent::AgentJobs,
+    tokio::task::JoinHandle<()>,
 ) {
     // The jobs link: the daemon sends runs over a connection this agent
     // dials, for as long as the agent lives. It is dialled once the agent
     // has joined, so a hundred agents starting at once do not make their
     // joins wait behind twice as many handshakes.
     let (joined_tx, mut joined_rx) = tokio::sync::watch::channel(false);
-    let jobs = crate::jobs::agent::AgentJobs::new(&opts.dir, opts.node.clone(), opts.attempt);
+    let jobs = crate::jobs::agent::AgentJobs::new(dir, node.to_owned(), attempt);
     let (endpoint, daemons, join) = (endpoint.clone(), daemons.clone(), join.clone());
     let served = jobs.clone();
-    tokio::spawn(async move {
+    let link = tokio::spawn(async move {
         if joined_rx.wait_for(|j| *j).await.is_ok() {
             served.serve(endpoint, daemons, join).await;
         }
     });
-    (joined_tx, jobs)
+    (joined_tx, jobs, link)
+}
+
+/// What ends an agent from outside: SIGTERM for a real one, the bench's
+/// word for a simulated one.
+pub(crate) trait Stop {
+    /// Resolves once the agent is to stop.
+    fn stopped(&mut self) -> impl Future<Output = ()> + Send;
+}
+
+impl Stop for tokio::signal::unix::Signal {
+    async fn stopped(&mut self) {
+        let _ = self.recv().await;
+    }
+}
+
+impl Stop for tokio::sync::watch::Receiver<bool> {
+    async fn stopped(&mut self) {
+        // A sender gone is a stop too.
+        let _ = self.wait_for(|stop| *stop).await;
+    }
+}
+
+/// What an agent's sessions share: where it dials, what it joins with, and
+/// what it does once joined.
+struct Agent<'a> {
+    endpoint: &'a Endpoint,
+    daemons: &'a DialSet,
+    join: &'a JoinRequest,
+    joined_tx: &'a tokio::sync::watch::Sender<bool>,
+    lease: &'a Lease,
+    /// Says the first join (a real agent on stdout, for its provider).
+    announce: &'a (dyn Fn() + Sync),
+    /// Frames sent and received since it joined (heartbeats, renewals).
+    frames: &'a AtomicU64,
+    /// While set, no heartbeat goes out (a simulated agent frozen by its
+    /// bench); a real agent never sets it.
+    beats_paused: &'a AtomicBool,
+}
+
+/// How an agent's sessions ended: stopped (the exit code), or failed at a
+/// stage, in words.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    Stopped,
+    Failed(BootstrapStage, String),
 }
 
 /// Keeps the agent joined, one session after another, until its join is
-/// refused, the daemon stays out of reach before the first join, or
-/// SIGTERM. Returns the exit code.
-async fn stay_joined(
-    endpoint: &Endpoint,
-    daemons: &DialSet,
-    join: &JoinRequest,
-    joined_tx: &tokio::sync::watch::Sender<bool>,
-    term: &mut tokio::signal::unix::Signal,
-    lease: &Lease,
-) -> i32 {
+/// refused, the daemon stays out of reach before the first join, or `stop`.
+async fn stay_joined(agent: &Agent<'_>, stop: &mut impl Stop) -> Ended {
     let mut joined_once = false;
     let mut failures = 0u32;
     loop {
         let joined = Joined {
             once: &mut joined_once,
-            tx: joined_tx,
-            lease,
+            tx: agent.joined_tx,
+            lease: agent.lease,
+            announce: agent.announce,
+            frames: agent.frames,
+            beats_paused: agent.beats_paused,
         };
         let outcome = tokio::select! {
-            outcome = session(endpoint, daemons, join, joined) => outcome,
-            _ = term.recv() => Session::Stopped,
+            outcome = session(agent.endpoint, agent.daemons, agent.join, joined) => outcome,
+            () = stop.stopped() => Session::Stopped,
         };
         match outcome {
             Session::Refused(reason) => {
@@ -272,7 +406,7 @@ async fn stay_joined(
                 } else {
                     BootstrapStage::JoinFailed
                 };
-                break fail(stage, format!("the daemon refused the join: {reason}"));
+                break Ended::Failed(stage, format!("the daemon refused the join: {reason}"));
             }
             Session::NotYet(reason) => {
                 // The daemon answered: it is there, just not ready for this
@@ -281,7 +415,7 @@ async fn stay_joined(
                 tracing::info!(%reason, "the daemon deferred the join; asking again");
                 tokio::select! {
                     () = tokio::time::sleep(Duration::from_millis(200)) => {}
-                    _ = term.recv() => break 0,
+                    () = stop.stopped() => break Ended::Stopped,
                 }
             }
             Session::Lost(reason) => {
@@ -289,7 +423,7 @@ async fn stay_joined(
                 // Before the first join, give up after about a minute so the
                 // daemon sees a join failure instead of a silent stall.
                 if !joined_once && failures > 30 {
-                    break fail(
+                    break Ended::Failed(
                         BootstrapStage::JoinFailed,
                         format!("cannot reach the daemon: {reason}"),
                     );
@@ -298,10 +432,10 @@ async fn stay_joined(
                 let pause = Duration::from_millis(200 * u64::from(failures.min(5)));
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
-                    _ = term.recv() => break 0,
+                    () = stop.stopped() => break Ended::Stopped,
                 }
             }
-            Session::Stopped => break 0,
+            Session::Stopped => break Ended::Stopped,
         }
     }
 }
@@ -314,12 +448,15 @@ enum Session {
     Stopped,
 }
 
-/// What a session does once joined: says so the first time, and keeps
-/// the lease.
+/// What a session does once joined: says so the first time, keeps the
+/// lease, and counts its frames.
 struct Joined<'a> {
     once: &'a mut bool,
     tx: &'a tokio::sync::watch::Sender<bool>,
     lease: &'a Lease,
+    announce: &'a (dyn Fn() + Sync),
+    frames: &'a AtomicU64,
+    beats_paused: &'a AtomicBool,
 }
 
 /// One session with whichever of `daemons` answers: a join, then
@@ -366,8 +503,7 @@ async fn session(
     if !*joined.once {
         *joined.once = true;
         joined.tx.send_replace(true);
-        report(&BootstrapEvent::SwactorJoined);
-        report(&BootstrapEvent::Stage(BootstrapStage::Converged));
+        (joined.announce)();
     }
     // The daemon's renewals come back on the stream the heartbeats go out
     // on; a frame half read when a heartbeat is due stays in the stream.
@@ -382,13 +518,18 @@ async fn session(
         tokio::select! {
             () = tokio::time::sleep_until(beat_at) => {
                 beat_at += heartbeat;
+                if joined.beats_paused.load(Ordering::Relaxed) {
+                    continue;
+                }
                 n += 1;
                 if let Err(e) = send_frame(&mut send, &Heartbeat(n), FRAME_LEN_MAX).await {
                     return Session::Lost(e.to_string());
                 }
+                joined.frames.fetch_add(1, Ordering::Relaxed);
             }
             frame = renewals.next() => match frame {
                 Some(Ok(Some(Renewal { replicas, .. }))) => {
+                    joined.frames.fetch_add(1, Ordering::Relaxed);
                     joined.lease.renew(None);
                     if let Some(replicas) = replicas {
                         daemons.replace(&replicas);
@@ -973,6 +1114,8 @@ mod tests {
         };
         let (joined_tx, joined_rx) = tokio::sync::watch::channel(false);
         let lease = Lease::default();
+        let frames = AtomicU64::new(0);
+        let unpaused = AtomicBool::new(false);
         let mut once = false;
         let both = EndpointAddr::new(run_key.public())
             .with_ip_addr(a_at)
@@ -992,6 +1135,9 @@ mod tests {
             once: &mut once,
             tx: &joined_tx,
             lease: &lease,
+            announce: &|| {},
+            frames: &frames,
+            beats_paused: &unpaused,
         };
         let (first, ()) = tokio::join!(
             tokio::time::timeout(limit, session(&agent, &daemons, &join, joined)),
@@ -1022,6 +1168,9 @@ mod tests {
             once: &mut once,
             tx: &joined_tx,
             lease: &lease,
+            announce: &|| {},
+            frames: &frames,
+            beats_paused: &unpaused,
         };
         let (second, ()) = tokio::join!(
             tokio::time::timeout(limit, session(&agent, &daemons, &join, joined)),

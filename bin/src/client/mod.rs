@@ -114,7 +114,7 @@ pub(crate) struct Client {
 }
 
 impl Client {
-    async fn open(state_dir: &Path) -> Result<Self> {
+    pub(crate) async fn open(state_dir: &Path) -> Result<Self> {
         let state = StateDir::open(state_dir.to_path_buf())?;
         // A daemon running on this directory holds its lock; with no holder,
         // a ticket left behind is stale and dialing it would only time out.
@@ -161,6 +161,21 @@ impl Client {
             local,
             pid: holder.and_then(|h| h.pid),
         })
+    }
+
+    /// The cluster's events, a snapshot first, as `watch` follows them.
+    pub(crate) async fn events(
+        &self,
+    ) -> Result<swactor_engine::telemetry::TelemetrySubscription<ClusterSnapshot, ClusterEvent>>
+    {
+        subscribe(
+            &self.endpoint,
+            self.ticket.addr().clone(),
+            CONNECT_TIMEOUT,
+            FRAME_LEN_MAX,
+        )
+        .await
+        .map_err(|e| self.not_running(swactor_engine::error_chain(&e)))
     }
 
     /// Whether the daemon this client found still holds its directory
@@ -251,7 +266,7 @@ impl Client {
     /// Closes the endpoint, waiting at most [`CLOSE_WAIT_MAX`]: a dial that
     /// timed out leaves a connection attempt the endpoint would otherwise
     /// wait seconds for, after the error was already known.
-    async fn close(self) {
+    pub(crate) async fn close(self) {
         let _ = tokio::time::timeout(CLOSE_WAIT_MAX, self.endpoint.close()).await;
     }
 }
