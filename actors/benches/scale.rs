@@ -4,7 +4,8 @@
 //! resident and heap memory per node (split into the cluster state, the
 //! actors with the host and the driver's other bookkeeping, and the fake
 //! provider) and the full-walk cost per node. One cold run per size; the
-//! figures in `docs/benchmarks.md` come from it.
+//! figures in `docs/benchmarks.md` come from it. `--json` adds one JSON line
+//! of the same figures after each row (`scripts/bench-peer.sh` reads it).
 
 // A benchmark harness owns its runtime and reads the clock to measure runs.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -14,16 +15,19 @@ mod measure;
 
 fn main() {
     let mut sizes: Vec<u32> = Vec::new();
-    let mut args = std::env::args().skip(1);
+    let mut json = false;
+    let mut args = std::env::args().skip(1).peekable();
     while let Some(arg) = args.next() {
         // `cargo bench` passes `--bench`; sizes come after `--nodes`.
-        if arg == "--nodes" {
-            for n in args.by_ref() {
-                match n.parse() {
-                    Ok(n) => sizes.push(n),
-                    Err(_) => break,
+        match arg.as_str() {
+            "--nodes" => {
+                while let Some(n) = args.peek().and_then(|n| n.parse().ok()) {
+                    sizes.push(n);
+                    args.next();
                 }
             }
+            "--json" => json = true,
+            _ => {}
         }
     }
     if sizes.is_empty() {
@@ -31,6 +35,34 @@ fn main() {
     }
     println!("{}", measure::HEADER);
     for n in sizes {
-        println!("{}", measure::measure(n).row());
+        let figures = measure::measure(n);
+        println!("{}", figures.row());
+        if json {
+            println!("{}", json_line(&figures));
+        }
     }
+}
+
+/// `--json`: the figures of one size as one JSON line (after its table row),
+/// for scripts such as `scripts/bench-peer.sh`.
+fn json_line(f: &measure::Figures) -> String {
+    format!(
+        "{{\"bench\":\"swactor scale\",\"nodes\":{},\"converge_secs\":{:.4},\"cpu_secs\":{:.3},\
+         \"driver_msgs\":{},\"passes\":{},\"peak_rss_bytes\":{},\"rss_per_node_bytes\":{:.0},\
+         \"heap_per_node_bytes\":{:.0},\"state_per_node_bytes\":{:.0},\
+         \"actors_per_node_bytes\":{:.0},\"provider_per_node_bytes\":{:.0},\
+         \"walk_ns_per_node\":{:.1}}}",
+        f.nodes,
+        f.converge.as_secs_f64(),
+        f.converge_cpu.as_secs_f64(),
+        f.messages,
+        f.passes,
+        f.peak_rss,
+        f.per_node(f.rss_growth),
+        f.per_node(f.heap),
+        f.per_node(f.state),
+        f.per_node(f.actors()),
+        f.per_node(f.provider),
+        f.walk.as_nanos() as f64 / f64::from(f.nodes.max(1)),
+    )
 }
