@@ -194,6 +194,42 @@ impl ClusterHandle {
             .await
     }
 
+    /// The cluster's figures and each group's counts, without a copy of
+    /// its nodes: what `/metrics` and dashboards read (see
+    /// [`crate::glance`]). Costs the driver as much as the shape has
+    /// groups, not nodes (unless per-node events are off: then it counts
+    /// the nodes).
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn glance(&self) -> Result<crate::ClusterGlance, ClusterError> {
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Glance(r)))
+            .await
+    }
+
+    /// The desired state and the shape on record, without the cluster's
+    /// state (which [`ClusterHandle::inspect`] copies whole).
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn desired(&self) -> Result<crate::DesiredView, ClusterError> {
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Desired(r)))
+            .await
+    }
+
+    /// The current attempt of each of `nodes`, in their order (`None`: the
+    /// slot has no node). Costs as much as `nodes` is long.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn attempts(
+        &self,
+        nodes: Vec<LogicalNodeId>,
+    ) -> Result<Vec<Option<NodeAttemptId>>, ClusterError> {
+        self.call(|r| DriverMsg::Cluster(ClusterMsg::Attempts(nodes, r)))
+            .await
+    }
+
     /// One node in depth: its current state and last attempts, or `None`
     /// if the cluster never had it (or has forgotten it).
     ///

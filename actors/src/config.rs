@@ -54,6 +54,10 @@ pub struct ClusterConfig {
     /// with standbys (`swactor up --etcd`): the host acts on nothing past
     /// it. `None`: alone on its journal, it always acts.
     pub lead: Option<swactor_engine::LeadBound>,
+    /// The counts views read, shared by the drivers a supervisor starts
+    /// one after the other (it sets one when it starts); `None`: each
+    /// driver keeps its own.
+    pub(crate) tally: Option<crate::glance::Tally>,
 }
 
 impl ClusterConfig {
@@ -86,6 +90,7 @@ impl ClusterConfig {
             adopt_unrecorded: host.adopt_unrecorded,
             deployment: host.deployment,
             lead: None,
+            tally: None,
         }
     }
 

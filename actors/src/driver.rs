@@ -127,6 +127,10 @@ impl Actor for DriverActor {
         }
         let mut timers = Timers::new(myself.clone());
         timers.arm_periodic(TimerKey::Tick, config.tick);
+        // Shared with the drivers before this one under the same supervisor;
+        // this one starts with no nodes.
+        let tally = config.tally.clone().unwrap_or_default();
+        tally.restart();
         let mut state = DriverState {
             host,
             clock,
@@ -144,7 +148,7 @@ impl Actor for DriverActor {
             drive_queued: false,
             messages: 0,
             starved_seen_ms: config.starvation.as_ref().map_or(0, Starvation::total_ms),
-            telemetry: Telemetry::new(config.event_buffer_len, publisher),
+            telemetry: Telemetry::new(config.event_buffer_len, publisher, tally),
             config,
         };
         let now = state.now();
@@ -275,6 +279,27 @@ impl DriverState {
             }
             ClusterMsg::Snapshot(reply) => {
                 let _ = reply.send(snapshot(&self.host, now));
+            }
+            ClusterMsg::Glance(reply) => {
+                // What was folded since the last drain is counted first.
+                self.telemetry.drain(&mut self.host, now);
+                let counted = self.config.node_events;
+                let tally = &self.telemetry.tally;
+                let _ = reply.send(crate::glance::glance(&self.host, tally, counted, now));
+            }
+            ClusterMsg::Desired(reply) => {
+                let _ = reply.send(crate::msg::DesiredView {
+                    desired: self.host.core().desired().clone(),
+                    shape: self.host.journal_meta().shape.clone(),
+                });
+            }
+            ClusterMsg::Attempts(nodes, reply) => {
+                let state = self.host.core().state();
+                let attempts = nodes
+                    .iter()
+                    .map(|n| state.nodes.get(n).map(|n| n.attempt))
+                    .collect();
+                let _ = reply.send(attempts);
             }
             ClusterMsg::Describe(node, reply) => {
                 let _ = reply.send(telemetry::describe(&self.host, &node, now));

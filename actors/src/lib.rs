@@ -69,6 +69,7 @@ mod config;
 mod driver;
 mod events;
 mod executor;
+pub mod glance;
 mod journal;
 mod msg;
 mod observer;
@@ -83,10 +84,11 @@ pub use events::{
     PlanView, Rental,
 };
 pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
+pub use glance::{ClusterGlance, GroupCounts, GroupGlance};
 pub use journal::{CommitError, JournalStore, MemoryJournal};
 pub use msg::{
-    ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, LifetimeCheck, LifetimeView,
-    SpentView, Subscription, SwarmMsg, SwarmRef, TimerKey,
+    ClusterMsg, ClusterRef, DesiredView, DriverArgs, DriverMsg, DriverView, LifetimeCheck,
+    LifetimeView, SpentView, Subscription, SwarmMsg, SwarmRef, TimerKey,
 };
 pub use observer::{Observations, Observed, Observer, ObserverTag, Observers, observers};
 pub use supervisor::{ClusterSupervisor, SupervisorArgs, SupervisorExit, SupervisorState};

@@ -39,6 +39,16 @@ pub struct SpentView {
     pub shutting_down: bool,
 }
 
+/// The desired state and the shape on record, without the cluster's state
+/// (see [`ClusterMsg::Desired`]).
+#[derive(Clone, Debug)]
+pub struct DesiredView {
+    /// The desired state: each group's slots, template and policy.
+    pub desired: swactor_provisioning::DesiredState,
+    /// The shape on record (the last accepted one), as it was applied.
+    pub shape: Option<ClusterShape>,
+}
+
 /// A check of the run's lifetimes (see [`ClusterMsg::Lifetime`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LifetimeCheck {
@@ -72,6 +82,16 @@ pub enum ClusterMsg {
     ),
     /// The cluster as it is now.
     Snapshot(RpcReplyPort<ClusterSnapshot>),
+    /// The cluster's figures and each group's counts, without its nodes
+    /// (see [`crate::glance`]).
+    Glance(RpcReplyPort<crate::ClusterGlance>),
+    /// The desired state and the shape on record, without the cluster's state.
+    Desired(RpcReplyPort<DesiredView>),
+    /// The current attempt of each of these slots (`None`: it has no node).
+    Attempts(
+        Vec<LogicalNodeId>,
+        RpcReplyPort<Vec<Option<swactor_provisioning::NodeAttemptId>>>,
+    ),
     /// One node in depth (`None` if the cluster never had it, or forgot it).
     Describe(LogicalNodeId, RpcReplyPort<Option<NodeDescription>>),
     /// Subscribe to events.

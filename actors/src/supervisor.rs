@@ -84,13 +84,16 @@ impl Actor for ClusterSupervisor {
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
         let SupervisorArgs {
-            config,
+            mut config,
             provider,
             publisher,
             journal,
             restarts,
             on_exit,
         } = args;
+        // One tally for every cluster actor this supervisor starts, so what
+        // it counts since the supervisor started survives a restart.
+        config.tally = Some(crate::glance::Tally::default());
         let first = AtomicBool::new(true);
         let factory = move || {
             let mut config = config.clone();

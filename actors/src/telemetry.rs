@@ -1,6 +1,7 @@
 //! What the cluster tells the world: snapshots and a stream of events, built from the host.
 
 use crate::events::{ClusterEvent, ClusterSnapshot, NodeDescription, NodeSummary};
+use crate::glance::{Counts, Entry, Tally};
 use crate::msg::Subscription;
 use std::sync::Arc;
 use swactor_engine::telemetry::TelemetryPublisher;
@@ -25,6 +26,9 @@ pub(crate) struct Telemetry {
     /// How long the last passes took (pass number, microseconds), newest
     /// last, until their events are published.
     pass_us: std::collections::VecDeque<(u64, u64)>,
+    /// The counts views read (see [`crate::glance`]), kept as node changes
+    /// are published.
+    pub(crate) tally: Tally,
 }
 
 /// Pass timings kept until their events are drained.
@@ -34,6 +38,7 @@ impl Telemetry {
     pub(crate) fn new(
         buffer_len: usize,
         publisher: Option<Arc<TelemetryPublisher<ClusterSnapshot, ClusterEvent>>>,
+        tally: Tally,
     ) -> Self {
         let (events, _) = broadcast::channel(buffer_len.max(1));
         Self {
@@ -41,6 +46,7 @@ impl Telemetry {
             publisher,
             dirty: false,
             pass_us: std::collections::VecDeque::new(),
+            tally,
         }
     }
 
@@ -76,26 +82,49 @@ impl Telemetry {
         self.publish(ClusterEvent::Warning { message });
     }
 
-    /// Publishes everything the host has to say.
+    /// Publishes everything the host has to say, and counts what it says
+    /// of nodes in the tally.
     pub(crate) fn drain<C: Reconciler>(&mut self, host: &mut Host<C>, now: Timestamp) {
+        let tally = self.tally.clone();
+        let mut counts = tally.lock();
         while let Some(event) = host.poll_event() {
-            if let Some(event) = self.translate(host, event, now) {
+            if let Some(event) = self.translate(host, event, now, &mut counts) {
                 self.publish(event);
             }
         }
     }
 
-    /// What subscribers hear of the host's `event`; `None` for a warning, published already.
+    /// What subscribers hear of the host's `event`; `None` for a warning,
+    /// published already. A node's change is counted in `counts` too.
     fn translate<C: Reconciler>(
         &mut self,
         host: &Host<C>,
         event: HostEvent,
         now: Timestamp,
+        counts: &mut Counts,
     ) -> Option<ClusterEvent> {
+        match &event {
+            // Readiness follows the agent's link, which these change
+            // without a node event of their own.
+            HostEvent::AgentJoined(key)
+            | HostEvent::AgentDisconnected { key, .. }
+            | HostEvent::Preempted { key, .. } => {
+                counts.set(key.node, Entry::in_host(host, &key.node));
+            }
+            // An adoption takes a whole inventory in at once.
+            HostEvent::Adopted { .. } => counts.recount(host),
+            _ => {}
+        }
         let event = match event {
             HostEvent::NodeChanged(node) => match summary(host, &node, now) {
-                Some(summary) => ClusterEvent::Node(summary),
-                None => ClusterEvent::Removed { node },
+                Some(summary) => {
+                    counts.set(node, Some(Entry::of(&summary)));
+                    ClusterEvent::Node(summary)
+                }
+                None => {
+                    counts.set(node, None);
+                    ClusterEvent::Removed { node }
+                }
             },
             HostEvent::Warning(message) => {
                 self.warn(message);

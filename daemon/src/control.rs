@@ -5,6 +5,7 @@ use crate::journal::JournalHealth;
 use crate::protocol::{AgentLogPiece, ControlRequest, ControlResponse, FRAME_LEN_MAX, PlanReport};
 use crate::shapefile::{ShapeFile, refusal};
 use crate::words::{cut, cut_long_words};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 use swactor_actors::{AgentLink, ClusterError, ClusterHandle, NodeSummary, ShutdownReport};
@@ -13,7 +14,8 @@ use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::net::{HANDSHAKE_DEADLINE, accept_first_frame, send_frame};
 use swactor_providers::{Provider, Providers};
 use swactor_provisioning::{
-    ClusterShape, DesiredUpdate, Intent, LogicalNodeId, ReplaceError, RunId, every_change,
+    ClusterShape, DesiredUpdate, Intent, LogicalNodeId, NodeAttemptId, ReplaceError, ResourceKey,
+    RunId, every_change,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -142,7 +144,7 @@ impl ControlHandler {
                         match apply_file(&self.cluster, &self.run_id, &self.journal, &file).await {
                             Ok((generation, changed)) => {
                                 // Said so the caller knows nothing will happen yet.
-                                let paused = self.cluster.snapshot().await.is_ok_and(|s| s.paused);
+                                let paused = self.cluster.glance().await.is_ok_and(|g| g.paused);
                                 Ok(ControlResponse::Applied {
                                     generation,
                                     changed,
@@ -190,16 +192,9 @@ impl ControlHandler {
                             .and_then(|l| self.provider.describe_lease(l));
                     }
                     self.renewals.fill(&mut snap.nodes);
-                    snap.rentals = self.rentals(&snap);
+                    snap.rentals = self.rentals_of(&snap);
                     snap.foreign = self.provider.foreign();
-                    snap.spend = self.vast.as_ref().map(|v| {
-                        // Never less than the journal holds (the provider's
-                        // own records may have been lost).
-                        let mut spend = v.spend(&self.run_id);
-                        let journaled = snap.spend.map_or(0, |s| s.spent_micros);
-                        spend.spent_micros = spend.spent_micros.max(journaled);
-                        spend
-                    });
+                    snap.spend = self.spend(snap.spend);
                     // Who leads and who stands by, as the election last
                     // said (`None` for a daemon alone on its journal).
                     snap.ha = self.ha.get();
@@ -231,18 +226,76 @@ impl ControlHandler {
         result.unwrap_or_else(ControlResponse::Error)
     }
 
+    /// The run's spend as `status` and `/metrics` show it: what the vast
+    /// provider counts now, never less than the journal holds (`journaled`;
+    /// the provider's own records may have been lost); `None` without a
+    /// provider that rents by the hour.
+    pub(crate) fn spend(
+        &self,
+        journaled: Option<swactor_provisioning::budget::Spend>,
+    ) -> Option<swactor_provisioning::budget::Spend> {
+        self.vast.as_ref().map(|v| {
+            let mut spend = v.spend(&self.run_id);
+            let journaled = journaled.map_or(0, |s| s.spent_micros);
+            spend.spent_micros = spend.spent_micros.max(journaled);
+            spend
+        })
+    }
+
     /// The rented machines of the snapshot's current attempts.
-    fn rentals(&self, snap: &swactor_actors::ClusterSnapshot) -> Vec<swactor_actors::Rental> {
+    fn rentals_of(&self, snap: &swactor_actors::ClusterSnapshot) -> Vec<swactor_actors::Rental> {
         let Some(vast) = &self.vast else {
             return Vec::new();
         };
-        vast.instances(&self.run_id)
+        let instances = vast.instances(&self.run_id);
+        let keys: BTreeSet<(LogicalNodeId, NodeAttemptId)> = instances
+            .iter()
+            .map(|(key, _)| (key.node, key.attempt))
+            .collect();
+        let current: BTreeSet<(LogicalNodeId, NodeAttemptId)> = snap
+            .nodes
+            .iter()
+            .map(|n| (n.node, n.attempt))
+            .filter(|k| keys.contains(k))
+            .collect();
+        Self::rentals(instances, |node, attempt| {
+            current.contains(&(*node, attempt))
+        })
+    }
+
+    /// The rented machines of the current attempts, asking the cluster
+    /// only about the rented slots (`/metrics` holds no snapshot): as much
+    /// work as there are rentals, however many nodes there are.
+    pub(crate) async fn rentals_now(&self) -> Vec<swactor_actors::Rental> {
+        let Some(vast) = &self.vast else {
+            return Vec::new();
+        };
+        let instances = vast.instances(&self.run_id);
+        if instances.is_empty() {
+            return Vec::new();
+        }
+        let nodes: Vec<LogicalNodeId> = instances.iter().map(|(key, _)| key.node).collect();
+        let Ok(attempts) = self.cluster.attempts(nodes.clone()).await else {
+            return Vec::new();
+        };
+        let current: BTreeSet<(LogicalNodeId, NodeAttemptId)> = nodes
             .into_iter()
-            .filter(|(key, _)| {
-                snap.nodes
-                    .iter()
-                    .any(|n| n.node == key.node && n.attempt == key.attempt)
-            })
+            .zip(attempts)
+            .filter_map(|(node, a)| Some((node, a?)))
+            .collect();
+        Self::rentals(instances, |node, attempt| {
+            current.contains(&(*node, attempt))
+        })
+    }
+
+    /// `instances` whose attempt is current, as rentals.
+    fn rentals(
+        instances: Vec<(ResourceKey, swactor_providers::vast::InstanceInfo)>,
+        current: impl Fn(&LogicalNodeId, NodeAttemptId) -> bool,
+    ) -> Vec<swactor_actors::Rental> {
+        instances
+            .into_iter()
+            .filter(|(key, _)| current(&key.node, key.attempt))
             .map(|(key, i)| swactor_actors::Rental {
                 node: key.node,
                 attempt: key.attempt,
@@ -289,8 +342,8 @@ impl ControlHandler {
         let total = crate::guard::changed(&diff);
         let placement_only = match (&next, total) {
             (Some(Ok(next)), 0) => {
-                let inspected = self.cluster.inspect().await.map_err(|e| self.refused(&e))?;
-                !inspected.desired.same_content(next)
+                let on_record = self.cluster.desired().await.map_err(|e| self.refused(&e))?;
+                !on_record.desired.same_content(next)
             }
             _ => false,
         };

@@ -1,5 +1,13 @@
 //! The daemon's Prometheus metrics: what a scrape reads from the cluster,
 //! what the event stream counts, and what the provider calls take.
+//!
+//! A scrape copies no node: the cluster's figures and each group's counts
+//! come from the driver's glance ([`ClusterHandle::glance`]), whose tally
+//! the driver keeps node by node as it publishes their changes, and the
+//! daemon's own figures (rentals, spend, who leads) are read beside it. What
+//! one scrape costs follows the shape's groups, not its nodes.
+//!
+//! [`ClusterHandle::glance`]: swactor_actors::ClusterHandle::glance
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -13,13 +21,14 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use swactor_actors::{ClusterEvent, ClusterSnapshot, NodeSummary};
+use swactor_actors::glance::{CAUSES, STAGES};
+use swactor_actors::{ClusterEvent, ClusterGlance, ClusterSnapshot, HaStatus, Rental};
 use swactor_providers::{
     BootstrapSession, FaultKind, Inventory, LeaseGrant, Provider, ProviderError, Release,
     async_trait,
 };
 use swactor_provisioning::{
-    FailureCause, LeaseId, LogicalNodeId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
+    FailureCause, LeaseId, NodeEndpoint, NodeTemplate, ResourceKey, RunId, SessionId,
 };
 
 /// Label sets: a list of (name, value) pairs.
@@ -38,7 +47,6 @@ pub(crate) struct Metrics {
     provider_calls: Family<Labels, Histogram>,
     provider_failures: Family<Labels, Counter>,
     given_up: Family<Labels, Counter>,
-    replacements: Family<Labels, Counter>,
     pass_duration: Histogram,
     control_requests: Family<Labels, Histogram>,
     events: Mutex<EventState>,
@@ -52,10 +60,14 @@ pub(crate) struct Metrics {
 /// What one scrape read from the daemon, for the collector to encode.
 #[derive(Debug, Clone)]
 pub(crate) struct Scraped {
-    /// The status, as `swactor status --json` has it.
-    pub(crate) snapshot: ClusterSnapshot,
-    /// Desired slots per group of the shape on record.
-    pub(crate) desired: BTreeMap<String, u64>,
+    /// The cluster's figures and each group's counts (no node copied).
+    pub(crate) glance: ClusterGlance,
+    /// The machines rented for the current attempts, as `status` lists them.
+    pub(crate) rentals: Vec<Rental>,
+    /// What the run's rented machines cost so far, as `status` has it.
+    pub(crate) spend: Option<swactor_provisioning::budget::Spend>,
+    /// Who leads the run, when several daemons share it.
+    pub(crate) ha: Option<HaStatus>,
     /// Telemetry subscribers now (remote and web).
     pub(crate) subscribers: usize,
     /// Whether a provider that rents by the hour is configured (then the
@@ -66,12 +78,12 @@ pub(crate) struct Scraped {
     pub(crate) convergence: Option<(u64, Duration)>,
 }
 
-/// What the event stream has taught the metrics so far.
+/// What the event stream has taught the metrics so far. Nothing per node:
+/// the cluster's own tally counts nodes and replacements.
 #[derive(Debug, Default)]
 struct EventState {
-    /// Each node's attempt, what kind of trouble its last error was, and
-    /// whether it is ready: to tell a replacement and why.
-    nodes: BTreeMap<LogicalNodeId, (u64, Option<FailureCause>, bool)>,
+    /// Ready nodes, as the cluster last said.
+    ready: u64,
     /// Generations accepted and not yet converged, with when.
     accepted: BTreeMap<u64, Instant>,
     /// How long the last convergence took, and of which generation.
@@ -105,12 +117,6 @@ impl Metrics {
             "Sessions and leases a provider gave up releasing since the daemon started, because \
              their machine did not answer for too long (they may hold it until cleaned up)",
             given_up.clone(),
-        );
-        let replacements = Family::<Labels, Counter>::default();
-        registry.register(
-            "swactor_replacements",
-            "Nodes whose attempt was replaced by a new one since the daemon started, by reason",
-            replacements.clone(),
         );
         let control_requests = Family::<Labels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.000_5, 2.0, 16))
@@ -146,7 +152,6 @@ impl Metrics {
             provider_calls,
             provider_failures,
             given_up,
-            replacements,
             pass_duration,
             control_requests,
             events: Mutex::new(EventState::default()),
@@ -182,15 +187,9 @@ impl Metrics {
 
     /// Starts the event state from a subscription's snapshot.
     pub(crate) fn seed(&self, snapshot: &ClusterSnapshot) {
-        let mut events = self.lock_events();
-        events.nodes.clear();
-        for n in &snapshot.nodes {
-            events.nodes.insert(n.node, node_entry(n));
-        }
-        events.passes = snapshot.stats.passes;
+        self.lock_events().passes = snapshot.stats.passes;
     }
 
-    /// Counts what one event says.
     /// Exports each endpoint's handshakes under way from now on (the first
     /// call wins: a daemon starts its routers once).
     pub(crate) fn watch_handshakes(&self, gauges: Vec<(&'static str, TaskGauge)>) {
@@ -206,6 +205,7 @@ impl Metrics {
         let _ = self.agent_caps.set(caps);
     }
 
+    /// Counts what one event says.
     pub(crate) fn observe(&self, event: &ClusterEvent) {
         match event {
             ClusterEvent::Pass {
@@ -217,22 +217,6 @@ impl Metrics {
                 if *duration_us > 0 {
                     self.pass_duration.observe(*duration_us as f64 / 1e6);
                 }
-            }
-            ClusterEvent::Node(n) => {
-                let mut events = self.lock_events();
-                let entry = node_entry(n);
-                if let Some((attempt, cause, _)) = events.nodes.get(&n.node)
-                    && *attempt < n.attempt.0
-                {
-                    let reason = replacement_reason(*cause);
-                    self.replacements
-                        .get_or_create(&vec![("reason", reason.to_owned())])
-                        .inc();
-                }
-                events.nodes.insert(n.node, entry);
-            }
-            ClusterEvent::Removed { node } => {
-                self.lock_events().nodes.remove(node);
             }
             ClusterEvent::GivenUp { .. } => {
                 self.given_up.get_or_create(&Vec::new()).inc();
@@ -257,11 +241,14 @@ impl Metrics {
         }
     }
 
-    /// Adds a point to the plot: ready nodes and passes so far, now.
-    pub(crate) fn sample(&self, at_ms: u64) {
+    /// Adds a point to the plot: ready nodes (as the cluster says now, or
+    /// said last when it cannot answer) and passes so far, now.
+    pub(crate) fn sample(&self, at_ms: u64, ready: Option<u64>) {
         let mut events = self.lock_events();
-        let ready = events.nodes.values().filter(|(_, _, r)| *r).count() as u64;
-        let passes = events.passes;
+        if let Some(ready) = ready {
+            events.ready = ready;
+        }
+        let (ready, passes) = (events.ready, events.passes);
         if events.samples.len() == SAMPLES_MAX {
             events.samples.pop_front();
         }
@@ -305,10 +292,6 @@ fn failure_labels(e: &ProviderError) -> (&'static str, &'static str) {
     (class, e.kind().map_or("none", FaultKind::word))
 }
 
-fn node_entry(n: &NodeSummary) -> (u64, Option<FailureCause>, bool) {
-    (n.attempt.0, n.last_cause, n.ready)
-}
-
 /// Why a slot got a new attempt, in a few fixed words (a label value),
 /// from the cause the core recorded with its previous attempt's last
 /// error; none means its template changed.
@@ -350,11 +333,6 @@ pub(crate) fn stage_label(stage: swactor_provisioning::NodeStage) -> String {
         }
     }
     out
-}
-
-/// The group of a node id (`worker` of `worker-3`).
-pub(crate) fn group_of(node: &LogicalNodeId) -> String {
-    node.group.as_str().to_owned()
 }
 
 /// The daemon's allocator (jemalloc), read at scrape time: what it holds
@@ -491,25 +469,33 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
         encode_groups(e, s)?;
         encode_cluster_state(e, s)?;
         encode_activity(e, s)?;
+        encode_replacements(e, &s.glance)?;
         encode_costs(e, s)?;
         encode_ha(e, s)
     }
 }
 
-/// Encodes the per-group families: nodes by stage, ready and desired nodes.
+/// Encodes the per-group families: nodes by stage, ready and desired
+/// nodes, from each group's counts (every stage a group has nodes at; every
+/// group desired or with nodes).
 fn encode_groups(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
-    let snap = &s.snapshot;
+    let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     let mut by_stage: BTreeMap<(String, String), i64> = BTreeMap::new();
     let mut ready: BTreeMap<String, i64> = BTreeMap::new();
-    for n in &snap.nodes {
-        let group = group_of(&n.node);
-        *by_stage
-            .entry((group.clone(), stage_label(n.stage)))
-            .or_default() += 1;
-        *ready.entry(group).or_default() += i64::from(n.ready);
-    }
-    for g in s.desired.keys() {
-        ready.entry(g.clone()).or_default();
+    let mut desired: BTreeMap<String, u64> = BTreeMap::new();
+    for g in &s.glance.groups {
+        let group = g.id.as_str().to_owned();
+        for (stage, n) in STAGES.iter().zip(g.counts.stages) {
+            if n > 0 {
+                by_stage.insert((group.clone(), stage_label(*stage)), int(n));
+            }
+        }
+        if let Some(count) = g.desired {
+            desired.insert(group.clone(), u64::from(count));
+        }
+        if g.desired.is_some() || g.counts.nodes() > 0 {
+            ready.insert(group, int(g.counts.ready));
+        }
     }
     let stages: Vec<(Labels, i64)> = by_stage
         .into_iter()
@@ -526,8 +512,7 @@ fn encode_groups(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt:
         "Ready nodes per group.",
         &ready_v,
     )?;
-    let desired_v: Vec<(Labels, i64)> = s
-        .desired
+    let desired_v: Vec<(Labels, i64)> = desired
         .iter()
         .map(|(g, v)| {
             (
@@ -547,14 +532,13 @@ fn encode_groups(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt:
 /// Encodes the cluster-wide state: node counts, generation, convergence,
 /// pause and the groups' holds.
 fn encode_cluster_state(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
-    let snap = &s.snapshot;
+    let snap = &s.glance;
     let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-    let ready_total = snap.nodes.iter().filter(|n| n.ready).count() as i64;
     gauge(
         e,
         "swactor_ready_nodes",
         "Ready nodes.",
-        &[(vec![], ready_total)],
+        &[(vec![], int(snap.ready()))],
     )?;
     gauge(
         e,
@@ -607,7 +591,7 @@ fn encode_cluster_state(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), st
 /// executor's queue, subscribers, passes, dispatches and the last
 /// convergence's duration.
 fn encode_activity(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
-    let snap = &s.snapshot;
+    let snap = &s.glance;
     gauge(
         e,
         "swactor_orphans",
@@ -669,12 +653,33 @@ fn encode_activity(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fm
     Ok(())
 }
 
+/// Encodes the slots given a new attempt, by reason: each reason once it
+/// has happened.
+fn encode_replacements(
+    e: &mut DescriptorEncoder,
+    g: &ClusterGlance,
+) -> Result<(), std::fmt::Error> {
+    let mut metric = e.encode_descriptor(
+        "swactor_replacements",
+        "Nodes whose attempt was replaced by a new one since the daemon started, by reason.",
+        None,
+        MetricType::Counter,
+    )?;
+    for (cause, n) in CAUSES.iter().zip(g.replacements) {
+        if n > 0 {
+            let labels: Labels = vec![("reason", replacement_reason(*cause).to_owned())];
+            ConstCounter::new(n).encode(metric.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
+}
+
 /// Encodes what the run costs: the rentals' hourly price, the spend so far
 /// and the budget; and how long it has left to live.
 fn encode_costs(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
-    let snap = &s.snapshot;
+    let snap = &s.glance;
     let mut price: BTreeMap<String, u64> = s.priced.iter().map(|p| ((*p).to_owned(), 0)).collect();
-    for r in &snap.rentals {
+    for r in &s.rentals {
         *price.entry(r.provider.clone()).or_default() += r.usd_per_hour_micros;
     }
     if !price.is_empty() {
@@ -689,7 +694,7 @@ fn encode_costs(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::
             &values,
         )?;
     }
-    if let Some(spend) = snap.spend {
+    if let Some(spend) = s.spend {
         gauge(
             e,
             "swactor_run_spent_usd",
@@ -748,7 +753,7 @@ fn label_text(text: &str) -> String {
 /// Encodes who leads the run and who stands by, when several daemons share
 /// it (`swactor up --etcd`); nothing for a daemon alone on its journal.
 fn encode_ha(e: &mut DescriptorEncoder, s: &Scraped) -> Result<(), std::fmt::Error> {
-    let Some(ha) = &s.snapshot.ha else {
+    let Some(ha) = &s.ha else {
         return Ok(());
     };
     let secs = |ms: u64| ms as f64 / 1e3;
@@ -973,6 +978,7 @@ impl Provider for Metered {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use swactor_actors::{GroupCounts, GroupGlance};
     use swactor_provisioning::NodeStage;
 
     #[test]
@@ -995,58 +1001,133 @@ mod tests {
         }
     }
 
-    fn summary(attempt: u64, cause: Option<FailureCause>, error: &str) -> NodeSummary {
-        NodeSummary {
-            node: LogicalNodeId::parse("w-0").unwrap(),
-            attempt: swactor_provisioning::NodeAttemptId(attempt),
-            stage: NodeStage::Failed,
-            intent: swactor_provisioning::Intent::Active,
-            ready: false,
-            pending: None,
-            failures: 1,
-            last_error: cause.map(|_| error.to_owned()),
-            last_cause: cause,
-            next_retry_at: None,
-            agent: swactor_actors::AgentLink::NotJoined,
-            lease: None,
-            resource: None,
-            next: swactor_provisioning::NextStep::Nothing,
-            orphan_after_s: 3_600,
-            lease_renewed_ms_ago: None,
+    fn scraped(glance: ClusterGlance) -> Scraped {
+        Scraped {
+            glance,
+            rentals: Vec::new(),
+            spend: None,
+            ha: None,
+            subscribers: 0,
+            priced: Vec::new(),
+            convergence: None,
         }
     }
 
-    fn replaced(metrics: &Metrics, reason: &str) -> u64 {
-        metrics
-            .replacements
-            .get_or_create(&vec![("reason", reason.to_owned())])
-            .get()
+    fn group(
+        id: &str,
+        desired: Option<u32>,
+        stages: &[(NodeStage, u64)],
+        ready: u64,
+    ) -> GroupGlance {
+        let mut counts = GroupCounts::default();
+        for (stage, n) in stages {
+            let at = STAGES.iter().position(|s| s == stage).unwrap();
+            counts.stages[at] = *n;
+        }
+        counts.ready = ready;
+        GroupGlance {
+            id: swactor_provisioning::GroupId::new(id),
+            desired,
+            counts,
+        }
+    }
+
+    /// The lines of `text` that start with `prefix`, sorted.
+    fn lines<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
+        let mut out: Vec<&str> = text.lines().filter(|l| l.starts_with(prefix)).collect();
+        out.sort_unstable();
+        out
     }
 
     #[test]
-    fn a_replacement_is_counted_by_the_cause_of_its_previous_attempt_not_its_wording() {
-        let metrics = Metrics::new();
-        // The wording says "agent" and "timed out"; the cause says operator.
-        let steps = [
-            (1, Some(FailureCause::Operator), "the agent timed out"),
-            (2, Some(FailureCause::AgentLost), "boot check exited 1"),
-            (3, Some(FailureCause::Timeout), "replaced by the operator"),
-            (4, None, ""),
-            (5, Some(FailureCause::Failure), "its agent stayed away"),
-            (6, Some(FailureCause::Preempted), ""),
-            (7, None, ""),
+    fn the_groups_counts_are_exported_as_the_nodes_were() {
+        let mut glance = ClusterGlance::empty("r");
+        glance.desired_nodes = 7;
+        glance.groups = vec![
+            // A group the shape no longer has, its nodes leaving.
+            group(
+                "old",
+                None,
+                &[(NodeStage::Destroyed, 1), (NodeStage::Dormant, 1)],
+                0,
+            ),
+            // A desired group with no node yet.
+            group("spare", Some(2), &[], 0),
+            group(
+                "worker",
+                Some(5),
+                &[
+                    (NodeStage::Dormant, 3),
+                    (NodeStage::BootstrapRunning, 1),
+                    (NodeStage::HandedOff, 1),
+                ],
+                4,
+            ),
         ];
-        for (attempt, cause, error) in steps {
-            metrics.observe(&ClusterEvent::Node(summary(attempt, cause, error)));
-        }
-        for label in ["operator", "agent_lost", "timeout", "failure", "preempted"] {
-            assert_eq!(replaced(&metrics, label), 1, "{label}");
-        }
-        // Attempt 4 had no error, so attempt 5 came from a new template.
-        assert_eq!(replaced(&metrics, "shape_change"), 1);
-        // The same attempt seen again is not a replacement.
-        metrics.observe(&ClusterEvent::Node(summary(7, None, "")));
-        assert_eq!(replaced(&metrics, "failure"), 1);
+        let text = Metrics::new().encode(scraped(glance));
+        assert_eq!(
+            lines(&text, "swactor_nodes{"),
+            [
+                "swactor_nodes{group=\"old\",stage=\"destroyed\"} 1",
+                "swactor_nodes{group=\"old\",stage=\"dormant\"} 1",
+                "swactor_nodes{group=\"worker\",stage=\"bootstrap_running\"} 1",
+                "swactor_nodes{group=\"worker\",stage=\"dormant\"} 3",
+                "swactor_nodes{group=\"worker\",stage=\"handed_off\"} 1",
+            ]
+        );
+        assert_eq!(
+            lines(&text, "swactor_group_ready_nodes{"),
+            [
+                "swactor_group_ready_nodes{group=\"old\"} 0",
+                "swactor_group_ready_nodes{group=\"spare\"} 0",
+                "swactor_group_ready_nodes{group=\"worker\"} 4",
+            ]
+        );
+        assert_eq!(
+            lines(&text, "swactor_group_desired_nodes{"),
+            [
+                "swactor_group_desired_nodes{group=\"spare\"} 2",
+                "swactor_group_desired_nodes{group=\"worker\"} 5",
+            ]
+        );
+        assert_eq!(
+            lines(&text, "swactor_ready_nodes "),
+            ["swactor_ready_nodes 4"]
+        );
+        assert_eq!(
+            lines(&text, "swactor_desired_nodes "),
+            ["swactor_desired_nodes 7"]
+        );
+    }
+
+    #[test]
+    fn replacements_are_exported_by_reason_once_one_happened() {
+        let none = Metrics::new().encode(scraped(ClusterGlance::empty("r")));
+        assert!(
+            none.contains(
+                "# HELP swactor_replacements Nodes whose attempt was replaced by a new one since \
+                 the daemon started, by reason.\n# TYPE swactor_replacements counter\n"
+            ),
+            "{none}"
+        );
+        assert!(
+            lines(&none, "swactor_replacements_total").is_empty(),
+            "{none}"
+        );
+        let mut glance = ClusterGlance::empty("r");
+        // In the order of CAUSES: a new template, the operator, preempted,
+        // agent lost, timeout, failure.
+        glance.replacements = [2, 1, 0, 3, 0, 5];
+        let text = Metrics::new().encode(scraped(glance));
+        assert_eq!(
+            lines(&text, "swactor_replacements_total"),
+            [
+                "swactor_replacements_total{reason=\"agent_lost\"} 3",
+                "swactor_replacements_total{reason=\"failure\"} 5",
+                "swactor_replacements_total{reason=\"operator\"} 1",
+                "swactor_replacements_total{reason=\"shape_change\"} 2",
+            ]
+        );
     }
 
     #[test]
@@ -1076,15 +1157,9 @@ mod tests {
     }
 
     fn scrape(ha: Option<swactor_actors::HaStatus>) -> String {
-        let mut snapshot = ClusterSnapshot::empty("r");
-        snapshot.ha = ha;
-        Metrics::new().encode(Scraped {
-            snapshot,
-            desired: BTreeMap::new(),
-            subscribers: 0,
-            priced: Vec::new(),
-            convergence: None,
-        })
+        let mut scraped = scraped(ClusterGlance::empty("r"));
+        scraped.ha = ha;
+        Metrics::new().encode(scraped)
     }
 
     #[test]
@@ -1140,7 +1215,7 @@ mod tests {
         let metrics = Metrics::new();
         let key = swactor_provisioning::ResourceKey {
             run_id: swactor_provisioning::RunId::new("r"),
-            node: LogicalNodeId::parse("w-0").unwrap(),
+            node: swactor_provisioning::LogicalNodeId::parse("w-0").unwrap(),
             attempt: swactor_provisioning::NodeAttemptId(1),
         };
         for _ in 0..2 {

@@ -4,4 +4,5 @@
 mod cluster;
 mod conformance;
 mod embed;
+mod glance;
 mod scale;

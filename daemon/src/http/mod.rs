@@ -19,6 +19,8 @@
 //! the connection caps and the refusal helpers; the page and the metrics
 //! live apart.
 
+#[cfg(test)]
+mod bench;
 mod page;
 
 use crate::metrics;
@@ -416,24 +418,26 @@ async fn follow(web: Arc<Web>) {
             Ok(sub) => sub,
             Err(_) => {
                 tick.tick().await;
-                web.metrics.sample(wall_ms());
+                web.metrics.sample(wall_ms(), None);
                 continue;
             }
         };
         web.metrics.seed(&sub.snapshot);
+        drop(sub.snapshot);
         loop {
             tokio::select! {
                 event = sub.events.recv() => match event {
                     Ok(event) => web.metrics.observe(&event),
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                        // Counters miss what was skipped; the node table is re-read.
-                        if let Ok(snap) = web.control.cluster.snapshot().await {
-                            web.metrics.seed(&snap);
-                        }
-                    }
+                    // What was skipped is missed by the durations and
+                    // convergence times only: the nodes and replacements
+                    // are counted by the cluster itself.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 },
-                _ = tick.tick() => web.metrics.sample(wall_ms()),
+                _ = tick.tick() => {
+                    let ready = web.control.cluster.glance().await.ok().map(|g| g.ready());
+                    web.metrics.sample(wall_ms(), ready);
+                }
             }
         }
     }
@@ -635,54 +639,72 @@ impl Web {
         }
     }
 
-    /// Desired slots per group of the shape on record.
-    async fn desired(&self) -> Vec<(String, u64)> {
-        self.control
-            .cluster
-            .inspect()
-            .await
-            .map(|v| {
-                v.desired
-                    .groups
-                    .iter()
-                    .map(|g| (g.id.to_string(), u64::from(g.count)))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    async fn overview(&self) -> Result<Value, Response> {
-        let snap = self.status().await?;
-        let desired = self.desired().await;
-        let groups: Vec<Value> = desired
-            .iter()
-            .map(|(id, count)| {
-                let ready = snap
-                    .nodes
-                    .iter()
-                    .filter(|n| n.ready && metrics::group_of(&n.node) == *id)
-                    .count();
-                json!({ "id": id, "desired": count, "ready": ready })
-            })
-            .collect();
-        let now_ms = wall_ms();
+    /// The status (every node, for the page's table) and each desired
+    /// group's desired and ready nodes, from the cluster's counts.
+    async fn overview(&self) -> Result<Overview, Response> {
+        let status = self.status().await?;
+        let groups = match self.control.cluster.glance().await {
+            Ok(glance) => glance
+                .groups
+                .iter()
+                .filter_map(|g| {
+                    Some(GroupLine {
+                        id: g.id.to_string(),
+                        desired: g.desired?,
+                        ready: g.counts.ready,
+                    })
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let wall_ms = wall_ms();
         // Who leads, in the words `swactor status` uses; only when several
         // daemons share the run, so a daemon alone answers as before.
-        let mut overview = json!({ "status": snap, "groups": groups, "wall_ms": now_ms });
-        if let Some(ha) = &snap.ha {
-            overview["leader"] = Value::String(crate::words::leader_line(ha, now_ms));
-        }
-        Ok(overview)
+        let leader = status
+            .ha
+            .as_ref()
+            .map(|ha| crate::words::leader_line(ha, wall_ms));
+        Ok(Overview {
+            status,
+            groups,
+            wall_ms,
+            leader,
+        })
     }
+}
+
+/// What the dashboard reads (`/api/status`, and the page as it is first
+/// served): the status, each desired group's counts, the wall clock and,
+/// when several daemons share the run, who leads. Written as JSON straight
+/// from these types: a status of 100,000 nodes is never made into a tree
+/// of JSON values first.
+#[derive(Debug, serde::Serialize)]
+struct Overview {
+    status: ClusterSnapshot,
+    groups: Vec<GroupLine>,
+    wall_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    leader: Option<String>,
+}
+
+/// One desired group on the dashboard.
+#[derive(Debug, serde::Serialize)]
+struct GroupLine {
+    id: String,
+    desired: u32,
+    ready: u64,
 }
 
 async fn index(State(web): State<Arc<Web>>) -> Response {
     match web.overview().await {
-        Ok(overview) => (
-            [(header::CACHE_CONTROL, "no-store")],
-            axum::response::Html(page::render(&overview)),
-        )
-            .into_response(),
+        Ok(overview) => {
+            let overview = serde_json::to_value(&overview).unwrap_or(Value::Null);
+            (
+                [(header::CACHE_CONTROL, "no-store")],
+                axum::response::Html(page::render(&overview)),
+            )
+                .into_response()
+        }
         Err(resp) => resp,
     }
 }
@@ -698,14 +720,18 @@ async fn script() -> Response {
         .into_response()
 }
 
+/// `/metrics`: the cluster's glance (no node is copied, see
+/// [`crate::metrics`]) and the daemon's own figures beside it.
 async fn scrape(State(web): State<Arc<Web>>) -> Response {
-    let snapshot = match web.status().await {
-        Ok(s) => s,
-        Err(resp) => return resp,
+    let glance = match web.control.cluster.glance().await {
+        Ok(g) => g,
+        Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, &web.control.refused(&e)),
     };
     let scraped = metrics::Scraped {
-        snapshot,
-        desired: web.desired().await.into_iter().collect(),
+        rentals: web.control.rentals_now().await,
+        spend: web.control.spend(glance.spend),
+        ha: web.control.ha.get(),
+        glance,
         subscribers: web.telemetry.subscriber_count(),
         priced: if web.control.vast.is_some() {
             vec!["vast"]
@@ -725,7 +751,9 @@ async fn scrape(State(web): State<Arc<Web>>) -> Response {
 }
 
 async fn api_status(State(web): State<Arc<Web>>) -> Response {
-    web.overview().await.map_or_else(|r| r, ok)
+    web.overview()
+        .await
+        .map_or_else(|r| r, |o| axum::Json(o).into_response())
 }
 
 async fn api_history(State(web): State<Arc<Web>>) -> Response {
@@ -942,8 +970,8 @@ async fn api_replace(State(web): State<Arc<Web>>, body: Body) -> Response {
             &crate::control::not_a_node_id(node),
         );
     };
-    match web.control.cluster.snapshot().await {
-        Ok(snap) if !snap.nodes.iter().any(|n| n.node == id) => {
+    match web.control.cluster.describe(id).await {
+        Ok(d) if d.as_ref().is_none_or(|d| d.summary.is_none()) => {
             return refuse(
                 StatusCode::NOT_FOUND,
                 &format!(
@@ -1011,7 +1039,7 @@ async fn api_scale(State(web): State<Arc<Web>>, body: Body) -> Response {
 /// `--yes` without a terminal; without it the answer (409) says why in
 /// `confirm`, for the page to ask.
 async fn scale(web: &Web, group: &str, count: u32, yes: bool) -> Response {
-    let view = match web.control.cluster.inspect().await {
+    let view = match web.control.cluster.desired().await {
         Ok(v) => v,
         Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, &web.control.refused(&e)),
     };
@@ -1060,7 +1088,7 @@ async fn scale(web: &Web, group: &str, count: u32, yes: bool) -> Response {
     }
     match web.control.cluster.apply(shape).await {
         Ok(DesiredUpdate::Accepted(g) | DesiredUpdate::Unchanged(g)) => {
-            let paused = web.control.cluster.snapshot().await.is_ok_and(|s| s.paused);
+            let paused = web.control.cluster.glance().await.is_ok_and(|g| g.paused);
             ok(json!({
                 "generation": g.0,
                 "changed": true,

@@ -763,7 +763,8 @@ pub(crate) async fn pass(shared: &Arc<Shared>) -> Vec<Placed> {
             });
         }
     }
-    let Ok(view) = shared.cluster.inspect().await else {
+    // The groups' policies only: the shape on record, not the whole state.
+    let Ok(view) = shared.cluster.desired().await else {
         return placed;
     };
     let Ok(snap) = shared.cluster.snapshot().await else {
