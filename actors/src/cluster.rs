@@ -292,6 +292,20 @@ impl ClusterHandle {
             .await
     }
 
+    /// Asserts the joins of agents that are connected and heard, in one
+    /// message (what [`Self::agent_join`] does for each); returns those
+    /// refused, with why: their attempts are no longer wanted.
+    ///
+    /// # Errors
+    /// The cluster is gone.
+    pub async fn agents_heard(
+        &self,
+        keys: Vec<ResourceKey>,
+    ) -> Result<Vec<(ResourceKey, JoinRefused)>, ClusterError> {
+        self.call(|r| DriverMsg::Swarm(SwarmMsg::Heard(keys, r)))
+            .await
+    }
+
     /// Whether the agent presenting `key` may hold a link to this cluster
     /// (the join's verdict, without joining): only the node's current,
     /// active attempt may.

@@ -396,6 +396,16 @@ impl DriverState {
             SwarmMsg::Check(key, reply) => {
                 let _ = reply.send(self.host.join_verdict(&key).map(|_| ()));
             }
+            SwarmMsg::Heard(keys, reply) => {
+                let refused = keys
+                    .into_iter()
+                    .filter_map(|key| match self.host.handle_agent_joined(&key, now) {
+                        Ok(_) => None,
+                        Err(refusal) => Some((key, refusal)),
+                    })
+                    .collect();
+                let _ = reply.send(refused);
+            }
             SwarmMsg::Gone(key, silent) => {
                 let silent_ms = u64::try_from(silent.as_millis()).unwrap_or(u64::MAX);
                 self.host.handle_agent_gone(&key, silent_ms, now);

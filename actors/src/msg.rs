@@ -146,6 +146,12 @@ pub enum SwarmMsg {
     /// Whether the agent of `key` may hold a link (a jobs link, say): the
     /// join's verdict, without joining.
     Check(ResourceKey, RpcReplyPort<Result<(), JoinRefused>>),
+    /// The agents of these keys are connected and heard: each one's join,
+    /// asserted again in one message; the answer is those refused, and why.
+    Heard(
+        Vec<ResourceKey>,
+        RpcReplyPort<Vec<(ResourceKey, JoinRefused)>>,
+    ),
 }
 
 /// A ref to a cluster limited to its public messages.

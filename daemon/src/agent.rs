@@ -204,6 +204,9 @@ pub struct Simulated {
     pub dir: PathBuf,
     /// While set, it sends no heartbeat: frozen, as the daemon sees it.
     pub frozen: Arc<AtomicBool>,
+    /// Whether it dials the jobs link too, as a real agent does (off: to
+    /// tell what the swarm link alone costs).
+    pub jobs_link: bool,
 }
 
 /// Runs a simulated agent until `stop` says so or its join is refused for
@@ -228,12 +231,19 @@ pub async fn simulate(
     let join = JoinRequest::new(&agent.key, agent.credentials.token.clone());
     let daemons = DialSet::new(ticket.addr());
     let node = agent.key.node.to_string();
-    let (joined_tx, _jobs, link) = start_jobs_link(
-        (&agent.dir, &node, agent.key.attempt.0),
-        &endpoint,
-        &daemons,
-        &join,
-    );
+    let (joined_tx, _jobs, link) = if agent.jobs_link {
+        start_jobs_link(
+            (&agent.dir, &node, agent.key.attempt.0),
+            &endpoint,
+            &daemons,
+            &join,
+        )
+    } else {
+        let (tx, _) = tokio::sync::watch::channel(false);
+        let jobs =
+            crate::jobs::agent::AgentJobs::new(&agent.dir, node.clone(), agent.key.attempt.0);
+        (tx, jobs, tokio::spawn(async {}))
+    };
     let lease = Lease::default();
     let ended = stay_joined(
         &Agent {

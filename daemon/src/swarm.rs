@@ -15,8 +15,7 @@ use crate::protocol::{
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use swactor_actors::ClusterHandle;
@@ -51,8 +50,6 @@ pub(crate) struct SwarmHandler {
     pub(crate) cluster: ClusterHandle,
     pub(crate) secret: [u8; 32],
     pub(crate) refusals: RefusalLog,
-    /// The daemon's measure of its own starvation.
-    pub(crate) starvation: Starvation,
     /// Each attempt's live session.
     pub(crate) sessions: Sessions,
     /// Connections not joined yet, bounded apart from joined ones.
@@ -84,7 +81,7 @@ impl ProtocolHandler for SwarmHandler {
         // One session per attempt: while its agent is heard on another
         // link, a second join is told "not yet"; a silent one is replaced.
         let session = match &checked {
-            Ok(key) => self.sessions.claim(key),
+            Ok(key) => self.sessions.claim(key, &conn),
             Err(_) => None,
         };
         let verdict = self.admit(&checked, session.is_some()).await;
@@ -139,16 +136,6 @@ const RENEWAL_SEND_MAX: Duration = Duration::from_millis(200);
 /// A join's verdict: the agent's liveness, or why not and whether the agent
 /// should ask again.
 type Verdict = Result<Liveness, (String, bool)>;
-
-/// What waiting for an agent's next frame came to.
-enum Waited {
-    /// A frame came (or the stream ended or broke).
-    Frame(Result<Option<Heartbeat>, FrameError>),
-    /// The agent was silent past the window.
-    Silent,
-    /// Another link of the same attempt's agent took over.
-    Superseded,
-}
 
 impl SwarmHandler {
     /// Takes a pre-authentication place for `conn`, or closes it and logs
@@ -224,9 +211,11 @@ impl SwarmHandler {
         sent
     }
 
-    /// Serves a joined agent: follows its heartbeats, answers them with
-    /// renewals when `renewer` says so, tells the cluster when it goes
-    /// silent or comes back, and asserts its join again now and then.
+    /// Serves a joined agent: reads its heartbeats and answers them with
+    /// renewals when `renewer` says so. Whether it is silent is judged
+    /// apart, for every agent at once, by [`Sessions::sweep`]; this only
+    /// notes when it was heard, tells the cluster when an agent that was
+    /// away is heard again, and when its link ends.
     async fn serve(
         &self,
         link: &mut Link<'_>,
@@ -236,43 +225,15 @@ impl SwarmHandler {
         mut renewer: Renewer,
     ) {
         let conn = link.conn;
-        // Silent this long, the agent is taken for gone; its grace is
-        // counted from its last heartbeat.
-        let silence = Duration::from_millis(liveness.silence_ms);
         tracing::info!(%key, "agent joined");
-        // The agent stays connected and sends heartbeats. The join is asserted
-        // again now and then: a cluster actor restarted from its journal
-        // learns who is still connected, and an agent whose attempt was
-        // replaced meanwhile is dropped.
-        let mut asserted = Instant::now();
-        let mut heard = Heard::now(&self.starvation);
-        // A silent agent counts as disconnected (its grace runs), but its
-        // connection stays open for as long as the grace may last: an agent
-        // that was only stuck, or whose heartbeats waited in a congested
-        // daemon, comes back on it without a new handshake (a hundred
-        // redials into a daemon that is already behind would only put it
-        // further behind).
-        let mut away = false;
-        let kept = silence + Duration::from_millis(liveness.lost_grace_ms);
+        let clock = &self.sessions.clock;
+        session.start(clock, liveness);
         loop {
-            let next = recv_frame::<Heartbeat, _>(&mut *link.recv, SMALL_FRAME_LEN_MAX_BYTES);
-            tokio::pin!(next);
-            // Only silence the daemon could have heard counts: time it was
-            // starved (or stopped) since the last heartbeat moves the
-            // deadline on, and so does a wake-up that itself came late.
-            let window = if away { kept } else { silence };
-            let frame = match next_frame(&mut heard, window, next, session).await {
-                Waited::Frame(frame) => Some(frame),
-                Waited::Silent => None,
-                Waited::Superseded => {
-                    tracing::info!(%key, "agent joined on a new link; closing its silent one");
-                    conn.close(0u32.into(), b"superseded");
-                    return;
-                }
-            };
-            match frame {
-                Some(Ok(Some(Heartbeat(n)))) => {
-                    heard = Heard::now(&self.starvation);
+            match recv_frame::<Heartbeat, _>(&mut *link.recv, SMALL_FRAME_LEN_MAX_BYTES).await {
+                Ok(Some(Heartbeat(n))) => {
+                    if session.heard(clock) && !self.back(conn, &key).await {
+                        return;
+                    }
                     if let Some(renewal) = renewer.handle_heartbeat(n, Instant::now())
                         && renew(link.send, &key, &renewal).await
                     {
@@ -280,19 +241,11 @@ impl SwarmHandler {
                         self.renewals.renewed(&key);
                     }
                 }
-                // Silent for the first time: disconnected, grace running.
-                None if !away => {
-                    away = true;
-                    session.away.store(true, Ordering::Relaxed);
-                    let silent = heard.silent_for();
-                    tracing::info!(%key, silent_for = ?silent, "agent silent; its grace runs");
-                    self.cluster.agent_gone(key.clone(), silent);
-                    continue;
-                }
-                // Silent past its grace, gone, or talking nonsense.
-                None | Some(_) => {
-                    if !away {
-                        let silent = heard.silent_for();
+                // The stream ended or broke, the sweep closed a link silent
+                // past its grace, or a new link took over (each of those two
+                // was away already): the agent is gone, if it was not.
+                _ => {
+                    if let Some(silent) = session.leave(clock) {
                         tracing::info!(%key, silent_for = ?silent, "agent disconnected");
                         self.cluster.agent_gone(key, silent);
                     }
@@ -300,44 +253,27 @@ impl SwarmHandler {
                     return;
                 }
             }
-            // Heard: an agent that was away is back, on the same link, if
-            // its attempt is still wanted; a connected one is asserted again
-            // now and then.
-            if !away && asserted.elapsed() < JOIN_REASSERT {
-                continue;
-            }
-            asserted = Instant::now();
-            if !self.reassert(conn, &key, &mut away, session).await {
-                return;
-            }
         }
     }
 
-    /// Asserts a heard agent's join again; false when its attempt is no
-    /// longer wanted (its connection is then closed).
-    async fn reassert(
-        &self,
-        conn: &Connection,
-        key: &ResourceKey,
-        away: &mut bool,
-        session: &Session,
-    ) -> bool {
+    /// Tells the cluster an agent that was away is heard again on its
+    /// link; false when its attempt is no longer wanted (its connection is
+    /// then closed).
+    async fn back(&self, conn: &Connection, key: &ResourceKey) -> bool {
         match self.cluster.agent_join(key.clone()).await {
             Ok(Err(refusal)) => {
                 tracing::info!(%key, %refusal, "dropping an agent no longer wanted");
                 conn.close(1u32.into(), b"no longer wanted");
-                return false;
+                false
             }
-            Ok(Ok(_)) if *away => {
+            Ok(Ok(_)) => {
                 tracing::info!(%key, "agent heard again on its link");
-                *away = false;
-                session.away.store(false, Ordering::Relaxed);
+                true
             }
-            // Welcomed again; or the cluster is restarting (asked again
-            // at the next assert).
-            Ok(Ok(_)) | Err(_) => {}
+            // The cluster is restarting: the sweep's next assertion
+            // brings it up to date.
+            Err(_) => true,
         }
-        true
     }
 }
 
@@ -426,65 +362,282 @@ async fn renew(send: &mut SendStream, key: &ResourceKey, renewal: &Renewal) -> b
     sent
 }
 
-/// Waits for `next` until the agent has been silent for `window` of
-/// listening time, or until another link of its attempt takes over.
-async fn next_frame(
-    heard: &mut Heard,
-    window: Duration,
-    mut next: Pin<&mut impl Future<Output = Result<Option<Heartbeat>, FrameError>>>,
-    session: &Session,
-) -> Waited {
-    loop {
-        let deadline = heard.deadline(window);
-        let waited = tokio::select! {
-            waited = tokio::time::timeout_at(deadline.into(), &mut next) => waited,
-            // Another link of this attempt's agent joined while
-            // this one was silent: it carries the agent from now on.
-            () = session.superseded.notified() => return Waited::Superseded,
-        };
-        match waited {
-            Ok(frame) => return Waited::Frame(frame),
-            Err(_) if heard.woken_late(deadline) => {}
-            Err(_) if heard.deadline(window) > deadline => {}
-            Err(_) => return Waited::Silent,
+/// The live session of each attempt's agent on this endpoint, and the
+/// clock their silences are judged on.
+#[derive(Debug, Clone)]
+pub(crate) struct Sessions {
+    all: Arc<Mutex<HashMap<ResourceKey, Arc<Session>>>>,
+    clock: Arc<ListenClock>,
+}
+
+impl Sessions {
+    /// No sessions yet; silences are judged net of `starvation`.
+    pub(crate) fn new(starvation: Starvation) -> Self {
+        Self {
+            all: Arc::default(),
+            clock: Arc::new(ListenClock::new(starvation)),
         }
     }
 }
 
-/// The live session of each attempt's agent on this endpoint.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Sessions(Arc<Mutex<HashMap<ResourceKey, Arc<Session>>>>);
-
-/// One agent's session.
-#[derive(Debug, Default)]
-struct Session {
-    /// Its agent is silent on it (disconnected, its grace running).
-    away: AtomicBool,
-    /// Told when a new link of the same attempt takes over.
-    superseded: tokio::sync::Notify,
+/// The clock silences are judged on: milliseconds since it was made, and
+/// how much of that time the daemon could not listen (what its starvation
+/// measure counted, and how late the sweep woke beyond scheduling noise).
+#[derive(Debug)]
+struct ListenClock {
+    origin: Instant,
+    starvation: Starvation,
+    /// The sweep's late wake-ups, summed, in milliseconds.
+    late_ms: AtomicU64,
 }
 
+/// A moment on a [`ListenClock`]: its time, and its two deaf totals then.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Moment {
+    at_ms: u64,
+    starved_ms: u64,
+    late_ms: u64,
+}
+
+impl ListenClock {
+    fn new(starvation: Starvation) -> Self {
+        Self {
+            origin: Instant::now(),
+            starvation,
+            late_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> Moment {
+        Moment {
+            at_ms: u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX),
+            starved_ms: self.starvation.total_ms(),
+            late_ms: self.late_ms.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The sweep woke `late` after it meant to.
+    fn woke_late(&self, late: Duration) {
+        if late > Starvation::COUNTED_MIN {
+            let ms = u64::try_from(late.as_millis()).unwrap_or(u64::MAX);
+            self.late_ms.fetch_add(ms, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Moment {
+    /// How long the agent heard at `self` has been silent at `now`, not
+    /// counting the time the daemon could not listen (the larger of its
+    /// two measures of it).
+    fn silent_until(&self, now: &Moment) -> Duration {
+        let deaf = now
+            .starved_ms
+            .saturating_sub(self.starved_ms)
+            .max(now.late_ms.saturating_sub(self.late_ms));
+        Duration::from_millis(now.at_ms.saturating_sub(self.at_ms).saturating_sub(deaf))
+    }
+}
+
+/// One agent's session: its link, when it was last heard, and whether it
+/// is away (silent: disconnected, its grace running).
+#[derive(Debug)]
+struct Session {
+    conn: Connection,
+    /// When its agent was last heard, once it was welcomed.
+    heard: Mutex<Heard>,
+}
+
+#[derive(Debug, Default)]
+struct Heard {
+    /// Set once the welcome went out: only then is silence judged.
+    serving: bool,
+    at: Moment,
+    away: bool,
+    /// Silent this long, it is away; away this much longer, its link is
+    /// closed.
+    silence: Duration,
+    kept: Duration,
+}
+
+/// What a sweep decided about one session.
+#[derive(Debug, PartialEq, Eq)]
+enum Silence {
+    Fine,
+    Away(Duration),
+    Close,
+}
+
+impl Heard {
+    /// Welcomed at `now` on `liveness`'s terms.
+    fn start(&mut self, now: Moment, liveness: &Liveness) {
+        let silence = Duration::from_millis(liveness.silence_ms);
+        self.serving = true;
+        self.at = now;
+        self.silence = silence;
+        // A silent agent counts as disconnected (its grace runs), but its
+        // connection stays open for as long as the grace may last: an
+        // agent that was only stuck, or whose heartbeats waited in a
+        // congested daemon, comes back on it without a new handshake (a
+        // hundred redials into a daemon that is already behind would only
+        // put it further behind).
+        self.kept = silence + Duration::from_millis(liveness.lost_grace_ms);
+    }
+
+    /// Heard at `now`; true when it was away (it is back).
+    fn heard(&mut self, now: Moment) -> bool {
+        self.at = now;
+        std::mem::replace(&mut self.away, false)
+    }
+
+    /// Its link ended at `now`: how long it had been silent, unless it was
+    /// away already (the cluster was told then) or never welcomed.
+    fn leave(&mut self, now: &Moment) -> Option<Duration> {
+        if self.away || !self.serving {
+            return None;
+        }
+        self.away = true;
+        Some(self.at.silent_until(now))
+    }
+
+    /// The sweep's look at it at `now`: away once silent for its window,
+    /// its link closed once away past its grace.
+    fn judge(&mut self, now: &Moment) -> Silence {
+        if !self.serving {
+            return Silence::Fine;
+        }
+        let silent = self.at.silent_until(now);
+        if !self.away && silent >= self.silence {
+            self.away = true;
+            return Silence::Away(silent);
+        }
+        if self.away && silent >= self.kept {
+            return Silence::Close;
+        }
+        Silence::Fine
+    }
+}
+
+impl Session {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Heard> {
+        self.heard.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn start(&self, clock: &ListenClock, liveness: &Liveness) {
+        self.lock().start(clock.now(), liveness);
+    }
+
+    /// Heard now; true when it was away (it is back: the caller tells the
+    /// cluster). Marked back under the same lock the sweep marks it away
+    /// under, so the cluster hears "gone" before "back".
+    fn heard(&self, clock: &ListenClock) -> bool {
+        self.lock().heard(clock.now())
+    }
+
+    fn leave(&self, clock: &ListenClock) -> Option<Duration> {
+        self.lock().leave(&clock.now())
+    }
+
+    fn is_away(&self) -> bool {
+        self.lock().away
+    }
+
+    fn judge(&self, now: &Moment) -> Silence {
+        self.lock().judge(now)
+    }
+
+    /// Whether the sweep asserts its join again: it is connected.
+    fn to_reassert(&self) -> bool {
+        let h = self.lock();
+        h.serving && !h.away
+    }
+}
+
+/// How often silences are judged at most; a group with a shorter silence
+/// window is judged at a tenth of it.
+const SWEEP_EVERY_MAX: Duration = Duration::from_millis(200);
+
 impl Sessions {
-    /// A session for `key`, unless its agent is heard on another link; a
-    /// silent one is told it is superseded.
-    fn claim(&self, key: &ResourceKey) -> Option<Arc<Session>> {
-        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+    /// A session for `key` on `conn`, unless its agent is heard on another
+    /// link; a silent one's link is closed (superseded).
+    fn claim(&self, key: &ResourceKey, conn: &Connection) -> Option<Arc<Session>> {
+        let mut all = self.all.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(old) = all.get(key) {
-            if !old.away.load(Ordering::Relaxed) {
+            if !old.is_away() {
                 return None;
             }
-            old.superseded.notify_one();
+            // Another link of this attempt's agent joined while this one
+            // was silent: it carries the agent from now on.
+            tracing::info!(%key, "agent joined on a new link; closing its silent one");
+            old.conn.close(0u32.into(), b"superseded");
         }
-        let session = Arc::new(Session::default());
+        let session = Arc::new(Session {
+            conn: conn.clone(),
+            heard: Mutex::default(),
+        });
         all.insert(key.clone(), Arc::clone(&session));
         Some(session)
     }
 
     /// Forgets `session` of `key`, if it is still the one on record.
     fn release(&self, key: &ResourceKey, session: &Arc<Session>) {
-        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut all = self.all.lock().unwrap_or_else(PoisonError::into_inner);
         if all.get(key).is_some_and(|s| Arc::ptr_eq(s, session)) {
             all.remove(key);
+        }
+    }
+
+    /// Judges every session's silence every [`SWEEP_EVERY_MAX`] (net of the
+    /// time the daemon could not listen), and asserts every connected
+    /// agent's join again in one batch every [`JOIN_REASSERT`]: a cluster
+    /// actor restarted from its journal learns who is still connected, and
+    /// an agent whose attempt was replaced meanwhile is dropped. Runs until
+    /// the last handle on the sessions is gone.
+    pub(crate) async fn sweep(self, cluster: ClusterHandle) {
+        let all = Arc::downgrade(&self.all);
+        let clock = self.clock.clone();
+        drop(self);
+        let mut due = Instant::now() + SWEEP_EVERY_MAX;
+        let mut assert_at = Instant::now() + JOIN_REASSERT;
+        loop {
+            tokio::time::sleep_until(due.into()).await;
+            clock.woke_late(Instant::now().saturating_duration_since(due));
+            let Some(all) = all.upgrade() else { return };
+            let now = clock.now();
+            let mut gone = Vec::new();
+            let mut heard = Vec::new();
+            let reassert = Instant::now() >= assert_at;
+            {
+                let sessions = all.lock().unwrap_or_else(PoisonError::into_inner);
+                for (key, session) in sessions.iter() {
+                    match session.judge(&now) {
+                        Silence::Fine => {}
+                        Silence::Away(silent) => gone.push((key.clone(), silent)),
+                        Silence::Close => session.conn.close(0u32.into(), b"silent"),
+                    }
+                    if reassert && session.to_reassert() {
+                        heard.push(key.clone());
+                    }
+                }
+            }
+            for (key, silent) in gone {
+                tracing::info!(%key, silent_for = ?silent, "agent silent; its grace runs");
+                cluster.agent_gone(key, silent);
+            }
+            if reassert {
+                assert_at = Instant::now() + JOIN_REASSERT;
+                if !heard.is_empty() {
+                    let refused = cluster.agents_heard(heard).await.unwrap_or_default();
+                    let sessions = all.lock().unwrap_or_else(PoisonError::into_inner);
+                    for (key, refusal) in refused {
+                        tracing::info!(%key, %refusal, "dropping an agent no longer wanted");
+                        if let Some(session) = sessions.get(&key) {
+                            session.conn.close(1u32.into(), b"no longer wanted");
+                        }
+                    }
+                }
+            }
+            drop(all);
+            due = Instant::now() + SWEEP_EVERY_MAX;
         }
     }
 }
@@ -501,58 +654,6 @@ impl Drop for SessionGuard<'_> {
         if let (Some(key), Some(session)) = (&self.key, &self.session) {
             self.sessions.release(key, session);
         }
-    }
-}
-
-/// When an agent was last heard, and how much of the time since the daemon
-/// itself could not listen.
-struct Heard {
-    at: Instant,
-    /// The daemon's starved total at `at`.
-    starved_at: u64,
-    /// Lateness of this handler's own wake-ups since `at`, beyond the
-    /// noise threshold.
-    late: Duration,
-    starvation: Starvation,
-}
-
-impl Heard {
-    fn now(starvation: &Starvation) -> Self {
-        Self {
-            at: Instant::now(),
-            starved_at: starvation.total_ms(),
-            late: Duration::ZERO,
-            starvation: starvation.clone(),
-        }
-    }
-
-    /// Time since the heartbeat in which the daemon could not listen: what
-    /// its measure counted, or this handler's own late wake-ups if more.
-    fn deaf(&self) -> Duration {
-        let measured =
-            Duration::from_millis(self.starvation.total_ms().saturating_sub(self.starved_at));
-        measured.max(self.late)
-    }
-
-    /// When the agent is silent for `silence` of listening time.
-    fn deadline(&self, silence: Duration) -> Instant {
-        self.at + silence + self.deaf()
-    }
-
-    /// Notes a wake-up for `deadline` that came late; true if it came later
-    /// than scheduling noise (the silence is then looked at again).
-    fn woken_late(&mut self, deadline: Instant) -> bool {
-        let late = Instant::now().saturating_duration_since(deadline);
-        if late <= Starvation::COUNTED_MIN {
-            return false;
-        }
-        self.late += late;
-        true
-    }
-
-    /// How long the agent was silent while the daemon listened.
-    fn silent_for(&self) -> Duration {
-        self.at.elapsed().saturating_sub(self.deaf())
     }
 }
 
@@ -605,6 +706,78 @@ mod tests {
         assert_eq!(told(&rx.borrow_and_update()), vec![addr(1)]);
         let liveness = Liveness::for_grace(4_000).with_lease(lease_s, OrphanPolicy::Always);
         (Renewer::new(&liveness, rx, at), tx)
+    }
+
+    fn at(at_ms: u64, starved_ms: u64, late_ms: u64) -> Moment {
+        Moment {
+            at_ms,
+            starved_ms,
+            late_ms,
+        }
+    }
+
+    #[test]
+    fn silence_leaves_out_the_larger_of_the_daemons_two_measures_of_its_deafness() {
+        let heard = at(1_000, 50, 10);
+        assert_eq!(
+            heard.silent_until(&at(3_000, 50, 10)),
+            Duration::from_millis(2_000)
+        );
+        // Starved 700 ms, woke late 300 ms (the same stall seen twice):
+        // the larger counts, once.
+        assert_eq!(
+            heard.silent_until(&at(3_000, 750, 310)),
+            Duration::from_millis(1_300)
+        );
+        assert_eq!(
+            heard.silent_until(&at(3_000, 60, 910)),
+            Duration::from_millis(1_100)
+        );
+        // Deaf for longer than the time passed: silent for nothing.
+        assert_eq!(heard.silent_until(&at(3_000, 9_000, 10)), Duration::ZERO);
+    }
+
+    #[test]
+    fn an_agent_is_away_once_silent_for_its_window_and_its_link_closed_past_its_grace() {
+        // Grace 4 s: silent 2 s is away, then the link is kept 4 s more.
+        let liveness = Liveness::for_grace(4_000);
+        let mut h = Heard::default();
+        // Not welcomed yet: never judged, and its end tells nobody.
+        assert_eq!(h.judge(&at(60_000, 0, 0)), Silence::Fine);
+        h.start(at(0, 0, 0), &liveness);
+        assert_eq!(h.judge(&at(1_999, 0, 0)), Silence::Fine);
+        assert_eq!(
+            h.judge(&at(2_000, 0, 0)),
+            Silence::Away(Duration::from_millis(2_000))
+        );
+        // Said once.
+        assert_eq!(h.judge(&at(2_500, 0, 0)), Silence::Fine);
+        assert_eq!(h.judge(&at(5_999, 0, 0)), Silence::Fine);
+        assert_eq!(h.judge(&at(6_000, 0, 0)), Silence::Close);
+        // Its link ending now tells nobody again.
+        assert_eq!(h.leave(&at(6_001, 0, 0)), None);
+    }
+
+    #[test]
+    fn an_agent_heard_again_is_back_and_judged_from_then() {
+        let liveness = Liveness::for_grace(4_000);
+        let mut h = Heard::default();
+        h.start(at(0, 0, 0), &liveness);
+        assert!(!h.heard(at(500, 0, 0)), "it was not away");
+        assert_eq!(h.judge(&at(2_400, 0, 0)), Silence::Fine);
+        assert!(matches!(h.judge(&at(2_500, 0, 0)), Silence::Away(_)));
+        assert!(h.heard(at(3_000, 0, 0)), "back");
+        assert!(!h.heard(at(3_100, 0, 0)));
+        assert_eq!(h.judge(&at(5_000, 0, 0)), Silence::Fine);
+        // A daemon that slept 10 s judges nobody for it.
+        assert_eq!(h.judge(&at(15_000, 10_000, 0)), Silence::Fine);
+        // Its link ends while connected: the cluster hears how long it
+        // had been silent, once.
+        assert_eq!(
+            h.leave(&at(15_000, 10_000, 0)),
+            Some(Duration::from_millis(1_900))
+        );
+        assert_eq!(h.leave(&at(15_100, 10_000, 0)), None);
     }
 
     #[test]

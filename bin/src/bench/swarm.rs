@@ -55,6 +55,10 @@ pub(crate) struct SwarmArgs {
     /// the daemon shows it disconnected and until its replacement is ready.
     #[arg(long)]
     freeze: bool,
+    /// The agents dial no jobs link (a real agent does): what the swarm
+    /// link alone costs the daemon.
+    #[arg(long)]
+    no_jobs_link: bool,
     /// Keep the daemon's state, its log and the agents' directory here
     /// (default: a fresh temporary directory, removed at the end).
     #[arg(long, value_name = "DIR")]
@@ -175,6 +179,8 @@ struct Swarm {
     last_joined: Mutex<Option<Instant>>,
     /// The ticket the agents dial (the daemon's swarm endpoint).
     ticket: Mutex<Option<String>>,
+    /// Whether agents dial their jobs link.
+    jobs_link: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -226,6 +232,7 @@ impl Swarm {
             credentials: AgentCredentials { token, secret_key },
             dir: self.dir.clone(),
             frozen,
+            jobs_link: self.jobs_link,
         };
         let swarm = self.clone();
         tokio::spawn(async move {
@@ -349,8 +356,8 @@ async fn timed_status(client: &Client) -> Result<(ClusterSnapshot, Duration)> {
     }
 }
 
-/// `GET /metrics`, and how long it took.
-async fn timed_metrics(http: std::net::SocketAddr, token: &str) -> Result<(usize, Duration)> {
+/// `GET /metrics`: the exposition, and how long it took.
+async fn timed_metrics(http: std::net::SocketAddr, token: &str) -> Result<(String, Duration)> {
     let started = Instant::now();
     let mut conn = tokio::net::TcpStream::connect(http).await?;
     conn.write_all(
@@ -370,7 +377,15 @@ async fn timed_metrics(http: std::net::SocketAddr, token: &str) -> Result<(usize
             String::from_utf8_lossy(body.get(..40).unwrap_or(&body))
         );
     }
-    Ok((body.len(), took))
+    Ok((String::from_utf8_lossy(&body).into_owned(), took))
+}
+
+/// A sample's value in an exposition, by its name (no labels).
+fn sample(exposition: &str, name: &str) -> Option<u64> {
+    exposition.lines().find_map(|l| {
+        let value = l.strip_prefix(name)?.strip_prefix(' ')?;
+        value.trim().parse::<f64>().ok().map(|v| v as u64)
+    })
 }
 
 fn median_ms(mut samples: Vec<Duration>) -> f64 {
@@ -461,6 +476,7 @@ pub(crate) async fn swarm(args: SwarmArgs) -> Result<i32> {
         last_created: Mutex::default(),
         last_joined: Mutex::default(),
         ticket: Mutex::default(),
+        jobs_link: !args.no_jobs_link,
     });
     {
         let swarm = swarm.clone();
@@ -560,6 +576,8 @@ async fn measure(
     // 2. Left alone: the daemon's processor time and the agents' frames.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let load_before = load_average();
+    let me = std::process::id();
+    let own0 = cpu_time(me)?;
     let (cpu0, frames0, t0) = (
         cpu_time(pid)?,
         swarm.frames.load(Ordering::Relaxed),
@@ -577,15 +595,19 @@ async fn measure(
         t0.elapsed(),
     );
     let load_after = load_average();
+    let own_pct = (cpu_time(me)? - own0).as_secs_f64() / elapsed.as_secs_f64() * 100.0;
+    let own_rss = rss(me);
     let cpu_pct = (cpu1 - cpu0).as_secs_f64() / elapsed.as_secs_f64() * 100.0;
     let frames_per_s = (frames1 - frames0) as f64 / elapsed.as_secs_f64();
     let rss_now = rss(pid);
     eprintln!(
         "bench: {:.0} s alone: daemon {cpu_pct:.1}% of a core, RSS {} MiB ({} B per agent), \
-         {frames_per_s:.0} frames/s (load {load_before} -> {load_after})",
+         {frames_per_s:.0} frames/s; the agents' process {own_pct:.0}%, {} MiB (load \
+         {load_before} -> {load_after})",
         elapsed.as_secs_f64(),
         rss_now >> 20,
-        rss_now / n
+        rss_now / n,
+        own_rss >> 20
     );
 
     // 3. `status` and `/metrics`, five times each.
@@ -594,18 +616,22 @@ async fn measure(
     let token = token.trim();
     let mut status_times = Vec::new();
     let mut metrics_times = Vec::new();
-    let mut metrics_bytes = 0;
+    let mut exposition = String::new();
     for _ in 0..5 {
         status_times.push(timed_status(&client).await?.1);
-        let (bytes, took) = timed_metrics(http, token).await?;
-        metrics_bytes = bytes;
+        let (text, took) = timed_metrics(http, token).await?;
+        exposition = text;
         metrics_times.push(took);
     }
+    let metrics_bytes = exposition.len();
+    let heap = sample(&exposition, "swactor_allocator_allocated_bytes").unwrap_or(0);
     let status_ms = median_ms(status_times);
     let metrics_ms = median_ms(metrics_times);
     eprintln!(
-        "bench: status {status_ms:.1} ms, /metrics {metrics_ms:.1} ms ({} KiB) (medians of 5)",
-        metrics_bytes >> 10
+        "bench: status {status_ms:.1} ms, /metrics {metrics_ms:.1} ms ({} KiB) (medians of 5); \
+         daemon heap {} MiB",
+        metrics_bytes >> 10,
+        heap >> 20
     );
 
     // 4. A flood of strangers, while every agent stays joined.
@@ -658,7 +684,11 @@ async fn measure(
         "daemon_rss_bytes": rss_now,
         "daemon_rss_max_bytes": rss_max,
         "daemon_rss_per_agent_bytes": rss_now / n,
+        "daemon_heap_bytes": heap,
+        "agents_cpu_pct": round3(own_pct),
+        "agents_rss_bytes": own_rss,
         "frames_per_s": round3(frames_per_s),
+        "jobs_link": swarm.jobs_link,
         "status_ms": round3(status_ms),
         "metrics_ms": round3(metrics_ms),
         "secs": round3(elapsed.as_secs_f64()),

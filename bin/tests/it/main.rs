@@ -25,4 +25,5 @@ mod security;
 mod ssh;
 mod stall;
 mod supervision;
+mod swarm;
 mod vast;

@@ -294,12 +294,15 @@ async fn start_and_serve(
         renewals: renewals.clone(),
         ha: term.as_ref().map(|t| t.view.clone()).unwrap_or_default(),
     };
+    // Every agent's silence is judged by one sweep, which ends with the
+    // last handle on the sessions.
+    let sessions = crate::swarm::Sessions::new(starvation);
+    let _sweep = AbortOnDrop(tokio::spawn(sessions.clone().sweep(cluster.clone())));
     let swarm_handler = SwarmHandler {
         cluster: cluster.clone(),
         secret: prepared.secret,
         refusals: RefusalLog::default(),
-        starvation,
-        sessions: crate::swarm::Sessions::default(),
+        sessions,
         pre_auth: swactor_engine::net::PreAuth::new(pre_auth_max()),
         renewals,
         replicas: term
