@@ -3,6 +3,7 @@
 use crate::config::ClusterConfig;
 use crate::driver::DriverActor;
 use crate::events::{ClusterEvent, ClusterSnapshot, NodeDescription, PlanView};
+use crate::glance::Tally;
 use crate::msg::{
     ClusterMsg, ClusterRef, DriverArgs, DriverMsg, DriverView, Subscription, SwarmMsg, SwarmRef,
 };
@@ -40,6 +41,9 @@ pub enum ClusterError {
 #[derive(Clone, Debug)]
 pub struct ClusterHandle {
     actor: ActorRef<DriverMsg>,
+    /// Where the driver leaves its last glance (a handle made from a bare
+    /// actor ref has none).
+    tally: Option<Tally>,
 }
 
 /// Starts clusters.
@@ -84,15 +88,19 @@ impl Cluster {
     /// # Errors
     /// The actor could not be started (an invalid config, a journal of another run).
     pub async fn spawn(
-        args: DriverArgs,
+        mut args: DriverArgs,
         supervisor: Option<ActorCell>,
     ) -> Result<ClusterHandle, ClusterError> {
+        let tally = args.config.tally.get_or_insert_with(Tally::default).clone();
         let spawned = match supervisor {
             Some(sup) => DriverActor::spawn_linked(None, DriverActor, args, sup).await,
             None => DriverActor::spawn(None, DriverActor, args).await,
         };
         let (actor, _join) = spawned.map_err(ClusterError::Spawn)?;
-        Ok(ClusterHandle { actor })
+        Ok(ClusterHandle {
+            actor,
+            tally: Some(tally),
+        })
     }
 }
 
@@ -106,15 +114,19 @@ impl Cluster {
     /// # Errors
     /// The supervisor or the first cluster actor could not be started.
     pub async fn supervised(
-        args: SupervisorArgs,
+        mut args: SupervisorArgs,
         supervisor: Option<ActorCell>,
     ) -> Result<ClusterHandle, ClusterError> {
+        let tally = args.config.tally.get_or_insert_with(Tally::default).clone();
         let spawned = match supervisor {
             Some(sup) => ClusterSupervisor::spawn_linked(None, ClusterSupervisor, args, sup).await,
             None => ClusterSupervisor::spawn(None, ClusterSupervisor, args).await,
         };
         let (actor, _join) = spawned.map_err(ClusterError::Spawn)?;
-        Ok(ClusterHandle { actor })
+        Ok(ClusterHandle {
+            actor,
+            tally: Some(tally),
+        })
     }
 }
 
@@ -136,7 +148,7 @@ impl ClusterHandle {
 
     /// A handle for a cluster actor known by its ref (e.g. one a supervisor restarted).
     pub fn from_actor(actor: ActorRef<DriverMsg>) -> Self {
-        Self { actor }
+        Self { actor, tally: None }
     }
 
     async fn call<T: Send + 'static>(
@@ -205,6 +217,15 @@ impl ClusterHandle {
     pub async fn glance(&self) -> Result<crate::ClusterGlance, ClusterError> {
         self.call(|r| DriverMsg::Cluster(ClusterMsg::Glance(r)))
             .await
+    }
+
+    /// The glance the driver left after its last step, read without a
+    /// message: it does not wait while the driver works, and is as fresh as
+    /// the driver's last step (or last [`ClusterHandle::glance`]). `None`
+    /// before the driver's first step, for a handle made from a bare actor
+    /// ref, and while per-node events are off.
+    pub fn last_glance(&self) -> Option<crate::ClusterGlance> {
+        self.tally.as_ref().and_then(Tally::published)
     }
 
     /// The desired state and the shape on record, without the cluster's

@@ -285,7 +285,11 @@ impl DriverState {
                 self.telemetry.drain(&mut self.host, now);
                 let counted = self.config.node_events;
                 let tally = &self.telemetry.tally;
-                let _ = reply.send(crate::glance::glance(&self.host, tally, counted, now));
+                let glance = crate::glance::glance(&self.host, tally, counted, now);
+                if counted {
+                    tally.publish(glance.clone());
+                }
+                let _ = reply.send(glance);
             }
             ClusterMsg::Desired(reply) => {
                 let _ = reply.send(crate::msg::DesiredView {
@@ -547,7 +551,18 @@ impl DriverState {
         }
         self.telemetry.drain(&mut self.host, now);
         self.rearm(now);
+        self.publish_glance(now);
         Ok(())
+    }
+
+    /// Leaves the glance of the cluster after this step where its handles
+    /// read it without a message (see [`crate::glance`]); not while per-node
+    /// events are off, where a glance counts every node.
+    fn publish_glance(&self, now: Timestamp) {
+        if self.config.node_events {
+            let tally = &self.telemetry.tally;
+            tally.publish(crate::glance::glance(&self.host, tally, true, now));
+        }
     }
 
     /// Commits `delta` to the journal, if there is one, and tells the host it is durable.

@@ -1,6 +1,6 @@
 //! What views read without copying the cluster.
 //!
-//! The driver keeps a [`Tally`]: each group's nodes by stage and how many of
+//! The driver keeps a tally: each group's nodes by stage and how many of
 //! them are ready, and the slots replaced so far by why, changed node by
 //! node as it publishes each node's change (the same `Node`, `Removed`,
 //! agent and adoption events subscribers get). A [`ClusterGlance`] reads it
@@ -8,6 +8,13 @@
 //! counters): its size follows the groups, never the nodes, so `/metrics`
 //! and the dashboard's counts cost the same at ten nodes or a hundred
 //! thousand. `status` still sends every node; that is its job.
+//!
+//! Asked for ([`ClusterHandle::glance`](crate::ClusterHandle::glance)), a
+//! glance is exact: it is taken by the driver between two messages. The
+//! driver also leaves one after each of its steps where a handle reads it
+//! without a message ([`ClusterHandle::last_glance`](crate::ClusterHandle::last_glance)),
+//! for a view that cannot wait while the driver works through a large
+//! pass.
 
 use crate::events::NodeSummary;
 use serde::{Deserialize, Serialize};
@@ -187,7 +194,8 @@ impl Counts {
     }
 
     /// A new driver starts with no nodes; the replacements counted by the
-    /// ones before it stay.
+    /// ones before it stay (and so does the last glance, until it leaves
+    /// one).
     fn restart(&mut self) {
         self.nodes.clear();
         self.groups.clear();
@@ -211,21 +219,49 @@ pub(crate) fn count<C: Reconciler>(
     groups
 }
 
-/// The driver's counts, shared by the drivers a supervisor starts one
-/// after the other (so replacements are counted since the supervisor
-/// started, across restarts). Only the driver writes or reads it; the lock
-/// is never contended.
+/// The driver's counts and the last glance it left, shared by the drivers
+/// a supervisor starts one after the other (so replacements are counted
+/// since the supervisor started, across restarts) and with the handles
+/// that started them. Only the driver touches the counts (it holds them
+/// through a whole drain of events); a handle only copies the last glance
+/// out, under a lock of its own that is held for as long as a copy or a
+/// swap of a glance takes.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Tally(Arc<Mutex<Counts>>);
+pub(crate) struct Tally(Arc<Shared>);
+
+#[derive(Debug, Default)]
+struct Shared {
+    counts: Mutex<Counts>,
+    published: Mutex<Option<ClusterGlance>>,
+}
 
 impl Tally {
     pub(crate) fn lock(&self) -> MutexGuard<'_, Counts> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.0.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn last(&self) -> MutexGuard<'_, Option<ClusterGlance>> {
+        self.0
+            .published
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// See [`Counts::restart`].
     pub(crate) fn restart(&self) {
         self.lock().restart();
+    }
+
+    /// Leaves `glance` as the last one (the one it replaces is dropped
+    /// after the lock is let go).
+    pub(crate) fn publish(&self, glance: ClusterGlance) {
+        let before = self.last().replace(glance);
+        drop(before);
+    }
+
+    /// The last glance the driver left, if it left one.
+    pub(crate) fn published(&self) -> Option<ClusterGlance> {
+        self.last().clone()
     }
 }
 

@@ -93,7 +93,8 @@ impl Actor for ClusterSupervisor {
         } = args;
         // One tally for every cluster actor this supervisor starts, so what
         // it counts since the supervisor started survives a restart.
-        config.tally = Some(crate::glance::Tally::default());
+        // (`Cluster::supervised` gave it one its handle shares.)
+        config.tally.get_or_insert_with(Default::default);
         let first = AtomicBool::new(true);
         let factory = move || {
             let mut config = config.clone();

@@ -145,6 +145,15 @@ async fn the_glance_counts_what_a_full_snapshot_counts_at_every_step() {
     let g = agree_until_converged(&c, "converge").await;
     let w = g.group(&node("w-0").group).unwrap();
     assert_eq!((w.desired, w.counts.ready), (Some(6), 6));
+    // The glance the driver left after its last step, read without a
+    // message, says the same of a cluster at rest.
+    let left = c.last_glance().expect("a glance left");
+    assert_eq!((&left.groups, left.stats), (&g.groups, g.stats));
+    assert!(
+        ClusterHandle::from_actor(c.actor().clone())
+            .last_glance()
+            .is_none()
+    );
     assert_eq!(w.counts.at(NodeStage::Dormant), 6);
     assert_eq!(g.replacements, [0; CAUSES.len()]);
 
@@ -245,6 +254,8 @@ async fn a_restarted_driver_counts_what_it_adopts_and_keeps_the_replacements() {
     assert!(snap.stats.passes < before.stats.passes, "a new driver");
     assert_eq!(after.ready(), 4, "{after:?}");
     assert_eq!(after.replacements, before.replacements);
+    let left = c.last_glance().expect("a glance left");
+    assert_eq!((left.ready(), left.replacements), (4, before.replacements));
     let from_nodes: BTreeMap<GroupId, GroupCounts> =
         after.groups.iter().map(|g| (g.id, g.counts)).collect();
     assert_eq!(from_nodes, counted(&snap));

@@ -46,10 +46,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
-use swactor_actors::{ClusterError, ClusterEvent, ClusterSnapshot};
+use swactor_actors::{ClusterError, ClusterEvent, ClusterGlance, ClusterSnapshot};
 use swactor_engine::telemetry::{TelemetryFrame, TelemetryHandler, decode_frame};
 use swactor_providers::Provider;
 use swactor_provisioning::{ApplyError, DesiredUpdate, Generation, LogicalNodeId, UpdateError};
+
+/// How long a view waits for the cluster's own glance before it takes the
+/// one the driver left after its last step: a driver in the middle of a
+/// large pass answers late, and `/metrics` should not wait for it.
+const GLANCE_WAIT: Duration = Duration::from_millis(5);
 
 /// Largest request body, in bytes.
 pub(crate) const BODY_LEN_MAX: usize = 16 * 1024;
@@ -435,7 +440,7 @@ async fn follow(web: Arc<Web>) {
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 },
                 _ = tick.tick() => {
-                    let ready = web.control.cluster.glance().await.ok().map(|g| g.ready());
+                    let ready = web.glance().await.ok().map(|g| g.ready());
                     web.metrics.sample(wall_ms(), ready);
                 }
             }
@@ -639,11 +644,25 @@ impl Web {
         }
     }
 
+    /// The cluster's glance (see [`crate::metrics`]): asked of the driver,
+    /// or, when it has not answered within [`GLANCE_WAIT`], the one it left
+    /// after its last step.
+    async fn glance(&self) -> Result<ClusterGlance, ClusterError> {
+        let cluster = &self.control.cluster;
+        match tokio::time::timeout(GLANCE_WAIT, cluster.glance()).await {
+            Ok(answer) => answer,
+            Err(_) => match cluster.last_glance() {
+                Some(glance) => Ok(glance),
+                None => cluster.glance().await,
+            },
+        }
+    }
+
     /// The status (every node, for the page's table) and each desired
     /// group's desired and ready nodes, from the cluster's counts.
     async fn overview(&self) -> Result<Overview, Response> {
         let status = self.status().await?;
-        let groups = match self.control.cluster.glance().await {
+        let groups = match self.glance().await {
             Ok(glance) => glance
                 .groups
                 .iter()
@@ -723,7 +742,7 @@ async fn script() -> Response {
 /// `/metrics`: the cluster's glance (no node is copied, see
 /// [`crate::metrics`]) and the daemon's own figures beside it.
 async fn scrape(State(web): State<Arc<Web>>) -> Response {
-    let glance = match web.control.cluster.glance().await {
+    let glance = match web.glance().await {
         Ok(g) => g,
         Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, &web.control.refused(&e)),
     };
