@@ -228,6 +228,15 @@ impl ClusterHandle {
         self.tally.as_ref().and_then(Tally::published)
     }
 
+    /// Whether the driver is handling a message right now, so that a
+    /// [`ClusterHandle::glance`] asked now would wait for it (a pass over a
+    /// large cluster takes a while): a view that would rather not wait
+    /// reads [`ClusterHandle::last_glance`] then. `false` for a handle made
+    /// from a bare actor ref.
+    pub fn busy(&self) -> bool {
+        self.tally.as_ref().is_some_and(Tally::is_busy)
+    }
+
     /// The desired state and the shape on record, without the cluster's
     /// state (which [`ClusterHandle::inspect`] copies whole).
     ///

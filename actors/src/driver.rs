@@ -180,6 +180,9 @@ impl Actor for DriverActor {
         msg: DriverMsg,
         st: &mut DriverState,
     ) -> Result<(), ActorProcessingErr> {
+        // Says it is busy while it handles a message, for whoever would
+        // rather read the last glance than wait (see `crate::glance`).
+        let _busy = st.telemetry.tally.busy();
         let now = st.now();
         st.messages += 1;
         // Time the daemon measured itself starved since the last message is

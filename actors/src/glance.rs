@@ -19,6 +19,7 @@
 use crate::events::NodeSummary;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use swactor_provisioning::{
     DriverStats, FailureCause, Generation, GroupHold, GroupId, Host, Link, LogicalNodeId,
@@ -233,6 +234,17 @@ pub(crate) struct Tally(Arc<Shared>);
 struct Shared {
     counts: Mutex<Counts>,
     published: Mutex<Option<ClusterGlance>>,
+    /// The driver is handling a message.
+    busy: AtomicBool,
+}
+
+/// The driver's "busy" while it lives (see [`Tally::busy`]).
+pub(crate) struct Busy(Tally);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.0.busy.store(false, Ordering::Release);
+    }
 }
 
 impl Tally {
@@ -262,6 +274,18 @@ impl Tally {
     /// The last glance the driver left, if it left one.
     pub(crate) fn published(&self) -> Option<ClusterGlance> {
         self.last().clone()
+    }
+
+    /// Marks the driver busy (handling a message) until the guard is dropped.
+    pub(crate) fn busy(&self) -> Busy {
+        self.0.busy.store(true, Ordering::Release);
+        Busy(self.clone())
+    }
+
+    /// Whether the driver is handling a message now: a glance asked now
+    /// waits at least for the end of it.
+    pub(crate) fn is_busy(&self) -> bool {
+        self.0.busy.load(Ordering::Acquire)
     }
 }
 
@@ -476,6 +500,25 @@ mod tests {
         counts.set(node, None);
         counts.set(node, Some(entry(8, NodeStage::New, false, None)));
         assert_eq!(counts.replacements, [1; 6]);
+    }
+
+    #[test]
+    fn the_driver_is_busy_while_its_guard_lives_and_the_last_glance_is_kept() {
+        let tally = Tally::default();
+        assert!(!tally.is_busy() && tally.published().is_none());
+        let busy = tally.busy();
+        assert!(tally.clone().is_busy(), "seen through every clone");
+        tally.publish(ClusterGlance::empty("r"));
+        drop(busy);
+        assert!(!tally.is_busy());
+        // A new driver starts from no nodes and keeps the last glance.
+        tally.lock().set(
+            LogicalNodeId::parse("w-0").unwrap(),
+            Some(entry(1, NodeStage::New, false, None)),
+        );
+        tally.restart();
+        assert!(tally.lock().groups.is_empty());
+        assert_eq!(tally.published().map(|g| g.run_id), Some("r".to_owned()));
     }
 
     #[test]

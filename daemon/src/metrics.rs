@@ -6,9 +6,9 @@
 //! the driver keeps node by node as it publishes their changes, and the
 //! daemon's own figures (rentals, spend, who leads) are read beside it. What
 //! one scrape costs follows the shape's groups, not its nodes. A driver that
-//! does not answer within 5 ms (it is working through a large pass) is not
-//! waited for: the scrape takes the glance it left after its last step
-//! ([`ClusterHandle::last_glance`]).
+//! is handling a message, or does not answer within 5 ms (it is working
+//! through a large pass), is not waited for: the scrape takes the glance it
+//! left after its last step ([`ClusterHandle::last_glance`]).
 //!
 //! [`ClusterHandle::glance`]: swactor_actors::ClusterHandle::glance
 //! [`ClusterHandle::last_glance`]: swactor_actors::ClusterHandle::last_glance

@@ -309,7 +309,10 @@ async fn old_overview(web: &Web) -> (serde_json::Value, Vec<u8>) {
 }
 
 /// The median of `runs` timings of `f` (after one unmeasured run), and its
-/// last output.
+/// last output. Each run comes 50 ms after the last, as scrapes come to a
+/// cluster at rest: the driver has finished the step a request leaves it
+/// (a glance asked back to back would find it busy with that step, and
+/// take the glance it left).
 async fn time<T, F: std::future::Future<Output = T>>(
     runs: usize,
     mut f: impl FnMut() -> F,
@@ -317,6 +320,7 @@ async fn time<T, F: std::future::Future<Output = T>>(
     let mut out = f().await;
     let mut took = Vec::with_capacity(runs);
     for _ in 0..runs {
+        tokio::time::sleep(Duration::from_millis(50)).await;
         let t = Instant::now();
         out = f().await;
         took.push(t.elapsed());

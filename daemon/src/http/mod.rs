@@ -645,10 +645,15 @@ impl Web {
     }
 
     /// The cluster's glance (see [`crate::metrics`]): asked of the driver,
-    /// or, when it has not answered within [`GLANCE_WAIT`], the one it left
-    /// after its last step.
+    /// or, when it is busy or has not answered within [`GLANCE_WAIT`], the
+    /// one it left after its last step.
     async fn glance(&self) -> Result<ClusterGlance, ClusterError> {
         let cluster = &self.control.cluster;
+        if cluster.busy()
+            && let Some(glance) = cluster.last_glance()
+        {
+            return Ok(glance);
+        }
         match tokio::time::timeout(GLANCE_WAIT, cluster.glance()).await {
             Ok(answer) => answer,
             Err(_) => match cluster.last_glance() {
