@@ -541,8 +541,17 @@ impl Session {
         self.lock().away
     }
 
-    fn judge(&self, now: &Moment) -> Silence {
-        self.lock().judge(now)
+    /// The sweep's look at it at `now`; an agent found silent is reported
+    /// gone under its lock, so a heartbeat heard meanwhile reports it back
+    /// only after.
+    fn judge(&self, now: &Moment, key: &ResourceKey, cluster: &ClusterHandle) -> Silence {
+        let mut heard = self.lock();
+        let silence = heard.judge(now);
+        if let Silence::Away(silent) = silence {
+            tracing::info!(%key, silent_for = ?silent, "agent silent; its grace runs");
+            cluster.agent_gone(key.clone(), silent);
+        }
+        silence
     }
 
     /// Whether the sweep asserts its join again: it is connected.
@@ -603,35 +612,39 @@ impl Sessions {
             clock.woke_late(Instant::now().saturating_duration_since(due));
             let Some(all) = all.upgrade() else { return };
             let now = clock.now();
-            let mut gone = Vec::new();
             let mut heard = Vec::new();
             let reassert = Instant::now() >= assert_at;
             {
                 let sessions = all.lock().unwrap_or_else(PoisonError::into_inner);
                 for (key, session) in sessions.iter() {
-                    match session.judge(&now) {
-                        Silence::Fine => {}
-                        Silence::Away(silent) => gone.push((key.clone(), silent)),
-                        Silence::Close => session.conn.close(0u32.into(), b"silent"),
+                    if session.judge(&now, key, &cluster) == Silence::Close {
+                        session.conn.close(0u32.into(), b"silent");
                     }
                     if reassert && session.to_reassert() {
                         heard.push(key.clone());
                     }
                 }
             }
-            for (key, silent) in gone {
-                tracing::info!(%key, silent_for = ?silent, "agent silent; its grace runs");
-                cluster.agent_gone(key, silent);
-            }
             if reassert {
                 assert_at = Instant::now() + JOIN_REASSERT;
                 if !heard.is_empty() {
-                    let refused = cluster.agents_heard(heard).await.unwrap_or_default();
+                    let refused = cluster
+                        .agents_heard(heard.clone())
+                        .await
+                        .unwrap_or_default();
                     let sessions = all.lock().unwrap_or_else(PoisonError::into_inner);
                     for (key, refusal) in refused {
                         tracing::info!(%key, %refusal, "dropping an agent no longer wanted");
                         if let Some(session) = sessions.get(&key) {
                             session.conn.close(1u32.into(), b"no longer wanted");
+                        }
+                    }
+                    // A link that ended while the batch was on its way may
+                    // have said "gone" before the batch said "heard": said
+                    // again, so the cluster's last word is the link's.
+                    for key in heard {
+                        if sessions.get(&key).is_none_or(|s| s.is_away()) {
+                            cluster.agent_gone(key, Duration::ZERO);
                         }
                     }
                 }

@@ -86,21 +86,11 @@ impl SimProvider {
     /// A provider talking to the bench on `socket`; starts its reader and
     /// writer.
     pub(crate) fn start(socket: UnixStream, ticket: String, token_secret: [u8; 32]) -> Self {
-        let (read, mut write) = socket.into_split();
-        let (to_bench, mut outbox) = tokio::sync::mpsc::unbounded_channel::<ToBench>();
-        tokio::spawn(async move {
-            let mut line = Vec::new();
-            while let Some(msg) = outbox.recv().await {
-                line.clear();
-                // Only plain data: it serializes.
-                let _ = serde_json::to_writer(&mut line, &msg);
-                line.push(b'\n');
-                if write.write_all(&line).await.is_err() {
-                    tracing::error!("the bench's socket closed; its agents are out of reach");
-                    return;
-                }
-            }
-        });
+        let (read, write) = socket.into_split();
+        let to_bench = json_lines(
+            write,
+            "the bench's socket closed; its agents are out of reach",
+        );
         let provider = Self {
             model: Arc::default(),
             to_bench,
@@ -319,6 +309,29 @@ impl Provider for SimProvider {
             })
             .collect())
     }
+}
+
+/// A sender whose every message goes out on `write` as one JSON line, in
+/// order, until the other end closes (said once, as `closed`).
+pub(crate) fn json_lines<T: Serialize + Send + 'static>(
+    mut write: tokio::net::unix::OwnedWriteHalf,
+    closed: &'static str,
+) -> tokio::sync::mpsc::UnboundedSender<T> {
+    let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel::<T>();
+    tokio::spawn(async move {
+        let mut line = Vec::new();
+        while let Some(msg) = outbox.recv().await {
+            line.clear();
+            // Only plain data: it serializes.
+            let _ = serde_json::to_writer(&mut line, &msg);
+            line.push(b'\n');
+            if write.write_all(&line).await.is_err() {
+                tracing::error!("{closed}");
+                return;
+            }
+        }
+    });
+    tx
 }
 
 /// Lowercase hex of `bytes`.
