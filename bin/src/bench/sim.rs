@@ -354,3 +354,119 @@ pub(crate) fn unhex32(text: &str) -> Option<[u8; 32]> {
     }
     Some(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use swactor_provisioning::{LogicalNodeId, NodeAttemptId};
+
+    fn key(attempt: u64) -> ResourceKey {
+        ResourceKey {
+            run_id: RunId::new("bench"),
+            node: LogicalNodeId::parse("sim-0").unwrap(),
+            attempt: NodeAttemptId(attempt),
+        }
+    }
+
+    fn template() -> NodeTemplate {
+        NodeTemplate {
+            provider: swactor_provisioning::ProviderShape {
+                kind: KIND.to_owned(),
+                params: BTreeMap::new(),
+                placement: Default::default(),
+            },
+            boot: swactor_provisioning::BootParams::default(),
+            role: "worker".to_owned(),
+            join: swactor_provisioning::SwarmJoin::default(),
+            limits: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_key_goes_to_hex_and_back() {
+        let bytes: [u8; 32] = std::array::from_fn(|i| (i * 37) as u8);
+        assert_eq!(unhex32(&hex(&bytes)), Some(bytes));
+        assert_eq!(unhex32("00"), None);
+        assert_eq!(unhex32(&"zz".repeat(32)), None);
+    }
+
+    /// The provider's rules over its socket: a create adopts, a start
+    /// sends the bench the attempt's own credentials and its stream says
+    /// what the bench heard, and stopping what is gone succeeds.
+    #[tokio::test]
+    async fn leases_adopt_agents_start_with_their_credentials_and_absent_is_success() {
+        let (ours, bench) = UnixStream::pair().unwrap();
+        let secret = [7u8; 32];
+        let p = SimProvider::start(ours, "ticket".to_owned(), secret);
+        let (read, write) = bench.into_split();
+        let mut heard = BufReader::new(read).lines();
+        let tell = json_lines::<ToDaemon>(write, "closed");
+        let mut next = async || -> ToBench {
+            serde_json::from_str(&heard.next_line().await.unwrap().unwrap()).unwrap()
+        };
+
+        let k = key(1);
+        let first = p.create_lease(&k, &template()).await.unwrap();
+        assert!(matches!(next().await, ToBench::Created { key } if key == k));
+        // Asked again for the same key: the same lease, nothing new made.
+        assert_eq!(p.create_lease(&k, &template()).await.unwrap(), first);
+        let endpoint = p.lookup_endpoint(&k, &first.lease).await.unwrap();
+        let mut session = p
+            .start_bootstrap(&k, &first.lease, &endpoint, &template())
+            .await
+            .unwrap();
+        let ToBench::Start {
+            key: started,
+            token,
+            secret: sent,
+            ..
+        } = next().await
+        else {
+            panic!("no start");
+        };
+        let expected = AgentCredentials::derive(&secret, &k);
+        assert_eq!(started, k);
+        assert_eq!((token, sent), (expected.token, hex(&expected.secret_key)));
+        assert_eq!(
+            session.events.recv().await,
+            Some(BootstrapEvent::Stage(BootstrapStage::SwactorStart))
+        );
+        assert_eq!(
+            session.events.recv().await,
+            Some(BootstrapEvent::Stage(BootstrapStage::Join))
+        );
+        tell.send(ToDaemon::Joined { key: k.clone() }).unwrap();
+        assert_eq!(
+            session.events.recv().await,
+            Some(BootstrapEvent::SwactorJoined)
+        );
+        let listed = p.list(&k.run_id).await.unwrap();
+        assert_eq!(listed[&k].session.as_ref(), Some(&session.session));
+
+        // A lease of another key is not this one's; gone leases are gone.
+        let other = key(2);
+        assert!(matches!(
+            p.lookup_endpoint(&other, &first.lease).await,
+            Err(ProviderError::Gone(_))
+        ));
+        assert_eq!(
+            p.destroy_lease(&k, &first.lease).await.unwrap(),
+            Release::Done
+        );
+        assert!(matches!(next().await, ToBench::Stop { key } if key == k));
+        // Already absent: success, and the bench is told nothing more.
+        assert_eq!(
+            p.destroy_lease(&k, &first.lease).await.unwrap(),
+            Release::Done
+        );
+        assert_eq!(
+            p.cancel_bootstrap(&k, &session.session).await.unwrap(),
+            Release::Done
+        );
+        assert!(p.list(&k.run_id).await.unwrap().is_empty());
+        let create = p.create_lease(&other, &template()).await.unwrap();
+        assert_ne!(create.lease, first.lease);
+        assert!(matches!(next().await, ToBench::Created { key } if key == other));
+    }
+}
