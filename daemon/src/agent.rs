@@ -231,18 +231,16 @@ pub async fn simulate(
     let join = JoinRequest::new(&agent.key, agent.credentials.token.clone());
     let daemons = DialSet::new(ticket.addr());
     let node = agent.key.node.to_string();
-    let (joined_tx, _jobs, link) = if agent.jobs_link {
-        start_jobs_link(
+    let (joined_tx, link) = if agent.jobs_link {
+        let (tx, _jobs, link) = start_jobs_link(
             (&agent.dir, &node, agent.key.attempt.0),
             &endpoint,
             &daemons,
             &join,
-        )
+        );
+        (tx, Some(link))
     } else {
-        let (tx, _) = tokio::sync::watch::channel(false);
-        let jobs =
-            crate::jobs::agent::AgentJobs::new(&agent.dir, node.clone(), agent.key.attempt.0);
-        (tx, jobs, tokio::spawn(async {}))
+        (tokio::sync::watch::channel(false).0, None)
     };
     let lease = Lease::default();
     let ended = stay_joined(
@@ -259,7 +257,9 @@ pub async fn simulate(
         &mut stop,
     )
     .await;
-    link.abort();
+    if let Some(link) = link {
+        link.abort();
+    }
     let _ = tokio::time::timeout(Duration::from_millis(300), endpoint.close()).await;
     match ended {
         Ended::Stopped => Ok(()),

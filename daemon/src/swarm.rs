@@ -561,9 +561,14 @@ impl Session {
     }
 }
 
-/// How often silences are judged at most; a group with a shorter silence
-/// window is judged at a tenth of it.
-const SWEEP_EVERY_MAX: Duration = Duration::from_millis(200);
+/// How often the sweep judges silences: a fifth of the shortest silence
+/// window, so an agent is never shown away much later than its window.
+const SWEEP_EVERY: Duration = Duration::from_millis(200);
+
+const _: () = assert!(
+    SWEEP_EVERY.as_millis() * 5 <= Liveness::SILENCE_MIN_MS as u128,
+    "the sweep must judge at least five times per shortest silence window"
+);
 
 impl Sessions {
     /// A session for `key` on `conn`, unless its agent is heard on another
@@ -595,7 +600,7 @@ impl Sessions {
         }
     }
 
-    /// Judges every session's silence every [`SWEEP_EVERY_MAX`] (net of the
+    /// Judges every session's silence every [`SWEEP_EVERY`] (net of the
     /// time the daemon could not listen), and asserts every connected
     /// agent's join again in one batch every [`JOIN_REASSERT`]: a cluster
     /// actor restarted from its journal learns who is still connected, and
@@ -605,7 +610,7 @@ impl Sessions {
         let all = Arc::downgrade(&self.all);
         let clock = self.clock.clone();
         drop(self);
-        let mut due = Instant::now() + SWEEP_EVERY_MAX;
+        let mut due = Instant::now() + SWEEP_EVERY;
         let mut assert_at = Instant::now() + JOIN_REASSERT;
         loop {
             tokio::time::sleep_until(due.into()).await;
@@ -650,7 +655,7 @@ impl Sessions {
                 }
             }
             drop(all);
-            due = Instant::now() + SWEEP_EVERY_MAX;
+            due = Instant::now() + SWEEP_EVERY;
         }
     }
 }

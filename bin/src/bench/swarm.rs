@@ -172,14 +172,13 @@ struct Swarm {
     dir: PathBuf,
     /// Frames the agents sent and received once joined.
     frames: Arc<AtomicU64>,
-    /// Leases made, agents that joined (each attempt once), agents that
-    /// ended by themselves.
+    /// Leases made.
     created: AtomicU64,
-    joined: AtomicU64,
     /// Agents joined now (an ended or stopped one no longer counts).
     joined_now: AtomicU64,
     /// Places for agents between their start and their first join.
     joining: Arc<tokio::sync::Semaphore>,
+    /// Agents that ended by themselves.
     ended: AtomicU64,
     /// When the last lease was made and when the last agent joined.
     last_created: Mutex<Option<Instant>>,
@@ -255,7 +254,6 @@ impl Swarm {
             let joined = || {
                 lock(&permit).take();
                 was_joined.store(true, Ordering::Relaxed);
-                swarm.joined.fetch_add(1, Ordering::Relaxed);
                 swarm.joined_now.fetch_add(1, Ordering::Relaxed);
                 *lock(&swarm.last_joined) = Some(Instant::now());
                 let _ = swarm.to_daemon.send(ToDaemon::Joined { key: key.clone() });
@@ -495,7 +493,6 @@ pub(crate) async fn swarm(args: SwarmArgs) -> Result<i32> {
         dir: work.root.join("agents"),
         frames: Arc::default(),
         created: AtomicU64::new(0),
-        joined: AtomicU64::new(0),
         joined_now: AtomicU64::new(0),
         joining: Arc::new(tokio::sync::Semaphore::new(JOINING_MAX)),
         ended: AtomicU64::new(0),
