@@ -422,6 +422,12 @@ async fn stay_joined(agent: &Agent<'_>, stop: &mut impl Stop) -> Ended {
                 // The daemon answered: it is there, just not ready for this
                 // join (it is reading its journal, or restarting its
                 // cluster). Ask again soon, for as long as it says so.
+                // A daemon that answers is not gone for good: a lease it
+                // gave holds while it adopts, however long its listing
+                // takes. Only a welcome ever starts one.
+                if agent.lease.held().is_some() {
+                    agent.lease.renew(None);
+                }
                 tracing::info!(%reason, "the daemon deferred the join; asking again");
                 tokio::select! {
                     () = tokio::time::sleep(Duration::from_millis(200)) => {}
@@ -1019,6 +1025,97 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A daemon of the run that is still adopting: every join it hears is
+    /// told "not yet".
+    async fn defer(conn: &swactor_engine::iroh::endpoint::Connection) {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let Ok(Some(_)) = recv_frame::<JoinRequest, _>(&mut recv, FRAME_LEN_MAX).await else {
+                return;
+            };
+            let not_yet = JoinReply::NotYet("adopting".to_owned());
+            let _ = send_frame(&mut send, &not_yet, SWARM_REPLY_LEN_MAX_BYTES).await;
+            let _ = send.finish();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lease_holds_while_its_daemon_answers_not_yet_and_lapses_when_none_answers() {
+        let run_key = SecretKey::generate();
+        let config = NetConfig {
+            bind_addr: "127.0.0.1:0".parse().unwrap(),
+            ..NetConfig::default()
+        };
+        let daemon = bind_endpoint(&config, run_key.clone()).await.unwrap();
+        daemon.set_alpns(vec![ALPN_SWARM.to_vec()]);
+        let ep = daemon.clone();
+        let serving = tokio::spawn(async move {
+            while let Some(incoming) = ep.accept().await {
+                let Ok(accepting) = incoming.accept() else {
+                    continue;
+                };
+                tokio::spawn(async move {
+                    if let Ok(conn) = accepting.await {
+                        defer(&conn).await;
+                    }
+                });
+            }
+        });
+        let agent_ep = bind_endpoint(&NetConfig::default(), SecretKey::generate())
+            .await
+            .unwrap();
+        let join = JoinRequest {
+            key: crate::protocol::JoinKey {
+                run_id: "r".to_owned(),
+                node: "w-0".to_owned(),
+                attempt: 1,
+            },
+            token: "t".to_owned(),
+        };
+        let (joined_tx, _joined_rx) = tokio::sync::watch::channel(false);
+        let frames = AtomicU64::new(0);
+        let unpaused = AtomicBool::new(false);
+        let window = Duration::from_millis(600);
+        let run = |daemons: DialSet, lease: Lease| {
+            let (agent_ep, join, joined_tx) = (&agent_ep, &join, &joined_tx);
+            let (frames, unpaused) = (&frames, &unpaused);
+            async move {
+                let agent = Agent {
+                    endpoint: agent_ep,
+                    daemons: &daemons,
+                    join,
+                    joined_tx,
+                    lease: &lease,
+                    announce: &|| {},
+                    frames,
+                    beats_paused: unpaused,
+                };
+                let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
+                // Held from an earlier welcome, then twice its window with
+                // the daemon deferring every join.
+                lease.renew(Some((window, false)));
+                let (ended, ()) = tokio::join!(stay_joined(&agent, &mut stop), async {
+                    tokio::time::sleep(window * 2).await;
+                    stop_tx.send_replace(true);
+                });
+                assert_eq!(ended, Ended::Stopped);
+                lease.ends_at().expect("a lease with a window")
+            }
+        };
+
+        let ends = run(DialSet::new(&daemon.addr()), Lease::default()).await;
+        assert!(
+            ends > Instant::now(),
+            "a deferring daemon kept the lease: it ends {:?} from now",
+            ends.saturating_duration_since(Instant::now())
+        );
+        // With nobody answering at that address, it lapses as it would.
+        serving.abort();
+        daemon.close().await;
+        let ends = run(DialSet::new(&daemon.addr()), Lease::default()).await;
+        assert!(ends <= Instant::now(), "nobody renewed it");
+        agent_ep.close().await;
     }
 
     /// A leading daemon's endpoint and what serves it.

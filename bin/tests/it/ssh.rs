@@ -370,12 +370,16 @@ fn hosts_whose_daemon_is_gone_for_good_are_freed_by_their_agents_once_the_lease_
     if !swactor_providers::ssh::testing::sshd_available() {
         return;
     }
+    // Long enough for a daemon started again 2 s after a kill to answer
+    // its agents on a loaded machine (an answer holds the lease).
+    const LEASE_S: u64 = 8;
     let pool = Pool::new(2);
     let shape = pool.shape("two.toml", 2, &[0, 1], "");
     // The lease is a group field: it goes before the group's params.
-    let body = std::fs::read_to_string(&shape)
-        .unwrap()
-        .replace("[group.params]", "orphan_after_s = 5\n[group.params]");
+    let body = std::fs::read_to_string(&shape).unwrap().replace(
+        "[group.params]",
+        &format!("orphan_after_s = {LEASE_S}\n[group.params]"),
+    );
     std::fs::write(&shape, body).unwrap();
     let mut d = pool.up(&shape);
     let snap = wait_converged(&pool.state, CONVERGE, |s| {
@@ -392,7 +396,7 @@ fn hosts_whose_daemon_is_gone_for_good_are_freed_by_their_agents_once_the_lease_
     let killed = Instant::now();
     std::thread::sleep(Duration::from_secs(2));
     let mut d = pool.up(&shape);
-    std::thread::sleep(Duration::from_secs(5 + 3).saturating_sub(killed.elapsed()));
+    std::thread::sleep(Duration::from_secs(LEASE_S + 3).saturating_sub(killed.elapsed()));
     let back = wait_converged(&pool.state, CONVERGE, |s| {
         s.nodes.len() == 2 && s.nodes.iter().all(|n| n.ready)
     });
@@ -410,7 +414,7 @@ fn hosts_whose_daemon_is_gone_for_good_are_freed_by_their_agents_once_the_lease_
     d.kill9();
     let killed = Instant::now();
     wait_for(
-        Duration::from_secs(5 + 3),
+        Duration::from_secs(LEASE_S + 3),
         "both hosts free, with no agent and no attempt directory",
         || {
             (0..2).all(|h| {
@@ -424,7 +428,7 @@ fn hosts_whose_daemon_is_gone_for_good_are_freed_by_their_agents_once_the_lease_
     let freed = killed.elapsed();
     eprintln!("both hosts free {freed:?} after the daemon was killed");
     assert!(
-        freed >= Duration::from_secs(3),
+        freed >= Duration::from_secs(LEASE_S - 2),
         "freed before the lease could lapse: {freed:?}"
     );
     // A daemon started afterwards finds both hosts free and makes each node
