@@ -16,7 +16,7 @@ pub struct Capacity {
 }
 
 /// On what the limit of an [`OverCapacity`] rests.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CapacityBasis {
     /// The shape's own top-level `capacity`, which overrides every
     /// provider's estimate.

@@ -49,7 +49,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// Why a shape update was refused. The driver's state is unchanged.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, Serialize)]
 pub enum UpdateError {
     /// The shape itself is invalid.
     #[error("invalid shape: {0}")]
@@ -97,7 +97,7 @@ impl DesiredUpdate {
 }
 
 /// A misuse of the driver or a limit reached while applying an action.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize)]
 pub enum DriverError {
     /// `poll_pass` was called while a pass was running.
     #[error("a pass is already running; call finish_pass first")]
@@ -272,7 +272,7 @@ pub struct PassStats {
 
 /// The output of one pass.
 #[must_use = "every dispatch is recorded as pending and MUST be submitted"]
-#[derive(Debug)]
+#[derive(Debug, Serialize)]
 pub struct Pass {
     /// The pass's sequence number, from one.
     pub number: u64,

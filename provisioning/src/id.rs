@@ -8,7 +8,7 @@ use std::sync::Arc;
 pub const ID_LEN_MAX: usize = 63;
 
 /// Why an id string was rejected.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize)]
 pub enum IdError {
     /// The id is the empty string.
     #[error("is empty")]

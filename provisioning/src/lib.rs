@@ -31,6 +31,7 @@ mod core;
 mod decide;
 mod driver;
 pub mod exit;
+pub mod flight;
 mod host;
 mod id;
 pub mod lifetime;

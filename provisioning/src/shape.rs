@@ -313,7 +313,7 @@ pub(crate) fn seconds_to_ms(s: f64) -> u64 {
 /// the names of [`ClusterShape`] (`groups[2].join.lost_grace_s`); a group's
 /// problem carries the group's position and id, and the field as a
 /// [`GroupField`], so a front end can say it in the names its users write.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, Serialize)]
 pub enum ShapeError {
     /// The run id is malformed.
     #[error("run_id {value:?} {source}")]
@@ -415,7 +415,7 @@ pub enum ShapeError {
 
 /// A field of a [`GroupShape`] that validation can refuse. It displays as
 /// its path in the group (`join.lost_grace_s`, `provider.params.xs[1]`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum GroupField {
     /// `provider.kind`.
     ProviderKind,

@@ -16,7 +16,7 @@ use std::fmt;
 pub struct Timestamp(pub u64);
 
 /// A deadline could not be represented: `now + delay` overflows `u64` milliseconds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error, Serialize)]
 #[error("deadline overflow: {now_ms} ms + {delay_ms} ms does not fit in a timestamp")]
 pub struct DeadlineOverflow {
     /// The base instant, in milliseconds.

@@ -56,7 +56,7 @@ pub struct ShutdownReport {
 }
 
 /// Why a shape was not applied.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, Serialize)]
 pub enum ApplyError {
     /// The shape breaks validation or the revision contract.
     #[error(transparent)]
@@ -119,7 +119,7 @@ pub struct GroupHold {
 }
 
 /// Why a pause was refused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error, Serialize)]
 pub enum PauseError {
     /// The cluster is being torn down (or has stopped): a teardown overrides
     /// a pause and cannot itself be paused.
@@ -130,7 +130,7 @@ pub enum PauseError {
 }
 
 /// The answer to a ticket.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub enum Reply {
     /// The outcome of an apply; an accepted shape is durable by now.
     Applied(Result<DesiredUpdate, ApplyError>),
@@ -151,7 +151,7 @@ pub enum Reply {
 }
 
 /// A fold the host made of its own accord (see [`Output::Folded`]).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub enum HostFold {
     /// An observation: a live join fed to the core, or one that arrived
     /// before its session was known, replayed.
@@ -182,7 +182,7 @@ pub enum HostFold {
 }
 
 /// Something the host wants done. See the module docs for what each MUST cause.
-#[derive(Debug)]
+#[derive(Debug, Serialize)]
 pub enum Output {
     /// Make this delta durable, then call [`Host::handle_persisted`].
     Persist(JournalDelta),
@@ -221,7 +221,7 @@ impl Output {
 }
 
 /// Something worth telling people about.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub enum HostEvent {
     /// A shape became the desired state.
     ShapeAccepted {
@@ -339,7 +339,7 @@ pub enum HostEvent {
 }
 
 /// Why an agent's join was refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize)]
 pub enum JoinRefused {
     /// The key names another run.
     #[error("run {0} is not this cluster's run")]
@@ -380,7 +380,7 @@ impl JoinRefused {
 }
 
 /// Why an operator's replace was refused; nothing changed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize)]
 pub enum ReplaceError {
     /// No node holds that slot.
     #[error("{0} is not a node of this cluster")]

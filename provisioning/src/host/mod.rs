@@ -122,7 +122,7 @@ pub const JOURNAL_FORMAT: u32 = 1;
 pub const EARLY_OBSERVATIONS_MAX: usize = 64;
 
 /// Settings of a [`Host`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostConfig {
     /// Executor lanes: every operation of an attempt goes to lane
     /// `attempt % lanes`, so one attempt's operations never overlap.
@@ -575,7 +575,7 @@ pub struct Host<C: Reconciler> {
 /// ([`Host::handle_leadership`]). The instant is on the host's own clock,
 /// and the replica layer sets it short of when another replica could lead,
 /// so a host that stops acting at it never acts beside a new leader.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Leadership {
     /// Alone on its journal: always.
     Always,

@@ -1,0 +1,1402 @@
+//! The flight recorder's pure half: every input a daemon hands its
+//! [`Host`], written down as it is handed in, with a digest of what the
+//! host answered, so that a fresh host fed the same inputs later (anywhere,
+//! by any build that reads the format) can be checked to decide the same.
+//!
+//! [`Flight`] wraps a host. It derefs to the host for reading and has a
+//! method of the same name and signature for every call that changes it,
+//! so a caller that holds a `Flight` cannot change its host unrecorded (the
+//! wrapper gives no `&mut Host`). Each such call appends one frame to a
+//! buffer the caller drains ([`Flight::take_frames`]) and writes where it
+//! likes; nothing here does I/O, reads a clock or allocates beyond the
+//! buffer, which the caller bounds ([`Flight::set_buffer_max`]): a frame
+//! that would not fit is dropped and counted, never waited for.
+//!
+//! A recording is [`MAGIC`], the format version, a length-prefixed
+//! [`FlightHeader`] (what the host was built from), then frames. A frame is
+//! a little-endian `u32` length, the postcard encoding of a
+//! [`FlightInput`], and the 64-bit FNV-1a digest of the postcard encoding
+//! of what the call returned. [`Replayer`] builds a host from a header and
+//! feeds it frames, comparing digests; [`replay`] does it for a whole
+//! recording and says where the first difference is.
+
+use crate::ReconcilerConfig;
+use crate::core::Reconciler;
+use crate::driver::{DesiredUpdate, DriverError};
+use crate::host::{
+    ApplyError, Host, HostConfig, HostError, HostEvent, JoinRefused, JournalImage, Leadership,
+    Listed, Liveness, Output, PauseError, ReplaceError, ShutdownMode, Ticket,
+};
+use crate::id::{LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId};
+use crate::lifetime::Status;
+use crate::observe::{BootstrapObservation, Folded, OperationResult, Release};
+use crate::shape::ClusterShape;
+use crate::time::Timestamp;
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::fmt;
+
+/// The first bytes of every recording.
+pub const MAGIC: &[u8; 8] = b"SWFLIGHT";
+
+/// The version of the recording format this build writes and reads. A
+/// change to [`FlightHeader`], [`FlightInput`] or to any type they or a
+/// host's answers carry bumps it.
+pub const FLIGHT_FORMAT: u32 = 1;
+
+/// What a recording's host was built from, and when.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlightHeader {
+    /// The build that recorded it (the daemon's version and commit), for
+    /// people; replay does not depend on it.
+    pub build: String,
+    /// The run.
+    pub run_id: RunId,
+    /// The driver core's settings.
+    pub reconciler: ReconcilerConfig,
+    /// The host's settings.
+    pub host: HostConfig,
+    /// The journal the host resumed from (`None`: a new one).
+    pub resume: Option<JournalImage>,
+    /// The wall clock (ms since the Unix epoch) when the host was built...
+    pub wall_ms: u64,
+    /// ...and the host's own instant at that moment, so any later instant
+    /// of the recording can be told as a time of day.
+    pub now: Timestamp,
+}
+
+impl FlightHeader {
+    /// The wall clock (ms since the Unix epoch) at the host's instant `at`.
+    pub fn wall_at(&self, at: Timestamp) -> u64 {
+        self.wall_ms.saturating_add(at.0).saturating_sub(self.now.0)
+    }
+}
+
+/// One call that changes a host, with its arguments: the recorded input.
+/// Borrowed while recording, owned when read back.
+#[allow(missing_docs)] // each variant is the `Host` method of its name
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum FlightInput<'a> {
+    Inventory {
+        listed: Cow<'a, Result<Vec<Listed>, String>>,
+        now: Timestamp,
+    },
+    Apply {
+        shape: Cow<'a, ClusterShape>,
+        ticket: Ticket,
+        now: Timestamp,
+    },
+    ApplyNext {
+        shape: Cow<'a, ClusterShape>,
+        ticket: Ticket,
+        now: Timestamp,
+    },
+    Pause {
+        paused: bool,
+        ticket: Ticket,
+        now: Timestamp,
+    },
+    WaitConverged {
+        ticket: Ticket,
+    },
+    WaitAdopted {
+        ticket: Ticket,
+    },
+    Shutdown {
+        mode: ShutdownMode,
+        ticket: Ticket,
+        now: Timestamp,
+    },
+    Persisted {
+        seq: u64,
+    },
+    Result {
+        result: Cow<'a, OperationResult>,
+        now: Timestamp,
+    },
+    SubmitFailed {
+        node: LogicalNodeId,
+        op: OperationId,
+        reason: Cow<'a, str>,
+        now: Timestamp,
+    },
+    Bootstrap {
+        obs: Cow<'a, BootstrapObservation>,
+        now: Timestamp,
+    },
+    AgentJoined {
+        key: Cow<'a, ResourceKey>,
+        now: Timestamp,
+    },
+    AgentGone {
+        key: Cow<'a, ResourceKey>,
+        silent_ms: u64,
+        now: Timestamp,
+    },
+    Leadership {
+        leadership: Leadership,
+        now: Timestamp,
+    },
+    Spent {
+        spent_micros: u64,
+    },
+    Probed {
+        key: Cow<'a, ResourceKey>,
+        paused: Cow<'a, Result<bool, String>>,
+        now: Timestamp,
+    },
+    Replace {
+        node: LogicalNodeId,
+        ticket: Ticket,
+        now: Timestamp,
+    },
+    LaneLost {
+        lane: u32,
+    },
+    Collected {
+        key: Cow<'a, ResourceKey>,
+        outcome: Cow<'a, Result<Release, String>>,
+        now: Timestamp,
+    },
+    Timeout {
+        now: Timestamp,
+    },
+    Starved {
+        starved_ms: u64,
+        now: Timestamp,
+    },
+    Tick {
+        now: Timestamp,
+    },
+    WallClock {
+        wall_ms: u64,
+        now: Timestamp,
+    },
+    Lifetime {
+        wall_ms: u64,
+        jobs_running: bool,
+        now: Timestamp,
+    },
+    Leads {
+        now: Timestamp,
+    },
+    PollOutput {
+        now: Timestamp,
+    },
+    PollEvent,
+}
+
+impl FlightInput<'_> {
+    /// The instant the input was handed in at, when it names one.
+    pub fn now(&self) -> Option<Timestamp> {
+        match self {
+            Self::Inventory { now, .. }
+            | Self::Apply { now, .. }
+            | Self::ApplyNext { now, .. }
+            | Self::Pause { now, .. }
+            | Self::Shutdown { now, .. }
+            | Self::Result { now, .. }
+            | Self::SubmitFailed { now, .. }
+            | Self::Bootstrap { now, .. }
+            | Self::AgentJoined { now, .. }
+            | Self::AgentGone { now, .. }
+            | Self::Leadership { now, .. }
+            | Self::Probed { now, .. }
+            | Self::Replace { now, .. }
+            | Self::Collected { now, .. }
+            | Self::Timeout { now }
+            | Self::Starved { now, .. }
+            | Self::Tick { now }
+            | Self::WallClock { now, .. }
+            | Self::Lifetime { now, .. }
+            | Self::Leads { now }
+            | Self::PollOutput { now } => Some(*now),
+            Self::WaitConverged { .. }
+            | Self::WaitAdopted { .. }
+            | Self::Persisted { .. }
+            | Self::Spent { .. }
+            | Self::LaneLost { .. }
+            | Self::PollEvent => None,
+        }
+    }
+
+    /// Whether it is one of the host's own polls (an output or an event
+    /// asked for) rather than something that happened.
+    pub fn is_poll(&self) -> bool {
+        matches!(
+            self,
+            Self::PollOutput { .. } | Self::PollEvent | Self::Leads { .. }
+        )
+    }
+
+    /// The node it is about, when it names one.
+    pub fn node(&self) -> Option<LogicalNodeId> {
+        match self {
+            Self::Result { result, .. } => Some(result.node),
+            Self::SubmitFailed { node, .. } | Self::Replace { node, .. } => Some(*node),
+            Self::Bootstrap { obs, .. } => Some(obs.node),
+            Self::AgentJoined { key, .. }
+            | Self::AgentGone { key, .. }
+            | Self::Probed { key, .. }
+            | Self::Collected { key, .. } => Some(key.node),
+            _ => None,
+        }
+    }
+
+    /// The variant's name, for people.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Inventory { .. } => "inventory",
+            Self::Apply { .. } => "apply",
+            Self::ApplyNext { .. } => "apply-next",
+            Self::Pause { .. } => "pause",
+            Self::WaitConverged { .. } => "wait-converged",
+            Self::WaitAdopted { .. } => "wait-adopted",
+            Self::Shutdown { .. } => "shutdown",
+            Self::Persisted { .. } => "persisted",
+            Self::Result { .. } => "result",
+            Self::SubmitFailed { .. } => "submit-failed",
+            Self::Bootstrap { .. } => "bootstrap",
+            Self::AgentJoined { .. } => "agent-joined",
+            Self::AgentGone { .. } => "agent-gone",
+            Self::Leadership { .. } => "leadership",
+            Self::Spent { .. } => "spent",
+            Self::Probed { .. } => "probed",
+            Self::Replace { .. } => "replace",
+            Self::LaneLost { .. } => "lane-lost",
+            Self::Collected { .. } => "collected",
+            Self::Timeout { .. } => "timeout",
+            Self::Starved { .. } => "starved",
+            Self::Tick { .. } => "tick",
+            Self::WallClock { .. } => "wall-clock",
+            Self::Lifetime { .. } => "lifetime",
+            Self::Leads { .. } => "leads",
+            Self::PollOutput { .. } => "poll-output",
+            Self::PollEvent => "poll-event",
+        }
+    }
+
+    /// A short account of the input for people: its kind, and what it
+    /// carries that says why it mattered (a result's outcome, an
+    /// observation's event, how long an agent was silent).
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Inventory { listed, .. } => match listed.as_ref() {
+                Ok(l) => format!("inventory: {} resource(s) listed", l.len()),
+                Err(e) => format!("inventory: could not list ({e})"),
+            },
+            Self::Apply { shape, .. } | Self::ApplyNext { shape, .. } => {
+                format!("{} of generation {}", self.kind(), shape.generation.0)
+            }
+            Self::Pause { paused, .. } => if *paused { "pause" } else { "resume" }.to_owned(),
+            Self::Shutdown { mode, .. } => format!("shutdown ({mode:?})"),
+            Self::Result { result, .. } => format!(
+                "result for {} of {:?}: {:?}",
+                result.node, result.op, result.outcome
+            ),
+            Self::SubmitFailed { node, reason, .. } => {
+                format!("submit failed for {node}: {reason}")
+            }
+            Self::Bootstrap { obs, .. } => {
+                format!("bootstrap of {}/{}: {:?}", obs.node, obs.attempt, obs.event)
+            }
+            Self::AgentJoined { key, .. } => format!("agent of {key} joined"),
+            Self::AgentGone { key, silent_ms, .. } => {
+                format!("agent of {key} went away (silent {silent_ms} ms)")
+            }
+            Self::Probed { key, paused, .. } => format!("probe of {key}: {paused:?}"),
+            Self::Replace { node, .. } => format!("operator's replace of {node}"),
+            Self::Collected { key, outcome, .. } => format!("collected {key}: {outcome:?}"),
+            Self::Starved { starved_ms, .. } => format!("starved {starved_ms} ms in all"),
+            Self::Leadership { leadership, .. } => format!("leadership {leadership:?}"),
+            other => other.kind().to_owned(),
+        }
+    }
+
+    /// An owned copy.
+    pub fn into_owned(self) -> FlightInput<'static> {
+        fn own<T: Clone>(c: Cow<'_, T>) -> Cow<'static, T> {
+            Cow::Owned(c.into_owned())
+        }
+        match self {
+            Self::Inventory { listed, now } => FlightInput::Inventory {
+                listed: own(listed),
+                now,
+            },
+            Self::Apply { shape, ticket, now } => FlightInput::Apply {
+                shape: own(shape),
+                ticket,
+                now,
+            },
+            Self::ApplyNext { shape, ticket, now } => FlightInput::ApplyNext {
+                shape: own(shape),
+                ticket,
+                now,
+            },
+            Self::Pause {
+                paused,
+                ticket,
+                now,
+            } => FlightInput::Pause {
+                paused,
+                ticket,
+                now,
+            },
+            Self::WaitConverged { ticket } => FlightInput::WaitConverged { ticket },
+            Self::WaitAdopted { ticket } => FlightInput::WaitAdopted { ticket },
+            Self::Shutdown { mode, ticket, now } => FlightInput::Shutdown { mode, ticket, now },
+            Self::Persisted { seq } => FlightInput::Persisted { seq },
+            Self::Result { result, now } => FlightInput::Result {
+                result: own(result),
+                now,
+            },
+            Self::SubmitFailed {
+                node,
+                op,
+                reason,
+                now,
+            } => FlightInput::SubmitFailed {
+                node,
+                op,
+                reason: Cow::Owned(reason.into_owned()),
+                now,
+            },
+            Self::Bootstrap { obs, now } => FlightInput::Bootstrap { obs: own(obs), now },
+            Self::AgentJoined { key, now } => FlightInput::AgentJoined { key: own(key), now },
+            Self::AgentGone {
+                key,
+                silent_ms,
+                now,
+            } => FlightInput::AgentGone {
+                key: own(key),
+                silent_ms,
+                now,
+            },
+            Self::Leadership { leadership, now } => FlightInput::Leadership { leadership, now },
+            Self::Spent { spent_micros } => FlightInput::Spent { spent_micros },
+            Self::Probed { key, paused, now } => FlightInput::Probed {
+                key: own(key),
+                paused: own(paused),
+                now,
+            },
+            Self::Replace { node, ticket, now } => FlightInput::Replace { node, ticket, now },
+            Self::LaneLost { lane } => FlightInput::LaneLost { lane },
+            Self::Collected { key, outcome, now } => FlightInput::Collected {
+                key: own(key),
+                outcome: own(outcome),
+                now,
+            },
+            Self::Timeout { now } => FlightInput::Timeout { now },
+            Self::Starved { starved_ms, now } => FlightInput::Starved { starved_ms, now },
+            Self::Tick { now } => FlightInput::Tick { now },
+            Self::WallClock { wall_ms, now } => FlightInput::WallClock { wall_ms, now },
+            Self::Lifetime {
+                wall_ms,
+                jobs_running,
+                now,
+            } => FlightInput::Lifetime {
+                wall_ms,
+                jobs_running,
+                now,
+            },
+            Self::Leads { now } => FlightInput::Leads { now },
+            Self::PollOutput { now } => FlightInput::PollOutput { now },
+            Self::PollEvent => FlightInput::PollEvent,
+        }
+    }
+}
+
+/// 64-bit FNV-1a over a value's postcard encoding, without building it.
+struct Digest(u64);
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+impl postcard::ser_flavors::Flavor for Digest {
+    type Output = u64;
+
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.0 = (self.0 ^ u64::from(data)).wrapping_mul(FNV_PRIME);
+        Ok(())
+    }
+
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        for &b in data {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+        }
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<u64> {
+        Ok(self.0)
+    }
+}
+
+/// The digest of what a host call returned, as a recording keeps it.
+pub fn digest<T: Serialize + ?Sized>(value: &T) -> u64 {
+    // Hashing cannot fail; a type serde cannot encode would be a bug here,
+    // and gets a digest of its own that replay will point at.
+    postcard::serialize_with_flavor(value, Digest(FNV_OFFSET)).unwrap_or(0)
+}
+
+/// The recorder's counters, for the daemon's metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlightStats {
+    /// Frames written to the buffer.
+    pub frames: u64,
+    /// Frames dropped because the buffer was full.
+    pub dropped: u64,
+    /// Bytes written to the buffer.
+    pub bytes: u64,
+}
+
+/// The frames a [`Flight`] has recorded and not yet handed out, bounded.
+#[derive(Debug)]
+struct Recorder {
+    buf: Vec<u8>,
+    max: usize,
+    stats: FlightStats,
+    /// Where the frame being written starts, while one is.
+    open: Option<usize>,
+}
+
+impl Recorder {
+    /// Starts a frame with `input`; false (and counted) when it does not fit.
+    fn begin(&mut self, input: &FlightInput<'_>) {
+        let start = self.buf.len();
+        self.buf.extend_from_slice(&[0; 4]);
+        match postcard::to_extend(input, std::mem::take(&mut self.buf)) {
+            Ok(buf) => {
+                self.buf = buf;
+                self.open = Some(start);
+            }
+            Err(_) => {
+                // Unencodable: never happens for these types; the frame is
+                // dropped rather than written half.
+                self.open = None;
+                self.stats.dropped += 1;
+            }
+        }
+    }
+
+    /// Ends the open frame with the digest of `output`.
+    fn end(&mut self, output: u64) {
+        let Some(start) = self.open.take() else {
+            return;
+        };
+        self.buf.extend_from_slice(&output.to_le_bytes());
+        let len = self.buf.len() - start - 4;
+        let fits = start + 4 + len <= self.max || start == 0;
+        match u32::try_from(len) {
+            Ok(len32) if fits => {
+                self.buf[start..start + 4].copy_from_slice(&len32.to_le_bytes());
+                self.stats.frames += 1;
+                self.stats.bytes += (len + 4) as u64;
+            }
+            _ => {
+                self.buf.truncate(start);
+                self.stats.dropped += 1;
+            }
+        }
+    }
+}
+
+/// A [`Host`] whose every change is recorded. See the module's docs.
+pub struct Flight<C: Reconciler> {
+    host: Host<C>,
+    rec: Option<Recorder>,
+}
+
+impl<C: Reconciler> std::ops::Deref for Flight<C> {
+    type Target = Host<C>;
+    fn deref(&self) -> &Host<C> {
+        &self.host
+    }
+}
+
+impl<C: Reconciler> fmt::Debug for Flight<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Flight")
+            .field("recording", &self.rec.is_some())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The header of a recording and its host, built together so the header
+/// names exactly what the host was built from.
+///
+/// # Errors
+/// As [`Host::new`].
+pub fn record<C: Reconciler>(
+    core: C,
+    config: HostConfig,
+    resume: Option<JournalImage>,
+    build: String,
+    wall_ms: u64,
+    now: Timestamp,
+) -> Result<(Flight<C>, Vec<u8>), HostError> {
+    let header = FlightHeader {
+        build,
+        run_id: core.state().run_id.clone(),
+        reconciler: core.config().clone(),
+        host: config.clone(),
+        resume: resume.clone(),
+        wall_ms,
+        now,
+    };
+    let host = Host::new(core, config, resume)?;
+    Ok((
+        Flight {
+            host,
+            rec: Some(Recorder {
+                buf: Vec::new(),
+                max: usize::MAX,
+                stats: FlightStats::default(),
+                open: None,
+            }),
+        },
+        encode_header(&header),
+    ))
+}
+
+/// The start of a recording: [`MAGIC`], the format, and the header.
+pub fn encode_header(header: &FlightHeader) -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
+    out.extend_from_slice(&FLIGHT_FORMAT.to_le_bytes());
+    let body = postcard::to_allocvec(header).unwrap_or_default();
+    out.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+macro_rules! recorded {
+    ($self:ident, $input:expr, $call:expr) => {{
+        if let Some(rec) = &mut $self.rec {
+            rec.begin(&$input);
+        }
+        let out = $call;
+        if let Some(rec) = &mut $self.rec {
+            rec.end(digest(&out));
+        }
+        out
+    }};
+}
+
+impl<C: Reconciler> Flight<C> {
+    /// A host that records nothing (a test, or a daemon told not to).
+    pub fn unrecorded(host: Host<C>) -> Self {
+        Self { host, rec: None }
+    }
+
+    /// Whether it records.
+    pub fn is_recording(&self) -> bool {
+        self.rec.is_some()
+    }
+
+    /// The most bytes of frames held until [`Flight::take_frames`]; a frame
+    /// past it is dropped and counted (one frame always fits an empty
+    /// buffer).
+    pub fn set_buffer_max(&mut self, max: usize) {
+        if let Some(rec) = &mut self.rec {
+            rec.max = max;
+        }
+    }
+
+    /// The frames recorded since the last call, to be appended to the
+    /// recording; swaps in `spare` (cleared) to record the next ones in.
+    pub fn take_frames(&mut self, mut spare: Vec<u8>) -> Vec<u8> {
+        spare.clear();
+        match &mut self.rec {
+            Some(rec) => std::mem::replace(&mut rec.buf, spare),
+            None => spare,
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> FlightStats {
+        self.rec.as_ref().map(|r| r.stats).unwrap_or_default()
+    }
+
+    /// The host, for a caller that reads it.
+    pub fn host(&self) -> &Host<C> {
+        &self.host
+    }
+
+    /// See [`Host::handle_inventory`].
+    pub fn handle_inventory(&mut self, listed: Result<Vec<Listed>, String>, now: Timestamp) {
+        if let Some(rec) = &mut self.rec {
+            rec.begin(&FlightInput::Inventory {
+                listed: Cow::Borrowed(&listed),
+                now,
+            });
+        }
+        self.host.handle_inventory(listed, now);
+        if let Some(rec) = &mut self.rec {
+            rec.end(digest(&()));
+        }
+    }
+
+    /// See [`Host::handle_apply`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_apply(
+        &mut self,
+        shape: &ClusterShape,
+        ticket: Ticket,
+        now: Timestamp,
+    ) -> Result<DesiredUpdate, ApplyError> {
+        recorded!(
+            self,
+            FlightInput::Apply {
+                shape: Cow::Borrowed(shape),
+                ticket,
+                now
+            },
+            self.host.handle_apply(shape, ticket, now)
+        )
+    }
+
+    /// See [`Host::handle_apply_next`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_apply_next(
+        &mut self,
+        shape: &ClusterShape,
+        ticket: Ticket,
+        now: Timestamp,
+    ) -> Result<DesiredUpdate, ApplyError> {
+        recorded!(
+            self,
+            FlightInput::ApplyNext {
+                shape: Cow::Borrowed(shape),
+                ticket,
+                now
+            },
+            self.host.handle_apply_next(shape, ticket, now)
+        )
+    }
+
+    /// See [`Host::handle_pause`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_pause(
+        &mut self,
+        paused: bool,
+        ticket: Ticket,
+        now: Timestamp,
+    ) -> Result<bool, PauseError> {
+        recorded!(
+            self,
+            FlightInput::Pause {
+                paused,
+                ticket,
+                now
+            },
+            self.host.handle_pause(paused, ticket, now)
+        )
+    }
+
+    /// See [`Host::handle_wait_converged`].
+    pub fn handle_wait_converged(&mut self, ticket: Ticket) {
+        recorded!(
+            self,
+            FlightInput::WaitConverged { ticket },
+            self.host.handle_wait_converged(ticket)
+        );
+    }
+
+    /// See [`Host::handle_wait_adopted`].
+    pub fn handle_wait_adopted(&mut self, ticket: Ticket) {
+        recorded!(
+            self,
+            FlightInput::WaitAdopted { ticket },
+            self.host.handle_wait_adopted(ticket)
+        );
+    }
+
+    /// See [`Host::handle_shutdown`].
+    pub fn handle_shutdown(&mut self, mode: ShutdownMode, ticket: Ticket, now: Timestamp) {
+        recorded!(
+            self,
+            FlightInput::Shutdown { mode, ticket, now },
+            self.host.handle_shutdown(mode, ticket, now)
+        );
+    }
+
+    /// See [`Host::handle_persisted`].
+    pub fn handle_persisted(&mut self, seq: u64) {
+        recorded!(
+            self,
+            FlightInput::Persisted { seq },
+            self.host.handle_persisted(seq)
+        );
+    }
+
+    /// See [`Host::handle_result`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_result(
+        &mut self,
+        result: OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        if let Some(rec) = &mut self.rec {
+            rec.begin(&FlightInput::Result {
+                result: Cow::Borrowed(&result),
+                now,
+            });
+        }
+        let out = self.host.handle_result(result, now);
+        if let Some(rec) = &mut self.rec {
+            rec.end(digest(&out));
+        }
+        out
+    }
+
+    /// See [`Host::handle_submit_failed`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_submit_failed(
+        &mut self,
+        node: &LogicalNodeId,
+        op: OperationId,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        recorded!(
+            self,
+            FlightInput::SubmitFailed {
+                node: *node,
+                op,
+                reason: Cow::Borrowed(reason),
+                now
+            },
+            self.host.handle_submit_failed(node, op, reason, now)
+        )
+    }
+
+    /// See [`Host::handle_bootstrap`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_bootstrap(
+        &mut self,
+        obs: BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
+        if let Some(rec) = &mut self.rec {
+            rec.begin(&FlightInput::Bootstrap {
+                obs: Cow::Borrowed(&obs),
+                now,
+            });
+        }
+        let out = self.host.handle_bootstrap(obs, now);
+        if let Some(rec) = &mut self.rec {
+            rec.end(digest(&out));
+        }
+        out
+    }
+
+    /// See [`Host::handle_agent_joined`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_agent_joined(
+        &mut self,
+        key: &ResourceKey,
+        now: Timestamp,
+    ) -> Result<Liveness, JoinRefused> {
+        recorded!(
+            self,
+            FlightInput::AgentJoined {
+                key: Cow::Borrowed(key),
+                now
+            },
+            self.host.handle_agent_joined(key, now)
+        )
+    }
+
+    /// See [`Host::handle_agent_gone`].
+    pub fn handle_agent_gone(&mut self, key: &ResourceKey, silent_ms: u64, now: Timestamp) {
+        recorded!(
+            self,
+            FlightInput::AgentGone {
+                key: Cow::Borrowed(key),
+                silent_ms,
+                now
+            },
+            self.host.handle_agent_gone(key, silent_ms, now)
+        );
+    }
+
+    /// See [`Host::handle_leadership`].
+    pub fn handle_leadership(&mut self, leadership: Leadership, now: Timestamp) {
+        recorded!(
+            self,
+            FlightInput::Leadership { leadership, now },
+            self.host.handle_leadership(leadership, now)
+        );
+    }
+
+    /// See [`Host::handle_spent`].
+    pub fn handle_spent(&mut self, spent_micros: u64) -> u64 {
+        recorded!(
+            self,
+            FlightInput::Spent { spent_micros },
+            self.host.handle_spent(spent_micros)
+        )
+    }
+
+    /// See [`Host::handle_probed`].
+    pub fn handle_probed(
+        &mut self,
+        key: &ResourceKey,
+        paused: Result<bool, String>,
+        now: Timestamp,
+    ) {
+        if let Some(rec) = &mut self.rec {
+            rec.begin(&FlightInput::Probed {
+                key: Cow::Borrowed(key),
+                paused: Cow::Borrowed(&paused),
+                now,
+            });
+        }
+        self.host.handle_probed(key, paused, now);
+        if let Some(rec) = &mut self.rec {
+            rec.end(digest(&()));
+        }
+    }
+
+    /// See [`Host::handle_replace`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_replace(
+        &mut self,
+        node: &LogicalNodeId,
+        ticket: Ticket,
+        now: Timestamp,
+    ) -> Result<NodeAttemptId, ReplaceError> {
+        recorded!(
+            self,
+            FlightInput::Replace {
+                node: *node,
+                ticket,
+                now
+            },
+            self.host.handle_replace(node, ticket, now)
+        )
+    }
+
+    /// See [`Host::handle_lane_lost`].
+    pub fn handle_lane_lost(&mut self, lane: u32) {
+        recorded!(
+            self,
+            FlightInput::LaneLost { lane },
+            self.host.handle_lane_lost(lane)
+        );
+    }
+
+    /// See [`Host::handle_collected`].
+    pub fn handle_collected(
+        &mut self,
+        key: &ResourceKey,
+        outcome: Result<Release, String>,
+        now: Timestamp,
+    ) {
+        if let Some(rec) = &mut self.rec {
+            rec.begin(&FlightInput::Collected {
+                key: Cow::Borrowed(key),
+                outcome: Cow::Borrowed(&outcome),
+                now,
+            });
+        }
+        self.host.handle_collected(key, outcome, now);
+        if let Some(rec) = &mut self.rec {
+            rec.end(digest(&()));
+        }
+    }
+
+    /// See [`Host::handle_timeout`].
+    ///
+    /// # Errors
+    /// As the host's.
+    pub fn handle_timeout(&mut self, now: Timestamp) -> Result<usize, DriverError> {
+        recorded!(
+            self,
+            FlightInput::Timeout { now },
+            self.host.handle_timeout(now)
+        )
+    }
+
+    /// See [`Host::handle_starved`].
+    pub fn handle_starved(&mut self, starved_ms: u64, now: Timestamp) {
+        recorded!(
+            self,
+            FlightInput::Starved { starved_ms, now },
+            self.host.handle_starved(starved_ms, now)
+        );
+    }
+
+    /// See [`Host::handle_tick`].
+    pub fn handle_tick(&mut self, now: Timestamp) {
+        recorded!(self, FlightInput::Tick { now }, self.host.handle_tick(now));
+    }
+
+    /// See [`Host::handle_wall_clock`].
+    pub fn handle_wall_clock(&mut self, wall_ms: u64, now: Timestamp) {
+        recorded!(
+            self,
+            FlightInput::WallClock { wall_ms, now },
+            self.host.handle_wall_clock(wall_ms, now)
+        );
+    }
+
+    /// See [`Host::handle_lifetime`].
+    pub fn handle_lifetime(
+        &mut self,
+        wall_ms: u64,
+        jobs_running: bool,
+        now: Timestamp,
+    ) -> Option<Status> {
+        recorded!(
+            self,
+            FlightInput::Lifetime {
+                wall_ms,
+                jobs_running,
+                now
+            },
+            self.host.handle_lifetime(wall_ms, jobs_running, now)
+        )
+    }
+
+    /// See [`Host::leads`].
+    pub fn leads(&mut self, now: Timestamp) -> bool {
+        recorded!(self, FlightInput::Leads { now }, self.host.leads(now))
+    }
+
+    /// See [`Host::poll_output`].
+    pub fn poll_output(&mut self, now: Timestamp) -> Option<Output> {
+        recorded!(
+            self,
+            FlightInput::PollOutput { now },
+            self.host.poll_output(now)
+        )
+    }
+
+    /// See [`Host::poll_event`].
+    pub fn poll_event(&mut self) -> Option<HostEvent> {
+        recorded!(self, FlightInput::PollEvent, self.host.poll_event())
+    }
+}
+
+/// Why a recording could not be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FlightError {
+    /// Not a recording.
+    #[error("not a flight recording (it does not start with {MAGIC:?})")]
+    NotARecording,
+    /// Of another format version.
+    #[error(
+        "this recording is of format version {found}; this build reads version {FLIGHT_FORMAT} only"
+    )]
+    Format {
+        /// The recording's version.
+        found: u32,
+    },
+    /// The header could not be decoded.
+    #[error("the recording's header cannot be read: {0}")]
+    Header(String),
+    /// A frame could not be decoded (not a cut-off end: that ends the
+    /// recording).
+    #[error("frame {index} (at byte {offset}) cannot be read: {reason}")]
+    Frame {
+        /// Its index.
+        index: u64,
+        /// Where it starts.
+        offset: usize,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A recording read from bytes: its header, and its frames in order.
+#[derive(Debug)]
+pub struct Recording<'b> {
+    /// What its host was built from.
+    pub header: FlightHeader,
+    frames: &'b [u8],
+}
+
+impl<'b> Recording<'b> {
+    /// Reads a recording's header.
+    ///
+    /// # Errors
+    /// Not a recording, of another format, or a header that cannot be read.
+    pub fn read(bytes: &'b [u8]) -> Result<Self, FlightError> {
+        let rest = bytes
+            .strip_prefix(MAGIC.as_slice())
+            .ok_or(FlightError::NotARecording)?;
+        let (format, rest) = split_u32(rest).ok_or(FlightError::NotARecording)?;
+        if format != FLIGHT_FORMAT {
+            return Err(FlightError::Format { found: format });
+        }
+        let (len, rest) = split_u32(rest).ok_or_else(|| FlightError::Header("cut off".into()))?;
+        let len = len as usize;
+        if rest.len() < len {
+            return Err(FlightError::Header("cut off".into()));
+        }
+        let header =
+            postcard::from_bytes(&rest[..len]).map_err(|e| FlightError::Header(e.to_string()))?;
+        Ok(Self {
+            header,
+            frames: &rest[len..],
+        })
+    }
+
+    /// Its frames: each input with the digest of what the host answered.
+    /// A frame cut off at the end (the daemon died mid-write) ends them.
+    pub fn frames(&self) -> Frames<'b> {
+        Frames {
+            rest: self.frames,
+            offset: 0,
+            index: 0,
+            cut: false,
+        }
+    }
+}
+
+fn split_u32(b: &[u8]) -> Option<(u32, &[u8])> {
+    let (head, rest) = b.split_first_chunk::<4>()?;
+    Some((u32::from_le_bytes(*head), rest))
+}
+
+/// A frame length that is no frame: the recorder wrote it where it had to
+/// drop frames (its writer fell behind, or the recording reached its
+/// limit), and wrote nothing more. A recording ends there, cut.
+pub const CUT_MARKER: u32 = u32::MAX;
+
+/// The frames of a [`Recording`].
+#[derive(Debug)]
+pub struct Frames<'b> {
+    rest: &'b [u8],
+    offset: usize,
+    index: u64,
+    cut: bool,
+}
+
+impl Frames<'_> {
+    /// Whether the recording ended at a [`CUT_MARKER`] (so far).
+    pub fn was_cut(&self) -> bool {
+        self.cut
+    }
+}
+
+/// One recorded call: its input, and the digest of what it returned.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Frame<'b> {
+    /// Its index in the recording, from 0.
+    pub index: u64,
+    /// The input.
+    pub input: FlightInput<'b>,
+    /// The digest of the host's answer.
+    pub output: u64,
+}
+
+impl<'b> Iterator for Frames<'b> {
+    type Item = Result<Frame<'b>, FlightError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let (len, rest) = split_u32(self.rest)?;
+        if len == CUT_MARKER {
+            self.cut = true;
+            self.rest = &[];
+            return None;
+        }
+        let len = len as usize;
+        if rest.len() < len || len < 8 {
+            // Cut off mid-write: the recording ends here.
+            self.rest = &[];
+            return None;
+        }
+        let (body, rest) = rest.split_at(len);
+        let (input_bytes, digest_bytes) = body.split_at(len - 8);
+        let index = self.index;
+        let offset = self.offset;
+        self.rest = rest;
+        self.offset += 4 + len;
+        self.index += 1;
+        let mut d = [0u8; 8];
+        d.copy_from_slice(digest_bytes);
+        Some(
+            postcard::from_bytes::<FlightInput<'b>>(input_bytes)
+                .map(|input| Frame {
+                    index,
+                    input,
+                    output: u64::from_le_bytes(d),
+                })
+                .map_err(|e| FlightError::Frame {
+                    index,
+                    offset,
+                    reason: e.to_string(),
+                }),
+        )
+    }
+}
+
+/// Where a replay first decided otherwise than the recorded host.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "input {index} ({input}) was answered otherwise than recorded: the replay answered {replayed}"
+)]
+pub struct Divergence {
+    /// The input's index.
+    pub index: u64,
+    /// The input, for people.
+    pub input: String,
+    /// What the replaying host answered, for people.
+    pub replayed: String,
+}
+
+/// A fresh host fed a recording's inputs one at a time.
+pub struct Replayer<C: Reconciler> {
+    host: Host<C>,
+    next: u64,
+}
+
+impl<C: Reconciler> fmt::Debug for Replayer<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Replayer")
+            .field("next", &self.next)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Reconciler> Replayer<C> {
+    /// A host built as the recorded one was, around `core` (built from
+    /// [`FlightHeader::reconciler`] for the run).
+    ///
+    /// # Errors
+    /// As [`Host::new`].
+    pub fn new(header: &FlightHeader, core: C) -> Result<Self, HostError> {
+        Ok(Self {
+            host: Host::new(core, header.host.clone(), header.resume.clone())?,
+            next: 0,
+        })
+    }
+
+    /// The host as the inputs so far left it.
+    pub fn host(&self) -> &Host<C> {
+        &self.host
+    }
+
+    /// The index of the next input.
+    pub fn next_index(&self) -> u64 {
+        self.next
+    }
+
+    /// Feeds one input and checks the answer against `recorded`.
+    ///
+    /// # Errors
+    /// The host answered otherwise.
+    pub fn step(&mut self, input: &FlightInput<'_>, recorded: u64) -> Result<(), Divergence> {
+        let index = self.next;
+        self.next += 1;
+        let h = &mut self.host;
+        let check = |out: &dyn ErasedAnswer| -> Result<(), Divergence> {
+            if out.digest() == recorded {
+                Ok(())
+            } else {
+                Err(Divergence {
+                    index,
+                    input: input.describe(),
+                    replayed: out.show(),
+                })
+            }
+        };
+        match input.clone() {
+            FlightInput::Inventory { listed, now } => {
+                h.handle_inventory(listed.into_owned(), now);
+                check(&())
+            }
+            FlightInput::Apply { shape, ticket, now } => {
+                check(&h.handle_apply(&shape, ticket, now))
+            }
+            FlightInput::ApplyNext { shape, ticket, now } => {
+                check(&h.handle_apply_next(&shape, ticket, now))
+            }
+            FlightInput::Pause {
+                paused,
+                ticket,
+                now,
+            } => check(&h.handle_pause(paused, ticket, now)),
+            FlightInput::WaitConverged { ticket } => {
+                h.handle_wait_converged(ticket);
+                check(&())
+            }
+            FlightInput::WaitAdopted { ticket } => {
+                h.handle_wait_adopted(ticket);
+                check(&())
+            }
+            FlightInput::Shutdown { mode, ticket, now } => {
+                h.handle_shutdown(mode, ticket, now);
+                check(&())
+            }
+            FlightInput::Persisted { seq } => {
+                h.handle_persisted(seq);
+                check(&())
+            }
+            FlightInput::Result { result, now } => {
+                check(&h.handle_result(result.into_owned(), now))
+            }
+            FlightInput::SubmitFailed {
+                node,
+                op,
+                reason,
+                now,
+            } => check(&h.handle_submit_failed(&node, op, &reason, now)),
+            FlightInput::Bootstrap { obs, now } => {
+                check(&h.handle_bootstrap(obs.into_owned(), now))
+            }
+            FlightInput::AgentJoined { key, now } => check(&h.handle_agent_joined(&key, now)),
+            FlightInput::AgentGone {
+                key,
+                silent_ms,
+                now,
+            } => {
+                h.handle_agent_gone(&key, silent_ms, now);
+                check(&())
+            }
+            FlightInput::Leadership { leadership, now } => {
+                h.handle_leadership(leadership, now);
+                check(&())
+            }
+            FlightInput::Spent { spent_micros } => check(&h.handle_spent(spent_micros)),
+            FlightInput::Probed { key, paused, now } => {
+                h.handle_probed(&key, paused.into_owned(), now);
+                check(&())
+            }
+            FlightInput::Replace { node, ticket, now } => {
+                check(&h.handle_replace(&node, ticket, now))
+            }
+            FlightInput::LaneLost { lane } => {
+                h.handle_lane_lost(lane);
+                check(&())
+            }
+            FlightInput::Collected { key, outcome, now } => {
+                h.handle_collected(&key, outcome.into_owned(), now);
+                check(&())
+            }
+            FlightInput::Timeout { now } => check(&h.handle_timeout(now)),
+            FlightInput::Starved { starved_ms, now } => {
+                h.handle_starved(starved_ms, now);
+                check(&())
+            }
+            FlightInput::Tick { now } => {
+                h.handle_tick(now);
+                check(&())
+            }
+            FlightInput::WallClock { wall_ms, now } => {
+                h.handle_wall_clock(wall_ms, now);
+                check(&())
+            }
+            FlightInput::Lifetime {
+                wall_ms,
+                jobs_running,
+                now,
+            } => check(&h.handle_lifetime(wall_ms, jobs_running, now)),
+            FlightInput::Leads { now } => check(&h.leads(now)),
+            FlightInput::PollOutput { now } => check(&h.poll_output(now)),
+            FlightInput::PollEvent => check(&h.poll_event()),
+        }
+    }
+}
+
+/// What a host call returned, digested or shown for people.
+trait ErasedAnswer {
+    fn digest(&self) -> u64;
+    fn show(&self) -> String;
+}
+
+impl<T: Serialize + fmt::Debug> ErasedAnswer for T {
+    fn digest(&self) -> u64 {
+        digest(self)
+    }
+    fn show(&self) -> String {
+        let mut s = format!("{self:?}");
+        if s.len() > 2_000 {
+            let mut end = 2_000;
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            s.truncate(end);
+            s.push('…');
+        }
+        s
+    }
+}
+
+/// What a whole replay went through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replayed {
+    /// Inputs fed, every one answered as recorded.
+    pub inputs: u64,
+    /// The instant of the last input that named one.
+    pub last: Option<Timestamp>,
+    /// Whether the recording was cut ([`CUT_MARKER`]): the daemon went on
+    /// past its last input unrecorded.
+    pub cut: bool,
+}
+
+/// Why a whole replay stopped.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReplayError {
+    /// The recording could not be read.
+    #[error(transparent)]
+    Read(#[from] FlightError),
+    /// Its host could not be built.
+    #[error("the recorded host cannot be built again: {0}")]
+    Host(String),
+    /// The replay decided otherwise.
+    #[error(transparent)]
+    Diverged(#[from] Divergence),
+}
+
+/// Replays a whole recording over a fresh host around the core `make`
+/// builds from the header, calling `each` after every input with the host
+/// as it left it.
+///
+/// # Errors
+/// The recording cannot be read, its host cannot be built, or the first
+/// input answered otherwise than recorded.
+pub fn replay<C: Reconciler>(
+    bytes: &[u8],
+    make: impl FnOnce(&FlightHeader) -> Result<C, String>,
+    mut each: impl FnMut(&Frame<'_>, &Host<C>),
+) -> Result<Replayed, ReplayError> {
+    let recording = Recording::read(bytes)?;
+    let core = make(&recording.header).map_err(ReplayError::Host)?;
+    let mut replayer =
+        Replayer::new(&recording.header, core).map_err(|e| ReplayError::Host(e.to_string()))?;
+    let mut last = None;
+    let mut frames = recording.frames();
+    for frame in frames.by_ref() {
+        let frame = frame?;
+        replayer.step(&frame.input, frame.output)?;
+        if let Some(now) = frame.input.now() {
+            last = Some(now);
+        }
+        each(&frame, replayer.host());
+    }
+    Ok(Replayed {
+        inputs: replayer.next_index(),
+        last,
+        cut: frames.was_cut(),
+    })
+}
