@@ -58,6 +58,12 @@ pub struct ClusterConfig {
     /// one after the other (it sets one when it starts); `None`: each
     /// driver keeps its own.
     pub(crate) tally: Option<crate::glance::Tally>,
+    /// Where each driver this config starts records its host's inputs (see
+    /// `swactor_provisioning::flight`): one recording per driver life.
+    /// `None`: nothing is recorded.
+    pub flight: Option<swactor_engine::flight::FlightRecorder>,
+    /// The build that records, named in each recording's header.
+    pub build: String,
 }
 
 impl ClusterConfig {
@@ -91,6 +97,8 @@ impl ClusterConfig {
             deployment: host.deployment,
             lead: None,
             tally: None,
+            flight: None,
+            build: format!("swactor-actors {}", env!("CARGO_PKG_VERSION")),
         }
     }
 

@@ -21,11 +21,13 @@ use crate::telemetry::{self, Telemetry, snapshot};
 use crate::{ClusterConfig, ClusterEvent, PlanView};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use swactor_engine::flight::FlightLife;
 use swactor_engine::ractor::{
     Actor, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort, SupervisionEvent,
 };
 use swactor_engine::{ChildEvent, ChildSpec, Children, Clock, Starvation, Timers};
 use swactor_providers::{BootstrapEvents, Inventory, OwnedResources};
+use swactor_provisioning::flight::{self, Flight};
 use swactor_provisioning::{
     ApplyError, BootstrapEvent, BootstrapObservation, DesiredUpdate, Dispatch, Driver, Folded,
     Generation, Host, JournalDelta, Leadership, Listed, LogicalNodeId, NodeAttemptId, NodeTable,
@@ -46,7 +48,9 @@ enum Waiting {
 /// The driver actor's state.
 pub struct DriverState {
     config: ClusterConfig,
-    host: Host<Driver>,
+    host: Flight<Driver>,
+    /// This life's recording, when the config records.
+    flight: Option<FlightLife>,
     clock: Clock,
     timers: Timers<TimerKey, DriverMsg>,
     armed: Option<Timestamp>,
@@ -82,6 +86,11 @@ struct Following {
     _observer: Observer,
 }
 
+/// The most bytes of frames the host buffers between two flushes to the
+/// recording (one message's worth; a larger one is dropped and cuts the
+/// recording, as a writer that falls behind does).
+const FLIGHT_BUFFER_MAX: usize = 64 << 20;
+
 /// The driver actor.
 pub struct DriverActor;
 
@@ -107,8 +116,28 @@ impl Actor for DriverActor {
             resume,
         } = args;
         let driver = Driver::new(config.run_id.clone(), config.reconciler.clone())?;
-        let host = Host::new(driver, config.host(), resume)?;
         let clock = Clock::new();
+        let (host, flight) = match &config.flight {
+            Some(recorder) => {
+                let wall_ms = clock.wall_ms();
+                let now = Timestamp::from_millis(clock.now_ms());
+                let (mut host, header) = flight::record(
+                    driver,
+                    config.host(),
+                    resume,
+                    config.build.clone(),
+                    wall_ms,
+                    now,
+                )?;
+                // What one message records stays within the writer's queue.
+                host.set_buffer_max(FLIGHT_BUFFER_MAX);
+                (host, Some(recorder.begin(header, wall_ms)))
+            }
+            None => (
+                Flight::unrecorded(Host::new(driver, config.host(), resume)?),
+                None,
+            ),
+        };
         let mut workers = Children::new();
         for index in 0..config.executors.max(1) {
             let (provider, me) = (provider.clone(), myself.get_derived::<ExecutorReport>());
@@ -133,6 +162,7 @@ impl Actor for DriverActor {
         tally.restart();
         let mut state = DriverState {
             host,
+            flight,
             clock,
             timers,
             armed: None,
@@ -159,6 +189,7 @@ impl Actor for DriverActor {
             state.host.handle_apply(&shape, ticket, now)?;
         }
         state.queue_drive(&myself);
+        state.flush_flight();
         Ok(state)
     }
 
@@ -205,12 +236,15 @@ impl Actor for DriverActor {
             }
             DriverMsg::Drive => {
                 st.drive_queued = false;
-                return st.drive(&myself).await;
+                let driven = st.drive(&myself).await;
+                st.flush_flight();
+                return driven;
             }
             #[cfg(debug_assertions)]
             DriverMsg::InjectPanic => panic!("a test asked the driver actor to panic"),
         }
         st.queue_drive(&myself);
+        st.flush_flight();
         Ok(())
     }
 
@@ -228,12 +262,22 @@ impl Actor for DriverActor {
         {
             st.host.handle_lane_lost(lane);
             st.queue_drive(&myself);
+            st.flush_flight();
         }
         Ok(())
     }
 }
 
 impl DriverState {
+    /// Hands what the host recorded since the last call to this life's
+    /// recording (it never waits: see `swactor_engine::flight`).
+    fn flush_flight(&mut self) {
+        if let Some(life) = &self.flight {
+            let frames = self.host.take_frames(Vec::new());
+            life.append(frames);
+        }
+    }
+
     fn now(&self) -> Timestamp {
         Timestamp::from_millis(self.clock.now_ms())
     }

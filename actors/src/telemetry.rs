@@ -84,7 +84,11 @@ impl Telemetry {
 
     /// Publishes everything the host has to say, and counts what it says
     /// of nodes in the tally.
-    pub(crate) fn drain<C: Reconciler>(&mut self, host: &mut Host<C>, now: Timestamp) {
+    pub(crate) fn drain<C: Reconciler>(
+        &mut self,
+        host: &mut swactor_provisioning::flight::Flight<C>,
+        now: Timestamp,
+    ) {
         let tally = self.tally.clone();
         let mut counts = tally.lock();
         while let Some(event) = host.poll_event() {

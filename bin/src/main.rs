@@ -1,12 +1,14 @@
 //! `swactor`: the daemon (`up`), the CLI (`apply`, `plan`, `status`,
-//! `describe`, `watch`, `down`, `validate`, `run`, `jobs`, `job`) and the
-//! node agent (`agent`), in one binary.
+//! `describe`, `watch`, `down`, `validate`, `run`, `jobs`, `job`, and
+//! `replay` and `explain` over the daemon's flight recordings) and the node
+//! agent (`agent`), in one binary.
 //!
 //! Exit codes: 0 on success, 1 on any error (bad input, a refusal, an
 //! unreachable daemon, a broken stream), 2 from `plan --detailed-exitcode`
 //! when there is work to do, 3 from a daemon whose cluster kept failing
-//! (see `docs/architecture.md`). `run` exits with its job's worst exit code
-//! (130 after Ctrl-C; see `docs/jobs.md`). A stdout closed early (as by
+//! (see `docs/architecture.md`), 4 from `replay` or `explain` when a
+//! recording is answered otherwise than recorded. `run` exits with its
+//! job's worst exit code (130 after Ctrl-C; see `docs/jobs.md`). A stdout closed early (as by
 //! `| head`) changes none of them: what is written after is dropped.
 
 /// jemalloc: it hands memory freed after a burst (a flood of refused
@@ -17,6 +19,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 mod bench;
 mod client;
+mod flight;
 mod jobs;
 mod logs;
 mod remote;
@@ -44,7 +47,8 @@ use std::time::Duration;
   swactor down                          tear everything down and stop the daemon
 
 Exit codes: 0 success, 1 error, 2 `plan --detailed-exitcode` found work,
-3 the daemon's cluster kept failing; `run` exits with its job's worst exit
+3 the daemon's cluster kept failing, 4 `replay` or `explain` found a
+recording answered otherwise than recorded; `run` exits with its job's worst exit
 code (130 after Ctrl-C). A pipe closed early (`| head`) changes none of them."
 )]
 struct Cli {
@@ -129,6 +133,12 @@ nodes, or creates more than 20 at once, is confirmed on a terminal (or needs
         /// about this long of the leader's machine being lost.
         #[arg(long, value_name = "SECONDS")]
         lease_ttl: Option<f64>,
+        /// The most the flight recordings in STATE/flight/ may take
+        /// together, in MiB (one per daemon life: every input the daemon's
+        /// host was given, for `swactor replay` and `swactor explain`); the
+        /// oldest go first. 0 records nothing.
+        #[arg(long, value_name = "MIB", default_value_t = 64)]
+        flight_max_mib: u64,
     },
     /// Offer a new shape to the running daemon (its plan is shown first).
     #[command(after_help = "Examples:
@@ -315,6 +325,66 @@ Every connection is relayed through the daemon and the node's agent until
 Ctrl-C. A connection the node refuses is closed and said on stderr; the
 forward goes on.")]
     Forward(remote::ForwardArgs),
+    /// Replay flight recordings over a fresh host and check that every
+    /// answer is the one recorded.
+    #[command(after_help = "Examples:
+  swactor replay .swactor/flight/*.flight     every life of the daemon in that state directory
+  swactor replay saved.flight                 a recording copied from another machine
+
+A daemon writes one recording each time it starts, in STATE/flight/: every
+input its cluster host was handed, with a digest of each answer. A replay
+feeds the same inputs to a fresh host built by this binary, with no daemon,
+provider or network. For each file it says what the recording is (the build
+that wrote it, the run, when it started, how many inputs), then either that
+every answer was as recorded or the first input answered otherwise (its
+index, the input, the replay's answer). A recording that ends in a cut (the
+daemon dropped what came later) is replayed up to the cut and said so; a
+recording still being written is replayed up to its last whole input.
+Progress goes to stderr every 2 seconds on long replays.
+
+Exit codes: 0 every recording answered as recorded (cut or not), 1 a file
+could not be read or is not a recording of this build's format (its version
+and this build's are named), 4 a recording was answered otherwise than
+recorded (this wins over 1 when files differ).")]
+    Replay {
+        /// The recordings (`*.flight`).
+        #[arg(required = true, value_name = "FILE")]
+        files: Vec<PathBuf>,
+    },
+    /// Tell why a node went the way it did: its decisions, replayed from
+    /// the daemon's flight recordings.
+    #[command(after_help = "Examples:
+  swactor explain worker-1                        every decision the daemon made for it
+  swactor explain worker-1 --at 14:02:10          up to that time of day (UTC)
+  swactor explain worker-1 --at +90               up to 90 s after the first recording began
+  swactor explain worker-1 --recording saved.flight
+
+The recordings (by default every STATE/flight/*.flight, one per daemon start,
+in the order they started; the one a running daemon writes may be read) are
+replayed, and after every input the ladder is asked what it decides for the
+node. Each time that changes, one line says when (UTC), at which input, the
+ladder row and its action, then the facts it was decided on (the attempt,
+its stage and intent, failures, the pending operation, the agent's link,
+what comes next, why it failed, its last error and that error's kind) and
+the input that brought the change about.
+
+--at takes an RFC 3339 time, HH:MM:SS[.fff] in UTC on the first recording's
+day, or +SECS after the first recording began.
+
+Exit codes: 0 explained, 1 an error (no recordings, a node the recordings
+do not know: the ones they know are named), 4 a recording was answered
+otherwise than recorded (what follows that input is not explained).")]
+    Explain {
+        /// The node, e.g. worker-1.
+        node: String,
+        /// Stop at this time: RFC 3339, HH:MM:SS (UTC) or +SECS.
+        #[arg(long, value_name = "TIME")]
+        at: Option<String>,
+        /// Read this recording instead of the state directory's (may be
+        /// given more than once).
+        #[arg(long, value_name = "FILE")]
+        recording: Vec<PathBuf>,
+    },
     /// Measure the real daemon: `bench swarm` joins N simulated agents to it.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -465,6 +535,7 @@ async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32
             etcd,
             etcd_prefix,
             lease_ttl,
+            flight_max_mib,
         } => {
             let ha = daemon::HaOptions::from_args(&etcd, etcd_prefix, lease_ttl)?;
             daemon::up(daemon::UpOptions {
@@ -481,6 +552,7 @@ async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32
                 unrecorded: unrecorded(adopt, fresh),
                 providers: Vec::new(),
                 ha,
+                flight_max_bytes: flight_max_mib.saturating_mul(1 << 20),
             })
             .await
         }
@@ -520,6 +592,19 @@ async fn run_command(command: Command, state_dir: PathBuf) -> anyhow::Result<i32
             };
             logs::logs(&state_dir, &opts).await
         }
+        Command::Replay { files } => flight::replay_files(&files),
+        Command::Explain {
+            node,
+            at,
+            recording,
+        } => flight::explain(
+            &state_dir,
+            &flight::ExplainOptions {
+                node,
+                at,
+                recordings: recording,
+            },
+        ),
         Command::Run(args) => jobs::run(&state_dir, args).await,
         Command::Bench(bench::BenchCommand::Swarm(args)) => bench::swarm::swarm(args).await,
         Command::Bench(bench::BenchCommand::SwarmDaemon(args)) => {

@@ -249,6 +249,7 @@ async fn embed(state_dir: Option<PathBuf>) -> anyhow::Result<i32> {
         unrecorded: None,
         providers: vec![own_provider(made.clone(), destroyed.clone())],
         ha: None,
+        flight_max_bytes: swactor_daemon::daemon::FLIGHT_MAX_BYTES_DEFAULT,
     })
     .await?;
     println!("embed: the daemon returned {code}");

@@ -16,6 +16,7 @@ pub mod blocking;
 pub mod clock;
 pub mod deadline;
 pub mod etcd;
+pub mod flight;
 pub mod forward;
 pub mod journal;
 pub mod lead;

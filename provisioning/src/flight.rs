@@ -82,11 +82,13 @@ pub enum FlightInput<'a> {
         now: Timestamp,
     },
     Apply {
+        #[serde(with = "json")]
         shape: Cow<'a, ClusterShape>,
         ticket: Ticket,
         now: Timestamp,
     },
     ApplyNext {
+        #[serde(with = "json")]
         shape: Cow<'a, ClusterShape>,
         ticket: Ticket,
         now: Timestamp,
@@ -406,6 +408,32 @@ impl FlightInput<'_> {
     }
 }
 
+/// A shape inside a frame, as JSON bytes: a shape leaves out some fields
+/// at their defaults when it is encoded, which postcard cannot read back.
+mod json {
+    use super::ClusterShape;
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::borrow::Cow;
+
+    #[allow(clippy::ptr_arg)] // serde's `with` hands the field as it is
+    pub(super) fn serialize<S: Serializer>(
+        shape: &Cow<'_, ClusterShape>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        let bytes = serde_json::to_vec(shape.as_ref()).map_err(serde::ser::Error::custom)?;
+        s.serialize_bytes(&bytes)
+    }
+
+    pub(super) fn deserialize<'de, 'a, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Cow<'a, ClusterShape>, D::Error> {
+        let bytes = <Cow<'de, [u8]>>::deserialize(d)?;
+        serde_json::from_slice(&bytes)
+            .map(Cow::Owned)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 /// 64-bit FNV-1a over a value's postcard encoding, without building it.
 struct Digest(u64);
 
@@ -564,7 +592,10 @@ pub fn record<C: Reconciler>(
 pub fn encode_header(header: &FlightHeader) -> Vec<u8> {
     let mut out = MAGIC.to_vec();
     out.extend_from_slice(&FLIGHT_FORMAT.to_le_bytes());
-    let body = postcard::to_allocvec(header).unwrap_or_default();
+    // JSON, as the shape in an apply: some of what it holds (the journal's
+    // meta, a shape's lifetime) leaves out fields at their defaults, which
+    // only a format that names its fields reads back.
+    let body = serde_json::to_vec(header).unwrap_or_default();
     out.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_le_bytes());
     out.extend_from_slice(&body);
     out
@@ -1053,7 +1084,7 @@ impl<'b> Recording<'b> {
             return Err(FlightError::Header("cut off".into()));
         }
         let header =
-            postcard::from_bytes(&rest[..len]).map_err(|e| FlightError::Header(e.to_string()))?;
+            serde_json::from_slice(&rest[..len]).map_err(|e| FlightError::Header(e.to_string()))?;
         Ok(Self {
             header,
             frames: &rest[len..],

@@ -4,5 +4,6 @@
 mod cluster;
 mod conformance;
 mod embed;
+mod flight;
 mod glance;
 mod scale;

@@ -112,6 +112,7 @@ pub(crate) async fn daemon(state_dir: PathBuf, args: DaemonArgs) -> Result<i32> 
         unrecorded: None,
         providers: vec![provider],
         ha: None,
+        flight_max_bytes: swactor_daemon::daemon::FLIGHT_MAX_BYTES_DEFAULT,
     })
     .await
 }

@@ -84,6 +84,30 @@ pub struct UpOptions {
     /// `--etcd`: the journal in etcd, shared with standby daemons of the
     /// same run (`None`: `journal.redb`, this daemon alone).
     pub ha: Option<HaOptions>,
+    /// `--flight-max-mib`: the most bytes the flight recordings under
+    /// `{state}/flight/` may take together; 0 records nothing.
+    pub flight_max_bytes: u64,
+}
+
+/// How many bytes the flight recordings may take unless told otherwise.
+pub const FLIGHT_MAX_BYTES_DEFAULT: u64 = swactor_engine::flight::FlightLimits::DISK_MAX_DEFAULT;
+
+/// The flight recorder under `{state}/flight/`, or none when told to keep
+/// none or when the directory cannot be made (said, and the daemon runs on:
+/// a recording explains, it decides nothing).
+fn open_flight(state: &Path, max_bytes: u64) -> Option<swactor_engine::flight::FlightRecorder> {
+    if max_bytes == 0 {
+        return None;
+    }
+    let dir = state.join("flight");
+    let limits = swactor_engine::flight::FlightLimits::on_disk(max_bytes);
+    match swactor_engine::flight::FlightRecorder::open(&dir, limits) {
+        Ok(recorder) => Some(recorder),
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "no flight recording: its directory cannot be made");
+            None
+        }
+    }
 }
 
 /// A provider an embedding program brings to the daemon: groups name it by
@@ -242,6 +266,8 @@ async fn start_and_serve(
     config.visibility_window = prepared.made.visibility_window;
     config.capacities = provider.capacities();
     config.lead = term.as_ref().map(|t| t.lead.clone());
+    config.build = format!("swactor {}", env!("CARGO_PKG_VERSION"));
+    config.flight = open_flight(opened.state.root(), opts.flight_max_bytes);
     // The cluster actor is restarted from the journal if it fails; the
     // journal image it resumes from is the one just read.
     drop(read.resume);

@@ -1,0 +1,542 @@
+//! The flight recorder's writer: puts each life's recording (see
+//! `swactor_provisioning::flight`) in a file of its own under one
+//! directory, on a thread of its own, within a size limit.
+//!
+//! - **Never blocks its caller.** [`FlightLife::append`] hands bytes to the
+//!   writer thread and returns; bytes handed over and not yet written are
+//!   bounded ([`FlightLimits::queued_max`]). Past that bound the life is
+//!   *cut*: its chunk is dropped and counted, the writer ends the file with
+//!   [`CUT_MARKER`], and nothing more of that life is written (a recording
+//!   with a hole in it could not be replayed past the hole; one that ends
+//!   says so and replays up to its end).
+//! - **Bounded on disk.** All recordings together stay under
+//!   [`FlightLimits::disk_max`]: a new life first removes the oldest
+//!   recordings of earlier lives; a life that alone would pass the limit is
+//!   cut there.
+//! - **Read while written.** The writer flushes whenever it has caught up,
+//!   so a reader of the live file (`swactor explain` on a running daemon)
+//!   sees every frame handed in up to a moment ago; a frame half written
+//!   ends what the reader sees.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+
+/// Ends a cut recording (the same value as the provisioning crate's
+/// `flight::CUT_MARKER`, which a test checks).
+pub const CUT_MARKER: u32 = u32::MAX;
+
+/// The extension of a recording's file.
+pub const EXTENSION: &str = "flight";
+
+/// A recorder's limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlightLimits {
+    /// The most bytes all recordings in the directory may take.
+    pub disk_max: u64,
+    /// The most bytes handed to the writer and not yet written.
+    pub queued_max: u64,
+}
+
+impl FlightLimits {
+    /// The default limit on disk: 64 MiB.
+    pub const DISK_MAX_DEFAULT: u64 = 64 << 20;
+
+    /// Limits for `disk_max` bytes on disk, with a queue of a quarter of
+    /// it (at least 1 MiB, at most 16 MiB).
+    pub fn on_disk(disk_max: u64) -> Self {
+        Self {
+            disk_max,
+            queued_max: (disk_max / 4).clamp(1 << 20, 16 << 20),
+        }
+    }
+}
+
+/// What a recorder did, for the daemon's metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlightCounts {
+    /// Lives begun.
+    pub lives: u64,
+    /// Bytes written to recordings (headers and frames).
+    pub written_bytes: u64,
+    /// Chunks of frames dropped (each cuts its life).
+    pub dropped_chunks: u64,
+    /// Bytes dropped.
+    pub dropped_bytes: u64,
+    /// Lives cut.
+    pub cut_lives: u64,
+    /// Recordings of earlier lives removed to stay within the limit.
+    pub removed: u64,
+    /// Writes that failed (the life is cut at the first).
+    pub write_errors: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    lives: AtomicU64,
+    written_bytes: AtomicU64,
+    dropped_chunks: AtomicU64,
+    dropped_bytes: AtomicU64,
+    cut_lives: AtomicU64,
+    removed: AtomicU64,
+    write_errors: AtomicU64,
+    queued: AtomicU64,
+}
+
+enum Msg {
+    Begin {
+        life: u64,
+        path: PathBuf,
+        header: Vec<u8>,
+    },
+    Frames {
+        life: u64,
+        bytes: Vec<u8>,
+    },
+    Cut {
+        life: u64,
+    },
+    /// Answers once everything sent before it is written and flushed.
+    Sync(mpsc::Sender<()>),
+}
+
+#[derive(Debug)]
+struct Shared {
+    dir: PathBuf,
+    limits: FlightLimits,
+    counters: Counters,
+    next_life: AtomicU64,
+    tx: mpsc::Sender<Msg>,
+}
+
+/// A daemon's flight recorder: one writer thread, one directory.
+#[derive(Clone, Debug)]
+pub struct FlightRecorder {
+    shared: Arc<Shared>,
+}
+
+impl FlightRecorder {
+    /// Opens `dir` (made if missing, private to the user) and starts the
+    /// writer thread, which ends once the recorder and every life it began
+    /// are dropped.
+    ///
+    /// # Errors
+    /// The directory cannot be made, or the thread cannot be started.
+    pub fn open(dir: &Path, limits: FlightLimits) -> io::Result<Self> {
+        fs::create_dir_all(dir)?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
+        }
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            dir: dir.to_owned(),
+            limits,
+            counters: Counters::default(),
+            next_life: AtomicU64::new(0),
+            tx,
+        });
+        let writer = Writer {
+            shared: Arc::downgrade(&shared),
+            dir: dir.to_owned(),
+            limits,
+            current: None,
+        };
+        std::thread::Builder::new()
+            .name("flight-writer".to_owned())
+            .spawn(move || writer.run(&rx))?;
+        Ok(Self { shared })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    /// Begins a life: a new recording that starts with `header`, named so
+    /// that recordings sort by when they began (`wall_ms`).
+    pub fn begin(&self, header: Vec<u8>, wall_ms: u64) -> FlightLife {
+        let life = self.shared.next_life.fetch_add(1, Ordering::Relaxed);
+        self.shared.counters.lives.fetch_add(1, Ordering::Relaxed);
+        let path = self.shared.dir.join(format!(
+            "{wall_ms:013}-{pid}-{life}.{EXTENSION}",
+            pid = std::process::id()
+        ));
+        let queued = header.len() as u64;
+        self.shared
+            .counters
+            .queued
+            .fetch_add(queued, Ordering::Relaxed);
+        let sent = self.shared.tx.send(Msg::Begin {
+            life,
+            path: path.clone(),
+            header,
+        });
+        FlightLife {
+            shared: self.shared.clone(),
+            life,
+            path,
+            cut: AtomicBool::new(sent.is_err()),
+        }
+    }
+
+    /// What it did so far.
+    pub fn counts(&self) -> FlightCounts {
+        let c = &self.shared.counters;
+        FlightCounts {
+            lives: c.lives.load(Ordering::Relaxed),
+            written_bytes: c.written_bytes.load(Ordering::Relaxed),
+            dropped_chunks: c.dropped_chunks.load(Ordering::Relaxed),
+            dropped_bytes: c.dropped_bytes.load(Ordering::Relaxed),
+            cut_lives: c.cut_lives.load(Ordering::Relaxed),
+            removed: c.removed.load(Ordering::Relaxed),
+            write_errors: c.write_errors.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Waits until everything handed in so far is written and flushed (for
+    /// tests and for a daemon that is about to exit).
+    pub fn sync(&self) {
+        let (tx, rx) = mpsc::channel();
+        if self.shared.tx.send(Msg::Sync(tx)).is_ok() {
+            let _ = rx.recv();
+        }
+    }
+}
+
+/// One life's recording, being written.
+#[derive(Debug)]
+pub struct FlightLife {
+    shared: Arc<Shared>,
+    life: u64,
+    path: PathBuf,
+    cut: AtomicBool,
+}
+
+impl FlightLife {
+    /// Where it is written.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether it was cut (nothing more of it is written).
+    pub fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Relaxed)
+    }
+
+    /// Appends frames; never waits. Past the queue's bound the life is cut
+    /// and the bytes dropped (counted).
+    pub fn append(&self, bytes: Vec<u8>) {
+        if bytes.is_empty() {
+            return;
+        }
+        let c = &self.shared.counters;
+        let len = bytes.len() as u64;
+        if self.is_cut() {
+            c.dropped_chunks.fetch_add(1, Ordering::Relaxed);
+            c.dropped_bytes.fetch_add(len, Ordering::Relaxed);
+            return;
+        }
+        let queued = c.queued.fetch_add(len, Ordering::Relaxed) + len;
+        if queued > self.shared.limits.queued_max {
+            c.queued.fetch_sub(len, Ordering::Relaxed);
+            self.cut_here(len);
+            return;
+        }
+        let life = self.life;
+        if self.shared.tx.send(Msg::Frames { life, bytes }).is_err() {
+            c.queued.fetch_sub(len, Ordering::Relaxed);
+            self.cut_here(len);
+        }
+    }
+
+    fn cut_here(&self, dropped: u64) {
+        let c = &self.shared.counters;
+        c.dropped_chunks.fetch_add(1, Ordering::Relaxed);
+        c.dropped_bytes.fetch_add(dropped, Ordering::Relaxed);
+        if !self.cut.swap(true, Ordering::Relaxed) {
+            let _ = self.shared.tx.send(Msg::Cut { life: self.life });
+        }
+    }
+}
+
+/// The open recording of the life being written.
+struct Current {
+    life: u64,
+    path: PathBuf,
+    out: BufWriter<File>,
+    len: u64,
+    cut: bool,
+}
+
+struct Writer {
+    shared: std::sync::Weak<Shared>,
+    dir: PathBuf,
+    limits: FlightLimits,
+    current: Option<Current>,
+}
+
+impl Writer {
+    fn run(mut self, rx: &mpsc::Receiver<Msg>) {
+        loop {
+            // Wait for work; once caught up, flush so readers see it.
+            let msg = match rx.try_recv() {
+                Ok(m) => m,
+                Err(mpsc::TryRecvError::Empty) => {
+                    self.flush();
+                    match rx.recv() {
+                        Ok(m) => m,
+                        Err(_) => break,
+                    }
+                }
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            };
+            self.handle(msg);
+        }
+        self.flush();
+    }
+
+    fn counters<R>(&self, f: impl FnOnce(&Counters) -> R) -> Option<R> {
+        self.shared.upgrade().map(|s| f(&s.counters))
+    }
+
+    fn handle(&mut self, msg: Msg) {
+        match msg {
+            Msg::Begin { life, path, header } => {
+                let len = header.len() as u64;
+                self.flush();
+                self.current = None;
+                self.make_room(len);
+                let opened = OpenOptions::new()
+                    .create_new(true)
+                    .write(true)
+                    .open(&path)
+                    .map(BufWriter::new);
+                let mut cur = match opened {
+                    Ok(out) => Current {
+                        life,
+                        path,
+                        out,
+                        len: 0,
+                        cut: false,
+                    },
+                    Err(e) => {
+                        self.failed(&path, &e);
+                        self.counters(|c| c.queued.fetch_sub(len, Ordering::Relaxed));
+                        return;
+                    }
+                };
+                if let Err(e) = cur.out.write_all(&header) {
+                    self.failed(&cur.path, &e);
+                    cur.cut = true;
+                } else {
+                    cur.len = len;
+                    self.counters(|c| c.written_bytes.fetch_add(len, Ordering::Relaxed));
+                }
+                self.counters(|c| c.queued.fetch_sub(len, Ordering::Relaxed));
+                self.current = Some(cur);
+            }
+            Msg::Frames { life, bytes } => {
+                let len = bytes.len() as u64;
+                self.counters(|c| c.queued.fetch_sub(len, Ordering::Relaxed));
+                let disk_max = self.limits.disk_max;
+                let Some(cur) = self.current.as_mut().filter(|c| c.life == life) else {
+                    return;
+                };
+                if cur.cut {
+                    if let Some(s) = self.shared.upgrade() {
+                        s.counters.dropped_chunks.fetch_add(1, Ordering::Relaxed);
+                        s.counters.dropped_bytes.fetch_add(len, Ordering::Relaxed);
+                    }
+                    return;
+                }
+                if cur.len + len + 4 > disk_max {
+                    // This life alone would pass the limit: it ends here.
+                    self.cut_current(len);
+                    return;
+                }
+                match cur.out.write_all(&bytes) {
+                    Ok(()) => {
+                        cur.len += len;
+                        self.counters(|c| c.written_bytes.fetch_add(len, Ordering::Relaxed));
+                    }
+                    Err(e) => {
+                        let path = cur.path.clone();
+                        self.failed(&path, &e);
+                        self.cut_current(0);
+                    }
+                }
+            }
+            Msg::Cut { life } => {
+                if self.current.as_ref().is_some_and(|c| c.life == life) {
+                    self.cut_current(0);
+                }
+            }
+            Msg::Sync(done) => {
+                self.flush();
+                let _ = done.send(());
+            }
+        }
+    }
+
+    /// Ends the current life's recording with the cut marker.
+    fn cut_current(&mut self, dropped: u64) {
+        let shared = self.shared.upgrade();
+        if dropped > 0
+            && let Some(s) = &shared
+        {
+            s.counters.dropped_chunks.fetch_add(1, Ordering::Relaxed);
+            s.counters
+                .dropped_bytes
+                .fetch_add(dropped, Ordering::Relaxed);
+        }
+        let Some(cur) = self.current.as_mut() else {
+            return;
+        };
+        if cur.cut {
+            return;
+        }
+        cur.cut = true;
+        let _ = cur.out.write_all(&CUT_MARKER.to_le_bytes());
+        let _ = cur.out.flush();
+        if let Some(s) = &shared {
+            s.counters.cut_lives.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::warn!(
+            recording = %cur.path.display(),
+            "the flight recorder fell behind or reached its limit: this life's recording ends here"
+        );
+    }
+
+    fn flush(&mut self) {
+        if let Some(cur) = self.current.as_mut()
+            && let Err(e) = cur.out.flush()
+        {
+            let path = cur.path.clone();
+            self.failed(&path, &e);
+            self.cut_current(0);
+        }
+    }
+
+    fn failed(&self, path: &Path, e: &io::Error) {
+        self.counters(|c| c.write_errors.fetch_add(1, Ordering::Relaxed));
+        tracing::warn!(recording = %path.display(), error = %e, "the flight recorder could not write");
+    }
+
+    /// Removes the oldest recordings until `more` bytes fit in the limit.
+    fn make_room(&self, more: u64) {
+        let Ok(entries) = fs::read_dir(&self.dir) else {
+            return;
+        };
+        let mut files: Vec<(String, PathBuf, u64)> = entries
+            .filter_map(Result::ok)
+            .filter(|e| e.path().extension().is_some_and(|x| x == EXTENSION))
+            .filter_map(|e| {
+                let len = e.metadata().ok()?.len();
+                Some((e.file_name().to_string_lossy().into_owned(), e.path(), len))
+            })
+            .collect();
+        files.sort();
+        let mut total: u64 = files.iter().map(|f| f.2).sum::<u64>() + more;
+        for (_, path, len) in files {
+            if total <= self.limits.disk_max {
+                break;
+            }
+            if fs::remove_file(&path).is_ok() {
+                total -= len;
+                self.counters(|c| c.removed.fetch_add(1, Ordering::Relaxed));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(dir: &Path) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_life_is_written_in_order_and_readable_before_it_ends() {
+        let tmp = tempfile::tempdir().unwrap();
+        let rec = FlightRecorder::open(tmp.path(), FlightLimits::on_disk(1 << 20)).unwrap();
+        let life = rec.begin(b"HEAD".to_vec(), 1_000);
+        life.append(b"one".to_vec());
+        life.append(b"two".to_vec());
+        rec.sync();
+        assert_eq!(fs::read(life.path()).unwrap(), b"HEADonetwo");
+        let counts = rec.counts();
+        assert_eq!(counts.written_bytes, 10);
+        assert_eq!(counts.dropped_chunks, 0);
+        // A second life is a second file, sorted after the first.
+        let second = rec.begin(b"H2".to_vec(), 2_000);
+        second.append(b"x".to_vec());
+        rec.sync();
+        assert_eq!(files(tmp.path()), [life.path(), second.path()]);
+        assert_eq!(fs::read(second.path()).unwrap(), b"H2x");
+    }
+
+    #[test]
+    fn a_life_past_the_limit_is_cut_and_older_lives_make_room() {
+        let tmp = tempfile::tempdir().unwrap();
+        let limits = FlightLimits {
+            disk_max: 100,
+            queued_max: 1 << 20,
+        };
+        let rec = FlightRecorder::open(tmp.path(), limits).unwrap();
+        let first = rec.begin(vec![1; 10], 1);
+        first.append(vec![2; 80]);
+        rec.sync();
+        assert_eq!(fs::metadata(first.path()).unwrap().len(), 90);
+        // The second life needs room: the first goes.
+        let second = rec.begin(vec![3; 30], 2);
+        rec.sync();
+        assert!(!first.path().exists());
+        assert_eq!(rec.counts().removed, 1);
+        second.append(vec![4; 50]);
+        // Past the limit: cut, then nothing more.
+        second.append(vec![5; 50]);
+        second.append(vec![6; 5]);
+        rec.sync();
+        let mut want = vec![3; 30];
+        want.extend([4; 50]);
+        want.extend(CUT_MARKER.to_le_bytes());
+        assert_eq!(fs::read(second.path()).unwrap(), want);
+        let counts = rec.counts();
+        assert_eq!(counts.cut_lives, 1);
+        assert_eq!(counts.dropped_chunks, 2);
+    }
+
+    #[test]
+    fn a_queue_past_its_bound_cuts_the_life_without_waiting() {
+        let tmp = tempfile::tempdir().unwrap();
+        let limits = FlightLimits {
+            disk_max: 1 << 30,
+            queued_max: 64,
+        };
+        let rec = FlightRecorder::open(tmp.path(), limits).unwrap();
+        let life = rec.begin(vec![0; 8], 1);
+        // One chunk over the queue's bound: dropped and the life cut,
+        // whatever the writer has done meanwhile.
+        life.append(vec![1; 100]);
+        assert!(life.is_cut());
+        life.append(vec![2; 4]);
+        rec.sync();
+        let mut want = vec![0; 8];
+        want.extend(CUT_MARKER.to_le_bytes());
+        assert_eq!(fs::read(life.path()).unwrap(), want);
+        assert_eq!(rec.counts().dropped_chunks, 2);
+        assert_eq!(rec.counts().dropped_bytes, 104);
+    }
+}
