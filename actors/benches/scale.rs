@@ -6,6 +6,9 @@
 //! provider) and the full-walk cost per node. One cold run per size; the
 //! figures in `docs/benchmarks.md` come from it. `--json` adds one JSON line
 //! of the same figures after each row (`scripts/bench-peer.sh` reads it).
+//! `--flight` records the driver's inputs as a daemon does (into a
+//! temporary directory, with no limit in the way) and says how much it
+//! wrote, to weigh the flight recorder against a run without it.
 
 // A benchmark harness owns its runtime and reads the clock to measure runs.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -16,6 +19,7 @@ mod measure;
 fn main() {
     let mut sizes: Vec<u32> = Vec::new();
     let mut json = false;
+    let mut flight = false;
     let mut args = std::env::args().skip(1).peekable();
     while let Some(arg) = args.next() {
         // `cargo bench` passes `--bench`; sizes come after `--nodes`.
@@ -27,6 +31,7 @@ fn main() {
                 }
             }
             "--json" => json = true,
+            "--flight" => flight = true,
             _ => {}
         }
     }
@@ -35,8 +40,28 @@ fn main() {
     }
     println!("{}", measure::HEADER);
     for n in sizes {
-        let figures = measure::measure(n);
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let recorder = flight.then(|| {
+            let limits = swactor_engine::flight::FlightLimits {
+                disk_max: u64::MAX,
+                queued_max: 1 << 30,
+            };
+            swactor_engine::flight::FlightRecorder::open(dir.path(), limits)
+                .expect("a flight directory")
+        });
+        let figures = measure::measure(n, recorder.as_ref());
         println!("{}", figures.row());
+        if let Some(r) = &recorder {
+            r.sync();
+            let c = r.counts();
+            println!(
+                "flight: {} bytes written ({:.0} per node), {} chunks dropped, {} lives cut",
+                c.written_bytes,
+                c.written_bytes as f64 / f64::from(n.max(1)),
+                c.dropped_chunks,
+                c.cut_lives
+            );
+        }
         if json {
             println!("{}", json_line(&figures));
         }

@@ -59,6 +59,8 @@ pub(crate) struct Metrics {
     handshakes: Arc<OnceLock<Vec<(&'static str, TaskGauge)>>>,
     /// The agents' protocols' connection caps, once their router runs.
     agent_caps: Arc<OnceLock<Vec<(&'static str, swactor_engine::net::ConnectionCap)>>>,
+    /// The flight recorder, when the daemon keeps one.
+    flight: Arc<OnceLock<swactor_engine::flight::FlightRecorder>>,
 }
 
 /// What one scrape read from the daemon, for the collector to encode.
@@ -150,6 +152,10 @@ impl Metrics {
         registry.register_collector(Box::new(CapCollector {
             caps: agent_caps.clone(),
         }));
+        let flight = Arc::new(OnceLock::new());
+        registry.register_collector(Box::new(FlightCollector {
+            recorder: flight.clone(),
+        }));
         Arc::new(Self {
             registry,
             scraped,
@@ -162,6 +168,7 @@ impl Metrics {
             encoding: Mutex::new(()),
             handshakes,
             agent_caps,
+            flight,
         })
     }
 
@@ -207,6 +214,12 @@ impl Metrics {
         caps: Vec<(&'static str, swactor_engine::net::ConnectionCap)>,
     ) {
         let _ = self.agent_caps.set(caps);
+    }
+
+    /// Exports what the flight recorder wrote and dropped from now on (the
+    /// first call wins).
+    pub(crate) fn watch_flight(&self, recorder: swactor_engine::flight::FlightRecorder) {
+        let _ = self.flight.set(recorder);
     }
 
     /// Counts what one event says.
@@ -369,6 +382,54 @@ impl prometheus_client::collector::Collector for CapCollector {
             "Most connections each of the agents' protocols serves at once; it follows \
              the cluster's desired size (a quarter more, at least 4096)",
             &values,
+        )
+    }
+}
+
+/// Reads the flight recorder's counters at scrape time.
+#[derive(Debug)]
+struct FlightCollector {
+    recorder: Arc<OnceLock<swactor_engine::flight::FlightRecorder>>,
+}
+
+impl prometheus_client::collector::Collector for FlightCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(recorder) = self.recorder.get() else {
+            return Ok(());
+        };
+        let c = recorder.counts();
+        let e = &mut encoder;
+        counter(
+            e,
+            "swactor_flight_written_bytes",
+            "Bytes the flight recorder wrote to STATE/flight/ since the daemon started",
+            c.written_bytes,
+        )?;
+        counter(
+            e,
+            "swactor_flight_dropped_chunks",
+            "Frames the flight recorder dropped (in chunks of one driver step) rather than \
+             make the daemon wait; the first one cuts its life's recording",
+            c.dropped_chunks,
+        )?;
+        counter(
+            e,
+            "swactor_flight_lives_cut",
+            "Recordings that end before their daemon life did (the writer fell behind, the \
+             size limit was reached, or a write failed)",
+            c.cut_lives,
+        )?;
+        counter(
+            e,
+            "swactor_flight_recordings_removed",
+            "Recordings of earlier lives removed to keep STATE/flight/ within its limit",
+            c.removed,
+        )?;
+        counter(
+            e,
+            "swactor_flight_write_errors",
+            "Writes to STATE/flight/ that failed",
+            c.write_errors,
         )
     }
 }

@@ -101,6 +101,8 @@ enum Msg {
     },
     /// Answers once everything sent before it is written and flushed.
     Sync(mpsc::Sender<()>),
+    /// The same, for an async caller.
+    Flushed(tokio::sync::oneshot::Sender<()>),
 }
 
 #[derive(Debug)]
@@ -198,8 +200,17 @@ impl FlightRecorder {
         }
     }
 
-    /// Waits until everything handed in so far is written and flushed (for
-    /// tests and for a daemon that is about to exit).
+    /// Resolves once everything handed in so far is written and flushed
+    /// (a daemon about to exit waits for it).
+    pub async fn flushed(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.shared.tx.send(Msg::Flushed(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    /// Blocks until everything handed in so far is written and flushed
+    /// (for tests and benchmarks).
     pub fn sync(&self) {
         let (tx, rx) = mpsc::channel();
         if self.shared.tx.send(Msg::Sync(tx)).is_ok() {
@@ -377,6 +388,10 @@ impl Writer {
                 }
             }
             Msg::Sync(done) => {
+                self.flush();
+                let _ = done.send(());
+            }
+            Msg::Flushed(done) => {
                 self.flush();
                 let _ = done.send(());
             }

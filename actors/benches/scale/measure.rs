@@ -156,7 +156,10 @@ fn held<T>(f: impl FnOnce() -> T) -> (u64, T) {
 }
 
 /// Converges `n` nodes cold through the actors and measures everything.
-pub(crate) fn measure(n: u32) -> Figures {
+///
+/// With `flight`, the driver records its host's inputs into `flight`'s
+/// directory, as a daemon does (see `swactor_engine::flight`).
+pub(crate) fn measure(n: u32, flight: Option<&swactor_engine::flight::FlightRecorder>) -> Figures {
     let rt = runtime();
     let rss_before = status_bytes("VmRSS:");
     let start = Instant::now();
@@ -168,6 +171,7 @@ pub(crate) fn measure(n: u32) -> Figures {
             config.stream_joins = true;
             config.node_events = false;
             config.executors = 8;
+            config.flight = flight.cloned();
             let cluster = Cluster::start(config, Arc::new(provider))
                 .await
                 .expect("the cluster starts");

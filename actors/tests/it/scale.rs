@@ -9,7 +9,7 @@ mod measure;
 
 #[test]
 fn the_scale_benchmark_measures_a_small_cluster() {
-    let f = measure::measure(200);
+    let f = measure::measure(200, None);
     assert_eq!(f.nodes, 200);
     // Every node walks the ladder (a lease, a bootstrap, observations), but
     // results and observations reach the driver in batches: far fewer

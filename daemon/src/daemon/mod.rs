@@ -268,6 +268,10 @@ async fn start_and_serve(
     config.lead = term.as_ref().map(|t| t.lead.clone());
     config.build = format!("swactor {}", env!("CARGO_PKG_VERSION"));
     config.flight = open_flight(opened.state.root(), opts.flight_max_bytes);
+    let flight = config.flight.clone();
+    if let Some(recorder) = &flight {
+        prepared.metrics.watch_flight(recorder.clone());
+    }
     // The cluster actor is restarted from the journal if it fails; the
     // journal image it resumes from is the one just read.
     drop(read.resume);
@@ -350,6 +354,10 @@ async fn start_and_serve(
     if in_term {
         // The next term opens `jobs.redb` again.
         jobs.stop().await;
+    }
+    // The recording ends with the life's last input on disk.
+    if let Some(recorder) = flight {
+        recorder.flushed().await;
     }
     outcome
 }
