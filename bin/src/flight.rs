@@ -749,10 +749,12 @@ fn facts(
             "{}: stage {:?} ({}), {intent}; failures {}; pending {pending}",
             n.attempt,
             rec.stage,
-            match rec.stage {
+            match (n.intent, rec.stage) {
                 _ if n.is_ready() => "ready",
-                NodeStage::Destroyed => "cleaned up",
-                stage => stage_word(stage),
+                (_, NodeStage::Destroyed) => "cleaned up",
+                (_, NodeStage::Failed) => "failed",
+                (Intent::Deleting, _) => "being cleaned up",
+                (Intent::Active, stage) => stage_word(stage),
             },
             n.retry.consecutive_failures,
         ),
