@@ -10,6 +10,7 @@ mod dashboard;
 mod docker;
 mod durable;
 mod e2e;
+mod flight;
 mod gang;
 mod ha;
 mod health;
