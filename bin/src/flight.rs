@@ -18,14 +18,15 @@ use anyhow::{Context, Result, bail};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 use swactor_provisioning::flight::{
     FlightError, FlightHeader, FlightInput, Frame, Recording, ReplayError, Replayer, replay,
 };
 use swactor_provisioning::{
-    DeleteReason, Driver, Host, Intent, LadderRow, Link, LogicalNodeId, NodeAction, NodeDecision,
-    NodeStage, Reconciler, RolloutGates, Timestamp, reconcile_node_gated, reconcile_node_paused,
-    same_template,
+    DeleteReason, Driver, GroupId, Host, Intent, LadderRow, Link, LogicalNodeId, NodeAction,
+    NodeDecision, NodeStage, Reconciler, RolloutGates, Timestamp, reconcile_node_gated,
+    reconcile_node_paused, same_template,
 };
 
 use crate::state::StateDir;
@@ -594,7 +595,8 @@ impl Explainer {
             ) {
                 self.known.desired(host);
             }
-            causes.note(&frame, &self.node, header);
+            let frame = Rc::new(frame);
+            causes.note(&frame, &self.node);
             let decision = decide(host, &self.node, now);
             let attempt = host.core().state().nodes.get(&self.node).map(|n| n.attempt);
             let waited = std::mem::replace(&mut waiting, decision.as_ref().and_then(|d| d.wake_at));
@@ -780,13 +782,16 @@ fn facts(
 
 /// The inputs a decision line may name as its cause.
 #[derive(Default)]
-struct Causes {
+///
+/// Frames are kept, not their words: most are never named, and a long
+/// replay should not format every one.
+struct Causes<'b> {
     /// The latest input that is not a poll.
-    any: Option<String>,
+    any: Option<Rc<Frame<'b>>>,
     /// The latest that is neither a poll nor the daemon's own bookkeeping.
-    telling: Option<String>,
+    telling: Option<Rc<Frame<'b>>>,
     /// The latest naming the node since the last line.
-    own: Option<String>,
+    own: Option<Rc<Frame<'b>>>,
 }
 
 /// What kind of input a frame is, for naming causes.
@@ -819,7 +824,7 @@ impl Kind {
     }
 }
 
-impl Causes {
+impl<'b> Causes<'b> {
     /// `#12 agent of run/w-1/a2 joined at 10:20:30.123`.
     fn text(frame: &Frame<'_>, header: &FlightHeader) -> String {
         let at = frame
@@ -834,19 +839,18 @@ impl Causes {
         )
     }
 
-    fn note(&mut self, frame: &Frame<'_>, node: &LogicalNodeId, header: &FlightHeader) {
+    fn note(&mut self, frame: &Rc<Frame<'b>>, node: &LogicalNodeId) {
         let kind = Kind::of(&frame.input);
         if kind == Kind::Poll {
             return;
         }
-        let text = Self::text(frame, header);
         if frame.input.node() == Some(*node) {
-            self.own = Some(text.clone());
+            self.own = Some(frame.clone());
         }
         if kind != Kind::Bookkeeping {
-            self.telling = Some(text.clone());
+            self.telling = Some(frame.clone());
         }
-        self.any = Some(text);
+        self.any = Some(frame.clone());
     }
 
     /// The cause of a change seen right after `frame`, the node having
@@ -882,13 +886,16 @@ impl Causes {
                 frame.input.kind()
             ));
         }
-        if own.is_some() {
-            return own;
+        if let Some(own) = own {
+            return Some(Self::text(&own, header));
         }
         if kind == Kind::Timer {
             return Some(Self::text(frame, header));
         }
-        self.telling.clone().or_else(|| self.any.clone())
+        self.telling
+            .as_ref()
+            .or(self.any.as_ref())
+            .map(|f| Self::text(f, header))
     }
 }
 
@@ -898,7 +905,7 @@ impl Causes {
 struct Known {
     /// Per group: the most slots it was desired with, and the indices of
     /// nodes seen beyond them.
-    groups: BTreeMap<String, (u32, BTreeSet<u32>)>,
+    groups: BTreeMap<GroupId, (u32, BTreeSet<u32>)>,
 }
 
 /// Nodes named one by one per group before the rest are left out.
@@ -906,7 +913,7 @@ const KNOWN_SHOWN: usize = 20;
 
 impl Known {
     fn add(&mut self, id: &LogicalNodeId) {
-        let (extent, others) = self.groups.entry(id.group.to_string()).or_default();
+        let (extent, others) = self.groups.entry(id.group).or_default();
         if id.index >= *extent {
             others.insert(id.index);
         }
@@ -920,7 +927,7 @@ impl Known {
 
     fn desired(&mut self, host: &Host<Driver>) {
         for g in &host.core().desired().groups {
-            let (extent, others) = self.groups.entry(g.id.to_string()).or_default();
+            let (extent, others) = self.groups.entry(g.id).or_default();
             if g.count > *extent {
                 *extent = g.count;
                 others.retain(|i| *i >= g.count);
@@ -933,7 +940,7 @@ impl Known {
 
     fn contains(&self, id: &LogicalNodeId) -> bool {
         self.groups
-            .get(&id.group.to_string())
+            .get(&id.group)
             .is_some_and(|(extent, others)| id.index < *extent || others.contains(&id.index))
     }
 
