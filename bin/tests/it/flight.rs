@@ -79,7 +79,10 @@ fn a_faulty_run_replays_as_recorded_and_explains_a_replaced_node() {
     let mut first = Daemon::start(&state, &three);
     let s = wait_converged(&state, CONVERGE, |s| all_ready(s, 3));
     let w1 = attempt_of(&s, "w-1").unwrap();
-    let before_kill = chrono::Utc::now() - chrono::Duration::milliseconds(200);
+    // A moment when w-1 was ready (status said so) and well before its
+    // agent is killed.
+    let before_kill = chrono::Utc::now();
+    std::thread::sleep(Duration::from_millis(300));
     assert_eq!(kill_agent(&state, "w-1"), w1);
     let s = wait_converged(&state, CONVERGE, |s| {
         all_ready(s, 3) && attempt_of(s, "w-1").is_some_and(|a| a != w1)
