@@ -20,6 +20,7 @@ fn main() {
     let mut sizes: Vec<u32> = Vec::new();
     let mut json = false;
     let mut flight = false;
+    let mut keep: Option<String> = None;
     let mut args = std::env::args().skip(1).peekable();
     while let Some(arg) = args.next() {
         // `cargo bench` passes `--bench`; sizes come after `--nodes`.
@@ -32,6 +33,11 @@ fn main() {
             }
             "--json" => json = true,
             "--flight" => flight = true,
+            // Keeps the recordings there (to look at what they hold).
+            "--flight-dir" => {
+                flight = true;
+                keep = args.next();
+            }
             _ => {}
         }
     }
@@ -41,13 +47,15 @@ fn main() {
     println!("{}", measure::HEADER);
     for n in sizes {
         let dir = tempfile::tempdir().expect("a temporary directory");
+        let at = keep
+            .as_ref()
+            .map_or(dir.path().to_owned(), std::path::PathBuf::from);
         let recorder = flight.then(|| {
             let limits = swactor_engine::flight::FlightLimits {
                 disk_max: u64::MAX,
                 queued_max: 1 << 30,
             };
-            swactor_engine::flight::FlightRecorder::open(dir.path(), limits)
-                .expect("a flight directory")
+            swactor_engine::flight::FlightRecorder::open(&at, limits).expect("a flight directory")
         });
         let figures = measure::measure(n, recorder.as_ref());
         println!("{}", figures.row());

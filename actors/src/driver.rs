@@ -273,7 +273,7 @@ impl DriverState {
     /// recording (it never waits: see `swactor_engine::flight`).
     fn flush_flight(&mut self) {
         if let Some(life) = &self.flight {
-            let frames = self.host.take_frames(Vec::new());
+            let frames = self.host.take_frames(life.spare());
             life.append(frames);
         }
     }

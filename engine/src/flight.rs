@@ -112,7 +112,13 @@ struct Shared {
     counters: Counters,
     next_life: AtomicU64,
     tx: mpsc::Sender<Msg>,
+    /// Buffers the writer is done with, for the next frames.
+    spares: std::sync::Mutex<Vec<Vec<u8>>>,
 }
+
+/// Buffers kept for reuse, and the largest kept.
+const SPARES_MAX: usize = 4;
+const SPARE_CAPACITY_MAX: usize = 8 << 20;
 
 /// A daemon's flight recorder: one writer thread, one directory.
 #[derive(Clone, Debug)]
@@ -141,6 +147,7 @@ impl FlightRecorder {
             counters: Counters::default(),
             next_life: AtomicU64::new(0),
             tx,
+            spares: std::sync::Mutex::new(Vec::new()),
         });
         let writer = Writer {
             shared: Arc::downgrade(&shared),
@@ -237,6 +244,18 @@ impl FlightLife {
     /// Whether it was cut (nothing more of it is written).
     pub fn is_cut(&self) -> bool {
         self.cut.load(Ordering::Relaxed)
+    }
+
+    /// An empty buffer to record the next frames in: one the writer is
+    /// done with when there is one, so a busy daemon does not grow a new
+    /// buffer for every step.
+    pub fn spare(&self) -> Vec<u8> {
+        self.shared
+            .spares
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop()
+            .unwrap_or_default()
     }
 
     /// Appends frames; never waits. Past the queue's bound the life is cut
@@ -373,7 +392,20 @@ impl Writer {
                 match cur.out.write_all(&bytes) {
                     Ok(()) => {
                         cur.len += len;
-                        self.counters(|c| c.written_bytes.fetch_add(len, Ordering::Relaxed));
+                        if let Some(s) = self.shared.upgrade() {
+                            s.counters.written_bytes.fetch_add(len, Ordering::Relaxed);
+                            let mut bytes = bytes;
+                            if bytes.capacity() <= SPARE_CAPACITY_MAX {
+                                bytes.clear();
+                                let mut spares = s
+                                    .spares
+                                    .lock()
+                                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                                if spares.len() < SPARES_MAX {
+                                    spares.push(bytes);
+                                }
+                            }
+                        }
                     }
                     Err(e) => {
                         let path = cur.path.clone();

@@ -15,8 +15,8 @@
 //! A recording is [`MAGIC`], the format version, a length-prefixed
 //! [`FlightHeader`] (what the host was built from), then frames. A frame is
 //! a little-endian `u32` length, the postcard encoding of a
-//! [`FlightInput`], and the 64-bit FNV-1a digest of the postcard encoding
-//! of what the call returned. [`Replayer`] builds a host from a header and
+//! [`FlightInput`], and a 64-bit digest of what the call returned
+//! (`digest.rs`). [`Replayer`] builds a host from a header and
 //! feeds it frames, comparing digests; [`replay`] does it for a whole
 //! recording and says where the first difference is.
 
@@ -35,6 +35,8 @@ use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::fmt;
+
+mod digest;
 
 /// The first bytes of every recording.
 pub const MAGIC: &[u8; 8] = b"SWFLIGHT";
@@ -113,6 +115,7 @@ pub enum FlightInput<'a> {
         seq: u64,
     },
     Result {
+        #[serde(with = "compact::result")]
         result: Cow<'a, OperationResult>,
         now: Timestamp,
     },
@@ -123,6 +126,7 @@ pub enum FlightInput<'a> {
         now: Timestamp,
     },
     Bootstrap {
+        #[serde(with = "compact::observation")]
         obs: Cow<'a, BootstrapObservation>,
         now: Timestamp,
     },
@@ -434,37 +438,121 @@ mod json {
     }
 }
 
-/// 64-bit FNV-1a over a value's postcard encoding, without building it.
-struct Digest(u64);
+/// The two inputs that come for every node at every step (results and
+/// observations), with their slot as its group and index rather than as
+/// text: formatting ids was most of what recording them cost.
+mod compact {
+    use super::*;
+    use crate::id::GroupId;
+    use crate::id::SessionId;
+    use crate::observe::{BootstrapEvent, OperationOutcome};
+    use serde::{Deserializer, Serializer};
 
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-
-impl postcard::ser_flavors::Flavor for Digest {
-    type Output = u64;
-
-    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
-        self.0 = (self.0 ^ u64::from(data)).wrapping_mul(FNV_PRIME);
-        Ok(())
+    fn node<E: serde::de::Error>(group: &str, index: u32) -> Result<LogicalNodeId, E> {
+        GroupId::intern(group)
+            .map(|g| LogicalNodeId::new(g, index))
+            .ok_or_else(|| E::custom("too many group names"))
     }
 
-    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
-        for &b in data {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+    pub(super) mod result {
+        use super::*;
+
+        #[derive(Serialize)]
+        struct Shown<'a> {
+            group: &'a str,
+            index: u32,
+            op: &'a OperationId,
+            outcome: &'a OperationOutcome,
         }
-        Ok(())
+
+        #[derive(Deserialize)]
+        struct Read {
+            group: String,
+            index: u32,
+            op: OperationId,
+            outcome: OperationOutcome,
+        }
+
+        #[allow(clippy::ptr_arg)] // serde's `with` hands the field as it is
+        pub(in super::super) fn serialize<S: Serializer>(
+            r: &Cow<'_, OperationResult>,
+            s: S,
+        ) -> Result<S::Ok, S::Error> {
+            Shown {
+                group: r.node.group.as_str(),
+                index: r.node.index,
+                op: &r.op,
+                outcome: &r.outcome,
+            }
+            .serialize(s)
+        }
+
+        pub(in super::super) fn deserialize<'de, 'a, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Cow<'a, OperationResult>, D::Error> {
+            let r = Read::deserialize(d)?;
+            Ok(Cow::Owned(OperationResult {
+                node: node(&r.group, r.index)?,
+                op: r.op,
+                outcome: r.outcome,
+            }))
+        }
     }
 
-    fn finalize(self) -> postcard::Result<u64> {
-        Ok(self.0)
+    pub(super) mod observation {
+        use super::*;
+
+        #[derive(Serialize)]
+        struct Shown<'a> {
+            group: &'a str,
+            index: u32,
+            attempt: NodeAttemptId,
+            session: &'a SessionId,
+            event: &'a BootstrapEvent,
+        }
+
+        #[derive(Deserialize)]
+        struct Read {
+            group: String,
+            index: u32,
+            attempt: NodeAttemptId,
+            session: SessionId,
+            event: BootstrapEvent,
+        }
+
+        #[allow(clippy::ptr_arg)] // serde's `with` hands the field as it is
+        pub(in super::super) fn serialize<S: Serializer>(
+            o: &Cow<'_, BootstrapObservation>,
+            s: S,
+        ) -> Result<S::Ok, S::Error> {
+            Shown {
+                group: o.node.group.as_str(),
+                index: o.node.index,
+                attempt: o.attempt,
+                session: &o.session,
+                event: &o.event,
+            }
+            .serialize(s)
+        }
+
+        pub(in super::super) fn deserialize<'de, 'a, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Cow<'a, BootstrapObservation>, D::Error> {
+            let o = Read::deserialize(d)?;
+            Ok(Cow::Owned(BootstrapObservation {
+                node: node(&o.group, o.index)?,
+                attempt: o.attempt,
+                session: o.session,
+                event: o.event,
+            }))
+        }
     }
 }
 
-/// The digest of what a host call returned, as a recording keeps it.
+/// The digest of what a host call returned, as a recording keeps it (see
+/// `digest.rs` for how it is taken).
 pub fn digest<T: Serialize + ?Sized>(value: &T) -> u64 {
-    // Hashing cannot fail; a type serde cannot encode would be a bug here,
-    // and gets a digest of its own that replay will point at.
-    postcard::serialize_with_flavor(value, Digest(FNV_OFFSET)).unwrap_or(0)
+    digest::of(value)
 }
 
 /// The recorder's counters, for the daemon's metrics.
@@ -493,17 +581,14 @@ impl Recorder {
     fn begin(&mut self, input: &FlightInput<'_>) {
         let start = self.buf.len();
         self.buf.extend_from_slice(&[0; 4]);
-        match postcard::to_extend(input, std::mem::take(&mut self.buf)) {
-            Ok(buf) => {
-                self.buf = buf;
-                self.open = Some(start);
-            }
-            Err(_) => {
-                // Unencodable: never happens for these types; the frame is
-                // dropped rather than written half.
-                self.open = None;
-                self.stats.dropped += 1;
-            }
+        if postcard::serialize_with_flavor(input, Append(&mut self.buf)).is_ok() {
+            self.open = Some(start);
+        } else {
+            // Unencodable: never happens for these types; the frame is
+            // dropped rather than written half.
+            self.buf.truncate(start);
+            self.open = None;
+            self.stats.dropped += 1;
         }
     }
 
@@ -526,6 +611,29 @@ impl Recorder {
                 self.stats.dropped += 1;
             }
         }
+    }
+}
+
+/// Appends an encoding to a buffer in place.
+struct Append<'v>(&'v mut Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for Append<'_> {
+    type Output = ();
+
+    #[inline]
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.0.push(data);
+        Ok(())
+    }
+
+    #[inline]
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<()> {
+        Ok(())
     }
 }
 

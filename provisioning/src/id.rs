@@ -292,15 +292,53 @@ impl LogicalNodeId {
     }
 }
 
+/// `-` and a slot's index in decimal, written from the end of `buf`;
+/// returns where it starts.
+fn dash_index(index: u32, buf: &mut [u8; 11]) -> usize {
+    let mut i = buf.len();
+    let mut n = index;
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    i -= 1;
+    buf[i] = b'-';
+    i
+}
+
 impl fmt::Display for LogicalNodeId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.group, self.index)
+        // Written piece by piece rather than through `write!`: ids are
+        // formatted for every journal record and flight frame.
+        f.write_str(self.group.as_str())?;
+        let mut buf = [0u8; 11];
+        let at = dash_index(self.index, &mut buf);
+        f.write_str(std::str::from_utf8(&buf[at..]).map_err(|_| fmt::Error)?)
     }
 }
 
 impl Serialize for LogicalNodeId {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
+        // The same string as `Display`, built once on the stack (a
+        // serializer's `collect_str` may format it twice: once to count).
+        let group = self.group.as_str().as_bytes();
+        let mut buf = [0u8; ID_LEN_MAX + 11];
+        let mut digits = [0u8; 11];
+        let at = dash_index(self.index, &mut digits);
+        let tail = &digits[at..];
+        if group.len() + tail.len() > buf.len() {
+            return s.collect_str(self);
+        }
+        buf[..group.len()].copy_from_slice(group);
+        buf[group.len()..group.len() + tail.len()].copy_from_slice(tail);
+        match std::str::from_utf8(&buf[..group.len() + tail.len()]) {
+            Ok(text) => s.serialize_str(text),
+            Err(_) => s.collect_str(self),
+        }
     }
 }
 
@@ -430,6 +468,24 @@ string_id!(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slot_id_is_written_and_encoded_as_group_dash_index() {
+        let long = "g".repeat(ID_LEN_MAX);
+        for (group, index) in [
+            ("w", 0),
+            ("worker", 9),
+            ("w", 10),
+            ("gpu", u32::MAX),
+            (&long[..], 7),
+        ] {
+            let id = LogicalNodeId::new(GroupId::new(group), index);
+            let want = format!("{group}-{index}");
+            assert_eq!(id.to_string(), want);
+            assert_eq!(serde_json::to_string(&id).unwrap(), format!("{want:?}"));
+            assert_eq!(LogicalNodeId::parse(&want), Some(id));
+        }
+    }
 
     #[test]
     fn node_ids_round_trip_through_their_display_form() {
