@@ -430,12 +430,17 @@ fn explain_lives(
     out: &mut dyn Write,
     ticker: &mut Ticker,
 ) -> Result<i32> {
-    // One daemon life after another, by when each started.
+    // One daemon life after another, by when each started. One that cannot
+    // be read is said and left out, and the exit code says so.
+    let mut code = 0;
     let mut readable = Vec::new();
     for (name, bytes) in &lives {
         match Recording::read(bytes) {
             Ok(r) => readable.push((r.header.wall_ms, name.as_str(), bytes.as_slice())),
-            Err(e) => refuse(name, &e),
+            Err(e) => {
+                refuse(name, &e);
+                code = 1;
+            }
         }
     }
     if readable.is_empty() {
@@ -458,7 +463,6 @@ fn explain_lives(
         lines: 0,
     };
     let count = readable.len();
-    let mut code = 0;
     for (i, (_, name, bytes)) in readable.into_iter().enumerate() {
         writeln!(out, "life {} of {count}: {name}", i + 1)?;
         match ex.life(name, bytes, out, ticker)? {
@@ -474,7 +478,7 @@ fn explain_lives(
             LifeEnd::Unreadable => code = 1,
         }
     }
-    if ex.lines == 0 {
+    if ex.lines == 0 && code != EXIT_DIVERGED {
         if ex.known.contains(node) {
             match cutoff {
                 Some(c) => bail!(
@@ -1281,6 +1285,17 @@ mod tests {
         );
         assert_eq!(verdict.code(), 1);
         assert!(out.is_empty(), "nothing replayed: {out}");
+        // Explain leaves it out, explains from the others, and exits 1.
+        let good = Sim::converged(1).bytes();
+        let (code, out) = explained(
+            "w-0",
+            None,
+            vec![("other".into(), bytes), ("good".into(), good)],
+        )
+        .unwrap();
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains("life 1 of 1: good"), "{out}");
+        assert!(out.contains("row 11 (SteadyReady)"), "{out}");
     }
 
     #[test]
