@@ -341,11 +341,11 @@ impl Writer {
                 self.flush();
                 self.current = None;
                 self.make_room(len);
-                let opened = OpenOptions::new()
-                    .create_new(true)
-                    .write(true)
-                    .open(&path)
-                    .map(BufWriter::new);
+                let mut options = OpenOptions::new();
+                options.create_new(true).write(true);
+                #[cfg(unix)]
+                std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+                let opened = options.open(&path).map(BufWriter::new);
                 let mut cur = match opened {
                     Ok(out) => Current {
                         life,
@@ -523,6 +523,12 @@ mod tests {
         life.append(b"two".to_vec());
         rec.sync();
         assert_eq!(fs::read(life.path()).unwrap(), b"HEADonetwo");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!((mode(tmp.path()), mode(life.path())), (0o700, 0o600));
+        }
         let counts = rec.counts();
         assert_eq!(counts.written_bytes, 10);
         assert_eq!(counts.dropped_chunks, 0);
