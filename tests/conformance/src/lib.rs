@@ -52,8 +52,8 @@ pub use oracle::{
 pub use rng::SimRng;
 pub use trace::{Input, Mode, Trace};
 pub use world::{
-    BOOT_TIMEOUT_MS, Factory, GRACE_MS, GROUPS, LEADERSHIP_LEASE_MS, LEADERSHIP_MARGIN_MS, RUN,
-    Reconciler, RunReport, SHORT_LEASE_S, SWEEP_MS, TailBound, TailReport, World, WorldConfig,
-    budget_policy, groups_of, host_config, policies_of, run_trace, run_trace_with, shape_of,
-    shape_with,
+    BOOT_TIMEOUT_MS, Factory, GRACE_MS, GROUPS, LEADERSHIP_LEASE_MS, LEADERSHIP_MARGIN_MS,
+    RECORDING_EPOCH_MS, RUN, Reconciler, RunReport, SHORT_LEASE_S, SWEEP_MS, TailBound, TailReport,
+    World, WorldConfig, budget_policy, groups_of, host_config, policies_of, run_trace,
+    run_trace_with, shape_of, shape_with,
 };

@@ -11,6 +11,11 @@
 //! Time is virtual: the world jumps straight to the earliest wake-up of any
 //! party. Every step goes through the [`Oracle`].
 //!
+//! With [`WorldConfig::record`] every host the world starts is wrapped in
+//! the daemon's flight recorder (`swactor_provisioning::flight`), one
+//! recording per host life ([`World::recordings`]), which
+//! [`crate::recording`] checks as regression cases.
+//!
 //! The host's core sits behind the [`Reconciler`] trait, which [`Driver`]
 //! implements; a test can wrap a driver to break it on purpose and check
 //! that the oracle notices.
@@ -29,10 +34,10 @@ pub use swactor_provisioning::Reconciler;
 use swactor_provisioning::{
     AWAY_PAST_GRACE, BOOT_CHECK_REPORT_MARGIN_MS, BootParams, BootstrapEvent, ClusterShape,
     CollectRequest, Driver, Folded, Generation, GroupPolicy, GroupShape, Host, HostConfig,
-    HostFold, Intent, JournalImage, Leadership, Link, Liveness, LogicalNodeId, NodeAttemptId,
-    NodeLimits, OperationTimeouts, Output as HostOutput, PAUSED_PAST_WAIT, PolicyShape,
-    PreemptChoice, ProviderShape, Quantity, ReconcilerConfig, Reply, ResourceKey, RunId,
-    ShutdownMode, SwarmJoin, Ticket, Timestamp, same_template,
+    HostError, HostFold, Intent, JournalImage, Leadership, Link, Liveness, LogicalNodeId,
+    NodeAttemptId, NodeLimits, OperationTimeouts, Output as HostOutput, PAUSED_PAST_WAIT,
+    PolicyShape, PreemptChoice, ProviderShape, Quantity, ReconcilerConfig, Reply, ResourceKey,
+    RunId, ShutdownMode, SwarmJoin, Ticket, Timestamp, flight, flight::Flight, same_template,
 };
 
 /// The run every world drives.
@@ -73,6 +78,11 @@ pub struct WorldConfig {
     /// Whether the election tells the host its bound (always, except in
     /// the test that breaks it on purpose: a host never told acts on).
     pub tell_leadership: bool,
+    /// Whether every host the world starts records its inputs as the
+    /// daemon's flight recorder does (one recording per host life, read
+    /// with [`World::recordings`]); off by default. Recording changes
+    /// nothing the world does.
+    pub record: bool,
 }
 
 /// The world's election, as the daemon's `Election` on etcd would answer:
@@ -153,6 +163,7 @@ impl WorldConfig {
             renewals: Renewals::AsTold,
             leadership_ms: None,
             tell_leadership: true,
+            record: false,
         }
     }
 
@@ -315,7 +326,13 @@ pub type Factory<R> = Rc<dyn Fn() -> R>;
 /// The simulated world. See the module docs.
 pub struct World<R: Reconciler = Driver> {
     make: Factory<R>,
-    host: Host<R>,
+    /// The host, recording its inputs when [`WorldConfig::record`] is set.
+    host: Flight<R>,
+    /// The seed the world was made with (named in its recordings).
+    seed: u64,
+    /// One recording per host life, the last one still growing (empty
+    /// unless [`WorldConfig::record`] is set).
+    lives: Vec<Vec<u8>>,
     exec: FakeExecutor,
     oracle: Oracle,
     config: WorldConfig,
@@ -370,7 +387,8 @@ enum Hearing {
     Down,
 }
 
-fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
+/// What the oracle sees of `host` at `now`.
+pub(crate) fn snapshot<R: Reconciler>(host: &Host<R>, now: Timestamp) -> Snapshot {
     let core = host.core();
     Snapshot {
         now,
@@ -558,7 +576,8 @@ impl<R: Reconciler> World<R> {
     pub fn with_factory(make: Factory<R>, config: WorldConfig, seed: u64) -> Self {
         let backend = FakeBackend::new(config.backend.clone(), seed ^ 0xb0b0);
         let exec = FakeExecutor::new(backend, config.executor.clone(), seed);
-        let host = Host::new(make(), host_config(), None).expect("a fresh core makes a host");
+        let (host, header) = build_host(&make, &config, seed, None, Timestamp(0))
+            .expect("a fresh core makes a host");
         let snapshot = snapshot(&host, Timestamp(0));
         let policies = [PolicyShape {
             orphan_after_s: config.orphan_after_s,
@@ -568,6 +587,8 @@ impl<R: Reconciler> World<R> {
         let mut world = Self {
             make,
             host,
+            seed,
+            lives: header.into_iter().collect(),
             exec,
             oracle: Oracle::new(config.reconciler.clone()),
             groups: config.initial,
@@ -610,7 +631,24 @@ impl<R: Reconciler> World<R> {
 
     /// The host around it.
     pub fn host(&self) -> &Host<R> {
-        &self.host
+        self.host.host()
+    }
+
+    /// Every host life's flight recording so far, in order (the last one
+    /// is the running host's, up to now); empty unless
+    /// [`WorldConfig::record`] is set. Each is a whole recording
+    /// (`swactor_provisioning::flight`): its header, then its frames.
+    pub fn recordings(&mut self) -> Vec<Vec<u8>> {
+        self.flush_recording();
+        self.lives.clone()
+    }
+
+    /// Appends the running host's frames to its life's recording.
+    fn flush_recording(&mut self) {
+        if let Some(life) = self.lives.last_mut() {
+            let frames = self.host.take_frames(Vec::new());
+            life.extend_from_slice(&frames);
+        }
     }
 
     /// The journal as committed so far.
@@ -1263,7 +1301,8 @@ impl<R: Reconciler> World<R> {
         self.abort = None;
         self.timer_lost = false;
         self.submitted.clear();
-        let host = match Host::new((self.make)(), host_config(), Some(self.durable.clone())) {
+        let resume = Some(self.durable.clone());
+        let host = match build_host(&self.make, &self.config, self.seed, resume, self.now) {
             Ok(host) => host,
             Err(e) => {
                 self.oracle.report(
@@ -1274,7 +1313,11 @@ impl<R: Reconciler> World<R> {
                 return;
             }
         };
+        // The old host's life ends here: its recording is whole.
+        self.flush_recording();
+        let (host, header) = host;
         self.host = host;
+        self.lives.extend(header);
         self.grant_leadership();
         // A host started on another shape, or to finish a teardown, owes
         // the nodes it finds nothing of the kind.
@@ -2007,6 +2050,33 @@ fn machines_made(
         .collect()
 }
 
+/// The wall clock a recorded host is told it started at: this instant
+/// (2026-01-01, UTC) plus the world's virtual time, so that recordings of
+/// the same seed are the same bytes.
+pub const RECORDING_EPOCH_MS: u64 = 1_767_225_600_000;
+
+/// A host for the world, from `resume` (`None`: a fresh journal), and,
+/// when the world records, the header of its recording.
+fn build_host<R: Reconciler>(
+    make: &Factory<R>,
+    config: &WorldConfig,
+    seed: u64,
+    resume: Option<JournalImage>,
+    now: Timestamp,
+) -> Result<(Flight<R>, Option<Vec<u8>>), HostError> {
+    if !config.record {
+        let host = Host::new(make(), host_config(), resume)?;
+        return Ok((Flight::unrecorded(host), None));
+    }
+    let build = format!(
+        "swactor-conformance {} world (trace seed {seed})",
+        env!("CARGO_PKG_VERSION")
+    );
+    let wall_ms = RECORDING_EPOCH_MS + now.0;
+    let (host, header) = flight::record(make(), host_config(), resume, build, wall_ms, now)?;
+    Ok((host, Some(header)))
+}
+
 /// What running one trace produced.
 #[derive(Clone, Debug)]
 pub struct RunReport {
@@ -2020,6 +2090,9 @@ pub struct RunReport {
     pub steps: u64,
     /// What the agents' leases did.
     pub leases: crate::lease::LeaseStats,
+    /// Each host life's flight recording, when the world recorded
+    /// ([`WorldConfig::record`]).
+    pub recordings: Vec<Vec<u8>>,
 }
 
 /// Runs `trace` through a world whose hosts wrap cores `make` returns: the
@@ -2043,6 +2116,7 @@ pub fn run_trace_with<R: Reconciler>(
         digest: world.digest(),
         steps: world.oracle().steps(),
         leases: world.leases().stats(),
+        recordings: world.recordings(),
     }
 }
 
