@@ -292,12 +292,21 @@ impl FlightInput<'_> {
                 Err(e) => format!("inventory: could not list ({e})"),
             },
             Self::Apply { shape, .. } | Self::ApplyNext { shape, .. } => {
-                format!("{} of generation {}", self.kind(), shape.generation.0)
+                let groups: Vec<String> = shape
+                    .groups
+                    .iter()
+                    .map(|g| format!("{}={}", g.id, g.count))
+                    .collect();
+                let which = match self {
+                    Self::Apply { .. } => format!("apply of generation {}", shape.generation.0),
+                    _ => "apply (as the next generation)".to_owned(),
+                };
+                format!("{which}: {}", groups.join(", "))
             }
             Self::Pause { paused, .. } => if *paused { "pause" } else { "resume" }.to_owned(),
             Self::Shutdown { mode, .. } => format!("shutdown ({mode:?})"),
             Self::Result { result, .. } => format!(
-                "result for {} of {:?}: {:?}",
+                "result for {} of {}: {:?}",
                 result.node, result.op, result.outcome
             ),
             Self::SubmitFailed { node, reason, .. } => {
@@ -1139,7 +1148,7 @@ impl<C: Reconciler> Flight<C> {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FlightError {
     /// Not a recording.
-    #[error("not a flight recording (it does not start with {MAGIC:?})")]
+    #[error("not a flight recording (it does not start with SWFLIGHT)")]
     NotARecording,
     /// Of another format version.
     #[error(
