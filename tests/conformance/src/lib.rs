@@ -21,6 +21,9 @@
 //!   agent whose lease lapses ends its node, and a restarted host is held to
 //!   what it owes the nodes it finds.
 //! - [`trace`] generates inputs; [`battery`] runs seeded, shrinking batteries.
+//! - [`recording`] takes a flight recording of one host life (the daemon's,
+//!   or a world's: [`WorldConfig::record`]) as a regression case: replayed
+//!   over a fresh host, every answer must match and the oracle judges it.
 //!
 //! See `README.md` beside this crate for the fault model, the fair-tail bound,
 //! environment variables and the known gaps of the core.
@@ -31,6 +34,7 @@ mod digest;
 mod executor;
 pub mod lease;
 mod oracle;
+pub mod recording;
 mod rng;
 pub mod trace;
 mod world;

@@ -782,6 +782,27 @@ impl Oracle {
         self.report(invariant, Some(node), detail.into());
     }
 
+    /// The shape a host resumed from its journal, when no shape was offered
+    /// to this oracle at its generation (a flight recording of a restarted
+    /// host): its budgets are what an earlier host accepted as offered, so
+    /// the rollout and breaker checks judge the new host by them.
+    pub fn resumed_shape(&mut self, shape: &ClusterShape) {
+        let policies = shape
+            .groups
+            .iter()
+            .map(|g| (g.id.clone(), g.policy))
+            .collect();
+        self.policies.entry(shape.generation).or_insert(policies);
+    }
+
+    /// An earlier host handed out `attempt` for slot `node`, as a journal
+    /// records it or a provider lists it (for a flight recording, whose
+    /// oracle never saw the earlier hosts): adopting it is no reuse, and
+    /// handing it out anew is one.
+    pub fn handed_out(&mut self, node: LogicalNodeId, attempt: NodeAttemptId) {
+        self.attempts_seen.entry(attempt).or_insert(node);
+    }
+
     /// The host acknowledged (as durable) that `generation` is desired.
     pub fn acknowledged(&mut self, generation: Generation) {
         self.acked = self.acked.max(generation);
