@@ -72,7 +72,7 @@ pub struct WorldConfig {
     /// tests that break it on purpose.
     pub renewals: Renewals,
     /// With `Some(ms)`, the host is one of several replicas and leads on an
-    /// election lease of `ms` (see [`LeaderLease`]); `None`: it is alone on
+    /// election lease of `ms` (see `LeaderLease`); `None`: it is alone on
     /// its journal and always may act.
     pub leadership_ms: Option<u64>,
     /// Whether the election tells the host its bound (always, except in
