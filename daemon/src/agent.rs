@@ -5,7 +5,10 @@
 //! over iroh with a token bound to its (run, node, attempt), reports
 //! convergence, and then stays connected, sending heartbeats, so the daemon
 //! sees it alive. If the connection drops it rejoins; a refused join (its
-//! attempt was superseded) ends it. When several daemons take turns leading
+//! attempt was superseded) ends it. Once welcomed, the same connection is
+//! its jobs link: it serves the job requests the daemon opens on it
+//! ([`crate::jobs::agent`]), so the agent holds one connection to its
+//! daemon, and a rejoin brings both back. When several daemons take turns leading
 //! the run, they share the ticket's identity and each tells the agent where
 //! all of them listen (`DialSet`), so a rejoin finds whichever leads now.
 //!
@@ -16,6 +19,7 @@
 //! with it), so no machine runs on, or bills, for a controller that is not
 //! coming back.
 
+use crate::jobs::agent::AgentJobs;
 use crate::protocol::{
     FRAME_LEN_MAX, Heartbeat, JoinReply, JoinRequest, REPLICAS_MAX, Renewal,
     SWARM_REPLY_LEN_MAX_BYTES,
@@ -27,6 +31,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+use swactor_engine::iroh::endpoint::Connection;
 use swactor_engine::iroh::{Endpoint, EndpointAddr, TransportAddr};
 use swactor_engine::net::{
     ALPN_SWARM, EndpointTicket, NetConfig, bind_endpoint, connect, recv_frame, send_frame,
@@ -143,12 +148,7 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
     // started again (its container restarted, say) dials the daemon that
     // leads now, not only the one its command line names.
     let daemons = DialSet::new(ticket.addr()).remembered_in(DAEMONS_FILE);
-    let (joined_tx, jobs, _link) = start_jobs_link(
-        (&opts.dir, &opts.node, opts.attempt),
-        &endpoint,
-        &daemons,
-        &join,
-    );
+    let jobs = AgentJobs::new(&opts.dir, opts.node.clone(), opts.attempt);
     // From here on SIGTERM is caught (tokio keeps the handler for the life
     // of the process), so it must be listened for in every wait below: in a
     // session, and between sessions while the daemon is away.
@@ -161,7 +161,7 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
         endpoint: &endpoint,
         daemons: &daemons,
         join: &join,
-        joined_tx: &joined_tx,
+        jobs: &jobs,
         lease: &lease,
         announce: &|| {
             report(&BootstrapEvent::SwactorJoined);
@@ -190,8 +190,9 @@ pub async fn run(opts: AgentOptions) -> Result<i32> {
 
 /// A simulated agent, for `swactor bench swarm`: what a real agent does
 /// once its boot check passed (its endpoint with the attempt's own key, the
-/// key-bound join, heartbeats, renewals, rejoins and the jobs link), in the
-/// caller's process, without stdout reports or a lease that ends it.
+/// key-bound join, heartbeats, renewals, rejoins, and the job requests its
+/// daemon opens on its connection), in the caller's process, without
+/// stdout reports or a lease that ends it.
 #[derive(Debug)]
 pub struct Simulated {
     /// The attempt it serves.
@@ -204,9 +205,6 @@ pub struct Simulated {
     pub dir: PathBuf,
     /// While set, it sends no heartbeat: frozen, as the daemon sees it.
     pub frozen: Arc<AtomicBool>,
-    /// Whether it dials the jobs link too, as a real agent does (off: to
-    /// tell what the swarm link alone costs).
-    pub jobs_link: bool,
 }
 
 /// Runs a simulated agent until `stop` says so or its join is refused for
@@ -230,25 +228,14 @@ pub async fn simulate(
         .map_err(|e| format!("cannot bind: {e}"))?;
     let join = JoinRequest::new(&agent.key, agent.credentials.token.clone());
     let daemons = DialSet::new(ticket.addr());
-    let node = agent.key.node.to_string();
-    let (joined_tx, link) = if agent.jobs_link {
-        let (tx, _jobs, link) = start_jobs_link(
-            (&agent.dir, &node, agent.key.attempt.0),
-            &endpoint,
-            &daemons,
-            &join,
-        );
-        (tx, Some(link))
-    } else {
-        (tokio::sync::watch::channel(false).0, None)
-    };
+    let jobs = AgentJobs::new(&agent.dir, agent.key.node.to_string(), agent.key.attempt.0);
     let lease = Lease::default();
     let ended = stay_joined(
         &Agent {
             endpoint: &endpoint,
             daemons: &daemons,
             join: &join,
-            joined_tx: &joined_tx,
+            jobs: &jobs,
             lease: &lease,
             announce: joined,
             frames,
@@ -257,9 +244,6 @@ pub async fn simulate(
         &mut stop,
     )
     .await;
-    if let Some(link) = link {
-        link.abort();
-    }
     let _ = tokio::time::timeout(Duration::from_millis(300), endpoint.close()).await;
     match ended {
         Ended::Stopped => Ok(()),
@@ -318,34 +302,6 @@ fn net_config(ticket: &EndpointTicket) -> NetConfig {
     }
 }
 
-/// Starts the jobs link to `daemons`, which waits for the first join; the
-/// returned sender is told when the agent has joined.
-fn start_jobs_link(
-    (dir, node, attempt): (&std::path::Path, &str, u64),
-    endpoint: &Endpoint,
-    daemons: &DialSet,
-    join: &JoinRequest,
-) -> (
-    tokio::sync::watch::Sender<bool>,
-    crate::jobs::agent::AgentJobs,
-    tokio::task::JoinHandle<()>,
-) {
-    // The jobs link: the daemon sends runs over a connection this agent
-    // dials, for as long as the agent lives. It is dialled once the agent
-    // has joined, so a hundred agents starting at once do not make their
-    // joins wait behind twice as many handshakes.
-    let (joined_tx, mut joined_rx) = tokio::sync::watch::channel(false);
-    let jobs = crate::jobs::agent::AgentJobs::new(dir, node.to_owned(), attempt);
-    let (endpoint, daemons, join) = (endpoint.clone(), daemons.clone(), join.clone());
-    let served = jobs.clone();
-    let link = tokio::spawn(async move {
-        if joined_rx.wait_for(|j| *j).await.is_ok() {
-            served.serve(endpoint, daemons, join).await;
-        }
-    });
-    (joined_tx, jobs, link)
-}
-
 /// What ends an agent from outside: SIGTERM for a real one, the bench's
 /// word for a simulated one.
 pub(crate) trait Stop {
@@ -372,7 +328,8 @@ struct Agent<'a> {
     endpoint: &'a Endpoint,
     daemons: &'a DialSet,
     join: &'a JoinRequest,
-    joined_tx: &'a tokio::sync::watch::Sender<bool>,
+    /// Serves the job requests the daemon opens on a welcomed session.
+    jobs: &'a AgentJobs,
     lease: &'a Lease,
     /// Says the first join (a real agent on stdout, for its provider).
     announce: &'a (dyn Fn() + Sync),
@@ -399,7 +356,7 @@ async fn stay_joined(agent: &Agent<'_>, stop: &mut impl Stop) -> Ended {
     loop {
         let joined = Joined {
             once: &mut joined_once,
-            tx: agent.joined_tx,
+            jobs: agent.jobs,
             lease: agent.lease,
             announce: agent.announce,
             frames: agent.frames,
@@ -465,10 +422,10 @@ enum Session {
 }
 
 /// What a session does once joined: says so the first time, keeps the
-/// lease, and counts its frames.
+/// lease, serves the daemon's job requests, and counts its frames.
 struct Joined<'a> {
     once: &'a mut bool,
-    tx: &'a tokio::sync::watch::Sender<bool>,
+    jobs: &'a AgentJobs,
     lease: &'a Lease,
     announce: &'a (dyn Fn() + Sync),
     frames: &'a AtomicU64,
@@ -476,7 +433,8 @@ struct Joined<'a> {
 }
 
 /// One session with whichever of `daemons` answers: a join, then
-/// heartbeats until the link is lost. A welcome and a renewal may name the
+/// heartbeats, and the job requests the daemon opens on the same
+/// connection, until the link is lost. A welcome and a renewal may name the
 /// run's daemons anew, for the next dial.
 async fn session(
     endpoint: &Endpoint,
@@ -488,6 +446,22 @@ async fn session(
         Ok(c) => c,
         Err(e) => return Session::Lost(e.to_string()),
     };
+    let ended = joined_on(&conn, endpoint, daemons, join, joined).await;
+    // A job request still served on it (a log followed, a shell) holds the
+    // connection open: closed, so it ends with the session, as the daemon
+    // takes its jobs link down with it.
+    conn.close(0u32.into(), b"session ended");
+    ended
+}
+
+/// [`session`] on its connection `conn`.
+async fn joined_on(
+    conn: &Connection,
+    endpoint: &Endpoint,
+    daemons: &DialSet,
+    join: &JoinRequest,
+    joined: Joined<'_>,
+) -> Session {
     let (mut send, mut recv) = match conn.open_bi().await {
         Ok(s) => s,
         Err(e) => return Session::Lost(e.to_string()),
@@ -518,7 +492,6 @@ async fn session(
     };
     if !*joined.once {
         *joined.once = true;
-        joined.tx.send_replace(true);
         (joined.announce)();
     }
     // The daemon's renewals come back on the stream the heartbeats go out
@@ -556,6 +529,14 @@ async fn session(
                 }
                 Some(Err(e)) => return Session::Lost(e.to_string()),
             },
+            // The jobs link: the daemon opens a stream per request once it
+            // welcomed the join (this agent opens none after its join).
+            accepted = conn.accept_bi() => match accepted {
+                Ok((send, recv)) => {
+                    joined.jobs.spawn_request(send, recv, (endpoint.clone(), daemons.addr()));
+                }
+                Err(e) => return Session::Lost(e.to_string()),
+            },
         }
     }
 }
@@ -564,8 +545,8 @@ async fn session(
 /// address of the ticket, and those of the run's daemons the latest welcome
 /// or renewal named (all of them answer to the ticket's identity, and only
 /// the one leading listens, so iroh's dial finds it). Shared by the swarm
-/// session and the jobs link; a new list replaces the one before, and the
-/// ticket's own addresses are always kept.
+/// sessions and the blob transfers a job request makes; a new list
+/// replaces the one before, and the ticket's own addresses are always kept.
 #[derive(Clone, Debug)]
 pub(crate) struct DialSet {
     ticket: EndpointAddr,
@@ -974,7 +955,7 @@ mod tests {
         assert_eq!(daemons.addr(), with(&many[..REPLICAS_MAX]));
         assert_eq!(daemons.addr().ip_addrs().count(), 2 + REPLICAS_MAX);
         // A later list replaces the earlier one, never the ticket's; a
-        // clone (the jobs link's) sees it too.
+        // clone sees it too.
         let jobs = daemons.clone();
         daemons.replace(&[at("127.0.0.9:4009")]);
         assert_eq!(jobs.addr(), with(&[at("127.0.0.9:4009")]));
@@ -1073,19 +1054,20 @@ mod tests {
             },
             token: "t".to_owned(),
         };
-        let (joined_tx, _joined_rx) = tokio::sync::watch::channel(false);
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = AgentJobs::new(dir.path(), "w-0".to_owned(), 1);
         let frames = AtomicU64::new(0);
         let unpaused = AtomicBool::new(false);
         let window = Duration::from_millis(600);
         let run = |daemons: DialSet, lease: Lease| {
-            let (agent_ep, join, joined_tx) = (&agent_ep, &join, &joined_tx);
+            let (agent_ep, join, jobs) = (&agent_ep, &join, &jobs);
             let (frames, unpaused) = (&frames, &unpaused);
             async move {
                 let agent = Agent {
                     endpoint: agent_ep,
                     daemons: &daemons,
                     join,
-                    joined_tx,
+                    jobs,
                     lease: &lease,
                     announce: &|| {},
                     frames,
@@ -1219,7 +1201,8 @@ mod tests {
             },
             token: "t".to_owned(),
         };
-        let (joined_tx, joined_rx) = tokio::sync::watch::channel(false);
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = AgentJobs::new(dir.path(), "w-0".to_owned(), 1);
         let lease = Lease::default();
         let frames = AtomicU64::new(0);
         let unpaused = AtomicBool::new(false);
@@ -1240,7 +1223,7 @@ mod tests {
         // The agent joins `a` and learns of `b`; then `a` is killed.
         let joined = Joined {
             once: &mut once,
-            tx: &joined_tx,
+            jobs: &jobs,
             lease: &lease,
             announce: &|| {},
             frames: &frames,
@@ -1257,7 +1240,7 @@ mod tests {
             }
         );
         assert!(matches!(first, Ok(Session::Lost(_))), "{first:?}");
-        assert!(*joined_rx.borrow());
+        assert!(once, "joined");
 
         // `b` leads now, where `a` said it would be: the agent finds it.
         let b = Leading::start(
@@ -1273,7 +1256,7 @@ mod tests {
         .await;
         let joined = Joined {
             once: &mut once,
-            tx: &joined_tx,
+            jobs: &jobs,
             lease: &lease,
             announce: &|| {},
             frames: &frames,
@@ -1292,6 +1275,240 @@ mod tests {
         );
         assert!(matches!(second, Ok(Session::Lost(_))), "{second:?}");
         agent.close().await;
+    }
+
+    /// A daemon that welcomes every join on `swactor/swarm/0`, hands the
+    /// test each welcomed connection, and counts every connection an agent
+    /// opens to it: by protocol, and how many are open now. It serves
+    /// `swactor/jobs/0` too, the jobs link agents dialled before it rode
+    /// on the swarm connection, so such a dial would be counted, not
+    /// refused.
+    struct Counting {
+        endpoint: Endpoint,
+        serving: tokio::task::JoinHandle<()>,
+        /// The protocol of every connection opened to it, in order.
+        opened: Arc<Mutex<Vec<Vec<u8>>>>,
+        /// Connections open now.
+        open: Arc<AtomicU64>,
+        welcomed: tokio::sync::mpsc::UnboundedReceiver<Connection>,
+    }
+
+    impl Counting {
+        async fn start() -> Self {
+            let config = NetConfig {
+                bind_addr: "127.0.0.1:0".parse().unwrap(),
+                ..NetConfig::default()
+            };
+            let endpoint = bind_endpoint(&config, SecretKey::generate()).await.unwrap();
+            endpoint.set_alpns(vec![ALPN_SWARM.to_vec(), b"swactor/jobs/0".to_vec()]);
+            let (opened, open) = (
+                Arc::<Mutex<Vec<Vec<u8>>>>::default(),
+                Arc::<AtomicU64>::default(),
+            );
+            let (tx, welcomed) = tokio::sync::mpsc::unbounded_channel();
+            let (ep, o, n) = (endpoint.clone(), opened.clone(), open.clone());
+            let serving = tokio::spawn(async move {
+                while let Some(incoming) = ep.accept().await {
+                    let Ok(accepting) = incoming.accept() else {
+                        continue;
+                    };
+                    let (opened, open, tx) = (o.clone(), n.clone(), tx.clone());
+                    tokio::spawn(async move {
+                        let Ok(conn) = accepting.await else {
+                            return;
+                        };
+                        opened.lock().unwrap().push(conn.alpn().to_vec());
+                        open.fetch_add(1, Ordering::SeqCst);
+                        if conn.alpn() == ALPN_SWARM
+                            && let Ok((mut send, mut recv)) = conn.accept_bi().await
+                            && let Ok(Some(_)) =
+                                recv_frame::<JoinRequest, _>(&mut recv, FRAME_LEN_MAX).await
+                        {
+                            let welcome = JoinReply::Welcome {
+                                heartbeat_ms: 50,
+                                lease_ms: 0,
+                                lease_waits_for_jobs: false,
+                                replicas: Vec::new(),
+                            };
+                            if send_frame(&mut send, &welcome, SWARM_REPLY_LEN_MAX_BYTES)
+                                .await
+                                .is_ok()
+                            {
+                                let _ = tx.send(conn.clone());
+                                // Heartbeats are read and dropped until the
+                                // connection ends.
+                                while let Ok(Some(Heartbeat(_))) =
+                                    recv_frame::<Heartbeat, _>(&mut recv, 64).await
+                                {
+                                }
+                            }
+                        }
+                        conn.closed().await;
+                        open.fetch_sub(1, Ordering::SeqCst);
+                    });
+                }
+            });
+            Self {
+                endpoint,
+                serving,
+                opened,
+                open,
+                welcomed,
+            }
+        }
+
+        fn opened(&self) -> Vec<Vec<u8>> {
+            self.opened.lock().unwrap().clone()
+        }
+
+        /// Waits until exactly one connection is open.
+        async fn one_open(&self) {
+            let settled = async {
+                while self.open.load(Ordering::SeqCst) != 1 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(10), settled)
+                .await
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "{} connections open, not one",
+                        self.open.load(Ordering::SeqCst)
+                    )
+                });
+        }
+    }
+
+    /// Asks the agent on `conn` for `request`, as a run actor does, and
+    /// returns every frame of its answer.
+    async fn ask(conn: &Connection, request: &crate::jobs::ToAgent) -> Vec<crate::jobs::FromAgent> {
+        use crate::jobs::{FromAgent, JOBS_FRAME_LEN_MAX};
+        let answer = async {
+            let (mut send, mut recv) = conn.open_bi().await.unwrap();
+            send_frame(&mut send, request, JOBS_FRAME_LEN_MAX)
+                .await
+                .unwrap();
+            let mut got = Vec::new();
+            while let Some(frame) = recv_frame::<FromAgent, _>(&mut recv, JOBS_FRAME_LEN_MAX)
+                .await
+                .unwrap()
+            {
+                got.push(frame);
+            }
+            got
+        };
+        tokio::time::timeout(Duration::from_secs(20), answer)
+            .await
+            .expect("the agent answers")
+    }
+
+    /// Starts `job` on the agent on `conn` (it prints its name after a
+    /// moment), checks that the agent holds `daemon`'s one connection
+    /// while it runs, then follows it to its end.
+    async fn run_job(daemon: &Counting, conn: &Connection, jobs: &AgentJobs, job: &str) {
+        use crate::jobs::{ExitInfo, FromAgent, LogRecord, ToAgent};
+        let start = ToAgent::Start {
+            attempt: 1,
+            job: job.to_owned(),
+            manifest: Vec::new(),
+            argv: ["sh", "-c", &format!("sleep 0.5; echo {job}")]
+                .map(str::to_owned)
+                .to_vec(),
+            env: Vec::new(),
+            setup: None,
+        };
+        assert_eq!(ask(conn, &start).await, [FromAgent::Started]);
+        assert!(jobs.running(), "{job} runs");
+        assert_eq!(daemon.open.load(Ordering::SeqCst), 1, "while {job} runs");
+        let attach = ToAgent::Attach {
+            attempt: 1,
+            job: job.to_owned(),
+            offset: 0,
+        };
+        let got = ask(conn, &attach).await;
+        let mut log = Vec::new();
+        for frame in &got {
+            if let FromAgent::Log(bytes) = frame {
+                log.extend_from_slice(bytes);
+            }
+        }
+        let records = LogRecord::decode_all(&log).0;
+        let printed: Vec<u8> = records.iter().flat_map(|r| r.data.clone()).collect();
+        assert_eq!(printed, format!("{job}\n").into_bytes(), "{got:?}");
+        assert_eq!(
+            got.last(),
+            Some(&FromAgent::Exit(ExitInfo {
+                code: Some(0),
+                signal: None
+            }))
+        );
+    }
+
+    /// Issue 35: an agent's jobs ride on its swarm connection. While a job
+    /// runs, the agent holds exactly one connection to its daemon (it
+    /// dials no `swactor/jobs/0` link), and after its connection is lost
+    /// it rejoins on one new connection, on which the next job runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_agent_holds_one_connection_which_carries_its_jobs_across_a_rejoin() {
+        let mut daemon = Counting::start().await;
+        let agent_config = NetConfig {
+            idle_timeout: Some(AGENT_IDLE_TIMEOUT),
+            ..NetConfig::default()
+        };
+        let agent_ep = bind_endpoint(&agent_config, SecretKey::generate())
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = AgentJobs::unwrapped(dir.path(), "w-0".to_owned(), 1);
+        let join = JoinRequest {
+            key: crate::protocol::JoinKey {
+                run_id: "r".to_owned(),
+                node: "w-0".to_owned(),
+                attempt: 1,
+            },
+            token: "t".to_owned(),
+        };
+        let daemons = DialSet::new(&daemon.endpoint.addr());
+        let lease = Lease::default();
+        let frames = AtomicU64::new(0);
+        let unpaused = AtomicBool::new(false);
+        let agent = Agent {
+            endpoint: &agent_ep,
+            daemons: &daemons,
+            join: &join,
+            jobs: &jobs,
+            lease: &lease,
+            announce: &|| {},
+            frames: &frames,
+            beats_paused: &unpaused,
+        };
+        let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
+        let limit = Duration::from_secs(20);
+        let (ended, ()) = tokio::join!(stay_joined(&agent, &mut stop), async {
+            let first = tokio::time::timeout(limit, daemon.welcomed.recv())
+                .await
+                .expect("the agent joins")
+                .unwrap();
+            run_job(&daemon, &first, &jobs, "job-1").await;
+
+            // The daemon drops the session; the agent rejoins, and its
+            // jobs come back with it.
+            first.close(0u32.into(), b"gone");
+            let second = tokio::time::timeout(limit, daemon.welcomed.recv())
+                .await
+                .expect("the agent rejoins")
+                .unwrap();
+            assert_ne!(first.stable_id(), second.stable_id());
+            daemon.one_open().await;
+            run_job(&daemon, &second, &jobs, "job-2").await;
+            stop_tx.send_replace(true);
+        });
+        assert_eq!(ended, Ended::Stopped);
+        // Two sessions, one after the other, and nothing else.
+        assert_eq!(daemon.opened(), [ALPN_SWARM.to_vec(), ALPN_SWARM.to_vec()]);
+        daemon.serving.abort();
+        agent_ep.close().await;
+        daemon.endpoint.close().await;
     }
 
     #[test]

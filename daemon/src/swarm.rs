@@ -9,7 +9,14 @@
 //! When several daemons take turns leading the run, a welcome names them
 //! all, and a change of that list reaches each joined agent with the
 //! renewal that answers its next heartbeat.
+//!
+//! A welcomed agent's connection is also its attempt's jobs link: the
+//! daemon opens each job request (`swactor/jobs/0`'s frames, see
+//! [`crate::jobs`]) on a stream of its own on it, so an agent holds one
+//! connection to its daemon, and its jobs link lives and dies with its
+//! session.
 
+use crate::jobs::service::JobLinks;
 use crate::protocol::{
     Heartbeat, JoinReply, JoinRequest, REPLICAS_MAX, Renewal, SWARM_REPLY_LEN_MAX_BYTES,
 };
@@ -61,19 +68,46 @@ pub(crate) struct SwarmHandler {
     pub(crate) replicas: crate::replicas::Replicas,
 }
 
-impl ProtocolHandler for SwarmHandler {
+impl SwarmHandler {
+    /// The protocol handler: this, with the daemon's jobs, whose link each
+    /// welcomed agent's connection becomes.
+    pub(crate) fn with_jobs(self, jobs: JobLinks) -> SwarmProtocol {
+        SwarmProtocol { swarm: self, jobs }
+    }
+}
+
+/// `swactor/swarm/0` on the daemon: each agent's one connection, which
+/// carries its join, heartbeats and renewals, and from the welcome on its
+/// attempt's jobs link (`swactor/jobs/0`'s frames, on streams the daemon
+/// opens).
+#[derive(Debug, Clone)]
+pub(crate) struct SwarmProtocol {
+    swarm: SwarmHandler,
+    jobs: JobLinks,
+}
+
+impl ProtocolHandler for SwarmProtocol {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        self.swarm.accept(conn, &self.jobs).await;
+        Ok(())
+    }
+}
+
+impl SwarmHandler {
+    /// Serves one connection: its join, then, once welcomed, its agent's
+    /// session and jobs link until either side ends it.
+    async fn accept(&self, conn: Connection, jobs: &JobLinks) {
         // Strangers are bounded apart from joined agents: a connection
         // holds a pre-authentication place until its join has a verdict.
         let Some(unjoined) = self.enter_unjoined(&conn) else {
-            return Ok(());
+            return;
         };
         // Closes the connection itself when the peer is slow, silent or too big.
         let Ok((mut send, mut recv, join)) =
             accept_first_frame::<JoinRequest>(&conn, FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE)
                 .await
         else {
-            return Ok(());
+            return;
         };
         // Only the key this attempt's agent was given may join for it, and
         // only with its token: a token read off another process is useless.
@@ -105,7 +139,7 @@ impl ProtocolHandler for SwarmHandler {
             _ => {
                 let _ = send.finish();
                 let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
-                return Ok(());
+                return;
             }
         };
         let mut link = Link {
@@ -114,9 +148,18 @@ impl ProtocolHandler for SwarmHandler {
             recv: &mut recv,
         };
         let renewer = Renewer::new(&liveness, replicas, Instant::now());
+        // From the welcome on, this connection is the attempt's jobs link
+        // too: job requests go out on streams the daemon opens on it, and
+        // the link goes down with the session. One that cannot be linked
+        // (only a bug leaves a live link behind) ends at once, through the
+        // session's own end, so the cluster hears the agent is gone.
+        let linked = jobs.link(&key, &conn);
+        if linked.is_none() {
+            conn.close(1u32.into(), b"this attempt is linked already");
+        }
         self.serve(&mut link, key, &liveness, &session, renewer)
             .await;
-        Ok(())
+        drop(linked);
     }
 }
 

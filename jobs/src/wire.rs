@@ -1,10 +1,11 @@
 //! The jobs protocol's wire types (`swactor/jobs/0`), the workspace
 //! manifest and the output log format, shared by the daemon and the agent.
+//!
+//! The jobs protocol has no ALPN of its own: its frames travel on streams
+//! the daemon opens on an agent's `swactor/swarm/0` connection once it has
+//! welcomed the agent's join, so they are versioned with the swarm's ALPN.
 
 use serde::{Deserialize, Serialize};
-
-/// ALPN of the jobs protocol, dialled by each agent to its daemon.
-pub const ALPN_JOBS: &[u8] = b"swactor/jobs/0";
 
 /// A BLAKE3 hash: the name of a chunk.
 pub type Hash = [u8; 32];

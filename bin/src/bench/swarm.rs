@@ -3,7 +3,8 @@
 //!
 //! Each simulated agent is the real agent's code after its boot check
 //! (`swactor_daemon::agent::simulate`): an endpoint with its attempt's own
-//! key, the key-bound join, heartbeats, renewals, rejoins and the jobs link.
+//! key, the key-bound join, heartbeats, renewals, rejoins, and the job
+//! requests the daemon opens on the same connection (its jobs link).
 //! They all run in this process; the daemon's provider (`sim`, see
 //! [`super::sim`]) asks for them over a Unix socket as its leases are made
 //! and released, so the daemon's processor time and memory are its own.
@@ -58,10 +59,6 @@ pub(crate) struct SwarmArgs {
     /// the daemon shows it disconnected and until its replacement is ready.
     #[arg(long)]
     freeze: bool,
-    /// The agents dial no jobs link (a real agent does): what the swarm
-    /// link alone costs the daemon.
-    #[arg(long)]
-    no_jobs_link: bool,
     /// Keep the daemon's state, its log and the agents' directory here
     /// (default: a fresh temporary directory, removed at the end).
     #[arg(long, value_name = "DIR")]
@@ -186,8 +183,6 @@ struct Swarm {
     last_joined: Mutex<Option<Instant>>,
     /// The ticket the agents dial (the daemon's swarm endpoint).
     ticket: Mutex<Option<String>>,
-    /// Whether agents dial their jobs link.
-    jobs_link: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -239,7 +234,6 @@ impl Swarm {
             credentials: AgentCredentials { token, secret_key },
             dir: self.dir.clone(),
             frozen,
-            jobs_link: self.jobs_link,
         };
         let swarm = self.clone();
         tokio::spawn(async move {
@@ -500,7 +494,6 @@ pub(crate) async fn swarm(args: SwarmArgs) -> Result<i32> {
         last_created: Mutex::default(),
         last_joined: Mutex::default(),
         ticket: Mutex::default(),
-        jobs_link: !args.no_jobs_link,
     });
     {
         let swarm = swarm.clone();
@@ -727,7 +720,6 @@ async fn measure(
         "agents_cpu_pct": round3(own_pct),
         "agents_rss_bytes": own_rss,
         "frames_per_s": round3(frames_per_s),
-        "jobs_link": swarm.jobs_link,
         "status_ms": round3(status_ms),
         "metrics_ms": round3(metrics_ms),
         "secs": round3(elapsed.as_secs_f64()),

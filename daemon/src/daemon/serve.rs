@@ -93,33 +93,27 @@ pub(super) fn serve_protocols(
     metrics: &crate::metrics::Metrics,
 ) -> Routers {
     let (blobs_allowed, blobs) = jobs.blobs();
-    // Connections that have not joined yet (swarm and jobs together).
-    let pre_auth = swarm_handler.pre_auth.clone();
     // The router's accept loop and every handler it starts run on the
     // agents' runtime too.
     let on_swarm = swarm.enter();
-    // Every joined agent holds a swarm connection and a jobs link, so
-    // those caps follow the cluster's size ([`follow_cluster_size`] moves
-    // them on every accepted shape); what a peer that has not joined may
-    // hold is bounded apart, by `pre_auth`.
+    // Every joined agent holds one swarm connection, which is its jobs
+    // link too, so the caps follow the cluster's size
+    // ([`follow_cluster_size`] moves them on every accepted shape); what a
+    // peer that has not joined may hold is bounded apart, by the swarm's
+    // pre-authentication places.
     let sized = |limits: Limits| Limits {
         connections_max: agents_cap(fleet),
         ..limits
     };
     let swarm_router = GuardedRouterBuilder::new(endpoints.swarm.clone())
+        // A welcomed agent's swarm connection carries its jobs too: there
+        // is no `swactor/jobs/0` connection to accept (an agent of another
+        // version is refused at the handshake; see docs/jobs.md).
         .serve_with_limits(
             ALPN_SWARM,
             Allowlist::open(),
             sized(Limits::OPEN),
-            swarm_handler,
-        )
-        // Agents dial in for jobs as for the swarm; each link is checked
-        // like a join.
-        .serve_with_limits(
-            crate::jobs::ALPN_JOBS,
-            Allowlist::open(),
-            sized(Limits::OPEN),
-            jobs.handler(pre_auth),
+            swarm_handler.with_jobs(jobs.job_links()),
         )
         // Workspaces: only the keys of agents with a jobs link may connect,
         // and each fetches only the chunks of the run it ships.
@@ -133,14 +127,11 @@ pub(super) fn serve_protocols(
         // bounded share of its time; joined agents' links are never counted.
         .handshake_rate(None, handshake_rate(agents_rate(fleet)));
     let swarm_handshakes = swarm_router.handshakes_under_way();
-    let named: Vec<(&'static str, swactor_engine::net::ConnectionCap)> = [
-        ("swarm", ALPN_SWARM),
-        ("jobs", crate::jobs::ALPN_JOBS),
-        ("blobs", iroh_blobs::ALPN),
-    ]
-    .iter()
-    .filter_map(|(name, alpn)| swarm_router.connection_cap(alpn).map(|c| (*name, c)))
-    .collect();
+    let named: Vec<(&'static str, swactor_engine::net::ConnectionCap)> =
+        [("swarm", ALPN_SWARM), ("blobs", iroh_blobs::ALPN)]
+            .iter()
+            .filter_map(|(name, alpn)| swarm_router.connection_cap(alpn).map(|c| (*name, c)))
+            .collect();
     let agent_caps = named.iter().map(|(_, c)| c.clone()).collect();
     metrics.watch_agent_caps(named);
     let router = swarm_router.spawn();
@@ -395,9 +386,10 @@ pub(super) fn pre_auth_max() -> usize {
 }
 
 /// The agents' handshake budget for a run of `fleet` nodes: the default,
-/// or enough for every agent's two links (swarm and jobs) in one burst and
-/// their stragglers within the rejoin window, whichever is larger. A flood
-/// gets no more than the fleet itself may need.
+/// or two handshakes per agent (its swarm connection, and its blob
+/// transfer when a job ships a workspace) in one burst and their
+/// stragglers within the rejoin window, whichever is larger. A flood gets
+/// no more than the fleet itself may need.
 pub(super) fn agents_rate(fleet: usize) -> HandshakeRate {
     let links = u32::try_from(fleet.saturating_mul(2)).unwrap_or(u32::MAX);
     HandshakeRate {

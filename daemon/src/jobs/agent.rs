@@ -1,11 +1,11 @@
 //! The agent's side of `swactor/jobs/0`.
 //!
-//! The agent dials its daemon for this protocol (as it does for the swarm)
-//! and then serves the streams the daemon opens on that connection: the
-//! daemon's key is proven by the connection itself, and nobody else can
-//! open a stream on it. Every request names the attempt it is meant for and
-//! one for another attempt is refused, so a run meant for a node's previous
-//! attempt never reaches its replacement.
+//! The agent serves the streams its daemon opens on the agent's swarm
+//! connection once its join was welcomed ([`crate::agent`] hands each one
+//! over): the daemon's key is proven by the connection itself, and nobody
+//! else can open a stream on it. Every request names the attempt it is
+//! meant for and one for another attempt is refused, so a run meant for a
+//! node's previous attempt never reaches its replacement.
 //!
 //! Chunks live in `<node dir>/jobs/chunks/<hash>`. The agent fetches the
 //! ones it lacks from the daemon's `iroh-blobs` provider, on a connection it
@@ -29,10 +29,9 @@
 //! the rest are its unit tests, kept next to the code they check.
 
 use super::{
-    ALPN_JOBS, CHUNK_LEN, DATA_PIECE_LEN, ExitInfo, FromAgent, Hash, JOBS_FRAME_LEN_MAX, LogRecord,
-    Setup, Stream, ToAgent, glob_match, hex, safe_relative, walk,
+    CHUNK_LEN, DATA_PIECE_LEN, ExitInfo, FromAgent, Hash, JOBS_FRAME_LEN_MAX, LogRecord, Setup,
+    Stream, ToAgent, glob_match, hex, safe_relative, walk,
 };
-use crate::protocol::JoinRequest;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -173,6 +172,20 @@ impl AgentJobs {
         }
     }
 
+    /// As [`Self::new`], but its runs start their command directly: a test
+    /// binary has no `swactor job-exec`.
+    #[cfg(test)]
+    pub(crate) fn unwrapped(node_dir: &Path, node: String, attempt: u64) -> Self {
+        let jobs = Self::new(node_dir, node, attempt);
+        let inner = Arc::into_inner(jobs.inner).expect("a new agent's jobs are not shared");
+        Self {
+            inner: Arc::new(Inner {
+                exec_wrapper: false,
+                ..inner
+            }),
+        }
+    }
+
     fn chunk_path(&self, hash: &Hash) -> PathBuf {
         self.inner.root.join("chunks").join(hex(hash))
     }
@@ -186,48 +199,22 @@ impl AgentJobs {
             .cloned()
     }
 
-    /// Dials the daemon for the jobs protocol and serves its requests, again
-    /// and again while the agent lives; each dial tries every address of
-    /// `daemons` known then, as the swarm session does.
-    pub(crate) async fn serve(
-        self,
-        endpoint: Endpoint,
-        daemons: crate::agent::DialSet,
-        join: JoinRequest,
-    ) {
-        let mut failures = 0u32;
-        loop {
-            match self.session(&endpoint, &daemons.addr(), &join).await {
-                Ok(()) => failures = 0,
-                Err(e) => {
-                    failures += 1;
-                    tracing::debug!(%e, "jobs link to the daemon lost");
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.clamp(1, 5)))).await;
-        }
-    }
-
-    async fn session(
+    /// Serves, on a task of its own, one request the daemon opened on the
+    /// agent's connection (`send`, `recv`). `daemon` is the daemon's
+    /// endpoint as the agent dials it, for the blob transfers a request
+    /// may need; the task ends with the request (or with the connection).
+    pub(crate) fn spawn_request(
         &self,
-        endpoint: &Endpoint,
-        daemon: &EndpointAddr,
-        join: &JoinRequest,
-    ) -> anyhow::Result<()> {
-        let conn = connect(endpoint, daemon.clone(), ALPN_JOBS, Duration::from_secs(5)).await?;
-        let (mut send, _recv) = conn.open_bi().await?;
-        send_frame(&mut send, join, JOBS_FRAME_LEN_MAX).await?;
-        let _ = send.finish();
-        loop {
-            let (send, recv) = conn.accept_bi().await?;
-            let me = self.clone();
-            let daemon = (endpoint.clone(), daemon.clone());
-            tokio::spawn(async move {
-                if let Err(e) = me.serve_stream(send, recv, &daemon).await {
-                    tracing::debug!(%e, "a jobs request failed");
-                }
-            });
-        }
+        send: SendStream,
+        recv: RecvStream,
+        daemon: (Endpoint, EndpointAddr),
+    ) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = me.serve_stream(send, recv, &daemon).await {
+                tracing::debug!(%e, "a jobs request failed");
+            }
+        });
     }
 
     async fn serve_stream(
@@ -1124,17 +1111,8 @@ mod tests {
     use super::*;
     use crate::jobs::LOG_HEADER_LEN;
 
-    /// An agent whose runs start their command directly (a test binary has
-    /// no `swactor job-exec`).
     fn agent(node_dir: &Path) -> AgentJobs {
-        let jobs = AgentJobs::new(node_dir, "worker-0".to_owned(), 2);
-        let inner = Arc::into_inner(jobs.inner).unwrap();
-        AgentJobs {
-            inner: Arc::new(Inner {
-                exec_wrapper: false,
-                ..inner
-            }),
-        }
+        AgentJobs::unwrapped(node_dir, "worker-0".to_owned(), 2)
     }
 
     async fn frames(mut bytes: &[u8]) -> Vec<FromAgent> {

@@ -14,7 +14,6 @@
 use super::blobs::Blobs;
 use super::runner::{JobArgs, JobMsg, JobsActor, JobsMsg, RunMsg};
 use super::{CHUNK_LEN, FileEntry, FromAgent, Hash, LogRecord, Stream, ToAgent, walk};
-use crate::protocol::JoinRequest;
 use crate::words::sizes_compared;
 use anyhow::Context;
 use iroh_blobs::api::TempTag;
@@ -25,13 +24,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use swactor_actors::ClusterHandle;
 use swactor_engine::iroh::endpoint::Connection;
-use swactor_engine::iroh::protocol::{AcceptError, ProtocolHandler};
 use swactor_engine::journal::{Journal, JournalBatch, JournalContents};
-use swactor_engine::net::{Allowlist, PreAuth};
-use swactor_engine::net::{FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE, accept_first_frame};
+use swactor_engine::net::Allowlist;
 use swactor_engine::ractor::{Actor, ActorId, ActorRef, rpc::CallResult};
 use swactor_engine::{BlockingConfig, BlockingPool, Clock, run_until};
-use swactor_provisioning::{Intent, LogicalNodeId, NodeAttemptId};
+use swactor_provisioning::{Intent, LogicalNodeId, NodeAttemptId, ResourceKey};
 use tokio::sync::{broadcast, watch};
 
 use super::machine::Stop;
@@ -153,7 +150,6 @@ pub(crate) struct Shared {
     pub(crate) dir: PathBuf,
     pub(crate) journal: Journal,
     pub(crate) cluster: ClusterHandle,
-    secret: [u8; 32],
     pub(crate) limits: JobLimits,
     pub(crate) links: Links,
     /// Workspace chunks, served to the agents that ship them.
@@ -348,7 +344,9 @@ impl JobService {
     pub(crate) async fn open(
         state_root: &Path,
         cluster: ClusterHandle,
-        secret: [u8; 32],
+        // Unused: every link is a swarm session, whose join the swarm
+        // checks with the secret (see [`JobLinks`]).
+        _secret: [u8; 32],
         limits: JobLimits,
     ) -> anyhow::Result<Self> {
         let path = state_root.join("jobs.redb");
@@ -363,7 +361,6 @@ impl JobService {
             dir,
             journal,
             cluster,
-            secret,
             limits,
             links: Links::new(blobs.allowlist.clone()),
             blobs,
@@ -477,11 +474,10 @@ impl JobService {
         }
     }
 
-    /// The protocol handler of `swactor/jobs/0`.
-    /// The handler of the jobs protocol; its links count against
-    /// `pre_auth` until they are checked.
-    pub(crate) fn handler(&self, pre_auth: PreAuth) -> JobsHandler {
-        JobsHandler(self.shared.clone(), pre_auth)
+    /// What the swarm makes each welcomed agent's connection its jobs
+    /// link with.
+    pub(crate) fn job_links(&self) -> JobLinks {
+        JobLinks(Arc::clone(&self.shared))
     }
 
     /// The handler of [`iroh_blobs::ALPN`] and the allowlist to serve it
@@ -1303,73 +1299,54 @@ impl Links {
     }
 }
 
-/// `swactor/jobs/0` on the daemon: each agent's jobs link, checked like a
-/// swarm join (its key and token must be those of its attempt).
+/// Where the swarm hands each agent it welcomes: from the welcome on, the
+/// agent's swarm connection is its attempt's jobs link too, until the
+/// [`JobLink`] it gets back is dropped (its session ended).
+///
+/// The swarm has checked the join by then (the attempt's own key and
+/// token, and the cluster's word that it is the node's current, active
+/// attempt) and holds one session per attempt, so nothing here checks a
+/// peer again: an unauthenticated, refused, deferred or superseded peer
+/// never reaches it, and its key never the blob provider's allowlist.
 #[derive(Debug, Clone)]
-pub(crate) struct JobsHandler(Arc<Shared>, PreAuth);
+pub(crate) struct JobLinks(Arc<Shared>);
 
-impl ProtocolHandler for JobsHandler {
-    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        // Unchecked links are bounded apart from checked ones.
-        let Some(unchecked) = self.1.try_enter() else {
-            conn.close(
-                swactor_engine::net::codes::CLOSE_BUSY,
-                b"too many unauthenticated connections",
-            );
-            return Ok(());
-        };
-        let Ok((_send, _recv, join)) =
-            accept_first_frame::<JoinRequest>(&conn, FIRST_FRAME_LEN_MAX_BYTES, HANDSHAKE_DEADLINE)
-                .await
-        else {
-            return Ok(());
-        };
-        let key = match join.verify(&self.0.secret, conn.remote_id()) {
-            Ok(key) => key,
-            Err(reason) => {
-                // The key is the peer's unchecked text: logged escaped.
-                tracing::warn!(key = ?join.key.text(), %reason, "a jobs link was refused");
-                conn.close(1u32.into(), b"not this node's agent");
-                return Ok(());
-            }
-        };
-        // Only the node's current, active attempt may link, exactly as
-        // only it may join: a superseded, future or unknown attempt, or
-        // another run's, is refused, and its key never reaches the blob
-        // provider's allowlist.
-        match self.0.cluster.agent_check(key.clone()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(refusal)) => {
-                // The agent dials its link again (every second at most): a
-                // transient refusal is only said at debug level.
-                if refusal.is_transient() {
-                    tracing::debug!(%key, %refusal, "a jobs link was deferred");
-                } else {
-                    tracing::warn!(%key, %refusal, "a jobs link was refused");
-                }
-                conn.close(1u32.into(), b"not this cluster's current attempt");
-                return Ok(());
-            }
-            Err(e) => {
-                tracing::debug!(%key, %e, "a jobs link was deferred");
-                conn.close(1u32.into(), b"not yet");
-                return Ok(());
-            }
-        }
+impl JobLinks {
+    /// Makes `conn` the jobs link of `key`'s attempt, for as long as the
+    /// returned guard lives; `None`, changing nothing, when that attempt
+    /// is linked on another live connection already (the swarm closes a
+    /// superseded session's connection before it welcomes the next, so
+    /// this is a bug's mark, not a peer's doing).
+    pub(crate) fn link(&self, key: &ResourceKey, conn: &Connection) -> Option<JobLink> {
         let (node, attempt) = (key.node, key.attempt.0);
-        // One link per attempt: a second one, while the first is up, is
-        // refused and changes nothing of the first.
         if !self.0.links.up(node, attempt, conn.clone()) {
             tracing::warn!(%node, attempt, "a second jobs link for an attempt was refused");
-            conn.close(1u32.into(), b"this attempt is linked already");
-            return Ok(());
+            return None;
         }
-        drop(unchecked);
         tracing::info!(%node, attempt, "jobs link up");
-        conn.closed().await;
-        self.0.links.down(node, attempt, &conn);
-        tracing::info!(%node, attempt, "jobs link down");
-        Ok(())
+        Some(JobLink {
+            shared: Arc::clone(&self.0),
+            node,
+            attempt,
+            conn: conn.clone(),
+        })
+    }
+}
+
+/// A welcomed agent's jobs link; dropping it takes the link down (a run
+/// waiting on it waits for the agent's next session).
+#[derive(Debug)]
+pub(crate) struct JobLink {
+    shared: Arc<Shared>,
+    node: LogicalNodeId,
+    attempt: u64,
+    conn: Connection,
+}
+
+impl Drop for JobLink {
+    fn drop(&mut self) {
+        self.shared.links.down(self.node, self.attempt, &self.conn);
+        tracing::info!(node = %self.node, attempt = self.attempt, "jobs link down");
     }
 }
 
