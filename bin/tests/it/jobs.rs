@@ -1216,3 +1216,73 @@ fn a_workspace_reaches_every_node_of_a_wide_fleet_at_once() {
     let o = cli(&state, &["down"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Issue 35: a node's jobs ride on its agent's one connection, the swarm
+/// session. A job runs over it; the agent, frozen past its connection's
+/// idle timeout but well within its grace, has to dial again, and the next
+/// job runs on the new session: the daemon took the jobs link down with
+/// the old session and up with the new one, once each.
+#[test]
+fn a_job_runs_on_the_agents_one_connection_and_again_after_the_agent_rejoined() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let state = root.join("state");
+    let shape = shape_file(
+        root,
+        "rejoin.toml",
+        "run = \"jobs-rejoin\"\n[[group]]\nid = \"worker\"\ncount = 1\nprovider = \"process\"\n\
+         boot_check = [\"true\"]\nlost_grace_s = 30.0\n",
+    );
+    let d = Daemon::spawn_env(
+        &state,
+        Some(&shape),
+        &[],
+        &[(
+            "SWACTOR_LOG",
+            "warn,swactor_daemon::swarm=info,swactor_daemon::jobs::service=info,\
+             swactor_daemon::agent=info",
+        )],
+    )
+    .unwrap_or_else(|e| panic!("the daemon exited: {}", e.log));
+    let snap = ready(&state, 1);
+    let attempt = snap.nodes[0].attempt;
+    let o = run(root, &state, &["--all", "--", "echo", "before"]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("[worker-0] before\n"), "{}", stdout(&o));
+
+    // Frozen for 6 s: past the connection's 4 s idle timeout, so both
+    // sides drop it, and far within the 30 s grace, so it is not replaced.
+    let pid = agents(&state)[&("worker-0".to_owned(), attempt.0)][0];
+    signal(pid, "-STOP");
+    std::thread::sleep(Duration::from_secs(6));
+    signal(pid, "-CONT");
+    wait_for(Duration::from_secs(20), "the agent to rejoin", || {
+        status(&state).is_some_and(|s| {
+            s.nodes[0].agent == swactor_actors::AgentLink::Connected && s.nodes[0].ready
+        })
+    });
+    let agent_log = stdout(&cli(&state, &["logs", "worker-0"]));
+    assert!(
+        agent_log.contains("connection to the daemon lost; rejoining"),
+        "the agent dialled again: {agent_log}"
+    );
+
+    let o = run(root, &state, &["--all", "--", "echo", "after"]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("[worker-0] after\n"), "{}", stdout(&o));
+    let after = status(&state).unwrap();
+    assert_eq!(after.nodes[0].attempt, attempt, "not replaced");
+    // Each session was the node's jobs link, and nothing else was: two
+    // joins, two links up, the first one down.
+    let log = d.log();
+    let count = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(
+        (
+            count("agent joined"),
+            count("jobs link up"),
+            count("jobs link down")
+        ),
+        (2, 2, 1),
+        "{log}"
+    );
+}
