@@ -94,9 +94,9 @@ use swactor_provisioning::flight::{
 };
 use swactor_provisioning::lifetime::Status;
 use swactor_provisioning::{
-    ApplyError, ClusterShape, DesiredUpdate, Driver, DriverError, Folded, Generation, Host,
-    HostEvent, HostFold, JoinRefused, JournalDelta, JournalImage, Leadership, Liveness,
-    NodeAttemptId, Output, PauseError, Reconciler, ReplaceError, Reply, Timestamp,
+    ApplyError, BootstrapEvent, ClusterShape, DesiredUpdate, Driver, DriverError, Folded,
+    Generation, Host, HostEvent, HostFold, JoinRefused, JournalDelta, JournalImage, Leadership,
+    Liveness, NodeAttemptId, Output, PauseError, Reconciler, ReplaceError, Reply, Timestamp,
 };
 
 mod provider;
@@ -381,6 +381,16 @@ impl<C: Reconciler> Case<C> {
                     result,
                     folded: &folded,
                 });
+            }
+            // A daemon's bootstrap streams also say when their agent joined
+            // (the world turns that line into a join before the host sees
+            // it). Unless the host takes a stream's word for a join, it
+            // notes the line and hands it to no core: not an observation.
+            (FlightInput::Bootstrap { obs, .. }, Answer::Folded(_))
+                if obs.event == BootstrapEvent::SwactorJoined
+                    && !self.host.host_config().stream_joins =>
+            {
+                self.check();
             }
             (FlightInput::Bootstrap { obs, .. }, Answer::Folded(folded)) => {
                 self.record(StepEvent::Observation {
