@@ -466,6 +466,10 @@ async fn joined_on(
         Ok(s) => s,
         Err(e) => return Session::Lost(e.to_string()),
     };
+    // The connection carries job data too (logs, outputs): heartbeats go
+    // out ahead of whatever of it is waiting, so a busy link is not taken
+    // for a silent agent.
+    let _ = send.set_priority(1);
     if let Err(e) = send_frame(&mut send, join, FRAME_LEN_MAX).await {
         return Session::Lost(e.to_string());
     }

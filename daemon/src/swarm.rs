@@ -142,6 +142,9 @@ impl SwarmHandler {
                 return;
             }
         };
+        // The connection carries the agent's jobs too: renewals go out
+        // ahead of any job request data waiting to be sent.
+        let _ = send.set_priority(1);
         let mut link = Link {
             conn: &conn,
             send: &mut send,

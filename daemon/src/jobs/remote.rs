@@ -3,14 +3,14 @@
 //!
 //! No SSH server is involved, so they work on every provider. The CLI asks
 //! the daemon on `swactor/control/0`; the daemon (`relay`) checks the node,
-//! opens a stream on that node's `swactor/jobs/0` link with a
-//! [`ToAgent::Shell`] or [`ToAgent::Connect`] naming the attempt, and once
-//! the agent answers [`FromAgent::Opened`] it copies bytes both ways without
-//! reading them. The agent (`serve_shell`, `serve_connect`) runs the
+//! opens a stream on that node's jobs link (its agent's swarm connection)
+//! with a [`ToAgent::Shell`] or [`ToAgent::Connect`] naming the attempt,
+//! and once the agent answers [`FromAgent::Opened`] it copies bytes both
+//! ways without reading them. The agent (`serve_shell`, `serve_connect`) runs the
 //! command (in a pseudo-terminal when asked) or dials `127.0.0.1:PORT`.
 //!
 //! ```text
-//! swactor ssh ──control/0──▶ daemon ──jobs/0 (the agent's link)──▶ agent ──▶ sh -l in a PTY
+//! swactor ssh ──control/0──▶ daemon ──swarm/0 (the agent's jobs link)──▶ agent ──▶ sh -l in a PTY
 //!              ◀── ShellFrame: Stdin, StdinEnd, Resize ▶ / ◀ Stdout, Stderr, Exit ──
 //! swactor forward: one control connection per TCP connection, raw bytes, half-close kept
 //! ```

@@ -1164,8 +1164,8 @@ fn read_workspace(dir: &Path, max: u64) -> Result<Workspace, String> {
     Ok(ws)
 }
 
-/// The agents' jobs links, by (node, attempt), and the run actors waiting
-/// on them. A run actor is told when its attempt's link comes up, and when
+/// The agents' jobs links (each a welcomed agent's swarm connection, see
+/// [`JobLinks`]), by (node, attempt), and the run actors waiting on them. A run actor is told when its attempt's link comes up, and when
 /// a later attempt of its node links up (its own attempt was replaced). The
 /// key of an agent whose link is up may connect to the blob provider.
 #[derive(Debug)]
