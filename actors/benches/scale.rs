@@ -7,8 +7,9 @@
 //! figures in `docs/benchmarks.md` come from it. `--json` adds one JSON line
 //! of the same figures after each row (`scripts/bench-peer.sh` reads it).
 //! `--flight` records the driver's inputs as a daemon does (into a
-//! temporary directory, with no limit in the way) and says how much it
-//! wrote, to weigh the flight recorder against a run without it.
+//! temporary directory, or `--flight-dir DIR`, with the daemon's default
+//! limits) and says how much it wrote and whether it had to drop any, to
+//! weigh the flight recorder against a run without it.
 
 // A benchmark harness owns its runtime and reads the clock to measure runs.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -51,10 +52,10 @@ fn main() {
             .as_ref()
             .map_or(dir.path().to_owned(), std::path::PathBuf::from);
         let recorder = flight.then(|| {
-            let limits = swactor_engine::flight::FlightLimits {
-                disk_max: u64::MAX,
-                queued_max: 1 << 30,
-            };
+            // The daemon's own limits (64 MiB on disk, a 16 MiB queue).
+            let limits = swactor_engine::flight::FlightLimits::on_disk(
+                swactor_engine::flight::FlightLimits::DISK_MAX_DEFAULT,
+            );
             swactor_engine::flight::FlightRecorder::open(&at, limits).expect("a flight directory")
         });
         let figures = measure::measure(n, recorder.as_ref());

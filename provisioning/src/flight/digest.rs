@@ -16,6 +16,9 @@ use std::fmt;
 
 const K: u64 = 0x517c_c1b7_2722_0a95;
 
+/// Folded in after a sequence's last element.
+pub(super) const SEQ_END: u64 = 0x5e9_e4d;
+
 /// The running hash, with up to seven bytes of a string not yet folded in.
 pub(super) struct Hasher {
     h: u64,
@@ -33,7 +36,7 @@ impl Hasher {
     }
 
     #[inline]
-    fn word(&mut self, w: u64) {
+    pub(super) fn word(&mut self, w: u64) {
         self.h = (self.h.rotate_left(5) ^ w).wrapping_mul(K);
     }
 
@@ -86,6 +89,13 @@ impl Hasher {
         x ^= x >> 33;
         x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
         x ^ (x >> 33)
+    }
+}
+
+impl Hasher {
+    /// Folds in `value` as [`of`] would.
+    pub(super) fn value<T: Serialize + ?Sized>(&mut self, value: &T) {
+        let _ = value.serialize(&mut *self);
     }
 }
 
@@ -316,7 +326,7 @@ impl ser::SerializeSeq for &mut Hasher {
         value.serialize(&mut **self)
     }
     fn end(self) -> R {
-        self.word(0x5e9_e4d);
+        self.word(SEQ_END);
         Ok(())
     }
 }

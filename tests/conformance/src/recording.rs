@@ -629,7 +629,7 @@ impl Answer {
             Self::Timeout(a) => flight::digest(a),
             Self::Lifetime(a) => flight::digest(a),
             Self::Leads(a) => flight::digest(a),
-            Self::Output(a) => flight::digest(a),
+            Self::Output(a) => flight::output_digest(a),
             Self::Event(a) => flight::digest(a),
         }
     }
