@@ -81,7 +81,7 @@ fn main() {
 /// for scripts such as `scripts/bench-peer.sh`.
 fn json_line(f: &measure::Figures) -> String {
     format!(
-        "{{\"bench\":\"swactor scale\",\"nodes\":{},\"converge_secs\":{:.4},\"cpu_secs\":{:.3},\
+        "{{\"bench\":\"swactor scale\",\"nodes\":{},\"converge_secs\":{:.4},\"cpu_secs\":{:.3},\"thread_cpu_secs\":{:.4},\
          \"driver_msgs\":{},\"passes\":{},\"peak_rss_bytes\":{},\"rss_per_node_bytes\":{:.0},\
          \"heap_per_node_bytes\":{:.0},\"state_per_node_bytes\":{:.0},\
          \"actors_per_node_bytes\":{:.0},\"provider_per_node_bytes\":{:.0},\
@@ -89,6 +89,7 @@ fn json_line(f: &measure::Figures) -> String {
         f.nodes,
         f.converge.as_secs_f64(),
         f.converge_cpu.as_secs_f64(),
+        f.converge_thread_cpu.as_secs_f64(),
         f.messages,
         f.passes,
         f.peak_rss,

@@ -32,6 +32,10 @@ pub(crate) struct Figures {
     /// Processor time the process spent over the same span (user and
     /// system): the figure to read on a machine busy with other work.
     pub(crate) converge_cpu: Duration,
+    /// Processor time the runtime's own thread spent over the same span
+    /// (it runs the actors, the host and the fake provider; helper threads
+    /// such as the flight recorder's writer are left out).
+    pub(crate) converge_thread_cpu: Duration,
     /// Messages the driver actor's mailbox took (a batch of results or of
     /// observations is one message).
     pub(crate) messages: u64,
@@ -126,6 +130,18 @@ pub(crate) fn status_bytes(field: &str) -> u64 {
 /// Processor time (user and system) this process has used, from
 /// `/proc/self/stat` (zero where there is no procfs). Clock ticks are taken
 /// to be the usual 100 per second.
+/// Processor time this thread has run, from the scheduler's statistics
+/// (nanoseconds, unlike the 10 ms ticks of `/proc/self/stat`).
+pub(crate) fn thread_cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let ns = stat
+        .split_whitespace()
+        .next()
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or(0);
+    Duration::from_nanos(ns)
+}
+
 pub(crate) fn cpu_time() -> Duration {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     // Fields after the command name (which is in parentheses and may hold spaces).
@@ -164,6 +180,7 @@ pub(crate) fn measure(n: u32, flight: Option<&swactor_engine::flight::FlightReco
     let rss_before = status_bytes("VmRSS:");
     let start = Instant::now();
     let cpu_start = cpu_time();
+    let thread_start = thread_cpu_time();
     let (heap, (cluster, converge)) = held(|| {
         rt.block_on(async {
             let provider = FakeProvider::new(FakeConfig::default(), Clock::new());
@@ -184,6 +201,7 @@ pub(crate) fn measure(n: u32, flight: Option<&swactor_engine::flight::FlightReco
         })
     });
     let converge_cpu = cpu_time().saturating_sub(cpu_start);
+    let converge_thread_cpu = thread_cpu_time().saturating_sub(thread_start);
     let rss_growth = status_bytes("VmRSS:").saturating_sub(rss_before);
     let peak_rss = status_bytes("VmHWM:");
     let view = rt.block_on(cluster.inspect()).expect("the cluster answers");
@@ -213,6 +231,7 @@ pub(crate) fn measure(n: u32, flight: Option<&swactor_engine::flight::FlightReco
         nodes: n,
         converge,
         converge_cpu,
+        converge_thread_cpu,
         messages,
         passes: stats.passes,
         peak_rss,
