@@ -627,7 +627,8 @@ pub fn digest<T: Serialize + ?Sized>(value: &T) -> u64 {
 pub struct FlightStats {
     /// Frames written to the buffer.
     pub frames: u64,
-    /// Frames dropped because the buffer was full.
+    /// Frames dropped because the buffer was full (the first one cut the
+    /// recording; every one after it is dropped too).
     pub dropped: u64,
     /// Bytes written to the buffer.
     pub bytes: u64,
@@ -641,11 +642,38 @@ struct Recorder {
     stats: FlightStats,
     /// Where the frame being written starts, while one is.
     open: Option<usize>,
+    /// A frame was dropped: the recording ended there with
+    /// [`CUT_MARKER`], and nothing more is recorded (a recording with a
+    /// hole could not be replayed past it).
+    cut: bool,
 }
 
 impl Recorder {
-    /// Starts a frame with `input`; false (and counted) when it does not fit.
+    fn new(max: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            max,
+            stats: FlightStats::default(),
+            open: None,
+            cut: false,
+        }
+    }
+
+    /// Drops the frame begun at `start` and ends the recording there.
+    fn cut_at(&mut self, start: usize) {
+        self.buf.truncate(start);
+        self.buf.extend_from_slice(&CUT_MARKER.to_le_bytes());
+        self.open = None;
+        self.cut = true;
+        self.stats.dropped += 1;
+    }
+
+    /// Starts a frame with `input` (nothing once the recording was cut).
     fn begin(&mut self, input: &FlightInput<'_>) {
+        if self.cut {
+            self.stats.dropped += 1;
+            return;
+        }
         let start = self.buf.len();
         // Room for a usual frame at once, so its pieces never reallocate.
         self.buf.reserve(128);
@@ -657,11 +685,9 @@ impl Recorder {
         if postcard::serialize_with_flavor(input, Append(&mut self.buf)).is_ok() {
             self.open = Some(start);
         } else {
-            // Unencodable: never happens for these types; the frame is
-            // dropped rather than written half.
-            self.buf.truncate(start);
-            self.open = None;
-            self.stats.dropped += 1;
+            // Unencodable: never happens for these types; nothing is
+            // written half.
+            self.cut_at(start);
         }
     }
 
@@ -679,10 +705,7 @@ impl Recorder {
                 self.stats.frames += 1;
                 self.stats.bytes += (len + 4) as u64;
             }
-            _ => {
-                self.buf.truncate(start);
-                self.stats.dropped += 1;
-            }
+            _ => self.cut_at(start),
         }
     }
 }
@@ -955,12 +978,7 @@ pub fn record<C: Reconciler>(
     Ok((
         Flight {
             host,
-            rec: Some(Recorder {
-                buf: Vec::new(),
-                max: usize::MAX,
-                stats: FlightStats::default(),
-                open: None,
-            }),
+            rec: Some(Recorder::new(usize::MAX)),
         },
         encode_header(&header),
     ))
@@ -1004,8 +1022,8 @@ impl<C: Reconciler> Flight<C> {
     }
 
     /// The most bytes of frames held until [`Flight::take_frames`]; a frame
-    /// past it is dropped and counted (one frame always fits an empty
-    /// buffer).
+    /// past it is dropped, counted, and ends the recording with
+    /// [`CUT_MARKER`] (one frame always fits an empty buffer).
     pub fn set_buffer_max(&mut self, max: usize) {
         if let Some(rec) = &mut self.rec {
             rec.max = max;
@@ -1823,4 +1841,69 @@ pub fn replay<C: Reconciler>(
         last,
         cut: frames.was_cut(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Driver;
+
+    fn recorded() -> (Flight<Driver>, Vec<u8>) {
+        let core = Driver::new(RunId::new("r"), ReconcilerConfig::default()).unwrap();
+        record(
+            core,
+            HostConfig::default(),
+            None,
+            "test".into(),
+            1_000,
+            Timestamp(5),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_frame_past_the_buffer_cuts_the_recording_and_nothing_after_it_is_kept() {
+        let (mut flight, mut bytes) = recorded();
+        flight.handle_inventory(Ok(Vec::new()), Timestamp(6));
+        flight.handle_tick(Timestamp(7));
+        let kept = flight.take_frames(Vec::new());
+        bytes.extend_from_slice(&kept);
+        // One frame fits an empty buffer; the second does not.
+        flight.set_buffer_max(1);
+        flight.handle_tick(Timestamp(8));
+        flight.handle_tick(Timestamp(9));
+        flight.handle_tick(Timestamp(10));
+        bytes.extend_from_slice(&flight.take_frames(Vec::new()));
+        flight.handle_tick(Timestamp(11));
+        assert_eq!(flight.take_frames(Vec::new()), b"", "nothing after the cut");
+        assert_eq!(flight.stats().frames, 3);
+        assert_eq!(flight.stats().dropped, 3);
+        let done = replay(
+            &bytes,
+            |h| Driver::new(h.run_id.clone(), h.reconciler.clone()).map_err(|e| e.to_string()),
+            |_, _| {},
+        )
+        .unwrap();
+        assert_eq!(
+            (done.inputs, done.cut, done.last),
+            (3, true, Some(Timestamp(8)))
+        );
+    }
+
+    #[test]
+    fn another_format_is_refused_with_both_versions_named() {
+        let (_, mut bytes) = recorded();
+        bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
+        let e = Recording::read(&bytes).unwrap_err();
+        assert_eq!(e, FlightError::Format { found: 7 });
+        let text = e.to_string();
+        assert!(
+            text.contains("version 7") && text.contains(&format!("version {FLIGHT_FORMAT}")),
+            "{text}"
+        );
+        assert_eq!(
+            Recording::read(b"NOTAFLIGHT").unwrap_err(),
+            FlightError::NotARecording
+        );
+    }
 }
