@@ -51,6 +51,8 @@ pub struct DriverState {
     host: Flight<Driver>,
     /// This life's recording, when the config records.
     flight: Option<FlightLife>,
+    /// Frames the host's recorder had dropped at the last flush.
+    flight_dropped: u64,
     clock: Clock,
     timers: Timers<TimerKey, DriverMsg>,
     armed: Option<Timestamp>,
@@ -163,6 +165,7 @@ impl Actor for DriverActor {
         let mut state = DriverState {
             host,
             flight,
+            flight_dropped: 0,
             clock,
             timers,
             armed: None,
@@ -275,6 +278,9 @@ impl DriverState {
         if let Some(life) = &self.flight {
             let frames = self.host.take_frames(life.spare());
             life.append(frames);
+            let dropped = self.host.stats().dropped;
+            life.dropped_upstream(dropped.saturating_sub(self.flight_dropped));
+            self.flight_dropped = dropped;
         }
     }
 

@@ -284,6 +284,20 @@ impl FlightLife {
         }
     }
 
+    /// Counts frames its recorder dropped before they reached this life
+    /// (the host's own buffer was full): the recording was cut there, by
+    /// the recorder, with the same marker.
+    pub fn dropped_upstream(&self, frames: u64) {
+        if frames == 0 {
+            return;
+        }
+        let c = &self.shared.counters;
+        c.dropped_chunks.fetch_add(frames, Ordering::Relaxed);
+        if !self.cut.swap(true, Ordering::Relaxed) {
+            c.cut_lives.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     fn cut_here(&self, dropped: u64) {
         let c = &self.shared.counters;
         c.dropped_chunks.fetch_add(1, Ordering::Relaxed);
@@ -591,5 +605,13 @@ mod tests {
         assert_eq!(fs::read(life.path()).unwrap(), want);
         assert_eq!(rec.counts().dropped_chunks, 2);
         assert_eq!(rec.counts().dropped_bytes, 104);
+        // Frames the host's recorder dropped itself are counted, and cut
+        // the life once.
+        let other = rec.begin(vec![0; 8], 2);
+        other.dropped_upstream(3);
+        other.dropped_upstream(1);
+        assert!(other.is_cut());
+        let counts = rec.counts();
+        assert_eq!((counts.dropped_chunks, counts.cut_lives), (6, 2));
     }
 }
