@@ -8,9 +8,10 @@
 //! attempt was superseded) ends it. Once welcomed, the same connection is
 //! its jobs link: it serves the job requests the daemon opens on it
 //! ([`crate::jobs::agent`]), so the agent holds one connection to its
-//! daemon, and a rejoin brings both back. When several daemons take turns leading
-//! the run, they share the ticket's identity and each tells the agent where
-//! all of them listen (`DialSet`), so a rejoin finds whichever leads now.
+//! daemon, and a rejoin brings both back. When several daemons take turns
+//! leading the run, they share the ticket's identity and each tells the
+//! agent where all of them listen (`DialSet`), so a rejoin finds whichever
+//! leads now.
 //!
 //! It also holds its node on a lease ([`Lease`]): the daemon renews it while
 //! it hears the agent, and an agent whose lease has not been renewed for
