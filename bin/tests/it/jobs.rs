@@ -1285,4 +1285,8 @@ fn a_job_runs_on_the_agents_one_connection_and_again_after_the_agent_rejoined() 
         (2, 2, 1),
         "{log}"
     );
+    // And the agent dialled nothing else: a dial for a protocol the daemon
+    // does not serve (such as `swactor/jobs/0`) fails its handshake, which
+    // iroh logs.
+    assert!(!log.contains("iroh::protocol"), "{log}");
 }
