@@ -118,7 +118,16 @@ struct Shared {
 
 /// Buffers kept for reuse, and the largest kept.
 const SPARES_MAX: usize = 4;
-const SPARE_CAPACITY_MAX: usize = 8 << 20;
+const SPARE_CAPACITY_MAX: usize = 4 << 20;
+
+/// What a new buffer starts with, so a busy step does not grow it byte
+/// by byte from nothing.
+const BUFFER_START: usize = 64 << 10;
+
+/// While frames keep coming, the writer looks for more this often, and
+/// this many times with none before it waits to be woken.
+const LOOK_AGAIN: std::time::Duration = std::time::Duration::from_millis(2);
+const IDLE_LOOKS: u32 = 5;
 
 /// A daemon's flight recorder: one writer thread, one directory.
 #[derive(Clone, Debug)]
@@ -255,7 +264,7 @@ impl FlightLife {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .pop()
-            .unwrap_or_default()
+            .unwrap_or_else(|| Vec::with_capacity(BUFFER_START))
     }
 
     /// Appends frames; never waits. Past the queue's bound the life is cut
@@ -326,12 +335,25 @@ struct Writer {
 
 impl Writer {
     fn run(mut self, rx: &mpsc::Receiver<Msg>) {
+        let mut idle = 0u32;
         loop {
-            // Wait for work; once caught up, flush so readers see it.
+            // Once caught up, flush so readers see it. Within a burst, look
+            // again a moment later rather than wait on the channel: a
+            // thread waiting on it has to be woken by every send, a cost
+            // the sender (the driver) would pay a thousand times a second.
+            // Only after a few empty looks does it wait.
             let msg = match rx.try_recv() {
-                Ok(m) => m,
+                Ok(m) => {
+                    idle = 0;
+                    m
+                }
                 Err(mpsc::TryRecvError::Empty) => {
                     self.flush();
+                    if idle < IDLE_LOOKS {
+                        idle += 1;
+                        std::thread::sleep(LOOK_AGAIN);
+                        continue;
+                    }
                     match rx.recv() {
                         Ok(m) => m,
                         Err(_) => break,
