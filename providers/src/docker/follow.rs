@@ -19,6 +19,11 @@ const REOPENS_MAX: u32 = 10;
 /// Pause before opening a broken log stream again.
 const REOPEN_PAUSE: Duration = Duration::from_millis(500);
 
+/// How many more times, and how far apart, the log of a container that
+/// stopped without a line is read again before it is said to be empty.
+const LATE_LOG_LOOKS: u32 = 5;
+const LATE_LOG_PAUSE: Duration = Duration::from_millis(100);
+
 /// A point in time as the engine writes it (RFC 3339 in UTC): the text up to
 /// the whole second, which orders correctly as text in this fixed form, and
 /// the nanoseconds.
@@ -125,6 +130,17 @@ impl Follow {
                         // now is read once more (entries already read are
                         // skipped by their stamps).
                         let _ = self.read_log(&mut reading, since.as_ref(), false).await?;
+                        // The engine copies a container's output into its
+                        // log on its own time: right after an agent that
+                        // died at once, on a busy machine, the log may still
+                        // be empty. An agent seen to write nothing is given
+                        // a few more looks before it is said to have.
+                        let mut looks = 0;
+                        while reading.last.is_none() && looks < LATE_LOG_LOOKS {
+                            looks += 1;
+                            self.pause(LATE_LOG_PAUSE).await?;
+                            let _ = self.read_log(&mut reading, since.as_ref(), false).await?;
+                        }
                         let oom = state.oom_killed == Some(true);
                         let code = state.exit_code.unwrap_or(-1);
                         if reading.failed {
