@@ -156,21 +156,11 @@ pub(crate) fn replay_bytes(
             }
         }
         Err(ReplayError::Diverged(d)) => {
-            writeln!(
+            say_divergence(
                 out,
-                "  DIVERGED at input {}: {}",
-                d.index,
-                cut_long_words(&d.input)
-            )?;
-            writeln!(
-                out,
-                "  the replay answered: {}",
-                cut_long_words(&d.replayed)
-            )?;
-            writeln!(
-                out,
-                "  (inputs before it were answered as recorded; this build decides otherwise \
-                 from there)"
+                &d,
+                "inputs before it were answered as recorded; this build decides otherwise from \
+                 there",
             )?;
             Verdict::Diverged { index: d.index }
         }
@@ -178,6 +168,27 @@ pub(crate) fn replay_bytes(
             Verdict::Unreadable(e.to_string())
         }
     })
+}
+
+/// Says where a replay first answered otherwise than recorded, what the
+/// replay answered, and (in brackets) what that means for the rest.
+fn say_divergence(
+    out: &mut dyn Write,
+    d: &swactor_provisioning::flight::Divergence,
+    then: &str,
+) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "  DIVERGED at input {}: {}",
+        d.index,
+        cut_long_words(&d.input)
+    )?;
+    writeln!(
+        out,
+        "  the replay answered: {}",
+        cut_long_words(&d.replayed)
+    )?;
+    writeln!(out, "  ({then})")
 }
 
 /// Says on stderr why `name` is not read.
@@ -573,20 +584,10 @@ impl Explainer {
                 return Ok(LifeEnd::Stopped(cutoff));
             }
             if let Err(d) = replayer.step(&frame.input, frame.output) {
-                writeln!(
+                say_divergence(
                     out,
-                    "  DIVERGED at input {}: {}",
-                    d.index,
-                    cut_long_words(&d.input)
-                )?;
-                writeln!(
-                    out,
-                    "  the replay answered: {}",
-                    cut_long_words(&d.replayed)
-                )?;
-                writeln!(
-                    out,
-                    "  (this build decides otherwise from there: what follows is unknown)"
+                    &d,
+                    "this build decides otherwise from there: what follows is unknown",
                 )?;
                 return Ok(LifeEnd::Diverged);
             }

@@ -1029,14 +1029,20 @@ pub fn encode_header(header: &FlightHeader) -> Vec<u8> {
     out
 }
 
+/// Records `$input` (which may borrow what `$call` then consumes: the
+/// borrow ends once the input is written), makes the call, and records the
+/// digest of its answer (by `$digest`, [`digest`] unless named).
 macro_rules! recorded {
-    ($self:ident, $input:expr, $call:expr) => {{
+    ($self:ident, $input:expr, $call:expr) => {
+        recorded!($self, $input, $call, digest)
+    };
+    ($self:ident, $input:expr, $call:expr, $digest:expr) => {{
         if let Some(rec) = &mut $self.rec {
             rec.begin(&$input);
         }
         let out = $call;
         if let Some(rec) = &mut $self.rec {
-            rec.end(digest(&out));
+            rec.end($digest(&out));
         }
         out
     }};
@@ -1084,16 +1090,14 @@ impl<C: Reconciler> Flight<C> {
 
     /// See [`Host::handle_inventory`].
     pub fn handle_inventory(&mut self, listed: Result<Vec<Listed>, String>, now: Timestamp) {
-        if let Some(rec) = &mut self.rec {
-            rec.begin(&FlightInput::Inventory {
+        recorded!(
+            self,
+            FlightInput::Inventory {
                 listed: Cow::Borrowed(&listed),
                 now,
-            });
-        }
-        self.host.handle_inventory(listed, now);
-        if let Some(rec) = &mut self.rec {
-            rec.end(digest(&()));
-        }
+            },
+            self.host.handle_inventory(listed, now)
+        );
     }
 
     /// See [`Host::handle_apply`].
@@ -1204,17 +1208,14 @@ impl<C: Reconciler> Flight<C> {
         result: OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        if let Some(rec) = &mut self.rec {
-            rec.begin(&FlightInput::Result {
+        recorded!(
+            self,
+            FlightInput::Result {
                 result: Cow::Borrowed(&result),
                 now,
-            });
-        }
-        let out = self.host.handle_result(result, now);
-        if let Some(rec) = &mut self.rec {
-            rec.end(digest(&out));
-        }
-        out
+            },
+            self.host.handle_result(result, now)
+        )
     }
 
     /// See [`Host::handle_submit_failed`].
@@ -1249,17 +1250,14 @@ impl<C: Reconciler> Flight<C> {
         obs: BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        if let Some(rec) = &mut self.rec {
-            rec.begin(&FlightInput::Bootstrap {
+        recorded!(
+            self,
+            FlightInput::Bootstrap {
                 obs: Cow::Borrowed(&obs),
                 now,
-            });
-        }
-        let out = self.host.handle_bootstrap(obs, now);
-        if let Some(rec) = &mut self.rec {
-            rec.end(digest(&out));
-        }
-        out
+            },
+            self.host.handle_bootstrap(obs, now)
+        )
     }
 
     /// See [`Host::handle_agent_joined`].
@@ -1319,17 +1317,15 @@ impl<C: Reconciler> Flight<C> {
         paused: Result<bool, String>,
         now: Timestamp,
     ) {
-        if let Some(rec) = &mut self.rec {
-            rec.begin(&FlightInput::Probed {
+        recorded!(
+            self,
+            FlightInput::Probed {
                 key: Cow::Borrowed(key),
                 paused: Cow::Borrowed(&paused),
                 now,
-            });
-        }
-        self.host.handle_probed(key, paused, now);
-        if let Some(rec) = &mut self.rec {
-            rec.end(digest(&()));
-        }
+            },
+            self.host.handle_probed(key, paused, now)
+        );
     }
 
     /// See [`Host::handle_replace`].
@@ -1369,17 +1365,15 @@ impl<C: Reconciler> Flight<C> {
         outcome: Result<Release, String>,
         now: Timestamp,
     ) {
-        if let Some(rec) = &mut self.rec {
-            rec.begin(&FlightInput::Collected {
+        recorded!(
+            self,
+            FlightInput::Collected {
                 key: Cow::Borrowed(key),
                 outcome: Cow::Borrowed(&outcome),
                 now,
-            });
-        }
-        self.host.handle_collected(key, outcome, now);
-        if let Some(rec) = &mut self.rec {
-            rec.end(digest(&()));
-        }
+            },
+            self.host.handle_collected(key, outcome, now)
+        );
     }
 
     /// See [`Host::handle_timeout`].
@@ -1442,14 +1436,12 @@ impl<C: Reconciler> Flight<C> {
 
     /// See [`Host::poll_output`].
     pub fn poll_output(&mut self, now: Timestamp) -> Option<Output> {
-        if let Some(rec) = &mut self.rec {
-            rec.begin(&FlightInput::PollOutput { now });
-        }
-        let out = self.host.poll_output(now);
-        if let Some(rec) = &mut self.rec {
-            rec.end(output_digest(&out));
-        }
-        out
+        recorded!(
+            self,
+            FlightInput::PollOutput { now },
+            self.host.poll_output(now),
+            output_digest
+        )
     }
 
     /// See [`Host::poll_event`].
