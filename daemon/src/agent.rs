@@ -367,6 +367,7 @@ async fn stay_joined(agent: &Agent<'_>, stop: &mut impl Stop) -> Ended {
             outcome = session(agent.endpoint, agent.daemons, agent.join, joined) => outcome,
             () = stop.stopped() => Session::Stopped,
         };
+        let was_joined = matches!(outcome, Session::Dropped(_));
         match outcome {
             Session::Refused(reason) => {
                 let stage = if joined_once {
@@ -392,7 +393,12 @@ async fn stay_joined(agent: &Agent<'_>, stop: &mut impl Stop) -> Ended {
                     () = stop.stopped() => break Ended::Stopped,
                 }
             }
-            Session::Lost(reason) => {
+            Session::Lost(reason) | Session::Dropped(reason) => {
+                if was_joined {
+                    // A daemon that restarts is dialled again after the
+                    // shortest pause, however many restarts came before.
+                    failures = 0;
+                }
                 failures += 1;
                 // Before the first join, give up after about a minute so the
                 // daemon sees a join failure instead of a silent stall.
@@ -418,7 +424,11 @@ async fn stay_joined(agent: &Agent<'_>, stop: &mut impl Stop) -> Ended {
 enum Session {
     Refused(String),
     NotYet(String),
+    /// No join: the daemon could not be reached, or the link failed
+    /// before it answered.
     Lost(String),
+    /// The link failed after a welcome.
+    Dropped(String),
     Stopped,
 }
 
@@ -517,7 +527,7 @@ async fn joined_on(
                 }
                 n += 1;
                 if let Err(e) = send_frame(&mut send, &Heartbeat(n), FRAME_LEN_MAX).await {
-                    return Session::Lost(e.to_string());
+                    return Session::Dropped(e.to_string());
                 }
                 joined.frames.fetch_add(1, Ordering::Relaxed);
             }
@@ -530,9 +540,9 @@ async fn joined_on(
                     }
                 }
                 Some(Ok(None)) | None => {
-                    return Session::Lost("the daemon closed the stream".to_owned());
+                    return Session::Dropped("the daemon closed the stream".to_owned());
                 }
-                Some(Err(e)) => return Session::Lost(e.to_string()),
+                Some(Err(e)) => return Session::Dropped(e.to_string()),
             },
             // The jobs link: the daemon opens a stream per request once it
             // welcomed the join (this agent opens none after its join).
@@ -540,7 +550,7 @@ async fn joined_on(
                 Ok((send, recv)) => {
                     joined.jobs.spawn_request(send, recv, (endpoint.clone(), daemons.addr()));
                 }
-                Err(e) => return Session::Lost(e.to_string()),
+                Err(e) => return Session::Dropped(e.to_string()),
             },
         }
     }
@@ -1244,7 +1254,7 @@ mod tests {
                 a.die().await;
             }
         );
-        assert!(matches!(first, Ok(Session::Lost(_))), "{first:?}");
+        assert!(matches!(first, Ok(Session::Dropped(_))), "{first:?}");
         assert!(once, "joined");
 
         // `b` leads now, where `a` said it would be: the agent finds it.
@@ -1278,7 +1288,7 @@ mod tests {
                 b.stop().await;
             }
         );
-        assert!(matches!(second, Ok(Session::Lost(_))), "{second:?}");
+        assert!(matches!(second, Ok(Session::Dropped(_))), "{second:?}");
         agent.close().await;
     }
 

@@ -104,6 +104,40 @@ impl World {
             .collect()
     }
 
+    /// The last lines of every agent's log on the mock's machines, for a
+    /// failure's message (an agent that did not rejoin says why here).
+    fn agent_logs(&self) -> String {
+        let mut logs = Vec::new();
+        let mut dirs = vec![self.mock.state_dir().join("machines")];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else if path.file_name().is_some_and(|n| n == "agent.log") {
+                    logs.push(path);
+                }
+            }
+        }
+        logs.sort();
+        let mut out = String::new();
+        for path in logs {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(40)..];
+            out.push_str(&format!(
+                "--- {} (last {} lines)\n",
+                path.display(),
+                tail.len()
+            ));
+            for line in tail {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+
     /// Kills the agents running in one machine's directory.
     fn kill_agents_in(&self, dir: &Path) {
         let Ok(dir) = dir.canonicalize() else {
@@ -1203,8 +1237,9 @@ fn ten_restarts_replace_no_healthy_vast_node() {
         assert_eq!(
             attempts(&snap),
             before,
-            "restart {i}: a healthy node was replaced\n{}",
-            d.last_log()
+            "restart {i}: a healthy node was replaced\n{}\nthe agents' logs:\n{}",
+            d.last_log(),
+            w.agent_logs()
         );
         assert_eq!(w.mock.creates_total(), 10, "restart {i}: {}", d.last_log());
         assert!(
