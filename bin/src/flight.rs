@@ -183,6 +183,7 @@ fn say_divergence(
         d.index,
         cut_long_words(&d.input)
     )?;
+    writeln!(out, "  the recording kept: {}", cut_long_words(&d.recorded))?;
     writeln!(
         out,
         "  the replay answered: {}",
@@ -583,7 +584,7 @@ impl Explainer {
             {
                 return Ok(LifeEnd::Stopped(cutoff));
             }
-            if let Err(d) = replayer.step(&frame.input, frame.output) {
+            if let Err(d) = replayer.step(&frame.input, frame.answer) {
                 say_divergence(
                     out,
                     &d,
@@ -1234,7 +1235,7 @@ mod tests {
     }
 
     #[test]
-    fn a_tampered_digest_is_found_at_its_input() {
+    fn a_tampered_answer_is_found_at_its_input() {
         let (mut sim, _) = with_a_lost_agent();
         let mut bytes = sim.bytes();
         let spans = frame_spans(&bytes);
@@ -1248,7 +1249,10 @@ mod tests {
             .unwrap();
         assert!(index > 0);
         let (start, len) = spans[index];
-        bytes[start + len - 1] ^= 0x40;
+        // Its answer, kept whole: `Answer::Folded(Folded::Applied)`. Made
+        // `Answer::Digest(0)`, of the same length.
+        assert_eq!(bytes[start + len - 2..start + len], [0, 0]);
+        bytes[start + len - 2] = 1;
         let (verdict, out) = replayed(&bytes);
         assert_eq!(
             verdict,
@@ -1261,7 +1265,11 @@ mod tests {
             out.contains(&format!("DIVERGED at input {index}: result for w-")),
             "{out}"
         );
-        assert!(out.contains("the replay answered: Ok("), "{out}");
+        assert!(
+            out.contains("the recording kept: an answer of digest 0000000000000000"),
+            "{out}"
+        );
+        assert!(out.contains("the replay answered: Ok(Applied)"), "{out}");
         assert_eq!(verdict.code(), EXIT_DIVERGED);
         // Explaining over it stops there, and says so in its exit code.
         let (code, out) = explained("w-0", None, vec![("rec".into(), bytes)]).unwrap();

@@ -15,9 +15,11 @@
 //! A recording is [`MAGIC`], the format version, a length-prefixed
 //! [`FlightHeader`] (what the host was built from), then frames. A frame is
 //! a little-endian `u32` length, the postcard encoding of a
-//! [`FlightInput`], and a 64-bit digest of what the call returned
-//! (`digest.rs`). [`Replayer`] builds a host from a header and
-//! feeds it frames, comparing digests; [`replay`] does it for a whole
+//! [`FlightInput`], and what the call returned ([`Answer`]): the answer
+//! itself where it is a fold's (a result's or an observation's: applied,
+//! or discarded and why; the most common frames by far), otherwise a 64-bit
+//! digest of it (`digest.rs`). [`Replayer`] builds a host from a header and
+//! feeds it frames, comparing answers; [`replay`] does it for a whole
 //! recording and says where the first difference is.
 
 use crate::ReconcilerConfig;
@@ -44,7 +46,7 @@ pub const MAGIC: &[u8; 8] = b"SWFLIGHT";
 /// The version of the recording format this build writes and reads. A
 /// change to [`FlightHeader`], [`FlightInput`] or to any type they or a
 /// host's answers carry bumps it.
-pub const FLIGHT_FORMAT: u32 = 1;
+pub const FLIGHT_FORMAT: u32 = 2;
 
 /// What a recording's host was built from, and when.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -224,6 +226,15 @@ impl FlightInput<'_> {
             | Self::LaneLost { .. }
             | Self::PollEvent => None,
         }
+    }
+
+    /// Whether its answer is a fold's, which a recording keeps whole
+    /// ([`Answer::Folded`] unless the fold failed).
+    pub fn keeps_fold(&self) -> bool {
+        matches!(
+            self,
+            Self::Result { .. } | Self::Bootstrap { .. } | Self::SubmitFailed { .. }
+        )
     }
 
     /// Whether it is one of the host's own polls (an output or an event
@@ -559,12 +570,12 @@ mod compact {
 }
 
 /// The digest of what [`Host::poll_output`] returned, as a recording keeps
-/// it. A pass names its template in every create and start it dispatches
-/// (the same few shared templates, 200,000 times in a pass over 100,000
-/// nodes): each template is digested once per pass and that digest folded
-/// in where the template appears. In a pass and in a journal write, a slot
-/// is folded in as its group and index rather than as its text. Every
-/// other output is digested as [`digest`] does.
+/// it. A pass names its run, a slot's group and a template in every create
+/// and start it dispatches (the same few, 200,000 times in a pass over
+/// 100,000 nodes): each is digested once per pass and that digest folded
+/// in where it appears. A slot, in a pass and in a journal write, is
+/// folded in as one word, its group's digest plus its index, rather than
+/// as its text. Every other output is digested as [`digest`] does.
 pub fn output_digest(out: &Option<Output>) -> u64 {
     let pass = match out {
         Some(Output::Pass(pass)) => pass,
@@ -577,32 +588,20 @@ pub fn output_digest(out: &Option<Output>) -> u64 {
     h.word(2);
     h.value(&pass.number);
     h.word(pass.dispatches.len() as u64);
-    let mut seen: Vec<(*const NodeTemplate, u64)> = Vec::new();
-    let mut template = |h: &mut digest::Hasher, t: &std::sync::Arc<NodeTemplate>| {
-        let at = std::sync::Arc::as_ptr(t);
-        let d = match seen.iter().find(|(p, _)| std::ptr::eq(*p, at)) {
-            Some((_, d)) => *d,
-            None => {
-                let d = digest(t.as_ref());
-                seen.push((at, d));
-                d
-            }
-        };
-        h.word(d);
-    };
+    let mut known = Known::default();
     for d in &pass.dispatches {
-        h.value(&d.op);
-        // The key field by field, its slot as group and index: its text
-        // would be formatted 200,000 times in such a pass.
-        h.value(&d.key.run_id);
-        h.value(d.key.node.group.as_str());
-        h.word(u64::from(d.key.node.index));
-        h.value(&d.key.attempt);
-        h.value(&d.deadline);
+        // Numbers and ids as serde shows them, written out: a pass over
+        // 100,000 nodes has 200,000 of them.
+        h.word(d.op.attempt.0);
+        h.word(d.op.seq);
+        h.word(known.run(&d.key.run_id));
+        known.slot(&mut h, &d.key.node);
+        h.word(d.key.attempt.0);
+        h.word(d.deadline.0);
         match &d.request {
             EffectRequest::CreateLease { template: t } => {
                 h.word(0);
-                template(&mut h, t);
+                h.word(known.template(t));
             }
             EffectRequest::StartBootstrap {
                 lease,
@@ -610,22 +609,73 @@ pub fn output_digest(out: &Option<Output>) -> u64 {
                 template: t,
             } => {
                 h.word(2);
-                h.value(lease);
-                h.value(endpoint);
-                template(&mut h, t);
+                h.str(lease.as_str());
+                h.str(endpoint.as_str());
+                h.word(known.template(t));
             }
             other => h.value(other),
         }
     }
     h.word(digest::SEQ_END);
-    h.value(&pass.transitioned);
+    h.word(pass.transitioned.len() as u64);
+    for node in &pass.transitioned {
+        known.slot(&mut h, node);
+    }
+    h.word(digest::SEQ_END);
     h.value(&pass.stats);
     h.value(&pass.errors);
     h.finish()
 }
 
-/// The digest of a journal write, with each slot as its group and index
-/// (the first write of a cold start names every slot).
+/// What a pass's digest has digested already: the last run and group (a
+/// pass names one run, and its slots group by group) and each template,
+/// each by identity, so none is digested twice.
+#[derive(Default)]
+struct Known {
+    run: Option<(*const str, u64)>,
+    group: Option<(crate::id::GroupId, u64)>,
+    templates: Vec<(*const NodeTemplate, u64)>,
+}
+
+impl Known {
+    fn run(&mut self, run: &RunId) -> u64 {
+        let at: *const str = run.as_str();
+        match self.run {
+            Some((p, d)) if std::ptr::eq(p, at) => d,
+            _ => {
+                let d = digest(run);
+                self.run = Some((at, d));
+                d
+            }
+        }
+    }
+
+    /// Folds in `node` as one word: its group's digest plus its index.
+    fn slot(&mut self, h: &mut digest::Hasher, node: &LogicalNodeId) {
+        let d = match self.group {
+            Some((g, d)) if g == node.group => d,
+            _ => {
+                let d = digest(node.group.as_str());
+                self.group = Some((node.group, d));
+                d
+            }
+        };
+        h.word(d.wrapping_add(u64::from(node.index)));
+    }
+
+    fn template(&mut self, t: &std::sync::Arc<NodeTemplate>) -> u64 {
+        let at = std::sync::Arc::as_ptr(t);
+        if let Some((_, d)) = self.templates.iter().find(|(p, _)| std::ptr::eq(*p, at)) {
+            return *d;
+        }
+        let d = digest(t.as_ref());
+        self.templates.push((at, d));
+        d
+    }
+}
+
+/// The digest of a journal write, with each slot as one word (see
+/// [`output_digest`]; the first write of a cold start names every slot).
 fn delta_digest(delta: &JournalDelta) -> u64 {
     let mut h = digest::Hasher::new();
     // `Some`, then `Persist`'s index.
@@ -633,19 +683,60 @@ fn delta_digest(delta: &JournalDelta) -> u64 {
     h.word(0);
     h.value(&delta.seq);
     h.value(&delta.meta);
+    let mut known = Known::default();
     h.word(delta.put.len() as u64);
     for (node, record) in &delta.put {
-        h.value(node.group.as_str());
-        h.word(u64::from(node.index));
+        known.slot(&mut h, node);
         h.value(record);
     }
     h.word(digest::SEQ_END);
     h.word(delta.remove.len() as u64);
     for node in &delta.remove {
-        h.value(node.group.as_str());
-        h.word(u64::from(node.index));
+        known.slot(&mut h, node);
     }
     h.finish()
+}
+
+/// What a recording keeps of a host call's answer.
+///
+/// A fold's answer (to a result, an observation or a failed submission) is
+/// kept whole when the fold went through, as it nearly always does: it is
+/// two or three bytes, cheaper to write than a digest, and a divergence on
+/// it can say what was recorded. Anything else is kept as its digest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Answer {
+    /// A fold that went through, as it went.
+    Folded(Folded),
+    /// The digest of any other answer ([`digest`], [`output_digest`]).
+    Digest(u64),
+}
+
+impl Answer {
+    /// What a recording keeps of a fold's answer `out`.
+    pub fn of_fold(out: &Result<Folded, DriverError>) -> Self {
+        match out {
+            Ok(folded) => Self::Folded(*folded),
+            Err(_) => Self::Digest(digest(out)),
+        }
+    }
+
+    /// What a recording keeps of a poll of the host's outputs.
+    pub fn of_output(out: &Option<Output>) -> Self {
+        Self::Digest(output_digest(out))
+    }
+
+    /// What a recording keeps of any other answer.
+    pub fn of<T: Serialize + ?Sized>(out: &T) -> Self {
+        Self::Digest(digest(out))
+    }
+
+    /// The answer as a divergence shows what was recorded.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Folded(folded) => format!("Ok({folded:?})"),
+            Self::Digest(d) => format!("an answer of digest {d:016x}"),
+        }
+    }
 }
 
 /// The digest of what a host call returned, as a recording keeps it (see
@@ -674,6 +765,9 @@ struct Recorder {
     stats: FlightStats,
     /// Where the frame being written starts, while one is.
     open: Option<usize>,
+    /// The open frame (written by `fast`) is whole already, length and
+    /// all, with the answer a fold nearly always gives: applied.
+    presumed: bool,
     /// A frame was dropped: the recording ended there with
     /// [`CUT_MARKER`], and nothing more is recorded (a recording with a
     /// hole could not be replayed past it).
@@ -687,6 +781,7 @@ impl Recorder {
             max,
             stats: FlightStats::default(),
             open: None,
+            presumed: false,
             cut: false,
         }
     }
@@ -707,13 +802,18 @@ impl Recorder {
             return;
         }
         let start = self.buf.len();
+        // The frame's length is written over its first four bytes once its
+        // answer is in.
+        if let Some(input) = fast::Fast::of(input)
+            && fast::frame(&mut self.buf, input)
+        {
+            self.open = Some(start);
+            self.presumed = true;
+            return;
+        }
         // Room for a usual frame at once, so its pieces never reallocate.
         self.buf.reserve(128);
         self.buf.extend_from_slice(&[0; 4]);
-        if fast::encode(&mut self.buf, input) {
-            self.open = Some(start);
-            return;
-        }
         if postcard::serialize_with_flavor(input, Append(&mut self.buf)).is_ok() {
             self.open = Some(start);
         } else {
@@ -723,21 +823,99 @@ impl Recorder {
         }
     }
 
-    /// Ends the open frame with the digest of `output`.
-    fn end(&mut self, output: u64) {
+    /// Starts a frame with a result (as [`Self::begin`] would).
+    #[inline]
+    fn begin_result(&mut self, result: &OperationResult, now: Timestamp) {
+        let start = self.buf.len();
+        if !self.cut && fast::frame(&mut self.buf, fast::Fast::Result(result, now)) {
+            self.open = Some(start);
+            self.presumed = true;
+        } else {
+            self.begin(&FlightInput::Result {
+                result: Cow::Borrowed(result),
+                now,
+            });
+        }
+    }
+
+    /// Starts a frame with an observation (as [`Self::begin`] would).
+    #[inline]
+    fn begin_observation(&mut self, obs: &BootstrapObservation, now: Timestamp) {
+        let start = self.buf.len();
+        if !self.cut && fast::frame(&mut self.buf, fast::Fast::Observation(obs, now)) {
+            self.open = Some(start);
+            self.presumed = true;
+        } else {
+            self.begin(&FlightInput::Bootstrap {
+                obs: Cow::Borrowed(obs),
+                now,
+            });
+        }
+    }
+
+    /// Ends the open frame with the digest of its answer.
+    #[inline]
+    fn end_digest(&mut self, digest: u64) {
+        debug_assert!(!self.presumed, "a fold's frame ends with its answer");
+        if let Some(start) = self.open.take() {
+            self.buf.extend_from_slice(&digest.to_le_bytes());
+            self.close(start);
+        }
+    }
+
+    /// Ends the open frame, a fold's, with its answer `out` as
+    /// [`Answer::of_fold`] keeps it, in postcard.
+    #[inline]
+    fn end_fold(&mut self, out: &Result<Folded, DriverError>) {
         let Some(start) = self.open.take() else {
             return;
         };
-        self.buf.extend_from_slice(&output.to_le_bytes());
-        let len = self.buf.len() - start - 4;
-        let fits = start + 4 + len <= self.max || start == 0;
-        match u32::try_from(len) {
-            Ok(len32) if fits => {
-                self.buf[start..start + 4].copy_from_slice(&len32.to_le_bytes());
-                self.stats.frames += 1;
-                self.stats.bytes += (len + 4) as u64;
+        if std::mem::take(&mut self.presumed) {
+            if matches!(out, Ok(Folded::Applied)) {
+                self.count(start);
+                return;
             }
-            _ => self.cut_at(start),
+            // Not applied after all: the presumed answer goes.
+            self.buf.truncate(self.buf.len() - fast::APPLIED.len());
+        }
+        match out {
+            // `Answer::Folded`, then the fold's variant and a discard's
+            // reason, as postcard writes them (a test checks every one).
+            Ok(Folded::Applied) => self.buf.extend_from_slice(&fast::APPLIED),
+            Ok(Folded::Discarded(reason)) => self.buf.extend_from_slice(&[0, 1, *reason as u8]),
+            Err(_) => {
+                // Writing to a vector cannot fail.
+                let _ =
+                    postcard::serialize_with_flavor(&Answer::of_fold(out), Append(&mut self.buf));
+            }
+        }
+        self.close(start);
+    }
+
+    /// Writes the length of the frame begun at `start`, or cuts the
+    /// recording there if it does not fit.
+    #[inline]
+    fn close(&mut self, start: usize) {
+        let len = self.buf.len() - start - 4;
+        match u32::try_from(len) {
+            Ok(len32) => {
+                self.buf[start..start + 4].copy_from_slice(&len32.to_le_bytes());
+                self.count(start);
+            }
+            Err(_) => self.cut_at(start),
+        }
+    }
+
+    /// Counts the frame begun at `start`, whole now, or cuts the recording
+    /// there if it does not fit.
+    #[inline]
+    fn count(&mut self, start: usize) {
+        let len = self.buf.len() - start;
+        if start + len <= self.max || start == 0 {
+            self.stats.frames += 1;
+            self.stats.bytes += len as u64;
+        } else {
+            self.cut_at(start);
         }
     }
 }
@@ -753,105 +931,218 @@ mod fast {
     use crate::observe::{BootstrapEvent, OperationOutcome};
 
     /// `FlightInput`'s variant indices, as serde numbers them.
-    const RESULT: u64 = 8;
-    const BOOTSTRAP: u64 = 10;
+    const RESULT: u8 = 8;
+    const BOOTSTRAP: u8 = 10;
 
-    #[inline]
-    fn varint(buf: &mut Vec<u8>, mut v: u64) {
-        while v >= 0x80 {
-            buf.push((v & 0x7f) as u8 | 0x80);
-            v >>= 7;
+    /// An input written here, borrowed.
+    #[derive(Clone, Copy)]
+    pub(super) enum Fast<'a> {
+        Result(&'a OperationResult, Timestamp),
+        Observation(&'a BootstrapObservation, Timestamp),
+    }
+
+    impl<'a> Fast<'a> {
+        pub(super) fn of(input: &'a FlightInput<'_>) -> Option<Self> {
+            match input {
+                FlightInput::Result { result, now } => Some(Self::Result(result, *now)),
+                FlightInput::Bootstrap { obs, now } => Some(Self::Observation(obs, *now)),
+                _ => None,
+            }
         }
-        buf.push(v as u8);
     }
 
+    /// The most a frame written here takes; a longer one (an id far
+    /// longer than usual) is left to postcard.
+    const MAX: usize = 160;
+
+    /// A frame put together on the stack and appended in one copy: a
+    /// million frames in a cold converge would otherwise pay a capacity
+    /// check for every byte.
+    struct Scratch {
+        bytes: [u8; MAX],
+        len: usize,
+    }
+
+    impl Scratch {
+        /// Room for the frame's length first.
+        #[inline]
+        fn new() -> Self {
+            Self {
+                bytes: [0; MAX],
+                len: 4,
+            }
+        }
+
+        /// Writes a varint. The caller has checked there is room (ten
+        /// bytes at most).
+        #[inline(always)]
+        fn varint(&mut self, mut v: u64) {
+            let at = self.len;
+            // Most are below 2^21 (an index, an attempt, a time in ms):
+            // written without a loop.
+            if v < 0x80 {
+                self.bytes[at] = v as u8;
+                self.len = at + 1;
+            } else if v < 0x4000 {
+                self.bytes[at] = v as u8 | 0x80;
+                self.bytes[at + 1] = (v >> 7) as u8;
+                self.len = at + 2;
+            } else if v < 0x20_0000 {
+                self.bytes[at] = v as u8 | 0x80;
+                self.bytes[at + 1] = (v >> 7) as u8 | 0x80;
+                self.bytes[at + 2] = (v >> 14) as u8;
+                self.len = at + 3;
+            } else {
+                let mut at = at;
+                while v >= 0x80 {
+                    self.bytes[at] = (v & 0x7f) as u8 | 0x80;
+                    v >>= 7;
+                    at += 1;
+                }
+                self.bytes[at] = v as u8;
+                self.len = at + 1;
+            }
+        }
+
+        /// Writes a small number (a variant's index).
+        #[inline]
+        fn small(&mut self, v: u8) {
+            debug_assert!(v < 0x80);
+            self.bytes[self.len] = v;
+            self.len += 1;
+        }
+
+        /// Writes a string's length and bytes, if they fit with `after`
+        /// bytes more.
+        #[inline(always)]
+        fn text(&mut self, s: &str, after: usize) -> bool {
+            if s.len() + 10 + after > MAX - self.len {
+                return false;
+            }
+            self.varint(s.len() as u64);
+            self.bytes[self.len..self.len + s.len()].copy_from_slice(s.as_bytes());
+            self.len += s.len();
+            true
+        }
+    }
+
+    /// What is written after the last text of a frame at most: four
+    /// varints and a few small numbers.
+    const TAIL: usize = 48;
+
+    /// A fold's answer when it was applied, as postcard writes
+    /// `Answer::Folded(Folded::Applied)`.
+    pub(super) const APPLIED: [u8; 2] = [0, 0];
+
+    /// Appends a whole frame of `input`: its length, the input, and the
+    /// answer presumed ([`APPLIED`]); false (nothing appended) for an
+    /// input written only by postcard.
     #[inline]
-    fn text(buf: &mut Vec<u8>, s: &str) {
-        varint(buf, s.len() as u64);
-        buf.extend_from_slice(s.as_bytes());
-    }
-
-    /// Writes `input` if it is one of the kinds written here.
-    pub(super) fn encode(buf: &mut Vec<u8>, input: &FlightInput<'_>) -> bool {
-        let start = buf.len();
+    pub(super) fn frame(buf: &mut Vec<u8>, input: Fast<'_>) -> bool {
+        let mut s = Scratch::new();
         let written = match input {
-            FlightInput::Bootstrap { obs, now } => observation(buf, obs, *now),
-            FlightInput::Result { result: r, now } => result(buf, r, *now),
-            _ => false,
+            Fast::Observation(obs, now) => observation(&mut s, obs, now),
+            Fast::Result(r, now) => result(&mut s, r, now),
         };
         if !written {
-            buf.truncate(start);
+            return false;
         }
-        written
+        // `TAIL` left room for it.
+        s.bytes[s.len..s.len + APPLIED.len()].copy_from_slice(&APPLIED);
+        s.len += APPLIED.len();
+        let len = (s.len - 4) as u32;
+        s.bytes[..4].copy_from_slice(&len.to_le_bytes());
+        buf.extend_from_slice(&s.bytes[..s.len]);
+        true
     }
 
-    fn observation(buf: &mut Vec<u8>, obs: &BootstrapObservation, now: Timestamp) -> bool {
+    #[inline]
+    fn observation(s: &mut Scratch, obs: &BootstrapObservation, now: Timestamp) -> bool {
         let event = match obs.event {
             BootstrapEvent::Stage(stage) => Some(stage),
             BootstrapEvent::SwactorJoined | BootstrapEvent::Closed => None,
             BootstrapEvent::Failed { .. } => return false,
         };
-        varint(buf, BOOTSTRAP);
-        text(buf, obs.node.group.as_str());
-        varint(buf, u64::from(obs.node.index));
-        varint(buf, obs.attempt.0);
-        text(buf, obs.session.as_str());
+        s.small(BOOTSTRAP);
+        if !s.text(obs.node.group.as_str(), TAIL + obs.session.as_str().len()) {
+            return false;
+        }
+        s.varint(u64::from(obs.node.index));
+        s.varint(obs.attempt.0);
+        if !s.text(obs.session.as_str(), TAIL) {
+            return false;
+        }
         match (event, &obs.event) {
             (Some(stage), _) => {
-                varint(buf, 0);
+                s.small(0);
                 // A fieldless enum's variants are numbered as declared.
-                varint(buf, stage as u64);
+                s.small(stage as u8);
             }
-            (None, BootstrapEvent::SwactorJoined) => varint(buf, 1),
-            (None, _) => varint(buf, 2),
+            (None, BootstrapEvent::SwactorJoined) => s.small(1),
+            (None, _) => s.small(2),
         }
-        varint(buf, now.0);
+        s.varint(now.0);
         true
     }
 
-    fn result(buf: &mut Vec<u8>, r: &OperationResult, now: Timestamp) -> bool {
-        if !matches!(
-            r.outcome,
-            OperationOutcome::LeaseCreated { .. }
-                | OperationOutcome::EndpointFound { .. }
-                | OperationOutcome::EndpointNotReady
-                | OperationOutcome::BootstrapStarted { .. }
-                | OperationOutcome::BootstrapCancelled
-                | OperationOutcome::LeaseDestroyed
-        ) {
+    #[inline]
+    fn result(s: &mut Scratch, r: &OperationResult, now: Timestamp) -> bool {
+        let (variant, text, endpoint) = match &r.outcome {
+            OperationOutcome::LeaseCreated { lease, endpoint } => {
+                (0, Some(lease.as_str()), Some(endpoint.as_ref()))
+            }
+            OperationOutcome::EndpointFound { endpoint } => (1, Some(endpoint.as_str()), None),
+            OperationOutcome::EndpointNotReady => (2, None, None),
+            OperationOutcome::BootstrapStarted { session } => (3, Some(session.as_str()), None),
+            OperationOutcome::BootstrapCancelled => (4, None, None),
+            OperationOutcome::LeaseDestroyed => (5, None, None),
+            _ => return false,
+        };
+        let endpoint_len = match endpoint {
+            Some(Some(e)) => e.as_str().len() + 10,
+            _ => 0,
+        };
+        let text_len = text.map_or(0, |t| t.len() + 10);
+        s.small(RESULT);
+        if !s.text(r.node.group.as_str(), TAIL + text_len + endpoint_len) {
             return false;
         }
-        varint(buf, RESULT);
-        text(buf, r.node.group.as_str());
-        varint(buf, u64::from(r.node.index));
-        varint(buf, r.op.attempt.0);
-        varint(buf, r.op.seq);
-        match &r.outcome {
-            OperationOutcome::LeaseCreated { lease, endpoint } => {
-                varint(buf, 0);
-                text(buf, lease.as_str());
-                match endpoint {
-                    None => buf.push(0),
-                    Some(e) => {
-                        buf.push(1);
-                        text(buf, e.as_str());
-                    }
+        s.varint(u64::from(r.node.index));
+        s.varint(r.op.attempt.0);
+        s.varint(r.op.seq);
+        s.small(variant);
+        if let Some(text) = text
+            && !s.text(text, TAIL + endpoint_len)
+        {
+            return false;
+        }
+        match endpoint {
+            None => {}
+            Some(None) => s.small(0),
+            Some(Some(e)) => {
+                s.small(1);
+                if !s.text(e.as_str(), TAIL) {
+                    return false;
                 }
             }
-            OperationOutcome::EndpointFound { endpoint } => {
-                varint(buf, 1);
-                text(buf, endpoint.as_str());
-            }
-            OperationOutcome::EndpointNotReady => varint(buf, 2),
-            OperationOutcome::BootstrapStarted { session } => {
-                varint(buf, 3);
-                text(buf, session.as_str());
-            }
-            OperationOutcome::BootstrapCancelled => varint(buf, 4),
-            OperationOutcome::LeaseDestroyed => varint(buf, 5),
-            _ => return false,
         }
-        varint(buf, now.0);
+        s.varint(now.0);
+        true
+    }
+
+    /// Writes `input` alone, if [`frame`] would write it.
+    #[cfg(test)]
+    pub(super) fn encode(buf: &mut Vec<u8>, input: &FlightInput<'_>) -> bool {
+        let mut framed = Vec::new();
+        let Some(fast) = Fast::of(input) else {
+            return false;
+        };
+        if !frame(&mut framed, fast) {
+            return false;
+        }
+        assert_eq!(framed[..4], ((framed.len() - 4) as u32).to_le_bytes());
+        assert!(framed.ends_with(&APPLIED));
+        buf.extend_from_slice(&framed[4..framed.len() - APPLIED.len()]);
         true
     }
 
@@ -861,12 +1152,57 @@ mod fast {
         use crate::id::{GroupId, LeaseId, NodeEndpoint, SessionId};
         use crate::state::BootstrapStage;
 
+        /// A recording of one host's header and `frames`.
+        fn recording_of(frames: &[u8]) -> Vec<u8> {
+            let core = crate::Driver::new(RunId::new("r"), ReconcilerConfig::default()).unwrap();
+            let (_, mut bytes) = record(
+                core,
+                HostConfig::default(),
+                None,
+                "test".into(),
+                1_000,
+                Timestamp(5),
+            )
+            .unwrap();
+            bytes.extend_from_slice(frames);
+            bytes
+        }
+
+        /// Written as postcard writes it, or (long) left to postcard;
+        /// and a recorder's frame of it reads back.
         fn same_as_postcard(input: FlightInput<'_>) {
-            let mut fast = Vec::new();
-            assert!(encode(&mut fast, &input), "{input:?}");
             let slow = postcard::to_allocvec(&input).unwrap();
-            assert_eq!(fast, slow, "{input:?}");
-            let back: FlightInput<'_> = postcard::from_bytes(&fast).unwrap();
+            let mut fast = Vec::new();
+            // Anything of a usual length is written here; a frame
+            // near the stack buffer's size may be left to postcard.
+            if encode(&mut fast, &input) {
+                assert_eq!(fast, slow, "{input:?}");
+            } else {
+                assert!(slow.len() > 64, "{input:?}");
+            }
+            // Applied, or not: the frame ends with what was answered.
+            for out in [
+                Ok(Folded::Applied),
+                Ok(Folded::Discarded(crate::observe::DiscardReason::NotLive)),
+                Err(DriverError::Reentry),
+            ] {
+                let mut rec = Recorder::new(usize::MAX);
+                rec.begin(&input);
+                rec.end_fold(&out);
+                let answer = postcard::to_allocvec(&Answer::of_fold(&out)).unwrap();
+                let len = slow.len() + answer.len();
+                assert_eq!(rec.buf[..4], (len as u32).to_le_bytes(), "{input:?}");
+                assert_eq!(rec.buf.len(), 4 + len, "{input:?}");
+                assert_eq!(&rec.buf[4..4 + slow.len()], slow, "{input:?}");
+                assert_eq!(&rec.buf[4 + slow.len()..], answer, "{input:?}");
+                let bytes = recording_of(&rec.buf);
+                let read = Recording::read(&bytes).unwrap();
+                let frame = read.frames().next().unwrap().unwrap();
+                assert_eq!(frame.answer, Answer::of_fold(&out));
+                assert_eq!(rec.stats.frames, 1);
+                assert_eq!(rec.stats.bytes, rec.buf.len() as u64);
+            }
+            let back: FlightInput<'_> = postcard::from_bytes(&slow).unwrap();
             assert_eq!(back, input);
         }
 
@@ -1031,18 +1367,25 @@ pub fn encode_header(header: &FlightHeader) -> Vec<u8> {
 
 /// Records `$input` (which may borrow what `$call` then consumes: the
 /// borrow ends once the input is written), makes the call, and records the
-/// digest of its answer (by `$digest`, [`digest`] unless named).
+/// digest of its answer (by `$digest`, [`digest`] unless named), or with
+/// `fold`, the fold's answer itself.
 macro_rules! recorded {
     ($self:ident, $input:expr, $call:expr) => {
         recorded!($self, $input, $call, digest)
     };
-    ($self:ident, $input:expr, $call:expr, $digest:expr) => {{
+    ($self:ident, $input:expr, $call:expr, $digest:expr) => {
+        recorded!(@ $self, $input, $call, |rec: &mut Recorder, out| rec.end_digest($digest(out)))
+    };
+    (fold $self:ident, $input:expr, $call:expr) => {
+        recorded!(@ $self, $input, $call, |rec: &mut Recorder, out| rec.end_fold(out))
+    };
+    (@ $self:ident, $input:expr, $call:expr, $end:expr) => {{
         if let Some(rec) = &mut $self.rec {
             rec.begin(&$input);
         }
         let out = $call;
         if let Some(rec) = &mut $self.rec {
-            rec.end($digest(&out));
+            ($end)(rec, &out);
         }
         out
     }};
@@ -1208,14 +1551,14 @@ impl<C: Reconciler> Flight<C> {
         result: OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        recorded!(
-            self,
-            FlightInput::Result {
-                result: Cow::Borrowed(&result),
-                now,
-            },
-            self.host.handle_result(result, now)
-        )
+        if let Some(rec) = &mut self.rec {
+            rec.begin_result(&result, now);
+        }
+        let out = self.host.handle_result(result, now);
+        if let Some(rec) = &mut self.rec {
+            rec.end_fold(&out);
+        }
+        out
     }
 
     /// See [`Host::handle_submit_failed`].
@@ -1230,7 +1573,7 @@ impl<C: Reconciler> Flight<C> {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         recorded!(
-            self,
+            fold self,
             FlightInput::SubmitFailed {
                 node: *node,
                 op,
@@ -1250,14 +1593,14 @@ impl<C: Reconciler> Flight<C> {
         obs: BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        recorded!(
-            self,
-            FlightInput::Bootstrap {
-                obs: Cow::Borrowed(&obs),
-                now,
-            },
-            self.host.handle_bootstrap(obs, now)
-        )
+        if let Some(rec) = &mut self.rec {
+            rec.begin_observation(&obs, now);
+        }
+        let out = self.host.handle_bootstrap(obs, now);
+        if let Some(rec) = &mut self.rec {
+            rec.end_fold(&out);
+        }
+        out
     }
 
     /// See [`Host::handle_agent_joined`].
@@ -1552,15 +1895,15 @@ impl Frames<'_> {
     }
 }
 
-/// One recorded call: its input, and the digest of what it returned.
+/// One recorded call: its input, and what it returned.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Frame<'b> {
     /// Its index in the recording, from 0.
     pub index: u64,
     /// The input.
     pub input: FlightInput<'b>,
-    /// The digest of the host's answer.
-    pub output: u64,
+    /// The host's answer, as the recording keeps it.
+    pub answer: Answer,
 }
 
 impl<'b> Iterator for Frames<'b> {
@@ -1574,46 +1917,62 @@ impl<'b> Iterator for Frames<'b> {
             return None;
         }
         let len = len as usize;
-        if rest.len() < len || len < 8 {
+        if rest.len() < len {
             // Cut off mid-write: the recording ends here.
             self.rest = &[];
             return None;
         }
         let (body, rest) = rest.split_at(len);
-        let (input_bytes, digest_bytes) = body.split_at(len - 8);
         let index = self.index;
         let offset = self.offset;
         self.rest = rest;
         self.offset += 4 + len;
         self.index += 1;
-        let mut d = [0u8; 8];
-        d.copy_from_slice(digest_bytes);
-        Some(
-            postcard::from_bytes::<FlightInput<'b>>(input_bytes)
-                .map(|input| Frame {
-                    index,
-                    input,
-                    output: u64::from_le_bytes(d),
-                })
-                .map_err(|e| FlightError::Frame {
-                    index,
-                    offset,
-                    reason: e.to_string(),
-                }),
-        )
+        let bad = |reason: String| FlightError::Frame {
+            index,
+            offset,
+            reason,
+        };
+        let (input, answer) = match postcard::take_from_bytes::<FlightInput<'b>>(body) {
+            Ok(read) => read,
+            Err(e) => return Some(Err(bad(e.to_string()))),
+        };
+        let answer = if input.keeps_fold() {
+            match postcard::from_bytes::<Answer>(answer) {
+                Ok(answer) => answer,
+                Err(e) => return Some(Err(bad(format!("its answer: {e}")))),
+            }
+        } else {
+            match <[u8; 8]>::try_from(answer) {
+                Ok(d) => Answer::Digest(u64::from_le_bytes(d)),
+                Err(_) => {
+                    return Some(Err(bad(format!(
+                        "its answer's digest is {} bytes, not 8",
+                        answer.len()
+                    ))));
+                }
+            }
+        };
+        Some(Ok(Frame {
+            index,
+            input,
+            answer,
+        }))
     }
 }
 
 /// Where a replay first decided otherwise than the recorded host.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "input {index} ({input}) was answered otherwise than recorded: the replay answered {replayed}"
+    "input {index} ({input}) was answered otherwise than recorded: the recording kept {recorded}, the replay answered {replayed}"
 )]
 pub struct Divergence {
     /// The input's index.
     pub index: u64,
     /// The input, for people.
     pub input: String,
+    /// What the recording kept of the answer, for people.
+    pub recorded: String,
     /// What the replaying host answered, for people.
     pub replayed: String,
 }
@@ -1659,17 +2018,18 @@ impl<C: Reconciler> Replayer<C> {
     ///
     /// # Errors
     /// The host answered otherwise.
-    pub fn step(&mut self, input: &FlightInput<'_>, recorded: u64) -> Result<(), Divergence> {
+    pub fn step(&mut self, input: &FlightInput<'_>, recorded: Answer) -> Result<(), Divergence> {
         let index = self.next;
         self.next += 1;
         let h = &mut self.host;
         let check = |out: &dyn ErasedAnswer| -> Result<(), Divergence> {
-            if out.digest() == recorded {
+            if out.answer() == recorded {
                 Ok(())
             } else {
                 Err(Divergence {
                     index,
                     input: input.describe(),
+                    recorded: recorded.describe(),
                     replayed: out.show(),
                 })
             }
@@ -1707,16 +2067,16 @@ impl<C: Reconciler> Replayer<C> {
                 check(&())
             }
             FlightInput::Result { result, now } => {
-                check(&h.handle_result(result.into_owned(), now))
+                check(&Fold(h.handle_result(result.into_owned(), now)))
             }
             FlightInput::SubmitFailed {
                 node,
                 op,
                 reason,
                 now,
-            } => check(&h.handle_submit_failed(&node, op, &reason, now)),
+            } => check(&Fold(h.handle_submit_failed(&node, op, &reason, now))),
             FlightInput::Bootstrap { obs, now } => {
-                check(&h.handle_bootstrap(obs.into_owned(), now))
+                check(&Fold(h.handle_bootstrap(obs.into_owned(), now)))
             }
             FlightInput::AgentJoined { key, now } => check(&h.handle_agent_joined(&key, now)),
             FlightInput::AgentGone {
@@ -1776,23 +2136,35 @@ impl<C: Reconciler> Replayer<C> {
 struct Polled(Option<Output>);
 
 impl ErasedAnswer for Polled {
-    fn digest(&self) -> u64 {
-        output_digest(&self.0)
+    fn answer(&self) -> Answer {
+        Answer::of_output(&self.0)
     }
     fn show(&self) -> String {
         self.0.show()
     }
 }
 
-/// What a host call returned, digested or shown for people.
+/// What a fold returned, kept whole ([`Answer::of_fold`]).
+struct Fold(Result<Folded, DriverError>);
+
+impl ErasedAnswer for Fold {
+    fn answer(&self) -> Answer {
+        Answer::of_fold(&self.0)
+    }
+    fn show(&self) -> String {
+        self.0.show()
+    }
+}
+
+/// What a host call returned, as a recording keeps it or shown for people.
 trait ErasedAnswer {
-    fn digest(&self) -> u64;
+    fn answer(&self) -> Answer;
     fn show(&self) -> String;
 }
 
 impl<T: Serialize + fmt::Debug> ErasedAnswer for T {
-    fn digest(&self) -> u64 {
-        digest(self)
+    fn answer(&self) -> Answer {
+        Answer::of(self)
     }
     fn show(&self) -> String {
         let mut s = format!("{self:?}");
@@ -1854,7 +2226,7 @@ pub fn replay<C: Reconciler>(
     let mut frames = recording.frames();
     for frame in frames.by_ref() {
         let frame = frame?;
-        replayer.step(&frame.input, frame.output)?;
+        replayer.step(&frame.input, frame.answer)?;
         if let Some(now) = frame.input.now() {
             last = Some(now);
         }
@@ -1871,6 +2243,57 @@ pub fn replay<C: Reconciler>(
 mod tests {
     use super::*;
     use crate::Driver;
+
+    #[test]
+    fn a_folds_answer_is_kept_as_postcard_writes_it() {
+        use crate::observe::DiscardReason as R;
+        let reasons = [
+            R::UnknownNode,
+            R::SupersededAttempt,
+            R::StaleOperation,
+            R::OutcomeMismatch,
+            R::StaleSession,
+            R::NotActive,
+            R::NotLive,
+            R::Queued,
+        ];
+        // A reason added later must be added above: this match stops
+        // compiling until it is.
+        for r in reasons {
+            match r {
+                R::UnknownNode
+                | R::SupersededAttempt
+                | R::StaleOperation
+                | R::OutcomeMismatch
+                | R::StaleSession
+                | R::NotActive
+                | R::NotLive
+                | R::Queued => {}
+            }
+        }
+        let answers = std::iter::once(Ok(Folded::Applied))
+            .chain(reasons.map(|r| Ok(Folded::Discarded(r))))
+            .chain([Err(DriverError::Reentry)]);
+        for out in answers {
+            // Written as postcard writes what `Answer::of_fold` keeps...
+            let mut rec = Recorder::new(usize::MAX);
+            rec.begin(&FlightInput::PollEvent);
+            let start = rec.buf.len();
+            rec.open = Some(0);
+            rec.end_fold(&out);
+            let kept = Answer::of_fold(&out);
+            assert_eq!(
+                rec.buf[start..],
+                postcard::to_allocvec(&kept).unwrap(),
+                "{out:?}"
+            );
+            // ...which is the fold's answer itself when it went through.
+            match &out {
+                Ok(folded) => assert_eq!(kept, Answer::Folded(*folded)),
+                Err(_) => assert_eq!(kept, Answer::Digest(digest(&out))),
+            }
+        }
+    }
 
     fn recorded() -> (Flight<Driver>, Vec<u8>) {
         let core = Driver::new(RunId::new("r"), ReconcilerConfig::default()).unwrap();

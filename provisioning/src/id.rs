@@ -425,6 +425,7 @@ macro_rules! string_id {
             }
 
             /// The id as a string slice.
+            #[inline]
             pub fn as_str(&self) -> &str {
                 &self.0
             }

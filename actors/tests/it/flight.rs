@@ -149,18 +149,26 @@ async fn every_life_of_a_cluster_replays_to_the_same_answers() {
         assert!(done.inputs > 50, "{done:?}");
         assert!(!done.cut);
     }
-    // An answer tampered with in the middle of the first life is found at
-    // its very frame.
+    // An answer's digest tampered with in the middle of the first life is
+    // found at its very frame.
     let mut bytes = std::fs::read(&files[0]).unwrap();
     let header_len = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
     let mut at = 16 + header_len;
-    let frames = Recording::read(&bytes).unwrap().frames().count();
-    let target = frames / 2;
+    let kept_whole: Vec<bool> = Recording::read(&bytes)
+        .unwrap()
+        .frames()
+        .map(|f| f.unwrap().input.keeps_fold())
+        .collect();
+    // The first frame from the middle on whose answer is kept as a digest
+    // (its last eight bytes).
+    let target = (kept_whole.len() / 2..kept_whole.len())
+        .find(|&i| !kept_whole[i])
+        .expect("a frame answered with a digest");
     for _ in 0..target {
         at += 4 + u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
     }
     let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
-    bytes[at + 4 + len - 8] ^= 1;
+    bytes[at + 4 + len - 1] ^= 1;
     match replayed(&bytes) {
         Err(flight::ReplayError::Diverged(d)) => assert_eq!(d.index, target as u64, "{d}"),
         other => panic!("the tampered frame {target} was not found: {other:?}"),

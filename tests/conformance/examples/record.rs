@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use swactor_conformance::battery::{Suite, suite_trace_for_seed};
 use swactor_conformance::recording::check_recording;
 use swactor_conformance::{Input, Mode, WorldConfig, run_trace};
-use swactor_provisioning::flight::{FlightInput, Recording};
+use swactor_provisioning::flight::{self, FlightInput, Recording};
 
 fn suite(name: &str) -> Suite {
     match name {
@@ -132,10 +132,13 @@ fn show(path: &str) {
     for frame in recording.frames() {
         let frame = frame.expect("a frame that reads");
         let at = frame.input.now().map(|t| t.to_string()).unwrap_or_default();
+        let answer = match frame.answer {
+            flight::Answer::Digest(d) => format!("{d:016x}"),
+            other => other.describe(),
+        };
         println!(
-            "{:>5} {at:>12} {:016x} {}",
+            "{:>5} {at:>12} {answer:>16} {}",
             frame.index,
-            frame.output,
             frame.input.describe()
         );
         if let FlightInput::Inventory {

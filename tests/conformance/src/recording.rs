@@ -335,11 +335,12 @@ impl<C: Reconciler> Case<C> {
             self.provider.learn(input);
         }
         let answer = feed(&mut self.host, input);
-        let diverged = answer.digest() != frame.output;
+        let diverged = answer.kept() != frame.answer;
         if diverged {
             self.divergence = Some(Divergence {
                 index: frame.index,
                 input: input.describe(),
+                recorded: frame.answer.describe(),
                 replayed: answer.show(),
             });
         } else {
@@ -615,22 +616,23 @@ enum Answer {
 }
 
 impl Answer {
-    /// The digest the flight recorder keeps of it: of the value the host
-    /// call returned, exactly as the recorder hashes it.
-    fn digest(&self) -> u64 {
+    /// What the flight recorder keeps of it: a fold's answer itself, the
+    /// digest of any other, exactly as the recorder takes it.
+    fn kept(&self) -> flight::Answer {
+        use flight::Answer as Kept;
         match self {
-            Self::Unit => flight::digest(&()),
-            Self::Apply(a) => flight::digest(a),
-            Self::Pause(a) => flight::digest(a),
-            Self::Folded(a) => flight::digest(a),
-            Self::Join(a) => flight::digest(a),
-            Self::Spent(a) => flight::digest(a),
-            Self::Replace(a) => flight::digest(a),
-            Self::Timeout(a) => flight::digest(a),
-            Self::Lifetime(a) => flight::digest(a),
-            Self::Leads(a) => flight::digest(a),
-            Self::Output(a) => flight::output_digest(a),
-            Self::Event(a) => flight::digest(a),
+            Self::Unit => Kept::of(&()),
+            Self::Apply(a) => Kept::of(a),
+            Self::Pause(a) => Kept::of(a),
+            Self::Folded(a) => Kept::of_fold(a),
+            Self::Join(a) => Kept::of(a),
+            Self::Spent(a) => Kept::of(a),
+            Self::Replace(a) => Kept::of(a),
+            Self::Timeout(a) => Kept::of(a),
+            Self::Lifetime(a) => Kept::of(a),
+            Self::Leads(a) => Kept::of(a),
+            Self::Output(a) => Kept::of_output(a),
+            Self::Event(a) => Kept::of(a),
         }
     }
 

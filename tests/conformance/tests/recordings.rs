@@ -268,9 +268,9 @@ fn first_difference(bytes: &[u8]) -> Option<u64> {
     for frame in recording.frames() {
         let frame = frame.expect("a committed frame reads");
         straight
-            .step(&frame.input, frame.output)
+            .step(&frame.input, frame.answer)
             .unwrap_or_else(|d| panic!("the honest driver answered otherwise: {d}"));
-        if changed.step(&frame.input, frame.output).is_err() {
+        if changed.step(&frame.input, frame.answer).is_err() {
             return Some(frame.index);
         }
     }
