@@ -1546,6 +1546,7 @@ impl<C: Reconciler> Flight<C> {
     ///
     /// # Errors
     /// As the host's.
+    #[inline]
     pub fn handle_result(
         &mut self,
         result: OperationResult,
@@ -1588,6 +1589,7 @@ impl<C: Reconciler> Flight<C> {
     ///
     /// # Errors
     /// As the host's.
+    #[inline]
     pub fn handle_bootstrap(
         &mut self,
         obs: BootstrapObservation,
