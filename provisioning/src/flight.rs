@@ -1209,7 +1209,18 @@ mod fast {
         #[test]
         fn results_and_observations_are_written_as_postcard_writes_them() {
             let node = LogicalNodeId::new(GroupId::new("gpu-workers"), 300);
-            let times = [0, 127, 128, 16_383, 16_384, u64::MAX];
+            let times = [
+                0,
+                127,
+                128,
+                16_383,
+                16_384,
+                (1 << 21) - 1,
+                1 << 21,
+                (1 << 28) - 1,
+                1 << 28,
+                u64::MAX,
+            ];
             let stages = [
                 BootstrapStage::SshConnect,
                 BootstrapStage::Converged,
