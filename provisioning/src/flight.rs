@@ -797,20 +797,33 @@ impl Recorder {
 
     /// Starts a frame with `input` (nothing once the recording was cut).
     fn begin(&mut self, input: &FlightInput<'_>) {
+        match fast::Fast::of(input) {
+            Some(fast) => self.begin_fast(fast),
+            None => self.begin_postcard(input),
+        }
+    }
+
+    /// Starts a frame with a result or an observation: whole at once if
+    /// `fast` writes it, otherwise through postcard.
+    #[inline]
+    fn begin_fast(&mut self, input: fast::Fast<'_>) {
+        let start = self.buf.len();
+        if !self.cut && fast::frame(&mut self.buf, input) {
+            self.open = Some(start);
+            self.presumed = true;
+        } else {
+            self.begin_postcard(&input.input());
+        }
+    }
+
+    /// Starts a frame with `input` through postcard; its length is written
+    /// over its first four bytes once its answer is in.
+    fn begin_postcard(&mut self, input: &FlightInput<'_>) {
         if self.cut {
             self.stats.dropped += 1;
             return;
         }
         let start = self.buf.len();
-        // The frame's length is written over its first four bytes once its
-        // answer is in.
-        if let Some(input) = fast::Fast::of(input)
-            && fast::frame(&mut self.buf, input)
-        {
-            self.open = Some(start);
-            self.presumed = true;
-            return;
-        }
         // Room for a usual frame at once, so its pieces never reallocate.
         self.buf.reserve(128);
         self.buf.extend_from_slice(&[0; 4]);
@@ -820,36 +833,6 @@ impl Recorder {
             // Unencodable: never happens for these types; nothing is
             // written half.
             self.cut_at(start);
-        }
-    }
-
-    /// Starts a frame with a result (as [`Self::begin`] would).
-    #[inline]
-    fn begin_result(&mut self, result: &OperationResult, now: Timestamp) {
-        let start = self.buf.len();
-        if !self.cut && fast::frame(&mut self.buf, fast::Fast::Result(result, now)) {
-            self.open = Some(start);
-            self.presumed = true;
-        } else {
-            self.begin(&FlightInput::Result {
-                result: Cow::Borrowed(result),
-                now,
-            });
-        }
-    }
-
-    /// Starts a frame with an observation (as [`Self::begin`] would).
-    #[inline]
-    fn begin_observation(&mut self, obs: &BootstrapObservation, now: Timestamp) {
-        let start = self.buf.len();
-        if !self.cut && fast::frame(&mut self.buf, fast::Fast::Observation(obs, now)) {
-            self.open = Some(start);
-            self.presumed = true;
-        } else {
-            self.begin(&FlightInput::Bootstrap {
-                obs: Cow::Borrowed(obs),
-                now,
-            });
         }
     }
 
@@ -947,6 +930,20 @@ mod fast {
                 FlightInput::Result { result, now } => Some(Self::Result(result, *now)),
                 FlightInput::Bootstrap { obs, now } => Some(Self::Observation(obs, *now)),
                 _ => None,
+            }
+        }
+
+        /// The input, borrowed again, for postcard.
+        pub(super) fn input(self) -> FlightInput<'a> {
+            match self {
+                Self::Result(result, now) => FlightInput::Result {
+                    result: Cow::Borrowed(result),
+                    now,
+                },
+                Self::Observation(obs, now) => FlightInput::Bootstrap {
+                    obs: Cow::Borrowed(obs),
+                    now,
+                },
             }
         }
     }
@@ -1564,7 +1561,7 @@ impl<C: Reconciler> Flight<C> {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         if let Some(rec) = &mut self.rec {
-            rec.begin_result(&result, now);
+            rec.begin_fast(fast::Fast::Result(&result, now));
         }
         let out = self.host.handle_result(result, now);
         if let Some(rec) = &mut self.rec {
@@ -1607,7 +1604,7 @@ impl<C: Reconciler> Flight<C> {
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
         if let Some(rec) = &mut self.rec {
-            rec.begin_observation(&obs, now);
+            rec.begin_fast(fast::Fast::Observation(&obs, now));
         }
         let out = self.host.handle_bootstrap(obs, now);
         if let Some(rec) = &mut self.rec {
@@ -2180,17 +2177,21 @@ impl<T: Serialize + fmt::Debug> ErasedAnswer for T {
         Answer::of(self)
     }
     fn show(&self) -> String {
-        let mut s = format!("{self:?}");
-        if s.len() > 2_000 {
-            let mut end = 2_000;
-            while !s.is_char_boundary(end) {
-                end -= 1;
-            }
-            s.truncate(end);
-            s.push('…');
-        }
-        s
+        cut_for_people(format!("{self:?}"))
     }
+}
+
+/// An answer shown for people: at most 2,000 bytes of it, then `…`.
+pub fn cut_for_people(mut s: String) -> String {
+    if s.len() > 2_000 {
+        let mut end = 2_000;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+    s
 }
 
 /// What a whole replay went through.

@@ -638,7 +638,7 @@ impl Answer {
 
     /// The answer for people, cut short.
     fn show(&self) -> String {
-        let mut s = match self {
+        let s = match self {
             Self::Unit => "()".to_owned(),
             Self::Apply(a) => format!("{a:?}"),
             Self::Pause(a) => format!("{a:?}"),
@@ -652,15 +652,7 @@ impl Answer {
             Self::Output(a) => format!("{a:?}"),
             Self::Event(a) => format!("{a:?}"),
         };
-        if s.len() > 2_000 {
-            let mut end = 2_000;
-            while !s.is_char_boundary(end) {
-                end -= 1;
-            }
-            s.truncate(end);
-            s.push('…');
-        }
-        s
+        flight::cut_for_people(s)
     }
 }
 
