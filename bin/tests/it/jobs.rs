@@ -121,23 +121,7 @@ fn pids_in(dir: &Path) -> Vec<u32> {
 
 /// Every file under the node directories whose path contains `needle`.
 fn node_files(state: &Path, needle: &str) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = node_dirs(state);
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            if p.to_string_lossy().contains(needle) {
-                out.push(p.clone());
-            }
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                stack.push(p);
-            }
-        }
-    }
-    out
+    paths_below(node_dirs(state), |p| p.to_string_lossy().contains(needle))
 }
 
 fn shape_with_broken(run: &str, n: u32) -> String {

@@ -107,18 +107,9 @@ impl World {
     /// The last lines of every agent's log on the mock's machines, for a
     /// failure's message (an agent that did not rejoin says why here).
     fn agent_logs(&self) -> String {
-        let mut logs = Vec::new();
-        let mut dirs = vec![self.mock.state_dir().join("machines")];
-        while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                let path = entry.path();
-                if path.is_dir() {
-                    dirs.push(path);
-                } else if path.file_name().is_some_and(|n| n == "agent.log") {
-                    logs.push(path);
-                }
-            }
-        }
+        let mut logs = paths_below(vec![self.mock.state_dir().join("machines")], |p| {
+            p.file_name().is_some_and(|n| n == "agent.log")
+        });
         logs.sort();
         let mut out = String::new();
         for path in logs {

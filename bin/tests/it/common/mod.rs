@@ -404,6 +404,28 @@ pub fn agents(state: &Path) -> BTreeMap<(String, u64), Vec<u32>> {
     out
 }
 
+/// Every path (file or directory) below `roots`, at any depth, that
+/// `keep` keeps; a directory that cannot be read is passed over.
+pub fn paths_below(roots: Vec<PathBuf>, keep: impl Fn(&Path) -> bool) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = roots;
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if keep(&p) {
+                out.push(p.clone());
+            }
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(p);
+            }
+        }
+    }
+    out
+}
+
 /// Node directories left under the state directory.
 pub fn node_dirs(state: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
