@@ -56,7 +56,7 @@ fn main() {
             let limits = swactor_engine::flight::FlightLimits::on_disk(
                 swactor_engine::flight::FlightLimits::DISK_MAX_DEFAULT,
             );
-            swactor_engine::flight::FlightRecorder::open(&at, limits).expect("a flight directory")
+            swactor_actors::FlightRecorder::open(&at, limits).expect("a flight directory")
         });
         let figures = measure::measure(n, recorder.as_ref());
         println!("{}", figures.row());

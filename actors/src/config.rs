@@ -61,7 +61,7 @@ pub struct ClusterConfig {
     /// Where each driver this config starts records its host's inputs (see
     /// `swactor_provisioning::flight`): one recording per driver life.
     /// `None`: nothing is recorded.
-    pub flight: Option<swactor_engine::flight::FlightRecorder>,
+    pub flight: Option<crate::FlightRecorder>,
     /// The build that records, named in each recording's header.
     pub build: String,
 }

@@ -14,6 +14,7 @@
 //!   record is durable, and an apply is acknowledged only once it is.
 
 use crate::executor::{BATCH_MAX, ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
+use crate::flight::FlightFrames;
 use crate::journal::JournalStore;
 use crate::msg::{ClusterMsg, DriverArgs, DriverMsg, DriverView, SwarmMsg, TimerKey};
 use crate::observer::{Observations, Observed, Observer, ObserverTag, Observers, observers};
@@ -50,7 +51,7 @@ pub struct DriverState {
     config: ClusterConfig,
     host: Flight<Driver>,
     /// This life's recording, when the config records.
-    flight: Option<FlightLife>,
+    flight: Option<FlightLife<FlightFrames>>,
     /// Frames the host's recorder had dropped at the last flush.
     flight_dropped: u64,
     clock: Clock,
@@ -276,8 +277,8 @@ impl DriverState {
     /// recording (it never waits: see `swactor_engine::flight`).
     fn flush_flight(&mut self) {
         if let Some(life) = &self.flight {
-            let frames = self.host.take_frames(life.spare());
-            life.append(frames);
+            let frames = self.host.take_frames(life.spare().0);
+            life.append(FlightFrames(frames));
             let dropped = self.host.stats().dropped;
             life.dropped_upstream(dropped.saturating_sub(self.flight_dropped));
             self.flight_dropped = dropped;

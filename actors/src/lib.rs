@@ -69,6 +69,7 @@ mod config;
 mod driver;
 mod events;
 mod executor;
+mod flight;
 pub mod glance;
 mod journal;
 mod msg;
@@ -84,6 +85,7 @@ pub use events::{
     PlanView, Rental,
 };
 pub use executor::{ExecutorReport, ExecutorWorker, Finished, WorkerArgs, WorkerMsg};
+pub use flight::{FlightFrames, FlightRecorder};
 pub use glance::{ClusterGlance, GroupCounts, GroupGlance};
 pub use journal::{CommitError, JournalStore, MemoryJournal};
 pub use msg::{

@@ -979,7 +979,7 @@ impl Known {
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
-    use swactor_provisioning::flight::{CUT_MARKER, FLIGHT_FORMAT, Flight, record};
+    use swactor_provisioning::flight::{CUT_MARKER, FLIGHT_FORMAT, Flight, FlightBatch, record};
     use swactor_provisioning::{
         BootParams, BootstrapEvent, BootstrapObservation, BootstrapStage, ClusterShape, EffectKind,
         EffectRequest, Generation, GroupShape, HostConfig, LeaseId, NodeEndpoint, NodeLimits,
@@ -1152,8 +1152,8 @@ mod tests {
 
         /// The recording so far.
         fn bytes(&mut self) -> Vec<u8> {
-            let taken = self.flight.take_frames(Vec::new());
-            self.frames.extend_from_slice(&taken);
+            let taken = self.flight.take_frames(FlightBatch::default());
+            taken.write_to(&mut self.frames);
             let mut all = self.header.clone();
             all.extend_from_slice(&self.frames);
             all

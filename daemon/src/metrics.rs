@@ -60,7 +60,7 @@ pub(crate) struct Metrics {
     /// The agents' protocols' connection caps, once their router runs.
     agent_caps: Arc<OnceLock<Vec<(&'static str, swactor_engine::net::ConnectionCap)>>>,
     /// The flight recorder, when the daemon keeps one.
-    flight: Arc<OnceLock<swactor_engine::flight::FlightRecorder>>,
+    flight: Arc<OnceLock<swactor_actors::FlightRecorder>>,
 }
 
 /// What one scrape read from the daemon, for the collector to encode.
@@ -218,7 +218,7 @@ impl Metrics {
 
     /// Exports what the flight recorder wrote and dropped from now on (the
     /// first call wins).
-    pub(crate) fn watch_flight(&self, recorder: swactor_engine::flight::FlightRecorder) {
+    pub(crate) fn watch_flight(&self, recorder: swactor_actors::FlightRecorder) {
         let _ = self.flight.set(recorder);
     }
 
@@ -389,7 +389,7 @@ impl prometheus_client::collector::Collector for CapCollector {
 /// Reads the flight recorder's counters at scrape time.
 #[derive(Debug)]
 struct FlightCollector {
-    recorder: Arc<OnceLock<swactor_engine::flight::FlightRecorder>>,
+    recorder: Arc<OnceLock<swactor_actors::FlightRecorder>>,
 }
 
 impl prometheus_client::collector::Collector for FlightCollector {

@@ -2,13 +2,19 @@
 //! `swactor_provisioning::flight`) in a file of its own under one
 //! directory, on a thread of its own, within a size limit.
 //!
-//! - **Never blocks its caller.** [`FlightLife::append`] hands bytes to the
-//!   writer thread and returns; bytes handed over and not yet written are
-//!   bounded ([`FlightLimits::queued_max`]). Past that bound the life is
+//! - **Never blocks its caller.** [`FlightLife::append`] hands a chunk of
+//!   frames to the writer thread and returns; what is handed over and not
+//!   yet written is bounded ([`FlightLimits::queued_max`], in the bytes the
+//!   chunks hold in memory). Past that bound the life is
 //!   *cut*: its chunk is dropped and counted, the writer ends the file with
 //!   [`CUT_MARKER`], and nothing more of that life is written (a recording
 //!   with a hole in it could not be replayed past the hole; one that ends
 //!   says so and replays up to its end).
+//! - **Encodes off the caller's thread.** A chunk is anything
+//!   [`FlightChunk`]: plain bytes, or frames kept in a form of their own
+//!   that the writer thread turns into bytes, so that a caller that records
+//!   a great many frames (the driver, in a cold converge) does not spend
+//!   its own thread on encoding them.
 //! - **Bounded on disk.** All recordings together stay under
 //!   [`FlightLimits::disk_max`]: a new life first removes the oldest
 //!   recordings of earlier lives; a life that alone would pass the limit is
@@ -18,6 +24,7 @@
 //!   sees every frame handed in up to a moment ago; a frame half written
 //!   ends what the reader sees.
 
+use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -64,7 +71,7 @@ pub struct FlightCounts {
     pub written_bytes: u64,
     /// Chunks of frames dropped (each cuts its life).
     pub dropped_chunks: u64,
-    /// Bytes dropped.
+    /// Bytes dropped (as their chunks held them in memory).
     pub dropped_bytes: u64,
     /// Lives cut.
     pub cut_lives: u64,
@@ -86,7 +93,41 @@ struct Counters {
     queued: AtomicU64,
 }
 
-enum Msg {
+/// Frames as a recorder hands them to the writer: bytes already
+/// (`Vec<u8>`), or a form of the recorder's own that the writer encodes.
+pub trait FlightChunk: Send + 'static {
+    /// An empty chunk with room for a busy step's frames.
+    fn with_room() -> Self;
+    /// Whether it holds no frame.
+    fn is_empty(&self) -> bool;
+    /// The bytes it holds in memory: what the queue's bound counts.
+    fn held(&self) -> u64;
+    /// Appends its frames, as the recording keeps them, to `out`.
+    fn write_to(&self, out: &mut Vec<u8>);
+    /// Empties it to be used again; false when it grew too big to keep.
+    fn recycle(&mut self) -> bool;
+}
+
+impl FlightChunk for Vec<u8> {
+    fn with_room() -> Self {
+        Vec::with_capacity(BUFFER_START)
+    }
+    fn is_empty(&self) -> bool {
+        self.as_slice().is_empty()
+    }
+    fn held(&self) -> u64 {
+        self.len() as u64
+    }
+    fn write_to(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self);
+    }
+    fn recycle(&mut self) -> bool {
+        self.clear();
+        self.capacity() <= SPARE_CAPACITY_MAX
+    }
+}
+
+enum Msg<K> {
     Begin {
         life: u64,
         path: PathBuf,
@@ -94,7 +135,7 @@ enum Msg {
     },
     Frames {
         life: u64,
-        bytes: Vec<u8>,
+        chunk: K,
     },
     Cut {
         life: u64,
@@ -105,18 +146,27 @@ enum Msg {
     Flushed(tokio::sync::oneshot::Sender<()>),
 }
 
-#[derive(Debug)]
-struct Shared {
+struct Shared<K> {
     dir: PathBuf,
     limits: FlightLimits,
     counters: Counters,
     next_life: AtomicU64,
-    tx: mpsc::Sender<Msg>,
-    /// Buffers the writer is done with, for the next frames.
-    spares: std::sync::Mutex<Vec<Vec<u8>>>,
+    tx: mpsc::Sender<Msg<K>>,
+    /// Chunks the writer is done with, for the next frames.
+    spares: std::sync::Mutex<Vec<K>>,
 }
 
-/// Buffers kept for reuse, and the largest kept.
+impl<K> fmt::Debug for Shared<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("dir", &self.dir)
+            .field("limits", &self.limits)
+            .field("counters", &self.counters)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Chunks kept for reuse, and the largest byte buffer kept.
 const SPARES_MAX: usize = 4;
 const SPARE_CAPACITY_MAX: usize = 4 << 20;
 
@@ -129,13 +179,22 @@ const BUFFER_START: usize = 64 << 10;
 const LOOK_AGAIN: std::time::Duration = std::time::Duration::from_millis(2);
 const IDLE_LOOKS: u32 = 5;
 
-/// A daemon's flight recorder: one writer thread, one directory.
-#[derive(Clone, Debug)]
-pub struct FlightRecorder {
-    shared: Arc<Shared>,
+/// A daemon's flight recorder: one writer thread, one directory, chunks
+/// of frames of the kind `K`.
+#[derive(Debug)]
+pub struct FlightRecorder<K: FlightChunk = Vec<u8>> {
+    shared: Arc<Shared<K>>,
 }
 
-impl FlightRecorder {
+impl<K: FlightChunk> Clone for FlightRecorder<K> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<K: FlightChunk> FlightRecorder<K> {
     /// Opens `dir` (made if missing, private to the user) and starts the
     /// writer thread, which ends once the recorder and every life it began
     /// are dropped.
@@ -163,6 +222,7 @@ impl FlightRecorder {
             dir: dir.to_owned(),
             limits,
             current: None,
+            scratch: Vec::new(),
         };
         std::thread::Builder::new()
             .name("flight-writer".to_owned())
@@ -177,7 +237,7 @@ impl FlightRecorder {
 
     /// Begins a life: a new recording that starts with `header`, named so
     /// that recordings sort by when they began (`wall_ms`).
-    pub fn begin(&self, header: Vec<u8>, wall_ms: u64) -> FlightLife {
+    pub fn begin(&self, header: Vec<u8>, wall_ms: u64) -> FlightLife<K> {
         let life = self.shared.next_life.fetch_add(1, Ordering::Relaxed);
         self.shared.counters.lives.fetch_add(1, Ordering::Relaxed);
         let path = self.shared.dir.join(format!(
@@ -237,14 +297,14 @@ impl FlightRecorder {
 
 /// One life's recording, being written.
 #[derive(Debug)]
-pub struct FlightLife {
-    shared: Arc<Shared>,
+pub struct FlightLife<K: FlightChunk = Vec<u8>> {
+    shared: Arc<Shared<K>>,
     life: u64,
     path: PathBuf,
     cut: AtomicBool,
 }
 
-impl FlightLife {
+impl<K: FlightChunk> FlightLife<K> {
     /// Where it is written.
     pub fn path(&self) -> &Path {
         &self.path
@@ -255,26 +315,26 @@ impl FlightLife {
         self.cut.load(Ordering::Relaxed)
     }
 
-    /// An empty buffer to record the next frames in: one the writer is
+    /// An empty chunk to record the next frames in: one the writer is
     /// done with when there is one, so a busy daemon does not grow a new
     /// buffer for every step.
-    pub fn spare(&self) -> Vec<u8> {
+    pub fn spare(&self) -> K {
         self.shared
             .spares
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .pop()
-            .unwrap_or_else(|| Vec::with_capacity(BUFFER_START))
+            .unwrap_or_else(K::with_room)
     }
 
     /// Appends frames; never waits. Past the queue's bound the life is cut
-    /// and the bytes dropped (counted).
-    pub fn append(&self, bytes: Vec<u8>) {
-        if bytes.is_empty() {
+    /// and the chunk dropped (counted).
+    pub fn append(&self, chunk: K) {
+        if chunk.is_empty() {
             return;
         }
         let c = &self.shared.counters;
-        let len = bytes.len() as u64;
+        let len = chunk.held();
         if self.is_cut() {
             c.dropped_chunks.fetch_add(1, Ordering::Relaxed);
             c.dropped_bytes.fetch_add(len, Ordering::Relaxed);
@@ -287,7 +347,7 @@ impl FlightLife {
             return;
         }
         let life = self.life;
-        if self.shared.tx.send(Msg::Frames { life, bytes }).is_err() {
+        if self.shared.tx.send(Msg::Frames { life, chunk }).is_err() {
             c.queued.fetch_sub(len, Ordering::Relaxed);
             self.cut_here(len);
         }
@@ -326,15 +386,17 @@ struct Current {
     cut: bool,
 }
 
-struct Writer {
-    shared: std::sync::Weak<Shared>,
+struct Writer<K> {
+    shared: std::sync::Weak<Shared<K>>,
     dir: PathBuf,
     limits: FlightLimits,
     current: Option<Current>,
+    /// A chunk's frames, encoded.
+    scratch: Vec<u8>,
 }
 
-impl Writer {
-    fn run(mut self, rx: &mpsc::Receiver<Msg>) {
+impl<K: FlightChunk> Writer<K> {
+    fn run(mut self, rx: &mpsc::Receiver<Msg<K>>) {
         let mut idle = 0u32;
         loop {
             // Once caught up, flush so readers see it. Within a burst, look
@@ -370,7 +432,7 @@ impl Writer {
         self.shared.upgrade().map(|s| f(&s.counters))
     }
 
-    fn handle(&mut self, msg: Msg) {
+    fn handle(&mut self, msg: Msg<K>) {
         match msg {
             Msg::Begin { life, path, header } => {
                 let len = header.len() as u64;
@@ -406,9 +468,9 @@ impl Writer {
                 self.counters(|c| c.queued.fetch_sub(len, Ordering::Relaxed));
                 self.current = Some(cur);
             }
-            Msg::Frames { life, bytes } => {
-                let len = bytes.len() as u64;
-                self.counters(|c| c.queued.fetch_sub(len, Ordering::Relaxed));
+            Msg::Frames { life, chunk } => {
+                let held = chunk.held();
+                self.counters(|c| c.queued.fetch_sub(held, Ordering::Relaxed));
                 let disk_max = self.limits.disk_max;
                 let Some(cur) = self.current.as_mut().filter(|c| c.life == life) else {
                     return;
@@ -416,31 +478,36 @@ impl Writer {
                 if cur.cut {
                     if let Some(s) = self.shared.upgrade() {
                         s.counters.dropped_chunks.fetch_add(1, Ordering::Relaxed);
-                        s.counters.dropped_bytes.fetch_add(len, Ordering::Relaxed);
+                        s.counters.dropped_bytes.fetch_add(held, Ordering::Relaxed);
                     }
                     return;
                 }
+                self.scratch.clear();
+                chunk.write_to(&mut self.scratch);
+                let len = self.scratch.len() as u64;
                 if cur.len + len + 4 > disk_max {
                     // This life alone would pass the limit: it ends here.
                     self.cut_current(len);
                     return;
                 }
-                match cur.out.write_all(&bytes) {
+                match cur.out.write_all(&self.scratch) {
                     Ok(()) => {
                         cur.len += len;
                         if let Some(s) = self.shared.upgrade() {
                             s.counters.written_bytes.fetch_add(len, Ordering::Relaxed);
-                            let mut bytes = bytes;
-                            if bytes.capacity() <= SPARE_CAPACITY_MAX {
-                                bytes.clear();
+                            let mut chunk = chunk;
+                            if chunk.recycle() {
                                 let mut spares = s
                                     .spares
                                     .lock()
                                     .unwrap_or_else(std::sync::PoisonError::into_inner);
                                 if spares.len() < SPARES_MAX {
-                                    spares.push(bytes);
+                                    spares.push(chunk);
                                 }
                             }
+                        }
+                        if self.scratch.capacity() > SPARE_CAPACITY_MAX {
+                            self.scratch = Vec::new();
                         }
                     }
                     Err(e) => {
@@ -605,6 +672,65 @@ mod tests {
         let counts = rec.counts();
         assert_eq!(counts.cut_lives, 1);
         assert_eq!(counts.dropped_chunks, 2);
+    }
+
+    /// Numbers written out as four bytes each, held as sixteen: more in
+    /// memory than on disk, as the driver's kept frames are.
+    #[derive(Debug, Default)]
+    struct Numbers(Vec<u32>);
+
+    impl FlightChunk for Numbers {
+        fn with_room() -> Self {
+            // None, so a chunk with room is one that came back.
+            Self(Vec::new())
+        }
+        fn is_empty(&self) -> bool {
+            self.0.is_empty()
+        }
+        fn held(&self) -> u64 {
+            self.0.len() as u64 * 16
+        }
+        fn write_to(&self, out: &mut Vec<u8>) {
+            for n in &self.0 {
+                out.extend_from_slice(&n.to_le_bytes());
+            }
+        }
+        fn recycle(&mut self) -> bool {
+            self.0.clear();
+            true
+        }
+    }
+
+    #[test]
+    fn the_writer_encodes_chunks_and_the_queue_counts_what_they_hold() {
+        let tmp = tempfile::tempdir().unwrap();
+        let limits = FlightLimits {
+            disk_max: 1 << 20,
+            queued_max: 64,
+        };
+        let rec: FlightRecorder<Numbers> = FlightRecorder::open(tmp.path(), limits).unwrap();
+        let life = rec.begin(b"HEAD".to_vec(), 1);
+        let mut chunk = life.spare();
+        chunk.0.extend([1, 2]);
+        life.append(chunk);
+        rec.sync();
+        let mut want = b"HEAD".to_vec();
+        want.extend(1u32.to_le_bytes());
+        want.extend(2u32.to_le_bytes());
+        assert_eq!(fs::read(life.path()).unwrap(), want);
+        assert_eq!(rec.counts().written_bytes, 12);
+        // The chunk came back, emptied, for the next frames.
+        let spare = life.spare();
+        assert!(spare.0.is_empty() && spare.0.capacity() >= 2);
+        // Five numbers take 20 bytes on disk but hold 80 in memory: past
+        // the queue's bound of 64, so the life is cut.
+        life.append(Numbers(vec![7; 5]));
+        assert!(life.is_cut());
+        rec.sync();
+        want.extend(CUT_MARKER.to_le_bytes());
+        assert_eq!(fs::read(life.path()).unwrap(), want);
+        let counts = rec.counts();
+        assert_eq!((counts.dropped_chunks, counts.dropped_bytes), (1, 80));
     }
 
     #[test]

@@ -753,21 +753,151 @@ pub struct FlightStats {
     /// Frames dropped because the buffer was full (the first one cut the
     /// recording; every one after it is dropped too).
     pub dropped: u64,
-    /// Bytes written to the buffer.
+    /// Bytes the frames took in the buffer (a result or an observation,
+    /// kept whole until it is written out, counts what it holds in memory).
     pub bytes: u64,
+}
+
+/// A result or an observation as it was handed in, with the fold's
+/// answer, kept whole until its batch is written out
+/// ([`FlightBatch::write_to`]): these are nearly every frame (a million in
+/// a cold converge of 100,000 nodes), and encoding them where the batch is
+/// written (the daemon's writer thread) keeps that work off the thread
+/// that runs the host. A copy of one costs a few words; its encoding, a
+/// few hundred instructions.
+#[derive(Debug)]
+struct Kept {
+    /// Where it goes among the batch's bytes.
+    at: usize,
+    input: KeptInput,
+    now: Timestamp,
+    answer: Folded,
+}
+
+#[derive(Debug)]
+enum KeptInput {
+    Result(OperationResult),
+    Observation(BootstrapObservation),
+}
+
+/// What one kept frame holds in memory until it is encoded.
+const KEPT_SIZE: usize = std::mem::size_of::<Kept>();
+
+impl Kept {
+    fn fast(&self) -> fast::Fast<'_> {
+        match &self.input {
+            KeptInput::Result(r) => fast::Fast::Result(r, self.now),
+            KeptInput::Observation(o) => fast::Fast::Observation(o, self.now),
+        }
+    }
+
+    /// Appends its frame; false if it could not be (longer than a frame
+    /// can say), and then the recording ends there with [`CUT_MARKER`].
+    fn encode(&self, out: &mut Vec<u8>) -> bool {
+        let discarded;
+        let answer: &[u8] = match self.answer {
+            Folded::Applied => &fast::APPLIED,
+            // `Answer::Folded`, then the fold's variant and a discard's
+            // reason, as postcard writes them (a test checks every one).
+            Folded::Discarded(reason) => {
+                discarded = [0, 1, reason as u8];
+                &discarded
+            }
+        };
+        if fast::frame(out, self.fast(), answer) {
+            return true;
+        }
+        // An input `fast` leaves alone (a failure with its words, an id far
+        // longer than usual): through postcard.
+        let start = out.len();
+        out.extend_from_slice(&[0; 4]);
+        // Writing to a vector cannot fail.
+        let _ = postcard::serialize_with_flavor(&self.fast().input(), Append(out));
+        out.extend_from_slice(answer);
+        match u32::try_from(out.len() - start - 4) {
+            Ok(len) => {
+                out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+                true
+            }
+            Err(_) => {
+                out.truncate(start);
+                out.extend_from_slice(&CUT_MARKER.to_le_bytes());
+                false
+            }
+        }
+    }
+}
+
+/// Frames a [`Flight`] recorded, taken out with [`Flight::take_frames`]:
+/// bytes already encoded, and results and observations kept whole to be
+/// encoded among them when the batch is written out.
+#[derive(Debug, Default)]
+pub struct FlightBatch {
+    bytes: Vec<u8>,
+    kept: Vec<Kept>,
+}
+
+impl FlightBatch {
+    /// An empty batch with room for `bytes` bytes and `frames` kept frames.
+    pub fn with_capacity(bytes: usize, frames: usize) -> Self {
+        Self {
+            bytes: Vec::with_capacity(bytes),
+            kept: Vec::with_capacity(frames),
+        }
+    }
+
+    /// Whether it holds no frame.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty() && self.kept.is_empty()
+    }
+
+    /// The bytes its frames hold in memory (more than they take written
+    /// out: a kept frame is held whole).
+    pub fn held(&self) -> usize {
+        self.bytes.len() + self.kept.len() * KEPT_SIZE
+    }
+
+    /// The bytes it has room for.
+    pub fn capacity(&self) -> usize {
+        self.bytes.capacity() + self.kept.capacity() * KEPT_SIZE
+    }
+
+    /// Empties it, keeping its room.
+    pub fn clear(&mut self) {
+        self.bytes.clear();
+        self.kept.clear();
+    }
+
+    /// Appends its frames, encoded, to `out`: what the recording holds
+    /// next.
+    pub fn write_to(&self, out: &mut Vec<u8>) {
+        let mut from = 0;
+        for kept in &self.kept {
+            out.extend_from_slice(&self.bytes[from..kept.at]);
+            if !kept.encode(out) {
+                return;
+            }
+            from = kept.at;
+        }
+        out.extend_from_slice(&self.bytes[from..]);
+    }
+
+    /// Its frames, encoded.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.bytes.len() + self.kept.len() * 48);
+        self.write_to(&mut out);
+        out
+    }
 }
 
 /// The frames a [`Flight`] has recorded and not yet handed out, bounded.
 #[derive(Debug)]
 struct Recorder {
-    buf: Vec<u8>,
+    batch: FlightBatch,
     max: usize,
     stats: FlightStats,
     /// Where the frame being written starts, while one is.
     open: Option<usize>,
-    /// The open frame (written by `fast`) is whole already, length and
-    /// all, with the answer a fold nearly always gives: applied.
-    presumed: bool,
     /// A frame was dropped: the recording ended there with
     /// [`CUT_MARKER`], and nothing more is recorded (a recording with a
     /// hole could not be replayed past it).
@@ -777,57 +907,39 @@ struct Recorder {
 impl Recorder {
     fn new(max: usize) -> Self {
         Self {
-            buf: Vec::new(),
+            batch: FlightBatch::default(),
             max,
             stats: FlightStats::default(),
             open: None,
-            presumed: false,
             cut: false,
         }
     }
 
     /// Drops the frame begun at `start` and ends the recording there.
     fn cut_at(&mut self, start: usize) {
-        self.buf.truncate(start);
-        self.buf.extend_from_slice(&CUT_MARKER.to_le_bytes());
+        self.batch.bytes.truncate(start);
+        self.batch
+            .bytes
+            .extend_from_slice(&CUT_MARKER.to_le_bytes());
         self.open = None;
         self.cut = true;
         self.stats.dropped += 1;
     }
 
-    /// Starts a frame with `input` (nothing once the recording was cut).
+    /// Starts a frame with `input`; its length is written over its first
+    /// four bytes once its answer is in. Nothing once the recording was
+    /// cut.
     fn begin(&mut self, input: &FlightInput<'_>) {
-        match fast::Fast::of(input) {
-            Some(fast) => self.begin_fast(fast),
-            None => self.begin_postcard(input),
-        }
-    }
-
-    /// Starts a frame with a result or an observation: whole at once if
-    /// `fast` writes it, otherwise through postcard.
-    #[inline]
-    fn begin_fast(&mut self, input: fast::Fast<'_>) {
-        let start = self.buf.len();
-        if !self.cut && fast::frame(&mut self.buf, input) {
-            self.open = Some(start);
-            self.presumed = true;
-        } else {
-            self.begin_postcard(&input.input());
-        }
-    }
-
-    /// Starts a frame with `input` through postcard; its length is written
-    /// over its first four bytes once its answer is in.
-    fn begin_postcard(&mut self, input: &FlightInput<'_>) {
         if self.cut {
             self.stats.dropped += 1;
             return;
         }
-        let start = self.buf.len();
+        let buf = &mut self.batch.bytes;
+        let start = buf.len();
         // Room for a usual frame at once, so its pieces never reallocate.
-        self.buf.reserve(128);
-        self.buf.extend_from_slice(&[0; 4]);
-        if postcard::serialize_with_flavor(input, Append(&mut self.buf)).is_ok() {
+        buf.reserve(128);
+        buf.extend_from_slice(&[0; 4]);
+        if postcard::serialize_with_flavor(input, Append(buf)).is_ok() {
             self.open = Some(start);
         } else {
             // Unencodable: never happens for these types; nothing is
@@ -836,40 +948,61 @@ impl Recorder {
         }
     }
 
+    /// Records a result or an observation and its fold's answer `out`: kept
+    /// whole when it went through, as a frame now otherwise.
+    #[inline]
+    fn keep(&mut self, input: KeptInput, now: Timestamp, out: &Result<Folded, DriverError>) {
+        let Ok(answer) = out else {
+            let kept = Kept {
+                at: 0,
+                input,
+                now,
+                answer: Folded::Applied,
+            };
+            self.begin(&kept.fast().input());
+            self.end_fold(out);
+            return;
+        };
+        let at = self.batch.bytes.len();
+        let held = self.batch.held();
+        if held + KEPT_SIZE <= self.max || held == 0 {
+            self.batch.kept.push(Kept {
+                at,
+                input,
+                now,
+                answer: *answer,
+            });
+            self.stats.frames += 1;
+            self.stats.bytes += KEPT_SIZE as u64;
+        } else {
+            self.cut_at(at);
+        }
+    }
+
     /// Ends the open frame with the digest of its answer.
     #[inline]
     fn end_digest(&mut self, digest: u64) {
-        debug_assert!(!self.presumed, "a fold's frame ends with its answer");
         if let Some(start) = self.open.take() {
-            self.buf.extend_from_slice(&digest.to_le_bytes());
+            self.batch.bytes.extend_from_slice(&digest.to_le_bytes());
             self.close(start);
         }
     }
 
     /// Ends the open frame, a fold's, with its answer `out` as
     /// [`Answer::of_fold`] keeps it, in postcard.
-    #[inline]
     fn end_fold(&mut self, out: &Result<Folded, DriverError>) {
         let Some(start) = self.open.take() else {
             return;
         };
-        if std::mem::take(&mut self.presumed) {
-            if matches!(out, Ok(Folded::Applied)) {
-                self.count(start);
-                return;
-            }
-            // Not applied after all: the presumed answer goes.
-            self.buf.truncate(self.buf.len() - fast::APPLIED.len());
-        }
+        let buf = &mut self.batch.bytes;
         match out {
             // `Answer::Folded`, then the fold's variant and a discard's
             // reason, as postcard writes them (a test checks every one).
-            Ok(Folded::Applied) => self.buf.extend_from_slice(&fast::APPLIED),
-            Ok(Folded::Discarded(reason)) => self.buf.extend_from_slice(&[0, 1, *reason as u8]),
+            Ok(Folded::Applied) => buf.extend_from_slice(&fast::APPLIED),
+            Ok(Folded::Discarded(reason)) => buf.extend_from_slice(&[0, 1, *reason as u8]),
             Err(_) => {
                 // Writing to a vector cannot fail.
-                let _ =
-                    postcard::serialize_with_flavor(&Answer::of_fold(out), Append(&mut self.buf));
+                let _ = postcard::serialize_with_flavor(&Answer::of_fold(out), Append(buf));
             }
         }
         self.close(start);
@@ -879,10 +1012,11 @@ impl Recorder {
     /// recording there if it does not fit.
     #[inline]
     fn close(&mut self, start: usize) {
-        let len = self.buf.len() - start - 4;
+        let buf = &mut self.batch.bytes;
+        let len = buf.len() - start - 4;
         match u32::try_from(len) {
             Ok(len32) => {
-                self.buf[start..start + 4].copy_from_slice(&len32.to_le_bytes());
+                buf[start..start + 4].copy_from_slice(&len32.to_le_bytes());
                 self.count(start);
             }
             Err(_) => self.cut_at(start),
@@ -893,8 +1027,9 @@ impl Recorder {
     /// there if it does not fit.
     #[inline]
     fn count(&mut self, start: usize) {
-        let len = self.buf.len() - start;
-        if start + len <= self.max || start == 0 {
+        let len = self.batch.bytes.len() - start;
+        let before = self.batch.held() - len;
+        if before + len <= self.max || before == 0 {
             self.stats.frames += 1;
             self.stats.bytes += len as u64;
         } else {
@@ -925,6 +1060,7 @@ mod fast {
     }
 
     impl<'a> Fast<'a> {
+        #[cfg(test)]
         pub(super) fn of(input: &'a FlightInput<'_>) -> Option<Self> {
             match input {
                 FlightInput::Result { result, now } => Some(Self::Result(result, *now)),
@@ -1031,11 +1167,12 @@ mod fast {
     /// `Answer::Folded(Folded::Applied)`.
     pub(super) const APPLIED: [u8; 2] = [0, 0];
 
-    /// Appends a whole frame of `input`: its length, the input, and the
-    /// answer presumed ([`APPLIED`]); false (nothing appended) for an
-    /// input written only by postcard.
+    /// Appends a whole frame of `input`: its length, the input, and
+    /// `answer` (at most three bytes: a fold's); false (nothing appended)
+    /// for an input written only by postcard.
     #[inline]
-    pub(super) fn frame(buf: &mut Vec<u8>, input: Fast<'_>) -> bool {
+    pub(super) fn frame(buf: &mut Vec<u8>, input: Fast<'_>, answer: &[u8]) -> bool {
+        debug_assert!(answer.len() <= 3);
         let mut s = Scratch::new();
         let written = match input {
             Fast::Observation(obs, now) => observation(&mut s, obs, now),
@@ -1045,8 +1182,8 @@ mod fast {
             return false;
         }
         // `TAIL` left room for it.
-        s.bytes[s.len..s.len + APPLIED.len()].copy_from_slice(&APPLIED);
-        s.len += APPLIED.len();
+        s.bytes[s.len..s.len + answer.len()].copy_from_slice(answer);
+        s.len += answer.len();
         let len = (s.len - 4) as u32;
         s.bytes[..4].copy_from_slice(&len.to_le_bytes());
         buf.extend_from_slice(&s.bytes[..s.len]);
@@ -1134,7 +1271,7 @@ mod fast {
         let Some(fast) = Fast::of(input) else {
             return false;
         };
-        if !frame(&mut framed, fast) {
+        if !frame(&mut framed, fast, &APPLIED) {
             return false;
         }
         assert_eq!(framed[..4], ((framed.len() - 4) as u32).to_le_bytes());
@@ -1177,27 +1314,48 @@ mod fast {
             } else {
                 assert!(slow.len() > 64, "{input:?}");
             }
-            // Applied, or not: the frame ends with what was answered.
+            // Applied, or not: the frame ends with what was answered,
+            // whether it was kept whole (encoded when written out) or, for
+            // an error, written at once through postcard.
             for out in [
                 Ok(Folded::Applied),
                 Ok(Folded::Discarded(crate::observe::DiscardReason::NotLive)),
                 Err(DriverError::Reentry),
             ] {
+                let (kept, now) = match &input {
+                    FlightInput::Result { result, now } => {
+                        (KeptInput::Result(result.clone().into_owned()), *now)
+                    }
+                    FlightInput::Bootstrap { obs, now } => {
+                        (KeptInput::Observation(obs.clone().into_owned()), *now)
+                    }
+                    _ => unreachable!("only results and observations are kept"),
+                };
                 let mut rec = Recorder::new(usize::MAX);
-                rec.begin(&input);
-                rec.end_fold(&out);
+                rec.keep(kept, now, &out);
+                let written = rec.batch.to_bytes();
                 let answer = postcard::to_allocvec(&Answer::of_fold(&out)).unwrap();
                 let len = slow.len() + answer.len();
-                assert_eq!(rec.buf[..4], (len as u32).to_le_bytes(), "{input:?}");
-                assert_eq!(rec.buf.len(), 4 + len, "{input:?}");
-                assert_eq!(&rec.buf[4..4 + slow.len()], slow, "{input:?}");
-                assert_eq!(&rec.buf[4 + slow.len()..], answer, "{input:?}");
-                let bytes = recording_of(&rec.buf);
+                assert_eq!(written[..4], (len as u32).to_le_bytes(), "{input:?}");
+                assert_eq!(written.len(), 4 + len, "{input:?}");
+                assert_eq!(&written[4..4 + slow.len()], slow, "{input:?}");
+                assert_eq!(&written[4 + slow.len()..], answer, "{input:?}");
+                let bytes = recording_of(&written);
                 let read = Recording::read(&bytes).unwrap();
                 let frame = read.frames().next().unwrap().unwrap();
                 assert_eq!(frame.answer, Answer::of_fold(&out));
                 assert_eq!(rec.stats.frames, 1);
-                assert_eq!(rec.stats.bytes, rec.buf.len() as u64);
+                let held = if out.is_ok() {
+                    KEPT_SIZE
+                } else {
+                    written.len()
+                };
+                assert_eq!(rec.stats.bytes, held as u64);
+                // The same bytes as postcard writes through the recorder.
+                let mut rec = Recorder::new(usize::MAX);
+                rec.begin(&input);
+                rec.end_fold(&out);
+                assert_eq!(rec.batch.to_bytes(), written, "{input:?}");
             }
             let back: FlightInput<'_> = postcard::from_bytes(&slow).unwrap();
             assert_eq!(back, input);
@@ -1420,12 +1578,21 @@ impl<C: Reconciler> Flight<C> {
     }
 
     /// The frames recorded since the last call, to be appended to the
-    /// recording; swaps in `spare` (cleared) to record the next ones in.
-    pub fn take_frames(&mut self, mut spare: Vec<u8>) -> Vec<u8> {
+    /// recording ([`FlightBatch::write_to`]); swaps in `spare` (cleared) to
+    /// record the next ones in.
+    pub fn take_frames(&mut self, mut spare: FlightBatch) -> FlightBatch {
         spare.clear();
         match &mut self.rec {
-            Some(rec) => std::mem::replace(&mut rec.buf, spare),
+            Some(rec) => std::mem::replace(&mut rec.batch, spare),
             None => spare,
+        }
+    }
+
+    /// Counts a frame not recorded because the recording was cut.
+    #[cold]
+    fn dropped(&mut self) {
+        if let Some(rec) = &mut self.rec {
+            rec.stats.dropped += 1;
         }
     }
 
@@ -1560,13 +1727,13 @@ impl<C: Reconciler> Flight<C> {
         result: OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        if let Some(rec) = &mut self.rec {
-            rec.begin_fast(fast::Fast::Result(&result, now));
-        }
+        let Some(rec) = self.rec.as_mut().filter(|r| !r.cut) else {
+            self.dropped();
+            return self.host.handle_result(result, now);
+        };
+        let kept = result.clone();
         let out = self.host.handle_result(result, now);
-        if let Some(rec) = &mut self.rec {
-            rec.end_fold(&out);
-        }
+        rec.keep(KeptInput::Result(kept), now, &out);
         out
     }
 
@@ -1603,13 +1770,13 @@ impl<C: Reconciler> Flight<C> {
         obs: BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        if let Some(rec) = &mut self.rec {
-            rec.begin_fast(fast::Fast::Observation(&obs, now));
-        }
+        let Some(rec) = self.rec.as_mut().filter(|r| !r.cut) else {
+            self.dropped();
+            return self.host.handle_bootstrap(obs, now);
+        };
+        let kept = obs.clone();
         let out = self.host.handle_bootstrap(obs, now);
-        if let Some(rec) = &mut self.rec {
-            rec.end_fold(&out);
-        }
+        rec.keep(KeptInput::Observation(kept), now, &out);
         out
     }
 
@@ -2292,12 +2459,12 @@ mod tests {
             // Written as postcard writes what `Answer::of_fold` keeps...
             let mut rec = Recorder::new(usize::MAX);
             rec.begin(&FlightInput::PollEvent);
-            let start = rec.buf.len();
+            let start = rec.batch.bytes.len();
             rec.open = Some(0);
             rec.end_fold(&out);
             let kept = Answer::of_fold(&out);
             assert_eq!(
-                rec.buf[start..],
+                rec.batch.bytes[start..],
                 postcard::to_allocvec(&kept).unwrap(),
                 "{out:?}"
             );
@@ -2327,16 +2494,22 @@ mod tests {
         let (mut flight, mut bytes) = recorded();
         flight.handle_inventory(Ok(Vec::new()), Timestamp(6));
         flight.handle_tick(Timestamp(7));
-        let kept = flight.take_frames(Vec::new());
-        bytes.extend_from_slice(&kept);
+        flight
+            .take_frames(FlightBatch::default())
+            .write_to(&mut bytes);
         // One frame fits an empty buffer; the second does not.
         flight.set_buffer_max(1);
         flight.handle_tick(Timestamp(8));
         flight.handle_tick(Timestamp(9));
         flight.handle_tick(Timestamp(10));
-        bytes.extend_from_slice(&flight.take_frames(Vec::new()));
+        flight
+            .take_frames(FlightBatch::default())
+            .write_to(&mut bytes);
         flight.handle_tick(Timestamp(11));
-        assert_eq!(flight.take_frames(Vec::new()), b"", "nothing after the cut");
+        assert!(
+            flight.take_frames(FlightBatch::default()).is_empty(),
+            "nothing after the cut"
+        );
         assert_eq!(flight.stats().frames, 3);
         assert_eq!(flight.stats().dropped, 3);
         let done = replay(
@@ -2348,6 +2521,74 @@ mod tests {
         assert_eq!(
             (done.inputs, done.cut, done.last),
             (3, true, Some(Timestamp(8)))
+        );
+    }
+
+    #[test]
+    fn kept_frames_are_written_in_order_among_the_others_and_a_cut_holds() {
+        use crate::id::GroupId;
+        use crate::observe::OperationOutcome;
+        let (mut flight, mut bytes) = recorded();
+        let node = LogicalNodeId::new(GroupId::new("w"), 0);
+        let result = |seq| OperationResult {
+            node,
+            op: OperationId {
+                attempt: NodeAttemptId(1),
+                seq,
+            },
+            outcome: OperationOutcome::LeaseDestroyed,
+        };
+        flight.handle_inventory(Ok(Vec::new()), Timestamp(6));
+        let first = flight.handle_result(result(1), Timestamp(7));
+        assert!(flight.handle_result(result(2), Timestamp(7)).is_ok());
+        flight.handle_tick(Timestamp(8));
+        assert!(flight.handle_result(result(3), Timestamp(9)).is_ok());
+        flight
+            .take_frames(FlightBatch::default())
+            .write_to(&mut bytes);
+        // A kept frame fits an empty buffer; the tick after it does not,
+        // and nothing is kept after the cut.
+        flight.set_buffer_max(1);
+        assert!(flight.handle_result(result(4), Timestamp(10)).is_ok());
+        flight.handle_tick(Timestamp(11));
+        assert!(flight.handle_result(result(5), Timestamp(12)).is_ok());
+        let last = flight.take_frames(FlightBatch::default());
+        assert!(last.held() > 0);
+        last.write_to(&mut bytes);
+        assert_eq!((flight.stats().frames, flight.stats().dropped), (6, 2));
+        let read = Recording::read(&bytes).unwrap();
+        let mut frames = read.frames();
+        let seen: Vec<(&str, Option<u64>, Answer)> = frames
+            .by_ref()
+            .map(|f| {
+                let f = f.unwrap();
+                (f.input.kind(), f.input.now().map(|t| t.0), f.answer)
+            })
+            .collect();
+        assert!(frames.was_cut());
+        let folded = Answer::Folded(first.unwrap());
+        let kinds: Vec<_> = seen.iter().map(|(k, t, _)| (*k, *t)).collect();
+        assert_eq!(
+            kinds,
+            [
+                ("inventory", Some(6)),
+                ("result", Some(7)),
+                ("result", Some(7)),
+                ("tick", Some(8)),
+                ("result", Some(9)),
+                ("result", Some(10)),
+            ]
+        );
+        assert_eq!(seen[1].2, folded);
+        let done = replay(
+            &bytes,
+            |h| Driver::new(h.run_id.clone(), h.reconciler.clone()).map_err(|e| e.to_string()),
+            |_, _| {},
+        )
+        .unwrap();
+        assert_eq!(
+            (done.inputs, done.cut, done.last),
+            (6, true, Some(Timestamp(10)))
         );
     }
 

@@ -175,7 +175,7 @@ fn held<T>(f: impl FnOnce() -> T) -> (u64, T) {
 ///
 /// With `flight`, the driver records its host's inputs into `flight`'s
 /// directory, as a daemon does (see `swactor_engine::flight`).
-pub(crate) fn measure(n: u32, flight: Option<&swactor_engine::flight::FlightRecorder>) -> Figures {
+pub(crate) fn measure(n: u32, flight: Option<&swactor_actors::FlightRecorder>) -> Figures {
     let rt = runtime();
     let rss_before = status_bytes("VmRSS:");
     let start = Instant::now();

@@ -6,9 +6,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use swactor_actors::FlightRecorder;
 use swactor_actors::*;
 use swactor_engine::Clock;
-use swactor_engine::flight::{FlightLimits, FlightRecorder};
+use swactor_engine::flight::FlightLimits;
 use swactor_providers::fake::{FakeConfig, FakeProvider};
 use swactor_provisioning::flight::{self, Recording};
 use swactor_provisioning::*;

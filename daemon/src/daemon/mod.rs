@@ -95,13 +95,13 @@ pub const FLIGHT_MAX_BYTES_DEFAULT: u64 = swactor_engine::flight::FlightLimits::
 /// The flight recorder under `{state}/flight/`, or none when told to keep
 /// none or when the directory cannot be made (said, and the daemon runs on:
 /// a recording explains, it decides nothing).
-fn open_flight(state: &Path, max_bytes: u64) -> Option<swactor_engine::flight::FlightRecorder> {
+fn open_flight(state: &Path, max_bytes: u64) -> Option<swactor_actors::FlightRecorder> {
     if max_bytes == 0 {
         return None;
     }
     let dir = state.join("flight");
     let limits = swactor_engine::flight::FlightLimits::on_disk(max_bytes);
-    match swactor_engine::flight::FlightRecorder::open(&dir, limits) {
+    match swactor_actors::FlightRecorder::open(&dir, limits) {
         Ok(recorder) => Some(recorder),
         Err(e) => {
             tracing::warn!(dir = %dir.display(), error = %e, "no flight recording: its directory cannot be made");

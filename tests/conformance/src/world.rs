@@ -646,8 +646,8 @@ impl<R: Reconciler> World<R> {
     /// Appends the running host's frames to its life's recording.
     fn flush_recording(&mut self) {
         if let Some(life) = self.lives.last_mut() {
-            let frames = self.host.take_frames(Vec::new());
-            life.extend_from_slice(&frames);
+            let frames = self.host.take_frames(flight::FlightBatch::default());
+            frames.write_to(life);
         }
     }
 

@@ -1,0 +1,45 @@
+//! The driver's recorded frames (`swactor_provisioning::flight`) as the
+//! engine's flight writer takes them: the host keeps its results and
+//! observations whole, and the writer thread encodes them, off the thread
+//! that runs the driver.
+
+use swactor_engine::flight::FlightChunk;
+use swactor_provisioning::flight::FlightBatch;
+
+/// A driver's flight recorder (see `swactor_engine::flight`).
+pub type FlightRecorder = swactor_engine::flight::FlightRecorder<FlightFrames>;
+
+/// What a new chunk has room for: a busy message's frames, so it does not
+/// grow from nothing.
+const BYTES_START: usize = 16 << 10;
+const KEPT_START: usize = 512;
+
+/// The largest chunk kept for reuse.
+const CAPACITY_MAX: usize = 8 << 20;
+
+/// One flush of the host's frames.
+#[derive(Debug, Default)]
+pub struct FlightFrames(pub(crate) FlightBatch);
+
+impl FlightChunk for FlightFrames {
+    fn with_room() -> Self {
+        Self(FlightBatch::with_capacity(BYTES_START, KEPT_START))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn held(&self) -> u64 {
+        self.0.held() as u64
+    }
+
+    fn write_to(&self, out: &mut Vec<u8>) {
+        self.0.write_to(out);
+    }
+
+    fn recycle(&mut self) -> bool {
+        self.0.clear();
+        self.0.capacity() <= CAPACITY_MAX
+    }
+}
