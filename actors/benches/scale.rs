@@ -9,7 +9,10 @@
 //! `--flight` records the driver's inputs as a daemon does (into a
 //! temporary directory, or `--flight-dir DIR`, with the daemon's default
 //! limits) and says how much it wrote and whether it had to drop any, to
-//! weigh the flight recorder against a run without it.
+//! weigh the flight recorder against a run without it. `--flight-queue-mib
+//! N` raises the writer's queue past the daemon's 16 MiB: under valgrind,
+//! which runs one thread at a time, the writer falls behind and the
+//! recording would otherwise be cut part-way (the run says so).
 
 // A benchmark harness owns its runtime and reads the clock to measure runs.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -22,6 +25,7 @@ fn main() {
     let mut json = false;
     let mut flight = false;
     let mut keep: Option<String> = None;
+    let mut queue_mib: Option<u64> = None;
     let mut args = std::env::args().skip(1).peekable();
     while let Some(arg) = args.next() {
         // `cargo bench` passes `--bench`; sizes come after `--nodes`.
@@ -39,6 +43,10 @@ fn main() {
                 flight = true;
                 keep = args.next();
             }
+            "--flight-queue-mib" => {
+                flight = true;
+                queue_mib = args.next().and_then(|n| n.parse().ok());
+            }
             _ => {}
         }
     }
@@ -53,9 +61,12 @@ fn main() {
             .map_or(dir.path().to_owned(), std::path::PathBuf::from);
         let recorder = flight.then(|| {
             // The daemon's own limits (64 MiB on disk, a 16 MiB queue).
-            let limits = swactor_engine::flight::FlightLimits::on_disk(
+            let mut limits = swactor_engine::flight::FlightLimits::on_disk(
                 swactor_engine::flight::FlightLimits::DISK_MAX_DEFAULT,
             );
+            if let Some(mib) = queue_mib {
+                limits.queued_max = mib << 20;
+            }
             swactor_actors::FlightRecorder::open(&at, limits).expect("a flight directory")
         });
         let figures = measure::measure(n, recorder.as_ref());

@@ -94,6 +94,12 @@ struct Following {
 /// recording, as a writer that falls behind does).
 const FLIGHT_BUFFER_MAX: usize = 64 << 20;
 
+/// What the host's frames may hold in memory before the driver hands them
+/// to the writer within a message (a few thousand results): small enough
+/// that a chunk is reused rather than grown, and that the writer starts
+/// on a long message's frames before it ends.
+const FLIGHT_FLUSH_AT: usize = 64 << 10;
+
 /// The driver actor.
 pub struct DriverActor;
 
@@ -282,6 +288,16 @@ impl DriverState {
             let dropped = self.host.stats().dropped;
             life.dropped_upstream(dropped.saturating_sub(self.flight_dropped));
             self.flight_dropped = dropped;
+        }
+    }
+
+    /// Hands the frames over within a message once they hold
+    /// [`FLIGHT_FLUSH_AT`]: a message can bring a hundred thousand results,
+    /// and the writer encodes them while the rest come in.
+    #[inline]
+    fn flush_flight_if_big(&mut self) {
+        if self.host.held() >= FLIGHT_FLUSH_AT {
+            self.flush_flight();
         }
     }
 
@@ -526,6 +542,7 @@ impl DriverState {
                 self.observers.remove(&node);
             }
             let _ = self.host.handle_bootstrap(obs, now)?;
+            self.flush_flight_if_big();
         }
         Ok(())
     }
@@ -712,6 +729,7 @@ impl DriverState {
             ExecutorReport::Finished(batch) => {
                 for f in batch {
                     self.finished(f, now)?;
+                    self.flush_flight_if_big();
                 }
             }
             ExecutorReport::Listed(inventory) => {

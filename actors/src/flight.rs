@@ -9,13 +9,13 @@ use swactor_provisioning::flight::FlightBatch;
 /// A driver's flight recorder (see `swactor_engine::flight`).
 pub type FlightRecorder = swactor_engine::flight::FlightRecorder<FlightFrames>;
 
-/// What a new chunk has room for: a busy message's frames, so it does not
-/// grow from nothing.
+/// What a new chunk has room for: what the driver hands over at once in a
+/// busy message (`FLIGHT_FLUSH_AT`), so it does not grow.
 const BYTES_START: usize = 16 << 10;
-const KEPT_START: usize = 512;
+const KEPT_START: usize = 640;
 
 /// The largest chunk kept for reuse.
-const CAPACITY_MAX: usize = 8 << 20;
+const CAPACITY_MAX: usize = 4 << 20;
 
 /// One flush of the host's frames.
 #[derive(Debug, Default)]

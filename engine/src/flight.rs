@@ -174,10 +174,14 @@ const SPARE_CAPACITY_MAX: usize = 4 << 20;
 /// by byte from nothing.
 const BUFFER_START: usize = 64 << 10;
 
-/// While frames keep coming, the writer looks for more this often, and
-/// this many times with none before it waits to be woken.
-const LOOK_AGAIN: std::time::Duration = std::time::Duration::from_millis(2);
-const IDLE_LOOKS: u32 = 5;
+/// Once it has caught up, the writer looks for more frames after this
+/// long, then after twice as long each time it finds none, up to
+/// [`LOOK_LAST`]; after that it waits to be woken. So it picks up a busy
+/// driver's frames within a fraction of a millisecond (what is queued, and
+/// the memory it holds, stays small), and an idle daemon's writer wakes
+/// only a few times after each step.
+const LOOK_FIRST: std::time::Duration = std::time::Duration::from_micros(100);
+const LOOK_LAST: std::time::Duration = std::time::Duration::from_micros(3_200);
 
 /// A daemon's flight recorder: one writer thread, one directory, chunks
 /// of frames of the kind `K`.
@@ -397,7 +401,7 @@ struct Writer<K> {
 
 impl<K: FlightChunk> Writer<K> {
     fn run(mut self, rx: &mpsc::Receiver<Msg<K>>) {
-        let mut idle = 0u32;
+        let mut look = LOOK_FIRST;
         loop {
             // Once caught up, flush so readers see it. Within a burst, look
             // again a moment later rather than wait on the channel: a
@@ -406,14 +410,14 @@ impl<K: FlightChunk> Writer<K> {
             // Only after a few empty looks does it wait.
             let msg = match rx.try_recv() {
                 Ok(m) => {
-                    idle = 0;
+                    look = LOOK_FIRST;
                     m
                 }
                 Err(mpsc::TryRecvError::Empty) => {
                     self.flush();
-                    if idle < IDLE_LOOKS {
-                        idle += 1;
-                        std::thread::sleep(LOOK_AGAIN);
+                    if look <= LOOK_LAST {
+                        std::thread::sleep(look);
+                        look *= 2;
                         continue;
                     }
                     match rx.recv() {

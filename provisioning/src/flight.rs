@@ -29,10 +29,13 @@ use crate::host::{
     ApplyError, Host, HostConfig, HostError, HostEvent, JoinRefused, JournalDelta, JournalImage,
     Leadership, Listed, Liveness, Output, PauseError, ReplaceError, ShutdownMode, Ticket,
 };
-use crate::id::{LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId};
+use crate::id::{
+    GroupId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId, SessionId,
+};
 use crate::lifetime::Status;
-use crate::observe::{BootstrapObservation, Folded, OperationResult, Release};
+use crate::observe::{BootstrapEvent, BootstrapObservation, Folded, OperationResult, Release};
 use crate::shape::{ClusterShape, NodeTemplate};
+use crate::state::BootstrapStage;
 use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
@@ -758,72 +761,105 @@ pub struct FlightStats {
     pub bytes: u64,
 }
 
-/// A result or an observation as it was handed in, with the fold's
-/// answer, kept whole until its batch is written out
-/// ([`FlightBatch::write_to`]): these are nearly every frame (a million in
-/// a cold converge of 100,000 nodes), and encoding them where the batch is
-/// written (the daemon's writer thread) keeps that work off the thread
-/// that runs the host. A copy of one costs a few words; its encoding, a
-/// few hundred instructions.
+/// A result as it was handed in, with the fold's answer, kept whole until
+/// its batch is written out ([`FlightBatch::write_to`]). Results and
+/// observations are nearly every frame (a million in a cold converge of
+/// 100,000 nodes): encoding them where the batch is written (the daemon's
+/// writer thread) keeps that work off the thread that runs the host. A
+/// copy of one costs a few words; its encoding, a few hundred
+/// instructions.
 #[derive(Debug)]
-struct Kept {
-    /// Where it goes among the batch's bytes.
-    at: usize,
-    input: KeptInput,
+struct KeptResult {
+    result: OperationResult,
     now: Timestamp,
+    /// Where it goes among the batch's bytes.
+    at: u32,
+    /// Its place among the batch's kept frames.
+    seq: u32,
     answer: Folded,
 }
 
+/// An observation kept the same way, in one cache line: what the memory
+/// it passes through costs is most of what keeping it costs. A failure,
+/// with its words, is written at once instead.
 #[derive(Debug)]
-enum KeptInput {
-    Result(OperationResult),
-    Observation(BootstrapObservation),
+struct KeptObservation {
+    session: SessionId,
+    attempt: NodeAttemptId,
+    now: Timestamp,
+    group: GroupId,
+    index: u32,
+    at: u32,
+    seq: u32,
+    event: KeptEvent,
+    answer: Folded,
 }
 
-/// What one kept frame holds in memory until it is encoded.
-const KEPT_SIZE: usize = std::mem::size_of::<Kept>();
+/// The events a [`KeptObservation`] holds.
+#[derive(Clone, Copy, Debug)]
+enum KeptEvent {
+    Stage(BootstrapStage),
+    Joined,
+    Closed,
+}
 
-impl Kept {
-    fn fast(&self) -> fast::Fast<'_> {
-        match &self.input {
-            KeptInput::Result(r) => fast::Fast::Result(r, self.now),
-            KeptInput::Observation(o) => fast::Fast::Observation(o, self.now),
+impl KeptObservation {
+    fn observation(&self) -> BootstrapObservation {
+        BootstrapObservation {
+            node: LogicalNodeId::new(self.group, self.index),
+            attempt: self.attempt,
+            session: self.session.clone(),
+            event: match self.event {
+                KeptEvent::Stage(stage) => BootstrapEvent::Stage(stage),
+                KeptEvent::Joined => BootstrapEvent::SwactorJoined,
+                KeptEvent::Closed => BootstrapEvent::Closed,
+            },
         }
     }
+}
 
-    /// Appends its frame; false if it could not be (longer than a frame
-    /// can say), and then the recording ends there with [`CUT_MARKER`].
-    fn encode(&self, out: &mut Vec<u8>) -> bool {
-        let discarded;
-        let answer: &[u8] = match self.answer {
-            Folded::Applied => &fast::APPLIED,
-            // `Answer::Folded`, then the fold's variant and a discard's
-            // reason, as postcard writes them (a test checks every one).
-            Folded::Discarded(reason) => {
-                discarded = [0, 1, reason as u8];
-                &discarded
-            }
-        };
-        if fast::frame(out, self.fast(), answer) {
-            return true;
+/// What a kept result, and a kept observation, hold in memory until they
+/// are encoded.
+const RESULT_SIZE: usize = std::mem::size_of::<KeptResult>();
+const OBSERVATION_SIZE: usize = std::mem::size_of::<KeptObservation>();
+const _: () = assert!(
+    OBSERVATION_SIZE <= 64,
+    "a kept observation fits a cache line"
+);
+
+/// Appends the frame of `input` with the fold's `answer`; false if it
+/// could not be (longer than a frame can say), and then the recording
+/// ends there with [`CUT_MARKER`].
+fn encode_kept(out: &mut Vec<u8>, input: fast::Fast<'_>, answer: Folded) -> bool {
+    let discarded;
+    let answer: &[u8] = match answer {
+        Folded::Applied => &fast::APPLIED,
+        // `Answer::Folded`, then the fold's variant and a discard's
+        // reason, as postcard writes them (a test checks every one).
+        Folded::Discarded(reason) => {
+            discarded = [0, 1, reason as u8];
+            &discarded
         }
-        // An input `fast` leaves alone (a failure with its words, an id far
-        // longer than usual): through postcard.
-        let start = out.len();
-        out.extend_from_slice(&[0; 4]);
-        // Writing to a vector cannot fail.
-        let _ = postcard::serialize_with_flavor(&self.fast().input(), Append(out));
-        out.extend_from_slice(answer);
-        match u32::try_from(out.len() - start - 4) {
-            Ok(len) => {
-                out[start..start + 4].copy_from_slice(&len.to_le_bytes());
-                true
-            }
-            Err(_) => {
-                out.truncate(start);
-                out.extend_from_slice(&CUT_MARKER.to_le_bytes());
-                false
-            }
+    };
+    if fast::frame(out, input, answer) {
+        return true;
+    }
+    // An input `fast` leaves alone (a failure with its words, an id far
+    // longer than usual): through postcard.
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    // Writing to a vector cannot fail.
+    let _ = postcard::serialize_with_flavor(&input.input(), Append(out));
+    out.extend_from_slice(answer);
+    match u32::try_from(out.len() - start - 4) {
+        Ok(len) => {
+            out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+            true
+        }
+        Err(_) => {
+            out.truncate(start);
+            out.extend_from_slice(&CUT_MARKER.to_le_bytes());
+            false
         }
     }
 }
@@ -834,57 +870,94 @@ impl Kept {
 #[derive(Debug, Default)]
 pub struct FlightBatch {
     bytes: Vec<u8>,
-    kept: Vec<Kept>,
+    results: Vec<KeptResult>,
+    observations: Vec<KeptObservation>,
 }
 
 impl FlightBatch {
-    /// An empty batch with room for `bytes` bytes and `frames` kept frames.
+    /// An empty batch with room for `bytes` bytes and `frames` kept
+    /// results and as many observations.
     pub fn with_capacity(bytes: usize, frames: usize) -> Self {
         Self {
             bytes: Vec::with_capacity(bytes),
-            kept: Vec::with_capacity(frames),
+            results: Vec::with_capacity(frames),
+            observations: Vec::with_capacity(frames),
         }
     }
 
     /// Whether it holds no frame.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty() && self.kept.is_empty()
+        self.bytes.is_empty() && self.results.is_empty() && self.observations.is_empty()
     }
 
     /// The bytes its frames hold in memory (more than they take written
     /// out: a kept frame is held whole).
+    #[inline]
     pub fn held(&self) -> usize {
-        self.bytes.len() + self.kept.len() * KEPT_SIZE
+        self.bytes.len()
+            + self.results.len() * RESULT_SIZE
+            + self.observations.len() * OBSERVATION_SIZE
     }
 
     /// The bytes it has room for.
     pub fn capacity(&self) -> usize {
-        self.bytes.capacity() + self.kept.capacity() * KEPT_SIZE
+        self.bytes.capacity()
+            + self.results.capacity() * RESULT_SIZE
+            + self.observations.capacity() * OBSERVATION_SIZE
     }
 
     /// Empties it, keeping its room.
     pub fn clear(&mut self) {
         self.bytes.clear();
-        self.kept.clear();
+        self.results.clear();
+        self.observations.clear();
+    }
+
+    /// The place of the next kept frame.
+    #[inline]
+    fn next_seq(&self) -> u32 {
+        (self.results.len() + self.observations.len()) as u32
     }
 
     /// Appends its frames, encoded, to `out`: what the recording holds
     /// next.
     pub fn write_to(&self, out: &mut Vec<u8>) {
+        let (mut r, mut o) = (0, 0);
         let mut from = 0;
-        for kept in &self.kept {
-            out.extend_from_slice(&self.bytes[from..kept.at]);
-            if !kept.encode(out) {
+        loop {
+            // Results and observations in the order they were kept.
+            let result_first = match (self.results.get(r), self.observations.get(o)) {
+                (Some(kr), Some(ko)) => kr.seq < ko.seq,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (None, None) => break,
+            };
+            let (at, written) = if result_first {
+                let k = &self.results[r];
+                r += 1;
+                out.extend_from_slice(&self.bytes[from..k.at as usize]);
+                let input = fast::Fast::Result(&k.result, k.now);
+                (k.at, encode_kept(out, input, k.answer))
+            } else {
+                let k = &self.observations[o];
+                o += 1;
+                out.extend_from_slice(&self.bytes[from..k.at as usize]);
+                let obs = k.observation();
+                let input = fast::Fast::Observation(&obs, k.now);
+                (k.at, encode_kept(out, input, k.answer))
+            };
+            if !written {
                 return;
             }
-            from = kept.at;
+            from = at as usize;
         }
         out.extend_from_slice(&self.bytes[from..]);
     }
 
     /// Its frames, encoded.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.bytes.len() + self.kept.len() * 48);
+        let kept = self.results.len() + self.observations.len();
+        let mut out = Vec::with_capacity(self.bytes.len() + kept * 48);
         self.write_to(&mut out);
         out
     }
@@ -948,35 +1021,93 @@ impl Recorder {
         }
     }
 
-    /// Records a result or an observation and its fold's answer `out`: kept
-    /// whole when it went through, as a frame now otherwise.
-    #[inline]
-    fn keep(&mut self, input: KeptInput, now: Timestamp, out: &Result<Folded, DriverError>) {
+    /// Whether a kept frame of `size` bytes fits, and its place in the
+    /// bytes (which a kept frame notes in 32 bits); if it does not fit, the
+    /// recording is cut there.
+    #[inline(always)]
+    fn room(&mut self, size: usize) -> Option<u32> {
+        let held = self.batch.held();
+        let at = u32::try_from(self.batch.bytes.len()).ok();
+        if at.is_some() && (held + size <= self.max || held == 0) {
+            self.stats.frames += 1;
+            self.stats.bytes += size as u64;
+            at
+        } else {
+            self.cut_at(self.batch.bytes.len());
+            None
+        }
+    }
+
+    /// Records a result and its fold's answer `out`: kept whole when it
+    /// went through, as a frame now otherwise. Always inlined: it runs for
+    /// a great many frames, and a call would copy the result once more.
+    #[inline(always)]
+    fn keep_result(
+        &mut self,
+        result: OperationResult,
+        now: Timestamp,
+        out: &Result<Folded, DriverError>,
+    ) {
         let Ok(answer) = out else {
-            let kept = Kept {
-                at: 0,
-                input,
-                now,
-                answer: Folded::Applied,
-            };
-            self.begin(&kept.fast().input());
-            self.end_fold(out);
+            self.refused(fast::Fast::Result(&result, now), out);
             return;
         };
-        let at = self.batch.bytes.len();
-        let held = self.batch.held();
-        if held + KEPT_SIZE <= self.max || held == 0 {
-            self.batch.kept.push(Kept {
-                at,
-                input,
+        let seq = self.batch.next_seq();
+        if let Some(at) = self.room(RESULT_SIZE) {
+            self.batch.results.push(KeptResult {
+                result,
                 now,
+                at,
+                seq,
                 answer: *answer,
             });
-            self.stats.frames += 1;
-            self.stats.bytes += KEPT_SIZE as u64;
-        } else {
-            self.cut_at(at);
         }
+    }
+
+    /// Records an observation and its fold's answer `out`, as
+    /// [`Recorder::keep_result`] does.
+    #[inline(always)]
+    fn keep_observation(
+        &mut self,
+        obs: BootstrapObservation,
+        now: Timestamp,
+        out: &Result<Folded, DriverError>,
+    ) {
+        let event = match obs.event {
+            BootstrapEvent::Stage(stage) => KeptEvent::Stage(stage),
+            BootstrapEvent::SwactorJoined => KeptEvent::Joined,
+            BootstrapEvent::Closed => KeptEvent::Closed,
+            BootstrapEvent::Failed { .. } => {
+                self.refused(fast::Fast::Observation(&obs, now), out);
+                return;
+            }
+        };
+        let Ok(answer) = out else {
+            self.refused(fast::Fast::Observation(&obs, now), out);
+            return;
+        };
+        let seq = self.batch.next_seq();
+        if let Some(at) = self.room(OBSERVATION_SIZE) {
+            self.batch.observations.push(KeptObservation {
+                session: obs.session,
+                attempt: obs.attempt,
+                now,
+                group: obs.node.group,
+                index: obs.node.index,
+                at,
+                seq,
+                event,
+                answer: *answer,
+            });
+        }
+    }
+
+    /// Records a result or an observation as a frame now: one the host
+    /// refused with an error, or a failure with its words.
+    #[cold]
+    fn refused(&mut self, input: fast::Fast<'_>, out: &Result<Folded, DriverError>) {
+        self.begin(&input.input());
+        self.end_fold(out);
     }
 
     /// Ends the open frame with the digest of its answer.
@@ -1307,12 +1438,17 @@ mod fast {
         fn same_as_postcard(input: FlightInput<'_>) {
             let slow = postcard::to_allocvec(&input).unwrap();
             let mut fast = Vec::new();
+            let failure = matches!(
+                &input,
+                FlightInput::Bootstrap { obs, .. } if matches!(obs.event, BootstrapEvent::Failed { .. })
+            );
             // Anything of a usual length is written here; a frame
-            // near the stack buffer's size may be left to postcard.
+            // near the stack buffer's size may be left to postcard, and
+            // a failure, with its words, always is.
             if encode(&mut fast, &input) {
                 assert_eq!(fast, slow, "{input:?}");
             } else {
-                assert!(slow.len() > 64, "{input:?}");
+                assert!(slow.len() > 64 || failure, "{input:?}");
             }
             // Applied, or not: the frame ends with what was answered,
             // whether it was kept whole (encoded when written out) or, for
@@ -1322,17 +1458,18 @@ mod fast {
                 Ok(Folded::Discarded(crate::observe::DiscardReason::NotLive)),
                 Err(DriverError::Reentry),
             ] {
-                let (kept, now) = match &input {
+                let mut rec = Recorder::new(usize::MAX);
+                let size = match &input {
                     FlightInput::Result { result, now } => {
-                        (KeptInput::Result(result.clone().into_owned()), *now)
+                        rec.keep_result(result.clone().into_owned(), *now, &out);
+                        RESULT_SIZE
                     }
                     FlightInput::Bootstrap { obs, now } => {
-                        (KeptInput::Observation(obs.clone().into_owned()), *now)
+                        rec.keep_observation(obs.clone().into_owned(), *now, &out);
+                        OBSERVATION_SIZE
                     }
                     _ => unreachable!("only results and observations are kept"),
                 };
-                let mut rec = Recorder::new(usize::MAX);
-                rec.keep(kept, now, &out);
                 let written = rec.batch.to_bytes();
                 let answer = postcard::to_allocvec(&Answer::of_fold(&out)).unwrap();
                 let len = slow.len() + answer.len();
@@ -1345,8 +1482,9 @@ mod fast {
                 let frame = read.frames().next().unwrap().unwrap();
                 assert_eq!(frame.answer, Answer::of_fold(&out));
                 assert_eq!(rec.stats.frames, 1);
-                let held = if out.is_ok() {
-                    KEPT_SIZE
+                // A failure, and an error, are written at once.
+                let held = if out.is_ok() && !failure {
+                    size
                 } else {
                     written.len()
                 };
@@ -1384,7 +1522,14 @@ mod fast {
             for (i, &t) in times.iter().enumerate() {
                 let attempt = NodeAttemptId(t.rotate_left(i as u32));
                 let now = Timestamp(t);
-                let mut events = vec![BootstrapEvent::SwactorJoined, BootstrapEvent::Closed];
+                let mut events = vec![
+                    BootstrapEvent::SwactorJoined,
+                    BootstrapEvent::Closed,
+                    BootstrapEvent::Failed {
+                        stage: BootstrapStage::SshConnect,
+                        reason: "connection refused".into(),
+                    },
+                ];
                 events.extend(stages.map(BootstrapEvent::Stage));
                 for event in events {
                     same_as_postcard(FlightInput::Bootstrap {
@@ -1588,6 +1733,13 @@ impl<C: Reconciler> Flight<C> {
         }
     }
 
+    /// The bytes the frames recorded since the last
+    /// [`Flight::take_frames`] hold in memory.
+    #[inline]
+    pub fn held(&self) -> usize {
+        self.rec.as_ref().map_or(0, |r| r.batch.held())
+    }
+
     /// Counts a frame not recorded because the recording was cut.
     #[cold]
     fn dropped(&mut self) {
@@ -1733,7 +1885,7 @@ impl<C: Reconciler> Flight<C> {
         };
         let kept = result.clone();
         let out = self.host.handle_result(result, now);
-        rec.keep(KeptInput::Result(kept), now, &out);
+        rec.keep_result(kept, now, &out);
         out
     }
 
@@ -1774,9 +1926,10 @@ impl<C: Reconciler> Flight<C> {
             self.dropped();
             return self.host.handle_bootstrap(obs, now);
         };
-        let kept = obs.clone();
-        let out = self.host.handle_bootstrap(obs, now);
-        rec.keep(KeptInput::Observation(kept), now, &out);
+        // The host only borrows it (and copies what it keeps), so the
+        // recording takes it as it is.
+        let out = self.host.handle_bootstrap_ref(&obs, now);
+        rec.keep_observation(obs, now, &out);
         out
     }
 
@@ -2526,7 +2679,6 @@ mod tests {
 
     #[test]
     fn kept_frames_are_written_in_order_among_the_others_and_a_cut_holds() {
-        use crate::id::GroupId;
         use crate::observe::OperationOutcome;
         let (mut flight, mut bytes) = recorded();
         let node = LogicalNodeId::new(GroupId::new("w"), 0);
@@ -2538,10 +2690,43 @@ mod tests {
             },
             outcome: OperationOutcome::LeaseDestroyed,
         };
+        let observation = |event| BootstrapObservation {
+            node,
+            attempt: NodeAttemptId(1),
+            session: SessionId::new("s"),
+            event,
+        };
+        let stage = BootstrapEvent::Stage(BootstrapStage::SshConnect);
+        let failed = BootstrapEvent::Failed {
+            stage: BootstrapStage::SshConnect,
+            reason: "refused".into(),
+        };
         flight.handle_inventory(Ok(Vec::new()), Timestamp(6));
+        // Results and observations, kept apart, come out in the order
+        // they went in, among the frames written at once (a failure is).
         let first = flight.handle_result(result(1), Timestamp(7));
+        assert!(
+            flight
+                .handle_bootstrap(observation(stage.clone()), Timestamp(7))
+                .is_ok()
+        );
+        assert!(
+            flight
+                .handle_bootstrap(observation(BootstrapEvent::Closed), Timestamp(7))
+                .is_ok()
+        );
         assert!(flight.handle_result(result(2), Timestamp(7)).is_ok());
+        assert!(
+            flight
+                .handle_bootstrap(observation(failed), Timestamp(8))
+                .is_ok()
+        );
         flight.handle_tick(Timestamp(8));
+        assert!(
+            flight
+                .handle_bootstrap(observation(stage), Timestamp(9))
+                .is_ok()
+        );
         assert!(flight.handle_result(result(3), Timestamp(9)).is_ok());
         flight
             .take_frames(FlightBatch::default())
@@ -2555,7 +2740,7 @@ mod tests {
         let last = flight.take_frames(FlightBatch::default());
         assert!(last.held() > 0);
         last.write_to(&mut bytes);
-        assert_eq!((flight.stats().frames, flight.stats().dropped), (6, 2));
+        assert_eq!((flight.stats().frames, flight.stats().dropped), (10, 2));
         let read = Recording::read(&bytes).unwrap();
         let mut frames = read.frames();
         let seen: Vec<(&str, Option<u64>, Answer)> = frames
@@ -2573,8 +2758,12 @@ mod tests {
             [
                 ("inventory", Some(6)),
                 ("result", Some(7)),
+                ("bootstrap", Some(7)),
+                ("bootstrap", Some(7)),
                 ("result", Some(7)),
+                ("bootstrap", Some(8)),
                 ("tick", Some(8)),
+                ("bootstrap", Some(9)),
                 ("result", Some(9)),
                 ("result", Some(10)),
             ]
@@ -2588,7 +2777,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             (done.inputs, done.cut, done.last),
-            (6, true, Some(Timestamp(10)))
+            (10, true, Some(Timestamp(10)))
         );
     }
 

@@ -367,6 +367,19 @@ impl<C: Reconciler> Host<C> {
         obs: BootstrapObservation,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
+        self.handle_bootstrap_ref(&obs, now)
+    }
+
+    /// [`Host::handle_bootstrap`] on a borrowed observation: it is copied
+    /// only to be kept (until its session's result comes).
+    ///
+    /// # Errors
+    /// As [`Reconciler::handle_bootstrap`].
+    pub fn handle_bootstrap_ref(
+        &mut self,
+        obs: &BootstrapObservation,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
         self.heard(now);
         if obs.event == BootstrapEvent::SwactorJoined {
             if self.config.stream_joins {
@@ -388,13 +401,13 @@ impl<C: Reconciler> Host<C> {
             .iter()
             .any(|t| matches!(t, Todo::Observe(o) if o.node == obs.node))
         {
-            self.todo.push_back(Todo::Observe(obs));
+            self.todo.push_back(Todo::Observe(obs.clone()));
             return Ok(Folded::Discarded(DiscardReason::Queued));
         }
-        let folded = self.core.handle_bootstrap(&obs, now)?;
+        let folded = self.core.handle_bootstrap(obs, now)?;
         match folded {
             Folded::Applied => self.node_changed(&obs.node, now),
-            Folded::Discarded(DiscardReason::StaleSession) => self.keep_early(obs),
+            Folded::Discarded(DiscardReason::StaleSession) => self.keep_early(obs.clone()),
             Folded::Discarded(_) => {}
         }
         Ok(folded)
