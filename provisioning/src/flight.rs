@@ -2629,6 +2629,16 @@ mod tests {
         }
     }
 
+    /// `bytes` replayed by a fresh driver; every answer as recorded.
+    fn replayed(bytes: &[u8]) -> Replayed {
+        replay(
+            bytes,
+            |h| Driver::new(h.run_id.clone(), h.reconciler.clone()).map_err(|e| e.to_string()),
+            |_, _| {},
+        )
+        .unwrap()
+    }
+
     fn recorded() -> (Flight<Driver>, Vec<u8>) {
         let core = Driver::new(RunId::new("r"), ReconcilerConfig::default()).unwrap();
         record(
@@ -2665,12 +2675,7 @@ mod tests {
         );
         assert_eq!(flight.stats().frames, 3);
         assert_eq!(flight.stats().dropped, 3);
-        let done = replay(
-            &bytes,
-            |h| Driver::new(h.run_id.clone(), h.reconciler.clone()).map_err(|e| e.to_string()),
-            |_, _| {},
-        )
-        .unwrap();
+        let done = replayed(&bytes);
         assert_eq!(
             (done.inputs, done.cut, done.last),
             (3, true, Some(Timestamp(8)))
@@ -2769,12 +2774,7 @@ mod tests {
             ]
         );
         assert_eq!(seen[1].2, folded);
-        let done = replay(
-            &bytes,
-            |h| Driver::new(h.run_id.clone(), h.reconciler.clone()).map_err(|e| e.to_string()),
-            |_, _| {},
-        )
-        .unwrap();
+        let done = replayed(&bytes);
         assert_eq!(
             (done.inputs, done.cut, done.last),
             (10, true, Some(Timestamp(10)))
