@@ -1021,20 +1021,34 @@ impl Recorder {
         }
     }
 
-    /// Whether a kept frame of `size` bytes fits, and its place in the
-    /// bytes (which a kept frame notes in 32 bits); if it does not fit, the
-    /// recording is cut there.
+    /// Where a kept frame of `size` bytes for `input` goes: its place in
+    /// the bytes (noted in 32 bits), its place among the kept frames, and
+    /// the fold's answer. `None` when the host refused `input` with an
+    /// error (it is written at once), or when the frame does not fit (the
+    /// recording is cut there).
     #[inline(always)]
-    fn room(&mut self, size: usize) -> Option<u32> {
+    fn place(
+        &mut self,
+        input: fast::Fast<'_>,
+        out: &Result<Folded, DriverError>,
+        size: usize,
+    ) -> Option<(u32, u32, Folded)> {
+        let Ok(answer) = out else {
+            self.refused(input, out);
+            return None;
+        };
+        let seq = self.batch.next_seq();
         let held = self.batch.held();
-        let at = u32::try_from(self.batch.bytes.len()).ok();
-        if at.is_some() && (held + size <= self.max || held == 0) {
-            self.stats.frames += 1;
-            self.stats.bytes += size as u64;
-            at
-        } else {
-            self.cut_at(self.batch.bytes.len());
-            None
+        match u32::try_from(self.batch.bytes.len()) {
+            Ok(at) if held + size <= self.max || held == 0 => {
+                self.stats.frames += 1;
+                self.stats.bytes += size as u64;
+                Some((at, seq, *answer))
+            }
+            _ => {
+                self.cut_at(self.batch.bytes.len());
+                None
+            }
         }
     }
 
@@ -1048,18 +1062,14 @@ impl Recorder {
         now: Timestamp,
         out: &Result<Folded, DriverError>,
     ) {
-        let Ok(answer) = out else {
-            self.refused(fast::Fast::Result(&result, now), out);
-            return;
-        };
-        let seq = self.batch.next_seq();
-        if let Some(at) = self.room(RESULT_SIZE) {
+        let input = fast::Fast::Result(&result, now);
+        if let Some((at, seq, answer)) = self.place(input, out, RESULT_SIZE) {
             self.batch.results.push(KeptResult {
                 result,
                 now,
                 at,
                 seq,
-                answer: *answer,
+                answer,
             });
         }
     }
@@ -1082,12 +1092,8 @@ impl Recorder {
                 return;
             }
         };
-        let Ok(answer) = out else {
-            self.refused(fast::Fast::Observation(&obs, now), out);
-            return;
-        };
-        let seq = self.batch.next_seq();
-        if let Some(at) = self.room(OBSERVATION_SIZE) {
+        let input = fast::Fast::Observation(&obs, now);
+        if let Some((at, seq, answer)) = self.place(input, out, OBSERVATION_SIZE) {
             self.batch.observations.push(KeptObservation {
                 session: obs.session,
                 attempt: obs.attempt,
@@ -1097,7 +1103,7 @@ impl Recorder {
                 at,
                 seq,
                 event,
-                answer: *answer,
+                answer,
             });
         }
     }
