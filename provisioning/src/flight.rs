@@ -831,16 +831,8 @@ const _: () = assert!(
 /// could not be (longer than a frame can say), and then the recording
 /// ends there with [`CUT_MARKER`].
 fn encode_kept(out: &mut Vec<u8>, input: fast::Fast<'_>, answer: Folded) -> bool {
-    let discarded;
-    let answer: &[u8] = match answer {
-        Folded::Applied => &fast::APPLIED,
-        // `Answer::Folded`, then the fold's variant and a discard's
-        // reason, as postcard writes them (a test checks every one).
-        Folded::Discarded(reason) => {
-            discarded = [0, 1, reason as u8];
-            &discarded
-        }
-    };
+    let (bytes, len) = fast::folded(answer);
+    let answer = &bytes[..len];
     if fast::frame(out, input, answer) {
         return true;
     }
@@ -955,7 +947,8 @@ impl FlightBatch {
     }
 
     /// Its frames, encoded.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    #[cfg(test)]
+    fn to_bytes(&self) -> Vec<u8> {
         let kept = self.results.len() + self.observations.len();
         let mut out = Vec::with_capacity(self.bytes.len() + kept * 48);
         self.write_to(&mut out);
@@ -1133,10 +1126,10 @@ impl Recorder {
         };
         let buf = &mut self.batch.bytes;
         match out {
-            // `Answer::Folded`, then the fold's variant and a discard's
-            // reason, as postcard writes them (a test checks every one).
-            Ok(Folded::Applied) => buf.extend_from_slice(&fast::APPLIED),
-            Ok(Folded::Discarded(reason)) => buf.extend_from_slice(&[0, 1, *reason as u8]),
+            Ok(answer) => {
+                let (bytes, len) = fast::folded(*answer);
+                buf.extend_from_slice(&bytes[..len]);
+            }
             Err(_) => {
                 // Writing to a vector cannot fail.
                 let _ = postcard::serialize_with_flavor(&Answer::of_fold(out), Append(buf));
@@ -1303,6 +1296,17 @@ mod fast {
     /// A fold's answer when it was applied, as postcard writes
     /// `Answer::Folded(Folded::Applied)`.
     pub(super) const APPLIED: [u8; 2] = [0, 0];
+
+    /// A fold's answer as postcard writes `Answer::Folded` of it: the
+    /// variants' indices and a discard's reason (a test checks every one),
+    /// and how many of the three bytes that takes.
+    #[inline]
+    pub(super) fn folded(answer: Folded) -> ([u8; 3], usize) {
+        match answer {
+            Folded::Applied => ([APPLIED[0], APPLIED[1], 0], APPLIED.len()),
+            Folded::Discarded(reason) => ([0, 1, reason as u8], 3),
+        }
+    }
 
     /// Appends a whole frame of `input`: its length, the input, and
     /// `answer` (at most three bytes: a fold's); false (nothing appended)
