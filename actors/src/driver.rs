@@ -98,7 +98,7 @@ const FLIGHT_BUFFER_MAX: usize = 64 << 20;
 /// to the writer within a message (a few thousand results): small enough
 /// that a chunk is reused rather than grown, and that the writer starts
 /// on a long message's frames before it ends.
-const FLIGHT_FLUSH_AT: usize = 64 << 10;
+pub(crate) const FLIGHT_FLUSH_AT: usize = 64 << 10;
 
 /// The driver actor.
 pub struct DriverActor;

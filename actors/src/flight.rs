@@ -3,16 +3,18 @@
 //! observations whole, and the writer thread encodes them, off the thread
 //! that runs the driver.
 
+use crate::driver::FLIGHT_FLUSH_AT;
 use swactor_engine::flight::FlightChunk;
 use swactor_provisioning::flight::FlightBatch;
 
 /// A driver's flight recorder (see `swactor_engine::flight`).
 pub type FlightRecorder = swactor_engine::flight::FlightRecorder<FlightFrames>;
 
-/// What a new chunk has room for: what the driver hands over at once in a
-/// busy message (`FLIGHT_FLUSH_AT`), so it does not grow.
+/// What a new chunk has room for: the frames encoded at once (few: the
+/// results and observations are kept whole), and as many kept ones as the
+/// driver hands over at once in a busy message ([`FLIGHT_FLUSH_AT`]), so
+/// that it never grows on the way (growing copies what it holds).
 const BYTES_START: usize = 16 << 10;
-const KEPT_START: usize = 640;
 
 /// The largest chunk kept for reuse.
 const CAPACITY_MAX: usize = 4 << 20;
@@ -23,7 +25,7 @@ pub struct FlightFrames(pub(crate) FlightBatch);
 
 impl FlightChunk for FlightFrames {
     fn with_room() -> Self {
-        Self(FlightBatch::with_capacity(BYTES_START, KEPT_START))
+        Self(FlightBatch::with_room(BYTES_START, FLIGHT_FLUSH_AT))
     }
 
     fn is_empty(&self) -> bool {

@@ -25,13 +25,14 @@ pub trait Reconciler {
     /// # Errors
     /// As the driver's.
     fn update_desired(&mut self, shape: &ClusterShape) -> Result<DesiredUpdate, UpdateError>;
-    /// See [`Driver::handle_result`].
+    /// See [`Driver::handle_result`]; the result is borrowed (the host
+    /// may record it).
     ///
     /// # Errors
     /// As the driver's.
     fn handle_result(
         &mut self,
-        result: OperationResult,
+        result: &OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError>;
     /// See [`Driver::handle_submit_failed`].
@@ -152,10 +153,10 @@ impl Reconciler for Driver {
     }
     fn handle_result(
         &mut self,
-        result: OperationResult,
+        result: &OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        Driver::handle_result(self, result, now)
+        Driver::handle_result_ref(self, result, now)
     }
     fn handle_submit_failed(
         &mut self,

@@ -885,12 +885,25 @@ impl Driver {
         result: OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
+        self.handle_result_ref(&result, now)
+    }
+
+    /// [`Driver::handle_result`] on a borrowed result (what it keeps of
+    /// it, it copies).
+    ///
+    /// # Errors
+    /// As [`Driver::handle_result`].
+    pub fn handle_result_ref(
+        &mut self,
+        result: &OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
         let Some(node) = self.state.nodes.get_mut(&result.node) else {
             let unknown = Folded::Discarded(DiscardReason::UnknownNode);
             return Ok(self.count(&result.node, unknown));
         };
         let folded =
-            fold_result(node, result.op, result.outcome, &self.config, now).map_err(|source| {
+            fold_result(node, result.op, &result.outcome, &self.config, now).map_err(|source| {
                 DriverError::Deadline {
                     node: result.node,
                     source,

@@ -616,7 +616,7 @@ pub fn output_digest(out: &Option<Output>) -> u64 {
                 h.str(endpoint.as_str());
                 h.word(known.template(t));
             }
-            other => h.value(other),
+            other => request_words(&mut h, other),
         }
     }
     h.word(digest::SEQ_END);
@@ -628,6 +628,36 @@ pub fn output_digest(out: &Option<Output>) -> u64 {
     h.value(&pass.stats);
     h.value(&pass.errors);
     h.finish()
+}
+
+/// Folds in a request that names no run or template, word by word as
+/// serde shows it (a variant's index, then its fields): where a provider
+/// learns a machine's address only after leasing it, every new lease's
+/// endpoint is looked up, so a pass can hold a `LookupEndpoint` per node.
+#[inline]
+fn request_words(h: &mut digest::Hasher, request: &EffectRequest) {
+    match request {
+        EffectRequest::LookupEndpoint { lease } => {
+            h.word(1);
+            h.str(lease.as_str());
+        }
+        EffectRequest::CancelBootstrap { session } => {
+            h.word(3);
+            h.str(session.as_str());
+        }
+        EffectRequest::DestroyLease { lease, failed } => {
+            h.word(4);
+            h.str(lease.as_str());
+            match failed {
+                None => h.word(0),
+                Some(why) => {
+                    h.word(1);
+                    h.str(why);
+                }
+            }
+        }
+        other => h.value(other),
+    }
 }
 
 /// What a pass's digest has digested already: the last run and group (a
@@ -765,9 +795,9 @@ pub struct FlightStats {
 /// its batch is written out ([`FlightBatch::write_to`]). Results and
 /// observations are nearly every frame (a million in a cold converge of
 /// 100,000 nodes): encoding them where the batch is written (the daemon's
-/// writer thread) keeps that work off the thread that runs the host. A
-/// copy of one costs a few words; its encoding, a few hundred
-/// instructions.
+/// writer thread) keeps that work off the thread that runs the host. The
+/// host borrows a result, so keeping it costs one move; its encoding, a
+/// few hundred instructions.
 #[derive(Debug)]
 struct KeptResult {
     result: OperationResult,
@@ -867,13 +897,15 @@ pub struct FlightBatch {
 }
 
 impl FlightBatch {
-    /// An empty batch with room for `bytes` bytes and `frames` kept
-    /// results and as many observations.
-    pub fn with_capacity(bytes: usize, frames: usize) -> Self {
+    /// An empty batch with room for `bytes` bytes of frames encoded at
+    /// once, and for as many kept results, and as many kept observations,
+    /// as `held` bytes hold (see [`FlightBatch::held`]), and one more: a
+    /// batch handed over once it holds `held` never grows on the way.
+    pub fn with_room(bytes: usize, held: usize) -> Self {
         Self {
             bytes: Vec::with_capacity(bytes),
-            results: Vec::with_capacity(frames),
-            observations: Vec::with_capacity(frames),
+            results: Vec::with_capacity(held / RESULT_SIZE + 1),
+            observations: Vec::with_capacity(held / OBSERVATION_SIZE + 1),
         }
     }
 
@@ -1893,9 +1925,10 @@ impl<C: Reconciler> Flight<C> {
             self.dropped();
             return self.host.handle_result(result, now);
         };
-        let kept = result.clone();
-        let out = self.host.handle_result(result, now);
-        rec.keep_result(kept, now, &out);
+        // The host only borrows it (and copies what it keeps), so the
+        // recording takes it as it is.
+        let out = self.host.handle_result_ref(&result, now);
+        rec.keep_result(result, now, &out);
         out
     }
 
@@ -2587,6 +2620,7 @@ pub fn replay<C: Reconciler>(
 mod tests {
     use super::*;
     use crate::Driver;
+    use crate::id::LeaseId;
 
     #[test]
     fn a_folds_answer_is_kept_as_postcard_writes_it() {
@@ -2789,6 +2823,37 @@ mod tests {
             (done.inputs, done.cut, done.last),
             (10, true, Some(Timestamp(10)))
         );
+    }
+
+    #[test]
+    fn a_request_is_digested_word_by_word_as_serde_shows_it() {
+        let requests = [
+            EffectRequest::LookupEndpoint {
+                lease: LeaseId::new("lease-w-12"),
+            },
+            EffectRequest::CancelBootstrap {
+                session: SessionId::new("a-session-id-longer-than-24-bytes"),
+            },
+            EffectRequest::DestroyLease {
+                lease: LeaseId::new("l"),
+                failed: None,
+            },
+            EffectRequest::DestroyLease {
+                lease: LeaseId::new("lease-12345678"),
+                failed: Some("the agent never joined".into()),
+            },
+        ];
+        for request in &requests {
+            let (mut fast, mut serde) = (digest::Hasher::new(), digest::Hasher::new());
+            request_words(&mut fast, request);
+            serde.value(request);
+            assert_eq!(fast.finish(), serde.finish(), "{request:?}");
+        }
+        // And the words of one differ from another's.
+        let (mut a, mut b) = (digest::Hasher::new(), digest::Hasher::new());
+        request_words(&mut a, &requests[2]);
+        request_words(&mut b, &requests[3]);
+        assert_ne!(a.finish(), b.finish());
     }
 
     #[test]

@@ -196,7 +196,7 @@ pub enum Folded {
 pub fn fold_result(
     node: &mut ManagedNode,
     op: OperationId,
-    outcome: OperationOutcome,
+    outcome: &OperationOutcome,
     config: &ReconcilerConfig,
     now: Timestamp,
 ) -> Result<Folded, DeadlineOverflow> {
@@ -225,7 +225,7 @@ pub fn fold_result(
     };
     match outcome {
         OperationOutcome::Failed { class, reason } => {
-            Ok(fold_failure(node, &facts, class, reason, now))
+            Ok(fold_failure(node, &facts, *class, reason, now))
         }
         outcome => fold_progress(node, &facts, outcome, config, now),
     }
@@ -256,7 +256,7 @@ fn fold_failure(
     node: &mut ManagedNode,
     facts: &ResultFacts,
     class: FailureClass,
-    reason: String,
+    reason: &str,
     now: Timestamp,
 ) -> Folded {
     let kind = facts.kind;
@@ -318,7 +318,7 @@ fn failure_ends_attempt(kind: EffectKind, class: FailureClass) -> bool {
 fn fold_progress(
     node: &mut ManagedNode,
     facts: &ResultFacts,
-    outcome: OperationOutcome,
+    outcome: &OperationOutcome,
     config: &ReconcilerConfig,
     now: Timestamp,
 ) -> Result<Folded, DeadlineOverflow> {
@@ -332,12 +332,12 @@ fn fold_progress(
                 rec.stage = NodeStage::LeaseCreated;
                 rec.endpoint_deadline = Some(facts.endpoint_at);
             }
-            rec.lease = Some(lease);
-            rec.endpoint = endpoint;
+            rec.lease = Some(lease.clone());
+            rec.endpoint = endpoint.clone();
             rec.ambiguous = None;
         }
         (EffectKind::LookupEndpoint, OperationOutcome::EndpointFound { endpoint }) => {
-            rec.endpoint = Some(endpoint);
+            rec.endpoint = Some(endpoint.clone());
             rec.endpoint_deadline = None;
             if rec.stage == NodeStage::LeaseCreated {
                 rec.stage = NodeStage::EndpointKnown;
@@ -348,7 +348,7 @@ fn fold_progress(
         }
         (EffectKind::StartBootstrap, OperationOutcome::BootstrapStarted { session }) => {
             let stall_at = now.checked_add_ms(config.bootstrap_stall_ms)?;
-            rec.session = Some(session);
+            rec.session = Some(session.clone());
             rec.ambiguous = None;
             if node.intent == Intent::Active {
                 rec.stage = NodeStage::BootstrapRunning;
@@ -519,7 +519,7 @@ pub fn fold_deadline(
         class: FailureClass::Ambiguous,
         reason,
     };
-    fold_result(node, op, outcome, config, now).map(Some)
+    fold_result(node, op, &outcome, config, now).map(Some)
 }
 
 /// Fails an active attempt whose bootstrap made no progress before its stored stall deadline.

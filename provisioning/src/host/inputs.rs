@@ -301,6 +301,19 @@ impl<C: Reconciler> Host<C> {
         result: OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
+        self.handle_result_ref(&result, now)
+    }
+
+    /// [`Host::handle_result`] on a borrowed result: the core copies what
+    /// it keeps, and a recording keeps the result itself.
+    ///
+    /// # Errors
+    /// As [`Reconciler::handle_result`].
+    pub fn handle_result_ref(
+        &mut self,
+        result: &OperationResult,
+        now: Timestamp,
+    ) -> Result<Folded, DriverError> {
         self.heard(now);
         self.back_from_flight(&result.node, result.op);
         let node = result.node;

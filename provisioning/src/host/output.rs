@@ -374,7 +374,7 @@ impl<C: Reconciler> Host<C> {
                         reason: "the executor crashed mid-operation".to_owned(),
                     },
                 };
-                let folded = self.core.handle_result(result.clone(), now);
+                let folded = self.core.handle_result(&result, now);
                 if folded == Ok(Folded::Applied) {
                     self.node_changed(&node, now);
                 }

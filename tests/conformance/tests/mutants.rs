@@ -240,9 +240,10 @@ impl Reconciler for Mutant {
 
     fn handle_result(
         &mut self,
-        mut result: OperationResult,
+        result: &OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
+        let mut result = result.clone();
         let node = self.inner.state().nodes.get(&result.node);
         match self.mutation {
             Mutation::FoldSupersededResult => {
@@ -264,7 +265,7 @@ impl Reconciler for Mutant {
             }
             _ => {}
         }
-        self.inner.handle_result(result, now)
+        self.inner.handle_result_ref(&result, now)
     }
 
     fn handle_submit_failed(

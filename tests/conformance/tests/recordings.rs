@@ -149,10 +149,10 @@ impl Reconciler for LowestFirst {
     }
     fn handle_result(
         &mut self,
-        result: OperationResult,
+        result: &OperationResult,
         now: Timestamp,
     ) -> Result<Folded, DriverError> {
-        self.0.handle_result(result, now)
+        self.0.handle_result_ref(result, now)
     }
     fn handle_submit_failed(
         &mut self,
