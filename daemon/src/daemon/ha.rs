@@ -195,7 +195,72 @@ pub(super) struct Term {
     pub(super) ticket: swactor_providers::DaemonTicket,
 }
 
+/// How long a daemon about to lead waits for a port it gave the run's
+/// other daemons while the port is taken (by its own endpoint of a term
+/// just ended, still closing, say).
+pub(super) const PORT_PATIENCE: Duration = Duration::from_secs(3);
+
+/// Why a term ended before it began: a port this daemon gave the run's
+/// other daemons (and that their tickets name) stayed taken, so it bound
+/// another. Agents and CLIs could not find it there: it stands by again
+/// and gives the others the ports it has now.
+#[derive(Debug)]
+pub(super) struct PortsMoved {
+    /// Which port: "agents'" or "control".
+    what: &'static str,
+    given: SocketAddr,
+    bound: Option<u16>,
+}
+
+impl std::fmt::Display for PortsMoved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the {} port this daemon gave the run's other daemons ({}) stayed taken for {} s",
+            self.what,
+            self.given,
+            PORT_PATIENCE.as_secs()
+        )?;
+        match self.bound {
+            Some(port) => write!(f, "; it bound {port} instead"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::error::Error for PortsMoved {}
+
+fn check_port(
+    what: &'static str,
+    given: SocketAddr,
+    ep: &swactor_engine::iroh::Endpoint,
+) -> Result<(), PortsMoved> {
+    let bound = serve::bound_port(ep);
+    if bound == Some(given.port()) {
+        Ok(())
+    } else {
+        Err(PortsMoved { what, given, bound })
+    }
+}
+
 impl Term {
+    /// Fails with [`PortsMoved`] unless `control` is bound on the port
+    /// this daemon's record gives.
+    pub(super) fn check_control_port(
+        &self,
+        control: &swactor_engine::iroh::Endpoint,
+    ) -> Result<(), PortsMoved> {
+        check_port("control", self.me.control, control)
+    }
+
+    /// [`Term::check_control_port`] for the agents' endpoint.
+    pub(super) fn check_swarm_port(
+        &self,
+        swarm: &swactor_engine::iroh::Endpoint,
+    ) -> Result<(), PortsMoved> {
+        check_port("agents'", self.me.swarm, swarm)
+    }
+
     /// The agents' ticket: the shared key, at every daemon's address.
     pub(super) fn agent_ticket(&self, id: swactor_engine::iroh::EndpointId) -> EndpointTicket {
         ticket_at(id, &self.peers.borrow().swarm(&self.me))
@@ -274,24 +339,30 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
     let lock = state.lock()?;
     let root = ha_root(&ha.prefix, &run_id);
     let identity = shared_identity(&client, &root, &state, journal.as_ref()).await?;
-    let me = ReplicaRecord {
-        name: format!("{} (pid {})", host_name(), std::process::id()),
-        swarm: SocketAddr::new(
-            advertise.unwrap_or(listen),
-            reserve_port(&state, listen, Port::Swarm)?,
-        ),
-        // Dialed from the other replicas' machines too: the advertised
-        // address when there is one, as for agents.
-        control: SocketAddr::new(
-            advertise.unwrap_or(listen),
-            reserve_port(&state, listen, Port::Control)?,
-        ),
-        cli_key: state.cli_key()?.public().to_string(),
+    let record = |state: &StateDir| -> Result<ReplicaRecord> {
+        Ok(ReplicaRecord {
+            name: format!("{} (pid {})", host_name(), std::process::id()),
+            swarm: SocketAddr::new(
+                advertise.unwrap_or(listen),
+                reserve_port(state, listen, Port::Swarm)?,
+            ),
+            // Dialed from the other replicas' machines too: the advertised
+            // address when there is one, as for agents.
+            control: SocketAddr::new(
+                advertise.unwrap_or(listen),
+                reserve_port(state, listen, Port::Control)?,
+            ),
+            cli_key: state.cli_key()?.public().to_string(),
+        })
     };
-    let election_config = ha.election(
-        format!("{root}/leader"),
-        serde_json::to_vec(&me).context("encoding this daemon's record")?,
-    );
+    let candidacy = |me: &ReplicaRecord| -> Result<ElectionConfig> {
+        Ok(ha.election(
+            format!("{root}/leader"),
+            serde_json::to_vec(me).context("encoding this daemon's record")?,
+        ))
+    };
+    let mut me = record(&state)?;
+    let mut election_config = candidacy(&me)?;
     let mut election = Election::start(client.clone(), election_config.clone());
     let (peers_tx, peers) = watch::channel(Peers::default());
     let _following = AbortOnDrop(tokio::spawn(follow_peers(
@@ -385,6 +456,27 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
             Ok(code) => break code,
+            Err(e) if e.downcast_ref::<PortsMoved>().is_some() => {
+                // The ports it bound instead are saved: the record gives
+                // them, so the others' tickets name them before it leads.
+                quick_failures += 1;
+                if quick_failures > 3 {
+                    election.step_down().await;
+                    drop(lock);
+                    return Err(e);
+                }
+                election.step_down().await;
+                me = record(&state)?;
+                eprintln!(
+                    "swactor: no longer leading run {run_id}: {e:#}; nothing was started, \
+                     standing by on {} (agents) and {} (control)",
+                    me.swarm, me.control
+                );
+                election_config = candidacy(&me)?;
+                election = Election::start(client.clone(), election_config.clone());
+                registered = re_register(&client, &root, &me, &election);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
             Err(e) => {
                 election.step_down().await;
                 drop(lock);

@@ -478,8 +478,8 @@ async fn prepare(
     // refused before the endpoint starts, with nothing else to say.
     let http_listener = crate::http::bind(state, opts.http).await?;
     let http_token = crate::http::token(state)?;
-    let mut endpoints =
-        Endpoints::bind(state, swarm, opened.listen, opened.advertise, bound).await?;
+    let network = (opened.listen, opened.advertise);
+    let mut endpoints = Endpoints::bind(state, swarm, network, term, bound).await?;
     if let Some(t) = term {
         // Agents and CLIs are given every daemon of the run: whichever
         // leads answers.

@@ -17,28 +17,42 @@ pub(super) struct Endpoints {
 
 impl Endpoints {
     /// Binds both; each is put in `bound` as soon as it is.
+    ///
+    /// In a `term`, the ports this daemon gave the run's other daemons are
+    /// the only ones their tickets name: each is waited for while it is
+    /// taken (see [`bind_at_saved`]), and one bound elsewhere all the same
+    /// fails the start with [`ha::PortsMoved`].
     pub(super) async fn bind(
         state: &StateDir,
         swarm: &tokio::runtime::Handle,
-        listen: IpAddr,
-        advertise: Option<IpAddr>,
+        (listen, advertise): (IpAddr, Option<IpAddr>),
+        term: Option<&Term>,
         bound: &mut Vec<swactor_engine::iroh::Endpoint>,
     ) -> Result<Self> {
+        let patience = term.map_or(Duration::ZERO, |_| ha::PORT_PATIENCE);
+        // The CLI's own endpoint, on a socket of its own: a flood of handshakes
+        // on the agents' endpoint (whose ticket every agent's command line
+        // shows) never queues the CLI's handshake behind it. Bound first: a
+        // term whose control port moved ends before agents could reach an
+        // endpoint of it.
+        let control = bind_control_endpoint(state, listen, patience).await?;
+        bound.push(control.clone());
+        if let Some(t) = term {
+            t.check_control_port(&control)?;
+        }
         // Bound on the agents' runtime: the endpoint's own tasks (its socket,
         // its handshakes) run there.
         let endpoint = {
             let state = state.clone();
             swarm
-                .spawn(async move { bind_daemon_endpoint(&state, listen).await })
+                .spawn(async move { bind_daemon_endpoint(&state, listen, patience).await })
                 .await
                 .context("the agents' runtime stopped")??
         };
         bound.push(endpoint.clone());
-        // The CLI's own endpoint, on a socket of its own: a flood of handshakes
-        // on the agents' endpoint (whose ticket every agent's command line
-        // shows) never queues the CLI's handshake behind it.
-        let control = bind_control_endpoint(state, listen).await?;
-        bound.push(control.clone());
+        if let Some(t) = term {
+            t.check_swarm_port(&endpoint)?;
+        }
         let cli_ticket = EndpointTicket::new(control.addr());
         let agent_ticket = match (advertise, endpoint.bound_sockets().first()) {
             (Some(ip), Some(bound)) => EndpointTicket::new(
@@ -286,9 +300,9 @@ pub(super) fn env_seconds(name: &str) -> Result<Option<Duration>> {
 pub(super) async fn bind_daemon_endpoint(
     state: &StateDir,
     listen: IpAddr,
+    patience: Duration,
 ) -> Result<swactor_engine::iroh::Endpoint> {
-    let key = state.daemon_key()?;
-    let mut config = NetConfig {
+    let config = NetConfig {
         frame_len_max: FRAME_LEN_MAX,
         // Every protocol here is one request stream a peer opens (swarm,
         // control) or one stream the daemon opens (telemetry).
@@ -296,23 +310,50 @@ pub(super) async fn bind_daemon_endpoint(
         incoming_uni_streams_max: Some(0),
         ..NetConfig::default()
     };
-    if let Some(port) = state.saved_port() {
-        config.bind_addr = SocketAddr::new(listen, port);
-        match bind_endpoint(&config, key.clone()).await {
-            Ok(ep) => return Ok(ep),
-            Err(e) => tracing::warn!(%e, port, "the previous port is taken; binding a new one"),
-        }
-        config.bind_addr = SocketAddr::new(listen, 0);
-    } else {
-        config.bind_addr = SocketAddr::new(listen, 0);
-    }
-    let ep = bind_endpoint(&config, key)
+    let key = state.daemon_key()?;
+    let ep = bind_at_saved(config, key, (listen, state.saved_port()), patience, "port")
         .await
         .context("cannot bind the daemon's endpoint")?;
-    if let Some(port) = ep.bound_sockets().first().map(SocketAddr::port) {
+    if let Some(port) = bound_port(&ep) {
         state.save_port(port)?;
     }
     Ok(ep)
+}
+
+/// The port `ep` is bound on.
+pub(super) fn bound_port(ep: &swactor_engine::iroh::Endpoint) -> Option<u16> {
+    ep.bound_sockets().first().map(SocketAddr::port)
+}
+
+/// How often a taken port is tried again while it is waited for.
+const RETRY_PORT_EVERY: Duration = Duration::from_millis(100);
+
+/// Binds `config` on `listen` at the port `saved` (the one used before),
+/// trying it again for up to `patience` while it is taken, else on a port
+/// the system picks: the caller learns which from the endpoint.
+async fn bind_at_saved(
+    mut config: NetConfig,
+    key: swactor_engine::iroh::SecretKey,
+    (listen, saved): (IpAddr, Option<u16>),
+    patience: Duration,
+    what: &str,
+) -> Result<swactor_engine::iroh::Endpoint, swactor_engine::net::NetError> {
+    if let Some(port) = saved {
+        config.bind_addr = SocketAddr::new(listen, port);
+        let started = tokio::time::Instant::now();
+        loop {
+            match bind_endpoint(&config, key.clone()).await {
+                Ok(ep) => return Ok(ep),
+                Err(e) if started.elapsed() >= patience => {
+                    tracing::warn!(%e, port, "the previous {what} is taken; binding a new one");
+                    break;
+                }
+                Err(_) => tokio::time::sleep(RETRY_PORT_EVERY).await,
+            }
+        }
+    }
+    config.bind_addr = SocketAddr::new(listen, 0);
+    bind_endpoint(&config, key).await
 }
 
 /// The daemon's two routers: the agents' protocols on the swarm endpoint,
@@ -338,31 +379,22 @@ impl Routers {
 pub(super) async fn bind_control_endpoint(
     state: &StateDir,
     listen: IpAddr,
+    patience: Duration,
 ) -> Result<swactor_engine::iroh::Endpoint> {
-    let mut config = NetConfig {
+    let config = NetConfig {
         frame_len_max: FRAME_LEN_MAX,
         incoming_bidi_streams_max: Some(1),
         incoming_uni_streams_max: Some(0),
-        bind_addr: SocketAddr::new(listen, 0),
         ..NetConfig::default()
     };
     let key = state.control_key()?;
     // The port of last time, when there is one, so a ticket given out
     // before (to the CLI of another replica of the run) still reaches it.
-    if let Some(port) = state.saved_control_port() {
-        config.bind_addr = SocketAddr::new(listen, port);
-        match bind_endpoint(&config, key.clone()).await {
-            Ok(ep) => return Ok(ep),
-            Err(e) => {
-                tracing::warn!(%e, port, "the previous control port is taken; binding a new one")
-            }
-        }
-        config.bind_addr = SocketAddr::new(listen, 0);
-    }
-    let ep = bind_endpoint(&config, key)
+    let saved = (listen, state.saved_control_port());
+    let ep = bind_at_saved(config, key, saved, patience, "control port")
         .await
         .context("cannot bind the daemon's control endpoint")?;
-    if let Some(port) = ep.bound_sockets().first().map(SocketAddr::port) {
+    if let Some(port) = bound_port(&ep) {
         state.save_control_port(port)?;
     }
     Ok(ep)
