@@ -316,22 +316,18 @@ impl<C: Reconciler> Host<C> {
     ) -> Result<Folded, DriverError> {
         self.heard(now);
         self.back_from_flight(&result.node, result.op);
-        let node = result.node;
-        let started = matches!(result.outcome, OperationOutcome::BootstrapStarted { .. });
-        let created = matches!(result.outcome, OperationOutcome::LeaseCreated { .. });
-        let given_up = result.outcome.given_up().map(str::to_owned);
-        let attempt = result.op.attempt;
         let folded = self.core.handle_result(result, now)?;
         if folded == Folded::Applied {
-            self.node_changed(&node, now);
-            if let Some(reason) = given_up {
-                self.given_up(&node, attempt, reason);
-            }
-            if started {
-                self.bootstrap_started(&node);
-            }
-            if created {
-                self.record_created(&node, attempt);
+            let (node, attempt) = (&result.node, result.op.attempt);
+            self.node_changed(node, now);
+            match &result.outcome {
+                OperationOutcome::BootstrapStarted { .. } => self.bootstrap_started(node),
+                OperationOutcome::LeaseCreated { .. } => self.record_created(node, attempt),
+                outcome => {
+                    if let Some(reason) = outcome.given_up() {
+                        self.given_up(node, attempt, reason.to_owned());
+                    }
+                }
             }
         }
         Ok(folded)
