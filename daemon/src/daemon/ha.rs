@@ -390,10 +390,8 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
             Ok(read) => read,
             Err(e) => {
                 eprintln!("swactor: cannot read the journal to lead: {e:#}; standing by");
-                election.step_down().await;
-                election = Election::start(client.clone(), election_config.clone());
-                registered = re_register(&client, &root, &me, &election);
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                (election, registered) =
+                    campaign_again(election, &client, &election_config, (&root, &me)).await;
                 continue;
             }
         };
@@ -450,32 +448,31 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
                     break 3;
                 }
                 eprintln!("swactor: stepping down so the journal is read again; standing by");
-                election.step_down().await;
-                election = Election::start(client.clone(), election_config.clone());
-                registered = re_register(&client, &root, &me, &election);
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                (election, registered) =
+                    campaign_again(election, &client, &election_config, (&root, &me)).await;
             }
             Ok(code) => break code,
             Err(e) if e.downcast_ref::<PortsMoved>().is_some() => {
                 // The ports it bound instead are saved: the record gives
                 // them, so the others' tickets name them before it leads.
                 quick_failures += 1;
-                if quick_failures > 3 {
-                    election.step_down().await;
-                    drop(lock);
-                    return Err(e);
-                }
-                election.step_down().await;
-                me = record(&state)?;
+                let next = record(&state).and_then(|me| Ok((candidacy(&me)?, me)));
+                let (config, moved) = match next {
+                    Ok(next) if quick_failures <= 3 => next,
+                    failed => {
+                        election.step_down().await;
+                        drop(lock);
+                        return Err(failed.err().unwrap_or(e));
+                    }
+                };
                 eprintln!(
                     "swactor: no longer leading run {run_id}: {e:#}; nothing was started, \
                      standing by on {} (agents) and {} (control)",
-                    me.swarm, me.control
+                    moved.swarm, moved.control
                 );
-                election_config = candidacy(&me)?;
-                election = Election::start(client.clone(), election_config.clone());
-                registered = re_register(&client, &root, &me, &election);
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                (me, election_config) = (moved, config);
+                (election, registered) =
+                    campaign_again(election, &client, &election_config, (&root, &me)).await;
             }
             Err(e) => {
                 election.step_down().await;
@@ -497,6 +494,21 @@ pub(super) async fn up(mut opts: UpOptions, ha: HaOptions) -> Result<i32> {
 pub(super) const LOST_LEAD: i32 = -100;
 /// `run` returns this when the cluster actor gave up (internal, in a term).
 pub(super) const GAVE_UP: i32 = -101;
+
+/// Steps down from `election` and campaigns again with `config`,
+/// registering `me` for it; pauses a second before the next try.
+async fn campaign_again(
+    election: Election,
+    client: &Client,
+    config: &ElectionConfig,
+    (root, me): (&str, &ReplicaRecord),
+) -> (Election, AbortOnDrop) {
+    election.step_down().await;
+    let election = Election::start(client.clone(), config.clone());
+    let registered = re_register(client, root, me, &election);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    (election, registered)
+}
 
 fn re_register(
     client: &Client,
