@@ -1,7 +1,7 @@
 //! The driver's recorded frames (`swactor_provisioning::flight`) as the
 //! engine's flight writer takes them: the host keeps its results and
-//! observations whole, and the writer thread encodes them, off the thread
-//! that runs the driver.
+//! observations in a compact form, and the writer thread encodes them, off
+//! the thread that runs the driver.
 
 use crate::driver::FLIGHT_FLUSH_AT;
 use swactor_engine::flight::FlightChunk;
@@ -10,11 +10,11 @@ use swactor_provisioning::flight::FlightBatch;
 /// A driver's flight recorder (see `swactor_engine::flight`).
 pub type FlightRecorder = swactor_engine::flight::FlightRecorder<FlightFrames>;
 
-/// What a new chunk has room for: the frames encoded at once (few: the
-/// results and observations are kept whole), and as many kept ones as the
-/// driver hands over at once in a busy message ([`FLIGHT_FLUSH_AT`]), so
-/// that it never grows on the way (growing copies what it holds).
-const BYTES_START: usize = 16 << 10;
+/// What a new chunk has room for: what the driver hands over at once in a
+/// busy message ([`FLIGHT_FLUSH_AT`]), and the largest result or
+/// observation kept compact more (about 800 bytes), so that it never grows
+/// on the way (growing copies what it holds).
+const ROOM: usize = FLIGHT_FLUSH_AT + (1 << 10);
 
 /// The largest chunk kept for reuse.
 const CAPACITY_MAX: usize = 4 << 20;
@@ -25,7 +25,7 @@ pub struct FlightFrames(pub(crate) FlightBatch);
 
 impl FlightChunk for FlightFrames {
     fn with_room() -> Self {
-        Self(FlightBatch::with_room(BYTES_START, FLIGHT_FLUSH_AT))
+        Self(FlightBatch::with_room(ROOM))
     }
 
     fn is_empty(&self) -> bool {

@@ -29,13 +29,10 @@ use crate::host::{
     ApplyError, Host, HostConfig, HostError, HostEvent, JoinRefused, JournalDelta, JournalImage,
     Leadership, Listed, Liveness, Output, PauseError, ReplaceError, ShutdownMode, Ticket,
 };
-use crate::id::{
-    GroupId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId, SessionId,
-};
+use crate::id::{GroupId, LogicalNodeId, NodeAttemptId, OperationId, ResourceKey, RunId};
 use crate::lifetime::Status;
 use crate::observe::{BootstrapEvent, BootstrapObservation, Folded, OperationResult, Release};
 use crate::shape::{ClusterShape, NodeTemplate};
-use crate::state::BootstrapStage;
 use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
@@ -787,202 +784,170 @@ pub struct FlightStats {
     /// recording; every one after it is dropped too).
     pub dropped: u64,
     /// Bytes the frames took in the buffer (a result or an observation,
-    /// kept whole until it is written out, counts what it holds in memory).
+    /// kept compact until it is written out, counts the bytes it took
+    /// there, and the time written before it when there was one).
     pub bytes: u64,
 }
 
-/// A result as it was handed in, with the fold's answer, kept whole until
-/// its batch is written out ([`FlightBatch::write_to`]). Results and
-/// observations are nearly every frame (a million in a cold converge of
-/// 100,000 nodes): encoding them where the batch is written (the daemon's
-/// writer thread) keeps that work off the thread that runs the host. The
-/// host borrows a result, so keeping it costs one move; its encoding, a
-/// few hundred instructions.
-#[derive(Debug)]
-struct KeptResult {
-    result: OperationResult,
-    now: Timestamp,
-    /// Where it goes among the batch's bytes.
-    at: u32,
-    /// Its place among the batch's kept frames.
-    seq: u32,
-    answer: Folded,
+/// Tags that stand where a frame's length would among a [`FlightBatch`]'s
+/// bytes, each beginning a frame kept in a compact form of its own until
+/// the batch is written out ([`FlightBatch::write_to`]). No frame is this
+/// long: one that would be is cut ([`CUT_MARKER`], the last value, ends a
+/// batch as it ends a recording).
+///
+/// Results and observations are nearly every frame (a million in a cold
+/// converge of 100,000 nodes). Kept this way, each costs the thread that
+/// runs the host a few stores and one copy of its id; the writer thread
+/// (the daemon's) puts the postcard frame together. The form is a fixed
+/// head and the id's bytes, and a message's time is written once for all
+/// the frames that share it: an observation takes about 40 bytes in the
+/// buffer, fewer than its frame will, which matters as much as the
+/// instructions (every byte passes from one core's cache to another's).
+mod tag {
+    /// The time given with the kept frames after it: a `u64`.
+    pub(super) const NOW: u32 = u32::MAX - 3;
+    /// A kept result: [`super::fast::RESULT_HEAD`].
+    pub(super) const RESULT: u32 = u32::MAX - 2;
+    /// A kept observation: [`super::fast::OBSERVATION_HEAD`].
+    pub(super) const OBSERVATION: u32 = u32::MAX - 1;
+    /// Lengths from this one up are tags, or [`super::CUT_MARKER`].
+    pub(super) const FIRST: u32 = NOW;
 }
 
-/// An observation kept the same way, in one cache line: what the memory
-/// it passes through costs is most of what keeping it costs. A failure,
-/// with its words, is written at once instead.
-#[derive(Debug)]
-struct KeptObservation {
-    session: SessionId,
-    attempt: NodeAttemptId,
-    now: Timestamp,
-    group: GroupId,
-    index: u32,
-    at: u32,
-    seq: u32,
-    event: KeptEvent,
-    answer: Folded,
-}
-
-/// The events a [`KeptObservation`] holds.
-#[derive(Clone, Copy, Debug)]
-enum KeptEvent {
-    Stage(BootstrapStage),
-    Joined,
-    Closed,
-}
-
-impl KeptObservation {
-    fn observation(&self) -> BootstrapObservation {
-        BootstrapObservation {
-            node: LogicalNodeId::new(self.group, self.index),
-            attempt: self.attempt,
-            session: self.session.clone(),
-            event: match self.event {
-                KeptEvent::Stage(stage) => BootstrapEvent::Stage(stage),
-                KeptEvent::Joined => BootstrapEvent::SwactorJoined,
-                KeptEvent::Closed => BootstrapEvent::Closed,
-            },
-        }
-    }
-}
-
-/// What a kept result, and a kept observation, hold in memory until they
-/// are encoded.
-const RESULT_SIZE: usize = std::mem::size_of::<KeptResult>();
-const OBSERVATION_SIZE: usize = std::mem::size_of::<KeptObservation>();
-const _: () = assert!(
-    OBSERVATION_SIZE <= 64,
-    "a kept observation fits a cache line"
-);
-
-/// Appends the frame of `input` with the fold's `answer`; false if it
-/// could not be (longer than a frame can say), and then the recording
-/// ends there with [`CUT_MARKER`].
-fn encode_kept(out: &mut Vec<u8>, input: fast::Fast<'_>, answer: Folded) -> bool {
-    let (bytes, len) = fast::folded(answer);
-    let answer = &bytes[..len];
-    if fast::frame(out, input, answer) {
-        return true;
-    }
-    // An input `fast` leaves alone (a failure with its words, an id far
-    // longer than usual): through postcard.
-    let start = out.len();
-    out.extend_from_slice(&[0; 4]);
-    // Writing to a vector cannot fail.
-    let _ = postcard::serialize_with_flavor(&input.input(), Append(out));
-    out.extend_from_slice(answer);
-    match u32::try_from(out.len() - start - 4) {
-        Ok(len) => {
-            out[start..start + 4].copy_from_slice(&len.to_le_bytes());
-            true
-        }
-        Err(_) => {
-            out.truncate(start);
-            out.extend_from_slice(&CUT_MARKER.to_le_bytes());
-            false
-        }
-    }
-}
+/// The bytes a time takes among a batch's: its tag and a `u64`.
+const NOW_SIZE: usize = 12;
 
 /// Frames a [`Flight`] recorded, taken out with [`Flight::take_frames`]:
-/// bytes already encoded, and results and observations kept whole to be
-/// encoded among them when the batch is written out.
+/// frames encoded already, and results and observations kept compact (see
+/// [`tag`]) to be encoded among them when the batch is written out.
 #[derive(Debug, Default)]
 pub struct FlightBatch {
     bytes: Vec<u8>,
-    results: Vec<KeptResult>,
-    observations: Vec<KeptObservation>,
+    /// The groups the kept frames name, by their place here.
+    groups: Vec<GroupId>,
+    /// The place of the group named last.
+    last_group: u32,
+    /// The time written last ([`tag::NOW`]), which the kept frames after
+    /// it were given.
+    now: Option<Timestamp>,
 }
 
 impl FlightBatch {
-    /// An empty batch with room for `bytes` bytes of frames encoded at
-    /// once, and for as many kept results, and as many kept observations,
-    /// as `held` bytes hold (see [`FlightBatch::held`]), and one more: a
-    /// batch handed over once it holds `held` never grows on the way.
-    pub fn with_room(bytes: usize, held: usize) -> Self {
+    /// An empty batch with room for `bytes` bytes of frames: a batch
+    /// handed over once it holds some amount, with room for that much and
+    /// one usual frame more, never grows on the way (growing copies what
+    /// it holds).
+    pub fn with_room(bytes: usize) -> Self {
         Self {
             bytes: Vec::with_capacity(bytes),
-            results: Vec::with_capacity(held / RESULT_SIZE + 1),
-            observations: Vec::with_capacity(held / OBSERVATION_SIZE + 1),
+            ..Self::default()
         }
     }
 
     /// Whether it holds no frame.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty() && self.results.is_empty() && self.observations.is_empty()
+        self.bytes.is_empty()
     }
 
-    /// The bytes its frames hold in memory (more than they take written
-    /// out: a kept frame is held whole).
+    /// The bytes its frames hold in memory (a kept frame takes fewer than
+    /// it will written out).
     #[inline]
     pub fn held(&self) -> usize {
         self.bytes.len()
-            + self.results.len() * RESULT_SIZE
-            + self.observations.len() * OBSERVATION_SIZE
     }
 
     /// The bytes it has room for.
     pub fn capacity(&self) -> usize {
         self.bytes.capacity()
-            + self.results.capacity() * RESULT_SIZE
-            + self.observations.capacity() * OBSERVATION_SIZE
     }
 
     /// Empties it, keeping its room.
     pub fn clear(&mut self) {
         self.bytes.clear();
-        self.results.clear();
-        self.observations.clear();
+        self.groups.clear();
+        self.last_group = 0;
+        self.now = None;
     }
 
-    /// The place of the next kept frame.
-    #[inline]
-    fn next_seq(&self) -> u32 {
-        (self.results.len() + self.observations.len()) as u32
+    /// The place of `group` among the batch's groups; `None` for a name
+    /// too long to keep compact (a kept frame says its length in a byte).
+    #[inline(always)]
+    fn group(&mut self, group: GroupId) -> Option<u32> {
+        match self.groups.get(self.last_group as usize) {
+            Some(&last) if last == group => Some(self.last_group),
+            _ => self.another_group(group),
+        }
+    }
+
+    #[inline(never)]
+    fn another_group(&mut self, group: GroupId) -> Option<u32> {
+        if group.as_str().len() > usize::from(u8::MAX) {
+            return None;
+        }
+        let at = match self.groups.iter().position(|&g| g == group) {
+            Some(at) => at,
+            None => {
+                self.groups.push(group);
+                self.groups.len() - 1
+            }
+        };
+        self.last_group = u32::try_from(at).ok()?;
+        Some(self.last_group)
+    }
+
+    /// Writes `now` for the kept frames after it, if it is not the time
+    /// written last.
+    #[inline(always)]
+    fn set_now(&mut self, now: Timestamp) {
+        if self.now != Some(now) {
+            self.now = Some(now);
+            let mut head = [0; NOW_SIZE];
+            head[..4].copy_from_slice(&tag::NOW.to_le_bytes());
+            head[4..].copy_from_slice(&now.0.to_le_bytes());
+            self.bytes.extend_from_slice(&head);
+        }
     }
 
     /// Appends its frames, encoded, to `out`: what the recording holds
     /// next.
     pub fn write_to(&self, out: &mut Vec<u8>) {
-        let (mut r, mut o) = (0, 0);
+        let b = &self.bytes[..];
+        let mut scratch = fast::Scratch::new();
+        let mut now = 0;
+        // Where the frames not yet copied begin: frames encoded already
+        // are copied a run at a time.
         let mut from = 0;
-        loop {
-            // Results and observations in the order they were kept.
-            let result_first = match (self.results.get(r), self.observations.get(o)) {
-                (Some(kr), Some(ko)) => kr.seq < ko.seq,
-                (Some(_), None) => true,
-                (None, Some(_)) => false,
-                (None, None) => break,
-            };
-            let (at, written) = if result_first {
-                let k = &self.results[r];
-                r += 1;
-                out.extend_from_slice(&self.bytes[from..k.at as usize]);
-                let input = fast::Fast::Result(&k.result, k.now);
-                (k.at, encode_kept(out, input, k.answer))
-            } else {
-                let k = &self.observations[o];
-                o += 1;
-                out.extend_from_slice(&self.bytes[from..k.at as usize]);
-                let obs = k.observation();
-                let input = fast::Fast::Observation(&obs, k.now);
-                (k.at, encode_kept(out, input, k.answer))
-            };
-            if !written {
-                return;
+        let mut at = 0;
+        while let Some(head) = b.get(at..at + 4) {
+            let head = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+            if head < tag::FIRST {
+                at += 4 + head as usize;
+                continue;
             }
-            from = at as usize;
+            out.extend_from_slice(&b[from..at]);
+            let rest = &b[at..];
+            at += match head {
+                tag::NOW => {
+                    now = fast::u64_at(rest, 4);
+                    NOW_SIZE
+                }
+                tag::OBSERVATION => fast::observation(&mut scratch, rest, &self.groups, now, out),
+                tag::RESULT => fast::result(&mut scratch, rest, &self.groups, now, out),
+                // The cut: nothing follows it.
+                _ => {
+                    out.extend_from_slice(rest);
+                    return;
+                }
+            };
+            from = at;
         }
-        out.extend_from_slice(&self.bytes[from..]);
+        out.extend_from_slice(&b[from..]);
     }
 
     /// Its frames, encoded.
     #[cfg(test)]
     fn to_bytes(&self) -> Vec<u8> {
-        let kept = self.results.len() + self.observations.len();
-        let mut out = Vec::with_capacity(self.bytes.len() + kept * 48);
+        let mut out = Vec::with_capacity(self.bytes.len() * 2);
         self.write_to(&mut out);
         out
     }
@@ -1046,98 +1011,75 @@ impl Recorder {
         }
     }
 
-    /// Where a kept frame of `size` bytes for `input` goes: its place in
-    /// the bytes (noted in 32 bits), its place among the kept frames, and
-    /// the fold's answer. `None` when the host refused `input` with an
-    /// error (it is written at once), or when the frame does not fit (the
-    /// recording is cut there).
-    #[inline(always)]
-    fn place(
-        &mut self,
-        input: fast::Fast<'_>,
-        out: &Result<Folded, DriverError>,
-        size: usize,
-    ) -> Option<(u32, u32, Folded)> {
-        let Ok(answer) = out else {
-            self.refused(input, out);
-            return None;
-        };
-        let seq = self.batch.next_seq();
-        let held = self.batch.held();
-        match u32::try_from(self.batch.bytes.len()) {
-            Ok(at) if held + size <= self.max || held == 0 => {
-                self.stats.frames += 1;
-                self.stats.bytes += size as u64;
-                Some((at, seq, *answer))
-            }
-            _ => {
-                self.cut_at(self.batch.bytes.len());
-                None
-            }
-        }
-    }
-
-    /// Records a result and its fold's answer `out`: kept whole when it
-    /// went through, as a frame now otherwise. Always inlined: it runs for
-    /// a great many frames, and a call would copy the result once more.
+    /// Records a result and its fold's answer `out`: kept compact when
+    /// the fold went through (see [`tag`]), as a frame now otherwise.
+    /// Always inlined: it runs for a great many frames.
     #[inline(always)]
     fn keep_result(
         &mut self,
-        result: OperationResult,
+        result: &OperationResult,
         now: Timestamp,
         out: &Result<Folded, DriverError>,
     ) {
-        let input = fast::Fast::Result(&result, now);
-        if let Some((at, seq, answer)) = self.place(input, out, RESULT_SIZE) {
-            self.batch.results.push(KeptResult {
-                result,
-                now,
-                at,
-                seq,
-                answer,
-            });
+        let kept = match out {
+            Ok(answer) => fast::Outcome::of(&result.outcome).and_then(|outcome| {
+                let group = self.batch.group(result.node.group)?;
+                let start = self.batch.bytes.len();
+                self.batch.set_now(now);
+                fast::keep_result(&mut self.batch.bytes, result, group, outcome, *answer);
+                Some(start)
+            }),
+            Err(_) => None,
+        };
+        match kept {
+            Some(start) => self.count(start),
+            None => self.at_once(
+                &FlightInput::Result {
+                    result: Cow::Borrowed(result),
+                    now,
+                },
+                out,
+            ),
         }
     }
 
     /// Records an observation and its fold's answer `out`, as
-    /// [`Recorder::keep_result`] does.
+    /// [`Recorder::keep_result`] does a result; a failure, with its words,
+    /// is written at once.
     #[inline(always)]
     fn keep_observation(
         &mut self,
-        obs: BootstrapObservation,
+        obs: &BootstrapObservation,
         now: Timestamp,
         out: &Result<Folded, DriverError>,
     ) {
-        let event = match obs.event {
-            BootstrapEvent::Stage(stage) => KeptEvent::Stage(stage),
-            BootstrapEvent::SwactorJoined => KeptEvent::Joined,
-            BootstrapEvent::Closed => KeptEvent::Closed,
-            BootstrapEvent::Failed { .. } => {
-                self.refused(fast::Fast::Observation(&obs, now), out);
-                return;
-            }
+        let kept = match out {
+            Ok(answer) if fast::keeps(obs) => self.batch.group(obs.node.group).map(|group| {
+                let start = self.batch.bytes.len();
+                self.batch.set_now(now);
+                fast::keep_observation(&mut self.batch.bytes, obs, group, *answer);
+                start
+            }),
+            _ => None,
         };
-        let input = fast::Fast::Observation(&obs, now);
-        if let Some((at, seq, answer)) = self.place(input, out, OBSERVATION_SIZE) {
-            self.batch.observations.push(KeptObservation {
-                session: obs.session,
-                attempt: obs.attempt,
-                now,
-                group: obs.node.group,
-                index: obs.node.index,
-                at,
-                seq,
-                event,
-                answer,
-            });
+        match kept {
+            Some(start) => self.count(start),
+            None => self.at_once(
+                &FlightInput::Bootstrap {
+                    obs: Cow::Borrowed(obs),
+                    now,
+                },
+                out,
+            ),
         }
     }
 
     /// Records a result or an observation as a frame now: one the host
-    /// refused with an error, or a failure with its words.
+    /// refused with an error, a failure with its words, or one with an id
+    /// too long to keep compact.
     #[cold]
-    fn refused(&mut self, input: fast::Fast<'_>, out: &Result<Folded, DriverError>) {
-        self.begin(&input.input());
+    fn at_once(&mut self, input: &FlightInput<'_>, out: &Result<Folded, DriverError>) {
+        self.begin(input);
         self.end_fold(out);
     }
 
@@ -1177,11 +1119,11 @@ impl Recorder {
         let buf = &mut self.batch.bytes;
         let len = buf.len() - start - 4;
         match u32::try_from(len) {
-            Ok(len32) => {
+            Ok(len32) if len32 < tag::FIRST => {
                 buf[start..start + 4].copy_from_slice(&len32.to_le_bytes());
                 self.count(start);
             }
-            Err(_) => self.cut_at(start),
+            _ => self.cut_at(start),
         }
     }
 
@@ -1200,76 +1142,271 @@ impl Recorder {
     }
 }
 
-/// Hand-written encoders for the inputs that come for every node at every
-/// step (results and observations, a million frames in a cold converge of
-/// 100,000 nodes): the very bytes postcard writes for them (a test checks
-/// each kind against it), a few times faster than going through serde.
+/// Results and observations kept compact (see [`tag`]), and their frames
+/// put together from that form: the very bytes postcard writes for them (a
+/// test checks each kind against it), without going through serde.
 /// Anything else, and the rarer outcomes and events (failures, with their
-/// words), goes through postcard.
+/// words), goes through postcard at once.
 mod fast {
     use super::*;
-    use crate::observe::{BootstrapEvent, OperationOutcome};
+    use crate::observe::OperationOutcome;
 
     /// `FlightInput`'s variant indices, as serde numbers them.
     const RESULT: u8 = 8;
     const BOOTSTRAP: u8 = 10;
 
-    /// An input written here, borrowed.
+    /// A kept observation: its tag, its group's place in the batch
+    /// (`u32`), the slot's index (`u32`), the attempt (`u64`), the event's
+    /// variant and stage (a byte each, as serde numbers them), the answer
+    /// ([`answer_code`]), and the session's length (a byte); its bytes
+    /// follow.
+    pub(super) const OBSERVATION_HEAD: usize = 24;
+
+    /// A kept result: its tag, its group's place (`u32`), the slot's index
+    /// (`u32`), the operation's attempt and number (`u64` each), the
+    /// outcome's variant, whether it carries an endpoint (see
+    /// [`Outcome`]), the answer, and the length of its text (a byte each);
+    /// the text follows, then the endpoint's length and bytes if it has one.
+    pub(super) const RESULT_HEAD: usize = 32;
+
+    /// The answer of a fold that applied, as a kept frame holds it (any
+    /// other byte is the reason a fold discarded its input).
+    const APPLIED_CODE: u8 = u8::MAX;
+
+    /// The longest id a kept frame holds (its length is a byte); a longer
+    /// one is written at once, through postcard.
+    const TEXT_MAX: usize = u8::MAX as usize;
+
+    /// The most a frame put together here takes: three texts of at most
+    /// [`TEXT_MAX`] bytes and their lengths, four varints and a few bytes.
+    const MAX: usize = 1024;
+
+    #[inline]
+    fn answer_code(answer: Folded) -> u8 {
+        match answer {
+            Folded::Applied => APPLIED_CODE,
+            Folded::Discarded(reason) => reason as u8,
+        }
+    }
+
+    /// A result's outcome as a kept result holds it: the variant (as
+    /// serde numbers it), its text (a lease, an endpoint or a session),
+    /// and for a lease just made, whether an endpoint came with it.
     #[derive(Clone, Copy)]
-    pub(super) enum Fast<'a> {
-        Result(&'a OperationResult, Timestamp),
-        Observation(&'a BootstrapObservation, Timestamp),
+    pub(super) struct Outcome<'a> {
+        variant: u8,
+        text: &'a str,
+        /// 0 for an outcome with no such field, 1 for none, 2 for this.
+        endpoint: (u8, &'a str),
     }
 
-    impl<'a> Fast<'a> {
-        #[cfg(test)]
-        pub(super) fn of(input: &'a FlightInput<'_>) -> Option<Self> {
-            match input {
-                FlightInput::Result { result, now } => Some(Self::Result(result, *now)),
-                FlightInput::Bootstrap { obs, now } => Some(Self::Observation(obs, *now)),
-                _ => None,
-            }
-        }
-
-        /// The input, borrowed again, for postcard.
-        pub(super) fn input(self) -> FlightInput<'a> {
-            match self {
-                Self::Result(result, now) => FlightInput::Result {
-                    result: Cow::Borrowed(result),
-                    now,
-                },
-                Self::Observation(obs, now) => FlightInput::Bootstrap {
-                    obs: Cow::Borrowed(obs),
-                    now,
-                },
-            }
+    impl<'a> Outcome<'a> {
+        /// `None` for an outcome written at once: a failure, with its
+        /// words, or one with an id longer than [`TEXT_MAX`].
+        #[inline]
+        pub(super) fn of(outcome: &'a OperationOutcome) -> Option<Self> {
+            let (variant, text, endpoint) = match outcome {
+                OperationOutcome::LeaseCreated { lease, endpoint } => (
+                    0,
+                    lease.as_str(),
+                    endpoint.as_ref().map_or((1, ""), |e| (2, e.as_str())),
+                ),
+                OperationOutcome::EndpointFound { endpoint } => (1, endpoint.as_str(), (0, "")),
+                OperationOutcome::EndpointNotReady => (2, "", (0, "")),
+                OperationOutcome::BootstrapStarted { session } => (3, session.as_str(), (0, "")),
+                OperationOutcome::BootstrapCancelled => (4, "", (0, "")),
+                OperationOutcome::LeaseDestroyed => (5, "", (0, "")),
+                _ => return None,
+            };
+            (text.len() <= TEXT_MAX && endpoint.1.len() <= TEXT_MAX).then_some(Self {
+                variant,
+                text,
+                endpoint,
+            })
         }
     }
 
-    /// The most a frame written here takes; a longer one (an id far
-    /// longer than usual) is left to postcard.
-    const MAX: usize = 160;
+    /// Whether an outcome of `variant` carries a text.
+    #[inline]
+    fn has_text(variant: u8) -> bool {
+        matches!(variant, 0 | 1 | 3)
+    }
 
-    /// A frame put together on the stack and appended in one copy: a
-    /// million frames in a cold converge would otherwise pay a capacity
-    /// check for every byte.
-    struct Scratch {
+    /// Appends `r`, kept compact, with its `outcome` ([`Outcome::of`] of
+    /// its own) and the fold's `answer`; `group` is its group's place.
+    #[inline(always)]
+    pub(super) fn keep_result(
+        buf: &mut Vec<u8>,
+        r: &OperationResult,
+        group: u32,
+        outcome: Outcome<'_>,
+        answer: Folded,
+    ) {
+        let mut head = [0; RESULT_HEAD];
+        head[..4].copy_from_slice(&tag::RESULT.to_le_bytes());
+        head[4..8].copy_from_slice(&group.to_le_bytes());
+        head[8..12].copy_from_slice(&r.node.index.to_le_bytes());
+        head[12..20].copy_from_slice(&r.op.attempt.0.to_le_bytes());
+        head[20..28].copy_from_slice(&r.op.seq.to_le_bytes());
+        head[28] = outcome.variant;
+        head[29] = outcome.endpoint.0;
+        head[30] = answer_code(answer);
+        // `Outcome::of` let no longer text through.
+        head[31] = outcome.text.len() as u8;
+        buf.extend_from_slice(&head);
+        buf.extend_from_slice(outcome.text.as_bytes());
+        if outcome.endpoint.0 == 2 {
+            let e = outcome.endpoint.1;
+            buf.push(e.len() as u8);
+            buf.extend_from_slice(e.as_bytes());
+        }
+    }
+
+    /// Whether `obs` can be kept compact: not a failure (its words are
+    /// written at once), and its session no longer than [`TEXT_MAX`].
+    #[inline]
+    pub(super) fn keeps(obs: &BootstrapObservation) -> bool {
+        !matches!(obs.event, BootstrapEvent::Failed { .. })
+            && obs.session.as_str().len() <= TEXT_MAX
+    }
+
+    /// Appends `obs` ([`keeps`] it), kept compact, with the fold's
+    /// `answer`; `group` is its group's place.
+    #[inline(always)]
+    pub(super) fn keep_observation(
+        buf: &mut Vec<u8>,
+        obs: &BootstrapObservation,
+        group: u32,
+        answer: Folded,
+    ) {
+        let (variant, stage) = match obs.event {
+            BootstrapEvent::Stage(stage) => (0, stage as u8),
+            BootstrapEvent::SwactorJoined => (1, 0),
+            // A failure is never kept (see `keeps`).
+            BootstrapEvent::Closed | BootstrapEvent::Failed { .. } => (2, 0),
+        };
+        let session = obs.session.as_str();
+        let mut head = [0; OBSERVATION_HEAD];
+        head[..4].copy_from_slice(&tag::OBSERVATION.to_le_bytes());
+        head[4..8].copy_from_slice(&group.to_le_bytes());
+        head[8..12].copy_from_slice(&obs.node.index.to_le_bytes());
+        head[12..20].copy_from_slice(&obs.attempt.0.to_le_bytes());
+        head[20] = variant;
+        head[21] = stage;
+        head[22] = answer_code(answer);
+        // `keeps` let no longer session through.
+        head[23] = session.len() as u8;
+        buf.extend_from_slice(&head);
+        buf.extend_from_slice(session.as_bytes());
+    }
+
+    #[inline]
+    fn u32_at(b: &[u8], at: usize) -> u32 {
+        let mut w = [0; 4];
+        w.copy_from_slice(&b[at..at + 4]);
+        u32::from_le_bytes(w)
+    }
+
+    #[inline]
+    pub(super) fn u64_at(b: &[u8], at: usize) -> u64 {
+        let mut w = [0; 8];
+        w.copy_from_slice(&b[at..at + 8]);
+        u64::from_le_bytes(w)
+    }
+
+    /// Appends the frame of the observation kept at the start of `raw`,
+    /// given `now`; the bytes it was kept in.
+    pub(super) fn observation(
+        s: &mut Scratch,
+        raw: &[u8],
+        groups: &[GroupId],
+        now: u64,
+        out: &mut Vec<u8>,
+    ) -> usize {
+        let len = OBSERVATION_HEAD + usize::from(raw[23]);
+        s.start();
+        s.small(BOOTSTRAP);
+        s.text(groups[u32_at(raw, 4) as usize].as_str().as_bytes());
+        s.varint(u64::from(u32_at(raw, 8)));
+        s.varint(u64_at(raw, 12));
+        s.text(&raw[OBSERVATION_HEAD..len]);
+        s.small(raw[20]);
+        if raw[20] == 0 {
+            s.small(raw[21]);
+        }
+        s.varint(now);
+        s.answer(raw[22]);
+        s.finish(out);
+        len
+    }
+
+    /// Appends the frame of the result kept at the start of `raw`, given
+    /// `now`; the bytes it was kept in.
+    pub(super) fn result(
+        s: &mut Scratch,
+        raw: &[u8],
+        groups: &[GroupId],
+        now: u64,
+        out: &mut Vec<u8>,
+    ) -> usize {
+        let variant = raw[28];
+        let mut len = RESULT_HEAD + usize::from(raw[31]);
+        s.start();
+        s.small(RESULT);
+        s.text(groups[u32_at(raw, 4) as usize].as_str().as_bytes());
+        s.varint(u64::from(u32_at(raw, 8)));
+        s.varint(u64_at(raw, 12));
+        s.varint(u64_at(raw, 20));
+        s.small(variant);
+        if has_text(variant) {
+            s.text(&raw[RESULT_HEAD..len]);
+        }
+        match raw[29] {
+            0 => {}
+            1 => s.small(0),
+            _ => {
+                s.small(1);
+                let at = len + 1;
+                len = at + usize::from(raw[len]);
+                s.text(&raw[at..len]);
+            }
+        }
+        s.varint(now);
+        s.answer(raw[30]);
+        s.finish(out);
+        len
+    }
+
+    /// A frame put together on the stack and appended in one copy (a
+    /// capacity check for every byte would cost more than the bytes).
+    pub(super) struct Scratch {
         bytes: [u8; MAX],
         len: usize,
     }
 
     impl Scratch {
-        /// Room for the frame's length first.
-        #[inline]
-        fn new() -> Self {
+        pub(super) fn new() -> Self {
             Self {
                 bytes: [0; MAX],
                 len: 4,
             }
         }
 
-        /// Writes a varint. The caller has checked there is room (ten
-        /// bytes at most).
+        /// Begins a frame, after room for its length.
+        #[inline]
+        fn start(&mut self) {
+            self.len = 4;
+        }
+
+        /// Appends the frame, with its length first.
+        #[inline]
+        fn finish(&mut self, out: &mut Vec<u8>) {
+            let len = (self.len - 4) as u32;
+            self.bytes[..4].copy_from_slice(&len.to_le_bytes());
+            out.extend_from_slice(&self.bytes[..self.len]);
+        }
+
+        /// Writes a varint.
         #[inline(always)]
         fn varint(&mut self, mut v: u64) {
             let at = self.len;
@@ -1302,32 +1439,32 @@ mod fast {
         /// Writes a small number (a variant's index).
         #[inline]
         fn small(&mut self, v: u8) {
-            debug_assert!(v < 0x80);
             self.bytes[self.len] = v;
             self.len += 1;
         }
 
-        /// Writes a string's length and bytes, if they fit with `after`
-        /// bytes more.
+        /// Writes a text's length and bytes (at most [`TEXT_MAX`] of them:
+        /// [`MAX`] has room for three).
         #[inline(always)]
-        fn text(&mut self, s: &str, after: usize) -> bool {
-            if s.len() + 10 + after > MAX - self.len {
-                return false;
+        fn text(&mut self, t: &[u8]) {
+            self.varint(t.len() as u64);
+            self.bytes[self.len..self.len + t.len()].copy_from_slice(t);
+            self.len += t.len();
+        }
+
+        /// Writes a kept answer ([`answer_code`]) as postcard writes
+        /// `Answer::Folded` of it.
+        #[inline]
+        fn answer(&mut self, code: u8) {
+            self.small(0);
+            if code == APPLIED_CODE {
+                self.small(0);
+            } else {
+                self.small(1);
+                self.small(code);
             }
-            self.varint(s.len() as u64);
-            self.bytes[self.len..self.len + s.len()].copy_from_slice(s.as_bytes());
-            self.len += s.len();
-            true
         }
     }
-
-    /// What is written after the last text of a frame at most: four
-    /// varints and a few small numbers.
-    const TAIL: usize = 48;
-
-    /// A fold's answer when it was applied, as postcard writes
-    /// `Answer::Folded(Folded::Applied)`.
-    pub(super) const APPLIED: [u8; 2] = [0, 0];
 
     /// A fold's answer as postcard writes `Answer::Folded` of it: the
     /// variants' indices and a discard's reason (a test checks every one),
@@ -1335,122 +1472,9 @@ mod fast {
     #[inline]
     pub(super) fn folded(answer: Folded) -> ([u8; 3], usize) {
         match answer {
-            Folded::Applied => ([APPLIED[0], APPLIED[1], 0], APPLIED.len()),
+            Folded::Applied => ([0, 0, 0], 2),
             Folded::Discarded(reason) => ([0, 1, reason as u8], 3),
         }
-    }
-
-    /// Appends a whole frame of `input`: its length, the input, and
-    /// `answer` (at most three bytes: a fold's); false (nothing appended)
-    /// for an input written only by postcard.
-    #[inline]
-    pub(super) fn frame(buf: &mut Vec<u8>, input: Fast<'_>, answer: &[u8]) -> bool {
-        debug_assert!(answer.len() <= 3);
-        let mut s = Scratch::new();
-        let written = match input {
-            Fast::Observation(obs, now) => observation(&mut s, obs, now),
-            Fast::Result(r, now) => result(&mut s, r, now),
-        };
-        if !written {
-            return false;
-        }
-        // `TAIL` left room for it.
-        s.bytes[s.len..s.len + answer.len()].copy_from_slice(answer);
-        s.len += answer.len();
-        let len = (s.len - 4) as u32;
-        s.bytes[..4].copy_from_slice(&len.to_le_bytes());
-        buf.extend_from_slice(&s.bytes[..s.len]);
-        true
-    }
-
-    #[inline]
-    fn observation(s: &mut Scratch, obs: &BootstrapObservation, now: Timestamp) -> bool {
-        let event = match obs.event {
-            BootstrapEvent::Stage(stage) => Some(stage),
-            BootstrapEvent::SwactorJoined | BootstrapEvent::Closed => None,
-            BootstrapEvent::Failed { .. } => return false,
-        };
-        s.small(BOOTSTRAP);
-        if !s.text(obs.node.group.as_str(), TAIL + obs.session.as_str().len()) {
-            return false;
-        }
-        s.varint(u64::from(obs.node.index));
-        s.varint(obs.attempt.0);
-        if !s.text(obs.session.as_str(), TAIL) {
-            return false;
-        }
-        match (event, &obs.event) {
-            (Some(stage), _) => {
-                s.small(0);
-                // A fieldless enum's variants are numbered as declared.
-                s.small(stage as u8);
-            }
-            (None, BootstrapEvent::SwactorJoined) => s.small(1),
-            (None, _) => s.small(2),
-        }
-        s.varint(now.0);
-        true
-    }
-
-    #[inline]
-    fn result(s: &mut Scratch, r: &OperationResult, now: Timestamp) -> bool {
-        let (variant, text, endpoint) = match &r.outcome {
-            OperationOutcome::LeaseCreated { lease, endpoint } => {
-                (0, Some(lease.as_str()), Some(endpoint.as_ref()))
-            }
-            OperationOutcome::EndpointFound { endpoint } => (1, Some(endpoint.as_str()), None),
-            OperationOutcome::EndpointNotReady => (2, None, None),
-            OperationOutcome::BootstrapStarted { session } => (3, Some(session.as_str()), None),
-            OperationOutcome::BootstrapCancelled => (4, None, None),
-            OperationOutcome::LeaseDestroyed => (5, None, None),
-            _ => return false,
-        };
-        let endpoint_len = match endpoint {
-            Some(Some(e)) => e.as_str().len() + 10,
-            _ => 0,
-        };
-        let text_len = text.map_or(0, |t| t.len() + 10);
-        s.small(RESULT);
-        if !s.text(r.node.group.as_str(), TAIL + text_len + endpoint_len) {
-            return false;
-        }
-        s.varint(u64::from(r.node.index));
-        s.varint(r.op.attempt.0);
-        s.varint(r.op.seq);
-        s.small(variant);
-        if let Some(text) = text
-            && !s.text(text, TAIL + endpoint_len)
-        {
-            return false;
-        }
-        match endpoint {
-            None => {}
-            Some(None) => s.small(0),
-            Some(Some(e)) => {
-                s.small(1);
-                if !s.text(e.as_str(), TAIL) {
-                    return false;
-                }
-            }
-        }
-        s.varint(now.0);
-        true
-    }
-
-    /// Writes `input` alone, if [`frame`] would write it.
-    #[cfg(test)]
-    pub(super) fn encode(buf: &mut Vec<u8>, input: &FlightInput<'_>) -> bool {
-        let mut framed = Vec::new();
-        let Some(fast) = Fast::of(input) else {
-            return false;
-        };
-        if !frame(&mut framed, fast, &APPLIED) {
-            return false;
-        }
-        assert_eq!(framed[..4], ((framed.len() - 4) as u32).to_le_bytes());
-        assert!(framed.ends_with(&APPLIED));
-        buf.extend_from_slice(&framed[4..framed.len() - APPLIED.len()]);
-        true
     }
 
     #[cfg(test)]
@@ -1475,43 +1499,59 @@ mod fast {
             bytes
         }
 
-        /// Written as postcard writes it, or (long) left to postcard;
-        /// and a recorder's frame of it reads back.
+        /// Every answer a fold can give: applied, discarded for each
+        /// reason, refused.
+        fn answers() -> Vec<Result<Folded, DriverError>> {
+            use crate::observe::DiscardReason as R;
+            let reasons = [
+                R::UnknownNode,
+                R::SupersededAttempt,
+                R::StaleOperation,
+                R::OutcomeMismatch,
+                R::StaleSession,
+                R::NotActive,
+                R::NotLive,
+                R::Queued,
+            ];
+            std::iter::once(Ok(Folded::Applied))
+                .chain(reasons.map(|r| Ok(Folded::Discarded(r))))
+                .chain([Err(DriverError::Reentry)])
+                .collect()
+        }
+
+        /// Records `input` with `out` as its answer.
+        fn keep(rec: &mut Recorder, input: &FlightInput<'_>, out: &Result<Folded, DriverError>) {
+            match input {
+                FlightInput::Result { result, now } => rec.keep_result(result, *now, out),
+                FlightInput::Bootstrap { obs, now } => rec.keep_observation(obs, *now, out),
+                _ => unreachable!("only results and observations are kept"),
+            }
+        }
+
+        /// Whether `input` is kept compact when its fold goes through: not
+        /// a failure, and no id in it longer than a byte can say.
+        fn compact(input: &FlightInput<'_>) -> bool {
+            match input {
+                FlightInput::Result { result, .. } => Outcome::of(&result.outcome).is_some(),
+                FlightInput::Bootstrap { obs, .. } => {
+                    keeps(obs) && obs.node.group.as_str().len() <= TEXT_MAX
+                }
+                _ => false,
+            }
+        }
+
+        /// Kept compact or written at once, a recorder writes its frame as
+        /// postcard writes it, and the frame reads back.
         fn same_as_postcard(input: FlightInput<'_>) {
             let slow = postcard::to_allocvec(&input).unwrap();
-            let mut fast = Vec::new();
-            let failure = matches!(
-                &input,
-                FlightInput::Bootstrap { obs, .. } if matches!(obs.event, BootstrapEvent::Failed { .. })
-            );
-            // Anything of a usual length is written here; a frame
-            // near the stack buffer's size may be left to postcard, and
-            // a failure, with its words, always is.
-            if encode(&mut fast, &input) {
-                assert_eq!(fast, slow, "{input:?}");
-            } else {
-                assert!(slow.len() > 64 || failure, "{input:?}");
-            }
-            // Applied, or not: the frame ends with what was answered,
-            // whether it was kept whole (encoded when written out) or, for
-            // an error, written at once through postcard.
-            for out in [
-                Ok(Folded::Applied),
-                Ok(Folded::Discarded(crate::observe::DiscardReason::NotLive)),
-                Err(DriverError::Reentry),
-            ] {
+            for out in answers() {
                 let mut rec = Recorder::new(usize::MAX);
-                let size = match &input {
-                    FlightInput::Result { result, now } => {
-                        rec.keep_result(result.clone().into_owned(), *now, &out);
-                        RESULT_SIZE
-                    }
-                    FlightInput::Bootstrap { obs, now } => {
-                        rec.keep_observation(obs.clone().into_owned(), *now, &out);
-                        OBSERVATION_SIZE
-                    }
-                    _ => unreachable!("only results and observations are kept"),
-                };
+                keep(&mut rec, &input, &out);
+                // Compact exactly when it went through and fits: its time
+                // first, then it.
+                let kept = compact(&input) && out.is_ok();
+                let head = u32::from_le_bytes(rec.batch.bytes[..4].try_into().unwrap());
+                assert_eq!(head == tag::NOW, kept, "{input:?} {out:?}");
                 let written = rec.batch.to_bytes();
                 let answer = postcard::to_allocvec(&Answer::of_fold(&out)).unwrap();
                 let len = slow.len() + answer.len();
@@ -1524,13 +1564,7 @@ mod fast {
                 let frame = read.frames().next().unwrap().unwrap();
                 assert_eq!(frame.answer, Answer::of_fold(&out));
                 assert_eq!(rec.stats.frames, 1);
-                // A failure, and an error, are written at once.
-                let held = if out.is_ok() && !failure {
-                    size
-                } else {
-                    written.len()
-                };
-                assert_eq!(rec.stats.bytes, held as u64);
+                assert_eq!(rec.stats.bytes, rec.batch.held() as u64);
                 // The same bytes as postcard writes through the recorder.
                 let mut rec = Recorder::new(usize::MAX);
                 rec.begin(&input);
@@ -1558,7 +1592,14 @@ mod fast {
             ];
             let stages = [
                 BootstrapStage::SshConnect,
+                BootstrapStage::BootCheck,
+                BootstrapStage::SwactorStart,
+                BootstrapStage::Join,
                 BootstrapStage::Converged,
+                BootstrapStage::SshConnectFailed,
+                BootstrapStage::BootCheckFailed,
+                BootstrapStage::SwactorStartFailed,
+                BootstrapStage::JoinFailed,
                 BootstrapStage::AgentLost,
             ];
             for (i, &t) in times.iter().enumerate() {
@@ -1604,7 +1645,38 @@ mod fast {
                     },
                     OperationOutcome::BootstrapCancelled,
                     OperationOutcome::LeaseDestroyed,
+                    OperationOutcome::Failed {
+                        class: crate::observe::FailureClass::Definite,
+                        reason: "quota".into(),
+                    },
+                    // The longest ids kept compact, and the shortest not.
+                    OperationOutcome::LeaseCreated {
+                        lease: LeaseId::new("l".repeat(255)),
+                        endpoint: Some(NodeEndpoint::new("e".repeat(255))),
+                    },
+                    OperationOutcome::LeaseCreated {
+                        lease: LeaseId::new("l".repeat(256)),
+                        endpoint: None,
+                    },
+                    OperationOutcome::LeaseCreated {
+                        lease: LeaseId::new("l"),
+                        endpoint: Some(NodeEndpoint::new("e".repeat(256))),
+                    },
+                    OperationOutcome::EndpointFound {
+                        endpoint: NodeEndpoint::new("e".repeat(256)),
+                    },
                 ];
+                // A group named at length, kept compact or not.
+                let long = LogicalNodeId::new(GroupId::new(&"g".repeat(255 + i % 2)), 7);
+                same_as_postcard(FlightInput::Bootstrap {
+                    obs: Cow::Owned(BootstrapObservation {
+                        node: long,
+                        attempt,
+                        session: SessionId::new("s"),
+                        event: BootstrapEvent::Closed,
+                    }),
+                    now,
+                });
                 for outcome in outcomes {
                     same_as_postcard(FlightInput::Result {
                         result: Cow::Owned(OperationResult {
@@ -1925,10 +1997,10 @@ impl<C: Reconciler> Flight<C> {
             self.dropped();
             return self.host.handle_result(result, now);
         };
-        // The host only borrows it (and copies what it keeps), so the
-        // recording takes it as it is.
+        // The host only borrows it (and copies what it keeps), and so
+        // does the recording.
         let out = self.host.handle_result_ref(&result, now);
-        rec.keep_result(result, now, &out);
+        rec.keep_result(&result, now, &out);
         out
     }
 
@@ -1969,10 +2041,10 @@ impl<C: Reconciler> Flight<C> {
             self.dropped();
             return self.host.handle_bootstrap(obs, now);
         };
-        // The host only borrows it (and copies what it keeps), so the
-        // recording takes it as it is.
+        // The host only borrows it (and copies what it keeps), and so
+        // does the recording.
         let out = self.host.handle_bootstrap_ref(&obs, now);
-        rec.keep_observation(obs, now, &out);
+        rec.keep_observation(&obs, now, &out);
         out
     }
 
@@ -2620,7 +2692,8 @@ pub fn replay<C: Reconciler>(
 mod tests {
     use super::*;
     use crate::Driver;
-    use crate::id::LeaseId;
+    use crate::id::{LeaseId, SessionId};
+    use crate::state::BootstrapStage;
 
     #[test]
     fn a_folds_answer_is_kept_as_postcard_writes_it() {
@@ -2777,19 +2850,27 @@ mod tests {
                 .is_ok()
         );
         assert!(flight.handle_result(result(3), Timestamp(9)).is_ok());
+        // Another group between two frames of the first, and back.
+        let other = BootstrapObservation {
+            node: LogicalNodeId::new(GroupId::new("v"), 3),
+            ..observation(BootstrapEvent::SwactorJoined)
+        };
+        assert!(flight.handle_bootstrap(other.clone(), Timestamp(9)).is_ok());
+        assert!(flight.handle_result(result(4), Timestamp(9)).is_ok());
+        assert!(flight.handle_bootstrap(other, Timestamp(9)).is_ok());
         flight
             .take_frames(FlightBatch::default())
             .write_to(&mut bytes);
         // A kept frame fits an empty buffer; the tick after it does not,
         // and nothing is kept after the cut.
         flight.set_buffer_max(1);
-        assert!(flight.handle_result(result(4), Timestamp(10)).is_ok());
+        assert!(flight.handle_result(result(5), Timestamp(10)).is_ok());
         flight.handle_tick(Timestamp(11));
-        assert!(flight.handle_result(result(5), Timestamp(12)).is_ok());
+        assert!(flight.handle_result(result(6), Timestamp(12)).is_ok());
         let last = flight.take_frames(FlightBatch::default());
         assert!(last.held() > 0);
         last.write_to(&mut bytes);
-        assert_eq!((flight.stats().frames, flight.stats().dropped), (10, 2));
+        assert_eq!((flight.stats().frames, flight.stats().dropped), (13, 2));
         let read = Recording::read(&bytes).unwrap();
         let mut frames = read.frames();
         let seen: Vec<(&str, Option<u64>, Answer)> = frames
@@ -2814,14 +2895,22 @@ mod tests {
                 ("tick", Some(8)),
                 ("bootstrap", Some(9)),
                 ("result", Some(9)),
+                ("bootstrap", Some(9)),
+                ("result", Some(9)),
+                ("bootstrap", Some(9)),
                 ("result", Some(10)),
             ]
         );
+        let groups: Vec<_> = read
+            .frames()
+            .filter_map(|f| f.unwrap().input.node().map(|n| n.group.as_str()))
+            .collect();
+        assert_eq!(groups[7..11], ["v", "w", "v", "w"]);
         assert_eq!(seen[1].2, folded);
         let done = replayed(&bytes);
         assert_eq!(
             (done.inputs, done.cut, done.last),
-            (10, true, Some(Timestamp(10)))
+            (13, true, Some(Timestamp(10)))
         );
     }
 
