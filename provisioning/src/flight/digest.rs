@@ -26,6 +26,7 @@ pub(super) const SEQ_END: u64 = 0x5e9_e4d;
 /// the one two words back rather than the last: a pass over 100,000 nodes
 /// folds millions of words, and one chain of multiplications was what its
 /// digest waited on.
+#[derive(Clone, Copy)]
 pub(super) struct Hasher {
     /// The lane the next word goes into.
     a: u64,
@@ -113,8 +114,16 @@ impl Hasher {
 
 impl Hasher {
     /// Folds in `value` as [`of`] would.
+    ///
+    /// Through a copy: serde takes the hasher by reference, and a hasher
+    /// whose address a call was given lives in memory from then on, every
+    /// word stored and loaded again. The copy keeps the caller's in
+    /// registers, across a pass's 200,000 dispatches.
+    #[inline]
     pub(super) fn value<T: Serialize + ?Sized>(&mut self, value: &T) {
-        let _ = value.serialize(&mut *self);
+        let mut h = *self;
+        let _ = value.serialize(&mut h);
+        *self = h;
     }
 }
 
