@@ -46,6 +46,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use redb::{
     Builder, Database, ReadableDatabase, ReadableTable, StorageBackend, TableDefinition, TableError,
@@ -245,6 +246,18 @@ pub enum JournalError {
     },
 }
 
+/// How long [`Journal::open`] waits for a lock that may be let go of in a
+/// moment. A process this one starts holds a copy of every open file, and
+/// so the lock of a journal closed just then, until it has started the
+/// program it runs: an `open` right after a close would otherwise be
+/// refused as in use now and then, in a daemon that starts processes (or a
+/// test binary that does). A journal another daemon holds is still
+/// reported, after this.
+const LOCK_PATIENCE: Duration = Duration::from_millis(500);
+
+/// How often [`Journal::open`] tries the lock again meanwhile.
+const LOCK_RETRY: Duration = Duration::from_millis(5);
+
 /// A durable journal file; cheap to clone, and all clones share one open file.
 ///
 /// The file stays locked until the last clone is dropped, which also closes
@@ -284,7 +297,8 @@ impl Journal {
     ///
     /// # Errors
     /// Every error but the last leaves the file's bytes untouched:
-    /// - [`JournalError::InUse`] if another [`Journal`] holds the file;
+    /// - [`JournalError::InUse`] if another [`Journal`] holds the file (and
+    ///   still does half a second later: see [`LOCK_PATIENCE`]);
     /// - [`JournalError::NoParent`] or [`JournalError::Create`] if a new file
     ///   cannot be made;
     /// - [`JournalError::Unreadable`] or [`JournalError::TooLarge`] if it
@@ -323,14 +337,21 @@ impl Journal {
         // redb takes the same lock when it opens the file; taking it first
         // keeps another process from writing between the check and the open.
         // A second lock on the same open file description is a no-op.
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                return Err(JournalError::InUse {
-                    path: path.to_owned(),
-                });
+        let mut waited = Duration::ZERO;
+        loop {
+            match file.try_lock() {
+                Ok(()) => break,
+                Err(TryLockError::WouldBlock) if waited < LOCK_PATIENCE => {
+                    std::thread::sleep(LOCK_RETRY);
+                    waited += LOCK_RETRY;
+                }
+                Err(TryLockError::WouldBlock) => {
+                    return Err(JournalError::InUse {
+                        path: path.to_owned(),
+                    });
+                }
+                Err(TryLockError::Error(e)) => return Err(unreadable(e)),
             }
-            Err(TryLockError::Error(e)) => return Err(unreadable(e)),
         }
         let len_bytes = file.metadata().map_err(unreadable)?.len();
         if len_bytes == 0 {

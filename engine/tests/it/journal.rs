@@ -283,6 +283,25 @@ async fn a_held_journal_is_in_use_until_every_clone_is_dropped() {
     open(&path, 1).unwrap();
 }
 
+#[tokio::test]
+async fn a_lock_let_go_of_a_moment_later_is_waited_for() {
+    // A process started just as a journal closed holds a copy of its file,
+    // and so its lock, until it runs its program: here, another open file
+    // locked, and closed 100 ms later.
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample(dir.path()).await;
+    let held = std::fs::File::open(&path).unwrap();
+    held.lock().unwrap();
+    let let_go = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        drop(held);
+    });
+    let (journal, contents) = open(&path, 1).unwrap();
+    assert!(contents.meta.is_some());
+    let_go.join().unwrap();
+    drop(journal);
+}
+
 #[test]
 fn a_new_journal_is_private_and_needs_its_parent() {
     let dir = tempfile::tempdir().unwrap();
