@@ -1314,6 +1314,18 @@ mod fast {
         u64::from_le_bytes(w)
     }
 
+    /// Begins the frame of an input of `variant` kept at the start of
+    /// `raw`: both kinds hold their slot (its group's place and its index)
+    /// and their attempt in the same places, and serde shows them first.
+    #[inline]
+    fn begin(s: &mut Scratch, variant: u8, raw: &[u8], groups: &[GroupId]) {
+        s.start();
+        s.small(variant);
+        s.text(groups[u32_at(raw, 4) as usize].as_str().as_bytes());
+        s.varint(u64::from(u32_at(raw, 8)));
+        s.varint(u64_at(raw, 12));
+    }
+
     /// Appends the frame of the observation kept at the start of `raw`,
     /// given `now`; the bytes it was kept in.
     pub(super) fn observation(
@@ -1324,11 +1336,7 @@ mod fast {
         out: &mut Vec<u8>,
     ) -> usize {
         let len = OBSERVATION_HEAD + usize::from(raw[23]);
-        s.start();
-        s.small(BOOTSTRAP);
-        s.text(groups[u32_at(raw, 4) as usize].as_str().as_bytes());
-        s.varint(u64::from(u32_at(raw, 8)));
-        s.varint(u64_at(raw, 12));
+        begin(s, BOOTSTRAP, raw, groups);
         s.text(&raw[OBSERVATION_HEAD..len]);
         s.small(raw[20]);
         if raw[20] == 0 {
@@ -1351,11 +1359,7 @@ mod fast {
     ) -> usize {
         let variant = raw[28];
         let mut len = RESULT_HEAD + usize::from(raw[31]);
-        s.start();
-        s.small(RESULT);
-        s.text(groups[u32_at(raw, 4) as usize].as_str().as_bytes());
-        s.varint(u64::from(u32_at(raw, 8)));
-        s.varint(u64_at(raw, 12));
+        begin(s, RESULT, raw, groups);
         s.varint(u64_at(raw, 20));
         s.small(variant);
         if has_text(variant) {
@@ -1499,26 +1503,6 @@ mod fast {
             bytes
         }
 
-        /// Every answer a fold can give: applied, discarded for each
-        /// reason, refused.
-        fn answers() -> Vec<Result<Folded, DriverError>> {
-            use crate::observe::DiscardReason as R;
-            let reasons = [
-                R::UnknownNode,
-                R::SupersededAttempt,
-                R::StaleOperation,
-                R::OutcomeMismatch,
-                R::StaleSession,
-                R::NotActive,
-                R::NotLive,
-                R::Queued,
-            ];
-            std::iter::once(Ok(Folded::Applied))
-                .chain(reasons.map(|r| Ok(Folded::Discarded(r))))
-                .chain([Err(DriverError::Reentry)])
-                .collect()
-        }
-
         /// Records `input` with `out` as its answer.
         fn keep(rec: &mut Recorder, input: &FlightInput<'_>, out: &Result<Folded, DriverError>) {
             match input {
@@ -1544,7 +1528,7 @@ mod fast {
         /// postcard writes it, and the frame reads back.
         fn same_as_postcard(input: FlightInput<'_>) {
             let slow = postcard::to_allocvec(&input).unwrap();
-            for out in answers() {
+            for out in super::super::tests::answers() {
                 let mut rec = Recorder::new(usize::MAX);
                 keep(&mut rec, &input, &out);
                 // Compact exactly when it went through and fits: its time
@@ -2695,8 +2679,9 @@ mod tests {
     use crate::id::{LeaseId, SessionId};
     use crate::state::BootstrapStage;
 
-    #[test]
-    fn a_folds_answer_is_kept_as_postcard_writes_it() {
+    /// Every answer a fold can give: applied, discarded for each reason,
+    /// refused.
+    pub(super) fn answers() -> Vec<Result<Folded, DriverError>> {
         use crate::observe::DiscardReason as R;
         let reasons = [
             R::UnknownNode,
@@ -2722,10 +2707,15 @@ mod tests {
                 | R::Queued => {}
             }
         }
-        let answers = std::iter::once(Ok(Folded::Applied))
+        std::iter::once(Ok(Folded::Applied))
             .chain(reasons.map(|r| Ok(Folded::Discarded(r))))
-            .chain([Err(DriverError::Reentry)]);
-        for out in answers {
+            .chain([Err(DriverError::Reentry)])
+            .collect()
+    }
+
+    #[test]
+    fn a_folds_answer_is_kept_as_postcard_writes_it() {
+        for out in answers() {
             // Written as postcard writes what `Answer::of_fold` keeps...
             let mut rec = Recorder::new(usize::MAX);
             rec.begin(&FlightInput::PollEvent);
