@@ -150,6 +150,13 @@ pub(crate) fn replay_bytes(
                      (its recorder fell behind or reached its limit), so the rest is unchecked"
                 )?;
             }
+            if done.torn {
+                writeln!(
+                    out,
+                    "  after them, a frame half written: the recording is still being written, \
+                     or its daemon stopped mid-write or ran out of disk"
+                )?;
+            }
             Verdict::AsRecorded {
                 inputs: done.inputs,
                 cut: done.cut,
@@ -1330,15 +1337,22 @@ mod tests {
         assert!(out.contains("the recording was cut after them"), "{out}");
         // A recording being written ends mid-frame: what is whole is replayed.
         let (start, _) = spans[kept];
-        let (verdict, out) = replayed(&bytes[..start + 3]);
-        assert_eq!(
-            verdict,
-            Verdict::AsRecorded {
-                inputs: kept as u64,
-                cut: false
-            },
-            "{out}"
-        );
+        // `start` is where the frame's body begins, after its length:
+        // torn in its length, and twice in its body.
+        for torn in [start - 2, start + 3, start + 9] {
+            let (verdict, out) = replayed(&bytes[..torn]);
+            assert_eq!(
+                verdict,
+                Verdict::AsRecorded {
+                    inputs: kept as u64,
+                    cut: false
+                },
+                "{out}"
+            );
+            assert!(out.contains("after them, a frame half written"), "{out}");
+        }
+        let (_, out) = replayed(&bytes[..start - 4]);
+        assert!(!out.contains("half written"), "{out}");
     }
 
     #[test]

@@ -2294,6 +2294,7 @@ impl<'b> Recording<'b> {
             offset: 0,
             index: 0,
             cut: false,
+            torn: false,
         }
     }
 }
@@ -2315,12 +2316,20 @@ pub struct Frames<'b> {
     offset: usize,
     index: u64,
     cut: bool,
+    torn: bool,
 }
 
 impl Frames<'_> {
     /// Whether the recording ended at a [`CUT_MARKER`] (so far).
     pub fn was_cut(&self) -> bool {
         self.cut
+    }
+
+    /// Whether the recording ended in a frame half written: one still
+    /// being written, or one whose daemon stopped mid-write or whose disk
+    /// filled.
+    pub fn was_torn(&self) -> bool {
+        self.torn
     }
 }
 
@@ -2339,7 +2348,12 @@ impl<'b> Iterator for Frames<'b> {
     type Item = Result<Frame<'b>, FlightError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let (len, rest) = split_u32(self.rest)?;
+        let Some((len, rest)) = split_u32(self.rest) else {
+            // Not even a whole length: torn too, unless nothing is left.
+            self.torn = !self.rest.is_empty();
+            self.rest = &[];
+            return None;
+        };
         if len == CUT_MARKER {
             self.cut = true;
             self.rest = &[];
@@ -2349,6 +2363,7 @@ impl<'b> Iterator for Frames<'b> {
         if rest.len() < len {
             // Cut off mid-write: the recording ends here.
             self.rest = &[];
+            self.torn = true;
             return None;
         }
         let (body, rest) = rest.split_at(len);
@@ -2623,6 +2638,8 @@ pub struct Replayed {
     /// Whether the recording was cut ([`CUT_MARKER`]): the daemon went on
     /// past its last input unrecorded.
     pub cut: bool,
+    /// Whether it ended in a frame half written ([`Frames::was_torn`]).
+    pub torn: bool,
 }
 
 /// Why a whole replay stopped.
@@ -2669,6 +2686,7 @@ pub fn replay<C: Reconciler>(
         inputs: replayer.next_index(),
         last,
         cut: frames.was_cut(),
+        torn: frames.was_torn(),
     })
 }
 

@@ -692,3 +692,46 @@ async fn the_ndjson_file_survives_a_full_disk_and_says_how_many_lines_it_lost() 
     let at = lines.iter().position(|l| l.get("gap").is_some()).unwrap();
     assert_eq!(lines[at + 1]["n"], n - 10);
 }
+
+#[test]
+fn a_full_disk_cuts_the_flight_recording_and_is_counted_never_waited_for() {
+    use swactor_engine::flight::{FlightLimits, FlightRecorder};
+    let Some(disk) = TinyDisk::mount("64k") else {
+        return;
+    };
+    let dir = disk.path().join("flight");
+    let rec = FlightRecorder::<Vec<u8>>::open(&dir, FlightLimits::on_disk(64 << 20)).unwrap();
+    let life = rec.begin(b"HEAD".to_vec(), 1);
+    // 200 KiB handed in, three times what the disk holds: each append
+    // returns at once, whatever the writer meets.
+    let mut handed = b"HEAD".to_vec();
+    for i in 0..50u8 {
+        let chunk = vec![i; 4096];
+        handed.extend_from_slice(&chunk);
+        life.append(chunk);
+    }
+    rec.sync();
+    let counts = rec.counts();
+    assert!(counts.write_errors >= 1, "{counts:?}");
+    assert_eq!(counts.cut_lives, 1, "{counts:?}");
+    // What reached the disk is what was handed in, up to where it filled.
+    let on_disk = std::fs::read(life.path()).unwrap();
+    assert!(
+        on_disk.len() > 4 && on_disk.len() < handed.len(),
+        "{} bytes",
+        on_disk.len()
+    );
+    assert_eq!(on_disk[..], handed[..on_disk.len()]);
+    // The life's later frames are dropped and counted, not retried.
+    life.append(vec![7; 10]);
+    rec.sync();
+    assert!(rec.counts().dropped_chunks > counts.dropped_chunks);
+    assert_eq!(std::fs::read(life.path()).unwrap(), on_disk);
+    // With room again, the next life is written whole.
+    std::fs::remove_file(life.path()).unwrap();
+    let next = rec.begin(b"H2".to_vec(), 2);
+    next.append(b"ok".to_vec());
+    rec.sync();
+    assert_eq!(std::fs::read(next.path()).unwrap(), b"H2ok");
+    assert_eq!(rec.counts().cut_lives, 1);
+}
