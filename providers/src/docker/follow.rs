@@ -20,8 +20,11 @@ const REOPENS_MAX: u32 = 10;
 const REOPEN_PAUSE: Duration = Duration::from_millis(500);
 
 /// How many more times, and how far apart, the log of a container that
-/// stopped without a line is read again before it is said to be empty.
-const LATE_LOG_LOOKS: u32 = 5;
+/// stopped without a line is read again before it is said to be empty: for
+/// up to two seconds, as the engine, on a loaded machine, has been seen to
+/// take longer than half a second to copy a dying agent's last words (only
+/// an agent that dies silent waits this long to be reported).
+const LATE_LOG_LOOKS: u32 = 20;
 const LATE_LOG_PAUSE: Duration = Duration::from_millis(100);
 
 /// A point in time as the engine writes it (RFC 3339 in UTC): the text up to
