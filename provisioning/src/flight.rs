@@ -1456,17 +1456,12 @@ mod fast {
             self.len += t.len();
         }
 
-        /// Writes a kept answer ([`answer_code`]) as postcard writes
-        /// `Answer::Folded` of it.
+        /// Writes a kept answer ([`answer_code`]) as [`coded`] does.
         #[inline]
         fn answer(&mut self, code: u8) {
-            self.small(0);
-            if code == APPLIED_CODE {
-                self.small(0);
-            } else {
-                self.small(1);
-                self.small(code);
-            }
+            let (bytes, len) = coded(code);
+            self.bytes[self.len..self.len + len].copy_from_slice(&bytes[..len]);
+            self.len += len;
         }
     }
 
@@ -1475,9 +1470,17 @@ mod fast {
     /// and how many of the three bytes that takes.
     #[inline]
     pub(super) fn folded(answer: Folded) -> ([u8; 3], usize) {
-        match answer {
-            Folded::Applied => ([0, 0, 0], 2),
-            Folded::Discarded(reason) => ([0, 1, reason as u8], 3),
+        coded(answer_code(answer))
+    }
+
+    /// [`folded`] of the answer kept as `code` ([`answer_code`]): the one
+    /// place that knows those bytes.
+    #[inline]
+    fn coded(code: u8) -> ([u8; 3], usize) {
+        if code == APPLIED_CODE {
+            ([0, 0, 0], 2)
+        } else {
+            ([0, 1, code], 3)
         }
     }
 
